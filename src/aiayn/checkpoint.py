@@ -1,0 +1,173 @@
+"""Checkpoints: a directory per checkpoint, self-contained, written atomically, loaded without pickle.
+
+    step_000100/
+      model.safetensors   the weights (a shared embedding stored once, under its source name)
+      meta.json           {"format": "aiayn-1", "model": ModelConfig, "tokenizer": ..., "step": ..., ...}
+      spm.model           the tokenizer (or source.spm and target.spm)
+      trainer.safetensors optional: optimizer, schedule and random-generator state as tensors (training)
+      trainer.json        optional: the non-tensor part of that state
+
+A checkpoint is written into a temporary sibling directory, flushed, then renamed into place: a
+kill at any moment leaves either the old set of checkpoints or the new one, never a broken one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from aiayn.config import ConfigError, ModelConfig, from_dict, to_dict
+from aiayn.data.tokenizer import Tokenizer
+from aiayn.errors import UserError
+from aiayn.model import Transformer
+
+FORMAT = "aiayn-1"
+WEIGHTS, META = "model.safetensors", "meta.json"
+
+
+@dataclass
+class Checkpoint:
+    model: Transformer
+    tokenizer: Tokenizer
+    meta: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+
+def state_dict_for_saving(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights without tied duplicates and without compile/DDP prefixes."""
+    model = unwrap(model)
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if id(tensor) in seen or tensor.data_ptr() in seen:
+            continue  # a tied weight (the shared embedding) is stored once
+        seen.update({id(tensor), tensor.data_ptr()})
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DistributedDataParallel (`module.`) and torch.compile (`_orig_mod.`) wrappers."""
+    while True:
+        if hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(directory: Path, write) -> None:
+    """Call `write(tmp_dir)` to fill a temporary sibling of `directory`, then rename it into place."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        write(tmp)
+        for f in tmp.iterdir():  # flush every file before the rename makes them visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if directory.exists():  # replacing: move the old one aside first, delete it after
+            old = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(directory, old)
+            os.rename(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, directory)
+        fsync_dir(directory.parent)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise UserError(f"{directory}: could not write checkpoint ({e.strerror or e})") from None
+        raise
+
+
+def save_checkpoint(
+    directory: str | Path, model: torch.nn.Module, tokenizer: Tokenizer, meta: dict[str, Any] | None = None,
+    trainer_tensors: dict[str, torch.Tensor] | None = None, trainer_meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write a self-contained checkpoint directory atomically; return its path."""
+    model = unwrap(model)
+    directory = Path(directory)
+
+    def write(tmp: Path) -> None:
+        save_file(state_dict_for_saving(model), str(tmp / WEIGHTS))
+        full = {"format": FORMAT, "model": to_dict(model.config), "tokenizer": tokenizer.save(tmp), **(meta or {})}
+        (tmp / META).write_text(json.dumps(full, indent=2, ensure_ascii=False) + "\n")
+        if trainer_tensors is not None:
+            save_file({k: v.contiguous().cpu() for k, v in trainer_tensors.items()}, str(tmp / "trainer.safetensors"))
+            (tmp / "trainer.json").write_text(json.dumps(trainer_meta or {}, indent=2) + "\n")
+
+    write_atomically(directory, write)
+    return directory
+
+
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / META
+    if not path.is_file():
+        raise UserError(f"{directory}: not an aiayn checkpoint (no {META})")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: corrupt checkpoint metadata ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise UserError(f"{path}: not an {FORMAT} checkpoint (format={meta.get('format') if isinstance(meta, dict) else None!r})")
+    return meta
+
+
+def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(directory) / WEIGHTS
+    if not path.is_file():
+        raise UserError(f"{directory}: checkpoint has no {WEIGHTS}")
+    try:
+        return load_file(str(path))  # safetensors: plain tensors, never unpickles code
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path}: corrupt weights ({e})") from None
+
+
+def load_into(model: Transformer, weights: dict[str, torch.Tensor], where: str | Path) -> None:
+    """Copy `weights` into `model`, naming any missing, unexpected or mis-shaped tensor."""
+    expected = state_dict_for_saving(model)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    shapes = [f"{k} {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+              if k in weights and weights[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        parts = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
+                 f"wrong shape {shapes[:3]}" if shapes else ""]
+        raise UserError(f"{where}: weights do not fit this model: " + "; ".join(p for p in parts if p))
+    model.load_state_dict(weights, strict=False)  # tied copies are absent by design
+
+
+def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
+    """Model (eval mode), tokenizer and metadata of a checkpoint directory."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"{directory}: checkpoint not found")
+    meta = read_meta(directory)
+    try:
+        config = from_dict(ModelConfig, meta["model"], where=str(directory / META))
+    except (ConfigError, KeyError, TypeError) as e:
+        raise UserError(f"{directory / META}: bad model configuration ({e})") from None
+    model = Transformer(config)
+    load_into(model, load_weights(directory), directory)
+    tokenizer = Tokenizer.load(directory, meta["tokenizer"])
+    return Checkpoint(model.to(device).eval(), tokenizer, meta, directory)

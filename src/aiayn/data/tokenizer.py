@@ -1,0 +1,140 @@
+"""Subwords with SentencePiece: one model shared by source and target (the paper), or one each.
+
+Special ids come from here and nowhere else. Models trained by aiayn use pad=0, bos=1, eos=2, unk=3.
+An imported model (Marian) may map SentencePiece pieces to ids through its own vocabulary: `vocab`.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import sentencepiece as spm
+
+from aiayn.errors import UserError
+
+SHARED, SOURCE, TARGET = "spm.model", "source.spm", "target.spm"
+
+
+class Tokenizer:
+    """Text <-> ids for the source and the target side.
+
+    `encode_src` ends a sentence with EOS (the encoder's input); `encode_tgt` returns the bare pieces
+    (training adds BOS/EOS where the decoder needs them); `decode_tgt` stops at EOS and drops specials.
+    With a `vocab` (piece -> id, as Marian ships), ids are looked up there instead of in the models.
+    """
+
+    def __init__(
+        self,
+        src_model: str | Path,
+        tgt_model: str | Path | None = None,
+        vocab: dict[str, int] | None = None,
+        specials: dict[str, int] | None = None,
+    ):
+        self.src_path = Path(src_model)
+        self.tgt_path = Path(tgt_model) if tgt_model is not None else None
+        self.src = _load_spm(self.src_path)
+        self.tgt = _load_spm(self.tgt_path) if self.tgt_path is not None else self.src
+        self.vocab = vocab
+        self.id_to_piece = {i: p for p, i in vocab.items()} if vocab is not None else None
+        if specials is None:
+            specials = dict(pad=self.tgt.pad_id(), bos=self.tgt.bos_id(), eos=self.tgt.eos_id(), unk=self.tgt.unk_id())
+        self.pad_id, self.bos_id = specials["pad"], specials["bos"]
+        self.eos_id, self.unk_id = specials["eos"], specials["unk"]
+
+    @property
+    def shared(self) -> bool:
+        return self.tgt_path is None
+
+    @property
+    def src_vocab_size(self) -> int:
+        return len(self.vocab) if self.vocab is not None else self.src.get_piece_size()
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return len(self.vocab) if self.vocab is not None else self.tgt.get_piece_size()
+
+    def _ids(self, sp: spm.SentencePieceProcessor, text: str) -> list[int]:
+        if self.vocab is None:
+            return sp.encode(text)
+        return [self.vocab.get(p, self.unk_id) for p in sp.encode(text, out_type=str)]
+
+    def encode_src(self, text: str) -> list[int]:
+        return self._ids(self.src, text) + [self.eos_id]
+
+    def encode_tgt(self, text: str) -> list[int]:
+        return self._ids(self.tgt, text)
+
+    def decode_tgt(self, ids: Sequence[int]) -> str:
+        out = []
+        for i in ids:
+            if i == self.eos_id:
+                break
+            if i not in (self.pad_id, self.bos_id):
+                out.append(int(i))
+        if self.id_to_piece is None:
+            return self.tgt.decode(out)
+        return self.tgt.decode_pieces([self.id_to_piece[i] for i in out])
+
+    def src_pieces(self, text: str) -> list[str]:
+        """Subword strings of a source sentence and its EOS (axis labels for attention maps)."""
+        return self.src.encode(text, out_type=str) + ["</s>"]
+
+    def tgt_pieces(self, ids: Sequence[int]) -> list[str]:
+        if self.id_to_piece is not None:
+            return [self.id_to_piece[int(i)] for i in ids]
+        return [self.tgt.id_to_piece(int(i)) for i in ids]
+
+    def save(self, directory: str | Path) -> dict:
+        """Copy the model files into `directory`; return the JSON description `load` reads back."""
+        directory = Path(directory)
+        if self.shared:
+            shutil.copyfile(self.src_path, directory / SHARED)
+            files = {"source": SHARED}
+        else:
+            shutil.copyfile(self.src_path, directory / SOURCE)
+            shutil.copyfile(self.tgt_path, directory / TARGET)
+            files = {"source": SOURCE, "target": TARGET}
+        specials = dict(pad=self.pad_id, bos=self.bos_id, eos=self.eos_id, unk=self.unk_id)
+        return {"files": files, "vocab": self.vocab, "specials": specials}
+
+    @classmethod
+    def load(cls, directory: str | Path, description: dict) -> "Tokenizer":
+        directory = Path(directory)
+        files = description["files"]
+        tgt = directory / files["target"] if "target" in files else None
+        return cls(directory / files["source"], tgt, description.get("vocab"), description.get("specials"))
+
+
+def _load_spm(path: Path) -> spm.SentencePieceProcessor:
+    if not path.is_file():
+        raise UserError(f"{path}: SentencePiece model not found")
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.load(str(path))
+    except (OSError, RuntimeError) as e:
+        raise UserError(f"{path}: not a SentencePiece model ({e})") from None
+    return sp
+
+
+def train_sentencepiece(
+    lines: Iterable[str], prefix: str | Path, vocab_size: int, model_type: str = "bpe",
+    character_coverage: float = 1.0, seed_sentences: int = 2_000_000,
+) -> Path:
+    """Train a SentencePiece model on `lines`; write `prefix`.model and return its path.
+
+    Ids are fixed: pad=0, bos=1, eos=2, unk=3, so that batches pad with 0. `hard_vocab_limit=False`
+    lets a small corpus end with fewer pieces than asked instead of failing.
+    """
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type=model_type,
+        character_coverage=character_coverage, pad_id=0, bos_id=1, eos_id=2, unk_id=3,
+        hard_vocab_limit=False, input_sentence_size=seed_sentences, shuffle_input_sentence=True,
+        num_threads=2, minloglevel=2,
+    )
+    path = Path(f"{prefix}.model")
+    path.write_bytes(model.getvalue())
+    return path

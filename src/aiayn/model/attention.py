@@ -1,0 +1,130 @@
+"""Multi-head attention (paper section 3.2) and every mask the model uses.
+
+Dimension key: B batch, S source length, T target (query) length, H heads, D head dim (d_k = d_v),
+L key length.
+
+One mask convention: a bool tensor, True = may attend. The source padding mask has shape (B, 1, 1, S)
+and broadcasts over heads and queries. The decoder's self-attention uses `is_causal` (or, while
+decoding with a cache, no mask at all: the cache holds only the past); with right-padded targets a
+real position never sees a pad, since every pad comes after it, and pad positions carry no loss.
+
+One attention path: `torch.nn.functional.scaled_dot_product_attention`. Without attention dropout
+(the paper has none) it takes PyTorch's fused kernels on CPU and GPU; a row with no key to attend to
+(an all-padding sentence) comes out as zeros there, not NaN. The naive formula lives in the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.model.kv_cache import KVCache
+
+
+def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
+    """(B, S) token ids -> (B, 1, 1, S) bool, True at real tokens."""
+    return (tokens != pad_id)[:, None, None, :]
+
+
+def causal_mask(t: int, device: torch.device | None = None, past: int = 0) -> Tensor:
+    """(T, past + T) bool, True where query i may attend key j, i.e. j <= past + i (section 3.2.3).
+
+    `past` keys come before the T queries: those a decoding cache already holds.
+    """
+    return torch.ones(t, past + t, dtype=torch.bool, device=device).tril(diagonal=past)
+
+
+def split_heads(x: Tensor, n_heads: int) -> Tensor:
+    """(B, T, H*D) -> (B, H, T, D)."""
+    b, t, _ = x.shape
+    return x.view(b, t, n_heads, -1).transpose(1, 2)  # (B, H, T, D)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(B, H, T, D) -> (B, T, H*D): Concat(head_1, ..., head_h)."""
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)  # (B, T, H*D)
+
+
+def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+    """softmax(Q K^T / sqrt(d_k)) for inspection: (B, H, T, D), (B, H, L, D) -> (B, H, T, L).
+
+    Not on the model's compute path (that is SDPA); `MultiHeadAttention` calls it only when a
+    recorder asks for weights, with the very q and k that SDPA received.
+    """
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5  # (B, H, T, L)
+    if is_causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[-2], q.device), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    # A row with no key to attend to is all -inf; SDPA returns zeros there, so do we.
+    return torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+
+    The h per-head projections are stored as one matrix each, as every implementation does. For
+    self-attention W^Q, W^K, W^V are one packed Linear `qkv_proj` (one matmul instead of three); for
+    encoder-decoder attention `q_proj` reads the decoder and the packed `kv_proj` reads the encoder
+    output, so that a decoding cache can compute K and V of the source once.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, self_attention: bool):
+        super().__init__()
+        self.n_heads = n_heads
+        self.self_attention = self_attention
+        if self_attention:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)  # [W^Q; W^K; W^V]
+        else:
+            self.q_proj = nn.Linear(d_model, d_model)  # W^Q
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)  # [W^K; W^V]
+        self.out_proj = nn.Linear(d_model, d_model)  # W^O
+        self.recorder: list[Tensor] | None = None  # set by `record_attention` to inspect weights
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Encoder output (B, S, d_model) -> K, V each (B, H, S, D)."""
+        k, v = self.kv_proj(memory).chunk(2, dim=-1)  # 2 x (B, S, H*D)
+        return split_heads(k, self.n_heads), split_heads(v, self.n_heads)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        mask: Tensor | None = None,
+        is_causal: bool = False,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> Tensor:
+        """x (B, T, d_model) -> (B, T, d_model).
+
+        Self-attention reads only `x`; encoder-decoder attention reads `memory` (B, S, d_model).
+        `mask` is bool, True = attend. With a `cache`, self-attention appends this step's keys and
+        values to those of the past steps in slot `layer`, and encoder-decoder attention projects the
+        memory once per sentence and reuses it on every later step.
+        """
+        if self.self_attention:
+            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x (B, T, H*D)
+            q, k, v = (split_heads(t, self.n_heads) for t in (q, k, v))  # 3 x (B, H, T, D)
+            if cache is not None:
+                past = cache.length
+                k, v = cache.append(layer, k, v)  # (B, H, past + T, D) each
+                # One new query sees every cached key: no mask. Several (a forced prefix) see
+                # the past and their own causal triangle.
+                mask = None if q.shape[2] == 1 else causal_mask(q.shape[2], q.device, past)
+                is_causal = False
+        else:
+            q = split_heads(self.q_proj(x), self.n_heads)  # (B, H, T, D)
+            if cache is None:
+                k, v = self.project_kv(memory)  # (B, H, S, D) each
+            else:
+                k, v = cache.cross_kv(layer, lambda: self.project_kv(memory))
+        return self.attend(q, k, v, mask, is_causal)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        """Scaled dot-product attention of (B, H, T, D) queries over (B, H, L, D) keys, then W^O."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # (B, H, T, D)
+        if self.recorder is not None:
+            self.recorder.append(attention_weights(q, k, mask, is_causal).detach())
+        return self.out_proj(merge_heads(out))  # (B, T, d_model)

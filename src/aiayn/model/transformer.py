@@ -1,0 +1,205 @@
+"""The Transformer (paper section 3, Figure 1): embeddings, positions, encoder and decoder stacks.
+
+Dimension key: B batch, S source length, T target length, V vocabulary, d = d_model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.model.attention import MultiHeadAttention, padding_mask
+from aiayn.model.kv_cache import KVCache
+
+
+def sinusoidal_positions(max_len: int, d_model: int, layout: str = "interleaved") -> Tensor:
+    """(max_len, d_model) table of section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos.
+
+    `interleaved` is the paper's layout (sin in even columns, cos in odd ones). `sin_cos` puts every sine
+    first and every cosine after it, as Marian (and HuggingFace's MarianMT) does: the same frequencies
+    in a fixed permutation of the columns, but weights trained with one layout only work with it.
+    (fairseq and tensor2tensor also use sin-then-cos, with frequencies 10000^(-i/(d/2 - 1)).)
+    """
+    pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # (max_len, 1)
+    inv_freq = torch.pow(10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (d/2,)
+    angles = pos * inv_freq  # (max_len, d/2)
+    if layout == "interleaved":
+        pe = torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).flatten(1)  # (max_len, d)
+    else:
+        pe = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)  # (max_len, d)
+    return pe.float()
+
+
+class Embeddings(nn.Module):
+    """Token embedding times sqrt(d_model) plus sinusoidal positions, then dropout (sections 3.4, 3.5, 5.4)."""
+
+    def __init__(self, embed: nn.Embedding, config: ModelConfig):
+        super().__init__()
+        self.embed = embed  # may be shared with the other stack and the output projection
+        self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        pe = sinusoidal_positions(config.max_len, config.d_model, config.positions)
+        self.register_buffer("pe", pe, persistent=False)  # (max_len, d): a function, not a weight
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, tokens: Tensor, start: int = 0) -> Tensor:
+        """(B, T) ids at positions start..start+T-1 -> (B, T, d)."""
+        t = tokens.shape[1]
+        if start + t > self.pe.shape[0]:
+            raise ValueError(f"sequence of {start + t} positions is longer than max_len={self.pe.shape[0]}")
+        return self.dropout(self.embed(tokens) * self.scale + self.pe[start : start + t])
+
+
+class PositionwiseFeedForward(nn.Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 (equation 2); GELU or SiLU instead of ReLU as options."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w_1 = nn.Linear(config.d_model, config.d_ff)
+        self.w_2 = nn.Linear(config.d_ff, config.d_model)
+        self.activation = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[config.activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_2(self.activation(self.w_1(x)))
+
+
+class SublayerConnection(nn.Module):
+    """Residual, dropout and LayerNorm around one sub-layer (section 3.1, 5.4).
+
+    Post-norm (the paper): LayerNorm(x + Dropout(Sublayer(x))).
+    Pre-norm: x + Dropout(Sublayer(LayerNorm(x))); the stack then ends with its own LayerNorm.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+        self.norm_first = config.norm_first
+
+    def forward(self, x: Tensor, sublayer) -> Tensor:
+        if self.norm_first:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention, then the FFN, each wrapped by `SublayerConnection` (section 3.1)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(config.d_model, config.n_heads, self_attention=True)
+        self.feed_forward = PositionwiseFeedForward(config)
+        self.sublayer = nn.ModuleList([SublayerConnection(config) for _ in range(2)])
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        x = self.sublayer[0](x, lambda y: self.self_attn(y, mask=src_mask))
+        return self.sublayer[1](x, self.feed_forward)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, encoder-decoder attention, then the FFN (section 3.1)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(config.d_model, config.n_heads, self_attention=True)
+        self.src_attn = MultiHeadAttention(config.d_model, config.n_heads, self_attention=False)
+        self.feed_forward = PositionwiseFeedForward(config)
+        self.sublayer = nn.ModuleList([SublayerConnection(config) for _ in range(3)])
+
+    def forward(
+        self, x: Tensor, memory: Tensor, src_mask: Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> Tensor:
+        x = self.sublayer[0](x, lambda y: self.self_attn(y, is_causal=True, cache=cache, layer=layer))
+        x = self.sublayer[1](x, lambda y: self.src_attn(y, memory, mask=src_mask, cache=cache, layer=layer))
+        return self.sublayer[2](x, self.feed_forward)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer. `forward(src, tgt_in)` -> logits (B, T, V_tgt).
+
+    `tgt_in` is the target shifted right (starting with `config.decoder_start_id`); the model does
+    not shift. `encode` and `decode` are the two halves, `decode` taking an optional `KVCache`.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        src_embed = nn.Embedding(config.vocab_size, d)
+        shared = config.share_embeddings and config.tgt_vocab_size in (None, config.vocab_size)
+        tgt_embed = src_embed if shared else nn.Embedding(config.target_vocab_size, d)
+        self.src_embed = Embeddings(src_embed, config)
+        self.tgt_embed = Embeddings(tgt_embed, config)
+        self.encoder = nn.ModuleList([EncoderLayer(config) for _ in range(config.n_layers)])
+        self.decoder = nn.ModuleList([DecoderLayer(config) for _ in range(config.decoder_layers)])
+        # Pre-norm leaves each stack's output un-normalized: each stack ends with a LayerNorm.
+        norm = (lambda: nn.LayerNorm(d, eps=config.layer_norm_eps)) if config.norm_first else nn.Identity
+        self.encoder_norm, self.decoder_norm = norm(), norm()
+        self.generator = nn.Linear(d, config.target_vocab_size, bias=False)  # pre-softmax projection
+        if config.final_logits_bias:
+            self.register_buffer("final_logits_bias", torch.zeros(config.target_vocab_size))
+        else:
+            self.final_logits_bias = None
+        self.reset_parameters()
+        if config.tie_output:
+            self.generator.weight = tgt_embed.weight  # section 3.4: shared with the target embedding
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform matrices, zero biases (tensor2tensor, fairseq); embeddings N(0, d^-1/2) so
+        that after the sqrt(d) scale they have unit variance, the size of the positional signal."""
+        for name, p in self.named_parameters():
+            if p.dim() > 1 and "embed" not in name:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        for emb in {id(m): m for m in self.modules() if isinstance(m, nn.Embedding)}.values():
+            nn.init.normal_(emb.weight, mean=0.0, std=self.config.d_model**-0.5)
+
+    def src_mask(self, src: Tensor) -> Tensor:
+        return padding_mask(src, self.config.pad_id)  # (B, 1, 1, S)
+
+    def encode(self, src: Tensor) -> Tensor:
+        """(B, S) source ids -> memory (B, S, d)."""
+        mask = self.src_mask(src)
+        x = self.src_embed(src)
+        for layer in self.encoder:
+            x = layer(x, mask)
+        return self.encoder_norm(x)
+
+    def decode(
+        self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, cache: KVCache | None = None
+    ) -> Tensor:
+        """(B, T) target ids, memory (B, S, d), src_mask (B, 1, 1, S) -> logits (B, T, V_tgt).
+
+        With a cache, `tgt_in` holds only the new positions (usually one) and the cache the past.
+        """
+        start = 0 if cache is None else cache.length
+        x = self.tgt_embed(tgt_in, start)
+        for i, layer in enumerate(self.decoder):
+            x = layer(x, memory, src_mask, cache, i)
+        if cache is not None:
+            cache.advance(tgt_in.shape[1])
+        return self.project(self.decoder_norm(x))
+
+    def project(self, h: Tensor) -> Tensor:
+        """Decoder states (..., d) -> logits (..., V_tgt)."""
+        logits = self.generator(h)
+        return logits if self.final_logits_bias is None else logits + self.final_logits_bias
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """(B, S) source ids, (B, T) shifted target ids -> logits (B, T, V_tgt)."""
+        memory = self.encode(src)
+        return self.decode(tgt_in, memory, self.src_mask(src))
+
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty `KVCache` for `batch_size` rows and up to `max_len` target positions."""
+        c = self.config
+        p = self.generator.weight
+        return KVCache(c.decoder_layers, batch_size, c.n_heads, c.d_k, max_len, dtype or p.dtype, p.device)
+
+    def num_parameters(self) -> int:
+        """Distinct trainable parameters (a shared embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())

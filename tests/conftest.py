@@ -1,0 +1,24 @@
+import pytest
+import torch
+
+from aiayn.config import model_config
+from aiayn.model import Transformer
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def tiny_model(**overrides) -> Transformer:
+    """A 2+2-layer model, small enough for exhaustive checks; dropout off unless asked for."""
+    config = model_config("tiny", **{"vocab_size": 50, "d_model": 32, "d_ff": 64, "dropout": 0.0, **overrides})
+    return Transformer(config).eval()
+
+
+def padded_batch(lengths: list[int], vocab: int, pad_id: int = 0, generator=None) -> torch.Tensor:
+    """Right-padded random token ids (B, max(lengths)), real ids in [3, vocab)."""
+    out = torch.full((len(lengths), max(lengths)), pad_id, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        out[i, :n] = torch.randint(3, vocab, (n,), generator=generator)
+    return out

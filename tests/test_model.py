@@ -1,0 +1,171 @@
+"""The model against peers we did not write (torch.nn.Transformer, a float64 formula) and its invariants."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn.config import ConfigError, ModelConfig, model_config
+from aiayn.model import MultiHeadAttention, Transformer, causal_mask, padding_mask, sinusoidal_positions
+from conftest import padded_batch, tiny_model
+from reference import TorchReference, naive_attention
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_matches_torch_nn_transformer(norm_first, activation):
+    model = tiny_model(norm_first=norm_first, activation=activation, n_layers=3, n_decoder_layers=2)
+    ref = TorchReference(model).eval()
+    src = padded_batch([7, 4, 1], 50)
+    tgt = padded_batch([5, 6, 2], 50)
+    with torch.no_grad():
+        ours, theirs = model(src, tgt), ref(src, tgt)
+    real = tgt != 0  # nn.Transformer's outputs at padded target rows differ by design; compare real ones
+    assert not ours.isnan().any()
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_attention_equals_float64_formula():
+    mha = MultiHeadAttention(d_model=32, n_heads=4, self_attention=False).eval()
+    x, memory = torch.randn(3, 5, 32), torch.randn(3, 7, 32)
+    mask = padding_mask(padded_batch([7, 3, 5], 50), 0)  # (B, 1, 1, S)
+    with torch.no_grad():
+        out = mha(x, memory, mask=mask)
+        q = mha.q_proj(x).view(3, 5, 4, 8).transpose(1, 2)
+        k, v = mha.project_kv(memory)
+        expected = naive_attention(q, k, v, mask).transpose(1, 2).reshape(3, 5, 32)
+        expected = mha.out_proj(expected.float())
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_self_attention_equals_float64_formula():
+    mha = MultiHeadAttention(d_model=16, n_heads=2, self_attention=True).eval()
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        out = mha(x, is_causal=True)
+        q, k, v = (t.view(2, 6, 2, 8).transpose(1, 2) for t in mha.qkv_proj(x).chunk(3, -1))
+        expected = mha.out_proj(naive_attention(q, k, v, causal_mask(6)).transpose(1, 2).reshape(2, 6, 16).float())
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_mask_with_past_keys():
+    m = causal_mask(2, past=3)
+    assert m.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+
+
+def test_decoder_is_causal():
+    model = tiny_model()
+    src, tgt = padded_batch([6, 6], 50), padded_batch([8, 8], 50)
+    changed = tgt.clone()
+    t = 4
+    changed[:, t + 1 :] = torch.randint(3, 50, changed[:, t + 1 :].shape)
+    with torch.no_grad():
+        a, b = model(src, tgt), model(src, changed)
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_padding_leaves_real_positions_unchanged(norm_first):
+    model = tiny_model(norm_first=norm_first)
+    src, tgt = padded_batch([5, 3], 50), padded_batch([4, 6], 50)
+    with torch.no_grad():
+        base = model(src, tgt)
+        padded = model(F.pad(src, (0, 9)), F.pad(tgt, (0, 4)))  # pad id 0 on the right
+    for i, n in enumerate([4, 6]):
+        torch.testing.assert_close(padded[i, :n], base[i, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_each_sentence_alone_equals_the_batch():
+    model = tiny_model()
+    src, tgt = padded_batch([5, 2, 7], 50), padded_batch([3, 6, 4], 50)
+    with torch.no_grad():
+        batch = model(src, tgt)
+        for i, (s, t) in enumerate(zip([5, 2, 7], [3, 6, 4])):
+            alone = model(src[i : i + 1, :s], tgt[i : i + 1, :t])
+            torch.testing.assert_close(batch[i, :t], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_no_nan_for_all_padding_rows_forward_and_backward():
+    model = tiny_model(dropout=0.1).train()
+    src = padded_batch([4, 1], 50)
+    src[1, 0] = 0  # a source made only of padding
+    tgt = padded_batch([3, 2], 50)
+    logits = model(src, tgt)
+    assert torch.isfinite(logits).all()
+    logits.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_cached_decoding_equals_full_recomputation():
+    model = tiny_model()
+    src, tgt = padded_batch([6, 3], 50), padded_batch([7, 7], 50)
+    with torch.no_grad():
+        memory = model.encode(src)
+        mask = model.src_mask(src)
+        full = model.decode(tgt, memory, mask)
+        cache = model.new_cache(batch_size=2, max_len=7)
+        prefix = model.decode(tgt[:, :3], memory, mask, cache)  # a forced prefix in one call
+        steps = [model.decode(tgt[:, t : t + 1], memory, mask, cache) for t in range(3, 7)]
+    torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_sinusoids_are_the_papers_formula():
+    pe = sinusoidal_positions(50, 16)
+    pos, i = 17, 3
+    assert pe[pos, 2 * i].item() == pytest.approx(math.sin(pos / 10000 ** (2 * i / 16)), abs=1e-6)
+    assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(pos / 10000 ** (2 * i / 16)), abs=1e-6)
+    sin_cos = sinusoidal_positions(50, 16, "sin_cos")
+    torch.testing.assert_close(sin_cos[:, :8], pe[:, 0::2])
+    torch.testing.assert_close(sin_cos[:, 8:], pe[:, 1::2])
+
+
+@pytest.mark.parametrize("preset,paper", [("base", 65e6), ("big", 213e6)])
+def test_parameter_counts_match_the_paper(preset, paper):
+    model = Transformer(model_config(preset, vocab_size=37000))
+    assert abs(model.num_parameters() - paper) / paper < 0.05
+
+
+def test_embeddings_are_shared_and_scaled():
+    model = tiny_model()
+    assert model.src_embed.embed.weight is model.tgt_embed.embed.weight is model.generator.weight
+    tok = torch.tensor([[5]])
+    expected = model.src_embed.embed.weight[5] * math.sqrt(32) + model.src_embed.pe[0]
+    torch.testing.assert_close(model.src_embed(tok)[0, 0], expected)
+    separate = tiny_model(share_embeddings=False, tgt_vocab_size=40)
+    assert separate.src_embed.embed.weight.shape == (50, 32)
+    assert separate.generator.weight is separate.tgt_embed.embed.weight
+    assert separate(padded_batch([3], 50), padded_batch([2], 40)).shape == (1, 2, 40)
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ConfigError, match="n_heads"):
+        ModelConfig(vocab_size=10, d_model=30, n_heads=4)
+    with pytest.raises(ConfigError, match="activation"):
+        ModelConfig(vocab_size=10, activation="tanh")
+    with pytest.raises(ConfigError, match="unknown ModelConfig key.*d_modle"):
+        model_config("base", vocab_size=10, d_modle=3)
+    with pytest.raises(ConfigError, match="share_embeddings"):
+        ModelConfig(vocab_size=10, tgt_vocab_size=12)
+    with pytest.raises(ConfigError, match="dropout"):
+        ModelConfig(vocab_size=10, dropout="0.1")
+    with pytest.raises(ConfigError, match="preset"):
+        model_config("huge", vocab_size=10)
+
+
+def test_learns_a_copy_task():
+    torch.manual_seed(0)
+    model = tiny_model(vocab_size=13).train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98), eps=1e-9)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 50))
+    for _ in range(400):
+        seq = torch.randint(3, 13, (32, 8))
+        src = torch.cat([seq, torch.full((32, 1), 2)], 1)  # ... EOS
+        tgt_in = torch.cat([torch.full((32, 1), 1), seq], 1)  # BOS ...
+        loss = F.cross_entropy(model(src, tgt_in).flatten(0, 1), src.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        warmup.step()
+    assert loss.item() < 0.02  # from log(10) = 2.3 at the start

@@ -1,0 +1,122 @@
+"""Attention extraction: weights are distributions over keys, respect the masks, are the ones the output
+was computed from, and asking for them leaves the logits bit-identical."""
+
+import re
+
+import pytest
+import torch
+
+from aiayn.attention import attention_modules, draw_attention, extract_attention, record_attention
+from aiayn.checkpoint import load_checkpoint, save_checkpoint
+from aiayn.cli import main
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.model.attention import merge_heads, split_heads
+from conftest import padded_batch, tiny_model
+from reference import naive_attention
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spm")
+    en = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'}" for i in range(300)]
+    de = [f"die Zahl {i} ist {'gerade' if i % 2 == 0 else 'ungerade'}" for i in range(300)]
+    shared = Tokenizer(train_sentencepiece(en + de, d / "shared", vocab_size=60))
+    separate = Tokenizer(train_sentencepiece(en, d / "en", vocab_size=40), train_sentencepiece(de, d / "de", vocab_size=50))
+    return shared, separate
+
+
+def test_weights_are_distributions_that_respect_the_masks():
+    model = tiny_model()
+    src = padded_batch([5, 3], 50)  # the second sentence has 2 pad positions
+    tgt = padded_batch([4, 4], 50)
+    with record_attention(model) as records, torch.no_grad():
+        model(src, tgt)
+    for kind in ("encoder", "decoder", "cross"):
+        for layer in records[kind]:
+            assert len(layer) == 1  # one forward pass, one record per module
+            w = layer[0]  # (B, H, T, L)
+            assert torch.allclose(w.sum(-1), torch.ones(w.shape[:-1]), atol=1e-6)
+            if kind != "decoder":
+                assert torch.all(w[1, :, :, 3:] == 0)  # no weight on the source padding
+            else:
+                assert torch.all(w.triu(diagonal=1) == 0)  # no weight on the future
+    assert all(m.recorder is None for mods in attention_modules(model).values() for m in mods)
+
+
+def test_logits_unchanged_and_weights_are_those_the_output_used():
+    model = tiny_model()
+    src, tgt = padded_batch([6, 4], 50), padded_batch([5, 5], 50)
+    with torch.no_grad():
+        plain = model(src, tgt)
+    seen = {}
+
+    def keep(module, args, kwargs, output):
+        seen[module] = (args, kwargs, output)
+
+    hooks = [m.register_forward_hook(keep, with_kwargs=True) for mods in attention_modules(model).values() for m in mods]
+    with record_attention(model) as records, torch.no_grad():
+        recorded = model(src, tgt)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(plain, recorded)  # bit-identical: the weights are a side computation
+    for kind, mods in attention_modules(model).items():
+        for module, record in zip(mods, records[kind]):
+            (x, *memory), kwargs, output = seen[module]
+            if module.self_attention:
+                _, _, v = module.qkv_proj(x).chunk(3, dim=-1)  # (B, T, H*D)
+                v = split_heads(v, module.n_heads)
+            else:
+                _, v = module.project_kv(memory[0])  # (B, H, S, D)
+            # The output is W^O (weights V): the recorded weights reproduce what the model computed.
+            rebuilt = module.out_proj(merge_heads((record[0].double() @ v.double()).float()))
+            assert torch.allclose(rebuilt, output, atol=1e-5), kind
+
+
+def test_encoder_weights_equal_the_float64_formula():
+    model = tiny_model()
+    src = padded_batch([6, 3], 50)
+    with record_attention(model) as records, torch.no_grad():
+        model.encode(src)
+        x = model.src_embed(src)
+        q, k, _ = model.encoder[0].self_attn.qkv_proj(x).chunk(3, dim=-1)
+        q, k = split_heads(q, model.config.n_heads), split_heads(k, model.config.n_heads)  # (B, H, S, D)
+    eye = torch.eye(src.shape[1]).expand(*q.shape[:2], -1, -1)  # V = I turns the formula into its weights
+    expected = naive_attention(q, k, eye, model.src_mask(src))
+    assert torch.allclose(records["encoder"][0][0].double(), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", ["shared", "separate"])
+def test_extract_from_a_checkpoint(tmp_path, tokenizers, which):
+    tokenizer = tokenizers[0] if which == "shared" else tokenizers[1]
+    overrides = dict(vocab_size=tokenizer.src_vocab_size, n_decoder_layers=1, n_heads=2)
+    if which == "separate":
+        overrides.update(tgt_vocab_size=tokenizer.tgt_vocab_size, share_embeddings=False)
+    save_checkpoint(tmp_path / "ck", tiny_model(**overrides), tokenizer)
+    ck = load_checkpoint(tmp_path / "ck")
+    maps = extract_attention(ck.model, ck.tokenizer, "the number 12 is even", "die Zahl 12 ist gerade")
+    s, t = len(maps.src_tokens), len(maps.tgt_out_tokens)
+    assert maps.src_tokens == tokenizer.src_pieces("the number 12 is even") and maps.src_tokens[-1] == "</s>"
+    assert maps.tgt_out_tokens[-1] == "</s>" and maps.tgt_in_tokens[0] == "<s>"
+    assert maps.tgt_in_tokens[1:] == maps.tgt_out_tokens[:-1]
+    assert maps.encoder.shape == (2, 2, s, s) and maps.decoder.shape == (1, 2, t, t) and maps.cross.shape == (1, 2, t, s)
+    with torch.no_grad():
+        tgt_in = torch.tensor([[1] + tokenizer.encode_tgt("die Zahl 12 ist gerade")])
+        assert torch.equal(maps.logits, ck.model(torch.tensor([tokenizer.encode_src("the number 12 is even")]), tgt_in)[0])
+    greedy = extract_attention(ck.model, ck.tokenizer, "the number 12 is even")  # no target: decode one
+    assert greedy.cross.shape[2] == len(greedy.tgt_out_tokens) >= 1
+
+
+def test_draw_and_cli(tmp_path, tokenizers, capsys):
+    tokenizer = tokenizers[0]
+    save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size, n_heads=2), tokenizer)
+    ck = load_checkpoint(tmp_path / "ck")
+    files = draw_attention(extract_attention(ck.model, ck.tokenizer, "the number 7", "die Zahl 7"), tmp_path / "maps")
+    for kind in ("encoder", "decoder", "cross"):
+        assert files[kind].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = files["html"].read_text(encoding="utf-8")
+    assert len(re.findall(r"src='data:image/png;base64,", page)) == 3
+    assert "http" not in page.replace("<!doctype html>", "")  # self-contained: nothing to fetch
+    assert main(["attention", "--checkpoint", str(tmp_path / "ck"), "--src", "the number 9", "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "attention.html").is_file() and "attention.html" in capsys.readouterr().out
+    assert main(["attention", "--checkpoint", str(tmp_path / "nope"), "--src", "x", "--out", str(tmp_path / "cli")]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err

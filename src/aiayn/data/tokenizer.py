@@ -1,7 +1,8 @@
 """Subwords with SentencePiece: one model shared by source and target (the paper), or one each.
 
 Special ids come from here and nowhere else. Models trained by aiayn use pad=0, bos=1, eos=2, unk=3.
-An imported model (Marian) may map SentencePiece pieces to ids through its own vocabulary: `vocab`.
+An imported model (Marian) may map SentencePiece pieces to ids through its own vocabulary: `vocab`,
+and with separate vocabularies a second one for the target side, `tgt_vocab`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ class Tokenizer:
 
     `encode_src` ends a sentence with EOS (the encoder's input); `encode_tgt` returns the bare pieces
     (training adds BOS/EOS where the decoder needs them); `decode_tgt` stops at EOS and drops specials.
-    With a `vocab` (piece -> id, as Marian ships), ids are looked up there instead of in the models.
+    With a `vocab` (piece -> id, as Marian ships), ids are looked up there instead of in the models;
+    `tgt_vocab` is the target side's when it differs (Marian's `separate_vocabs`), else `vocab` serves both.
     """
 
     def __init__(
@@ -32,13 +34,15 @@ class Tokenizer:
         tgt_model: str | Path | None = None,
         vocab: dict[str, int] | None = None,
         specials: dict[str, int] | None = None,
+        tgt_vocab: dict[str, int] | None = None,
     ):
         self.src_path = Path(src_model)
         self.tgt_path = Path(tgt_model) if tgt_model is not None else None
         self.src = _load_spm(self.src_path)
         self.tgt = _load_spm(self.tgt_path) if self.tgt_path is not None else self.src
         self.vocab = vocab
-        self.id_to_piece = {i: p for p, i in vocab.items()} if vocab is not None else None
+        self.tgt_vocab = tgt_vocab if tgt_vocab is not None else vocab
+        self.id_to_piece = {i: p for p, i in self.tgt_vocab.items()} if self.tgt_vocab is not None else None
         if specials is None:
             specials = dict(pad=self.tgt.pad_id(), bos=self.tgt.bos_id(), eos=self.tgt.eos_id(), unk=self.tgt.unk_id())
         self.pad_id, self.bos_id = specials["pad"], specials["bos"]
@@ -54,18 +58,18 @@ class Tokenizer:
 
     @property
     def tgt_vocab_size(self) -> int:
-        return len(self.vocab) if self.vocab is not None else self.tgt.get_piece_size()
+        return len(self.tgt_vocab) if self.tgt_vocab is not None else self.tgt.get_piece_size()
 
-    def _ids(self, sp: spm.SentencePieceProcessor, text: str) -> list[int]:
-        if self.vocab is None:
+    def _ids(self, sp: spm.SentencePieceProcessor, vocab: dict[str, int] | None, text: str) -> list[int]:
+        if vocab is None:
             return sp.encode(text)
-        return [self.vocab.get(p, self.unk_id) for p in sp.encode(text, out_type=str)]
+        return [vocab.get(p, self.unk_id) for p in sp.encode(text, out_type=str)]
 
     def encode_src(self, text: str) -> list[int]:
-        return self._ids(self.src, text) + [self.eos_id]
+        return self._ids(self.src, self.vocab, text) + [self.eos_id]
 
     def encode_tgt(self, text: str) -> list[int]:
-        return self._ids(self.tgt, text)
+        return self._ids(self.tgt, self.tgt_vocab, text)
 
     def decode_tgt(self, ids: Sequence[int]) -> str:
         out = []
@@ -98,14 +102,18 @@ class Tokenizer:
             shutil.copyfile(self.tgt_path, directory / TARGET)
             files = {"source": SOURCE, "target": TARGET}
         specials = dict(pad=self.pad_id, bos=self.bos_id, eos=self.eos_id, unk=self.unk_id)
-        return {"files": files, "vocab": self.vocab, "specials": specials}
+        description = {"files": files, "vocab": self.vocab, "specials": specials}
+        if self.tgt_vocab is not self.vocab:
+            description["tgt_vocab"] = self.tgt_vocab
+        return description
 
     @classmethod
     def load(cls, directory: str | Path, description: dict) -> "Tokenizer":
         directory = Path(directory)
         files = description["files"]
         tgt = directory / files["target"] if "target" in files else None
-        return cls(directory / files["source"], tgt, description.get("vocab"), description.get("specials"))
+        return cls(directory / files["source"], tgt, description.get("vocab"), description.get("specials"),
+                   description.get("tgt_vocab"))
 
 
 def _load_spm(path: Path) -> spm.SentencePieceProcessor:

@@ -1,0 +1,167 @@
+"""MarianMT import: an aiayn model converted from a MarianMT directory computes what `MarianMTModel` does.
+
+The Marian models are built here, offline, with `transformers` and random weights (no hub access), laid
+out like a real OPUS-MT directory: config.json, model.safetensors (or pytorch_model.bin), source.spm,
+target.spm, vocab.json (and target_vocab.json), tokenizer_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.checkpoint import load_checkpoint
+from aiayn.data.tokenizer import train_sentencepiece
+from aiayn.errors import UserError
+from aiayn.interop.marian import convert_marian
+
+transformers = pytest.importorskip("transformers")
+
+SRC_LINES = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} and {i % 7} is small" for i in range(200)]
+TGT_LINES = [f"die Zahl {i} ist {'gerade' if i % 2 == 0 else 'ungerade'} und {i % 7} ist klein" for i in range(200)]
+SENTENCES = ["the number 12 is even", "7 is odd and small", "the number 3"]
+
+
+def marian_vocab(pieces: list[str], pad_last: bool) -> dict[str, int]:
+    """OPUS-MT's layout: </s>=0, <unk>=1, the pieces, <pad> last (or third, see `make_marian_dir`)."""
+    specials = ["</s>", "<unk>"] if pad_last else ["</s>", "<unk>", "<pad>"]
+    tokens = specials + pieces + (["<pad>"] if pad_last else [])
+    return {t: i for i, t in enumerate(tokens)}
+
+
+def spm_pieces(path: Path) -> list[str]:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    return [sp.id_to_piece(i) for i in range(4, sp.get_piece_size())]  # without spm's own specials
+
+
+@torch.no_grad()
+def randomize(model) -> None:
+    """Make every tensor matter: LayerNorms, biases and the logits bias are 1 and 0 after init."""
+    for name, p in model.named_parameters():
+        if "embed_positions" in name:  # a frozen sinusoid table, not a weight
+            continue
+        p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3 if p.dim() == 1 else 0.15)
+    model.final_logits_bias.normal_(0.0, 1.0)
+
+
+def make_marian_dir(directory: Path, activation: str, shared: bool, bin_weights: bool = False):
+    """A tiny random MarianMTModel saved as an OPUS-MT directory; returns the HF model (eval mode).
+
+    Shared: one vocabulary with <pad> last, as OPUS-MT. Separate: two vocabularies of different sizes
+    (transformers needs the pad id inside both, so <pad> is id 2 in each).
+    """
+    directory.mkdir(parents=True)
+    src_spm = train_sentencepiece(SRC_LINES + ([] if not shared else TGT_LINES), directory / "s", 60)
+    tgt_spm = src_spm if shared else train_sentencepiece(TGT_LINES, directory / "t", 48)
+    shutil.copyfile(src_spm, directory / "source.spm")
+    shutil.copyfile(tgt_spm, directory / "target.spm")
+    vocab = marian_vocab(spm_pieces(src_spm), pad_last=shared)
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    settings = {"separate_vocabs": not shared, "tokenizer_class": "MarianTokenizer"}
+    tgt_vocab = vocab
+    if not shared:
+        tgt_vocab = marian_vocab(spm_pieces(tgt_spm), pad_last=False)
+        (directory / "target_vocab.json").write_text(json.dumps(tgt_vocab))
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    pad = vocab["<pad>"]
+    config = transformers.MarianConfig(
+        vocab_size=len(vocab), decoder_vocab_size=len(tgt_vocab), d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        activation_function=activation, pad_token_id=pad, eos_token_id=0, forced_eos_token_id=0,
+        decoder_start_token_id=pad, max_position_embeddings=128, scale_embedding=True,
+        share_encoder_decoder_embeddings=shared,
+    )
+    torch.manual_seed(1 if shared else 2)
+    model = transformers.MarianMTModel(config).eval()
+    randomize(model)
+    model.save_pretrained(directory)
+    if bin_weights:  # the older layout: a pickled state dict of plain tensors
+        (directory / "model.safetensors").unlink()
+        torch.save(model.state_dict(), directory / "pytorch_model.bin")
+    return model
+
+
+VARIANTS = [("swish", True), ("relu", False), ("swish", False), ("relu", True)]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[f"{a}-{'shared' if s else 'separate'}" for a, s in VARIANTS])
+def converted(request, tmp_path_factory):
+    activation, shared = request.param
+    root = tmp_path_factory.mktemp("marian")
+    hf = make_marian_dir(root / "opus", activation, shared, bin_weights=(activation == "relu" and shared))
+    convert_marian(root / "opus", root / "aiayn")
+    return hf, load_checkpoint(root / "aiayn"), root / "opus"
+
+
+def source_batch(tokenizer, texts: list[str]) -> torch.Tensor:
+    ids = [tokenizer.encode_src(t) for t in texts]
+    out = torch.full((len(ids), max(map(len, ids))), tokenizer.pad_id)  # (B, S) right-padded
+    for i, row in enumerate(ids):
+        out[i, : len(row)] = torch.tensor(row)
+    return out
+
+
+def test_config_is_marians(converted):
+    hf, ck, _ = converted
+    c, h = ck.model.config, hf.config
+    assert (c.activation == "silu") == (h.activation_function == "swish")
+    assert c.positions == "sin_cos" and c.final_logits_bias and c.scale_embedding
+    assert c.decoder_start_id == c.pad_id == h.pad_token_id and c.eos_id == h.eos_token_id
+    assert c.share_embeddings == h.share_encoder_decoder_embeddings
+    assert c.target_vocab_size == hf.lm_head.weight.shape[0]
+
+
+def test_positions_are_marians_table(converted):
+    hf, ck, _ = converted
+    theirs = hf.model.encoder.embed_positions.weight  # MarianSinusoidalPositionalEmbedding.create_weight
+    assert torch.allclose(ck.model.src_embed.pe[: theirs.shape[0]], theirs, atol=1e-6, rtol=0)
+
+
+def test_tokenization_matches_marian_tokenizer(converted):
+    _, ck, opus = converted
+    theirs = transformers.MarianTokenizer.from_pretrained(str(opus))
+    for text in SENTENCES:
+        assert ck.tokenizer.encode_src(text) == theirs(text)["input_ids"]
+    target = "die Zahl 12 ist gerade" if not ck.tokenizer.shared else "the number 12 is even"
+    ids = theirs(text_target=target)["input_ids"]  # target side: target.spm and the target vocabulary
+    assert ck.tokenizer.encode_tgt(target) + [ck.tokenizer.eos_id] == ids
+    assert ck.tokenizer.decode_tgt(ids) == theirs.decode(ids, skip_special_tokens=True) == target
+
+
+@torch.no_grad()
+def test_logits_match_marian_mt_model(converted):
+    hf, ck, _ = converted
+    src = source_batch(ck.tokenizer, SENTENCES)  # (B, S), padded with Marian's pad id
+    gen = torch.Generator().manual_seed(0)
+    tgt_in = torch.randint(3, ck.model.config.target_vocab_size, (src.shape[0], 9), generator=gen)  # (B, T)
+    tgt_in[:, 0] = ck.model.config.decoder_start_id
+    theirs = hf(input_ids=src, attention_mask=src.ne(ck.tokenizer.pad_id), decoder_input_ids=tgt_in).logits
+    ours = ck.model(src, tgt_in)
+    assert theirs.abs().max() > 1.0  # random weights large enough that the tolerance below means something
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_unsupported_fields_are_named(tmp_path):
+    make_marian_dir(tmp_path / "opus", "swish", shared=True)
+    config = json.loads((tmp_path / "opus" / "config.json").read_text())
+    cases = {"normalize_embedding": True, "normalize_before": True, "static_position_embeddings": False,
+             "activation_function": "gelu_new", "decoder_ffn_dim": 128, "eos_token_id": [0, 1]}
+    for field, value in cases.items():
+        (tmp_path / "opus" / "config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(UserError, match=field):
+            convert_marian(tmp_path / "opus", tmp_path / "out")
+    (tmp_path / "opus" / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tmp_path / "opus" / "model.safetensors"))
+    weights["model.encoder.layernorm_embedding.weight"] = torch.ones(32)
+    save_file(weights, str(tmp_path / "opus" / "model.safetensors"))
+    with pytest.raises(UserError, match="layernorm_embedding"):
+        convert_marian(tmp_path / "opus", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

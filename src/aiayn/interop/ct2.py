@@ -1,0 +1,154 @@
+"""Export an aiayn checkpoint to CTranslate2 for serving, through CTranslate2's own converter API.
+
+`AiaynConverter` is a `ctranslate2.converters.Converter`: its `_load` describes our weights as a
+`TransformerSpec`, and the base class validates, optionally quantizes (`int8`, `float16`...) and writes
+the model directory. Every aiayn model maps onto that spec: post-norm (the paper) or pre-norm, ReLU,
+GELU or SiLU, shared or separate vocabularies, a logits bias. The position table is stored as an
+explicit weight, so the paper's interleaved sinusoids and Marian's sin-then-cos ones both carry over.
+
+The exported model reads SentencePiece pieces: CTranslate2 appends `</s>` to the source itself
+(`add_source_eos`) and starts the decoder from our `decoder_start_id`'s token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sentencepiece as spm
+from ctranslate2.converters import Converter
+from ctranslate2.specs import common_spec
+from ctranslate2.specs.transformer_spec import TransformerSpec
+
+from aiayn.checkpoint import load_checkpoint
+from aiayn.data.tokenizer import Tokenizer
+from aiayn.errors import UserError
+from aiayn.model import Transformer
+
+ACTIVATIONS = {
+    "relu": common_spec.Activation.RELU,
+    "gelu": common_spec.Activation.GELU,  # the erf form, F.gelu's default (GELUTanh is the other one)
+    "silu": common_spec.Activation.SWISH,
+}
+
+
+def _linear(spec, linear) -> None:
+    spec.weight = linear.weight
+    if linear.bias is not None:
+        spec.bias = linear.bias
+
+
+def _norm(spec, norm) -> None:
+    spec.gamma, spec.beta = norm.weight, norm.bias
+
+
+def _set_stack_common(spec, embeddings, final_norm, config) -> None:
+    """Token embeddings, the sqrt(d_model) scale, the explicit position table, pre-norm's last LayerNorm."""
+    spec.scale_embeddings = config.scale_embedding  # True: CTranslate2 multiplies by sqrt(d_model)
+    spec.position_encodings.encodings = embeddings.pe  # (max_len, d), in the model's own layout
+    (spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings).weight = embeddings.embed.weight
+    if config.norm_first:
+        _norm(spec.layer_norm, final_norm)
+
+
+def _set_encoder(spec, model: Transformer) -> None:
+    _set_stack_common(spec, model.src_embed, model.encoder_norm, model.config)
+    for layer_spec, layer in zip(spec.layer, model.encoder):
+        _linear(layer_spec.self_attention.linear[0], layer.self_attn.qkv_proj)  # packed [W^Q; W^K; W^V]
+        _linear(layer_spec.self_attention.linear[1], layer.self_attn.out_proj)
+        _norm(layer_spec.self_attention.layer_norm, layer.sublayer[0].norm)
+        _linear(layer_spec.ffn.linear_0, layer.feed_forward.w_1)
+        _linear(layer_spec.ffn.linear_1, layer.feed_forward.w_2)
+        _norm(layer_spec.ffn.layer_norm, layer.sublayer[1].norm)
+
+
+def _set_decoder(spec, model: Transformer) -> None:
+    _set_stack_common(spec, model.tgt_embed, model.decoder_norm, model.config)
+    for layer_spec, layer in zip(spec.layer, model.decoder):
+        _linear(layer_spec.self_attention.linear[0], layer.self_attn.qkv_proj)
+        _linear(layer_spec.self_attention.linear[1], layer.self_attn.out_proj)
+        _norm(layer_spec.self_attention.layer_norm, layer.sublayer[0].norm)
+        _linear(layer_spec.attention.linear[0], layer.src_attn.q_proj)
+        _linear(layer_spec.attention.linear[1], layer.src_attn.kv_proj)  # packed [W^K; W^V]
+        _linear(layer_spec.attention.linear[2], layer.src_attn.out_proj)
+        _norm(layer_spec.attention.layer_norm, layer.sublayer[1].norm)
+        _linear(layer_spec.ffn.linear_0, layer.feed_forward.w_1)
+        _linear(layer_spec.ffn.linear_1, layer.feed_forward.w_2)
+        _norm(layer_spec.ffn.layer_norm, layer.sublayer[2].norm)
+    _linear(spec.projection, model.generator)
+    if model.final_logits_bias is not None:
+        spec.projection.bias = model.final_logits_bias
+
+
+def _tokens(sp: spm.SentencePieceProcessor, vocab: dict[str, int] | None, size: int) -> list[str]:
+    """The token string of every id 0..size-1: CTranslate2 models speak tokens, not ids."""
+    if vocab is None:
+        tokens = [sp.id_to_piece(i) for i in range(min(size, sp.get_piece_size()))]
+    else:
+        by_id = {i: p for p, i in vocab.items()}
+        tokens = [by_id.get(i) for i in range(size)]
+    # An id with no piece (a model larger than its vocabulary) gets a name nothing tokenizes to.
+    return [t if t is not None else f"<aiayn_unused_{i}>" for i, t in enumerate(tokens)] + [
+        f"<aiayn_unused_{i}>" for i in range(len(tokens), size)]
+
+
+def source_tokens(tokenizer: Tokenizer, size: int) -> list[str]:
+    return _tokens(tokenizer.src, tokenizer.vocab, size)
+
+
+def target_tokens(tokenizer: Tokenizer, size: int) -> list[str]:
+    return _tokens(tokenizer.tgt, tokenizer.tgt_vocab, size)
+
+
+def aiayn_spec(model: Transformer, tokenizer: Tokenizer) -> TransformerSpec:
+    """Our model and tokenizer as a CTranslate2 `TransformerSpec` (weights are shared, not copied)."""
+    c = model.config
+    spec = TransformerSpec.from_config(
+        (c.n_layers, c.decoder_layers), c.n_heads, pre_norm=c.norm_first, activation=ACTIVATIONS[c.activation])
+    _set_encoder(spec.encoder, model)
+    _set_decoder(spec.decoder, model)
+    src, tgt = source_tokens(tokenizer, c.vocab_size), target_tokens(tokenizer, c.target_vocab_size)
+    spec.register_source_vocabulary(src)
+    spec.register_target_vocabulary(tgt)
+    if src[tokenizer.eos_id] != tgt[tokenizer.eos_id]:
+        raise UserError(f"CTranslate2 names EOS once, but the source calls it {src[tokenizer.eos_id]!r} "
+                        f"and the target {tgt[tokenizer.eos_id]!r}")
+    spec.config.unk_token = tgt[tokenizer.unk_id]
+    spec.config.bos_token = tgt[tokenizer.bos_id]
+    spec.config.eos_token = tgt[tokenizer.eos_id]
+    spec.config.decoder_start_token = tgt[c.decoder_start_id]
+    spec.config.add_source_eos = True  # our encode_src ends every source with EOS
+    spec.config.layer_norm_epsilon = c.layer_norm_eps
+    return spec
+
+
+class AiaynConverter(Converter):
+    """CTranslate2 converter for an aiayn checkpoint directory: `AiaynConverter(ckpt).convert(out)`."""
+
+    def __init__(self, checkpoint: str | Path):
+        self.checkpoint = Path(checkpoint)
+
+    def _load(self):
+        ck = load_checkpoint(self.checkpoint)
+        return aiayn_spec(ck.model, ck.tokenizer)
+
+
+def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: str | None = None,
+                       force: bool = False) -> Path:
+    """Write the CTranslate2 model directory `out` for `checkpoint`; return its path."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise UserError(f"{out}: already exists (pass --force to replace it)")
+    try:
+        AiaynConverter(checkpoint).convert(str(out), quantization=quantization, force=force)
+    except ValueError as e:  # ctranslate2's own checks: a bad quantization name, an incomplete spec
+        raise UserError(f"{out}: CTranslate2 conversion failed ({e})") from None
+    return out
+
+
+def translate_tokens(translator, tokenizer: Tokenizer, texts: list[str], beam_size: int = 1,
+                     max_len: int = 256) -> list[list[int]]:
+    """Translate `texts` with a `ctranslate2.Translator` of an exported model; target ids without EOS."""
+    tgt_ids = {t: i for i, t in enumerate(target_tokens(tokenizer, tokenizer.tgt_vocab_size))}
+    batch = [tokenizer.src.encode(t, out_type=str) for t in texts]
+    results = translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=max_len)
+    return [[tgt_ids.get(t, tokenizer.unk_id) for t in r.hypotheses[0]] for r in results]

@@ -1,0 +1,113 @@
+"""CTranslate2 export: CTranslate2 runs an exported aiayn model to the same tokens and scores as aiayn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiayn.checkpoint import load_checkpoint, save_checkpoint
+from aiayn.config import model_config
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.errors import UserError
+from aiayn.model import Transformer
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+from aiayn.interop.ct2 import export_ctranslate2, translate_tokens  # noqa: E402  (needs ctranslate2)
+
+SRC_LINES = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} and {i % 7} is small" for i in range(200)]
+TGT_LINES = [f"die Zahl {i} ist {'gerade' if i % 2 == 0 else 'ungerade'} und {i % 7} ist klein" for i in range(200)]
+SENTENCES = ["the number 12 is even", "7 is odd and small", "the number 3", "odd", "12 and 7 and 3 is small"]
+MAX_LEN = 24
+
+# Every architectural option that changes the exported spec: positions layout, activation, norm
+# placement, logits bias, decoder start, separate vocabularies and untied output.
+VARIANTS = {
+    "paper": dict(),
+    "marian-like": dict(positions="sin_cos", activation="silu", final_logits_bias=True, scale_embedding=False),
+    "prenorm-separate": dict(norm_first=True, activation="gelu", share_embeddings=False, tie_output=False),
+}
+
+
+@pytest.fixture(scope="module")
+def spm_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spm")
+    return train_sentencepiece(SRC_LINES, d / "src", 60), train_sentencepiece(TGT_LINES, d / "tgt", 50)
+
+
+@torch.no_grad()
+def random_model(tokenizer: Tokenizer, **overrides) -> Transformer:
+    separate = not overrides.get("share_embeddings", True)
+    config = model_config(
+        "micro", n_heads=4, n_layers=2, vocab_size=tokenizer.src_vocab_size,
+        tgt_vocab_size=tokenizer.tgt_vocab_size if separate else None, pad_id=tokenizer.pad_id,
+        eos_id=tokenizer.eos_id, decoder_start_id=tokenizer.bos_id, max_len=64, **overrides)
+    model = Transformer(config).eval()
+    for name, p in model.named_parameters():  # LayerNorms and biases away from 1 and 0 so each one counts
+        if p.dim() == 1:
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3)
+    if model.final_logits_bias is not None:
+        model.final_logits_bias.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def exported(request, spm_models, tmp_path_factory):
+    overrides = VARIANTS[request.param]
+    src, tgt = spm_models
+    tokenizer = Tokenizer(src, tgt) if overrides.get("share_embeddings") is False else Tokenizer(src)
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp(request.param)
+    save_checkpoint(root / "ck", random_model(tokenizer, **overrides), tokenizer)
+    export_ctranslate2(root / "ck", root / "ct2")
+    return load_checkpoint(root / "ck"), ctranslate2.Translator(str(root / "ct2"), device="cpu", intra_threads=1)
+
+
+@torch.no_grad()
+def greedy_reference(model: Transformer, src_ids: list[int], max_len: int) -> list[int]:
+    """argmax decoding by full recomputation of every prefix: no cache, nothing shared with decoding/."""
+    src = torch.tensor([src_ids])  # (1, S)
+    memory, mask = model.encode(src), model.src_mask(src)
+    out = [model.config.decoder_start_id]
+    for _ in range(max_len):
+        next_id = int(model.decode(torch.tensor([out]), memory, mask)[0, -1].argmax())
+        if next_id == model.config.eos_id:
+            break
+        out.append(next_id)
+    return out[1:]
+
+
+def test_greedy_tokens_are_identical(exported):
+    ck, translator = exported
+    theirs = translate_tokens(translator, ck.tokenizer, SENTENCES, beam_size=1, max_len=MAX_LEN)
+    ours = [greedy_reference(ck.model, ck.tokenizer.encode_src(s), MAX_LEN) for s in SENTENCES]
+    assert theirs == ours
+    assert len({t for row in ours for t in row}) > 3  # the random model does not just repeat one token
+
+
+@torch.no_grad()
+def test_scores_match(exported):
+    """CTranslate2's per-token log-probabilities of a forced target equal ours (float32 rounding)."""
+    ck, translator = exported
+    tok = ck.tokenizer
+    targets = [tok.encode_tgt(t) for t in ("die Zahl 12", "the number 3 is odd")]
+    sources = [tok.src.encode(s, out_type=str) for s in SENTENCES[:2]]
+    from aiayn.interop.ct2 import target_tokens
+
+    names = target_tokens(tok, tok.tgt_vocab_size)
+    results = translator.score_batch(sources, [[names[i] for i in t] for t in targets])
+    for text, target, result in zip(SENTENCES, targets, results):
+        src = torch.tensor([tok.encode_src(text)])
+        tgt_in = torch.tensor([[ck.model.config.decoder_start_id] + target])  # (1, T + 1)
+        logp = ck.model(src, tgt_in).log_softmax(-1)[0]  # (T + 1, V)
+        ours = logp.gather(1, torch.tensor(target + [tok.eos_id])[:, None]).squeeze(1)  # tokens, then EOS
+        torch.testing.assert_close(torch.tensor(result.log_probs), ours, atol=1e-4, rtol=0)
+
+
+def test_existing_output_is_not_replaced(tmp_path, spm_models):
+    tokenizer = Tokenizer(spm_models[0])
+    save_checkpoint(tmp_path / "ck", random_model(tokenizer), tokenizer)
+    (tmp_path / "ct2").mkdir()
+    with pytest.raises(UserError, match="already exists"):
+        export_ctranslate2(tmp_path / "ck", tmp_path / "ct2")
+    with pytest.raises(UserError, match="quantization"):
+        export_ctranslate2(tmp_path / "ck", tmp_path / "ct2", quantization="int3", force=True)

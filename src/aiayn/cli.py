@@ -73,6 +73,23 @@ def cmd_attention(args: argparse.Namespace) -> None:
         print(path)
 
 
+def cmd_convert(args: argparse.Namespace) -> None:
+    """Import another toolkit's model as an aiayn checkpoint (MarianMT / OPUS-MT)."""
+    from aiayn.interop.marian import convert_marian
+
+    _log_to_stderr()
+    print(convert_marian(args.source, args.out))
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    """Write an aiayn checkpoint as a CTranslate2 model directory."""
+    try:
+        from aiayn.interop.ct2 import export_ctranslate2
+    except ImportError as e:
+        raise UserError(f"export --to ctranslate2 needs the ctranslate2 package: pip install 'aiayn[interop]' ({e})")
+    print(export_ctranslate2(args.checkpoint, args.out, args.quantization, args.force))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aiayn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt", help="target sentence to force (default: the model's greedy translation)")
     p.add_argument("--out", default="attention", help="output folder (default ./attention)")
     p.set_defaults(func=cmd_attention)
+
+    p = sub.add_parser("convert", help="import a MarianMT (OPUS-MT) directory as an aiayn checkpoint")
+    p.add_argument("--from", dest="source_format", required=True, choices=["marian"],
+                   help="the format of SOURCE: marian = a HuggingFace MarianMT directory")
+    p.add_argument("source", metavar="SOURCE", help="local directory: config.json, model.safetensors or "
+                   "pytorch_model.bin, source.spm, target.spm, vocab.json")
+    p.add_argument("out", metavar="OUT", help="aiayn checkpoint directory to write")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("export", help="write an aiayn checkpoint for another runtime (CTranslate2)")
+    p.add_argument("--to", dest="target_format", required=True, choices=["ctranslate2"])
+    p.add_argument("checkpoint", metavar="CKPT", help="an aiayn checkpoint directory (trained or imported)")
+    p.add_argument("out", metavar="OUT", help="output model directory")
+    p.add_argument("--quantization", help="CTranslate2 weight type: int8, int8_float16, float16, bfloat16...")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=cmd_export)
 
     return parser
 

@@ -1,0 +1,221 @@
+"""Parallel text: read and check it, encode it once, cache the ids on disk, collate batches.
+
+A corpus is two plain UTF-8 files, one sentence per line, line i of one the translation of line i
+of the other. Reading checks what users get wrong (a missing file, line counts that differ, bytes
+that are not UTF-8) and names the file and the line. Empty pairs are dropped and counted.
+
+Encoded ids are cached as safetensors (flat int32 ids + offsets, never pickle) beside the run, keyed
+by the files' identity and the tokenizer's bytes, so that epochs and restarts do not re-tokenize.
+
+Dimension key: B batch, S source length, T target length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.errors import UserError
+
+log = logging.getLogger(__name__)
+CACHE_FORMAT = "aiayn-ids-1"
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """The lines of a UTF-8 file, without line ends; a UserError names the file and the bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: file not found")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{line}: invalid UTF-8 (byte {data[e.start]:#04x})") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the final newline ends the last line; it does not start a new one
+    return [line.rstrip("\r") for line in lines]
+
+
+@dataclass
+class ParallelText:
+    src: list[str]  # source sentences, empty pairs already dropped
+    tgt: list[str]  # target sentences, aligned with src
+    dropped_empty: int  # pairs with an empty side that were dropped
+
+
+def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
+    """Read two aligned files; drop (and count) pairs with an empty side."""
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        raise UserError(
+            f"{tgt_path}:{min(len(src), len(tgt)) + 1}: line counts differ: "
+            f"{src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}"
+        )
+    keep = [i for i in range(len(src)) if src[i].strip() and tgt[i].strip()]
+    dropped = len(src) - len(keep)
+    if dropped:
+        log.info("%s: dropped %d empty pair(s) of %d", src_path, dropped, len(src))
+    if not keep:
+        raise UserError(f"{src_path}:1: no non-empty sentence pairs")
+    return ParallelText([src[i] for i in keep], [tgt[i] for i in keep], dropped)
+
+
+@dataclass
+class EncodedCorpus:
+    """Token ids of a parallel corpus: source ends with EOS, target is bare (collate adds BOS/EOS)."""
+
+    src: list[list[int]]
+    tgt: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def src_lengths(self) -> list[int]:
+        return [len(s) for s in self.src]
+
+    def tgt_lengths(self) -> list[int]:
+        """Target lengths as the decoder sees them: pieces + BOS (input) or + EOS (output)."""
+        return [len(t) + 1 for t in self.tgt]
+
+    def filter_length(self, max_len: int) -> tuple["EncodedCorpus", int]:
+        """Drop pairs whose source (with EOS) or target (with EOS) is longer than `max_len`."""
+        keep = [i for i in range(len(self.src)) if len(self.src[i]) <= max_len and len(self.tgt[i]) + 1 <= max_len]
+        return EncodedCorpus([self.src[i] for i in keep], [self.tgt[i] for i in keep]), len(self.src) - len(keep)
+
+
+def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
+    """Identity of an encoding: both files (path, size, mtime) and the tokenizer models' bytes."""
+    h = hashlib.sha256(CACHE_FORMAT.encode())
+    for p in (src_path, tgt_path):
+        st = Path(p).stat()
+        h.update(f"{Path(p).resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    for p in (tokenizer.src_path, tokenizer.tgt_path):
+        if p is not None:
+            h.update(Path(p).read_bytes())
+    return h.hexdigest()
+
+
+def load_encoded(
+    src_path: str | Path, tgt_path: str | Path, tokenizer: Tokenizer, cache_dir: str | Path
+) -> tuple[EncodedCorpus, int]:
+    """The corpus' ids from the cache, or read, check, encode and cache them. Returns (corpus, dropped empty)."""
+    src_path, tgt_path = Path(src_path), Path(tgt_path)
+    for p in (src_path, tgt_path):
+        if not p.is_file():
+            raise UserError(f"{p}: file not found")
+    key = cache_key(src_path, tgt_path, tokenizer)
+    cache = Path(cache_dir) / f"{src_path.name}-{tgt_path.name}.{key[:16]}.safetensors"
+    if cache.is_file():
+        corpus, dropped = _read_cache(cache, key)
+        if corpus is not None:
+            log.info("%s: %d pairs from the cache", cache, len(corpus))
+            return corpus, dropped
+    text = read_parallel(src_path, tgt_path)
+    corpus = EncodedCorpus([tokenizer.encode_src(s) for s in text.src], [tokenizer.encode_tgt(t) for t in text.tgt])
+    _write_cache(cache, key, corpus, text.dropped_empty)
+    log.info("%s: encoded %d pairs, cached in %s", src_path, len(corpus), cache)
+    return corpus, text.dropped_empty
+
+
+def _flatten(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
+    return ids, offsets
+
+
+def _unflatten(ids: torch.Tensor, offsets: torch.Tensor) -> list[list[int]]:
+    flat, off = ids.tolist(), offsets.tolist()
+    return [flat[off[i] : off[i + 1]] for i in range(len(off) - 1)]
+
+
+def _write_cache(path: Path, key: str, corpus: EncodedCorpus, dropped: int) -> None:
+    """Write to a temporary name, then rename: a killed run never leaves half a cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    src_ids, src_off = _flatten(corpus.src)
+    tgt_ids, tgt_off = _flatten(corpus.tgt)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tensors = dict(src_ids=src_ids, src_offsets=src_off, tgt_ids=tgt_ids, tgt_offsets=tgt_off)
+    save_file(tensors, str(tmp), metadata={"key": key, "dropped_empty": str(dropped)})
+    os.replace(tmp, path)
+
+
+def _read_cache(path: Path, key: str) -> tuple[EncodedCorpus | None, int]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("key") != key:
+                return None, 0
+            t = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # a damaged cache is rebuilt, not fatal
+        log.warning("%s: unreadable cache (%s); re-encoding", path, e)
+        return None, 0
+    corpus = EncodedCorpus(_unflatten(t["src_ids"], t["src_offsets"]), _unflatten(t["tgt_ids"], t["tgt_offsets"]))
+    return corpus, int(meta.get("dropped_empty", 0))
+
+
+@dataclass
+class Batch:
+    src: torch.Tensor  # (B, S) source ids ending in EOS, right-padded
+    tgt_in: torch.Tensor  # (B, T) BOS + target, right-padded: the decoder input
+    tgt_out: torch.Tensor  # (B, T) target + EOS, right-padded: what the decoder must predict
+    n_tokens: int  # real target tokens (the loss' normalizer)
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device), self.n_tokens)
+
+
+def collate(corpus: EncodedCorpus, indices: list[int], tokenizer: Tokenizer) -> Batch:
+    """Pad the pairs at `indices` into one batch (decoder input BOS + y, output y + EOS)."""
+    pad, bos, eos = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
+    b = len(indices)
+    s = max(len(corpus.src[i]) for i in indices)
+    t = max(len(corpus.tgt[i]) for i in indices) + 1
+    src = torch.full((b, s), pad, dtype=torch.long)  # (B, S)
+    tgt_in = torch.full((b, t), pad, dtype=torch.long)  # (B, T)
+    tgt_out = torch.full((b, t), pad, dtype=torch.long)  # (B, T)
+    n_tokens = 0
+    for row, i in enumerate(indices):
+        x, y = corpus.src[i], corpus.tgt[i]
+        src[row, : len(x)] = torch.tensor(x)
+        tgt_in[row, : len(y) + 1] = torch.tensor([bos] + y)
+        tgt_out[row, : len(y) + 1] = torch.tensor(y + [eos])
+        n_tokens += len(y) + 1
+    return Batch(src, tgt_in, tgt_out, n_tokens)
+
+
+def train_tokenizer(
+    text: ParallelText, directory: str | Path, vocab_size: int, model_type: str = "bpe", shared: bool = True
+) -> Tokenizer:
+    """Train SentencePiece on the training text: one model for both sides (the paper) or one per side."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if shared:
+        path = train_sentencepiece(text.src + text.tgt, directory / "spm", vocab_size, model_type)
+        return Tokenizer(path)
+    src = train_sentencepiece(text.src, directory / "source", vocab_size, model_type)
+    tgt = train_sentencepiece(text.tgt, directory / "target", vocab_size, model_type)
+    # Tokenizer.save names them source.spm / target.spm; keep those names in the run directory too.
+    os.replace(src, directory / "source.spm")
+    os.replace(tgt, directory / "target.spm")
+    return Tokenizer(directory / "source.spm", directory / "target.spm")
+
+
+def find_tokenizer(directory: str | Path) -> Tokenizer | None:
+    """The tokenizer a run directory already holds (shared spm.model, or source.spm + target.spm)."""
+    directory = Path(directory)
+    if (directory / "spm.model").is_file():
+        return Tokenizer(directory / "spm.model")
+    if (directory / "source.spm").is_file() and (directory / "target.spm").is_file():
+        return Tokenizer(directory / "source.spm", directory / "target.spm")
+    return None

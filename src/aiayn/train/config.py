@@ -1,0 +1,167 @@
+"""Training configuration: a TOML file with [model], [data] and [train] sections, `--set` overrides.
+
+    [model]            preset = "base" plus any ModelConfig field (vocabulary size and special
+                       ids come from the tokenizer, so they are not set here)
+    [data]             DataConfig: files, tokenizer, maximum length
+    [train]            TrainConfig: batching, optimizer, schedule, stopping, checkpoints
+
+Every key is checked: an unknown one or a wrong type raises `ConfigError` naming it.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from aiayn.config import ConfigError, ModelConfig, check_types, from_dict, model_config, to_dict
+from aiayn.errors import UserError
+
+TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the parallel text is and how it becomes subwords."""
+
+    train_src: str = ""  # training source text, one sentence per line
+    train_tgt: str = ""  # training target text, aligned line by line
+    valid_src: str = ""  # validation source text ("" = no validation)
+    valid_tgt: str = ""  # validation target text
+    vocab_size: int = 8000  # SentencePiece vocabulary (the paper: ~37,000 shared BPE for WMT EN-DE)
+    spm_type: str = "bpe"  # "bpe" (the paper's byte-pair encoding) or "unigram"
+    shared_vocab: bool = True  # one vocabulary for source and target (the paper), else one per side
+    max_len: int = 256  # pairs with a side longer than this many tokens (with EOS) are dropped
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        if self.spm_type not in ("bpe", "unigram"):
+            raise ConfigError(f"data.spm_type={self.spm_type!r} is not 'bpe' or 'unigram'")
+        if self.vocab_size < 8 or self.max_len < 2:
+            raise ConfigError("data.vocab_size must be >= 8 and data.max_len >= 2")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The paper's recipe (section 5) and the loop's bookkeeping."""
+
+    run_dir: str = "runs/default"  # checkpoints, tokenizer, cache, metrics.jsonl, curves.png
+    seed: int = 1  # model initialization, dropout and batch order
+    max_tokens: int = 4096  # padded tokens per batch and side, per process
+    update_freq: int = 1  # batches accumulated per update; tokens/update ~ max_tokens*update_freq*processes
+    lr_scale: float = 1.0  # multiplies the paper's schedule
+    warmup: int = 4000  # warmup_steps of the schedule (the paper: 4000)
+    adam_beta1: float = 0.9  # the paper's Adam: beta1 0.9, beta2 0.98, eps 1e-9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-9
+    label_smoothing: float = 0.1  # eps_ls (section 5.4)
+    clip_norm: float = 0.0  # clip the gradient norm to this (0 = no clipping; the paper does not clip)
+    max_updates: int = 0  # stop after this many updates (0 = no limit); paper: 100k base, 300k big
+    max_epochs: int = 0  # stop after this many epochs (0 = no limit)
+    max_minutes: float = 0.0  # stop after this much wall time in this invocation (0 = no limit)
+    patience: int = 0  # stop after this many validations without a better loss (0 = never)
+    valid_every: int = 1000  # validate and checkpoint every this many updates (and at the end)
+    keep_last: int = 5  # checkpoints kept (the paper averages the last 5 for base, 20 for big)
+    log_every: int = 50  # updates between lines of metrics.jsonl
+    precision: str = "fp32"  # "fp32", "bf16" (autocast, CPU or GPU) or "fp16" (GPU, dynamic loss scaling)
+    device: str = "auto"  # "auto" (CUDA if present), "cpu" or "cuda"
+    compile: bool = False  # torch.compile the model (the checkpoint keeps plain names)
+    bleu_every: int = 0  # validation BLEU every this many updates, when decoding is available (0 = off)
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        problems = []
+        if self.precision not in PRECISIONS:
+            problems.append(f"train.precision={self.precision!r} is not one of {PRECISIONS}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            problems.append(f"train.device={self.device!r} is not auto, cpu or cuda")
+        for name in ("max_tokens", "update_freq", "warmup", "valid_every", "keep_last", "log_every"):
+            if getattr(self, name) < 1:
+                problems.append(f"train.{name}={getattr(self, name)} must be >= 1")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            problems.append(f"train.label_smoothing={self.label_smoothing} is not in [0, 1)")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: dict[str, Any] = field(default_factory=lambda: {"preset": "base"})  # preset + ModelConfig fields
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+
+    def __post_init__(self) -> None:
+        set_by_tokenizer = sorted(set(self.model) & set(TOKENIZER_FIELDS))
+        if set_by_tokenizer:
+            raise ConfigError(f"model.{set_by_tokenizer[0]} comes from the tokenizer and cannot be set")
+        self.model_config(vocab_size=64)  # check the model keys now, before any data is read
+        if self.data.max_len > self.model.get("max_len", 1024):
+            raise ConfigError(f"data.max_len={self.data.max_len} is longer than the model's max_len")
+        if self.data.max_len > self.train.max_tokens:
+            raise ConfigError(f"data.max_len={self.data.max_len} does not fit in train.max_tokens={self.train.max_tokens}")
+
+    def model_config(self, **tokenizer_fields: Any) -> ModelConfig:
+        values = dict(self.model)
+        preset = values.pop("preset", "base")
+        if not isinstance(preset, str):
+            raise ConfigError(f"model.preset={preset!r} must be a string")
+        return model_config(preset, **values, **tokenizer_fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": dict(self.model), "data": to_dict(self.data), "train": to_dict(self.train)}
+
+
+def run_config(values: dict[str, Any], where: str = "") -> RunConfig:
+    """A RunConfig from nested dicts ({"model": ..., "data": ..., "train": ...})."""
+    unknown = sorted(set(values) - {"model", "data", "train"})
+    if unknown:
+        raise ConfigError(f"unknown section(s){' in ' + where if where else ''}: {', '.join(unknown)}; "
+                          "known: data, model, train")
+    model = dict(values.get("model", {"preset": "base"}))
+    bad = sorted(set(model) - {"preset"} - set(ModelConfig.__dataclass_fields__))
+    if bad:
+        raise ConfigError(f"unknown model key(s){' in ' + where if where else ''}: {', '.join(bad)}")
+    data = from_dict(DataConfig, values.get("data", {}), where)
+    train = from_dict(TrainConfig, values.get("train", {}), where)
+    return RunConfig(model, data, train)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML file (or start from defaults) and apply `section.key=value` overrides."""
+    values: dict[str, dict[str, Any]] = {}
+    where = "command line"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"{path}: config file not found")
+        try:
+            values = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{path}: not valid TOML ({e})") from None
+        where = str(path)
+    for item in overrides:
+        section, key, value = parse_override(item)
+        if not isinstance(values.get(section, {}), dict):
+            raise ConfigError(f"{section} is not a section")
+        values.setdefault(section, {})[key] = value
+    return run_config(values, where)
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """`train.max_tokens=2048` -> ("train", "max_tokens", 2048). Values are TOML; bare words are strings."""
+    name, eq, text = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not eq or not dot or not key:
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.max_tokens=2048")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()  # a path or other bare word
+    return section, key.strip(), value
+
+
+def with_train(config: RunConfig, **changes: Any) -> RunConfig:
+    """A copy with some TrainConfig fields changed (tests, the CLI)."""
+    return replace(config, train=replace(config.train, **changes))

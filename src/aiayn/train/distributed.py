@@ -1,0 +1,68 @@
+"""Many processes with PyTorch's own engine: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK, we join.
+
+    torchrun --nproc_per_node 8 -m aiayn train --config configs/base.toml         # one machine
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d \\
+             --rdzv_endpoint HOST:29500 --rdzv_id RUN -m aiayn train ...           # on each machine
+
+NCCL on GPUs, gloo on CPUs. Without torchrun's variables this is one process and nothing here talks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int  # this process among all (0 writes checkpoints, logs and metrics)
+    world_size: int  # processes in the job
+    local_rank: int  # this process on its machine (picks the GPU)
+    device: torch.device  # where this process computes
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def setup(device: str = "auto") -> Dist:
+    """Join the torchrun job if there is one; choose this process' device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    return Dist(rank, world_size, local_rank, dev)
+
+
+def teardown(d: Dist) -> None:
+    if d.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(d: Dist) -> None:
+    if d.enabled:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
+    """Sum a few numbers over all processes (loss sums, token counts, a stop flag)."""
+    if not d.enabled:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=d.device)
+    dist.all_reduce(t)
+    return t.tolist()

@@ -1,0 +1,300 @@
+"""`train(config)`: the paper's recipe (section 5) as one linear function, from one CPU to many GPUs.
+
+Read `train` top to bottom: prepare data, build the model and Adam, maybe resume, then loop over
+updates. One update accumulates `update_freq` token-batches per process (DDP synchronizes gradients on
+the last one only, `no_sync`), normalizes by the update's target tokens, sets the learning rate of
+equation 3 and steps. Every `valid_every` updates: validation loss, a checkpoint, the curves.
+
+torch.compile, DDP and autocast wrap the model at the edges; checkpoints see only the plain model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from aiayn.config import ConfigError
+from aiayn.data.batching import epoch_order, token_batches, update_batches, updates_in_epoch
+from aiayn.data.dataset import (
+    Batch, EncodedCorpus, collate, find_tokenizer, load_encoded, read_parallel, train_tokenizer,
+)
+from aiayn.data.tokenizer import Tokenizer
+from aiayn.errors import UserError
+from aiayn.model import Transformer
+from aiayn.train import distributed
+from aiayn.train.config import RunConfig
+from aiayn.train.distributed import Dist
+from aiayn.train.loss import label_smoothed_nll
+from aiayn.train.metrics import MetricsLog, plot_metrics
+from aiayn.train.schedule import inverse_sqrt_lr
+from aiayn.train.state import TrainState, checkpoint_dirs, prune, restore, rng_states, save_training_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Data:
+    tokenizer: Tokenizer
+    train: EncodedCorpus
+    train_batches: list[list[int]]  # pair indices per batch, fixed for the run
+    valid: EncodedCorpus | None
+    valid_batches: list[list[int]]
+
+
+def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
+    """Train (or continue training) the model `config` describes; return the last metrics."""
+    d = distributed.setup(config.train.device)
+    try:
+        return _train(config, resume, d)
+    finally:
+        distributed.teardown(d)
+
+
+def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
+    tc, run_dir = config.train, Path(config.train.run_dir)
+    if tc.precision == "fp16" and d.device.type != "cuda":
+        raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
+    resume_from = _checkpoint_to_resume(run_dir, resume)
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    data = prepare_data(config, run_dir, d)
+    tok = data.tokenizer
+    model = Transformer(config.model_config(
+        vocab_size=tok.src_vocab_size, tgt_vocab_size=None if tok.shared else tok.tgt_vocab_size,
+        pad_id=tok.pad_id, decoder_start_id=tok.bos_id, eos_id=tok.eos_id,
+        **({} if tok.shared else {"share_embeddings": False}),
+    )).to(d.device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps)
+    scaler = torch.amp.GradScaler("cuda", enabled=tc.precision == "fp16")
+    state = restore(resume_from, model, optimizer, scaler, d) if resume_from else TrainState()
+    if d.is_main:
+        log.info("configuration:\n%s", _describe(config, model, data, d))
+        if resume_from:
+            log.info("resuming from %s (update %d, epoch %d)", resume_from, state.step, state.epoch + 1)
+    net = DistributedDataParallel(model) if d.enabled else model
+    net = torch.compile(net) if tc.compile else net
+    autocast = torch.autocast(d.device.type, dtype=torch.float16 if tc.precision == "fp16" else torch.bfloat16,
+                              enabled=tc.precision != "fp32")
+    metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
+    per_update = d.world_size * tc.update_freq
+    n_updates = updates_in_epoch(len(data.train_batches), per_update)
+    if n_updates == 0:
+        raise UserError(f"{config.data.train_src}: {len(data.train_batches)} batches, fewer than one update "
+                        f"needs ({per_update}); lower train.max_tokens or train.update_freq")
+    tgt_lengths = data.train.tgt_lengths()
+    batch_tokens = [sum(tgt_lengths[i] for i in b) for b in data.train_batches]
+    bar = tqdm(total=tc.max_updates or None, initial=state.step, file=sys.stderr, disable=not d.is_main or None,
+               unit="upd", dynamic_ncols=True)
+    start = last_log = time.monotonic()
+    window = [0.0, 0.0, 0.0]  # smoothed loss sum, NLL sum, target tokens since the last log line
+    last = {}
+    saved_step = state.step
+    stop = ""
+    while not stop:
+        order = epoch_order(len(data.train_batches), tc.seed, state.epoch)
+        while state.cursor < n_updates and not stop:
+            mine = update_batches(order, state.cursor, per_update, d.rank, d.world_size)
+            group_tokens = sum(batch_tokens[b] for b in order[state.cursor * per_update:(state.cursor + 1) * per_update])
+            batches = [collate(data.train, data.train_batches[b], tok).to(d.device) for b in mine]
+            lr = inverse_sqrt_lr(state.step + 1, model.config.d_model, tc.warmup, tc.lr_scale)
+            sums = train_step(net, optimizer, scaler, batches, group_tokens, lr, tc.label_smoothing, tok.pad_id,
+                              tc.clip_norm, d, autocast)
+            state.step, state.cursor = state.step + 1, state.cursor + 1
+            window = [w + s for w, s in zip(window, sums)]
+            bar.update(1)
+            if state.step % tc.log_every == 0:
+                loss, nll, tokens = distributed.all_reduce_sum(window, d)
+                now = time.monotonic()
+                last = {"step": state.step, "epoch": state.epoch + 1, "loss": loss / tokens, "nll": nll / tokens,
+                        "ppl": math.exp(min(nll / tokens, 50)), "lr": lr, "tokens_per_s": tokens / (now - last_log),
+                        "elapsed_s": now - start}
+                bar.set_postfix(tok_s=f"{last['tokens_per_s']:.0f}", loss=f"{last['loss']:.3f}",
+                                ppl=f"{last['ppl']:.1f}", lr=f"{lr:.2e}")
+                if metrics:
+                    metrics.write(last)
+                    log.info("update %d epoch %d: loss %.3f nll %.3f ppl %.1f lr %.2e %.0f tok/s", state.step,
+                             state.epoch + 1, last["loss"], last["nll"], last["ppl"], lr, last["tokens_per_s"])
+                window, last_log = [0.0, 0.0, 0.0], now
+            stop = _stop_reason(state, tc, n_updates, start, d)
+            if state.step % tc.valid_every == 0 or stop:
+                last = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics)
+                saved_step = state.step
+                stop = stop or _patience_exhausted(state, tc)
+        if state.cursor >= n_updates:
+            state.epoch, state.cursor = state.epoch + 1, 0
+            if tc.max_epochs and state.epoch >= tc.max_epochs:
+                stop = stop or f"max_epochs={tc.max_epochs}"
+    if saved_step != state.step:  # stopped at an epoch end between validations
+        last = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics)
+    bar.close()
+    if d.is_main:
+        log.info("stopped (%s) after %d updates, %.1f min", stop, state.step, (time.monotonic() - start) / 60)
+    return {**last, "stop": stop, "step": state.step}
+
+
+def train_step(
+    net: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, batches: list[Batch],
+    update_tokens: int, lr: float, eps: float, pad_id: int, clip_norm: float, d: Dist, autocast,
+) -> tuple[float, float, float]:
+    """One update: accumulate this process' batches, normalize by the update's tokens, step Adam.
+
+    The gradient is that of (sum of smoothed losses over all processes' batches) / update_tokens.
+    DDP averages gradients over processes, so each process scales its loss by world_size first.
+    Returns this process' (smoothed loss sum, NLL sum, target tokens) for the log.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = nll_sum = 0.0
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        sync = nullcontext() if last or not isinstance(net, DistributedDataParallel) else net.no_sync()
+        with sync:
+            with autocast:
+                logits = net(batch.src, batch.tgt_in)  # (B, T, V)
+            loss, nll = label_smoothed_nll(logits, batch.tgt_out, eps, pad_id)
+            scaler.scale(loss * (d.world_size / update_tokens)).backward()
+        loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
+    if clip_norm > 0:
+        scaler.unscale_(optimizer)  # clip the true gradient, not the loss-scaled one
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    scaler.step(optimizer)
+    scaler.update()
+    return loss_sum, nll_sum, float(sum(b.n_tokens for b in batches))
+
+
+@torch.no_grad()
+def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> dict[str, float]:
+    """Smoothed loss and NLL per target token on the validation set (shared out over processes)."""
+    model.eval()
+    sums = [0.0, 0.0, 0.0]
+    for indices in data.valid_batches[d.rank :: d.world_size]:
+        batch = collate(data.valid, indices, data.tokenizer).to(d.device)
+        with autocast:
+            logits = model(batch.src, batch.tgt_in)  # (B, T, V)
+        loss, nll = label_smoothed_nll(logits, batch.tgt_out, eps, data.tokenizer.pad_id)
+        sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + batch.n_tokens]
+    model.train()
+    loss, nll, tokens = distributed.all_reduce_sum(sums, d)
+    return {"valid_loss": loss / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(min(nll / tokens, 50))}
+
+
+def _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics) -> dict[str, Any]:
+    """Validation (if there is a validation set), the patience count, a checkpoint and the curves."""
+    tc = config.train
+    result: dict[str, Any] = {"step": state.step, "epoch": state.epoch + 1}
+    if data.valid is not None:
+        result.update(validate(model, data, d, autocast, tc.label_smoothing))
+        if result["valid_loss"] < state.best_valid:
+            state.best_valid, state.bad_validations = result["valid_loss"], 0
+        else:
+            state.bad_validations += 1
+    rngs = rng_states(d)  # collective: every process takes part
+    if d.is_main:
+        run_dir = Path(tc.run_dir)
+        path = save_training_checkpoint(run_dir, model, data.tokenizer, optimizer, scaler, state,
+                                        config.to_dict(), result, rngs)
+        prune(run_dir, tc.keep_last)
+        metrics.write(result)
+        plot_metrics(metrics.path, run_dir / "curves.png")
+        if "valid_loss" in result:
+            log.info("update %d: valid loss %.3f nll %.3f ppl %.2f; saved %s", state.step, result["valid_loss"],
+                     result["valid_nll"], result["valid_ppl"], path)
+    distributed.barrier(d)  # nobody runs ahead of a checkpoint being written
+    return result
+
+
+def _stop_reason(state: TrainState, tc, n_updates: int, start: float, d: Dist) -> str:
+    """Why to stop after this update ("" = go on); the same answer on every process."""
+    if tc.max_updates and state.step >= tc.max_updates:
+        return f"max_updates={tc.max_updates}"
+    if tc.max_epochs and state.cursor >= n_updates and state.epoch + 1 >= tc.max_epochs:
+        return f"max_epochs={tc.max_epochs}"
+    if tc.max_minutes:
+        late = float(time.monotonic() - start > tc.max_minutes * 60)
+        if distributed.all_reduce_sum([late], d)[0] > 0:  # clocks differ: stop if any process says so
+            return f"max_minutes={tc.max_minutes}"
+    return ""
+
+
+def _patience_exhausted(state: TrainState, tc) -> str:
+    if tc.patience and state.bad_validations >= tc.patience:
+        return f"no better validation loss for {tc.patience} validations"
+    return ""
+
+
+def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Path | None:
+    found = checkpoint_dirs(run_dir)
+    if resume and not found:
+        raise UserError(f"{run_dir}: no checkpoint to resume from")
+    if not resume and found:
+        raise UserError(f"{run_dir}: already holds checkpoints; pass --resume to continue, or another run_dir")
+    return found[-1] if resume else None
+
+
+def prepare_data(config: RunConfig, run_dir: Path, d: Dist) -> Data:
+    """Tokenizer (trained on the training text once, kept in the run directory) and cached ids.
+
+    Process 0 trains the tokenizer and fills the cache; the others wait, then read the cache.
+    """
+    dc = config.data
+    if not dc.train_src or not dc.train_tgt:
+        raise ConfigError("data.train_src and data.train_tgt must name the training files")
+    if d.is_main:
+        _prepare_files(config, run_dir)
+    distributed.barrier(d)
+    tokenizer = find_tokenizer(run_dir)
+    cache = run_dir / "cache"
+    train, _ = load_encoded(dc.train_src, dc.train_tgt, tokenizer, cache)
+    train, too_long = train.filter_length(dc.max_len)
+    if d.is_main:
+        log.info("%s: %d training pairs; %d longer than max_len=%d dropped", dc.train_src, len(train), too_long,
+                 dc.max_len)
+    batches = token_batches(train.src_lengths(), train.tgt_lengths(), config.train.max_tokens)
+    valid, valid_batches = None, []
+    if dc.valid_src:
+        valid, _ = load_encoded(dc.valid_src, dc.valid_tgt, tokenizer, cache)
+        valid, too_long = valid.filter_length(dc.max_len)
+        if too_long and d.is_main:
+            log.warning("%s: %d validation pairs longer than max_len=%d dropped", dc.valid_src, too_long, dc.max_len)
+        valid_batches = token_batches(valid.src_lengths(), valid.tgt_lengths(), config.train.max_tokens)
+    return Data(tokenizer, train, batches, valid, valid_batches)
+
+
+def _prepare_files(config: RunConfig, run_dir: Path) -> None:
+    """On process 0: the tokenizer and the caches, so that the other processes only read."""
+    dc = config.data
+    tokenizer = find_tokenizer(run_dir)
+    if tokenizer is None:
+        text = read_parallel(dc.train_src, dc.train_tgt)
+        log.info("training a %s SentencePiece model (%d pieces, %s) on %d pairs", dc.spm_type, dc.vocab_size,
+                 "shared" if dc.shared_vocab else "separate", len(text.src))
+        tokenizer = train_tokenizer(text, run_dir, dc.vocab_size, dc.spm_type, dc.shared_vocab)
+    for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):
+        if src:
+            _, dropped = load_encoded(src, tgt, tokenizer, run_dir / "cache")
+            if dropped:
+                log.info("%s: %d empty pairs dropped", src, dropped)
+
+
+def _describe(config: RunConfig, model: Transformer, data: Data, d: Dist) -> str:
+    import json
+
+    tc = config.train
+    lines = [json.dumps({**config.to_dict(), "resolved_model": model.config.__dict__}, indent=2)]
+    lines.append(f"parameters {model.num_parameters():,}; vocabulary {data.tokenizer.src_vocab_size}"
+                 f"{'' if data.tokenizer.shared else f' / {data.tokenizer.tgt_vocab_size}'}; "
+                 f"{len(data.train)} pairs in {len(data.train_batches)} batches; processes {d.world_size} on "
+                 f"{d.device}; tokens per update <= {tc.max_tokens * tc.update_freq * d.world_size}")
+    return "\n".join(lines)

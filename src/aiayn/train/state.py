@@ -1,0 +1,144 @@
+"""Training checkpoints: the model checkpoint of `aiayn.checkpoint` plus everything `--resume` needs.
+
+    runs/X/checkpoints/step_000100/   model.safetensors, meta.json, tokenizer (aiayn.checkpoint)
+                                      trainer.safetensors: Adam moments and steps, RNG states (tensors)
+                                      trainer.json: step, epoch, position in the epoch, Adam's
+                                      hyper-parameters, Python RNG, loss-scaler state
+
+Each checkpoint directory appears by an atomic rename, so the newest complete one is simply the
+highest `step_*` directory (temporary ones start with a dot). No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from aiayn.checkpoint import load_into, load_weights, read_meta, save_checkpoint
+from aiayn.config import ModelConfig, to_dict
+from aiayn.data.tokenizer import Tokenizer
+from aiayn.errors import UserError
+from aiayn.train.distributed import Dist
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class TrainState:
+    """Where training is: enough, with the weights, optimizer and RNGs, to continue bit for bit."""
+
+    step: int = 0  # updates done
+    epoch: int = 0  # current epoch, from 0
+    cursor: int = 0  # updates done within the current epoch
+    best_valid: float = float("inf")  # best validation loss so far
+    bad_validations: int = 0  # validations since the best one (for `patience`)
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def prune(run_dir: str | Path, keep_last: int) -> None:
+    for old in checkpoint_dirs(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def rng_states(d: Dist) -> dict[str, torch.Tensor]:
+    """Every process' torch RNG state (dropout), gathered so that process 0 can save them all."""
+    states = {"cpu": torch.get_rng_state()}
+    if d.device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(d.device)
+    out = {}
+    for name, state in states.items():
+        if d.enabled:  # every process calls this: all_gather is collective
+            gathered = [torch.empty_like(state, device=d.device) for _ in range(d.world_size)]
+            dist.all_gather(gathered, state.to(d.device))
+            out.update({f"rng.{name}.{r}": g.cpu() for r, g in enumerate(gathered)})
+        else:
+            out[f"rng.{name}.0"] = state
+    return out
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Adam's state as flat tensors (`optimizer.<param>.<name>`) and its parameter groups (JSON)."""
+    sd = optimizer.state_dict()
+    tensors = {f"optimizer.{p}.{k}": v for p, s in sd["state"].items() for k, v in s.items()}
+    return tensors, sd["param_groups"]
+
+
+def save_training_checkpoint(
+    run_dir: Path, model: torch.nn.Module, tokenizer: Tokenizer, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler, state: TrainState, config: dict[str, Any], metrics: dict[str, Any],
+    rngs: dict[str, torch.Tensor],
+) -> Path:
+    tensors, groups = optimizer_tensors(optimizer)
+    trainer = {"state": asdict(state), "param_groups": groups, "python_rng": random.getstate(),
+               "scaler": scaler.state_dict() if scaler.is_enabled() else None}
+    meta = {"step": state.step, "epoch": state.epoch, "config": config, "metrics": metrics}
+    path = Path(run_dir) / "checkpoints" / f"step_{state.step:06d}"
+    return save_checkpoint(path, model, tokenizer, meta, {**tensors, **rngs}, trainer)
+
+
+def restore(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, d: Dist,
+) -> TrainState:
+    """Load weights, optimizer, scaler and this process' RNG state from a training checkpoint."""
+    check_compatible(path, model.config)
+    load_into(model, {k: v.to(d.device) for k, v in load_weights(path).items()}, path)
+    tensors, trainer = _read_trainer(path)
+    state_by_param: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if name.startswith("optimizer."):
+            _, p, k = name.split(".", 2)
+            state_by_param.setdefault(int(p), {})[k] = t
+    try:
+        optimizer.load_state_dict({"state": state_by_param, "param_groups": trainer["param_groups"]})
+        rank = d.rank if f"rng.cpu.{d.rank}" in tensors else 0
+        torch.set_rng_state(tensors[f"rng.cpu.{rank}"])
+        if d.device.type == "cuda" and f"rng.cuda.{rank}" in tensors:
+            torch.cuda.set_rng_state(tensors[f"rng.cuda.{rank}"], d.device)
+        random.setstate(_as_tuple(trainer["python_rng"]))
+        if scaler.is_enabled() and trainer.get("scaler"):
+            scaler.load_state_dict(trainer["scaler"])
+        return TrainState(**trainer["state"])
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise UserError(f"{path}: training state does not fit this run ({e})") from None
+
+
+def check_compatible(path: Path, config: ModelConfig) -> None:
+    """A checkpoint of another model gives one line naming the first difference."""
+    saved = read_meta(path).get("model", {})
+    for key, value in to_dict(config).items():
+        if saved.get(key) != value:
+            raise UserError(f"{path}: checkpoint from an incompatible model ({key}={saved.get(key)!r}, "
+                            f"this run has {value!r})")
+
+
+def _read_trainer(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors_file, json_file = path / "trainer.safetensors", path / "trainer.json"
+    if not tensors_file.is_file() or not json_file.is_file():
+        raise UserError(f"{path}: no training state (trainer.safetensors / trainer.json); cannot resume from it")
+    try:
+        return load_file(str(tensors_file)), json.loads(json_file.read_text(encoding="utf-8"))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{tensors_file}: corrupt training state ({e})") from None
+
+
+def _as_tuple(x: Any) -> Any:
+    """JSON turned random.getstate()'s tuples into lists; setstate needs them back."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, list) else x

@@ -120,7 +120,24 @@ class MultiHeadAttention(nn.Module):
                 k, v = self.project_kv(memory)  # (B, H, S, D) each
             else:
                 k, v = cache.cross_kv(layer, lambda: self.project_kv(memory))
+                if q.shape[0] != k.shape[0]:  # K beams per sentence share its K/V (KVCache.beam_size)
+                    return self.attend_shared(q, k, v, mask)
         return self.attend(q, k, v, mask, is_causal)
+
+    def attend_shared(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Attention of (B*K, H, T, D) queries over (B, H, S, D) keys shared by the K rows of a sentence.
+
+        The K*T queries of a sentence are one longer query block against its keys: no copy of K/V per
+        beam, and beam reordering never touches them. A (B, 1, 1, S) mask broadcasts as before.
+        """
+        bk, h, t, d = q.shape
+        b = k.shape[0]
+        q = q.view(b, bk // b, h, t, d).transpose(1, 2).reshape(b, h, -1, d)  # (B, H, K*T, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, K*T, D)
+        if self.recorder is not None:
+            self.recorder.append(attention_weights(q, k, mask, False).detach())
+        out = out.view(b, h, bk // b, t, d).transpose(1, 2).reshape(bk, h, t, d)  # (B*K, H, T, D)
+        return self.out_proj(merge_heads(out))  # (B*K, T, d_model)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
         """Scaled dot-product attention of (B, H, T, D) queries over (B, H, L, D) keys, then W^O."""

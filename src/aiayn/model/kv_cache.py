@@ -5,7 +5,12 @@ costs O(T^2) projections; instead each decoder layer's self-attention keys and v
 a buffer preallocated for the longest output (no concatenation per step), and the encoder-decoder
 attention's keys and values, which depend only on the source, are computed once per sentence.
 
-Dimension key: B batch (rows being decoded), L decoder layers, H heads, D head dim, S source length.
+Beam search decodes K hypotheses of each sentence as K rows. The cross-attention K/V of a sentence are
+the same for all its beams, so they are stored once per sentence, (B, H, S, D), never copied K times
+and never reordered when beams are: `MultiHeadAttention` lets the K queries of a sentence share them.
+
+Dimension key: B sentences, K beams per sentence, L decoder layers, H heads, D head dim, S source length.
+The self-attention buffers hold B*K rows (B when K = 1).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from torch import Tensor
 
 
 class KVCache:
-    """Self-attention K/V buffers (L, B, H, max_len, D) plus per-layer cross-attention K/V."""
+    """Self-attention K/V buffers (L, B*K, H, max_len, D) plus per-layer cross-attention K/V (B, H, S, D)."""
 
     def __init__(
         self,
@@ -28,10 +33,14 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        beam_size: int = 1,
     ):
+        if batch_size % beam_size:
+            raise ValueError(f"batch_size={batch_size} rows is not a multiple of beam_size={beam_size}")
+        self.beam_size = beam_size  # K decoding rows per sentence share one cross-attention K/V row
         shape = (n_layers, batch_size, n_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H, max_len, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H, max_len, D)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B*K, H, max_len, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, B*K, H, max_len, D)
         self.length = 0  # target positions already stored (the same in every layer)
         self.cross: list[tuple[Tensor, Tensor] | None] = [None] * n_layers  # (B, H, S, D) pairs
 
@@ -61,8 +70,27 @@ class KVCache:
         return self.cross[layer]  # type: ignore[return-value]
 
     def select(self, index: Tensor) -> None:
-        """Keep (and reorder) batch rows `index` (beam search reordering, dropping finished rows)."""
-        self.k = self.k.index_select(1, index)  # (L, B', H, max_len, D)
-        self.v = self.v.index_select(1, index)
+        """Keep (and reorder) self-attention rows `index` (B'*K,): beam search reordering, or dropping
+        finished rows. Cross-attention rows follow only without beams (K = 1, one row per sentence);
+        with beams they belong to sentences: use `keep_sentences`."""
+        if index.shape[0] == self.k.shape[1]:  # a reordering (each beam step): copy the filled part only
+            n = self.length
+            self.k[:, :, :, :n] = self.k[:, :, :, :n].index_select(1, index)  # (L, B*K, H, n, D)
+            self.v[:, :, :, :n] = self.v[:, :, :, :n].index_select(1, index)
+        else:
+            self.k = self.k.index_select(1, index)  # (L, B'*K, H, max_len, D)
+            self.v = self.v.index_select(1, index)
+        if self.beam_size == 1:
+            self._select_cross(index)
+
+    def keep_sentences(self, index: Tensor) -> None:
+        """Keep (and reorder) whole sentences `index` (B',): their K rows each and their cross K/V."""
+        k = self.beam_size
+        rows = (index[:, None] * k + torch.arange(k, device=index.device)).flatten()  # (B'*K,)
+        self.k = self.k.index_select(1, rows)  # (L, B'*K, H, max_len, D)
+        self.v = self.v.index_select(1, rows)
+        self._select_cross(index)
+
+    def _select_cross(self, index: Tensor) -> None:
         self.cross = [None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))
                       for kv in self.cross]

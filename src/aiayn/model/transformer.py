@@ -194,11 +194,17 @@ class Transformer(nn.Module):
         memory = self.encode(src)
         return self.decode(tgt_in, memory, self.src_mask(src))
 
-    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
-        """An empty `KVCache` for `batch_size` rows and up to `max_len` target positions."""
+    def new_cache(
+        self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, beam_size: int = 1
+    ) -> KVCache:
+        """An empty `KVCache` for `batch_size` rows (sentences x `beam_size`), up to `max_len` positions.
+
+        With beams, `decode` takes `memory` and `src_mask` once per sentence, not once per row.
+        """
         c = self.config
-        p = self.generator.weight
-        return KVCache(c.decoder_layers, batch_size, c.n_heads, c.d_k, max_len, dtype or p.dtype, p.device)
+        p = self.tgt_embed.embed.weight  # an embedding: still a float tensor in an int8-quantized model
+        return KVCache(c.decoder_layers, batch_size, c.n_heads, c.d_k, max_len, dtype or p.dtype, p.device,
+                       beam_size)
 
     def num_parameters(self) -> int:
         """Distinct trainable parameters (a shared embedding counted once)."""

@@ -1,0 +1,140 @@
+"""Beam search (paper section 6.1: beam 4, length penalty alpha 0.6), batched over sentences.
+
+Each sentence keeps K live hypotheses as K rows of the decoder batch. A step scores every extension,
+takes the best 2K per sentence (at most K of them end in EOS, one per beam, so K live ones always
+remain: fairseq's scheme), moves the EOS ones ranked in the top K to the sentence's finished list,
+and continues with the best K others. A sentence stops when K hypotheses have finished (early
+stopping) or when nothing alive can beat them any more, or at its maximum length; it then leaves the
+batch and its cache rows with it. Finished hypotheses are ranked by log P / lp(|Y|).
+
+Dimension key: B sentences still decoding, K beam size, R = B*K rows, T output positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from aiayn.decoding.length_penalty import length_penalty
+from aiayn.decoding.options import DecodeConfig
+from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, step_log_probs
+from aiayn.model import KVCache, Transformer
+
+
+@dataclass
+class Beams:
+    """The live hypotheses of the sentences still being decoded."""
+
+    sentence: list[int]  # (B,) index in the input batch of each live sentence
+    tokens_RT: Tensor  # (B*K, max T) output ids so far; row b*K + k is beam k of sentence b
+    scores_BK: Tensor  # (B, K) log P of each live hypothesis; -inf for empty slots
+    limit_B: Tensor  # (B,) maximum output length of each sentence
+    memory: Tensor  # (B, S, d) encoder output, one per sentence (the beams share it)
+    src_mask: Tensor  # (B, 1, 1, S)
+    cache: KVCache  # B*K self-attention rows, B cross-attention rows
+
+
+def beam_search(model: Transformer, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
+    """Per sentence of the (B, S) batch, its `n_best` hypotheses, best first."""
+    beams = start(model, src, config)
+    finished: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
+    last_R = torch.full((beams.tokens_RT.shape[0],), model.config.decoder_start_id, device=src.device)
+    for t in range(beams.tokens_RT.shape[1]):
+        log_probs_RV = step_log_probs(model, last_R, beams.memory, beams.src_mask, beams.cache, t, config)
+        last_R = step(beams, log_probs_RV, t, model.config.eos_id, finished, config)
+        keep_B = still_searching(beams, finished, t, config)
+        if not keep_B:
+            break
+        if len(keep_B) < len(beams.sentence):
+            last_R = last_R.view(len(beams.sentence), -1)[keep_B].view(-1)  # (B'*K,)
+            shrink(beams, keep_B, config.beam)
+    return [finalize(hyps, config) for hyps in finished]
+
+
+def start(model: Transformer, src: Tensor, config: DecodeConfig) -> Beams:
+    """Encode the batch once; K rows per sentence, only beam 0 alive (the others would duplicate it)."""
+    b, k = src.shape[0], config.beam
+    limit = config.max_lengths(source_lengths(model, src), model.config.max_len)
+    scores_BK = torch.full((b, k), float("-inf"), device=src.device)
+    scores_BK[:, 0] = 0.0
+    return Beams(
+        sentence=list(range(b)),
+        tokens_RT=torch.zeros(b * k, max(limit), dtype=torch.long, device=src.device),
+        scores_BK=scores_BK,
+        limit_B=torch.tensor(limit, device=src.device),
+        memory=model.encode(src),
+        src_mask=model.src_mask(src),
+        cache=model.new_cache(b * k, max(limit), beam_size=k),
+    )
+
+
+def step(
+    beams: Beams, log_probs_RV: Tensor, t: int, eos: int, finished: list[list[Hypothesis]],
+    config: DecodeConfig,
+) -> Tensor:
+    """Extend every beam by one token (position t); record finished hypotheses; return the new tokens (R,)."""
+    b, k = beams.scores_BK.shape
+    v = log_probs_RV.shape[-1]
+    cand_BKV = beams.scores_BK[:, :, None] + log_probs_RV.view(b, k, v)  # (B, K, V)
+    top_B2K, index_B2K = cand_BKV.view(b, k * v).topk(min(2 * k, k * v), dim=1)  # sorted, best first
+    beam_B2K, token_B2K = index_B2K // v, index_B2K % v
+    eos_B2K = token_B2K == eos
+    ended_BK = eos_B2K[:, :k] & top_B2K[:, :k].isfinite()  # EOS ranked in the top K: a finished hypothesis
+    if ended_BK.any():
+        for i, j in ended_BK.nonzero().tolist():
+            row = i * k + beam_B2K[i, j].item()
+            tokens = beams.tokens_RT[row, :t].tolist() + [eos]
+            finished[beams.sentence[i]].append(make_hypothesis(tokens, top_B2K[i, j].item(), config))
+    scores_BK, pick_BK = top_B2K.masked_fill(eos_B2K, float("-inf")).topk(k, dim=1)  # best K to go on
+    rows_R = (torch.arange(b, device=pick_BK.device)[:, None] * k + beam_B2K.gather(1, pick_BK)).view(-1)
+    new_R = token_B2K.gather(1, pick_BK).view(-1)  # (R,)
+    beams.tokens_RT[:, :t] = beams.tokens_RT[rows_R, :t]  # (R, t) reordered to follow their beams
+    beams.tokens_RT[:, t] = new_R
+    beams.scores_BK = scores_BK
+    beams.cache.select(rows_R)  # self-attention rows only: the beams of a sentence share cross K/V
+    at_limit_B = beams.limit_B <= t + 1
+    if at_limit_B.any():  # cut at the maximum length: the live hypotheses are finished as they are
+        for i in at_limit_B.nonzero()[:, 0].tolist():
+            for j in scores_BK[i].isfinite().nonzero()[:, 0].tolist():
+                tokens = beams.tokens_RT[i * k + j, : t + 1].tolist()
+                finished[beams.sentence[i]].append(make_hypothesis(tokens, scores_BK[i, j].item(), config))
+    return new_R
+
+
+def still_searching(beams: Beams, finished: list[list[Hypothesis]], t: int, config: DecodeConfig) -> list[int]:
+    """Positions (in the live batch) of the sentences whose search goes on after step t."""
+    keep, best_live_B, limit_B = [], None, beams.limit_B.tolist()
+    for i, s in enumerate(beams.sentence):
+        if limit_B[i] <= t + 1:
+            continue
+        if len(finished[s]) >= config.beam:
+            if config.early_stopping:
+                continue
+            if best_live_B is None:
+                best_live_B = beams.scores_BK[:, 0].tolist()
+            # log P only falls as a hypothesis grows, so its best possible score divides today's log P
+            # by the largest penalty it could still reach.
+            lp = max(length_penalty(n, config.lenpen, config.lenpen_kind) for n in (t + 2, limit_B[i]))
+            kth = sorted((h.score for h in finished[s]), reverse=True)[config.beam - 1]
+            if kth >= best_live_B[i] / lp:
+                continue
+        keep.append(i)
+    return keep
+
+
+def shrink(beams: Beams, keep_B: list[int], k: int) -> None:
+    """Drop the sentences that are done: their rows, their cache and their encoder output."""
+    index_B = torch.tensor(keep_B, device=beams.scores_BK.device)
+    rows_R = (index_B[:, None] * k + torch.arange(k, device=index_B.device)).view(-1)  # (B'*K,)
+    beams.sentence = [beams.sentence[i] for i in keep_B]
+    beams.tokens_RT = beams.tokens_RT[rows_R]
+    beams.scores_BK, beams.limit_B = beams.scores_BK[index_B], beams.limit_B[index_B]
+    beams.memory, beams.src_mask = beams.memory[index_B], beams.src_mask[index_B]
+    beams.cache.keep_sentences(index_B)
+
+
+def finalize(hypotheses: list[Hypothesis], config: DecodeConfig) -> list[Hypothesis]:
+    """The `n_best` best of a sentence's finished hypotheses, by length-normalized score."""
+    return sorted(hypotheses, key=lambda h: h.score, reverse=True)[: config.n_best]

@@ -1,0 +1,29 @@
+"""Drawing the next token: temperature, top-k and top-p (nucleus, Holtzman et al. 2020) sampling."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def filter_logits(logits_RV: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Set to -inf every token outside the top `k` (k > 0) and outside the smallest set whose probability
+    reaches `top_p` (the most likely token always stays)."""
+    if 0 < top_k < logits_RV.shape[-1]:
+        kth_R1 = logits_RV.topk(top_k, dim=-1).values[:, -1:]  # (R, 1)
+        logits_RV = logits_RV.masked_fill(logits_RV < kth_R1, float("-inf"))
+    if top_p < 1.0:
+        sorted_RV, order_RV = logits_RV.sort(dim=-1, descending=True)
+        before_RV = sorted_RV.softmax(-1).cumsum(-1) - sorted_RV.softmax(-1)  # mass of the better tokens
+        drop_sorted_RV = before_RV >= top_p
+        drop_RV = torch.zeros_like(drop_sorted_RV).scatter(-1, order_RV, drop_sorted_RV)  # vocab order
+        logits_RV = logits_RV.masked_fill(drop_RV, float("-inf"))
+    return logits_RV
+
+
+def sample_next(
+    log_probs_RV: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
+) -> Tensor:
+    """One token per row (R,) from softmax(log_probs / temperature) restricted by top-k and top-p."""
+    logits_RV = filter_logits(log_probs_RV / temperature, top_k, top_p)
+    return torch.multinomial(logits_RV.softmax(-1), 1, generator=generator)[:, 0]  # (R,)

@@ -1,0 +1,80 @@
+"""What every search shares: the hypothesis type, one decoder step, and `generate`, which picks the search.
+
+Dimension key: B sentences, K beams per sentence, R rows being decoded (B or B*K), S source length,
+T output length so far, V target vocabulary.
+
+Every search runs the decoder one token per step against a `KVCache`: the source is encoded once, the
+cross-attention keys and values are projected once per sentence, and rows (or sentences) that finished
+leave the batch, so they cost nothing more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from aiayn.decoding.length_penalty import length_penalty
+from aiayn.decoding.options import DecodeConfig
+from aiayn.model import KVCache, Transformer
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One output of a search."""
+
+    tokens: list[int]  # output ids, without the decoder start token, ending with EOS unless cut at max length
+    score: float  # log_prob / lp(len(tokens)): what beam search ranks by
+    log_prob: float  # log P(tokens | source), the sum of the per-token log-probabilities
+
+
+def make_hypothesis(tokens: list[int], log_prob: float, config: DecodeConfig) -> Hypothesis:
+    score = log_prob / length_penalty(len(tokens), config.lenpen, config.lenpen_kind)
+    return Hypothesis(tokens, score, log_prob)
+
+
+def source_lengths(model: Transformer, src: Tensor) -> list[int]:
+    """(B, S) right-padded ids -> the real length of each source, its EOS included."""
+    return (src != model.config.pad_id).sum(1).tolist()
+
+
+def step_log_probs(
+    model: Transformer, last_R: Tensor, memory: Tensor, src_mask: Tensor, cache: KVCache, produced: int,
+    config: DecodeConfig,
+) -> Tensor:
+    """Feed the newest token of each row (R,) and return log P(next token) (R, V), in float32.
+
+    The decoder returns the logits of the one new position only, so the vocabulary projection (the
+    largest matmul of a step) is done once per row. EOS is masked while fewer than `min_len` tokens
+    were produced, as `min_new_tokens` (HuggingFace) and `min_decoding_length` (CTranslate2) do.
+    """
+    logits_RV = model.decode(last_R[:, None], memory, src_mask, cache)[:, -1].float()  # (R, V)
+    log_probs_RV = torch.log_softmax(logits_RV, dim=-1)
+    if produced < config.min_len:
+        log_probs_RV[:, model.config.eos_id] = float("-inf")
+    return log_probs_RV
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer, src: Tensor, config: DecodeConfig, generator: torch.Generator | None = None
+) -> list[list[Hypothesis]]:
+    """Translate a (B, S) right-padded batch of source ids; per sentence, its `n_best` hypotheses, best first.
+
+    Greedy search for beam 1, beam search above, sampling when `config.sample` (then `generator`, or one
+    seeded with `config.seed`, draws the tokens).
+    """
+    from aiayn.decoding.beam import beam_search
+    from aiayn.decoding.greedy import greedy_search
+
+    if config.sample:
+        if generator is None:
+            generator = torch.Generator(device=src.device)
+            generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+        rows = src.repeat_interleave(config.n_best, dim=0)  # (B * n, S): n independent samples each
+        hyps = greedy_search(model, rows, config, generator)
+        return [[h[0] for h in hyps[i : i + config.n_best]] for i in range(0, len(hyps), config.n_best)]
+    if config.beam == 1:
+        return greedy_search(model, src, config)
+    return beam_search(model, src, config)

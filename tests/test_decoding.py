@@ -1,0 +1,234 @@
+"""Searches against answers we did not compute with them: full recomputation, a scripted decoder with
+hand-computed scores (fairseq's test_sequence_generator pattern), exhaustive enumeration, the length
+penalty formulas, and the invariants beam 1 == greedy and batch == each sentence alone."""
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aiayn.config import ConfigError
+from aiayn.decoding import DecodeConfig, beam_search, generate, greedy_search, length_penalty
+from aiayn.decoding.sampling import filter_logits
+from aiayn.model import KVCache
+from conftest import padded_batch, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls on a shared 2-core machine are 10x faster on one thread than fighting for two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def full_log_prob(model, src, tokens):
+    """log P(tokens | src) by one uncached forward pass: the oracle for what a search accumulates."""
+    tgt_in = torch.tensor([[model.config.decoder_start_id] + tokens[:-1]])
+    with torch.no_grad():
+        log_probs = model(src[None], tgt_in).log_softmax(-1)[0]  # (T, V)
+    return log_probs.gather(1, torch.tensor(tokens)[:, None]).sum().item()
+
+
+# --- the cache ---------------------------------------------------------------------------------------
+
+
+def test_cache_with_shared_cross_kv_reordered_and_shrunk_equals_full_recomputation():
+    model = tiny_model()
+    b, k, t_max = 2, 3, 6
+    src = padded_batch([6, 3], 50)
+    tgt = padded_batch([t_max] * (b * k), 50)  # (B*K, T): three different prefixes per sentence
+    perm = torch.tensor([2, 0, 1, 4, 4, 3])  # beam reordering within each sentence (a beam duplicated)
+    with torch.no_grad():
+        memory, mask = model.encode(src), model.src_mask(src)
+        full = model.decode(tgt, memory.repeat_interleave(k, 0), mask.repeat_interleave(k, 0))
+        full_perm = model.decode(tgt[perm], memory.repeat_interleave(k, 0), mask.repeat_interleave(k, 0))
+        cache = model.new_cache(b * k, t_max, beam_size=k)
+        rows, expected = tgt, full
+        for t in range(t_max):
+            if t == 3:  # reorder beams: self-attention rows move, the shared cross K/V stay
+                cache.select(perm)
+                rows, expected = tgt[perm], full_perm
+            if t == 5:  # sentence 0 finished: keep sentence 1 only, its rows and its cross K/V
+                cache.keep_sentences(torch.tensor([1]))
+                rows, expected = rows[k:], expected[k:]
+                memory, mask = memory[1:], mask[1:]
+            step = model.decode(rows[:, t : t + 1], memory, mask, cache)  # (rows, 1, V)
+            torch.testing.assert_close(step[:, 0], expected[:, t], atol=1e-5, rtol=1e-5)
+    assert cache.cross[0][0].shape[0] == 1  # one cross K/V row per sentence, never one per beam
+
+
+def test_search_scores_equal_full_recomputation():
+    model = tiny_model()
+    src = padded_batch([5, 3, 7], 50)
+    config = DecodeConfig(beam=3, n_best=3, max_len_a=0.0, max_len_b=8)
+    for i, hyps in enumerate(generate(model, src, config)):
+        assert len(hyps) == 3 and [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+        for h in hyps:
+            n = int((src[i] != 0).sum())
+            assert h.log_prob == pytest.approx(full_log_prob(model, src[i, :n], h.tokens), abs=1e-4)
+            assert h.score == pytest.approx(h.log_prob / ((5 + len(h.tokens)) / 6) ** 0.6, abs=1e-6)
+
+
+# --- a scripted decoder: known hypotheses and scores --------------------------------------------------
+
+EOS, A, B = 2, 3, 4
+SCRIPTS = {  # source id -> {output prefix: {next token: probability}}; unlisted prefixes: EOS for sure
+    5: {(): {A: 0.6, B: 0.4}, (A,): {EOS: 0.4, A: 0.3, B: 0.3}, (B,): {EOS: 0.9, A: 0.05, B: 0.05}},
+    6: {(): {A: 0.55, B: 0.45}, (A,): {EOS: 0.5, A: 0.45, B: 0.05}, (B,): {EOS: 0.4, B: 0.6},
+        (A, A): {EOS: 0.9, A: 0.1}, (B, B): {EOS: 0.95, B: 0.05}},
+}
+
+
+class ScriptedModel:
+    """The decoding interface of `Transformer` with table-driven distributions. Each row's prefix is
+    read back from the KV cache, so a wrong beam reordering would read the wrong table row."""
+
+    def __init__(self):
+        self.config = SimpleNamespace(eos_id=EOS, pad_id=0, decoder_start_id=1, max_len=100)
+        self.rows_per_step: list[int] = []
+
+    def encode(self, src):
+        return src[:, :1, None].float()  # (B, 1, 1): the script id is the memory
+
+    def src_mask(self, src):
+        return (src != 0)[:, None, None, :]
+
+    def new_cache(self, batch_size, max_len, dtype=None, beam_size=1):
+        return KVCache(1, batch_size, 1, 1, max_len, beam_size=beam_size)
+
+    def decode(self, tgt_in, memory, src_mask, cache):
+        rows = tgt_in.shape[0]
+        self.rows_per_step.append(rows)
+        ids = tgt_in.float()[:, None, :, None]  # (R, 1, 1, 1): stored as keys to follow reorders
+        prefixes, _ = cache.append(0, ids, ids)
+        cache.advance(1)
+        logits = torch.full((rows, 1, 5), float("-inf"))
+        for r in range(rows):
+            prefix = tuple(int(x) for x in prefixes[r, 0, 1:, 0])  # without the start token
+            script = SCRIPTS[int(memory[r * memory.shape[0] // rows, 0, 0])]
+            for token, p in script.get(prefix, {EOS: 1.0}).items():
+                logits[r, 0, token] = math.log(p)
+        return logits
+
+
+def scripted(config):
+    model = ScriptedModel()
+    hyps = beam_search(model, torch.tensor([[5, 2], [6, 2]]), config)
+    return model, [[(h.tokens, h.score) for h in sentence] for sentence in hyps]
+
+
+def test_scripted_beam_search_without_length_penalty():
+    model, hyps = scripted(DecodeConfig(beam=2, n_best=2, lenpen=0.0))
+    assert hyps[0] == [([B, EOS], pytest.approx(math.log(0.4 * 0.9))), ([A, EOS], pytest.approx(math.log(0.6 * 0.4)))]
+    assert hyps[1] == [([A, EOS], pytest.approx(math.log(0.55 * 0.5))),
+                       ([B, B, EOS], pytest.approx(math.log(0.45 * 0.6 * 0.95)))]
+    assert model.rows_per_step == [4, 4, 2]  # sentence 0 finished after step 2 and left the batch
+
+
+def test_scripted_beam_search_length_penalties_prefer_the_longer_hypothesis():
+    gnmt = lambda n: ((5 + n) / 6) ** 0.6  # noqa: E731 (the paper's alpha; |Y| counts EOS)
+    _, hyps = scripted(DecodeConfig(beam=2, n_best=2, lenpen=0.6))
+    assert hyps[1] == [([B, B, EOS], pytest.approx(math.log(0.45 * 0.6 * 0.95) / gnmt(3))),
+                       ([A, EOS], pytest.approx(math.log(0.55 * 0.5) / gnmt(2)))]
+    _, hyps = scripted(DecodeConfig(beam=2, n_best=1, lenpen=1.0, lenpen_kind="power"))
+    assert hyps[1] == [([B, B, EOS], pytest.approx(math.log(0.45 * 0.6 * 0.95) / 3))]
+
+
+def test_scripted_greedy_and_max_length():
+    model = ScriptedModel()
+    hyps = greedy_search(model, torch.tensor([[5, 2], [6, 2]]), DecodeConfig(beam=1, lenpen=0.0))
+    assert [(h[0].tokens, h[0].score) for h in hyps] == [
+        ([A, EOS], pytest.approx(math.log(0.6 * 0.4))), ([A, EOS], pytest.approx(math.log(0.55 * 0.5)))]
+    cut = beam_search(ScriptedModel(), torch.tensor([[6, 2]]), DecodeConfig(beam=2, max_len_a=0, max_len_b=1))
+    assert cut[0][0].tokens == [A]  # cut at one token, no EOS: |Y| = 1
+
+
+# --- exhaustive search, beam 1, batching ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha,kind", [(0.0, "none"), (0.6, "gnmt"), (1.0, "power")])
+def test_wide_beam_finds_the_exhaustive_best(alpha, kind):
+    torch.manual_seed(2)  # a model where greedy and beam 2 miss the best output for every penalty below
+    model = tiny_model(vocab_size=5)
+    src = torch.tensor([4, 3, 4, 2])
+    eos, others = model.config.eos_id, [t for t in range(5) if t != model.config.eos_id]
+    outputs = [list(p) + [eos] for n in range(3) for p in itertools.product(others, repeat=n)]
+    outputs += [list(p) for p in itertools.product(others, repeat=3)]  # cut at the maximum length 3
+    best = max(outputs, key=lambda y: full_log_prob(model, src, y) / length_penalty(len(y), alpha, kind))
+    config = DecodeConfig(beam=64, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3, early_stopping=False)
+    assert beam_search(model, src[None], config)[0][0].tokens == best  # 64 = 4^3 beams hold every prefix
+    narrow = DecodeConfig(beam=2, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3)
+    assert beam_search(model, src[None], narrow)[0][0].tokens != best  # so the search problem is not trivial
+
+
+def test_beam_one_equals_greedy():
+    model = tiny_model()
+    src = padded_batch([5, 3, 7, 1], 50)
+    config = DecodeConfig(beam=1, max_len_a=0.0, max_len_b=12)
+    greedy, beam = greedy_search(model, src, config), beam_search(model, src, config)
+    for g, b in zip(greedy, beam):
+        assert g[0].tokens == b[0].tokens and g[0].score == pytest.approx(b[0].score, abs=1e-5)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_batch_translates_as_each_sentence_alone(beam):
+    model = tiny_model()
+    lengths = [5, 2, 7]
+    src = padded_batch(lengths, 50)
+    config = DecodeConfig(beam=beam, n_best=beam, max_len_a=1.0, max_len_b=4)
+    batch = generate(model, src, config)
+    for i, n in enumerate(lengths):
+        alone = generate(model, src[i : i + 1, :n], config)[0]
+        assert [h.tokens for h in batch[i]] == [h.tokens for h in alone]
+        assert [h.score for h in batch[i]] == pytest.approx([h.score for h in alone], abs=1e-5)
+
+
+def test_min_and_max_length():
+    model = tiny_model()
+    src = padded_batch([3, 6], 50)
+    forced = generate(model, src, DecodeConfig(beam=4, min_len=9, max_len_a=0.0, max_len_b=9))
+    assert all(len(h[0].tokens) == 9 and model.config.eos_id not in h[0].tokens for h in forced)
+    short = generate(model, src, DecodeConfig(beam=1, max_len_a=2.0, max_len_b=1))
+    assert all(len(h[0].tokens) <= 2 * n + 1 for h, n in zip(short, [3, 6]))
+
+
+# --- length penalty and sampling ---------------------------------------------------------------------
+
+
+def test_length_penalty_hand_computed_values():
+    assert length_penalty(10, 0.6, "gnmt") == pytest.approx(1.7328621, abs=1e-6)  # (15/6)^0.6 = 2.5^0.6
+    assert length_penalty(2, 0.6, "gnmt") == pytest.approx(1.0969026, abs=1e-6)  # (7/6)^0.6
+    assert length_penalty(1, 0.6, "gnmt") == 1.0  # (6/6)^alpha: one token is never penalized
+    assert length_penalty(10, 0.6, "power") == pytest.approx(3.9810717, abs=1e-6)  # 10^0.6
+    assert length_penalty(7, 0.0, "power") == length_penalty(7, 0.6, "none") == 1.0
+    with pytest.raises(ValueError, match="wnmt"):
+        length_penalty(3, 0.6, "wnmt")
+
+
+def test_sampling_is_seeded_and_filters():
+    model = tiny_model()
+    src = padded_batch([5, 3], 50)
+    config = DecodeConfig(beam=1, sample=True, seed=3, n_best=2, top_p=0.9, max_len_b=5)
+    first, again = generate(model, src, config), generate(model, src, config)
+    assert [[h.tokens for h in s] for s in first] == [[h.tokens for h in s] for s in again]
+    assert all(len(s) == 2 for s in first)
+    top1 = generate(model, src, DecodeConfig(beam=1, sample=True, seed=1, top_k=1, max_len_b=5))
+    greedy = generate(model, src, DecodeConfig(beam=1, max_len_b=5))
+    assert [s[0].tokens for s in top1] == [s[0].tokens for s in greedy]
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
+    kept = filter_logits(logits, top_k=0, top_p=0.8).isfinite()  # 0.5 + 0.3 reaches 0.8: two tokens
+    assert kept.tolist() == [[True, True, False, False]]
+    assert filter_logits(logits, top_k=3, top_p=1.0).isfinite().tolist() == [[True, True, True, False]]
+
+
+def test_decode_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="n_best"):
+        DecodeConfig(beam=2, n_best=3)
+    with pytest.raises(ConfigError, match="lenpen_kind"):
+        DecodeConfig(lenpen_kind="gnmt2")
+    with pytest.raises(ConfigError, match="sample"):
+        DecodeConfig(beam=4, sample=True)

@@ -26,10 +26,13 @@ def _one_thread():
 
 
 def full_log_prob(model, src, tokens):
-    """log P(tokens | src) by one uncached forward pass: the oracle for what a search accumulates."""
+    """log P(tokens | src) by one uncached forward pass: the oracle for what a search accumulates.
+    Searches never output padding, so its probability is spread over the other tokens."""
     tgt_in = torch.tensor([[model.config.decoder_start_id] + tokens[:-1]])
     with torch.no_grad():
-        log_probs = model(src[None], tgt_in).log_softmax(-1)[0]  # (T, V)
+        logits = model(src[None], tgt_in)[0]  # (T, V)
+        logits[:, model.config.pad_id] = float("-inf")
+        log_probs = logits.log_softmax(-1)
     return log_probs.gather(1, torch.tensor(tokens)[:, None]).sum().item()
 
 
@@ -152,15 +155,15 @@ def test_scripted_greedy_and_max_length():
 
 @pytest.mark.parametrize("alpha,kind", [(0.0, "none"), (0.6, "gnmt"), (1.0, "power")])
 def test_wide_beam_finds_the_exhaustive_best(alpha, kind):
-    torch.manual_seed(2)  # a model where greedy and beam 2 miss the best output for every penalty below
-    model = tiny_model(vocab_size=5)
+    torch.manual_seed(7)  # a model where beam 2 misses the best output for every penalty below
+    model = tiny_model(vocab_size=6)
     src = torch.tensor([4, 3, 4, 2])
-    eos, others = model.config.eos_id, [t for t in range(5) if t != model.config.eos_id]
+    eos, others = model.config.eos_id, [t for t in range(6) if t not in (model.config.eos_id, 0)]  # 0: pad
     outputs = [list(p) + [eos] for n in range(3) for p in itertools.product(others, repeat=n)]
     outputs += [list(p) for p in itertools.product(others, repeat=3)]  # cut at the maximum length 3
     best = max(outputs, key=lambda y: full_log_prob(model, src, y) / length_penalty(len(y), alpha, kind))
     config = DecodeConfig(beam=64, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3, early_stopping=False)
-    assert beam_search(model, src[None], config)[0][0].tokens == best  # 64 = 4^3 beams hold every prefix
+    assert beam_search(model, src[None], config)[0][0].tokens == best  # 64 > 4^2 beams hold every prefix
     narrow = DecodeConfig(beam=2, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3)
     assert beam_search(model, src[None], narrow)[0][0].tokens != best  # so the search problem is not trivial
 

@@ -90,6 +90,54 @@ def cmd_export(args: argparse.Namespace) -> None:
     print(export_ctranslate2(args.checkpoint, args.out, args.quantization, args.force))
 
 
+def cmd_translate(args: argparse.Namespace) -> None:
+    """Translate INPUT (or stdin) to OUTPUT (or stdout), one line per line, in input order."""
+    import contextlib
+
+    import torch
+
+    from aiayn.translate import Translator, decode_config, translate_stream
+
+    options = dict(beam=args.beam, lenpen=args.lenpen, lenpen_kind=args.lenpen_kind, max_len_a=args.max_len_a,
+                   max_len_b=args.max_len_b, min_len=args.min_len, n_best=args.n_best, sample=args.sample,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading or reading
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    translator = Translator.load(args.checkpoint, args.device, int8=args.int8)
+    with contextlib.ExitStack() as stack:
+        if args.input in (None, "-"):
+            src, name = sys.stdin.buffer, "<stdin>"
+        else:
+            try:
+                src, name = stack.enter_context(open(args.input, "rb")), args.input
+            except OSError as e:
+                raise UserError(f"{args.input}: cannot read ({e.strerror})") from None
+        dst = sys.stdout if args.output in (None, "-") else stack.enter_context(open(args.output, "w", encoding="utf-8"))
+        progress = None
+        if name != "<stdin>" and not args.quiet:  # a file: its size is known, show progress on stderr
+            from tqdm import tqdm
+
+            total = sum(1 for _ in open(args.input, "rb"))
+            progress = stack.enter_context(tqdm(total=total, unit="line", file=sys.stderr)).update
+        chunk = 1 if name == "<stdin>" and src.isatty() else args.chunk  # interactive: answer each line
+        translate_stream(translator, src, dst, name, chunk, args.max_tokens, progress, **options)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    """Print sacreBLEU BLEU, chrF and the lowercased BLEU of a translation file, with signatures."""
+    import json
+
+    from aiayn.evaluate import evaluate_files
+
+    scores = evaluate_files(args.hypotheses, args.references)
+    if args.json:
+        print(json.dumps([s.__dict__ for s in scores], indent=2))
+        return
+    for s in scores:
+        print(f"{s.name}: {s.score:.2f}\n  {s.detail}\n  signature: {s.signature}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aiayn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,7 +188,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=cmd_export)
 
+    add_translate_parser(sub)
+    p = sub.add_parser("evaluate", help="sacreBLEU BLEU and chrF (with signatures) of translations against references")
+    p.add_argument("hypotheses", metavar="HYP", help="detokenized, cased translations, one per line")
+    p.add_argument("references", metavar="REF", nargs="+", help="reference file(s), line-aligned with HYP")
+    p.add_argument("--json", action="store_true", help="print the scores as JSON")
+    p.set_defaults(func=cmd_evaluate)
+
     return parser
+
+
+def add_translate_parser(sub) -> None:
+    p = sub.add_parser("translate", help="translate a file or stdin with a checkpoint (beam search, n-best, sampling)",
+                       description="Translate one sentence per line, in input order; empty lines stay empty. "
+                       "Works as a Unix filter: `aiayn translate CKPT < in.txt > out.txt`.")
+    p.add_argument("checkpoint", metavar="CKPT", help="an aiayn checkpoint directory (trained, averaged or imported)")
+    p.add_argument("-i", "--input", help="input file (default: stdin)")
+    p.add_argument("-o", "--output", help="output file (default: stdout)")
+    p.add_argument("--beam", type=int, default=4, help="beam size; 1 is greedy search (default 4, the paper's)")
+    p.add_argument("--lenpen", type=float, default=0.6, help="length penalty alpha (default 0.6, the paper's)")
+    p.add_argument("--lenpen-kind", choices=["gnmt", "power", "none"], default="gnmt",
+                   help="gnmt: score = log P / ((5+|Y|)/6)^alpha (GNMT, the paper); power: log P / |Y|^alpha "
+                   "(fairseq, HuggingFace, CTranslate2). |Y| counts the output tokens INCLUDING the final EOS "
+                   "(as tensor2tensor and fairseq do); a hypothesis cut at the maximum length has no EOS")
+    p.add_argument("--max-len-a", type=float, default=1.0, help="at most a*src_len+b output tokens (default 1)")
+    p.add_argument("--max-len-b", type=int, default=50, help="(default 50: the paper's src_len + 50)")
+    p.add_argument("--min-len", type=int, default=0, help="forbid EOS before this many output tokens")
+    p.add_argument("--n-best", type=int, default=1,
+                   help="hypotheses per line; above 1, lines are written as `LINE ||| TEXT ||| SCORE` (Moses)")
+    p.add_argument("--sample", action="store_true", help="sample instead of searching (needs --beam 1)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    p.add_argument("--seed", type=int, help="seed for --sample")
+    p.add_argument("--max-tokens", type=int, default=4096,
+                   help="batch budget: padded source tokens x beam per batch (sentences are sorted by length)")
+    p.add_argument("--chunk", type=int, default=10_000, help="lines read (and sorted) at a time")
+    p.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the linear layers (CPU)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: PyTorch's choice)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_translate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,9 +47,11 @@ def step_log_probs(
 
     The decoder returns the logits of the one new position only, so the vocabulary projection (the
     largest matmul of a step) is done once per row. EOS is masked while fewer than `min_len` tokens
-    were produced, as `min_new_tokens` (HuggingFace) and `min_decoding_length` (CTranslate2) do.
+    were produced, as `min_new_tokens` (HuggingFace) and `min_decoding_length` (CTranslate2) do. Padding
+    is never an output (Marian's models ship `bad_words_ids=[[pad]]` for the same reason).
     """
     logits_RV = model.decode(last_R[:, None], memory, src_mask, cache)[:, -1].float()  # (R, V)
+    logits_RV[:, model.config.pad_id] = float("-inf")
     log_probs_RV = torch.log_softmax(logits_RV, dim=-1)
     if produced < config.min_len:
         log_probs_RV[:, model.config.eos_id] = float("-inf")

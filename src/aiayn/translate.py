@@ -1,0 +1,157 @@
+"""Translating text with a checkpoint, from Python in two lines:
+
+    from aiayn.translate import Translator
+    Translator.load("runs/base/average").translate(["Ein Mann fährt Fahrrad."], beam=4)
+
+Sentences are sorted by length and cut into batches of about `max_tokens` source tokens (times the
+beam), so that little padding is computed; the results come back in input order. Empty (or blank)
+lines translate to empty strings without touching the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator, Sequence, TextIO
+
+import torch
+
+from aiayn.config import from_dict
+from aiayn.data.tokenizer import Tokenizer
+from aiayn.decoding import DecodeConfig, generate
+from aiayn.errors import UserError
+from aiayn.model import Transformer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Translation:
+    """One hypothesis for one input line."""
+
+    text: str  # detokenized output
+    score: float  # log P / lp(|Y|), what the search ranked by
+    tokens: list[int]  # output ids (EOS included when the search produced it)
+
+
+def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeConfig:
+    """`base` (or the paper's defaults) with `options` replaced; an unknown option raises ConfigError."""
+    return from_dict(DecodeConfig, {**dataclasses.asdict(base or DecodeConfig()), **options})
+
+
+def length_sorted_batches(lengths: Sequence[int], max_tokens: int, rows_per_sentence: int = 1) -> Iterator[list[int]]:
+    """Indices of `lengths`, shortest first, in batches whose padded size (longest x sentences x rows per
+    sentence) stays within `max_tokens`; a sentence longer than the budget gets a batch of its own."""
+    batch: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if batch and lengths[i] * (len(batch) + 1) * rows_per_sentence > max_tokens:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def quantize_int8(model: Transformer) -> Transformer:
+    """Dynamic int8 quantization of every Linear layer (weights int8, activations quantized per call):
+    a CPU-only speed-up. The embeddings stay in float; the tied output projection gets its own int8 copy."""
+    with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated for torchao, still works
+        warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+class Translator:
+    """A model and its tokenizer, ready to translate lists of strings."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: DecodeConfig | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config or DecodeConfig()  # defaults for every call; options override per call
+        self.device = model.tgt_embed.embed.weight.device
+
+    @classmethod
+    def load(cls, checkpoint: str | Path, device: str | torch.device = "cpu", int8: bool = False) -> "Translator":
+        """A checkpoint directory (a training checkpoint, an averaged or an imported one)."""
+        from aiayn.checkpoint import load_checkpoint
+
+        ckpt = load_checkpoint(checkpoint, device)
+        model = quantize_int8(ckpt.model) if int8 else ckpt.model
+        return cls(model, ckpt.tokenizer)
+
+    def translate(self, texts: Sequence[str], max_tokens: int = 4096, **options: Any) -> list[str]:
+        """The best translation of each text, in input order. `options` are `DecodeConfig` fields."""
+        return [hyps[0].text if hyps else "" for hyps in self.hypotheses(texts, max_tokens, **options)]
+
+    def hypotheses(
+        self, texts: Sequence[str], max_tokens: int = 4096, progress: Callable[[int], None] | None = None,
+        **options: Any,
+    ) -> list[list[Translation]]:
+        """The `n_best` translations of each text, best first; an empty list for an empty text.
+        `progress(n)` is called after each batch with the number of texts it held."""
+        config = decode_config(self.config, **options)
+        ids = [self.tokenizer.encode_src(t) if t.strip() else [] for t in texts]
+        out: list[list[Translation]] = [[] for _ in texts]
+        todo = [i for i, s in enumerate(ids) if s]
+        rows = config.n_best if config.sample else config.beam
+        for batch in length_sorted_batches([len(ids[i]) for i in todo], max_tokens, rows):
+            chosen = [todo[j] for j in batch]
+            for i, hyps in zip(chosen, generate(self.model, self._pad([ids[i] for i in chosen]), config)):
+                out[i] = [Translation(self.tokenizer.decode_tgt(h.tokens), h.score, h.tokens) for h in hyps]
+            if progress is not None:
+                progress(len(chosen))
+        skipped = len(texts) - len(todo)
+        if skipped:
+            log.debug("%d empty lines kept empty", skipped)
+        return out
+
+    def _pad(self, sentences: list[list[int]]) -> torch.Tensor:
+        """Right-padded (B, S) batch of source ids."""
+        src = torch.full((len(sentences), max(map(len, sentences))), self.tokenizer.pad_id, dtype=torch.long)
+        for i, s in enumerate(sentences):
+            src[i, : len(s)] = torch.tensor(s)
+        return src.to(self.device)
+
+
+def translate(checkpoint: str | Path, texts: Sequence[str], **options: Any) -> list[str]:
+    """One call: load `checkpoint` and translate `texts` (`DecodeConfig` fields as options)."""
+    return Translator.load(checkpoint).translate(texts, **options)
+
+
+def read_utf8_lines(stream: BinaryIO, name: str, chunk: int) -> Iterator[list[str]]:
+    """Lines of a binary stream, decoded, without newlines, in lists of up to `chunk` lines; a bad
+    byte sequence is a `UserError` naming NAME:LINE."""
+    lines: list[str] = []
+    for n, raw in enumerate(iter(stream.readline, b""), 1):
+        try:
+            lines.append(raw.decode("utf-8").rstrip("\r\n"))
+        except UnicodeDecodeError:
+            raise UserError(f"{name}:{n}: invalid UTF-8") from None
+        if len(lines) >= chunk:
+            yield lines
+            lines = []
+    if lines:
+        yield lines
+
+
+def translate_stream(
+    translator: Translator, src: BinaryIO, dst: TextIO, name: str, chunk: int = 10_000,
+    max_tokens: int = 4096, progress: Callable[[int], None] | None = None, **options: Any,
+) -> int:
+    """Translate `src` line by line into `dst`, in input order, `chunk` lines at a time (1 for an
+    interactive filter: each line is answered as soon as it is read). With `n_best` > 1 every line gets
+    its hypotheses in Moses' n-best format, `LINE ||| TEXT ||| SCORE` (LINE from 0). Returns the lines read."""
+    n_best = decode_config(translator.config, **options).n_best
+    done = 0
+    for lines in read_utf8_lines(src, name, chunk):
+        for i, hyps in enumerate(translator.hypotheses(lines, max_tokens, progress, **options)):
+            if n_best == 1:
+                dst.write((hyps[0].text if hyps else "") + "\n")
+                continue
+            for h in hyps or [Translation("", 0.0, [])]:  # an empty line: one empty hypothesis
+                dst.write(f"{done + i} ||| {h.text} ||| {h.score:.4f}\n")
+        dst.flush()
+        done += len(lines)
+    return done

@@ -1,0 +1,106 @@
+"""Translating lists, files and stdin: input order, empty lines, batching invisible, the CLI's formats."""
+
+import sys
+
+import pytest
+import torch
+
+from aiayn.checkpoint import save_checkpoint
+from aiayn.cli import main
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.decoding import DecodeConfig, generate
+from aiayn.translate import Translator, length_sorted_batches, quantize_int8, translate
+from conftest import padded_batch, tiny_model
+
+TEXTS = ["the number 12 is even", "", "odd", "und die Zahl 7 ist odd und die Zahl 8 ist even", "  ", "the number 3"]
+OPTIONS = dict(beam=2, max_len_a=0.0, max_len_b=6)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread beats two contended ones on a shared machine
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("translate")
+    lines = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} und die Zahl {i}" for i in range(300)]
+    tokenizer = Tokenizer(train_sentencepiece(lines, d / "spm", vocab_size=60))
+    torch.manual_seed(0)
+    return save_checkpoint(d / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+
+
+def alone(translator, text):
+    """The reference: one sentence, no batching, straight through the search."""
+    if not text.strip():
+        return ""
+    src = torch.tensor([translator.tokenizer.encode_src(text)])
+    return translator.tokenizer.decode_tgt(generate(translator.model, src, DecodeConfig(**OPTIONS))[0][0].tokens)
+
+
+def test_batched_translation_keeps_order_and_empty_lines(checkpoint):
+    translator = Translator.load(checkpoint)
+    out = translator.translate(TEXTS, max_tokens=30, **OPTIONS)  # small budget: several length-sorted batches
+    assert out == [alone(translator, t) for t in TEXTS]
+    assert out[1] == out[4] == "" and any(out)
+    assert translate(checkpoint, TEXTS[:1], **OPTIONS) == out[:1]  # the one-call helper
+
+
+def test_n_best_hypotheses_are_ranked(checkpoint):
+    hyps = Translator.load(checkpoint).hypotheses(TEXTS, n_best=2, **OPTIONS)
+    assert [len(h) for h in hyps] == [2, 0, 2, 2, 0, 2]
+    assert all(h[0].score >= h[1].score for h in hyps if h)
+
+
+def test_length_sorted_batches_respect_the_budget():
+    lengths = [5, 1, 9, 3, 3, 20]
+    batches = list(length_sorted_batches(lengths, max_tokens=12, rows_per_sentence=2))
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert [lengths[i] for b in batches for i in b] == sorted(lengths)  # shortest first
+    for b in batches:
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) * 2 <= 12  # a long sentence goes alone
+
+
+def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    args = ["translate", str(checkpoint), "-i", str(src), "-o", str(out), "--beam", "2", "--max-len-a", "0",
+            "--max-len-b", "6", "--max-tokens", "30"]
+    assert main(args) == 0
+    translator = Translator.load(checkpoint)
+    assert out.read_text(encoding="utf-8").split("\n") == [alone(translator, t) for t in TEXTS] + [""]
+    assert "line" in capsys.readouterr().err  # progress on stderr for a file
+    assert main(args + ["--n-best", "2", "-q"]) == 0
+    nbest = [line.split(" ||| ") for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [int(n) for n, _, _ in nbest] == [0, 0, 1, 2, 2, 3, 3, 4, 5, 5]
+    assert nbest[0][1] == alone(translator, TEXTS[0]) and float(nbest[0][2]) >= float(nbest[1][2])
+    src.write_bytes(b"fine\n\xff\xfe\n")
+    assert main(args) == 2
+    assert f"{src}:2: invalid UTF-8" in capsys.readouterr().err
+    assert main(["translate", str(checkpoint), "--beam", "2", "--n-best", "3"]) == 2  # n_best > beam, one line
+    assert "n_best" in capsys.readouterr().err
+
+
+def test_cli_is_a_unix_filter(checkpoint, tmp_path, monkeypatch, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    with open(src, encoding="utf-8") as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        assert main(["translate", str(checkpoint), "--beam", "2", "--max-len-a", "0", "--max-len-b", "6"]) == 0
+    captured = capsys.readouterr()
+    translator = Translator.load(checkpoint)
+    assert captured.out.split("\n") == [alone(translator, t) for t in TEXTS] + [""]
+    assert captured.err == ""  # no progress bar in a pipe
+
+
+def test_int8_model_stays_close_to_float():
+    model = tiny_model()
+    src, tgt = padded_batch([6, 4], 50), padded_batch([5, 5], 50)
+    with torch.no_grad():
+        ref = model(src, tgt)
+        q = quantize_int8(model)(src, tgt)
+    assert torch.nn.functional.cosine_similarity(ref.flatten(), q.flatten(), dim=0) > 0.99
+    assert len(generate(quantize_int8(model), src, DecodeConfig(beam=2, max_len_b=4))) == 2

@@ -1,0 +1,139 @@
+"""The layer-time and attention-memory benchmarks: what they time is the paper's formula, their
+crossover and slope arithmetic give known answers, and a tiny run of each writes sane results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.model import MultiHeadAttention
+from aiayn.model.attention import merge_heads, split_heads
+from reference import naive_attention
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    """Import benchmarks/NAME.py (benchmarks/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+layers = _load("layers")
+attention_memory = _load("attention_memory")
+
+
+@pytest.mark.parametrize("d", [16, 128])
+def test_benchmarked_attention_layer_is_equation_1(d):
+    """The model's MultiHeadAttention, as benchmarked, = W^O(Concat(softmax(QK^T/sqrt(d_k))V)) in float64."""
+    h = layers.n_heads(d, 64)
+    mha = MultiHeadAttention(d, h, self_attention=True).double()
+    x = torch.randn(2, 24, d, dtype=torch.float64)
+    q, k, v = (split_heads(t, h) for t in mha.qkv_proj(x).chunk(3, dim=-1))  # 3 x (B, H, n, D)
+    expected = mha.out_proj(merge_heads(naive_attention(q, k, v)))
+    torch.testing.assert_close(mha(x), expected)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "explicit"])
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_memory_benchmark_computes_equation_1(impl, mode):
+    """Both sides of the memory benchmark, and their gradients, equal the float64 oracle."""
+    q, k, v = (torch.randn(1, 8, 64, 64, requires_grad=True) for _ in range(3))  # (B, H, n, D)
+    out = attention_memory.ATTENTION[impl](q, k, v)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = naive_attention(*ref_inputs)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+    if mode == "train":
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        ref.backward(grad.double())
+        for ours, theirs in zip((q, k, v), ref_inputs):
+            torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_every_benchmarked_layer_maps_the_input_shape():
+    cfg = layers.GridConfig(batch=2)
+    expected = {"attention": (2, 8, 32), "sdpa": (2, 1, 8, 32), "lstm": (2, 8, 32), "conv": (2, 32, 8)}
+    for name in layers.LAYERS:
+        assert layers.build_layer(name, 8, 32, cfg, torch.device("cpu"))().shape == expected[name]
+
+
+def test_crossover_known_answers():
+    lengths = [16, 32, 64, 128, 256, 512]
+    quadratic = [n * n for n in lengths]
+    linear = [100.0 * n for n in lengths]  # equal to n^2 at n = 100
+    assert layers.crossover(lengths, quadratic, linear) == pytest.approx(100.0)
+    assert layers.crossover(lengths, linear, quadratic) is None  # never slower
+    assert layers.crossover(lengths, [10.0 * t for t in linear], linear) == 0.0  # always slower
+    noisy = [1.2, 0.9, 0.8, 0.5, 2.0, 4.0]  # slower at n=16 by noise; the crossing that stays is 128..256
+    n_star = layers.crossover(lengths, noisy, [1.0] * 6)
+    assert 128 < n_star < 256
+
+
+def test_growth_exponent_and_flop_parity_known_answers():
+    lengths = [256, 512, 1024]
+    assert layers.growth_exponent(lengths, [n**2 * 1e-9 for n in lengths]) == pytest.approx(2.0)
+    assert layers.growth_exponent(lengths, [n * 1e-6 for n in lengths]) == pytest.approx(1.0)
+    d = 512
+    assert layers.flop_parity("attention", "lstm", d, 3) == 2 * d  # 4d^2 + 2nd = 8d^2
+    assert layers.flop_parity("sdpa", "lstm", d, 3) == 4 * d  # 2nd = 8d^2
+    assert layers.flop_parity("sdpa", "conv", d, 3) == 1.5 * d  # 2nd = 3d^2
+    assert layers.flop_parity("attention", "conv", d, 3) == 0.0  # 4d^2 + 2nd > 3d^2 for every n
+
+
+def test_layers_tiny_grid_writes_results(tmp_path):
+    result = layers.main(["--lengths", "8", "16", "--widths", "16", "64", "--batch", "1", "--out", str(tmp_path)])
+    for suffix in ("json", "md", "png"):
+        assert (tmp_path / f"layers_cpu.{suffix}").stat().st_size > 0
+    saved = json.loads((tmp_path / "layers_cpu.json").read_text())
+    assert saved["environment"]["torch"] == torch.__version__
+    assert set(saved["times"]) == {"16", "64"}
+    for cells in result["times"].values():
+        assert set(cells) == {8, 16}
+        for cell in cells.values():
+            assert all(math.isfinite(cell[x][m]) and cell[x][m] > 0 for x in layers.LAYERS for m in layers.MODES)
+    assert set(result["crossovers"][16]) == {"attention_vs_lstm", "attention_vs_conv", "sdpa_vs_lstm", "sdpa_vs_conv"}
+    assert "## Crossover" in (tmp_path / "layers_cpu.md").read_text()
+
+
+def test_attention_memory_sees_the_n_by_n_matrix_and_flash_does_not_build_it():
+    """Two fresh-process measurements at n = 512: explicit attention's peak holds at least its float32
+    (B, H, n, n) scores; SDPA's flash kernel, even with its backward, stays below one such matrix."""
+    cfg = attention_memory.MemoryConfig()
+    square = cfg.batch * cfg.heads * 512 * 512 * 4
+    explicit = attention_memory.measure_in_subprocess("explicit", 512, "forward", cfg)
+    sdpa = attention_memory.measure_in_subprocess("sdpa", 512, "train", cfg)
+    assert explicit["peak_bytes"] >= square
+    assert 0 < sdpa["peak_bytes"] < square
+
+
+def test_predicted_peak_follows_the_last_slope():
+    points = [{"n": 256, "peak_bytes": 100, "measured": True}, {"n": 512, "peak_bytes": 400, "measured": True}]
+    assert attention_memory.predicted_peak(points, 1024) == pytest.approx(1600)  # slope 2
+    assert attention_memory.predicted_peak(points[:1], 1024) == pytest.approx(1600)  # one point: assume 2
+    linear = [{"n": 256, "peak_bytes": 100, "measured": True}, {"n": 512, "peak_bytes": 200, "measured": True}]
+    assert attention_memory.predicted_peak(linear, 1024) == pytest.approx(400)
+    assert attention_memory.predicted_peak([], 1024) is None
+
+
+@pytest.mark.slow
+def test_attention_memory_tiny_run_writes_results(tmp_path):
+    """The whole pipeline; a 40 MiB budget makes the explicit n = 1,024 runs predicted, not run."""
+    result = attention_memory.main(["--lengths", "512", "1024", "--budget-gib", str(40 / 1024), "--out", str(tmp_path)])
+    for mode in attention_memory.MODES:
+        explicit, sdpa = result["series"]["explicit"][mode], result["series"]["sdpa"][mode]
+        assert explicit[0]["measured"] and not explicit[1]["measured"]
+        assert explicit[1]["peak_bytes"] == pytest.approx(4 * explicit[0]["peak_bytes"], rel=1e-6)
+        assert all(p["measured"] and p["peak_bytes"] < 8 * p["n"] ** 2 * 4 for p in sdpa)
+    for suffix in ("json", "md", "png"):
+        assert (tmp_path / f"attention_memory_cpu.{suffix}").stat().st_size > 0
+    assert "predicted" in (tmp_path / "attention_memory_cpu.md").read_text()

@@ -104,3 +104,16 @@ def test_int8_model_stays_close_to_float():
         q = quantize_int8(model)(src, tgt)
     assert torch.nn.functional.cosine_similarity(ref.flatten(), q.flatten(), dim=0) > 0.99
     assert len(generate(quantize_int8(model), src, DecodeConfig(beam=2, max_len_b=4))) == 2
+
+
+def test_cpu_packed_linears_compute_the_same_function():
+    from aiayn.decoding.cpu import pack_for_cpu
+
+    model = tiny_model()
+    packed = pack_for_cpu(model)
+    src, tgt = padded_batch([6, 4], 50), padded_batch([5, 5], 50)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(src, tgt), model(src, tgt), atol=1e-5, rtol=1e-5)
+    config = DecodeConfig(beam=3, max_len_b=6)
+    assert [h[0].tokens for h in generate(packed, src, config)] == [h[0].tokens for h in generate(model, src, config)]
+    assert type(model.generator) is torch.nn.Linear  # the original is left as it was

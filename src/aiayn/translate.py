@@ -22,6 +22,7 @@ import torch
 from aiayn.config import from_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, generate
+from aiayn.decoding.cpu import pack_for_cpu
 from aiayn.errors import UserError
 from aiayn.model import Transformer
 
@@ -63,6 +64,16 @@ def quantize_int8(model: Transformer) -> Transformer:
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
+def prepare_for_inference(model: Transformer, int8: bool = False) -> Transformer:
+    """The fastest equivalent of `model` for decoding: on a CPU, Linear layers prepacked for oneDNN
+    (same float32 function) or, with `int8`, dynamically quantized; elsewhere the model itself."""
+    if int8:
+        return quantize_int8(model)
+    if model.tgt_embed.embed.weight.device.type == "cpu" and model.tgt_embed.embed.weight.dtype == torch.float32:
+        return pack_for_cpu(model)
+    return model
+
+
 class Translator:
     """A model and its tokenizer, ready to translate lists of strings."""
 
@@ -78,8 +89,7 @@ class Translator:
         from aiayn.checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(checkpoint, device)
-        model = quantize_int8(ckpt.model) if int8 else ckpt.model
-        return cls(model, ckpt.tokenizer)
+        return cls(prepare_for_inference(ckpt.model, int8), ckpt.tokenizer)
 
     def translate(self, texts: Sequence[str], max_tokens: int = 4096, **options: Any) -> list[str]:
         """The best translation of each text, in input order. `options` are `DecodeConfig` fields."""

@@ -1,0 +1,226 @@
+"""Decoding speed: generated tokens per second of aiayn against HuggingFace and CTranslate2, same weights.
+
+The `base` shape (d_model 512, 8 heads, d_ff 2048, 6+6 layers, vocabulary 32,000) with random weights,
+built once as a HuggingFace `MarianMTModel` and carried into aiayn through `aiayn.interop.marian` and
+into CTranslate2 through CTranslate2's own `TransformersConverter` (float32 and int8): three runtimes,
+one set of weights, checked to give the same logits before anything is timed. Every source has 24
+tokens (its EOS included) and every output exactly 32 new tokens (EOS forbidden until then: aiayn's
+`min_len`, HuggingFace's `min_new_tokens`, CTranslate2's `min_decoding_length`; each output's length
+is checked). Cells: greedy and beam 4, batch 1 and 16. Tokens/s counts output tokens of the returned
+hypotheses (batch x 32), the encoder included.
+
+The engines of one cell run interleaved, repeat after repeat, with the same thread count, and the
+median is reported: on a shared machine the ratios between engines of one run are what carries over.
+
+    python benchmarks/decode.py                       # CPU, 1 thread, 3 repeats
+    python benchmarks/decode.py --threads 2 --repeats 5
+    python benchmarks/decode.py --device cuda         # aiayn and HuggingFace on a GPU (+ CT2 if built with CUDA)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment  # noqa: E402
+
+from aiayn.checkpoint import load_into  # noqa: E402
+from aiayn.decoding import DecodeConfig, generate  # noqa: E402
+from aiayn.interop.marian import convert_weights, model_config_from_marian  # noqa: E402
+from aiayn.translate import prepare_for_inference  # noqa: E402
+
+SRC_LEN, NEW_TOKENS, VOCAB = 24, 32, 32_000
+EOS, UNK, PAD = 0, 1, VOCAB - 1  # Marian's layout: </s> 0, <unk> 1, <pad> last (CTranslate2 drops its row)
+CELLS = [("greedy", 1, 1), ("greedy", 1, 16), ("beam 4", 4, 1), ("beam 4", 4, 16)]
+
+
+def build_hf(seed: int):
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=VOCAB, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+        decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, activation_function="relu",
+        max_position_embeddings=512, scale_embedding=True, share_encoder_decoder_embeddings=True,
+        pad_token_id=PAD, eos_token_id=EOS, decoder_start_token_id=PAD, forced_eos_token_id=None,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    hf = MarianMTModel(config).eval()
+    with torch.no_grad():
+        hf.model.shared.weight.normal_(0.0, 512**-0.5)  # the paper's init: unit variance after sqrt(d)
+        hf.model.shared.weight[PAD] = 0.0  # Marian's decoder starts from a zero embedding (pad)
+    return hf
+
+
+def build_aiayn(hf):
+    from aiayn.model import Transformer
+
+    hf_config = {**hf.config.to_dict(), "architectures": ["MarianMTModel"]}  # unset in a config built here
+    config = model_config_from_marian(hf_config, "benchmark MarianConfig")
+    model = Transformer(config).eval()
+    load_into(model, convert_weights(hf.state_dict(), config, "benchmark"), "benchmark")
+    return model
+
+
+def check_same_logits(hf, model, src: torch.Tensor) -> float:
+    tgt = torch.randint(2, PAD, (src.shape[0], 9))
+    tgt[:, 0] = PAD
+    with torch.no_grad():
+        theirs = hf(input_ids=src, decoder_input_ids=tgt).logits
+        ours = model(src, tgt)
+    diff = (theirs - ours).abs().max().item()
+    if diff > 1e-3:
+        raise SystemExit(f"aiayn and HuggingFace logits differ by {diff}: not the same model, not timing")
+    return diff
+
+
+class _Vocabulary:
+    """What CTranslate2's Marian loader reads from a tokenizer: the vocabulary and two token names."""
+
+    eos_token, unk_token = "</s>", "<unk>"
+
+    def get_vocab(self) -> dict[str, int]:
+        names = {EOS: "</s>", UNK: "<unk>", PAD: "<pad>"}
+        return {names.get(i, f"t{i}"): i for i in range(VOCAB)}
+
+
+def build_ct2(hf, workdir: Path, threads: int, device: str) -> dict:
+    """CTranslate2 float32 and int8 models converted by CTranslate2's own Transformers converter."""
+    import ctranslate2
+    from ctranslate2.converters import TransformersConverter
+
+    class OfflineConverter(TransformersConverter):
+        def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
+            return _Vocabulary()  # random weights have no SentencePiece model; the ids are all it needs
+
+    hf.save_pretrained(workdir / "hf")
+    out = {}
+    for compute, quantization in (("float32", None), ("int8", "int8")):
+        path = workdir / f"ct2_{compute}"
+        OfflineConverter(str(workdir / "hf")).convert(str(path), quantization=quantization, force=True)
+        out[compute] = ctranslate2.Translator(str(path), device=device, compute_type=compute,
+                                              intra_threads=threads, inter_threads=1)
+    return out
+
+
+def run_aiayn(model, src, beam: int) -> list[int]:
+    config = DecodeConfig(beam=beam, min_len=NEW_TOKENS, max_len_a=0.0, max_len_b=NEW_TOKENS, lenpen=1.0,
+                          lenpen_kind="power")
+    return [len(h[0].tokens) for h in generate(model, src, config)]
+
+
+def run_hf(hf, src, beam: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(input_ids=src, attention_mask=torch.ones_like(src), num_beams=beam, do_sample=False,
+                          use_cache=True, min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS)
+    return [out.shape[1] - 1] * out.shape[0]  # minus the decoder start token
+
+
+def run_ct2(translator, tokens, beam: int) -> list[int]:
+    results = translator.translate_batch(tokens, beam_size=beam, min_decoding_length=NEW_TOKENS,
+                                         max_decoding_length=NEW_TOKENS)
+    return [len(r.hypotheses[0]) for r in results]
+
+
+def engines(hf, model, model_int8, ct2, src, device: str) -> dict:
+    """name -> function(batch, beam) -> output lengths, for the engines available here."""
+    tokens = [[f"t{i}" for i in row[:-1].tolist()] + ["</s>"] for row in src.cpu()]
+    out = {
+        "aiayn fp32": lambda b, k: run_aiayn(model, src[:b], k),
+        "HF Marian fp32": lambda b, k: run_hf(hf, src[:b], k),
+    }
+    if model_int8 is not None:
+        out["aiayn int8"] = lambda b, k: run_aiayn(model_int8, src[:b].cpu(), k)
+    for compute, translator in ct2.items():
+        out[f"CT2 {compute}"] = lambda b, k, t=translator: run_ct2(t, tokens[:b], k)
+    return out
+
+
+def measure(runs: dict, repeats: int, device: str) -> dict:
+    """tokens/s per (cell, engine): engines interleaved within each repeat, median over repeats."""
+    results = {}
+    for name, beam, batch in CELLS:
+        cell = f"{name}, batch {batch}"
+        times: dict[str, list[float]] = {e: [] for e in runs}
+        for e, fn in runs.items():  # warm-up, and the forced length checked once per engine and cell
+            lengths = fn(batch, beam)
+            if lengths != [NEW_TOKENS] * batch:
+                raise SystemExit(f"{e} produced lengths {lengths} in {cell}, not {NEW_TOKENS}")
+        for _ in range(repeats):
+            for e, fn in runs.items():
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                fn(batch, beam)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times[e].append(time.perf_counter() - start)
+        results[cell] = {e: batch * NEW_TOKENS / statistics.median(t) for e, t in times.items()}
+        print(cell, {e: round(v, 1) for e, v in results[cell].items()}, file=sys.stderr, flush=True)
+    return results
+
+
+def table(results: dict) -> str:
+    engines_ = list(next(iter(results.values())))
+    head = "| cell | " + " | ".join(f"{e} tok/s" for e in engines_) + " | aiayn / CT2 fp32 | aiayn / HF |"
+    if "aiayn int8" in engines_ and "CT2 int8" in engines_:
+        head += " aiayn int8 / CT2 int8 |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for cell, r in results.items():
+        row = f"| {cell} | " + " | ".join(f"{r[e]:.1f}" for e in engines_)
+        row += f" | {r['aiayn fp32'] / r['CT2 float32']:.2f}x" if "CT2 float32" in r else " | -"
+        row += f" | {r['aiayn fp32'] / r['HF Marian fp32']:.2f}x |"
+        if "aiayn int8" in r and "CT2 int8" in r:
+            row += f" {r['aiayn int8'] / r['CT2 int8']:.2f}x |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for every engine (default 1)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="results prefix (default benchmarks/results/decode_DEVICE)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    hf = build_hf(args.seed)
+    model = build_aiayn(hf)
+    src = torch.randint(2, PAD, (16, SRC_LEN))
+    src[:, -1] = EOS
+    diff = check_same_logits(hf, model, src[:4])
+    model_int8 = prepare_for_inference(build_aiayn(hf), int8=True) if args.device == "cpu" else None
+    model = prepare_for_inference(model.to(args.device))  # what `Translator.load` runs: packed for oneDNN on CPU
+    hf, model, src = hf.to(args.device), model.to(args.device), src.to(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            ct2 = build_ct2(hf.cpu(), Path(tmp), args.threads, args.device)
+        except (ImportError, ValueError, RuntimeError) as e:  # e.g. a CTranslate2 wheel without CUDA
+            print(f"CTranslate2 unavailable on {args.device}: {e}", file=sys.stderr)
+            ct2 = {}
+        hf = hf.to(args.device)
+        results = measure(engines(hf, model, model_int8, ct2, src, args.device), args.repeats, args.device)
+    env = environment()
+    env.update(ctranslate2=__import__("ctranslate2").__version__, threads=args.threads, device=args.device,
+               repeats=args.repeats, max_abs_logit_diff_vs_hf=diff, command="python " + " ".join(sys.argv))
+    text = table(results)
+    print(text)
+    out = Path(args.out or Path(__file__).parent / "results" / f"decode_{args.device}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"environment": env, "tokens_per_second": results}, indent=2) + "\n")
+    out.with_suffix(".md").write_text(
+        f"# Decoding speed, {args.device}\n\n`{env['command']}`\n\n{text}\n\n"
+        f"Environment: `{json.dumps(env)}`\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -28,7 +28,8 @@ def _log_to_stderr() -> None:
 
     rank = os.environ.get("RANK")
     fmt = f"%(asctime)s {'[rank ' + rank + '] ' if rank else ''}%(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", stream=sys.stderr)
+    level = logging.INFO if rank in (None, "0") else logging.WARNING  # under torchrun, rank 0 speaks
+    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stderr)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -71,6 +72,25 @@ def cmd_attention(args: argparse.Namespace) -> None:
     files = draw_attention(maps, args.out, title=f"attention of {args.checkpoint}: {args.src}")
     for path in files.values():
         print(path)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """Train a small Transformer on built-in English -> German numbers and dates, then test it."""
+    from aiayn.demo import DemoConfig, run_demo
+
+    _log_to_stderr()
+    given = dict(out=args.out, seed=args.seed, size=args.size, steps=args.steps, minutes=args.minutes,
+                 n_train=args.train_pairs, n_test=args.test_pairs, beam=args.beam)
+    config = DemoConfig(**{k: v for k, v in given.items() if v is not None})  # None: the demo's default
+    r = run_demo(config)
+    print(f"held-out exact match: {r.correct}/{r.total} = {100 * r.accuracy:.1f}% "
+          f"(beam {config.beam}, {r.steps} updates, {r.train_seconds:.0f} s of training)")
+    for source, reference, hypothesis in r.examples:
+        print(f"  {'ok ' if hypothesis == reference else 'BAD'} {source}  ->  {hypothesis}"
+              + ("" if hypothesis == reference else f"  (reference: {reference})"))
+    for name, path in r.files.items():
+        print(f"{name}: {path}")
+    print(f"checkpoint: {r.checkpoint}")
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -171,6 +191,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt", help="target sentence to force (default: the model's greedy translation)")
     p.add_argument("--out", default="attention", help="output folder (default ./attention)")
     p.set_defaults(func=cmd_attention)
+
+    p = sub.add_parser("demo", help="learn English -> German numbers and dates on the CPU in minutes, then look inside")
+    p.add_argument("--out", help="output folder (default ./demo)")
+    p.add_argument("--size", help="model size: tiny, small (default) or medium")
+    p.add_argument("--steps", type=int, help="training updates (default: enough for >= 99%% exact match)")
+    p.add_argument("--minutes", type=float, help="stop training after this long (default: no limit)")
+    p.add_argument("--seed", type=int, help="corpus, initialization and batch order (default 1)")
+    p.add_argument("--beam", type=int, help="beam size for the held-out translations (default 4, the paper's)")
+    p.add_argument("--train-pairs", type=int, help="training pairs generated (default 40000)")
+    p.add_argument("--test-pairs", type=int, help="held-out pairs translated and scored (default 500)")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("convert", help="import a MarianMT (OPUS-MT) directory as an aiayn checkpoint")
     p.add_argument("--from", dest="source_format", required=True, choices=["marian"],

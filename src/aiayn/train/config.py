@@ -68,7 +68,8 @@ class TrainConfig:
     precision: str = "fp32"  # "fp32", "bf16" (autocast, CPU or GPU) or "fp16" (GPU, dynamic loss scaling)
     device: str = "auto"  # "auto" (CUDA if present), "cpu" or "cuda"
     compile: bool = False  # torch.compile the model (the checkpoint keeps plain names)
-    bleu_every: int = 0  # validation BLEU every this many updates, when decoding is available (0 = off)
+    threads: int = 0  # CPU threads per process (0 = PyTorch's default); 1 on a busy shared machine
+    bleu_every: int = 0  # validation BLEU (greedy, sacreBLEU) every this many updates (0 = off)
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from aiayn.config import ConfigError
 from aiayn.data.batching import epoch_order, token_batches, update_batches, updates_in_epoch
 from aiayn.data.dataset import (
-    Batch, EncodedCorpus, collate, find_tokenizer, load_encoded, read_parallel, train_tokenizer,
+    Batch, EncodedCorpus, ParallelText, collate, find_tokenizer, load_encoded, read_parallel, train_tokenizer,
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
@@ -50,6 +50,7 @@ class Data:
     train_batches: list[list[int]]  # pair indices per batch, fixed for the run
     valid: EncodedCorpus | None
     valid_batches: list[list[int]]
+    valid_text: ParallelText | None  # raw validation text, for BLEU (only with train.bleu_every)
 
 
 def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
@@ -66,6 +67,8 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     if tc.precision == "fp16" and d.device.type != "cuda":
         raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
     resume_from = _checkpoint_to_resume(run_dir, resume)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     data = prepare_data(config, run_dir, d)
@@ -127,7 +130,7 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
                              state.epoch + 1, last["loss"], last["nll"], last["ppl"], lr, last["tokens_per_s"])
                 window, last_log = [0.0, 0.0, 0.0], now
             stop = _stop_reason(state, tc, n_updates, start, d)
-            if state.step % tc.valid_every == 0 or stop:
+            if state.step % tc.valid_every == 0 or stop or (tc.bleu_every and state.step % tc.bleu_every == 0):
                 last = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics)
                 saved_step = state.step
                 stop = stop or _patience_exhausted(state, tc)
@@ -177,6 +180,7 @@ def train_step(
 @torch.no_grad()
 def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> dict[str, float]:
     """Smoothed loss and NLL per target token on the validation set (shared out over processes)."""
+    was_training = model.training
     model.eval()
     sums = [0.0, 0.0, 0.0]
     for indices in data.valid_batches[d.rank :: d.world_size]:
@@ -185,7 +189,7 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> d
             logits = model(batch.src, batch.tgt_in)  # (B, T, V)
         loss, nll = label_smoothed_nll(logits, batch.tgt_out, eps, data.tokenizer.pad_id)
         sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + batch.n_tokens]
-    model.train()
+    model.train(was_training)
     loss, nll, tokens = distributed.all_reduce_sum(sums, d)
     return {"valid_loss": loss / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(min(nll / tokens, 50))}
 
@@ -200,6 +204,12 @@ def _validate_and_save(net, model, optimizer, scaler, state, data, config, d, au
             state.best_valid, state.bad_validations = result["valid_loss"], 0
         else:
             state.bad_validations += 1
+    if tc.bleu_every and state.step % tc.bleu_every == 0 and data.valid_text is not None and d.is_main:
+        from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
+
+        result["valid_bleu"], result["bleu_signature"] = validation_bleu(
+            model, data.tokenizer, data.valid_text, config.data.max_len, tc.max_tokens, d.device)
+        log.info("update %d: valid BLEU (greedy) %.2f", state.step, result["valid_bleu"])
     rngs = rng_states(d)  # collective: every process takes part
     if d.is_main:
         run_dir = Path(tc.run_dir)
@@ -269,7 +279,8 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist) -> Data:
         if too_long and d.is_main:
             log.warning("%s: %d validation pairs longer than max_len=%d dropped", dc.valid_src, too_long, dc.max_len)
         valid_batches = token_batches(valid.src_lengths(), valid.tgt_lengths(), config.train.max_tokens)
-    return Data(tokenizer, train, batches, valid, valid_batches)
+    valid_text = read_parallel(dc.valid_src, dc.valid_tgt) if dc.valid_src and config.train.bleu_every else None
+    return Data(tokenizer, train, batches, valid, valid_batches, valid_text)
 
 
 def _prepare_files(config: RunConfig, run_dir: Path) -> None:

@@ -1,0 +1,213 @@
+"""The training loop: it learns, resumes bit for bit, survives SIGKILL mid-checkpoint, and refuses bad input."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from aiayn import cli
+from aiayn.checkpoint import load_checkpoint
+from aiayn.train.average import average_last
+from aiayn.train.config import load_config, with_train
+from aiayn.train.loop import train
+from aiayn.train.state import checkpoint_dirs
+from train_helpers import tiny_config
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    """`train.threads=1` sets the process' thread count; give the other tests theirs back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def weights(run_dir: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint_dirs(run_dir)[-1] / name))
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """10 updates without interruption (the corpus gives 6 updates an epoch: this crosses an epoch)."""
+    d = tmp_path_factory.mktemp("straight")
+    config, _ = tiny_config(d, d / "run", "train.max_updates=10")
+    result = train(config)
+    return d, config, result
+
+
+def test_learns_and_writes_its_files(straight_run):
+    d, config, result = straight_run
+    run = d / "run"
+    assert result["step"] == 10 and result["stop"] == "max_updates=10"
+    metrics = [line for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any('"valid_loss"' in m for m in metrics) and any('"tokens_per_s"' in m for m in metrics)
+    assert (run / "curves.png").stat().st_size > 1000
+    assert [p.name for p in checkpoint_dirs(run)] == ["step_000004", "step_000008", "step_000010"]
+    ck = load_checkpoint(checkpoint_dirs(run)[-1])
+    assert ck.meta["config"]["train"]["max_updates"] == 10 and ck.meta["step"] == 10
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights(run))
+    first_valid = [m for m in metrics if '"valid_loss"' in m][0]
+    assert result["valid_loss"] < float(first_valid.split('"valid_loss": ')[1].split(",")[0])
+
+
+def test_resume_is_bit_identical(straight_run, tmp_path):
+    d, config, _ = straight_run
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(d / "run" / "spm.model", run / "spm.model")  # the same tokenizer, not a retrained one
+    interrupted = with_train(config, run_dir=str(run), max_updates=5)  # stops mid-epoch
+    train(interrupted)
+    assert checkpoint_dirs(run)[-1].name == "step_000005"
+    train(with_train(config, run_dir=str(run)), resume=True)
+    assert checkpoint_dirs(run)[-1].name == "step_000010"
+    assert_identical(weights(run), weights(d / "run"))
+    a, b = weights(run, "trainer.safetensors"), weights(d / "run", "trainer.safetensors")
+    assert_identical(a, b)  # Adam moments and RNG states too
+
+
+def test_average_last_k(straight_run, tmp_path):
+    d, _, _ = straight_run
+    out = average_last(d / "run", 2, tmp_path / "avg")
+    got = load_file(str(out / "model.safetensors"))
+    a, b = [load_file(str(p / "model.safetensors")) for p in checkpoint_dirs(d / "run")[-2:]]
+    for k in got:
+        assert torch.allclose(got[k], (a[k].double() + b[k].double()).div(2).float(), atol=0, rtol=0)
+    assert load_checkpoint(out).meta["averaged"][-1].endswith("step_000010")
+
+
+KILLER = """
+import sys, time
+import aiayn.checkpoint as ck
+from aiayn.train.config import load_config
+from aiayn.train.loop import train
+real, calls = ck.save_file, []
+def save_then_hang(tensors, path, *args, **kwargs):
+    real(tensors, path, *args, **kwargs)
+    calls.append(path)
+    if len(calls) == 3:  # the second checkpoint: weights written, trainer state not yet
+        open(sys.argv[1], "w").close()
+        time.sleep(600)
+ck.save_file = save_then_hang
+train(load_config(None, sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow  # a fresh Python that imports torch: 26 s on the shared 2-core machine
+def test_sigkill_while_writing_keeps_the_previous_checkpoint(tmp_path):
+    config, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=8")
+    marker = tmp_path / "writing"
+    proc = subprocess.Popen([sys.executable, "-c", KILLER, str(marker), *sets], cwd=TESTS)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the child never reached the checkpoint"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run = tmp_path / "run"
+    assert any(p.name.startswith(".step_000008") for p in (run / "checkpoints").iterdir())  # the half-written one
+    assert [p.name for p in checkpoint_dirs(run)] == ["step_000004"]
+    load_checkpoint(checkpoint_dirs(run)[-1])
+    result = train(config, resume=True)
+    assert result["step"] == 8
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    code = cli.main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+def test_bad_inputs_give_one_line(tmp_path, capsys):
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
+    args = [a for s in sets for a in ("--set", s)]
+    (tmp_path / "short.en").write_text("a dog\n", encoding="utf-8")
+    (tmp_path / "bad.de").write_bytes(b"ein Hund\nzwei \xc3\x28 Katzen\n")
+    (tmp_path / "two.en").write_text("a dog\ntwo cats\n", encoding="utf-8")
+    (tmp_path / "bad.toml").write_text("[train]\nmax_tokenz = 100\n", encoding="utf-8")
+    cases = [
+        (["--set", f"data.train_src={tmp_path / 'nope.de'}"], "nope.de: file not found"),
+        (["--set", f"data.train_tgt={tmp_path / 'short.en'}"], "short.en:2: line counts differ"),
+        (["--set", f"data.train_src={tmp_path / 'bad.de'}", "--set", f"data.train_tgt={tmp_path / 'two.en'}"],
+         "bad.de:2: invalid UTF-8"),
+        (["--config", str(tmp_path / "bad.toml")], "unknown TrainConfig key(s) in " + str(tmp_path / "bad.toml")),
+        (["--set", "train.max_tokenz=5"], "max_tokenz"),
+        (["--set", "model.d_modle=5"], "d_modle"),
+        (["--set", "model.vocab_size=5"], "comes from the tokenizer"),
+    ]
+    for extra, message in cases:
+        code, line = run_cli(capsys, "train", *args, *extra)
+        assert code == 2 and line.startswith("aiayn: error: ") and message in line, (extra, line)
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+    assert run_cli(capsys, "train", *args)[0] == 0
+    code, line = run_cli(capsys, "train", *args)
+    assert code == 2 and "already holds checkpoints; pass --resume" in line
+    code, line = run_cli(capsys, "train", *args, "--resume", "--set", "model.d_model=64")
+    assert code == 2 and "checkpoint from an incompatible model (d_model=32, this run has 64)" in line
+    latest = checkpoint_dirs(tmp_path / "run")[-1]
+    (latest / "trainer.safetensors").write_bytes(b"\x00broken")
+    code, line = run_cli(capsys, "train", *args, "--resume", "--set", "train.max_updates=4")
+    assert code == 2 and "trainer.safetensors: corrupt training state" in line
+    (latest / "model.safetensors").write_bytes(b"\x00broken")
+    code, line = run_cli(capsys, "train", *args, "--resume", "--set", "train.max_updates=4")
+    assert code == 2 and "model.safetensors: corrupt weights" in line
+
+
+def test_plot_command(straight_run, tmp_path, capsys):
+    d, _, _ = straight_run
+    assert cli.main(["plot", str(d / "run"), "-o", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_shipped_configs_load():
+    for path in sorted((TESTS.parent / "configs").glob("*.toml")):
+        config = load_config(path)
+        tc = config.train
+        if path.stem in ("base", "big"):
+            assert tc.max_tokens * tc.update_freq == 25000 and tc.warmup == 4000 and tc.label_smoothing == 0.1
+            assert tc.max_updates == {"base": 100_000, "big": 300_000}[path.stem]
+            assert tc.keep_last == {"base": 5, "big": 20}[path.stem]
+
+
+def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_path):
+    from sacrebleu.metrics import BLEU
+
+    from aiayn.data.dataset import read_parallel
+    from aiayn.decoding import DecodeConfig, generate
+    from aiayn.train.bleu import validation_bleu
+
+    d, config, _ = straight_run
+    ck = load_checkpoint(checkpoint_dirs(d / "run")[-1])
+    text = read_parallel(config.data.valid_src, config.data.valid_tgt)
+    score, signature = validation_bleu(ck.model, ck.tokenizer, text, 32, 64, torch.device("cpu"))
+    one_by_one = []
+    for sentence in text.src:  # unbatched: no padding can leak into the batched result
+        src = torch.tensor([ck.tokenizer.encode_src(sentence)])
+        one_by_one.append(ck.tokenizer.decode_tgt(generate(ck.model, src, DecodeConfig(beam=1))[0][0].tokens))
+    assert score == pytest.approx(BLEU().corpus_score(one_by_one, [text.tgt]).score)
+    assert signature.startswith("nrefs:1|")
+
+
+def test_bleu_every_logs_bleu(tmp_path):
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=4", "train.bleu_every=4")
+    result = train(config)
+    assert 0.0 <= result["valid_bleu"] <= 100.0 and "valid_bleu" in (tmp_path / "run" / "metrics.jsonl").read_text()

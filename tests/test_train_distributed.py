@@ -1,0 +1,49 @@
+"""The same command under torchrun: 2 gloo processes end where 1 process over the same global batches ends."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from aiayn.train.config import with_train
+from aiayn.train.loop import train
+from aiayn.train.state import checkpoint_dirs
+from train_helpers import tiny_config
+
+
+@pytest.mark.slow  # three fresh Pythons importing torch: about a minute on the shared 2-core machine
+def test_two_gloo_processes_match_one_with_accumulation(tmp_path):
+    # Dropout off: each process draws its own dropout masks, one process draws them in another order.
+    # One thread everywhere: kernels with another thread count sum in another order.
+    common = ["model.dropout=0.0", "train.max_updates=6", "train.valid_every=3", "train.device=cpu",
+              "train.threads=1"]
+    one_config, _ = tiny_config(tmp_path, tmp_path / "one", *common, "train.update_freq=2")
+    train(one_config)
+
+    two_run = tmp_path / "two"
+    two_run.mkdir()
+    shutil.copy(tmp_path / "one" / "spm.model", two_run / "spm.model")  # the same tokenizer for both
+    _, sets = tiny_config(tmp_path, two_run, *common, "train.update_freq=1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "aiayn", "train", *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[rank 0] update 6" in proc.stderr and "[rank 1]" not in proc.stderr  # only rank 0 logs
+
+    assert [p.name for p in checkpoint_dirs(two_run)] == ["step_000003", "step_000006"]
+    one = load_file(str(checkpoint_dirs(tmp_path / "one")[-1] / "model.safetensors"))
+    two = load_file(str(checkpoint_dirs(two_run)[-1] / "model.safetensors"))
+    assert one.keys() == two.keys()
+    for k in one:
+        # Same batches, same normalization; DDP's all-reduce of two gradients scaled by world_size=2 and
+        # averaged is the accumulated sum exactly (scaling by 2 is exact in floating point), so the
+        # weights are bit-identical, not just close.
+        assert torch.equal(one[k], two[k]), (k, (one[k] - two[k]).abs().max())
+    trainer = load_file(str(checkpoint_dirs(two_run)[-1] / "trainer.safetensors"))
+    assert {"rng.cpu.0", "rng.cpu.1"} <= trainer.keys()  # both processes' RNG states saved

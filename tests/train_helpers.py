@@ -1,0 +1,34 @@
+"""Tiny parallel corpora and configs for the training tests."""
+
+from pathlib import Path
+
+from aiayn.train.config import load_config
+
+DE = ["ein", "Hund", "läuft", "über", "die", "Wiese", "zwei", "Katzen", "schlafen", "im", "Haus"]
+EN = ["a", "dog", "runs", "across", "the", "meadow", "two", "cats", "sleep", "in", "house"]
+
+
+def write_corpus(directory: Path, n: int = 60, prefix: str = "train") -> tuple[Path, Path]:
+    """`n` aligned toy sentence pairs of 1 to 7 words (word-for-word 'translations')."""
+    src, tgt = [], []
+    for i in range(n):
+        words = [(i * 7 + 3 * j) % len(DE) for j in range(1 + i % 7)]
+        src.append(" ".join(DE[w] for w in words))
+        tgt.append(" ".join(EN[w] for w in words))
+    s, t = directory / f"{prefix}.de", directory / f"{prefix}.en"
+    s.write_text("\n".join(src) + "\n", encoding="utf-8")
+    t.write_text("\n".join(tgt) + "\n", encoding="utf-8")
+    return s, t
+
+
+def tiny_config(data_dir: Path, run_dir: Path, *extra: str):
+    """A micro model with dropout (so RNG state matters) and small batches (so epochs are short)."""
+    train_src, train_tgt = write_corpus(data_dir)
+    valid_src, valid_tgt = write_corpus(data_dir, 12, "valid")
+    sets = [
+        "model.preset=micro", "model.dropout=0.1", f"data.train_src={train_src}", f"data.train_tgt={train_tgt}",
+        f"data.valid_src={valid_src}", f"data.valid_tgt={valid_tgt}", "data.vocab_size=40", "data.max_len=32",
+        f"train.run_dir={run_dir}", "train.max_tokens=64", "train.warmup=4", "train.valid_every=4",
+        "train.log_every=2", "train.keep_last=10", "train.threads=1",
+    ]
+    return load_config(None, sets + list(extra)), sets + list(extra)

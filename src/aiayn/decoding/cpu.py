@@ -28,7 +28,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # An attribute, not a parameter or buffer: an opaque oneDNN tensor that no state_dict should hold.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())  # no batch hint:
+        # a hint of 1 row made 4- to 64-row products up to 2x slower here
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: Tensor) -> Tensor:

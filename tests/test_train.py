@@ -43,9 +43,10 @@ def assert_identical(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
-    """10 updates without interruption (the corpus gives 6 updates an epoch: this crosses an epoch)."""
+    """10 updates of 2 accumulated batches without interruption. The toy corpus makes 18 batches, 9
+    updates an epoch: this run crosses an epoch boundary."""
     d = tmp_path_factory.mktemp("straight")
-    config, _ = tiny_config(d, d / "run", "train.max_updates=10")
+    config, _ = tiny_config(d, d / "run", "train.max_updates=10", "train.update_freq=2")
     result = train(config)
     return d, config, result
 
@@ -60,6 +61,7 @@ def test_learns_and_writes_its_files(straight_run):
     assert [p.name for p in checkpoint_dirs(run)] == ["step_000004", "step_000008", "step_000010"]
     ck = load_checkpoint(checkpoint_dirs(run)[-1])
     assert ck.meta["config"]["train"]["max_updates"] == 10 and ck.meta["step"] == 10
+    assert ck.meta["epoch"] == 1  # 0-based: the second epoch had begun
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights(run))
     first_valid = [m for m in metrics if '"valid_loss"' in m][0]
     assert result["valid_loss"] < float(first_valid.split('"valid_loss": ')[1].split(",")[0])
@@ -211,3 +213,15 @@ def test_bleu_every_logs_bleu(tmp_path):
     config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=4", "train.bleu_every=4")
     result = train(config)
     assert 0.0 <= result["valid_bleu"] <= 100.0 and "valid_bleu" in (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_stopping_rules_and_bf16(tmp_path):
+    # lr_scale 0: the weights never change, so no validation improves on the first: patience ends it.
+    config, _ = tiny_config(tmp_path, tmp_path / "a", "train.lr_scale=0.0", "train.valid_every=1",
+                            "train.patience=2", "train.max_updates=50")
+    result = train(config)
+    assert result["step"] == 3 and result["stop"] == "no better validation loss for 2 validations"
+    # The toy corpus makes 18 batches of max_tokens=64: one epoch is 9 updates with update_freq 2.
+    result = train(with_train(config, run_dir=str(tmp_path / "b"), patience=0, max_epochs=1, update_freq=2,
+                              valid_every=100, lr_scale=1.0, precision="bf16"))
+    assert result["step"] == 9 and result["stop"] == "max_epochs=1" and result["valid_loss"] < 10

@@ -85,8 +85,8 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         log.info("configuration:\n%s", _describe(config, model, data, d))
         if resume_from:
             log.info("resuming from %s (update %d, epoch %d)", resume_from, state.step, state.epoch + 1)
-    net = DistributedDataParallel(model) if d.enabled else model
-    net = torch.compile(net) if tc.compile else net
+    net = torch.compile(model) if tc.compile else model
+    net = DistributedDataParallel(net) if d.enabled else net  # outermost, so that no_sync is reachable
     autocast = torch.autocast(d.device.type, dtype=torch.float16 if tc.precision == "fp16" else torch.bfloat16,
                               enabled=tc.precision != "fp32")
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from aiayn.attention import attention_modules, draw_attention, extract_attention, record_attention
+from aiayn.attention import attention_modules, extract_attention, record_attention
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
@@ -106,17 +106,17 @@ def test_extract_from_a_checkpoint(tmp_path, tokenizers, which):
     assert greedy.cross.shape[2] == len(greedy.tgt_out_tokens) >= 1
 
 
-def test_draw_and_cli(tmp_path, tokenizers, capsys):
+def test_cli_draws_pngs_and_one_self_contained_page(tmp_path, tokenizers, capsys):
     tokenizer = tokenizers[0]
     save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size, n_heads=2), tokenizer)
-    ck = load_checkpoint(tmp_path / "ck")
-    files = draw_attention(extract_attention(ck.model, ck.tokenizer, "the number 7", "die Zahl 7"), tmp_path / "maps")
+    out = tmp_path / "maps"
+    argv = ["attention", "--checkpoint", str(tmp_path / "ck"), "--src", "the number 7", "--tgt", "die Zahl 7"]
+    assert main(argv + ["--out", str(out)]) == 0
     for kind in ("encoder", "decoder", "cross"):
-        assert files[kind].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    page = files["html"].read_text(encoding="utf-8")
+        assert (out / f"attention_{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out / "attention.html").read_text(encoding="utf-8")
     assert len(re.findall(r"src='data:image/png;base64,", page)) == 3
     assert "http" not in page.replace("<!doctype html>", "")  # self-contained: nothing to fetch
-    assert main(["attention", "--checkpoint", str(tmp_path / "ck"), "--src", "the number 9", "--out", str(tmp_path / "cli")]) == 0
-    assert (tmp_path / "cli" / "attention.html").is_file() and "attention.html" in capsys.readouterr().out
-    assert main(["attention", "--checkpoint", str(tmp_path / "nope"), "--src", "x", "--out", str(tmp_path / "cli")]) == 2
+    assert "attention.html" in capsys.readouterr().out
+    assert main(["attention", "--checkpoint", str(tmp_path / "nope"), "--src", "x", "--out", str(out)]) == 2
     assert "checkpoint not found" in capsys.readouterr().err

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 
 from aiayn.data.tokenizer import Tokenizer
+from aiayn.decoding.options import DecodeConfig
+from aiayn.decoding.search import generate
 from aiayn.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -91,31 +93,13 @@ class AttentionMaps:
 
 
 @torch.no_grad()
-def greedy_target(model: Transformer, src: Tensor, max_len: int) -> list[int]:
-    """Most probable next token at each step, up to and including EOS: (1, S) source -> target ids.
-
-    Only for choosing a target to draw when the user gives none; one sentence, so no batching.
-    """
-    memory, mask = model.encode(src), model.src_mask(src)
-    cache = model.new_cache(1, max_len + 1)
-    token = torch.tensor([[model.config.decoder_start_id]])
-    out: list[int] = []
-    for _ in range(max_len):
-        token = model.decode(token, memory, mask, cache)[:, -1].argmax(-1, keepdim=True)  # (1, 1)
-        out.append(int(token))
-        if out[-1] == model.config.eos_id:
-            break
-    return out
-
-
-@torch.no_grad()
 def extract_attention(model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None = None) -> AttentionMaps:
     """Teacher-force `tgt` (or the greedy translation of `src`) through `model`; return every weight."""
     model.eval()
     src_ids = tokenizer.encode_src(src)
     src_t = torch.tensor([src_ids])  # (1, S)
     if tgt is None:
-        tgt_ids = greedy_target(model, src_t, max_len=len(src_ids) + 50)  # SPEC: input length + 50
+        tgt_ids = generate(model, src_t, DecodeConfig(beam=1))[0][0].tokens  # greedy, up to EOS
     else:
         tgt_ids = tokenizer.encode_tgt(tgt) + [tokenizer.eos_id]
     tgt_in = [model.config.decoder_start_id] + tgt_ids[:-1]

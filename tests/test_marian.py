@@ -16,6 +16,7 @@ import torch
 
 from aiayn.checkpoint import load_checkpoint
 from aiayn.data.tokenizer import train_sentencepiece
+from aiayn.decoding import DecodeConfig, generate
 from aiayn.errors import UserError
 from aiayn.interop.marian import convert_marian
 
@@ -80,6 +81,8 @@ def make_marian_dir(directory: Path, activation: str, shared: bool, bin_weights:
     torch.manual_seed(1 if shared else 2)
     model = transformers.MarianMTModel(config).eval()
     randomize(model)
+    with torch.no_grad():  # a likelier EOS, so that searches end at different lengths, not all at the limit
+        model.final_logits_bias[0, config.eos_token_id] += 2.3
     model.save_pretrained(directory)
     if bin_weights:  # the older layout: a pickled state dict of plain tensors
         (directory / "model.safetensors").unlink()
@@ -90,13 +93,34 @@ def make_marian_dir(directory: Path, activation: str, shared: bool, bin_weights:
 VARIANTS = [("swish", True), ("relu", False), ("swish", False), ("relu", True)]
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=[f"{a}-{'shared' if s else 'separate'}" for a, s in VARIANTS])
-def converted(request, tmp_path_factory):
-    activation, shared = request.param
-    root = tmp_path_factory.mktemp("marian")
-    hf = make_marian_dir(root / "opus", activation, shared, bin_weights=(activation == "relu" and shared))
-    convert_marian(root / "opus", root / "aiayn")
-    return hf, load_checkpoint(root / "aiayn"), root / "opus"
+IDS = [f"{a}-{'shared' if s else 'separate'}" for a, s in VARIANTS]
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """variant -> (MarianMTModel, converted aiayn checkpoint, the OPUS-MT-like directory), built once."""
+    built = {}
+
+    def get(variant):
+        if variant not in built:
+            activation, shared = variant
+            root = tmp_path_factory.mktemp("marian")
+            hf = make_marian_dir(root / "opus", activation, shared, bin_weights=(activation == "relu" and shared))
+            convert_marian(root / "opus", root / "aiayn")
+            built[variant] = hf, load_checkpoint(root / "aiayn"), root / "opus"
+        return built[variant]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=IDS)
+def converted(request, build):
+    return build(request.param)
+
+
+# Searches with transformers' `generate` are the slow part: two variants by default, all with -m slow.
+SEARCH_VARIANTS = [pytest.param(v, id=i, marks=[] if v in VARIANTS[:2] else [pytest.mark.slow])
+                   for v, i in zip(VARIANTS, IDS)]
 
 
 def source_batch(tokenizer, texts: list[str]) -> torch.Tensor:
@@ -165,3 +189,76 @@ def test_unsupported_fields_are_named(tmp_path):
     with pytest.raises(UserError, match="layernorm_embedding"):
         convert_marian(tmp_path / "opus", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+MAX_NEW = 20
+
+
+def search_batch(ck) -> torch.Tensor:
+    """The test sentences and 16 random sources (B, S): enough that searches end at many lengths."""
+    texts = source_batch(ck.tokenizer, SENTENCES)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 12, (16,), generator=gen).tolist()
+    width = max(texts.shape[1], max(lengths) + 1)
+    rand = torch.full((16, width), ck.tokenizer.pad_id)  # (16, S)
+    for i, n in enumerate(lengths):
+        rand[i, :n] = torch.randint(3, ck.model.config.vocab_size - 1, (n,), generator=gen)  # no pad, no EOS
+        rand[i, n] = ck.tokenizer.eos_id
+    texts = torch.nn.functional.pad(texts, (0, width - texts.shape[1]), value=ck.tokenizer.pad_id)  # (3, S)
+    return torch.cat([texts, rand])
+
+
+def hf_search(hf, src: torch.Tensor, pad_id: int, **options):
+    """`generate` of transformers, sequences cut after EOS and without the start token, and their scores.
+
+    Marian's `forced_eos_token_id` is switched off: it overwrites the last allowed token with EOS,
+    where aiayn (like CTranslate2 and fairseq) returns the hypothesis cut at the limit as it is. Padding
+    is banned as OPUS-MT's own generation configs do (`bad_words_ids=[[pad]]`) and aiayn's searches
+    always do; aiayn bans it before the softmax, hence `renormalize_logits` (the log-softmax is taken
+    again after the ban), else every beam's score is off by its own log(1 - P(pad)).
+    """
+    hf.generation_config.forced_eos_token_id = None
+    out = hf.generate(input_ids=src, attention_mask=src.ne(pad_id), do_sample=False, max_new_tokens=MAX_NEW,
+                      bad_words_ids=[[pad_id]], renormalize_logits=True, return_dict_in_generate=True,
+                      output_scores=True, **options)
+    rows = []
+    for seq in out.sequences[:, 1:].tolist():
+        eos = hf.config.eos_token_id
+        rows.append(seq[: seq.index(eos) + 1] if eos in seq else seq[:MAX_NEW])
+    return rows, getattr(out, "sequences_scores", None)  # beam search only
+
+
+def aiayn_search(ck, src: torch.Tensor, **options):
+    config = DecodeConfig(max_len_a=0.0, max_len_b=MAX_NEW, **options)  # MAX_NEW output tokens, as HF's
+    hyps = generate(ck.model, src, config)
+    return [h[0].tokens for h in hyps], torch.tensor([h[0].score for h in hyps])
+
+
+@pytest.mark.parametrize("variant", SEARCH_VARIANTS)
+def test_greedy_is_token_identical_to_generate(build, variant):
+    hf, ck, _ = build(variant)
+    src = search_batch(ck)
+    theirs, _ = hf_search(hf, src, ck.tokenizer.pad_id, num_beams=1)
+    ours, _ = aiayn_search(ck, src, beam=1)
+    assert ours == theirs
+    if variant in VARIANTS[:2]:  # seeded so that some outputs end with EOS and others are cut at the limit
+        lengths = {len(t) for t in ours}
+        assert MAX_NEW in lengths and min(lengths) < MAX_NEW
+
+
+@pytest.mark.parametrize("variant", [SEARCH_VARIANTS[0]] + [pytest.param(*v.values, id=v.id, marks=pytest.mark.slow)
+                                     for v in SEARCH_VARIANTS[1:]])
+@pytest.mark.parametrize("beam,alpha", [(4, 1.0), pytest.param(3, 0.6, marks=pytest.mark.slow)])
+def test_beam_is_token_identical_to_generate(build, variant, beam, alpha):
+    """The same search: |Y|^alpha ('power', HuggingFace's formula, |Y| counting EOS, not the start
+    token), the best 2K candidates per step, and a sentence stops once K hypotheses ended
+    (`early_stopping=True`; HuggingFace's False is a different heuristic bound, see the report)."""
+    hf, ck, _ = build(variant)
+    src = search_batch(ck)
+    theirs, their_scores = hf_search(hf, src, ck.tokenizer.pad_id, num_beams=beam, length_penalty=alpha,
+                                     early_stopping=True)
+    ours, our_scores = aiayn_search(ck, src, beam=beam, lenpen=alpha, lenpen_kind="power", early_stopping=True)
+    assert ours == theirs
+    torch.testing.assert_close(our_scores, their_scores, atol=1e-4, rtol=0)
+    greedy, _ = aiayn_search(ck, src, beam=1)
+    assert ours != greedy  # the beam found something greedy search did not: the comparison has teeth

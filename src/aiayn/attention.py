@@ -126,14 +126,17 @@ def plot_kind(maps: AttentionMaps, kind: str, path: str | Path) -> Path:
     rows, cols = maps.labels(kind)
     n_layers, n_heads = weights.shape[:2]
     cell = 0.22  # inches per token: room for a readable label
-    w, h = max(2.5, 1.2 + cell * len(cols)), max(2.5, 1.2 + cell * len(rows))
-    fig, axes = plt.subplots(n_layers, n_heads, figsize=(w * n_heads, h * n_layers), squeeze=False)
+    w, h = max(1.5, cell * len(cols)), max(1.5, cell * len(rows))
+    label = 0.12 * max(map(len, rows + cols))  # inches of the longest tick label
+    fig, axes = plt.subplots(n_layers, n_heads, figsize=(w * n_heads + label + 1.5, h * n_layers + label + 1.0),
+                             squeeze=False, layout="constrained")
     for layer in range(n_layers):
         for head in range(n_heads):
             ax = axes[layer][head]
             image = ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-            ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=7)
-            ax.set_yticks(range(len(rows)), rows, fontsize=7)
+            # Every map of a kind shares its axes: label the left column and the bottom row only.
+            ax.set_yticks(range(len(rows)), rows if head == 0 else [], fontsize=7)
+            ax.set_xticks(range(len(cols)), cols if layer == n_layers - 1 else [], rotation=90, fontsize=7)
             ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=9)
     fig.suptitle(TITLES[kind], fontsize=11)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")

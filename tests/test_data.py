@@ -66,19 +66,22 @@ def test_encode_once_then_cache(tmp_path, corpus_files, monkeypatch):
     tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
     first, dropped = load_encoded(src, tgt, tok, tmp_path / "cache")
     assert len(first) == 201 and dropped == 0
-    assert first.src[0] == tok.encode_src(sentences(1, "de")[0]) and first.src[0][-1] == tok.eos_id
-    assert first.tgt[0] == tok.encode_tgt(sentences(1, "en")[0])
+    assert first.source(0) == tok.encode_src(sentences(1, "de")[0]) and first.source(0)[-1] == tok.eos_id
+    assert first.target(0) == tok.encode_tgt(sentences(1, "en")[0])
 
     def no_encoding(*_):
         raise AssertionError("re-encoded although cached")
 
     monkeypatch.setattr(type(tok), "encode_src", no_encoding)
     again, _ = load_encoded(src, tgt, tok, tmp_path / "cache")
-    assert again.src == first.src and again.tgt == first.tgt
-    longest = max(max(len(s), len(t) + 1) for s, t in zip(first.src[:200], first.tgt[:200]))
-    assert min(len(first.src[200]), len(first.tgt[200]) + 1) > longest  # the 40-word pair
+    assert [again.source(i) for i in range(201)] == [first.source(i) for i in range(201)]
+    assert [again.target(i) for i in range(201)] == [first.target(i) for i in range(201)]
+    longest = max(max(s, t) for s, t in zip(first.src_lengths()[:200], first.tgt_lengths()[:200]))
+    assert min(len(first.source(200)), len(first.target(200)) + 1) > longest  # the 40-word pair
     filtered, too_long = again.filter_length(longest)
     assert too_long == 1 and len(filtered) == 200
+    assert [filtered.source(i) for i in range(200)] == [first.source(i) for i in range(200)]
+    assert [filtered.target(i) for i in range(200)] == [first.target(i) for i in range(200)]
 
 
 def test_collate_shifts_the_target(tmp_path, corpus_files):
@@ -86,9 +89,23 @@ def test_collate_shifts_the_target(tmp_path, corpus_files):
     tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
     corpus, _ = load_encoded(src, tgt, tok, tmp_path / "cache")
     batch = collate(corpus, [3, 0], tok)
-    y = corpus.tgt[3]
+    y = corpus.target(3)
     assert batch.tgt_in[0, : len(y) + 1].tolist() == [tok.bos_id] + y
     assert batch.tgt_out[0, : len(y) + 1].tolist() == y + [tok.eos_id]
-    assert batch.src[0, : len(corpus.src[3])].tolist() == corpus.src[3]
-    assert batch.n_tokens == len(corpus.tgt[3]) + len(corpus.tgt[0]) + 2
+    assert batch.src[0, : len(corpus.source(3))].tolist() == corpus.source(3)
+    assert batch.n_tokens == len(corpus.target(3)) + len(corpus.target(0)) + 2
     assert (batch.tgt_out == tok.pad_id).sum() == batch.tgt_out.numel() - batch.n_tokens
+
+
+def test_filter_length_keeps_the_right_pairs():
+    import random
+
+    from aiayn.data.dataset import EncodedCorpus
+
+    r = random.Random(0)
+    src = [[r.randrange(4, 50) for _ in range(r.randint(1, 12))] for _ in range(300)]
+    tgt = [[r.randrange(4, 50) for _ in range(r.randint(0, 12))] for _ in range(300)]
+    kept, dropped = EncodedCorpus.from_lists(src, tgt).filter_length(8)
+    want = [(s, t) for s, t in zip(src, tgt) if len(s) <= 8 and len(t) + 1 <= 8]
+    assert dropped == 300 - len(want) and dropped > 50
+    assert [(kept.source(i), kept.target(i)) for i in range(len(kept))] == want

@@ -72,25 +72,58 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
 
 @dataclass
 class EncodedCorpus:
-    """Token ids of a parallel corpus: source ends with EOS, target is bare (collate adds BOS/EOS)."""
+    """Token ids of a parallel corpus, flat: source sentence i is `src_ids[src_offsets[i]:src_offsets[i+1]]`.
 
-    src: list[list[int]]
-    tgt: list[list[int]]
+    Sources end with EOS; targets are bare (collate adds BOS/EOS). Flat int32 tensors rather than
+    lists of lists: 4.5 M WMT pairs take about 1 GB, not 10 GB of Python integers, in every process.
+    """
+
+    src_ids: torch.Tensor  # (total source tokens,) int32
+    src_offsets: torch.Tensor  # (N + 1,) int64
+    tgt_ids: torch.Tensor  # (total target tokens,) int32
+    tgt_offsets: torch.Tensor  # (N + 1,) int64
+
+    @classmethod
+    def from_lists(cls, src: list[list[int]], tgt: list[list[int]]) -> "EncodedCorpus":
+        return cls(*_flatten(src), *_flatten(tgt))
 
     def __len__(self) -> int:
-        return len(self.src)
+        return len(self.src_offsets) - 1
+
+    def source(self, i: int) -> list[int]:
+        return self.src_ids[self.src_offsets[i] : self.src_offsets[i + 1]].tolist()
+
+    def target(self, i: int) -> list[int]:
+        return self.tgt_ids[self.tgt_offsets[i] : self.tgt_offsets[i + 1]].tolist()
 
     def src_lengths(self) -> list[int]:
-        return [len(s) for s in self.src]
+        return self.src_offsets.diff().tolist()
 
     def tgt_lengths(self) -> list[int]:
         """Target lengths as the decoder sees them: pieces + BOS (input) or + EOS (output)."""
-        return [len(t) + 1 for t in self.tgt]
+        return (self.tgt_offsets.diff() + 1).tolist()
 
     def filter_length(self, max_len: int) -> tuple["EncodedCorpus", int]:
         """Drop pairs whose source (with EOS) or target (with EOS) is longer than `max_len`."""
-        keep = [i for i in range(len(self.src)) if len(self.src[i]) <= max_len and len(self.tgt[i]) + 1 <= max_len]
-        return EncodedCorpus([self.src[i] for i in keep], [self.tgt[i] for i in keep]), len(self.src) - len(keep)
+        keep = ((self.src_offsets.diff() <= max_len) & (self.tgt_offsets.diff() + 1 <= max_len)).nonzero()[:, 0]
+        kept = EncodedCorpus(*_select(self.src_ids, self.src_offsets, keep), *_select(self.tgt_ids, self.tgt_offsets, keep))
+        return kept, len(self) - len(kept)
+
+
+def _flatten(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
+    return ids, offsets
+
+
+def _select(ids: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sentences at `keep`, flat again: every kept token's old position, gathered at once."""
+    lengths = offsets.diff()[keep]
+    new_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    sentence = torch.repeat_interleave(torch.arange(len(keep)), lengths)  # (kept tokens,)
+    old_position = offsets[keep][sentence] + torch.arange(int(new_offsets[-1])) - new_offsets[sentence]
+    return ids[old_position], new_offsets
 
 
 def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
@@ -121,31 +154,19 @@ def load_encoded(
             log.info("%s: %d pairs from the cache", cache, len(corpus))
             return corpus, dropped
     text = read_parallel(src_path, tgt_path)
-    corpus = EncodedCorpus([tokenizer.encode_src(s) for s in text.src], [tokenizer.encode_tgt(t) for t in text.tgt])
+    corpus = EncodedCorpus.from_lists([tokenizer.encode_src(s) for s in text.src],
+                                      [tokenizer.encode_tgt(t) for t in text.tgt])
     _write_cache(cache, key, corpus, text.dropped_empty)
     log.info("%s: encoded %d pairs, cached in %s", src_path, len(corpus), cache)
     return corpus, text.dropped_empty
 
 
-def _flatten(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    ids = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
-    return ids, offsets
-
-
-def _unflatten(ids: torch.Tensor, offsets: torch.Tensor) -> list[list[int]]:
-    flat, off = ids.tolist(), offsets.tolist()
-    return [flat[off[i] : off[i + 1]] for i in range(len(off) - 1)]
-
-
 def _write_cache(path: Path, key: str, corpus: EncodedCorpus, dropped: int) -> None:
     """Write to a temporary name, then rename: a killed run never leaves half a cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    src_ids, src_off = _flatten(corpus.src)
-    tgt_ids, tgt_off = _flatten(corpus.tgt)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tensors = dict(src_ids=src_ids, src_offsets=src_off, tgt_ids=tgt_ids, tgt_offsets=tgt_off)
+    tensors = dict(src_ids=corpus.src_ids, src_offsets=corpus.src_offsets, tgt_ids=corpus.tgt_ids,
+                   tgt_offsets=corpus.tgt_offsets)
     save_file(tensors, str(tmp), metadata={"key": key, "dropped_empty": str(dropped)})
     os.replace(tmp, path)
 
@@ -160,7 +181,7 @@ def _read_cache(path: Path, key: str) -> tuple[EncodedCorpus | None, int]:
     except Exception as e:  # a damaged cache is rebuilt, not fatal
         log.warning("%s: unreadable cache (%s); re-encoding", path, e)
         return None, 0
-    corpus = EncodedCorpus(_unflatten(t["src_ids"], t["src_offsets"]), _unflatten(t["tgt_ids"], t["tgt_offsets"]))
+    corpus = EncodedCorpus(t["src_ids"], t["src_offsets"], t["tgt_ids"], t["tgt_offsets"])
     return corpus, int(meta.get("dropped_empty", 0))
 
 
@@ -179,14 +200,15 @@ def collate(corpus: EncodedCorpus, indices: list[int], tokenizer: Tokenizer) -> 
     """Pad the pairs at `indices` into one batch (decoder input BOS + y, output y + EOS)."""
     pad, bos, eos = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
     b = len(indices)
-    s = max(len(corpus.src[i]) for i in indices)
-    t = max(len(corpus.tgt[i]) for i in indices) + 1
+    src_len, tgt_len = corpus.src_offsets.diff(), corpus.tgt_offsets.diff()
+    s = max(int(src_len[i]) for i in indices)
+    t = max(int(tgt_len[i]) for i in indices) + 1
     src = torch.full((b, s), pad, dtype=torch.long)  # (B, S)
     tgt_in = torch.full((b, t), pad, dtype=torch.long)  # (B, T)
     tgt_out = torch.full((b, t), pad, dtype=torch.long)  # (B, T)
     n_tokens = 0
     for row, i in enumerate(indices):
-        x, y = corpus.src[i], corpus.tgt[i]
+        x, y = corpus.source(i), corpus.target(i)
         src[row, : len(x)] = torch.tensor(x)
         tgt_in[row, : len(y) + 1] = torch.tensor([bos] + y)
         tgt_out[row, : len(y) + 1] = torch.tensor(y + [eos])

@@ -191,6 +191,19 @@ def test_unsupported_fields_are_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_convert(tmp_path, capsys):
+    from aiayn.cli import main
+
+    make_marian_dir(tmp_path / "opus", "swish", shared=True)
+    assert main(["convert", "--from", "marian", str(tmp_path / "opus"), str(tmp_path / "out")]) == 0
+    assert load_checkpoint(tmp_path / "out").meta["converted_from"]["format"] == "marian"
+    (tmp_path / "opus" / "vocab.json").unlink()
+    capsys.readouterr()  # transformers' progress bars from saving
+    assert main(["convert", "--from", "marian", str(tmp_path / "opus"), str(tmp_path / "out2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vocab.json: not found" in err[0]
+
+
 MAX_NEW = 20
 
 

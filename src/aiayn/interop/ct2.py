@@ -7,7 +7,9 @@ GELU or SiLU, shared or separate vocabularies, a logits bias. The position table
 explicit weight, so the paper's interleaved sinusoids and Marian's sin-then-cos ones both carry over.
 
 The exported model reads SentencePiece pieces: CTranslate2 appends `</s>` to the source itself
-(`add_source_eos`) and starts the decoder from our `decoder_start_id`'s token.
+(`add_source_eos`) and starts the decoder from our `decoder_start_id`'s token. Padding is never an
+output of aiayn's searches (nor of OPUS-MT's, `bad_words_ids=[[pad]]`): the export bakes that in as a
+-1e4 logit bias on the pad token, so CTranslate2's searches and scores equal aiayn's, pad excluded.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import sentencepiece as spm
+import torch
 from ctranslate2.converters import Converter
 from ctranslate2.specs import common_spec
 from ctranslate2.specs.transformer_spec import TransformerSpec
@@ -23,6 +26,10 @@ from aiayn.checkpoint import load_checkpoint
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
 from aiayn.model import Transformer
+
+# exp(-1e4) is 0 in float32, so pad drops out of the softmax exactly as aiayn's searches mask it; the
+# value stays finite in float16 (whose largest is 65504), should the model be exported as float16.
+PAD_LOGIT_BIAS = -1e4
 
 ACTIVATIONS = {
     "relu": common_spec.Activation.RELU,
@@ -75,8 +82,8 @@ def _set_decoder(spec, model: Transformer) -> None:
         _linear(layer_spec.ffn.linear_1, layer.feed_forward.w_2)
         _norm(layer_spec.ffn.layer_norm, layer.sublayer[2].norm)
     _linear(spec.projection, model.generator)
-    if model.final_logits_bias is not None:
-        spec.projection.bias = model.final_logits_bias
+    bias = torch.zeros(model.config.target_vocab_size) if model.final_logits_bias is None else model.final_logits_bias
+    spec.projection.bias = bias.detach().clone().index_fill_(0, torch.tensor([model.config.pad_id]), PAD_LOGIT_BIAS)
 
 
 def _tokens(sp: spm.SentencePieceProcessor, vocab: dict[str, int] | None, size: int) -> list[str]:

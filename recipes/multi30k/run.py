@@ -1,0 +1,80 @@
+"""Multi30k end to end: train with the recipe, average the last checkpoints, beam search, sacreBLEU.
+
+    python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de
+    python recipes/multi30k/run.py --data ../shared/data/multi30k --pair de-en --test
+
+Validation scores are always printed (tune on them); `--test` also scores test_2016_flickr: do that
+once per recipe change. Prints cased detokenized sacreBLEU and the lowercased BLEU that the published
+Multi30k numbers use, both with signatures, and the wall time of every stage, and writes them to
+RUN_DIR/results.json. A benchmark, not a test: it takes the recipe's 80 minutes plus decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from aiayn.evaluate import corpus_scores, read_lines
+from aiayn.train.average import average_last
+from aiayn.train.config import load_config
+from aiayn.train.loop import train
+from aiayn.translate import Translator
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True, help="folder with train.*, val.*, test_2016_flickr.*")
+    p.add_argument("--pair", default="en-de", choices=["en-de", "de-en"])
+    p.add_argument("--test", action="store_true", help="also score test_2016_flickr (once per recipe change)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the recipe")
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--lenpen", type=float, default=0.6)
+    p.add_argument("--average", type=int, default=5, help="average the last K checkpoints")
+    return p.parse_args(argv)
+
+
+def score(translator: Translator, data: Path, split: str, src: str, tgt: str, beam: int, lenpen: float) -> dict:
+    start = time.monotonic()
+    hyps = translator.translate(read_lines(data / f"{split}.{src}"), beam=beam, lenpen=lenpen)
+    seconds = time.monotonic() - start
+    scores = corpus_scores(hyps, [read_lines(data / f"{split}.{tgt}")])
+    return {"split": split, "decode_s": round(seconds, 1),
+            "scores": [{"name": s.name, "score": round(s.score, 2), "signature": s.signature} for s in scores]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    data = Path(args.data)
+    src, tgt = args.pair.split("-")
+    overrides = [f"data.train_src={data / f'train.{src}'}", f"data.train_tgt={data / f'train.{tgt}'}",
+                 f"data.valid_src={data / f'val.{src}'}", f"data.valid_tgt={data / f'val.{tgt}'}", *args.set]
+    config = load_config(HERE / f"{args.pair}.toml", overrides)
+    run_dir = Path(config.train.run_dir)
+
+    start = time.monotonic()
+    train(config)
+    train_s = time.monotonic() - start
+    averaged = average_last(run_dir, args.average)
+    translator = Translator.load(averaged)
+    splits = ["val", "test_2016_flickr"] if args.test else ["val"]
+    results = {"pair": args.pair, "train_s": round(train_s, 1), "checkpoint": str(averaged),
+               "beam": args.beam, "lenpen": args.lenpen, "config": config.to_dict(),
+               "results": [score(translator, data, s, src, tgt, args.beam, args.lenpen) for s in splits]}
+    results["total_s"] = round(time.monotonic() - start, 1)
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"{args.pair}: trained {train_s / 60:.1f} min, total {results['total_s'] / 60:.1f} min")
+    for r in results["results"]:
+        for s in r["scores"]:
+            print(f"  {r['split']:<17} {s['score']:6.2f}  {s['name']}  [{s['signature']}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

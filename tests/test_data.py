@@ -12,7 +12,10 @@ def write(path, lines, raw=None):
 
 
 def sentences(n, lang):
-    words = {"de": ["der", "Hund", "läuft", "schnell", "die", "Katze"], "en": ["the", "dog", "runs", "fast", "cat"]}[lang]
+    words = {
+        "de": ["der", "Hund", "läuft", "schnell", "die", "Katze"],
+        "en": ["the", "dog", "runs", "fast", "cat"],
+    }[lang]
     return [" ".join(words[(i + j) % len(words)] for j in range(1 + i % 5)) for i in range(n)]
 
 

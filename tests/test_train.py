@@ -1,4 +1,4 @@
-"""The training loop: it learns, resumes bit for bit, survives SIGKILL mid-checkpoint, and refuses bad input."""
+"""The training loop: it learns, resumes bit for bit, survives SIGKILL mid-checkpoint, refuses bad input."""
 
 import os
 import shutil
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_helpers import tiny_config
 
 from aiayn import cli
 from aiayn.checkpoint import load_checkpoint
@@ -18,7 +19,6 @@ from aiayn.train.average import average_last
 from aiayn.train.config import load_config, with_train
 from aiayn.train.loop import train
 from aiayn.train.state import checkpoint_dirs
-from train_helpers import tiny_config
 
 TESTS = Path(__file__).parent
 
@@ -117,7 +117,9 @@ def test_sigkill_while_writing_keeps_the_previous_checkpoint(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the child never reached the checkpoint"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                "the child never reached the checkpoint"
+            )
             time.sleep(0.1)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -125,7 +127,9 @@ def test_sigkill_while_writing_keeps_the_previous_checkpoint(tmp_path):
         if proc.poll() is None:
             proc.kill()
     run = tmp_path / "run"
-    assert any(p.name.startswith(".step_000008") for p in (run / "checkpoints").iterdir())  # the half-written one
+    assert any(
+        p.name.startswith(".step_000008") for p in (run / "checkpoints").iterdir()
+    )  # the half-written one
     assert [p.name for p in checkpoint_dirs(run)] == ["step_000004"]
     load_checkpoint(checkpoint_dirs(run)[-1])
     result = train(config, resume=True)
@@ -148,9 +152,19 @@ def test_bad_inputs_give_one_line(tmp_path, capsys):
     cases = [
         (["--set", f"data.train_src={tmp_path / 'nope.de'}"], "nope.de: file not found"),
         (["--set", f"data.train_tgt={tmp_path / 'short.en'}"], "short.en:2: line counts differ"),
-        (["--set", f"data.train_src={tmp_path / 'bad.de'}", "--set", f"data.train_tgt={tmp_path / 'two.en'}"],
-         "bad.de:2: invalid UTF-8"),
-        (["--config", str(tmp_path / "bad.toml")], "unknown TrainConfig key(s) in " + str(tmp_path / "bad.toml")),
+        (
+            [
+                "--set",
+                f"data.train_src={tmp_path / 'bad.de'}",
+                "--set",
+                f"data.train_tgt={tmp_path / 'two.en'}",
+            ],
+            "bad.de:2: invalid UTF-8",
+        ),
+        (
+            ["--config", str(tmp_path / "bad.toml")],
+            "unknown TrainConfig key(s) in " + str(tmp_path / "bad.toml"),
+        ),
         (["--set", "train.max_tokenz=5"], "max_tokenz"),
         (["--set", "model.d_modle=5"], "d_modle"),
         (["--set", "model.vocab_size=5"], "comes from the tokenizer"),
@@ -212,16 +226,35 @@ def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_p
 def test_bleu_every_logs_bleu(tmp_path):
     config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=4", "train.bleu_every=4")
     result = train(config)
-    assert 0.0 <= result["valid_bleu"] <= 100.0 and "valid_bleu" in (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert (
+        0.0 <= result["valid_bleu"] <= 100.0
+        and "valid_bleu" in (tmp_path / "run" / "metrics.jsonl").read_text()
+    )
 
 
 def test_stopping_rules_and_bf16(tmp_path):
     # lr_scale 0: the weights never change, so no validation improves on the first: patience ends it.
-    config, _ = tiny_config(tmp_path, tmp_path / "a", "train.lr_scale=0.0", "train.valid_every=1",
-                            "train.patience=2", "train.max_updates=50")
+    config, _ = tiny_config(
+        tmp_path,
+        tmp_path / "a",
+        "train.lr_scale=0.0",
+        "train.valid_every=1",
+        "train.patience=2",
+        "train.max_updates=50",
+    )
     result = train(config)
     assert result["step"] == 3 and result["stop"] == "no better validation loss for 2 validations"
     # The toy corpus makes 18 batches of max_tokens=64: one epoch is 9 updates with update_freq 2.
-    result = train(with_train(config, run_dir=str(tmp_path / "b"), patience=0, max_epochs=1, update_freq=2,
-                              valid_every=100, lr_scale=1.0, precision="bf16"))
+    result = train(
+        with_train(
+            config,
+            run_dir=str(tmp_path / "b"),
+            patience=0,
+            max_epochs=1,
+            update_freq=2,
+            valid_every=100,
+            lr_scale=1.0,
+            precision="bf16",
+        )
+    )
     assert result["step"] == 9 and result["stop"] == "max_epochs=1" and result["valid_loss"] < 10

@@ -9,19 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_helpers import tiny_config
 
-from aiayn.train.config import with_train
 from aiayn.train.loop import train
 from aiayn.train.state import checkpoint_dirs
-from train_helpers import tiny_config
 
 
 @pytest.mark.slow  # three fresh Pythons importing torch: about a minute on the shared 2-core machine
 def test_two_gloo_processes_match_one_with_accumulation(tmp_path):
     # Dropout off: each process draws its own dropout masks, one process draws them in another order.
     # One thread everywhere: kernels with another thread count sum in another order.
-    common = ["model.dropout=0.0", "train.max_updates=6", "train.valid_every=3", "train.device=cpu",
-              "train.threads=1"]
+    common = [
+        "model.dropout=0.0",
+        "train.max_updates=6",
+        "train.valid_every=3",
+        "train.device=cpu",
+        "train.threads=1",
+    ]
     one_config, _ = tiny_config(tmp_path, tmp_path / "one", *common, "train.update_freq=2")
     train(one_config)
 
@@ -30,8 +34,18 @@ def test_two_gloo_processes_match_one_with_accumulation(tmp_path):
     shutil.copy(tmp_path / "one" / "spm.model", two_run / "spm.model")  # the same tokenizer for both
     _, sets = tiny_config(tmp_path, two_run, *common, "train.update_freq=1")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "aiayn", "train", *[a for s in sets for a in ("--set", s)]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "aiayn",
+        "train",
+        *[a for s in sets for a in ("--set", s)],
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[rank 0] update 6" in proc.stderr and "[rank 1]" not in proc.stderr  # only rank 0 logs

@@ -55,8 +55,9 @@ def test_loss_against_direct_computation(eps):
     assert float(loss) == pytest.approx(want_loss, rel=1e-5)
     assert float(nll) == pytest.approx(want_nll, rel=1e-5)
     # PyTorch's own label smoothing is the same distribution.
-    torch_loss = F.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=0, label_smoothing=eps,
-                                 reduction="sum")
+    torch_loss = F.cross_entropy(
+        logits.view(-1, 11), target.view(-1), ignore_index=0, label_smoothing=eps, reduction="sum"
+    )
     assert float(loss) == pytest.approx(float(torch_loss), rel=1e-5)
 
 

@@ -26,9 +26,20 @@ def tiny_config(data_dir: Path, run_dir: Path, *extra: str):
     train_src, train_tgt = write_corpus(data_dir)
     valid_src, valid_tgt = write_corpus(data_dir, 12, "valid")
     sets = [
-        "model.preset=micro", "model.dropout=0.1", f"data.train_src={train_src}", f"data.train_tgt={train_tgt}",
-        f"data.valid_src={valid_src}", f"data.valid_tgt={valid_tgt}", "data.vocab_size=40", "data.max_len=32",
-        f"train.run_dir={run_dir}", "train.max_tokens=64", "train.warmup=4", "train.valid_every=4",
-        "train.log_every=2", "train.keep_last=10", "train.threads=1",
+        "model.preset=micro",
+        "model.dropout=0.1",
+        f"data.train_src={train_src}",
+        f"data.train_tgt={train_tgt}",
+        f"data.valid_src={valid_src}",
+        f"data.valid_tgt={valid_tgt}",
+        "data.vocab_size=40",
+        "data.max_len=32",
+        f"train.run_dir={run_dir}",
+        "train.max_tokens=64",
+        "train.warmup=4",
+        "train.valid_every=4",
+        "train.log_every=2",
+        "train.keep_last=10",
+        "train.threads=1",
     ]
     return load_config(None, sets + list(extra)), sets + list(extra)

@@ -54,7 +54,9 @@ def updates_in_epoch(n_batches: int, batches_per_update: int) -> int:
     return n_batches // batches_per_update
 
 
-def update_batches(order: list[int], update: int, batches_per_update: int, rank: int, world_size: int) -> list[int]:
+def update_batches(
+    order: list[int], update: int, batches_per_update: int, rank: int, world_size: int
+) -> list[int]:
     """The batch numbers process `rank` runs for update number `update` (0-based) of an epoch."""
     group = order[update * batches_per_update : (update + 1) * batches_per_update]
     return group[rank::world_size]

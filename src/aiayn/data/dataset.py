@@ -105,8 +105,12 @@ class EncodedCorpus:
 
     def filter_length(self, max_len: int) -> tuple["EncodedCorpus", int]:
         """Drop pairs whose source (with EOS) or target (with EOS) is longer than `max_len`."""
-        keep = ((self.src_offsets.diff() <= max_len) & (self.tgt_offsets.diff() + 1 <= max_len)).nonzero()[:, 0]
-        kept = EncodedCorpus(*_select(self.src_ids, self.src_offsets, keep), *_select(self.tgt_ids, self.tgt_offsets, keep))
+        keep = ((self.src_offsets.diff() <= max_len) & (self.tgt_offsets.diff() + 1 <= max_len)).nonzero()[
+            :, 0
+        ]
+        kept = EncodedCorpus(
+            *_select(self.src_ids, self.src_offsets, keep), *_select(self.tgt_ids, self.tgt_offsets, keep)
+        )
         return kept, len(self) - len(kept)
 
 
@@ -117,7 +121,9 @@ def _flatten(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, offsets
 
 
-def _select(ids: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _select(
+    ids: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The sentences at `keep`, flat again: every kept token's old position, gathered at once."""
     lengths = offsets.diff()[keep]
     new_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
@@ -141,7 +147,7 @@ def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
 def load_encoded(
     src_path: str | Path, tgt_path: str | Path, tokenizer: Tokenizer, cache_dir: str | Path
 ) -> tuple[EncodedCorpus, int]:
-    """The corpus' ids from the cache, or read, check, encode and cache them. Returns (corpus, dropped empty)."""
+    """Ids from the cache, or read, check, encode and cache them: (corpus, empty pairs dropped)."""
     src_path, tgt_path = Path(src_path), Path(tgt_path)
     for p in (src_path, tgt_path):
         if not p.is_file():
@@ -154,8 +160,9 @@ def load_encoded(
             log.info("%s: %d pairs from the cache", cache, len(corpus))
             return corpus, dropped
     text = read_parallel(src_path, tgt_path)
-    corpus = EncodedCorpus.from_lists([tokenizer.encode_src(s) for s in text.src],
-                                      [tokenizer.encode_tgt(t) for t in text.tgt])
+    corpus = EncodedCorpus.from_lists(
+        [tokenizer.encode_src(s) for s in text.src], [tokenizer.encode_tgt(t) for t in text.tgt]
+    )
     _write_cache(cache, key, corpus, text.dropped_empty)
     log.info("%s: encoded %d pairs, cached in %s", src_path, len(corpus), cache)
     return corpus, text.dropped_empty
@@ -165,8 +172,12 @@ def _write_cache(path: Path, key: str, corpus: EncodedCorpus, dropped: int) -> N
     """Write to a temporary name, then rename: a killed run never leaves half a cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tensors = dict(src_ids=corpus.src_ids, src_offsets=corpus.src_offsets, tgt_ids=corpus.tgt_ids,
-                   tgt_offsets=corpus.tgt_offsets)
+    tensors = dict(
+        src_ids=corpus.src_ids,
+        src_offsets=corpus.src_offsets,
+        tgt_ids=corpus.tgt_ids,
+        tgt_offsets=corpus.tgt_offsets,
+    )
     save_file(tensors, str(tmp), metadata={"key": key, "dropped_empty": str(dropped)})
     os.replace(tmp, path)
 

@@ -18,7 +18,11 @@ from aiayn.model import Transformer
 
 @torch.no_grad()
 def validation_bleu(
-    model: Transformer, tokenizer: Tokenizer, text: ParallelText, max_len: int, max_tokens: int,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    text: ParallelText,
+    max_len: int,
+    max_tokens: int,
     device: torch.device,
 ) -> tuple[float, str]:
     """(BLEU, sacreBLEU signature) of greedy translations of `text.src` against `text.tgt`."""

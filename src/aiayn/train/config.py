@@ -10,10 +10,11 @@ Every key is checked: an unknown one or a wrong type raises `ConfigError` naming
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from aiayn.config import ConfigError, ModelConfig, check_types, from_dict, model_config, to_dict
 from aiayn.errors import UserError
@@ -101,7 +102,9 @@ class RunConfig:
         if self.data.max_len > self.model.get("max_len", 1024):
             raise ConfigError(f"data.max_len={self.data.max_len} is longer than the model's max_len")
         if self.data.max_len > self.train.max_tokens:
-            raise ConfigError(f"data.max_len={self.data.max_len} does not fit in train.max_tokens={self.train.max_tokens}")
+            raise ConfigError(
+                f"data.max_len={self.data.max_len} does not fit in train.max_tokens={self.train.max_tokens}"
+            )
 
     def model_config(self, **tokenizer_fields: Any) -> ModelConfig:
         values = dict(self.model)
@@ -118,8 +121,10 @@ def run_config(values: dict[str, Any], where: str = "") -> RunConfig:
     """A RunConfig from nested dicts ({"model": ..., "data": ..., "train": ...})."""
     unknown = sorted(set(values) - {"model", "data", "train"})
     if unknown:
-        raise ConfigError(f"unknown section(s){' in ' + where if where else ''}: {', '.join(unknown)}; "
-                          "known: data, model, train")
+        raise ConfigError(
+            f"unknown section(s){' in ' + where if where else ''}: {', '.join(unknown)}; "
+            "known: data, model, train"
+        )
     model = dict(values.get("model", {"preset": "base"}))
     bad = sorted(set(model) - {"preset"} - set(ModelConfig.__dataclass_fields__))
     if bad:

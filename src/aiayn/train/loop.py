@@ -27,7 +27,14 @@ from tqdm import tqdm
 from aiayn.config import ConfigError
 from aiayn.data.batching import epoch_order, token_batches, update_batches, updates_in_epoch
 from aiayn.data.dataset import (
-    Batch, EncodedCorpus, ParallelText, collate, find_tokenizer, load_encoded, read_parallel, train_tokenizer,
+    Batch,
+    EncodedCorpus,
+    ParallelText,
+    collate,
+    find_tokenizer,
+    load_encoded,
+    read_parallel,
+    train_tokenizer,
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
@@ -38,7 +45,14 @@ from aiayn.train.distributed import Dist
 from aiayn.train.loss import label_smoothed_nll
 from aiayn.train.metrics import MetricsLog, plot_metrics
 from aiayn.train.schedule import inverse_sqrt_lr
-from aiayn.train.state import TrainState, checkpoint_dirs, prune, restore, rng_states, save_training_checkpoint
+from aiayn.train.state import (
+    TrainState,
+    checkpoint_dirs,
+    prune,
+    restore,
+    rng_states,
+    save_training_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +87,10 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     random.seed(tc.seed)
     data = prepare_data(config, run_dir, d)
     tok = data.tokenizer
-    model = Transformer(config.model_config(
-        vocab_size=tok.src_vocab_size, tgt_vocab_size=None if tok.shared else tok.tgt_vocab_size,
-        pad_id=tok.pad_id, decoder_start_id=tok.bos_id, eos_id=tok.eos_id,
-        **({} if tok.shared else {"share_embeddings": False}),
-    )).to(d.device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps)
+    model = build_model(config, tok).to(d.device)
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps
+    )
     scaler = torch.amp.GradScaler("cuda", enabled=tc.precision == "fp16")
     state = restore(resume_from, model, optimizer, scaler, d) if resume_from else TrainState()
     if d.is_main:
@@ -87,18 +99,30 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
             log.info("resuming from %s (update %d, epoch %d)", resume_from, state.step, state.epoch + 1)
     net = torch.compile(model) if tc.compile else model
     net = DistributedDataParallel(net) if d.enabled else net  # outermost, so that no_sync is reachable
-    autocast = torch.autocast(d.device.type, dtype=torch.float16 if tc.precision == "fp16" else torch.bfloat16,
-                              enabled=tc.precision != "fp32")
+    autocast = torch.autocast(
+        d.device.type,
+        dtype=torch.float16 if tc.precision == "fp16" else torch.bfloat16,
+        enabled=tc.precision != "fp32",
+    )
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
     per_update = d.world_size * tc.update_freq
     n_updates = updates_in_epoch(len(data.train_batches), per_update)
     if n_updates == 0:
-        raise UserError(f"{config.data.train_src}: {len(data.train_batches)} batches, fewer than one update "
-                        f"needs ({per_update}); lower train.max_tokens or train.update_freq")
+        raise UserError(
+            f"{config.data.train_src}: {len(data.train_batches)} batches, fewer than one update "
+            f"needs ({per_update}); lower train.max_tokens or train.update_freq"
+        )
     tgt_lengths = data.train.tgt_lengths()
     batch_tokens = [sum(tgt_lengths[i] for i in b) for b in data.train_batches]
-    bar = tqdm(total=tc.max_updates or None, initial=state.step, file=sys.stderr, disable=not d.is_main or None,
-               unit="upd", dynamic_ncols=True)
+    planned = [n for n in (tc.max_updates, tc.max_epochs * n_updates) if n]
+    bar = tqdm(
+        total=min(planned) if planned else None,
+        initial=state.step,
+        file=sys.stderr,
+        disable=not d.is_main or None,
+        unit="upd",
+        dynamic_ncols=True,
+    )  # a terminal only: tokens/s, loss, ppl, lr, and time left
     start = last_log = time.monotonic()
     window = [0.0, 0.0, 0.0]  # smoothed loss sum, NLL sum, target tokens since the last log line
     last = {}
@@ -108,30 +132,40 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         order = epoch_order(len(data.train_batches), tc.seed, state.epoch)
         while state.cursor < n_updates and not stop:
             mine = update_batches(order, state.cursor, per_update, d.rank, d.world_size)
-            group_tokens = sum(batch_tokens[b] for b in order[state.cursor * per_update:(state.cursor + 1) * per_update])
+            group_tokens = sum(
+                batch_tokens[b] for b in order[state.cursor * per_update : (state.cursor + 1) * per_update]
+            )
             batches = [collate(data.train, data.train_batches[b], tok).to(d.device) for b in mine]
             lr = inverse_sqrt_lr(state.step + 1, model.config.d_model, tc.warmup, tc.lr_scale)
-            sums = train_step(net, optimizer, scaler, batches, group_tokens, lr, tc.label_smoothing, tok.pad_id,
-                              tc.clip_norm, d, autocast)
+            sums = train_step(
+                net,
+                optimizer,
+                scaler,
+                batches,
+                group_tokens,
+                lr,
+                tc.label_smoothing,
+                tok.pad_id,
+                tc.clip_norm,
+                d,
+                autocast,
+            )
             state.step, state.cursor = state.step + 1, state.cursor + 1
             window = [w + s for w, s in zip(window, sums)]
             bar.update(1)
             if state.step % tc.log_every == 0:
-                loss, nll, tokens = distributed.all_reduce_sum(window, d)
                 now = time.monotonic()
-                last = {"step": state.step, "epoch": state.epoch + 1, "loss": loss / tokens, "nll": nll / tokens,
-                        "ppl": math.exp(min(nll / tokens, 50)), "lr": lr, "tokens_per_s": tokens / (now - last_log),
-                        "elapsed_s": now - start}
-                bar.set_postfix(tok_s=f"{last['tokens_per_s']:.0f}", loss=f"{last['loss']:.3f}",
-                                ppl=f"{last['ppl']:.1f}", lr=f"{lr:.2e}")
-                if metrics:
-                    metrics.write(last)
-                    log.info("update %d epoch %d: loss %.3f nll %.3f ppl %.1f lr %.2e %.0f tok/s", state.step,
-                             state.epoch + 1, last["loss"], last["nll"], last["ppl"], lr, last["tokens_per_s"])
+                last = _log_window(window, state, lr, now - last_log, now - start, d, bar, metrics)
                 window, last_log = [0.0, 0.0, 0.0], now
             stop = _stop_reason(state, tc, n_updates, start, d)
-            if state.step % tc.valid_every == 0 or stop or (tc.bleu_every and state.step % tc.bleu_every == 0):
-                last = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics)
+            if (
+                state.step % tc.valid_every == 0
+                or stop
+                or (tc.bleu_every and state.step % tc.bleu_every == 0)
+            ):
+                last = _validate_and_save(
+                    net, model, optimizer, scaler, state, data, config, d, autocast, metrics
+                )
                 saved_step = state.step
                 stop = stop or _patience_exhausted(state, tc)
         if state.cursor >= n_updates:
@@ -146,9 +180,66 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     return {**last, "stop": stop, "step": state.step}
 
 
+def build_model(config: RunConfig, tok: Tokenizer) -> Transformer:
+    """The configured Transformer with the tokenizer's vocabulary sizes and special ids."""
+    return Transformer(
+        config.model_config(
+            vocab_size=tok.src_vocab_size,
+            tgt_vocab_size=None if tok.shared else tok.tgt_vocab_size,
+            pad_id=tok.pad_id,
+            decoder_start_id=tok.bos_id,
+            eos_id=tok.eos_id,
+            **({} if tok.shared else {"share_embeddings": False}),
+        )
+    )
+
+
+def _log_window(window, state: TrainState, lr: float, seconds: float, elapsed: float, d: Dist, bar, metrics):
+    """Training loss, NLL, perplexity and speed since the last line: progress bar, log, metrics.jsonl."""
+    loss, nll, tokens = distributed.all_reduce_sum(window, d)  # over all processes
+    line = {
+        "step": state.step,
+        "epoch": state.epoch + 1,
+        "loss": loss / tokens,
+        "nll": nll / tokens,
+        "ppl": math.exp(min(nll / tokens, 50)),
+        "lr": lr,
+        "tokens_per_s": tokens / seconds,
+        "elapsed_s": elapsed,
+    }
+    bar.set_postfix(
+        tok_s=f"{line['tokens_per_s']:.0f}",
+        loss=f"{line['loss']:.3f}",
+        ppl=f"{line['ppl']:.1f}",
+        lr=f"{lr:.2e}",
+    )
+    if metrics:
+        metrics.write(line)
+        log.info(
+            "update %d epoch %d: loss %.3f nll %.3f ppl %.1f lr %.2e %.0f tok/s",
+            state.step,
+            state.epoch + 1,
+            line["loss"],
+            line["nll"],
+            line["ppl"],
+            lr,
+            line["tokens_per_s"],
+        )
+    return line
+
+
 def train_step(
-    net: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, batches: list[Batch],
-    update_tokens: int, lr: float, eps: float, pad_id: int, clip_norm: float, d: Dist, autocast,
+    net: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    batches: list[Batch],
+    update_tokens: int,
+    lr: float,
+    eps: float,
+    pad_id: int,
+    clip_norm: float,
+    d: Dist,
+    autocast,
 ) -> tuple[float, float, float]:
     """One update: accumulate this process' batches, normalize by the update's tokens, step Adam.
 
@@ -191,10 +282,16 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> d
         sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + batch.n_tokens]
     model.train(was_training)
     loss, nll, tokens = distributed.all_reduce_sum(sums, d)
-    return {"valid_loss": loss / tokens, "valid_nll": nll / tokens, "valid_ppl": math.exp(min(nll / tokens, 50))}
+    return {
+        "valid_loss": loss / tokens,
+        "valid_nll": nll / tokens,
+        "valid_ppl": math.exp(min(nll / tokens, 50)),
+    }
 
 
-def _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics) -> dict[str, Any]:
+def _validate_and_save(
+    net, model, optimizer, scaler, state, data, config, d, autocast, metrics
+) -> dict[str, Any]:
     """Validation (if there is a validation set), the patience count, a checkpoint and the curves."""
     tc = config.train
     result: dict[str, Any] = {"step": state.step, "epoch": state.epoch + 1}
@@ -208,19 +305,27 @@ def _validate_and_save(net, model, optimizer, scaler, state, data, config, d, au
         from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
 
         result["valid_bleu"], result["bleu_signature"] = validation_bleu(
-            model, data.tokenizer, data.valid_text, config.data.max_len, tc.max_tokens, d.device)
+            model, data.tokenizer, data.valid_text, config.data.max_len, tc.max_tokens, d.device
+        )
         log.info("update %d: valid BLEU (greedy) %.2f", state.step, result["valid_bleu"])
     rngs = rng_states(d)  # collective: every process takes part
     if d.is_main:
         run_dir = Path(tc.run_dir)
-        path = save_training_checkpoint(run_dir, model, data.tokenizer, optimizer, scaler, state,
-                                        config.to_dict(), result, rngs)
+        path = save_training_checkpoint(
+            run_dir, model, data.tokenizer, optimizer, scaler, state, config.to_dict(), result, rngs
+        )
         prune(run_dir, tc.keep_last)
         metrics.write(result)
         plot_metrics(metrics.path, run_dir / "curves.png")
         if "valid_loss" in result:
-            log.info("update %d: valid loss %.3f nll %.3f ppl %.2f; saved %s", state.step, result["valid_loss"],
-                     result["valid_nll"], result["valid_ppl"], path)
+            log.info(
+                "update %d: valid loss %.3f nll %.3f ppl %.2f; saved %s",
+                state.step,
+                result["valid_loss"],
+                result["valid_nll"],
+                result["valid_ppl"],
+                path,
+            )
     distributed.barrier(d)  # nobody runs ahead of a checkpoint being written
     return result
 
@@ -249,7 +354,9 @@ def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Path | None:
     if resume and not found:
         raise UserError(f"{run_dir}: no checkpoint to resume from")
     if not resume and found:
-        raise UserError(f"{run_dir}: already holds checkpoints; pass --resume to continue, or another run_dir")
+        raise UserError(
+            f"{run_dir}: already holds checkpoints; pass --resume to continue, or another run_dir"
+        )
     return found[-1] if resume else None
 
 
@@ -269,17 +376,26 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist) -> Data:
     train, _ = load_encoded(dc.train_src, dc.train_tgt, tokenizer, cache)
     train, too_long = train.filter_length(dc.max_len)
     if d.is_main:
-        log.info("%s: %d training pairs; %d longer than max_len=%d dropped", dc.train_src, len(train), too_long,
-                 dc.max_len)
+        log.info(
+            "%s: %d training pairs; %d longer than max_len=%d dropped",
+            dc.train_src,
+            len(train),
+            too_long,
+            dc.max_len,
+        )
     batches = token_batches(train.src_lengths(), train.tgt_lengths(), config.train.max_tokens)
     valid, valid_batches = None, []
     if dc.valid_src:
         valid, _ = load_encoded(dc.valid_src, dc.valid_tgt, tokenizer, cache)
         valid, too_long = valid.filter_length(dc.max_len)
         if too_long and d.is_main:
-            log.warning("%s: %d validation pairs longer than max_len=%d dropped", dc.valid_src, too_long, dc.max_len)
+            log.warning(
+                "%s: %d validation pairs longer than max_len=%d dropped", dc.valid_src, too_long, dc.max_len
+            )
         valid_batches = token_batches(valid.src_lengths(), valid.tgt_lengths(), config.train.max_tokens)
-    valid_text = read_parallel(dc.valid_src, dc.valid_tgt) if dc.valid_src and config.train.bleu_every else None
+    valid_text = (
+        read_parallel(dc.valid_src, dc.valid_tgt) if dc.valid_src and config.train.bleu_every else None
+    )
     return Data(tokenizer, train, batches, valid, valid_batches, valid_text)
 
 
@@ -289,8 +405,13 @@ def _prepare_files(config: RunConfig, run_dir: Path) -> None:
     tokenizer = find_tokenizer(run_dir)
     if tokenizer is None:
         text = read_parallel(dc.train_src, dc.train_tgt)
-        log.info("training a %s SentencePiece model (%d pieces, %s) on %d pairs", dc.spm_type, dc.vocab_size,
-                 "shared" if dc.shared_vocab else "separate", len(text.src))
+        log.info(
+            "training a %s SentencePiece model (%d pieces, %s) on %d pairs",
+            dc.spm_type,
+            dc.vocab_size,
+            "shared" if dc.shared_vocab else "separate",
+            len(text.src),
+        )
         tokenizer = train_tokenizer(text, run_dir, dc.vocab_size, dc.spm_type, dc.shared_vocab)
     for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):
         if src:
@@ -304,8 +425,10 @@ def _describe(config: RunConfig, model: Transformer, data: Data, d: Dist) -> str
 
     tc = config.train
     lines = [json.dumps({**config.to_dict(), "resolved_model": model.config.__dict__}, indent=2)]
-    lines.append(f"parameters {model.num_parameters():,}; vocabulary {data.tokenizer.src_vocab_size}"
-                 f"{'' if data.tokenizer.shared else f' / {data.tokenizer.tgt_vocab_size}'}; "
-                 f"{len(data.train)} pairs in {len(data.train_batches)} batches; processes {d.world_size} on "
-                 f"{d.device}; tokens per update <= {tc.max_tokens * tc.update_freq * d.world_size}")
+    lines.append(
+        f"parameters {model.num_parameters():,}; vocabulary {data.tokenizer.src_vocab_size}"
+        f"{'' if data.tokenizer.shared else f' / {data.tokenizer.tgt_vocab_size}'}; "
+        f"{len(data.train)} pairs in {len(data.train_batches)} batches; processes {d.world_size} on "
+        f"{d.device}; tokens per update <= {tc.max_tokens * tc.update_freq * d.world_size}"
+    )
     return "\n".join(lines)

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def label_smoothed_nll(logits: Tensor, target: Tensor, eps: float, ignore_index: int) -> tuple[Tensor, Tensor]:
+def label_smoothed_nll(
+    logits: Tensor, target: Tensor, eps: float, ignore_index: int
+) -> tuple[Tensor, Tensor]:
     """(B, T, V) logits, (B, T) target ids -> (smoothed loss sum, NLL sum) over non-ignored positions.
 
     Computed in float32 whatever the autocast dtype: a bf16 log-softmax over 37k classes loses the

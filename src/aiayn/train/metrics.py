@@ -47,9 +47,12 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "valid_loss" in r]
     fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
-    for rows, key, label, style in ((train, "loss", "train loss (smoothed)", "-"), (train, "nll", "train NLL", "-"),
-                                    (valid, "valid_loss", "valid loss (smoothed)", "o-"),
-                                    (valid, "valid_nll", "valid NLL", "o-")):
+    for rows, key, label, style in (
+        (train, "loss", "train loss (smoothed)", "-"),
+        (train, "nll", "train NLL", "-"),
+        (valid, "valid_loss", "valid loss (smoothed)", "o-"),
+        (valid, "valid_nll", "valid NLL", "o-"),
+    ):
         if rows:
             ax_loss.plot([r["step"] for r in rows], [r[key] for r in rows], style, label=label, markersize=3)
     ax_loss.set_xlabel("update")
@@ -58,8 +61,10 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     ax_loss.grid(alpha=0.3)
     if valid:
         best = min(valid, key=lambda r: r["valid_nll"])
-        ax_loss.set_title(f"best valid NLL {best['valid_nll']:.3f} (ppl {math.exp(best['valid_nll']):.2f}) "
-                          f"at {best['step']}")
+        ax_loss.set_title(
+            f"best valid NLL {best['valid_nll']:.3f} (ppl {math.exp(best['valid_nll']):.2f}) "
+            f"at {best['step']}"
+        )
     if train:
         ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train])
     ax_lr.set_xlabel("update")

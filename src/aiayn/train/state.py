@@ -82,20 +82,34 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
 
 
 def save_training_checkpoint(
-    run_dir: Path, model: torch.nn.Module, tokenizer: Tokenizer, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler, state: TrainState, config: dict[str, Any], metrics: dict[str, Any],
+    run_dir: Path,
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    state: TrainState,
+    config: dict[str, Any],
+    metrics: dict[str, Any],
     rngs: dict[str, torch.Tensor],
 ) -> Path:
     tensors, groups = optimizer_tensors(optimizer)
-    trainer = {"state": asdict(state), "param_groups": groups, "python_rng": random.getstate(),
-               "scaler": scaler.state_dict() if scaler.is_enabled() else None}
+    trainer = {
+        "state": asdict(state),
+        "param_groups": groups,
+        "python_rng": random.getstate(),
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+    }
     meta = {"step": state.step, "epoch": state.epoch, "config": config, "metrics": metrics}
     path = Path(run_dir) / "checkpoints" / f"step_{state.step:06d}"
     return save_checkpoint(path, model, tokenizer, meta, {**tensors, **rngs}, trainer)
 
 
 def restore(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, d: Dist,
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    d: Dist,
 ) -> TrainState:
     """Load weights, optimizer, scaler and this process' RNG state from a training checkpoint."""
     check_compatible(path, model.config)
@@ -125,14 +139,18 @@ def check_compatible(path: Path, config: ModelConfig) -> None:
     saved = read_meta(path).get("model", {})
     for key, value in to_dict(config).items():
         if saved.get(key) != value:
-            raise UserError(f"{path}: checkpoint from an incompatible model ({key}={saved.get(key)!r}, "
-                            f"this run has {value!r})")
+            raise UserError(
+                f"{path}: checkpoint from an incompatible model ({key}={saved.get(key)!r}, "
+                f"this run has {value!r})"
+            )
 
 
 def _read_trainer(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors_file, json_file = path / "trainer.safetensors", path / "trainer.json"
     if not tensors_file.is_file() or not json_file.is_file():
-        raise UserError(f"{path}: no training state (trainer.safetensors / trainer.json); cannot resume from it")
+        raise UserError(
+            f"{path}: no training state (trainer.safetensors / trainer.json); cannot resume from it"
+        )
     try:
         return load_file(str(tensors_file)), json.loads(json_file.read_text(encoding="utf-8"))
     except (SafetensorError, OSError, ValueError) as e:

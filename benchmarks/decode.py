@@ -218,8 +218,21 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"environment": env, "tokens_per_second": results}, indent=2) + "\n")
     out.with_suffix(".md").write_text(
-        f"# Decoding speed, {args.device}\n\n`{env['command']}`\n\n{text}\n\n"
+        f"# Decoding speed, {args.device}\n\n`{env['command']}`\n\n{text}\n\n{verdict(results)}\n\n"
         f"Environment: `{json.dumps(env)}`\n")
+
+
+def verdict(results: dict) -> str:
+    """The issue's bar, cell by cell: aiayn fp32 >= CTranslate2 float32 everywhere, >= 2x HF at batch 1."""
+    lines = []
+    for cell, r in results.items():
+        checks = []
+        if "CT2 float32" in r:
+            checks.append(("vs CT2 float32 >= 1", r["aiayn fp32"] / r["CT2 float32"], 1.0))
+        if cell.endswith("batch 1"):
+            checks.append(("vs HF >= 2", r["aiayn fp32"] / r["HF Marian fp32"], 2.0))
+        lines += [f"- {cell}: {name}: {ratio:.2f}x, {'met' if ratio >= bar else 'NOT met'}" for name, ratio, bar in checks]
+    return "Bar:\n" + "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ class Beams:
     cache: KVCache  # B*K self-attention rows, B cross-attention rows
 
 
+@torch.inference_mode()
 def beam_search(model: Transformer, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
     """Per sentence of the (B, S) batch, its `n_best` hypotheses, best first."""
     beams = start(model, src, config)

@@ -11,6 +11,7 @@ from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, s
 from aiayn.model import Transformer
 
 
+@torch.inference_mode()
 def greedy_search(
     model: Transformer, src: Tensor, config: DecodeConfig, generator: torch.Generator | None = None
 ) -> list[list[Hypothesis]]:

@@ -275,3 +275,67 @@ def test_beam_is_token_identical_to_generate(build, variant, beam, alpha):
     torch.testing.assert_close(our_scores, their_scores, atol=1e-4, rtol=0)
     greedy, _ = aiayn_search(ck, src, beam=1)
     assert ours != greedy  # the beam found something greedy search did not: the comparison has teeth
+
+
+# The converted model everywhere else in aiayn: translate, attention, fine-tuning.
+
+
+def test_translator_text_equals_marian_pipeline(build):
+    hf, ck, opus = build(VARIANTS[0])
+    from aiayn.translate import Translator
+
+    theirs_tok = transformers.MarianTokenizer.from_pretrained(str(opus))
+    batch = theirs_tok(SENTENCES, return_tensors="pt", padding=True)
+    hf.generation_config.forced_eos_token_id = None  # as in hf_search
+    out = hf.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=MAX_NEW,
+                      bad_words_ids=[[ck.tokenizer.pad_id]])
+    theirs = theirs_tok.batch_decode(out, skip_special_tokens=True)
+    ours = Translator.load(ck.path).translate(SENTENCES, beam=1, max_len_a=0.0, max_len_b=MAX_NEW)
+    assert ours == theirs and any(ours)
+
+
+@torch.no_grad()
+def test_attention_maps_are_marians(build):
+    """`aiayn attention`'s weights are those MarianMTModel reports (eager attention, output_attentions)."""
+    hf, ck, _ = build(VARIANTS[1])  # separate vocabularies: the target side has its own pieces
+    from aiayn.attention import extract_attention
+
+    maps = extract_attention(ck.model, ck.tokenizer, SENTENCES[0], "die Zahl 12 ist gerade")
+    tgt_in = torch.tensor([[ck.model.config.decoder_start_id] + ck.tokenizer.encode_tgt("die Zahl 12 ist gerade")])
+    hf.config._attn_implementation = "eager"  # the implementation that returns its weights
+    try:
+        out = hf(input_ids=torch.tensor([ck.tokenizer.encode_src(SENTENCES[0])]), decoder_input_ids=tgt_in,
+                 output_attentions=True)
+    finally:
+        hf.config._attn_implementation = "sdpa"
+    torch.testing.assert_close(maps.encoder, torch.cat(out.encoder_attentions), atol=1e-5, rtol=0)  # (L, H, S, S)
+    torch.testing.assert_close(maps.decoder, torch.cat(out.decoder_attentions), atol=1e-5, rtol=0)  # (L, H, T, T)
+    torch.testing.assert_close(maps.cross, torch.cat(out.cross_attentions), atol=1e-5, rtol=0)  # (L, H, T, S)
+
+
+def test_fine_tune_then_reload(build, tmp_path):
+    """A few Adam steps with aiayn's loss move the imported weights (ties kept), and the result reloads."""
+    ck = load_checkpoint(build(VARIANTS[0])[1].path)  # a fresh copy: the shared one stays as converted
+    from aiayn.checkpoint import save_checkpoint
+    from aiayn.train.loss import label_smoothed_nll
+
+    model, tok = ck.model, ck.tokenizer
+    src = source_batch(tok, ["the number 12 is even"])
+    target = torch.tensor([tok.encode_tgt("the number 12 is even") + [tok.eos_id]])  # (1, T)
+    tgt_in = torch.cat([torch.tensor([[model.config.decoder_start_id]]), target[:, :-1]], dim=1)  # (1, T)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.train()
+    losses = []
+    for _ in range(5):
+        loss, _ = label_smoothed_nll(model(src, tgt_in), target, eps=0.1, ignore_index=tok.pad_id)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    assert losses[-1] < losses[0]
+    assert model.generator.weight is model.src_embed.embed.weight  # Marian's tied embeddings stay tied
+    save_checkpoint(tmp_path / "tuned", model, tok, ck.meta)
+    with torch.no_grad():
+        torch.testing.assert_close(load_checkpoint(tmp_path / "tuned").model(src, tgt_in), model(src, tgt_in),
+                                   atol=0, rtol=0)

@@ -134,6 +134,8 @@ def test_sigkill_while_writing_keeps_the_previous_checkpoint(tmp_path):
     load_checkpoint(checkpoint_dirs(run)[-1])
     result = train(config, resume=True)
     assert result["step"] == 8
+    # no debris: the half-written directory is cleared by the next save
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000004", "step_000008"]
 
 
 def run_cli(capsys, *argv) -> tuple[int, str]:

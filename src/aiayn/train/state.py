@@ -12,6 +12,7 @@ highest `step_*` directory (temporary ones start with a dot). No pickle anywhere
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -54,8 +55,19 @@ def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
 
 
 def prune(run_dir: str | Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints; clear what killed runs left half-written.
+
+    An old checkpoint is first renamed out of view (hidden), then deleted: a kill mid-delete never
+    leaves a half-deleted directory that looks like a checkpoint. Called by the only writer, right
+    after a save, so no hidden directory is still being written.
+    """
+    root = Path(run_dir) / "checkpoints"
     for old in checkpoint_dirs(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        hidden = old.with_name(f".{old.name}.deleting")
+        os.rename(old, hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+    for leftover in root.glob(".step_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def rng_states(d: Dist) -> dict[str, torch.Tensor]:

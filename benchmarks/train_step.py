@@ -1,0 +1,408 @@
+"""Tokens per second of one training step: aiayn against torch.nn.Transformer and HuggingFace MarianMT.
+
+One step = forward, label-smoothed cross-entropy (F.cross_entropy, label_smoothing=0.1, ignore_index=pad),
+backward, Adam (fused, the same for every system), `zero_grad(set_to_none=True)`. Every system gets the
+same shapes (d_model, heads, d_ff, layers, vocabulary, ReLU, dropout 0.1, attention dropout 0, one shared
+embedding tied to the output projection, sinusoidal positions) and the very same batch. Systems are
+timed interleaved (A B C A B C ...), so that the noise of a shared machine falls on all of them alike;
+what counts are ratios measured in the same run.
+
+Also: model FLOP utilisation against a matmul peak measured here, and the bfloat16 loss curve against
+the float32 one from the same initialisation on the same batches.
+
+    python benchmarks/train_step.py                 # small and base, fp32 and bf16, eager and compiled
+    python benchmarks/train_step.py --quick         # small only, fewer steps: about a minute
+    python benchmarks/train_step.py --configs base --precisions bf16 --no-compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment, markdown_table, sync, timeit  # noqa: E402
+
+from aiayn.config import ModelConfig, model_config  # noqa: E402
+from aiayn.model import Transformer, sinusoidal_positions  # noqa: E402
+from aiayn.model.compile import compile_for_training  # noqa: E402
+
+PAD, BOS = 0, 1
+SHAPES = {  # the issue's two configurations; batch = pairs of source + target tokens
+    "small": dict(preset="small", vocab=8000, batch=64, src_len=32, tgt_len=32),
+    "base": dict(preset="base", vocab=32000, batch=64, src_len=32, tgt_len=32),
+    "tiny": dict(preset="tiny", vocab=1000, batch=8, src_len=12, tgt_len=10),  # a smoke test, not a figure
+}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+LABEL_SMOOTHING = 0.1
+
+
+# ----------------------------------------------------------------------------------------------------
+# The three systems. Each is a module with `forward(src, tgt_in) -> logits (B, T, V)`.
+
+
+class TorchTransformer(nn.Module):
+    """torch.nn.Transformer(batch_first=True) with our kind of embeddings, sinusoids and tied projection."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.pad_id, self.scale = c.pad_id, math.sqrt(c.d_model)
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        nn.init.normal_(self.embed.weight, std=c.d_model**-0.5)
+        self.register_buffer("pe", sinusoidal_positions(c.max_len, c.d_model), persistent=False)
+        self.dropout = nn.Dropout(c.dropout)
+        self.transformer = nn.Transformer(
+            d_model=c.d_model, nhead=c.n_heads, num_encoder_layers=c.n_layers,
+            num_decoder_layers=c.decoder_layers, dim_feedforward=c.d_ff, dropout=c.dropout,
+            activation="relu", batch_first=True,
+        )
+        self.transformer.decoder.norm = None  # post-norm: no final LayerNorm, like the paper and aiayn
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        return self.dropout(self.embed(tokens) * self.scale + self.pe[: tokens.shape[1]])
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        src_pad = src == self.pad_id  # (B, S), True = ignore (nn.Transformer's convention)
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.shape[1], device=src.device)
+        h = self.transformer(
+            self.embed_tokens(src), self.embed_tokens(tgt_in), tgt_mask=causal, tgt_is_causal=True,
+            src_key_padding_mask=src_pad, memory_key_padding_mask=src_pad,
+        )  # (B, T, d)
+        return h @ self.embed.weight.T  # (B, T, V) tied output projection
+
+
+class Marian(nn.Module):
+    """transformers.MarianMTModel built offline with the same shapes; returns its logits."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        from transformers import MarianConfig, MarianMTModel
+
+        config = MarianConfig(
+            vocab_size=c.vocab_size, decoder_vocab_size=c.vocab_size, d_model=c.d_model,
+            encoder_layers=c.n_layers, decoder_layers=c.decoder_layers,
+            encoder_attention_heads=c.n_heads, decoder_attention_heads=c.n_heads,
+            encoder_ffn_dim=c.d_ff, decoder_ffn_dim=c.d_ff, activation_function="relu",
+            dropout=c.dropout, attention_dropout=0.0, activation_dropout=0.0,
+            max_position_embeddings=c.max_len, pad_token_id=c.pad_id, decoder_start_token_id=c.pad_id,
+            eos_token_id=c.eos_id, scale_embedding=True, share_encoder_decoder_embeddings=True,
+            tie_word_embeddings=True, use_cache=False,
+        )
+        self.pad_id = c.pad_id
+        self.model = MarianMTModel(config)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        out = self.model(input_ids=src, attention_mask=(src != self.pad_id).long(), decoder_input_ids=tgt_in)
+        return out.logits  # (B, T, V)
+
+
+def build(system: str, c: ModelConfig, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if system == "aiayn":
+        return Transformer(c)
+    if system == "nn.Transformer":
+        return TorchTransformer(c)
+    if system == "Marian":
+        return Marian(c)
+    raise ValueError(system)
+
+
+# ----------------------------------------------------------------------------------------------------
+# One training step, the same for every system.
+
+
+def label_smoothed_loss(logits: Tensor, tgt_out: Tensor) -> Tensor:
+    """(B, T, V), (B, T) -> mean label-smoothed cross-entropy over non-pad targets."""
+    return F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD,
+                           label_smoothing=LABEL_SMOOTHING)
+
+
+def make_step(model: nn.Module, forward: Callable, dtype: torch.dtype | None) -> Callable:
+    """A closure doing one training step on a batch; returns the loss as a float."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+
+    def step(src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = forward(src, tgt_in, tgt_out)
+        loss.backward()
+        opt.step()
+        return loss.item()  # a sync point (on GPU): the step is done when this returns
+
+    return step
+
+
+def system_step(system: str, c: ModelConfig, dtype: torch.dtype | None, compiled: bool, seed: int = 0):
+    """One system's step closure; `compiled`: aiayn through `compile_for_training`, a peer through
+    `torch.compile` of its forward and loss, the same wrapping."""
+    model = build(system, c, seed).train()
+    if not compiled:
+        def forward(src, tgt_in, tgt_out):
+            return label_smoothed_loss(model(src, tgt_in), tgt_out)
+    elif system == "aiayn":
+        forward = compile_for_training(model, label_smoothed_loss)
+    else:
+        forward = torch.compile(lambda src, tgt_in, tgt_out: label_smoothed_loss(model(src, tgt_in), tgt_out),
+                                dynamic=False)
+    return make_step(model, forward, dtype)
+
+
+def make_batch(shape: dict, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """Random full-length pairs: src (B, S), tgt_in (B, T) starting with BOS, tgt_out (B, T)."""
+    b, v = shape["batch"], shape["vocab"]
+    src = torch.randint(3, v, (b, shape["src_len"]), generator=generator)
+    tgt = torch.randint(3, v, (b, shape["tgt_len"] + 1), generator=generator)
+    tgt[:, 0] = BOS
+    return src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------
+# FLOPs and the matmul peak.
+
+
+def model_flops(c: ModelConfig, b: int, s: int, t: int) -> float:
+    """FLOPs of one training step (forward + backward = 3 x forward), counting matmuls only.
+
+    Matmul weights: 2 FLOPs per weight per position forward, so 6 * weights * positions per step:
+      encoder layer per source position: 4 d^2 (Q, K, V, O) + 2 d d_ff;
+      decoder layer per target position: 4 d^2 (self) + 2 d^2 (Q, O of cross) + 2 d d_ff,
+        and per source position 2 d^2 (the cross-attention K, V of the memory);
+      output projection per target position: d V (tied, counted once).
+    Attention: Q K^T and A V are 2 * 2 * Tq * Tk * d FLOPs forward per layer and sentence, all of
+    the square counted even where causal (as PaLM's MFU does); x 3 for forward + backward.
+    Embedding lookups, LayerNorm, softmax and the loss are not counted.
+    """
+    d, f, v, le, ld = c.d_model, c.d_ff, c.target_vocab_size, c.n_layers, c.decoder_layers
+    per_src = le * (4 * d * d + 2 * d * f) + ld * 2 * d * d
+    per_tgt = ld * (6 * d * d + 2 * d * f) + d * v
+    weights = 6 * b * (s * per_src + t * per_tgt)
+    attention = 3 * 4 * b * d * (le * s * s + ld * (t * t + t * s))
+    return float(weights + attention)
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """Measured FLOP/s of an n x n x n torch.matmul in `dtype` on this machine (median of repeats)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    seconds = timeit(lambda: torch.matmul(a, b), repeats=repeats, warmup=2)
+    return 2 * n**3 / seconds
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing: every (system, precision) of one configuration interleaved, round after round.
+
+
+@dataclass
+class Run:
+    system: str  # aiayn, nn.Transformer or Marian
+    precision: str  # fp32 or bf16
+    compiled: bool
+    step: Callable
+    first_s: float = 0.0  # the first step: includes compilation when compiled
+    times: list[float] | None = None
+
+    @property
+    def label(self) -> str:
+        return self.system + (" (compiled)" if self.compiled else "")
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times)
+
+
+def time_config(name: str, args) -> tuple[list[Run], dict]:
+    shape = SHAPES[name]
+    c = model_config(shape["preset"], vocab_size=shape["vocab"])
+    batch = make_batch(shape, torch.Generator().manual_seed(0))
+    variants = [(s, False) for s in ("aiayn", "nn.Transformer", "Marian")]
+    if not args.no_compile:
+        variants.append(("aiayn", True))
+        if args.compile_peers:
+            variants += [("nn.Transformer", True), ("Marian", True)]
+    runs = []
+    for precision in args.precisions:
+        for system, compiled in variants:
+            run = Run(system, precision, compiled, system_step(system, c, PRECISIONS[precision], compiled))
+            start = time.perf_counter()
+            run.step(*batch)
+            run.first_s = time.perf_counter() - start
+            for _ in range(args.warmup - 1):
+                run.step(*batch)
+            run.times = []
+            runs.append(run)
+            print(f"[{name}] {run.label} {precision}: first step {run.first_s:.1f} s", flush=True)
+    for r in range(args.steps):
+        for run in runs if r % 2 == 0 else reversed(runs):  # A B C C B A ...: no system always first
+            start = time.perf_counter()
+            run.step(*batch)
+            run.times.append(time.perf_counter() - start)
+        print(f"[{name}] round {r + 1}/{args.steps}", flush=True)
+    info = dict(config=name, **shape, tokens=shape["batch"] * (shape["src_len"] + shape["tgt_len"]),
+                flops=model_flops(c, shape["batch"], shape["src_len"], shape["tgt_len"]),
+                parameters=sum(p.numel() for p in Transformer(c).parameters()))
+    return runs, info
+
+
+def summarise(runs: list[Run], info: dict, peaks: dict) -> list[dict]:
+    """One row per run: time, tokens/s, ratio to the fastest peer at its precision, MFU."""
+    rows = []
+    for run in runs:
+        peers = [p for p in runs if p.precision == run.precision and p.system != "aiayn"
+                 and p.compiled == run.compiled]
+        if not peers:  # no compiled peers measured: compare with the eager ones, and say so
+            peers = [p for p in runs if p.precision == run.precision and p.system != "aiayn"]
+        fastest = min(peers, key=lambda p: p.median_s)
+        s = run.median_s
+        rows.append(dict(
+            config=info["config"], precision=run.precision, system=run.label, step_ms=1000 * s,
+            tokens_per_s=info["tokens"] / s, fastest_peer=fastest.label, vs_fastest_peer=fastest.median_s / s,
+            mfu=info["flops"] / s / peaks[run.precision], first_step_s=run.first_s,
+            compile_s=max(run.first_s - s, 0.0) if run.compiled else None,
+            times_ms=[round(1000 * t, 1) for t in run.times],
+        ))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# The bfloat16 loss curve against the float32 one.
+
+
+def loss_curve(steps: int, seed: int = 0) -> dict:
+    """aiayn `small` from one initialisation on the same batches in fp32 and in bf16 autocast.
+
+    The task is learnable (the target is the source reversed, in a vocabulary of 8,000), so the curve
+    falls and a drift would show. Dropout draws the same masks in both runs (same seed, same shapes).
+    """
+    shape = dict(SHAPES["small"], batch=16, src_len=12, tgt_len=12)  # short: 2 x steps on a CPU
+    c = model_config("small", vocab_size=shape["vocab"])
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(steps):
+        src = torch.randint(3, 200, (shape["batch"], shape["src_len"]), generator=gen)  # 200 words in use
+        tgt = torch.cat([torch.full((shape["batch"], 1), BOS), src.flip(1)], dim=1)
+        batches.append((src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous()))
+    curves = {}
+    for precision in ("fp32", "bf16"):
+        torch.manual_seed(seed)
+        model = Transformer(c).train()
+        opt = torch.optim.Adam(model.parameters(), lr=5e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+        step = make_step_with(model, opt, PRECISIONS[precision])
+        torch.manual_seed(seed + 2)  # the same dropout masks in both runs
+        curves[precision] = [step(*b) for b in batches]
+    diffs = [abs(a - b) for a, b in zip(curves["fp32"], curves["bf16"])]
+    rel = [d / a for d, a in zip(diffs, curves["fp32"])]
+    return dict(steps=steps, fp32=curves["fp32"], bf16=curves["bf16"], max_abs_diff=max(diffs),
+                max_rel_diff=max(rel), final_fp32=curves["fp32"][-1], final_bf16=curves["bf16"][-1])
+
+
+def make_step_with(model: nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype | None) -> Callable:
+    def step(src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = label_smoothed_loss(model(src, tgt_in), tgt_out)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report.
+
+
+def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, args, path: str) -> None:
+    table = markdown_table(
+        ["config", "precision", "system", "ms/step", "tokens/s", "x fastest peer", "MFU", "compile s"],
+        [[r["config"], r["precision"], r["system"], f"{r['step_ms']:.0f}", f"{r['tokens_per_s']:.0f}",
+          f"{r['vs_fastest_peer']:.2f} ({r['fastest_peer']})", f"{100 * r['mfu']:.1f}%",
+          "" if r["compile_s"] is None else f"{r['compile_s']:.0f}"] for r in rows],
+    )
+    speedups = []
+    for cfg in dict.fromkeys(r["config"] for r in rows):
+        for compiled in ("aiayn", "aiayn (compiled)"):
+            t = {r["precision"]: r["step_ms"] for r in rows if r["config"] == cfg and r["system"] == compiled}
+            if "fp32" in t and "bf16" in t:
+                speedups.append(f"- {cfg}, {compiled}: bf16 is {t['fp32'] / t['bf16']:.2f}x fp32")
+    lines = [
+        "# Training step: aiayn vs torch.nn.Transformer vs MarianMT", "",
+        f"Command: `python benchmarks/train_step.py {' '.join(args.argv)}`", "",
+        "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
+        f"Measured matmul peak (2048^3 torch.matmul): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
+        f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s.", "",
+        "Step = forward, label-smoothed CE (0.1), backward, fused Adam (`zero_grad(set_to_none=True)`); "
+        "shapes: " + "; ".join(f"{k} = preset {v['preset']}, vocab {v['vocab']}, batch {v['batch']} pairs of "
+                               f"{v['src_len']} + {v['tgt_len']} tokens" for k, v in SHAPES.items()
+                               if k in args.configs) + ". tokens/s counts source + target tokens. Median of the interleaved rounds. `x fastest peer` = "
+        "fastest peer's time / this time, at the same precision (compiled rows against compiled peers "
+        "when they were measured, else against the eager peers, named in brackets). MFU = model FLOPs "
+        "(`model_flops`: 6 x matmul weights x positions + 12 x B x d x Tq x Tk per attention) / time / "
+        "measured matmul peak of that precision. `compile s` = first step minus a warm step.", "",
+        table, "", *speedups, "",
+    ]
+    if curve:
+        lines += [
+            f"## bf16 loss curve vs fp32 (aiayn small, {curve['steps']} steps, same init and batches)", "",
+            f"max |loss_bf16 - loss_fp32| = {curve['max_abs_diff']:.4f}, max relative = "
+            f"{100 * curve['max_rel_diff']:.2f}%; final loss fp32 {curve['final_fp32']:.4f}, "
+            f"bf16 {curve['final_bf16']:.4f}", "",
+            markdown_table(["step", "fp32", "bf16", "|diff|"], [
+                [i + 1, f"{curve['fp32'][i]:.4f}", f"{curve['bf16'][i]:.4f}",
+                 f"{abs(curve['fp32'][i] - curve['bf16'][i]):.4f}"]
+                for i in sorted({*range(0, curve["steps"], max(1, curve["steps"] // 10)), curve["steps"] - 1})]),
+            "",
+        ]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump(dict(environment=env, peaks=peaks, rows=rows, loss_curve=curve, argv=args.argv), f, indent=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="small,base", help="comma-separated: small, base (tiny: a smoke test)")
+    p.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    p.add_argument("--steps", type=int, default=5, help="timed interleaved rounds (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per system before timing")
+    p.add_argument("--no-compile", action="store_true", help="skip aiayn under torch.compile")
+    p.add_argument("--compile-peers", action="store_true", help="also time the peers under torch.compile")
+    p.add_argument("--loss-steps", type=int, default=150, help="bf16 vs fp32 loss-curve steps (0: skip)")
+    p.add_argument("--quick", action="store_true", help="small only, 3 rounds, 1 warmup, 40 loss steps")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--out", default=None, help="markdown path (default benchmarks/results/train_step.md)")
+    args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.quick:
+        args.configs, args.steps, args.warmup, args.loss_steps = "small", 3, 1, min(args.loss_steps, 40)
+    args.configs = [x for x in args.configs.split(",") if x]  # "": the loss curve only
+    args.precisions = args.precisions.split(",")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "train_step.md")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = environment()
+    peaks = {name: matmul_peak(torch.float32 if name == "fp32" else torch.bfloat16) for name in PRECISIONS}
+    print("matmul peak GFLOP/s:", {k: round(v / 1e9) for k, v in peaks.items()}, flush=True)
+    rows = []
+    for name in args.configs:
+        runs, info = time_config(name, args)
+        rows += summarise(runs, info, peaks)
+        del runs
+        write_report(rows, peaks, None, env, args, out)  # partial results survive an interruption
+    curve = loss_curve(args.loss_steps) if args.loss_steps else None
+    write_report(rows, peaks, curve, env, args, out)
+    print(open(out).read())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The training-step benchmark's arithmetic, checked against PyTorch's own FLOP counter.
+
+A slow test also runs the whole benchmark on a tiny shape (every system, both precisions, compiled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from aiayn.config import model_config
+from aiayn.model import Transformer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import train_step  # noqa: E402
+
+
+@pytest.mark.parametrize("s, t", [(6, 5), (3, 9)])
+def test_model_flops_equals_torch_flop_counter(s, t):
+    """`model_flops` is what torch counts in every matmul of forward + backward (attention included,
+    through SDPA's math path, whose two matmuls the counter sees)."""
+    torch.manual_seed(0)
+    c = model_config("tiny", vocab_size=500, dropout=0.0, n_decoder_layers=3)
+    model = Transformer(c)
+    src, tgt_in, tgt_out = (torch.randint(3, 500, (4, n)) for n in (s, t, t))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        train_step.label_smoothed_loss(model(src, tgt_in), tgt_out).backward()
+    assert train_step.model_flops(c, 4, s, t) == counter.get_total_flops()
+
+
+def test_peers_have_the_same_shapes():
+    """nn.Transformer and Marian get our matmul weights: the same count of parameters in Linear layers
+    (biases and the tied embedding aside, where their layouts differ)."""
+    c = model_config("tiny", vocab_size=500)
+
+    def linear_weights(m):
+        return sum(x.weight.numel() for x in m.modules() if isinstance(x, torch.nn.Linear)
+                   and x.weight.shape[0] != c.vocab_size)  # the tied output projection aside
+
+    def mha_weights(m):  # nn.MultiheadAttention keeps Q, K, V in one in_proj_weight
+        return sum(x.in_proj_weight.numel() for x in m.modules() if isinstance(x, torch.nn.MultiheadAttention))
+
+    ours = linear_weights(Transformer(c))
+    assert linear_weights(train_step.build("nn.Transformer", c)) + mha_weights(
+        train_step.build("nn.Transformer", c)) == ours
+    assert linear_weights(train_step.build("Marian", c)) == ours
+
+
+@pytest.mark.slow
+def test_benchmark_runs_end_to_end(tmp_path):
+    out = tmp_path / "train_step.md"
+    train_step.main(["--configs", "tiny", "--steps", "1", "--warmup", "1", "--loss-steps", "3",
+                     "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert {(r["system"], r["precision"]) for r in rows} == {
+        (s, p) for s in ("aiayn", "nn.Transformer", "Marian", "aiayn (compiled)") for p in ("fp32", "bf16")}
+    assert all(r["tokens_per_s"] > 0 for r in rows)

@@ -37,6 +37,7 @@ def test_short_demo_through_the_cli(tmp_path, capsys):
     correct = sum(h == r for h, r in zip(hyps, refs))
     assert f"held-out exact match: {correct}/12" in printed and "12 updates" in printed
     assert main(["demo", "--size", "huge"]) == 2 and "huge" in capsys.readouterr().err
+    assert main(argv) == 2 and "earlier demo run" in capsys.readouterr().err  # never mixes two runs
 
 
 def test_config_errors():

@@ -12,13 +12,14 @@ at n = 16 to load its code paths, resets the kernel's peak-RSS counter (writing 
 peak resident set (VmHWM) minus that baseline: every byte the operation touched at its peak, whoever
 allocated it (torch's CPU allocator keeps no statistics, and tracemalloc does not see it). Where
 clear_refs is not writable it falls back to getrusage's ru_maxrss, which cannot be reset and so can only
-see peaks above the import's. SDPA is pinned to the flash backend (`sdpa_kernel(FLASH_ATTENTION)`):
-no dropout, no mask, not causal, so a silent fallback to the math path cannot pass for the fused kernel.
+see peaks above the import's. SDPA is pinned to the fused backends (flash on CPU; flash or
+memory-efficient on GPU) with no dropout, no mask, not causal, so a silent fallback to the math path
+cannot pass for a fused kernel.
 
 Method, GPU: torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus the allocation before.
 
-A run of the explicit formula that would pass the memory budget is not started: its peak is predicted
-from the largest n measured, scaled by (n / n_measured)^2, and reported as such.
+A run that would pass the memory budget is not started: its peak is predicted from the largest n
+measured along the last measured log-log slope (2 for the explicit formula) and reported as predicted.
 
     python benchmarks/attention_memory.py                # CPU, n = 256 .. 8192, budget 4 GiB
     python benchmarks/attention_memory.py --quick        # n = 256, 512, 1024
@@ -46,7 +47,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` beside this file, however it is run
-from common import environment, markdown_table  # noqa: E402
+from common import environment, markdown_table
 
 log = logging.getLogger("benchmarks.attention_memory")
 
@@ -78,8 +79,12 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """SDPA pinned to the flash kernel: raises rather than fall back to the O(n^2) math path."""
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    """SDPA pinned to a fused kernel: raises rather than fall back to the O(n^2) math path.
+
+    On a CPU that is the flash kernel; on a GPU flash takes only half precision, so float32 gets the
+    memory-efficient kernel, which is O(n) in memory as well.
+    """
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
         return F.scaled_dot_product_attention(q, k, v)  # (B, H, n, D)
 
 
@@ -147,14 +152,20 @@ def measure(impl: str, n: int, mode: str, cfg: MemoryConfig) -> dict:
     grad = grad.detach()
     start = time.perf_counter()
     peak, method = (cuda_peak_bytes if device.type == "cuda" else cpu_peak_bytes)(impl, mode, q, k, v, grad)
-    return {"impl": impl, "n": n, "mode": mode, "peak_bytes": peak, "seconds": time.perf_counter() - start,
-            "method": method}
+    return {
+        "impl": impl,
+        "n": n,
+        "mode": mode,
+        "peak_bytes": peak,
+        "seconds": time.perf_counter() - start,
+        "method": method,
+    }
 
 
 def measure_in_subprocess(impl: str, n: int, mode: str, cfg: MemoryConfig) -> dict:
     """`measure` in a fresh interpreter: a clean heap and a clean peak for every figure."""
     cmd = [sys.executable, __file__, "--measure", impl, str(n), mode, "--config", json.dumps(asdict(cfg))]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:  # e.g. killed by the kernel for memory (-9): say so, keep going
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {"impl": impl, "n": n, "mode": mode, "error": f"exit {done.returncode}: {tail}"}
@@ -184,19 +195,29 @@ def run_all(cfg: MemoryConfig) -> dict[str, dict[str, list[dict]]]:
                 points = series[impl][mode]
                 guess = predicted_peak(points, n)
                 if guess is not None and guess > budget:
-                    points.append({"impl": impl, "n": n, "mode": mode, "peak_bytes": int(guess), "measured": False})
+                    points.append(
+                        {"impl": impl, "n": n, "mode": mode, "peak_bytes": int(guess), "measured": False}
+                    )
                     log.info("%s %s n=%d: predicted %.0f MiB > budget, not run", impl, mode, n, guess / MIB)
                     continue
                 point = {**measure_in_subprocess(impl, n, mode, cfg), "measured": True}
                 points.append(point)
-                log.info("%s %s n=%d: %s", impl, mode, n,
-                         f"{point['peak_bytes'] / MIB:.1f} MiB" if "peak_bytes" in point else point["error"])
+                log.info(
+                    "%s %s n=%d: %s",
+                    impl,
+                    mode,
+                    n,
+                    f"{point['peak_bytes'] / MIB:.1f} MiB" if "peak_bytes" in point else point["error"],
+                )
     return series
 
 
 def growth_exponent(points: list[dict], min_n: int = 1024) -> float | None:
-    """Log-log slope of measured peak on n from the first to the last measured point with n >= min_n."""
-    ok = [p for p in points if p.get("measured") and p.get("peak_bytes", 0) > 0 and p["n"] >= min_n]
+    """Log-log slope of measured peak on n from the first to the last measured point with n >= min_n
+    (every measured point when fewer than two reach min_n)."""
+    measured = [p for p in points if p.get("measured") and p.get("peak_bytes", 0) > 0]
+    ok = [p for p in measured if p["n"] >= min_n]
+    ok = ok if len(ok) >= 2 else measured
     if len(ok) < 2:
         return None
     return math.log(ok[-1]["peak_bytes"] / ok[0]["peak_bytes"]) / math.log(ok[-1]["n"] / ok[0]["n"])
@@ -210,7 +231,7 @@ def _mib(point: dict) -> str:
 
 
 def memory_table(series: dict, cfg: MemoryConfig, mode: str) -> str:
-    """n | one input's size | SDPA peak | explicit peak | explicit / SDPA | explicit peak in n x n matrices."""
+    """n | one input's size | SDPA peak | explicit peak | their ratio | explicit peak in n x n matrices."""
     rows = []
     for s, e in zip(series["sdpa"][mode], series["explicit"][mode]):
         n = s["n"]
@@ -220,8 +241,14 @@ def memory_table(series: dict, cfg: MemoryConfig, mode: str) -> str:
         row.append(f"{e['peak_bytes'] / s['peak_bytes']:.0f}x" if both else "-")
         row.append(f"{e['peak_bytes'] / square:.2f}" if "peak_bytes" in e else "-")
         rows.append(row)
-    header = ["n", "one of Q/K/V MiB", "SDPA peak MiB", "explicit peak MiB", "explicit / SDPA",
-              "explicit peak / one (B,H,n,n) matrix"]
+    header = [
+        "n",
+        "one of Q/K/V MiB",
+        "SDPA peak MiB",
+        "explicit peak MiB",
+        "explicit / SDPA",
+        "explicit peak / one (B,H,n,n) matrix",
+    ]
     return markdown_table(header, rows)
 
 
@@ -237,30 +264,41 @@ def first_over_budget(points: list[dict], budget: float) -> str:
 def write_markdown(result: dict, cfg: MemoryConfig, path: Path) -> None:
     series, env = result["series"], result["environment"]
     budget = cfg.budget_gib * 2**30
-    methods = sorted({p["method"] for s in series.values() for pts in s.values() for p in pts if "method" in p})
+    methods = sorted(
+        {p["method"] for s in series.values() for pts in s.values() for p in pts if "method" in p}
+    )
     parts = [
         "# Peak memory of attention: fused SDPA against the explicit softmax(Q K^T / sqrt(d)) V",
         "",
         f"Command: `{result['command']}`  ",
         "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + "  ",
-        f"Shape: B = {cfg.batch}, H = {cfg.heads}, D = {cfg.head_dim}, float32; budget {cfg.budget_gib} GiB.  ",
-        f"Measured with: {', '.join(methods)}; one fresh process per figure (see the script's docstring). "
-        "The inputs (and, for forward+backward, the output gradient) exist before the baseline and are not "
-        "counted; everything the operation allocates is: its output, saved tensors, input gradients and any "
-        "temporaries. SDPA is pinned to the flash backend.",
+        f"B = {cfg.batch}, H = {cfg.heads}, D = {cfg.head_dim}, float32; {cfg.budget_gib} GiB budget.  ",
+        (
+            f"Measured with: {', '.join(methods)}; one fresh process per figure (see the script's "
+            "docstring). The inputs (and, for forward+backward, the output gradient) exist before the "
+            "baseline and are not counted; everything the operation allocates is: its output, saved "
+            "tensors, input gradients and any temporaries. SDPA is pinned to the fused backends "
+            "(flash on CPU)."
+        ),
         "",
-        "## Growth with n (log-log slope of the measured peak from n = 1,024 on)",
+        "## Growth with n (log-log slope of the measured peak from n = 1,024 on, or over all n measured)",
         "",
     ]
     for mode in MODES:
         label = "forward" if mode == "forward" else "forward+backward"
         for impl in IMPLS:
             e = growth_exponent(series[impl][mode])
-            parts.append(f"- {impl} {label}: slope {'-' if e is None else f'{e:.2f}'}; "
-                         f"{first_over_budget(series[impl][mode], budget)}.")
+            parts.append(
+                f"- {impl} {label}: slope {'-' if e is None else f'{e:.2f}'}; "
+                f"{first_over_budget(series[impl][mode], budget)}."
+            )
     for mode in MODES:
-        parts += ["", f"## {'Forward (no_grad)' if mode == 'forward' else 'Forward + backward'}", "",
-                  memory_table(series, cfg, mode)]
+        parts += [
+            "",
+            f"## {'Forward (no_grad)' if mode == 'forward' else 'Forward + backward'}",
+            "",
+            memory_table(series, cfg, mode),
+        ]
     path.write_text("\n".join(parts) + "\n")
 
 
@@ -275,26 +313,51 @@ def plot(series: dict, cfg: MemoryConfig, path: Path) -> None:
     for impl in IMPLS:
         for mode, style in zip(MODES, ("-", "--")):
             pts = [p for p in series[impl][mode] if "peak_bytes" in p]
-            label = f"{'SDPA (flash)' if impl == 'sdpa' else 'explicit softmax(QK^T)V'}, " \
-                    f"{'forward' if mode == 'forward' else 'forward+backward'}"
-            ax.loglog([p["n"] for p in pts], [max(p["peak_bytes"], 1) / MIB for p in pts], style,
-                      color=colors[impl], label=label)
-            ax.loglog([p["n"] for p in pts if p["measured"]], [p["peak_bytes"] / MIB for p in pts if p["measured"]],
-                      "o", color=colors[impl])
+            label = (
+                f"{'SDPA (flash)' if impl == 'sdpa' else 'explicit softmax(QK^T)V'}, "
+                f"{'forward' if mode == 'forward' else 'forward+backward'}"
+            )
+            ax.loglog(
+                [p["n"] for p in pts],
+                [max(p["peak_bytes"], 1) / MIB for p in pts],
+                style,
+                color=colors[impl],
+                label=label,
+            )
+            ax.loglog(
+                [p["n"] for p in pts if p["measured"]],
+                [p["peak_bytes"] / MIB for p in pts if p["measured"]],
+                "o",
+                color=colors[impl],
+            )
             predicted = [p for p in pts if not p["measured"]]
-            ax.loglog([p["n"] for p in predicted], [p["peak_bytes"] / MIB for p in predicted], "o",
-                      mfc="white", color=colors[impl])
+            ax.loglog(
+                [p["n"] for p in predicted],
+                [p["peak_bytes"] / MIB for p in predicted],
+                "o",
+                mfc="white",
+                color=colors[impl],
+            )
     ax.axhline(cfg.budget_gib * 1024, color="black", ls=":", label=f"budget {cfg.budget_gib} GiB")
     n0 = cfg.lengths[0]
     for power, name in ((1, "slope 1 (linear)"), (2, "slope 2 (quadratic)")):
-        ax.loglog(cfg.lengths, [(n / n0) ** power * 1.0 for n in cfg.lengths], color="gray", lw=0.8,
-                  ls="-." if power == 1 else (0, (1, 3)), label=f"guide: {name}")
+        ax.loglog(
+            cfg.lengths,
+            [(n / n0) ** power * 1.0 for n in cfg.lengths],
+            color="gray",
+            lw=0.8,
+            ls="-." if power == 1 else (0, (1, 3)),
+            label=f"guide: {name}",
+        )
     ax.set_xticks(cfg.lengths, [str(n) for n in cfg.lengths])
     ax.minorticks_off()
     ax.set_xlabel("sequence length n")
     ax.set_ylabel("peak memory growth, MiB")
-    ax.set_title(f"Attention peak memory on {cfg.device}, B={cfg.batch} H={cfg.heads} D={cfg.head_dim} float32\n"
-                 "filled = measured, hollow = predicted (over budget, not run)", fontsize=10)
+    ax.set_title(
+        f"Attention peak memory on {cfg.device}, B={cfg.batch} H={cfg.heads} D={cfg.head_dim} float32\n"
+        "filled = measured, hollow = predicted (over budget, not run)",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -313,16 +376,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", help=argparse.SUPPRESS)  # the parent's MemoryConfig, as json
     args = parser.parse_args(argv)
     if args.measure:  # the child: one figure, as one json line
-        cfg = MemoryConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(args.config).items()})
+        cfg = MemoryConfig(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(args.config).items()}
+        )
         impl, n, mode = args.measure
         print(json.dumps(measure(impl, int(n), mode, cfg)))
         return {}
     cfg = QUICK if args.quick else MemoryConfig()
-    overrides = {"lengths": args.lengths and tuple(args.lengths), "budget_gib": args.budget_gib,
-                 "device": args.device}
+    overrides = {
+        "lengths": args.lengths and tuple(args.lengths),
+        "budget_gib": args.budget_gib,
+        "device": args.device,
+    }
     cfg = MemoryConfig(**{**asdict(cfg), **{k: v for k, v in overrides.items() if v is not None}})
     result = {
-        "command": "python benchmarks/attention_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/attention_memory.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "environment": environment(),
         "config": asdict(cfg),
         "series": run_all(cfg),

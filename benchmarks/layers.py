@@ -33,18 +33,18 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` beside this file, however it is run
-from common import environment, markdown_table, sync  # noqa: E402
+from common import environment, markdown_table, sync
 
-from aiayn.model import MultiHeadAttention  # noqa: E402
+from aiayn.model import MultiHeadAttention
 
 log = logging.getLogger("benchmarks.layers")
 
@@ -151,10 +151,14 @@ def time_cell(n: int, d: int, cfg: GridConfig, device: torch.device) -> dict[str
                 if r >= cfg.warmup:
                     samples[name][mode].append(t)
         round_s = time.perf_counter() - start
-        if r == cfg.warmup - 1:  # cheap cells get every repeat; a slow one, whose noise is relatively small, fewer
+        if (
+            r == cfg.warmup - 1
+        ):  # cheap cells get every repeat; a slow one, whose noise is relatively small, fewer
             rounds = cfg.warmup + max(1, min(cfg.repeats, int(cfg.budget_s / round_s)))
         r += 1
-    cell = {name: {mode: statistics.median(v) for mode, v in modes.items()} for name, modes in samples.items()}
+    cell = {
+        name: {mode: statistics.median(v) for mode, v in modes.items()} for name, modes in samples.items()
+    }
     return {**cell, "round_s": round_s}
 
 
@@ -205,7 +209,9 @@ def crossovers(times: dict[int, dict[int, dict]]) -> dict[int, dict[str, dict[st
         lengths = sorted(cells)
         out[d] = {
             f"{a}_vs_{p}": {
-                mode: crossover(lengths, [cells[n][a][mode] for n in lengths], [cells[n][p][mode] for n in lengths])
+                mode: crossover(
+                    lengths, [cells[n][a][mode] for n in lengths], [cells[n][p][mode] for n in lengths]
+                )
                 for mode in MODES
             }
             for a in ATTENTION
@@ -242,8 +248,12 @@ def plot(times: dict[int, dict[int, dict]], cross: dict, cfg: GridConfig, path: 
     import matplotlib.pyplot as plt
 
     colors = {"attention": "tab:blue", "sdpa": "tab:cyan", "lstm": "tab:red", "conv": "tab:green"}
-    labels = {"attention": "MultiHeadAttention (aiayn)", "sdpa": "bare SDPA (n^2 d term)",
-              "lstm": "nn.LSTM(d, d)", "conv": f"nn.Conv1d(d, d, k={cfg.kernel})"}
+    labels = {
+        "attention": "MultiHeadAttention (aiayn)",
+        "sdpa": "bare SDPA (n^2 d term)",
+        "lstm": "nn.LSTM(d, d)",
+        "conv": f"nn.Conv1d(d, d, k={cfg.kernel})",
+    }
     widths = list(times)
     fig, axes = plt.subplots(2, len(widths), figsize=(4.2 * len(widths), 8), squeeze=False)
     for col, d in enumerate(widths):
@@ -257,12 +267,22 @@ def plot(times: dict[int, dict[int, dict]], cross: dict, cfg: GridConfig, path: 
             for peer in PEERS:
                 n_star = cross[d][f"attention_vs_{peer}"][mode]
                 if n_star:  # a measured crossover of the model's attention layer: mark it
-                    ax.axvline(n_star, color=colors[peer], ls="--", lw=1.2,
-                               label=f"measured n*: attention = {peer}")
-                    ax.annotate(f"n*={n_star:.0f}", (n_star, ax.get_ylim()[0]), color=colors[peer],
-                                rotation=90, va="bottom", ha="right", fontsize=8)
+                    ax.axvline(
+                        n_star, color=colors[peer], ls="--", lw=1.2, label=f"measured n*: attention = {peer}"
+                    )
+                    ax.annotate(
+                        f"n*={n_star:.0f}",
+                        (n_star, ax.get_ylim()[0]),
+                        color=colors[peer],
+                        rotation=90,
+                        va="bottom",
+                        ha="right",
+                        fontsize=8,
+                    )
             ax.set_title(f"d = {d}, {'forward' if mode == 'forward' else 'forward + backward'}", fontsize=10)
-            ax.set_xticks(lengths, [str(n) if i % 2 == 0 or n == lengths[-1] else "" for i, n in enumerate(lengths)])
+            ax.set_xticks(
+                lengths, [str(n) if i % 2 == 0 or n == lengths[-1] else "" for i, n in enumerate(lengths)]
+            )
             ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
             ax.set_xlabel("sequence length n")
             ax.grid(True, which="major", alpha=0.3)
@@ -275,8 +295,11 @@ def plot(times: dict[int, dict[int, dict]], cross: dict, cfg: GridConfig, path: 
                 handles[name] = h
                 names.append(name)
     fig.legend([handles[n] for n in names], names, loc="lower center", ncol=4, fontsize=9)
-    fig.suptitle(f"Per-layer time, batch {cfg.batch}, {cfg.device}, {cfg.threads} thread(s): "
-                 "dashed = measured crossover of MultiHeadAttention, dotted = the paper's n = d", fontsize=11)
+    fig.suptitle(
+        f"Per-layer time, batch {cfg.batch}, {cfg.device}, {cfg.threads} thread(s): "
+        "dashed = measured crossover of MultiHeadAttention, dotted = the paper's n = d",
+        fontsize=11,
+    )
     fig.tight_layout(rect=(0, 0.07, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -296,31 +319,50 @@ def _ratio_to_d(value: float | None, d: int) -> str:
 
 def crossover_table(times: dict, cross: dict, cfg: GridConfig) -> str:
     rows = []
-    for d in times:
-        lengths = sorted(times[d])
+    for d, cells in times.items():
+        lengths = sorted(cells)
         for a in ATTENTION:
             for p in PEERS:
                 fwd, train = cross[d][f"{a}_vs_{p}"]["forward"], cross[d][f"{a}_vs_{p}"]["train"]
                 parity = flop_parity(a, p, d, cfg.kernel)
-                rows.append([d, f"{a} vs {p}", d, f"{parity:,.0f}" if parity else "never cheaper",
-                             _n_star(fwd, lengths), _ratio_to_d(fwd, d), _n_star(train, lengths),
-                             _ratio_to_d(train, d)])
-    header = ["d", "pair", "paper n* = d", "FLOP parity n", "measured n* forward", "= x d",
-              "measured n* fwd+bwd", "= x d"]
+                rows.append(
+                    [
+                        d,
+                        f"{a} vs {p}",
+                        d,
+                        f"{parity:,.0f}" if parity else "never cheaper",
+                        _n_star(fwd, lengths),
+                        _ratio_to_d(fwd, d),
+                        _n_star(train, lengths),
+                        _ratio_to_d(train, d),
+                    ]
+                )
+    header = [
+        "d",
+        "pair",
+        "paper n* = d",
+        "FLOP parity n",
+        "measured n* forward",
+        "= x d",
+        "measured n* fwd+bwd",
+        "= x d",
+    ]
     return markdown_table(header, rows)
 
 
 def exponent_table(times: dict, min_n: int = 256) -> str:
     rows = []
-    for d in times:
-        lengths = [n for n in sorted(times[d]) if n >= min_n]
+    for d, cells in times.items():
+        lengths = [n for n in sorted(cells) if n >= min_n]
         row: list[object] = [d, f"{lengths[0]}..{lengths[-1]}" if lengths else "-"]
         for name in LAYERS:
             for mode in MODES:
-                e = growth_exponent(lengths, [times[d][n][name][mode] for n in lengths])
+                e = growth_exponent(lengths, [cells[n][name][mode] for n in lengths])
                 row.append("-" if e is None else f"{e:.2f}")
         rows.append(row)
-    header = ["d", "n range"] + [f"{name} {'fwd' if m == 'forward' else 'f+b'}" for name in LAYERS for m in MODES]
+    header = ["d", "n range"] + [
+        f"{name} {'fwd' if m == 'forward' else 'f+b'}" for name in LAYERS for m in MODES
+    ]
     return markdown_table(header, rows)
 
 
@@ -347,26 +389,27 @@ def sequential_note(times: dict, cfg: GridConfig) -> str:
     step_us = (lstm[-1] - lstm[-2]) / (lengths[-1] - lengths[-2]) * 1e3  # marginal cost of one more step
     return (
         f"At d = {d} (B = {cfg.batch}) each LSTM step does {cfg.batch * 4 * d * d:,} multiply-adds of "
-        f"recurrence. The LSTM's forward time goes {lstm[0]:.2g} -> {lstm[-1]:.2g} ms from n = {lengths[0]} to "
-        f"{lengths[-1]} (slope {growth_exponent(lengths[-4:], lstm[-4:]):.2f} over the last four lengths), and "
-        f"one more step costs {step_us:.2g} microseconds (from the two longest n); the convolution, with no "
-        f"step-to-step dependence, goes {conv[0]:.2g} -> {conv[-1]:.2g} ms. Table 1's O(n) sequential "
-        f"operations show as this per-step cost paid n times in a row; with {cfg.threads} CPU thread(s) there is "
-        "no parallel hardware for attention's O(1) sequential operations to fill, which is where the paper's "
-        "argument (GPUs) bites hardest: there each step is at least one kernel launch."
+        f"recurrence. The LSTM's forward time goes {lstm[0]:.2g} -> {lstm[-1]:.2g} ms from "
+        f"n = {lengths[0]} to {lengths[-1]} (slope {growth_exponent(lengths[-4:], lstm[-4:]):.2f} over "
+        f"the last four lengths), and one more step costs {step_us:.2g} microseconds (from the two "
+        f"longest n); the convolution, with no step-to-step dependence, goes {conv[0]:.2g} -> "
+        f"{conv[-1]:.2g} ms. Table 1's O(n) sequential operations show as this per-step cost paid n "
+        f"times in a row; with {cfg.threads} CPU thread(s) there is no parallel hardware for attention's "
+        "O(1) sequential operations to fill, which is where the paper's argument (GPUs) bites hardest: "
+        "there each step is at least one kernel launch."
     )
 
 
 def summary_lines(times: dict, cross: dict, cfg: GridConfig) -> list[str]:
     """One sentence per width: the model's attention layer against the LSTM, next to the paper's n = d."""
     lines = []
-    for d in times:
-        lengths = sorted(times[d])
+    for d, cells in times.items():
+        lengths = sorted(cells)
         f, t = (cross[d]["attention_vs_lstm"][m] for m in MODES)
         fs, ts = (cross[d]["sdpa_vs_lstm"][m] for m in MODES)
         lines.append(
-            f"- d = {d}: MultiHeadAttention becomes slower than the LSTM at n* = {_n_star(f, lengths)} forward, "
-            f"{_n_star(t, lengths)} forward+backward (paper: n* = d = {d}; equal FLOPs at n = "
+            f"- d = {d}: MultiHeadAttention becomes slower than the LSTM at n* = {_n_star(f, lengths)} "
+            f"forward, {_n_star(t, lengths)} forward+backward (paper: n* = d = {d}; equal FLOPs at n = "
             f"{flop_parity('attention', 'lstm', d, cfg.kernel):,.0f}); bare SDPA at {_n_star(fs, lengths)} / "
             f"{_n_star(ts, lengths)}."
         )
@@ -383,14 +426,16 @@ def write_markdown(result: dict, cfg: GridConfig, path: Path) -> None:
         "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + "  ",
         f"Grid: {asdict(cfg)}",
         "",
-        "Method: every cell builds the four layers on one random input of B sequences and times, in "
-        f"{cfg.warmup} warmup + up to {cfg.repeats} interleaved rounds (the layer order rotates each round), the forward "
-        "pass under `no_grad` and a forward+backward with a fixed random output gradient; the median round is "
-        f"kept (as many timed rounds as fit in {cfg.budget_s} s by the warmup round, at most {cfg.repeats}, at "
-        f"least one). A width's sweep stops "
-        f"after the first n whose round takes over {cfg.cell_limit_s} s; the lengths it did not reach are listed "
-        "below. The machine was shared with other jobs: read the ratios, measured in the same rounds, "
-        "rather than the absolute times.",
+        (
+            "Method: every cell builds the four layers on one random input of B sequences and times, in "
+            f"{cfg.warmup} warmup + up to {cfg.repeats} interleaved rounds (the layer order rotates each "
+            "round), the forward pass under `no_grad` and a forward+backward with a fixed random output "
+            f"gradient; the median round is kept (as many timed rounds as fit in {cfg.budget_s} s by the "
+            f"warmup round, at most {cfg.repeats}, at least one). A width's sweep stops after the first n "
+            f"whose round takes over {cfg.cell_limit_s} s; the lengths it did not reach are listed below. "
+            "The machine was shared with other jobs: read the ratios, measured in the same rounds, rather "
+            "than the absolute times."
+        ),
         "",
         "## Crossover: where attention stops being cheaper",
         "",
@@ -404,18 +449,25 @@ def write_markdown(result: dict, cfg: GridConfig, path: Path) -> None:
         "",
         "## Growth with n (slope of log time on log n, from n = 256 on)",
         "",
-        "O(n^2) layers tend to 2, O(n) layers to 1; values below those mean fixed per-call costs still matter.",
+        "O(n^2) layers tend to 2, O(n) layers to 1; lower values mean fixed per-call costs still matter.",
         "",
         exponent_table(times),
         "",
     ]
     not_run = {d: [n for n in cfg.lengths if n not in times[d]] for d in times}
     if any(not_run.values()):
-        parts += ["Lengths not run (the previous length's round exceeded the limit): "
-                  + "; ".join(f"d = {d}: {v}" for d, v in not_run.items() if v), ""]
+        parts += [
+            "Lengths not run (the previous length's round exceeded the limit): "
+            + "; ".join(f"d = {d}: {v}" for d, v in not_run.items() if v),
+            "",
+        ]
     for d in times:
-        parts += [f"## d = {d}: ms per call, forward / forward+backward, and time ratios", "",
-                  times_table(times[d]), ""]
+        parts += [
+            f"## d = {d}: ms per call, forward / forward+backward, and time ratios",
+            "",
+            times_table(times[d]),
+            "",
+        ]
     path.write_text("\n".join(parts))
 
 
@@ -433,10 +485,17 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str]:
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the json, md and png")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else GridConfig()
-    overrides = {"lengths": args.lengths and tuple(args.lengths), "widths": args.widths and tuple(args.widths),
-                 "batch": args.batch, "threads": args.threads, "device": args.device, "cell_limit_s": args.cell_limit}
+    overrides = {
+        "lengths": args.lengths and tuple(args.lengths),
+        "widths": args.widths and tuple(args.widths),
+        "batch": args.batch,
+        "threads": args.threads,
+        "device": args.device,
+        "cell_limit_s": args.cell_limit,
+    }
     cfg = GridConfig(**{**asdict(cfg), **{k: v for k, v in overrides.items() if v is not None}})
-    stem = f"layers_{torch.device(cfg.device).type}{'_quick' if args.quick else ''}{'_' + args.tag if args.tag else ''}"
+    stem = f"layers_{torch.device(cfg.device).type}"
+    stem += ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     return cfg, args.out, stem
 
 

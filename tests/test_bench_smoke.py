@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import naive_attention
 
 from aiayn.model import MultiHeadAttention
 from aiayn.model.attention import merge_heads, split_heads
-from reference import naive_attention
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -91,7 +91,9 @@ def test_growth_exponent_and_flop_parity_known_answers():
 
 
 def test_layers_tiny_grid_writes_results(tmp_path):
-    result = layers.main(["--lengths", "8", "16", "--widths", "16", "64", "--batch", "1", "--out", str(tmp_path)])
+    result = layers.main(
+        ["--lengths", "8", "16", "--widths", "16", "64", "--batch", "1", "--out", str(tmp_path)]
+    )
     for suffix in ("json", "md", "png"):
         assert (tmp_path / f"layers_cpu.{suffix}").stat().st_size > 0
     saved = json.loads((tmp_path / "layers_cpu.json").read_text())
@@ -100,8 +102,15 @@ def test_layers_tiny_grid_writes_results(tmp_path):
     for cells in result["times"].values():
         assert set(cells) == {8, 16}
         for cell in cells.values():
-            assert all(math.isfinite(cell[x][m]) and cell[x][m] > 0 for x in layers.LAYERS for m in layers.MODES)
-    assert set(result["crossovers"][16]) == {"attention_vs_lstm", "attention_vs_conv", "sdpa_vs_lstm", "sdpa_vs_conv"}
+            assert all(
+                math.isfinite(cell[x][m]) and cell[x][m] > 0 for x in layers.LAYERS for m in layers.MODES
+            )
+    assert set(result["crossovers"][16]) == {
+        "attention_vs_lstm",
+        "attention_vs_conv",
+        "sdpa_vs_lstm",
+        "sdpa_vs_conv",
+    }
     assert "## Crossover" in (tmp_path / "layers_cpu.md").read_text()
 
 
@@ -117,10 +126,16 @@ def test_attention_memory_sees_the_n_by_n_matrix_and_flash_does_not_build_it():
 
 
 def test_predicted_peak_follows_the_last_slope():
-    points = [{"n": 256, "peak_bytes": 100, "measured": True}, {"n": 512, "peak_bytes": 400, "measured": True}]
+    points = [
+        {"n": 256, "peak_bytes": 100, "measured": True},
+        {"n": 512, "peak_bytes": 400, "measured": True},
+    ]
     assert attention_memory.predicted_peak(points, 1024) == pytest.approx(1600)  # slope 2
     assert attention_memory.predicted_peak(points[:1], 1024) == pytest.approx(1600)  # one point: assume 2
-    linear = [{"n": 256, "peak_bytes": 100, "measured": True}, {"n": 512, "peak_bytes": 200, "measured": True}]
+    linear = [
+        {"n": 256, "peak_bytes": 100, "measured": True},
+        {"n": 512, "peak_bytes": 200, "measured": True},
+    ]
     assert attention_memory.predicted_peak(linear, 1024) == pytest.approx(400)
     assert attention_memory.predicted_peak([], 1024) is None
 
@@ -128,7 +143,9 @@ def test_predicted_peak_follows_the_last_slope():
 @pytest.mark.slow
 def test_attention_memory_tiny_run_writes_results(tmp_path):
     """The whole pipeline; a 40 MiB budget makes the explicit n = 1,024 runs predicted, not run."""
-    result = attention_memory.main(["--lengths", "512", "1024", "--budget-gib", str(40 / 1024), "--out", str(tmp_path)])
+    result = attention_memory.main(
+        ["--lengths", "512", "1024", "--budget-gib", str(40 / 1024), "--out", str(tmp_path)]
+    )
     for mode in attention_memory.MODES:
         explicit, sdpa = result["series"]["explicit"][mode], result["series"]["sdpa"][mode]
         assert explicit[0]["measured"] and not explicit[1]["measured"]

@@ -372,6 +372,8 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist) -> Data:
         _prepare_files(config, run_dir)
     distributed.barrier(d)
     tokenizer = find_tokenizer(run_dir)
+    if tokenizer is None:  # process 0 wrote it: this process is on a machine that cannot see run_dir
+        raise UserError(f"{run_dir}: no tokenizer; with several machines, put run_dir on a shared filesystem")
     cache = run_dir / "cache"
     train, _ = load_encoded(dc.train_src, dc.train_tgt, tokenizer, cache)
     train, too_long = train.filter_length(dc.max_len)

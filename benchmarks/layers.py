@@ -255,7 +255,8 @@ def plot(times: dict[int, dict[int, dict]], cross: dict, cfg: GridConfig, path: 
         "conv": f"nn.Conv1d(d, d, k={cfg.kernel})",
     }
     widths = list(times)
-    fig, axes = plt.subplots(2, len(widths), figsize=(4.2 * len(widths), 8), squeeze=False)
+    # at least 12 inches wide: the title and the legend span the figure, whatever the number of widths
+    fig, axes = plt.subplots(2, len(widths), figsize=(max(12.0, 4.2 * len(widths)), 8), squeeze=False)
     for col, d in enumerate(widths):
         lengths = sorted(times[d])
         for row, mode in enumerate(MODES):
@@ -281,7 +282,11 @@ def plot(times: dict[int, dict[int, dict]], cross: dict, cfg: GridConfig, path: 
                     )
             ax.set_title(f"d = {d}, {'forward' if mode == 'forward' else 'forward + backward'}", fontsize=10)
             ax.set_xticks(
-                lengths, [str(n) if i % 2 == 0 or n == lengths[-1] else "" for i, n in enumerate(lengths)]
+                lengths,
+                [
+                    str(n) if len(lengths) <= 4 or i % 2 == 0 or n == lengths[-1] else ""
+                    for i, n in enumerate(lengths)
+                ],
             )
             ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
             ax.set_xlabel("sequence length n")
@@ -471,8 +476,8 @@ def write_markdown(result: dict, cfg: GridConfig, path: Path) -> None:
     path.write_text("\n".join(parts))
 
 
-def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str]:
-    """The grid, the output directory and the file stem: layers_{device}[_quick]."""
+def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | None]:
+    """The grid, the output directory, the file stem (layers_{device}[_quick][_tag]), a json to replot."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small grid that runs in seconds")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -482,6 +487,7 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str]:
     parser.add_argument("--threads", type=int, help="CPU threads (default 1, see GridConfig)")
     parser.add_argument("--cell-limit", type=float, help="stop a width after a round this long (default 6 s)")
     parser.add_argument("--tag", help="add _TAG to the file names (a run beside the default one)")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="redraw the md and png of a saved run")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the json, md and png")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else GridConfig()
@@ -496,12 +502,28 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str]:
     cfg = GridConfig(**{**asdict(cfg), **{k: v for k, v in overrides.items() if v is not None}})
     stem = f"layers_{torch.device(cfg.device).type}"
     stem += ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
-    return cfg, args.out, stem
+    return cfg, args.out, stem, args.replot
+
+
+def replot(path: Path) -> None:
+    """Redraw the markdown and the plot of a saved run from its json (the figures are not re-measured)."""
+    result = json.loads(path.read_text())
+    config = {k: tuple(v) if isinstance(v, list) else v for k, v in result["config"].items()}
+    cfg = GridConfig(**config)
+    # json keys are strings: back to the ints the tables and the plot sort by
+    times = {int(d): {int(n): cell for n, cell in cells.items()} for d, cells in result["times"].items()}
+    cross = {int(d): pairs for d, pairs in result["crossovers"].items()}
+    result.update(times=times, crossovers=cross)
+    write_markdown(result, cfg, path.with_suffix(".md"))
+    plot(times, cross, cfg, path.with_suffix(".png"))
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the grid, write results/layers_{device}[_quick].{json,md,png}; returns what the json holds."""
-    cfg, out, name = parse_args(argv)
+    cfg, out, name, saved = parse_args(argv)
+    if saved is not None:
+        replot(saved)
+        return {}
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)
     times = run_grid(cfg)

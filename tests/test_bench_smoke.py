@@ -111,7 +111,10 @@ def test_layers_tiny_grid_writes_results(tmp_path):
         "sdpa_vs_lstm",
         "sdpa_vs_conv",
     }
-    assert "## Crossover" in (tmp_path / "layers_cpu.md").read_text()
+    markdown = (tmp_path / "layers_cpu.md").read_text()
+    assert "## Crossover" in markdown
+    layers.main(["--replot", str(tmp_path / "layers_cpu.json")])  # redraws from the json alone
+    assert (tmp_path / "layers_cpu.md").read_text() == markdown
 
 
 def test_attention_memory_sees_the_n_by_n_matrix_and_flash_does_not_build_it():

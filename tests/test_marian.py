@@ -62,7 +62,7 @@ def make_marian_dir(directory: Path, activation: str, shared: bool, bin_weights:
     tgt_spm = src_spm if shared else train_sentencepiece(TGT_LINES, directory / "t", 48)
     shutil.copyfile(src_spm, directory / "source.spm")
     shutil.copyfile(tgt_spm, directory / "target.spm")
-    vocab = marian_vocab(spm_pieces(src_spm), pad_last=shared)
+    vocab = marian_vocab(spm_pieces(src_spm) + [">>de<<"], pad_last=shared)  # a multilingual model's code
     (directory / "vocab.json").write_text(json.dumps(vocab))
     settings = {"separate_vocabs": not shared, "tokenizer_class": "MarianTokenizer"}
     tgt_vocab = vocab
@@ -150,7 +150,7 @@ def test_positions_are_marians_table(converted):
 def test_tokenization_matches_marian_tokenizer(converted):
     _, ck, opus = converted
     theirs = transformers.MarianTokenizer.from_pretrained(str(opus))
-    for text in SENTENCES:
+    for text in SENTENCES + [">>de<< the number 12", ">>xx<< 7 is odd"]:  # a language code, an unknown one
         assert ck.tokenizer.encode_src(text) == theirs(text)["input_ids"]
     target = "die Zahl 12 ist gerade" if not ck.tokenizer.shared else "the number 12 is even"
     ids = theirs(text_target=target)["input_ids"]  # target side: target.spm and the target vocabulary
@@ -254,7 +254,7 @@ def test_greedy_is_token_identical_to_generate(build, variant):
     theirs, _ = hf_search(hf, src, ck.tokenizer.pad_id, num_beams=1)
     ours, _ = aiayn_search(ck, src, beam=1)
     assert ours == theirs
-    if variant in VARIANTS[:2]:  # seeded so that some outputs end with EOS and others are cut at the limit
+    if variant == VARIANTS[0]:  # seeded so that some outputs end with EOS and others are cut at the limit
         lengths = {len(t) for t in ours}
         assert MAX_NEW in lengths and min(lengths) < MAX_NEW
 

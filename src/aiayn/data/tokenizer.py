@@ -63,7 +63,11 @@ class Tokenizer:
     def _ids(self, sp: spm.SentencePieceProcessor, vocab: dict[str, int] | None, text: str) -> list[int]:
         if vocab is None:
             return sp.encode(text)
-        return [vocab.get(p, self.unk_id) for p in sp.encode(text, out_type=str)]
+        code = []  # Marian's multilingual models read a leading target-language code, >>fra<<, as one token
+        end = text.find("<<") if text.startswith(">>") else -1
+        if end != -1:
+            code, text = [vocab.get(text[: end + 2], self.unk_id)], text[end + 2 :]
+        return code + [vocab.get(p, self.unk_id) for p in sp.encode(text, out_type=str)]
 
     def encode_src(self, text: str) -> list[int]:
         return self._ids(self.src, self.vocab, text) + [self.eos_id]

@@ -14,7 +14,7 @@ median is reported: on a shared machine the ratios between engines of one run ar
 
     python benchmarks/decode.py                       # CPU, 1 thread, 3 repeats
     python benchmarks/decode.py --threads 2 --repeats 5
-    python benchmarks/decode.py --device cuda         # aiayn and HuggingFace on a GPU (+ CT2 if built with CUDA)
+    python benchmarks/decode.py --device cuda         # on a GPU (CT2 too if its wheel has CUDA)
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="results prefix (default benchmarks/results/decode_DEVICE)")
+    parser.add_argument("--out", help="results prefix (default benchmarks/results/decode_DEVICE)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     hf = build_hf(args.seed)
@@ -199,7 +199,7 @@ def main() -> None:
     src[:, -1] = EOS
     diff = check_same_logits(hf, model, src[:4])
     model_int8 = prepare_for_inference(build_aiayn(hf), int8=True) if args.device == "cpu" else None
-    model = prepare_for_inference(model.to(args.device))  # what `Translator.load` runs: packed for oneDNN on CPU
+    model = prepare_for_inference(model.to(args.device))  # as `Translator.load`: oneDNN-packed on CPU
     hf, model, src = hf.to(args.device), model.to(args.device), src.to(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -216,7 +216,8 @@ def main() -> None:
     print(text)
     out = Path(args.out or Path(__file__).parent / "results" / f"decode_{args.device}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"environment": env, "tokens_per_second": results}, indent=2) + "\n")
+    record = {"environment": env, "tokens_per_second": results}
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     out.with_suffix(".md").write_text(
         f"# Decoding speed, {args.device}\n\n`{env['command']}`\n\n{text}\n\n{verdict(results)}\n\n"
         f"Environment: `{json.dumps(env)}`\n")
@@ -231,7 +232,8 @@ def verdict(results: dict) -> str:
             checks.append(("vs CT2 float32 >= 1", r["aiayn fp32"] / r["CT2 float32"], 1.0))
         if cell.endswith("batch 1"):
             checks.append(("vs HF >= 2", r["aiayn fp32"] / r["HF Marian fp32"], 2.0))
-        lines += [f"- {cell}: {name}: {ratio:.2f}x, {'met' if ratio >= bar else 'NOT met'}" for name, ratio, bar in checks]
+        lines += [f"- {cell}: {name}: {ratio:.2f}x, {'met' if ratio >= bar else 'NOT met'}"
+                  for name, ratio, bar in checks]
     return "Bar:\n" + "\n".join(lines)
 
 

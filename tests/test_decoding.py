@@ -126,7 +126,8 @@ def scripted(config):
 
 def test_scripted_beam_search_without_length_penalty():
     model, hyps = scripted(DecodeConfig(beam=2, n_best=2, lenpen=0.0))
-    assert hyps[0] == [([B, EOS], pytest.approx(math.log(0.4 * 0.9))), ([A, EOS], pytest.approx(math.log(0.6 * 0.4)))]
+    assert hyps[0] == [([B, EOS], pytest.approx(math.log(0.4 * 0.9))),
+                       ([A, EOS], pytest.approx(math.log(0.6 * 0.4)))]
     assert hyps[1] == [([A, EOS], pytest.approx(math.log(0.55 * 0.5))),
                        ([B, B, EOS], pytest.approx(math.log(0.45 * 0.6 * 0.95)))]
     assert model.rows_per_step == [4, 4, 2]  # sentence 0 finished after step 2 and left the batch
@@ -162,7 +163,8 @@ def test_wide_beam_finds_the_exhaustive_best(alpha, kind):
     outputs = [list(p) + [eos] for n in range(3) for p in itertools.product(others, repeat=n)]
     outputs += [list(p) for p in itertools.product(others, repeat=3)]  # cut at the maximum length 3
     best = max(outputs, key=lambda y: full_log_prob(model, src, y) / length_penalty(len(y), alpha, kind))
-    config = DecodeConfig(beam=64, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3, early_stopping=False)
+    config = DecodeConfig(beam=64, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3,
+                          early_stopping=False)
     assert beam_search(model, src[None], config)[0][0].tokens == best  # 64 > 4^2 beams hold every prefix
     narrow = DecodeConfig(beam=2, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3)
     assert beam_search(model, src[None], narrow)[0][0].tokens != best  # so the search problem is not trivial

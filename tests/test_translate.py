@@ -12,7 +12,8 @@ from aiayn.decoding import DecodeConfig, generate
 from aiayn.translate import Translator, length_sorted_batches, quantize_int8, translate
 from conftest import padded_batch, tiny_model
 
-TEXTS = ["the number 12 is even", "", "odd", "und die Zahl 7 ist odd und die Zahl 8 ist even", "  ", "the number 3"]
+TEXTS = ["the number 12 is even", "", "odd", "und die Zahl 7 ist odd und die Zahl 8 ist even", "  ",
+         "the number 3"]
 OPTIONS = dict(beam=2, max_len_a=0.0, max_len_b=6)
 
 
@@ -38,7 +39,8 @@ def alone(translator, text):
     if not text.strip():
         return ""
     src = torch.tensor([translator.tokenizer.encode_src(text)])
-    return translator.tokenizer.decode_tgt(generate(translator.model, src, DecodeConfig(**OPTIONS))[0][0].tokens)
+    best = generate(translator.model, src, DecodeConfig(**OPTIONS))[0][0]
+    return translator.tokenizer.decode_tgt(best.tokens)
 
 
 def test_batched_translation_keeps_order_and_empty_lines(checkpoint):
@@ -80,7 +82,7 @@ def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
     src.write_bytes(b"fine\n\xff\xfe\n")
     assert main(args) == 2
     assert f"{src}:2: invalid UTF-8" in capsys.readouterr().err
-    assert main(["translate", str(checkpoint), "--beam", "2", "--n-best", "3"]) == 2  # n_best > beam, one line
+    assert main(["translate", str(checkpoint), "--beam", "2", "--n-best", "3"]) == 2  # n_best > beam
     assert "n_best" in capsys.readouterr().err
 
 
@@ -89,7 +91,8 @@ def test_cli_is_a_unix_filter(checkpoint, tmp_path, monkeypatch, capsys):
     src.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
     with open(src, encoding="utf-8") as stdin:
         monkeypatch.setattr(sys, "stdin", stdin)
-        assert main(["translate", str(checkpoint), "--beam", "2", "--max-len-a", "0", "--max-len-b", "6"]) == 0
+        args = ["translate", str(checkpoint), "--beam", "2", "--max-len-a", "0", "--max-len-b", "6"]
+        assert main(args) == 0
     captured = capsys.readouterr()
     translator = Translator.load(checkpoint)
     assert captured.out.split("\n") == [alone(translator, t) for t in TEXTS] + [""]
@@ -115,5 +118,6 @@ def test_cpu_packed_linears_compute_the_same_function():
     with torch.no_grad():
         torch.testing.assert_close(packed(src, tgt), model(src, tgt), atol=1e-5, rtol=1e-5)
     config = DecodeConfig(beam=3, max_len_b=6)
-    assert [h[0].tokens for h in generate(packed, src, config)] == [h[0].tokens for h in generate(model, src, config)]
+    tokens = [[h[0].tokens for h in generate(m, src, config)] for m in (packed, model)]
+    assert tokens[0] == tokens[1]
     assert type(model.generator) is torch.nn.Linear  # the original is left as it was

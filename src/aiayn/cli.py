@@ -133,7 +133,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
                 src, name = stack.enter_context(open(args.input, "rb")), args.input
             except OSError as e:
                 raise UserError(f"{args.input}: cannot read ({e.strerror})") from None
-        dst = sys.stdout if args.output in (None, "-") else stack.enter_context(open(args.output, "w", encoding="utf-8"))
+        dst = sys.stdout
+        if args.output not in (None, "-"):
+            dst = stack.enter_context(open(args.output, "w", encoding="utf-8"))
         progress = None
         if name != "<stdin>" and not args.quiet:  # a file: its size is known, show progress on stderr
             from tqdm import tqdm
@@ -220,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     add_translate_parser(sub)
-    p = sub.add_parser("evaluate", help="sacreBLEU BLEU and chrF (with signatures) of translations against references")
+    p = sub.add_parser("evaluate", help="sacreBLEU BLEU and chrF (with signatures) against references")
     p.add_argument("hypotheses", metavar="HYP", help="detokenized, cased translations, one per line")
     p.add_argument("references", metavar="REF", nargs="+", help="reference file(s), line-aligned with HYP")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
@@ -230,30 +232,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_translate_parser(sub) -> None:
-    p = sub.add_parser("translate", help="translate a file or stdin with a checkpoint (beam search, n-best, sampling)",
+    p = sub.add_parser("translate", help="translate a file or stdin with a checkpoint (beam search, n-best)",
                        description="Translate one sentence per line, in input order; empty lines stay empty. "
                        "Works as a Unix filter: `aiayn translate CKPT < in.txt > out.txt`.")
-    p.add_argument("checkpoint", metavar="CKPT", help="an aiayn checkpoint directory (trained, averaged or imported)")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (trained, averaged or imported)")
     p.add_argument("-i", "--input", help="input file (default: stdin)")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
-    p.add_argument("--beam", type=int, default=4, help="beam size; 1 is greedy search (default 4, the paper's)")
-    p.add_argument("--lenpen", type=float, default=0.6, help="length penalty alpha (default 0.6, the paper's)")
+    p.add_argument("--beam", type=int, default=4, help="beam size; 1 is greedy search (default 4, the paper)")
+    p.add_argument("--lenpen", type=float, default=0.6, help="length penalty alpha (default 0.6, the paper)")
     p.add_argument("--lenpen-kind", choices=["gnmt", "power", "none"], default="gnmt",
                    help="gnmt: score = log P / ((5+|Y|)/6)^alpha (GNMT, the paper); power: log P / |Y|^alpha "
-                   "(fairseq, HuggingFace, CTranslate2). |Y| counts the output tokens INCLUDING the final EOS "
+                   "(fairseq, HuggingFace, CTranslate2). |Y| counts the output tokens INCLUDING the final "
+                   "EOS "
                    "(as tensor2tensor and fairseq do); a hypothesis cut at the maximum length has no EOS")
-    p.add_argument("--max-len-a", type=float, default=1.0, help="at most a*src_len+b output tokens (default 1)")
+    p.add_argument("--max-len-a", type=float, default=1.0,
+                   help="at most a*src_len+b output tokens (default 1); src_len counts the source's EOS")
     p.add_argument("--max-len-b", type=int, default=50, help="(default 50: the paper's src_len + 50)")
     p.add_argument("--min-len", type=int, default=0, help="forbid EOS before this many output tokens")
     p.add_argument("--n-best", type=int, default=1,
-                   help="hypotheses per line; above 1, lines are written as `LINE ||| TEXT ||| SCORE` (Moses)")
+                   help="hypotheses per line; above 1, lines read `LINE ||| TEXT ||| SCORE` (Moses)")
     p.add_argument("--sample", action="store_true", help="sample instead of searching (needs --beam 1)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
     p.add_argument("--seed", type=int, help="seed for --sample")
     p.add_argument("--max-tokens", type=int, default=4096,
-                   help="batch budget: padded source tokens x beam per batch (sentences are sorted by length)")
+                   help="batch budget: padded source tokens x beam (sentences are sorted by length)")
     p.add_argument("--chunk", type=int, default=10_000, help="lines read (and sorted) at a time")
     p.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the linear layers (CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")

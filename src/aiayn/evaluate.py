@@ -35,7 +35,9 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[Sequence[str]]
     (`references[j][i]` is reference j of sentence i)."""
     for j, refs in enumerate(references):
         if len(refs) != len(hypotheses):
-            raise UserError(f"reference {j + 1} has {len(refs)} lines but the hypotheses have {len(hypotheses)}")
+            raise UserError(
+                f"reference {j + 1} has {len(refs)} lines but the hypotheses have {len(hypotheses)}"
+            )
     out = []
     for label, metric in (("BLEU", BLEU()), ("chrF2", CHRF()), (LOWERCASE_LABEL, BLEU(lowercase=True))):
         result = metric.corpus_score(list(hypotheses), [list(r) for r in references])

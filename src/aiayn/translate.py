@@ -43,7 +43,9 @@ def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeCon
     return from_dict(DecodeConfig, {**dataclasses.asdict(base or DecodeConfig()), **options})
 
 
-def length_sorted_batches(lengths: Sequence[int], max_tokens: int, rows_per_sentence: int = 1) -> Iterator[list[int]]:
+def length_sorted_batches(
+    lengths: Sequence[int], max_tokens: int, rows_per_sentence: int = 1
+) -> Iterator[list[int]]:
     """Indices of `lengths`, shortest first, in batches whose padded size (longest x sentences x rows per
     sentence) stays within `max_tokens`; a sentence longer than the budget gets a batch of its own."""
     batch: list[int] = []
@@ -69,7 +71,8 @@ def prepare_for_inference(model: Transformer, int8: bool = False) -> Transformer
     (same float32 function) or, with `int8`, dynamically quantized; elsewhere the model itself."""
     if int8:
         return quantize_int8(model)
-    if model.tgt_embed.embed.weight.device.type == "cpu" and model.tgt_embed.embed.weight.dtype == torch.float32:
+    weight = model.tgt_embed.embed.weight
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
         return pack_for_cpu(model)
     return model
 
@@ -84,7 +87,9 @@ class Translator:
         self.device = model.tgt_embed.embed.weight.device
 
     @classmethod
-    def load(cls, checkpoint: str | Path, device: str | torch.device = "cpu", int8: bool = False) -> "Translator":
+    def load(
+        cls, checkpoint: str | Path, device: str | torch.device = "cpu", int8: bool = False
+    ) -> "Translator":
         """A checkpoint directory (a training checkpoint, an averaged or an imported one)."""
         from aiayn.checkpoint import load_checkpoint
 
@@ -152,7 +157,8 @@ def translate_stream(
 ) -> int:
     """Translate `src` line by line into `dst`, in input order, `chunk` lines at a time (1 for an
     interactive filter: each line is answered as soon as it is read). With `n_best` > 1 every line gets
-    its hypotheses in Moses' n-best format, `LINE ||| TEXT ||| SCORE` (LINE from 0). Returns the lines read."""
+    its hypotheses in Moses' n-best format, `LINE ||| TEXT ||| SCORE` (LINE from 0).
+    Returns the number of lines read."""
     n_best = decode_config(translator.config, **options).n_best
     done = 0
     for lines in read_utf8_lines(src, name, chunk):

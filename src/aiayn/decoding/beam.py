@@ -104,7 +104,9 @@ def step(
     return new_R
 
 
-def still_searching(beams: Beams, finished: list[list[Hypothesis]], t: int, config: DecodeConfig) -> list[int]:
+def still_searching(
+    beams: Beams, finished: list[list[Hypothesis]], t: int, config: DecodeConfig
+) -> list[int]:
     """Positions (in the live batch) of the sentences whose search goes on after step t."""
     keep, best_live_B, limit_B = [], None, beams.limit_B.tolist()
     for i, s in enumerate(beams.sentence):

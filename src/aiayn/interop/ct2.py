@@ -52,7 +52,8 @@ def _set_stack_common(spec, embeddings, final_norm, config) -> None:
     """Token embeddings, the sqrt(d_model) scale, the explicit position table, pre-norm's last LayerNorm."""
     spec.scale_embeddings = config.scale_embedding  # True: CTranslate2 multiplies by sqrt(d_model)
     spec.position_encodings.encodings = embeddings.pe  # (max_len, d), in the model's own layout
-    (spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings).weight = embeddings.embed.weight
+    embedding_spec = spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings
+    embedding_spec.weight = embeddings.embed.weight
     if config.norm_first:
         _norm(spec.layer_norm, final_norm)
 
@@ -82,8 +83,9 @@ def _set_decoder(spec, model: Transformer) -> None:
         _linear(layer_spec.ffn.linear_1, layer.feed_forward.w_2)
         _norm(layer_spec.ffn.layer_norm, layer.sublayer[2].norm)
     _linear(spec.projection, model.generator)
-    bias = torch.zeros(model.config.target_vocab_size) if model.final_logits_bias is None else model.final_logits_bias
-    spec.projection.bias = bias.detach().clone().index_fill_(0, torch.tensor([model.config.pad_id]), PAD_LOGIT_BIAS)
+    c = model.config
+    bias = torch.zeros(c.target_vocab_size) if model.final_logits_bias is None else model.final_logits_bias
+    spec.projection.bias = bias.detach().clone().index_fill_(0, torch.tensor([c.pad_id]), PAD_LOGIT_BIAS)
 
 
 def _tokens(sp: spm.SentencePieceProcessor, vocab: dict[str, int] | None, size: int) -> list[str]:
@@ -110,7 +112,8 @@ def aiayn_spec(model: Transformer, tokenizer: Tokenizer) -> TransformerSpec:
     """Our model and tokenizer as a CTranslate2 `TransformerSpec` (weights are shared, not copied)."""
     c = model.config
     spec = TransformerSpec.from_config(
-        (c.n_layers, c.decoder_layers), c.n_heads, pre_norm=c.norm_first, activation=ACTIVATIONS[c.activation])
+        (c.n_layers, c.decoder_layers), c.n_heads, pre_norm=c.norm_first, activation=ACTIVATIONS[c.activation]
+    )
     _set_encoder(spec.encoder, model)
     _set_decoder(spec.decoder, model)
     src, tgt = source_tokens(tokenizer, c.vocab_size), target_tokens(tokenizer, c.target_vocab_size)

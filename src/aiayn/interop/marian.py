@@ -83,7 +83,8 @@ def model_config_from_marian(hf: dict[str, Any], where: str) -> ModelConfig:
     if hf.get("model_type") != "marian":
         raise UserError(f"{where}: model_type={hf.get('model_type')!r}, expected 'marian'")
     if "architectures" in hf and "MarianMTModel" not in (hf["architectures"] or []):
-        raise UserError(f"{where}: architectures={hf['architectures']} is not supported (expected MarianMTModel)")
+        raise UserError(f"{where}: architectures={hf['architectures']} is not supported "
+                        f"(expected MarianMTModel)")
     for name, supported in FIXED_FIELDS.items():
         if name in hf and hf[name] != supported:
             raise UserError(f"{where}: {name}={json.dumps(hf[name])} is not supported "
@@ -173,7 +174,8 @@ def _embeddings(hf: dict[str, Tensor], config: ModelConfig, where: str) -> dict[
     tgt = hf.pop("model.decoder.embed_tokens.weight", shared)
     lm_head = hf.pop("lm_head.weight", None)
     if src is None or tgt is None:
-        raise UserError(f"{where}: missing token embeddings (model.shared.weight or model.*.embed_tokens.weight)")
+        raise UserError(f"{where}: missing token embeddings "
+                        f"(model.shared.weight or model.*.embed_tokens.weight)")
     out = {"src_embed.embed.weight": src}
     if config.share_embeddings:
         if not torch.equal(src, tgt):
@@ -202,7 +204,8 @@ def _attention(hf: dict[str, Tensor], theirs: str, ours: str, self_attention: bo
         if self_attention:
             out[f"{ours}.qkv_proj.{p}"] = torch.cat([q, k, v])  # (3 d, ...)
         else:
-            out[f"{ours}.q_proj.{p}"], out[f"{ours}.kv_proj.{p}"] = q, torch.cat([k, v])  # (d, ...), (2 d, ...)
+            out[f"{ours}.q_proj.{p}"] = q
+            out[f"{ours}.kv_proj.{p}"] = torch.cat([k, v])  # (2 d, ...)
         out[f"{ours}.out_proj.{p}"] = hf.pop(f"{theirs}.out_proj.{p}")
     return out
 
@@ -271,15 +274,16 @@ def marian_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
         if name not in vocab:
             raise UserError(f"{vocab_path}: has no {key} token {name!r}")
         if tgt_vocab is not None and tgt_vocab.get(name) != vocab[name]:
-            raise UserError(f"{tgt_path}: {name!r} has id {tgt_vocab.get(name)} but {vocab[name]} in vocab.json; "
-                            f"aiayn's tokenizer needs one id per special token")
+            raise UserError(f"{tgt_path}: {name!r} has id {tgt_vocab.get(name)} but {vocab[name]} in "
+                            f"vocab.json; aiayn's tokenizer needs one id per special token")
         specials[key] = vocab[name]
     for key, field in (("pad", "pad_token_id"), ("eos", "eos_token_id")):
         if specials[key] != getattr(config, f"{key}_id"):
             raise UserError(f"{directory / 'config.json'}: {field}={getattr(config, f'{key}_id')} but the "
                             f"vocabulary gives the {key} token id {specials[key]}")
     specials["bos"] = config.decoder_start_id
-    for path, v, size in ((vocab_path, vocab, config.vocab_size), (tgt_path, tgt_vocab, config.target_vocab_size)):
+    sides = ((vocab_path, vocab, config.vocab_size), (tgt_path, tgt_vocab, config.target_vocab_size))
+    for path, v, size in sides:
         if v is not None and set(v.values()) != set(range(size)):
             raise UserError(f"{path}: its {len(v)} ids are not exactly 0..{size - 1}, the model's vocabulary")
     return Tokenizer(directory / "source.spm", directory / "target.spm", vocab, specials, tgt_vocab)

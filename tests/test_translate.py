@@ -74,7 +74,7 @@ def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
     assert main(args) == 0
     translator = Translator.load(checkpoint)
     assert out.read_text(encoding="utf-8").split("\n") == [alone(translator, t) for t in TEXTS] + [""]
-    assert "line" in capsys.readouterr().err  # progress on stderr for a file
+    assert "6/6" in capsys.readouterr().err  # progress on stderr for a file, empty lines counted
     assert main(args + ["--n-best", "2", "-q"]) == 0
     nbest = [line.split(" ||| ") for line in out.read_text(encoding="utf-8").splitlines()]
     assert [int(n) for n, _, _ in nbest] == [0, 0, 1, 2, 2, 3, 3, 4, 5, 5]

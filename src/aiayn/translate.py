@@ -11,7 +11,6 @@ lines translate to empty strings without touching the model.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,6 @@ from aiayn.decoding.cpu import pack_for_cpu
 from aiayn.errors import UserError
 from aiayn.model import Transformer
 
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -117,9 +115,8 @@ class Translator:
                 out[i] = [Translation(self.tokenizer.decode_tgt(h.tokens), h.score, h.tokens) for h in hyps]
             if progress is not None:
                 progress(len(chosen))
-        skipped = len(texts) - len(todo)
-        if skipped:
-            log.debug("%d empty lines kept empty", skipped)
+        if progress is not None and len(todo) < len(texts):
+            progress(len(texts) - len(todo))  # the empty lines, done without the model
         return out
 
     def _pad(self, sentences: list[list[int]]) -> torch.Tensor:

@@ -163,17 +163,17 @@ def test_wide_beam_finds_the_exhaustive_best(alpha, kind):
     outputs = [list(p) + [eos] for n in range(3) for p in itertools.product(others, repeat=n)]
     outputs += [list(p) for p in itertools.product(others, repeat=3)]  # cut at the maximum length 3
     best = max(outputs, key=lambda y: full_log_prob(model, src, y) / length_penalty(len(y), alpha, kind))
-    config = DecodeConfig(beam=64, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3,
-                          early_stopping=False)
+    config = DecodeConfig(beam=64, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3)
     assert beam_search(model, src[None], config)[0][0].tokens == best  # 64 > 4^2 beams hold every prefix
-    narrow = DecodeConfig(beam=2, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3)
+    narrow = DecodeConfig(beam=2, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3,
+                          early_stopping=True)
     assert beam_search(model, src[None], narrow)[0][0].tokens != best  # so the search problem is not trivial
 
 
 def test_beam_one_equals_greedy():
     model = tiny_model()
     src = padded_batch([5, 3, 7, 1], 50)
-    config = DecodeConfig(beam=1, max_len_a=0.0, max_len_b=12)
+    config = DecodeConfig(beam=1, max_len_a=0.0, max_len_b=12, early_stopping=True)  # stop at the first EOS
     greedy, beam = greedy_search(model, src, config), beam_search(model, src, config)
     for g, b in zip(greedy, beam):
         assert g[0].tokens == b[0].tokens and g[0].score == pytest.approx(b[0].score, abs=1e-5)

@@ -120,6 +120,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
     options = dict(beam=args.beam, lenpen=args.lenpen, lenpen_kind=args.lenpen_kind, max_len_a=args.max_len_a,
                    max_len_b=args.max_len_b, min_len=args.min_len, n_best=args.n_best, sample=args.sample,
+                   early_stopping=args.early_stopping,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading or reading
     if args.threads:
@@ -249,6 +250,9 @@ def add_translate_parser(sub) -> None:
                    help="at most a*src_len+b output tokens (default 1); src_len counts the source's EOS")
     p.add_argument("--max-len-b", type=int, default=50, help="(default 50: the paper's src_len + 50)")
     p.add_argument("--min-len", type=int, default=0, help="forbid EOS before this many output tokens")
+    p.add_argument("--early-stopping", action="store_true",
+                   help="stop a sentence once BEAM hypotheses ended (fairseq, HuggingFace); default: once no "
+                   "live hypothesis can beat them (tensor2tensor, the paper's code)")
     p.add_argument("--n-best", type=int, default=1,
                    help="hypotheses per line; above 1, lines read `LINE ||| TEXT ||| SCORE` (Moses)")
     p.add_argument("--sample", action="store_true", help="sample instead of searching (needs --beam 1)")

@@ -13,6 +13,7 @@ Dimension key: B batch, S source length, T target length.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -133,7 +134,9 @@ def _select(
 
 
 def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
-    """Identity of an encoding: both files (path, size, mtime) and the tokenizer models' bytes."""
+    """Identity of an encoding: both files (path, size, mtime), the tokenizer models' bytes and, for an
+    imported tokenizer (Marian), its piece -> id vocabularies and special ids: the same SentencePiece
+    model gives other ids through them."""
     h = hashlib.sha256(CACHE_FORMAT.encode())
     for p in (src_path, tgt_path):
         st = Path(p).stat()
@@ -141,6 +144,10 @@ def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
     for p in (tokenizer.src_path, tokenizer.tgt_path):
         if p is not None:
             h.update(Path(p).read_bytes())
+    if tokenizer.vocab is not None:  # absent for aiayn's own tokenizers, so their keys stay as they were
+        specials = dict(pad=tokenizer.pad_id, bos=tokenizer.bos_id, eos=tokenizer.eos_id, unk=tokenizer.unk_id)
+        mapping = [tokenizer.vocab, tokenizer.tgt_vocab, specials]
+        h.update(json.dumps(mapping, sort_keys=True, ensure_ascii=False).encode())
     return h.hexdigest()
 
 

@@ -1,7 +1,8 @@
 """Training configuration: a TOML file with [model], [data] and [train] sections, `--set` overrides.
 
     [model]            preset = "base" plus any ModelConfig field (vocabulary size and special
-                       ids come from the tokenizer, so they are not set here)
+                       ids come from the tokenizer, so they are not set here); with
+                       train.init_from the model is the checkpoint's: only `dropout` may change
     [data]             DataConfig: files, tokenizer, maximum length
     [train]            TrainConfig: batching, optimizer, schedule, stopping, checkpoints
 
@@ -71,6 +72,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (the checkpoint keeps plain names)
     threads: int = 0  # CPU threads per process (0 = PyTorch's default); 1 on a busy shared machine
     bleu_every: int = 0  # validation BLEU (greedy, sacreBLEU) every this many updates (0 = off)
+    init_from: str = ""  # fine-tune this checkpoint (aiayn or converted Marian): its weights, model and
+    # tokenizer, a fresh optimizer and step 0; "" = a new model and a SentencePiece model trained here
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -115,6 +118,27 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": dict(self.model), "data": to_dict(self.data), "train": to_dict(self.train)}
+
+
+def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Path) -> ModelConfig:
+    """The model of train.init_from's checkpoint `saved`, with [model]'s dropout if it sets one.
+
+    The weights fix everything else, so any other [model] key must equal the checkpoint's value (or be
+    absent); `preset` must be absent or the default "base", since a checkpoint's shape is not a preset.
+    """
+    values = dict(config.model)
+    preset = values.pop("preset", "base")
+    if preset != "base":
+        raise ConfigError(f"model.preset={preset!r}: with train.init_from the model is {where}'s; remove it")
+    for key, value in values.items():
+        if key != "dropout" and getattr(saved, key) != value:
+            raise ConfigError(
+                f"model.{key}={value!r} differs from {where}'s {getattr(saved, key)!r}; with "
+                "train.init_from only model.dropout may be set"
+            )
+    if config.data.max_len > saved.max_len:
+        raise ConfigError(f"data.max_len={config.data.max_len} is longer than {where}'s max_len={saved.max_len}")
+    return replace(saved, dropout=values.get("dropout", saved.dropout))
 
 
 def run_config(values: dict[str, Any], where: str = "") -> RunConfig:

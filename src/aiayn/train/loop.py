@@ -1,6 +1,7 @@
 """`train(config)`: the paper's recipe (section 5) as one linear function, from one CPU to many GPUs.
 
-Read `train` top to bottom: prepare data, build the model and Adam, maybe resume, then loop over
+Read `train` top to bottom: prepare data, build the model (or start from `train.init_from`'s
+checkpoint and its tokenizer: fine-tuning) and Adam, maybe resume, then loop over
 updates. One update accumulates `update_freq` token-batches per process (DDP synchronizes gradients on
 the last one only, `no_sync`), normalizes by the update's target tokens, sets the learning rate of
 equation 3 and steps. Every `valid_every` updates: validation loss, a checkpoint, the curves.
@@ -24,6 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from aiayn.checkpoint import Checkpoint, load_checkpoint, load_into, state_dict_for_saving
 from aiayn.config import ConfigError
 from aiayn.data.batching import epoch_order, token_batches, update_batches, updates_in_epoch
 from aiayn.data.dataset import (
@@ -40,7 +42,7 @@ from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
 from aiayn.model import Transformer
 from aiayn.train import distributed
-from aiayn.train.config import RunConfig
+from aiayn.train.config import RunConfig, finetune_model_config
 from aiayn.train.distributed import Dist
 from aiayn.train.loss import label_smoothed_nll
 from aiayn.train.metrics import MetricsLog, plot_metrics
@@ -85,9 +87,10 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
-    data = prepare_data(config, run_dir, d)
+    start_from = initial_checkpoint(config, resume_from)
+    data = prepare_data(config, run_dir, d, start_from.tokenizer if start_from else None)
     tok = data.tokenizer
-    model = build_model(config, tok).to(d.device)
+    model = (start_from.model if start_from else build_model(config, tok)).to(d.device)
     optimizer = torch.optim.Adam(
         model.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps
     )
@@ -192,6 +195,23 @@ def build_model(config: RunConfig, tok: Tokenizer) -> Transformer:
             **({} if tok.shared else {"share_embeddings": False}),
         )
     )
+
+
+def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoint | None:
+    """With train.init_from: its model (in training mode, [model]'s dropout) and tokenizer, else None.
+
+    A resumed fine-tuning run reads them from its own checkpoint (the same tokenizer files and model
+    config, saved there), so the init_from directory is needed only for the first invocation.
+    """
+    if not config.train.init_from:
+        return None
+    path = resume_from or Path(config.train.init_from)
+    ck = load_checkpoint(path)
+    model = Transformer(finetune_model_config(config, ck.model.config, path))
+    load_into(model, state_dict_for_saving(ck.model), path)  # a new model: dropout may have changed
+    if not resume_from:
+        log.info("fine-tuning %s (update %s of its run)", path, ck.meta.get("step", "?"))
+    return Checkpoint(model.train(), ck.tokenizer, ck.meta, path)
 
 
 def _log_window(window, state: TrainState, lr: float, seconds: float, elapsed: float, d: Dist, bar, metrics):
@@ -360,18 +380,19 @@ def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Path | None:
     return found[-1] if resume else None
 
 
-def prepare_data(config: RunConfig, run_dir: Path, d: Dist) -> Data:
+def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer | None = None) -> Data:
     """Tokenizer (trained on the training text once, kept in the run directory) and cached ids.
 
     Process 0 trains the tokenizer and fills the cache; the others wait, then read the cache.
+    A given `tokenizer` (a fine-tuned checkpoint's) is used as it is: nothing is trained.
     """
     dc = config.data
     if not dc.train_src or not dc.train_tgt:
         raise ConfigError("data.train_src and data.train_tgt must name the training files")
     if d.is_main:
-        _prepare_files(config, run_dir)
+        _prepare_files(config, run_dir, tokenizer)
     distributed.barrier(d)
-    tokenizer = find_tokenizer(run_dir)
+    tokenizer = tokenizer or find_tokenizer(run_dir)
     if tokenizer is None:  # process 0 wrote it: this process is on a machine that cannot see run_dir
         raise UserError(f"{run_dir}: no tokenizer; with several machines, put run_dir on a shared filesystem")
     cache = run_dir / "cache"
@@ -401,10 +422,10 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist) -> Data:
     return Data(tokenizer, train, batches, valid, valid_batches, valid_text)
 
 
-def _prepare_files(config: RunConfig, run_dir: Path) -> None:
+def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None) -> None:
     """On process 0: the tokenizer and the caches, so that the other processes only read."""
     dc = config.data
-    tokenizer = find_tokenizer(run_dir)
+    tokenizer = tokenizer or find_tokenizer(run_dir)
     if tokenizer is None:
         text = read_parallel(dc.train_src, dc.train_tgt)
         log.info(

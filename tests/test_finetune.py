@@ -1,0 +1,139 @@
+"""Fine-tuning: `train.init_from` starts a run from a checkpoint's weights, model and tokenizer.
+
+The loss is measured here, outside the loop, on the training pairs with the checkpoints before and
+after; the Marian case starts from a random `transformers.MarianMTModel` converted offline.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.checkpoint import load_checkpoint, save_checkpoint
+from aiayn.config import ConfigError, model_config
+from aiayn.data.dataset import collate, load_encoded
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.errors import UserError
+from aiayn.model import Transformer
+from aiayn.train.config import load_config
+from aiayn.train.loop import train
+from aiayn.train.loss import label_smoothed_nll
+from aiayn.translate import Translator
+from train_helpers import write_corpus
+
+
+def settings(src: Path, tgt: Path, run_dir: Path, init_from: Path, *extra: str) -> list[str]:
+    """A short fine-tuning run on (src, tgt): every pair seen, a checkpoint at the end."""
+    return [
+        f"data.train_src={src}",
+        f"data.train_tgt={tgt}",
+        "data.max_len=32",
+        f"train.run_dir={run_dir}",
+        f"train.init_from={init_from}",
+        "train.max_tokens=256",
+        "train.warmup=4",
+        "train.valid_every=100",
+        "train.log_every=1",
+        "train.threads=1",
+        "train.label_smoothing=0.0",
+        *extra,
+    ]
+
+
+@torch.no_grad()
+def corpus_nll(checkpoint: Path, src: Path, tgt: Path, cache: Path) -> float:
+    """NLL per target token of `checkpoint` (eval mode) on the pairs, batched as training does."""
+    ck = load_checkpoint(checkpoint)
+    corpus, _ = load_encoded(src, tgt, ck.tokenizer, cache)
+    batch = collate(corpus, list(range(len(corpus))), ck.tokenizer)
+    _, nll = label_smoothed_nll(ck.model(batch.src, batch.tgt_in), batch.tgt_out, 0.0, ck.tokenizer.pad_id)
+    return nll.item() / batch.n_tokens
+
+
+def only_checkpoint(run_dir: Path) -> Path:
+    found = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert found, f"no checkpoint in {run_dir}"
+    return found[-1]
+
+
+@pytest.fixture
+def aiayn_checkpoint(tmp_path) -> tuple[Path, Path, Path]:
+    """A random micro model with a SentencePiece model of the toy corpus: (checkpoint, src, tgt)."""
+    src, tgt = write_corpus(tmp_path, 40)
+    spm = train_sentencepiece(src.read_text().split("\n") + tgt.read_text().split("\n"), tmp_path / "spm", 40)
+    tok = Tokenizer(spm)
+    torch.manual_seed(0)
+    model = Transformer(model_config("micro", vocab_size=tok.src_vocab_size, pad_id=tok.pad_id,
+                                     decoder_start_id=tok.bos_id, eos_id=tok.eos_id, max_len=64))
+    return save_checkpoint(tmp_path / "start", model, tok, {"step": 7}), src, tgt
+
+
+def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp_path):
+    start, src, tgt = aiayn_checkpoint
+    run_dir = tmp_path / "run"
+    sets = settings(src, tgt, run_dir, start, "train.max_updates=6")
+    result = train(load_config(None, sets))
+    assert result["step"] == 6  # counted from 0: a new run, not the checkpoint's step 7
+    assert not list(run_dir.glob("*.model")) and not list(run_dir.glob("*.spm"))  # no tokenizer trained
+    tuned = only_checkpoint(run_dir)
+    before, after = (corpus_nll(p, src, tgt, tmp_path / "cache") for p in (start, tuned))
+    assert after < before - 0.2, (before, after)
+    assert load_checkpoint(tuned).meta["config"]["train"]["init_from"] == str(start)
+    assert all(isinstance(t, str) for t in Translator.load(tuned).translate(["ein Hund", "zwei Katzen"]))
+
+    shutil.rmtree(start)  # --resume reads the run's own checkpoint, not init_from
+    result = train(load_config(None, sets[:-1] + ["train.max_updates=8"]), resume=True)
+    assert result["step"] == 8
+
+
+@pytest.mark.parametrize("key", ["d_model=64", "preset=tiny"])
+def test_conflicting_model_key_is_a_config_error(aiayn_checkpoint, tmp_path, key):
+    start, src, tgt = aiayn_checkpoint
+    sets = settings(src, tgt, tmp_path / "run", start, "train.max_updates=1", f"model.{key}")
+    with pytest.raises(ConfigError, match=f"model.{key.split('=')[0]}="):
+        train(load_config(None, sets))
+
+
+def test_dropout_may_be_set_and_missing_checkpoint_is_one_line(aiayn_checkpoint, tmp_path):
+    start, src, tgt = aiayn_checkpoint
+    sets = settings(src, tgt, tmp_path / "run", start, "train.max_updates=1", "model.dropout=0.3",
+                    "model.d_model=32")  # the checkpoint's own value is allowed too
+    train(load_config(None, sets))
+    assert load_checkpoint(only_checkpoint(tmp_path / "run")).model.config.dropout == 0.3
+    missing = settings(src, tgt, tmp_path / "run2", tmp_path / "nowhere", "train.max_updates=1")
+    with pytest.raises(UserError, match="nowhere: checkpoint not found") as e:
+        train(load_config(None, missing))
+    assert "\n" not in str(e.value)
+
+
+def test_finetune_converted_marian(tmp_path):
+    pytest.importorskip("transformers")
+    from test_marian import SRC_LINES, TGT_LINES, make_marian_dir, source_batch
+
+    from aiayn.interop.marian import convert_marian
+
+    make_marian_dir(tmp_path / "opus", "swish", shared=True)
+    start = convert_marian(tmp_path / "opus", tmp_path / "aiayn")
+    src, tgt = tmp_path / "train.en", tmp_path / "train.de"
+    src.write_text("\n".join(SRC_LINES[:24]) + "\n", encoding="utf-8")
+    tgt.write_text("\n".join(TGT_LINES[:24]) + "\n", encoding="utf-8")
+    run_dir = tmp_path / "run"
+    train(load_config(None, settings(src, tgt, run_dir, start, "train.max_updates=6", "train.lr_scale=0.5")))
+    tuned = only_checkpoint(run_dir)
+    before, after = (corpus_nll(p, src, tgt, tmp_path / "cache") for p in (start, tuned))
+    assert after < before - 0.2, (before, after)
+
+    a, b = load_checkpoint(start), load_checkpoint(tuned)
+    sentence = "the number 12 is even"
+    assert b.tokenizer.encode_src(sentence) == a.tokenizer.encode_src(sentence)
+    assert b.tokenizer.vocab == a.tokenizer.vocab and b.tokenizer.pad_id == a.tokenizer.pad_id
+    assert b.model.config == a.model.config
+    assert b.model.generator.weight is b.model.src_embed.embed.weight  # tied as in the Marian model
+    assert b.model.tgt_embed.embed.weight is b.model.src_embed.embed.weight
+    x = source_batch(a.tokenizer, [sentence])  # (1, S)
+    y = torch.tensor([[a.model.config.decoder_start_id] + a.tokenizer.encode_tgt("die Zahl 12")])  # (1, T)
+    with torch.no_grad():
+        assert not torch.allclose(a.model(x, y), b.model(x, y), atol=1e-3)

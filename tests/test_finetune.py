@@ -137,3 +137,17 @@ def test_finetune_converted_marian(tmp_path):
     y = torch.tensor([[a.model.config.decoder_start_id] + a.tokenizer.encode_tgt("die Zahl 12")])  # (1, T)
     with torch.no_grad():
         assert not torch.allclose(a.model(x, y), b.model(x, y), atol=1e-3)
+
+
+def test_imported_vocabulary_changes_the_cache_key(aiayn_checkpoint):
+    """The same SentencePiece model read through a piece -> id vocabulary gives other ids: another cache."""
+    from aiayn.data.dataset import cache_key
+
+    start, src, tgt = aiayn_checkpoint
+    plain = load_checkpoint(start).tokenizer
+    pieces = [plain.src.id_to_piece(i) for i in range(plain.src_vocab_size)]
+    mapped = Tokenizer(plain.src_path, vocab={p: len(pieces) - 1 - i for i, p in enumerate(pieces)},
+                       specials=dict(pad=0, bos=1, eos=2, unk=3))
+    assert mapped.encode_src("ein Hund") != plain.encode_src("ein Hund")
+    assert cache_key(src, tgt, mapped) != cache_key(src, tgt, plain)
+    assert cache_key(src, tgt, plain) == cache_key(src, tgt, load_checkpoint(start).tokenizer)

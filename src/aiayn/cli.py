@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train on parallel text (also under torchrun --nproc_per_node N)")
     p.add_argument("--config", help="TOML file with [model], [data], [train] (see configs/)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config value, e.g. --set train.max_tokens=2048 (repeatable)")
+                   help="override a config value, e.g. --set train.max_tokens=2048 (repeatable); "
+                        "--set train.init_from=CKPT fine-tunes a checkpoint (aiayn or converted Marian)")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     p.set_defaults(func=cmd_train)
 

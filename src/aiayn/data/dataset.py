@@ -145,7 +145,7 @@ def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
         if p is not None:
             h.update(Path(p).read_bytes())
     if tokenizer.vocab is not None:  # absent for aiayn's own tokenizers, so their keys stay as they were
-        specials = dict(pad=tokenizer.pad_id, bos=tokenizer.bos_id, eos=tokenizer.eos_id, unk=tokenizer.unk_id)
+        specials = [tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, tokenizer.unk_id]
         mapping = [tokenizer.vocab, tokenizer.tgt_vocab, specials]
         h.update(json.dumps(mapping, sort_keys=True, ensure_ascii=False).encode())
     return h.hexdigest()

@@ -137,7 +137,9 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
                 "train.init_from only model.dropout may be set"
             )
     if config.data.max_len > saved.max_len:
-        raise ConfigError(f"data.max_len={config.data.max_len} is longer than {where}'s max_len={saved.max_len}")
+        raise ConfigError(
+            f"data.max_len={config.data.max_len} is longer than {where}'s max_len={saved.max_len}"
+        )
     return replace(saved, dropout=values.get("dropout", saved.dropout))
 
 

@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -321,22 +322,39 @@ def make_step_with(model: nn.Module, opt: torch.optim.Optimizer, dtype: torch.dt
 # Report.
 
 
+def per_round_ratios(rows: list[dict], row: dict) -> list[float]:
+    """Round by round, the fastest peer's time in that round / this row's time in that round: steps
+    taken seconds apart share the machine's load, so these vary less than a ratio of medians."""
+    peers = [r for r in rows if r["config"] == row["config"] and r["precision"] == row["precision"]
+             and not r["system"].startswith("aiayn") and r["system"].endswith("(compiled)") ==
+             row["fastest_peer"].endswith("(compiled)")]
+    return [min(p["times_ms"][i] for p in peers) / t for i, t in enumerate(row["times_ms"])]
+
+
 def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, args, path: str) -> None:
+    for r in rows:
+        r["per_round_vs_fastest_peer"] = [round(x, 3) for x in per_round_ratios(rows, r)]
     table = markdown_table(
-        ["config", "precision", "system", "ms/step", "tokens/s", "x fastest peer", "MFU", "compile s"],
+        ["config", "precision", "system", "ms/step", "tokens/s", "x fastest peer",
+         "per round: median [min, max]", "MFU", "compile s"],
         [[r["config"], r["precision"], r["system"], f"{r['step_ms']:.0f}", f"{r['tokens_per_s']:.0f}",
-          f"{r['vs_fastest_peer']:.2f} ({r['fastest_peer']})", f"{100 * r['mfu']:.1f}%",
-          "" if r["compile_s"] is None else f"{r['compile_s']:.0f}"] for r in rows],
+          f"{r['vs_fastest_peer']:.2f} ({r['fastest_peer']})",
+          f"{statistics.median(q):.2f} [{min(q):.2f}, {max(q):.2f}]" if (q := r["per_round_vs_fastest_peer"])
+          else "", f"{100 * r['mfu']:.1f}%", "" if r["compile_s"] is None else f"{r['compile_s']:.0f}"]
+         for r in rows],
     )
     speedups = []
     for cfg in dict.fromkeys(r["config"] for r in rows):
         for compiled in ("aiayn", "aiayn (compiled)"):
             t = {r["precision"]: r["step_ms"] for r in rows if r["config"] == cfg and r["system"] == compiled}
+            rounds = {r["precision"]: r["times_ms"] for r in rows if r["config"] == cfg and r["system"] == compiled}
             if "fp32" in t and "bf16" in t:
-                speedups.append(f"- {cfg}, {compiled}: bf16 is {t['fp32'] / t['bf16']:.2f}x fp32")
+                q = [a / b for a, b in zip(rounds["fp32"], rounds["bf16"])]
+                speedups.append(f"- {cfg}, {compiled}: bf16 is {t['fp32'] / t['bf16']:.2f}x fp32 (ratio of "
+                                f"medians; per round: median {statistics.median(q):.2f} [{min(q):.2f}, {max(q):.2f}])")
     lines = [
         "# Training step: aiayn vs torch.nn.Transformer vs MarianMT", "",
-        f"Command: `python benchmarks/train_step.py {' '.join(args.argv)}`", "",
+        f"Command: `python benchmarks/train_step.py {shlex.join(args.argv)}`", "",
         "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
         f"Measured matmul peak (2048^3 torch.matmul): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
         f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s.", "",
@@ -348,7 +366,7 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
         "when they were measured, else against the eager peers, named in brackets). MFU = model FLOPs "
         "(`model_flops`: 6 x matmul weights x positions + 12 x B x d x Tq x Tk per attention) / time / "
         "measured matmul peak of that precision. `compile s` = first step minus a warm step.", "",
-        table, "", *speedups, "",
+        table if rows else "(no timing in this run)", "", *speedups, "",
     ]
     if curve:
         lines += [
@@ -356,7 +374,7 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
             f"max |loss_bf16 - loss_fp32| = {curve['max_abs_diff']:.4f}, max relative = "
             f"{100 * curve['max_rel_diff']:.2f}%; final loss fp32 {curve['final_fp32']:.4f}, "
             f"bf16 {curve['final_bf16']:.4f}", "",
-            markdown_table(["step", "fp32", "bf16", "|diff|"], [
+            markdown_table(["step", "fp32", "bf16", "abs diff"], [
                 [i + 1, f"{curve['fp32'][i]:.4f}", f"{curve['bf16'][i]:.4f}",
                  f"{abs(curve['fp32'][i] - curve['bf16'][i]):.4f}"]
                 for i in sorted({*range(0, curve["steps"], max(1, curve["steps"] // 10)), curve["steps"] - 1})]),

@@ -21,7 +21,8 @@ def tokenizers(tmp_path_factory):
     en = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'}" for i in range(300)]
     de = [f"die Zahl {i} ist {'gerade' if i % 2 == 0 else 'ungerade'}" for i in range(300)]
     shared = Tokenizer(train_sentencepiece(en + de, d / "shared", vocab_size=60))
-    separate = Tokenizer(train_sentencepiece(en, d / "en", vocab_size=40), train_sentencepiece(de, d / "de", vocab_size=50))
+    separate = Tokenizer(train_sentencepiece(en, d / "en", vocab_size=40),
+                         train_sentencepiece(de, d / "de", vocab_size=50))
     return shared, separate
 
 
@@ -53,7 +54,8 @@ def test_logits_unchanged_and_weights_are_those_the_output_used():
     def keep(module, args, kwargs, output):
         seen[module] = (args, kwargs, output)
 
-    hooks = [m.register_forward_hook(keep, with_kwargs=True) for mods in attention_modules(model).values() for m in mods]
+    modules = [m for mods in attention_modules(model).values() for m in mods]
+    hooks = [m.register_forward_hook(keep, with_kwargs=True) for m in modules]
     with record_attention(model) as records, torch.no_grad():
         recorded = model(src, tgt)
     for h in hooks:
@@ -98,10 +100,12 @@ def test_extract_from_a_checkpoint(tmp_path, tokenizers, which):
     assert maps.src_tokens == tokenizer.src_pieces("the number 12 is even") and maps.src_tokens[-1] == "</s>"
     assert maps.tgt_out_tokens[-1] == "</s>" and maps.tgt_in_tokens[0] == "<s>"
     assert maps.tgt_in_tokens[1:] == maps.tgt_out_tokens[:-1]
-    assert maps.encoder.shape == (2, 2, s, s) and maps.decoder.shape == (1, 2, t, t) and maps.cross.shape == (1, 2, t, s)
+    assert maps.encoder.shape == (2, 2, s, s)
+    assert maps.decoder.shape == (1, 2, t, t) and maps.cross.shape == (1, 2, t, s)
     with torch.no_grad():
         tgt_in = torch.tensor([[1] + tokenizer.encode_tgt("die Zahl 12 ist gerade")])
-        assert torch.equal(maps.logits, ck.model(torch.tensor([tokenizer.encode_src("the number 12 is even")]), tgt_in)[0])
+        src = torch.tensor([tokenizer.encode_src("the number 12 is even")])
+        assert torch.equal(maps.logits, ck.model(src, tgt_in)[0])
     greedy = extract_attention(ck.model, ck.tokenizer, "the number 12 is even")  # no target: decode one
     assert greedy.cross.shape[2] == len(greedy.tgt_out_tokens) >= 1
 

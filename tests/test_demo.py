@@ -1,4 +1,4 @@
-"""`aiayn demo` end to end: corpus files, the real training path, beam search, scores, curves, attention maps."""
+"""`aiayn demo` end to end: corpus files, the real training path, beam search, scores, curves, attention."""
 
 import json
 
@@ -29,8 +29,8 @@ def check_outputs(out, n_test):
 def test_short_demo_through_the_cli(tmp_path, capsys):
     """The whole path in seconds: a micro model that learns little, but every stage runs."""
     out = tmp_path / "demo"
-    argv = ["demo", "--out", str(out), "--size", "tiny", "--steps", "12", "--train-pairs", "600", "--test-pairs", "12",
-            "--beam", "2"]
+    argv = ["demo", "--out", str(out), "--size", "tiny", "--steps", "12", "--train-pairs", "600",
+            "--test-pairs", "12", "--beam", "2"]
     assert main(argv) == 0
     hyps, refs, _ = check_outputs(out, 12)
     printed = capsys.readouterr().out
@@ -52,7 +52,7 @@ def test_same_seed_same_run(tmp_path):
     config = dict(size="tiny", steps=30, n_train=800, n_test=20, n_valid=20, beam=2)
     a = run_demo(DemoConfig(out=str(tmp_path / "a"), **config))
     b = run_demo(DemoConfig(out=str(tmp_path / "b"), **config))
-    wa, wb = load_file(str(a.checkpoint / "model.safetensors")), load_file(str(b.checkpoint / "model.safetensors"))
+    wa, wb = (load_file(str(r.checkpoint / "model.safetensors")) for r in (a, b))
     assert all((wa[k] == wb[k]).all() for k in wa)
     assert (tmp_path / "a" / "test.hyp.de").read_text() == (tmp_path / "b" / "test.hyp.de").read_text()
 

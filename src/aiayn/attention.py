@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,7 +92,9 @@ class AttentionMaps:
 
 
 @torch.no_grad()
-def extract_attention(model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None = None) -> AttentionMaps:
+def extract_attention(
+    model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None = None
+) -> AttentionMaps:
     """Teacher-force `tgt` (or the greedy translation of `src`) through `model`; return every weight."""
     model.eval()
     src_ids = tokenizer.encode_src(src)
@@ -105,7 +106,8 @@ def extract_attention(model: Transformer, tokenizer: Tokenizer, src: str, tgt: s
     tgt_in = [model.config.decoder_start_id] + tgt_ids[:-1]
     with record_attention(model) as records:
         logits = model(src_t, torch.tensor([tgt_in]))  # (1, T, V)
-    stacked = {kind: torch.stack([layer[0][0] for layer in records[kind]]).float() for kind in KINDS}  # (L, H, ., .)
+    # records[kind][layer][0]: the one forward pass, (1, H, rows, cols) -> stacked (L, H, rows, cols)
+    stacked = {kind: torch.stack([layer[0][0] for layer in records[kind]]).float() for kind in KINDS}
     return AttentionMaps(
         src_tokens=tokenizer.src_pieces(src),
         tgt_in_tokens=tokenizer.tgt_pieces(tgt_in),
@@ -128,8 +130,8 @@ def plot_kind(maps: AttentionMaps, kind: str, path: str | Path) -> Path:
     cell = 0.22  # inches per token: room for a readable label
     w, h = max(1.5, cell * len(cols)), max(1.5, cell * len(rows))
     label = 0.12 * max(map(len, rows + cols))  # inches of the longest tick label
-    fig, axes = plt.subplots(n_layers, n_heads, figsize=(w * n_heads + label + 1.5, h * n_layers + label + 1.0),
-                             squeeze=False, layout="constrained")
+    size = (w * n_heads + label + 1.5, h * n_layers + label + 1.0)
+    fig, axes = plt.subplots(n_layers, n_heads, figsize=size, squeeze=False, layout="constrained")
     for layer in range(n_layers):
         for head in range(n_heads):
             ax = axes[layer][head]
@@ -158,7 +160,8 @@ def write_html(maps: AttentionMaps, pngs: dict[str, Path], path: str | Path, tit
     ]
     for kind, png in pngs.items():
         data = base64.b64encode(Path(png).read_bytes()).decode("ascii")
-        parts.append(f"<h2>{html.escape(TITLES[kind])}</h2><img alt='{kind}' src='data:image/png;base64,{data}'>")
+        parts.append(f"<h2>{html.escape(TITLES[kind])}</h2>")
+        parts.append(f"<img alt='{kind}' src='data:image/png;base64,{data}'>")
     parts.append("</body></html>\n")
     path = Path(path)
     path.write_text("\n".join(parts), encoding="utf-8")

@@ -104,8 +104,9 @@ def run_config(config: DemoConfig, paths: dict[str, Path], run_dir: Path):
                      vocab_size=size["vocab_size"], shared_vocab=True, max_len=64),
         "train": dict(run_dir=str(run_dir), seed=config.seed, max_tokens=size["max_tokens"],
                       warmup=size["warmup"], lr_scale=size["lr_scale"], label_smoothing=0.1,
-                      max_updates=config.steps, max_minutes=config.minutes, device="cpu", threads=config.threads,
-                      valid_every=max(1, config.steps // 4), keep_last=2, log_every=max(1, min(50, config.steps // 10))),
+                      max_updates=config.steps, max_minutes=config.minutes, device="cpu",
+                      threads=config.threads, valid_every=max(1, config.steps // 4), keep_last=2,
+                      log_every=max(1, min(50, config.steps // 10))),
     }, where="demo")
 
 

@@ -119,7 +119,8 @@ def german_year(year: int) -> str:
     """Years 1100..1999 are read in hundreds ("neunzehnhundertneunundneunzig"), others as numbers."""
     if 1100 <= year <= 1999:
         century, rest = divmod(year, 100)
-        return german_below_100(century, final=False) + "hundert" + (german_below_100(rest, True) if rest else "")
+        tail = german_below_100(rest, final=True) if rest else ""
+        return german_below_100(century, final=False) + "hundert" + tail
     return german_number(year)
 
 
@@ -192,7 +193,9 @@ def make_corpus(config: CorpusConfig) -> tuple[list[tuple[str, str]], list[tuple
     return train, list(test.values())
 
 
-def write_pairs(pairs: list[tuple[str, str]], prefix: Path, src_lang: str = "en", tgt_lang: str = "de") -> tuple[Path, Path]:
+def write_pairs(
+    pairs: list[tuple[str, str]], prefix: Path, src_lang: str = "en", tgt_lang: str = "de"
+) -> tuple[Path, Path]:
     """Write `prefix`.en and `prefix`.de, one sentence a line; return both paths."""
     src, tgt = Path(f"{prefix}.{src_lang}"), Path(f"{prefix}.{tgt_lang}")
     src.write_text("".join(f"{s}\n" for s, _ in pairs), encoding="utf-8")

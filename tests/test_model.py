@@ -159,7 +159,8 @@ def test_learns_a_copy_task():
     model = tiny_model(vocab_size=13).train()
     opt = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98), eps=1e-9)
     warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 50))
-    for _ in range(400):
+    losses = []
+    for _ in range(500):
         seq = torch.randint(3, 13, (32, 8))
         src = torch.cat([seq, torch.full((32, 1), 2)], 1)  # ... EOS
         tgt_in = torch.cat([torch.full((32, 1), 1), seq], 1)  # BOS ...
@@ -168,4 +169,7 @@ def test_learns_a_copy_task():
         loss.backward()
         opt.step()
         warmup.step()
-    assert loss.item() < 0.02  # from log(10) = 2.3 at the start
+        losses.append(loss.item())
+    # From log(10) = 2.3 at the start. The mean of the last 20 batches, not the last one: a single
+    # batch's loss jumps (0.002 to 0.2 seen) with thread count and seed; the mean stayed below 0.016.
+    assert sum(losses[-20:]) / 20 < 0.05

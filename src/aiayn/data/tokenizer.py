@@ -8,6 +8,7 @@ and with separate vocabularies a second one for the target side, `tgt_vocab`.
 from __future__ import annotations
 
 import io
+import os
 import shutil
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -148,5 +149,7 @@ def train_sentencepiece(
         num_threads=2, minloglevel=2,
     )
     path = Path(f"{prefix}.model")
-    path.write_bytes(model.getvalue())
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(model.getvalue())
+    os.replace(tmp, path)  # atomic: a kill mid-write never leaves a truncated model behind
     return path

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
 
+from aiayn.data.dataset import read_lines
 from aiayn.errors import UserError
 
 LOWERCASE_LABEL = "BLEU-lc (lowercased, 13a-tokenized: only for comparison with older papers, not comparable)"
@@ -42,25 +43,6 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[Sequence[str]]
     for label, metric in (("BLEU", BLEU()), ("chrF2", CHRF()), (LOWERCASE_LABEL, BLEU(lowercase=True))):
         result = metric.corpus_score(list(hypotheses), [list(r) for r in references])
         out.append(Score(label, result.score, str(metric.get_signature()), str(result)))
-    return out
-
-
-def read_lines(path: str | Path) -> list[str]:
-    """The lines of a UTF-8 text file without their newlines; a bad byte is reported as FILE:LINE."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    out = []
-    for n, raw in enumerate(lines, 1):
-        try:
-            out.append(raw.decode("utf-8").rstrip("\r"))
-        except UnicodeDecodeError:
-            raise UserError(f"{path}:{n}: invalid UTF-8") from None
     return out
 
 

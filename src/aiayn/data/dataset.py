@@ -35,7 +35,10 @@ def read_lines(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: file not found")
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:  # unreadable (permissions, I/O error): still one line naming the file
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

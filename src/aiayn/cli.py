@@ -141,7 +141,8 @@ def cmd_translate(args: argparse.Namespace) -> None:
         if name != "<stdin>" and not args.quiet:  # a file: its size is known, show progress on stderr
             from tqdm import tqdm
 
-            total = sum(1 for _ in open(args.input, "rb"))
+            total = sum(1 for _ in src)  # the file's line count, then back to its start
+            src.seek(0)
             progress = stack.enter_context(tqdm(total=total, unit="line", file=sys.stderr)).update
         chunk = 1 if name == "<stdin>" and src.isatty() else args.chunk  # interactive: answer each line
         translate_stream(translator, src, dst, name, chunk, args.max_tokens, progress, **options)

@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Sequence, TextIO
 import torch
 
 from aiayn.config import from_dict
+from aiayn.data.batching import right_pad
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, generate
 from aiayn.decoding.cpu import pack_for_cpu
@@ -111,20 +112,14 @@ class Translator:
         rows = config.n_best if config.sample else config.beam
         for batch in length_sorted_batches([len(ids[i]) for i in todo], max_tokens, rows):
             chosen = [todo[j] for j in batch]
-            for i, hyps in zip(chosen, generate(self.model, self._pad([ids[i] for i in chosen]), config)):
+            src = right_pad([ids[i] for i in chosen], self.tokenizer.pad_id).to(self.device)  # (B, S)
+            for i, hyps in zip(chosen, generate(self.model, src, config)):
                 out[i] = [Translation(self.tokenizer.decode_tgt(h.tokens), h.score, h.tokens) for h in hyps]
             if progress is not None:
                 progress(len(chosen))
         if progress is not None and len(todo) < len(texts):
             progress(len(texts) - len(todo))  # the empty lines, done without the model
         return out
-
-    def _pad(self, sentences: list[list[int]]) -> torch.Tensor:
-        """Right-padded (B, S) batch of source ids."""
-        src = torch.full((len(sentences), max(map(len, sentences))), self.tokenizer.pad_id, dtype=torch.long)
-        for i, s in enumerate(sentences):
-            src[i, : len(s)] = torch.tensor(s)
-        return src.to(self.device)
 
 
 def translate(checkpoint: str | Path, texts: Sequence[str], **options: Any) -> list[str]:

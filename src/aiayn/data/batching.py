@@ -12,6 +12,8 @@ update_freq F see exactly the batches one process with update_freq N*F sees.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from aiayn.errors import UserError
@@ -60,3 +62,11 @@ def update_batches(
     """The batch numbers process `rank` runs for update number `update` (0-based) of an epoch."""
     group = order[update * batches_per_update : (update + 1) * batches_per_update]
     return group[rank::world_size]
+
+
+def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
+    """Token-id lists -> (B, max length) long tensor, each row padded with `pad_id` on the right."""
+    out = torch.full((len(sequences), max(map(len, sequences))), pad_id, dtype=torch.long)  # (B, S)
+    for row, ids in enumerate(sequences):
+        out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from sacrebleu.metrics import BLEU
 
-from aiayn.data.batching import token_batches
+from aiayn.data.batching import right_pad, token_batches
 from aiayn.data.dataset import ParallelText
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, generate
@@ -33,9 +33,7 @@ def validation_bleu(
     lengths = [len(ids) for ids in sources]
     hypotheses = [""] * len(sources)
     for indices in token_batches(lengths, lengths, max_tokens):
-        src = torch.full((len(indices), max(lengths[i] for i in indices)), tokenizer.pad_id, dtype=torch.long)
-        for row, i in enumerate(indices):
-            src[row, : lengths[i]] = torch.tensor(sources[i])  # (B, S), right-padded
+        src = right_pad([sources[i] for i in indices], tokenizer.pad_id)  # (B, S)
         for i, hyps in zip(indices, generate(model, src.to(device), DecodeConfig(beam=1))):
             hypotheses[i] = tokenizer.decode_tgt(hyps[0].tokens)
     model.train(was_training)

@@ -1,0 +1,39 @@
+"""Keep freed memory in the process instead of giving it back to the kernel after every step.
+
+glibc's malloc serves each block over 32 MiB (and often smaller ones) with its own mmap and unmaps it
+on free. A training step frees and re-allocates the same large activations (logits, their gradient,
+float copies) every time, so each one is page-faulted in and zeroed by the kernel again: about 40 ms
+per 113 MB on this project's 2-core machine, a third of a `small` model's step. With mmap turned off
+and trimming raised, freed blocks stay in the heap and the next step reuses them (benchmarks/RESULTS.md:
+the step takes 1.5x less time). The price is that the process keeps its peak memory until it exits,
+which a training or translation process does anyway. Set AIAYN_SYSTEM_MALLOC=1 to leave malloc alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters, from glibc's malloc.h
+_done = False
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse; True if it now does (glibc on Linux only)."""
+    global _done
+    if _done:
+        return True
+    if sys.platform != "linux" or os.environ.get("AIAYN_SYSTEM_MALLOC") == "1":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+        gnu = libc.gnu_get_libc_version  # only glibc's mallopt has these parameters
+    except (OSError, AttributeError):
+        return False
+    del gnu
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _done = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    return _done

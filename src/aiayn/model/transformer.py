@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.model.attention import MultiHeadAttention, padding_mask
+from aiayn.model.dropout import Dropout
 from aiayn.model.kv_cache import KVCache
 
 
@@ -43,7 +44,7 @@ class Embeddings(nn.Module):
         self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         pe = sinusoidal_positions(config.max_len, config.d_model, config.positions)
         self.register_buffer("pe", pe, persistent=False)  # (max_len, d): a function, not a weight
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def forward(self, tokens: Tensor, start: int = 0) -> Tensor:
         """(B, T) ids at positions start..start+T-1 -> (B, T, d)."""
@@ -76,7 +77,7 @@ class SublayerConnection(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.norm_first = config.norm_first
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
@@ -170,11 +171,17 @@ class Transformer(nn.Module):
         return self.encoder_norm(x)
 
     def decode(
-        self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, cache: KVCache | None = None
+        self,
+        tgt_in: Tensor,
+        memory: Tensor,
+        src_mask: Tensor,
+        cache: KVCache | None = None,
+        keep: Tensor | None = None,
     ) -> Tensor:
         """(B, T) target ids, memory (B, S, d), src_mask (B, 1, 1, S) -> logits (B, T, V_tgt).
 
         With a cache, `tgt_in` holds only the new positions (usually one) and the cache the past.
+        With `keep` (B, T) bool, only those positions are projected: logits (N, V_tgt), N = keep.sum().
         """
         start = 0 if cache is None else cache.length
         x = self.tgt_embed(tgt_in, start)
@@ -182,17 +189,23 @@ class Transformer(nn.Module):
             x = layer(x, memory, src_mask, cache, i)
         if cache is not None:
             cache.advance(tgt_in.shape[1])
-        return self.project(self.decoder_norm(x))
+        h = self.decoder_norm(x)  # (B, T, d)
+        return self.project(h if keep is None else h[keep])  # (B, T, V) or (N, V)
 
     def project(self, h: Tensor) -> Tensor:
         """Decoder states (..., d) -> logits (..., V_tgt)."""
         logits = self.generator(h)
         return logits if self.final_logits_bias is None else logits + self.final_logits_bias
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        """(B, S) source ids, (B, T) shifted target ids -> logits (B, T, V_tgt)."""
+    def forward(self, src: Tensor, tgt_in: Tensor, keep: Tensor | None = None) -> Tensor:
+        """(B, S) source ids, (B, T) shifted target ids -> logits (B, T, V_tgt).
+
+        Training passes `keep` = the (B, T) positions whose target is not padding and gets their
+        logits only, (N, V_tgt): the V-wide projection and softmax then skip the padding (a third of
+        the positions in length-bucketed batches of short sentences).
+        """
         memory = self.encode(src)
-        return self.decode(tgt_in, memory, self.src_mask(src))
+        return self.decode(tgt_in, memory, self.src_mask(src), keep=keep)
 
     def new_cache(
         self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, beam_size: int = 1

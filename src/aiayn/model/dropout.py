@@ -1,0 +1,48 @@
+"""Dropout (paper section 5.4) with a CPU mask that costs a quarter of the random numbers.
+
+`F.dropout` on a CPU draws one Mersenne-Twister number per element through `bernoulli_`: 15 ms for
+a (227, 24, 256) activation on this project's 2-core machine, 17 times per training step of the
+`small` model, about 15% of the step. Here one 64-bit draw (`random_`) gives four 16-bit uniforms,
+whose low 15 bits are compared against p: the same distribution as `F.dropout` (each element zeroed
+with probability p, rounded to a multiple of 2^-15, survivors scaled by 1/(1-p)), about 3x faster.
+On a GPU `F.dropout` is already a fused Philox kernel and is used as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_BITS = 15  # the 16-bit slices of a `random_` int64 are uniform in their low 15 bits (bit 63 is 0)
+
+
+def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
+    """A bool tensor of `shape`, each element True with probability 1 - p (p in multiples of 2^-15)."""
+    n = shape.numel()
+    draws = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_()  # 63 random bits each
+    uniform = draws.view(torch.int16)[:n].view(shape) & (2**_BITS - 1)  # shape, uniform in [0, 2^15)
+    return uniform >= round(p * 2**_BITS)
+
+
+def dropout(x: Tensor, p: float, training: bool) -> Tensor:
+    """`F.dropout(x, p, training)`, with a cheaper mask on the CPU."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu" or p >= 1.0:
+        return F.dropout(x, p, training)
+    return x * (keep_mask(x.shape, p, x.device).to(x.dtype) * (1.0 / (1.0 - p)))
+
+
+class Dropout(nn.Module):
+    """`nn.Dropout` through `dropout`: zero each element with probability p while training."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"

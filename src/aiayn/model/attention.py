@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aiayn.model.kv_cache import KVCache
 
@@ -33,6 +34,24 @@ def causal_mask(t: int, device: torch.device | None = None, past: int = 0) -> Te
     `past` keys come before the T queries: those a decoding cache already holds.
     """
     return torch.ones(t, past + t, dtype=torch.bool, device=device).tril(diagonal=past)
+
+
+# Up to this length SDPA's math backend trains faster than the CPU flash kernel in bfloat16, whose
+# backward is 2-3x slower on short sequences (benchmarks/RESULTS.md); longer ones keep flash's O(L) memory.
+MATH_BACKEND_MAX_LEN = 256
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+    """`F.scaled_dot_product_attention` of (B, H, T, D) queries over (B, H, L, D) keys -> (B, H, T, D).
+
+    The one attention call of the model. PyTorch picks the kernel, except for CPU training in
+    bfloat16 on short sequences (translation's usual case), where the math backend is faster.
+    """
+    short = max(q.shape[-2], k.shape[-2]) <= MATH_BACKEND_MAX_LEN
+    if short and q.requires_grad and q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
 
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
@@ -133,7 +152,7 @@ class MultiHeadAttention(nn.Module):
         bk, h, t, d = q.shape
         b = k.shape[0]
         q = q.view(b, bk // b, h, t, d).transpose(1, 2).reshape(b, h, -1, d)  # (B, H, K*T, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, K*T, D)
+        out = sdpa(q, k, v, mask)  # (B, H, K*T, D)
         if self.recorder is not None:
             self.recorder.append(attention_weights(q, k, mask, False).detach())
         out = out.view(b, h, bk // b, t, d).transpose(1, 2).reshape(bk, h, t, d)  # (B*K, H, T, D)
@@ -141,7 +160,7 @@ class MultiHeadAttention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
         """Scaled dot-product attention of (B, H, T, D) queries over (B, H, L, D) keys, then W^O."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # (B, H, T, D)
+        out = sdpa(q, k, v, mask, is_causal)  # (B, H, T, D)
         if self.recorder is not None:
             self.recorder.append(attention_weights(q, k, mask, is_causal).detach())
         return self.out_proj(merge_heads(out))  # (B, T, d_model)

@@ -1,0 +1,106 @@
+"""The training step's speed-ups change no result: fast dropout, the math SDPA backend, the
+one-pass loss gradient, projecting only real targets, and malloc keeping freed memory."""
+
+import resource
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn.config import model_config
+from aiayn.memory import keep_freed_memory
+from aiayn.model import Transformer
+from aiayn.model.attention import sdpa
+from aiayn.model.dropout import Dropout, dropout, keep_mask
+from aiayn.train.loss import SmoothedCrossEntropy, label_smoothed_nll
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_dropout_keeps_each_element_with_probability_1_minus_p(p):
+    torch.manual_seed(0)
+    n = 2_000_000
+    kept = keep_mask(torch.Size([n]), p, torch.device("cpu")).double().mean().item()
+    # Binomial standard deviation sqrt(p(1-p)/n) < 4e-4; p is rounded to a multiple of 2^-15.
+    assert abs(kept - (1 - p)) < 2e-3
+
+
+def test_dropout_masks_are_independent_across_the_four_slices_of_a_draw():
+    torch.manual_seed(1)
+    m = keep_mask(torch.Size([400_000, 4]), 0.5, torch.device("cpu")).double()  # one int64 per row
+    corr = torch.corrcoef(m.T)  # (4, 4)
+    assert (corr - torch.eye(4)).abs().max() < 0.01
+
+
+def test_dropout_scales_survivors_and_masks_the_gradient_like_F_dropout():
+    torch.manual_seed(2)
+    x = torch.randn(64, 33, 16, requires_grad=True)
+    y = dropout(x, 0.3, training=True)
+    kept = y != 0
+    assert torch.allclose(y[kept], x[kept] / 0.7)
+    y.backward(torch.ones_like(y))
+    assert torch.allclose(x.grad, kept.float() / 0.7)
+    # Same expectation as F.dropout's: the mean of many draws tends to x.
+    mean = torch.stack([dropout(x, 0.3, True) for _ in range(400)]).mean(0)
+    ref = torch.stack([F.dropout(x, 0.3, True) for _ in range(400)]).mean(0)
+    assert (mean - x).abs().mean() < 0.06 and (ref - x).abs().mean() < 0.06
+    assert torch.equal(Dropout(0.3).eval()(x), x) and torch.equal(dropout(x, 0.0, True), x)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_math_backend_for_bf16_training_matches_float64(causal):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, 2, 9, 8, generator=g) for _ in range(3))
+    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., 5:] = False
+    mask = None if causal else mask  # the model passes one or the other (SDPA refuses both)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, is_causal=causal)
+    qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))  # the math-backend case
+    out = sdpa(qb, kb, vb, mask, causal)
+    assert (out.double() - ref).abs().max() < 3e-2
+    out.float().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (qb, kb, vb))
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_one_pass_loss_gradient_equals_autograd_through_F_cross_entropy(eps):
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(11, 17, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.randint(0, 17, (11,), generator=g)
+    assert torch.autograd.gradcheck(lambda z: SmoothedCrossEntropy.apply(z, y, eps), (z,))
+    loss, _ = label_smoothed_nll(z, y, eps, ignore_index=-1)
+    (grad,) = torch.autograd.grad(loss, z)
+    ref = F.cross_entropy(z, y, label_smoothing=eps, reduction="sum")
+    (ref_grad,) = torch.autograd.grad(ref, z)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    assert torch.allclose(grad, ref_grad, atol=1e-12)
+
+
+def test_projecting_only_real_targets_gives_the_same_loss_and_gradients():
+    torch.manual_seed(5)
+    model = Transformer(model_config("micro", vocab_size=40, dropout=0.0))
+    src = torch.randint(4, 40, (3, 6))
+    tgt = torch.randint(4, 40, (3, 8))
+    tgt[0, 5:] = 0
+    tgt[2, 2:] = 0
+    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+    full, _ = label_smoothed_nll(model(src, tgt_in), tgt_out, 0.1, 0)
+    g_full = torch.autograd.grad(full, list(model.parameters()))
+    keep = tgt_out != 0
+    part, _ = label_smoothed_nll(model(src, tgt_in, keep), tgt_out[keep], 0.1, 0)
+    g_part = torch.autograd.grad(part, list(model.parameters()))
+    assert part.item() == pytest.approx(full.item(), rel=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_full, g_part))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_large_blocks_are_reused_without_new_page_faults():
+    def faults_of_a_fresh_64mb_tensor() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(16 * 2**20)  # 64 MiB, freed at once
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    faults_of_a_fresh_64mb_tensor()  # the heap grows once
+    assert faults_of_a_fresh_64mb_tensor() < 1000  # 16,384 4-KiB pages if it were mmap'd anew

@@ -1,7 +1,10 @@
 """Tokens per second of one training step: aiayn against torch.nn.Transformer and HuggingFace MarianMT.
 
-One step = forward, label-smoothed cross-entropy (F.cross_entropy, label_smoothing=0.1, ignore_index=pad),
-backward, Adam (fused, the same for every system), `zero_grad(set_to_none=True)`. Every system gets the
+One step = forward, label-smoothed cross-entropy (0.1, pads ignored), backward, Adam (fused, the same for
+every system), `zero_grad(set_to_none=True)`. The peers' loss is `F.cross_entropy(label_smoothing=0.1)`;
+aiayn's is its own, as `aiayn train` runs it (only non-pad positions projected, `aiayn.train.loss`).
+The process keeps freed memory (`aiayn.memory.keep_freed_memory`, as `aiayn train` does), which
+speeds up every system alike. Every system gets the
 same shapes (d_model, heads, d_ff, layers, vocabulary, ReLU, dropout 0.1, attention dropout 0, one shared
 embedding tied to the output projection, sinusoidal positions) and the very same batch. Systems are
 timed interleaved (A B C A B C ...), so that the noise of a shared machine falls on all of them alike;
@@ -37,7 +40,9 @@ from common import environment, markdown_table, sync, timeit  # noqa: E402
 
 from aiayn.config import ModelConfig, model_config  # noqa: E402
 from aiayn.model import Transformer, sinusoidal_positions  # noqa: E402
+from aiayn.memory import keep_freed_memory  # noqa: E402
 from aiayn.model.compile import compile_for_training  # noqa: E402
+from aiayn.train.loss import label_smoothed_nll  # noqa: E402
 
 PAD, BOS = 0, 1
 SHAPES = {  # the issue's two configurations; batch = pairs of source + target tokens
@@ -148,7 +153,12 @@ def system_step(system: str, c: ModelConfig, dtype: torch.dtype | None, compiled
     """One system's step closure; `compiled`: aiayn through `compile_for_training`, a peer through
     `torch.compile` of its forward and loss, the same wrapping."""
     model = build(system, c, seed).train()
-    if not compiled:
+    if not compiled and system == "aiayn":
+        def forward(src, tgt_in, tgt_out):  # the loss of aiayn.train.loop.train_step
+            keep = tgt_out != PAD  # (B, T)
+            loss, _ = label_smoothed_nll(model(src, tgt_in, keep), tgt_out[keep], LABEL_SMOOTHING, PAD)
+            return loss / keep.sum()
+    elif not compiled:
         def forward(src, tgt_in, tgt_out):
             return label_smoothed_loss(model(src, tgt_in), tgt_out)
     elif system == "aiayn":
@@ -408,6 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()
     env = environment()
     peaks = {name: matmul_peak(torch.float32 if name == "fp32" else torch.bfloat16) for name in PRECISIONS}
     print("matmul peak GFLOP/s:", {k: round(v / 1e9) for k, v in peaks.items()}, flush=True)

@@ -35,30 +35,31 @@ def label_smoothed_nll(
 
 
 class SmoothedCrossEntropy(torch.autograd.Function):
-    """Per-token smoothed loss and NLL of (N, V) logits, with the gradient written in one pass.
+    """Per-token smoothed loss and NLL of (N, V) logits, with the gradient written directly.
 
-    With lse = log sum_v exp(z_v): nll = lse - z_y and smoothed = lse - (1 - eps) z_y - eps mean_v(z_v),
-    so d smoothed / dz = softmax(z) - (1 - eps) onehot(y) - eps / V. Autograd through log_softmax,
-    gather and mean builds and adds three (N, V) gradients; this writes one (half the loss's time in a
-    `small` training step on a CPU). tests/test_train_math.py checks it against `F.cross_entropy`.
+    With lp = log_softmax(z): nll = -lp_y and smoothed = (1 - eps) nll - eps mean_v(lp_v), so
+    d smoothed / dz = softmax(z) - (1 - eps) onehot(y) - eps / V. Autograd through log_softmax, gather
+    and mean builds and adds three (N, V) gradients; this writes one, from the saved log-probabilities
+    (1.1x faster than autograd for 3,558 x 8,000 bf16 logits on one core of this project's CPU; a
+    version through logsumexp and a mixed-dtype subtract was 1.35x slower). tests/test_speedups.py checks it
+    against `F.cross_entropy` and gradcheck.
     """
 
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (N, V), at least float32
-        lse = torch.logsumexp(z, dim=-1)  # (N,)
-        z_y = z.gather(-1, target[:, None]).squeeze(-1)  # (N,)
-        nll = lse - z_y
-        smoothed = nll - eps * (z.mean(dim=-1) - z_y)  # = lse - (1 - eps) z_y - eps mean(z)
-        ctx.save_for_backward(logits, target, lse)
-        ctx.eps = eps
+        lprobs = F.log_softmax(z, dim=-1)  # (N, V)
+        nll = -lprobs.gather(-1, target[:, None]).squeeze(-1)  # (N,)
+        smoothed = (1.0 - eps) * nll - eps * lprobs.mean(dim=-1)  # (N,)
+        ctx.save_for_backward(lprobs, target)
+        ctx.eps, ctx.logits_dtype = eps, logits.dtype
         return smoothed, nll
 
     @staticmethod
     def backward(ctx, g_smoothed: Tensor, g_nll: Tensor) -> tuple[Tensor, None, None]:
-        logits, target, lse = ctx.saved_tensors
-        eps, vocab = ctx.eps, logits.shape[-1]
-        grad = torch.sub(logits, lse[:, None]).exp_()  # (N, V) softmax, in lse's (float) dtype
+        lprobs, target = ctx.saved_tensors
+        eps, vocab = ctx.eps, lprobs.shape[-1]
+        grad = torch.exp(lprobs)  # (N, V) softmax
         grad.mul_((g_smoothed + g_nll)[:, None]).sub_((eps / vocab) * g_smoothed[:, None])
         grad.scatter_add_(-1, target[:, None], -((1.0 - eps) * g_smoothed + g_nll)[:, None])
-        return grad.to(logits.dtype), None, None
+        return grad.to(ctx.logits_dtype), None, None

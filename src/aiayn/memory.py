@@ -5,8 +5,9 @@ on free. A training step frees and re-allocates the same large activations (logi
 float copies) every time, so each one is page-faulted in and zeroed by the kernel again: about 40 ms
 per 113 MB on this project's 2-core machine, a fifth of a `small` model's step. With mmap turned off
 and trimming raised, freed blocks stay in the heap and the next step reuses them: a bf16 `small` step
-on 2 threads here went from 1.67 s to 1.30 s (1.29 s to 0.87 s with the other speed-ups of the step). The price is that the process keeps its peak memory until it exits,
-which a training or translation process does anyway. Set AIAYN_SYSTEM_MALLOC=1 to leave malloc alone.
+on 2 threads here went from 1.67 s to 1.30 s (1.29 s to 0.87 s with the other speed-ups of the step).
+The price is that the process keeps its peak memory until it exits, which a training or translation
+process does anyway. Set AIAYN_SYSTEM_MALLOC=1 to leave malloc alone.
 """
 
 from __future__ import annotations

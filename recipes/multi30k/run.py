@@ -2,6 +2,7 @@
 
     python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de
     python recipes/multi30k/run.py --data ../shared/data/multi30k --pair de-en --test
+    python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de --no-train --test  # score a finished run
 
 Validation scores are always printed (tune on them); `--test` also scores test_2016_flickr: do that
 once per recipe change. Prints cased detokenized sacreBLEU and the lowercased BLEU that the published
@@ -36,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--lenpen", type=float, default=0.6)
     p.add_argument("--average", type=int, default=5, help="average the last K checkpoints")
+    p.add_argument("--no-train", action="store_true",
+                   help="score the run's existing checkpoints (e.g. on test, once, after tuning on val)")
     return p.parse_args(argv)
 
 
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(config.train.run_dir)
 
     start = time.monotonic()
-    train(config)
+    if not args.no_train:
+        train(config)
     train_s = time.monotonic() - start
     averaged = average_last(run_dir, args.average)
     translator = Translator.load(averaged)
@@ -68,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                "beam": args.beam, "lenpen": args.lenpen, "config": config.to_dict(),
                "results": [score(translator, data, s, src, tgt, args.beam, args.lenpen) for s in splits]}
     results["total_s"] = round(time.monotonic() - start, 1)
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    name = "results_scored.json" if args.no_train else "results.json"  # keep the training run's figures
+    (run_dir / name).write_text(json.dumps(results, indent=2) + "\n")
     print(f"{args.pair}: trained {train_s / 60:.1f} min, total {results['total_s'] / 60:.1f} min")
     for r in results["results"]:
         for s in r["scores"]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from common import environment  # noqa: E402
 from aiayn.checkpoint import load_into  # noqa: E402
 from aiayn.decoding import DecodeConfig, generate  # noqa: E402
 from aiayn.interop.marian import convert_weights, model_config_from_marian  # noqa: E402
+from aiayn.memory import keep_freed_memory  # noqa: E402
 from aiayn.translate import prepare_for_inference  # noqa: E402
 
 SRC_LEN, NEW_TOKENS, VOCAB = 24, 32, 32_000
@@ -193,6 +195,8 @@ def main() -> None:
     parser.add_argument("--out", help="results prefix (default benchmarks/results/decode_DEVICE)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if os.environ.get("AIAYN_SYSTEM_MALLOC") != "1":
+        keep_freed_memory()  # as aiayn's Translator does; process-wide, so HF's decoding gets it too
     hf = build_hf(args.seed)
     model = build_aiayn(hf)
     src = torch.randint(2, PAD, (16, SRC_LEN))

@@ -24,6 +24,7 @@ from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, generate
 from aiayn.decoding.cpu import pack_for_cpu
 from aiayn.errors import UserError
+from aiayn.memory import keep_freed_memory
 from aiayn.model import Transformer
 
 
@@ -84,6 +85,7 @@ class Translator:
         self.tokenizer = tokenizer
         self.config = config or DecodeConfig()  # defaults for every call; options override per call
         self.device = model.tgt_embed.embed.weight.device
+        keep_freed_memory()  # each batch re-allocates the same logits, caches and encoder states
 
     @classmethod
     def load(

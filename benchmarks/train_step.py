@@ -28,6 +28,7 @@ import shlex
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,10 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, markdown_table, sync, timeit  # noqa: E402
 
 from aiayn.config import ModelConfig, model_config  # noqa: E402
-from aiayn.model import Transformer, sinusoidal_positions  # noqa: E402
 from aiayn.memory import keep_freed_memory  # noqa: E402
+from aiayn.model import Transformer, sinusoidal_positions  # noqa: E402
 from aiayn.model.compile import compile_for_training  # noqa: E402
-from aiayn.train.loss import label_smoothed_nll  # noqa: E402
+from aiayn.train.loop import batch_loss  # noqa: E402
 
 PAD, BOS = 0, 1
 SHAPES = {  # the two configurations; batch = pairs of source + target tokens
@@ -155,9 +156,8 @@ def system_step(system: str, c: ModelConfig, dtype: torch.dtype | None, compiled
     model = build(system, c, seed).train()
     if not compiled and system == "aiayn":
         def forward(src, tgt_in, tgt_out):  # the loss of aiayn.train.loop.train_step
-            keep = tgt_out != PAD  # (B, T)
-            loss, _ = label_smoothed_nll(model(src, tgt_in, keep), tgt_out[keep], LABEL_SMOOTHING, PAD)
-            return loss / keep.sum()
+            loss, _ = batch_loss(model, src, tgt_in, tgt_out, LABEL_SMOOTHING, PAD, nullcontext())
+            return loss / (tgt_out != PAD).sum()
     elif not compiled:
         def forward(src, tgt_in, tgt_out):
             return label_smoothed_loss(model(src, tgt_in), tgt_out)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -275,10 +276,7 @@ def train_step(
         last = i == len(batches) - 1
         sync = nullcontext() if last or not isinstance(net, DistributedDataParallel) else net.no_sync()
         with sync:
-            keep = batch.tgt_out != pad_id  # (B, T): the positions that carry a loss
-            with autocast:
-                logits = net(batch.src, batch.tgt_in, keep)  # (N, V), N = real target tokens
-            loss, nll = label_smoothed_nll(logits, batch.tgt_out[keep], eps, pad_id)
+            loss, nll = batch_loss(net, batch.src, batch.tgt_in, batch.tgt_out, eps, pad_id, autocast)
             scaler.scale(loss * (d.world_size / update_tokens)).backward()
         loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
     if clip_norm > 0:
@@ -291,6 +289,16 @@ def train_step(
     return loss_sum, nll_sum, float(sum(b.n_tokens for b in batches))
 
 
+def batch_loss(
+    net: torch.nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, eps: float, pad_id: int, autocast
+) -> tuple[Tensor, Tensor]:
+    """(smoothed loss sum, NLL sum) of one batch; only its non-pad targets are projected and scored."""
+    keep = tgt_out != pad_id  # (B, T): the positions that carry a loss
+    with autocast:
+        logits = net(src, tgt_in, keep)  # (N, V), N = real target tokens
+    return label_smoothed_nll(logits, tgt_out[keep], eps, pad_id)
+
+
 @torch.no_grad()
 def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> dict[str, float]:
     """Smoothed loss and NLL per target token on the validation set (shared out over processes)."""
@@ -299,9 +307,8 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> d
     sums = [0.0, 0.0, 0.0]
     for indices in data.valid_batches[d.rank :: d.world_size]:
         batch = collate(data.valid, indices, data.tokenizer).to(d.device)
-        with autocast:
-            logits = model(batch.src, batch.tgt_in)  # (B, T, V)
-        loss, nll = label_smoothed_nll(logits, batch.tgt_out, eps, data.tokenizer.pad_id)
+        pad_id = data.tokenizer.pad_id
+        loss, nll = batch_loss(model, batch.src, batch.tgt_in, batch.tgt_out, eps, pad_id, autocast)
         sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + batch.n_tokens]
     model.train(was_training)
     loss, nll, tokens = distributed.all_reduce_sum(sums, d)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -195,8 +194,7 @@ def main() -> None:
     parser.add_argument("--out", help="results prefix (default benchmarks/results/decode_DEVICE)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if os.environ.get("AIAYN_SYSTEM_MALLOC") != "1":
-        keep_freed_memory()  # as aiayn's Translator does; process-wide, so HF's decoding gets it too
+    keep_freed_memory()  # as aiayn's Translator does, unless AIAYN_SYSTEM_MALLOC=1; HF's decoding gets it too
     hf = build_hf(args.seed)
     model = build_aiayn(hf)
     src = torch.randint(2, PAD, (16, SRC_LEN))

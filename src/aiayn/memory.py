@@ -30,11 +30,11 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-        gnu = libc.gnu_get_libc_version  # only glibc's mallopt has these parameters
-    except (OSError, AttributeError):
+    except OSError:
         return False
-    del gnu
+    if not hasattr(libc, "gnu_get_libc_version"):  # only glibc's mallopt has these parameters
+        return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
     return _done

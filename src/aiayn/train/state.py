@@ -63,11 +63,9 @@ def prune(run_dir: str | Path, keep_last: int) -> None:
     """
     root = Path(run_dir) / "checkpoints"
     for old in checkpoint_dirs(run_dir)[:-keep_last]:
-        hidden = old.with_name(f".{old.name}.deleting")
-        os.rename(old, hidden)
+        os.rename(old, old.with_name(f".{old.name}.deleting"))
+    for hidden in root.glob(".step_*"):  # those just hidden, and what killed runs left
         shutil.rmtree(hidden, ignore_errors=True)
-    for leftover in root.glob(".step_*"):
-        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def rng_states(d: Dist) -> dict[str, torch.Tensor]:

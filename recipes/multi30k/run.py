@@ -2,7 +2,7 @@
 
     python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de
     python recipes/multi30k/run.py --data ../shared/data/multi30k --pair de-en --test
-    python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de --no-train --test  # score a finished run
+    python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de --no-train --test  # a finished run
 
 Validation scores are always printed (tune on them); `--test` also scores test_2016_flickr: do that
 once per recipe change. Prints cased detokenized sacreBLEU and the lowercased BLEU that the published
@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from aiayn.evaluate import corpus_scores, read_lines
+from aiayn.data.dataset import read_lines
+from aiayn.evaluate import corpus_scores
 from aiayn.train.average import average_last
 from aiayn.train.config import load_config
 from aiayn.train.loop import train

@@ -2,7 +2,7 @@
 
     python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de
     python recipes/multi30k/run.py --data ../shared/data/multi30k --pair de-en --test
-    python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de --no-train --test  # a finished run
+    python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de --no-train --test
 
 Validation scores are always printed (tune on them); `--test` also scores test_2016_flickr: do that
 once per recipe change. Prints cased detokenized sacreBLEU and the lowercased BLEU that the published

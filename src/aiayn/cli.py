@@ -238,7 +238,9 @@ def add_translate_parser(sub) -> None:
     p = sub.add_parser("translate", help="translate a file or stdin with a checkpoint (beam search, n-best)",
                        description="Translate one sentence per line, in input order; empty lines stay empty. "
                        "Works as a Unix filter: `aiayn translate CKPT < in.txt > out.txt`.")
-    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (trained, averaged or imported)")
+    p.add_argument("checkpoint", metavar="CKPT", nargs="+",
+                   help="checkpoint directory (trained, averaged or imported); several with one vocabulary "
+                   "are decoded as an ensemble (their probabilities averaged at every step)")
     p.add_argument("-i", "--input", help="input file (default: stdin)")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
     p.add_argument("--beam", type=int, default=4, help="beam size; 1 is greedy search (default 4, the paper)")

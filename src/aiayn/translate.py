@@ -21,7 +21,7 @@ import torch
 from aiayn.config import from_dict
 from aiayn.data.batching import right_pad
 from aiayn.data.tokenizer import Tokenizer
-from aiayn.decoding import DecodeConfig, generate
+from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.cpu import pack_for_cpu
 from aiayn.errors import UserError
 from aiayn.memory import keep_freed_memory
@@ -84,18 +84,24 @@ class Translator:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config or DecodeConfig()  # defaults for every call; options override per call
-        self.device = model.tgt_embed.embed.weight.device
+        self.device = next(model.parameters()).device
         keep_freed_memory()  # each batch re-allocates the same logits, caches and encoder states
 
     @classmethod
     def load(
-        cls, checkpoint: str | Path, device: str | torch.device = "cpu", int8: bool = False
+        cls, checkpoint: str | Path | Sequence[str | Path], device: str | torch.device = "cpu", int8: bool = False
     ) -> "Translator":
-        """A checkpoint directory (a training checkpoint, an averaged or an imported one)."""
+        """A checkpoint directory (a training checkpoint, an averaged or an imported one), or several
+        with the same tokenizer, decoded as an ensemble (their probabilities averaged)."""
         from aiayn.checkpoint import load_checkpoint
 
-        ckpt = load_checkpoint(checkpoint, device)
-        return cls(prepare_for_inference(ckpt.model, int8), ckpt.tokenizer)
+        paths = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
+        ckpts = [load_checkpoint(p, device) for p in paths]
+        for path, ck in zip(paths[1:], ckpts[1:]):
+            if not ck.tokenizer.same_as(ckpts[0].tokenizer):
+                raise UserError(f"{path}: its tokenizer differs from {paths[0]}'s; an ensemble needs one vocabulary")
+        models = [prepare_for_inference(ck.model, int8) for ck in ckpts]
+        return cls(models[0] if len(models) == 1 else Ensemble(models), ckpts[0].tokenizer)
 
     def translate(self, texts: Sequence[str], max_tokens: int = 4096, **options: Any) -> list[str]:
         """The best translation of each text, in input order. `options` are `DecodeConfig` fields."""

@@ -96,6 +96,14 @@ class Tokenizer:
             return [self.id_to_piece[int(i)] for i in ids]
         return [self.tgt.id_to_piece(int(i)) for i in ids]
 
+    def same_as(self, other: "Tokenizer") -> bool:
+        """Whether `other` turns every text into the same ids and back (the same models, vocabularies
+        and special ids): the condition for decoding two models as one ensemble."""
+        def key(t: Tokenizer) -> tuple:
+            return (t.src.serialized_model_proto(), t.tgt.serialized_model_proto(), t.vocab, t.tgt_vocab,
+                    (t.pad_id, t.bos_id, t.eos_id, t.unk_id))
+        return key(self) == key(other)
+
     def save(self, directory: str | Path) -> dict:
         """Copy the model files into `directory`; return the JSON description `load` reads back."""
         directory = Path(directory)

@@ -1,13 +1,14 @@
-"""Decoding: greedy search, beam search and sampling over a `KVCache`, and the length penalties.
+"""Decoding: greedy search, beam search and sampling over a `KVCache`, the length penalties, ensembles.
 
     from aiayn.decoding import DecodeConfig, generate
     hyps = generate(model, src_ids, DecodeConfig(beam=4, lenpen=0.6))  # per sentence, n-best Hypothesis
 """
 
 from aiayn.decoding.beam import beam_search
+from aiayn.decoding.ensemble import Ensemble
 from aiayn.decoding.greedy import greedy_search
 from aiayn.decoding.length_penalty import length_penalty
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.search import Hypothesis, generate
 
-__all__ = ["DecodeConfig", "Hypothesis", "beam_search", "generate", "greedy_search", "length_penalty"]
+__all__ = ["DecodeConfig", "Ensemble", "Hypothesis", "beam_search", "generate", "greedy_search", "length_penalty"]

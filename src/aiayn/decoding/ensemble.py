@@ -1,0 +1,89 @@
+"""Ensemble decoding: several models that share a vocabulary search as one, their probabilities averaged.
+
+P(y_t | y_<t, x) = (1/M) sum_m P_m(y_t | y_<t, x), the ensemble of fairseq, Marian and OpenNMT. Each
+member keeps its own encoder output and `KVCache`; the searches see an `Ensemble` through the same
+four calls they make of a `Transformer` (`encode`, `src_mask`, `new_cache`, `decode`), so greedy, beam
+search and sampling work unchanged. `decode` returns log-probabilities where a model returns logits:
+the searches' log-softmax leaves them as they are.
+
+Dimension key: M members, R rows, T new positions, V target vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.model import KVCache
+
+# What the members must agree on for their token ids and probabilities to mean the same thing.
+SHARED_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
+
+
+class Memories:
+    """The members' encoder outputs, (B, S, d_m) each, indexed by sentence as one tensor would be."""
+
+    def __init__(self, tensors: list[Tensor]):
+        self.tensors = tensors
+
+    def __getitem__(self, index: Tensor) -> "Memories":
+        return Memories([m[index] for m in self.tensors])
+
+
+class EnsembleCache:
+    """One `KVCache` per member, selected and shrunk together."""
+
+    def __init__(self, caches: list[KVCache]):
+        self.caches = caches
+
+    @property
+    def length(self) -> int:
+        return self.caches[0].length
+
+    def select(self, index: Tensor) -> None:
+        for c in self.caches:
+            c.select(index)
+
+    def keep_sentences(self, index: Tensor) -> None:
+        for c in self.caches:
+            c.keep_sentences(index)
+
+
+class Ensemble(nn.Module):
+    """M models with one target vocabulary, decoded as one."""
+
+    def __init__(self, models: Sequence[nn.Module]):
+        super().__init__()
+        if not models:
+            raise ValueError("an ensemble needs at least one model")
+        first = models[0].config
+        for i, m in enumerate(models[1:], 2):
+            differ = [f for f in SHARED_FIELDS if getattr(m.config, f) != getattr(first, f)]
+            if differ:
+                raise ValueError(f"ensemble member {i} differs from member 1 in {', '.join(differ)}")
+        self.members = nn.ModuleList(models)
+        # The searches read the ids and the length limit here; the shortest position table bounds all.
+        self.config = dataclasses.replace(first, max_len=min(m.config.max_len for m in models))
+
+    def src_mask(self, src: Tensor) -> Tensor:
+        return self.members[0].src_mask(src)  # (B, 1, 1, S): built from pad_id alone, the same for all
+
+    def encode(self, src: Tensor) -> Memories:
+        return Memories([m.encode(src) for m in self.members])
+
+    def new_cache(
+        self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, beam_size: int = 1
+    ) -> EnsembleCache:
+        return EnsembleCache([m.new_cache(batch_size, max_len, dtype, beam_size) for m in self.members])
+
+    def decode(self, tgt_in: Tensor, memory: Memories, src_mask: Tensor, cache: EnsembleCache) -> Tensor:
+        """(R, T) new target ids -> log of the mean of the members' probabilities, (R, T, V), float32."""
+        log_probs_MRTV = torch.stack([
+            torch.log_softmax(m.decode(tgt_in, mem, src_mask, c).float(), dim=-1)
+            for m, mem, c in zip(self.members, memory.tensors, cache.caches)
+        ])
+        return torch.logsumexp(log_probs_MRTV, dim=0) - math.log(len(self.members))  # (R, T, V)

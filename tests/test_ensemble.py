@@ -1,0 +1,95 @@
+"""Ensemble decoding against the definition: the mean of the members' probabilities, each member's
+computed by a full uncached forward pass; and the invariants an ensemble of one model must keep."""
+
+import pytest
+import torch
+
+from aiayn.checkpoint import save_checkpoint
+from aiayn.cli import main
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.decoding import DecodeConfig, generate
+from aiayn.decoding import Ensemble
+from aiayn.errors import UserError
+from aiayn.translate import Translator
+from conftest import padded_batch, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread beats two contended ones on a shared machine
+    yield
+    torch.set_num_threads(threads)
+
+
+def two_models():
+    torch.manual_seed(0)
+    a = tiny_model()
+    torch.manual_seed(1)
+    b = tiny_model(d_model=16, d_ff=32, n_layers=3)  # members may differ in shape, not in vocabulary
+    return a, b
+
+
+def ensemble_log_prob(models, src, tokens):
+    """log P(tokens | src) with P = the members' mean probability, padding removed and renormalized
+    (searches never output padding), from one full forward pass per member."""
+    tgt_in = torch.tensor([[models[0].config.decoder_start_id] + tokens[:-1]])
+    with torch.no_grad():
+        probs = torch.stack([m(src[None], tgt_in)[0].double().softmax(-1) for m in models]).mean(0)  # (T, V)
+    probs[:, models[0].config.pad_id] = 0.0
+    probs = probs / probs.sum(-1, keepdim=True)
+    return probs.gather(1, torch.tensor(tokens)[:, None]).log().sum().item()
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_ensemble_scores_are_the_mean_of_the_members_probabilities(beam):
+    models = two_models()
+    src = padded_batch([5, 3, 7], 50)
+    config = DecodeConfig(beam=beam, n_best=beam, max_len_a=0.0, max_len_b=8)
+    results = generate(Ensemble(models), src, config)
+    for i, hyps in enumerate(results):
+        n = int((src[i] != 0).sum())
+        for h in hyps:
+            expected = ensemble_log_prob(models, src[i, :n], h.tokens)
+            assert h.log_prob == pytest.approx(expected, abs=1e-4)
+            for m in models:  # so the check would see an ensemble that followed one member only
+                assert abs(ensemble_log_prob([m], src[i, :n], h.tokens) - expected) > 1e-2
+
+
+def test_ensemble_of_one_model_or_of_a_model_with_itself_translates_as_the_model():
+    model = two_models()[0]
+    src = padded_batch([5, 2, 7], 50)
+    config = DecodeConfig(beam=4, n_best=2, max_len_a=1.0, max_len_b=4)
+    expected = generate(model, src, config)
+    for ensemble in (Ensemble([model]), Ensemble([model, model])):
+        got = generate(ensemble, src, config)
+        assert [[h.tokens for h in hs] for hs in got] == [[h.tokens for h in hs] for hs in expected]
+        assert [h.score for hs in got for h in hs] == pytest.approx([h.score for hs in expected for h in hs], abs=1e-5)
+
+
+def test_members_with_different_vocabularies_are_refused():
+    with pytest.raises(ValueError, match="member 2 differs from member 1 in vocab_size"):
+        Ensemble([tiny_model(), tiny_model(vocab_size=60)])
+
+
+def test_translator_and_cli_load_several_checkpoints_as_an_ensemble(tmp_path, monkeypatch, capsys):
+    lines = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'}" for i in range(200)]
+    tokenizer = Tokenizer(train_sentencepiece(lines, tmp_path / "spm", vocab_size=40))
+    models = [tiny_model(vocab_size=tokenizer.src_vocab_size) for _ in range(2)]
+    ckpts = [save_checkpoint(tmp_path / f"ck{i}", m, tokenizer) for i, m in enumerate(models)]
+    options = dict(beam=2, max_len_a=0.0, max_len_b=5)
+    translator = Translator.load(ckpts)
+    src = torch.tensor([tokenizer.encode_src("the number 4")])
+    best = generate(Ensemble(models), src, DecodeConfig(**options))[0][0]
+    assert translator.translate(["the number 4"], **options) == [tokenizer.decode_tgt(best.tokens)]
+
+    (tmp_path / "in.txt").write_text("the number 4\n\nthe number 5\n")
+    assert main(["translate", *map(str, ckpts), "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.txt"),
+                 "--beam", "2", "--max-len-a", "0", "--max-len-b", "5", "-q"]) == 0
+    out = (tmp_path / "out.txt").read_text().split("\n")
+    assert out[0] == tokenizer.decode_tgt(best.tokens) and out[1] == "" and len(out) == 4
+
+    other = Tokenizer(train_sentencepiece([s.replace("number", "count") for s in lines], tmp_path / "o", vocab_size=40))
+    odd = save_checkpoint(tmp_path / "odd", tiny_model(vocab_size=other.src_vocab_size), other)
+    with pytest.raises(UserError, match="odd: its tokenizer differs"):
+        Translator.load([ckpts[0], odd])

@@ -3,6 +3,7 @@
     python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de
     python recipes/multi30k/run.py --data ../shared/data/multi30k --pair de-en --test
     python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de --no-train --test
+    python recipes/multi30k/run.py --data ../shared/data/multi30k --pair en-de --ensemble --test
 
 Validation scores are always printed (tune on them); `--test` also scores test_2016_flickr: do that
 once per recipe change. Prints cased detokenized sacreBLEU and the lowercased BLEU that the published
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +29,9 @@ from aiayn.train.loop import train
 from aiayn.translate import Translator
 
 HERE = Path(__file__).resolve().parent
+# --ensemble's second model: narrower and deeper (4+4 layers, d_model 128, d_ff 256, 2.3M parameters),
+# so it makes different errors, with the larger peak learning rate a smaller d_model allows (chosen on val).
+PARTNER = ["model.d_model=128", "model.d_ff=256", "model.n_layers=4", "train.lr_scale=1.8"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--average", type=int, default=5, help="average the last K checkpoints")
     p.add_argument("--no-train", action="store_true",
                    help="score the run's existing checkpoints (e.g. on test, once, after tuning on val)")
+    p.add_argument("--ensemble", action="store_true",
+                   help="train the recipe's model and a narrower, deeper one at the same time (half the threads "
+                   "each) in RUN_DIR/a and RUN_DIR/b, then decode them as an ensemble")
+    p.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)  # one --ensemble member
     return p.parse_args(argv)
 
 
@@ -52,28 +61,51 @@ def score(translator: Translator, data: Path, split: str, src: str, tgt: str, be
             "scores": [{"name": s.name, "score": round(s.score, 2), "signature": s.signature} for s in scores]}
 
 
+def train_members(args: argparse.Namespace, run_dir: Path, threads: int) -> list[list[str]]:
+    """Train the two --ensemble members in parallel processes; return each one's overrides."""
+    members = [[f"train.run_dir={run_dir / 'a'}"], [*PARTNER, f"train.run_dir={run_dir / 'b'}"]]
+    members = [[*args.set, *m, f"train.threads={max(1, threads // 2)}"] for m in members]
+    if args.no_train:
+        return members
+    procs = []
+    for overrides in members:
+        cmd = [sys.executable, __file__, "--data", args.data, "--pair", args.pair, "--train-only"]
+        procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)]))
+    if any(p.wait() for p in procs):
+        raise SystemExit(f"an ensemble member failed: exit codes {[p.returncode for p in procs]}")
+    return members
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     data = Path(args.data)
     src, tgt = args.pair.split("-")
-    overrides = [f"data.train_src={data / f'train.{src}'}", f"data.train_tgt={data / f'train.{tgt}'}",
-                 f"data.valid_src={data / f'val.{src}'}", f"data.valid_tgt={data / f'val.{tgt}'}", *args.set]
-    config = load_config(HERE / f"{args.pair}.toml", overrides)
+    data_keys = [f"data.train_src={data / f'train.{src}'}", f"data.train_tgt={data / f'train.{tgt}'}",
+                 f"data.valid_src={data / f'val.{src}'}", f"data.valid_tgt={data / f'val.{tgt}'}"]
+    config = load_config(HERE / f"{args.pair}.toml", [*data_keys, *args.set])
     run_dir = Path(config.train.run_dir)
 
     start = time.monotonic()
-    if not args.no_train:
-        train(config)
+    if args.ensemble:
+        members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m])
+                   for m in train_members(args, run_dir, config.train.threads)]
+    else:
+        members = [config]
+        if not args.no_train:
+            train(config)
+        if args.train_only:
+            return 0
     train_s = time.monotonic() - start
-    averaged = average_last(run_dir, args.average)
+    averaged = [average_last(m.train.run_dir, args.average) for m in members]
     translator = Translator.load(averaged)
     splits = ["val", "test_2016_flickr"] if args.test else ["val"]
-    results = {"pair": args.pair, "train_s": round(train_s, 1), "checkpoint": str(averaged),
-               "beam": args.beam, "lenpen": args.lenpen, "config": config.to_dict(),
+    results = {"pair": args.pair, "train_s": round(train_s, 1), "checkpoints": [str(a) for a in averaged],
+               "beam": args.beam, "lenpen": args.lenpen, "configs": [m.to_dict() for m in members],
                "results": [score(translator, data, s, src, tgt, args.beam, args.lenpen) for s in splits]}
     results["total_s"] = round(time.monotonic() - start, 1)
     name = "results_scored.json" if args.no_train else "results.json"  # keep the training run's figures
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / name).write_text(json.dumps(results, indent=2) + "\n")
     print(f"{args.pair}: trained {train_s / 60:.1f} min, total {results['total_s'] / 60:.1f} min")
     for r in results["results"]:

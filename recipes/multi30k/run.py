@@ -31,6 +31,9 @@ from aiayn.translate import Translator
 HERE = Path(__file__).resolve().parent
 # --ensemble's second model: narrower and deeper (4+4 layers, d_model 128, d_ff 256, 2.3M parameters),
 # so it makes different errors, with the larger peak learning rate a smaller d_model allows (chosen on val).
+# Beam size and GNMT length penalty per pair, chosen on val for the --ensemble recipe (grid: beam 4, 6,
+# 8, 12 x alpha 0.6, 1.0, 1.2, 1.4, 2.0; alpha 2.0 loses 4-7 BLEU, the rest lie within 0.9). See README.md.
+SEARCH = {"en-de": (8, 1.2), "de-en": (4, 1.4)}
 PARTNER = ["model.d_model=128", "model.d_ff=256", "model.n_layers=4", "train.lr_scale=1.8"]
 
 
@@ -40,8 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pair", default="en-de", choices=["en-de", "de-en"])
     p.add_argument("--test", action="store_true", help="also score test_2016_flickr (once per recipe change)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the recipe")
-    p.add_argument("--beam", type=int, default=4)
-    p.add_argument("--lenpen", type=float, default=0.6)
+    p.add_argument("--beam", type=int, help="beam size (default: the pair's, chosen on val)")
+    p.add_argument("--lenpen", type=float, help="GNMT length penalty alpha (default: the pair's, chosen on val)")
     p.add_argument("--average", type=int, default=5, help="average the last K checkpoints")
     p.add_argument("--no-train", action="store_true",
                    help="score the run's existing checkpoints (e.g. on test, once, after tuning on val)")
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(HERE / f"{args.pair}.toml", [*data_keys, *args.set])
     run_dir = Path(config.train.run_dir)
 
+    beam, lenpen = SEARCH[args.pair]
+    beam, lenpen = args.beam or beam, lenpen if args.lenpen is None else args.lenpen
     start = time.monotonic()
     if args.ensemble:
         members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m])
@@ -101,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     translator = Translator.load(averaged)
     splits = ["val", "test_2016_flickr"] if args.test else ["val"]
     results = {"pair": args.pair, "train_s": round(train_s, 1), "checkpoints": [str(a) for a in averaged],
-               "beam": args.beam, "lenpen": args.lenpen, "configs": [m.to_dict() for m in members],
-               "results": [score(translator, data, s, src, tgt, args.beam, args.lenpen) for s in splits]}
+               "beam": beam, "lenpen": lenpen, "configs": [m.to_dict() for m in members],
+               "results": [score(translator, data, s, src, tgt, beam, lenpen) for s in splits]}
     results["total_s"] = round(time.monotonic() - start, 1)
     name = "results_scored.json" if args.no_train else "results.json"  # keep the training run's figures
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -102,5 +102,8 @@ def test_freed_large_blocks_are_reused_without_new_page_faults():
 
     if not keep_freed_memory():
         pytest.skip("not glibc")
-    faults_of_a_fresh_64mb_tensor()  # the heap grows once
-    assert faults_of_a_fresh_64mb_tensor() < 1000  # 16,384 4-KiB pages if it were mmap'd anew
+    # The heap grows for the first few: torch's aligned allocations fit a freed block of the same size
+    # only once neighbouring free blocks have merged (in a fresh process, the fifth allocation here).
+    for _ in range(8):
+        faults_of_a_fresh_64mb_tensor()
+    assert max(faults_of_a_fresh_64mb_tensor() for _ in range(3)) < 1000  # 16,384 4-KiB pages if mmap'd anew

@@ -10,6 +10,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine are 10x faster on one thread than fighting for two.
+    For a whole module: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_model(**overrides) -> Transformer:
     """A 2+2-layer model, small enough for exhaustive checks; dropout off unless asked for."""
     config = model_config("tiny", **{"vocab_size": 50, "d_model": 32, "d_ff": 64, "dropout": 0.0, **overrides})

@@ -16,13 +16,7 @@ from aiayn.model import KVCache
 from conftest import padded_batch, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls on a shared 2-core machine are 10x faster on one thread than fighting for two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def full_log_prob(model, src, tokens):

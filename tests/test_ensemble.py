@@ -14,12 +14,7 @@ from aiayn.translate import Translator
 from conftest import padded_batch, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: one thread beats two contended ones on a shared machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def two_models():

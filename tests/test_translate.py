@@ -17,12 +17,7 @@ TEXTS = ["the number 12 is even", "", "odd", "und die Zahl 7 ist odd und die Zah
 OPTIONS = dict(beam=2, max_len_a=0.0, max_len_b=6)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: one thread beats two contended ones on a shared machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

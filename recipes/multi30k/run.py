@@ -31,10 +31,10 @@ from aiayn.translate import Translator
 HERE = Path(__file__).resolve().parent
 # --ensemble's second model: narrower and deeper (4+4 layers, d_model 128, d_ff 256, 2.3M parameters),
 # so it makes different errors, with the larger peak learning rate a smaller d_model allows (chosen on val).
+PARTNER = ["model.d_model=128", "model.d_ff=256", "model.n_layers=4", "train.lr_scale=1.8"]
 # Beam size and GNMT length penalty per pair, chosen on val for the --ensemble recipe (grid: beam 4, 6,
 # 8, 12 x alpha 0.6, 1.0, 1.2, 1.4, 2.0; alpha 2.0 loses 4-7 BLEU, the rest lie within 0.9). See README.md.
 SEARCH = {"en-de": (8, 1.2), "de-en": (4, 1.4)}
-PARTNER = ["model.d_model=128", "model.d_ff=256", "model.n_layers=4", "train.lr_scale=1.8"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

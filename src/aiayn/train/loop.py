@@ -304,10 +304,9 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> d
     """Smoothed loss and NLL per target token on the validation set (shared out over processes)."""
     was_training = model.training
     model.eval()
-    sums = [0.0, 0.0, 0.0]
+    sums, pad_id = [0.0, 0.0, 0.0], data.tokenizer.pad_id
     for indices in data.valid_batches[d.rank :: d.world_size]:
         batch = collate(data.valid, indices, data.tokenizer).to(d.device)
-        pad_id = data.tokenizer.pad_id
         loss, nll = batch_loss(model, batch.src, batch.tgt_in, batch.tgt_out, eps, pad_id, autocast)
         sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + batch.n_tokens]
     model.train(was_training)

@@ -1,5 +1,6 @@
 """The training loop: it learns, resumes bit for bit, survives SIGKILL mid-checkpoint, refuses bad input."""
 
+import json
 import os
 import shutil
 import signal
@@ -16,7 +17,8 @@ from train_helpers import tiny_config
 from aiayn import cli
 from aiayn.checkpoint import load_checkpoint
 from aiayn.train.average import average_last
-from aiayn.train.config import load_config, with_train
+from aiayn.config import ConfigError
+from aiayn.train.config import TrainConfig, load_config, with_train
 from aiayn.train.loop import train
 from aiayn.train.state import checkpoint_dirs
 
@@ -232,6 +234,28 @@ def test_bleu_every_logs_bleu(tmp_path):
         0.0 <= result["valid_bleu"] <= 100.0
         and "valid_bleu" in (tmp_path / "run" / "metrics.jsonl").read_text()
     )
+
+
+def test_cooldown_takes_the_lr_linearly_to_zero_at_the_end_of_the_budget(tmp_path):
+    config, _ = tiny_config(
+        tmp_path, tmp_path / "run", "train.max_updates=20", "train.cooldown=0.5", "train.log_every=1"
+    )
+    train(config)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {m["step"]: m["lr"] for m in lines if "lr" in m}
+    d_model = load_checkpoint(checkpoint_dirs(tmp_path / "run")[-1]).model.config.d_model
+    for step in range(1, 21):  # the lr of update `step` is set from the budget used before it
+        eq3 = d_model**-0.5 * min(step**-0.5, step * 4**-1.5)
+        assert lrs[step] == pytest.approx(eq3 * min(1.0, (1 - (step - 1) / 20) / 0.5), rel=1e-9), step
+    assert lrs[10] == pytest.approx(d_model**-0.5 * 10**-0.5, rel=1e-9)  # untouched before the last half
+    assert lrs[20] == pytest.approx(0.1 * d_model**-0.5 * 20**-0.5, rel=1e-9)  # 1/20 of the budget left
+
+
+def test_cooldown_needs_a_budget():
+    with pytest.raises(ConfigError, match="train.cooldown needs a budget"):
+        TrainConfig(cooldown=0.2)
+    with pytest.raises(ConfigError, match=r"train.cooldown=1.0 is not in \[0, 1\)"):
+        TrainConfig(cooldown=1.0, max_updates=10)
 
 
 def test_stopping_rules_and_bf16(tmp_path):

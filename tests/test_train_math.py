@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.train.loss import label_smoothed_nll
-from aiayn.train.schedule import inverse_sqrt_lr
+from aiayn.train.schedule import cooldown_factor, inverse_sqrt_lr
 
 
 @pytest.mark.parametrize("step", [1, 10, 1000, 3999, 4000, 4001, 10000, 100000])
@@ -24,6 +24,15 @@ def test_schedule_peaks_at_warmup():
     assert lrs[3999] == pytest.approx(6.987712429686844e-4, rel=1e-12)  # 512^-0.5 * 4000^-0.5
     assert lrs[0] == pytest.approx(lrs[3999] / 4000, rel=1e-12)  # linear warmup from step 1
     assert lrs[15999] == pytest.approx(lrs[3999] / 2, rel=1e-12)  # 4x the steps, half the rate
+
+
+@pytest.mark.parametrize(
+    "progress, cooldown, expected",
+    [(0.0, 0.3, 1.0), (0.7, 0.3, 1.0), (0.85, 0.3, 0.5), (0.97, 0.3, 0.1), (1.0, 0.3, 0.0), (1.2, 0.3, 0.0),
+     (0.99, 0.0, 1.0), (0.5, 0.5, 1.0), (0.75, 0.5, 0.5)],
+)
+def test_cooldown_is_linear_to_zero_over_the_last_fraction(progress, cooldown, expected):
+    assert cooldown_factor(progress, cooldown) == pytest.approx(expected, abs=1e-12)
 
 
 def direct_smoothed_ce(logits, target, eps, pad):

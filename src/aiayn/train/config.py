@@ -62,7 +62,9 @@ class TrainConfig:
     clip_norm: float = 0.0  # clip the gradient norm to this (0 = no clipping; the paper does not clip)
     max_updates: int = 0  # stop after this many updates (0 = no limit); paper: 100k base, 300k big
     max_epochs: int = 0  # stop after this many epochs (0 = no limit)
-    max_minutes: float = 0.0  # stop after this much wall time in this invocation (0 = no limit)
+    max_minutes: float = 0.0  # stop after this much training wall time, resumed runs included (0 = no limit)
+    cooldown: float = 0.0  # over this last fraction of the budget (max_minutes, max_updates or max_epochs,
+    # whichever ends first) the lr falls linearly to 0; 0 = the paper's schedule to the end
     patience: int = 0  # stop after this many validations without a better loss (0 = never)
     valid_every: int = 1000  # validate and checkpoint every this many updates (and at the end)
     keep_last: int = 5  # checkpoints kept (the paper averages the last 5 for base, 20 for big)
@@ -85,6 +87,10 @@ class TrainConfig:
         for name in ("max_tokens", "update_freq", "warmup", "valid_every", "keep_last", "log_every"):
             if getattr(self, name) < 1:
                 problems.append(f"train.{name}={getattr(self, name)} must be >= 1")
+        if not 0.0 <= self.cooldown < 1.0:
+            problems.append(f"train.cooldown={self.cooldown} is not in [0, 1)")
+        if self.cooldown and not (self.max_minutes or self.max_updates or self.max_epochs):
+            problems.append("train.cooldown needs a budget to end at: max_minutes, max_updates or max_epochs")
         if not 0.0 <= self.label_smoothing < 1.0:
             problems.append(f"train.label_smoothing={self.label_smoothing} is not in [0, 1)")
         if problems:

@@ -48,7 +48,7 @@ from aiayn.train.config import RunConfig, finetune_model_config
 from aiayn.train.distributed import Dist
 from aiayn.train.loss import label_smoothed_nll
 from aiayn.train.metrics import MetricsLog, plot_metrics
-from aiayn.train.schedule import inverse_sqrt_lr
+from aiayn.train.schedule import cooldown_factor, inverse_sqrt_lr
 from aiayn.train.state import (
     TrainState,
     checkpoint_dirs,
@@ -130,6 +130,7 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         dynamic_ncols=True,
     )  # a terminal only: tokens/s, loss, ppl, lr, and time left
     start = last_log = time.monotonic()
+    seconds_before = state.seconds  # a resumed run goes on with its clock, so the budget spans resumes
     window = [0.0, 0.0, 0.0]  # smoothed loss sum, NLL sum, target tokens since the last log line
     last = {}
     saved_step = state.step
@@ -143,6 +144,7 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
             )
             batches = [collate(data.train, data.train_batches[b], tok).to(d.device) for b in mine]
             lr = inverse_sqrt_lr(state.step + 1, model.config.d_model, tc.warmup, tc.lr_scale)
+            lr *= cooldown_factor(_budget_used(state, tc, n_updates), tc.cooldown)
             sums = train_step(
                 net,
                 optimizer,
@@ -157,13 +159,14 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
                 autocast,
             )
             state.step, state.cursor = state.step + 1, state.cursor + 1
+            state.seconds = _training_seconds(seconds_before, start, tc, d)
             window = [w + s for w, s in zip(window, sums)]
             bar.update(1)
             if state.step % tc.log_every == 0:
                 now = time.monotonic()
-                last = _log_window(window, state, lr, now - last_log, now - start, d, bar, metrics)
+                last = _log_window(window, state, lr, now - last_log, state.seconds, d, bar, metrics)
                 window, last_log = [0.0, 0.0, 0.0], now
-            stop = _stop_reason(state, tc, n_updates, start, d)
+            stop = _stop_reason(state, tc, n_updates)
             if (
                 state.step % tc.valid_every == 0
                 or stop
@@ -359,16 +362,34 @@ def _validate_and_save(
     return result
 
 
-def _stop_reason(state: TrainState, tc, n_updates: int, start: float, d: Dist) -> str:
+def _training_seconds(before: float, start: float, tc, d: Dist) -> float:
+    """Training wall time so far; with a time budget, the mean over processes, so all agree on lr and stop."""
+    seconds = before + time.monotonic() - start
+    if tc.max_minutes and d.enabled:
+        seconds = distributed.all_reduce_sum([seconds], d)[0] / d.world_size
+    return seconds
+
+
+def _budget_used(state: TrainState, tc, n_updates: int) -> float:
+    """The fraction used of whichever budget ends first: minutes, updates or epochs (0 with none)."""
+    used = [0.0]
+    if tc.max_minutes:
+        used.append(state.seconds / (tc.max_minutes * 60))
+    if tc.max_updates:
+        used.append(state.step / tc.max_updates)
+    if tc.max_epochs:
+        used.append(state.step / (tc.max_epochs * n_updates))
+    return max(used)
+
+
+def _stop_reason(state: TrainState, tc, n_updates: int) -> str:
     """Why to stop after this update ("" = go on); the same answer on every process."""
     if tc.max_updates and state.step >= tc.max_updates:
         return f"max_updates={tc.max_updates}"
     if tc.max_epochs and state.cursor >= n_updates and state.epoch + 1 >= tc.max_epochs:
         return f"max_epochs={tc.max_epochs}"
-    if tc.max_minutes:
-        late = float(time.monotonic() - start > tc.max_minutes * 60)
-        if distributed.all_reduce_sum([late], d)[0] > 0:  # clocks differ: stop if any process says so
-            return f"max_minutes={tc.max_minutes}"
+    if tc.max_minutes and state.seconds > tc.max_minutes * 60:
+        return f"max_minutes={tc.max_minutes}"
     return ""
 
 

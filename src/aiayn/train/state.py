@@ -43,6 +43,7 @@ class TrainState:
     cursor: int = 0  # updates done within the current epoch
     best_valid: float = float("inf")  # best validation loss so far
     bad_validations: int = 0  # validations since the best one (for `patience`)
+    seconds: float = 0.0  # training wall time so far, over all invocations (for max_minutes, cooldown)
 
 
 def checkpoint_dirs(run_dir: str | Path) -> list[Path]:

@@ -116,3 +116,10 @@ def test_cpu_packed_linears_compute_the_same_function():
     tokens = [[h[0].tokens for h in generate(m, src, config)] for m in (packed, model)]
     assert tokens[0] == tokens[1]
     assert type(model.generator) is torch.nn.Linear  # the original is left as it was
+    # One sentence, one new token: every decoder product has one row, which takes MKL's kernel.
+    one, first = src[:1], tgt[:1, :1]
+    with torch.no_grad():
+        ours = packed.decode(first, packed.encode(one), None)  # (1, 1, V)
+        torch.testing.assert_close(ours, model.decode(first, model.encode(one), None), atol=1e-5, rtol=1e-5)
+    greedy = DecodeConfig(beam=1, max_len_b=6)
+    assert [h[0].tokens for h in generate(packed, one, greedy)] == [h[0].tokens for h in generate(model, one, greedy)]

@@ -12,9 +12,16 @@ import copy
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
+
+
+# A product with one row (greedy search of a single sentence) streams the weight once: for a weight up
+# to this many elements MKL's matrix-vector kernel beats oneDNN's per-call overhead here, while oneDNN
+# stays faster on the vocabulary projection (benchmarks/results/decode_cpu_idle_v4.md).
+ONE_ROW_MKL_MAX_WEIGHT = 1 << 21
 
 
 def packing_available() -> bool:
@@ -31,8 +38,12 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())  # no batch hint:
         # a hint of 1 row made 4- to 64-row products up to 2x slower here
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        w = linear.weight.detach()  # kept for one-row products: the memory of this layer twice
+        self.weight = w if w.numel() <= ONE_ROW_MKL_MAX_WEIGHT else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.weight is not None and x.numel() == self.in_features:  # one row
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
@@ -47,4 +58,7 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, PackedLinear(child))
+    bias = getattr(packed, "final_logits_bias", None)  # Marian's bias on the logits
+    if bias is not None and isinstance(packed.generator, PackedLinear) and packed.generator.bias is None:
+        packed.generator.bias, packed.final_logits_bias = bias, None  # added inside the product: one pass less
     return packed

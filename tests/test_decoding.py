@@ -33,12 +33,16 @@ def full_log_prob(model, src, tokens):
 # --- the cache ---------------------------------------------------------------------------------------
 
 
-def test_cache_with_shared_cross_kv_reordered_and_shrunk_equals_full_recomputation():
+@pytest.mark.parametrize(
+    "perm",  # beam reorderings within each sentence: most rows move (a gather into the spare buffer),
+    [[2, 0, 1, 4, 4, 3], [0, 2, 2, 3, 4, 5]],  # or one row takes another's past (a copy of that row)
+)
+def test_cache_with_shared_cross_kv_reordered_and_shrunk_equals_full_recomputation(perm):
     model = tiny_model()
     b, k, t_max = 2, 3, 6
     src = padded_batch([6, 3], 50)
     tgt = padded_batch([t_max] * (b * k), 50)  # (B*K, T): three different prefixes per sentence
-    perm = torch.tensor([2, 0, 1, 4, 4, 3])  # beam reordering within each sentence (a beam duplicated)
+    perm = torch.tensor(perm)
     with torch.no_grad():
         memory, mask = model.encode(src), model.src_mask(src)
         full = model.decode(tgt, memory.repeat_interleave(k, 0), mask.repeat_interleave(k, 0))

@@ -41,6 +41,7 @@ class KVCache:
         shape = (n_layers, batch_size, n_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B*K, H, max_len, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, B*K, H, max_len, D)
+        self._layers()
         self.length = 0  # target positions already stored (the same in every layer)
         self.cross: list[tuple[Tensor, Tensor] | None] = [None] * n_layers  # (B, H, S, D) pairs
         self.spare: tuple[Tensor, Tensor] | None = None  # second K/V buffers for beam reordering
@@ -57,9 +58,14 @@ class KVCache:
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KVCache holds {self.max_len} positions; step {end} is past its end")
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        k_layer, v_layer = self.k_layers[layer], self.v_layers[layer]  # (B*K, H, max_len, D) views
+        k_layer.narrow(2, self.length, k.shape[2]).copy_(k)
+        v_layer.narrow(2, self.length, k.shape[2]).copy_(v)
+        return k_layer.narrow(2, 0, end), v_layer.narrow(2, 0, end)
+
+    def _layers(self) -> None:
+        """Per-layer views of the buffers, made once per buffer rather than indexed on every append."""
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
     def advance(self, steps: int) -> None:
         self.length += steps
@@ -75,6 +81,14 @@ class KVCache:
         finished rows. Cross-attention rows follow only without beams (K = 1, one row per sentence);
         with beams they belong to sentences: use `keep_sentences`."""
         if index.shape[0] == self.k.shape[1]:  # a reordering (each beam step)
+            # Most beams continue their own hypothesis (94% of rows per step in benchmarks/decode.py):
+            # copy only the rows that take another row's past, when they are few.
+            moved = (index != torch.arange(index.shape[0], device=index.device)).nonzero()[:, 0]  # (M,)
+            if 2 * moved.shape[0] <= index.shape[0]:
+                self._copy_rows(index[moved], moved)
+                if self.beam_size == 1:
+                    self._select_cross(index)
+                return
             # Gather the filled part into a second buffer and swap: one pass, no allocation, no copy
             # back (3.6x faster than an in-place gather at batch 16 x beam 4, base shape).
             if self.spare is None:
@@ -87,8 +101,18 @@ class KVCache:
             self.k = self.k.index_select(1, index)  # (L, B'*K, H, max_len, D)
             self.v = self.v.index_select(1, index)
             self.spare = None
+        self._layers()
         if self.beam_size == 1:
             self._select_cross(index)
+
+    def _copy_rows(self, source: Tensor, target: Tensor) -> None:
+        """Row target[i] takes the filled past of row source[i]; all sources are read before any write."""
+        if target.shape[0] == 0:
+            return
+        n = self.length
+        for buf in (self.k, self.v):
+            past = buf[:, :, :, :n]  # (L, B*K, H, n, D), a view
+            past.index_copy_(1, target, past.index_select(1, source))  # (L, M, H, n, D) through a copy
 
     def keep_sentences(self, index: Tensor) -> None:
         """Keep (and reorder) whole sentences `index` (B',): their K rows each and their cross K/V."""
@@ -97,6 +121,7 @@ class KVCache:
         self.k = self.k.index_select(1, rows)  # (L, B'*K, H, max_len, D)
         self.v = self.v.index_select(1, rows)
         self.spare = None
+        self._layers()
         self._select_cross(index)
 
     def _select_cross(self, index: Tensor) -> None:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from aiayn.decoding.length_penalty import length_penalty
 from aiayn.decoding.options import DecodeConfig
-from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, step_log_probs
+from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, source_mask, step_log_probs
 from aiayn.model import KVCache, Transformer
 
 
@@ -32,7 +32,7 @@ class Beams:
     scores_BK: Tensor  # (B, K) log P of each live hypothesis; -inf for empty slots
     limit_B: Tensor  # (B,) maximum output length of each sentence
     memory: Tensor  # (B, S, d) encoder output, one per sentence (the beams share it)
-    src_mask: Tensor  # (B, 1, 1, S)
+    src_mask: Tensor | None  # (B, 1, 1, S); None when no source has padding
     cache: KVCache  # B*K self-attention rows, B cross-attention rows
 
 
@@ -66,7 +66,7 @@ def start(model: Transformer, src: Tensor, config: DecodeConfig) -> Beams:
         scores_BK=scores_BK,
         limit_B=torch.tensor(limit, device=src.device),
         memory=model.encode(src),
-        src_mask=model.src_mask(src),
+        src_mask=source_mask(model, src),
         cache=model.new_cache(b * k, max(limit), beam_size=k),
     )
 
@@ -134,7 +134,8 @@ def shrink(beams: Beams, keep_B: list[int], k: int) -> None:
     beams.sentence = [beams.sentence[i] for i in keep_B]
     beams.tokens_RT = beams.tokens_RT[rows_R]
     beams.scores_BK, beams.limit_B = beams.scores_BK[index_B], beams.limit_B[index_B]
-    beams.memory, beams.src_mask = beams.memory[index_B], beams.src_mask[index_B]
+    beams.memory = beams.memory[index_B]
+    beams.src_mask = None if beams.src_mask is None else beams.src_mask[index_B]
     beams.cache.keep_sentences(index_B)
 
 

@@ -80,7 +80,7 @@ class Ensemble(nn.Module):
     ) -> EnsembleCache:
         return EnsembleCache([m.new_cache(batch_size, max_len, dtype, beam_size) for m in self.members])
 
-    def decode(self, tgt_in: Tensor, memory: Memories, src_mask: Tensor, cache: EnsembleCache) -> Tensor:
+    def decode(self, tgt_in: Tensor, memory: Memories, src_mask: Tensor | None, cache: EnsembleCache) -> Tensor:
         """(R, T) new target ids -> log of the mean of the members' probabilities, (R, T, V), float32."""
         log_probs_MRTV = torch.stack([
             torch.log_softmax(m.decode(tgt_in, mem, src_mask, c).float(), dim=-1)

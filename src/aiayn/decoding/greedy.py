@@ -7,7 +7,7 @@ from torch import Tensor
 
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.sampling import sample_next
-from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, step_log_probs
+from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, source_mask, step_log_probs
 from aiayn.model import Transformer
 
 
@@ -19,7 +19,7 @@ def greedy_search(
     a one-element list. A row that produced EOS or reached its maximum length leaves the batch."""
     eos = model.config.eos_id
     max_len_R = config.max_lengths(source_lengths(model, src), model.config.max_len)
-    memory, src_mask = model.encode(src), model.src_mask(src)  # (R, S, d), (R, 1, 1, S)
+    memory, src_mask = model.encode(src), source_mask(model, src)  # (R, S, d), (R, 1, 1, S) or None
     b = src.shape[0]
     cache = model.new_cache(b, max(max_len_R))
     tokens_RT = torch.empty(b, max(max_len_R), dtype=torch.long, device=src.device)
@@ -46,7 +46,8 @@ def greedy_search(
                 break
             alive = [alive[r] for r in keep_R.tolist()]
             cache.select(keep_R)
-            memory, src_mask = memory[keep_R], src_mask[keep_R]
+            memory = memory[keep_R]
+            src_mask = None if src_mask is None else src_mask[keep_R]
             tokens_RT, log_prob_R, last_R = tokens_RT[keep_R], log_prob_R[keep_R], last_R[keep_R]
             limit_R = limit_R[keep_R]
     return done

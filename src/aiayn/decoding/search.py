@@ -39,8 +39,15 @@ def source_lengths(model: Transformer, src: Tensor) -> list[int]:
     return (src != model.config.pad_id).sum(1).tolist()
 
 
+def source_mask(model: Transformer, src: Tensor) -> Tensor | None:
+    """The (B, 1, 1, S) padding mask of a source batch, or None when no source has padding (one sentence,
+    or all of a length): attention then has no mask to convert on each of its calls."""
+    mask = model.src_mask(src)
+    return None if bool(mask.all()) else mask
+
+
 def step_log_probs(
-    model: Transformer, last_R: Tensor, memory: Tensor, src_mask: Tensor, cache: KVCache, produced: int,
+    model: Transformer, last_R: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache, produced: int,
     config: DecodeConfig,
 ) -> Tensor:
     """Feed the newest token of each row (R,) and return log P(next token) (R, V), in float32.

@@ -124,8 +124,9 @@ class MultiHeadAttention(nn.Module):
         memory once per sentence and reuses it on every later step.
         """
         if self.self_attention:
-            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x (B, T, H*D)
-            q, k, v = (split_heads(t, self.n_heads) for t in (q, k, v))  # 3 x (B, H, T, D)
+            b, t, _ = x.shape
+            qkv = self.qkv_proj(x).view(b, t, 3, self.n_heads, -1)  # (B, T, 3, H, D)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D)
             if cache is not None:
                 past = cache.length
                 k, v = cache.append(layer, k, v)  # (B, H, past + T, D) each

@@ -111,7 +111,7 @@ class DecoderLayer(nn.Module):
         self.sublayer = nn.ModuleList([SublayerConnection(config) for _ in range(3)])
 
     def forward(
-        self, x: Tensor, memory: Tensor, src_mask: Tensor, cache: KVCache | None = None, layer: int = 0
+        self, x: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache | None = None, layer: int = 0
     ) -> Tensor:
         x = self.sublayer[0](x, lambda y: self.self_attn(y, is_causal=True, cache=cache, layer=layer))
         x = self.sublayer[1](x, lambda y: self.src_attn(y, memory, mask=src_mask, cache=cache, layer=layer))
@@ -174,11 +174,13 @@ class Transformer(nn.Module):
         self,
         tgt_in: Tensor,
         memory: Tensor,
-        src_mask: Tensor,
+        src_mask: Tensor | None,
         cache: KVCache | None = None,
         keep: Tensor | None = None,
     ) -> Tensor:
         """(B, T) target ids, memory (B, S, d), src_mask (B, 1, 1, S) -> logits (B, T, V_tgt).
+
+        `src_mask` may be None when no source has padding.
 
         With a cache, `tgt_in` holds only the new positions (usually one) and the cache the past.
         With `keep` (B, T) bool, only those positions are projected: logits (N, V_tgt), N = keep.sum().

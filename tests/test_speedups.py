@@ -3,13 +3,14 @@ one-pass loss gradient, projecting only real targets, and malloc keeping freed m
 
 import resource
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from aiayn.config import model_config
-from aiayn.memory import keep_freed_memory
+from aiayn.memory import keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.model.attention import sdpa
 from aiayn.model.dropout import Dropout, dropout, keep_mask
@@ -107,3 +108,17 @@ def test_freed_large_blocks_are_reused_without_new_page_faults():
     for _ in range(8):
         faults_of_a_fresh_64mb_tensor()
     assert max(faults_of_a_fresh_64mb_tensor() for _ in range(3)) < 1000  # 16,384 4-KiB pages if mmap'd anew
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_release_gives_free_pages_in_the_middle_of_the_heap_back():
+    def resident_bytes() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    blocks = [torch.ones(8 * 2**20 + i) for i in range(16)]  # 16 x 32 MiB, touched, so resident
+    del blocks[::2]  # 256 MiB free between live blocks: no trim of the heap's top can return it
+    before = resident_bytes()
+    assert release_freed_memory()
+    assert before - resident_bytes() > 200 * 2**20

@@ -41,7 +41,7 @@ from aiayn.data.dataset import (
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
-from aiayn.memory import keep_freed_memory
+from aiayn.memory import keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.train import distributed
 from aiayn.train.config import RunConfig, finetune_model_config
@@ -175,6 +175,7 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
                 last = _validate_and_save(
                     net, model, optimizer, scaler, state, data, config, d, autocast, metrics
                 )
+                release_freed_memory()  # else the fragmented heap grows for the whole run
                 saved_step = state.step
                 stop = stop or _patience_exhausted(state, tc)
         if state.cursor >= n_updates:

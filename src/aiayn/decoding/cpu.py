@@ -1,8 +1,12 @@
-"""CPU inference: every Linear through oneDNN with its weight reordered once into oneDNN's blocked layout.
+"""CPU inference: every Linear with its weight reordered once into the layout its matmul library wants.
 
-Measured on this project's AMD EPYC machine (one thread, `benchmarks/decode.py`): PyTorch's default CPU
-matmul (MKL sgemm) runs the decoder's small-batch products 2-7x slower than oneDNN with a prepacked
-weight, which is what CTranslate2 uses on non-Intel CPUs. `pack_for_cpu` swaps each `nn.Linear` for a
+Measured with one thread (`benchmarks/decode.py`, benchmarks/RESULTS.md): on an AMD EPYC machine,
+PyTorch's default CPU matmul (MKL sgemm) runs the decoder's small-batch products 2-7x slower than oneDNN
+with a prepacked weight, which is what CTranslate2 uses on non-Intel CPUs. On an Intel Xeon (Sapphire
+Rapids class), oneDNN's prepacked weights still beat plain MKL from 4 rows up, but for one row (greedy
+search of one sentence) MKL's own packed GEMM, CTranslate2's choice on Intel, is fastest: 4.3 ms for the
+32,000 x 512 vocabulary product against 5.2 (oneDNN) and 5.5 (plain MKL), and 11.8 ms for all the
+`base` decoder's Linears of a step against 14.5 and 13.1. `pack_for_cpu` swaps each `nn.Linear` for a
 `PackedLinear` in a copy of the model: the same function, the weights reordered, nothing saved.
 """
 
@@ -10,22 +14,30 @@ from __future__ import annotations
 
 import copy
 import logging
+import platform
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
 
-# A product with one row (greedy search of a single sentence) streams the weight once: for a weight up
-# to this many elements MKL's matrix-vector kernel beats oneDNN's per-call overhead here, while oneDNN
-# stays faster on the vocabulary projection (benchmarks/results/decode_cpu_idle_v4.md).
-ONE_ROW_MKL_MAX_WEIGHT = 1 << 21
-
-
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def one_row_mkl_available() -> bool:
+    """MKL's packed GEMM for one-row products: on Intel CPUs only, where MKL is tuned (as CTranslate2)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight") \
+        and _cpu_vendor() == "GenuineIntel"
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return "GenuineIntel" if "Intel" in platform.processor() else ""
 
 
 class PackedLinear(nn.Module):
@@ -38,12 +50,17 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())  # no batch hint:
         # a hint of 1 row made 4- to 64-row products up to 2x slower here
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        w = linear.weight.detach()  # kept for one-row products: the memory of this layer twice
-        self.weight = w if w.numel() <= ONE_ROW_MKL_MAX_WEIGHT else None
+        # One-row products through MKL's packed GEMM, packed for exactly one row (MKL's packed layout
+        # depends on the row count; `_mkl_linear` falls back to the plain weight for any other count).
+        # The price: this layer's weight held three times.
+        self.weight = self.one_row_weight = None
+        if one_row_mkl_available():
+            self.weight = linear.weight.detach()
+            self.one_row_weight = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.weight is not None and x.numel() == self.in_features:  # one row
-            return F.linear(x, self.weight, self.bias)
+        if self.one_row_weight is not None and x.numel() == self.in_features:  # one row
+            return torch.ops.mkl._mkl_linear(x, self.one_row_weight, self.weight, self.bias, 1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

@@ -6,11 +6,11 @@ float copies) every time, so each one is page-faulted in and zeroed by the kerne
 per 113 MB on this project's 2-core machine, a fifth of a `small` model's step. With mmap turned off
 and trimming raised, freed blocks stay in the heap and the next step reuses them: a bf16 `small` step
 on 2 threads here went from 1.67 s to 1.30 s (1.29 s to 0.87 s with the other speed-ups of the step).
-The price is memory: batches of varying shapes fragment the heap, which then grows for as long as
-the process runs (two 82-minute Multi30k trainings side by side reached 12 GB each after 48 minutes and
-ran a 24 GB machine out of memory). `release_freed_memory`, which training calls after each validation,
-hands the heap's free pages back (glibc's malloc_trim) at the cost of one re-fault of what the next step
-uses. Set AIAYN_SYSTEM_MALLOC=1 to leave malloc alone.
+The price is memory: freed blocks stay resident, and batches of varying shapes can fragment the heap.
+`release_freed_memory`, which training calls after each validation, hands the heap's whole free pages
+back (glibc's malloc_trim) at the cost of one re-fault of what the next step uses. (The 12 GB that two
+82-minute Multi30k trainings reached on an AMX CPU was not this but oneDNN's kernel caches: see the
+README.) Set AIAYN_SYSTEM_MALLOC=1 to leave malloc alone.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def keep_freed_memory() -> bool:
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
-    _libc = libc if _done else None
+    if _done:
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        _libc = libc
     return _done
 
 
@@ -52,6 +54,5 @@ def release_freed_memory() -> bool:
     """
     if _libc is None:
         return False
-    _libc.malloc_trim.argtypes, _libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     _libc.malloc_trim(0)
     return True

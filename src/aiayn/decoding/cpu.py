@@ -13,6 +13,7 @@ search of one sentence) MKL's own packed GEMM, CTranslate2's choice on Intel, is
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import platform
 
@@ -28,10 +29,14 @@ def packing_available() -> bool:
 
 def one_row_mkl_available() -> bool:
     """MKL's packed GEMM for one-row products: on Intel CPUs only, where MKL is tuned (as CTranslate2)."""
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight") \
+    return (
+        torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
         and _cpu_vendor() == "GenuineIntel"
+    )
 
 
+@functools.cache  # read once, not once per Linear
 def _cpu_vendor() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -175,7 +175,7 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
                 last = _validate_and_save(
                     net, model, optimizer, scaler, state, data, config, d, autocast, metrics
                 )
-                release_freed_memory()  # else the fragmented heap grows for the whole run
+                release_freed_memory()  # the free pages of a fragmented heap back to the kernel
                 saved_step = state.step
                 stop = stop or _patience_exhausted(state, tc)
         if state.cursor >= n_updates:

@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ensemble", action="store_true",
                    help="train the recipe's model and a narrower, deeper one at the same time (half the threads "
                    "each) in RUN_DIR/a and RUN_DIR/b, then decode them as an ensemble")
+    p.add_argument("--partner", action="append", metavar="SECTION.KEY=VALUE",
+                   help="the second --ensemble member's overrides, replacing the default narrower, deeper model's "
+                   "(e.g. --partner train.seed=2 --partner model.dropout=0.2 for a second recipe model)")
     p.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)  # one --ensemble member
     return p.parse_args(argv)
 
@@ -75,7 +78,7 @@ MEMBER_ENV = {**KERNEL_CACHES, **os.environ}  # the caller's settings win
 
 def train_members(args: argparse.Namespace, run_dir: Path, threads: int) -> list[list[str]]:
     """Train the two --ensemble members in parallel processes; return each one's overrides."""
-    members = [[f"train.run_dir={run_dir / 'a'}"], [*PARTNER, f"train.run_dir={run_dir / 'b'}"]]
+    members = [[f"train.run_dir={run_dir / 'a'}"], [*(args.partner or PARTNER), f"train.run_dir={run_dir / 'b'}"]]
     members = [[*args.set, *m, f"train.threads={max(1, threads // 2)}"] for m in members]
     if args.no_train:
         return members

@@ -14,7 +14,7 @@ from aiayn.memory import keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.model.attention import sdpa
 from aiayn.model.dropout import Dropout, dropout, keep_mask
-from aiayn.train.loss import SmoothedCrossEntropy, label_smoothed_nll
+from aiayn.train.loss import SmoothedCrossEntropy, block_rows, label_smoothed_nll
 
 
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
@@ -63,18 +63,42 @@ def test_sdpa_math_backend_for_bf16_training_matches_float64(causal):
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (qb, kb, vb))
 
 
+@pytest.mark.parametrize("rows", [3, 11])  # blocks of 3, 3, 3, 2 rows, or one block
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-def test_one_pass_loss_gradient_equals_autograd_through_F_cross_entropy(eps):
+def test_one_pass_loss_gradient_equals_autograd_through_F_cross_entropy(eps, rows):
     g = torch.Generator().manual_seed(4)
     z = torch.randn(11, 17, dtype=torch.float64, generator=g, requires_grad=True)
     y = torch.randint(0, 17, (11,), generator=g)
-    assert torch.autograd.gradcheck(lambda z: SmoothedCrossEntropy.apply(z, y, eps), (z,))
-    loss, _ = label_smoothed_nll(z, y, eps, ignore_index=-1)
-    (grad,) = torch.autograd.grad(loss, z)
-    ref = F.cross_entropy(z, y, label_smoothing=eps, reduction="sum")
-    (ref_grad,) = torch.autograd.grad(ref, z)
-    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    z0 = z.detach().clone()
+    assert torch.autograd.gradcheck(lambda z: SmoothedCrossEntropy.apply(z, y, eps, rows), (z,))
+    smoothed, nll = SmoothedCrossEntropy.apply(z, y, eps, rows)
+    (grad,) = torch.autograd.grad(smoothed.sum(), z)
+    ref = F.cross_entropy(z, y, label_smoothing=eps, reduction="none")
+    (ref_grad,) = torch.autograd.grad(ref.sum(), z)
+    assert torch.allclose(smoothed, ref, rtol=1e-12, atol=0)
+    assert torch.allclose(nll, F.cross_entropy(z, y, reduction="none"), rtol=1e-12, atol=0)
     assert torch.allclose(grad, ref_grad, atol=1e-12)
+    assert torch.equal(z.detach(), z0)  # the backward's blocks are copies: the logits are left alone
+
+
+def test_loss_blocks_of_bf16_logits_match_one_float64_pass():
+    """The CPU's cache-sized blocks (with a ragged last one) give the float64 loss and gradient of the
+    bfloat16 logits within float32 rounding, and a float32 gradient cast once to bfloat16."""
+    g = torch.Generator().manual_seed(6)
+    z = (torch.randn(70, 300, generator=g) * 4).bfloat16().requires_grad_()
+    y = torch.randint(0, 300, (70,), generator=g)
+    assert block_rows(z, elements=300 * 16) == 16  # 16, 16, 16, 16, 6
+    smoothed, nll = SmoothedCrossEntropy.apply(z, y, 0.1, 16)
+    w = torch.randn(70, generator=g)  # unequal weights per row reach every block's gradient
+    (smoothed * w + nll * w.flip(0)).sum().backward()
+    z64 = z.detach().double().requires_grad_()
+    ref = F.cross_entropy(z64, y, label_smoothing=0.1, reduction="none")
+    ref_nll = F.cross_entropy(z64, y, reduction="none")
+    (ref * w.double() + ref_nll * w.flip(0).double()).sum().backward()
+    assert torch.allclose(smoothed.double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(nll.double(), ref_nll, rtol=1e-6, atol=1e-6)
+    assert z.grad.dtype == torch.bfloat16
+    assert torch.allclose(z.grad.double(), z64.grad.bfloat16().double(), rtol=0, atol=1e-6)
 
 
 def test_projecting_only_real_targets_gives_the_same_loss_and_gradients():

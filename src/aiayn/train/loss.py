@@ -43,7 +43,8 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     L2 cache while they are upcast, exponentiated, scaled and cast back: one read of the logits and one
     write of their gradient from memory, instead of about nine (N, V) float32 passes over memory
     (3,500 x 8,000 bf16 logits, one core of an Intel Xeon with AMX: 59 ms for forward and backward against
-    107 ms in whole-tensor passes; a bf16 `small` training step 638 against 670 ms; benchmarks/RESULTS.md).
+    107 ms in whole-tensor passes; a bf16 `small` training step 626 against 661 ms; benchmarks/RESULTS.md;
+    float32 logits gain nothing: 36 ms either way for 2,048 x 8,000, bound by reading and writing them).
     Only the logits and one float per row are kept for the backward, not an (N, V) float32 copy.
     tests/test_speedups.py checks it against `F.cross_entropy` and gradcheck.
     """
@@ -72,12 +73,18 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         uniform = (eps / vocab) * g_smoothed  # (N,) the smoothing's share of every class
         onehot = -((1.0 - eps) * g_smoothed + g_nll)  # (N,) added at the reference token
         grad = torch.empty_like(logits)  # (N, V), the logits' dtype
+        # Float32 (or float64) logits: each block is computed in place in `grad`; narrower ones in a
+        # float32 block that is cast once on the way out.
+        narrow = logits.dtype != lse.dtype
+        block = torch.empty(rows, vocab, dtype=lse.dtype, device=grad.device) if narrow else None
         for i in range(0, logits.shape[0], rows):
             j = slice(i, i + rows)
-            p = logits[j].to(lse.dtype, copy=True).sub_(lse[j, None]).exp_()  # (rows, V) softmax, in cache
+            p = grad[j] if block is None else block[: grad[j].shape[0]]  # (rows, V), in cache
+            p.copy_(logits[j]).sub_(lse[j, None]).exp_()  # softmax
             p.mul_(scale[j, None]).sub_(uniform[j, None])
             p.scatter_add_(-1, target[j, None], onehot[j, None])
-            grad[j] = p  # cast to the logits' dtype on the way out
+            if block is not None:
+                grad[j] = p  # cast to the logits' dtype
         return grad, None, None, None
 
 

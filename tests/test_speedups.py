@@ -1,6 +1,7 @@
 """The training step's speed-ups change no result: fast dropout, the math SDPA backend, the
 one-pass loss gradient, projecting only real targets, and malloc keeping freed memory."""
 
+import os
 import resource
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.config import model_config
-from aiayn.memory import keep_freed_memory, release_freed_memory
+from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.model.attention import sdpa
 from aiayn.model.dropout import Dropout, dropout, keep_mask
@@ -146,3 +147,10 @@ def test_release_gives_free_pages_in_the_middle_of_the_heap_back():
     before = resident_bytes()
     assert release_freed_memory()
     assert before - resident_bytes() > 200 * 2**20
+
+
+def test_kernel_caches_are_capped_unless_the_environment_already_sets_them(monkeypatch):
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")  # the user's choice stands
+    assert cap_kernel_caches() == {"LRU_CACHE_CAPACITY": "64", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "512"}
+    assert os.environ["LRU_CACHE_CAPACITY"] == "64" and os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"

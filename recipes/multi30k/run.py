@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -73,14 +72,6 @@ def score(translator: Translator, data: Path, split: str, src: str, tgt: str, be
             "scores": [{"name": s.name, "score": round(s.score, 2), "signature": s.signature} for s in scores]}
 
 
-# PyTorch's oneDNN layer (ideep) and oneDNN itself each cache up to 1,024 compiled kernels with their
-# buffers, keyed by shape. Token batches make thousands of shapes, and on a CPU with AMX the bfloat16
-# kernels hold megabytes each: two members side by side outgrew a 24 GB machine in 48 minutes. With 64
-# entries each a member stayed at 2.3 GB and trained as fast (75 updates in 100 s either way).
-KERNEL_CACHES = {"LRU_CACHE_CAPACITY": "64", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
-MEMBER_ENV = {**KERNEL_CACHES, **os.environ}  # the caller's settings win
-
-
 def train_members(args: argparse.Namespace, run_dir: Path, threads: int) -> list[list[str]]:
     """Train the two --ensemble members in parallel processes; return each one's overrides."""
     partner = args.partner or PARTNER[args.pair]
@@ -91,7 +82,7 @@ def train_members(args: argparse.Namespace, run_dir: Path, threads: int) -> list
     procs = []
     for overrides in members:
         cmd = [sys.executable, __file__, "--data", args.data, "--pair", args.pair, "--train-only"]
-        procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)], env=MEMBER_ENV))
+        procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)]))
     if any(p.wait() for p in procs):
         raise SystemExit(f"an ensemble member failed: exit codes {[p.returncode for p in procs]}")
     return members

@@ -24,9 +24,8 @@ from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.cpu import pack_for_cpu
 from aiayn.errors import UserError
-from aiayn.memory import keep_freed_memory
+from aiayn.memory import cap_kernel_caches, keep_freed_memory
 from aiayn.model import Transformer
-
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,7 @@ def quantize_int8(model: Transformer) -> Transformer:
 def prepare_for_inference(model: Transformer, int8: bool = False) -> Transformer:
     """The fastest equivalent of `model` for decoding: on a CPU, Linear layers prepacked for oneDNN
     (same float32 function) or, with `int8`, dynamically quantized; elsewhere the model itself."""
+    cap_kernel_caches()  # before the first oneDNN kernel: every batch and beam size is a new shape
     if int8:
         return quantize_int8(model)
     weight = model.tgt_embed.embed.weight

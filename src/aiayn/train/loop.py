@@ -41,7 +41,7 @@ from aiayn.data.dataset import (
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
-from aiayn.memory import keep_freed_memory, release_freed_memory
+from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.train import distributed
 from aiayn.train.config import RunConfig, finetune_model_config
@@ -81,6 +81,7 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
 
 
 def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
+    cap_kernel_caches()  # first: token batches make thousands of shapes, one cached oneDNN kernel each
     tc, run_dir = config.train, Path(config.train.run_dir)
     if tc.precision == "fp16" and d.device.type != "cuda":
         raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")

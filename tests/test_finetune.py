@@ -88,6 +88,11 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
     result = train(load_config(None, sets[:-1] + ["train.max_updates=8"]), resume=True)
     assert result["step"] == 8
 
+    forgot = [s for s in sets[:-1] if not s.startswith("train.init_from=")] + ["train.max_updates=9"]
+    with pytest.raises(UserError, match=f"fine-tunes {start}; resume it with train.init_from={start}") as e:
+        train(load_config(None, forgot), resume=True)
+    assert "\n" not in str(e.value)
+
 
 @pytest.mark.parametrize("key", ["d_model=64", "preset=tiny"])
 def test_conflicting_model_key_is_a_config_error(aiayn_checkpoint, tmp_path, key):

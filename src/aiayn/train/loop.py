@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from aiayn.checkpoint import Checkpoint, load_checkpoint, load_into, state_dict_for_saving
+from aiayn.checkpoint import Checkpoint, load_checkpoint, load_into, read_meta, state_dict_for_saving
 from aiayn.config import ConfigError
 from aiayn.data.batching import epoch_order, token_batches, update_batches, updates_in_epoch
 from aiayn.data.dataset import (
@@ -212,6 +212,11 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
     config, saved there), so the init_from directory is needed only for the first invocation.
     """
     if not config.train.init_from:
+        tuned_from = _fine_tuned_from(resume_from) if resume_from else None
+        if tuned_from:  # else the model built from [model] fails to load with a less helpful mismatch
+            raise UserError(
+                f"{resume_from}: this run fine-tunes {tuned_from}; resume it with train.init_from={tuned_from}"
+            )
         return None
     path = resume_from or Path(config.train.init_from)
     ck = load_checkpoint(path)
@@ -220,6 +225,12 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
     if not resume_from:
         log.info("fine-tuning %s (update %s of its run)", path, ck.meta.get("step", "?"))
     return Checkpoint(model.train(), ck.tokenizer, ck.meta, path)
+
+
+def _fine_tuned_from(checkpoint: Path) -> str | None:
+    """The train.init_from that the run which saved `checkpoint` started from, if it was a fine-tuning run."""
+    train_config = read_meta(checkpoint).get("config", {}).get("train", {})
+    return train_config.get("init_from") if isinstance(train_config, dict) else None
 
 
 def _log_window(window, state: TrainState, lr: float, seconds: float, elapsed: float, d: Dist, bar, metrics):

@@ -214,9 +214,8 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
     if not config.train.init_from:
         tuned_from = _fine_tuned_from(resume_from) if resume_from else None
         if tuned_from:  # else the model built from [model] fails to load with a less helpful mismatch
-            raise UserError(
-                f"{resume_from}: this run fine-tunes {tuned_from}; resume it with train.init_from={tuned_from}"
-            )
+            raise UserError(f"{resume_from}: this run fine-tunes {tuned_from}; "
+                            f"resume it with train.init_from={tuned_from}")
         return None
     path = resume_from or Path(config.train.init_from)
     ck = load_checkpoint(path)

@@ -40,8 +40,8 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     (1 - eps) nll + eps (lse - mean_v(z_v)), so d smoothed / dz = softmax(z) - (1 - eps) onehot(y) - eps / V.
     Autograd through log_softmax, gather and mean builds and adds three (N, V) gradients; this writes one.
     On a CPU the rows go through in blocks of about a megabyte (`block_rows`) that stay in the core's
-    L2 cache while they are upcast, exponentiated, scaled and cast back: one read of the logits and one
-    write of their gradient from memory, instead of about nine (N, V) float32 passes over memory
+    L2 cache while they are upcast, exponentiated, scaled and cast back: memory sees the logits read once
+    each way and their gradient written once, instead of about nine (N, V) float32 passes
     (3,500 x 8,000 bf16 logits, one core of an Intel Xeon with AMX: 59 ms for forward and backward against
     107 ms in whole-tensor passes; a bf16 `small` training step 626 against 661 ms; benchmarks/RESULTS.md;
     float32 logits gain nothing: 36 ms either way for 2,048 x 8,000, bound by reading and writing them).

@@ -15,6 +15,8 @@ One attention path: `torch.nn.functional.scaled_dot_product_attention`. Without 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -38,6 +40,8 @@ def causal_mask(t: int, device: torch.device | None = None, past: int = 0) -> Te
 
 # Up to this length SDPA's math backend trains faster than the CPU flash kernel in bfloat16, whose
 # backward is 2-3x slower on short sequences (benchmarks/RESULTS.md); longer ones keep flash's O(L) memory.
+# The math backend runs in bfloat16 (`_bf16_math`): by default it upcasts q, k, v to float32, and those
+# casts and float32 products made a bf16 `small` step 8% slower (200 against 184 ms, RESULTS.md).
 MATH_BACKEND_MAX_LEN = 256
 
 
@@ -49,9 +53,22 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal:
     """
     short = max(q.shape[-2], k.shape[-2]) <= MATH_BACKEND_MAX_LEN
     if short and q.requires_grad and q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        with sdpa_kernel(SDPBackend.MATH):
+        with sdpa_kernel(SDPBackend.MATH), _bf16_math():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+
+
+@contextmanager
+def _bf16_math():
+    """Let SDPA's math backend multiply bfloat16 as bfloat16 (float32 accumulation inside the matmuls)
+    instead of upcasting q, k, v to float32 first, as autocast does for every other matmul; restores
+    the global flag afterwards. The backward replays the bfloat16 ops recorded here."""
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
 
 
 def split_heads(x: Tensor, n_heads: int) -> Tensor:

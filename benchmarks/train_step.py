@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, markdown_table, sync, timeit  # noqa: E402
+from common import environment, markdown_table, timeit  # noqa: E402
 
 from aiayn.config import ModelConfig, model_config  # noqa: E402
 from aiayn.memory import keep_freed_memory  # noqa: E402

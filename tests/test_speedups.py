@@ -59,16 +59,19 @@ def test_sdpa_math_backend_for_bf16_training_matches_float64(causal):
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, is_causal=causal)
     ref.backward(torch.ones_like(ref))
-    for allowed in (False, True):  # whatever the caller's global flag, it is left as it was
-        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
-        qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))  # the math-backend case
-        out = sdpa(qb, kb, vb, mask, causal)
-        assert torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() == allowed
-        assert out.dtype == torch.bfloat16 and (out.double() - ref).abs().max() < 3e-2
-        out.backward(torch.ones_like(out))
-        for low, high in ((qb, qd), (kb, kd), (vb, vd)):  # bf16 scores: a few bf16 roundings off
-            assert (low.grad.double() - high.grad).abs().max() < 5e-2 * high.grad.abs().max()
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+    before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    try:
+        for allowed in (False, True):  # whatever the caller's global flag, it is left as it was
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+            qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))  # the math-backend case
+            out = sdpa(qb, kb, vb, mask, causal)
+            assert torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() == allowed
+            assert out.dtype == torch.bfloat16 and (out.double() - ref).abs().max() < 3e-2
+            out.backward(torch.ones_like(out))
+            for low, high in ((qb, qd), (kb, kd), (vb, vd)):  # bf16 scores: a few bf16 roundings off
+                assert (low.grad.double() - high.grad).abs().max() < 5e-2 * high.grad.abs().max()
+    finally:  # a failure here must not change the attention of the tests that follow
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(before)
 
 
 @pytest.mark.parametrize("rows", [3, 11])  # blocks of 3, 3, 3, 2 rows, or one block

@@ -12,6 +12,7 @@ import torch
 from aiayn.config import ConfigError
 from aiayn.decoding import DecodeConfig, beam_search, generate, greedy_search, length_penalty
 from aiayn.decoding.sampling import filter_logits
+from aiayn.decoding.topk import topk_rows
 from aiayn.model import KVCache
 from conftest import padded_batch, tiny_model
 
@@ -35,7 +36,8 @@ def full_log_prob(model, src, tokens):
 
 @pytest.mark.parametrize(
     "perm",  # beam reorderings within each sentence: most rows move (a gather into the spare buffer),
-    [[2, 0, 1, 4, 4, 3], [0, 2, 2, 3, 4, 5]],  # or one row takes another's past (a copy of that row)
+    [[2, 0, 1, 4, 4, 3], [0, 2, 2, 3, 4, 5],  # or one row takes another's past (a copy of that row),
+     [0, 0, 1, 3, 4, 5]],  # or a chain: row 2 takes row 1's old past while row 1 takes row 0's
 )
 def test_cache_with_shared_cross_kv_reordered_and_shrunk_equals_full_recomputation(perm):
     model = tiny_model()
@@ -235,3 +237,26 @@ def test_decode_config_errors_name_the_field():
         DecodeConfig(lenpen_kind="gnmt2")
     with pytest.raises(ConfigError, match="sample"):
         DecodeConfig(beam=4, sample=True)
+
+
+# --- the two-pass top-k ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v, chunk", [(32_000, 128), (1_000, 16), (1_003, 16), (50, 16)])
+def test_topk_rows_equals_torch_topk(v, chunk):
+    """Values and indices equal `torch.topk`'s, with a partial last chunk, -inf entries (masked tokens,
+    empty beams) and the largest entries bunched in one chunk or split across the tail."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(12, v, generator=gen)
+    x[1, : v // 2] = float("-inf")  # half a row masked
+    x[2, :-3] = float("-inf")  # only the tail is finite: fewer finite entries than k in another row
+    x[3, 5:13] += 20.0  # the best eight side by side, in one chunk
+    x[4, -2:] += 20.0  # two of the best in the partial last chunk
+    x[5] = float("-inf")  # an empty beam
+    for k in (1, 3, 8):
+        values, indices = topk_rows(x, k, chunk)
+        expected = x.topk(k, dim=1)
+        torch.testing.assert_close(values, expected.values, rtol=0, atol=0)
+        finite = expected.values.isfinite()  # -inf ties may come from any column
+        assert torch.equal(indices[finite], expected.indices[finite])
+        assert torch.equal(x.gather(1, indices), values)  # every index points at its value

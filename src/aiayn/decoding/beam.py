@@ -20,6 +20,7 @@ from torch import Tensor
 from aiayn.decoding.length_penalty import length_penalty
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, source_mask, step_log_probs
+from aiayn.decoding.topk import topk_rows
 from aiayn.model import KVCache, Transformer
 
 
@@ -77,10 +78,13 @@ def step(
 ) -> Tensor:
     """Extend every beam by one token (position t); record finished hypotheses; return the new tokens (R,)."""
     b, k = beams.scores_BK.shape
-    v = log_probs_RV.shape[-1]
-    cand_BKV = beams.scores_BK[:, :, None] + log_probs_RV.view(b, k, v)  # (B, K, V)
-    top_B2K, index_B2K = cand_BKV.view(b, k * v).topk(min(2 * k, k * v), dim=1)  # sorted, best first
-    beam_B2K, token_B2K = index_B2K // v, index_B2K % v
+    # The best 2K extensions of a sentence are among the best 2K of each of its beams: rank those
+    # K x 2K, not all K x V (a row can hold at most 2K of the sentence's best 2K).
+    n = min(2 * k, log_probs_RV.shape[-1])
+    top_RN, token_RN = topk_rows(log_probs_RV, n)  # (R, N) each
+    cand_BKN = beams.scores_BK[:, :, None] + top_RN.view(b, k, n)  # (B, K, N)
+    top_B2K, index_B2K = cand_BKN.view(b, k * n).topk(min(2 * k, k * n), dim=1)  # sorted, best first
+    beam_B2K, token_B2K = index_B2K // n, token_RN.view(b, k * n).gather(1, index_B2K)
     eos_B2K = token_B2K == eos
     ended_BK = eos_B2K[:, :k] & top_B2K[:, :k].isfinite()  # EOS ranked in the top K: a finished hypothesis
     if ended_BK.any():

@@ -91,7 +91,8 @@ class ScriptedModel:
     read back from the KV cache, so a wrong beam reordering would read the wrong table row."""
 
     def __init__(self):
-        self.config = SimpleNamespace(eos_id=EOS, pad_id=0, decoder_start_id=1, max_len=100)
+        self.config = SimpleNamespace(eos_id=EOS, pad_id=0, decoder_start_id=1, max_len=100,
+                                      target_vocab_size=5)
         self.rows_per_step: list[int] = []
 
     def encode(self, src):
@@ -130,7 +131,9 @@ def test_scripted_beam_search_without_length_penalty():
                        ([A, EOS], pytest.approx(math.log(0.6 * 0.4)))]
     assert hyps[1] == [([A, EOS], pytest.approx(math.log(0.55 * 0.5))),
                        ([B, B, EOS], pytest.approx(math.log(0.45 * 0.6 * 0.95)))]
-    assert model.rows_per_step == [4, 4, 2]  # sentence 0 finished after step 2 and left the batch
+    # one row per sentence in the first step (its beams are one empty hypothesis), then K = 2 each;
+    # sentence 0 finished after step 2 and left the batch
+    assert model.rows_per_step == [2, 4, 2]
 
 
 def test_scripted_beam_search_length_penalties_prefer_the_longer_hypothesis():

@@ -42,7 +42,8 @@ def beam_search(model: Transformer, src: Tensor, config: DecodeConfig) -> list[l
     """Per sentence of the (B, S) batch, its `n_best` hypotheses, best first."""
     beams = start(model, src, config)
     finished: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
-    last_R = torch.full((beams.tokens_RT.shape[0],), model.config.decoder_start_id, device=src.device)
+    rows = src.shape[0] * first_rows(model, config.beam)
+    last_R = torch.full((rows,), model.config.decoder_start_id, device=src.device)
     for t in range(beams.tokens_RT.shape[1]):
         log_probs_RV = step_log_probs(model, last_R, beams.memory, beams.src_mask, beams.cache, t, config)
         last_R = step(beams, log_probs_RV, t, model.config.eos_id, finished, config)
@@ -56,7 +57,12 @@ def beam_search(model: Transformer, src: Tensor, config: DecodeConfig) -> list[l
 
 
 def start(model: Transformer, src: Tensor, config: DecodeConfig) -> Beams:
-    """Encode the batch once; K rows per sentence, only beam 0 alive (the others would duplicate it)."""
+    """Encode the batch once; only beam 0 of each sentence alive (the others would duplicate it).
+
+    The first step decodes that one row per sentence and `step` grows it into K (as CTranslate2
+    does): the first step of beam 4 costs a quarter. With a vocabulary smaller than K (tests only),
+    K rows from the start, the K-1 copies scored -inf.
+    """
     b, k = src.shape[0], config.beam
     limit = config.max_lengths(source_lengths(model, src), model.config.max_len)
     scores_BK = torch.full((b, k), float("-inf"), device=src.device)
@@ -68,43 +74,57 @@ def start(model: Transformer, src: Tensor, config: DecodeConfig) -> Beams:
         limit_B=torch.tensor(limit, device=src.device),
         memory=model.encode(src),
         src_mask=source_mask(model, src),
-        cache=model.new_cache(b * k, max(limit), beam_size=k),
+        cache=model.new_cache(b * first_rows(model, k), max(limit), beam_size=first_rows(model, k)),
     )
+
+
+def first_rows(model: Transformer, k: int) -> int:
+    """Decoder rows per sentence in the first step: 1, or K when the vocabulary is smaller than K."""
+    return 1 if model.config.target_vocab_size >= k else k
 
 
 def step(
     beams: Beams, log_probs_RV: Tensor, t: int, eos: int, finished: list[list[Hypothesis]],
     config: DecodeConfig,
 ) -> Tensor:
-    """Extend every beam by one token (position t); record finished hypotheses; return the new tokens (R,)."""
+    """Extend every beam by one token (position t); record finished hypotheses; return the new tokens (R,).
+
+    `log_probs_RV` has K rows per sentence, or one (J = 1) in the first step, whose rows then grow to K.
+    """
     b, k = beams.scores_BK.shape
+    j = log_probs_RV.shape[0] // b  # rows per sentence in this step: K, or 1 in the first step
     # The best 2K extensions of a sentence are among the best 2K of each of its beams: rank those
-    # K x 2K, not all K x V (a row can hold at most 2K of the sentence's best 2K).
+    # J x 2K, not all J x V (a row can hold at most 2K of the sentence's best 2K).
     n = min(2 * k, log_probs_RV.shape[-1])
     top_RN, token_RN = topk_rows(log_probs_RV, n)  # (R, N) each
-    cand_BKN = beams.scores_BK[:, :, None] + top_RN.view(b, k, n)  # (B, K, N)
-    top_B2K, index_B2K = cand_BKN.view(b, k * n).topk(min(2 * k, k * n), dim=1)  # sorted, best first
-    beam_B2K, token_B2K = index_B2K // n, token_RN.view(b, k * n).gather(1, index_B2K)
+    cand_BJN = beams.scores_BK[:, :j, None] + top_RN.view(b, j, n)  # (B, J, N)
+    top_B2K, index_B2K = cand_BJN.view(b, j * n).topk(min(2 * k, j * n), dim=1)  # sorted, best first
+    beam_B2K, token_B2K = index_B2K // n, token_RN.view(b, j * n).gather(1, index_B2K)
     eos_B2K = token_B2K == eos
     ended_BK = eos_B2K[:, :k] & top_B2K[:, :k].isfinite()  # EOS ranked in the top K: a finished hypothesis
     if ended_BK.any():
-        for i, j in ended_BK.nonzero().tolist():
-            row = i * k + beam_B2K[i, j].item()
+        for i, c in ended_BK.nonzero().tolist():
+            row = i * k + beam_B2K[i, c].item()  # tokens_RT has K rows per sentence even when J = 1
             tokens = beams.tokens_RT[row, :t].tolist() + [eos]
-            finished[beams.sentence[i]].append(make_hypothesis(tokens, top_B2K[i, j].item(), config))
+            finished[beams.sentence[i]].append(make_hypothesis(tokens, top_B2K[i, c].item(), config))
     scores_BK, pick_BK = top_B2K.masked_fill(eos_B2K, float("-inf")).topk(k, dim=1)  # best K to go on
-    rows_R = (torch.arange(b, device=pick_BK.device)[:, None] * k + beam_B2K.gather(1, pick_BK)).view(-1)
+    beam_BK = beam_B2K.gather(1, pick_BK)  # (B, K) the beam each new hypothesis extends
     new_R = token_B2K.gather(1, pick_BK).view(-1)  # (R,)
-    beams.tokens_RT[:, :t] = beams.tokens_RT[rows_R, :t]  # (R, t) reordered to follow their beams
+    arange_B1 = torch.arange(b, device=pick_BK.device)[:, None]
+    beams.tokens_RT[:, :t] = beams.tokens_RT[(arange_B1 * k + beam_BK).view(-1), :t]  # (R, t) follow beams
     beams.tokens_RT[:, t] = new_R
     beams.scores_BK = scores_BK
-    beams.cache.select(rows_R)  # self-attention rows only: the beams of a sentence share cross K/V
+    rows_R = (arange_B1 * j + beam_BK).view(-1)  # (R,) the decoder row each new hypothesis extends
+    if j < k:  # the first step: one row per sentence becomes K
+        beams.cache.expand_beams(rows_R, k)
+    else:  # self-attention rows only: the beams of a sentence share cross K/V
+        beams.cache.select(rows_R)
     at_limit_B = beams.limit_B <= t + 1
     if at_limit_B.any():  # cut at the maximum length: the live hypotheses are finished as they are
         for i in at_limit_B.nonzero()[:, 0].tolist():
-            for j in scores_BK[i].isfinite().nonzero()[:, 0].tolist():
-                tokens = beams.tokens_RT[i * k + j, : t + 1].tolist()
-                finished[beams.sentence[i]].append(make_hypothesis(tokens, scores_BK[i, j].item(), config))
+            for c in scores_BK[i].isfinite().nonzero()[:, 0].tolist():
+                tokens = beams.tokens_RT[i * k + c, : t + 1].tolist()
+                finished[beams.sentence[i]].append(make_hypothesis(tokens, scores_BK[i, c].item(), config))
     return new_R
 
 

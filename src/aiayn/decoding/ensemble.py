@@ -48,6 +48,10 @@ class EnsembleCache:
         for c in self.caches:
             c.select(index)
 
+    def expand_beams(self, index: Tensor, beam_size: int) -> None:
+        for c in self.caches:
+            c.expand_beams(index, beam_size)
+
     def keep_sentences(self, index: Tensor) -> None:
         for c in self.caches:
             c.keep_sentences(index)

@@ -121,6 +121,18 @@ class KVCache:
             for s, t in pairs:
                 past[:, t].copy_(saved[s] if s in saved else past[:, s])
 
+    def expand_beams(self, index: Tensor, beam_size: int) -> None:
+        """Grow the one self-attention row of each sentence into `beam_size` rows, row i taking the past
+        of row index[i] (B*K,): beam search after its first step, which decodes one row per sentence
+        (its K beams all start from the same empty hypothesis). The cross K/V stay one per sentence."""
+        n = self.length
+        shape = (self.k.shape[0], index.shape[0], *self.k.shape[2:])  # (L, B*K, H, max_len, D)
+        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
+        torch.index_select(self.k[:, :, :, :n], 1, index, out=k[:, :, :, :n])
+        torch.index_select(self.v[:, :, :, :n], 1, index, out=v[:, :, :, :n])
+        self.k, self.v, self.spare, self.beam_size = k, v, None, beam_size
+        self._layers()
+
     def keep_sentences(self, index: Tensor) -> None:
         """Keep (and reorder) whole sentences `index` (B',): their K rows each and their cross K/V."""
         k = self.beam_size

@@ -19,8 +19,7 @@ from torch import Tensor
 
 from aiayn.decoding.length_penalty import length_penalty
 from aiayn.decoding.options import DecodeConfig
-from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, source_mask, step_log_probs
-from aiayn.decoding.topk import topk_rows
+from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, source_mask, step_top_log_probs
 from aiayn.model import KVCache, Transformer
 
 
@@ -45,8 +44,11 @@ def beam_search(model: Transformer, src: Tensor, config: DecodeConfig) -> list[l
     rows = src.shape[0] * first_rows(model, config.beam)
     last_R = torch.full((rows,), model.config.decoder_start_id, device=src.device)
     for t in range(beams.tokens_RT.shape[1]):
-        log_probs_RV = step_log_probs(model, last_R, beams.memory, beams.src_mask, beams.cache, t, config)
-        last_R = step(beams, log_probs_RV, t, model.config.eos_id, finished, config)
+        # The best 2K extensions of a sentence are among the best 2K of each of its beams: rank those
+        # K x 2K, not all K x V (a row can hold at most 2K of the sentence's best 2K).
+        top_RN, token_RN = step_top_log_probs(model, last_R, beams.memory, beams.src_mask, beams.cache, t,
+                                              config, min(2 * config.beam, model.config.target_vocab_size))
+        last_R = step(beams, top_RN, token_RN, t, model.config.eos_id, finished, config)
         keep_B = still_searching(beams, finished, t, config)
         if not keep_B:
             break
@@ -84,19 +86,16 @@ def first_rows(model: Transformer, k: int) -> int:
 
 
 def step(
-    beams: Beams, log_probs_RV: Tensor, t: int, eos: int, finished: list[list[Hypothesis]],
+    beams: Beams, top_RN: Tensor, token_RN: Tensor, t: int, eos: int, finished: list[list[Hypothesis]],
     config: DecodeConfig,
 ) -> Tensor:
     """Extend every beam by one token (position t); record finished hypotheses; return the new tokens (R,).
 
-    `log_probs_RV` has K rows per sentence, or one (J = 1) in the first step, whose rows then grow to K.
+    `top_RN`, `token_RN`: the N best next tokens of each row and their log-probabilities, best first;
+    K rows per sentence, or one (J = 1) in the first step, whose rows then grow to K.
     """
     b, k = beams.scores_BK.shape
-    j = log_probs_RV.shape[0] // b  # rows per sentence in this step: K, or 1 in the first step
-    # The best 2K extensions of a sentence are among the best 2K of each of its beams: rank those
-    # J x 2K, not all J x V (a row can hold at most 2K of the sentence's best 2K).
-    n = min(2 * k, log_probs_RV.shape[-1])
-    top_RN, token_RN = topk_rows(log_probs_RV, n)  # (R, N) each
+    j, n = top_RN.shape[0] // b, top_RN.shape[1]  # rows per sentence in this step: K, or 1 at first
     cand_BJN = beams.scores_BK[:, :j, None] + top_RN.view(b, j, n)  # (B, J, N)
     top_B2K, index_B2K = cand_BJN.view(b, j * n).topk(min(2 * k, j * n), dim=1)  # sorted, best first
     beam_B2K, token_B2K = index_B2K // n, token_RN.view(b, j * n).gather(1, index_B2K)

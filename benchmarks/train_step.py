@@ -10,8 +10,10 @@ embedding tied to the output projection, sinusoidal positions) and the very same
 timed interleaved (A B C A B C ...), so that the noise of a shared machine falls on all of them alike;
 what counts are ratios measured in the same run.
 
-Also: model FLOP utilisation against a matmul peak measured here, and the bfloat16 loss curve against
-the float32 one from the same initialisation on the same batches.
+Also: model FLOP utilisation against a matmul peak measured here; the floor that the step's Linear
+products alone set (`linear_floor`: the same products as `torch.mm`, nothing else), which bounds any
+system's lead over the fastest peer; and the bfloat16 loss curve against the float32 one from the same
+initialisation on the same batches.
 
     python benchmarks/train_step.py                 # small and base, fp32 and bf16, eager and compiled
     python benchmarks/train_step.py --quick         # small only, fewer steps: about a minute
@@ -209,6 +211,30 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / seconds
 
 
+def linear_shapes(c: ModelConfig, b: int, s: int, t: int) -> list[tuple[int, int, int]]:
+    """(rows, in, out) of every Linear product of one forward pass, as `model_flops` counts them."""
+    d, f, v = c.d_model, c.d_ff, c.target_vocab_size
+    encoder = [(b * s, d, 3 * d), (b * s, d, d), (b * s, d, f), (b * s, f, d)]
+    decoder = [(b * t, d, 3 * d), (b * t, d, d), (b * t, d, d), (b * s, d, 2 * d), (b * t, d, d),
+               (b * t, d, f), (b * t, f, d)]  # self QKV, O; cross Q, KV (of the memory), O; FFN
+    return encoder * c.n_layers + decoder * c.decoder_layers + [(b * t, d, v)]
+
+
+def linear_floor(c: ModelConfig, b: int, s: int, t: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Seconds that the step's Linear products alone take here: each one's forward (x W^T), input
+    gradient (g W) and weight gradient (g^T x) as one `torch.mm` in `dtype`, nothing else. Every
+    system makes these same products, so no step can be faster: the fastest peer's time over this
+    bounds how far ahead of it any implementation could get on this machine."""
+    mats = [(torch.randn(n, i).to(dtype), torch.randn(o, i).to(dtype), torch.randn(n, o).to(dtype))
+            for n, i, o in linear_shapes(c, b, s, t)]
+
+    def products() -> None:
+        for x, w, g in mats:
+            torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x)
+
+    return timeit(products, repeats=repeats, warmup=1)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Timing: every (system, precision) of one configuration interleaved, round after round.
 
@@ -258,9 +284,11 @@ def time_config(name: str, args) -> tuple[list[Run], dict]:
             run.step(*batch)
             run.times.append(time.perf_counter() - start)
         print(f"[{name}] round {r + 1}/{args.steps}", flush=True)
+    dims = shape["batch"], shape["src_len"], shape["tgt_len"]
     info = dict(config=name, **shape, tokens=shape["batch"] * (shape["src_len"] + shape["tgt_len"]),
-                flops=model_flops(c, shape["batch"], shape["src_len"], shape["tgt_len"]),
-                parameters=sum(p.numel() for p in Transformer(c).parameters()))
+                flops=model_flops(c, *dims), parameters=sum(p.numel() for p in Transformer(c).parameters()),
+                linear_floor_s={p: linear_floor(c, *dims, PRECISIONS[p] or torch.float32)
+                                for p in args.precisions})
     return runs, info
 
 
@@ -279,6 +307,8 @@ def summarise(runs: list[Run], info: dict, peaks: dict) -> list[dict]:
             tokens_per_s=info["tokens"] / s, fastest_peer=fastest.label, vs_fastest_peer=fastest.median_s / s,
             mfu=info["flops"] / s / peaks[run.precision], first_step_s=run.first_s,
             compile_s=max(run.first_s - s, 0.0) if run.compiled else None,
+            linear_floor_ms=1000 * info["linear_floor_s"][run.precision],
+            peer_over_floor=fastest.median_s / info["linear_floor_s"][run.precision],
             times_ms=[round(1000 * t, 1) for t in run.times],
         ))
     return rows
@@ -362,6 +392,11 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
                 q = [a / b for a, b in zip(rounds["fp32"], rounds["bf16"])]
                 speedups.append(f"- {cfg}, {compiled}: bf16 is {t['fp32'] / t['bf16']:.2f}x fp32 (ratio of "
                                 f"medians; per round: median {statistics.median(q):.2f} [{min(q):.2f}, {max(q):.2f}])")
+    floors = [f"- {r['config']} {r['precision']}: the Linear products alone (forward, input and weight "
+              f"gradients, `torch.mm`, nothing else) take {r['linear_floor_ms']:.0f} ms, so no step can be "
+              f"more than {r['peer_over_floor']:.2f}x the fastest peer ({r['fastest_peer']}) here; aiayn "
+              f"spends {r['step_ms'] - r['linear_floor_ms']:.0f} ms outside them"
+              for r in rows if r["system"] == "aiayn" and "linear_floor_ms" in r]
     lines = [
         "# Training step: aiayn vs torch.nn.Transformer vs MarianMT", "",
         f"Command: `python benchmarks/train_step.py {shlex.join(args.argv)}`", "",
@@ -376,7 +411,7 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
         "when they were measured, else against the eager peers, named in brackets). MFU = model FLOPs "
         "(`model_flops`: 6 x matmul weights x positions + 12 x B x d x Tq x Tk per attention) / time / "
         "measured matmul peak of that precision. `compile s` = first step minus a warm step.", "",
-        table if rows else "(no timing in this run)", "", *speedups, "",
+        table if rows else "(no timing in this run)", "", *speedups, "", *floors, "",
     ]
     if curve:
         lines += [

@@ -34,6 +34,22 @@ def test_model_flops_equals_torch_flop_counter(s, t):
     assert train_step.model_flops(c, 4, s, t) == counter.get_total_flops()
 
 
+def test_linear_floor_times_the_linear_products_that_torch_counts():
+    """The floor's products are those of the model's Linear layers: each (rows, in, out) forward,
+    input gradient and weight gradient, 6 x rows x in x out FLOPs, equal the mm/addmm FLOPs that
+    torch counts in forward + backward (attention's products are bmm, outside the floor)."""
+    torch.manual_seed(0)
+    c = model_config("tiny", vocab_size=500, dropout=0.0, n_decoder_layers=3)
+    s, t = 6, 5
+    src, tgt_in, tgt_out = (torch.randint(3, 500, (4, n)) for n in (s, t, t))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        train_step.label_smoothed_loss(Transformer(c)(src, tgt_in), tgt_out).backward()
+    counted = counter.get_flop_counts()["Global"]
+    linear = sum(n for op, n in counted.items() if op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+    assert 6 * sum(n * i * o for n, i, o in train_step.linear_shapes(c, 4, s, t)) == linear
+    assert train_step.linear_floor(c, 4, s, t, torch.float32, repeats=1) > 0
+
+
 def test_peers_have_the_same_shapes():
     """nn.Transformer and Marian get our matmul weights: the same count of parameters in Linear layers
     (biases and the tied embedding aside, where their layouts differ)."""

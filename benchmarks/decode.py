@@ -11,6 +11,10 @@ hypotheses (batch x 32), the encoder included.
 
 The engines of one cell run interleaved, repeat after repeat, with the same thread count, and the
 median is reported: on a shared machine the ratios between engines of one run are what carries over.
+Each engine runs in a process of its own: in one process, CTranslate2's wheel binds to PyTorch's GNU
+OpenMP runtime, and once CTranslate2 has run with two threads, PyTorch's parallel regions wait for
+their workers the slow way (libgomp throttles its spinning when it manages more threads than there
+are cores): an aiayn greedy step on two threads went from 7.0 to 13.9 ms after one CTranslate2 call.
 
     python benchmarks/decode.py                       # CPU, 1 thread, 3 repeats
     python benchmarks/decode.py --threads 2 --repeats 5
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -93,9 +98,9 @@ class _Vocabulary:
         return {names.get(i, f"t{i}"): i for i in range(VOCAB)}
 
 
-def build_ct2(hf, workdir: Path, threads: int, device: str) -> dict:
-    """CTranslate2 float32 and int8 models converted by CTranslate2's own Transformers converter."""
-    import ctranslate2
+def convert_ct2(hf, workdir: Path) -> dict[str, str]:
+    """CTranslate2 float32 and int8 models converted by CTranslate2's own Transformers converter:
+    compute type -> model directory."""
     from ctranslate2.converters import TransformersConverter
 
     class OfflineConverter(TransformersConverter):
@@ -107,8 +112,7 @@ def build_ct2(hf, workdir: Path, threads: int, device: str) -> dict:
     for compute, quantization in (("float32", None), ("int8", "int8")):
         path = workdir / f"ct2_{compute}"
         OfflineConverter(str(workdir / "hf")).convert(str(path), quantization=quantization, force=True)
-        out[compute] = ctranslate2.Translator(str(path), device=device, compute_type=compute,
-                                              intra_threads=threads, inter_threads=1)
+        out[compute] = str(path)
     return out
 
 
@@ -131,39 +135,94 @@ def run_ct2(translator, tokens, beam: int) -> list[int]:
     return [len(r.hypotheses[0]) for r in results]
 
 
-def engines(hf, model, model_int8, ct2, src, device: str) -> dict:
-    """name -> function(batch, beam) -> output lengths, for the engines available here."""
-    tokens = [[f"t{i}" for i in row[:-1].tolist()] + ["</s>"] for row in src.cpu()]
-    out = {
-        "aiayn fp32": lambda b, k: run_aiayn(model, src[:b], k),
-        "HF Marian fp32": lambda b, k: run_hf(hf, src[:b], k),
-    }
-    if model_int8 is not None:
-        out["aiayn int8"] = lambda b, k: run_aiayn(model_int8, src[:b].cpu(), k)
-    for compute, translator in ct2.items():
-        out[f"CT2 {compute}"] = lambda b, k, t=translator: run_ct2(t, tokens[:b], k)
-    return out
+def sources(seed: int) -> torch.Tensor:
+    """The 16 source sentences (ids, EOS last), the same in every process."""
+    src = torch.randint(2, PAD, (16, SRC_LEN), generator=torch.Generator().manual_seed(seed + 1))
+    src[:, -1] = EOS
+    return src
 
 
-def measure(runs: dict, repeats: int, device: str) -> dict:
-    """tokens/s per (cell, engine): engines interleaved within each repeat, median over repeats."""
+def make_engine(name: str, seed: int, device: str, ct2_paths: dict[str, str], threads: int):
+    """Engine `name`, built in this process: a function (batch, beam) -> output lengths."""
+    torch.set_num_threads(threads)
+    keep_freed_memory()  # as aiayn's Translator does, unless AIAYN_SYSTEM_MALLOC=1; HF's decoding gets it too
+    src = sources(seed)
+    if name == "HF Marian fp32":
+        hf = build_hf(seed).to(device)
+        src = src.to(device)
+        return lambda b, k: run_hf(hf, src[:b], k)
+    if name == "aiayn fp32":  # as `Translator.load`: oneDNN-packed on a CPU
+        model = prepare_for_inference(build_aiayn(build_hf(seed)).to(device))
+        src = src.to(device)
+        return lambda b, k: run_aiayn(model, src[:b], k)
+    if name == "aiayn int8":
+        model = prepare_for_inference(build_aiayn(build_hf(seed)), int8=True)
+        return lambda b, k: run_aiayn(model, src[:b], k)
+    import ctranslate2
+
+    compute = name.removeprefix("CT2 ")
+    translator = ctranslate2.Translator(ct2_paths[compute], device=device, compute_type=compute,
+                                        intra_threads=threads, inter_threads=1)
+    tokens = [[f"t{i}" for i in row[:-1].tolist()] + ["</s>"] for row in src]
+    return lambda b, k: run_ct2(translator, tokens[:b], k)
+
+
+def serve(conn, name: str, seed: int, device: str, ct2_paths: dict[str, str], threads: int) -> None:
+    """A worker process: build engine `name`, then run (batch, beam) requests, answering (seconds,
+    output lengths), until None."""
+    run = make_engine(name, seed, device, ct2_paths, threads)
+    conn.send("ready")
+    while (request := conn.recv()) is not None:
+        batch, beam = request
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        lengths = run(batch, beam)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        conn.send((time.perf_counter() - start, lengths))
+
+
+class Engine:
+    """Parent side of one worker process: `engine(batch, beam)` -> (seconds, output lengths)."""
+
+    def __init__(self, name: str, *args):
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no OpenMP state shared
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child, name, *args), daemon=True)
+        self.process.start()
+
+    def wait_ready(self) -> None:
+        if self.conn.recv() != "ready":
+            raise SystemExit("a benchmark worker failed to start")
+
+    def __call__(self, batch: int, beam: int) -> tuple[float, list[int]]:
+        self.conn.send((batch, beam))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join()
+
+
+def measure(runs: dict, repeats: int, settle: float = 0.0) -> dict:
+    """tokens/s per (cell, engine): engines interleaved within each repeat, median over repeats.
+
+    `runs`: name -> `Engine`. Each timed run starts after `settle` idle seconds, so that the OpenMP
+    workers of the engine before it, which spin for a while after a call returns, are asleep.
+    """
     results = {}
     for name, beam, batch in CELLS:
         cell = f"{name}, batch {batch}"
         times: dict[str, list[float]] = {e: [] for e in runs}
         for e, fn in runs.items():  # warm-up, and the forced length checked once per engine and cell
-            lengths = fn(batch, beam)
+            _, lengths = fn(batch, beam)
             if lengths != [NEW_TOKENS] * batch:
                 raise SystemExit(f"{e} produced lengths {lengths} in {cell}, not {NEW_TOKENS}")
         for _ in range(repeats):
             for e, fn in runs.items():
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                fn(batch, beam)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                times[e].append(time.perf_counter() - start)
+                time.sleep(settle)
+                times[e].append(fn(batch, beam)[0])
         results[cell] = {e: batch * NEW_TOKENS / statistics.median(t) for e, t in times.items()}
         print(cell, {e: round(v, 1) for e, v in results[cell].items()}, file=sys.stderr, flush=True)
     return results
@@ -191,29 +250,33 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--settle", type=float, default=0.5,
+                        help="idle seconds before each timed run, so that the previous engine's spinning "
+                             "OpenMP threads have stopped (default 0.5)")
     parser.add_argument("--out", help="results prefix (default benchmarks/results/decode_DEVICE)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    keep_freed_memory()  # as aiayn's Translator does, unless AIAYN_SYSTEM_MALLOC=1; HF's decoding gets it too
     hf = build_hf(args.seed)
-    model = build_aiayn(hf)
-    src = torch.randint(2, PAD, (16, SRC_LEN))
-    src[:, -1] = EOS
-    diff = check_same_logits(hf, model, src[:4])
-    model_int8 = prepare_for_inference(build_aiayn(hf), int8=True) if args.device == "cpu" else None
-    model = prepare_for_inference(model.to(args.device))  # as `Translator.load`: oneDNN-packed on CPU
-    hf, model, src = hf.to(args.device), model.to(args.device), src.to(args.device)
+    diff = check_same_logits(hf, build_aiayn(hf), sources(args.seed)[:4])
+    names = ["aiayn fp32", "HF Marian fp32"] + (["aiayn int8"] if args.device == "cpu" else [])
+    import ctranslate2
+
+    if args.device == "cpu" or ctranslate2.get_cuda_device_count() > 0:
+        names += ["CT2 float32", "CT2 int8"]
+    else:
+        print(f"CTranslate2 {ctranslate2.__version__} has no CUDA device here: not timed", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            ct2 = build_ct2(hf.cpu(), Path(tmp), args.threads, args.device)
-        except (ImportError, ValueError, RuntimeError) as e:  # e.g. a CTranslate2 wheel without CUDA
-            print(f"CTranslate2 unavailable on {args.device}: {e}", file=sys.stderr)
-            ct2 = {}
-        hf = hf.to(args.device)
-        results = measure(engines(hf, model, model_int8, ct2, src, args.device), args.repeats, args.device)
+        ct2_paths = convert_ct2(hf, Path(tmp))
+        del hf
+        runs = {n: Engine(n, args.seed, args.device, ct2_paths, args.threads) for n in names}
+        for engine in runs.values():
+            engine.wait_ready()
+        results = measure(runs, args.repeats, args.settle)
+        for engine in runs.values():
+            engine.close()
     env = environment()
     env.update(ctranslate2=__import__("ctranslate2").__version__, threads=args.threads, device=args.device,
-               repeats=args.repeats, max_abs_logit_diff_vs_hf=diff, command="python " + " ".join(sys.argv))
+               repeats=args.repeats, settle_s=args.settle, max_abs_logit_diff_vs_hf=diff,
+               processes="one per engine", command="python " + " ".join(sys.argv))
     text = table(results)
     print(text)
     out = Path(args.out or Path(__file__).parent / "results" / f"decode_{args.device}")

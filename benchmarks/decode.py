@@ -255,6 +255,7 @@ def main() -> None:
                              "OpenMP threads have stopped (default 0.5)")
     parser.add_argument("--out", help="results prefix (default benchmarks/results/decode_DEVICE)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # the workers set theirs; this keeps the recorded environment true
     hf = build_hf(args.seed)
     diff = check_same_logits(hf, build_aiayn(hf), sources(args.seed)[:4])
     names = ["aiayn fp32", "HF Marian fp32"] + (["aiayn int8"] if args.device == "cpu" else [])

@@ -17,7 +17,6 @@ from torch import Tensor
 
 from aiayn.decoding.length_penalty import length_penalty
 from aiayn.decoding.options import DecodeConfig
-from aiayn.decoding.topk import topk_rows
 from aiayn.model import KVCache, Transformer
 
 
@@ -64,19 +63,6 @@ def step_log_probs(
     if produced < config.min_len:
         log_probs_RV[:, model.config.eos_id] = float("-inf")
     return log_probs_RV
-
-
-def step_top_log_probs(
-    model: Transformer, last_R: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache,
-    produced: int, config: DecodeConfig, k: int,
-) -> tuple[Tensor, Tensor]:
-    """The k most likely next tokens of each row and their log-probabilities, (R, k) each, best first.
-
-    (Normalizing only the k chosen logits by `logsumexp` instead of the whole row by `log_softmax`
-    was 1 ms a step slower at beam 4 x 16 rows in the decoder, A/B in one process: `logsumexp`
-    writes two row-sized temporaries.)
-    """
-    return topk_rows(step_log_probs(model, last_R, memory, src_mask, cache, produced, config), k)
 
 
 @torch.inference_mode()

@@ -77,8 +77,8 @@ class KVCache:
         """The encoder-decoder K/V of `layer`, computed by `project()` on first use only.
 
         Stored contiguous: `project()` returns head views into one packed projection, which every later
-        step would read with a stride; a beam 4 x 16 cross-attention over 24 source positions read them in
-        471 us against 424 us contiguous, with the cache cold as it is in a step (benchmarks/RESULTS.md)."""
+        step would read with a stride (SDPA over them, beam 4 x 16 rows, 24 source positions, caches
+        flushed as a step's weights flush them: 471 us against 424 us contiguous; benchmarks/RESULTS.md)."""
         if self.cross[layer] is None:
             k, v = project()  # (B, H, S, D) views
             self.cross[layer] = (k.contiguous(), v.contiguous())

@@ -12,7 +12,7 @@ import torch
 from aiayn.config import ConfigError
 from aiayn.decoding import DecodeConfig, beam_search, generate, greedy_search, length_penalty
 from aiayn.decoding.sampling import filter_logits
-from aiayn.decoding.topk import topk_rows
+from aiayn.decoding.topk import argmax_rows, topk_rows
 from aiayn.model import KVCache
 from conftest import padded_batch, tiny_model
 
@@ -263,3 +263,23 @@ def test_topk_rows_equals_torch_topk(v, chunk):
         finite = expected.values.isfinite()  # -inf ties may come from any column
         assert torch.equal(indices[finite], expected.indices[finite])
         assert torch.equal(x.gather(1, indices), values)  # every index points at its value
+
+
+@pytest.mark.parametrize("v, chunk", [(32_000, 128), (1_000, 16), (1_003, 16), (50, 16), (20, 16)])
+def test_argmax_rows_equals_torch_argmax(v, chunk):
+    """The same index as `torch.argmax`, ties included (the first of equal maxima), whether they fall in
+    one chunk, in two chunks, or in a whole chunk and the partial last one; masked rows and NaN too."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(12, v, generator=gen)
+    x[1, : v // 2] = float("-inf")  # half a row masked
+    x[2] = float("-inf")  # nothing but -inf: index 0, as argmax
+    x[3, [v // 3, 2 * v // 3]] = 30.0  # a tie across chunks: the first wins
+    x[4, [3, 4]] = 30.0  # a tie inside one chunk
+    x[5, [1, v - 1]] = 30.0  # a tie between the first chunk and the last entry
+    x[6, v - 1] = 30.0  # the maximum is the last entry
+    x[7, v - 2] = float("nan")  # NaN counts as the largest, as in torch.argmax
+    x[8, [2, v - 1]] = float("nan")  # the first NaN wins
+    x[9] = torch.arange(v, 0, -1, dtype=torch.float32)  # strictly falling: the maximum is entry 0
+    x[10] = x[10].round()  # many exact ties
+    for rows in (x, x[:1], x[[5, 6, 7]]):
+        assert torch.equal(argmax_rows(rows, chunk), rows.argmax(1))

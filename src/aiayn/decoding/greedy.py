@@ -8,6 +8,7 @@ from torch import Tensor
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.sampling import sample_next
 from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, source_mask, step_log_probs
+from aiayn.decoding.topk import argmax_rows
 from aiayn.model import Transformer
 
 
@@ -31,7 +32,7 @@ def greedy_search(
     for t in range(max(max_len_R)):
         log_probs_RV = step_log_probs(model, last_R, memory, src_mask, cache, t, config)
         if generator is None:
-            last_R = log_probs_RV.argmax(-1)  # (R,)
+            last_R = argmax_rows(log_probs_RV)  # (R,), as argmax(-1)
         else:
             last_R = sample_next(log_probs_RV, config.temperature, config.top_k, config.top_p, generator)
         log_prob_R += log_probs_RV.gather(1, last_R[:, None])[:, 0]

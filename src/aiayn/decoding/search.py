@@ -59,7 +59,9 @@ def step_log_probs(
     """
     logits_RV = model.decode(last_R[:, None], memory, src_mask, cache)[:, -1].float()  # (R, V)
     logits_RV[:, model.config.pad_id] = float("-inf")
-    log_probs_RV = torch.log_softmax(logits_RV, dim=-1)
+    # In place: the logits are this step's own. A fresh (R, V) output is 2.7x slower with cold caches
+    # (64 x 32,000: 3.5 ms against 1.3); beam 4 x 16 decodes 1-3% faster (benchmarks/RESULTS.md).
+    log_probs_RV = torch.log_softmax(logits_RV, dim=-1, out=logits_RV)
     if produced < config.min_len:
         log_probs_RV[:, model.config.eos_id] = float("-inf")
     return log_probs_RV

@@ -123,3 +123,24 @@ def test_cpu_packed_linears_compute_the_same_function():
         torch.testing.assert_close(ours, model.decode(first, model.encode(one), None), atol=1e-5, rtol=1e-5)
     greedy = DecodeConfig(beam=1, max_len_b=6)
     assert [h[0].tokens for h in generate(packed, one, greedy)] == [h[0].tokens for h in generate(model, one, greedy)]
+
+
+@pytest.mark.skipif("onednn" not in torch.backends.quantized.supported_engines, reason="no oneDNN int8 engine")
+def test_int8_linear_computes_what_dynamic_quantization_does():
+    """`Int8Linear` (fbgemm's packing below INT8_AMX_ROWS rows, oneDNN's from there up) gives what the
+    `quantize_dynamic` Linear it wraps gives, at row counts on both sides of the switch, 2-D and 3-D."""
+    import warnings
+
+    from aiayn.decoding.cpu import INT8_AMX_ROWS, Int8Linear
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = torch.ao.quantization.quantize_dynamic(
+            torch.nn.Sequential(torch.nn.Linear(64, 96)), {torch.nn.Linear}, dtype=torch.qint8)[0]
+    both = Int8Linear(quantized)
+    for shape in [(1, 64), (INT8_AMX_ROWS - 1, 64), (INT8_AMX_ROWS, 64), (5, 13, 64)]:
+        x = torch.randn(shape)
+        expected = quantized(x)
+        assert expected.shape == (*shape[:-1], 96)
+        torch.testing.assert_close(both(x), expected, atol=1e-5, rtol=1e-5)

@@ -22,7 +22,7 @@ from aiayn.config import from_dict
 from aiayn.data.batching import right_pad
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
-from aiayn.decoding.cpu import pack_for_cpu
+from aiayn.decoding.cpu import pack_for_cpu, pack_int8_for_amx
 from aiayn.errors import UserError
 from aiayn.memory import cap_kernel_caches, keep_freed_memory
 from aiayn.model import Transformer
@@ -62,7 +62,8 @@ def quantize_int8(model: Transformer) -> Transformer:
     a CPU-only speed-up. The embeddings stay in float; the tied output projection gets its own int8 copy."""
     with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated for torchao, still works
         warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    return pack_int8_for_amx(quantized)
 
 
 def prepare_for_inference(model: Transformer, int8: bool = False) -> Transformer:

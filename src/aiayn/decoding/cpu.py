@@ -8,6 +8,10 @@ search of one sentence) MKL's own packed GEMM, CTranslate2's choice on Intel, is
 32,000 x 512 vocabulary product against 5.2 (oneDNN) and 5.5 (plain MKL), and 11.8 ms for all the
 `base` decoder's Linears of a step against 14.5 and 13.1. `pack_for_cpu` swaps each `nn.Linear` for a
 `PackedLinear` in a copy of the model: the same function, the weights reordered, nothing saved.
+
+int8 (`aiayn translate --int8`): PyTorch's dynamic quantization packs each weight for fbgemm, which has
+no AMX kernels. On CPUs with AMX, `pack_int8_for_amx` also packs it for oneDNN, whose int8 matmul runs
+on AMX tiles, and `Int8Linear` takes that packing from 8 rows up (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from torch import Tensor, nn
 log = logging.getLogger(__name__)
 
 PACKED_ROWS = 64  # the row count oneDNN lays the weights out for; any count runs
+# From this many rows up oneDNN's AMX int8 products beat fbgemm's: the 37 products of a `base` decoder
+# step, one thread, ms: 1 row 2.0 (fbgemm) against 2.7 (oneDNN), 4 rows 2.3 against 3.5, 8 rows 3.5
+# against 3.1, 16 rows 4.5 against 4.2, 64 rows 10.5 against 6.2 (this project's Intel CPU).
+INT8_AMX_ROWS = 8
 
 
 def packing_available() -> bool:
@@ -71,6 +79,47 @@ class PackedLinear(nn.Module):
         if self.one_row_weight is not None and x.numel() == self.in_features:  # one row
             return torch.ops.mkl._mkl_linear(x, self.one_row_weight, self.weight, self.bias, 1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def amx_int8_available() -> bool:
+    """oneDNN's int8 kernels have AMX tiles to run on (Intel Xeon from Sapphire Rapids on)."""
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, hence the care
+    return bool(is_amx is not None and is_amx()) and "onednn" in torch.backends.quantized.supported_engines
+
+
+class Int8Linear(nn.Module):
+    """A dynamically quantized Linear (from `torch.ao.quantization.quantize_dynamic`, int8 weight, input
+    quantized per call) with its weight packed twice: fbgemm's packing for fewer than `INT8_AMX_ROWS`
+    rows, oneDNN's (AMX) from there up. The same int8 weight and activation quantization either way."""
+
+    def __init__(self, quantized: nn.Module):
+        super().__init__()
+        self.in_features, self.out_features = quantized.in_features, quantized.out_features
+        self.few_rows = quantized._packed_params._packed_params  # packed by the engine of the time
+        weight, bias = quantized._packed_params._weight_bias()  # the int8 weight, the float bias
+        engine = torch.backends.quantized.engine
+        torch.backends.quantized.engine = "onednn"  # packing picks the engine; calling does not
+        try:
+            self.many_rows = torch.ops.quantized.linear_prepack(weight, bias)
+        finally:
+            torch.backends.quantized.engine = engine
+
+    def forward(self, x: Tensor) -> Tensor:
+        packed = self.many_rows if x.numel() >= INT8_AMX_ROWS * self.in_features else self.few_rows
+        return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=True)  # as quantize_dynamic's
+
+
+def pack_int8_for_amx(model: nn.Module) -> nn.Module:
+    """`model` (dynamically quantized) with every quantized Linear an `Int8Linear`, where AMX is there."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    if not amx_int8_available():
+        return model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is DynamicQuantizedLinear and child._packed_params.dtype == torch.qint8:
+                setattr(parent, name, Int8Linear(child))
+    return model
 
 
 def pack_for_cpu(model: nn.Module) -> nn.Module:

@@ -125,7 +125,10 @@ def test_cpu_packed_linears_compute_the_same_function():
     assert [h[0].tokens for h in generate(packed, one, greedy)] == [h[0].tokens for h in generate(model, one, greedy)]
 
 
-@pytest.mark.skipif("onednn" not in torch.backends.quantized.supported_engines, reason="no oneDNN int8 engine")
+NO_ONEDNN_INT8 = "onednn" not in torch.backends.quantized.supported_engines
+
+
+@pytest.mark.skipif(NO_ONEDNN_INT8, reason="no oneDNN int8 engine")
 def test_int8_linear_computes_what_dynamic_quantization_does():
     """`Int8Linear` (fbgemm's packing below INT8_AMX_ROWS rows, oneDNN's from there up) gives what the
     `quantize_dynamic` Linear it wraps gives, at row counts on both sides of the switch, 2-D and 3-D."""
@@ -144,3 +147,27 @@ def test_int8_linear_computes_what_dynamic_quantization_does():
         expected = quantized(x)
         assert expected.shape == (*shape[:-1], 96)
         torch.testing.assert_close(both(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_logits_bias_folded_into_the_vocabulary_product():
+    """A model with Marian's bias on the logits, packed (float32) or quantized (int8), adds that bias
+    inside its vocabulary product: the same logits as adding it afterwards, and the original model keeps
+    its own bias."""
+    import warnings
+
+    from aiayn.decoding.cpu import pack_for_cpu, pack_int8_for_amx
+
+    model = tiny_model(final_logits_bias=True)
+    with torch.no_grad():
+        model.final_logits_bias.normal_(0.0, 1.0)
+    src, tgt = padded_batch([6, 4], 50), padded_batch([5, 5], 50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # The same packings as `quantize_int8`: int8 rounding would turn their 1e-7 differences into 1e-2.
+        quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        unfolded = pack_int8_for_amx(quantized)
+    for folded, reference in [(pack_for_cpu(model), model), (quantize_int8(model), unfolded)]:
+        assert folded.final_logits_bias is None and reference.final_logits_bias is not None
+        with torch.no_grad():
+            torch.testing.assert_close(folded(src, tgt), reference(src, tgt), atol=1e-5, rtol=1e-5)
+    assert model.final_logits_bias is not None

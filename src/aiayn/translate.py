@@ -22,7 +22,7 @@ from aiayn.config import from_dict
 from aiayn.data.batching import right_pad
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
-from aiayn.decoding.cpu import pack_for_cpu, pack_int8_for_amx
+from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
 from aiayn.errors import UserError
 from aiayn.memory import cap_kernel_caches, keep_freed_memory
 from aiayn.model import Transformer
@@ -63,6 +63,7 @@ def quantize_int8(model: Transformer) -> Transformer:
     with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated for torchao, still works
         warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
         quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    fold_logits_bias(quantized)  # a copy: `model` keeps its own
     return pack_int8_for_amx(quantized)
 
 

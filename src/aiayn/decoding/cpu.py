@@ -133,7 +133,23 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, PackedLinear(child))
-    bias = getattr(packed, "final_logits_bias", None)  # Marian's bias on the logits
-    if bias is not None and isinstance(packed.generator, PackedLinear) and packed.generator.bias is None:
-        packed.generator.bias, packed.final_logits_bias = bias, None  # added inside the product: one pass less
+    fold_logits_bias(packed)
     return packed
+
+
+def fold_logits_bias(model: nn.Module) -> None:
+    """Move Marian's bias on the logits (`final_logits_bias`) into the vocabulary product of a packed or
+    quantized model, whose `generator` has no bias of its own: added inside the product, it saves a pass
+    over the (R, V) logits every step (2.5% of an int8 greedy step at batch 16, `base` shape)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    bias, generator = getattr(model, "final_logits_bias", None), getattr(model, "generator", None)
+    if bias is None:
+        return
+    if isinstance(generator, PackedLinear) and generator.bias is None:
+        generator.bias = bias
+    elif type(generator) is DynamicQuantizedLinear and generator.bias() is None:
+        generator.set_weight_bias(generator.weight(), bias)
+    else:
+        return
+    model.final_logits_bias = None

@@ -43,7 +43,7 @@ def topk_rows(x_RV: Tensor, k: int, chunk: int = CHUNK) -> tuple[Tensor, Tensor]
 
 
 def argmax_rows(x_RV: Tensor, chunk: int = CHUNK) -> Tensor:
-    """(R, V) -> (R,) the index of each row's first largest entry, as `x_RV.argmax(1)` (NaN counted largest)."""
+    """(R, V) -> (R,) the index of each row's first largest entry, as `x_RV.argmax(1)` (NaN the largest)."""
     r, v = x_RV.shape
     n = v // chunk
     if n < 2:  # narrow rows: nothing to skip

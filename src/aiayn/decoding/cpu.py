@@ -4,10 +4,11 @@ Measured with one thread (`benchmarks/decode.py`, benchmarks/RESULTS.md): on an 
 PyTorch's default CPU matmul (MKL sgemm) runs the decoder's small-batch products 2-7x slower than oneDNN
 with a prepacked weight, which is what CTranslate2 uses on non-Intel CPUs. On an Intel Xeon (Sapphire
 Rapids class), oneDNN's prepacked weights still beat plain MKL from 4 rows up, but for one row (greedy
-search of one sentence) MKL's own packed GEMM, CTranslate2's choice on Intel, is fastest: 4.3 ms for the
-32,000 x 512 vocabulary product against 5.2 (oneDNN) and 5.5 (plain MKL), and 11.8 ms for all the
-`base` decoder's Linears of a step against 14.5 and 13.1. `pack_for_cpu` swaps each `nn.Linear` for a
-`PackedLinear` in a copy of the model: the same function, the weights reordered, nothing saved.
+search of one sentence) plain MKL on the weight stored transposed, (in, out) contiguous, is fastest: the
+37 products of a `base` decoder step take 9.5 ms, against 10.0 with MKL's packed GEMM (whose packed copy
+is 1.4-8.8x the weight), 11.1 with MKL on the (out, in) weight and 11.7 with oneDNN. `pack_for_cpu` swaps
+each `nn.Linear` for a `PackedLinear` in a copy of the model: the same function, the weights reordered,
+nothing saved.
 
 int8 (`aiayn translate --int8`): PyTorch's dynamic quantization packs each weight for fbgemm, which has
 no AMX kernels. On CPUs with AMX, `pack_int8_for_amx` also packs it for oneDNN, whose int8 matmul runs
@@ -38,12 +39,8 @@ def packing_available() -> bool:
 
 
 def one_row_mkl_available() -> bool:
-    """MKL's packed GEMM for one-row products: on Intel CPUs only, where MKL is tuned (as CTranslate2)."""
-    return (
-        torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-        and _cpu_vendor() == "GenuineIntel"
-    )
+    """MKL for one-row products: on Intel CPUs only, where MKL is tuned (as CTranslate2 does)."""
+    return torch.backends.mkl.is_available() and _cpu_vendor() == "GenuineIntel"
 
 
 @functools.cache  # read once, not once per Linear
@@ -67,17 +64,17 @@ class PackedLinear(nn.Module):
         # project's Intel CPU; a hint of 1 row made 4- to 64-row products up to 2x slower.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_ROWS)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        # One-row products through MKL's packed GEMM, packed for exactly one row (`_mkl_linear` takes the
-        # plain weight for any other count). MKL's packed copy is 1.4x (the vocabulary) to 8.8x (512 x
-        # 512) the weight, so it is made on the first one-row product: the encoder's layers never see one.
-        self.weight = linear.weight.detach() if one_row_mkl_available() else None
-        self.one_row_weight: Tensor | None = None
+        # One-row products through plain MKL on W^T, (in, out) contiguous: the row times W^T reads W^T
+        # row by row, in memory order. Whole greedy decoding of one sentence ran 4% faster than with MKL's
+        # packed GEMM (A/B in one process), and W^T is one copy of the weight where MKL's packed one was
+        # 1.4x (the vocabulary) to 8.8x (512 x 512) (benchmarks/RESULTS.md).
+        self.weight_t = linear.weight.detach().t().contiguous() if one_row_mkl_available() else None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.weight is not None and x.numel() == self.in_features:  # one row
-            if self.one_row_weight is None:
-                self.one_row_weight = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
-            return torch.ops.mkl._mkl_linear(x, self.one_row_weight, self.weight, self.bias, 1)
+        if self.weight_t is not None and x.numel() == self.in_features:  # one row
+            row, w_t = x.reshape(1, self.in_features), self.weight_t
+            y = torch.mm(row, w_t) if self.bias is None else torch.addmm(self.bias, row, w_t)  # (1, out)
+            return y.view(*x.shape[:-1], self.out_features)  # (..., out)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

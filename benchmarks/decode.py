@@ -15,6 +15,8 @@ Each engine runs in a process of its own: in one process, CTranslate2's wheel bi
 OpenMP runtime, and once CTranslate2 has run with two threads, PyTorch's parallel regions wait for
 their workers the slow way (libgomp throttles its spinning when it manages more threads than there
 are cores): an aiayn greedy step on two threads went from 7.0 to 13.9 ms after one CTranslate2 call.
+After the timing each worker reports its resident memory, freed heap returned to the system first:
+the engine's weights in whatever copies and layouts it keeps, plus the libraries every worker loads.
 
     python benchmarks/decode.py                       # CPU, 1 thread, 3 repeats
     python benchmarks/decode.py --threads 2 --repeats 5
@@ -24,8 +26,10 @@ are cores): an aiayn greedy step on two threads went from 7.0 to 13.9 ms after o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -40,7 +44,7 @@ from common import environment  # noqa: E402
 from aiayn.checkpoint import load_into  # noqa: E402
 from aiayn.decoding import DecodeConfig, generate  # noqa: E402
 from aiayn.interop.marian import convert_weights, model_config_from_marian  # noqa: E402
-from aiayn.memory import keep_freed_memory  # noqa: E402
+from aiayn.memory import keep_freed_memory, release_freed_memory  # noqa: E402
 from aiayn.translate import prepare_for_inference  # noqa: E402
 
 SRC_LEN, NEW_TOKENS, VOCAB = 24, 32, 32_000
@@ -173,6 +177,9 @@ def serve(conn, name: str, seed: int, device: str, ct2_paths: dict[str, str], th
     run = make_engine(name, seed, device, ct2_paths, threads)
     conn.send("ready")
     while (request := conn.recv()) is not None:
+        if request == "memory":
+            conn.send(resident_mb())
+            continue
         batch, beam = request
         if device == "cuda":
             torch.cuda.synchronize()
@@ -181,6 +188,15 @@ def serve(conn, name: str, seed: int, device: str, ct2_paths: dict[str, str], th
         if device == "cuda":
             torch.cuda.synchronize()
         conn.send((time.perf_counter() - start, lengths))
+
+
+def resident_mb() -> float:
+    """This process' resident memory in MB once freed heap blocks are handed back (glibc's malloc_trim):
+    what it holds, not what it once allocated."""
+    gc.collect()
+    release_freed_memory()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
 
 
 class Engine:
@@ -198,6 +214,10 @@ class Engine:
 
     def __call__(self, batch: int, beam: int) -> tuple[float, list[int]]:
         self.conn.send((batch, beam))
+        return self.conn.recv()
+
+    def memory_mb(self) -> float:
+        self.conn.send("memory")
         return self.conn.recv()
 
     def close(self) -> None:
@@ -258,6 +278,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # the workers set theirs; this keeps the recorded environment true
     hf = build_hf(args.seed)
     diff = check_same_logits(hf, build_aiayn(hf), sources(args.seed)[:4])
+    weights_mb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e6  # float32, tied once
     names = ["aiayn fp32", "HF Marian fp32"] + (["aiayn int8"] if args.device == "cpu" else [])
     import ctranslate2
 
@@ -272,20 +293,26 @@ def main() -> None:
         for engine in runs.values():
             engine.wait_ready()
         results = measure(runs, args.repeats, args.settle)
+        memory = {name: round(engine.memory_mb()) for name, engine in runs.items()}
         for engine in runs.values():
             engine.close()
     env = environment()
     env.update(ctranslate2=__import__("ctranslate2").__version__, threads=args.threads, device=args.device,
                repeats=args.repeats, settle_s=args.settle, max_abs_logit_diff_vs_hf=diff,
-               processes="one per engine", command="python " + " ".join(sys.argv))
+               processes="one per engine", float32_weights_mb=round(weights_mb),
+               command="python " + " ".join(sys.argv))
     text = table(results)
     print(text)
+    print(f"resident MB after the runs: {memory} (float32 weights: {weights_mb:.0f} MB)")
     out = Path(args.out or Path(__file__).parent / "results" / f"decode_{args.device}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"environment": env, "tokens_per_second": results}
+    record = {"environment": env, "tokens_per_second": results, "resident_mb_after_runs": memory}
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     out.with_suffix(".md").write_text(
         f"# Decoding speed, {args.device}\n\n`{env['command']}`\n\n{text}\n\n{verdict(results)}\n\n"
+        f"Resident memory of each engine's process after the runs, MB (freed heap returned first; every "
+        f"process also holds the libraries it loaded; the float32 weights are {weights_mb:.0f} MB): "
+        f"{memory}\n\n"
         f"Environment: `{json.dumps(env)}`\n")
 
 

@@ -53,7 +53,8 @@ def _cpu_vendor() -> str:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b (an `nn.Linear`) through oneDNN's `_linear_pointwise` with a prepacked W."""
+    """y = x W^T + b (an `nn.Linear`): oneDNN's `_linear_pointwise` with a prepacked W, or for one row on
+    an Intel CPU plain MKL on W^T."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -47,7 +47,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` beside this file, however it is run
-from common import environment, markdown_table
+from common import environment, markdown_table, status_kib
 
 log = logging.getLogger("benchmarks.attention_memory")
 
@@ -99,14 +99,6 @@ def run_once(impl: str, mode: str, q: Tensor, k: Tensor, v: Tensor, grad: Tensor
         ATTENTION[impl](q, k, v).backward(grad)
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _reset_peak_rss() -> bool:
     """Reset the kernel's peak-RSS counter (VmHWM); False where /proc/self/clear_refs is not writable."""
     try:
@@ -120,10 +112,10 @@ def _reset_peak_rss() -> bool:
 def cpu_peak_bytes(impl: str, mode: str, q: Tensor, k: Tensor, v: Tensor, grad: Tensor) -> tuple[int, str]:
     """Peak resident-set growth of one run, and the method that measured it."""
     if _reset_peak_rss():
-        before = _status_kib("VmRSS")
+        before = status_kib("VmRSS")
         run_once(impl, mode, q, k, v, grad)
-        return (_status_kib("VmHWM") - before) * 1024, "VmHWM after clear_refs"
-    before = _status_kib("VmRSS")
+        return (status_kib("VmHWM") - before) * 1024, "VmHWM after clear_refs"
+    before = status_kib("VmRSS")
     run_once(impl, mode, q, k, v, grad)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return max(0, peak - before) * 1024, "ru_maxrss (not resettable: a lower bound)"

@@ -65,6 +65,15 @@ def environment() -> dict:
     return env
 
 
+def status_kib(field: str) -> int:
+    """A KiB field of this process' /proc/self/status (Linux): VmRSS resident now, VmHWM its peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def sync(device: torch.device | str = "cpu") -> None:
     """Wait for queued GPU work so that a wall-clock time covers it (a no-op on CPU)."""
     if torch.device(device).type == "cuda":

@@ -29,7 +29,6 @@ import argparse
 import gc
 import json
 import multiprocessing
-import os
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment  # noqa: E402
+from common import environment, status_kib  # noqa: E402
 
 from aiayn.checkpoint import load_into  # noqa: E402
 from aiayn.decoding import DecodeConfig, generate  # noqa: E402
@@ -195,8 +194,7 @@ def resident_mb() -> float:
     what it holds, not what it once allocated."""
     gc.collect()
     release_freed_memory()
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    return status_kib("VmRSS") * 1024 / 1e6
 
 
 class Engine:

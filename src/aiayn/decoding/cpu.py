@@ -21,6 +21,7 @@ import copy
 import functools
 import logging
 import platform
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -113,10 +114,11 @@ def pack_int8_for_amx(model: nn.Module) -> nn.Module:
 
     if not amx_int8_available():
         return model
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is DynamicQuantizedLinear and child._packed_params.dtype == torch.qint8:
-                setattr(parent, name, Int8Linear(child))
+
+    def int8(m: nn.Module) -> bool:
+        return type(m) is DynamicQuantizedLinear and m._packed_params.dtype == torch.qint8
+
+    replace_modules(model, int8, Int8Linear)
     return model
 
 
@@ -127,12 +129,19 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
         log.info("oneDNN linear packing unavailable in this PyTorch build; using the model as it is")
         return model
     packed = copy.deepcopy(model).eval()
-    for parent in list(packed.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+    replace_modules(packed, lambda m: type(m) is nn.Linear, PackedLinear)
     fold_logits_bias(packed)
     return packed
+
+
+def replace_modules(
+    model: nn.Module, match: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]
+) -> None:
+    """Swap every submodule `m` of `model` for which `match(m)` holds for `make(m)`, in place."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if match(child):
+                setattr(parent, name, make(child))
 
 
 def fold_logits_bias(model: nn.Module) -> None:

@@ -18,6 +18,13 @@ are cores): an aiayn greedy step on two threads went from 7.0 to 13.9 ms after o
 After the timing each worker reports its resident memory, freed heap returned to the system first:
 the engine's weights in whatever copies and layouts it keeps, plus the libraries every worker loads.
 
+On a CPU a sixth worker, "Linear floor", runs beside the engines: only the Linear products of the 32
+decoder steps of each cell (`step_linear_shapes`, float32 weights of the `base` shape, each product with
+the fastest of the matmul kernels PyTorch ships here: MKL's sgemm on W or on W^T, MKL's packed GEMM,
+oneDNN's packed weights). Nothing else: no encoder, attention, LayerNorm, search or Python model code.
+Every float32 engine makes these products, so its tok/s bounds how fast any of them can go here, and
+its ratio to HuggingFace bounds how far ahead of HuggingFace any one can get.
+
     python benchmarks/decode.py                       # CPU, 1 thread, 3 repeats
     python benchmarks/decode.py --threads 2 --repeats 5
     python benchmarks/decode.py --device cuda         # on a GPU (CT2 too if its wheel has CUDA)
@@ -33,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,33 +55,44 @@ from aiayn.memory import keep_freed_memory, release_freed_memory  # noqa: E402
 from aiayn.translate import prepare_for_inference  # noqa: E402
 
 SRC_LEN, NEW_TOKENS, VOCAB = 24, 32, 32_000
+FLOOR = "Linear floor"
 EOS, UNK, PAD = 0, 1, VOCAB - 1  # Marian's layout: </s> 0, <unk> 1, <pad> last (CTranslate2 drops its row)
 CELLS = [("greedy", 1, 1), ("greedy", 1, 16), ("beam 4", 4, 1), ("beam 4", 4, 16)]
 
 
-def build_hf(seed: int):
-    from transformers import MarianConfig, MarianMTModel
+def marian_config():
+    from transformers import MarianConfig
 
-    config = MarianConfig(
+    return MarianConfig(
         vocab_size=VOCAB, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
         decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, activation_function="relu",
         max_position_embeddings=512, scale_embedding=True, share_encoder_decoder_embeddings=True,
         pad_token_id=PAD, eos_token_id=EOS, decoder_start_token_id=PAD, forced_eos_token_id=None,
         dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
     )
+
+
+def build_hf(seed: int):
+    from transformers import MarianMTModel
+
     torch.manual_seed(seed)
-    hf = MarianMTModel(config).eval()
+    hf = MarianMTModel(marian_config()).eval()
     with torch.no_grad():
         hf.model.shared.weight.normal_(0.0, 512**-0.5)  # the paper's init: unit variance after sqrt(d)
         hf.model.shared.weight[PAD] = 0.0  # Marian's decoder starts from a zero embedding (pad)
     return hf
 
 
+def aiayn_config(marian):
+    """aiayn's `ModelConfig` of a `MarianConfig`."""
+    hf_config = {**marian.to_dict(), "architectures": ["MarianMTModel"]}  # unset in a config built here
+    return model_config_from_marian(hf_config, "benchmark MarianConfig")
+
+
 def build_aiayn(hf):
     from aiayn.model import Transformer
 
-    hf_config = {**hf.config.to_dict(), "architectures": ["MarianMTModel"]}  # unset in a config built here
-    config = model_config_from_marian(hf_config, "benchmark MarianConfig")
+    config = aiayn_config(hf.config)
     model = Transformer(config).eval()
     load_into(model, convert_weights(hf.state_dict(), config, "benchmark"), "benchmark")
     return model
@@ -158,6 +177,8 @@ def make_engine(name: str, seed: int, device: str, ct2_paths: dict[str, str], th
         model = prepare_for_inference(build_aiayn(build_hf(seed)).to(device))
         src = src.to(device)
         return lambda b, k: run_aiayn(model, src[:b], k)
+    if name == FLOOR:
+        return LinearFloor(aiayn_config(marian_config()))
     if name == "aiayn int8":
         model = prepare_for_inference(build_aiayn(build_hf(seed)), int8=True)
         return lambda b, k: run_aiayn(model, src[:b], k)
@@ -170,6 +191,87 @@ def make_engine(name: str, seed: int, device: str, ct2_paths: dict[str, str], th
     return lambda b, k: run_ct2(translator, tokens[:b], k)
 
 
+def step_linear_shapes(c, rows: int) -> list[tuple[int, int]]:
+    """(in, out) of every Linear product of one cached decoder step of `rows` rows (sentences x beams):
+    per layer the self-attention's packed Q, K, V and its W^O, the cross-attention's W^Q and W^O (its
+    K and V were projected from the source once, at the first step), the FFN; then the vocabulary."""
+    d, f, v = c.d_model, c.d_ff, c.target_vocab_size
+    return [(d, 3 * d), (d, d), (d, d), (d, d), (d, f), (f, d)] * c.decoder_layers + [(d, v)]
+
+
+def floor_kernels(rows: int) -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]]:
+    """Matmul kernel name -> a function that lays out one (out, in) weight for it once and returns
+    x (rows, in) -> x W^T (rows, out). Only those this PyTorch build has."""
+
+    def mkl_on_w(w):
+        return lambda x: torch.mm(x, w.t())
+
+    def mkl_on_w_t(w):
+        w_t = w.t().contiguous()  # (in, out)
+        return lambda x: torch.mm(x, w_t)
+
+    def mkl_packed(w):
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)  # packed for exactly `rows` rows
+        return lambda x: torch.ops.mkl._mkl_linear(x, packed, w, None, rows)
+
+    def onednn_packed(hint):
+        def layout(w):
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, hint)
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return layout
+
+    kernels = {"MKL sgemm on W": mkl_on_w, "MKL sgemm on W^T": mkl_on_w_t}
+    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
+        kernels["MKL packed GEMM"] = mkl_packed
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        for hint in sorted({rows, 64}):  # 64: aiayn's `PACKED_ROWS`
+            kernels[f"oneDNN packed for {hint} rows"] = onednn_packed(hint)
+    return kernels
+
+
+class LinearFloor:
+    """The "Linear floor" worker: `floor(batch, beam)` runs the Linear products of 32 decoder steps of
+    batch x beam rows, nothing else, with the kernel that was fastest for that row count here."""
+
+    def __init__(self, config):
+        self.config = config
+        self.rows = 0
+        self.products: list[tuple[Callable, torch.Tensor]] = []
+        self.chosen: dict[int, str] = {}  # rows -> the fastest kernel
+
+    def __call__(self, batch: int, beam: int) -> list[int]:
+        if batch * beam != self.rows:
+            self.products = []  # one row count's weights at a time
+            self.rows = batch * beam
+            self.chosen[self.rows], self.products = self.fastest(self.rows)
+            print(f"{FLOOR}, {self.rows} rows: {self.chosen[self.rows]}", file=sys.stderr, flush=True)
+        with torch.inference_mode():
+            for _ in range(NEW_TOKENS):
+                for product, x in self.products:
+                    product(x)
+        return [NEW_TOKENS] * batch
+
+    def fastest(self, rows: int, rounds: int = 7) -> tuple[str, list[tuple[Callable, torch.Tensor]]]:
+        """The kernel whose products of one step take the least time (median of `rounds`, the kernels
+        interleaved in each), with its laid-out weights. Distinct random weights per product, as in a
+        model, so that a step streams all of them through the caches."""
+        torch.manual_seed(0)
+        shapes = step_linear_shapes(self.config, rows)
+        weights = [torch.randn(o, i) * i**-0.5 for i, o in shapes]  # (out, in), as nn.Linear
+        inputs = [torch.randn(rows, i) for i, _ in shapes]
+        kernels = {name: [(layout(w), x) for w, x in zip(weights, inputs)]
+                   for name, layout in floor_kernels(rows).items()}
+        seconds: dict[str, list[float]] = {name: [] for name in kernels}
+        for _ in range(rounds):
+            for name, products in kernels.items():
+                start = time.perf_counter()
+                for product, x in products:
+                    product(x)
+                seconds[name].append(time.perf_counter() - start)
+        best = min(kernels, key=lambda name: statistics.median(seconds[name]))
+        return best, kernels[best]
+
+
 def serve(conn, name: str, seed: int, device: str, ct2_paths: dict[str, str], threads: int) -> None:
     """A worker process: build engine `name`, then run (batch, beam) requests, answering (seconds,
     output lengths), until None."""
@@ -178,6 +280,9 @@ def serve(conn, name: str, seed: int, device: str, ct2_paths: dict[str, str], th
     while (request := conn.recv()) is not None:
         if request == "memory":
             conn.send(resident_mb())
+            continue
+        if request == "kernels":
+            conn.send(getattr(run, "chosen", {}))
             continue
         batch, beam = request
         if device == "cuda":
@@ -218,6 +323,11 @@ class Engine:
         self.conn.send("memory")
         return self.conn.recv()
 
+    def kernels(self) -> dict[int, str]:
+        """The "Linear floor" worker's kernel per row count."""
+        self.conn.send("kernels")
+        return self.conn.recv()
+
     def close(self) -> None:
         self.conn.send(None)
         self.process.join()
@@ -251,6 +361,8 @@ def table(results: dict) -> str:
     head = "| cell | " + " | ".join(f"{e} tok/s" for e in engines_) + " | aiayn / CT2 fp32 | aiayn / HF |"
     if "aiayn int8" in engines_ and "CT2 int8" in engines_:
         head += " aiayn int8 / CT2 int8 |"
+    if FLOOR in engines_:
+        head += " floor / HF |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for cell, r in results.items():
         row = f"| {cell} | " + " | ".join(f"{r[e]:.1f}" for e in engines_)
@@ -258,6 +370,8 @@ def table(results: dict) -> str:
         row += f" | {r['aiayn fp32'] / r['HF Marian fp32']:.2f}x |"
         if "aiayn int8" in r and "CT2 int8" in r:
             row += f" {r['aiayn int8'] / r['CT2 int8']:.2f}x |"
+        if FLOOR in r:
+            row += f" {r[FLOOR] / r['HF Marian fp32']:.2f}x |"
         lines.append(row)
     return "\n".join(lines)
 
@@ -277,7 +391,7 @@ def main() -> None:
     hf = build_hf(args.seed)
     diff = check_same_logits(hf, build_aiayn(hf), sources(args.seed)[:4])
     weights_mb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e6  # float32, tied once
-    names = ["aiayn fp32", "HF Marian fp32"] + (["aiayn int8"] if args.device == "cpu" else [])
+    names = ["aiayn fp32", "HF Marian fp32"] + (["aiayn int8", FLOOR] if args.device == "cpu" else [])
     import ctranslate2
 
     if args.device == "cpu" or ctranslate2.get_cuda_device_count() > 0:
@@ -291,13 +405,15 @@ def main() -> None:
         for engine in runs.values():
             engine.wait_ready()
         results = measure(runs, args.repeats, args.settle)
-        memory = {name: round(engine.memory_mb()) for name, engine in runs.items()}
+        memory = {name: round(engine.memory_mb()) for name, engine in runs.items() if name != FLOOR}
+        floor_kernel = runs[FLOOR].kernels() if FLOOR in runs else {}
         for engine in runs.values():
             engine.close()
     env = environment()
     env.update(ctranslate2=__import__("ctranslate2").__version__, threads=args.threads, device=args.device,
                repeats=args.repeats, settle_s=args.settle, max_abs_logit_diff_vs_hf=diff,
                processes="one per engine", float32_weights_mb=round(weights_mb),
+               linear_floor_kernel_by_rows=floor_kernel,
                command="python " + " ".join(sys.argv))
     text = table(results)
     print(text)
@@ -325,6 +441,9 @@ def verdict(results: dict) -> str:
             checks.append(("vs HF >= 2", r["aiayn fp32"] / r["HF Marian fp32"], 2.0))
         lines += [f"- {cell}: {name}: {ratio:.2f}x, {'met' if ratio >= bar else 'NOT met'}"
                   for name, ratio, bar in checks]
+        if FLOOR in r and cell.endswith("batch 1"):
+            lines.append(f"  - the Linear products alone run at {r[FLOOR] / r['HF Marian fp32']:.2f}x HF here: "
+                         f"no float32 engine calling these kernels can be faster than that")
     return "Bar:\n" + "\n".join(lines)
 
 

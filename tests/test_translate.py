@@ -1,5 +1,8 @@
 """Translating lists, files and stdin: input order, empty lines, batching invisible, the CLI's formats."""
 
+import errno
+import io
+import os
 import sys
 
 import pytest
@@ -9,7 +12,10 @@ from aiayn.checkpoint import save_checkpoint
 from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.decoding import DecodeConfig, generate
-from aiayn.translate import Translator, length_sorted_batches, quantize_int8, translate
+from aiayn.errors import UserError
+from aiayn.translate import (
+    SourceTooLong, Translator, atomic_output, length_sorted_batches, quantize_int8, translate,
+)
 from conftest import padded_batch, tiny_model
 
 TEXTS = ["the number 12 is even", "", "odd", "und die Zahl 7 ist odd und die Zahl 8 ist even", "  ",
@@ -74,11 +80,67 @@ def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
     nbest = [line.split(" ||| ") for line in out.read_text(encoding="utf-8").splitlines()]
     assert [int(n) for n, _, _ in nbest] == [0, 0, 1, 2, 2, 3, 3, 4, 5, 5]
     assert nbest[0][1] == alone(translator, TEXTS[0]) and float(nbest[0][2]) >= float(nbest[1][2])
+    before = out.read_text(encoding="utf-8")
     src.write_bytes(b"fine\n\xff\xfe\n")
     assert main(args) == 2
     assert f"{src}:2: invalid UTF-8" in capsys.readouterr().err
+    too_long = " ".join(["the number 12"] * translator.model.config.max_len)
+    src.write_text(f"the number 3\n{too_long}\n", encoding="utf-8")
+    assert main(args) == 2
+    assert f"{src}:2: " in (err := capsys.readouterr().err) and "positions of this model" in err
+    assert out.read_text(encoding="utf-8") == before  # a failed run leaves the output file as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]  # no temporary left
     assert main(["translate", str(checkpoint), "--beam", "2", "--n-best", "3"]) == 2  # n_best > beam
     assert "n_best" in capsys.readouterr().err
+
+
+def test_over_long_text_is_named(checkpoint):
+    translator = Translator.load(checkpoint)
+    limit = translator.model.config.max_len
+    with pytest.raises(SourceTooLong, match=f"text 2: .* more than the {limit} positions"):
+        translator.translate(["the number 3", " ".join(["the number 12"] * limit)])
+
+
+def test_output_file_is_untouched_when_writing_fails(tmp_path, monkeypatch):
+    """A full disk (os.fsync failing with ENOSPC) leaves the old file and no temporary; a `UserError`."""
+    out = tmp_path / "out.txt"
+    out.write_text("old\n", encoding="utf-8")
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(UserError, match=r"out.txt: cannot write \(No space left on device\)"), \
+            atomic_output(out) as f:
+        f.write("new\n")
+    assert out.read_text(encoding="utf-8") == "old\n" and [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+    monkeypatch.undo()
+    with atomic_output(out) as f:
+        f.write("new\n")
+    assert out.read_text(encoding="utf-8") == "new\n" and [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as open(path, "w") creates files
+
+
+def test_cli_stops_quietly_when_its_reader_goes_away(checkpoint, tmp_path, monkeypatch, capsys):
+    """`aiayn translate ... | head -1`: a broken pipe on stdout ends the run with 141, no traceback."""
+
+    class ClosedPipe:
+        def fileno(self):
+            raise io.UnsupportedOperation("fileno")  # as a captured stdout
+
+        def write(self, text):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3\n", encoding="utf-8")
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["translate", str(checkpoint), "-i", str(src), "-q", "--beam", "1"]) == 141
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_is_a_unix_filter(checkpoint, tmp_path, monkeypatch, capsys):

@@ -7,6 +7,8 @@ Errors the user can fix (a bad file, a bad config, a bad checkpoint) are `UserEr
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 from aiayn.config import PRESETS, ConfigError, model_config
@@ -116,7 +118,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
     import torch
 
-    from aiayn.translate import Translator, decode_config, translate_stream
+    from aiayn.translate import Translator, atomic_output, decode_config, translate_stream
 
     options = dict(beam=args.beam, lenpen=args.lenpen, lenpen_kind=args.lenpen_kind, max_len_a=args.max_len_a,
                    max_len_b=args.max_len_b, min_len=args.min_len, n_best=args.n_best, sample=args.sample,
@@ -135,8 +137,8 @@ def cmd_translate(args: argparse.Namespace) -> None:
             except OSError as e:
                 raise UserError(f"{args.input}: cannot read ({e.strerror})") from None
         dst = sys.stdout
-        if args.output not in (None, "-"):
-            dst = stack.enter_context(open(args.output, "w", encoding="utf-8"))
+        if args.output not in (None, "-"):  # complete or untouched: a failed run leaves no half file
+            dst = stack.enter_context(atomic_output(args.output))
         progress = None
         if name != "<stdin>" and not args.quiet:  # a file: its size is known, show progress on stderr
             from tqdm import tqdm
@@ -242,7 +244,8 @@ def add_translate_parser(sub) -> None:
                    help="checkpoint directory (trained, averaged or imported); several with one vocabulary "
                    "are decoded as an ensemble (their probabilities averaged at every step)")
     p.add_argument("-i", "--input", help="input file (default: stdin)")
-    p.add_argument("-o", "--output", help="output file (default: stdout)")
+    p.add_argument("-o", "--output",
+                   help="output file, written only once the whole input is translated (default: stdout)")
     p.add_argument("--beam", type=int, default=4, help="beam size; 1 is greedy search (default 4, the paper)")
     p.add_argument("--lenpen", type=float, default=0.6, help="length penalty alpha (default 0.6, the paper)")
     p.add_argument("--lenpen-kind", choices=["gnmt", "power", "none"], default="gnmt",
@@ -284,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("aiayn: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`aiayn translate ... | head`): stop quietly, as cat does
+        with contextlib.suppress(OSError, ValueError):  # stdout may have no file descriptor
+            stdout = sys.stdout.fileno()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout)  # so that the exit's flush cannot fail again
+        return 141  # 128 + SIGPIPE, what a shell reports for a filter killed by it
     return 0
 
 

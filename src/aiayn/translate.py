@@ -10,7 +10,10 @@ lines translate to empty strings without touching the model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,15 @@ class Translation:
     text: str  # detokenized output
     score: float  # log P / lp(|Y|), what the search ranked by
     tokens: list[int]  # output ids (EOS included when the search produced it)
+
+
+class SourceTooLong(UserError):
+    """A text with more tokens than the model has source positions; `index` counts from 0."""
+
+    def __init__(self, index: int, tokens: int, limit: int, where: str | None = None):
+        self.index, self.tokens, self.limit = index, tokens, limit
+        where = where or f"text {index + 1}"
+        super().__init__(f"{where}: {tokens} tokens (with EOS), more than the {limit} positions of this model")
 
 
 def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeConfig:
@@ -117,6 +129,10 @@ class Translator:
         `progress(n)` is called after each batch with the number of texts it held."""
         config = decode_config(self.config, **options)
         ids = [self.tokenizer.encode_src(t) if t.strip() else [] for t in texts]
+        limit = self.model.config.max_len  # the encoder's positions
+        for i, s in enumerate(ids):
+            if len(s) > limit:  # before any batch: a stream's output stays whole up to the bad chunk
+                raise SourceTooLong(i, len(s), limit)
         out: list[list[Translation]] = [[] for _ in texts]
         todo = [i for i, s in enumerate(ids) if s]
         rows = config.n_best if config.sample else config.beam
@@ -164,7 +180,11 @@ def translate_stream(
     n_best = decode_config(translator.config, **options).n_best
     done = 0
     for lines in read_utf8_lines(src, name, chunk):
-        for i, hyps in enumerate(translator.hypotheses(lines, max_tokens, progress, **options)):
+        try:
+            translated = translator.hypotheses(lines, max_tokens, progress, **options)
+        except SourceTooLong as e:
+            raise SourceTooLong(done + e.index, e.tokens, e.limit, f"{name}:{done + e.index + 1}") from None
+        for i, hyps in enumerate(translated):
             if n_best == 1:
                 dst.write((hyps[0].text if hyps else "") + "\n")
                 continue
@@ -173,3 +193,29 @@ def translate_stream(
         dst.flush()
         done += len(lines)
     return done
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | Path) -> Iterator[TextIO]:
+    """A UTF-8 text file that appears at `path` only once complete: written to a temporary sibling,
+    flushed to disk, then renamed over `path`. If anything fails on the way (bad input, a full disk,
+    Ctrl-C), `path` keeps whatever it held before; an OSError becomes a `UserError` naming `path`."""
+    path = Path(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as `open(path, "w")` would create it, not mkstemp's 0600
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
+            raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise

@@ -38,6 +38,10 @@ def test_several_references_and_line_counts(tmp_path):
     ref1.write_text("a b c d e\n")
     with pytest.raises(UserError, match="ref1: 1 lines, but .*hyp has 2"):
         evaluate_files(hyp, [ref1])
+    hyp.write_text("")
+    ref1.write_text("")
+    with pytest.raises(UserError, match="hyp: empty, nothing to score"):
+        evaluate_files(hyp, [ref1])
 
 
 def test_cli_prints_scores_and_signatures(tmp_path, capsys):

@@ -34,6 +34,8 @@ class Score:
 def corpus_scores(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> list[Score]:
     """BLEU, chrF and the lowercased BLEU of `hypotheses` against one or more reference streams
     (`references[j][i]` is reference j of sentence i)."""
+    if not hypotheses:
+        raise UserError("no hypotheses: nothing to score")
     for j, refs in enumerate(references):
         if len(refs) != len(hypotheses):
             raise UserError(
@@ -49,6 +51,8 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[Sequence[str]]
 def evaluate_files(hypotheses: str | Path, references: Sequence[str | Path]) -> list[Score]:
     """Score a file of translations against reference files, line by line."""
     hyps = read_lines(hypotheses)
+    if not hyps:
+        raise UserError(f"{hypotheses}: empty, nothing to score")
     refs = [read_lines(r) for r in references]
     for path, lines in zip(references, refs):
         if len(lines) != len(hyps):

@@ -92,6 +92,11 @@ def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]  # no temporary left
     assert main(["translate", str(checkpoint), "--beam", "2", "--n-best", "3"]) == 2  # n_best > beam
     assert "n_best" in capsys.readouterr().err
+    for option in ("--threads", "--chunk", "--max-tokens"):
+        with pytest.raises(SystemExit) as usage:  # argparse: a usage error, exit status 2
+            main(["translate", str(checkpoint), option, "0"])
+        assert usage.value.code == 2
+        assert f"{option}: invalid positive integer value: '0'" in capsys.readouterr().err
 
 
 def test_over_long_text_is_named(checkpoint):

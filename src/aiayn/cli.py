@@ -15,6 +15,17 @@ from aiayn.config import PRESETS, ConfigError, model_config
 from aiayn.errors import UserError
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (argparse turns the ValueError into a usage error)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+positive_int.__name__ = "positive integer"  # argparse's message: "invalid positive integer value: '0'"
+
+
 def cmd_info(args: argparse.Namespace) -> None:
     """Print a preset's resolved configuration and its parameter count."""
     from aiayn.model import Transformer
@@ -170,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="show a model preset and its parameter count")
     p.add_argument("--preset", default="base", choices=sorted(PRESETS))
-    p.add_argument("--vocab-size", type=int, default=37000)
+    p.add_argument("--vocab-size", type=positive_int, default=37000)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("train", help="train on parallel text (also under torchrun --nproc_per_node N)")
@@ -183,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("average", help="average the last K checkpoints of a run")
     p.add_argument("run_dir")
-    p.add_argument("--last", type=int, default=5, help="how many (the paper: 5 for base, 20 for big)")
+    p.add_argument("--last", type=positive_int, default=5,
+                   help="how many (the paper: 5 for base, 20 for big)")
     p.add_argument("-o", "--output", help="output checkpoint directory (default RUN_DIR/average_last_K)")
     p.set_defaults(func=cmd_average)
 
@@ -202,12 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="learn English -> German numbers and dates on the CPU in minutes, then look inside")
     p.add_argument("--out", help="output folder (default ./demo)")
     p.add_argument("--size", help="model size: tiny, small (default) or medium")
-    p.add_argument("--steps", type=int, help="training updates (default: enough for >= 99%% exact match)")
+    p.add_argument("--steps", type=positive_int,
+                   help="training updates (default: enough for >= 99%% exact match)")
     p.add_argument("--minutes", type=float, help="stop training after this long (default: no limit)")
     p.add_argument("--seed", type=int, help="corpus, initialization and batch order (default 1)")
     p.add_argument("--beam", type=int, help="beam size for the held-out translations (default 4, the paper's)")
-    p.add_argument("--train-pairs", type=int, help="training pairs generated (default 40000)")
-    p.add_argument("--test-pairs", type=int, help="held-out pairs translated and scored (default 500)")
+    p.add_argument("--train-pairs", type=positive_int, help="training pairs generated (default 40000)")
+    p.add_argument("--test-pairs", type=positive_int,
+                   help="held-out pairs translated and scored (default 500)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("convert", help="import a MarianMT (OPUS-MT) directory as an aiayn checkpoint")
@@ -267,12 +281,12 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
     p.add_argument("--seed", type=int, help="seed for --sample")
-    p.add_argument("--max-tokens", type=int, default=4096,
+    p.add_argument("--max-tokens", type=positive_int, default=4096,
                    help="batch budget: padded source tokens x beam (sentences are sorted by length)")
-    p.add_argument("--chunk", type=int, default=10_000, help="lines read (and sorted) at a time")
+    p.add_argument("--chunk", type=positive_int, default=10_000, help="lines read (and sorted) at a time")
     p.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the linear layers (CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: PyTorch's choice)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_translate)
 

@@ -124,3 +124,7 @@ def test_cli_draws_pngs_and_one_self_contained_page(tmp_path, tokenizers, capsys
     assert "attention.html" in capsys.readouterr().out
     assert main(["attention", "--checkpoint", str(tmp_path / "nope"), "--src", "x", "--out", str(out)]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
+    long = " ".join(["7"] * 1100)  # more tokens than the model's 1,024 positions
+    for side, args in (("the source", ["--src", long]), ("the target", ["--src", "7", "--tgt", long])):
+        assert main(["attention", "--checkpoint", str(tmp_path / "ck"), *args, "--out", str(out)]) == 2
+        assert f"error: {side}: " in (err := capsys.readouterr().err) and "positions of this model" in err

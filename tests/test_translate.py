@@ -12,9 +12,9 @@ from aiayn.checkpoint import save_checkpoint
 from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.decoding import DecodeConfig, generate
-from aiayn.errors import UserError
+from aiayn.errors import SentenceTooLong, UserError
 from aiayn.translate import (
-    SourceTooLong, Translator, atomic_output, length_sorted_batches, quantize_int8, translate,
+    Translator, atomic_output, length_sorted_batches, quantize_int8, translate,
 )
 from conftest import padded_batch, tiny_model
 
@@ -102,7 +102,7 @@ def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
 def test_over_long_text_is_named(checkpoint):
     translator = Translator.load(checkpoint)
     limit = translator.model.config.max_len
-    with pytest.raises(SourceTooLong, match=f"text 2: .* more than the {limit} positions"):
+    with pytest.raises(SentenceTooLong, match=f"text 2: .* more than the {limit} positions"):
         translator.translate(["the number 3", " ".join(["the number 12"] * limit)])
 
 

@@ -26,6 +26,7 @@ from torch import Tensor
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.search import generate
+from aiayn.errors import SentenceTooLong
 from aiayn.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -98,11 +99,15 @@ def extract_attention(
     """Teacher-force `tgt` (or the greedy translation of `src`) through `model`; return every weight."""
     model.eval()
     src_ids = tokenizer.encode_src(src)
+    if len(src_ids) > model.config.max_len:
+        raise SentenceTooLong(0, len(src_ids), model.config.max_len, "the source")
     src_t = torch.tensor([src_ids])  # (1, S)
     if tgt is None:
         tgt_ids = generate(model, src_t, DecodeConfig(beam=1))[0][0].tokens  # greedy, up to EOS
     else:
         tgt_ids = tokenizer.encode_tgt(tgt) + [tokenizer.eos_id]
+        if len(tgt_ids) > model.config.max_len:  # the decoder reads start + all but EOS: as many
+            raise SentenceTooLong(0, len(tgt_ids), model.config.max_len, "the target")
     tgt_in = [model.config.decoder_start_id] + tgt_ids[:-1]
     with record_attention(model) as records:
         logits = model(src_t, torch.tensor([tgt_in]))  # (1, T, V)

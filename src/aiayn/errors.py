@@ -3,3 +3,12 @@
 
 class UserError(Exception):
     """Bad input: a message naming the file, the line and the problem, e.g. `train.de:12: invalid UTF-8`."""
+
+
+class SentenceTooLong(UserError):
+    """A sentence with more tokens than the model has positions; `index` counts texts from 0."""
+
+    def __init__(self, index: int, tokens: int, limit: int, where: str | None = None):
+        self.index, self.tokens, self.limit = index, tokens, limit
+        where = where or f"text {index + 1}"
+        super().__init__(f"{where}: {tokens} tokens (with EOS), more than the {limit} positions of this model")

@@ -26,7 +26,7 @@ from aiayn.data.batching import right_pad
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
-from aiayn.errors import UserError
+from aiayn.errors import SentenceTooLong, UserError
 from aiayn.memory import cap_kernel_caches, keep_freed_memory
 from aiayn.model import Transformer
 
@@ -38,15 +38,6 @@ class Translation:
     text: str  # detokenized output
     score: float  # log P / lp(|Y|), what the search ranked by
     tokens: list[int]  # output ids (EOS included when the search produced it)
-
-
-class SourceTooLong(UserError):
-    """A text with more tokens than the model has source positions; `index` counts from 0."""
-
-    def __init__(self, index: int, tokens: int, limit: int, where: str | None = None):
-        self.index, self.tokens, self.limit = index, tokens, limit
-        where = where or f"text {index + 1}"
-        super().__init__(f"{where}: {tokens} tokens (with EOS), more than the {limit} positions of this model")
 
 
 def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeConfig:
@@ -132,7 +123,7 @@ class Translator:
         limit = self.model.config.max_len  # the encoder's positions
         for i, s in enumerate(ids):
             if len(s) > limit:  # before any batch: a stream's output stays whole up to the bad chunk
-                raise SourceTooLong(i, len(s), limit)
+                raise SentenceTooLong(i, len(s), limit)
         out: list[list[Translation]] = [[] for _ in texts]
         todo = [i for i, s in enumerate(ids) if s]
         rows = config.n_best if config.sample else config.beam
@@ -182,8 +173,8 @@ def translate_stream(
     for lines in read_utf8_lines(src, name, chunk):
         try:
             translated = translator.hypotheses(lines, max_tokens, progress, **options)
-        except SourceTooLong as e:
-            raise SourceTooLong(done + e.index, e.tokens, e.limit, f"{name}:{done + e.index + 1}") from None
+        except SentenceTooLong as e:
+            raise SentenceTooLong(done + e.index, e.tokens, e.limit, f"{name}:{done + e.index + 1}") from None
         for i, hyps in enumerate(translated):
             if n_best == 1:
                 dst.write((hyps[0].text if hyps else "") + "\n")

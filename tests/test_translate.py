@@ -4,6 +4,7 @@ import errno
 import io
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.decoding import DecodeConfig, generate
 from aiayn.errors import SentenceTooLong, UserError
 from aiayn.translate import (
-    Translator, atomic_output, length_sorted_batches, quantize_int8, translate,
+    Translator, _stream_only, atomic_output, length_sorted_batches, quantize_int8, translate,
 )
 from conftest import padded_batch, tiny_model
 
@@ -126,6 +127,24 @@ def test_output_file_is_untouched_when_writing_fails(tmp_path, monkeypatch):
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as open(path, "w") creates files
+    out.chmod(0o640)
+    link = tmp_path / "link.txt"
+    link.symlink_to(out)
+    with atomic_output(link) as f:
+        f.write("newer\n")
+    assert link.is_symlink() and out.read_text(encoding="utf-8") == "newer\n"  # the link kept, its file replaced
+    assert out.stat().st_mode & 0o777 == 0o640  # and its permissions
+
+
+def test_output_to_a_device_or_fifo_is_streamed_not_renamed(tmp_path):
+    """/dev/stdout, /dev/null or a FIFO: no temporary file beside them, nothing renamed over them."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert _stream_only(Path("/dev/stdout")) and _stream_only(fifo)
+    assert not _stream_only(tmp_path / "new.txt")
+    with atomic_output(os.devnull) as f:
+        f.write("nothing\n")
+    assert Path(os.devnull).is_char_device()
 
 
 def test_cli_stops_quietly_when_its_reader_goes_away(checkpoint, tmp_path, monkeypatch, capsys):

@@ -191,10 +191,11 @@ def make_engine(name: str, seed: int, device: str, ct2_paths: dict[str, str], th
     return lambda b, k: run_ct2(translator, tokens[:b], k)
 
 
-def step_linear_shapes(c, rows: int) -> list[tuple[int, int]]:
-    """(in, out) of every Linear product of one cached decoder step of `rows` rows (sentences x beams):
-    per layer the self-attention's packed Q, K, V and its W^O, the cross-attention's W^Q and W^O (its
-    K and V were projected from the source once, at the first step), the FFN; then the vocabulary."""
+def step_linear_shapes(c) -> list[tuple[int, int]]:
+    """(in, out) of every Linear product of one cached decoder step, each made for all its rows
+    (sentences x beams) at once: per layer the self-attention's packed Q, K, V and its W^O, the
+    cross-attention's W^Q and W^O (its K and V were projected from the source once, at the first
+    step), the FFN; then the vocabulary."""
     d, f, v = c.d_model, c.d_ff, c.target_vocab_size
     return [(d, 3 * d), (d, d), (d, d), (d, d), (d, f), (f, d)] * c.decoder_layers + [(d, v)]
 
@@ -256,7 +257,7 @@ class LinearFloor:
         interleaved in each), with its laid-out weights. Distinct random weights per product, as in a
         model, so that a step streams all of them through the caches."""
         torch.manual_seed(0)
-        shapes = step_linear_shapes(self.config, rows)
+        shapes = step_linear_shapes(self.config)
         weights = [torch.randn(o, i) * i**-0.5 for i, o in shapes]  # (out, in), as nn.Linear
         inputs = [torch.randn(rows, i) for i, _ in shapes]
         kernels = {name: [(layout(w), x) for w, x in zip(weights, inputs)]

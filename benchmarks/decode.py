@@ -50,6 +50,7 @@ from common import environment, status_kib  # noqa: E402
 
 from aiayn.checkpoint import load_into  # noqa: E402
 from aiayn.decoding import DecodeConfig, generate  # noqa: E402
+from aiayn.decoding.cpu import PACKED_ROWS  # noqa: E402
 from aiayn.interop.marian import convert_weights, model_config_from_marian  # noqa: E402
 from aiayn.memory import keep_freed_memory, release_freed_memory  # noqa: E402
 from aiayn.translate import prepare_for_inference  # noqa: E402
@@ -225,7 +226,7 @@ def floor_kernels(rows: int) -> dict[str, Callable[[torch.Tensor], Callable[[tor
     if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
         kernels["MKL packed GEMM"] = mkl_packed
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        for hint in sorted({rows, 64}):  # 64: aiayn's `PACKED_ROWS`
+        for hint in sorted({rows, PACKED_ROWS}):  # and the row count aiayn packs for
             kernels[f"oneDNN packed for {hint} rows"] = onednn_packed(hint)
     return kernels
 

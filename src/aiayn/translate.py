@@ -22,6 +22,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Sequence, TextIO
 
 import torch
 
+from aiayn.checkpoint import fsync_dir
 from aiayn.config import from_dict
 from aiayn.data.batching import right_pad
 from aiayn.data.tokenizer import Tokenizer
@@ -191,10 +192,11 @@ def translate_stream(
 def atomic_output(path: str | Path) -> Iterator[TextIO]:
     """A UTF-8 text file that appears at `path` only once complete: written to a temporary sibling,
     flushed to disk, then renamed over `path` (over the file a symlink points to, keeping the link;
-    with the old file's permissions, or those `open(path, "w")` would give a new one). If anything
-    fails on the way (bad input, a full disk, Ctrl-C), `path` keeps whatever it held before. A path
-    that is no regular file (a FIFO) or names a file descriptor (/dev/stdout, which the shell may have
-    opened for appending) is written as it is. An OSError becomes a `UserError` naming `path`."""
+    with the old file's permissions, or those `open(path, "w")` would give a new one), the directory
+    flushed after the rename as `checkpoint.write_atomically` does. If anything fails on the way (bad
+    input, a full disk, Ctrl-C), `path` keeps whatever it held before. A path that is no regular file
+    (a FIFO) or names a file descriptor (/dev/stdout, which the shell may have opened for appending)
+    is written as it is. An OSError becomes a `UserError` naming `path`."""
     tmp = None
     try:
         if _stream_only(Path(path)):  # appending: reopening /dev/stdout with "w" would truncate a `>>` file
@@ -209,6 +211,7 @@ def atomic_output(path: str | Path) -> Iterator[TextIO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+        fsync_dir(target.parent)  # the rename too, as checkpoints are written
     except BaseException as e:
         if tmp is not None:
             with contextlib.suppress(OSError):

@@ -25,8 +25,15 @@ oneDNN's packed weights). Nothing else: no encoder, attention, LayerNorm, search
 Every float32 engine makes these products, so its tok/s bounds how fast any of them can go here, and
 its ratio to HuggingFace bounds how far ahead of HuggingFace any one can get.
 
+With several thread counts (`--threads 1,2`) every engine runs at each, all interleaved in one run,
+and a first table takes each engine at its own best count: what each reaches on the whole machine.
+CTranslate2 can be slower on two threads than on one: its MKL splits the one-row products between the
+threads (on this project's 2-core VM, greedy batch 1 fell from 100 to 72 tok/s; `MKL_NUM_THREADS=1`
+restored it).
+
     python benchmarks/decode.py                       # CPU, 1 thread, 3 repeats
     python benchmarks/decode.py --threads 2 --repeats 5
+    python benchmarks/decode.py --threads 1,2         # each engine also at its best thread count
     python benchmarks/decode.py --device cuda         # on a GPU (CT2 too if its wheel has CUDA)
 """
 
@@ -358,7 +365,24 @@ def measure(runs: dict, repeats: int, settle: float = 0.0) -> dict:
     return results
 
 
-def table(results: dict) -> str:
+def by_threads(results: dict, threads: list[int]) -> dict[int, dict]:
+    """Split `measure`'s results over engines "NAME@T" into one {cell: {NAME: tok/s}} per thread count T."""
+    return {t: {cell: {e.rsplit("@", 1)[0]: v for e, v in r.items() if e.endswith(f"@{t}")}
+                for cell, r in results.items()} for t in threads}
+
+
+def at_best(per_threads: dict[int, dict]) -> tuple[dict, dict]:
+    """Each engine at its fastest thread count, cell by cell: ({cell: {NAME: tok/s}}, {cell: {NAME: T}})."""
+    first = next(iter(per_threads.values()))
+    best = {cell: {e: max(r[cell][e] for r in per_threads.values()) for e in engines}
+            for cell, engines in first.items()}
+    count = {cell: {e: max(per_threads, key=lambda t: per_threads[t][cell][e]) for e in engines}
+             for cell, engines in first.items()}
+    return best, count
+
+
+def table(results: dict, threads: dict | None = None) -> str:
+    """Markdown table of tok/s and ratios; with `threads` ({cell: {engine: T}}), each figure's count."""
     engines_ = list(next(iter(results.values())))
     head = "| cell | " + " | ".join(f"{e} tok/s" for e in engines_) + " | aiayn / CT2 fp32 | aiayn / HF |"
     if "aiayn int8" in engines_ and "CT2 int8" in engines_:
@@ -367,7 +391,8 @@ def table(results: dict) -> str:
         head += " floor / HF |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for cell, r in results.items():
-        row = f"| {cell} | " + " | ".join(f"{r[e]:.1f}" for e in engines_)
+        row = f"| {cell} | " + " | ".join(
+            f"{r[e]:.1f}" + (f" ({threads[cell][e]}t)" if threads else "") for e in engines_)
         row += f" | {r['aiayn fp32'] / r['CT2 float32']:.2f}x" if "CT2 float32" in r else " | -"
         row += f" | {r['aiayn fp32'] / r['HF Marian fp32']:.2f}x |"
         if "aiayn int8" in r and "CT2 int8" in r:
@@ -378,9 +403,22 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def thread_counts(text: str) -> list[int]:
+    """argparse type: "1" or "1,2" -> [1] or [1, 2]."""
+    try:
+        counts = sorted({int(t) for t in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a thread count or a comma list of them: {text!r}") from None
+    if counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"thread counts must be at least 1: {text!r}")
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads for every engine (default 1)")
+    parser.add_argument("--threads", type=thread_counts, default=[1],
+                        help="CPU threads for every engine (default 1); a comma list such as 1,2 times every "
+                             "engine at each count and also compares each engine at its best count")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
@@ -389,7 +427,7 @@ def main() -> None:
                              "OpenMP threads have stopped (default 0.5)")
     parser.add_argument("--out", help="results prefix (default benchmarks/results/decode_DEVICE)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)  # the workers set theirs; this keeps the recorded environment true
+    torch.set_num_threads(args.threads[0])  # the workers set theirs; this keeps the recorded environment true
     hf = build_hf(args.seed)
     diff = check_same_logits(hf, build_aiayn(hf), sources(args.seed)[:4])
     weights_mb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e6  # float32, tied once
@@ -403,31 +441,36 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ct2_paths = convert_ct2(hf, Path(tmp))
         del hf
-        runs = {n: Engine(n, args.seed, args.device, ct2_paths, args.threads) for n in names}
+        runs = {f"{n}@{t}": Engine(n, args.seed, args.device, ct2_paths, t) for t in args.threads for n in names}
         for engine in runs.values():
             engine.wait_ready()
-        results = measure(runs, args.repeats, args.settle)
-        memory = {name: round(engine.memory_mb()) for name, engine in runs.items() if name != FLOOR}
-        floor_kernel = runs[FLOOR].kernels() if FLOOR in runs else {}
+        per_threads = by_threads(measure(runs, args.repeats, args.settle), args.threads)
+        memory = {key: round(engine.memory_mb()) for key, engine in runs.items() if not key.startswith(FLOOR)}
+        floor_kernel = {t: runs[f"{FLOOR}@{t}"].kernels() for t in args.threads if f"{FLOOR}@{t}" in runs}
         for engine in runs.values():
             engine.close()
     env = environment()
     env.update(ctranslate2=__import__("ctranslate2").__version__, threads=args.threads, device=args.device,
                repeats=args.repeats, settle_s=args.settle, max_abs_logit_diff_vs_hf=diff,
-               processes="one per engine", float32_weights_mb=round(weights_mb),
-               linear_floor_kernel_by_rows=floor_kernel,
+               processes="one per engine and thread count", float32_weights_mb=round(weights_mb),
+               linear_floor_kernel_by_threads_and_rows=floor_kernel,
                command="python " + " ".join(sys.argv))
-    text = table(results)
+    sections = []
+    if len(args.threads) > 1:
+        best, count = at_best(per_threads)
+        sections.append(("Each engine at its best thread count (in brackets)", table(best, count), best))
+    sections += [(f"{t} thread{'s' if t > 1 else ''}", table(r), r) for t, r in per_threads.items()]
+    text = "\n\n".join(f"## {title}\n\n{tab}\n\n{verdict(r)}" for title, tab, r in sections)
     print(text)
     print(f"resident MB after the runs: {memory} (float32 weights: {weights_mb:.0f} MB)")
     out = Path(args.out or Path(__file__).parent / "results" / f"decode_{args.device}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"environment": env, "tokens_per_second": results, "resident_mb_after_runs": memory}
+    record = {"environment": env, "tokens_per_second_by_threads": per_threads, "resident_mb_after_runs": memory}
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     out.with_suffix(".md").write_text(
-        f"# Decoding speed, {args.device}\n\n`{env['command']}`\n\n{text}\n\n{verdict(results)}\n\n"
-        f"Resident memory of each engine's process after the runs, MB (freed heap returned first; every "
-        f"process also holds the libraries it loaded; the float32 weights are {weights_mb:.0f} MB): "
+        f"# Decoding speed, {args.device}\n\n`{env['command']}`\n\n{text}\n\n"
+        f"Resident memory of each engine's process (@ thread count) after the runs, MB (freed heap returned "
+        f"first; every process also holds the libraries it loaded; the float32 weights are {weights_mb:.0f} MB): "
         f"{memory}\n\n"
         f"Environment: `{json.dumps(env)}`\n")
 

@@ -55,3 +55,21 @@ def test_linear_floor_runs_the_steps_with_the_fastest_kernel():
     assert floor(1, 3) == [decode.NEW_TOKENS]
     assert set(floor.chosen) == {2, 3}
     assert all(kernel in decode.floor_kernels(r) for r, kernel in floor.chosen.items())
+
+
+def test_each_engine_is_taken_at_its_own_best_thread_count():
+    measured = {"greedy, batch 1": {"aiayn fp32@1": 100.0, "CT2 float32@1": 120.0,
+                                    "aiayn fp32@2": 150.0, "CT2 float32@2": 70.0}}
+    per_threads = decode.by_threads(measured, [1, 2])
+    assert per_threads == {1: {"greedy, batch 1": {"aiayn fp32": 100.0, "CT2 float32": 120.0}},
+                           2: {"greedy, batch 1": {"aiayn fp32": 150.0, "CT2 float32": 70.0}}}
+    best, count = decode.at_best(per_threads)
+    assert best == {"greedy, batch 1": {"aiayn fp32": 150.0, "CT2 float32": 120.0}}
+    assert count == {"greedy, batch 1": {"aiayn fp32": 2, "CT2 float32": 1}}
+
+
+def test_thread_counts_parse_a_comma_list():
+    assert decode.thread_counts("2,1,2") == [1, 2]
+    for bad in ("0", "two", "1,"):
+        with pytest.raises(decode.argparse.ArgumentTypeError):
+            decode.thread_counts(bad)

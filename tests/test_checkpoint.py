@@ -1,13 +1,23 @@
 """Checkpoints round-trip exactly, tie weights once, and reject what is not theirs with one clear line."""
 
+import errno
 import json
+import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
+import aiayn.checkpoint
+import aiayn.files
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
+from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
+from aiayn.train.average import average_last
 from conftest import padded_batch, tiny_model
 
 
@@ -56,3 +66,176 @@ def test_errors_name_the_file(tmp_path, tokenizer):
     (tmp_path / "ck" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match="d_modle"):
         load_checkpoint(tmp_path / "ck")
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (hidden ones too) and its bytes: what must survive a refused or failed write."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def write_meta(directory: Path, **changes) -> None:
+    meta = json.loads((directory / "meta.json").read_text())
+    meta.update(changes)
+    (directory / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if v is not None}))
+
+
+@pytest.mark.parametrize("tokenizer_entry", [None, {"model_type": "bpe"}, {"files": "spm.model"}])
+def test_meta_without_tokenizer_files_names_meta_json(tmp_path, tokenizer, tokenizer_entry):
+    save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    write_meta(tmp_path / "ck", tokenizer=tokenizer_entry)
+    with pytest.raises(UserError, match=f'^{tmp_path / "ck" / "meta.json"}: missing or malformed "tokenizer"'):
+        load_checkpoint(tmp_path / "ck")
+
+
+def test_integer_weights_are_refused_float16_ones_load(tmp_path, tokenizer):
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    save_checkpoint(tmp_path / "ck", model, tokenizer)
+    path = tmp_path / "ck" / "model.safetensors"
+    weights = load_file(str(path))
+    save_file({k: v.half() for k, v in weights.items()}, str(path))  # float16 keeps its values in float32
+    loaded = load_checkpoint(tmp_path / "ck").model.state_dict()
+    assert all(torch.equal(loaded[k], v.half().float()) for k, v in weights.items())
+    save_file({**weights, "encoder.0.feed_forward.w_1.weight": weights["encoder.0.feed_forward.w_1.weight"].long()},
+              str(path))
+    with pytest.raises(UserError, match=f"^{path}: .*wrong dtype .*encoder.0.feed_forward.w_1.weight torch.int64"):
+        load_checkpoint(tmp_path / "ck")
+
+
+FULL_DISK = [OSError(errno.ENOSPC, "No space left on device"),
+             SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                             '"No space left on device" })')]
+
+
+@pytest.mark.parametrize("error", FULL_DISK, ids=["OSError", "SafetensorError"])
+def test_full_disk_keeps_the_old_checkpoint_and_leaves_nothing(tmp_path, tokenizer, monkeypatch, error):
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    save_checkpoint(tmp_path / "ck", model, tokenizer, {"step": 1})
+    before = tree(tmp_path)
+
+    def full(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(aiayn.checkpoint, "save_file", full)
+    with pytest.raises(UserError, match=r"^\S*ck: could not write checkpoint \(.*No space left on device.*\)$"):
+        save_checkpoint(tmp_path / "ck", model, tokenizer, {"step": 2})
+    with pytest.raises(UserError, match="No space left on device"):
+        save_checkpoint(tmp_path / "new" / "deeper" / "ck", model, tokenizer)
+    assert tree(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["ck"]  # no temporary, no parents
+
+
+def test_unwritable_places_are_one_line_errors(tmp_path, tokenizer, monkeypatch):
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(UserError, match=f"^{tmp_path / 'afile' / 'ck'}: could not write checkpoint "
+                                        f"\\({tmp_path / 'afile'} is not a directory\\)$"):
+        save_checkpoint(tmp_path / "afile" / "ck", model, tokenizer)
+    with pytest.raises(UserError, match="afile: exists and is not a directory; will not replace it"):
+        save_checkpoint(tmp_path / "afile", model, tokenizer)  # write_atomically deletes what it replaces
+    assert (tmp_path / "afile").read_text() == "mine"
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(aiayn.files.tempfile, "mkdtemp", read_only)
+    with pytest.raises(UserError, match=r"ro/ck: could not write checkpoint \(Read-only file system\)$"):
+        save_checkpoint(tmp_path / "ro" / "ck", model, tokenizer)
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
+
+
+def test_failed_rename_puts_the_old_checkpoint_back(tmp_path, tokenizer, monkeypatch):
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    save_checkpoint(tmp_path / "ck", model, tokenizer, {"step": 1})
+    before, real = tree(tmp_path), os.rename
+
+    def rename(src, dst):  # the old one moves aside; the new one cannot follow
+        if Path(src).name.startswith(".ck.") and not str(src).endswith(".old"):
+            raise OSError(errno.EIO, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(aiayn.files.os, "rename", rename)
+    with pytest.raises(UserError, match="Input/output error"):
+        save_checkpoint(tmp_path / "ck", model, tokenizer, {"step": 2})
+    assert tree(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+@pytest.fixture
+def run(tmp_path, tokenizer):
+    """A run directory with three checkpoints of one tiny model (different weights) and a metrics file."""
+    torch.manual_seed(0)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path / "run" / "checkpoints" / f"step_{step:06d}",
+                        tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer, {"step": step})
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 3}\n')
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("out", ["run", "run/checkpoints", "run/checkpoints/step_000003",
+                                 "run/checkpoints/step_000001", "run/checkpoints/new", "."])
+def test_average_never_writes_over_the_run(run, out, monkeypatch):
+    monkeypatch.chdir(run.parent)
+    before = tree(run)
+    assert main(["average", "run", "--last", "2", "-o", out, "--force"]) == 2
+    assert tree(run) == before
+
+
+def test_existing_outputs_need_force_and_must_be_directories(run, tmp_path, capsys):
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("mine")
+    (tmp_path / "afile").write_text("mine")
+    for out in ("precious", "afile"):
+        capsys.readouterr()
+        assert main(["average", str(run), "-o", str(tmp_path / out)]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"aiayn: error: {tmp_path / out}: "
+            + ("already exists (pass --force to replace it)" if out == "precious" else
+               "exists and is not a directory; will not replace it")]
+    assert main(["average", str(run), "-o", str(tmp_path / "afile"), "--force"]) == 2
+    assert (tmp_path / "precious" / "notes.txt").read_text() == (tmp_path / "afile").read_text() == "mine"
+    assert main(["average", str(run), "-o", str(tmp_path / "precious"), "--force"]) == 0
+    assert load_checkpoint(tmp_path / "precious").meta["step"] == 3
+
+
+def test_default_output_replaces_an_earlier_average_only(run, tokenizer):
+    first = average_last(run, 10)
+    assert first == run / "average_last_3"  # named after what it holds: there are only 3
+    assert load_checkpoint(first).meta["averaged"][-1].endswith("step_000003")
+    save_checkpoint(run / "checkpoints" / "step_000004", tiny_model(vocab_size=tokenizer.src_vocab_size),
+                    tokenizer, {"step": 4})
+    assert average_last(run, 3) == first  # more training, then averaging again: the old average goes
+    assert load_checkpoint(first).meta["averaged"][-1].endswith("step_000004")
+    (run / "average_last_2").mkdir()  # not an average: somebody's directory
+    with pytest.raises(UserError, match="average_last_2: already exists"):
+        average_last(run, 2)
+
+
+def test_average_checks_shapes_not_only_meta(run, tokenizer):
+    wider = tiny_model(vocab_size=tokenizer.src_vocab_size, d_ff=128)  # meta.json still says d_ff=64
+    save_file(aiayn.checkpoint.state_dict_for_saving(wider), str(run / "checkpoints" / "step_000002" /
+                                                                   "model.safetensors"))
+    with pytest.raises(UserError, match=r"step_000002: weight \S+w_1.bias is \(128,\) torch.float32 but \(64,\)"):
+        average_last(run, 2, run.parent / "avg")
+    assert not (run.parent / "avg").exists()
+
+
+def test_failed_average_reports_no_success(run, monkeypatch, caplog):
+    def full(*args, **kwargs):
+        raise FULL_DISK[1]
+
+    monkeypatch.setattr(aiayn.checkpoint, "save_file", full)
+    with caplog.at_level(logging.INFO), pytest.raises(UserError, match="avg: could not write checkpoint"):
+        average_last(run, 2, run.parent / "avg")
+    assert "averaged" not in caplog.text and not (run.parent / "avg").exists()
+
+
+def test_convert_never_writes_over_its_source(tmp_path, capsys):
+    """The check comes before any reading: an empty SOURCE directory is enough."""
+    (tmp_path / "opus").mkdir()
+    (tmp_path / "opus" / "config.json").write_text("{}")
+    (tmp_path / "out").mkdir()
+    for out, problem in (("opus", "is the input"), (".", "contains the input"), ("out", "already exists")):
+        capsys.readouterr()
+        force = ["--force"] if out != "out" else []
+        assert main(["convert", "--from", "marian", str(tmp_path / "opus"), str(tmp_path / out), *force]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and f"{tmp_path / out}: {problem}" in err[0]
+    assert tree(tmp_path) == {"opus/config.json": b"{}"}

@@ -112,3 +112,37 @@ def test_existing_output_is_not_replaced(tmp_path, spm_models):
         export_ctranslate2(tmp_path / "ck", tmp_path / "ct2")
     with pytest.raises(UserError, match="quantization"):
         export_ctranslate2(tmp_path / "ck", tmp_path / "ct2", quantization="int3", force=True)
+
+
+def files(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_full_disk_keeps_the_old_export_and_leaves_nothing(tmp_path, spm_models, monkeypatch, capsys):
+    tokenizer = Tokenizer(spm_models[0])
+    save_checkpoint(tmp_path / "ck", random_model(tokenizer), tokenizer)
+    assert main(["export", "--to", "ctranslate2", str(tmp_path / "ck"), str(tmp_path / "ct2")]) == 0
+    before = files(tmp_path)
+
+    def full(self, path):  # model.bin cut short, as on a full disk; config.json would come next
+        with open(path, "wb") as f:
+            f.write(b"\0" * 10)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ctranslate2.specs.model_spec.ModelSpec, "_serialize", full)
+    for out, force in (("ct2", ["--force"]), ("new", [])):
+        capsys.readouterr()
+        assert main(["export", "--to", "ctranslate2", str(tmp_path / "ck"), str(tmp_path / out), *force]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"aiayn: error: {tmp_path / out}: could not write CTranslate2 model (No space left on device)"]
+    assert files(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ct2"]
+
+
+def test_export_never_writes_over_its_checkpoint(tmp_path, spm_models):
+    tokenizer = Tokenizer(spm_models[0])
+    save_checkpoint(tmp_path / "run" / "ck", random_model(tokenizer), tokenizer)
+    before = files(tmp_path)
+    for out, problem in (("run/ck", "is the input"), ("run", "contains the input")):
+        with pytest.raises(UserError, match=f"{out}: {problem} .*would delete the input"):
+            export_ctranslate2(tmp_path / "run" / "ck", tmp_path / out, force=True)
+    assert files(tmp_path) == before

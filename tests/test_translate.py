@@ -14,8 +14,9 @@ from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.decoding import DecodeConfig, generate
 from aiayn.errors import SentenceTooLong, UserError
+from aiayn.files import _stream_only, atomic_output
 from aiayn.translate import (
-    Translator, _stream_only, atomic_output, length_sorted_batches, quantize_int8, translate,
+    Translator, length_sorted_batches, quantize_int8, translate,
 )
 from conftest import padded_batch, tiny_model
 

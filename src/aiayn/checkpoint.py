@@ -14,9 +14,6 @@ kill at any moment leaves either the old set of checkpoints or the new one, neve
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from aiayn.config import ConfigError, ModelConfig, from_dict, to_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
+from aiayn.files import write_atomically
 from aiayn.model import Transformer
 
 FORMAT = "aiayn-1"
@@ -64,40 +62,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod
         else:
             return model
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomically(directory: Path, write) -> None:
-    """Call `write(tmp_dir)` to fill a temporary sibling of `directory`, then rename it into place."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        write(tmp)
-        for f in tmp.iterdir():  # flush every file before the rename makes them visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if directory.exists():  # replacing: move the old one aside first, delete it after
-            old = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(directory, old)
-            os.rename(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, directory)
-        fsync_dir(directory.parent)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise UserError(f"{directory}: could not write checkpoint ({e.strerror or e})") from None
-        raise
 
 
 def save_checkpoint(
@@ -143,18 +107,37 @@ def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{path}: corrupt weights ({e})") from None
 
 
+def _castable(stored: torch.dtype, wanted: torch.dtype) -> bool:
+    """Whether load_state_dict's cast keeps the values: any float into a float (a float16 or bfloat16
+    checkpoint loads as float32), otherwise only the same dtype. Integers copied into float weights
+    would load "fine" and translate garbage."""
+    return stored == wanted or (stored.is_floating_point and wanted.is_floating_point)
+
+
 def load_into(model: Transformer, weights: dict[str, torch.Tensor], where: str | Path) -> None:
-    """Copy `weights` into `model`, naming any missing, unexpected or mis-shaped tensor."""
+    """Copy `weights` into `model`, naming any missing, unexpected, mis-shaped or mis-typed tensor."""
     expected = state_dict_for_saving(model)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     shapes = [f"{k} {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
               if k in weights and weights[k].shape != v.shape]
-    if missing or unexpected or shapes:
+    dtypes = [f"{k} {weights[k].dtype} vs {v.dtype}" for k, v in expected.items()
+              if k in weights and not _castable(weights[k].dtype, v.dtype)]
+    if missing or unexpected or shapes or dtypes:
         parts = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
-                 f"wrong shape {shapes[:3]}" if shapes else ""]
+                 f"wrong shape {shapes[:3]}" if shapes else "", f"wrong dtype {dtypes[:3]}" if dtypes else ""]
         raise UserError(f"{where}: weights do not fit this model: " + "; ".join(p for p in parts if p))
     model.load_state_dict(weights, strict=False)  # tied copies are absent by design
+
+
+def tokenizer_description(meta: dict[str, Any], where: Path) -> dict[str, Any]:
+    """meta["tokenizer"], checked for what Tokenizer.load reads (its file names), else a UserError."""
+    description = meta.get("tokenizer")
+    files = description.get("files") if isinstance(description, dict) else None
+    if not isinstance(files, dict) or not isinstance(files.get("source"), str) or not all(
+            isinstance(v, str) for v in files.values()):
+        raise UserError(f'{where}: missing or malformed "tokenizer" entry (it needs "files": {{"source": FILE}})')
+    return description
 
 
 def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
@@ -168,6 +151,6 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
     except (ConfigError, KeyError, TypeError) as e:
         raise UserError(f"{directory / META}: bad model configuration ({e})") from None
     model = Transformer(config)
-    load_into(model, load_weights(directory), directory)
-    tokenizer = Tokenizer.load(directory, meta["tokenizer"])
+    load_into(model, load_weights(directory), directory / WEIGHTS)
+    tokenizer = Tokenizer.load(directory, tokenizer_description(meta, directory / META))
     return Checkpoint(model.to(device).eval(), tokenizer, meta, directory)

@@ -62,7 +62,7 @@ def cmd_average(args: argparse.Namespace) -> None:
     from aiayn.train.average import average_last
 
     _log_to_stderr()
-    print(average_last(args.run_dir, args.last, args.output))
+    print(average_last(args.run_dir, args.last, args.output, args.force))
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
@@ -108,9 +108,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     """Import another toolkit's model as an aiayn checkpoint (MarianMT / OPUS-MT)."""
+    from pathlib import Path
+
+    from aiayn.files import check_output
     from aiayn.interop.marian import convert_marian
 
     _log_to_stderr()
+    check_output(Path(args.out), [Path(args.source)], args.force)  # before convert_marian's write replaces OUT
     print(convert_marian(args.source, args.out))
 
 
@@ -129,7 +133,8 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
     import torch
 
-    from aiayn.translate import Translator, atomic_output, decode_config, translate_stream
+    from aiayn.files import atomic_output
+    from aiayn.translate import Translator, decode_config, translate_stream
 
     options = dict(beam=args.beam, lenpen=args.lenpen, lenpen_kind=args.lenpen_kind, max_len_a=args.max_len_a,
                    max_len_b=args.max_len_b, min_len=args.min_len, n_best=args.n_best, sample=args.sample,
@@ -196,7 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--last", type=positive_int, default=5,
                    help="how many (the paper: 5 for base, 20 for big)")
-    p.add_argument("-o", "--output", help="output checkpoint directory (default RUN_DIR/average_last_K)")
+    p.add_argument("-o", "--output", help="output checkpoint directory (default RUN_DIR/average_last_N, N the "
+                   "number averaged; it replaces an earlier average there, nothing else)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing OUTPUT (never the run, its checkpoints or a directory holding them)")
     p.set_defaults(func=cmd_average)
 
     p = sub.add_parser("plot", help="draw a run's training curves as a PNG")
@@ -230,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", metavar="SOURCE", help="local directory: config.json, model.safetensors or "
                    "pytorch_model.bin, source.spm, target.spm, vocab.json")
     p.add_argument("out", metavar="OUT", help="aiayn checkpoint directory to write")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists (never SOURCE or what holds it)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("export", help="write an aiayn checkpoint for another runtime (CTranslate2)")
@@ -237,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CKPT", help="an aiayn checkpoint directory (trained or imported)")
     p.add_argument("out", metavar="OUT", help="output model directory")
     p.add_argument("--quantization", help="CTranslate2 weight type: int8, int8_float16, float16, bfloat16...")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists (never CKPT or what holds it)")
     p.set_defaults(func=cmd_export)
 
     add_translate_parser(sub)

@@ -10,11 +10,7 @@ lines translate to empty strings without touching the model.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import stat
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +18,6 @@ from typing import Any, BinaryIO, Callable, Iterator, Sequence, TextIO
 
 import torch
 
-from aiayn.checkpoint import fsync_dir
 from aiayn.config import from_dict
 from aiayn.data.batching import right_pad
 from aiayn.data.tokenizer import Tokenizer
@@ -188,45 +183,3 @@ def translate_stream(
     return done
 
 
-@contextlib.contextmanager
-def atomic_output(path: str | Path) -> Iterator[TextIO]:
-    """A UTF-8 text file that appears at `path` only once complete: written to a temporary sibling,
-    flushed to disk, then renamed over `path` (over the file a symlink points to, keeping the link;
-    with the old file's permissions, or those `open(path, "w")` would give a new one), the directory
-    flushed after the rename as `checkpoint.write_atomically` does. If anything fails on the way (bad
-    input, a full disk, Ctrl-C), `path` keeps whatever it held before. A path that is no regular file
-    (a FIFO) or names a file descriptor (/dev/stdout, which the shell may have opened for appending)
-    is written as it is. An OSError becomes a `UserError` naming `path`."""
-    tmp = None
-    try:
-        if _stream_only(Path(path)):  # appending: reopening /dev/stdout with "w" would truncate a `>>` file
-            with open(path, "a", encoding="utf-8") as f:
-                yield f
-            return
-        target = Path(path).resolve()
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        fsync_dir(target.parent)  # the rename too, as checkpoints are written
-    except BaseException as e:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
-            raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
-        raise
-
-
-def _stream_only(path: Path) -> bool:
-    """Whether `path` is a device, a FIFO, a socket or a descriptor's name: nothing to rename over."""
-    return path.absolute().parts[1:2] in (("dev",), ("proc",)) or (path.exists() and not path.is_file())
-
-
-def _umask() -> int:
-    mask = os.umask(0)  # reading it means setting it
-    os.umask(mask)
-    return mask

@@ -25,6 +25,7 @@ from ctranslate2.specs.transformer_spec import TransformerSpec
 from aiayn.checkpoint import load_checkpoint
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
+from aiayn.files import check_output, write_atomically
 from aiayn.model import Transformer
 
 # exp(-1e4) is 0 in float32, so pad drops out of the softmax exactly as aiayn's searches mask it; the
@@ -144,14 +145,22 @@ class AiaynConverter(Converter):
 
 def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: str | None = None,
                        force: bool = False) -> Path:
-    """Write the CTranslate2 model directory `out` for `checkpoint`; return its path."""
+    """Write the CTranslate2 model directory `out` for `checkpoint`; return its path.
+
+    The converter writes into a temporary sibling that replaces `out` only once complete
+    (`write_atomically`): a full disk leaves the old `out`, or none, never half a model. `force`
+    replaces an existing `out`, but never the checkpoint itself or a directory holding it.
+    """
     out = Path(out)
-    if out.exists() and not force:
-        raise UserError(f"{out}: already exists (pass --force to replace it)")
-    try:
-        AiaynConverter(checkpoint).convert(str(out), quantization=quantization, force=force)
-    except ValueError as e:  # ctranslate2's own checks: a bad quantization name, an incomplete spec
-        raise UserError(f"{out}: CTranslate2 conversion failed ({e})") from None
+    check_output(out, [Path(checkpoint)], force)
+
+    def write(tmp: Path) -> None:
+        try:  # force: the converter replaces `tmp`, the empty directory write_atomically made
+            AiaynConverter(checkpoint).convert(str(tmp), quantization=quantization, force=True)
+        except ValueError as e:  # ctranslate2's own checks: a bad quantization name, an incomplete spec
+            raise UserError(f"{out}: CTranslate2 conversion failed ({e})") from None
+
+    write_atomically(out, write, what="CTranslate2 model")
     return out
 
 

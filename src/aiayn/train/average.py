@@ -9,6 +9,7 @@ import torch
 
 from aiayn.checkpoint import load_checkpoint, load_into, load_weights, read_meta, save_checkpoint
 from aiayn.errors import UserError
+from aiayn.files import check_output, overlap
 from aiayn.train.state import checkpoint_dirs
 
 log = logging.getLogger(__name__)
@@ -27,31 +28,68 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]]) -> dict[str, torc
     return out
 
 
-def average_checkpoints(paths: list[Path], out: str | Path) -> Path:
-    """Average the weights of `paths` (checkpoints of one model) into a new checkpoint `out`."""
+def check_same_tensors(paths: list[Path], states: list[dict[str, torch.Tensor]]) -> None:
+    """Every state has the last one's names, shapes and dtypes; meta.json alone can be wrong."""
+    ref = states[-1]
+    for p, s in zip(paths, states):
+        if set(s) != set(ref):
+            raise UserError(f"{p}: weight names differ from {paths[-1]} ({sorted(set(s) ^ set(ref))[:3]})")
+        for name, t in s.items():
+            if (t.shape, t.dtype) != (ref[name].shape, ref[name].dtype):
+                raise UserError(f"{p}: weight {name} is {tuple(t.shape)} {t.dtype} but {tuple(ref[name].shape)} "
+                                f"{ref[name].dtype} in {paths[-1]}; cannot average them")
+
+
+def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False) -> Path:
+    """Average the weights of `paths` (checkpoints of one model) into a new checkpoint `out`.
+
+    An existing `out` is replaced only with `force`, and never when it is or holds one of `paths`."""
     if not paths:
         raise UserError("no checkpoints to average")
-    models = [read_meta(p)["model"] for p in paths]
+    check_output(out, list(paths), force)
+    models = [read_meta(p).get("model") for p in paths]
     for p, m in zip(paths, models):
         if m != models[-1]:
             raise UserError(f"{p}: a different model from {paths[-1]}; cannot average them")
     last = load_checkpoint(paths[-1])
     states = [load_weights(p) for p in paths]
-    if any(set(s) != set(states[-1]) for s in states):
-        raise UserError(f"{paths[0]}: weight names differ between checkpoints")
+    check_same_tensors(paths, states)
     load_into(last.model, average_state_dicts(states), paths[-1])
     meta = {k: v for k, v in last.meta.items() if k not in ("format", "model", "tokenizer")}
     meta["averaged"] = [str(p) for p in paths]
-    log.info("averaged %d checkpoints into %s", len(paths), out)
-    return save_checkpoint(out, last.model, last.tokenizer, meta)
+    saved = save_checkpoint(out, last.model, last.tokenizer, meta)
+    log.info("averaged %d checkpoints into %s", len(paths), saved)  # after: a failed write is not reported
+    return saved
 
 
-def average_last(run_dir: str | Path, k: int, out: str | Path | None = None) -> Path:
-    """Average a run's last `k` checkpoints into `run_dir/checkpoints/average_last_k` (or `out`)."""
+def is_average(directory: Path) -> bool:
+    """Whether `directory` is a checkpoint written by an earlier average (its meta.json says "averaged")."""
+    try:
+        return directory.is_dir() and not directory.is_symlink() and "averaged" in read_meta(directory)
+    except UserError:
+        return False
+
+
+def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, force: bool = False) -> Path:
+    """Average a run's last `k` checkpoints into `out`, by default `run_dir/average_last_N`.
+
+    N counts the checkpoints averaged (fewer than `k` in a short run), so that the name tells what is
+    inside. The default output replaces an earlier average there (averaging again after more training
+    is the usual workflow), but nothing else; an existing `out` given by name needs `force`. Neither
+    may be or lie inside the run's `checkpoints`, nor be or contain the run directory.
+    """
+    run_dir = Path(run_dir)
     found = checkpoint_dirs(run_dir)
     if not found:
         raise UserError(f"{run_dir}: no checkpoints found")
     if len(found) < k:
         log.warning("%s: only %d checkpoints, averaging those", run_dir, len(found))
-    out = Path(out) if out is not None else Path(run_dir) / f"average_last_{k}"
-    return average_checkpoints(found[-k:], out)
+    chosen = found[-k:]
+    if out is None:
+        out = run_dir / f"average_last_{len(chosen)}"
+        force = force or is_average(out)
+    root = run_dir / "checkpoints"
+    if (relation := overlap(Path(out), root)) in ("is", "lies inside"):  # "contains": the check below
+        raise UserError(f"{out}: {relation} {root}, which training owns (it resumes from and prunes what is there)")
+    check_output(out, [], force, enclosing=[run_dir])
+    return average_checkpoints(chosen, out, force)

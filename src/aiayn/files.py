@@ -1,0 +1,178 @@
+"""Writing outputs so that nothing is ever half written or lost: a file (`atomic_output`) or a directory
+(`write_atomically`) is filled under a temporary name beside its target, flushed to disk, then renamed
+into place, so a kill, a full disk or bad input leaves the old output as it was; `check_output` refuses
+an output whose writing would delete an input. Checkpoints, exports, translations and pictures all go
+through here; an OSError becomes a one-line `UserError` naming the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from safetensors import SafetensorError
+
+from aiayn.errors import UserError
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def overlap(out: Path, other: Path) -> str | None:
+    """How `out` overlaps `other`: "is", "contains", "lies inside" or None (symlinks resolved)."""
+    out, other = out.resolve(), other.resolve()
+    if out == other:
+        return "is"
+    if out in other.parents:
+        return "contains"
+    return "lies inside" if other in out.parents else None
+
+
+def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: list[Path] | None = None) -> None:
+    """Refuse an output directory whose writing would lose data (the commands' guard, before any work).
+
+    `out` may not be or contain any of `inputs`, nor replace something inside one, even with `force`
+    (a new directory inside one deletes nothing); nor be or contain an `enclosing` directory (a run
+    directory). An existing `out` is replaced only with `force`, and only if it is a directory.
+    """
+    out = Path(out)
+    exists = out.exists() or out.is_symlink()
+    refused = [(p, ("is", "contains", "lies inside") if exists else ("is", "contains")) for p in inputs]
+    refused += [(p, ("is", "contains")) for p in enclosing or []]
+    for other, relations in refused:
+        relation = overlap(out, Path(other))
+        if relation in relations:
+            raise UserError(f"{out}: {relation} the input {other}; writing it would delete the input")
+    if exists and (out.is_symlink() or not out.is_dir()):
+        raise UserError(f"{out}: exists and is not a directory; will not replace it")
+    if exists and not force:
+        raise UserError(f"{out}: already exists (pass --force to replace it)")
+
+
+def _make_parents(parent: Path) -> list[Path]:
+    """Make `parent` and its missing ancestors; return those made, deepest last, to undo on failure."""
+    missing = []
+    while not parent.is_dir() and parent != parent.parent:
+        if parent.exists() or parent.is_symlink():  # mkdir would say "File exists", which misleads
+            raise NotADirectoryError(errno.ENOTDIR, f"{parent} is not a directory")
+        missing.append(parent)
+        parent = parent.parent
+    made: list[Path] = []
+    try:
+        for p in reversed(missing):
+            p.mkdir()
+            made.append(p)
+    except BaseException:
+        _remove_empty(made)
+        raise
+    return made
+
+
+def _remove_empty(made: list[Path]) -> None:
+    for p in reversed(made):
+        with contextlib.suppress(OSError):
+            p.rmdir()
+
+
+def _rename_into_place(tmp: Path, directory: Path) -> None:
+    """Rename `tmp` to `directory`; an existing one is moved aside first, put back if the rename fails."""
+    if not directory.exists():
+        os.rename(tmp, directory)
+        return
+    old = directory.with_name(f".{directory.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(directory, old)
+    try:
+        os.rename(tmp, directory)
+    except BaseException:
+        os.rename(old, directory)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
+    """Call `write(tmp_dir)` to fill a temporary sibling of `directory`, then rename it into place.
+
+    An existing `directory` is replaced (training re-saves a step), but never something that is not a
+    directory. On any failure nothing is left behind: not the temporary, not the parents it made. An
+    OSError, or safetensors' own error for one (a full disk), becomes a UserError naming `directory`.
+    """
+    directory = Path(directory)
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        raise UserError(f"{directory}: exists and is not a directory; will not replace it")
+    made: list[Path] = []
+    tmp = None
+    try:
+        made = _make_parents(directory.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        write(tmp)
+        for f in tmp.iterdir():  # flush every file before the rename makes them visible
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        _rename_into_place(tmp, directory)
+        fsync_dir(directory.parent)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(made)
+        if isinstance(e, (OSError, SafetensorError)):
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+            raise UserError(f"{directory}: could not write {what} ({reason})") from None
+        raise
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | Path, binary: bool = False) -> Iterator[IO]:
+    """A UTF-8 text file (bytes with `binary`) that appears at `path` only once complete: written to a temporary sibling,
+    flushed to disk, then renamed over `path` (over the file a symlink points to, keeping the link;
+    with the old file's permissions, or those `open(path, "w")` would give a new one), the directory
+    flushed after the rename as `write_atomically` does. If anything fails on the way (bad
+    input, a full disk, Ctrl-C), `path` keeps whatever it held before. A path that is no regular file
+    (a FIFO) or names a file descriptor (/dev/stdout, which the shell may have opened for appending)
+    is written as it is. An OSError becomes a `UserError` naming `path`."""
+    tmp = None
+    try:
+        if _stream_only(Path(path)):  # appending: reopening /dev/stdout with "w" would truncate a `>>` file
+            with open(path, "ab" if binary else "a", encoding=None if binary else "utf-8") as f:
+                yield f
+            return
+        target = Path(path).resolve()
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask())
+        with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        fsync_dir(target.parent)  # the rename too, as `write_atomically` does
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
+            raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise
+
+
+def _stream_only(path: Path) -> bool:
+    """Whether `path` is a device, a FIFO, a socket or a descriptor's name: nothing to rename over."""
+    return path.absolute().parts[1:2] in (("dev",), ("proc",)) or (path.exists() and not path.is_file())
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading it means setting it
+    os.umask(mask)
+    return mask

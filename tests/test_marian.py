@@ -8,6 +8,8 @@ target.spm, vocab.json (and target_vocab.json), tokenizer_config.json.
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from aiayn.checkpoint import load_checkpoint
 from aiayn.data.tokenizer import train_sentencepiece
 from aiayn.decoding import DecodeConfig, generate
 from aiayn.errors import UserError
-from aiayn.interop.marian import convert_marian
+from aiayn.interop.marian import convert_marian, model_config_from_marian
 
 transformers = pytest.importorskip("transformers")
 
@@ -189,21 +191,118 @@ def test_unsupported_fields_are_named(tmp_path):
     with pytest.raises(UserError, match="layernorm_embedding"):
         convert_marian(tmp_path / "opus", tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    # A pickle that would run code when loaded the unsafe way is refused, and the code never runs.
+
+
+# A MarianConfig as config.json holds it, the fields the import reads (tiny, written by hand).
+TINY_CONFIG = {"model_type": "marian", "architectures": ["MarianMTModel"], "vocab_size": 10, "d_model": 8,
+               "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 16,
+               "decoder_ffn_dim": 16, "encoder_layers": 1, "decoder_layers": 1, "dropout": 0,
+               "activation_function": "swish", "pad_token_id": 9, "eos_token_id": 0,
+               "decoder_start_token_id": 9, "scale_embedding": True}
+
+
+def test_config_fields_read_as_typed(tmp_path):
+    """A complete config gives MarianConfig's values (ints as floats where a float is due, absent -> default)."""
+    config = model_config_from_marian(TINY_CONFIG, "config.json")
+    assert (config.d_model, config.n_heads, config.d_ff, config.n_layers, config.decoder_layers) == (8, 2, 16, 1, 1)
+    assert config.dropout == 0.0 and isinstance(config.dropout, float)
+    assert config.max_len == 1024 and config.share_embeddings and config.tie_output  # absent: MarianConfig's
+    assert config.pad_id == config.decoder_start_id == 9
+
+
+@pytest.mark.parametrize("field,value,problem", [
+    ("d_model", None, "d_model is missing"),
+    ("encoder_attention_heads", None, "encoder_attention_heads is missing"),
+    ("decoder_attention_heads", None, "decoder_attention_heads is missing"),
+    ("decoder_layers", None, "decoder_layers is missing"),
+    ("dropout", "high", 'dropout="high" is not a number'),
+    ("d_model", "big", 'd_model="big" is not an integer'),
+    ("d_model", True, "d_model=true is not an integer"),
+    ("encoder_ffn_dim", 16.5, "encoder_ffn_dim=16.5 is not an integer"),
+    ("scale_embedding", "yes", 'scale_embedding="yes" is not true or false'),
+    ("activation_function", ["swish"], 'activation_function=["swish"] is not a string'),
+    ("eos_token_id", [0, 1], "eos_token_id=[0, 1] is not an integer"),
+    ("architectures", 5, "architectures=5 is not supported (expected MarianMTModel)"),
+])
+def test_config_field_missing_or_mistyped_is_one_line(tmp_path, capsys, field, value, problem):
+    """`None` removes the field. The config is read first: a directory with only config.json is enough."""
+    from aiayn.cli import main
+
+    config = {k: v for k, v in TINY_CONFIG.items() if k != field}
+    if value is not None:
+        config[field] = value
+    (tmp_path / "opus").mkdir()
+    (tmp_path / "opus" / "config.json").write_text(json.dumps(config))
+    assert main(["convert", "--from", "marian", str(tmp_path / "opus"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"aiayn: error: {tmp_path / 'opus' / 'config.json'}: {problem}"]
+
+
+@pytest.fixture
+def opus_bin(build, tmp_path):
+    """A copy of a converted variant's directory without model.safetensors: pytorch_model.bin is read."""
+    shutil.copytree(build(VARIANTS[0])[2], tmp_path / "opus")
     (tmp_path / "opus" / "model.safetensors").unlink()
-    witness = tmp_path / "pickle-code-ran"
-    torch.save({"x": RunsCode(str(witness))}, tmp_path / "opus" / "pytorch_model.bin")
-    with pytest.raises(UserError, match="pytorch_model.bin: cannot read as plain tensors"):
-        convert_marian(tmp_path / "opus", tmp_path / "out")
-    assert not witness.exists()
+    return tmp_path / "opus"
+
+
+def convert_error(directory: Path, capsys) -> str:
+    """The CLI's one-line error for converting `directory` (exit status 2)."""
+    from aiayn.cli import main
+
+    capsys.readouterr()
+    assert main(["convert", "--from", "marian", str(directory), str(directory.parent / "out")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and not (directory.parent / "out").exists()
+    return err[0]
 
 
 class RunsCode:
-    def __init__(self, path: str):
-        self.path = path
+    """Unpickled the unsafe way, runs a shell command that leaves a witness file."""
+
+    def __init__(self, witness: Path):
+        self.witness = witness
 
     def __reduce__(self):
-        return (Path.touch, (Path(self.path),))
+        return (os.system, (f"touch {self.witness}",))
+
+
+@pytest.mark.parametrize("container", ["torch.save", "pickle.dump"])
+def test_pickle_with_code_is_refused_in_one_line(opus_bin, capsys, container):
+    witness = opus_bin.parent / "PWNED"
+    weights = {"x": RunsCode(witness), "model.shared.weight": torch.zeros(2)}  # the payload comes first
+    if container == "torch.save":
+        torch.save(weights, opus_bin / "pytorch_model.bin")
+    else:  # protocol 2: the oldest torch files are plain pickles
+        (opus_bin / "pytorch_model.bin").write_bytes(pickle.dumps(weights, protocol=2))
+    err = convert_error(opus_bin, capsys)
+    assert err == (f"aiayn: error: {opus_bin / 'pytorch_model.bin'}: refused: not plain tensors (the pickle asks "
+                   f"for {os.system.__module__}.system); weights are never loaded with code execution")
+    assert not witness.exists()
+    pickle.loads(pickle.dumps(RunsCode(witness)))  # the witness works: unpickled unsafely, the code runs
+    assert witness.exists()
+
+
+@pytest.mark.parametrize("content,problem", [
+    ([torch.zeros(2)], "holds type list, expected a dict of name -> tensor"),
+    ({"model.shared.weight": 3}, "model.shared.weight is of type int, expected a tensor"),
+    ({0: torch.zeros(2)}, "key 0 is of type int, expected a string"),
+    (b"PK\x03\x04 cut short", "not a PyTorch weights file ("),
+])
+def test_bin_that_is_not_a_state_dict_is_named(opus_bin, capsys, content, problem):
+    path = opus_bin / "pytorch_model.bin"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    assert convert_error(opus_bin, capsys).startswith(f"aiayn: error: {path}: {problem}")
+
+
+def test_missing_weight_names_the_weights_file(build, opus_bin, capsys):
+    weights = build(VARIANTS[0])[0].state_dict()
+    del weights["model.encoder.layers.0.fc1.weight"]
+    torch.save(weights, opus_bin / "pytorch_model.bin")
+    assert convert_error(opus_bin, capsys) == (f"aiayn: error: {opus_bin / 'pytorch_model.bin'}: "
+                                               f"missing weight model.encoder.layers.0.fc1.weight")
 
 
 def test_cli_convert(tmp_path, capsys):

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,64 +67,90 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _int_field(hf: dict[str, Any], name: str, where: str) -> int:
+_REQUIRED = object()
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _field(hf: dict[str, Any], name: str, kind: type, where: str, default: Any = _REQUIRED) -> Any:
+    """`hf[name]` checked to be a `kind`, else `UserError` naming the file, the field and the problem.
+
+    Absent or null gives `default` where there is one (MarianConfig writes null for "unset").
+    """
     value = hf.get(name)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise UserError(f"{where}: {name}={value!r} is not supported (aiayn needs one integer id)")
+    if value is None and default is not _REQUIRED:
+        return default
+    if name not in hf:
+        raise UserError(f"{where}: {name} is missing")
+    if kind is float:  # JSON may write 1.0 as 1
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:  # True is an int to Python, not to a config
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok:
+        raise UserError(f"{where}: {name}={json.dumps(value)} is not {_KINDS[kind]}")
+    return float(value) if kind is float else value
+
+
+def _same_field(hf: dict[str, Any], encoder: str, decoder: str, where: str) -> int:
+    """An integer Marian sets per stack and aiayn once for both (heads, FFN width)."""
+    value, other = _field(hf, encoder, int, where), _field(hf, decoder, int, where)
+    if value != other:
+        raise UserError(f"{where}: {encoder}={value} differs from {decoder}={other}; "
+                        f"aiayn's encoder and decoder layers have the same shape")
     return value
 
 
-def _same_field(hf: dict[str, Any], encoder: str, decoder: str, where: str) -> Any:
-    if hf.get(encoder) != hf.get(decoder):
-        raise UserError(f"{where}: {encoder}={hf.get(encoder)} differs from {decoder}={hf.get(decoder)}; "
-                        f"aiayn's encoder and decoder layers have the same shape")
-    return hf[encoder]
-
-
-def model_config_from_marian(hf: dict[str, Any], where: str) -> ModelConfig:
-    """A MarianConfig (config.json as a dict) -> `ModelConfig`, or `UserError` naming what differs."""
+def _check_supported(hf: dict[str, Any], where: str) -> None:
+    """Refuse the fields that would change what the network computes; warn about the training-only ones."""
     if hf.get("model_type") != "marian":
         raise UserError(f"{where}: model_type={hf.get('model_type')!r}, expected 'marian'")
-    if "architectures" in hf and "MarianMTModel" not in (hf["architectures"] or []):
-        raise UserError(f"{where}: architectures={hf['architectures']} is not supported "
+    architectures = hf.get("architectures", ["MarianMTModel"])
+    if not isinstance(architectures, list) or "MarianMTModel" not in architectures:
+        raise UserError(f"{where}: architectures={json.dumps(architectures)} is not supported "
                         f"(expected MarianMTModel)")
     for name, supported in FIXED_FIELDS.items():
         if name in hf and hf[name] != supported:
             raise UserError(f"{where}: {name}={json.dumps(hf[name])} is not supported "
                             f"(aiayn reads Marian models with {name}={json.dumps(supported)})")
-    activation = hf.get("activation_function", "gelu")  # MarianConfig's default
-    if activation not in ACTIVATIONS:
-        raise UserError(f"{where}: activation_function={activation!r} is not supported; "
-                        f"supported: {', '.join(ACTIVATIONS)}")
     for name in TRAINING_ONLY:
         if hf.get(name, 0.0):
             log.warning("%s: %s=%s is ignored: aiayn has no such regularizer (inference is unaffected)",
                         where, name, hf[name])
-    shared = hf.get("share_encoder_decoder_embeddings", True)
-    vocab_size = _int_field(hf, "vocab_size", where)
-    pad_id = _int_field(hf, "pad_token_id", where)
+
+
+def model_config_from_marian(hf: dict[str, Any], where: str) -> ModelConfig:
+    """A MarianConfig (config.json as a dict) -> `ModelConfig`, or `UserError` naming what differs.
+
+    Defaults are MarianConfig's, for the fields that older files omit.
+    """
+    _check_supported(hf, where)
+    activation = _field(hf, "activation_function", str, where, "gelu")
+    if activation not in ACTIVATIONS:
+        raise UserError(f"{where}: activation_function={activation!r} is not supported; "
+                        f"supported: {', '.join(ACTIVATIONS)}")
+    shared = _field(hf, "share_encoder_decoder_embeddings", bool, where, True)
+    vocab_size = _field(hf, "vocab_size", int, where)
+    pad_id = _field(hf, "pad_token_id", int, where)
     values = dict(
         vocab_size=vocab_size,
-        tgt_vocab_size=None if shared else (hf.get("decoder_vocab_size") or vocab_size),
-        d_model=hf["d_model"],
+        tgt_vocab_size=None if shared else _field(hf, "decoder_vocab_size", int, where, vocab_size),
+        d_model=_field(hf, "d_model", int, where),
         n_heads=_same_field(hf, "encoder_attention_heads", "decoder_attention_heads", where),
         d_ff=_same_field(hf, "encoder_ffn_dim", "decoder_ffn_dim", where),
-        n_layers=hf["encoder_layers"],
-        n_decoder_layers=hf["decoder_layers"],
-        dropout=float(hf.get("dropout", 0.1)),
+        n_layers=_field(hf, "encoder_layers", int, where),
+        n_decoder_layers=_field(hf, "decoder_layers", int, where),
+        dropout=_field(hf, "dropout", float, where, 0.1),
         activation=ACTIVATIONS[activation],
         norm_first=False,
         positions="sin_cos",
-        max_len=hf.get("max_position_embeddings", 1024),
+        max_len=_field(hf, "max_position_embeddings", int, where, 1024),
         share_embeddings=shared,
-        tie_output=hf.get("tie_word_embeddings", True),
-        scale_embedding=hf.get("scale_embedding", False),
+        tie_output=_field(hf, "tie_word_embeddings", bool, where, True),
+        scale_embedding=_field(hf, "scale_embedding", bool, where, False),
         final_logits_bias=True,
         layer_norm_eps=1e-5,  # Marian's nn.LayerNorm default
         pad_id=pad_id,
-        decoder_start_id=pad_id if hf.get("decoder_start_token_id") is None
-        else _int_field(hf, "decoder_start_token_id", where),
-        eos_id=_int_field(hf, "eos_token_id", where),
+        decoder_start_id=_field(hf, "decoder_start_token_id", int, where, pad_id),
+        eos_id=_field(hf, "eos_token_id", int, where),
     )
     try:
         return from_dict(ModelConfig, values, where=where)
@@ -129,21 +158,58 @@ def model_config_from_marian(hf: dict[str, Any], where: str) -> ModelConfig:
         raise UserError(f"{where}: {e}") from None
 
 
-def load_marian_weights(directory: Path) -> dict[str, Tensor]:
-    """The tensors of `model.safetensors` (or its shards) or of `pytorch_model.bin`, as float32."""
+def _brief(e: Exception) -> str:
+    """An exception as a few words: torch's messages run to paragraphs of advice."""
+    text = str(e).strip().split("\n")[0].split(". ")[0]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _load_pickled_weights(path: Path) -> dict[str, Tensor]:
+    """`pytorch_model.bin` with `weights_only=True`: tensors and plain containers, never code from the pickle.
+
+    A refusal is one line without torch's advice to retry with `weights_only=False`, which is what
+    must never be done with a file from the internet.
+    """
+    try:
+        with warnings.catch_warnings():  # torch notes raw pickles' protocol; it refuses them below anyway
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            weights = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # what the weights-only unpickler raises for anything not allowed
+        named = re.search(r"GLOBAL (\S+)", str(e))
+        asks = f" (the pickle asks for {named.group(1)})" if named else ""
+        raise UserError(f"{path}: refused: not plain tensors{asks}; "
+                        f"weights are never loaded with code execution") from None
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a truncated or foreign file
+        raise UserError(f"{path}: not a PyTorch weights file ({_brief(e)})") from None
+    return _plain_tensors(weights, path)
+
+
+def _plain_tensors(weights: Any, path: Path) -> dict[str, Tensor]:
+    """A state dict is str -> Tensor; a safe pickle can still hold a list or numbers instead."""
+    if not isinstance(weights, dict):
+        raise UserError(f"{path}: holds type {type(weights).__name__}, expected a dict of name -> tensor")
+    for name, value in weights.items():
+        if not isinstance(name, str):
+            raise UserError(f"{path}: key {name!r} is of type {type(name).__name__}, expected a string")
+        if not isinstance(value, Tensor):
+            raise UserError(f"{path}: {name} is of type {type(value).__name__}, expected a tensor")
+    return {k: v.float() for k, v in weights.items()}
+
+
+def load_marian_weights(directory: Path) -> tuple[dict[str, Tensor], Path]:
+    """The tensors of `model.safetensors` (or its shards) or of `pytorch_model.bin`, as float32, and the
+    file they were read from (the index for shards), for error messages."""
     single, index, legacy = (directory / n for n in
                              ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
     if single.is_file():
-        files = [single]
+        source, files = single, [single]
     elif index.is_file():
-        weight_map = read_json(index).get("weight_map", {})
-        files = [directory / name for name in sorted(set(weight_map.values()))]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise UserError(f"{index}: weight_map is not a mapping from tensor name to file name")
+        source, files = index, [directory / name for name in sorted(set(weight_map.values()))]
     elif legacy.is_file():
-        try:  # weights_only: tensors and plain containers only, never code from the pickle
-            weights = torch.load(legacy, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - torch raises many types for a bad or hostile file
-            raise UserError(f"{legacy}: cannot read as plain tensors ({type(e).__name__}: {e})") from None
-        return {k: v.float() for k, v in weights.items()}
+        return _load_pickled_weights(legacy), legacy
     else:
         raise UserError(f"{directory}: no model.safetensors or pytorch_model.bin")
     weights = {}
@@ -152,7 +218,7 @@ def load_marian_weights(directory: Path) -> dict[str, Tensor]:
             weights.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"{f}: corrupt weights ({e})") from None
-    return {k: v.float() for k, v in weights.items()}
+    return {k: v.float() for k, v in weights.items()}, source
 
 
 def _check_positions(hf: dict[str, Tensor], config: ModelConfig, where: str) -> None:
@@ -305,9 +371,10 @@ def convert_marian(directory: str | Path, out: str | Path) -> Path:
     hf = read_json(directory / "config.json")
     config = model_config_from_marian(hf, str(directory / "config.json"))
     tokenizer = marian_tokenizer(directory, config)
-    weights = convert_weights(load_marian_weights(directory), config, str(directory))
+    weights, source = load_marian_weights(directory)
+    weights = convert_weights(weights, config, str(source))
     model = Transformer(config)
-    load_into(model, weights, directory)
+    load_into(model, weights, source)
     meta = {"converted_from": {"format": "marian", "path": str(directory.resolve())},
             "marian_generation": generation_defaults(directory, hf)}
     log.info("converted %s: %s parameters", directory, f"{model.num_parameters():,}")

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from aiayn.errors import UserError
+from aiayn.files import atomic_output
+
+log = logging.getLogger(__name__)
+
+# The keys the picture draws; where a record has one, it must be a number.
+PLOTTED = ("step", "loss", "nll", "valid_loss", "valid_nll", "lr")
 
 
 class MetricsLog:
@@ -16,62 +25,166 @@ class MetricsLog:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            _end_with_whole_line(self.path)
 
     def write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
 
+def _end_with_whole_line(path: Path) -> None:
+    """Make the log end in a newline, so that the next record starts a line of its own.
+
+    A last line without its newline is the record a kill (SIGKILL, power loss) interrupted. If it
+    parses, only the newline was lost: terminate it and keep the record. Otherwise drop it: a cut
+    record cannot be completed, and terminating it would leave an unparsable line in the middle of
+    the log, which `read_metrics` rightly refuses, so every later plot would fail."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        start = _last_line_start(f, size)
+        f.seek(start)
+        tail = f.read()
+        if not tail:
+            return
+        if _parses_as_object(tail):
+            f.write(b"\n")
+        else:
+            f.truncate(start)
+            log.warning("%s: dropped a record cut short by an interrupted write: %r", path, tail[:80])
+        f.flush()
+        os.fsync(f.fileno())  # before new records follow it
+
+
+def _last_line_start(f, size: int, chunk: int = 1 << 16) -> int:
+    """The offset just after the last newline of the open binary file `f` (0 if it has none)."""
+    end = size
+    while end > 0:
+        begin = max(0, end - chunk)
+        f.seek(begin)
+        newline = f.read(end - begin).rfind(b"\n")
+        if newline >= 0:
+            return begin + newline + 1
+        end = begin
+    return 0
+
+
+def _parses_as_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line.decode("utf-8")), dict)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
+        return False
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics log. A bad line is a `UserError` naming it, except an unparsable
+    last line without a newline: that is the write a kill interrupted, skipped with a warning."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no metrics log")
+    try:
+        # bytes, split on newlines only: a bad byte is then one line's error, with its number
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     records = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{n}: not a JSON object") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = _decode(line, f"{path}:{n}")
+        except UserError as e:
+            if n < len(lines):  # a newline follows: a whole line, and a bad one
+                raise
+            log.warning("%s (the write a kill interrupted?); skipped", e)
+            continue
+        if not isinstance(record, dict):  # it parsed, so no interrupted write made it
+            raise UserError(f"{path}:{n}: not a JSON object: {line.decode()[:40]}")
+        _check_numbers(record, f"{path}:{n}")
+        records.append(record)
     return records
 
 
+def _decode(line: bytes, where: str) -> Any:
+    try:
+        return json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{where}: invalid UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+
+
+def _check_numbers(record: dict[str, Any], where: str) -> None:
+    for key in PLOTTED:
+        value = record.get(key)
+        if key in record and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UserError(f"{where}: {key!r} is {json.dumps(value)[:40]}, not a number")
+
+
 def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
-    """Loss and NLL (train and validation) and the learning rate against the update number."""
+    """Loss and NLL (train and validation) and the learning rate against the update number, as a
+    PNG written atomically (the old picture stays if writing fails); a missing directory is made."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    records = read_metrics(jsonl_path)
-    train = [r for r in records if "loss" in r]
-    valid = [r for r in records if "valid_loss" in r]
+    fig = _draw(read_metrics(jsonl_path), plt)
+    try:
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    png_path = Path(png_path)
+    _write_png(png.getvalue(), png_path)
+    return png_path
+
+
+def _points(records: list[dict[str, Any]], key: str) -> tuple[list, list]:
+    """The (step, value) pairs of the records that have `key`. A record without it is left out of
+    this curve only: the log holds records of several kinds (a validation without a validation set
+    has no `valid_nll`; a log from an older version may lack `nll`), and one sparse record is no
+    reason to refuse the picture of all the others."""
+    rows = [r for r in records if "step" in r and key in r]
+    return [r["step"] for r in rows], [r[key] for r in rows]
+
+
+def _draw(records: list[dict[str, Any]], plt):
     fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
-    for rows, key, label, style in (
-        (train, "loss", "train loss (smoothed)", "-"),
-        (train, "nll", "train NLL", "-"),
-        (valid, "valid_loss", "valid loss (smoothed)", "o-"),
-        (valid, "valid_nll", "valid NLL", "o-"),
+    for key, label, style in (
+        ("loss", "train loss (smoothed)", "-"),
+        ("nll", "train NLL", "-"),
+        ("valid_loss", "valid loss (smoothed)", "o-"),
+        ("valid_nll", "valid NLL", "o-"),
     ):
-        if rows:
-            ax_loss.plot([r["step"] for r in rows], [r[key] for r in rows], style, label=label, markersize=3)
+        steps, values = _points(records, key)
+        if steps:
+            ax_loss.plot(steps, values, style, label=label, markersize=3)
     ax_loss.set_xlabel("update")
     ax_loss.set_ylabel("nats per target token")
-    ax_loss.legend()
+    if ax_loss.lines:
+        ax_loss.legend()
     ax_loss.grid(alpha=0.3)
-    if valid:
-        best = min(valid, key=lambda r: r["valid_nll"])
-        ax_loss.set_title(
-            f"best valid NLL {best['valid_nll']:.3f} (ppl {math.exp(best['valid_nll']):.2f}) "
-            f"at {best['step']}"
-        )
-    if train:
-        ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train])
+    steps, nlls = _points(records, "valid_nll")
+    if steps:
+        nll, step = min(zip(nlls, steps))
+        # capped as the training loop caps valid_ppl: exp overflows past ~709
+        ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {math.exp(min(nll, 50)):.2f}) at {step}")
+    ax_lr.plot(*_points(records, "lr"))
     ax_lr.set_xlabel("update")
     ax_lr.set_ylabel("learning rate")
     ax_lr.grid(alpha=0.3)
     fig.tight_layout()
-    png_path = Path(png_path)
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return png_path
+    return fig
+
+
+def _write_png(data: bytes, path: Path) -> None:
+    """Write `data` with `atomic_output` (temporary sibling, fsync, rename; an OSError becomes a
+    UserError naming `path`). Missing directories are made, as `write_atomically` makes them."""
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{path}: cannot make directory {e.filename} ({e.strerror or e})") from None
+    with atomic_output(path, binary=True) as f:
+        f.write(data)

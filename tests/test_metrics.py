@@ -1,0 +1,162 @@
+"""The metrics log and its picture: a kill mid-write, bad lines and unwritable outputs give a resumable
+log, a `file:line` error or a one-line error, never a traceback, a glued record or a half-written PNG."""
+
+import errno
+import json
+import logging
+import os
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from aiayn import cli
+from aiayn.errors import UserError
+from aiayn.train import loop
+from aiayn.train.metrics import MetricsLog, plot_metrics, read_metrics
+
+TRAIN = [{"step": s, "epoch": 1, "loss": 3.0 / s, "nll": 2.5 / s, "lr": 1e-4 * s} for s in (1, 2, 3)]
+VALID = {"step": 3, "epoch": 1, "valid_loss": 1.2, "valid_nll": 1.0, "valid_ppl": 2.72}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_log(path, *lines: bytes):
+    """metrics.jsonl from raw lines: each ends in a newline unless it is the last and cut short."""
+    path.write_bytes(b"".join(lines))
+    return path
+
+
+def whole(record) -> bytes:
+    return json.dumps(record).encode() + b"\n"
+
+
+@pytest.fixture
+def log_path(tmp_path):
+    return write_log(tmp_path / "metrics.jsonl", *map(whole, TRAIN))
+
+
+# D5: a kill during MetricsLog.write, then --resume
+
+
+def test_resumed_log_drops_the_cut_record_and_keeps_the_rest(log_path, caplog):
+    with open(log_path, "ab") as f:
+        f.write(json.dumps(VALID).encode()[:30])  # SIGKILL mid-write: no closing brace, no newline
+    new = {"step": 4, "epoch": 1, "loss": 0.7, "nll": 0.6, "lr": 4e-4}
+    MetricsLog(log_path).write(new)
+    assert read_metrics(log_path) == [*TRAIN, new]
+    assert "dropped a record cut short" in caplog.text
+
+
+def test_resumed_log_keeps_a_record_that_lost_only_its_newline(log_path):
+    with open(log_path, "ab") as f:
+        f.write(json.dumps(VALID).encode())
+    MetricsLog(log_path).write(TRAIN[0])
+    assert read_metrics(log_path) == [*TRAIN, VALID, TRAIN[0]]
+
+
+def test_reader_skips_a_cut_last_line_with_a_warning(log_path, caplog):
+    with open(log_path, "ab") as f:
+        f.write(b'{"step": 1250, "loss": 0.9\xff\xfe')  # the probe's bytes: cut, and bad UTF-8 too
+    with caplog.at_level(logging.WARNING):
+        assert read_metrics(log_path) == TRAIN
+    assert "metrics.jsonl:4: invalid UTF-8" in caplog.text and "skipped" in caplog.text
+
+
+def test_plot_during_training_failing_does_not_stop_training(log_path, tmp_path, monkeypatch, caplog):
+    """_validate_and_save with everything but the log and the picture faked: the unreadable log makes
+    plot_metrics raise, and the validation still returns its result."""
+    write_log(log_path, whole(TRAIN[0]), b"not json\n")
+    monkeypatch.setattr(loop, "rng_states", lambda d: None)
+    monkeypatch.setattr(loop, "save_training_checkpoint", lambda *a: tmp_path / "step_3")
+    monkeypatch.setattr(loop, "prune", lambda *a: None)
+    monkeypatch.setattr(loop, "_check_finite_weights", lambda *a: None)  # no model here
+    train_cfg = SimpleNamespace(bleu_every=0, run_dir=str(tmp_path), keep_last=1, label_smoothing=0.1)
+    config = SimpleNamespace(train=train_cfg, to_dict=dict)
+    state = SimpleNamespace(step=3, epoch=0)
+    d = SimpleNamespace(is_main=True, enabled=False)
+    data = SimpleNamespace(valid=None, tokenizer=None)
+    result = loop._validate_and_save(
+        None, None, None, None, state, data, config, d, None, MetricsLog(log_path)
+    )
+    assert result == {"step": 3, "epoch": 1}
+    assert "curves.png not drawn" in caplog.text and "metrics.jsonl:2:" in caplog.text
+
+
+# D4: bad lines
+
+
+@pytest.mark.parametrize(
+    "bad, problem",
+    [
+        (b'{"step": 1250, "loss": 0.9\n', "not valid JSON"),
+        (b'{"step": 1250, "loss": 0.9\xff\xfe}\n', "invalid UTF-8"),
+        (b"42\n", "not a JSON object"),
+        (b"[1, 2]", "not a JSON object"),  # last and without a newline, but it parsed: no cut record
+        (b'{"step": 5, "loss": "low"}\n', "'loss' is \"low\", not a number"),
+    ],
+)
+def test_a_bad_line_is_an_error_naming_file_and_line(tmp_path, bad, problem):
+    after = [whole(TRAIN[1])] if bad.endswith(b"\n") else []  # a whole line is in the middle
+    path = write_log(tmp_path / "metrics.jsonl", whole(TRAIN[0]), bad, *after)
+    with pytest.raises(UserError) as e:
+        read_metrics(path)
+    assert str(e.value).startswith(f"{path}:2: {problem}")
+
+
+def test_plot_command_gives_one_line_for_a_bad_line(tmp_path, capsys):
+    write_log(tmp_path / "metrics.jsonl", whole(TRAIN[0]), b"42\n", whole(TRAIN[1]))
+    assert cli.main(["plot", str(tmp_path), "-o", str(tmp_path / "c.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"aiayn: error: {tmp_path / 'metrics.jsonl'}:2: not a JSON object: 42"]
+
+
+def test_records_without_a_curves_keys_are_left_out_of_that_curve(tmp_path):
+    """A train record without `nll` (the probe's) and a validation without a validation set."""
+    path = write_log(
+        tmp_path / "metrics.jsonl",
+        *map(whole, TRAIN),
+        whole({"step": 1250, "loss": 0.97}),
+        whole({"step": 3}),
+    )
+    png = plot_metrics(path, tmp_path / "c.png")
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+# D6: the PNG
+
+
+def test_plot_makes_missing_directories(log_path, tmp_path):
+    png = plot_metrics(log_path, tmp_path / "missing" / "dir" / "curves.png")
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_plot_under_a_regular_file_is_one_line_and_leaves_nothing(log_path, tmp_path):
+    """A path below a file cannot be made even by root."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    for png, reason in ((blocker / "c.png", "File exists"), (blocker / "sub" / "c.png", "Not a directory")):
+        with pytest.raises(
+            UserError, match=f"^{re.escape(str(png))}: cannot make directory .* \\({reason}\\)$"
+        ):
+            plot_metrics(log_path, png)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "metrics.jsonl"]
+    assert blocker.read_text() == "not a directory"
+
+
+def test_full_disk_keeps_the_old_png(log_path, tmp_path, monkeypatch):
+    png = tmp_path / "curves.png"
+    plot_metrics(log_path, png)
+    old = png.read_bytes()
+    with open(log_path, "ab") as f:
+        f.write(whole(VALID))  # the new picture would differ
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(
+        UserError, match=f"^{re.escape(str(png))}: cannot write \\(No space left on device\\)$"
+    ):
+        plot_metrics(log_path, png)
+    assert png.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]  # no temporary left

@@ -50,7 +50,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        problems = []
+        # Positivity first: the divisibility and vocabulary checks below would divide by or compare with
+        # a zero or negative size (n_heads=0 was a ZeroDivisionError).
+        problems = [
+            f"{name}={getattr(self, name)} must be positive"
+            for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len")
+            if getattr(self, name) <= 0
+        ]
+        if problems:
+            raise ConfigError("ModelConfig: " + "; ".join(problems))
         if self.d_model % self.n_heads:
             problems.append(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.activation not in ACTIVATIONS:
@@ -61,9 +69,6 @@ class ModelConfig:
             problems.append(f"d_model={self.d_model} must be even for sinusoidal positions")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} is not in [0, 1)")
-        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name}={getattr(self, name)} must be positive")
         if self.share_embeddings and self.tgt_vocab_size not in (None, self.vocab_size):
             problems.append(
                 f"share_embeddings=True needs one vocabulary, but vocab_size={self.vocab_size} "

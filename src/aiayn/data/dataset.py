@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
@@ -28,13 +28,23 @@ from aiayn.errors import UserError
 
 log = logging.getLogger(__name__)
 CACHE_FORMAT = "aiayn-ids-1"
+TOKENIZER_INPUTS = "tokenizer_inputs.json"  # beside the run's SentencePiece model(s): what trained them
+
+
+def require_file(path: Path) -> None:
+    """A UserError unless `path` is a regular file, saying what it is instead."""
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, not a text file")
+    if not path.exists():
+        raise UserError(f"{path}: file not found")
+    if not path.is_file():  # a FIFO or a device: reading it may block or never end
+        raise UserError(f"{path}: not a regular file")
 
 
 def read_lines(path: str | Path) -> list[str]:
     """The lines of a UTF-8 file, without line ends; a UserError names the file and the bad line."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: file not found")
+    require_file(path)
     try:
         data = path.read_bytes()
     except OSError as e:  # unreadable (permissions, I/O error): still one line naming the file
@@ -160,8 +170,7 @@ def load_encoded(
     """Ids from the cache, or read, check, encode and cache them: (corpus, empty pairs dropped)."""
     src_path, tgt_path = Path(src_path), Path(tgt_path)
     for p in (src_path, tgt_path):
-        if not p.is_file():
-            raise UserError(f"{p}: file not found")
+        require_file(p)
     key = cache_key(src_path, tgt_path, tokenizer)
     cache = Path(cache_dir) / f"{src_path.name}-{tgt_path.name}.{key[:16]}.safetensors"
     if cache.is_file():
@@ -180,7 +189,6 @@ def load_encoded(
 
 def _write_cache(path: Path, key: str, corpus: EncodedCorpus, dropped: int) -> None:
     """Write to a temporary name, then rename: a killed run never leaves half a cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tensors = dict(
         src_ids=corpus.src_ids,
@@ -188,8 +196,14 @@ def _write_cache(path: Path, key: str, corpus: EncodedCorpus, dropped: int) -> N
         tgt_ids=corpus.tgt_ids,
         tgt_offsets=corpus.tgt_offsets,
     )
-    save_file(tensors, str(tmp), metadata={"key": key, "dropped_empty": str(dropped)})
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata={"key": key, "dropped_empty": str(dropped)})
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:  # a full disk: safetensors reports it as a SafetensorError
+        tmp.unlink(missing_ok=True)
+        reason = getattr(e, "strerror", None) or e
+        raise UserError(f"{path}: cannot write the encoded-ids cache ({reason})") from None
 
 
 def _read_cache(path: Path, key: str) -> tuple[EncodedCorpus | None, int]:
@@ -244,14 +258,93 @@ def train_tokenizer(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if shared:
-        path = train_sentencepiece(text.src + text.tgt, directory / "spm", vocab_size, model_type)
+        path = _train_spm(text.src + text.tgt, directory / "spm", vocab_size, model_type)
         return Tokenizer(path)
-    src = train_sentencepiece(text.src, directory / "source", vocab_size, model_type)
-    tgt = train_sentencepiece(text.tgt, directory / "target", vocab_size, model_type)
+    src = _train_spm(text.src, directory / "source", vocab_size, model_type)
+    tgt = _train_spm(text.tgt, directory / "target", vocab_size, model_type)
     # Tokenizer.save names them source.spm / target.spm; keep those names in the run directory too.
     os.replace(src, directory / "source.spm")
     os.replace(tgt, directory / "target.spm")
     return Tokenizer(directory / "source.spm", directory / "target.spm")
+
+
+def _train_spm(lines: list[str], prefix: Path, vocab_size: int, model_type: str) -> Path:
+    """train_sentencepiece, with SentencePiece's refusals (RuntimeError) as a line naming the setting."""
+    try:
+        return train_sentencepiece(lines, prefix, vocab_size, model_type)
+    except RuntimeError as e:  # "INTERNAL: trainer_interface.cc(638) [check] Vocabulary size is smaller ..."
+        reason = str(e).rsplit("] ", 1)[-1].strip() or type(e).__name__  # the sentence after the C++ check
+        message = f"data.vocab_size={vocab_size}: SentencePiece cannot train on this text ({reason})"
+        raise UserError(message) from None
+
+
+def tokenizer_inputs(
+    src_path: str | Path, tgt_path: str | Path, vocab_size: int, model_type: str, shared: bool
+) -> dict:
+    """What a trained tokenizer depends on: the data settings and the identity of both training files."""
+    return {
+        "vocab_size": vocab_size,
+        "spm_type": model_type,
+        "shared_vocab": shared,
+        "train_src": _file_identity(Path(src_path)),
+        "train_tgt": _file_identity(Path(tgt_path)),
+    }
+
+
+def _file_identity(path: Path) -> dict:
+    """Size and a hash of the first MB. Not the mtime: a copied or re-downloaded corpus is still the same
+    corpus; not a hash of it all: a WMT corpus is GBs. The path is kept to name it, not to compare."""
+    require_file(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+    digest = hashlib.sha256(head).hexdigest()
+    return {"path": str(path.resolve()), "size": path.stat().st_size, "sha256_1mb": digest}
+
+
+def write_tokenizer_inputs(directory: Path, inputs: dict) -> None:
+    """Record `inputs` atomically, before the tokenizer is trained: a model never exists without it."""
+    path = directory / TOKENIZER_INPUTS
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(inputs, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
+
+
+def check_tokenizer_inputs(directory: Path, inputs: dict) -> None:
+    """Refuse to reuse a run directory's tokenizer trained from other settings or files. A directory
+    without the record (written before it existed) is accepted, as it always was."""
+    path = directory / TOKENIZER_INPUTS
+    if not path.is_file():
+        return
+    advice = "delete it and the tokenizer beside it to train a new one"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError includes JSON and UTF-8 decoding errors
+        raise UserError(f"{path}: unreadable ({e}); {advice}") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{path}: not a JSON object; {advice}")
+    changed = [
+        f"data.{key} was {saved.get(key)!r}, now {value!r}"
+        for key, value in inputs.items()
+        if not key.startswith("train_") and saved.get(key) != value
+    ]
+    for key in ("train_src", "train_tgt"):
+        old, new = saved.get(key), inputs[key]
+        old = old if isinstance(old, dict) else {}
+        if (old.get("size"), old.get("sha256_1mb")) != (new["size"], new["sha256_1mb"]):
+            changed.append(f"data.{key}={new['path']} is not the {old.get('path')} it was trained on")
+    if changed:
+        raise UserError(
+            f"{directory}: its tokenizer was trained for other data ({'; '.join(changed)}); "
+            "delete the tokenizer (spm.model, or source.spm and target.spm) to train a new one, "
+            "or use a new train.run_dir"
+        )
 
 
 def find_tokenizer(directory: str | Path) -> Tokenizer | None:

@@ -158,6 +158,10 @@ def train_sentencepiece(
     )
     path = Path(f"{prefix}.model")
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(model.getvalue())
-    os.replace(tmp, path)  # atomic: a kill mid-write never leaves a truncated model behind
+    try:
+        tmp.write_bytes(model.getvalue())
+        os.replace(tmp, path)  # atomic: a kill mid-write never leaves a truncated model behind
+    except OSError as e:  # a full disk or a read-only directory: one line, and no half-written model left
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"{path}: cannot write the SentencePiece model ({e.strerror or e})") from None
     return path

@@ -11,6 +11,7 @@ Every key is checked: an unknown one or a wrong type raises `ConfigError` naming
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from aiayn.config import ConfigError, ModelConfig, check_types, from_dict, model
 from aiayn.errors import UserError
 
 TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
+SECTIONS = ("data", "model", "train")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -43,6 +45,8 @@ class DataConfig:
             raise ConfigError(f"data.spm_type={self.spm_type!r} is not 'bpe' or 'unigram'")
         if self.vocab_size < 8 or self.max_len < 2:
             raise ConfigError("data.vocab_size must be >= 8 and data.max_len >= 2")
+        if bool(self.valid_src) != bool(self.valid_tgt):  # else validation silently reads one side only
+            raise ConfigError("data.valid_src and data.valid_tgt go together: set both or neither")
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,23 @@ class TrainConfig:
             problems.append("train.cooldown needs a budget to end at: max_minutes, max_updates or max_epochs")
         if not 0.0 <= self.label_smoothing < 1.0:
             problems.append(f"train.label_smoothing={self.label_smoothing} is not in [0, 1)")
+        problems += self._budget_problems()
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def _budget_problems(self) -> list[str]:
+        """Numbers TOML lets through (nan, inf, negatives) that mean nothing as a rate, a norm or a budget."""
+        problems = []
+        for name in ("lr_scale", "clip_norm", "max_minutes"):  # 0 is meaningful: no lr, no clipping, no limit
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                problems.append(f"train.{name}={value} must be a finite number >= 0")
+        for name in ("max_updates", "max_epochs", "patience", "threads", "bleu_every"):  # 0 = off
+            if getattr(self, name) < 0:
+                problems.append(f"train.{name}={getattr(self, name)} must be >= 0 (0 = no limit / off)")
+        if not self.run_dir.strip():
+            problems.append("train.run_dir is empty; name the directory for checkpoints")
+        return problems
 
 
 @dataclass(frozen=True)
@@ -151,12 +170,15 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
 
 def run_config(values: dict[str, Any], where: str = "") -> RunConfig:
     """A RunConfig from nested dicts ({"model": ..., "data": ..., "train": ...})."""
-    unknown = sorted(set(values) - {"model", "data", "train"})
+    unknown = sorted(set(values) - set(SECTIONS))
     if unknown:
         raise ConfigError(
             f"unknown section(s){' in ' + where if where else ''}: {', '.join(unknown)}; "
             "known: data, model, train"
         )
+    for section in SECTIONS:  # `model = 3` or `data = "x"`: not a [section] table
+        if not isinstance(values.get(section, {}), dict):
+            raise ConfigError(_not_a_table(where or "config", section, values[section]))
     model = dict(values.get("model", {"preset": "base"}))
     bad = sorted(set(model) - {"preset"} - set(ModelConfig.__dataclass_fields__))
     if bad:
@@ -182,9 +204,28 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     for item in overrides:
         section, key, value = parse_override(item)
         if not isinstance(values.get(section, {}), dict):
-            raise ConfigError(f"{section} is not a section")
+            raise ConfigError(_not_a_table(where, section, values[section]))
         values.setdefault(section, {})[key] = value
     return run_config(values, where)
+
+
+def _not_a_table(where: str, section: str, value: Any) -> str:
+    return f"{where}: {section} = {value!r} is not a table; write a [{section}] section"
+
+
+def _check_override_key(item: str, section: str, key: str) -> None:
+    """An unknown `--set` key is named as the command line's, not blamed on the TOML file."""
+    fields = {
+        "model": {"preset", *ModelConfig.__dataclass_fields__},
+        "data": set(DataConfig.__dataclass_fields__),
+        "train": set(TrainConfig.__dataclass_fields__),
+    }
+    if section not in fields:
+        raise ConfigError(f"--set {item!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
+    if key not in fields[section]:
+        raise ConfigError(
+            f"--set {item!r}: unknown {section} key {key!r}; known: {', '.join(sorted(fields[section]))}"
+        )
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
@@ -193,6 +234,7 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     section, dot, key = name.strip().partition(".")
     if not eq or not dot or not key:
         raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.max_tokens=2048")
+    _check_override_key(item, section, key.strip())
     try:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
     except tomllib.TOMLDecodeError:

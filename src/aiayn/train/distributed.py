@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from aiayn.config import ConfigError
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -39,6 +41,7 @@ def setup(device: str = "auto") -> Dist:
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
+        _check_gpu(device, local_rank)
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
@@ -47,6 +50,17 @@ def setup(device: str = "auto") -> Dist:
         backend = "nccl" if use_cuda else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     return Dist(rank, world_size, local_rank, dev)
+
+
+def _check_gpu(device: str, local_rank: int) -> None:
+    """One line instead of torch's AttributeError (no CUDA build) or invalid-ordinal error."""
+    if not torch.cuda.is_available():
+        raise ConfigError(f"train.device={device!r}, but PyTorch sees no CUDA GPU; use 'auto' or 'cpu'")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank}, but this machine has {torch.cuda.device_count()} GPU(s); "
+            "start at most that many processes per machine"
+        )
 
 
 def teardown(d: Dist) -> None:

@@ -15,6 +15,7 @@ import logging
 import math
 import random
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -33,11 +34,14 @@ from aiayn.data.dataset import (
     Batch,
     EncodedCorpus,
     ParallelText,
+    check_tokenizer_inputs,
     collate,
     find_tokenizer,
     load_encoded,
     read_parallel,
+    tokenizer_inputs,
     train_tokenizer,
+    write_tokenizer_inputs,
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
@@ -85,6 +89,7 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     tc, run_dir = config.train, Path(config.train.run_dir)
     if tc.precision == "fp16" and d.device.type != "cuda":
         raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
+    _check_run_dir(run_dir)
     resume_from = _checkpoint_to_resume(run_dir, resume)
     if tc.threads:
         torch.set_num_threads(tc.threads)
@@ -135,7 +140,9 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     window = [0.0, 0.0, 0.0]  # smoothed loss sum, NLL sum, target tokens since the last log line
     last = {}
     saved_step = state.step
-    stop = ""
+    stop = _stop_reason(state, tc, n_updates)  # a resumed run may have reached its budget already
+    if stop and d.is_main:
+        log.info("%s: already at update %d (%s); nothing to train", resume_from, state.step, stop)
     while not stop:
         order = epoch_order(len(data.train_batches), tc.seed, state.epoch)
         while state.cursor < n_updates and not stop:
@@ -173,6 +180,7 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
                 or stop
                 or (tc.bleu_every and state.step % tc.bleu_every == 0)
             ):
+                _check_unlogged(window, state.step, d)
                 last = _validate_and_save(
                     net, model, optimizer, scaler, state, data, config, d, autocast, metrics
                 )
@@ -184,6 +192,7 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
             if tc.max_epochs and state.epoch >= tc.max_epochs:
                 stop = stop or f"max_epochs={tc.max_epochs}"
     if saved_step != state.step:  # stopped at an epoch end between validations
+        _check_unlogged(window, state.step, d)
         last = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics)
     bar.close()
     if d.is_main:
@@ -228,13 +237,17 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
 
 def _fine_tuned_from(checkpoint: Path) -> str | None:
     """The train.init_from that the run which saved `checkpoint` started from, if it was a fine-tuning run."""
-    train_config = read_meta(checkpoint).get("config", {}).get("train", {})
+    config = read_meta(checkpoint).get("config", {})
+    if not isinstance(config, dict):
+        raise UserError(f"{checkpoint / 'meta.json'}: corrupt checkpoint metadata ('config' is not a table)")
+    train_config = config.get("train", {})
     return train_config.get("init_from") if isinstance(train_config, dict) else None
 
 
 def _log_window(window, state: TrainState, lr: float, seconds: float, elapsed: float, d: Dist, bar, metrics):
     """Training loss, NLL, perplexity and speed since the last line: progress bar, log, metrics.jsonl."""
     loss, nll, tokens = distributed.all_reduce_sum(window, d)  # over all processes
+    _check_finite("training loss", loss, state.step)  # all processes see the sum: all stop together
     line = {
         "step": state.step,
         "epoch": state.epoch + 1,
@@ -326,6 +339,8 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> d
         sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + batch.n_tokens]
     model.train(was_training)
     loss, nll, tokens = distributed.all_reduce_sum(sums, d)
+    if not tokens:  # prepare_data refuses an empty validation set; this keeps a division by zero out
+        raise UserError("data.valid_src: the validation set has no target tokens")
     return {
         "valid_loss": loss / tokens,
         "valid_nll": nll / tokens,
@@ -341,10 +356,12 @@ def _validate_and_save(
     result: dict[str, Any] = {"step": state.step, "epoch": state.epoch + 1}
     if data.valid is not None:
         result.update(validate(model, data, d, autocast, tc.label_smoothing))
+        _check_finite("validation loss", result["valid_loss"], state.step)
         if result["valid_loss"] < state.best_valid:
             state.best_valid, state.bad_validations = result["valid_loss"], 0
         else:
             state.bad_validations += 1
+    _check_finite_weights(model, state.step)  # also without a validation set: never save NaN weights
     if tc.bleu_every and state.step % tc.bleu_every == 0 and data.valid_text is not None and d.is_main:
         from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
 
@@ -360,7 +377,10 @@ def _validate_and_save(
         )
         prune(run_dir, tc.keep_last)
         metrics.write(result)
-        plot_metrics(metrics.path, run_dir / "curves.png")
+        try:
+            plot_metrics(metrics.path, run_dir / "curves.png")
+        except (UserError, OSError) as e:  # a picture is not worth a training run: warn and go on
+            log.warning("curves.png not drawn: %s", e)
         if "valid_loss" in result:
             log.info(
                 "update %d: valid loss %.3f nll %.3f ppl %.2f; saved %s",
@@ -372,6 +392,28 @@ def _validate_and_save(
             )
     distributed.barrier(d)  # nobody runs ahead of a checkpoint being written
     return result
+
+
+def _check_finite(what: str, value: float, step: int) -> None:
+    """Stop a diverged run before it saves: a NaN checkpoint would also push the good ones out (keep_last).
+    Checked on numbers already on the CPU (the log window, validation), so it adds no device sync."""
+    if not math.isfinite(value):
+        raise UserError(
+            f"update {step}: {what} is {value}; training diverged and stopped before saving, so the "
+            "checkpoints are intact; lower train.lr_scale, or --resume from a checkpoint with finite weights"
+        )
+
+
+def _check_unlogged(window: list[float], step: int, d: Dist) -> None:
+    """Before a save, the training loss since the last log line: a sum, so one NaN update shows."""
+    _check_finite("training loss", distributed.all_reduce_sum(window[:1], d)[0], step)
+
+
+def _check_finite_weights(model: Transformer, step: int) -> None:
+    """A NaN or inf weight (a huge lr, a corrupted checkpoint) is never saved; one device sync per save."""
+    finite = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
+    if not finite.item():
+        _check_finite("a model weight", math.nan, step)
 
 
 def _training_seconds(before: float, start: float, tc, d: Dist) -> float:
@@ -411,6 +453,18 @@ def _patience_exhausted(state: TrainState, tc) -> str:
     return ""
 
 
+def _check_run_dir(run_dir: Path) -> None:
+    """An unusable run_dir fails now, in one line, not with a traceback after the tokenizer's training."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir}: train.run_dir exists and is not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):  # writing is the only test root cannot pass by its rights
+            pass
+    except OSError as e:
+        raise UserError(f"{run_dir}: train.run_dir cannot be written ({e.strerror or e})") from None
+
+
 def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Path | None:
     found = checkpoint_dirs(run_dir)
     if resume and not found:
@@ -440,6 +494,7 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     cache = run_dir / "cache"
     train, _ = load_encoded(dc.train_src, dc.train_tgt, tokenizer, cache)
     train, too_long = train.filter_length(dc.max_len)
+    _require_pairs(dc.train_src, "training", len(train), too_long, dc.max_len)
     if d.is_main:
         log.info(
             "%s: %d training pairs; %d longer than max_len=%d dropped",
@@ -453,6 +508,7 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     if dc.valid_src:
         valid, _ = load_encoded(dc.valid_src, dc.valid_tgt, tokenizer, cache)
         valid, too_long = valid.filter_length(dc.max_len)
+        _require_pairs(dc.valid_src, "validation", len(valid), too_long, dc.max_len)
         if too_long and d.is_main:
             log.warning(
                 "%s: %d validation pairs longer than max_len=%d dropped", dc.valid_src, too_long, dc.max_len
@@ -464,25 +520,46 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     return Data(tokenizer, train, batches, valid, valid_batches, valid_text)
 
 
+def _require_pairs(path: str, kind: str, kept: int, too_long: int, max_len: int) -> None:
+    """Before training, not at the first validation: a set whose every pair is too long is empty."""
+    if not kept:
+        raise UserError(
+            f"{path}: all {too_long} {kind} pairs are longer than data.max_len={max_len} tokens; "
+            "raise data.max_len (and model.max_len) or use shorter sentences"
+        )
+
+
 def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None) -> None:
     """On process 0: the tokenizer and the caches, so that the other processes only read."""
     dc = config.data
-    tokenizer = tokenizer or find_tokenizer(run_dir)
-    if tokenizer is None:
-        text = read_parallel(dc.train_src, dc.train_tgt)
-        log.info(
-            "training a %s SentencePiece model (%d pieces, %s) on %d pairs",
-            dc.spm_type,
-            dc.vocab_size,
-            "shared" if dc.shared_vocab else "separate",
-            len(text.src),
-        )
-        tokenizer = train_tokenizer(text, run_dir, dc.vocab_size, dc.spm_type, dc.shared_vocab)
+    tokenizer = tokenizer or _run_tokenizer(config, run_dir)
     for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):
         if src:
             _, dropped = load_encoded(src, tgt, tokenizer, run_dir / "cache")
             if dropped:
                 log.info("%s: %d empty pairs dropped", src, dropped)
+
+
+def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
+    """The run directory's tokenizer: trained once on the training text, then reused if it fits."""
+    dc = config.data
+    found = find_tokenizer(run_dir)
+    if found is not None and checkpoint_dirs(run_dir):
+        return found  # a resumed run keeps the tokenizer its checkpoints were trained with
+    inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, dc.vocab_size, dc.spm_type, dc.shared_vocab)
+    if found is not None:  # left by a first run that failed later: reuse it only for the same data
+        check_tokenizer_inputs(run_dir, inputs)
+        return found
+    text = read_parallel(dc.train_src, dc.train_tgt)
+    log.info(
+        "training a %s SentencePiece model (%d pieces, %s) on %d pairs",
+        dc.spm_type,
+        dc.vocab_size,
+        "shared" if dc.shared_vocab else "separate",
+        len(text.src),
+    )
+    write_tokenizer_inputs(run_dir, inputs)
+    return train_tokenizer(text, run_dir, dc.vocab_size, dc.spm_type, dc.shared_vocab)
 
 
 def _describe(config: RunConfig, model: Transformer, data: Data, d: Dist) -> str:

@@ -148,6 +148,8 @@ def restore(
 def check_compatible(path: Path, config: ModelConfig) -> None:
     """A checkpoint of another model gives one line naming the first difference."""
     saved = read_meta(path).get("model", {})
+    if not isinstance(saved, dict):
+        raise UserError(f"{path / 'meta.json'}: corrupt checkpoint metadata ('model' is not a table)")
     for key, value in to_dict(config).items():
         if saved.get(key) != value:
             raise UserError(
@@ -163,9 +165,16 @@ def _read_trainer(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             f"{path}: no training state (trainer.safetensors / trainer.json); cannot resume from it"
         )
     try:
-        return load_file(str(tensors_file)), json.loads(json_file.read_text(encoding="utf-8"))
+        tensors = load_file(str(tensors_file))
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{tensors_file}: corrupt training state ({e})") from None
+    try:  # its own message: the file to restore from a backup is this one, not the tensors
+        trainer = json.loads(json_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError includes JSONDecodeError and UnicodeDecodeError
+        raise UserError(f"{json_file}: corrupt training state ({e})") from None
+    if not isinstance(trainer, dict):
+        raise UserError(f"{json_file}: corrupt training state (not a JSON object)")
+    return tensors, trainer
 
 
 def _as_tuple(x: Any) -> Any:

@@ -1,0 +1,322 @@
+"""`aiayn train` on bad input: one line naming the file or setting, a non-zero exit, nothing lost.
+
+Each test is a known failure: a diverging run, a resumed finished run, an unusable run_dir, a full disk,
+a vocabulary SentencePiece cannot build, a malformed config or checkpoint, a stale tokenizer.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from train_helpers import tiny_config, write_corpus
+
+from aiayn import cli
+from aiayn.config import ConfigError, model_config
+from aiayn.data.dataset import EncodedCorpus, read_lines
+from aiayn.errors import UserError
+from aiayn.model import Transformer
+from aiayn.train import distributed
+from aiayn.train.config import DataConfig, TrainConfig, load_config, with_train
+from aiayn.train.loop import Data, _check_finite_weights, train, validate
+from aiayn.train.state import checkpoint_dirs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    """`train.threads=1` sets the process' thread count; give the other tests theirs back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A run that reached max_updates=4, with checkpoints at updates 2 and 4."""
+    d = tmp_path_factory.mktemp("finished")
+    config, sets = tiny_config(d, d / "run", "train.max_updates=4", "train.valid_every=2")
+    train(config)
+    return d, config, sets
+
+
+def copy_run(finished_run, tmp_path: Path):
+    """A copy of the finished run to damage or continue; its config pointed at the copy."""
+    d, config, _ = finished_run
+    shutil.copytree(d / "run", tmp_path / "run")
+    return with_train(config, run_dir=str(tmp_path / "run"))
+
+
+def run_cli(capsys, *argv) -> tuple[int, list[str]]:
+    code = cli.main(list(argv))
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+# 1. Non-finite values: stop before saving, keep every good checkpoint.
+
+
+@pytest.mark.parametrize(
+    ("extra", "caught_by"),
+    [
+        (["train.log_every=1"], "training loss"),  # where the training loss is logged
+        (["train.log_every=100"], "training loss"),  # no log line: the unlogged losses before the save
+        (["train.log_every=100", "train.valid_every=1"], "validation loss"),  # huge but finite weights
+    ],
+)
+def test_a_diverging_run_stops_before_saving_and_keeps_its_checkpoints(finished_run, tmp_path, extra, caught_by):
+    config = copy_run(finished_run, tmp_path)
+    run = Path(config.train.run_dir)
+    before = {p.name: load_file(str(p / "model.safetensors")) for p in checkpoint_dirs(run)}
+    sets = finished_run[2] + ["train.max_updates=12", "train.keep_last=2", "train.lr_scale=1e30", *extra]
+    diverging = with_train(load_config(None, sets), run_dir=str(run))
+    with pytest.raises(UserError, match=rf"update \d+: {caught_by} is (nan|inf); training diverged"):
+        train(diverging, resume=True)
+    assert sorted(before) == [p.name for p in checkpoint_dirs(run)] == ["step_000002", "step_000004"]
+    latest = load_file(str(checkpoint_dirs(run)[-1] / "model.safetensors"))
+    assert all(torch.equal(latest[k], before["step_000004"][k]) for k in latest)
+
+
+def test_nan_weights_are_never_saved():
+    model = Transformer(model_config("micro", vocab_size=50))
+    _check_finite_weights(model, 1)  # finite: no error
+    with torch.no_grad():
+        dict(model.named_parameters())["encoder.0.feed_forward.w_1.weight"][0, 0] = math.nan
+    with pytest.raises(UserError, match="update 7: a model weight is nan"):
+        _check_finite_weights(model, 7)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"lr_scale": -1.0},
+        {"lr_scale": math.nan},
+        {"lr_scale": math.inf},
+        {"max_updates": -1},
+        {"max_minutes": math.nan},
+        {"max_minutes": math.inf},
+        {"patience": -1},
+        {"clip_norm": -0.5},
+        {"run_dir": ""},
+    ],
+)
+def test_train_config_rejects_numbers_that_cannot_train(changes):
+    name = next(iter(changes))
+    with pytest.raises(ConfigError, match=f"train.{name}"):
+        TrainConfig(**changes)
+
+
+def test_train_config_keeps_zero_as_off():
+    config = TrainConfig(lr_scale=0.0, max_updates=0, max_minutes=0.0, patience=0, clip_norm=0.0)
+    assert config.max_updates == 0
+
+
+# 2. Resuming a finished run trains nothing.
+
+
+def test_resuming_a_run_at_max_updates_trains_nothing(finished_run, tmp_path):
+    config = copy_run(finished_run, tmp_path)
+    run = Path(config.train.run_dir)
+    before = load_file(str(checkpoint_dirs(run)[-1] / "model.safetensors"))
+    result = train(config, resume=True)
+    assert result["step"] == 4 and result["stop"] == "max_updates=4"
+    assert [p.name for p in checkpoint_dirs(run)] == ["step_000002", "step_000004"]
+    after = load_file(str(checkpoint_dirs(run)[-1] / "model.safetensors"))
+    assert all(torch.equal(after[k], before[k]) for k in after)
+
+
+# 3. A validation set with every pair too long fails before training.
+
+
+def test_a_validation_set_longer_than_max_len_fails_before_training(tmp_path):
+    long_src, long_tgt = tmp_path / "long.de", tmp_path / "long.en"
+    long_src.write_text("ein Hund läuft über die Wiese " * 12 + "\n", encoding="utf-8")
+    long_tgt.write_text("a dog runs across the meadow " * 12 + "\n", encoding="utf-8")
+    config, _ = tiny_config(
+        tmp_path, tmp_path / "run", "train.max_updates=2", f"data.valid_src={long_src}", f"data.valid_tgt={long_tgt}"
+    )
+    with pytest.raises(UserError, match=r"long\.de: all 1 validation pairs are longer than data\.max_len=32"):
+        train(config)
+    assert checkpoint_dirs(tmp_path / "run") == []
+
+
+def test_validate_refuses_an_empty_validation_set():
+    empty = EncodedCorpus.from_lists([], [])
+    data = Data(SimpleNamespace(pad_id=0), empty, [], empty, [], None)
+    d = distributed.Dist(0, 1, 0, torch.device("cpu"))
+    with pytest.raises(UserError, match="no target tokens"):  # not a ZeroDivisionError
+        validate(torch.nn.Linear(1, 1), data, d, torch.autocast("cpu", enabled=False), 0.1)
+
+
+# 4. An unusable run_dir fails first.
+
+
+@pytest.mark.parametrize("where", ["afile", "afile/run"])
+def test_an_unusable_run_dir_gives_one_line_before_anything_runs(tmp_path, capsys, where):
+    (tmp_path / "afile").write_text("x", encoding="utf-8")
+    _, sets = tiny_config(tmp_path, tmp_path / where, "train.max_updates=2")
+    code, err = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    assert code == 2 and err[-1].startswith("aiayn: error: ") and "train.run_dir" in err[-1], err
+    assert not any("SentencePiece" in line for line in err)  # nothing was trained first
+    assert (tmp_path / "afile").read_text(encoding="utf-8") == "x"
+
+
+# 5. A full disk: one line naming the file, no temporary file left.
+
+
+def full_disk_write(self, data):
+    """Path.write_bytes on a disk that fills up after 10 bytes."""
+    with open(self, "wb") as f:
+        f.write(data[:10])
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+
+def test_a_full_disk_while_saving_the_tokenizer(tmp_path, monkeypatch):
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
+    monkeypatch.setattr(Path, "write_bytes", full_disk_write)
+    with pytest.raises(UserError, match=r"spm\.model: cannot write the SentencePiece model \(No space left"):
+        train(config)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if "spm" in p.name) == []
+
+
+def test_a_full_disk_while_caching_the_ids(finished_run, tmp_path, monkeypatch):
+    d, config, _ = finished_run
+    (tmp_path / "run").mkdir()
+    shutil.copy(d / "run" / "spm.model", tmp_path / "run" / "spm.model")  # an old run dir: no record
+
+    def full_disk_save(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\x00" * 10)
+        raise SafetensorError("Error while serializing: IoError(No space left on device (os error 28))")
+
+    monkeypatch.setattr("aiayn.data.dataset.save_file", full_disk_save)
+    with pytest.raises(UserError, match=r"cache/train\.de-train\.en\..*\.safetensors: cannot write the encoded-ids"):
+        train(with_train(config, run_dir=str(tmp_path / "run")))
+    assert list((tmp_path / "run" / "cache").iterdir()) == []
+
+
+# 6. A vocabulary smaller than the corpus' characters.
+
+
+def test_a_vocabulary_smaller_than_the_alphabet_names_the_setting(tmp_path):
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2", "data.vocab_size=8")
+    with pytest.raises(UserError, match=r"data\.vocab_size=8: .*Vocabulary size is smaller than required_chars"):
+        train(config)
+
+
+# 7. Malformed configurations.
+
+
+@pytest.mark.parametrize("toml", ["model = 3\n", 'data = "x"\n', "train = [1]\n"])
+def test_a_section_that_is_not_a_table_names_file_and_section(tmp_path, toml):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml, encoding="utf-8")
+    section = toml.split(" ")[0]
+    with pytest.raises(ConfigError, match=rf"bad\.toml: {section} = .* is not a table; write a \[{section}\]"):
+        load_config(path, [f"{section}.preset=micro"] if section == "model" else [])
+    with pytest.raises(ConfigError, match=rf"bad\.toml: {section} = "):
+        load_config(path)
+
+
+def test_an_unknown_set_key_is_blamed_on_set_not_the_file(tmp_path):
+    path = tmp_path / "ok.toml"
+    path.write_text("[train]\nmax_updates = 3\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"--set 'train\.max_updatez=3': unknown train key") as e:
+        load_config(path, ["train.max_updatez=3"])
+    assert str(path) not in str(e.value)
+    with pytest.raises(ConfigError, match="--set 'trian.max_updates=3': unknown section"):
+        load_config(path, ["trian.max_updates=3"])
+    assert load_config(path, ["train.max_updates=5"]).train.max_updates == 5
+
+
+def test_zero_heads_is_a_config_error_not_a_division_by_zero():
+    with pytest.raises(ConfigError, match="n_heads=0 must be positive"):
+        model_config("micro", vocab_size=50, n_heads=0)
+    with pytest.raises(ConfigError, match="n_heads=0 must be positive"):
+        load_config(None, ["model.preset=micro", "model.n_heads=0"])
+
+
+def test_cuda_without_a_gpu_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="train.device='cuda', but PyTorch sees no CUDA GPU"):
+        distributed.setup("cuda")
+
+
+def test_validation_files_come_in_pairs():
+    with pytest.raises(ConfigError, match="data.valid_src and data.valid_tgt"):
+        DataConfig(valid_src="v.de")
+    with pytest.raises(ConfigError, match="data.valid_src and data.valid_tgt"):
+        DataConfig(valid_tgt="v.en")
+
+
+def test_a_directory_given_as_a_corpus_says_so(tmp_path):
+    with pytest.raises(UserError, match="is a directory"):
+        read_lines(tmp_path)
+    with pytest.raises(UserError, match="file not found"):
+        read_lines(tmp_path / "nope.de")
+
+
+# 8. Damaged checkpoint files are named.
+
+
+def test_a_corrupt_trainer_json_is_named(finished_run, tmp_path):
+    config = copy_run(finished_run, tmp_path)
+    (checkpoint_dirs(config.train.run_dir)[-1] / "trainer.json").write_text("{garbage", encoding="utf-8")
+    with pytest.raises(UserError, match=r"step_000004/trainer\.json: corrupt training state"):
+        train(with_train(config, max_updates=6), resume=True)
+
+
+def test_a_meta_json_whose_config_is_not_a_table_is_named(finished_run, tmp_path):
+    config = copy_run(finished_run, tmp_path)
+    meta_path = checkpoint_dirs(config.train.run_dir)[-1] / "meta.json"
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    meta_path.write_text(json.dumps({**meta, "config": "x"}), encoding="utf-8")
+    with pytest.raises(UserError, match=r"step_000004/meta\.json: corrupt checkpoint metadata \('config'"):
+        train(with_train(config, max_updates=6), resume=True)
+
+
+# 9. A tokenizer left by a failed first run is reused only for the same data.
+
+
+def test_a_tokenizer_left_by_a_failed_run_is_reused_only_for_the_same_data(tmp_path):
+    run = tmp_path / "run"
+    long_src, long_tgt = tmp_path / "long.de", tmp_path / "long.en"
+    long_src.write_text("ein Hund läuft über die Wiese " * 12 + "\n", encoding="utf-8")
+    long_tgt.write_text("a dog runs across the meadow " * 12 + "\n", encoding="utf-8")
+    bad_valid = [f"data.valid_src={long_src}", f"data.valid_tgt={long_tgt}"]
+    config, sets = tiny_config(tmp_path, run, "train.max_updates=1", "train.valid_every=1", *bad_valid)
+    with pytest.raises(UserError, match="longer than data.max_len"):
+        train(config)  # fails after training the tokenizer
+    assert (run / "spm.model").is_file() and (run / "tokenizer_inputs.json").is_file()
+
+    other_src, other_tgt = write_corpus(tmp_path, 40, "other")
+    for extra, message in [
+        (["data.vocab_size=50"], "data.vocab_size was 40, now 50"),
+        (["data.spm_type=unigram"], "data.spm_type was 'bpe', now 'unigram'"),
+        (["data.shared_vocab=false"], "data.shared_vocab was True, now False"),
+        ([f"data.train_src={other_src}"], "data.train_src=.*other.de is not the .*train.de it was trained on"),
+        ([f"data.train_tgt={other_tgt}"], "data.train_tgt=.*other.en is not the .*train.en"),
+    ]:
+        with pytest.raises(UserError, match=f"its tokenizer was trained for other data.*{message}.*delete"):
+            train(load_config(None, sets[:-2] + extra))  # sets[:-2]: a valid validation set again
+    model = (run / "spm.model").read_bytes()
+    moved = tmp_path / "moved"  # the same corpus elsewhere: the same tokenizer
+    moved.mkdir()
+    src, tgt = (shutil.copy(tmp_path / f"train.{side}", moved) for side in ("de", "en"))
+    assert train(load_config(None, sets[:-2] + [f"data.train_src={src}", f"data.train_tgt={tgt}"]))["step"] == 1
+    assert (run / "spm.model").read_bytes() == model
+
+
+def test_a_run_dir_from_before_the_record_is_accepted(finished_run, tmp_path):
+    d, config, _ = finished_run
+    (tmp_path / "run").mkdir()
+    shutil.copy(d / "run" / "spm.model", tmp_path / "run" / "spm.model")  # no tokenizer_inputs.json
+    result = train(with_train(config, run_dir=str(tmp_path / "run"), max_updates=1, valid_every=1))
+    assert result["step"] == 1
+    assert not (tmp_path / "run" / "tokenizer_inputs.json").exists()

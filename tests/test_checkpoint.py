@@ -4,6 +4,7 @@ import errno
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,17 @@ def test_round_trip_is_exact(tmp_path, tokenizer):
     m = loaded.model
     assert m.generator.weight is m.src_embed.embed.weight  # tying survives the round trip
     assert loaded.tokenizer.encode_src("the number 3") == tokenizer.encode_src("the number 3")
+
+
+def test_a_checkpoint_directory_has_the_permissions_of_any_new_directory(tmp_path, tokenizer):
+    """Written through a private temporary directory (mkdtemp's 0700), it must not stay private."""
+    old = os.umask(0o022)
+    try:
+        save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+        (tmp_path / "plain").mkdir()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "ck").stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o755
 
 
 def test_errors_name_the_file(tmp_path, tokenizer):

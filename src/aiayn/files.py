@@ -117,6 +117,7 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
     try:
         made = _make_parents(directory.parent)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a checkpoint is as readable as any directory
         write(tmp)
         for f in tmp.iterdir():  # flush every file before the rename makes them visible
             if f.is_file():

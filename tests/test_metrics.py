@@ -13,7 +13,7 @@ import pytest
 from aiayn import cli
 from aiayn.errors import UserError
 from aiayn.train import loop
-from aiayn.train.metrics import MetricsLog, plot_metrics, read_metrics
+from aiayn.train.metrics import MetricsLog, _points, plot_metrics, read_metrics
 
 TRAIN = [{"step": s, "epoch": 1, "loss": 3.0 / s, "nll": 2.5 / s, "lr": 1e-4 * s} for s in (1, 2, 3)]
 VALID = {"step": 3, "epoch": 1, "valid_loss": 1.2, "valid_nll": 1.0, "valid_ppl": 2.72}
@@ -160,3 +160,12 @@ def test_full_disk_keeps_the_old_png(log_path, tmp_path, monkeypatch):
         plot_metrics(log_path, png)
     assert png.read_bytes() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]  # no temporary left
+
+
+def test_a_step_logged_again_after_a_resume_keeps_its_last_record():
+    """Killed after logging steps 1-3, resumed from a checkpoint at step 1: steps 2 and 3 come again."""
+    killed = TRAIN
+    resumed = [{**r, "loss": r["loss"] / 2} for r in TRAIN[1:]]
+    steps, losses = _points(killed + resumed, "loss")
+    assert steps == [1, 2, 3]
+    assert losses == [TRAIN[0]["loss"], TRAIN[1]["loss"] / 2, TRAIN[2]["loss"] / 2]

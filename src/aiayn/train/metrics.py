@@ -144,9 +144,12 @@ def _points(records: list[dict[str, Any]], key: str) -> tuple[list, list]:
     """The (step, value) pairs of the records that have `key`. A record without it is left out of
     this curve only: the log holds records of several kinds (a validation without a validation set
     has no `valid_nll`; a log from an older version may lack `nll`), and one sparse record is no
-    reason to refuse the picture of all the others."""
-    rows = [r for r in records if "step" in r and key in r]
-    return [r["step"] for r in rows], [r[key] for r in rows]
+    reason to refuse the picture of all the others. A step logged twice keeps its last record: a run
+    killed after logging it and resumed from an earlier checkpoint logs it again, and the curve should
+    follow the run that went on, not zigzag between the two."""
+    latest = {r["step"]: r[key] for r in records if "step" in r and key in r}
+    steps = sorted(latest)
+    return steps, [latest[s] for s in steps]
 
 
 def _draw(records: list[dict[str, Any]], plt):

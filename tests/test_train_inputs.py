@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -145,6 +146,17 @@ def test_a_validation_set_longer_than_max_len_fails_before_training(tmp_path):
     with pytest.raises(UserError, match=r"long\.de: all 1 validation pairs are longer than data\.max_len=32"):
         train(config)
     assert checkpoint_dirs(tmp_path / "run") == []
+
+
+def test_a_bad_validation_file_fails_before_the_tokenizer_is_trained(tmp_path):
+    """A missing line in the validation target is found before the (on real data, minutes-long)
+    SentencePiece training, which leaves its model in the run directory."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
+    short = tmp_path / "short.en"
+    short.write_text("one line\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"short\.en:2: line counts differ"):
+        train(replace(config, data=replace(config.data, valid_tgt=str(short))))
+    assert not (tmp_path / "run" / "spm.model").exists()
 
 
 def test_validate_refuses_an_empty_validation_set():

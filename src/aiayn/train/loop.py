@@ -550,6 +550,8 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
     if found is not None:  # left by a first run that failed later: reuse it only for the same data
         check_tokenizer_inputs(run_dir, inputs)
         return found
+    if dc.valid_src:  # a bad validation file fails now, not after minutes of tokenizer training
+        read_parallel(dc.valid_src, dc.valid_tgt)
     text = read_parallel(dc.train_src, dc.train_tgt)
     log.info(
         "training a %s SentencePiece model (%d pieces, %s) on %d pairs",

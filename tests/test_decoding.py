@@ -12,6 +12,7 @@ import torch
 from aiayn.config import ConfigError
 from aiayn.decoding import DecodeConfig, beam_search, generate, greedy_search, length_penalty
 from aiayn.decoding.sampling import filter_logits
+from aiayn.decoding.search import sampling_generator
 from aiayn.decoding.topk import argmax_rows, topk_rows
 from aiayn.model import KVCache
 from conftest import padded_batch, tiny_model
@@ -240,6 +241,62 @@ def test_decode_config_errors_name_the_field():
         DecodeConfig(lenpen_kind="gnmt2")
     with pytest.raises(ConfigError, match="sample"):
         DecodeConfig(beam=4, sample=True)
+
+
+SAMPLING = {"sample": True, "beam": 1}
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"lenpen": math.nan}, "lenpen=nan"),  # NaN scores: silently different translations
+    ({"lenpen": math.inf}, "lenpen=inf"),
+    ({"lenpen": -math.inf}, "lenpen=-inf"),
+    ({"lenpen": 1000.0}, "lenpen=1000.0"),  # lp(|Y|) overflowed
+    ({"lenpen": -1000.0}, "lenpen=-1000.0"),  # lp(|Y|) was 0: ZeroDivisionError
+    ({"max_len_a": math.nan}, "max_len_a=nan"),
+    ({"max_len_a": math.inf}, "max_len_a=inf"),
+    ({"max_len_a": 0.0, "max_len_b": 0}, "max_len_a=0.0 and max_len_b=0 allow no output token"),
+    ({"temperature": math.nan, **SAMPLING}, "temperature=nan"),  # torch: probability tensor contains nan
+    ({"temperature": math.inf, **SAMPLING}, "temperature=inf"),
+    ({"temperature": 1e-50, **SAMPLING}, "temperature=1e-50"),  # 0 in float32: 0 / 0
+    ({"top_p": math.nan, **SAMPLING}, "top_p=nan"),
+    ({"seed": 2**64, **SAMPLING}, "seed=18446744073709551616"),  # torch: Overflow when unpacking long long
+    ({"seed": -(2**63) - 1, **SAMPLING}, "seed=-9223372036854775809"),
+    ({"temperature": 0.5}, r"temperature=0.5 needs sample=True"),  # a search would ignore them
+    ({"top_k": 3}, "top_k=3 needs sample=True"),
+    ({"top_p": 0.5}, "top_p=0.5 needs sample=True"),
+    ({"seed": 7}, "seed=7 needs sample=True"),
+])
+def test_decode_config_refuses_values_a_search_cannot_use(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        DecodeConfig(**settings)
+
+
+def test_decode_config_bounds_still_decode_with_finite_scores():
+    """The extreme values accepted give finite scores and probabilities, and a huge max_len_a is capped."""
+    model = tiny_model()
+    src = padded_batch([5, 3], 50)
+    for lenpen, kind in [(10.0, "power"), (-10.0, "power"), (10.0, "gnmt"), (-10.0, "gnmt")]:
+        assert all(0 < length_penalty(n, lenpen, kind) < math.inf for n in (1, 2, 10**6))
+        hyps = generate(model, src, DecodeConfig(beam=2, n_best=2, lenpen=lenpen, lenpen_kind=kind, max_len_b=5))
+        assert all(math.isfinite(h.score) for s in hyps for h in s)
+    cold = DecodeConfig(temperature=1e-3, seed=2**64 - 1, max_len_b=5, **SAMPLING)
+    assert [s[0].tokens for s in generate(model, src, cold)] == [s[0].tokens for s in generate(model, src,
+                                                                 DecodeConfig(beam=1, max_len_b=5))]
+    generate(model, src, DecodeConfig(seed=-(2**63), max_len_b=5, **SAMPLING))  # torch's lowest seed
+    assert DecodeConfig(max_len_a=1e308).max_lengths([1, 2, 3], 40) == [40, 40, 40]  # a * n = inf before int
+    assert DecodeConfig(max_len_a=0.0, max_len_b=1).max_lengths([3], 40) == [1]  # the smallest maximum
+
+
+def test_one_generator_draws_on_across_batches():
+    """The same sentence in two batches sharing a generator gets independent samples; a new generator
+    per batch (what a caller must not do) repeats the first batch's draws."""
+    model = tiny_model()
+    src = padded_batch([6], 50)
+    config = DecodeConfig(temperature=3.0, seed=1, max_len_a=0.0, max_len_b=8, **SAMPLING)
+    shared = sampling_generator(config, src.device)
+    draws = [generate(model, src, config, shared)[0][0].tokens for _ in range(4)]
+    assert len({tuple(d) for d in draws}) > 1
+    assert generate(model, src, config)[0][0].tokens == generate(model, src, config)[0][0].tokens == draws[0]
 
 
 # --- the two-pass top-k ------------------------------------------------------------------------------

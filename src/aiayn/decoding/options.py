@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from aiayn.config import ConfigError, check_types
 from aiayn.decoding.length_penalty import KINDS
+
+MAX_LENPEN = 10.0  # |alpha| above this could overflow lp(|Y|): see DecodeConfig.search_problems
+MIN_TEMPERATURE = 1e-3  # lower is greedy search but for near-ties: see DecodeConfig.sampling_problems
 
 
 @dataclass(frozen=True)
@@ -24,29 +28,64 @@ class DecodeConfig:
     # True: fairseq's and HuggingFace's rule, stop once `beam` hypotheses ended: faster, but a confident
     # model's junk beams can end first (the demo measured 98.8% exact match against 100% with False)
     sample: bool = False  # sample from the model instead of searching (beam must be 1)
-    temperature: float = 1.0  # divides the logits before sampling
+    temperature: float = 1.0  # divides the logits before sampling; at least MIN_TEMPERATURE
     top_k: int = 0  # sample among the k most likely tokens; 0: all
     top_p: float = 1.0  # sample among the smallest set with probability >= p (nucleus); 1: all
-    seed: int | None = None  # seeds the sampling generator; None: nondeterministic
+    seed: int | None = None  # seeds the sampling generator once per translate call or stream; None: random
 
     def __post_init__(self) -> None:
         check_types(self)
+        problems = self.search_problems() + self.sampling_problems()
+        if problems:
+            raise ConfigError("DecodeConfig: " + "; ".join(problems))
+
+    def search_problems(self) -> list[str]:
+        """What is wrong with the search and length settings, each problem naming its field and value."""
         problems = []
         if self.beam < 1:
             problems.append(f"beam={self.beam} must be at least 1")
         if self.lenpen_kind not in KINDS:
             problems.append(f"lenpen_kind={self.lenpen_kind!r} is not one of {KINDS}")
-        if self.max_len_a < 0 or self.max_len_b < 0 or self.min_len < 0:
-            problems.append("max_len_a, max_len_b and min_len must not be negative")
+        # lp(|Y|) is at most |Y|^|alpha|: with |alpha| <= 10 and |Y| below 10^6 positions it stays within
+        # 1e-60..1e60, so log P / lp is a finite Python float (alpha = 1000 overflowed, -1000 divided by 0).
+        # Useful values are 0 to 2 (the paper 0.6, fairseq 1.0).
+        if not (math.isfinite(self.lenpen) and abs(self.lenpen) <= MAX_LENPEN):
+            problems.append(f"lenpen={self.lenpen} must be a number between -{MAX_LENPEN} and {MAX_LENPEN}")
+        if not (math.isfinite(self.max_len_a) and self.max_len_a >= 0):
+            problems.append(f"max_len_a={self.max_len_a} must be a finite number >= 0")
+        for name in ("max_len_b", "min_len"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must not be negative")
+        if self.max_len_a == 0 and self.max_len_b < 1:  # max_lengths would quietly allow 1 token anyway
+            problems.append(f"max_len_a={self.max_len_a} and max_len_b={self.max_len_b} allow no output token")
         if self.n_best < 1 or (not self.sample and self.n_best > self.beam):
             problems.append(f"n_best={self.n_best} must be between 1 and beam={self.beam}")
+        return problems
+
+    def sampling_problems(self) -> list[str]:
+        """What is wrong with the sampling settings; they are refused without `sample`, never ignored."""
+        problems = []
         if self.sample and self.beam != 1:
             problems.append(f"sample=True needs beam=1, not {self.beam}")
-        if self.temperature <= 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            problems.append("sampling needs temperature > 0, top_k >= 0 and 0 < top_p <= 1")
-        if problems:
-            raise ConfigError("DecodeConfig: " + "; ".join(problems))
+        # The float32 log-probabilities are divided by T: a T that rounds to 0 in float32 (1e-50) gives NaN
+        # and torch refuses to sample. At T = 1e-3 a token 0.1 nats behind the best already has probability
+        # e^-100, so lower values are greedy search in all but near-ties, and log P / T stays finite.
+        if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
+            problems.append(f"temperature={self.temperature} must be a finite number >= {MIN_TEMPERATURE}")
+        if self.top_k < 0:
+            problems.append(f"top_k={self.top_k} must not be negative")
+        if not 0 < self.top_p <= 1:  # NaN fails this comparison too
+            problems.append(f"top_p={self.top_p} must be in (0, 1]")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            problems.append(f"seed={self.seed} must be within torch's 64-bit range [-2**63, 2**64 - 1]")
+        if not self.sample:  # a search would silently ignore them
+            defaults = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None}
+            for name, default in defaults.items():
+                if getattr(self, name) != default:
+                    problems.append(f"{name}={getattr(self, name)} needs sample=True (--sample)")
+        return problems
 
     def max_lengths(self, src_lengths: list[int], limit: int) -> list[int]:
         """Per sentence: at most a * src_len + b output tokens, and never past `limit` positions."""
-        return [max(1, min(limit, int(self.max_len_a * n + self.max_len_b))) for n in src_lengths]
+        # min before int: a huge max_len_a makes a * n infinite, which int() refuses
+        return [max(1, int(min(limit, self.max_len_a * n + self.max_len_b))) for n in src_lengths]

@@ -58,3 +58,23 @@ def test_cli_prints_scores_and_signatures(tmp_path, capsys):
     hyp.write_bytes(b"\xff\n")
     assert main(["evaluate", str(hyp), str(ref)]) == 2
     assert f"{hyp}:1: invalid UTF-8" in capsys.readouterr().err
+
+
+def test_a_leading_byte_order_mark_is_not_text(tmp_path):
+    """Notepad's BOM on either file: the same lines score 100 (the BOM glued to the first word lost 0.16)."""
+    hyp, ref = tmp_path / "hyp", tmp_path / "ref"
+    lines = "Der erste Dezember.\nZwei und drei.\n"
+    hyp.write_text("\ufeff" + lines, encoding="utf-8")
+    ref.write_text(lines, encoding="utf-8")
+    assert evaluate_files(hyp, [ref])[0].score == pytest.approx(100.0)
+    assert evaluate_files(ref, [hyp])[0].score == pytest.approx(100.0)
+    hyp.write_text("\ufeff\ufeff" + lines, encoding="utf-8")  # only one is a byte order mark
+    assert evaluate_files(hyp, [ref])[0].score < 100
+
+
+def test_a_nul_byte_names_its_line(tmp_path):
+    hyp, ref = tmp_path / "hyp", tmp_path / "ref"
+    hyp.write_bytes(b"one\ntwo\nth\0ree\n")
+    ref.write_text("one\ntwo\nthree\n")
+    with pytest.raises(UserError, match=r"hyp:3: NUL byte \(binary or corrupt input\?\)"):
+        evaluate_files(hyp, [ref])

@@ -2,7 +2,9 @@
 
 import errno
 import io
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,13 +18,14 @@ from aiayn.decoding import DecodeConfig, generate
 from aiayn.errors import SentenceTooLong, UserError
 from aiayn.files import _stream_only, atomic_output
 from aiayn.translate import (
-    Translator, length_sorted_batches, quantize_int8, translate,
+    Translator, length_sorted_batches, quantize_int8, translate, translate_stream,
 )
 from conftest import padded_batch, tiny_model
 
 TEXTS = ["the number 12 is even", "", "odd", "und die Zahl 7 ist odd und die Zahl 8 ist even", "  ",
          "the number 3"]
 OPTIONS = dict(beam=2, max_len_a=0.0, max_len_b=6)
+OPTIONS_ARGS = ["--beam", "2", "--max-len-a", "0", "--max-len-b", "6"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -179,6 +182,101 @@ def test_cli_is_a_unix_filter(checkpoint, tmp_path, monkeypatch, capsys):
     translator = Translator.load(checkpoint)
     assert captured.out.split("\n") == [alone(translator, t) for t in TEXTS] + [""]
     assert captured.err == ""  # no progress bar in a pipe
+
+
+SAMPLE = ["--sample", "--beam", "1", "--seed", "1", "--temperature", "3", "--max-len-a", "0", "--max-len-b", "6"]
+
+
+def test_seeded_sampling_is_reproducible_and_never_reseeded_per_batch(checkpoint, tmp_path):
+    """One generator, seeded once, draws a whole run: 20 copies of a line read one at a time (as from a
+    terminal) or batched one sentence per batch get different samples, and the same run twice the same."""
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("the number 12 is even\n" * 20, encoding="utf-8")
+    runs = []
+    for _ in range(2):
+        assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(out), "-q", "--chunk", "1"] + SAMPLE) == 0
+        runs.append(out.read_text(encoding="utf-8").splitlines())
+    assert len(runs[0]) == 20 and len(set(runs[0])) > 1 and runs[0] == runs[1]
+    translator = Translator.load(checkpoint)
+    options = {"sample": True, "beam": 1, "seed": 1, "temperature": 3.0, "max_len_a": 0.0, "max_len_b": 6,
+               "max_tokens": 1}
+    texts = ["the number 12 is even"] * 20
+    first = translator.translate(texts, **options)
+    assert len(set(first)) > 1 and translator.translate(texts, **options) == first
+
+
+def test_cli_reads_a_pipe_with_progress_but_no_total(checkpoint, tmp_path, capsys):
+    """`-i /dev/stdin` on a pipe, or `-i <(...)`: read once, never rewound for a line count."""
+    out = tmp_path / "out.txt"
+    read_end, write_end = os.pipe()
+    os.write(write_end, ("\n".join(TEXTS) + "\n").encode())  # small: fits in the pipe's buffer
+    os.close(write_end)
+    try:
+        args = ["translate", str(checkpoint), "-i", f"/dev/fd/{read_end}", "-o", str(out)] + OPTIONS_ARGS
+        assert main(args) == 0
+    finally:
+        os.close(read_end)
+    assert out.read_text(encoding="utf-8").split("\n") == [alone(Translator.load(checkpoint), t) for t in TEXTS] + [""]
+    assert "6line" in capsys.readouterr().err  # tqdm without a total: lines done, no "/6"
+
+
+def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3\n", encoding="utf-8")
+    cases = [(["--lenpen", "nan"], "lenpen=nan"), (["--lenpen=-inf"], "lenpen=-inf"),
+             (["--max-len-a", "0", "--max-len-b", "0"], "allow no output token"),
+             (["--temperature", "0.5"], "temperature=0.5 needs sample=True (--sample)"),
+             (["--seed", "3"], "seed=3 needs sample=True (--sample)"),
+             (["--sample", "--beam", "1", "--temperature", "1e-50"], "temperature=1e-50"),
+             (["--device", "foo"], "device 'foo' is not a device name"),
+             (["--device", "meta"], "device 'meta': translation runs on cpu or cuda only")]
+    for extra, message in cases:
+        assert main(["translate", str(checkpoint), "-i", str(src), "-q"] + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    src.write_bytes(b"fine\nbad\0byte\n")
+    assert main(["translate", str(checkpoint), "-i", str(src), "-q"]) == 2
+    assert f"{src}:2: NUL byte (binary or corrupt input?)" in capsys.readouterr().err
+
+
+def test_load_refuses_devices_it_cannot_use(checkpoint, monkeypatch):
+    for device in ("foo", "meta", "cuda:0" if not torch.cuda.is_available() else "cuda:99"):
+        with pytest.raises(UserError, match=f"device '{device}'"):
+            Translator.load(checkpoint, device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match=r"device 'cuda:9': this machine has 1 CUDA device\(s\), cuda:0 to cuda:0"):
+        Translator.load(checkpoint, "cuda:9")
+
+
+def test_api_checks_its_texts_and_counts(checkpoint):
+    translator = Translator.load(checkpoint)
+    texts = ["the number 3", "odd"]
+    expected = translator.translate(texts, **OPTIONS)
+    assert translator.translate(iter(texts), **OPTIONS) == expected  # any iterable, read once
+    assert translator.translate(tuple(texts), **OPTIONS) == expected
+    with pytest.raises(TypeError, match=r"not one str: pass \[text\]"):
+        translator.translate("odd")  # would be translated letter by letter
+    for bad, kind in [(None, "NoneType"), (b"odd", "bytes"), (7, "int")]:
+        with pytest.raises(TypeError, match=rf"texts\[1\] is {kind}, not str"):
+            translator.translate(["odd", bad])
+    for value, error in [(0, ValueError), (-5, ValueError), (10.5, TypeError), ("100", TypeError), (True, TypeError)]:
+        with pytest.raises(error, match="max_tokens"):
+            translator.translate(texts, max_tokens=value)
+    with pytest.raises(ValueError, match="chunk=0 must be at least 1"):
+        translate_stream(translator, io.BytesIO(b"odd\n"), io.StringIO(), "in.txt", chunk=0)
+
+
+def test_ensemble_member_with_other_ids_is_named(checkpoint, tmp_path, capsys):
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    meta = json.loads((other / "meta.json").read_text(encoding="utf-8"))
+    meta["model"]["eos_id"] += 1
+    (other / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    with pytest.raises(UserError, match=f"{other}: differs from {checkpoint} in eos_id"):
+        Translator.load([checkpoint, other])
+    assert main(["translate", str(checkpoint), str(other), "-q"]) == 2
+    assert f"{other}: differs from" in capsys.readouterr().err
 
 
 def test_int8_model_stays_close_to_float():

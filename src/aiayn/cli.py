@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import stat
 import sys
 
 from aiayn.config import PRESETS, ConfigError, model_config
@@ -138,8 +139,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
     options = dict(beam=args.beam, lenpen=args.lenpen, lenpen_kind=args.lenpen_kind, max_len_a=args.max_len_a,
                    max_len_b=args.max_len_b, min_len=args.min_len, n_best=args.n_best, sample=args.sample,
-                   early_stopping=args.early_stopping,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                   early_stopping=args.early_stopping)
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    options.update({k: v for k, v in sampling.items() if v is not None})  # given: refused without --sample
     decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading or reading
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -156,14 +158,28 @@ def cmd_translate(args: argparse.Namespace) -> None:
         if args.output not in (None, "-"):  # complete or untouched: a failed run leaves no half file
             dst = stack.enter_context(atomic_output(args.output))
         progress = None
-        if name != "<stdin>" and not args.quiet:  # a file: its size is known, show progress on stderr
+        if name != "<stdin>" and not args.quiet:  # a named input: show progress on stderr
             from tqdm import tqdm
 
-            total = sum(1 for _ in src)  # the file's line count, then back to its start
-            src.seek(0)
+            total = _line_count(src)
             progress = stack.enter_context(tqdm(total=total, unit="line", file=sys.stderr)).update
         chunk = 1 if name == "<stdin>" and src.isatty() else args.chunk  # interactive: answer each line
         translate_stream(translator, src, dst, name, chunk, args.max_tokens, progress, **options)
+
+
+def _line_count(src) -> int | None:
+    """The lines of a regular file, counted, then back to where it was; None for a pipe, a FIFO or
+    `<(...)`, which can be read only once (a progress bar without a total then)."""
+    try:
+        regular = stat.S_ISREG(os.fstat(src.fileno()).st_mode) and src.seekable()
+    except (OSError, ValueError):
+        return None
+    if not regular:
+        return None
+    start = src.tell()
+    total = sum(1 for _ in src)
+    src.seek(start)
+    return total
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
@@ -286,10 +302,15 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--n-best", type=int, default=1,
                    help="hypotheses per line; above 1, lines read `LINE ||| TEXT ||| SCORE` (Moses)")
     p.add_argument("--sample", action="store_true", help="sample instead of searching (needs --beam 1)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
-    p.add_argument("--seed", type=int, help="seed for --sample")
+    # None unless given: DecodeConfig refuses a sampling option without --sample rather than ignore it
+    p.add_argument("--temperature", type=float,
+                   help="with --sample: divides the logits, at least 0.001 (default 1)")
+    p.add_argument("--top-k", type=int, help="with --sample: sample among the k likeliest tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, help="with --sample: nucleus sampling mass (default 1: all)")
+    p.add_argument("--seed", type=int,
+                   help="with --sample: seeds one generator for the whole input, so that the same input, options "
+                   "(--chunk and --max-tokens included) and device give the same output; repeated lines still "
+                   "get independent samples (default: a random seed)")
     p.add_argument("--max-tokens", type=positive_int, default=4096,
                    help="batch budget: padded source tokens x beam (sentences are sorted by length)")
     p.add_argument("--chunk", type=positive_int, default=10_000, help="lines read (and sorted) at a time")

@@ -11,10 +11,11 @@ lines translate to empty strings without touching the model.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, Sequence, TextIO
 
 import torch
 
@@ -23,9 +24,14 @@ from aiayn.data.batching import right_pad
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
+from aiayn.decoding.ensemble import SHARED_FIELDS
+from aiayn.decoding.search import sampling_generator
 from aiayn.errors import SentenceTooLong, UserError
 from aiayn.memory import cap_kernel_caches, keep_freed_memory
 from aiayn.model import Transformer
+
+if TYPE_CHECKING:
+    from aiayn.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,44 @@ class Translation:
 def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeConfig:
     """`base` (or the paper's defaults) with `options` replaced; an unknown option raises ConfigError."""
     return from_dict(DecodeConfig, {**dataclasses.asdict(base or DecodeConfig()), **options})
+
+
+def text_list(texts: Iterable[str]) -> list[str]:
+    """`texts` as a list (a generator is read once), each item checked to be a str."""
+    if isinstance(texts, (str, bytes)):  # iterable too, but translated character by character
+        raise TypeError(f"texts must be a list of strings, not one {type(texts).__name__}: pass [text]")
+    texts = list(texts)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] is {type(text).__name__}, not str")
+    return texts
+
+
+def check_count(name: str, value: Any) -> None:
+    """A count the caller gives (`max_tokens`, `chunk`) must be a whole number >= 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a whole number, not {type(value).__name__} ({value!r})")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be at least 1")
+
+
+def inference_device(device: str | torch.device) -> torch.device:
+    """`device` parsed: the CPU or a CUDA device this machine has; anything else is a UserError."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"device {device!r} is not a device name: cpu, cuda, cuda:1, ...") from None
+    if parsed.type == "cpu":
+        return parsed
+    if parsed.type != "cuda":  # meta, mps...: untested here, and meta has no weights to compute with
+        raise UserError(f"device {device!r}: translation runs on cpu or cuda only")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        build = "" if torch.backends.cuda.is_built() else " (this PyTorch is built without CUDA)"
+        raise UserError(f"device {device!r}: no CUDA device is available{build}")
+    if (parsed.index or 0) >= count:
+        raise UserError(f"device {device!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return parsed
 
 
 def length_sorted_batches(
@@ -97,25 +141,31 @@ class Translator:
         with the same tokenizer, decoded as an ensemble (their probabilities averaged)."""
         from aiayn.checkpoint import load_checkpoint
 
+        device = inference_device(device)  # before the loading, which can take a while
         paths = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
         ckpts = [load_checkpoint(p, device) for p in paths]
-        for path, ck in zip(paths[1:], ckpts[1:]):
-            if not ck.tokenizer.same_as(ckpts[0].tokenizer):
-                raise UserError(f"{path}: its tokenizer differs from {paths[0]}'s; an ensemble needs one vocabulary")
+        check_ensemble(paths, ckpts)
         models = [prepare_for_inference(ck.model, int8) for ck in ckpts]
         return cls(models[0] if len(models) == 1 else Ensemble(models), ckpts[0].tokenizer)
 
-    def translate(self, texts: Sequence[str], max_tokens: int = 4096, **options: Any) -> list[str]:
-        """The best translation of each text, in input order. `options` are `DecodeConfig` fields."""
+    def translate(self, texts: Iterable[str], max_tokens: int = 4096, **options: Any) -> list[str]:
+        """The best translation of each text, in input order. `options` are `DecodeConfig` fields; with
+        `sample` and `seed`, one generator seeded once draws the whole call, so that the same texts and
+        options give the same output and repeated texts get independent samples."""
         return [hyps[0].text if hyps else "" for hyps in self.hypotheses(texts, max_tokens, **options)]
 
     def hypotheses(
-        self, texts: Sequence[str], max_tokens: int = 4096, progress: Callable[[int], None] | None = None,
-        **options: Any,
+        self, texts: Iterable[str], max_tokens: int = 4096, progress: Callable[[int], None] | None = None,
+        generator: torch.Generator | None = None, **options: Any,
     ) -> list[list[Translation]]:
         """The `n_best` translations of each text, best first; an empty list for an empty text.
-        `progress(n)` is called after each batch with the number of texts it held."""
+        `progress(n)` is called after each batch with the number of texts it held. With `sample`, the
+        tokens are drawn from `generator`, or from one seeded once for this call (not once per batch)."""
         config = decode_config(self.config, **options)
+        texts = text_list(texts)
+        check_count("max_tokens", max_tokens)
+        if config.sample and generator is None:
+            generator = sampling_generator(config, self.device)
         ids = [self.tokenizer.encode_src(t) if t.strip() else [] for t in texts]
         limit = self.model.config.max_len  # the encoder's positions
         for i, s in enumerate(ids):
@@ -127,7 +177,7 @@ class Translator:
         for batch in length_sorted_batches([len(ids[i]) for i in todo], max_tokens, rows):
             chosen = [todo[j] for j in batch]
             src = right_pad([ids[i] for i in chosen], self.tokenizer.pad_id).to(self.device)  # (B, S)
-            for i, hyps in zip(chosen, generate(self.model, src, config)):
+            for i, hyps in zip(chosen, generate(self.model, src, config, generator)):
                 out[i] = [Translation(self.tokenizer.decode_tgt(h.tokens), h.score, h.tokens) for h in hyps]
             if progress is not None:
                 progress(len(chosen))
@@ -136,20 +186,35 @@ class Translator:
         return out
 
 
-def translate(checkpoint: str | Path, texts: Sequence[str], **options: Any) -> list[str]:
+def check_ensemble(paths: Sequence[str | Path], ckpts: Sequence[Checkpoint]) -> None:
+    """Every member must share the first's vocabulary and special ids, or their probabilities mix
+    different tokens; a UserError names the member that differs."""
+    first = ckpts[0].model.config
+    for path, ck in zip(paths[1:], ckpts[1:]):
+        if not ck.tokenizer.same_as(ckpts[0].tokenizer):
+            raise UserError(f"{path}: its tokenizer differs from {paths[0]}'s; an ensemble needs one vocabulary")
+        differ = [f for f in SHARED_FIELDS if getattr(ck.model.config, f) != getattr(first, f)]
+        if differ:
+            raise UserError(f"{path}: differs from {paths[0]} in {', '.join(differ)}; an ensemble's "
+                            "models must agree on the vocabulary and its special ids")
+
+
+def translate(checkpoint: str | Path, texts: Iterable[str], **options: Any) -> list[str]:
     """One call: load `checkpoint` and translate `texts` (`DecodeConfig` fields as options)."""
     return Translator.load(checkpoint).translate(texts, **options)
 
 
 def read_utf8_lines(stream: BinaryIO, name: str, chunk: int) -> Iterator[list[str]]:
     """Lines of a binary stream, decoded, without newlines, in lists of up to `chunk` lines; a bad
-    byte sequence is a `UserError` naming NAME:LINE."""
+    byte sequence or a NUL byte is a `UserError` naming NAME:LINE."""
     lines: list[str] = []
     for n, raw in enumerate(iter(stream.readline, b""), 1):
         try:
             lines.append(raw.decode("utf-8").rstrip("\r\n"))
         except UnicodeDecodeError:
             raise UserError(f"{name}:{n}: invalid UTF-8") from None
+        if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
+            raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?)")
         if len(lines) >= chunk:
             yield lines
             lines = []
@@ -163,17 +228,20 @@ def translate_stream(
 ) -> int:
     """Translate `src` line by line into `dst`, in input order, `chunk` lines at a time (1 for an
     interactive filter: each line is answered as soon as it is read). With `n_best` > 1 every line gets
-    its hypotheses in Moses' n-best format, `LINE ||| TEXT ||| SCORE` (LINE from 0).
-    Returns the number of lines read."""
-    n_best = decode_config(translator.config, **options).n_best
+    its hypotheses in Moses' n-best format, `LINE ||| TEXT ||| SCORE` (LINE from 0). With `sample`, one
+    generator seeded once draws the whole stream. Returns the number of lines read."""
+    config = decode_config(translator.config, **options)
+    check_count("chunk", chunk)
+    check_count("max_tokens", max_tokens)
+    generator = sampling_generator(config, translator.device) if config.sample else None
     done = 0
     for lines in read_utf8_lines(src, name, chunk):
         try:
-            translated = translator.hypotheses(lines, max_tokens, progress, **options)
+            translated = translator.hypotheses(lines, max_tokens, progress, generator, **options)
         except SentenceTooLong as e:
             raise SentenceTooLong(done + e.index, e.tokens, e.limit, f"{name}:{done + e.index + 1}") from None
         for i, hyps in enumerate(translated):
-            if n_best == 1:
+            if config.n_best == 1:
                 dst.write((hyps[0].text if hyps else "") + "\n")
                 continue
             for h in hyps or [Translation("", 0.0, [])]:  # an empty line: one empty hypothesis

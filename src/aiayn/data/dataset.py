@@ -42,7 +42,8 @@ def require_file(path: Path) -> None:
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """The lines of a UTF-8 file, without line ends; a UserError names the file and the bad line."""
+    """The lines of a UTF-8 file, without line ends or a leading byte order mark; invalid UTF-8 or a
+    NUL byte is a UserError naming the file and the bad line."""
     path = Path(path)
     require_file(path)
     try:
@@ -54,7 +55,12 @@ def read_lines(path: str | Path) -> list[str]:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise UserError(f"{path}:{line}: invalid UTF-8 (byte {data[e.start]:#04x})") from None
-    lines = text.split("\n")
+    if (nul := data.find(b"\0")) >= 0:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
+        line = data.count(b"\n", 0, nul) + 1
+        raise UserError(f"{path}:{line}: NUL byte (binary or corrupt input?)")
+    # Notepad's BOM would stay glued to the first word (a hypothesis scored 99.84 BLEU against itself);
+    # SentencePiece drops it from training text anyway.
+    lines = text.removeprefix("\ufeff").split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the final newline ends the last line; it does not start a new one
     return [line.rstrip("\r") for line in lines]

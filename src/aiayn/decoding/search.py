@@ -67,22 +67,29 @@ def step_log_probs(
     return log_probs_RV
 
 
+def sampling_generator(config: DecodeConfig, device: torch.device) -> torch.Generator:
+    """A generator on `device` seeded with `config.seed`, or randomly when it is None."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+    return generator
+
+
 @torch.inference_mode()
 def generate(
     model: Transformer, src: Tensor, config: DecodeConfig, generator: torch.Generator | None = None
 ) -> list[list[Hypothesis]]:
     """Translate a (B, S) right-padded batch of source ids; per sentence, its `n_best` hypotheses, best first.
 
-    Greedy search for beam 1, beam search above, sampling when `config.sample` (then `generator`, or one
-    seeded with `config.seed`, draws the tokens).
+    Greedy search for beam 1, beam search above, sampling when `config.sample` (then `generator`, or a new
+    one from `sampling_generator`, draws the tokens). A caller translating in several batches should pass
+    one generator for all: a new one per batch, seeded alike, repeats the same draws in every batch.
     """
     from aiayn.decoding.beam import beam_search
     from aiayn.decoding.greedy import greedy_search
 
     if config.sample:
         if generator is None:
-            generator = torch.Generator(device=src.device)
-            generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+            generator = sampling_generator(config, src.device)
         rows = src.repeat_interleave(config.n_best, dim=0)  # (B * n, S): n independent samples each
         hyps = greedy_search(model, rows, config, generator)
         return [[h[0] for h in hyps[i : i + config.n_best]] for i in range(0, len(hyps), config.n_best)]

@@ -119,6 +119,21 @@ def test_train_config_keeps_zero_as_off():
     assert config.max_updates == 0
 
 
+@pytest.mark.parametrize("damaged", ["model.safetensors", "trainer.json", "meta.json"])
+def test_a_damaged_latest_checkpoint_names_the_one_to_resume_from(finished_run, tmp_path, damaged):
+    """A checkpoint a failing disk truncated stops --resume with the way out; taking it brings the run
+    back to the checkpoint before, which then trains on."""
+    config = with_train(copy_run(finished_run, tmp_path), max_updates=6)
+    run = Path(config.train.run_dir)
+    latest = checkpoint_dirs(run)[-1]
+    path = latest / damaged
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(UserError, match=rf"{damaged}: corrupt .*; to resume from step_000002 instead, move "):
+        train(config, resume=True)
+    latest.rename(tmp_path / "damaged")
+    assert train(config, resume=True)["step"] == 6
+
+
 # 2. Resuming a finished run trains nothing.
 
 

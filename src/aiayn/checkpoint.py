@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from aiayn.config import ConfigError, ModelConfig, from_dict, to_dict
 from aiayn.data.tokenizer import Tokenizer
-from aiayn.errors import UserError
+from aiayn.errors import CorruptFile, UserError
 from aiayn.files import write_atomically
 from aiayn.model import Transformer
 
@@ -91,7 +91,7 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: corrupt checkpoint metadata ({e})") from None
+        raise CorruptFile(f"{path}: corrupt checkpoint metadata ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise UserError(f"{path}: not an {FORMAT} checkpoint (format={meta.get('format') if isinstance(meta, dict) else None!r})")
     return meta
@@ -104,7 +104,7 @@ def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))  # safetensors: plain tensors, never unpickles code
     except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{path}: corrupt weights ({e})") from None
+        raise CorruptFile(f"{path}: corrupt weights ({e})") from None
 
 
 def _castable(stored: torch.dtype, wanted: torch.dtype) -> bool:

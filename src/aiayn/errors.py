@@ -5,6 +5,11 @@ class UserError(Exception):
     """Bad input: a message naming the file, the line and the problem, e.g. `train.de:12: invalid UTF-8`."""
 
 
+class CorruptFile(UserError):
+    """A file that is there but cannot be read as what it should be: truncated, garbage, half a write
+    from a failing disk (the project's own writes are atomic, so a kill never makes one)."""
+
+
 class SentenceTooLong(UserError):
     """A sentence with more tokens than the model has positions; `index` counts texts from 0."""
 

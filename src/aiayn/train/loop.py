@@ -17,7 +17,7 @@ import random
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from aiayn.data.dataset import (
     write_tokenizer_inputs,
 )
 from aiayn.data.tokenizer import Tokenizer
-from aiayn.errors import UserError
+from aiayn.errors import CorruptFile, UserError
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.train import distributed
@@ -96,7 +96,8 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     keep_freed_memory()  # every step frees and re-allocates the same large tensors
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
-    start_from = initial_checkpoint(config, resume_from)
+    with _resume_hint(run_dir, resume_from):
+        start_from = initial_checkpoint(config, resume_from)
     data = prepare_data(config, run_dir, d, start_from.tokenizer if start_from else None)
     tok = data.tokenizer
     model = (start_from.model if start_from else build_model(config, tok)).to(d.device)
@@ -104,7 +105,8 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         model.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps, fused=True
     )
     scaler = torch.amp.GradScaler("cuda", enabled=tc.precision == "fp16")
-    state = restore(resume_from, model, optimizer, scaler, d) if resume_from else TrainState()
+    with _resume_hint(run_dir, resume_from):
+        state = restore(resume_from, model, optimizer, scaler, d) if resume_from else TrainState()
     if d.is_main:
         log.info("configuration:\n%s", _describe(config, model, data, d))
         if resume_from:
@@ -239,7 +241,7 @@ def _fine_tuned_from(checkpoint: Path) -> str | None:
     """The train.init_from that the run which saved `checkpoint` started from, if it was a fine-tuning run."""
     config = read_meta(checkpoint).get("config", {})
     if not isinstance(config, dict):
-        raise UserError(f"{checkpoint / 'meta.json'}: corrupt checkpoint metadata ('config' is not a table)")
+        raise CorruptFile(f"{checkpoint / 'meta.json'}: corrupt checkpoint metadata ('config' is not a table)")
     train_config = config.get("train", {})
     return train_config.get("init_from") if isinstance(train_config, dict) else None
 
@@ -463,6 +465,20 @@ def _check_run_dir(run_dir: Path) -> None:
             pass
     except OSError as e:
         raise UserError(f"{run_dir}: train.run_dir cannot be written ({e.strerror or e})") from None
+
+
+@contextmanager
+def _resume_hint(run_dir: Path, resume_from: Path | None):
+    """A damaged latest checkpoint (a failing disk: kills never leave one) stops --resume; say how to go
+    on from the one before instead of leaving the user to find out."""
+    try:
+        yield
+    except CorruptFile as e:
+        found = checkpoint_dirs(run_dir)
+        if resume_from is None or len(found) < 2 or found[-1] != resume_from:
+            raise
+        raise CorruptFile(f"{e}; to resume from {found[-2].name} instead, move {resume_from} out of "
+                          f"{resume_from.parent}") from None
 
 
 def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Path | None:

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from aiayn.checkpoint import load_into, load_weights, read_meta, save_checkpoint
 from aiayn.config import ModelConfig, to_dict
 from aiayn.data.tokenizer import Tokenizer
-from aiayn.errors import UserError
+from aiayn.errors import CorruptFile, UserError
 from aiayn.train.distributed import Dist
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -149,7 +149,7 @@ def check_compatible(path: Path, config: ModelConfig) -> None:
     """A checkpoint of another model gives one line naming the first difference."""
     saved = read_meta(path).get("model", {})
     if not isinstance(saved, dict):
-        raise UserError(f"{path / 'meta.json'}: corrupt checkpoint metadata ('model' is not a table)")
+        raise CorruptFile(f"{path / 'meta.json'}: corrupt checkpoint metadata ('model' is not a table)")
     for key, value in to_dict(config).items():
         if saved.get(key) != value:
             raise UserError(
@@ -167,13 +167,13 @@ def _read_trainer(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     try:
         tensors = load_file(str(tensors_file))
     except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{tensors_file}: corrupt training state ({e})") from None
+        raise CorruptFile(f"{tensors_file}: corrupt training state ({e})") from None
     try:  # its own message: the file to restore from a backup is this one, not the tensors
         trainer = json.loads(json_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # ValueError includes JSONDecodeError and UnicodeDecodeError
-        raise UserError(f"{json_file}: corrupt training state ({e})") from None
+        raise CorruptFile(f"{json_file}: corrupt training state ({e})") from None
     if not isinstance(trainer, dict):
-        raise UserError(f"{json_file}: corrupt training state (not a JSON object)")
+        raise CorruptFile(f"{json_file}: corrupt training state (not a JSON object)")
     return tensors, trainer
 
 

@@ -1,11 +1,16 @@
 """Attention extraction: weights are distributions over keys, respect the masks, are the ones the output
 was computed from, and asking for them leaves the logits bit-identical."""
 
+import dataclasses
 import re
+import warnings
+from pathlib import Path
 
+import matplotlib
 import pytest
 import torch
 
+from aiayn import attention
 from aiayn.attention import attention_modules, extract_attention, record_attention
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.cli import main
@@ -128,3 +133,89 @@ def test_cli_draws_pngs_and_one_self_contained_page(tmp_path, tokenizers, capsys
     for side, args in (("the source", ["--src", long]), ("the target", ["--src", "7", "--tgt", long])):
         assert main(["attention", "--checkpoint", str(tmp_path / "ck"), *args, "--out", str(out)]) == 2
         assert f"error: {side}: " in (err := capsys.readouterr().err) and "positions of this model" in err
+
+
+def _draw_args(tmp_path, tokenizers):
+    """A saved tiny checkpoint and the `aiayn attention` arguments that name it."""
+    tokenizer = tokenizers[0]
+    save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size, n_heads=2), tokenizer)
+    return ["attention", "--checkpoint", str(tmp_path / "ck"), "--src", "the number 7", "--tgt", "die Zahl 7"]
+
+
+def test_a_long_sentence_is_refused_before_the_model_runs(tmp_path, tokenizers, capsys, monkeypatch):
+    argv = _draw_args(tmp_path, tokenizers)
+    ran = []
+    monkeypatch.setattr(attention, "record_attention", lambda model: ran.append(1))
+    n = attention.MAX_TOKENS  # "the" is one piece: with EOS, one token more than the limit
+    for args in (["--src", " ".join(["the"] * n)], ["--src", "7", "--tgt", " ".join(["the"] * n)]):
+        assert main(argv[:3] + args + ["--out", str(tmp_path / "maps")]) == 2
+        err = capsys.readouterr().err
+        assert f"{n + 1} tokens (with EOS), more than {n}; attention maps of more tokens are unreadable" in err
+        assert err.count("\n") == 1
+    assert not ran and not (tmp_path / "maps").exists()
+    monkeypatch.undo()
+    ck = load_checkpoint(tmp_path / "ck")
+    at_limit = " ".join(["the"] * (n - 1))
+    maps = extract_attention(ck.model, ck.tokenizer, at_limit, at_limit)
+    assert len(maps.src_tokens) == len(maps.tgt_out_tokens) == n
+
+
+def test_figure_stays_bounded_and_keeps_full_cells_when_small():
+    assert attention.figure_layout(2, 2, 10, 10) == (attention.CELL_INCHES, 7.0)  # a short sentence: as before
+    n = attention.MAX_TOKENS
+    for layers, heads in ((2, 4), (6, 8), (6, 16), (12, 16)):
+        cell, font = attention.figure_layout(layers, heads, n, n)
+        assert cell * n * heads <= attention.MAX_FIGURE_INCHES + 1e-9
+        assert cell * n * layers <= attention.MAX_FIGURE_INCHES + 1e-9
+        assert font == pytest.approx(7.0 * cell / attention.CELL_INCHES)
+
+
+@pytest.mark.parametrize("bad", ["file", "file/sub", "/proc/x", ""])
+def test_an_unusable_out_is_one_line(tmp_path, tokenizers, capsys, monkeypatch, bad):
+    argv = _draw_args(tmp_path, tokenizers)
+    (tmp_path / "file").write_text("mine")
+    monkeypatch.chdir(tmp_path)  # where an accepted "" would write
+    out = str(tmp_path / bad) if bad in ("file", "file/sub") else bad
+    assert main(argv + ["--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and err.count("\n") == 1 and (out in err or "empty" in err)
+    assert (tmp_path / "file").read_text() == "mine" and not list(tmp_path.glob("attention*"))
+
+
+def test_an_interrupted_rerun_leaves_the_old_maps_and_the_users_files(tmp_path, tokenizers, monkeypatch):
+    argv = _draw_args(tmp_path, tokenizers) + ["--out", str(tmp_path / "maps")]
+    assert main(argv) == 0
+    (tmp_path / "maps" / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "maps").iterdir()}
+    savefig = matplotlib.figure.Figure.savefig
+    calls = []
+
+    def ctrl_c_mid_second_picture(fig, fname, **kwargs):
+        calls.append(fname)
+        if len(calls) == 2:  # half a picture written, then Ctrl-C
+            if isinstance(fname, str) or hasattr(fname, "__fspath__"):
+                Path(fname).write_bytes(b"\x89PNG")
+            else:
+                fname.write(b"\x89PNG")
+            raise KeyboardInterrupt
+        return savefig(fig, fname, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", ctrl_c_mid_second_picture)
+    assert main(argv[:4] + ["the number 8"] + argv[5:]) == 130  # the CLI's answer to Ctrl-C
+    assert {p.name: p.read_bytes() for p in (tmp_path / "maps").iterdir()} == before  # no temporaries either
+
+
+def test_empty_sentences_are_refused_and_unknown_pieces_labelled_unk(tmp_path, tokenizers, capsys):
+    argv = _draw_args(tmp_path, tokenizers)
+    for args, side in ((["--src", ""], "source"), (["--src", "   "], "source"), (["--src", "7", "--tgt", ""], "target")):
+        assert main(argv[:3] + args + ["--out", str(tmp_path / "maps")]) == 2
+        assert f"error: the {side} is empty" in (err := capsys.readouterr().err) and err.count("\n") == 1
+    assert not (tmp_path / "maps").exists()
+    ck = load_checkpoint(tmp_path / "ck")
+    maps = extract_attention(ck.model, ck.tokenizer, "the 😀 number 中", "die Zahl")
+    assert maps.src_tokens == ["▁the", "▁", "<unk>", "▁number", "▁", "<unk>", "</s>"]  # as the model read them
+    known = dataclasses.replace(maps, src_tokens=["▁the", "▁", "😀", "▁number", "▁", "中", "</s>"])  # in a vocabulary
+    with warnings.catch_warnings(record=True) as seen:  # no "Glyph missing" warning escapes the drawing
+        warnings.simplefilter("always")
+        attention.draw_attention(known, tmp_path / "maps")
+    assert [str(w.message) for w in seen if "Glyph" in str(w.message)] == []

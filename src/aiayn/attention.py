@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import logging
+import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -26,7 +28,8 @@ from torch import Tensor
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.search import generate
-from aiayn.errors import SentenceTooLong
+from aiayn.errors import SentenceTooLong, UserError
+from aiayn.files import atomic_output
 from aiayn.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -92,15 +95,34 @@ class AttentionMaps:
         }[kind]
 
 
+# Why refuse rather than shrink: a map needs about 0.22 inch (24 px at 110 dpi) per token for its 7-point
+# tick labels; past ~100 tokens a map is a blur whose labels cannot be read, and at 0.22 inch a 150-word
+# source already drew a 14834 x 7510 px encoder grid (16 s, 1.6 GB; 1,000 words were killed at 24 GB).
+# Refusing up front, before the model runs, is cheaper and clearer than a picture nobody can read.
+MAX_TOKENS = 100  # source or target tokens (with EOS) drawn at most
+CELL_INCHES = 0.22  # per token: room for a 7-point tick label
+MAX_FIGURE_INCHES = 60.0  # per side (6600 px at DPI): bounds memory when a model has many heads or layers
+DPI = 110
+
+
 @torch.no_grad()
 def extract_attention(
-    model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None = None
+    model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None = None, max_tokens: int | None = MAX_TOKENS
 ) -> AttentionMaps:
-    """Teacher-force `tgt` (or the greedy translation of `src`) through `model`; return every weight."""
+    """Teacher-force `tgt` (or the greedy translation of `src`) through `model`; return every weight.
+
+    A side with more than `max_tokens` tokens is refused (None: no limit), before the model runs where
+    the length is known (all but the greedy translation's).
+    """
     model.eval()
+    if not src.strip():
+        raise UserError("the source is empty: there is nothing to attend to")
+    if tgt is not None and not tgt.strip():
+        raise UserError("the target is empty (leave it out to draw the model's own translation)")
     src_ids = tokenizer.encode_src(src)
     if len(src_ids) > model.config.max_len:
         raise SentenceTooLong(0, len(src_ids), model.config.max_len, "the source")
+    check_drawable(len(src_ids), "the source", max_tokens)
     src_t = torch.tensor([src_ids])  # (1, S)
     if tgt is None:
         tgt_ids = generate(model, src_t, DecodeConfig(beam=1))[0][0].tokens  # greedy, up to EOS
@@ -108,13 +130,14 @@ def extract_attention(
         tgt_ids = tokenizer.encode_tgt(tgt) + [tokenizer.eos_id]
         if len(tgt_ids) > model.config.max_len:  # the decoder reads start + all but EOS: as many
             raise SentenceTooLong(0, len(tgt_ids), model.config.max_len, "the target")
+    check_drawable(len(tgt_ids), "the target" if tgt is not None else "the greedy translation", max_tokens)
     tgt_in = [model.config.decoder_start_id] + tgt_ids[:-1]
     with record_attention(model) as records:
         logits = model(src_t, torch.tensor([tgt_in]))  # (1, T, V)
     # records[kind][layer][0]: the one forward pass, (1, H, rows, cols) -> stacked (L, H, rows, cols)
     stacked = {kind: torch.stack([layer[0][0] for layer in records[kind]]).float() for kind in KINDS}
     return AttentionMaps(
-        src_tokens=tokenizer.src_pieces(src),
+        src_tokens=source_labels(tokenizer, src, src_ids),
         tgt_in_tokens=tokenizer.tgt_pieces(tgt_in),
         tgt_out_tokens=tokenizer.tgt_pieces(tgt_ids),
         logits=logits[0],
@@ -122,8 +145,31 @@ def extract_attention(
     )
 
 
-def plot_kind(maps: AttentionMaps, kind: str, path: str | Path) -> Path:
-    """One PNG: a grid of heatmaps, a row per layer and a column per head, tokens on the axes."""
+def check_drawable(tokens: int, side: str, max_tokens: int | None = MAX_TOKENS) -> None:
+    if max_tokens is not None and tokens > max_tokens:
+        raise UserError(f"{side}: {tokens} tokens (with EOS), more than {max_tokens}; "
+                        "attention maps of more tokens are unreadable, so they are not drawn")
+
+
+def source_labels(tokenizer: Tokenizer, src: str, src_ids: list[int]) -> list[str]:
+    """The source pieces as the model saw them: a piece it read as `unk_id` (an emoji, a CJK character
+    outside the vocabulary) is labelled <unk>, not with the text it never saw."""
+    pieces = tokenizer.src_pieces(src)
+    if len(pieces) != len(src_ids):  # a Marian language code (>>fra<<) is one id but several pieces
+        return pieces
+    return ["<unk>" if i == tokenizer.unk_id else p for p, i in zip(pieces, src_ids)]
+
+
+def figure_layout(n_layers: int, n_heads: int, n_rows: int, n_cols: int) -> tuple[float, float]:
+    """(inches per token, font size) for a grid of n_layers x n_heads maps of n_rows x n_cols tokens:
+    CELL_INCHES, shrunk so that neither side of the grid passes MAX_FIGURE_INCHES, the font with it."""
+    fit = min(MAX_FIGURE_INCHES / (n_heads * max(n_cols, 1)), MAX_FIGURE_INCHES / (n_layers * max(n_rows, 1)))
+    cell = min(CELL_INCHES, fit)
+    return cell, 7.0 * cell / CELL_INCHES
+
+
+def render_kind(maps: AttentionMaps, kind: str) -> bytes:
+    """One PNG, in memory: a grid of heatmaps, a row per layer and a column per head, tokens on the axes."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed; a no-op if pyplot already chose a backend
@@ -132,28 +178,34 @@ def plot_kind(maps: AttentionMaps, kind: str, path: str | Path) -> Path:
     weights = maps.weights(kind).numpy()  # (L, H, R, C)
     rows, cols = maps.labels(kind)
     n_layers, n_heads = weights.shape[:2]
-    cell = 0.22  # inches per token: room for a readable label
+    cell, font = figure_layout(n_layers, n_heads, len(rows), len(cols))
     w, h = max(1.5, cell * len(cols)), max(1.5, cell * len(rows))
-    label = 0.12 * max(map(len, rows + cols))  # inches of the longest tick label
-    size = (w * n_heads + label + 1.5, h * n_layers + label + 1.0)
+    label = 0.12 * font / 7.0 * max(map(len, rows + cols))  # inches of the longest tick label
+    size = (min(w * n_heads, MAX_FIGURE_INCHES) + label + 1.5, min(h * n_layers, MAX_FIGURE_INCHES) + label + 1.0)
     fig, axes = plt.subplots(n_layers, n_heads, figsize=size, squeeze=False, layout="constrained")
-    for layer in range(n_layers):
-        for head in range(n_heads):
-            ax = axes[layer][head]
-            image = ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-            # Every map of a kind shares its axes: label the left column and the bottom row only.
-            ax.set_yticks(range(len(rows)), rows if head == 0 else [], fontsize=7)
-            ax.set_xticks(range(len(cols)), cols if layer == n_layers - 1 else [], rotation=90, fontsize=7)
-            ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=9)
-    fig.suptitle(TITLES[kind], fontsize=11)
-    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    path = Path(path)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    try:
+        for layer in range(n_layers):
+            for head in range(n_heads):
+                ax = axes[layer][head]
+                image = ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+                # Every map of a kind shares its axes: label the left column and the bottom row only.
+                ax.set_yticks(range(len(rows)), rows if head == 0 else [], fontsize=font)
+                ax.set_xticks(range(len(cols)), cols if layer == n_layers - 1 else [], rotation=90, fontsize=font)
+                ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=9)
+        fig.suptitle(TITLES[kind], fontsize=11)
+        fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+        png = io.BytesIO()
+        with warnings.catch_warnings():
+            # A piece the font lacks (CJK, emoji) draws as a box; matplotlib's multi-line warning per
+            # glyph only spams stderr.
+            warnings.filterwarnings("ignore", message=r"(?s)Glyph .*missing from", category=UserWarning)
+            fig.savefig(png, dpi=DPI, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return png.getvalue()
 
 
-def write_html(maps: AttentionMaps, pngs: dict[str, Path], path: str | Path, title: str) -> Path:
+def html_page(maps: AttentionMaps, pngs: dict[str, bytes], title: str) -> str:
     """One self-contained page: the sentence pair and each kind's PNG embedded as base64."""
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
@@ -164,20 +216,49 @@ def write_html(maps: AttentionMaps, pngs: dict[str, Path], path: str | Path, tit
         f"<p>target pieces: <code>{html.escape(' '.join(maps.tgt_out_tokens))}</code></p>",
     ]
     for kind, png in pngs.items():
-        data = base64.b64encode(Path(png).read_bytes()).decode("ascii")
+        data = base64.b64encode(png).decode("ascii")
         parts.append(f"<h2>{html.escape(TITLES[kind])}</h2>")
         parts.append(f"<img alt='{kind}' src='data:image/png;base64,{data}'>")
     parts.append("</body></html>\n")
-    path = Path(path)
-    path.write_text("\n".join(parts), encoding="utf-8")
-    return path
+    return "\n".join(parts)
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Refuse an output folder that cannot be one, before any work: an empty name (it would mean the
+    current directory), an existing non-directory, or a path under a file. Creates nothing."""
+    if str(out_dir) == "":
+        raise UserError("the output folder name is empty")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir}: exists and is not a directory; will not replace it")
+    ancestor = next((p for p in out_dir.absolute().parents if p.exists()), None)
+    if ancestor is not None and not ancestor.is_dir():
+        raise UserError(f"{out_dir}: {ancestor} is not a directory")
+    return out_dir
 
 
 def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "attention") -> dict[str, Path]:
-    """Write attention_{encoder,decoder,cross}.png and attention.html into `out_dir`."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    pngs = {kind: plot_kind(maps, kind, out_dir / f"attention_{kind}.png") for kind in KINDS}
-    page = write_html(maps, pngs, out_dir / "attention.html", title)
+    """Write attention_{encoder,decoder,cross}.png and attention.html into `out_dir`.
+
+    Each file is replaced atomically and only after every picture was drawn, so a Ctrl-C or an error
+    leaves the old set whole; other files in `out_dir` are the user's and are kept. (`write_atomically`
+    on the folder would replace them too.)
+    """
+    out_dir = check_out_dir(out_dir)
+    check_drawable(len(maps.src_tokens), "the source")  # maps extracted with max_tokens=None
+    check_drawable(len(maps.tgt_out_tokens), "the target")
+    pngs = {kind: render_kind(maps, kind) for kind in KINDS}
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{out_dir}: cannot create the output folder ({e.strerror or e})") from None
+    files = {}
+    for kind, png in pngs.items():
+        files[kind] = out_dir / f"attention_{kind}.png"
+        with atomic_output(files[kind], binary=True) as f:
+            f.write(png)
+    files["html"] = out_dir / "attention.html"
+    with atomic_output(files["html"]) as f:
+        f.write(html_page(maps, pngs, title))
     log.info("attention maps written to %s", out_dir)
-    return {**pngs, "html": page}
+    return files

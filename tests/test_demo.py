@@ -1,13 +1,16 @@
 """`aiayn demo` end to end: corpus files, the real training path, beam search, scores, curves, attention."""
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file
 
 from aiayn.cli import main
 from aiayn.config import ConfigError
-from aiayn.demo import DemoConfig, run_demo
+from aiayn.demo import DemoConfig, check_out, run_demo
+from aiayn.demo_corpus import CorpusConfig
+from aiayn.errors import UserError
 
 
 def check_outputs(out, n_test):
@@ -38,6 +41,9 @@ def test_short_demo_through_the_cli(tmp_path, capsys):
     assert f"held-out exact match: {correct}/12" in printed and "12 updates" in printed
     assert main(["demo", "--size", "huge"]) == 2 and "huge" in capsys.readouterr().err
     assert main(argv) == 2 and "earlier demo run" in capsys.readouterr().err  # never mixes two runs
+    shutil.rmtree(out / "run")  # the demo's own corpus is replaced: it wrote it
+    assert main(argv) == 0
+    assert check_outputs(out, 12)[1] == refs
 
 
 def test_config_errors():
@@ -45,6 +51,56 @@ def test_config_errors():
         DemoConfig(size="giant")
     with pytest.raises(ConfigError, match="steps"):
         DemoConfig(steps=0)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--beam", "0"), ("--minutes", "nan"), ("--minutes", "-1"), ("--minutes", "inf"), ("--seed", str(10**29)),
+    ("--test-pairs", "10000000"), ("--train-pairs", "1000000000"),
+])
+def test_a_bad_option_fails_in_one_line_before_anything_is_written(tmp_path, capsys, option, value):
+    """These failed after minutes of training, or with a traceback, leaving a run directory behind."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), option, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and option in err[0], err
+    assert not out.exists()
+
+
+def test_the_held_out_limit_is_what_the_corpus_can_make():
+    """~1.22 million meanings, a tenth of them held out, 300 of those for validation."""
+    assert CorpusConfig().max_held_out == 121_900
+    assert DemoConfig(n_test=121_600).n_test == 121_600
+    with pytest.raises(ConfigError, match="--test-pairs 121601"):
+        DemoConfig(n_test=121_601)
+    with pytest.raises(ConfigError, match="too many"):
+        CorpusConfig(n_test=121_901)
+
+
+def test_the_users_own_corpus_is_never_replaced(tmp_path, capsys):
+    mine = tmp_path / "project" / "data" / "train.en"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("my own sentences\n", encoding="utf-8")
+    assert main(["demo", "--out", str(tmp_path / "project"), "--size", "tiny"]) == 2
+    assert "no demo wrote" in capsys.readouterr().err
+    assert mine.read_text(encoding="utf-8") == "my own sentences\n"
+    assert sorted(p.name for p in mine.parent.iterdir()) == ["train.en"]
+
+
+@pytest.mark.parametrize("under", ["", "x"])
+def test_out_under_a_regular_file_is_one_line(tmp_path, capsys, under):
+    (tmp_path / "afile").write_text("x", encoding="utf-8")
+    assert main(["demo", "--out", str(tmp_path / "afile" / under)]) == 2
+    assert "afile is not a directory" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text(encoding="utf-8") == "x"
+
+
+def test_only_checkpoints_or_a_tokenizer_make_an_earlier_run(tmp_path):
+    """An empty run directory, left by a run that failed at once, must not block the rerun."""
+    (tmp_path / "run").mkdir()
+    check_out(tmp_path)
+    (tmp_path / "run" / "spm.model").write_bytes(b"")
+    with pytest.raises(UserError, match="earlier demo run"):
+        check_out(tmp_path)
 
 
 @pytest.mark.slow

@@ -33,6 +33,26 @@ def test_two_gloo_processes_match_one_with_accumulation(tmp_path):
     two_run.mkdir()
     shutil.copy(tmp_path / "one" / "spm.model", two_run / "spm.model")  # the same tokenizer for both
     _, sets = tiny_config(tmp_path, two_run, *common, "train.update_freq=1")
+    proc = torchrun_train(sets)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[rank 0] update 6" in proc.stderr and "[rank 1]" not in proc.stderr  # only rank 0 logs
+    assert proc.stdout.count("valid loss") == 1, proc.stdout  # the result line, from rank 0 only
+
+    assert [p.name for p in checkpoint_dirs(two_run)] == ["step_000003", "step_000006"]
+    one = load_file(str(checkpoint_dirs(tmp_path / "one")[-1] / "model.safetensors"))
+    two = load_file(str(checkpoint_dirs(two_run)[-1] / "model.safetensors"))
+    assert one.keys() == two.keys()
+    for k in one:
+        # Same batches, same normalization; DDP's all-reduce of two gradients scaled by world_size=2 and
+        # averaged is the accumulated sum exactly (scaling by 2 is exact in floating point), so the
+        # weights are bit-identical, not just close.
+        assert torch.equal(one[k], two[k]), (k, (one[k] - two[k]).abs().max())
+    trainer = load_file(str(checkpoint_dirs(two_run)[-1] / "trainer.safetensors"))
+    assert {"rng.cpu.0", "rng.cpu.1"} <= trainer.keys()  # both processes' RNG states saved
+
+
+def torchrun_train(sets: list[str]) -> subprocess.CompletedProcess:
+    """`aiayn train --set ...` in 2 gloo processes under torchrun."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     cmd = [
         sys.executable,
@@ -46,18 +66,21 @@ def test_two_gloo_processes_match_one_with_accumulation(tmp_path):
         "train",
         *[a for s in sets for a in ("--set", s)],
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[rank 0] update 6" in proc.stderr and "[rank 1]" not in proc.stderr  # only rank 0 logs
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
-    assert [p.name for p in checkpoint_dirs(two_run)] == ["step_000003", "step_000006"]
-    one = load_file(str(checkpoint_dirs(tmp_path / "one")[-1] / "model.safetensors"))
-    two = load_file(str(checkpoint_dirs(two_run)[-1] / "model.safetensors"))
-    assert one.keys() == two.keys()
-    for k in one:
-        # Same batches, same normalization; DDP's all-reduce of two gradients scaled by world_size=2 and
-        # averaged is the accumulated sum exactly (scaling by 2 is exact in floating point), so the
-        # weights are bit-identical, not just close.
-        assert torch.equal(one[k], two[k]), (k, (one[k] - two[k]).abs().max())
-    trainer = load_file(str(checkpoint_dirs(two_run)[-1] / "trainer.safetensors"))
-    assert {"rng.cpu.0", "rng.cpu.1"} <= trainer.keys()  # both processes' RNG states saved
+
+@pytest.mark.slow  # three fresh Pythons importing torch: seconds when idle, far more on a busy machine
+def test_a_bad_corpus_only_rank_0_reads_is_one_line(tmp_path):
+    """Rank 0 alone reads the corpus; rank 1 used to wait at a barrier and die with ~70 lines of gloo's
+    "Connection reset by peer" around rank 0's one real line."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.device=cpu", "train.max_updates=2")
+    with open(tmp_path / "train.de", "ab") as f:
+        f.write(b"kaputt \xff\n")
+    with open(tmp_path / "train.en", "a", encoding="utf-8") as f:
+        f.write("broken\n")
+    proc = torchrun_train(sets)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("aiayn: error:")]
+    assert len(errors) == 1 and "train.de:61" in errors[0] and "UTF-8" in errors[0], proc.stderr[-3000:]
+    rank_tracebacks = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
+    assert not rank_tracebacks and "process 0 failed" not in proc.stderr, proc.stderr[-3000:]

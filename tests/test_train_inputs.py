@@ -347,3 +347,41 @@ def test_a_run_dir_from_before_the_record_is_accepted(finished_run, tmp_path):
     result = train(with_train(config, run_dir=str(tmp_path / "run"), max_updates=1, valid_every=1))
     assert result["step"] == 1
     assert not (tmp_path / "run" / "tokenizer_inputs.json").exists()
+
+
+# 6. Inputs that used to fail late or with a traceback.
+
+
+@pytest.mark.parametrize("seed", [-(2**46), 2**46])
+def test_the_extreme_seeds_train_config_accepts_can_order_batches(seed):
+    """The bound is where `epoch_order` (seed * 100_003 + epoch, a 64-bit torch seed) still works."""
+    from aiayn.data.batching import epoch_order
+
+    assert TrainConfig(seed=seed).seed == seed
+    assert sorted(epoch_order(5, seed, 10**6)) == list(range(5))
+
+
+@pytest.mark.parametrize("seed", [-(2**46) - 1, 2**46 + 1, 10**29])
+def test_train_config_refuses_a_seed_batch_order_cannot_take(seed):
+    with pytest.raises(ConfigError, match=r"train\.seed"):
+        TrainConfig(seed=seed)
+
+
+def test_train_wants_a_run_config_not_a_dict(tmp_path):
+    with pytest.raises(TypeError, match="RunConfig.*load_config"):
+        train({"train": {"run_dir": str(tmp_path / "run")}})
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("preset", ["micro", "tiny", "small"])
+def test_info_counts_the_parameters_of_the_real_model(capsys, preset):
+    code = cli.main(["info", "--preset", preset, "--vocab-size", "1000"])
+    real = Transformer(model_config(preset, vocab_size=1000)).num_parameters()
+    assert code == 0 and f"parameters: {real:,}" in capsys.readouterr().out
+
+
+def test_info_on_a_huge_vocabulary_allocates_nothing(capsys):
+    """A billion-word vocabulary: 32e9 parameters, 128 GB if allocated."""
+    code = cli.main(["info", "--preset", "micro", "--vocab-size", "1000000000"])
+    # micro: 32 * 1e9 shared embedding + 21,376 for the layers (53,376 - 32 * 1000 at vocab_size 1000)
+    assert code == 0 and "parameters: 32,000,021,376" in capsys.readouterr().out

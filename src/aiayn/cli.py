@@ -29,11 +29,15 @@ positive_int.__name__ = "positive integer"  # argparse's message: "invalid posit
 
 def cmd_info(args: argparse.Namespace) -> None:
     """Print a preset's resolved configuration and its parameter count."""
+    import torch
+
     from aiayn.model import Transformer
 
     config = model_config(args.preset, vocab_size=args.vocab_size)
     print(config)
-    print(f"parameters: {Transformer(config).num_parameters():,}")
+    with torch.device("meta"):  # shapes only: a billion-word vocabulary would allocate 128 GB, or OOM-kill
+        model = Transformer(config)
+    print(f"parameters: {model.num_parameters():,}")
 
 
 def _log_to_stderr() -> None:
@@ -53,7 +57,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     _log_to_stderr()
     result = train(load_config(args.config, args.set), resume=args.resume)
-    if result.get("valid_loss") is not None:
+    if os.environ.get("RANK", "0") == "0" and result.get("valid_loss") is not None:  # torchrun: rank 0 speaks
         print(f"step {result['step']}: valid loss {result['valid_loss']:.4f}, valid NLL {result['valid_nll']:.4f}, "
               f"valid ppl {result['valid_ppl']:.2f} ({result['stop']})")
 
@@ -78,9 +82,10 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 def cmd_attention(args: argparse.Namespace) -> None:
     """Draw every layer's and head's attention for one sentence pair as PNGs and one HTML page."""
-    from aiayn.attention import draw_attention, extract_attention
+    from aiayn.attention import check_out_dir, draw_attention, extract_attention
     from aiayn.checkpoint import load_checkpoint
 
+    check_out_dir(args.out)  # before loading and running the model, not after
     ck = load_checkpoint(args.checkpoint)
     maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt)
     files = draw_attention(maps, args.out, title=f"attention of {args.checkpoint}: {args.src}")
@@ -326,7 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except (UserError, ConfigError) as e:
-        print(f"aiayn: error: {e}", file=sys.stderr)
+        repeated = False
+        if os.environ.get("RANK", "0") != "0":  # under torchrun (torch is loaded: the import is free)
+            from aiayn.train.distributed import FailedOnMain
+
+            repeated = isinstance(e, FailedOnMain)  # process 0 prints it: one line, not one per process
+        if not repeated:
+            print(f"aiayn: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("aiayn: interrupted", file=sys.stderr)

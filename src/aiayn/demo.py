@@ -12,6 +12,7 @@ threads is fixed too, since a matrix product summed in another order rounds diff
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,10 @@ from tqdm import tqdm
 from aiayn.attention import draw_attention, extract_attention
 from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
-from aiayn.demo_corpus import CorpusConfig, make_corpus, write_pairs
+from aiayn.decoding.options import DecodeConfig
+from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
 from aiayn.errors import UserError
+from aiayn.train.config import MAX_SEED
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,9 @@ SIZES: dict[str, dict[str, Any]] = {
     "medium": dict(model=dict(preset="tiny", d_model=128, n_heads=4, d_ff=512, n_layers=2, dropout=0.0),
                    vocab_size=500, max_tokens=2048, warmup=200, lr_scale=0.25),
 }
+# In OUT/data, says that the demo wrote the files there, so that a rerun may replace them: anything else
+# there may be the user's own corpus, which the demo's train.en would silently overwrite.
+MARKER = ".aiayn-demo"
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,28 @@ class DemoConfig:
             raise ConfigError(f"demo size {self.size!r} is not one of {sorted(SIZES)}")
         if self.steps < 1 or self.n_test < 1 or self.n_valid < 1 or self.threads < 1:
             raise ConfigError("demo steps, n_test, n_valid and threads must be at least 1")
+        problems = self._option_problems()
+        if problems:
+            raise ConfigError("demo " + "; ".join(problems))
+
+    def _option_problems(self) -> list[str]:
+        """Each value a command-line option sets, checked now: training takes minutes, and a bad beam
+        or seed failed only after it (or after the corpus was written), naming no option."""
+        problems = []
+        if not (math.isfinite(self.minutes) and self.minutes >= 0):
+            problems.append(f"--minutes {self.minutes} must be a finite number >= 0 (0 = no limit)")
+        if not -MAX_SEED <= self.seed <= MAX_SEED:  # train.seed's range
+            problems.append(f"--seed {self.seed} must be between -2**46 and 2**46 ({MAX_SEED:,})")
+        if not 1 <= self.n_train <= MAX_TRAIN_PAIRS:
+            problems.append(f"--train-pairs {self.n_train} must be between 1 and {MAX_TRAIN_PAIRS:,}")
+        held_out = CorpusConfig().max_held_out - self.n_valid  # the validation pairs are held out too
+        if self.n_test > held_out:
+            problems.append(f"--test-pairs {self.n_test} is more than this task can hold out ({held_out:,})")
+        try:
+            DecodeConfig(beam=self.beam, early_stopping=False)  # what `translate` searches with
+        except ConfigError as e:
+            problems.append(f"--beam {self.beam}: {e}")
+        return problems
 
 
 @dataclass
@@ -83,7 +111,11 @@ def write_corpus(config: DemoConfig, data_dir: Path) -> tuple[list[tuple[str, st
     corpus = CorpusConfig(n_train=config.n_train, n_test=config.n_test + config.n_valid, seed=config.seed)
     train_pairs, held_out = make_corpus(corpus)
     valid_pairs, test_pairs = held_out[: config.n_valid], held_out[config.n_valid :]
-    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / MARKER).touch()  # first: a run killed while writing leaves files a rerun may replace
+    except OSError as e:
+        raise UserError(f"{data_dir}: cannot write the corpus ({e.strerror or e})") from None
     paths = {}
     for name, pairs in (("train", train_pairs), ("valid", valid_pairs), ("test", test_pairs)):
         paths[f"{name}_src"], paths[f"{name}_tgt"] = write_pairs(pairs, data_dir / name)
@@ -139,8 +171,7 @@ def _run_demo(config: DemoConfig) -> DemoResult:
 
     out = Path(config.out)
     run_dir = out / "run"
-    if run_dir.exists():  # a run directory's tokenizer and checkpoints would be picked up, not replaced
-        raise UserError(f"{run_dir}: holds an earlier demo run; delete {out} or choose another --out")
+    check_out(out)
     test_pairs, paths = write_corpus(config, out / "data")
     start = time.monotonic()
     result = train(run_config(config, paths, run_dir))
@@ -158,6 +189,32 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     examples = [(s, t, h) for (s, t), h in zip(test_pairs, hyps)][: config.examples]
     return DemoResult(correct / len(test_pairs), correct, len(test_pairs), examples, ck.path, files, seconds,
                       result["step"])
+
+
+def check_out(out: Path) -> None:
+    """Refuse, before any work, an `--out` the demo cannot write or whose writing would lose data."""
+    parent = out
+    while not (parent.exists() or parent.is_symlink()) and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():  # `--out FILE` or `--out FILE/x`: a NotADirectoryError traceback later
+        raise UserError(f"--out {out}: {parent} is not a directory")
+    for name, want_dir in (("data", True), ("run", True), ("attention", True), ("test.hyp.de", False)):
+        path = out / name
+        if (path.exists() or path.is_symlink()) and path.is_dir() != want_dir:
+            kind = "directory" if want_dir else "file"
+            raise UserError(f"{path}: is {'not ' if want_dir else ''}a directory; the demo writes a {kind} there")
+    data = out / "data"
+    if data.is_dir() and any(data.iterdir()) and not (data / MARKER).exists():
+        raise UserError(f"{data}: holds files that no demo wrote (it has no {MARKER}); choose another --out")
+    if earlier_run(out / "run"):  # its tokenizer and checkpoints would be picked up, not replaced
+        raise UserError(f"{out / 'run'}: holds an earlier demo run; delete {out} or choose another --out")
+
+
+def earlier_run(run_dir: Path) -> bool:
+    """Whether `run_dir` holds what training would reuse: checkpoints or a tokenizer (a run that failed
+    before those, e.g. on a bad option, leaves an empty directory that must not block a rerun)."""
+    names = ("checkpoints", "spm.model", "source.spm", "target.spm")
+    return any((run_dir / name).exists() for name in names)
 
 
 def pick_example(pairs: list[tuple[str, str]]) -> tuple[str, str]:

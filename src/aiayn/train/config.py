@@ -24,6 +24,9 @@ from aiayn.errors import UserError
 TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
 SECTIONS = ("data", "model", "train")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# train.seed's bound. torch takes seeds in [-2**63, 2**64 - 1], but `epoch_order` seeds its generator with
+# seed * 100_003 + epoch, so a seed must stay within 2**63 / 100_003 of 0: 2**46 is 7e13 (x 100_003 = 7.04e18).
+MAX_SEED = 2**46
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ class TrainConfig:
         for name in ("max_updates", "max_epochs", "patience", "threads", "bleu_every"):  # 0 = off
             if getattr(self, name) < 0:
                 problems.append(f"train.{name}={getattr(self, name)} must be >= 0 (0 = no limit / off)")
+        if not -MAX_SEED <= self.seed <= MAX_SEED:  # else: an overflow traceback once training starts
+            problems.append(f"train.seed={self.seed} must be between -2**46 and 2**46 ({MAX_SEED:,})")
         if not self.run_dir.strip():
             problems.append("train.run_dir is empty; name the directory for checkpoints")
         return problems

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from aiayn.config import ConfigError
+from aiayn.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,32 @@ def teardown(d: Dist) -> None:
 def barrier(d: Dist) -> None:
     if d.enabled:
         dist.barrier()
+
+
+class FailedOnMain(UserError):
+    """Process 0's failure in `on_main`, raised on the other processes; process 0 reports it itself,
+    so the command line prints it there only."""
+
+
+def on_main(d: Dist, work: Callable[[], None]) -> None:
+    """Run `work` on process 0 while the others wait; if it fails, every process fails with its message.
+
+    A bare barrier left the others waiting for a process that had exited with a one-line error: gloo
+    then failed them with "Connection reset by peer", some 70 lines of traceback around that line.
+    """
+    failure: list[str | None] = [None]
+    if d.is_main:
+        try:
+            work()
+        except Exception as e:
+            failure[0] = str(e) or type(e).__name__
+            if d.enabled:
+                dist.broadcast_object_list(failure, src=0)
+            raise
+    if d.enabled:
+        dist.broadcast_object_list(failure, src=0)  # process 0 sends, the others receive
+    if failure[0] is not None:
+        raise FailedOnMain(f"process 0 failed: {failure[0]}")
 
 
 def all_reduce_sum(values: list[float], d: Dist) -> list[float]:

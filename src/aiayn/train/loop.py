@@ -77,6 +77,9 @@ class Data:
 
 def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     """Train (or continue training) the model `config` describes; return the last metrics."""
+    if not isinstance(config, RunConfig):  # a dict failed with an AttributeError deep inside
+        raise TypeError(f"train() takes a RunConfig, not {type(config).__name__}: build one with "
+                        "aiayn.train.config.load_config(path, overrides) or run_config(dict)")
     d = distributed.setup(config.train.device)
     try:
         return _train(config, resume, d)
@@ -501,9 +504,7 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     dc = config.data
     if not dc.train_src or not dc.train_tgt:
         raise ConfigError("data.train_src and data.train_tgt must name the training files")
-    if d.is_main:
-        _prepare_files(config, run_dir, tokenizer)
-    distributed.barrier(d)
+    distributed.on_main(d, lambda: _prepare_files(config, run_dir, tokenizer))  # its errors reach every process
     tokenizer = tokenizer or find_tokenizer(run_dir)
     if tokenizer is None:  # process 0 wrote it: this process is on a machine that cannot see run_dir
         raise UserError(f"{run_dir}: no tokenizer; with several machines, put run_dir on a shared filesystem")

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from aiayn.decoding import DecodeConfig, generate
 from aiayn.errors import SentenceTooLong, UserError
 from aiayn.files import _stream_only, atomic_output
 from aiayn.translate import (
-    Translator, length_sorted_batches, quantize_int8, translate, translate_stream,
+    Translator, length_sorted_batches, quantize_int8, read_utf8_lines, translate, translate_stream,
 )
 from conftest import padded_batch, tiny_model
 
@@ -218,6 +219,59 @@ def test_cli_reads_a_pipe_with_progress_but_no_total(checkpoint, tmp_path, capsy
         os.close(read_end)
     assert out.read_text(encoding="utf-8").split("\n") == [alone(Translator.load(checkpoint), t) for t in TEXTS] + [""]
     assert "6line" in capsys.readouterr().err  # tqdm without a total: lines done, no "/6"
+
+
+def test_a_slow_writer_on_a_pipe_gets_each_answer_before_it_writes_more(checkpoint):
+    """A filter in a pipeline: the producer writes a line and waits for its translation before the next.
+    Reading 10,000 lines before translating deadlocked that; each line must come back at once."""
+    translator = Translator.load(checkpoint)
+    read_end, write_end = os.pipe()
+    answered = threading.Event()
+
+    class Output(io.StringIO):
+        def write(self, text):
+            answered.set()
+            return super().write(text)
+
+    def producer():
+        for text in TEXTS[:3]:
+            answered.clear()
+            os.write(write_end, (text + "\n").encode())
+            waited.append(answered.wait(timeout=10))
+        os.close(write_end)
+
+    waited: list[bool] = []
+    thread = threading.Thread(target=producer)
+    thread.start()
+    dst = Output()
+    with os.fdopen(read_end, "rb") as src:
+        assert translate_stream(translator, src, dst, "<pipe>", chunk=10_000, **OPTIONS) == 3
+    thread.join()
+    assert waited == [True, True, True]
+    assert dst.getvalue().split("\n") == [alone(translator, t) for t in TEXTS[:3]] + [""]
+
+
+def piped(data: bytes):
+    """The read end of a pipe that a thread fills with `data` (more than the pipe holds) and closes."""
+    read_end, write_end = os.pipe()
+
+    def fill():
+        with os.fdopen(write_end, "wb") as f:
+            f.write(data)
+
+    threading.Thread(target=fill, daemon=True).start()
+    return os.fdopen(read_end, "rb")
+
+
+def test_lines_of_a_pipe_keep_their_numbers_and_an_unended_last_line():
+    """Read as it arrives, in blocks that cut lines: the same lines, numbers and errors as from a file."""
+    long = b"x" * 70_000  # longer than one 64 KiB block
+    with piped(b"one\r\ntwo\n" + long + b"\nbad \xff\n") as src:
+        with pytest.raises(UserError, match=r"^in\.txt:4: invalid UTF-8$"):
+            list(read_utf8_lines(src, "in.txt", chunk=2))
+    with piped(b"one\r\ntwo\n" + long + b"\nlast") as src:
+        got = [line for lines in read_utf8_lines(src, "in.txt", chunk=2) for line in lines]
+    assert got == ["one", "two", long.decode(), "last"]
 
 
 def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, capsys):

@@ -11,7 +11,11 @@ lines translate to empty strings without touching the model.
 from __future__ import annotations
 
 import dataclasses
+import io
 import numbers
+import os
+import select
+import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,20 +210,57 @@ def translate(checkpoint: str | Path, texts: Iterable[str], **options: Any) -> l
 
 def read_utf8_lines(stream: BinaryIO, name: str, chunk: int) -> Iterator[list[str]]:
     """Lines of a binary stream, decoded, without newlines, in lists of up to `chunk` lines; a bad
-    byte sequence or a NUL byte is a `UserError` naming NAME:LINE."""
+    byte sequence or a NUL byte is a `UserError` naming NAME:LINE. From a pipe, a list also ends where
+    the input stalls, so that a slow writer gets each answer before it sends more."""
     lines: list[str] = []
-    for n, raw in enumerate(iter(stream.readline, b""), 1):
+    for n, (raw, more) in enumerate(_raw_lines(stream), 1):
         try:
             lines.append(raw.decode("utf-8").rstrip("\r\n"))
         except UnicodeDecodeError:
             raise UserError(f"{name}:{n}: invalid UTF-8") from None
         if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
             raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?)")
-        if len(lines) >= chunk:
+        if len(lines) >= chunk or not more:
             yield lines
             lines = []
     if lines:
         yield lines
+
+
+def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:
+    """(line, whether more input is ready now) for each line of `stream`. A regular file is always
+    ready. A pipe, FIFO or terminal is read as it arrives (`read1`: what is there, waiting only when
+    nothing is): before, 10,000 lines were awaited, so `producer | aiayn translate` answered a slow
+    producer only at its end."""
+    fd = _pipe_fd(stream)
+    if fd is None:
+        for raw in iter(stream.readline, b""):
+            yield raw, True
+        return
+    rest = b""
+    while block := stream.read1(1 << 16):
+        *complete, rest = (rest + block).split(b"\n")
+        for i, line in enumerate(complete, 1):
+            yield line + b"\n", i < len(complete) or _ready(fd)
+    if rest:
+        yield rest, True
+
+
+def _pipe_fd(stream: BinaryIO) -> int | None:
+    """The descriptor of a buffered pipe, FIFO, socket or terminal that `select` can watch; else None."""
+    try:
+        fd = stream.fileno()
+        if stat.S_ISREG(os.fstat(fd).st_mode) or not hasattr(stream, "read1"):
+            return None
+        select.select([fd], [], [], 0)  # pipes only on Windows: find out now
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+    return fd
+
+
+def _ready(fd: int) -> bool:
+    """Whether reading `fd` would return at once: more data, or the end of the input."""
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def translate_stream(

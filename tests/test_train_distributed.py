@@ -84,3 +84,18 @@ def test_a_bad_corpus_only_rank_0_reads_is_one_line(tmp_path):
     assert len(errors) == 1 and "train.de:61" in errors[0] and "UTF-8" in errors[0], proc.stderr[-3000:]
     rank_tracebacks = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
     assert not rank_tracebacks and "process 0 failed" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_write_on_rank_0_is_one_line(tmp_path):
+    """Only rank 0 writes checkpoints; when that fails (here `checkpoints` is a file: as a full disk
+    would), rank 1 hears of it from rank 0 instead of dying at a barrier in gloo's tracebacks."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.device=cpu", "train.max_updates=2")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("not a directory\n")
+    proc = torchrun_train(sets)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("aiayn: error:")]
+    assert len(errors) == 1 and "checkpoints" in errors[0], proc.stderr[-3000:]
+    rank_tracebacks = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
+    assert not rank_tracebacks, proc.stderr[-3000:]

@@ -70,11 +70,6 @@ def teardown(d: Dist) -> None:
         dist.destroy_process_group()
 
 
-def barrier(d: Dist) -> None:
-    if d.enabled:
-        dist.barrier()
-
-
 class FailedOnMain(UserError):
     """Process 0's failure in `on_main`, raised on the other processes; process 0 reports it itself,
     so the command line prints it there only."""

@@ -375,7 +375,8 @@ def _validate_and_save(
         )
         log.info("update %d: valid BLEU (greedy) %.2f", state.step, result["valid_bleu"])
     rngs = rng_states(d)  # collective: every process takes part
-    if d.is_main:
+
+    def save() -> None:
         run_dir = Path(tc.run_dir)
         path = save_training_checkpoint(
             run_dir, model, data.tokenizer, optimizer, scaler, state, config.to_dict(), result, rngs
@@ -395,7 +396,10 @@ def _validate_and_save(
                 result["valid_ppl"],
                 path,
             )
-    distributed.barrier(d)  # nobody runs ahead of a checkpoint being written
+
+    # Process 0 writes while the others wait (nobody runs ahead of a checkpoint being written); a failed
+    # write (a full disk) reaches them as its one line, not as gloo's "connection reset" tracebacks.
+    distributed.on_main(d, save)
     return result
 
 

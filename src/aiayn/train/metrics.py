@@ -39,12 +39,12 @@ def _end_with_whole_line(path: Path) -> None:
     A last line without its newline is the record a kill (SIGKILL, power loss) interrupted. If it
     parses, only the newline was lost: terminate it and keep the record. Otherwise drop it: a cut
     record cannot be completed, and terminating it would leave an unparsable line in the middle of
-    the log, which `read_metrics` rightly refuses, so every later plot would fail."""
+    the log, which `read_metrics` rightly refuses, so every later plot would fail. (Read whole: a log
+    holds one short record per log line, and this runs once per run.)"""
     with open(path, "r+b") as f:
-        size = f.seek(0, os.SEEK_END)
-        start = _last_line_start(f, size)
-        f.seek(start)
-        tail = f.read()
+        data = f.read()  # and the position is now the end, where a newline goes
+        start = data.rfind(b"\n") + 1  # where the last line begins
+        tail = data[start:]
         if not tail:
             return
         if _parses_as_object(tail):
@@ -56,23 +56,10 @@ def _end_with_whole_line(path: Path) -> None:
         os.fsync(f.fileno())  # before new records follow it
 
 
-def _last_line_start(f, size: int, chunk: int = 1 << 16) -> int:
-    """The offset just after the last newline of the open binary file `f` (0 if it has none)."""
-    end = size
-    while end > 0:
-        begin = max(0, end - chunk)
-        f.seek(begin)
-        newline = f.read(end - begin).rfind(b"\n")
-        if newline >= 0:
-            return begin + newline + 1
-        end = begin
-    return 0
-
-
 def _parses_as_object(line: bytes) -> bool:
     try:
-        return isinstance(json.loads(line.decode("utf-8")), dict)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
+        return isinstance(_decode(line, ""), dict)
+    except UserError:
         return False
 
 

@@ -29,7 +29,7 @@ from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.search import generate
 from aiayn.errors import SentenceTooLong, UserError
-from aiayn.files import atomic_output
+from aiayn.files import atomic_output, check_directory_path, make_directory
 from aiayn.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -229,11 +229,7 @@ def check_out_dir(out_dir: str | Path) -> Path:
     if str(out_dir) == "":
         raise UserError("the output folder name is empty")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"{out_dir}: exists and is not a directory; will not replace it")
-    ancestor = next((p for p in out_dir.absolute().parents if p.exists()), None)
-    if ancestor is not None and not ancestor.is_dir():
-        raise UserError(f"{out_dir}: {ancestor} is not a directory")
+    check_directory_path(out_dir)
     return out_dir
 
 
@@ -248,10 +244,7 @@ def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "atten
     check_drawable(len(maps.src_tokens), "the source")  # maps extracted with max_tokens=None
     check_drawable(len(maps.tgt_out_tokens), "the target")
     pngs = {kind: render_kind(maps, kind) for kind in KINDS}
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"{out_dir}: cannot create the output folder ({e.strerror or e})") from None
+    make_directory(out_dir, out_dir)
     files = {}
     for kind, png in pngs.items():
         files[kind] = out_dir / f"attention_{kind}.png"

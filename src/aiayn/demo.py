@@ -27,6 +27,7 @@ from aiayn.config import ConfigError, check_types
 from aiayn.decoding.options import DecodeConfig
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
 from aiayn.errors import UserError
+from aiayn.files import check_directory_path
 from aiayn.train.config import MAX_SEED
 
 log = logging.getLogger(__name__)
@@ -193,11 +194,7 @@ def _run_demo(config: DemoConfig) -> DemoResult:
 
 def check_out(out: Path) -> None:
     """Refuse, before any work, an `--out` the demo cannot write or whose writing would lose data."""
-    parent = out
-    while not (parent.exists() or parent.is_symlink()) and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():  # `--out FILE` or `--out FILE/x`: a NotADirectoryError traceback later
-        raise UserError(f"--out {out}: {parent} is not a directory")
+    check_directory_path(out)  # `--out FILE` or `--out FILE/x`: a NotADirectoryError traceback later
     for name, want_dir in (("data", True), ("run", True), ("attention", True), ("test.hyp.de", False)):
         path = out / name
         if (path.exists() or path.is_symlink()) and path.is_dir() != want_dir:

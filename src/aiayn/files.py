@@ -61,6 +61,22 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
         raise UserError(f"{out}: already exists (pass --force to replace it)")
 
 
+def check_directory_path(path: Path) -> None:
+    """Refuse, before any work, a path that cannot become a directory: an existing non-directory, or a
+    path under a file (its nearest existing ancestor is no directory). Creates nothing."""
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists() or p.is_symlink())  # "/" is
+    if not existing.is_dir():
+        raise UserError(f"{path}: {existing} is not a directory")
+
+
+def make_directory(path: Path, where: Path) -> None:
+    """`path` and its missing parents, made for writing `where`; an OSError is a UserError naming it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{where}: cannot make directory {e.filename} ({e.strerror or e})") from None
+
+
 def _make_parents(parent: Path) -> list[Path]:
     """Make `parent` and its missing ancestors; return those made, deepest last, to undo on failure."""
     missing = []

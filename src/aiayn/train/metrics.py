@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.errors import UserError
-from aiayn.files import atomic_output
+from aiayn.files import atomic_output, make_directory
 
 log = logging.getLogger(__name__)
 
@@ -171,10 +171,6 @@ def _draw(records: list[dict[str, Any]], plt):
 def _write_png(data: bytes, path: Path) -> None:
     """Write `data` with `atomic_output` (temporary sibling, fsync, rename; an OSError becomes a
     UserError naming `path`). Missing directories are made, as `write_atomically` makes them."""
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"{path}: cannot make directory {e.filename} ({e.strerror or e})") from None
+    make_directory(path.parent, path)
     with atomic_output(path, binary=True) as f:
         f.write(data)

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
+from aiayn.files import atomic_output
 
 log = logging.getLogger(__name__)
 CACHE_FORMAT = "aiayn-ids-1"
@@ -312,14 +313,8 @@ def _file_identity(path: Path) -> dict:
 
 def write_tokenizer_inputs(directory: Path, inputs: dict) -> None:
     """Record `inputs` atomically, before the tokenizer is trained: a model never exists without it."""
-    path = directory / TOKENIZER_INPUTS
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(inputs, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
+    with atomic_output(directory / TOKENIZER_INPUTS) as f:
+        f.write(json.dumps(inputs, indent=1) + "\n")
 
 
 def check_tokenizer_inputs(directory: Path, inputs: dict) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import stat
 import sys
 
 from aiayn.config import PRESETS, ConfigError, model_config
@@ -175,11 +174,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
 def _line_count(src) -> int | None:
     """The lines of a regular file, counted, then back to where it was; None for a pipe, a FIFO or
     `<(...)`, which can be read only once (a progress bar without a total then)."""
-    try:
-        regular = stat.S_ISREG(os.fstat(src.fileno()).st_mode) and src.seekable()
-    except (OSError, ValueError):
-        return None
-    if not regular:
+    from aiayn.translate import is_regular_file
+
+    if not (is_regular_file(src) and src.seekable()):
         return None
     start = src.tell()
     total = sum(1 for _ in src)

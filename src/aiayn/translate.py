@@ -246,14 +246,23 @@ def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:
         yield rest, True
 
 
+def is_regular_file(stream: BinaryIO) -> bool:
+    """Whether `stream` reads a regular file (of known length, readable again), not a pipe, a FIFO, a
+    socket, a terminal or an in-memory buffer."""
+    try:
+        return stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return False
+
+
 def _pipe_fd(stream: BinaryIO) -> int | None:
     """The descriptor of a buffered pipe, FIFO, socket or terminal that `select` can watch; else None."""
+    if is_regular_file(stream) or not hasattr(stream, "read1"):
+        return None
     try:
         fd = stream.fileno()
-        if stat.S_ISREG(os.fstat(fd).st_mode) or not hasattr(stream, "read1"):
-            return None
         select.select([fd], [], [], 0)  # pipes only on Windows: find out now
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+    except (OSError, ValueError, io.UnsupportedOperation):
         return None
     return fd
 

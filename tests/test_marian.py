@@ -160,6 +160,21 @@ def test_tokenization_matches_marian_tokenizer(converted):
     assert ck.tokenizer.decode_tgt(ids) == theirs.decode(ids, skip_special_tokens=True) == target
 
 
+def test_source_pieces_are_one_per_id_like_marian_tokenizer(converted):
+    """Attention maps label each source id with its piece: a language code is one piece, as it is one id
+    (an unknown code is one <unk>)."""
+    from aiayn.attention import source_labels
+
+    _, ck, opus = converted
+    theirs = transformers.MarianTokenizer.from_pretrained(str(opus))
+    piece = {i: p for p, i in json.loads((opus / "vocab.json").read_text()).items()}  # the source vocabulary
+    for text in ["the number 12", ">>de<< the number 12", ">>xx<< 7 is odd"]:
+        ids = theirs(text)["input_ids"]
+        assert len(ck.tokenizer.src_pieces(text)) == len(ids)
+        assert source_labels(ck.tokenizer, text, ids) == [piece[i] for i in ids]
+    assert ck.tokenizer.src_pieces(">>de<< the number 12")[0] == ">>de<<"
+
+
 @torch.no_grad()
 def test_logits_match_marian_mt_model(converted):
     hf, ck, _ = converted

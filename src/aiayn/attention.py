@@ -154,9 +154,7 @@ def check_drawable(tokens: int, side: str, max_tokens: int | None = MAX_TOKENS) 
 def source_labels(tokenizer: Tokenizer, src: str, src_ids: list[int]) -> list[str]:
     """The source pieces as the model saw them: a piece it read as `unk_id` (an emoji, a CJK character
     outside the vocabulary) is labelled <unk>, not with the text it never saw."""
-    pieces = tokenizer.src_pieces(src)
-    if len(pieces) != len(src_ids):  # a Marian language code (>>fra<<) is one id but several pieces
-        return pieces
+    pieces = tokenizer.src_pieces(src)  # one per id, a Marian language code (>>fra<<) included
     return ["<unk>" if i == tokenizer.unk_id else p for p, i in zip(pieces, src_ids)]
 
 

@@ -61,14 +61,19 @@ class Tokenizer:
     def tgt_vocab_size(self) -> int:
         return len(self.tgt_vocab) if self.tgt_vocab is not None else self.tgt.get_piece_size()
 
+    def _pieces(self, sp: spm.SentencePieceProcessor, vocab: dict[str, int] | None, text: str) -> list[str]:
+        """One string per id that `_ids` gives: with a `vocab`, a leading target-language code (>>fra<<,
+        which Marian's multilingual models read as one token) is one piece, not the several that
+        SentencePiece would cut it into."""
+        end = text.find("<<") if vocab is not None and text.startswith(">>") else -1
+        if end != -1:
+            return [text[: end + 2]] + sp.encode(text[end + 2 :], out_type=str)
+        return sp.encode(text, out_type=str)
+
     def _ids(self, sp: spm.SentencePieceProcessor, vocab: dict[str, int] | None, text: str) -> list[int]:
         if vocab is None:
             return sp.encode(text)
-        code = []  # Marian's multilingual models read a leading target-language code, >>fra<<, as one token
-        end = text.find("<<") if text.startswith(">>") else -1
-        if end != -1:
-            code, text = [vocab.get(text[: end + 2], self.unk_id)], text[end + 2 :]
-        return code + [vocab.get(p, self.unk_id) for p in sp.encode(text, out_type=str)]
+        return [vocab.get(p, self.unk_id) for p in self._pieces(sp, vocab, text)]
 
     def encode_src(self, text: str) -> list[int]:
         return self._ids(self.src, self.vocab, text) + [self.eos_id]
@@ -88,8 +93,9 @@ class Tokenizer:
         return self.tgt.decode_pieces([self.id_to_piece[i] for i in out])
 
     def src_pieces(self, text: str) -> list[str]:
-        """Subword strings of a source sentence and its EOS (axis labels for attention maps)."""
-        return self.src.encode(text, out_type=str) + ["</s>"]
+        """Subword strings of a source sentence and its EOS, one per id of `encode_src` (axis labels for
+        attention maps)."""
+        return self._pieces(self.src, self.vocab, text) + ["</s>"]
 
     def tgt_pieces(self, ids: Sequence[int]) -> list[str]:
         if self.id_to_piece is not None:

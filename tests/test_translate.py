@@ -112,6 +112,23 @@ def test_over_long_text_is_named(checkpoint):
         translator.translate(["the number 3", " ".join(["the number 12"] * limit)])
 
 
+def test_running_out_of_memory_is_one_line_naming_the_batch(checkpoint, tmp_path):
+    """--beam 100000000 asks for tens of GB: the allocator's failure, in a process whose address space is
+    capped at 8 GB so that it fails on any machine, is one line naming the file and line, exit 2."""
+    import subprocess
+
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3\n\nthe number 12 is even\n", encoding="utf-8")
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30)); "
+            "from aiayn.cli import main; sys.exit(main(sys.argv[1:]))")
+    run = subprocess.run([sys.executable, "-c", code, "translate", str(checkpoint), "-i", str(src), "-q",
+                          "--beam", "100000000", "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        f"aiayn: error: {src}:1: out of memory decoding a batch of 1 sentence(s) at beam 100000000; "
+        "use a smaller beam or fewer tokens per batch (--max-tokens)"]
+
+
 def test_output_file_is_untouched_when_writing_fails(tmp_path, monkeypatch):
     """A full disk (os.fsync failing with ENOSPC) leaves the old file and no temporary; a `UserError`."""
     out = tmp_path / "out.txt"

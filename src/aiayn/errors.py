@@ -17,3 +17,21 @@ class SentenceTooLong(UserError):
         self.index, self.tokens, self.limit = index, tokens, limit
         where = where or f"text {index + 1}"
         super().__init__(f"{where}: {tokens} tokens (with EOS), more than the {limit} positions of this model")
+
+
+class OutOfMemory(UserError):
+    """Decoding a batch ran out of memory; `index` is its first text in input order, counted from 0."""
+
+    def __init__(self, index: int, sentences: int, beam: int, where: str | None = None):
+        self.index, self.sentences, self.beam = index, sentences, beam
+        where = where or f"text {index + 1}"
+        super().__init__(f"{where}: out of memory decoding a batch of {sentences} sentence(s) at beam {beam}; "
+                         "use a smaller beam or fewer tokens per batch (--max-tokens)")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation that failed: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))

@@ -30,7 +30,7 @@ from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
 from aiayn.decoding.ensemble import SHARED_FIELDS
 from aiayn.decoding.search import sampling_generator
-from aiayn.errors import SentenceTooLong, UserError
+from aiayn.errors import OutOfMemory, SentenceTooLong, UserError, is_out_of_memory
 from aiayn.memory import cap_kernel_caches, keep_freed_memory
 from aiayn.model import Transformer
 
@@ -181,7 +181,13 @@ class Translator:
         for batch in length_sorted_batches([len(ids[i]) for i in todo], max_tokens, rows):
             chosen = [todo[j] for j in batch]
             src = right_pad([ids[i] for i in chosen], self.tokenizer.pad_id).to(self.device)  # (B, S)
-            for i, hyps in zip(chosen, generate(self.model, src, config, generator)):
+            try:
+                found = generate(self.model, src, config, generator)
+            except RuntimeError as e:  # e.g. --beam 100000000: a 54 GB tensor and a C++ traceback
+                if not is_out_of_memory(e):
+                    raise
+                raise OutOfMemory(min(chosen), len(chosen), config.beam) from None
+            for i, hyps in zip(chosen, found):
                 out[i] = [Translation(self.tokenizer.decode_tgt(h.tokens), h.score, h.tokens) for h in hyps]
             if progress is not None:
                 progress(len(chosen))
@@ -290,6 +296,8 @@ def translate_stream(
             translated = translator.hypotheses(lines, max_tokens, progress, generator, **options)
         except SentenceTooLong as e:
             raise SentenceTooLong(done + e.index, e.tokens, e.limit, f"{name}:{done + e.index + 1}") from None
+        except OutOfMemory as e:
+            raise OutOfMemory(done + e.index, e.sentences, e.beam, f"{name}:{done + e.index + 1}") from None
         for i, hyps in enumerate(translated):
             if config.n_best == 1:
                 dst.write((hyps[0].text if hyps else "") + "\n")

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from aiayn.cli import main
 from aiayn.config import ConfigError
-from aiayn.demo import DemoConfig, check_out, run_demo
+from aiayn.demo import MARKER, DemoConfig, check_out, run_demo
 from aiayn.demo_corpus import CorpusConfig
 from aiayn.errors import UserError
 
@@ -84,6 +84,20 @@ def test_the_users_own_corpus_is_never_replaced(tmp_path, capsys):
     assert "no demo wrote" in capsys.readouterr().err
     assert mine.read_text(encoding="utf-8") == "my own sentences\n"
     assert sorted(p.name for p in mine.parent.iterdir()) == ["train.en"]
+
+
+@pytest.mark.parametrize("name", ["test.hyp.de", "attention/index.html"])
+def test_the_users_own_translations_or_maps_are_never_replaced(tmp_path, capsys, name):
+    mine = tmp_path / "project" / name
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    mine.write_text("mine\n", encoding="utf-8")
+    assert main(["demo", "--out", str(tmp_path / "project"), "--size", "tiny"]) == 2
+    assert f"{mine.relative_to(tmp_path).parts[1]}: exists and no demo wrote it" in capsys.readouterr().err
+    assert mine.read_text(encoding="utf-8") == "mine\n"
+    assert sorted(p.name for p in (tmp_path / "project").iterdir()) == [mine.relative_to(tmp_path).parts[1]]
+    (tmp_path / "project" / "data").mkdir()
+    (tmp_path / "project" / "data" / MARKER).touch()  # a demo wrote here before: its outputs may be replaced
+    check_out(tmp_path / "project")
 
 
 @pytest.mark.parametrize("under", ["", "x"])

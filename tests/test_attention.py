@@ -210,6 +210,10 @@ def test_empty_sentences_are_refused_and_unknown_pieces_labelled_unk(tmp_path, t
     for args, side in ((["--src", ""], "source"), (["--src", "   "], "source"), (["--src", "7", "--tgt", ""], "target")):
         assert main(argv[:3] + args + ["--out", str(tmp_path / "maps")]) == 2
         assert f"error: the {side} is empty" in (err := capsys.readouterr().err) and err.count("\n") == 1
+    # Undecodable command-line bytes reach Python as lone surrogates (surrogateescape)
+    for args, side in ((["--src", "7\udcff"], "source"), (["--src", "7", "--tgt", "\udcff"], "target")):
+        assert main(argv[:3] + args + ["--out", str(tmp_path / "maps")]) == 2
+        assert f"error: the {side}: not valid Unicode" in (err := capsys.readouterr().err) and err.count("\n") == 1
     assert not (tmp_path / "maps").exists()
     ck = load_checkpoint(tmp_path / "ck")
     maps = extract_attention(ck.model, ck.tokenizer, "the 😀 number 中", "die Zahl")

@@ -5,6 +5,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -125,8 +126,8 @@ def test_running_out_of_memory_is_one_line_naming_the_batch(checkpoint, tmp_path
                           "--beam", "100000000", "--threads", "1"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines() == [
-        f"aiayn: error: {src}:1: out of memory decoding a batch of 1 sentence(s) at beam 100000000; "
-        "use a smaller beam or fewer tokens per batch (--max-tokens)"]
+        (f"aiayn: error: {src}:1: out of memory decoding a batch of 1 sentence(s) at beam 100000000; "
+         "use a smaller beam or fewer tokens per batch (--max-tokens)")]
 
 
 def test_output_file_is_untouched_when_writing_fails(tmp_path, monkeypatch):
@@ -336,6 +337,51 @@ def test_api_checks_its_texts_and_counts(checkpoint):
             translator.translate(texts, max_tokens=value)
     with pytest.raises(ValueError, match="chunk=0 must be at least 1"):
         translate_stream(translator, io.BytesIO(b"odd\n"), io.StringIO(), "in.txt", chunk=0)
+    with pytest.raises(UserError, match=r"^text 2: not valid Unicode \(a lone surrogate, '\\udcff', at character 4"):
+        translator.translate(["odd", "odd\udcff"])  # SentencePiece's binding failed with a pybind11 cast error
+
+
+def test_cli_streams_that_cannot_be_used_are_one_line(checkpoint, tmp_path):
+    """Closed stdin or stdout, a full disk behind stdout, an -o that is a directory: one line, exit 2, and
+    the ones that can be seen before the model loads are refused before it loads."""
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3\n", encoding="utf-8")
+    base = ["translate", str(checkpoint), "-q", "--threads", "1"]
+
+    def run(args, stdin=None, stdout=None, close=None):  # close: a descriptor the process starts without
+        code = "import sys; from aiayn.cli import main; sys.exit(main(sys.argv[1:]))"
+        return subprocess.run([sys.executable, "-c", code, *args], stdin=stdin, stdout=stdout,
+                              stderr=subprocess.PIPE, text=True, timeout=120,
+                              preexec_fn=None if close is None else lambda: os.close(close))
+
+    for args, close, message in [(base, 0, "<stdin>: closed; give an input file with -i"),
+                                 (base + ["-i", str(src)], 1, "<stdout>: closed; give an output file with -o"),
+                                 (["evaluate", str(src), str(src)], 1,
+                                  "<stdout>: closed, so the results cannot be written")]:
+        run_ = run(args, close=close)
+        assert (run_.returncode, run_.stderr) == (2, f"aiayn: error: {message}\n"), args
+    if os.path.exists("/dev/full"):
+        for args in (base + ["-i", str(src)], ["evaluate", str(src), str(src)]):
+            with open("/dev/full", "w") as full:
+                run_ = run(args, stdout=full)
+            full_disk = "aiayn: error: <stdout>: cannot write (No space left on device)\n"
+            assert (run_.returncode, run_.stderr) == (2, full_disk), args
+    with open(src, "rb") as stdin:
+        run_ = run(base + ["-o", str(tmp_path)], stdin=stdin)
+    assert (run_.returncode, run_.stderr) == (2, f"aiayn: error: {tmp_path}: is a directory; -o names the output file\n")
+
+
+def test_cli_writes_utf8_to_stdout_whatever_the_locale(checkpoint, tmp_path):
+    """As -o files are: under an ASCII locale printing a non-ASCII path was a UnicodeEncodeError
+    traceback (Latin-1 bytes under a Latin-1 one)."""
+    out = tmp_path / "Aufmerksamkeit_für_zwölf"
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    run = subprocess.run([sys.executable, "-m", "aiayn", "attention", "--checkpoint", str(checkpoint), "--src",
+                          "the number 12", "--out", str(out)], capture_output=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    printed = run.stdout.decode("utf-8").splitlines()
+    assert printed and all(line.startswith(str(out)) for line in printed)
+    assert {Path(line) for line in printed} <= set(out.iterdir())
 
 
 def test_ensemble_member_with_other_ids_is_named(checkpoint, tmp_path, capsys):

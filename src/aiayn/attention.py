@@ -28,7 +28,7 @@ from torch import Tensor
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.search import generate
-from aiayn.errors import SentenceTooLong, UserError
+from aiayn.errors import SentenceTooLong, UserError, check_unicode
 from aiayn.files import atomic_output, check_directory_path, make_directory
 from aiayn.model import Transformer
 
@@ -115,6 +115,9 @@ def extract_attention(
     the length is known (all but the greedy translation's).
     """
     model.eval()
+    check_unicode(src, "the source")
+    if tgt is not None:
+        check_unicode(tgt, "the target")
     if not src.strip():
         raise UserError("the source is empty: there is nothing to attend to")
     if tgt is not None and not tgt.strip():

@@ -147,6 +147,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     options.update({k: v for k, v in sampling.items() if v is not None})  # given: refused without --sample
     decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading or reading
+    _check_streams(args.input, args.output)  # before the model loads and translates for nothing
     if args.threads:
         torch.set_num_threads(args.threads)
     translator = Translator.load(args.checkpoint, args.device, int8=args.int8)
@@ -169,6 +170,16 @@ def cmd_translate(args: argparse.Namespace) -> None:
             progress = stack.enter_context(tqdm(total=total, unit="line", file=sys.stderr)).update
         chunk = 1 if name == "<stdin>" and src.isatty() else args.chunk  # interactive: answer each line
         translate_stream(translator, src, dst, name, chunk, args.max_tokens, progress, **options)
+
+
+def _check_streams(input: str | None, output: str | None) -> None:
+    """A closed stdin or stdout that the command would use, or an output that is a directory."""
+    if input in (None, "-") and sys.stdin is None:
+        raise UserError("<stdin>: closed; give an input file with -i")
+    if output in (None, "-") and getattr(sys.stdout, "closed_at_start", sys.stdout is None):
+        raise UserError("<stdout>: closed; give an output file with -o")
+    if output not in (None, "-") and os.path.isdir(output):
+        raise UserError(f"{output}: is a directory; -o names the output file")
 
 
 def _line_count(src) -> int | None:
@@ -323,10 +334,64 @@ def add_translate_parser(sub) -> None:
     p.set_defaults(func=cmd_translate)
 
 
+class ResultStream:
+    """The commands' stdout: UTF-8 whatever the locale (as `-o` files are), and a write that fails, or
+    finds stdout closed (`>&-`), is a UserError (one line, exit 2) instead of a traceback or, for a
+    closed stdout, results silently lost with exit 0. A reader that went away stays a BrokenPipeError."""
+
+    encoding = "utf-8"
+
+    def __init__(self, stdout) -> None:
+        self.stdout = stdout  # None when the process was started with stdout closed
+        self.closed_at_start = stdout is None
+        self._bytes = getattr(stdout, "buffer", None)  # None for a text-only stream (a notebook's)
+        if stdout is not None:
+            with contextlib.suppress(OSError, ValueError):  # a broken pipe shows on the first write
+                stdout.flush()  # what was written as text before comes first
+
+    def write(self, text: str) -> int:
+        if self._bytes is not None:
+            self._guard(lambda: self._bytes.write(text.encode("utf-8")))
+        else:
+            self._guard(lambda: self.stdout.write(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._guard(lambda: (self._bytes or self.stdout).flush())
+
+    def fileno(self) -> int:
+        return self.stdout.fileno()
+
+    def isatty(self) -> bool:
+        return self.stdout is not None and self.stdout.isatty()
+
+    def _guard(self, write) -> None:
+        if self.stdout is None:
+            raise UserError("<stdout>: closed, so the results cannot be written")
+        try:
+            write()
+        except BrokenPipeError:
+            raise
+        except OSError as e:  # a full disk (> /dev/full), an I/O error: the output is incomplete
+            with contextlib.suppress(OSError, ValueError):  # so that the exit's flush of what is left cannot fail
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stdout.fileno())
+            raise UserError(f"<stdout>: cannot write ({e.strerror or e})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stdout, sys.stdout = sys.stdout, ResultStream(sys.stdout)
+    try:
+        return _run(args)
+    finally:
+        sys.stdout = stdout
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run one command; the exit status."""
     try:
         args.func(args)
+        sys.stdout.flush()  # a full disk shows here, while the error can still be one line
     except (UserError, ConfigError) as e:
         repeated = False
         if os.environ.get("RANK", "0") != "0":  # under torchrun (torch is loaded: the import is free)

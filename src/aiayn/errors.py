@@ -35,3 +35,13 @@ def is_out_of_memory(error: BaseException) -> bool:
 
     return isinstance(error, torch.OutOfMemoryError) or (
         isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
+def check_unicode(text: str, where: str) -> None:
+    """A str that UTF-8 cannot encode (a lone surrogate, e.g. from `surrogateescape`d command-line bytes)
+    is a UserError naming `where`; SentencePiece would fail on it with an unreadable binding error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{where}: not valid Unicode (a lone surrogate, {text[e.start]!r}, at character "
+                        f"{e.start + 1}; undecodable bytes?)") from None

@@ -30,7 +30,7 @@ from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
 from aiayn.decoding.ensemble import SHARED_FIELDS
 from aiayn.decoding.search import sampling_generator
-from aiayn.errors import OutOfMemory, SentenceTooLong, UserError, is_out_of_memory
+from aiayn.errors import OutOfMemory, SentenceTooLong, UserError, check_unicode, is_out_of_memory
 from aiayn.memory import cap_kernel_caches, keep_freed_memory
 from aiayn.model import Transformer
 
@@ -53,13 +53,14 @@ def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeCon
 
 
 def text_list(texts: Iterable[str]) -> list[str]:
-    """`texts` as a list (a generator is read once), each item checked to be a str."""
+    """`texts` as a list (a generator is read once), each item checked to be a str that UTF-8 can encode."""
     if isinstance(texts, (str, bytes)):  # iterable too, but translated character by character
         raise TypeError(f"texts must be a list of strings, not one {type(texts).__name__}: pass [text]")
     texts = list(texts)
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise TypeError(f"texts[{i}] is {type(text).__name__}, not str")
+        check_unicode(text, f"text {i + 1}")
     return texts
 
 

@@ -102,6 +102,15 @@ def test_conflicting_model_key_is_a_config_error(aiayn_checkpoint, tmp_path, key
         train(load_config(None, sets))
 
 
+def test_the_checkpoints_own_preset_may_be_named(aiayn_checkpoint, tmp_path):
+    """configs/*.toml name a preset: fine-tuning a run of that shape with its own config is allowed."""
+    start, src, tgt = aiayn_checkpoint
+    train(load_config(None, settings(src, tgt, tmp_path / "run", start, "train.max_updates=1", "model.preset=micro")))
+    assert load_checkpoint(only_checkpoint(tmp_path / "run")).model.config == load_checkpoint(start).model.config
+    with pytest.raises(ConfigError, match=r"model.preset='tiny' has d_model=128 \(the checkpoint's: 32\), "):
+        train(load_config(None, settings(src, tgt, tmp_path / "run2", start, "model.preset=tiny")))
+
+
 def test_dropout_may_be_set_and_missing_checkpoint_is_one_line(aiayn_checkpoint, tmp_path):
     start, src, tgt = aiayn_checkpoint
     sets = settings(src, tgt, tmp_path / "run", start, "train.max_updates=1", "model.dropout=0.3",

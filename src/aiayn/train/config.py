@@ -18,7 +18,7 @@ from typing import Any
 
 import tomllib
 
-from aiayn.config import ConfigError, ModelConfig, check_types, from_dict, model_config, to_dict
+from aiayn.config import PRESETS, ConfigError, ModelConfig, check_types, from_dict, model_config, to_dict
 from aiayn.errors import UserError
 
 TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
@@ -123,7 +123,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: dict[str, Any] = field(default_factory=lambda: {"preset": "base"})  # preset + ModelConfig fields
+    model: dict[str, Any] = field(default_factory=dict)  # preset (default "base") + ModelConfig fields
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
 
@@ -154,12 +154,19 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
     """The model of train.init_from's checkpoint `saved`, with [model]'s dropout if it sets one.
 
     The weights fix everything else, so any other [model] key must equal the checkpoint's value (or be
-    absent); `preset` must be absent or the default "base", since a checkpoint's shape is not a preset.
+    absent). A `preset` may name the checkpoint's shape (fine-tuning a `small` run with configs/small.toml):
+    each of its keys but dropout must then equal the checkpoint's too.
     """
     values = dict(config.model)
-    preset = values.pop("preset", "base")
-    if preset != "base":
-        raise ConfigError(f"model.preset={preset!r}: with train.init_from the model is {where}'s; remove it")
+    preset = values.pop("preset", None)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"model.preset={preset!r} is not one of {sorted(PRESETS)}")
+        differ = [f"{key}={value!r} (the checkpoint's: {getattr(saved, key)!r})"
+                  for key, value in PRESETS[preset].items() if key != "dropout" and getattr(saved, key) != value]
+        if differ:
+            raise ConfigError(f"model.preset={preset!r} has {', '.join(differ)}; with train.init_from the model "
+                              f"is {where}'s: remove the preset or name the checkpoint's")
     for key, value in values.items():
         if key != "dropout" and getattr(saved, key) != value:
             raise ConfigError(
@@ -184,7 +191,7 @@ def run_config(values: dict[str, Any], where: str = "") -> RunConfig:
     for section in SECTIONS:  # `model = 3` or `data = "x"`: not a [section] table
         if not isinstance(values.get(section, {}), dict):
             raise ConfigError(_not_a_table(where or "config", section, values[section]))
-    model = dict(values.get("model", {"preset": "base"}))
+    model = dict(values.get("model", {}))  # no preset: "base" (RunConfig.model_config), or init_from's shape
     bad = sorted(set(model) - {"preset"} - set(ModelConfig.__dataclass_fields__))
     if bad:
         raise ConfigError(f"unknown model key(s){' in ' + where if where else ''}: {', '.join(bad)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import shutil
@@ -338,6 +339,24 @@ def test_a_tokenizer_left_by_a_failed_run_is_reused_only_for_the_same_data(tmp_p
     src, tgt = (shutil.copy(tmp_path / f"train.{side}", moved) for side in ("de", "en"))
     assert train(load_config(None, sets[:-2] + [f"data.train_src={src}", f"data.train_tgt={tgt}"]))["step"] == 1
     assert (run / "spm.model").read_bytes() == model
+
+
+def test_resume_refuses_other_tokenizer_settings_and_names_another_corpus(finished_run, tmp_path, caplog):
+    """--resume keeps the tokenizer its checkpoints were trained with: a changed vocab_size cannot take
+    effect, so it is refused (it was silently ignored, the printed config saying otherwise); another
+    corpus is continued training on new data, so it trains, saying so."""
+    config = copy_run(finished_run, tmp_path)
+    for change, message in [(dict(vocab_size=50), "data.vocab_size was 40, now 50"),
+                            (dict(spm_type="unigram"), "data.spm_type was 'bpe', now 'unigram'")]:
+        with pytest.raises(UserError, match=f"--resume keeps the tokenizer its checkpoints were trained with "
+                                            f"\\({message}\\); drop the change"):
+            train(replace(config, data=replace(config.data, **change)), resume=True)
+    other_src, other_tgt = write_corpus(tmp_path, 40, "other")
+    moved = replace(config, data=replace(config.data, train_src=str(other_src),
+                                                                  train_tgt=str(other_tgt)))
+    with caplog.at_level(logging.INFO, logger="aiayn.data.dataset"):
+        assert train(with_train(moved, max_updates=5), resume=True)["step"] == 5
+    assert "other.de is not the" in caplog.text and "(--resume keeps the run's tokenizer)" in caplog.text
 
 
 def test_a_run_dir_from_before_the_record_is_accepted(finished_run, tmp_path):

@@ -317,12 +317,34 @@ def write_tokenizer_inputs(directory: Path, inputs: dict) -> None:
         f.write(json.dumps(inputs, indent=1) + "\n")
 
 
-def check_tokenizer_inputs(directory: Path, inputs: dict) -> None:
+def check_tokenizer_inputs(directory: Path, inputs: dict, resumed: bool = False) -> None:
     """Refuse to reuse a run directory's tokenizer trained from other settings or files. A directory
-    without the record (written before it existed) is accepted, as it always was."""
+    without the record (written before it existed) is accepted, as it always was.
+
+    `resumed`: the run has checkpoints, trained with this tokenizer, so it stays. Other tokenizer
+    settings are refused (they could not take effect); another corpus is what continuing training on new
+    data looks like, so it is only logged."""
+    settings, files = _tokenizer_input_changes(directory, inputs)
+    if resumed:
+        if settings:
+            raise UserError(f"{directory}: --resume keeps the tokenizer its checkpoints were trained with "
+                            f"({'; '.join(settings)}); drop the change, or use a new train.run_dir")
+        for change in files:
+            log.info("%s (--resume keeps the run's tokenizer)", change)
+        return
+    if settings or files:
+        raise UserError(
+            f"{directory}: its tokenizer was trained for other data ({'; '.join(settings + files)}); "
+            "delete the tokenizer (spm.model, or source.spm and target.spm) to train a new one, "
+            "or use a new train.run_dir"
+        )
+
+
+def _tokenizer_input_changes(directory: Path, inputs: dict) -> tuple[list[str], list[str]]:
+    """(changed tokenizer settings, changed training files) against the directory's record, each named."""
     path = directory / TOKENIZER_INPUTS
     if not path.is_file():
-        return
+        return [], []
     advice = "delete it and the tokenizer beside it to train a new one"
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -330,22 +352,18 @@ def check_tokenizer_inputs(directory: Path, inputs: dict) -> None:
         raise UserError(f"{path}: unreadable ({e}); {advice}") from None
     if not isinstance(saved, dict):
         raise UserError(f"{path}: not a JSON object; {advice}")
-    changed = [
+    settings = [
         f"data.{key} was {saved.get(key)!r}, now {value!r}"
         for key, value in inputs.items()
         if not key.startswith("train_") and saved.get(key) != value
     ]
+    files = []
     for key in ("train_src", "train_tgt"):
         old, new = saved.get(key), inputs[key]
         old = old if isinstance(old, dict) else {}
         if (old.get("size"), old.get("sha256_1mb")) != (new["size"], new["sha256_1mb"]):
-            changed.append(f"data.{key}={new['path']} is not the {old.get('path')} it was trained on")
-    if changed:
-        raise UserError(
-            f"{directory}: its tokenizer was trained for other data ({'; '.join(changed)}); "
-            "delete the tokenizer (spm.model, or source.spm and target.spm) to train a new one, "
-            "or use a new train.run_dir"
-        )
+            files.append(f"data.{key}={new['path']} is not the {old.get('path')} it was trained on")
+    return settings, files
 
 
 def find_tokenizer(directory: str | Path) -> Tokenizer | None:

@@ -565,11 +565,9 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
     """The run directory's tokenizer: trained once on the training text, then reused if it fits."""
     dc = config.data
     found = find_tokenizer(run_dir)
-    if found is not None and checkpoint_dirs(run_dir):
-        return found  # a resumed run keeps the tokenizer its checkpoints were trained with
     inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, dc.vocab_size, dc.spm_type, dc.shared_vocab)
-    if found is not None:  # left by a first run that failed later: reuse it only for the same data
-        check_tokenizer_inputs(run_dir, inputs)
+    if found is not None:  # resumed: the tokenizer of its checkpoints; else left by a first run that
+        check_tokenizer_inputs(run_dir, inputs, resumed=bool(checkpoint_dirs(run_dir)))  # failed later
         return found
     if dc.valid_src:  # a bad validation file fails now, not after minutes of tokenizer training
         read_parallel(dc.valid_src, dc.valid_tgt)

@@ -216,6 +216,9 @@ def test_seeded_sampling_is_reproducible_and_never_reseeded_per_batch(checkpoint
         assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(out), "-q", "--chunk", "1"] + SAMPLE) == 0
         runs.append(out.read_text(encoding="utf-8").splitlines())
     assert len(runs[0]) == 20 and len(set(runs[0])) > 1 and runs[0] == runs[1]
+    without_beam = SAMPLE[:1] + SAMPLE[3:]  # --sample alone means beam 1
+    assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(out), "-q", "--chunk", "1"] + without_beam) == 0
+    assert out.read_text(encoding="utf-8").splitlines() == runs[0]
     translator = Translator.load(checkpoint)
     options = {"sample": True, "beam": 1, "seed": 1, "temperature": 3.0, "max_len_a": 0.0, "max_len_b": 6,
                "max_tokens": 1}

@@ -138,10 +138,12 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
     import torch
 
+    from aiayn.decoding import DecodeConfig
     from aiayn.files import atomic_output
     from aiayn.translate import Translator, decode_config, translate_stream
 
-    options = dict(beam=args.beam, lenpen=args.lenpen, lenpen_kind=args.lenpen_kind, max_len_a=args.max_len_a,
+    beam = args.beam if args.beam is not None else 1 if args.sample else DecodeConfig.beam
+    options = dict(beam=beam, lenpen=args.lenpen, lenpen_kind=args.lenpen_kind, max_len_a=args.max_len_a,
                    max_len_b=args.max_len_b, min_len=args.min_len, n_best=args.n_best, sample=args.sample,
                    early_stopping=args.early_stopping)
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
@@ -298,7 +300,7 @@ def add_translate_parser(sub) -> None:
     p.add_argument("-i", "--input", help="input file (default: stdin)")
     p.add_argument("-o", "--output",
                    help="output file, written only once the whole input is translated (default: stdout)")
-    p.add_argument("--beam", type=int, default=4, help="beam size; 1 is greedy search (default 4, the paper)")
+    p.add_argument("--beam", type=int, help="beam size; 1 is greedy search (default 4, the paper; 1 with --sample)")
     p.add_argument("--lenpen", type=float, default=0.6, help="length penalty alpha (default 0.6, the paper)")
     p.add_argument("--lenpen-kind", choices=["gnmt", "power", "none"], default="gnmt",
                    help="gnmt: score = log P / ((5+|Y|)/6)^alpha (GNMT, the paper); power: log P / |Y|^alpha "
@@ -314,7 +316,7 @@ def add_translate_parser(sub) -> None:
                    "live hypothesis can beat them (tensor2tensor, the paper's code)")
     p.add_argument("--n-best", type=int, default=1,
                    help="hypotheses per line; above 1, lines read `LINE ||| TEXT ||| SCORE` (Moses)")
-    p.add_argument("--sample", action="store_true", help="sample instead of searching (needs --beam 1)")
+    p.add_argument("--sample", action="store_true", help="sample instead of searching (beam 1)")
     # None unless given: DecodeConfig refuses a sampling option without --sample rather than ignore it
     p.add_argument("--temperature", type=float,
                    help="with --sample: divides the logits, at least 0.001 (default 1)")

@@ -155,7 +155,7 @@ def test_bad_inputs_give_one_line(tmp_path, capsys):
     (tmp_path / "bad.toml").write_text("[train]\nmax_tokenz = 100\n", encoding="utf-8")
     cases = [
         (["--set", f"data.train_src={tmp_path / 'nope.de'}"], "nope.de: file not found"),
-        (["--set", f"data.train_tgt={tmp_path / 'short.en'}"], "short.en:2: line counts differ"),
+        (["--set", f"data.train_tgt={tmp_path / 'short.en'}"], "train.de:2: line counts differ"),
         (
             [
                 "--set",

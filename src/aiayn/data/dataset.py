@@ -77,9 +77,10 @@ class ParallelText:
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
     """Read two aligned files; drop (and count) pairs with an empty side."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
-    if len(src) != len(tgt):
+    if len(src) != len(tgt):  # named at the first line the other file lacks
+        longer = src_path if len(src) > len(tgt) else tgt_path
         raise UserError(
-            f"{tgt_path}:{min(len(src), len(tgt)) + 1}: line counts differ: "
+            f"{longer}:{min(len(src), len(tgt)) + 1}: line counts differ: "
             f"{src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}"
         )
     keep = [i for i in range(len(src)) if src[i].strip() and tgt[i].strip()]

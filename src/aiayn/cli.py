@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("average", help="average the last K checkpoints of a run")
     p.add_argument("run_dir")
     p.add_argument("--last", type=positive_int, default=5,
-                   help="how many (the paper: 5 for base, 20 for big)")
+                   help="how many (default 5; the paper: 5 for base, 20 for big)")
     p.add_argument("-o", "--output", help="output checkpoint directory (default RUN_DIR/average_last_N, N the "
                    "number averaged; it replaces an earlier average there, nothing else)")
     p.add_argument("--force", action="store_true",

@@ -1,5 +1,6 @@
 """Scores are sacreBLEU's (checked against a BLEU computed by hand), with signatures and clear labels."""
 
+import importlib.util
 import json
 import math
 
@@ -18,7 +19,7 @@ def test_bleu_equals_the_hand_computed_value():
     assert bleu.score == pytest.approx(100 * (6 / 7 * 4 / 6 * 2 / 5 * 1 / 4) ** 0.25, abs=1e-6)
     assert "case:mixed" in bleu.signature and "tok:13a" in bleu.signature and "version:" in bleu.signature
     assert chrf.name == "chrF2" and "nc:6" in chrf.signature and 0 < chrf.score < 100
-    assert lowercased.name == LOWERCASE_LABEL and "case:lc" in lowercased.signature
+    assert lowercased.name == LOWERCASE_LABEL.format("13a") and "case:lc" in lowercased.signature
 
 
 def test_lowercased_bleu_ignores_case_and_is_labelled():
@@ -26,6 +27,28 @@ def test_lowercased_bleu_ignores_case_and_is_labelled():
     bleu, _, lowercased = corpus_scores(hyps, refs)
     assert lowercased.score == pytest.approx(100.0) and bleu.score < 50
     assert "older papers" in LOWERCASE_LABEL and "not comparable" in LOWERCASE_LABEL
+
+
+def test_a_chinese_target_is_scored_on_characters_with_lang_zh(tmp_path, capsys):
+    """13a splits no unspaced Chinese: each line is one "word", so one different character scores 0.
+    sacreBLEU's zh tokenizer splits the characters: 8/9, 6/8, 4/7 and 3/6 n-gram precisions, equal lengths."""
+    hyp, ref = ["我们今天去公园散步"], [["我们明天去公园散步"]]
+    assert corpus_scores(hyp, ref)[0].score == 0.0
+    bleu, _, lowercased = corpus_scores(hyp, ref, lang="zh")
+    assert bleu.score == pytest.approx(100 * (8 / 9 * 6 / 8 * 4 / 7 * 3 / 6) ** 0.25, abs=1e-6)
+    assert "tok:zh" in bleu.signature and lowercased.name == LOWERCASE_LABEL.format("zh")
+    assert corpus_scores(hyp, ref, tokenize="char")[0].score == pytest.approx(bleu.score)
+    (tmp_path / "hyp").write_text(hyp[0] + "\n", encoding="utf-8")
+    (tmp_path / "ref").write_text(ref[0][0] + "\n", encoding="utf-8")
+    assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "-l", "zh"]) == 0
+    assert f"BLEU: {bleu.score:.2f}" in capsys.readouterr().out
+    assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--tokenize", "nope"]) == 2
+    assert "tokenize='nope' is not one of sacreBLEU's: none, zh, 13a" in capsys.readouterr().err
+    if importlib.util.find_spec("MeCab") is None:  # sacreBLEU's ja tokenizer needs sacrebleu[ja]
+        assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "-l", "ja"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("aiayn: error: sacreBLEU's ja tokenizer needs packages missing here") and err.count("\n") == 1
+        assert "pip install sacrebleu[ja]" in err
 
 
 def test_several_references_and_line_counts(tmp_path):

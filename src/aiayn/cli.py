@@ -203,7 +203,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
     from aiayn.evaluate import evaluate_files
 
-    scores = evaluate_files(args.hypotheses, args.references)
+    scores = evaluate_files(args.hypotheses, args.references, args.lang, args.tokenize)
     if args.json:
         print(json.dumps([s.__dict__ for s in scores], indent=2))
         return
@@ -284,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="sacreBLEU BLEU and chrF (with signatures) against references")
     p.add_argument("hypotheses", metavar="HYP", help="detokenized, cased translations, one per line")
     p.add_argument("references", metavar="REF", nargs="+", help="reference file(s), line-aligned with HYP")
+    p.add_argument("-l", "--lang", default="", metavar="LANG",
+                   help="the target language's code: zh, ja and ko get the BLEU tokenizer sacreBLEU picks for "
+                        "them (13a splits no Chinese or Japanese words); ja and ko need pip install 'sacrebleu[ja]' "
+                        "or 'sacrebleu[ko]'")
+    p.add_argument("--tokenize", default=None, help="BLEU's tokenizer by name (default: 13a, or LANG's): "
+                   "13a, intl, zh, char, none, ...")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.set_defaults(func=cmd_evaluate)
 

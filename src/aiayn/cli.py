@@ -353,6 +353,7 @@ class ResultStream:
         self.stdout = stdout  # None when the process was started with stdout closed
         self.closed_at_start = stdout is None
         self._bytes = getattr(stdout, "buffer", None)  # None for a text-only stream (a notebook's)
+        self._line_buffered = bool(getattr(stdout, "line_buffering", False))  # True on a terminal
         if stdout is not None:
             with contextlib.suppress(OSError, ValueError):  # a broken pipe shows on the first write
                 stdout.flush()  # what was written as text before comes first
@@ -360,6 +361,8 @@ class ResultStream:
     def write(self, text: str) -> int:
         if self._bytes is not None:
             self._guard(lambda: self._bytes.write(text.encode("utf-8")))
+            if self._line_buffered and "\n" in text:  # a terminal sees each line as it is printed
+                self.flush()
         else:
             self._guard(lambda: self.stdout.write(text))
         return len(text)

@@ -2,6 +2,7 @@
 was computed from, and asking for them leaves the logits bit-identical."""
 
 import dataclasses
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -223,3 +224,19 @@ def test_empty_sentences_are_refused_and_unknown_pieces_labelled_unk(tmp_path, t
         warnings.simplefilter("always")
         attention.draw_attention(known, tmp_path / "maps")
     assert [str(w.message) for w in seen if "Glyph" in str(w.message)] == []
+
+
+def test_label_characters_no_font_has_are_named_once(tmp_path, tokenizers, monkeypatch, caplog):
+    """Boxes instead of Chinese labels, silently, sent users to the PNG with no hint that the HTML
+    page has the pieces as text."""
+    _draw_args(tmp_path, tokenizers)  # saves the checkpoint
+    ck = load_checkpoint(tmp_path / "ck")
+    maps = extract_attention(ck.model, ck.tokenizer, "the number 12", "die Zahl")
+    labels = ["▁中", "文"] + maps.src_tokens[2:]  # pieces of a vocabulary that has them
+    known = dataclasses.replace(maps, src_tokens=labels)
+    monkeypatch.setattr(attention, "label_fonts", lambda: ["DejaVu Sans"])  # whatever else is installed
+    with caplog.at_level(logging.WARNING, logger="aiayn.attention"):
+        attention.draw_attention(known, tmp_path / "maps")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith("2 label character(s) (中文) are in no installed font")
+    assert "▁中 文" in (tmp_path / "maps" / "attention.html").read_text(encoding="utf-8")

@@ -16,6 +16,7 @@ import base64
 import html
 import io
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -169,13 +170,44 @@ def figure_layout(n_layers: int, n_heads: int, n_rows: int, n_cols: int) -> tupl
     return cell, 7.0 * cell / CELL_INCHES
 
 
-def render_kind(maps: AttentionMaps, kind: str) -> bytes:
-    """One PNG, in memory: a grid of heatmaps, a row per layer and a column per head, tokens on the axes."""
+# Fonts that matplotlib falls back to, in order, for labels DejaVu Sans lacks (Chinese, Japanese, Korean,
+# Devanagari, Thai, emoji...), when installed; none ships with matplotlib.
+FALLBACK_FONTS = ("Noto Sans CJK JP", "Noto Sans CJK SC", "Source Han Sans", "WenQuanYi Zen Hei",
+                  "Droid Sans Fallback", "Noto Sans Devanagari", "Noto Sans Thai", "Noto Color Emoji",
+                  "Arial Unicode MS")
+
+
+def label_fonts() -> list[str]:
+    """DejaVu Sans (matplotlib's own) and the installed `FALLBACK_FONTS`, for matplotlib's per-glyph fallback."""
+    from matplotlib import font_manager
+
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    return ["DejaVu Sans"] + [name for name in FALLBACK_FONTS if name in installed]
+
+
+def render_kind(maps: AttentionMaps, kind: str) -> tuple[bytes, set[str]]:
+    """One PNG, in memory: a grid of heatmaps, a row per layer and a column per head, tokens on the axes;
+    and the label characters that no installed font has (drawn as boxes)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed; a no-op if pyplot already chose a backend
     import matplotlib.pyplot as plt
 
+    with plt.rc_context({"font.family": label_fonts()}), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # matplotlib's multi-line warning per missing glyph: counted, not shown
+        png = _render(plt, maps, kind)
+    missing = set()
+    for w in caught:
+        found = re.match(r"Glyph (\d+) ", str(w.message))
+        if found:
+            missing.add(chr(int(found.group(1))))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return png, missing
+
+
+def _render(plt, maps: AttentionMaps, kind: str) -> bytes:
+    """`render_kind`'s figure."""
     weights = maps.weights(kind).numpy()  # (L, H, R, C)
     rows, cols = maps.labels(kind)
     n_layers, n_heads = weights.shape[:2]
@@ -196,11 +228,7 @@ def render_kind(maps: AttentionMaps, kind: str) -> bytes:
         fig.suptitle(TITLES[kind], fontsize=11)
         fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
         png = io.BytesIO()
-        with warnings.catch_warnings():
-            # A piece the font lacks (CJK, emoji) draws as a box; matplotlib's multi-line warning per
-            # glyph only spams stderr.
-            warnings.filterwarnings("ignore", message=r"(?s)Glyph .*missing from", category=UserWarning)
-            fig.savefig(png, dpi=DPI, bbox_inches="tight")
+        fig.savefig(png, dpi=DPI, bbox_inches="tight")
     finally:
         plt.close(fig)
     return png.getvalue()
@@ -244,7 +272,13 @@ def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "atten
     out_dir = check_out_dir(out_dir)
     check_drawable(len(maps.src_tokens), "the source")  # maps extracted with max_tokens=None
     check_drawable(len(maps.tgt_out_tokens), "the target")
-    pngs = {kind: render_kind(maps, kind) for kind in KINDS}
+    rendered = {kind: render_kind(maps, kind) for kind in KINDS}
+    pngs = {kind: png for kind, (png, _) in rendered.items()}
+    missing = sorted(set().union(*(chars for _, chars in rendered.values())))
+    if missing:
+        log.warning("%d label character(s) (%s) are in no installed font and show as boxes in the PNGs; "
+                    "attention.html lists the pieces as text (a font such as Noto Sans CJK draws them)",
+                    len(missing), "".join(missing[:10]))
     make_directory(out_dir, out_dir)
     files = {}
     for kind, png in pngs.items():

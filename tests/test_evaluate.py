@@ -101,3 +101,75 @@ def test_a_nul_byte_names_its_line(tmp_path):
     ref.write_text("one\ntwo\nthree\n")
     with pytest.raises(UserError, match=r"hyp:3: NUL byte \(binary or corrupt input\?\)"):
         evaluate_files(hyp, [ref])
+
+
+def test_a_tokenizer_whose_model_download_fails_is_one_line(tmp_path, monkeypatch, capsys):
+    """flores200 (flores101, spm) fetches a SentencePiece model while BLEU is built: offline that was a
+    URLError traceback. No network here: the download is made to fail as it does offline."""
+    import urllib.error
+
+    from sacrebleu.tokenizers import tokenizer_spm
+
+    def offline(url, path, *args, **kwargs):
+        raise urllib.error.URLError(OSError(-2, "Name or service not known"))
+
+    monkeypatch.setattr(tokenizer_spm, "SACREBLEU_DIR", str(tmp_path / "sacrebleu"))  # no cached model
+    monkeypatch.setattr(tokenizer_spm, "download_file", offline)
+    (tmp_path / "hyp").write_text("Der erste Dezember.\n", encoding="utf-8")
+    (tmp_path / "ref").write_text("Der erste Dezember.\n", encoding="utf-8")
+    for tok in ("flores200", "flores101", "spm"):
+        assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--tokenize", tok]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"aiayn: error: sacreBLEU's {tok} tokenizer downloads its SentencePiece model")
+        assert "download failed: [Errno -2] Name or service not known" in err and err.count("\n") == 1
+
+
+def test_a_language_tag_is_reduced_to_its_code_and_a_pair_is_refused(tmp_path, capsys):
+    hyp, ref = ["我们今天去公园散步"], [["我们明天去公园散步"]]
+    expected = corpus_scores(hyp, ref, lang="zh")[0].score
+    for lang in ("zh-CN", "ZH", "zh_TW", "zh-Hant", "zho"):
+        bleu = corpus_scores(hyp, ref, lang=lang)[0]
+        assert "tok:zh" in bleu.signature and bleu.score == pytest.approx(expected), lang
+    (tmp_path / "hyp").write_text(hyp[0] + "\n", encoding="utf-8")
+    (tmp_path / "ref").write_text(ref[0][0] + "\n", encoding="utf-8")
+    for lang, message in (
+        ("en-zh", "-l 'en-zh': -l takes the target language's code (e.g. zh), not a pair"),
+        ("zh-cn", "-l 'zh-cn': -l takes the target language's code (e.g. zh), not a pair"),
+        ("123", "-l '123' is not a language code"),
+        ("chinese", "-l 'chinese' is not a language code"),
+    ):
+        assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "-l", lang]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"aiayn: error: {message}") and err.count("\n") == 1, err
+
+
+def test_thai_and_other_unspaced_scripts_without_a_tokenizer_are_scored_on_characters():
+    """13a leaves a Thai line one "word": the right translation with one syllable off scored 0."""
+    hyp, ref = ["วันนี้อากาศดีมาก"], [["วันนี้อากาศดีมาก"]]
+    bleu, _, lowercased = corpus_scores(hyp, ref, lang="th")
+    assert bleu.score == pytest.approx(100.0) and "tok:char" in bleu.signature
+    assert lowercased.name == LOWERCASE_LABEL.format("char")
+    close = ["พรุ่งนี้อากาศดีมาก"]
+    assert corpus_scores(close, ref)[0].score == 0.0
+    for lang in ("th", "TH", "th-TH", "lo", "km", "my"):
+        bleu = corpus_scores(close, ref, lang=lang)[0]
+        assert "tok:char" in bleu.signature and 0 < bleu.score < 100, lang
+    assert "tok:13a" in corpus_scores(close, ref, lang="th", tokenize="13a")[0].signature  # --tokenize wins
+
+
+def test_a_note_suggests_lang_for_unspaced_text_scored_with_13a(tmp_path, capsys):
+    hyp, ref = tmp_path / "hyp", tmp_path / "ref"
+    hyp.write_text("我们今天去公园散步。\n他说这本书很有意思。\n\n", encoding="utf-8")
+    ref.write_text("我们明天去公园散步。\n他说这本书非常有意思。\n\n", encoding="utf-8")
+    assert main(["evaluate", str(hyp), str(ref)]) == 0
+    captured = capsys.readouterr()
+    note = "aiayn: note: BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Korean or "
+    assert captured.err.startswith(note) and captured.err.count("\n") == 1 and "BLEU: 0.00" in captured.out
+    assert "Thai pass -l LANG (or --tokenize char)" in captured.err
+    for extra in (["-l", "zh"], ["--tokenize", "char"], ["--json"]):
+        assert main(["evaluate", str(hyp), str(ref), *extra]) == 0
+        assert ("note:" in capsys.readouterr().err) == (extra == ["--json"])  # stdout stays JSON
+    hyp.write_text("The cat sat on the mat.\nShort.\n", encoding="utf-8")
+    ref.write_text("The cat sat on a mat.\nShort.\n", encoding="utf-8")
+    assert main(["evaluate", str(hyp), str(ref)]) == 0
+    assert capsys.readouterr().err == ""

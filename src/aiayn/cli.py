@@ -201,9 +201,13 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     """Print sacreBLEU BLEU, chrF and the lowercased BLEU of a translation file, with signatures."""
     import json
 
-    from aiayn.evaluate import evaluate_files
+    from aiayn.data.dataset import read_lines
+    from aiayn.evaluate import evaluate_files, unspaced_hint
 
     scores = evaluate_files(args.hypotheses, args.references, args.lang, args.tokenize)
+    note = unspaced_hint(read_lines(args.hypotheses), args.lang, args.tokenize)
+    if note:  # Chinese scored with 13a: BLEU near 0 however good the translation
+        print(f"aiayn: note: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps([s.__dict__ for s in scores], indent=2))
         return
@@ -285,11 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("hypotheses", metavar="HYP", help="detokenized, cased translations, one per line")
     p.add_argument("references", metavar="REF", nargs="+", help="reference file(s), line-aligned with HYP")
     p.add_argument("-l", "--lang", default="", metavar="LANG",
-                   help="the target language's code: zh, ja and ko get the BLEU tokenizer sacreBLEU picks for "
-                        "them (13a splits no Chinese or Japanese words); ja and ko need pip install 'sacrebleu[ja]' "
-                        "or 'sacrebleu[ko]'")
+                   help="the target language's code (zh; zh-CN and ZH are zh; not a pair such as en-zh): zh, ja and "
+                        "ko get the BLEU tokenizer sacreBLEU picks for them (13a splits no Chinese or Japanese "
+                        "words; ja and ko need pip install 'sacrebleu[ja]' or 'sacrebleu[ko]'), th, lo, km and my "
+                        "(Thai, Lao, Khmer, Burmese: no sacreBLEU tokenizer) its char one (tok:char)")
     p.add_argument("--tokenize", default=None, help="BLEU's tokenizer by name (default: 13a, or LANG's): "
-                   "13a, intl, zh, char, none, ...")
+                   "13a, intl, zh, char, none, flores200 (downloads its model on first use), ...")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.set_defaults(func=cmd_evaluate)
 

@@ -2,25 +2,40 @@
 
 The inputs are detokenized, cased translations and references (what `aiayn translate` writes, what the
 test sets hold); sacreBLEU applies its own standard tokenization (13a, or for a Chinese, Japanese or
-Korean target the one sacreBLEU picks for that language: 13a leaves their unspaced text as a few long
-"words" and the score near 0), so numbers compare across papers that report the signature. Older papers (the Transformer paper among them) scored tokenized,
-sometimes lowercased text with multi-bleu.perl; `BLEU-lc` (lowercased, 13a-tokenized) is given for
-comparison with those, clearly labelled, and is not the score to report.
+Korean target the one sacreBLEU picks for that language, and for Thai, Lao, Khmer or Burmese, which
+sacreBLEU has no tokenizer for, its `char` one: 13a leaves unspaced text as a few long "words" and the
+score near 0), so numbers compare across papers that report the signature. Older papers (the
+Transformer paper among them) scored tokenized, sometimes lowercased text with multi-bleu.perl;
+`BLEU-lc` (lowercased, 13a-tokenized) is given for comparison with those, clearly labelled, and is not
+the score to report.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 from aiayn.data.dataset import read_lines
 from aiayn.errors import UserError
 
 LOWERCASE_LABEL = "BLEU-lc (lowercased, {}-tokenized: only for comparison with older papers, not comparable)"
 TOKENIZERS = tuple(BLEU.TOKENIZERS)  # sacreBLEU's: 13a, intl, zh, ja-mecab, ko-mecab, char, none, ...
+DOWNLOADED = ("spm", "flores101", "flores200", "spBLEU-1K")  # fetch a SentencePiece model on first use
+# Unspaced scripts sacreBLEU has no tokenizer for: with -l and no --tokenize, BLEU is scored on characters
+# (13a would leave each line a few long "words" and score a correct translation near 0).
+CHAR_LANGS = {"th": "Thai", "lo": "Lao", "km": "Khmer", "my": "Burmese"}
+# ISO 639-2/3 codes of the languages whose tokenizer differs, so that -l tha or -l zho is not 13a unnoticed
+_ALIASES = {"zho": "zh", "chi": "zh", "cmn": "zh", "yue": "zh", "jpn": "ja", "kor": "ko",
+            "tha": "th", "lao": "lo", "khm": "km", "mya": "my", "bur": "my"}
+# LANG, LANG-REGION or LANG_REGION: a region in capitals (zh-CN, pt_BR) or digits (es-419), a script before it
+# (zh-Hant, zh-Hans-CN). A lowercase two-letter second part is what a pair looks like (en-zh, en-de): refused.
+_LANG_TAG = re.compile(r"(?P<lang>[A-Za-z]{2,3})(?:[-_][A-Za-z]{4})?(?:[-_](?P<region>[A-Z]{2}|[0-9]{3}))?")
+HINT_WORDS, HINT_CHARS = 1.5, 8  # 13a words and characters per non-empty hypothesis line: unspaced text
 
 
 @dataclass(frozen=True)
@@ -33,12 +48,57 @@ class Score:
     detail: str  # sacreBLEU's full line (n-gram precisions, brevity penalty, lengths)
 
 
+def target_language(lang: str) -> str:
+    """`lang` as sacreBLEU knows it: lowercase, the primary subtag of a tag (zh-CN, zh_TW, zh-Hant: zh;
+    zho, tha: zh, th), '' for none. A UserError for what is not a language's code, a pair (en-zh)
+    among them."""
+    tag = lang.strip()
+    if not tag:
+        return ""
+    match = _LANG_TAG.fullmatch(tag)
+    if match and match["lang"].isupper() and match["region"] and match["region"].isalpha():
+        match = None  # EN-ZH: no telling a pair from a region
+    if match is None and re.search(r"[-_>/:\s]", tag):
+        raise UserError(
+            f"-l {tag!r}: -l takes the target language's code (e.g. zh), not a pair "
+            "(a region goes in capitals after it: zh-CN)"
+        )
+    if match is None:
+        raise UserError(
+            f"-l {tag!r} is not a language code: -l takes the target language's, 2 or 3 letters (e.g. zh)"
+        )
+    code = match["lang"].lower()
+    return _ALIASES.get(code, code)
+
+
+def unspaced_hint(hypotheses: Sequence[str], lang: str = "", tokenize: str | None = None) -> str | None:
+    """A note for when 13a was used (no `lang`, no `tokenize`) on what looks like unspaced text: on
+    average fewer than HINT_WORDS 13a words per non-empty line of more than HINT_CHARS characters, as
+    Chinese, Japanese or Thai gives (BLEU near 0 however good the translation). None when it does not
+    apply."""
+    if lang.strip() or tokenize is not None:
+        return None
+    lines = [line for line in hypotheses if line.strip()]
+    if not lines:
+        return None
+    tokenize13a = Tokenizer13a()
+    words = sum(len(tokenize13a(line).split()) for line in lines) / len(lines)
+    chars = sum(len(line.strip()) for line in lines) / len(lines)
+    if words >= HINT_WORDS or chars <= HINT_CHARS:
+        return None
+    return (
+        "BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, "
+        "Korean or Thai pass -l LANG (or --tokenize char)"
+    )
+
+
 def corpus_scores(
     hypotheses: Sequence[str], references: Sequence[Sequence[str]], lang: str = "", tokenize: str | None = None
 ) -> list[Score]:
     """BLEU, chrF and the lowercased BLEU of `hypotheses` against one or more reference streams
-    (`references[j][i]` is reference j of sentence i). `lang`: the target language's code, from which
-    sacreBLEU picks BLEU's tokenizer (zh, ja-mecab, ko-mecab; 13a for the others); `tokenize` names one."""
+    (`references[j][i]` is reference j of sentence i). `lang`: the target language's code (zh, zh-CN; see
+    `target_language`), from which BLEU's tokenizer is picked (zh, ja-mecab, ko-mecab as sacreBLEU does, char
+    for CHAR_LANGS, 13a for the others); `tokenize` names one."""
     if not hypotheses:
         raise UserError("no hypotheses: nothing to score")
     for j, refs in enumerate(references):
@@ -48,12 +108,25 @@ def corpus_scores(
             )
     if tokenize is not None and tokenize not in TOKENIZERS:
         raise UserError(f"tokenize={tokenize!r} is not one of sacreBLEU's: {', '.join(TOKENIZERS)}")
+    lang = target_language(lang)
+    if tokenize is None and lang in CHAR_LANGS:
+        tokenize = "char"
     try:  # ja-mecab and ko-mecab need packages sacreBLEU does not install: a RuntimeError at construction
-        bleu, lowercased = (BLEU(lowercase=lc, tokenize=tokenize, trg_lang=lang) for lc in (False, True))
-    except RuntimeError as e:
+        sacre = "flores101" if tokenize == "spm" else tokenize  # same model and signature, no deprecation
+        bleu, lowercased = (BLEU(lowercase=lc, tokenize=sacre, trg_lang=lang) for lc in (False, True))
+    except (RuntimeError, ImportError) as e:  # ImportError: spm's sentencepiece
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         advice = next((line for line in lines if "pip install" in line), lines[0] if lines else "")
         raise UserError(f"sacreBLEU's {tokenize or lang} tokenizer needs packages missing here: {advice}") from None
+    except (OSError, SystemExit) as e:  # URLError is an OSError; sacreBLEU exits on an SSL error
+        if tokenize not in DOWNLOADED:
+            raise
+        ssl_exit = not isinstance(e, OSError)
+        reason = "an SSL error" if ssl_exit else getattr(e, "reason", None) or e.strerror or e
+        raise UserError(
+            f"sacreBLEU's {tokenize} tokenizer downloads its SentencePiece model on first use, and the "
+            f"download failed: {reason}"
+        ) from None
     out = []
     for label, metric in (("BLEU", bleu), ("chrF2", CHRF()), (LOWERCASE_LABEL.format(bleu.tokenizer_signature), lowercased)):
         result = metric.corpus_score(list(hypotheses), [list(r) for r in references])

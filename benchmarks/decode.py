@@ -175,7 +175,7 @@ def sources(seed: int) -> torch.Tensor:
 def make_engine(name: str, seed: int, device: str, ct2_paths: dict[str, str], threads: int):
     """Engine `name`, built in this process: a function (batch, beam) -> output lengths."""
     torch.set_num_threads(threads)
-    keep_freed_memory()  # as aiayn's Translator does, unless AIAYN_SYSTEM_MALLOC=1; HF's decoding gets it too
+    keep_freed_memory()  # as `aiayn translate` does, unless AIAYN_SYSTEM_MALLOC=1; HF's decoding gets it too
     src = sources(seed)
     if name == "HF Marian fp32":
         hf = build_hf(seed).to(device)

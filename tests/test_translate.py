@@ -344,6 +344,33 @@ def test_api_checks_its_texts_and_counts(checkpoint):
         translator.translate(["odd", "odd\udcff"])  # SentencePiece's binding failed with a pybind11 cast error
 
 
+def test_api_is_unaffected_by_the_callers_torch_settings_and_takes_any_path(checkpoint):
+    """A service may call translate inside its own bf16 autocast (the packed float32 Linears failed in
+    oneDNN) or with another default dtype (greedy scores were summed in it); a checkpoint may come as
+    any os.PathLike or bytes (an os.DirEntry was read as a list of checkpoints)."""
+    texts = ["the number 3", "und die Zahl 7 ist odd"]
+    translator = Translator.load(checkpoint)
+    for beam in (1, 2):
+        expected = translator.hypotheses(texts, beam=beam)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert translator.hypotheses(texts, beam=beam) == expected
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)  # bfloat16 is refused as a default by some torch builds
+        try:
+            assert translator.hypotheses(texts, beam=beam) == expected
+        finally:
+            torch.set_default_dtype(default)
+    entry = next(e for e in os.scandir(checkpoint.parent) if e.name == checkpoint.name)
+    for path in (entry, os.fsencode(checkpoint), str(checkpoint)):
+        assert Translator.load(path).translate(texts) == translator.translate(texts)
+    with pytest.raises(ValueError, match="no checkpoint given"):
+        Translator.load([])
+    with pytest.raises(TypeError, match="int8 must be True or False, not str"):
+        Translator.load(checkpoint, int8="yes")
+    with pytest.raises(ValueError, match="generator is used only with sample=True"):
+        translator.hypotheses(texts, generator=torch.Generator())
+
+
 def test_cli_streams_that_cannot_be_used_are_one_line(checkpoint, tmp_path):
     """Closed stdin or stdout, a full disk behind stdout, an -o that is a directory: one line, exit 2, and
     the ones that can be seen before the model loads are refused before it loads."""

@@ -84,6 +84,7 @@ def cmd_attention(args: argparse.Namespace) -> None:
     from aiayn.attention import check_out_dir, draw_attention, extract_attention
     from aiayn.checkpoint import load_checkpoint
 
+    _log_to_stderr()  # e.g. label characters that no installed font has
     check_out_dir(args.out)  # before loading and running the model, not after
     ck = load_checkpoint(args.checkpoint)
     maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt)
@@ -140,6 +141,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
     from aiayn.decoding import DecodeConfig
     from aiayn.files import atomic_output
+    from aiayn.memory import keep_freed_memory
     from aiayn.translate import Translator, decode_config, translate_stream
 
     beam = args.beam if args.beam is not None else 1 if args.sample else DecodeConfig.beam
@@ -150,6 +152,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
     options.update({k: v for k, v in sampling.items() if v is not None})  # given: refused without --sample
     decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading or reading
     _check_streams(args.input, args.output)  # before the model loads and translates for nothing
+    keep_freed_memory()  # each batch re-allocates the same logits, caches and encoder states
     if args.threads:
         torch.set_num_threads(args.threads)
     translator = Translator.load(args.checkpoint, args.device, int8=args.int8)

@@ -31,7 +31,7 @@ from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
 from aiayn.decoding.ensemble import SHARED_FIELDS
 from aiayn.decoding.search import sampling_generator
 from aiayn.errors import OutOfMemory, SentenceTooLong, UserError, check_unicode, is_out_of_memory
-from aiayn.memory import cap_kernel_caches, keep_freed_memory
+from aiayn.memory import cap_kernel_caches
 from aiayn.model import Transformer
 
 if TYPE_CHECKING:
@@ -129,14 +129,18 @@ def prepare_for_inference(model: Transformer, int8: bool = False) -> Transformer
 
 
 class Translator:
-    """A model and its tokenizer, ready to translate lists of strings."""
+    """A model and its tokenizer, ready to translate lists of strings.
+
+    Safe to share between threads (each call has its own cache and generator). It leaves the process
+    as it found it: `aiayn translate` also makes glibc keep freed memory for reuse
+    (`aiayn.memory.keep_freed_memory`), which changes malloc for the whole process, so a program that
+    wants that calls it itself."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: DecodeConfig | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config or DecodeConfig()  # defaults for every call; options override per call
         self.device = next(model.parameters()).device
-        keep_freed_memory()  # each batch re-allocates the same logits, caches and encoder states
 
     @classmethod
     def load(
@@ -146,8 +150,13 @@ class Translator:
         with the same tokenizer, decoded as an ensemble (their probabilities averaged)."""
         from aiayn.checkpoint import load_checkpoint
 
+        if not isinstance(int8, bool):
+            raise TypeError(f"int8 must be True or False, not {type(int8).__name__} ({int8!r})")
         device = inference_device(device)  # before the loading, which can take a while
-        paths = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
+        one = isinstance(checkpoint, (str, bytes, os.PathLike))  # a path, else several
+        paths = [os.fsdecode(checkpoint)] if one else [os.fsdecode(p) for p in checkpoint]
+        if not paths:
+            raise ValueError("no checkpoint given: pass a checkpoint directory, or several for an ensemble")
         ckpts = [load_checkpoint(p, device) for p in paths]
         check_ensemble(paths, ckpts)
         models = [prepare_for_inference(ck.model, int8) for ck in ckpts]
@@ -165,10 +174,14 @@ class Translator:
     ) -> list[list[Translation]]:
         """The `n_best` translations of each text, best first; an empty list for an empty text.
         `progress(n)` is called after each batch with the number of texts it held. With `sample`, the
-        tokens are drawn from `generator`, or from one seeded once for this call (not once per batch)."""
+        tokens are drawn from `generator` (which then takes the place of `seed`), or from one seeded once
+        for this call (not once per batch). Batches are length-sorted, so which sample a text gets also
+        depends on the other texts and on `max_tokens`; searches do not."""
         config = decode_config(self.config, **options)
         texts = text_list(texts)
         check_count("max_tokens", max_tokens)
+        if generator is not None and not config.sample:
+            raise ValueError("generator is used only with sample=True")
         if config.sample and generator is None:
             generator = sampling_generator(config, self.device)
         ids = [self.tokenizer.encode_src(t) if t.strip() else [] for t in texts]
@@ -183,7 +196,8 @@ class Translator:
             chosen = [todo[j] for j in batch]
             src = right_pad([ids[i] for i in chosen], self.tokenizer.pad_id).to(self.device)  # (B, S)
             try:
-                found = generate(self.model, src, config, generator)
+                with torch.autocast(self.device.type, enabled=False):  # the caller's: packed fp32 or int8 here
+                    found = generate(self.model, src, config, generator)
             except RuntimeError as e:  # e.g. --beam 100000000: a 54 GB tensor and a C++ traceback
                 if not is_out_of_memory(e):
                     raise

@@ -72,7 +72,7 @@ def start(model: Transformer, src: Tensor, config: DecodeConfig) -> Beams:
     b, k = src.shape[0], config.beam
     j = first_rows(model, k)
     limit = config.max_lengths(source_lengths(model, src), model.config.max_len)
-    scores_BK = torch.full((b, k), float("-inf"), device=src.device)
+    scores_BK = torch.full((b, k), float("-inf"), device=src.device, dtype=torch.float32)  # whatever the default
     scores_BK[:, 0] = 0.0
     return Beams(
         sentence=list(range(b)),

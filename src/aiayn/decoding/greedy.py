@@ -24,7 +24,7 @@ def greedy_search(
     b = src.shape[0]
     cache = model.new_cache(b, max(max_len_R))
     tokens_RT = torch.empty(b, max(max_len_R), dtype=torch.long, device=src.device)
-    log_prob_R = torch.zeros(b, device=src.device)
+    log_prob_R = torch.zeros(b, device=src.device, dtype=torch.float32)  # not the caller's default dtype
     limit_R = torch.tensor(max_len_R, device=src.device)  # (R,) output tokens allowed per row
     last_R = torch.full((b,), model.config.decoder_start_id, dtype=torch.long, device=src.device)
     alive = list(range(b))  # sentence index of each row still decoding

@@ -1,8 +1,17 @@
 """Parallel text is read, checked, encoded once and cached; bad files give one line naming file and line."""
 
+import logging
+
 import pytest
 
-from aiayn.data.dataset import collate, find_tokenizer, load_encoded, read_parallel, train_tokenizer
+from aiayn.data.dataset import (
+    ParallelText,
+    collate,
+    find_tokenizer,
+    load_encoded,
+    read_parallel,
+    train_tokenizer,
+)
 from aiayn.errors import UserError
 
 
@@ -112,3 +121,74 @@ def test_filter_length_keeps_the_right_pairs():
     want = [(s, t) for s, t in zip(src, tgt) if len(s) <= 8 and len(t) + 1 <= 8]
     assert dropped == 300 - len(want) and dropped > 50
     assert [(kept.source(i), kept.target(i)) for i in range(len(kept))] == want
+
+
+# Text SentencePiece's default normalization (nmt_nfkc) rewrites, and alphabets larger than the vocabulary.
+
+PERSIAN = ["می\u200cروم", "کتاب\u200cها", "نمی\u200cدانم", "خانه", "بزرگ", "است", "این", "ما"]  # \u200c: ZWNJ
+ENGLISH = ["I go", "books", "I do not know", "house", "big", "is", "this", "we"]
+
+
+def persian_text(n=80):
+    pick = [[(i + 3 * j) % len(PERSIAN) for j in range(1 + i % 4)] for i in range(n)]
+    return ParallelText([" ".join(PERSIAN[w] for w in ws) for ws in pick],
+                        [" ".join(ENGLISH[w] for w in ws) for ws in pick], 0)
+
+
+@pytest.mark.parametrize(("normalization", "shared"), [("nfkc", True), ("identity", False)])
+def test_nfkc_or_identity_keeps_the_zero_width_non_joiner(tmp_path, caplog, normalization, shared):
+    text = persian_text()
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        tok = train_tokenizer(text, tmp_path, 60, shared=shared, normalization=normalization)
+    sp = tok.src
+    assert all(sp.decode(sp.encode(line)) == line for line in text.src)
+    assert sum("\u200c" in line for line in text.src) > len(text.src) // 2
+    assert caplog.records == []
+
+
+def test_the_default_normalization_turns_zwnj_into_a_space_and_says_so(tmp_path, caplog):
+    text = persian_text()
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        tok = train_tokenizer(text, tmp_path, 60)
+    assert [tok.src.decode(tok.src.encode(line)) for line in text.src] == [
+        line.replace("\u200c", " ") for line in text.src
+    ]
+    [record] = caplog.records  # one warning, not one per line or per side
+    assert record.levelno == logging.WARNING
+    assert "U+200C ZERO WIDTH NON-JOINER" in record.message
+    assert 'data.normalization = "nfkc"' in record.message and "train a new tokenizer" in record.message
+
+
+@pytest.mark.parametrize("normalization", ["nmt_nfkc", "nfkc", "identity"])
+def test_whitespace_alone_is_not_warned_about(tmp_path, caplog, normalization):
+    """SentencePiece collapses spaces whatever the rule, and a no-break space or a tab is whitespace too."""
+    odd = ["der\u00a0Hund  läuft\tschnell", " die  Katze "] * 10
+    text = ParallelText(sentences(100, "de") + odd, sentences(100, "en") + odd, 0)
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        train_tokenizer(text, tmp_path, 40, normalization=normalization)
+    assert caplog.records == []
+
+
+def cjk_text():
+    """30 frequent characters and 60 that occur once each: 0.04% of the characters, under 1 - 0.9995."""
+    common = "的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年"
+    src = ["".join(common[(i * 7 + j) % len(common)] for j in range(60)) for i in range(1500)]
+    src[::25] = [line + chr(0x4E00 + 500 + k) for k, line in enumerate(src[::25])]
+    return ParallelText(src, [f"the dog runs {i % 10}" for i in range(1500)], 0)
+
+
+def test_an_alphabet_larger_than_the_vocabulary_names_the_settings_that_fix_it(tmp_path):
+    text = cjk_text()
+    distinct = len(set("".join(text.src + text.tgt)))  # with SentencePiece's word boundary for the space
+    with pytest.raises(UserError) as e:
+        train_tokenizer(text, tmp_path / "full", 64)
+    assert str(e.value) == (
+        f"data.vocab_size=64: the text has {distinct} distinct characters, too many for the vocabulary "
+        f"and its 4 special pieces; raise data.vocab_size to at least {distinct + 4}, or lower "
+        "data.character_coverage (0.9995 is usual for Chinese and Japanese)"
+    )
+    assert train_tokenizer(text, tmp_path / "enough", distinct + 4).src_vocab_size == distinct + 4
+    tok = train_tokenizer(text, tmp_path / "covered", 64, character_coverage=0.9995)
+    assert tok.src_vocab_size == 64
+    assert tok.unk_id not in tok.encode_tgt(text.src[1])
+    assert any(tok.unk_id in tok.encode_tgt(line) for line in text.src[::25])  # the rarest are <unk>

@@ -234,8 +234,12 @@ def test_a_full_disk_while_caching_the_ids(finished_run, tmp_path, monkeypatch):
 
 def test_a_vocabulary_smaller_than_the_alphabet_names_the_setting(tmp_path):
     config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2", "data.vocab_size=8")
-    with pytest.raises(UserError, match=r"data\.vocab_size=8: .*Vocabulary size is smaller than required_chars"):
+    chars = len(set(" ".join(read_lines(config.data.train_src) + read_lines(config.data.train_tgt))))
+    with pytest.raises(UserError) as e:
         train(config)
+    assert str(e.value).startswith(f"data.vocab_size=8: the text has {chars} distinct characters, too many ")
+    assert f"raise data.vocab_size to at least {chars + 4}, or lower data.character_coverage" in str(e.value)
+    assert "--character_coverage" not in str(e.value)  # SentencePiece's flag, which aiayn does not have
 
 
 # 7. Malformed configurations.
@@ -281,6 +285,28 @@ def test_validation_files_come_in_pairs():
         DataConfig(valid_src="v.de")
     with pytest.raises(ConfigError, match="data.valid_src and data.valid_tgt"):
         DataConfig(valid_tgt="v.en")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(normalization="nfd"), "data.normalization='nfd' is not one of nmt_nfkc, nfkc, nmt_nfkc_cf"),
+        (dict(normalization="NFKC"), "data.normalization='NFKC'"),
+        (dict(character_coverage=0.0), r"data.character_coverage=0.0 is not in \(0, 1\]"),
+        (dict(character_coverage=1.5), "data.character_coverage=1.5"),
+        (dict(character_coverage=-0.5), "data.character_coverage=-0.5"),
+        (dict(character_coverage=math.nan), "data.character_coverage=nan"),
+    ],
+)
+def test_data_config_refuses_a_normalization_or_coverage_sentencepiece_has_not(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        DataConfig(**changes)
+
+
+def test_normalization_and_character_coverage_can_be_set(tmp_path):
+    config = load_config(None, ["data.normalization=identity", "data.character_coverage=0.9995"])
+    assert (config.data.normalization, config.data.character_coverage) == ("identity", 0.9995)
+    assert (DataConfig().normalization, DataConfig().character_coverage) == ("nmt_nfkc", 1.0)  # as before
 
 
 def test_a_directory_given_as_a_corpus_says_so(tmp_path):
@@ -357,6 +383,40 @@ def test_resume_refuses_other_tokenizer_settings_and_names_another_corpus(finish
     with caplog.at_level(logging.INFO, logger="aiayn.data.dataset"):
         assert train(with_train(moved, max_updates=5), resume=True)["step"] == 5
     assert "other.de is not the" in caplog.text and "(--resume keeps the run's tokenizer)" in caplog.text
+
+
+def test_a_record_from_before_normalization_was_recorded_is_read_as_the_defaults(finished_run, tmp_path):
+    """tokenizer_inputs.json written before data.normalization and data.character_coverage existed lacks
+    them: the tokenizer was trained with the defaults, so a default config reuses it and resumes, and a
+    record saying otherwise is refused."""
+    config = copy_run(finished_run, tmp_path)
+    run = Path(config.train.run_dir)
+    record = json.loads((run / "tokenizer_inputs.json").read_text(encoding="utf-8"))
+    assert (record["normalization"], record["character_coverage"]) == ("nmt_nfkc", 1.0)
+    old = {k: v for k, v in record.items() if k not in ("normalization", "character_coverage")}
+
+    def left_by_a_failed_run(name: str, saved: dict) -> Path:
+        """A run directory holding the tokenizer and `saved` as its record, and no checkpoint."""
+        (tmp_path / name).mkdir()
+        shutil.copy(run / "spm.model", tmp_path / name)
+        (tmp_path / name / "tokenizer_inputs.json").write_text(json.dumps(saved), encoding="utf-8")
+        return tmp_path / name
+
+    (run / "tokenizer_inputs.json").write_text(json.dumps(old), encoding="utf-8")
+    assert train(with_train(config, max_updates=5), resume=True)["step"] == 5  # --resume of an old run
+    with pytest.raises(UserError, match="data.character_coverage was 1.0, now 0.9995"):
+        train(replace(config, data=replace(config.data, character_coverage=0.9995)), resume=True)
+    reused = left_by_a_failed_run("old", old)
+    assert train(with_train(config, run_dir=str(reused), max_updates=1, valid_every=1))["step"] == 1
+
+    identity = {**old, "normalization": "identity"}
+    (run / "tokenizer_inputs.json").write_text(json.dumps(identity), encoding="utf-8")
+    with pytest.raises(UserError, match=r"--resume keeps the tokenizer .*\(data.normalization was "
+                                        r"'identity', now 'nmt_nfkc'\)"):
+        train(with_train(config, max_updates=6), resume=True)
+    refused = left_by_a_failed_run("identity", identity)
+    with pytest.raises(UserError, match="trained for other data.*data.normalization was 'identity'"):
+        train(with_train(config, run_dir=str(refused), max_updates=1, valid_every=1))
 
 
 def test_a_run_dir_from_before_the_record_is_accepted(finished_run, tmp_path):

@@ -16,6 +16,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,40 +262,116 @@ def collate(corpus: EncodedCorpus, indices: list[int], tokenizer: Tokenizer) -> 
 
 
 def train_tokenizer(
-    text: ParallelText, directory: str | Path, vocab_size: int, model_type: str = "bpe", shared: bool = True
+    text: ParallelText, directory: str | Path, vocab_size: int, model_type: str = "bpe", shared: bool = True,
+    normalization: str = "nmt_nfkc", character_coverage: float = 1.0,
 ) -> Tokenizer:
-    """Train SentencePiece on the training text: one model for both sides (the paper) or one per side."""
+    """Train SentencePiece on the training text: one model for both sides (the paper) or one per side.
+
+    Then warn (once) if the model's normalization rewrites a sizeable share of the text, since the model
+    will translate into the rewritten form (a Persian ZWNJ becomes a space under "nmt_nfkc")."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    settings = dict(normalization=normalization, character_coverage=character_coverage)
     if shared:
-        path = _train_spm(text.src + text.tgt, directory / "spm", vocab_size, model_type)
-        return Tokenizer(path)
-    src = _train_spm(text.src, directory / "source", vocab_size, model_type)
-    tgt = _train_spm(text.tgt, directory / "target", vocab_size, model_type)
-    # Tokenizer.save names them source.spm / target.spm; keep those names in the run directory too.
-    os.replace(src, directory / "source.spm")
-    os.replace(tgt, directory / "target.spm")
-    return Tokenizer(directory / "source.spm", directory / "target.spm")
+        path = _train_spm(text.src + text.tgt, directory / "spm", vocab_size, model_type, **settings)
+        tokenizer = Tokenizer(path)
+    else:
+        src = _train_spm(text.src, directory / "source", vocab_size, model_type, **settings)
+        tgt = _train_spm(text.tgt, directory / "target", vocab_size, model_type, **settings)
+        # Tokenizer.save names them source.spm / target.spm; keep those names in the run directory too.
+        os.replace(src, directory / "source.spm")
+        os.replace(tgt, directory / "target.spm")
+        tokenizer = Tokenizer(directory / "source.spm", directory / "target.spm")
+    _warn_if_normalization_changes_text(tokenizer, text, normalization)
+    return tokenizer
 
 
-def _train_spm(lines: list[str], prefix: Path, vocab_size: int, model_type: str) -> Path:
+def _train_spm(
+    lines: list[str], prefix: Path, vocab_size: int, model_type: str,
+    normalization: str = "nmt_nfkc", character_coverage: float = 1.0,
+) -> Path:
     """train_sentencepiece, with SentencePiece's refusals (RuntimeError) as a line naming the setting."""
     try:
-        return train_sentencepiece(lines, prefix, vocab_size, model_type)
+        return train_sentencepiece(lines, prefix, vocab_size, model_type,
+                                   character_coverage=character_coverage, normalization=normalization)
     except RuntimeError as e:  # "INTERNAL: trainer_interface.cc(638) [check] Vocabulary size is smaller ..."
         reason = str(e).rsplit("] ", 1)[-1].strip() or type(e).__name__  # the sentence after the C++ check
-        message = f"data.vocab_size={vocab_size}: SentencePiece cannot train on this text ({reason})"
+        chars = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason)
+        if chars:  # SentencePiece's own advice names its --character_coverage flag, which aiayn does not have
+            needed = int(chars.group(1))  # the characters kept, plus pad, bos, eos and unk
+            covered = "" if character_coverage == 1.0 else f" at data.character_coverage={character_coverage}"
+            message = (
+                f"data.vocab_size={vocab_size}: the text has {needed - 4} distinct characters{covered}, too many "
+                f"for the vocabulary and its 4 special pieces; raise data.vocab_size to at least {needed}, or "
+                "lower data.character_coverage (0.9995 is usual for Chinese and Japanese)"
+            )
+        else:
+            message = f"data.vocab_size={vocab_size}: SentencePiece cannot train on this text ({reason})"
         raise UserError(message) from None
 
 
+ROUND_TRIP_SAMPLE = 2000  # lines per side checked after training a tokenizer
+ROUND_TRIP_TOLERANCE = 0.01  # share of sampled lines the normalization may change without a warning
+
+
+def _warn_if_normalization_changes_text(tokenizer: Tokenizer, text: ParallelText, normalization: str) -> None:
+    """Log one warning if the tokenizer's normalization changes more than 1% of a sample of either side's
+    training text (whitespace aside: SentencePiece always collapses it), naming the first changed
+    character, an example line and the setting that keeps the text."""
+    problems = []
+    for side, lines, sp in (("source", text.src, tokenizer.src), ("target", text.tgt, tokenizer.tgt)):
+        k = min(len(lines), ROUND_TRIP_SAMPLE)
+        changed, first = 0, None
+        for i in range(k):
+            line = lines[i * len(lines) // k]  # evenly spaced
+            want = _spaced(line)
+            got = _spaced(sp.normalize(line))
+            if got != want:
+                changed += 1
+                first = first or (want, got)
+        if changed > ROUND_TRIP_TOLERANCE * k:
+            problems.append((side, changed, k, first))
+    if not problems:
+        return
+    counts = "; ".join(f"{changed} of {k} sampled {side} lines" for side, changed, k, _ in problems)
+    want, got = problems[0][3]
+    at = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    char = want[at] if at < len(want) else got[at]
+    example = want[max(0, at - 30) : at + 30]
+    fix = {"nfkc": '; set data.normalization = "identity"', "identity": ""}.get(
+        normalization, '; set data.normalization = "nfkc" (or "identity")'
+    )
+    if fix:
+        fix += (" and train a new tokenizer (in a new train.run_dir, or delete this one's spm.model, or "
+                "source.spm and target.spm)")
+    log.warning(
+        "data.normalization=%r changes the training text the model will learn to write (%s), e.g. "
+        "U+%04X %s in %r%s",
+        normalization, counts, ord(char), unicodedata.name(char, "(unnamed)"), example, fix,
+    )
+
+
+def _spaced(text: str) -> str:
+    """`text` as SentencePiece gives it back in the best case: whitespace runs as one space (its U+2581
+    meta symbol, which `normalize` writes for a space, counted as a space too)."""
+    return " ".join(text.replace("\u2581", " ").split())
+
+
+TOKENIZER_DEFAULTS = {"normalization": "nmt_nfkc", "character_coverage": 1.0}  # settings recorded since
+# aiayn had them: a tokenizer_inputs.json without one was trained with the value here
+
+
 def tokenizer_inputs(
-    src_path: str | Path, tgt_path: str | Path, vocab_size: int, model_type: str, shared: bool
+    src_path: str | Path, tgt_path: str | Path, vocab_size: int, model_type: str, shared: bool,
+    normalization: str = "nmt_nfkc", character_coverage: float = 1.0,
 ) -> dict:
     """What a trained tokenizer depends on: the data settings and the identity of both training files."""
     return {
         "vocab_size": vocab_size,
         "spm_type": model_type,
         "shared_vocab": shared,
+        "normalization": normalization,
+        "character_coverage": character_coverage,
         "train_src": _file_identity(Path(src_path)),
         "train_tgt": _file_identity(Path(tgt_path)),
     }
@@ -354,9 +432,9 @@ def _tokenizer_input_changes(directory: Path, inputs: dict) -> tuple[list[str], 
     if not isinstance(saved, dict):
         raise UserError(f"{path}: not a JSON object; {advice}")
     settings = [
-        f"data.{key} was {saved.get(key)!r}, now {value!r}"
+        f"data.{key} was {saved.get(key, TOKENIZER_DEFAULTS.get(key))!r}, now {value!r}"
         for key, value in inputs.items()
-        if not key.startswith("train_") and saved.get(key) != value
+        if not key.startswith("train_") and saved.get(key, TOKENIZER_DEFAULTS.get(key)) != value
     ]
     files = []
     for key in ("train_src", "train_tgt"):

@@ -148,17 +148,20 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
 
 def train_sentencepiece(
     lines: Iterable[str], prefix: str | Path, vocab_size: int, model_type: str = "bpe",
-    character_coverage: float = 1.0, seed_sentences: int = 2_000_000,
+    character_coverage: float = 1.0, seed_sentences: int = 2_000_000, normalization: str = "nmt_nfkc",
 ) -> Path:
     """Train a SentencePiece model on `lines`; write `prefix`.model and return its path.
 
     Ids are fixed: pad=0, bos=1, eos=2, unk=3, so that batches pad with 0. `hard_vocab_limit=False`
-    lets a small corpus end with fewer pieces than asked instead of failing.
+    lets a small corpus end with fewer pieces than asked instead of failing. `normalization` is the
+    rule the model applies to text (SentencePiece's `normalization_rule_name`): "nmt_nfkc", its
+    default, turns a zero-width non-joiner into a space; "nfkc" keeps it; "identity" changes nothing.
     """
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type=model_type,
-        character_coverage=character_coverage, pad_id=0, bos_id=1, eos_id=2, unk_id=3,
+        character_coverage=character_coverage, normalization_rule_name=normalization,
+        pad_id=0, bos_id=1, eos_id=2, unk_id=3,
         hard_vocab_limit=False, input_sentence_size=seed_sentences, shuffle_input_sentence=True,
         num_threads=2, minloglevel=2,
     )

@@ -41,11 +41,21 @@ class DataConfig:
     spm_type: str = "bpe"  # "bpe" (the paper's byte-pair encoding) or "unigram"
     shared_vocab: bool = True  # one vocabulary for source and target (the paper), else one per side
     max_len: int = 256  # pairs with a side longer than this many tokens (with EOS) are dropped
+    normalization: str = "nmt_nfkc"  # SentencePiece's rule for the text: "nmt_nfkc" (SentencePiece's and
+    # Marian's default: NFKC, and the zero-width non-joiner U+200C becomes a space), "nfkc" (keeps ZWNJ),
+    # "nmt_nfkc_cf" / "nfkc_cf" (also case-folded) or "identity" (keeps the text exactly)
+    character_coverage: float = 1.0  # share of the characters the vocabulary covers; SentencePiece
+    # recommends 0.9995 for Chinese and Japanese (rarer characters become <unk>)
 
     def __post_init__(self) -> None:
         check_types(self)
         if self.spm_type not in ("bpe", "unigram"):
             raise ConfigError(f"data.spm_type={self.spm_type!r} is not 'bpe' or 'unigram'")
+        rules = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")  # SentencePiece's rule names
+        if self.normalization not in rules:
+            raise ConfigError(f"data.normalization={self.normalization!r} is not one of {', '.join(rules)}")
+        if not 0.0 < self.character_coverage <= 1.0:  # also refuses nan
+            raise ConfigError(f"data.character_coverage={self.character_coverage} is not in (0, 1]")
         if self.vocab_size < 8 or self.max_len < 2:
             raise ConfigError("data.vocab_size must be >= 8 and data.max_len >= 2")
         if bool(self.valid_src) != bool(self.valid_tgt):  # else validation silently reads one side only

@@ -565,7 +565,8 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
     """The run directory's tokenizer: trained once on the training text, then reused if it fits."""
     dc = config.data
     found = find_tokenizer(run_dir)
-    inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, dc.vocab_size, dc.spm_type, dc.shared_vocab)
+    inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, dc.vocab_size, dc.spm_type, dc.shared_vocab,
+                              dc.normalization, dc.character_coverage)
     if found is not None:  # resumed: the tokenizer of its checkpoints; else left by a first run that
         check_tokenizer_inputs(run_dir, inputs, resumed=bool(checkpoint_dirs(run_dir)))  # failed later
         return found
@@ -580,7 +581,8 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
         len(text.src),
     )
     write_tokenizer_inputs(run_dir, inputs)
-    return train_tokenizer(text, run_dir, dc.vocab_size, dc.spm_type, dc.shared_vocab)
+    return train_tokenizer(text, run_dir, dc.vocab_size, dc.spm_type, dc.shared_vocab,
+                           dc.normalization, dc.character_coverage)
 
 
 def _describe(config: RunConfig, model: Transformer, data: Data, d: Dist) -> str:

@@ -371,6 +371,19 @@ def test_api_is_unaffected_by_the_callers_torch_settings_and_takes_any_path(chec
         translator.hypotheses(texts, generator=torch.Generator())
 
 
+def test_one_translator_serves_several_threads(checkpoint):
+    """A service shares one Translator between request threads: each call gets what it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    translator = Translator.load(checkpoint)
+    jobs = [([t for t in TEXTS if t.strip()][i % 4 :] + [f"the number {i}"], dict(beam=1 + i % 3, max_len_b=6))
+            for i in range(12)]
+    alone_ = [translator.hypotheses(texts, **options) for texts, options in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda job: translator.hypotheses(job[0], **job[1]), jobs))
+    assert together == alone_
+
+
 def test_cli_streams_that_cannot_be_used_are_one_line(checkpoint, tmp_path):
     """Closed stdin or stdout, a full disk behind stdout, an -o that is a directory: one line, exit 2, and
     the ones that can be seen before the model loads are refused before it loads."""

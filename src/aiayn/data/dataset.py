@@ -214,6 +214,9 @@ def _write_cache(path: Path, key: str, corpus: EncodedCorpus, dropped: int) -> N
         tmp.unlink(missing_ok=True)
         reason = getattr(e, "strerror", None) or e
         raise UserError(f"{path}: cannot write the encoded-ids cache ({reason})") from None
+    except BaseException:  # Ctrl-C mid-write: the temporary (named by pid, so never reused) goes too
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _read_cache(path: Path, key: str) -> tuple[EncodedCorpus | None, int]:

@@ -148,6 +148,10 @@ class RunConfig:
             raise ConfigError(
                 f"data.max_len={self.data.max_len} does not fit in train.max_tokens={self.train.max_tokens}"
             )
+        for name in ("patience", "bleu_every"):  # they read the validation set: without one, silently nothing
+            if getattr(self.train, name) and not self.data.valid_src:
+                raise ConfigError(f"train.{name}={getattr(self.train, name)} needs a validation set "
+                                  "(data.valid_src and data.valid_tgt)")
 
     def model_config(self, **tokenizer_fields: Any) -> ModelConfig:
         values = dict(self.model)

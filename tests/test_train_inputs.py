@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +30,7 @@ from aiayn.errors import UserError
 from aiayn.model import Transformer
 from aiayn.train import distributed
 from aiayn.train.config import DataConfig, TrainConfig, load_config, with_train
+from aiayn.train import loop
 from aiayn.train.loop import Data, _check_finite_weights, train, validate
 from aiayn.train.state import checkpoint_dirs
 
@@ -149,6 +151,43 @@ def test_resuming_a_run_at_max_updates_trains_nothing(finished_run, tmp_path):
     assert all(torch.equal(after[k], before[k]) for k in after)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_the_update_it_stopped_at_and_resume_ends_where_an_unbroken_run_does(
+    finished_run, tmp_path, monkeypatch, capsys, signum
+):
+    """SIGTERM (a scheduler's) or a first Ctrl-C at update 3 of 4, between the checkpoints at 2 and 4:
+    update 3 is saved instead of lost, the exit status is the shell's for the signal, and --resume ends
+    at update 4 with the weights of the run that was never stopped."""
+    d, config, sets = finished_run
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("spm.model", "tokenizer_inputs.json"):  # the same tokenizer as the unbroken run
+        shutil.copy(d / "run" / name, run / name)
+    real_step, calls = loop.train_step, []
+
+    def step_then_signal(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signum)  # delivered now, in the main thread: mid-loop, as from outside
+        return result
+
+    monkeypatch.setattr(loop, "train_step", step_then_signal)
+    args = [a for s in sets[:-2] + [f"train.run_dir={run}", "train.max_updates=4", "train.valid_every=2"]
+            for a in ("--set", s)]
+    code, err = run_cli(capsys, "train", *args)
+    assert code == 128 + signum
+    assert err[-1] == f"aiayn: stopped by {signal.Signals(signum).name} at update 3, saved in {run}/checkpoints/" \
+                      "step_000003; --resume continues from there"
+    assert [p.name for p in checkpoint_dirs(run)] == ["step_000002", "step_000003"]
+    assert signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler)  # handlers given back
+    monkeypatch.setattr(loop, "train_step", real_step)
+    assert train(with_train(config, run_dir=str(run)), resume=True)["step"] == 4
+    resumed = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
+    unbroken = load_file(str(d / "run" / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
+
+
 # 3. A validation set with every pair too long fails before training.
 
 
@@ -227,6 +266,31 @@ def test_a_full_disk_while_caching_the_ids(finished_run, tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"cache/train\.de-train\.en\..*\.safetensors: cannot write the encoded-ids"):
         train(with_train(config, run_dir=str(tmp_path / "run")))
     assert list((tmp_path / "run" / "cache").iterdir()) == []
+
+
+def test_ctrl_c_while_caching_the_ids_leaves_no_temporary(finished_run, tmp_path, monkeypatch):
+    """The temporary is named by pid, so a rerun never reuses it: 86 MB were left for good per Ctrl-C."""
+    d, config, _ = finished_run
+    (tmp_path / "run").mkdir()
+    shutil.copy(d / "run" / "spm.model", tmp_path / "run" / "spm.model")
+
+    def interrupted_save(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\x00" * 10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("aiayn.data.dataset.save_file", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(with_train(config, run_dir=str(tmp_path / "run")))
+    assert list((tmp_path / "run" / "cache").iterdir()) == []
+
+
+@pytest.mark.parametrize("setting", ["patience=2", "bleu_every=10"])
+def test_settings_that_read_the_validation_set_need_one(tmp_path, setting):
+    """They were silently ignored without one."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run")
+    no_valid = [s for s in sets if not s.startswith("data.valid_")]
+    with pytest.raises(ConfigError, match=rf"^train\.{setting} needs a validation set \(data\.valid_src"):
+        load_config(None, no_valid + [f"train.{setting}"])
 
 
 # 6. A vocabulary smaller than the corpus' characters.

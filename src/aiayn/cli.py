@@ -12,7 +12,7 @@ import os
 import sys
 
 from aiayn.config import PRESETS, ConfigError, model_config
-from aiayn.errors import UserError
+from aiayn.errors import Stopped, UserError
 
 
 def positive_int(text: str) -> int:
@@ -420,6 +420,10 @@ def _run(args: argparse.Namespace) -> int:
         if not repeated:
             print(f"aiayn: error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:  # a training run that saved on SIGTERM or Ctrl-C
+        if os.environ.get("RANK", "0") == "0":
+            print(f"aiayn: {e}", file=sys.stderr)
+        return e.exit_status
     except KeyboardInterrupt:
         print("aiayn: interrupted", file=sys.stderr)
         return 130

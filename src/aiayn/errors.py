@@ -1,6 +1,15 @@
 """Errors that the user can fix; the CLI prints them as one line and exits non-zero."""
 
 
+class Stopped(Exception):
+    """A run that stopped on a signal after saving what it had; the CLI prints the message and exits
+    with the shell's status for that signal (128 + its number)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_status = 128 + signum
+
+
 class UserError(Exception):
     """Bad input: a message naming the file, the line and the problem, e.g. `train.de:12: invalid UTF-8`."""
 

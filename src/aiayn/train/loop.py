@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 import math
 import random
+import signal
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from aiayn.checkpoint import Checkpoint, load_checkpoint, load_into, read_meta, state_dict_for_saving
 from aiayn.config import ConfigError
@@ -44,7 +47,7 @@ from aiayn.data.dataset import (
     write_tokenizer_inputs,
 )
 from aiayn.data.tokenizer import Tokenizer
-from aiayn.errors import CorruptFile, UserError
+from aiayn.errors import CorruptFile, Stopped, UserError
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.train import distributed
@@ -140,14 +143,33 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         unit="upd",
         dynamic_ncols=True,
     )  # a terminal only: tokens/s, loss, ppl, lr, and time left
+    start = time.monotonic()
+    stop = _stop_reason(state, tc, n_updates)  # a resumed run may have reached its budget already
+    if stop and d.is_main:
+        log.info("%s: already at update %d (%s); nothing to train", resume_from, state.step, stop)
+    stopper = StopSignal()
+    with stopper.installed(), logging_redirect_tqdm():  # log lines above the bar, not glued onto it
+        stop, last = _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast, metrics, bar,
+                           n_updates, batch_tokens, stopper)
+    bar.close()
+    if d.is_main:
+        log.info("stopped (%s) after %d updates, %.1f min", stop, state.step, (time.monotonic() - start) / 60)
+    if stopper.signum is not None:
+        raise Stopped(f"stopped by {stop} at update {state.step}, saved in {checkpoint_dirs(run_dir)[-1]}; "
+                      "--resume continues from there", stopper.signum)
+    return {**last, "stop": stop, "step": state.step}
+
+
+def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast, metrics, bar, n_updates,
+          batch_tokens, stopper) -> tuple[str, dict]:
+    """The updates until `stop`, validating and saving on schedule; (why it stopped, the last results)."""
+    tc, tok = config.train, data.tokenizer
+    per_update = d.world_size * tc.update_freq
     start = last_log = time.monotonic()
     seconds_before = state.seconds  # a resumed run goes on with its clock, so the budget spans resumes
     window = [0.0, 0.0, 0.0]  # smoothed loss sum, NLL sum, target tokens since the last log line
     last = {}
     saved_step = state.step
-    stop = _stop_reason(state, tc, n_updates)  # a resumed run may have reached its budget already
-    if stop and d.is_main:
-        log.info("%s: already at update %d (%s); nothing to train", resume_from, state.step, stop)
     while not stop:
         order = epoch_order(len(data.train_batches), tc.seed, state.epoch)
         while state.cursor < n_updates and not stop:
@@ -180,18 +202,22 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
                 last = _log_window(window, state, lr, now - last_log, state.seconds, d, bar, metrics)
                 window, last_log = [0.0, 0.0, 0.0], now
             stop = _stop_reason(state, tc, n_updates)
+            signalled = stopper.agreed(d)
             if (
                 state.step % tc.valid_every == 0
                 or stop
+                or signalled
                 or (tc.bleu_every and state.step % tc.bleu_every == 0)
             ):
                 _check_unlogged(window, state.step, d)
-                last = _validate_and_save(
-                    net, model, optimizer, scaler, state, data, config, d, autocast, metrics
+                begun = time.monotonic()
+                last = _validate_and_save(  # on a signal only the save: a scheduler's grace is short
+                    net, model, optimizer, scaler, state, data, config, d, autocast, metrics, not signalled
                 )
                 release_freed_memory()  # the free pages of a fragmented heap back to the kernel
                 saved_step = state.step
-                stop = stop or _patience_exhausted(state, tc)
+                last_log += time.monotonic() - begun  # tokens/s counts training, not this validation
+                stop = stop or signalled or _patience_exhausted(state, tc)
         if state.cursor >= n_updates:
             state.epoch, state.cursor = state.epoch + 1, 0
             if tc.max_epochs and state.epoch >= tc.max_epochs:
@@ -199,10 +225,48 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     if saved_step != state.step:  # stopped at an epoch end between validations
         _check_unlogged(window, state.step, d)
         last = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics)
-    bar.close()
-    if d.is_main:
-        log.info("stopped (%s) after %d updates, %.1f min", stop, state.step, (time.monotonic() - start) / 60)
-    return {**last, "stop": stop, "step": state.step}
+    return stop, last
+
+
+class StopSignal:
+    """SIGTERM (what a scheduler or `docker stop` sends) or a first Ctrl-C: finish the current update, save a
+    checkpoint (without validating) and stop, instead of losing the updates since the last checkpoint. A
+    second Ctrl-C interrupts at once. Under torchrun the processes agree on it at every update."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    @contextmanager
+    def installed(self):
+        """The handlers for the duration of the block (signal handlers live in the main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def handle(signum: int, frame) -> None:
+            if self.signum is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # the second Ctrl-C
+            self.signum = signum
+            log.warning("%s: stopping after this update, with a checkpoint (Ctrl-C again: at once)",
+                        signal.Signals(signum).name)
+
+        for s in previous:
+            signal.signal(s, handle)
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def agreed(self, d: Dist) -> str | None:
+        """The signal's name once any process got one (a collective under torchrun), else None."""
+        flag = distributed.all_reduce_sum([float(self.signum or 0)], d)[0] if d.enabled else self.signum or 0
+        if not flag:
+            return None
+        if self.signum is None:  # another process got it: stop together, with its status
+            self.signum = int(flag) if int(flag) in (signal.SIGINT, signal.SIGTERM) else signal.SIGTERM
+        return signal.Signals(self.signum).name
 
 
 def build_model(config: RunConfig, tok: Tokenizer) -> Transformer:
@@ -354,12 +418,13 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> d
 
 
 def _validate_and_save(
-    net, model, optimizer, scaler, state, data, config, d, autocast, metrics
+    net, model, optimizer, scaler, state, data, config, d, autocast, metrics, validating: bool = True
 ) -> dict[str, Any]:
-    """Validation (if there is a validation set), the patience count, a checkpoint and the curves."""
+    """Validation (if there is a validation set and `validating`), the patience count, a checkpoint and the
+    curves."""
     tc = config.train
     result: dict[str, Any] = {"step": state.step, "epoch": state.epoch + 1}
-    if data.valid is not None:
+    if data.valid is not None and validating:
         result.update(validate(model, data, d, autocast, tc.label_smoothing))
         _check_finite("validation loss", result["valid_loss"], state.step)
         if result["valid_loss"] < state.best_valid:
@@ -367,7 +432,8 @@ def _validate_and_save(
         else:
             state.bad_validations += 1
     _check_finite_weights(model, state.step)  # also without a validation set: never save NaN weights
-    if tc.bleu_every and state.step % tc.bleu_every == 0 and data.valid_text is not None and d.is_main:
+    bleu_due = validating and tc.bleu_every and state.step % tc.bleu_every == 0
+    if bleu_due and data.valid_text is not None and d.is_main:
         from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
 
         result["valid_bleu"], result["bleu_signature"] = validation_bleu(

@@ -188,6 +188,20 @@ def test_a_signal_saves_the_update_it_stopped_at_and_resume_ends_where_an_unbrok
     assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
 
 
+def test_time_left_counts_down_the_first_budget_to_end():
+    """The bar's own estimate knew only updates and epochs: with max_minutes (tiny.toml's budget) it
+    showed none, or hours for a run that stopped in seconds."""
+    state = SimpleNamespace(step=25, seconds=50.0)
+    budgets = dict(max_minutes=0.0, max_updates=0, max_epochs=0)
+    assert loop._time_left(state, SimpleNamespace(**budgets), 10) is None
+    assert loop._time_left(state, SimpleNamespace(**{**budgets, "max_minutes": 10.0}), 10) == pytest.approx(550.0)
+    assert loop._time_left(state, SimpleNamespace(**{**budgets, "max_updates": 100}), 10) == pytest.approx(150.0)
+    both = SimpleNamespace(**{**budgets, "max_minutes": 2.0, "max_updates": 100000})  # minutes end first
+    assert loop._time_left(state, both, 10) == pytest.approx(70.0)
+    assert loop._time_left(state, SimpleNamespace(**{**budgets, "max_epochs": 5}), 10) == pytest.approx(50.0)
+    assert [loop._clock(s) for s in (70.0, 3599.6, 3725.0)] == ["1:10", "1:00:00", "1:02:05"]
+
+
 # 3. A validation set with every pair too long fails before training.
 
 

@@ -199,7 +199,8 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
             bar.update(1)
             if state.step % tc.log_every == 0:
                 now = time.monotonic()
-                last = _log_window(window, state, lr, now - last_log, state.seconds, d, bar, metrics)
+                left = _time_left(state, tc, n_updates)
+                last = _log_window(window, state, lr, now - last_log, state.seconds, d, bar, metrics, left)
                 window, last_log = [0.0, 0.0, 0.0], now
             stop = _stop_reason(state, tc, n_updates)
             signalled = stopper.agreed(d)
@@ -313,8 +314,12 @@ def _fine_tuned_from(checkpoint: Path) -> str | None:
     return train_config.get("init_from") if isinstance(train_config, dict) else None
 
 
-def _log_window(window, state: TrainState, lr: float, seconds: float, elapsed: float, d: Dist, bar, metrics):
-    """Training loss, NLL, perplexity and speed since the last line: progress bar, log, metrics.jsonl."""
+def _log_window(
+    window, state: TrainState, lr: float, seconds: float, elapsed: float, d: Dist, bar, metrics,
+    left: float | None = None,
+):
+    """Training loss, NLL, perplexity, speed since the last line and the time `left` (seconds, None without
+    a budget): progress bar, log, metrics.jsonl."""
     loss, nll, tokens = distributed.all_reduce_sum(window, d)  # over all processes
     _check_finite("training loss", loss, state.step)  # all processes see the sum: all stop together
     line = {
@@ -332,11 +337,12 @@ def _log_window(window, state: TrainState, lr: float, seconds: float, elapsed: f
         loss=f"{line['loss']:.3f}",
         ppl=f"{line['ppl']:.1f}",
         lr=f"{lr:.2e}",
+        **({"left": _clock(left)} if left is not None else {}),
     )
     if metrics:
         metrics.write(line)
         log.info(
-            "update %d epoch %d: loss %.3f nll %.3f ppl %.1f lr %.2e %.0f tok/s",
+            "update %d epoch %d: loss %.3f nll %.3f ppl %.1f lr %.2e %.0f tok/s%s",
             state.step,
             state.epoch + 1,
             line["loss"],
@@ -344,8 +350,25 @@ def _log_window(window, state: TrainState, lr: float, seconds: float, elapsed: f
             line["ppl"],
             lr,
             line["tokens_per_s"],
+            f", {_clock(left)} left" if left is not None else "",
         )
     return line
+
+
+def _time_left(state: TrainState, tc, n_updates: int) -> float | None:
+    """Seconds of training left before the first budget (minutes, updates, epochs) ends, at the pace so far;
+    None without a budget. (The bar's own estimate knows only updates and epochs.)"""
+    used = _budget_used(state, tc, n_updates)
+    if not 0.0 < used < 1.0:
+        return None if used == 0.0 else 0.0
+    return state.seconds * (1.0 - used) / used
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss or m:ss."""
+    m, sec = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
 def train_step(

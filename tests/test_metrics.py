@@ -122,6 +122,26 @@ def test_records_without_a_curves_keys_are_left_out_of_that_curve(tmp_path):
     assert png.read_bytes().startswith(PNG_MAGIC)
 
 
+def test_validation_bleu_gets_its_own_panel(tmp_path, monkeypatch):
+    """README: curves.png records validation BLEU (train.bleu_every); it was logged but never drawn."""
+    import matplotlib.pyplot as plt
+
+    from aiayn.train import metrics
+
+    drawn = []
+    real = metrics._draw
+    monkeypatch.setattr(metrics, "_draw", lambda records, p: drawn.append(real(records, p)) or drawn[-1])
+    bleu = [whole({"step": 10, "valid_loss": 2.0, "valid_nll": 1.9, "valid_bleu": 12.5}),
+            whole({"step": 20, "valid_loss": 1.8, "valid_nll": 1.7, "valid_bleu": 17.25})]
+    plot_metrics(write_log(tmp_path / "a.jsonl", *map(whole, TRAIN)), tmp_path / "a.png")
+    plot_metrics(write_log(tmp_path / "b.jsonl", *map(whole, TRAIN), *bleu), tmp_path / "b.png")
+    without, with_bleu = drawn
+    assert len(without.axes) == 2 and len(with_bleu.axes) == 3
+    assert [list(line.get_ydata()) for line in with_bleu.axes[2].lines] == [[12.5, 17.25]]
+    assert with_bleu.axes[2].get_title() == "best valid BLEU 17.25 at 20"
+    plt.close("all")
+
+
 # D6: the PNG
 
 

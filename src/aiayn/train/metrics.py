@@ -140,7 +140,9 @@ def _points(records: list[dict[str, Any]], key: str) -> tuple[list, list]:
 
 
 def _draw(records: list[dict[str, Any]], plt):
-    fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
+    bleu_steps, bleus = _points(records, "valid_bleu")  # with train.bleu_every: a third panel
+    fig, axes = plt.subplots(1, 3 if bleu_steps else 2, figsize=(16 if bleu_steps else 11, 4))
+    ax_loss, ax_lr = axes[0], axes[1]
     for key, label, style in (
         ("loss", "train loss (smoothed)", "-"),
         ("nll", "train NLL", "-"),
@@ -164,6 +166,14 @@ def _draw(records: list[dict[str, Any]], plt):
     ax_lr.set_xlabel("update")
     ax_lr.set_ylabel("learning rate")
     ax_lr.grid(alpha=0.3)
+    if bleu_steps:
+        ax_bleu = axes[2]
+        ax_bleu.plot(bleu_steps, bleus, "o-", markersize=3)
+        ax_bleu.set_xlabel("update")
+        ax_bleu.set_ylabel("valid BLEU (greedy, sacreBLEU)")
+        best, at = max(zip(bleus, bleu_steps))
+        ax_bleu.set_title(f"best valid BLEU {best:.2f} at {at}")
+        ax_bleu.grid(alpha=0.3)
     fig.tight_layout()
     return fig
 

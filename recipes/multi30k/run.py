@@ -21,7 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from aiayn.checkpoint import read_meta
+from aiayn.config import ConfigError
 from aiayn.data.dataset import read_lines
+from aiayn.errors import UserError
 from aiayn.evaluate import corpus_scores
 from aiayn.train.average import average_last
 from aiayn.train.config import load_config
@@ -29,6 +32,9 @@ from aiayn.train.loop import train
 from aiayn.translate import Translator
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+from common import environment  # noqa: E402  (hardware, versions, commit, date: as every benchmark records)
+
 # --ensemble's second model per pair, each chosen on val. en-de: the recipe's model again with another
 # seed (another initialization, dropout and batch order): on val it beat the narrow, deeper partner below
 # by 0.85 BLEU-lc (41.87 against 41.02 for the ensemble). de-en: narrower and deeper (4+4 layers, d_model 128,
@@ -83,13 +89,40 @@ def train_members(args: argparse.Namespace, run_dir: Path, threads: int) -> list
     for overrides in members:
         cmd = [sys.executable, __file__, "--data", args.data, "--pair", args.pair, "--train-only"]
         procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)]))
-    if any(p.wait() for p in procs):
-        raise SystemExit(f"an ensemble member failed: exit codes {[p.returncode for p in procs]}")
+    codes = wait_all(procs)
+    if any(codes):
+        raise SystemExit(f"an ensemble member failed: exit codes {codes}")
     return members
 
 
+def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
+    """Every process' exit code. Once one fails, the others get SIGTERM (a training saves its update and
+    stops) and are waited for, instead of training on as orphans after this script has exited."""
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                p.wait()
+            break
+        time.sleep(poll_s)
+    return [p.returncode for p in procs]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+        args.command = " ".join(["recipes/multi30k/run.py", *(sys.argv[1:] if argv is None else argv)])
+        return run(args)
+    except (UserError, ConfigError) as e:  # a wrong --data, a run directory that is not there: one line
+        print(f"run.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train (unless --no-train), average, translate val (and test), score; the results file."""
+    env = environment()  # before the work: the load average at the start
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     data = Path(args.data)
     src, tgt = args.pair.split("-")
@@ -115,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     translator = Translator.load(averaged)
     splits = ["val", "test_2016_flickr"] if args.test else ["val"]
     results = {"pair": args.pair, "train_s": round(train_s, 1), "checkpoints": [str(a) for a in averaged],
-               "beam": beam, "lenpen": lenpen, "configs": [m.to_dict() for m in members],
+               "beam": beam, "lenpen": lenpen, "command": args.command,
+               "environment": env,
+               # what the checkpoints were trained with (with --no-train the options given here may differ)
+               "configs": [read_meta(a).get("config") for a in averaged],
                "results": [score(translator, data, s, src, tgt, beam, lenpen) for s in splits]}
     results["total_s"] = round(time.monotonic() - start, 1)
     name = "results_scored.json" if args.no_train else "results.json"  # keep the training run's figures

@@ -1,0 +1,53 @@
+"""recipes/multi30k/run.py: the end-to-end recipe script, at a toy size (its real run takes 82 minutes)."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "multi30k"
+sys.path.insert(0, str(RECIPE))
+import run  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_a_failed_member_stops_the_other_instead_of_orphaning_it():
+    """--ensemble trains two processes; when one failed, the other trained on after the script exited."""
+    failing = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    start = time.monotonic()
+    assert run.wait_all([failing, slow], poll_s=0.05) == [3, -15]  # SIGTERM: a training saves and stops
+    assert time.monotonic() - start < 30
+    ok = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
+    assert run.wait_all(ok, poll_s=0.05) == [0, 0]
+
+
+def test_a_missing_data_folder_is_one_line(tmp_path, capsys):
+    assert run.main(["--data", str(tmp_path / "nowhere"), "--set", f"train.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py: error: ") and "nowhere" in err and err.count("\n") == 1
+
+
+def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path):
+    """--no-train scored the trained model but recorded the options given to it (another preset here)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    en = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'}" for i in range(60)]
+    de = [f"die Zahl {i} ist {'gerade' if i % 2 == 0 else 'ungerade'}" for i in range(60)]
+    for split, rows in (("train", slice(0, 50)), ("val", slice(50, 60))):
+        (data / f"{split}.en").write_text("\n".join(en[rows]) + "\n", encoding="utf-8")
+        (data / f"{split}.de").write_text("\n".join(de[rows]) + "\n", encoding="utf-8")
+    tiny = ["model.preset=micro", "data.vocab_size=60", "train.max_updates=2", "train.valid_every=1",
+            "train.warmup=2", "train.threads=1", f"train.run_dir={tmp_path / 'run'}"]
+    sets = [a for s in tiny for a in ("--set", s)]
+    assert run.main(["--data", str(data), "--beam", "1", *sets]) == 0
+    assert run.main(["--data", str(data), "--beam", "1", "--no-train", *sets, "--set", "model.preset=base"]) == 0
+    trained = json.loads((tmp_path / "run" / "results.json").read_text())
+    scored = json.loads((tmp_path / "run" / "results_scored.json").read_text())
+    assert scored["configs"] == trained["configs"] and trained["configs"][0]["model"]["preset"] == "micro"
+    assert scored["command"].endswith("--set model.preset=base") and "--no-train" in scored["command"]
+    assert {"commit", "cpu", "torch", "date", "load_average"} <= set(scored["environment"])

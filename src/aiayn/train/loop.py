@@ -79,7 +79,10 @@ class Data:
 
 
 def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
-    """Train (or continue training) the model `config` describes; return the last metrics."""
+    """Train (or continue training) the model `config` describes; return the last metrics.
+
+    SIGTERM or a first Ctrl-C (a notebook's interrupt too) during the updates saves the update under way
+    and raises `aiayn.errors.Stopped`; `resume=True` continues from there."""
     if not isinstance(config, RunConfig):  # a dict failed with an AttributeError deep inside
         raise TypeError(f"train() takes a RunConfig, not {type(config).__name__}: build one with "
                         "aiayn.train.config.load_config(path, overrides) or run_config(dict)")

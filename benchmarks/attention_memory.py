@@ -25,7 +25,8 @@ measured along the last measured log-log slope (2 for the explicit formula) and 
     python benchmarks/attention_memory.py --quick        # n = 256, 512, 1024
     python benchmarks/attention_memory.py --device cuda
 
-Writes benchmarks/results/attention_memory_{device}[_quick].{json,md,png}.
+Writes benchmarks/results/local/attention_memory_{device}[_quick].{json,md,png} (ignored by git), or to
+the folder --out names (the committed figures: `--out benchmarks/results`).
 """
 
 from __future__ import annotations
@@ -47,13 +48,20 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` beside this file, however it is run
-from common import environment, markdown_table, status_kib
+from common import (
+    LOCAL_RESULTS,
+    at_least,
+    environment,
+    load_average,
+    markdown_table,
+    require_device,
+    status_kib,
+)
 
 log = logging.getLogger("benchmarks.attention_memory")
 
 IMPLS = ("sdpa", "explicit")
 MODES = ("forward", "train")  # train = forward + backward
-RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20
 
 
@@ -253,7 +261,7 @@ def first_over_budget(points: list[dict], budget: float) -> str:
     return f"exceeds it first at n = {p['n']:,} ({p['peak_bytes'] / 2**30:.2f} GiB, {how})"
 
 
-def write_markdown(result: dict, cfg: MemoryConfig, path: Path) -> None:
+def markdown(result: dict, cfg: MemoryConfig) -> str:
     series, env = result["series"], result["environment"]
     budget = cfg.budget_gib * 2**30
     methods = sorted(
@@ -291,7 +299,7 @@ def write_markdown(result: dict, cfg: MemoryConfig, path: Path) -> None:
             "",
             memory_table(series, cfg, mode),
         ]
-    path.write_text("\n".join(parts) + "\n")
+    return "\n".join(parts) + "\n"
 
 
 def plot(series: dict, cfg: MemoryConfig, path: Path) -> None:
@@ -361,9 +369,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n = 256, 512, 1024 only")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--lengths", type=int, nargs="+", help="override the sequence lengths n")
-    parser.add_argument("--budget-gib", type=float, help="largest predicted peak to run (default 4)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the json, md and png")
+    parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
+    parser.add_argument("--budget-gib", type=at_least(0.0, float),
+                        help="largest predicted peak to run (default 4)")
+    parser.add_argument("--out", type=Path, default=LOCAL_RESULTS,
+                        help="directory for the json, md and png (default benchmarks/results/local, "
+                             "ignored by git)")
     parser.add_argument("--measure", nargs=3, metavar=("IMPL", "N", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)  # the parent's MemoryConfig, as json
     args = parser.parse_args(argv)
@@ -374,25 +385,29 @@ def main(argv: list[str] | None = None) -> dict:
         impl, n, mode = args.measure
         print(json.dumps(measure(impl, int(n), mode, cfg)))
         return {}
+    require_device(args.device)
     cfg = QUICK if args.quick else MemoryConfig()
     overrides = {
-        "lengths": args.lengths and tuple(args.lengths),
+        "lengths": args.lengths and tuple(sorted(set(args.lengths))),  # the prediction extrapolates upwards
         "budget_gib": args.budget_gib,
         "device": args.device,
     }
     cfg = MemoryConfig(**{**asdict(cfg), **{k: v for k, v in overrides.items() if v is not None}})
+    env = environment()  # before the runs: the load average is the machine's, not this run's
+    series = run_all(cfg)
     result = {
         "command": "python benchmarks/attention_memory.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
-        "environment": environment(),
+        "environment": {**env, "load_average_after": load_average()},
         "config": asdict(cfg),
-        "series": run_all(cfg),
+        "series": series,
     }
+    text, data = markdown(result, cfg), json.dumps(result, indent=1)  # both made before any file is written
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"attention_memory_{torch.device(cfg.device).type}{'_quick' if args.quick else ''}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    write_markdown(result, cfg, stem.with_suffix(".md"))
     plot(result["series"], cfg, stem.with_suffix(".png"))
+    stem.with_suffix(".md").write_text(text)
+    stem.with_suffix(".json").write_text(data)
     log.info("wrote %s.{json,md,png}", stem)
     return result
 

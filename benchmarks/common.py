@@ -1,20 +1,29 @@
 """Shared helpers for the benchmarks: the environment a figure was taken in, and a timer.
 
-Every performance claim names its script, its command and this record (STYLE.md habit 15). Keep this
-module small and stable: other benchmark scripts import it.
+Every performance claim names its script, its command and this record. Keep this module small and
+stable: other benchmark scripts import it.
+
+Scripts write to `LOCAL_RESULTS` (benchmarks/results/local/, ignored by git) unless `--out` names a
+place: the committed files in benchmarks/results/ change only when a command names them.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import importlib
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+LOCAL_RESULTS = Path(__file__).resolve().parent / "results" / "local"  # the default output folder
 
 
 def cpu_model() -> str:
@@ -61,8 +70,66 @@ def environment() -> dict:
         env["transformers"] = None
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
-    env["load_average"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    env["load_average"] = load_average()
     return env
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): how shared the machine was."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def peer_available(module: str, peer: str) -> bool:
+    """Whether the optional peer's package `module` imports; if not, one line on stderr says so."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        print(f"skipping {peer}: {module} is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        return False
+    return True
+
+
+def require_device(name: str) -> torch.device:
+    """`name` as a torch.device; exits with one line when it is not one, or is a CUDA device not here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"--device {name}: not a device name torch knows") from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise SystemExit(f"--device {name}: no such CUDA device here "
+                         f"(torch.cuda.is_available() is {torch.cuda.is_available()})")
+    return device
+
+
+def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
+    """argparse type: a number of `kind` (int or float) no smaller than `minimum`."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not value >= minimum:  # `not >=`: also refuses nan
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}: {text!r}")
+        return value
+
+    return parse
+
+
+def comma_choices(choices: list[str], allow_empty: bool = False) -> Callable[[str], list[str]]:
+    """argparse type: a comma-separated list, each item one of `choices` ("" an empty list if allowed)."""
+
+    def parse(text: str) -> list[str]:
+        items = [x for x in text.split(",") if x]
+        if unknown := [x for x in items if x not in choices]:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, unknown))}: choose from {', '.join(choices)}")
+        if not items and not allow_empty:
+            raise argparse.ArgumentTypeError(f"name at least one of {', '.join(choices)}")
+        return items
+
+    return parse
 
 
 def status_kib(field: str) -> int:

@@ -35,6 +35,10 @@ restored it).
     python benchmarks/decode.py --threads 2 --repeats 5
     python benchmarks/decode.py --threads 1,2         # each engine also at its best thread count
     python benchmarks/decode.py --device cuda         # on a GPU (CT2 too if its wheel has CUDA)
+
+Writes benchmarks/results/local/decode_DEVICE.{json,md} (ignored by git) unless --out names a prefix.
+Without ctranslate2 (pip install -e '.[bench]') the CTranslate2 engines are skipped; transformers is
+needed, as the source of the weights.
 """
 
 from __future__ import annotations
@@ -53,7 +57,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, status_kib  # noqa: E402
+from common import (  # noqa: E402
+    LOCAL_RESULTS,
+    at_least,
+    environment,
+    load_average,
+    peer_available,
+    require_device,
+    status_kib,
+)
 
 from aiayn.checkpoint import load_into  # noqa: E402
 from aiayn.decoding import DecodeConfig, generate  # noqa: E402
@@ -414,32 +426,54 @@ def thread_counts(text: str) -> list[int]:
     return counts
 
 
-def main() -> None:
+def engine_names(device: str) -> list[str]:
+    """The engines to time on `device`: CTranslate2's only where its package (and, on a GPU, its CUDA)
+    is there, with one line on stderr when they are skipped."""
+    names = ["aiayn fp32", "HF Marian fp32"] + (["aiayn int8", FLOOR] if device == "cpu" else [])
+    if not peer_available("ctranslate2", "the CTranslate2 engines"):
+        return names
+    import ctranslate2
+
+    if device == "cpu" or ctranslate2.get_cuda_device_count() > 0:
+        names += ["CT2 float32", "CT2 int8"]
+    else:
+        print(f"CTranslate2 {ctranslate2.__version__} has no CUDA device here: not timed", file=sys.stderr)
+    return names
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=thread_counts, default=[1],
                         help="CPU threads for every engine (default 1); a comma list such as 1,2 times every "
                              "engine at each count and also compares each engine at its best count")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--settle", type=float, default=0.5,
+    parser.add_argument("--settle", type=at_least(0.0, float), default=0.5,
                         help="idle seconds before each timed run, so that the previous engine's spinning "
                              "OpenMP threads have stopped (default 0.5)")
-    parser.add_argument("--out", help="results prefix (default benchmarks/results/decode_DEVICE)")
-    args = parser.parse_args()
+    parser.add_argument("--out", help="results prefix (default benchmarks/results/local/decode_DEVICE, "
+                                      "ignored by git)")
+    args = parser.parse_args(argv)
+    require_device(args.device)
+    args.out = Path(args.out) if args.out else LOCAL_RESULTS / f"decode_{args.device}"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        import transformers  # noqa: F401  HuggingFace's model is where every engine's weights come from
+    except ImportError:
+        raise SystemExit("decode.py needs transformers: pip install -e '.[bench]'") from None
     torch.set_num_threads(args.threads[0])  # the workers set theirs; this keeps the recorded environment true
+    env = environment()  # before the timing: the load average is the machine's, not this run's
     hf = build_hf(args.seed)
     diff = check_same_logits(hf, build_aiayn(hf), sources(args.seed)[:4])
     weights_mb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e6  # float32, tied once
-    names = ["aiayn fp32", "HF Marian fp32"] + (["aiayn int8", FLOOR] if args.device == "cpu" else [])
-    import ctranslate2
-
-    if args.device == "cpu" or ctranslate2.get_cuda_device_count() > 0:
-        names += ["CT2 float32", "CT2 int8"]
-    else:
-        print(f"CTranslate2 {ctranslate2.__version__} has no CUDA device here: not timed", file=sys.stderr)
+    names = engine_names(args.device)
     with tempfile.TemporaryDirectory() as tmp:
-        ct2_paths = convert_ct2(hf, Path(tmp))
+        ct2_paths = convert_ct2(hf, Path(tmp)) if "CT2 float32" in names else {}
         del hf
         runs = {f"{n}@{t}": Engine(n, args.seed, args.device, ct2_paths, t) for t in args.threads for n in names}
         for engine in runs.values():
@@ -449,12 +483,12 @@ def main() -> None:
         floor_kernel = {t: runs[f"{FLOOR}@{t}"].kernels() for t in args.threads if f"{FLOOR}@{t}" in runs}
         for engine in runs.values():
             engine.close()
-    env = environment()
-    env.update(ctranslate2=__import__("ctranslate2").__version__, threads=args.threads, device=args.device,
+    ct2 = sys.modules.get("ctranslate2")  # imported by `engine_names` if it is installed
+    env.update(ctranslate2=ct2.__version__ if ct2 else None, threads=args.threads, device=args.device,
                repeats=args.repeats, settle_s=args.settle, max_abs_logit_diff_vs_hf=diff,
                processes="one per engine and thread count", float32_weights_mb=round(weights_mb),
-               linear_floor_kernel_by_threads_and_rows=floor_kernel,
-               command="python " + " ".join(sys.argv))
+               linear_floor_kernel_by_threads_and_rows=floor_kernel, load_average_after=load_average(),
+               command="python " + " ".join(sys.argv if argv is None else ["benchmarks/decode.py", *argv]))
     sections = []
     if len(args.threads) > 1:
         best, count = at_best(per_threads)
@@ -463,7 +497,7 @@ def main() -> None:
     text = "\n\n".join(f"## {title}\n\n{tab}\n\n{verdict(r)}" for title, tab, r in sections)
     print(text)
     print(f"resident MB after the runs: {memory} (float32 weights: {weights_mb:.0f} MB)")
-    out = Path(args.out or Path(__file__).parent / "results" / f"decode_{args.device}")
+    out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"environment": env, "tokens_per_second_by_threads": per_threads, "resident_mb_after_runs": memory}
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")

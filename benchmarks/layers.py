@@ -21,7 +21,8 @@ in log-log between the two grid points around it.
     python benchmarks/layers.py --quick    # a small grid, seconds
     python benchmarks/layers.py --device cuda
 
-Writes benchmarks/results/layers_{device}[_quick].{json,md,png}.
+Writes benchmarks/results/local/layers_{device}[_quick][_TAG].{json,md,png} (ignored by git), or to the
+folder --out names (the committed figures: `--out benchmarks/results`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` beside this file, however it is run
-from common import environment, markdown_table, sync
+from common import (
+    LOCAL_RESULTS,
+    at_least,
+    environment,
+    load_average,
+    markdown_table,
+    require_device,
+    sync,
+)
 
 from aiayn.model import MultiHeadAttention
 
@@ -52,7 +61,6 @@ LAYERS = ("attention", "sdpa", "lstm", "conv")
 ATTENTION = ("attention", "sdpa")
 PEERS = ("lstm", "conv")
 MODES = ("forward", "train")  # train = forward + backward
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
@@ -391,13 +399,18 @@ def sequential_note(times: dict, cfg: GridConfig) -> str:
     lengths = sorted(times[d])
     lstm = [times[d][n]["lstm"]["forward"] * 1e3 for n in lengths]
     conv = [times[d][n]["conv"]["forward"] * 1e3 for n in lengths]
+    if len(lengths) < 2:
+        return (
+            f"At d = {d} only n = {lengths[0]} was measured (LSTM forward {lstm[0]:.2g} ms, convolution "
+            f"{conv[0]:.2g} ms): the cost of one more LSTM step needs at least two lengths."
+        )
     step_us = (lstm[-1] - lstm[-2]) / (lengths[-1] - lengths[-2]) * 1e3  # marginal cost of one more step
     return (
         f"At d = {d} (B = {cfg.batch}) each LSTM step does {cfg.batch * 4 * d * d:,} multiply-adds of "
         f"recurrence. The LSTM's forward time goes {lstm[0]:.2g} -> {lstm[-1]:.2g} ms from "
         f"n = {lengths[0]} to {lengths[-1]} (slope {growth_exponent(lengths[-4:], lstm[-4:]):.2f} over "
-        f"the last four lengths), and one more step costs {step_us:.2g} microseconds (from the two "
-        f"longest n); the convolution, with no step-to-step dependence, goes {conv[0]:.2g} -> "
+        f"the last {min(4, len(lengths))} lengths), and one more step costs {step_us:.2g} microseconds "
+        f"(from the two longest n); the convolution, with no step-to-step dependence, goes {conv[0]:.2g} -> "
         f"{conv[-1]:.2g} ms. Table 1's O(n) sequential operations show as this per-step cost paid n "
         f"times in a row; with {cfg.threads} CPU thread(s) there is no parallel hardware for attention's "
         "O(1) sequential operations to fill, which is where the paper's argument (GPUs) bites hardest: "
@@ -421,7 +434,7 @@ def summary_lines(times: dict, cross: dict, cfg: GridConfig) -> list[str]:
     return lines
 
 
-def write_markdown(result: dict, cfg: GridConfig, path: Path) -> None:
+def markdown(result: dict, cfg: GridConfig) -> str:
     times, cross = result["times"], result["crossovers"]
     env = result["environment"]
     parts = [
@@ -473,7 +486,19 @@ def write_markdown(result: dict, cfg: GridConfig, path: Path) -> None:
             times_table(times[d]),
             "",
         ]
-    path.write_text("\n".join(parts))
+    return "\n".join(parts)
+
+
+def write_results(result: dict, cfg: GridConfig, stem: Path, json_too: bool = True) -> None:
+    """STEM.png, STEM.md and STEM.json: the markdown and the json are made before any file is written
+    and the plot is written first, so that a failure leaves no new json beside an old md or png."""
+    text = markdown(result, cfg)
+    data = json.dumps(result, indent=1) if json_too else None
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    plot(result["times"], result["crossovers"], cfg, stem.with_suffix(".png"))
+    stem.with_suffix(".md").write_text(text)
+    if data is not None:
+        stem.with_suffix(".json").write_text(data)
 
 
 def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | None]:
@@ -481,18 +506,22 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small grid that runs in seconds")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--lengths", type=int, nargs="+", help="override the sequence lengths n")
-    parser.add_argument("--widths", type=int, nargs="+", help="override the widths d")
-    parser.add_argument("--batch", type=int, help="override the batch size B")
-    parser.add_argument("--threads", type=int, help="CPU threads (default 1, see GridConfig)")
-    parser.add_argument("--cell-limit", type=float, help="stop a width after a round this long (default 6 s)")
+    parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
+    parser.add_argument("--widths", type=at_least(1), nargs="+", help="override the widths d")
+    parser.add_argument("--batch", type=at_least(1), help="override the batch size B")
+    parser.add_argument("--threads", type=at_least(1), help="CPU threads (default 1, see GridConfig)")
+    parser.add_argument("--cell-limit", type=at_least(0.0, float),
+                        help="stop a width after a round this long (default 6 s)")
     parser.add_argument("--tag", help="add _TAG to the file names (a run beside the default one)")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="redraw the md and png of a saved run")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the json, md and png")
+    parser.add_argument("--out", type=Path, default=LOCAL_RESULTS,
+                        help="directory for the json, md and png (default benchmarks/results/local, "
+                             "ignored by git)")
     args = parser.parse_args(argv)
+    require_device(args.device)
     cfg = QUICK if args.quick else GridConfig()
     overrides = {
-        "lengths": args.lengths and tuple(args.lengths),
+        "lengths": args.lengths and tuple(sorted(set(args.lengths))),  # the sweep stops at the first slow n
         "widths": args.widths and tuple(args.widths),
         "batch": args.batch,
         "threads": args.threads,
@@ -514,34 +543,31 @@ def replot(path: Path) -> None:
     times = {int(d): {int(n): cell for n, cell in cells.items()} for d, cells in result["times"].items()}
     cross = {int(d): pairs for d, pairs in result["crossovers"].items()}
     result.update(times=times, crossovers=cross)
-    write_markdown(result, cfg, path.with_suffix(".md"))
-    plot(times, cross, cfg, path.with_suffix(".png"))
+    write_results(result, cfg, path.with_suffix(""), json_too=False)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the grid, write results/layers_{device}[_quick].{json,md,png}; returns what the json holds."""
+    """Run the grid, write OUT/layers_{device}[_quick][_tag].{json,md,png}; returns what the json holds."""
     cfg, out, name, saved = parse_args(argv)
     if saved is not None:
         replot(saved)
         return {}
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)
+    env = environment()  # before the timing: the load average is the machine's, not this run's
     times = run_grid(cfg)
     for cells in times.values():
         for cell in cells.values():
             cell.pop("round_s")
     result = {
         "command": "python benchmarks/layers.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "environment": environment(),
+        "environment": {**env, "load_average_after": load_average()},
         "config": asdict(cfg),
         "times": times,
         "crossovers": crossovers(times),
     }
-    out.mkdir(parents=True, exist_ok=True)
     stem = out / name
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    write_markdown(result, cfg, stem.with_suffix(".md"))
-    plot(times, result["crossovers"], cfg, stem.with_suffix(".png"))
+    write_results(result, cfg, stem)
     log.info("wrote %s.{json,md,png}", stem)
     return result
 

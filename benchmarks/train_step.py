@@ -18,6 +18,9 @@ initialisation on the same batches.
     python benchmarks/train_step.py                 # small and base, fp32 and bf16, eager and compiled
     python benchmarks/train_step.py --quick         # small only, fewer steps: about a minute
     python benchmarks/train_step.py --configs base --precisions bf16 --no-compile
+
+Writes benchmarks/results/local/train_step.{md,json} (ignored by git) unless --out names the markdown.
+Without transformers (pip install -e '.[bench]') the Marian peer is skipped.
 """
 
 from __future__ import annotations
@@ -39,7 +42,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, markdown_table, timeit  # noqa: E402
+from common import (  # noqa: E402
+    LOCAL_RESULTS,
+    at_least,
+    comma_choices,
+    environment,
+    markdown_table,
+    peer_available,
+    timeit,
+)
 
 from aiayn.config import ModelConfig, model_config  # noqa: E402
 from aiayn.memory import keep_freed_memory  # noqa: E402
@@ -261,11 +272,11 @@ def time_config(name: str, args) -> tuple[list[Run], dict]:
     shape = SHAPES[name]
     c = model_config(shape["preset"], vocab_size=shape["vocab"])
     batch = make_batch(shape, torch.Generator().manual_seed(0))
-    variants = [(s, False) for s in ("aiayn", "nn.Transformer", "Marian")]
+    variants = [(s, False) for s in args.systems]
     if not args.no_compile:
         variants.append(("aiayn", True))
         if args.compile_peers:
-            variants += [("nn.Transformer", True), ("Marian", True)]
+            variants += [(s, True) for s in args.systems if s != "aiayn"]
     runs = []
     for precision in args.precisions:
         for system, compiled in variants:
@@ -433,24 +444,30 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="small,base", help="comma-separated: small, base (tiny: a smoke test)")
-    p.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16")
-    p.add_argument("--steps", type=int, default=5, help="timed interleaved rounds (median reported)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per system before timing")
+    p.add_argument("--configs", type=comma_choices(list(SHAPES), allow_empty=True), default="small,base",
+                   help="comma-separated: small, base (tiny: a smoke test; '': the loss curve only)")
+    p.add_argument("--precisions", type=comma_choices(list(PRECISIONS)), default="fp32,bf16",
+                   help="comma-separated: fp32, bf16")
+    p.add_argument("--steps", type=at_least(1), default=5, help="timed interleaved rounds (median reported)")
+    p.add_argument("--warmup", type=at_least(1), default=2, help="untimed steps per system before timing")
     p.add_argument("--no-compile", action="store_true", help="skip aiayn under torch.compile")
     p.add_argument("--compile-peers", action="store_true", help="also time the peers under torch.compile")
-    p.add_argument("--loss-steps", type=int, default=150, help="bf16 vs fp32 loss-curve steps (0: skip)")
+    p.add_argument("--loss-steps", type=at_least(0), default=150,
+                   help="bf16 vs fp32 loss-curve steps (0: skip)")
     p.add_argument("--quick", action="store_true", help="small only, 3 rounds, 1 warmup, 40 loss steps")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--out", default=None, help="markdown path (default benchmarks/results/train_step.md)")
+    p.add_argument("--threads", type=at_least(1), default=None,
+                   help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--out", default=None, help="markdown path, the json beside it "
+                   "(default benchmarks/results/local/train_step.md, ignored by git)")
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     if args.quick:
-        args.configs, args.steps, args.warmup, args.loss_steps = "small", 3, 1, min(args.loss_steps, 40)
-    args.configs = [x for x in args.configs.split(",") if x]  # "": the loss curve only
-    args.precisions = args.precisions.split(",")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "train_step.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+        args.configs, args.steps, args.warmup, args.loss_steps = ["small"], 3, 1, min(args.loss_steps, 40)
+    args.systems = ["aiayn", "nn.Transformer"]
+    if args.configs and peer_available("transformers", "the Marian peer"):
+        args.systems.append("Marian")
+    out = args.out or str(LOCAL_RESULTS / "train_step.md")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -157,3 +158,55 @@ def test_attention_memory_tiny_run_writes_results(tmp_path):
     for suffix in ("json", "md", "png"):
         assert (tmp_path / f"attention_memory_cpu.{suffix}").stat().st_size > 0
     assert "predicted" in (tmp_path / "attention_memory_cpu.md").read_text()
+
+
+def test_outputs_default_to_a_folder_git_ignores():
+    """No --out: results go to benchmarks/results/local/, never over the committed benchmarks/results/."""
+    assert layers.LOCAL_RESULTS == BENCHMARKS / "results" / "local"
+    assert layers.parse_args([])[1] == layers.LOCAL_RESULTS
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(layers.LOCAL_RESULTS / "layers_cpu.json")],
+                             cwd=BENCHMARKS, capture_output=True)
+    if ignored.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert ignored.returncode == 0
+
+
+def test_layers_with_one_length_per_width_writes_every_output(tmp_path):
+    """A zero cell limit stops each width after its first length: the notes say so, and md, png and
+    json are all written."""
+    layers.main(["--lengths", "8", "16", "--widths", "16", "32", "--batch", "1", "--cell-limit", "0",
+                 "--out", str(tmp_path)])
+    for suffix in ("json", "md", "png"):
+        assert (tmp_path / f"layers_cpu.{suffix}").stat().st_size > 0
+    assert "only n = 8 was measured" in (tmp_path / "layers_cpu.md").read_text()
+    saved = json.loads((tmp_path / "layers_cpu.json").read_text())
+    assert {"load_average", "load_average_after"} <= set(saved["environment"])
+
+
+@pytest.mark.parametrize("script", [layers, attention_memory])
+@pytest.mark.parametrize("bad", [["--lengths", "0"], ["--device", "cuda:x"]])
+def test_bad_arguments_stop_before_any_work(script, bad, tmp_path):
+    with pytest.raises(SystemExit) as stopped:
+        script.main([*bad, "--out", str(tmp_path)])
+    assert stopped.value.code != 0
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+@pytest.mark.parametrize("script", [layers, attention_memory])
+def test_cuda_without_a_device_is_refused_up_front(script, tmp_path):
+    with pytest.raises(SystemExit, match="no such CUDA device"):
+        script.main(["--device", "cuda", "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
+
+
+def test_attention_memory_writes_its_default_folder(tmp_path, monkeypatch):
+    """No --out: md, png and json land in LOCAL_RESULTS (here a temporary one); figures faked."""
+    def fake(impl, n, mode, cfg):
+        return {"impl": impl, "n": n, "mode": mode, "peak_bytes": n * n, "seconds": 0.0, "method": "fake"}
+
+    monkeypatch.setattr(attention_memory, "LOCAL_RESULTS", tmp_path / "local")
+    monkeypatch.setattr(attention_memory, "measure_in_subprocess", fake)
+    attention_memory.main(["--lengths", "32", "16"])
+    for suffix in ("json", "md", "png"):
+        assert (tmp_path / "local" / f"attention_memory_cpu.{suffix}").stat().st_size > 0

@@ -73,3 +73,35 @@ def test_thread_counts_parse_a_comma_list():
     for bad in ("0", "two", "1,"):
         with pytest.raises(decode.argparse.ArgumentTypeError):
             decode.thread_counts(bad)
+
+
+def test_without_ctranslate2_its_engines_are_skipped_with_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # `import ctranslate2` then fails, as if absent
+    assert decode.engine_names("cpu") == ["aiayn fp32", "HF Marian fp32", "aiayn int8", decode.FLOOR]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ctranslate2" in err[0] and "pip install -e '.[bench]'" in err[0]
+
+
+def test_table_and_verdict_without_ctranslate2_columns():
+    results = {"greedy, batch 1": {"aiayn fp32": 90.0, "HF Marian fp32": 30.0, decode.FLOOR: 120.0}}
+    assert "| greedy, batch 1 | 90.0 | 30.0 | 120.0 | - | 3.00x | 4.00x |" in decode.table(results)
+    assert "vs HF >= 2: 3.00x, met" in decode.verdict(results)
+    assert "CT2" not in decode.verdict(results)
+
+
+@pytest.mark.parametrize("bad", [["--repeats", "0"], ["--settle", "-1"], ["--threads", "0"]])
+def test_bad_arguments_are_usage_errors(bad):
+    with pytest.raises(SystemExit) as stopped:
+        decode.parse_args(bad)
+    assert stopped.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+def test_cuda_without_a_device_is_refused_up_front():
+    with pytest.raises(SystemExit, match="no such CUDA device"):
+        decode.parse_args(["--device", "cuda"])
+
+
+def test_output_defaults_to_the_local_results_folder():
+    assert decode.parse_args([]).out == decode.LOCAL_RESULTS / "decode_cpu"
+    assert decode.LOCAL_RESULTS.name == "local" and decode.LOCAL_RESULTS.parent.name == "results"

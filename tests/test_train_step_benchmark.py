@@ -77,3 +77,32 @@ def test_benchmark_runs_end_to_end(tmp_path):
     assert {(r["system"], r["precision"]) for r in rows} == {
         (s, p) for s in ("aiayn", "nn.Transformer", "Marian", "aiayn (compiled)") for p in ("fp32", "bf16")}
     assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--warmup", "0"], ["--loss-steps", "-1"],
+                                 ["--precisions", "fp16"], ["--configs", "tny"], ["--precisions", ""]])
+def test_bad_arguments_are_usage_errors(bad, tmp_path):
+    with pytest.raises(SystemExit) as stopped:
+        train_step.main([*bad, "--out", str(tmp_path / "train_step.md")])
+    assert stopped.value.code == 2
+    assert not any(tmp_path.iterdir())
+
+
+def test_without_transformers_marian_is_skipped_and_results_go_to_the_local_folder(
+        tmp_path, monkeypatch, capsys):
+    """No transformers: one line says Marian is skipped, the other systems are timed and compared; no
+    --out: the report lands in LOCAL_RESULTS (here a temporary one), not over benchmarks/results/."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets when absent
+    monkeypatch.setattr(train_step, "LOCAL_RESULTS", tmp_path / "local")
+    monkeypatch.setattr(train_step, "matmul_peak", lambda dtype: 1e12)  # not what this test is about
+    threads = torch.get_num_threads()
+    try:
+        train_step.main(["--configs", "tiny", "--precisions", "fp32", "--steps", "1", "--warmup", "1",
+                         "--loss-steps", "0", "--no-compile", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    err = [line for line in capsys.readouterr().err.splitlines() if "transformers" in line]
+    assert len(err) == 1 and "Marian" in err[0] and "pip install -e '.[bench]'" in err[0]
+    rows = json.loads((tmp_path / "local" / "train_step.json").read_text())["rows"]
+    assert [r["system"] for r in rows] == ["aiayn", "nn.Transformer"]
+    assert all(r["fastest_peer"] == "nn.Transformer" for r in rows)

@@ -423,6 +423,54 @@ def test_translator_text_equals_marian_pipeline(build):
     assert ours == theirs and any(ours)
 
 
+def test_separate_vocabs_without_tokenizer_config(build, tmp_path):
+    """No tokenizer_config.json: config.json's share_encoder_decoder_embeddings=false says that the
+    target side has its own vocabulary; greedy text is what generate's ids decode to with it."""
+    hf, _, opus = build(VARIANTS[1])  # separate vocabularies of different sizes
+    theirs_tok = transformers.MarianTokenizer.from_pretrained(str(opus))  # with separate_vocabs=true
+    shutil.copytree(opus, tmp_path / "opus")
+    (tmp_path / "opus" / "tokenizer_config.json").unlink()
+    assert json.loads((tmp_path / "opus" / "config.json").read_text())["share_encoder_decoder_embeddings"] is False
+    convert_marian(tmp_path / "opus", tmp_path / "out")
+    from aiayn.translate import Translator
+
+    translator = Translator.load(tmp_path / "out")
+    assert translator.tokenizer.tgt_vocab == json.loads((opus / "target_vocab.json").read_text())
+    texts = SENTENCES + ["7 is small", "the number 40 is even and 5 is small"]
+    ids, _ = hf_search(hf, source_batch(translator.tokenizer, texts), translator.tokenizer.pad_id, num_beams=1)
+    theirs = theirs_tok.batch_decode(ids, skip_special_tokens=True)
+    ours = translator.translate(texts, beam=1, max_len_a=0.0, max_len_b=MAX_NEW)
+    assert ours == theirs and any(ours)
+
+
+@pytest.mark.parametrize("settings", [True, False], ids=["tokenizer_config", "config_json"])
+def test_target_vocab_of_wrong_size_is_refused_in_one_line(build, tmp_path, capsys, settings):
+    opus = tmp_path / "opus"
+    shutil.copytree(build(VARIANTS[1])[2], opus)
+    if not settings:
+        (opus / "tokenizer_config.json").unlink()
+    tgt_vocab = json.loads((opus / "target_vocab.json").read_text())
+    size = len(tgt_vocab)
+    tgt_vocab["extra"] = size  # one id more than the decoder has
+    (opus / "target_vocab.json").write_text(json.dumps(tgt_vocab))
+    assert convert_error(opus, capsys) == (
+        f"aiayn: error: {opus / 'target_vocab.json'}: its {size + 1} ids are not exactly 0..{size - 1}, "
+        f"the model's target vocabulary ({size} ids in {opus / 'config.json'})")
+
+
+def test_one_vocabulary_for_two_sizes_is_refused_in_one_line(build, tmp_path, capsys):
+    """tokenizer_config.json says one vocabulary, but the decoder's is another size: vocab.json is named."""
+    opus = tmp_path / "opus"
+    shutil.copytree(build(VARIANTS[1])[2], opus)
+    (opus / "tokenizer_config.json").write_text(json.dumps({"separate_vocabs": False}))
+    hf = json.loads((opus / "config.json").read_text())
+    n_src, n_tgt = hf["vocab_size"], hf["decoder_vocab_size"]
+    assert n_src != n_tgt
+    assert convert_error(opus, capsys) == (
+        f"aiayn: error: {opus / 'vocab.json'}: its {n_src} ids are not exactly 0..{n_tgt - 1}, "
+        f"the model's target vocabulary ({n_tgt} ids in {opus / 'config.json'})")
+
+
 @torch.no_grad()
 def test_attention_maps_are_marians(build):
     """`aiayn attention`'s weights are those MarianMTModel reports (eager attention, output_attentions)."""

@@ -321,6 +321,15 @@ def _token_name(value: Any) -> str:
     return value["content"] if isinstance(value, dict) else str(value)
 
 
+def _separate_vocabs(directory: Path, settings: dict[str, Any], config: ModelConfig) -> bool:
+    """Whether the target side has its own vocabulary (target_vocab.json): tokenizer_config.json's
+    `separate_vocabs` where it says, else config.json's `share_encoder_decoder_embeddings` (false: two
+    vocabularies, as transformers' converter writes them) or a target_vocab.json beside vocab.json."""
+    if "separate_vocabs" in settings:
+        return _field(settings, "separate_vocabs", bool, str(directory / "tokenizer_config.json"))
+    return not config.share_embeddings or (directory / "target_vocab.json").is_file()
+
+
 def marian_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
     """source.spm/target.spm with vocab.json (and target_vocab.json), as `MarianTokenizer` reads them.
 
@@ -333,7 +342,7 @@ def marian_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
     vocab_path = directory / "vocab.json"
     vocab = _read_vocab(vocab_path)
     tgt_path = directory / "target_vocab.json"
-    tgt_vocab = _read_vocab(tgt_path) if settings.get("separate_vocabs", False) else None
+    tgt_vocab = _read_vocab(tgt_path) if _separate_vocabs(directory, settings, config) else None
     specials = {}
     for key, default in (("pad", "<pad>"), ("eos", "</s>"), ("unk", "<unk>")):
         name = _token_name(settings.get(f"{key}_token", default))
@@ -348,10 +357,14 @@ def marian_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
             raise UserError(f"{directory / 'config.json'}: {field}={getattr(config, f'{key}_id')} but the "
                             f"vocabulary gives the {key} token id {specials[key]}")
     specials["bos"] = config.decoder_start_id
-    sides = ((vocab_path, vocab, config.vocab_size), (tgt_path, tgt_vocab, config.target_vocab_size))
-    for path, v, size in sides:
-        if v is not None and set(v.values()) != set(range(size)):
-            raise UserError(f"{path}: its {len(v)} ids are not exactly 0..{size - 1}, the model's vocabulary")
+    sides = ((vocab_path, vocab, config.vocab_size, "vocabulary"),
+             (tgt_path, tgt_vocab, config.target_vocab_size, "target vocabulary"))
+    for path, v, size, side in sides:
+        if v is None:  # one vocabulary for both sides: vocab.json must also fit the decoder's
+            path, v = vocab_path, vocab
+        if set(v.values()) != set(range(size)):
+            raise UserError(f"{path}: its {len(v)} ids are not exactly 0..{size - 1}, the model's {side} "
+                            f"({size} ids in {directory / 'config.json'})")
     return Tokenizer(directory / "source.spm", directory / "target.spm", vocab, specials, tgt_vocab)
 
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import torch
 
-from aiayn.checkpoint import load_checkpoint, load_into, load_weights, read_meta, save_checkpoint
+from aiayn.checkpoint import (
+    checkpoint_tokenizer,
+    load_checkpoint,
+    load_into,
+    load_weights,
+    read_meta,
+    save_checkpoint,
+)
 from aiayn.errors import UserError
 from aiayn.files import check_output, overlap
 from aiayn.train.state import checkpoint_dirs
@@ -40,6 +48,32 @@ def check_same_tensors(paths: list[Path], states: list[dict[str, torch.Tensor]])
                                 f"{ref[name].dtype} in {paths[-1]}; cannot average them")
 
 
+def check_same_tokenizer(paths: list[Path], metas: list[dict]) -> None:
+    """Every checkpoint has the first's tokenizer (pieces, vocabularies, special ids), as an ensemble
+    must: the same weight shapes under another spm.model mean different tokens at the same ids."""
+    first = checkpoint_tokenizer(paths[0], metas[0])
+    for p, meta in zip(paths[1:], metas[1:]):
+        if not checkpoint_tokenizer(p, meta).same_as(first):
+            raise UserError(f"{p}: its tokenizer differs from {paths[0]}'s; cannot average them")
+
+
+def _train_seed(meta: dict) -> object:
+    """config.train.seed of a trained checkpoint's meta.json, else None (converted, hand-made)."""
+    config = meta.get("config")
+    train = config.get("train") if isinstance(config, dict) else None
+    return train.get("seed") if isinstance(train, dict) else None
+
+
+def warn_other_seeds(paths: list[Path], metas: list[dict]) -> None:
+    """One warning when the checkpoints come from runs with different train.seed: independently
+    trained models, whose average is usually garbage (not refused: related runs can be intended)."""
+    seeds = [(p, _train_seed(m)) for p, m in zip(paths, metas)]
+    known = [(p, s) for p, s in seeds if s is not None]
+    if len({json.dumps(s) for _, s in known}) > 1:
+        log.warning("averaging checkpoints of runs with different train.seed (%s): independently trained "
+                    "models average into a broken one", ", ".join(f"{p}: {s}" for p, s in known))
+
+
 def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False) -> Path:
     """Average the weights of `paths` (checkpoints of one model) into a new checkpoint `out`.
 
@@ -47,10 +81,12 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     if not paths:
         raise UserError("no checkpoints to average")
     check_output(out, list(paths), force)
-    models = [read_meta(p).get("model") for p in paths]
-    for p, m in zip(paths, models):
-        if m != models[-1]:
+    metas = [read_meta(p) for p in paths]
+    for p, meta in zip(paths, metas):
+        if meta.get("model") != metas[-1].get("model"):
             raise UserError(f"{p}: a different model from {paths[-1]}; cannot average them")
+    check_same_tokenizer(paths, metas)
+    warn_other_seeds(paths, metas)
     last = load_checkpoint(paths[-1])
     states = [load_weights(p) for p in paths]
     check_same_tensors(paths, states)

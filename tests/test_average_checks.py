@@ -1,0 +1,74 @@
+"""`aiayn average` refuses checkpoints whose tokenizers differ and warns about independently trained runs."""
+
+import logging
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from aiayn.checkpoint import load_checkpoint, save_checkpoint
+from aiayn.cli import main
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.train.average import average_checkpoints, average_last
+
+LINES = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} und die Zahl {i}" for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """Two tokenizers with the same number of pieces (so the same weight shapes) but other pieces."""
+    d = tmp_path_factory.mktemp("spm")
+    first = Tokenizer(train_sentencepiece(LINES, d / "a", vocab_size=60))
+    other = Tokenizer(train_sentencepiece([line.upper() for line in LINES], d / "b", vocab_size=60))
+    assert first.src_vocab_size == other.src_vocab_size and not first.same_as(other)
+    return first, other
+
+
+def save(path, tokenizer, seed=None, step=1):
+    meta = {"step": step}
+    if seed is not None:
+        meta["config"] = {"train": {"seed": seed}}
+    save_checkpoint(path, tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer, meta)
+    return path
+
+
+def test_other_tokenizer_is_refused_in_one_line(tmp_path, tokenizers, capsys):
+    first, other = tokenizers
+    ckpts = tmp_path / "run" / "checkpoints"
+    a = save(ckpts / "step_000001", first, step=1)
+    save(ckpts / "step_000002", first, step=2)
+    b = save(ckpts / "step_000003", other, step=3)  # the last one: its tokenizer would have been kept
+    capsys.readouterr()
+    assert main(["average", str(tmp_path / "run"), "--last", "3", "-o", str(tmp_path / "avg")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"aiayn: error: {b}: its tokenizer differs from {a}'s; cannot average them"]
+    assert not (tmp_path / "avg").exists()
+
+
+def test_same_tokenizer_still_averages(tmp_path, tokenizers):
+    first, _ = tokenizers
+    paths = [save(tmp_path / f"ck{i}", first, seed=7, step=i) for i in (1, 2)]
+    out = average_checkpoints(paths, tmp_path / "avg")
+    assert load_checkpoint(out).tokenizer.same_as(first)
+
+
+def test_different_seeds_warn_once_naming_the_checkpoints(tmp_path, tokenizers, caplog):
+    first, _ = tokenizers
+    ckpts = tmp_path / "run" / "checkpoints"
+    a = save(ckpts / "step_000001", first, seed=1, step=1)
+    b = save(ckpts / "step_000002", first, seed=2, step=2)
+    with caplog.at_level(logging.WARNING, logger="aiayn"):
+        out = average_last(tmp_path / "run", 2, tmp_path / "avg")
+    assert out.exists()  # warned, not refused
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "train.seed" in warnings[0]
+    assert str(a) in warnings[0] and str(b) in warnings[0]
+
+
+def test_one_seed_does_not_warn(tmp_path, tokenizers, caplog):
+    first, _ = tokenizers
+    torch.manual_seed(0)
+    paths = [save(tmp_path / f"ck{i}", first, seed=3, step=i) for i in (1, 2)] + [save(tmp_path / "ck3", first)]
+    with caplog.at_level(logging.WARNING, logger="aiayn"):
+        average_checkpoints(paths, tmp_path / "avg")
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]

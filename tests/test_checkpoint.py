@@ -113,6 +113,40 @@ def test_integer_weights_are_refused_float16_ones_load(tmp_path, tokenizer):
         load_checkpoint(tmp_path / "ck")
 
 
+def test_damaged_weights_and_tokenizers_are_refused_in_one_line(tmp_path, tokenizer):
+    """A NaN in model.safetensors translated empty lines with exit 0; a swapped spm.model with more pieces
+    failed in the embedding lookup; a hand-edited tokenizer entry gave KeyError or reached outside."""
+    ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    meta = json.loads((ck / "meta.json").read_text())
+    path = ck / "model.safetensors"
+    weights = load_file(str(path))
+    broken = dict(weights)
+    broken["encoder.0.feed_forward.w_1.weight"] = broken["encoder.0.feed_forward.w_1.weight"].clone()
+    broken["encoder.0.feed_forward.w_1.weight"][0, 0] = float("nan")
+    save_file(broken, str(path))
+    with pytest.raises(UserError, match=rf"^{path}: 1 tensor\(s\) hold NaN or infinite values "
+                                        r"\(encoder.0.feed_forward.w_1.weight\); the file is damaged$"):
+        load_checkpoint(ck)
+    save_file(weights, str(path))
+    lines = [f"ein {w} und noch ein {w}" for w in ("Hund", "Baum", "Haus", "Zug", "Weg")] * 40
+    bigger = train_sentencepiece(lines, tmp_path / "other", vocab_size=80)
+    assert Tokenizer(bigger).src_vocab_size > tokenizer.src_vocab_size
+    (ck / "spm.model").write_bytes(bigger.read_bytes())
+    with pytest.raises(UserError, match=r"the source tokenizer has \d+ pieces but the model 60 embeddings"):
+        load_checkpoint(ck)
+    (ck / "spm.model").write_bytes(Path(tokenizer.src_path).read_bytes())
+    for entry, message in [({**meta["tokenizer"], "specials": {"pad": 0, "bos": 1, "eos": 2}}, "KeyError"),
+                           ({**meta["tokenizer"], "vocab": ["a", "b"]}, "AttributeError"),
+                           ({**meta["tokenizer"], "files": {"source": "../spm.model"}}, "not a file name inside"),
+                           ({**meta["tokenizer"], "specials": {"pad": 0, "bos": 1, "eos": 9999, "unk": 3}},
+                            "special ids eos=9999 outside")]:
+        write_meta(ck, tokenizer=entry)
+        with pytest.raises(UserError, match=f"^{ck / 'meta.json'}: .*{message}"):
+            load_checkpoint(ck)
+    write_meta(ck, tokenizer=meta["tokenizer"])
+    assert load_checkpoint(ck).tokenizer.same_as(tokenizer)
+
+
 FULL_DISK = [OSError(errno.ENOSPC, "No space left on device"),
              SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
                              '"No space left on device" })')]

@@ -127,6 +127,10 @@ def load_into(model: Transformer, weights: dict[str, torch.Tensor], where: str |
         parts = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
                  f"wrong shape {shapes[:3]}" if shapes else "", f"wrong dtype {dtypes[:3]}" if dtypes else ""]
         raise UserError(f"{where}: weights do not fit this model: " + "; ".join(p for p in parts if p))
+    broken = [k for k, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if broken:  # training never saves such weights (loop._check_finite_weights): the file was damaged
+        raise CorruptFile(f"{where}: {len(broken)} tensor(s) hold NaN or infinite values ({', '.join(broken[:3])}); "
+                          "the file is damaged")
     model.load_state_dict(weights, strict=False)  # tied copies are absent by design
 
 
@@ -137,7 +141,36 @@ def tokenizer_description(meta: dict[str, Any], where: Path) -> dict[str, Any]:
     if not isinstance(files, dict) or not isinstance(files.get("source"), str) or not all(
             isinstance(v, str) for v in files.values()):
         raise UserError(f'{where}: missing or malformed "tokenizer" entry (it needs "files": {{"source": FILE}})')
+    outside = [v for v in files.values() if Path(v).name != v]  # an absolute path or ../x: read from elsewhere
+    if outside:
+        raise CorruptFile(f'{where}: tokenizer file {outside[0]!r} is not a file name inside the checkpoint')
     return description
+
+
+def checkpoint_tokenizer(directory: Path, meta: dict[str, Any]) -> Tokenizer:
+    """The tokenizer a checkpoint holds; a hand-edited or damaged description is one line, not a KeyError."""
+    where = directory / META
+    try:
+        return Tokenizer.load(directory, tokenizer_description(meta, where))
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise CorruptFile(f'{where}: malformed "tokenizer" entry ({type(e).__name__}: {e})') from None
+
+
+def check_vocabulary(config: ModelConfig, tokenizer: Tokenizer, where: Path) -> None:
+    """The tokenizer's ids must fit the model's embeddings: a swapped spm.model with more pieces failed
+    in the embedding lookup, one with the same count translated garbage unnoticed (this cannot see that)."""
+    sizes = [("source", tokenizer.src_vocab_size, config.vocab_size),
+             ("target", tokenizer.tgt_vocab_size, config.target_vocab_size)]
+    for side, pieces, rows in sizes:
+        # aiayn builds the model from its own SentencePiece model's size; a Marian vocab may be padded
+        if pieces > rows or (tokenizer.vocab is None and pieces != rows):
+            raise CorruptFile(f"{where}: the {side} tokenizer has {pieces} pieces but the model {rows} "
+                              "embeddings: not the tokenizer this model was trained with")
+    specials = dict(pad=tokenizer.pad_id, bos=tokenizer.bos_id, eos=tokenizer.eos_id, unk=tokenizer.unk_id)
+    bad = [f"{k}={v}" for k, v in specials.items() if not -1 <= v < config.target_vocab_size]
+    if bad:
+        raise CorruptFile(f"{where}: special ids {', '.join(bad)} outside the model's "
+                          f"{config.target_vocab_size} target embeddings")
 
 
 def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
@@ -152,5 +185,6 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
         raise UserError(f"{directory / META}: bad model configuration ({e})") from None
     model = Transformer(config)
     load_into(model, load_weights(directory), directory / WEIGHTS)
-    tokenizer = Tokenizer.load(directory, tokenizer_description(meta, directory / META))
+    tokenizer = checkpoint_tokenizer(directory, meta)
+    check_vocabulary(config, tokenizer, directory / META)
     return Checkpoint(model.to(device).eval(), tokenizer, meta, directory)

@@ -202,6 +202,27 @@ def test_time_left_counts_down_the_first_budget_to_end():
     assert [loop._clock(s) for s in (70.0, 3599.6, 3725.0)] == ["1:10", "1:00:00", "1:02:05"]
 
 
+def test_a_signal_at_the_last_update_ends_the_run_as_usual(finished_run, tmp_path, monkeypatch):
+    """The run is at its budget anyway: it validates its last checkpoint and returns (exit 0), instead of
+    saving it unvalidated and saying that --resume continues."""
+    d, config, _ = finished_run
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("spm.model", "tokenizer_inputs.json"):
+        shutil.copy(d / "run" / name, run / name)
+    real_step, calls = loop.train_step, []
+
+    def step_then_signal(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", step_then_signal)
+    result = train(with_train(config, run_dir=str(run)))
+    assert result["stop"] == "max_updates=4" and result["step"] == 4 and "valid_loss" in result
+
+
 # 3. A validation set with every pair too long fails before training.
 
 

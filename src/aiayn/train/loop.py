@@ -30,7 +30,14 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from aiayn.checkpoint import Checkpoint, load_checkpoint, load_into, read_meta, state_dict_for_saving
+from aiayn.checkpoint import (
+    Checkpoint,
+    checkpoint_tokenizer,
+    load_checkpoint,
+    load_into,
+    read_meta,
+    state_dict_for_saving,
+)
 from aiayn.config import ConfigError
 from aiayn.data.batching import epoch_order, token_batches, update_batches, updates_in_epoch
 from aiayn.data.dataset import (
@@ -157,7 +164,7 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     bar.close()
     if d.is_main:
         log.info("stopped (%s) after %d updates, %.1f min", stop, state.step, (time.monotonic() - start) / 60)
-    if stopper.signum is not None:
+    if stopper.signum is not None and stop == signal.Signals(stopper.signum).name:
         raise Stopped(f"stopped by {stop} at update {state.step}, saved in {checkpoint_dirs(run_dir)[-1]}; "
                       "--resume continues from there", stopper.signum)
     return {**last, "stop": stop, "step": state.step}
@@ -206,7 +213,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 last = _log_window(window, state, lr, now - last_log, state.seconds, d, bar, metrics, left)
                 window, last_log = [0.0, 0.0, 0.0], now
             stop = _stop_reason(state, tc, n_updates)
-            signalled = stopper.agreed(d)
+            signalled = None if stop else stopper.agreed(d)  # a run at its budget ends as usual
             if (
                 state.step % tc.valid_every == 0
                 or stop
@@ -653,10 +660,37 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
                 log.info("%s: %d empty pairs dropped", src, dropped)
 
 
+def _check_tokenizer_settings(dc, meta: dict, checkpoint: Path) -> None:
+    """--resume keeps the checkpoint's tokenizer: a tokenizer setting other than the one it was trained with
+    (meta.json's configuration) could not take effect, so it is refused, not ignored."""
+    config = meta.get("config")
+    trained = config.get("data") if isinstance(config, dict) else None
+    if not isinstance(trained, dict):
+        return
+    keys = ("vocab_size", "spm_type", "shared_vocab", "normalization", "character_coverage")
+    changed = [f"data.{k} was {trained[k]!r}, now {getattr(dc, k)!r}" for k in keys
+               if k in trained and trained[k] != getattr(dc, k)]
+    if changed:
+        raise UserError(f"{checkpoint}: --resume keeps the tokenizer its checkpoints were trained with "
+                        f"({'; '.join(changed)}); drop the change, or use a new train.run_dir")
+
+
 def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
     """The run directory's tokenizer: trained once on the training text, then reused if it fits."""
     dc = config.data
     found = find_tokenizer(run_dir)
+    saved = checkpoint_dirs(run_dir)
+    if saved:  # resumed: the tokenizer its checkpoints were trained with, which each of them holds
+        latest = saved[-1]
+        meta = read_meta(latest)
+        trained_with = checkpoint_tokenizer(latest, meta)
+        _check_tokenizer_settings(dc, meta, latest)
+        if found is None:  # only checkpoints/ was copied here: put its tokenizer back, train none
+            trained_with.save(run_dir)
+            found = find_tokenizer(run_dir)
+        elif not found.same_as(trained_with):
+            raise UserError(f"{run_dir}: its tokenizer is not the one {latest.name} was trained with; put that "
+                            f"checkpoint's back (the files in {latest}), or train in a new train.run_dir")
     inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, dc.vocab_size, dc.spm_type, dc.shared_vocab,
                               dc.normalization, dc.character_coverage)
     if found is not None:  # resumed: the tokenizer of its checkpoints; else left by a first run that

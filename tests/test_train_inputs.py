@@ -26,11 +26,11 @@ from train_helpers import tiny_config, write_corpus
 from aiayn import cli
 from aiayn.config import ConfigError, model_config
 from aiayn.data.dataset import EncodedCorpus, read_lines
+from aiayn.data.tokenizer import train_sentencepiece
 from aiayn.errors import UserError
 from aiayn.model import Transformer
-from aiayn.train import distributed
+from aiayn.train import distributed, loop
 from aiayn.train.config import DataConfig, TrainConfig, load_config, with_train
-from aiayn.train import loop
 from aiayn.train.loop import Data, _check_finite_weights, train, validate
 from aiayn.train.state import checkpoint_dirs
 
@@ -221,6 +221,20 @@ def test_a_signal_at_the_last_update_ends_the_run_as_usual(finished_run, tmp_pat
     monkeypatch.setattr(loop, "train_step", step_then_signal)
     result = train(with_train(config, run_dir=str(run)))
     assert result["stop"] == "max_updates=4" and result["step"] == 4 and "valid_loss" in result
+
+
+def test_resume_uses_the_tokenizer_its_checkpoints_hold(finished_run, tmp_path):
+    """A run dir holding only checkpoints/ trained a new tokenizer under the old model; a swapped spm.model
+    was trained on silently."""
+    d, config, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(d / "run" / "checkpoints", run / "checkpoints")
+    assert train(with_train(config, run_dir=str(run), max_updates=5), resume=True)["step"] == 5
+    assert (run / "spm.model").read_bytes() == (d / "run" / "spm.model").read_bytes()
+    other = train_sentencepiece([f"ganz andere {i} Wörter" for i in range(200)], tmp_path / "other", 40)
+    (run / "spm.model").write_bytes(other.read_bytes())
+    with pytest.raises(UserError, match=r"its tokenizer is not the one step_000005 was trained with"):
+        train(with_train(config, run_dir=str(run), max_updates=6), resume=True)
 
 
 # 3. A validation set with every pair too long fails before training.

@@ -237,6 +237,17 @@ def test_resume_uses_the_tokenizer_its_checkpoints_hold(finished_run, tmp_path):
         train(with_train(config, run_dir=str(run), max_updates=6), resume=True)
 
 
+@pytest.mark.parametrize("change", [dict(update_freq=2), dict(max_tokens=128)])
+def test_resume_refuses_another_update_shape(finished_run, tmp_path, change):
+    """The saved position counts updates of processes x update_freq batches of max_tokens: another shape
+    trained part of the epoch twice (or skipped it), silently."""
+    config = copy_run(finished_run, tmp_path)
+    with pytest.raises(UserError, match=r"saved by 1 process\(es\) x train.update_freq=1 batches of "
+                                        r"train.max_tokens=64, resumed with 1 x \d of \d+; keep processes"):
+        train(with_train(config, max_updates=6, **change), resume=True)
+    assert train(with_train(config, max_updates=5), resume=True)["step"] == 5
+
+
 # 3. A validation set with every pair too long fails before training.
 
 

@@ -107,6 +107,9 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
     _check_run_dir(run_dir)
     resume_from = _checkpoint_to_resume(run_dir, resume)
+    if resume_from:
+        with _resume_hint(run_dir, resume_from):
+            _check_update_shape(resume_from, tc, d)
     if tc.threads:
         torch.set_num_threads(tc.threads)
     keep_freed_memory()  # every step frees and re-allocates the same large tensors
@@ -658,6 +661,32 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
             _, dropped = load_encoded(src, tgt, tokenizer, run_dir / "cache")
             if dropped:
                 log.info("%s: %d empty pairs dropped", src, dropped)
+
+
+def _check_update_shape(checkpoint: Path, tc, d: Dist) -> None:
+    """The saved position in the epoch counts updates of (processes x update_freq) batches of max_tokens:
+    resuming with another product or max_tokens would train part of the epoch twice or skip it, so it
+    is refused (the same product with other factors is the same batches per update, and is allowed)."""
+    from safetensors import safe_open
+
+    config = read_meta(checkpoint).get("config")
+    trained = config.get("train") if isinstance(config, dict) else None
+    tensors = checkpoint / "trainer.safetensors"
+    if not isinstance(trained, dict) or not tensors.is_file():
+        return  # restore() names what is missing
+    try:
+        with safe_open(str(tensors), "pt") as f:
+            processes = sum(1 for k in f.keys() if k.startswith("rng.cpu."))
+    except Exception:  # a damaged file: restore() says so in its own words
+        return
+    saved = (processes * trained.get("update_freq", 1), trained.get("max_tokens", tc.max_tokens))
+    if processes and saved != (d.world_size * tc.update_freq, tc.max_tokens):
+        raise UserError(
+            f"{checkpoint}: saved by {processes} process(es) x train.update_freq={trained.get('update_freq', 1)} "
+            f"batches of train.max_tokens={saved[1]}, resumed with {d.world_size} x {tc.update_freq} of "
+            f"{tc.max_tokens}; keep processes x update_freq and max_tokens as they were, or the epoch's "
+            "position would point at other batches"
+        )
 
 
 def _check_tokenizer_settings(dc, meta: dict, checkpoint: Path) -> None:

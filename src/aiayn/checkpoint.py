@@ -97,6 +97,14 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     return meta
 
 
+def config_section(meta: dict[str, Any], section: str) -> dict[str, Any] | None:
+    """A section ("data", "train") of the run configuration a training checkpoint's meta.json records;
+    None where there is none (a converted or hand-made checkpoint)."""
+    config = meta.get("config")
+    part = config.get(section) if isinstance(config, dict) else None
+    return part if isinstance(part, dict) else None
+
+
 def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     path = Path(directory) / WEIGHTS
     if not path.is_file():

@@ -406,27 +406,48 @@ def check_tokenizer_inputs(directory: Path, inputs: dict, resumed: bool = False)
     `resumed`: the run has checkpoints, trained with this tokenizer, so it stays. Other tokenizer
     settings are refused (they could not take effect); another corpus is what continuing training on new
     data looks like, so it is only logged."""
-    settings, files = _tokenizer_input_changes(directory, inputs)
+    saved = _read_tokenizer_inputs(directory)
+    if saved is None:
+        return
+    files = _tokenizer_file_changes(saved, inputs)
     if resumed:
-        if settings:
-            raise UserError(f"{directory}: --resume keeps the tokenizer its checkpoints were trained with "
-                            f"({'; '.join(settings)}); drop the change, or use a new train.run_dir")
+        refuse_other_tokenizer_settings(directory, saved, inputs)
         for change in files:
             log.info("%s (--resume keeps the run's tokenizer)", change)
         return
-    if settings or files:
+    changed = tokenizer_setting_changes(saved, inputs) + files
+    if changed:
         raise UserError(
-            f"{directory}: its tokenizer was trained for other data ({'; '.join(settings + files)}); "
+            f"{directory}: its tokenizer was trained for other data ({'; '.join(changed)}); "
             "delete the tokenizer (spm.model, or source.spm and target.spm) to train a new one, "
             "or use a new train.run_dir"
         )
 
 
-def _tokenizer_input_changes(directory: Path, inputs: dict) -> tuple[list[str], list[str]]:
-    """(changed tokenizer settings, changed training files) against the directory's record, each named."""
+def refuse_other_tokenizer_settings(where: Path, saved: dict, inputs: dict) -> None:
+    """--resume keeps the tokenizer its checkpoints were trained with: a setting other than the one `saved`
+    records (the run dir's record, or a checkpoint's data configuration) could not take effect."""
+    settings = tokenizer_setting_changes(saved, inputs)
+    if settings:
+        raise UserError(f"{where}: --resume keeps the tokenizer its checkpoints were trained with "
+                        f"({'; '.join(settings)}); drop the change, or use a new train.run_dir")
+
+
+def tokenizer_setting_changes(saved: dict, inputs: dict) -> list[str]:
+    """Each tokenizer setting of `inputs` (`tokenizer_inputs`) that differs from `saved`, named; a setting
+    `saved` lacks was recorded before aiayn had it, so it had its default (TOKENIZER_DEFAULTS)."""
+    return [
+        f"data.{key} was {saved.get(key, TOKENIZER_DEFAULTS.get(key))!r}, now {value!r}"
+        for key, value in inputs.items()
+        if not key.startswith("train_") and saved.get(key, TOKENIZER_DEFAULTS.get(key)) != value
+    ]
+
+
+def _read_tokenizer_inputs(directory: Path) -> dict | None:
+    """The directory's record of what its tokenizer was trained from; None without one."""
     path = directory / TOKENIZER_INPUTS
     if not path.is_file():
-        return [], []
+        return None
     advice = "delete it and the tokenizer beside it to train a new one"
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -434,18 +455,18 @@ def _tokenizer_input_changes(directory: Path, inputs: dict) -> tuple[list[str], 
         raise UserError(f"{path}: unreadable ({e}); {advice}") from None
     if not isinstance(saved, dict):
         raise UserError(f"{path}: not a JSON object; {advice}")
-    settings = [
-        f"data.{key} was {saved.get(key, TOKENIZER_DEFAULTS.get(key))!r}, now {value!r}"
-        for key, value in inputs.items()
-        if not key.startswith("train_") and saved.get(key, TOKENIZER_DEFAULTS.get(key)) != value
-    ]
+    return saved
+
+
+def _tokenizer_file_changes(saved: dict, inputs: dict) -> list[str]:
+    """Each training file of `inputs` that is not the one `saved` records, named."""
     files = []
     for key in ("train_src", "train_tgt"):
         old, new = saved.get(key), inputs[key]
         old = old if isinstance(old, dict) else {}
         if (old.get("size"), old.get("sha256_1mb")) != (new["size"], new["sha256_1mb"]):
             files.append(f"data.{key}={new['path']} is not the {old.get('path')} it was trained on")
-    return settings, files
+    return files
 
 
 def find_tokenizer(directory: str | Path) -> Tokenizer | None:

@@ -10,6 +10,7 @@ import torch
 
 from aiayn.checkpoint import (
     checkpoint_tokenizer,
+    config_section,
     load_checkpoint,
     load_into,
     load_weights,
@@ -57,17 +58,10 @@ def check_same_tokenizer(paths: list[Path], metas: list[dict]) -> None:
             raise UserError(f"{p}: its tokenizer differs from {paths[0]}'s; cannot average them")
 
 
-def _train_seed(meta: dict) -> object:
-    """config.train.seed of a trained checkpoint's meta.json, else None (converted, hand-made)."""
-    config = meta.get("config")
-    train = config.get("train") if isinstance(config, dict) else None
-    return train.get("seed") if isinstance(train, dict) else None
-
-
 def warn_other_seeds(paths: list[Path], metas: list[dict]) -> None:
     """One warning when the checkpoints come from runs with different train.seed: independently
     trained models, whose average is usually garbage (not refused: related runs can be intended)."""
-    seeds = [(p, _train_seed(m)) for p, m in zip(paths, metas)]
+    seeds = [(p, (config_section(m, "train") or {}).get("seed")) for p, m in zip(paths, metas)]
     known = [(p, s) for p, s in seeds if s is not None]
     if len({json.dumps(s) for _, s in known}) > 1:
         log.warning("averaging checkpoints of runs with different train.seed (%s): independently trained "

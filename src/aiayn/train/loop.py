@@ -33,6 +33,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from aiayn.checkpoint import (
     Checkpoint,
     checkpoint_tokenizer,
+    config_section,
     load_checkpoint,
     load_into,
     read_meta,
@@ -49,6 +50,7 @@ from aiayn.data.dataset import (
     find_tokenizer,
     load_encoded,
     read_parallel,
+    refuse_other_tokenizer_settings,
     tokenizer_inputs,
     train_tokenizer,
     write_tokenizer_inputs,
@@ -669,8 +671,7 @@ def _check_update_shape(checkpoint: Path, tc, d: Dist) -> None:
     is refused (the same product with other factors is the same batches per update, and is allowed)."""
     from safetensors import safe_open
 
-    config = read_meta(checkpoint).get("config")
-    trained = config.get("train") if isinstance(config, dict) else None
+    trained = config_section(read_meta(checkpoint), "train")
     tensors = checkpoint / "trainer.safetensors"
     if not isinstance(trained, dict) or not tensors.is_file():
         return  # restore() names what is missing
@@ -689,41 +690,27 @@ def _check_update_shape(checkpoint: Path, tc, d: Dist) -> None:
         )
 
 
-def _check_tokenizer_settings(dc, meta: dict, checkpoint: Path) -> None:
-    """--resume keeps the checkpoint's tokenizer: a tokenizer setting other than the one it was trained with
-    (meta.json's configuration) could not take effect, so it is refused, not ignored."""
-    config = meta.get("config")
-    trained = config.get("data") if isinstance(config, dict) else None
-    if not isinstance(trained, dict):
-        return
-    keys = ("vocab_size", "spm_type", "shared_vocab", "normalization", "character_coverage")
-    changed = [f"data.{k} was {trained[k]!r}, now {getattr(dc, k)!r}" for k in keys
-               if k in trained and trained[k] != getattr(dc, k)]
-    if changed:
-        raise UserError(f"{checkpoint}: --resume keeps the tokenizer its checkpoints were trained with "
-                        f"({'; '.join(changed)}); drop the change, or use a new train.run_dir")
-
-
 def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
     """The run directory's tokenizer: trained once on the training text, then reused if it fits."""
     dc = config.data
     found = find_tokenizer(run_dir)
+    inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, dc.vocab_size, dc.spm_type, dc.shared_vocab,
+                              dc.normalization, dc.character_coverage)
     saved = checkpoint_dirs(run_dir)
     if saved:  # resumed: the tokenizer its checkpoints were trained with, which each of them holds
         latest = saved[-1]
         meta = read_meta(latest)
         trained_with = checkpoint_tokenizer(latest, meta)
-        _check_tokenizer_settings(dc, meta, latest)
+        if (data := config_section(meta, "data")) is not None:  # what they were trained with, if recorded
+            refuse_other_tokenizer_settings(latest, data, inputs)
         if found is None:  # only checkpoints/ was copied here: put its tokenizer back, train none
             trained_with.save(run_dir)
             found = find_tokenizer(run_dir)
         elif not found.same_as(trained_with):
             raise UserError(f"{run_dir}: its tokenizer is not the one {latest.name} was trained with; put that "
                             f"checkpoint's back (the files in {latest}), or train in a new train.run_dir")
-    inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, dc.vocab_size, dc.spm_type, dc.shared_vocab,
-                              dc.normalization, dc.character_coverage)
     if found is not None:  # resumed: the tokenizer of its checkpoints; else left by a first run that
-        check_tokenizer_inputs(run_dir, inputs, resumed=bool(checkpoint_dirs(run_dir)))  # failed later
+        check_tokenizer_inputs(run_dir, inputs, resumed=bool(saved))  # failed later
         return found
     if dc.valid_src:  # a bad validation file fails now, not after minutes of tokenizer training
         read_parallel(dc.valid_src, dc.valid_tgt)

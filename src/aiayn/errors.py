@@ -19,23 +19,36 @@ class CorruptFile(UserError):
     from a failing disk (the project's own writes are atomic, so a kill never makes one)."""
 
 
-class SentenceTooLong(UserError):
-    """A sentence with more tokens than the model has positions; `index` counts texts from 0."""
+class TextError(UserError):
+    """A problem with one text of a list: `index` counts texts from 0, and the message names it as
+    `where` (default "text N"), or as FILE:LINE once a stream has `located` it."""
+
+    def __init__(self, index: int, problem: str, where: str | None = None):
+        self.index, self.problem = index, problem
+        super().__init__(f"{where or f'text {index + 1}'}: {problem}")
+
+    def located(self, name: str, first: int) -> "TextError":
+        """This error, named by line of the stream `name` whose batch began at line `first` (from 0)."""
+        self.index += first
+        self.args = (f"{name}:{self.index + 1}: {self.problem}",)
+        return self
+
+
+class SentenceTooLong(TextError):
+    """A sentence with more tokens than the model has positions."""
 
     def __init__(self, index: int, tokens: int, limit: int, where: str | None = None):
-        self.index, self.tokens, self.limit = index, tokens, limit
-        where = where or f"text {index + 1}"
-        super().__init__(f"{where}: {tokens} tokens (with EOS), more than the {limit} positions of this model")
+        self.tokens, self.limit = tokens, limit
+        super().__init__(index, f"{tokens} tokens (with EOS), more than the {limit} positions of this model", where)
 
 
-class OutOfMemory(UserError):
-    """Decoding a batch ran out of memory; `index` is its first text in input order, counted from 0."""
+class OutOfMemory(TextError):
+    """Decoding a batch ran out of memory; `index` is its first text in input order."""
 
     def __init__(self, index: int, sentences: int, beam: int, where: str | None = None):
-        self.index, self.sentences, self.beam = index, sentences, beam
-        where = where or f"text {index + 1}"
-        super().__init__(f"{where}: out of memory decoding a batch of {sentences} sentence(s) at beam {beam}; "
-                         "use a smaller beam or fewer tokens per batch (--max-tokens)")
+        self.sentences, self.beam = sentences, beam
+        super().__init__(index, f"out of memory decoding a batch of {sentences} sentence(s) at beam {beam}; "
+                                "use a smaller beam or fewer tokens per batch (--max-tokens)", where)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

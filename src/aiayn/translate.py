@@ -30,7 +30,7 @@ from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
 from aiayn.decoding.ensemble import SHARED_FIELDS
 from aiayn.decoding.search import sampling_generator
-from aiayn.errors import OutOfMemory, SentenceTooLong, UserError, check_unicode, is_out_of_memory
+from aiayn.errors import OutOfMemory, SentenceTooLong, TextError, UserError, check_unicode, is_out_of_memory
 from aiayn.memory import cap_kernel_caches
 from aiayn.model import Transformer
 
@@ -309,10 +309,8 @@ def translate_stream(
     for lines in read_utf8_lines(src, name, chunk):
         try:
             translated = translator.hypotheses(lines, max_tokens, progress, generator, **options)
-        except SentenceTooLong as e:
-            raise SentenceTooLong(done + e.index, e.tokens, e.limit, f"{name}:{done + e.index + 1}") from None
-        except OutOfMemory as e:
-            raise OutOfMemory(done + e.index, e.sentences, e.beam, f"{name}:{done + e.index + 1}") from None
+        except TextError as e:  # a sentence too long, a batch out of memory: named by its line
+            raise e.located(name, done) from None
         for i, hyps in enumerate(translated):
             if config.n_best == 1:
                 dst.write((hyps[0].text if hyps else "") + "\n")

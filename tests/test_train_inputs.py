@@ -202,6 +202,22 @@ def test_time_left_counts_down_the_first_budget_to_end():
     assert [loop._clock(s) for s in (70.0, 3599.6, 3725.0)] == ["1:10", "1:00:00", "1:02:05"]
 
 
+def test_processes_agree_on_the_signal_and_its_status(monkeypatch):
+    """Under torchrun a process that got no signal stops with the others; two that got SIGINT were
+    summed into a SIGTERM status before."""
+    d = SimpleNamespace(enabled=True)
+    for others, expected in [([0.0, 0.0], None), ([2.0, 0.0], "SIGINT"), ([1.0, 0.0], "SIGINT"),
+                             ([1.0, 1.0], "SIGTERM"), ([0.0, 3.0], "SIGTERM")]:
+        monkeypatch.setattr(distributed, "all_reduce_sum", lambda values, d, others=others: others)
+        stopper = loop.StopSignal()
+        assert stopper.agreed(d) == expected
+        assert stopper.signum == (None if expected is None else signal.Signals[expected])
+    single = loop.StopSignal()
+    assert single.agreed(SimpleNamespace(enabled=False)) is None
+    single.signum = signal.SIGINT
+    assert single.agreed(SimpleNamespace(enabled=False)) == "SIGINT"
+
+
 def test_a_signal_at_the_last_update_ends_the_run_as_usual(finished_run, tmp_path, monkeypatch):
     """The run is at its budget anyway: it validates its last checkpoint and returns (exit 0), instead of
     saving it unvalidated and saying that --resume continues."""

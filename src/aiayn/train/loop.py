@@ -277,12 +277,12 @@ class StopSignal:
 
     def agreed(self, d: Dist) -> str | None:
         """The signal's name once any process got one (a collective under torchrun), else None."""
-        flag = distributed.all_reduce_sum([float(self.signum or 0)], d)[0] if d.enabled else self.signum or 0
-        if not flag:
-            return None
-        if self.signum is None:  # another process got it: stop together, with its status
-            self.signum = int(flag) if int(flag) in (signal.SIGINT, signal.SIGTERM) else signal.SIGTERM
-        return signal.Signals(self.signum).name
+        if d.enabled:  # how many processes got each: a process that got none stops with the others' status
+            sigint, sigterm = distributed.all_reduce_sum(
+                [float(self.signum == signal.SIGINT), float(self.signum == signal.SIGTERM)], d)
+            if self.signum is None and (sigint or sigterm):
+                self.signum = signal.SIGTERM if sigterm else signal.SIGINT
+        return None if self.signum is None else signal.Signals(self.signum).name
 
 
 def build_model(config: RunConfig, tok: Tokenizer) -> Transformer:

@@ -152,6 +152,32 @@ def test_config_errors_name_the_problem():
         ModelConfig(vocab_size=10, dropout="0.1")
     with pytest.raises(ConfigError, match="preset"):
         model_config("huge", vocab_size=10)
+    with pytest.raises(ConfigError, match="n_decoder_layers=-2 must be positive"):
+        ModelConfig(vocab_size=10, n_decoder_layers=-2)  # was a model with no decoder, silently
+    with pytest.raises(ConfigError, match="tgt_vocab_size=0 must be positive"):
+        ModelConfig(vocab_size=10, tgt_vocab_size=0, share_embeddings=False)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"share_embeddings": False, "tgt_vocab_size": 40, "final_logits_bias": True}])
+def test_built_on_meta_then_materialized_equals_the_model(overrides):
+    # The lazy-init path (FSDP and other large-model tools): build on `meta`, `to_empty`, load. The
+    # position tables are not weights and the output projection is tied: both must come back.
+    torch.manual_seed(0)
+    ref = tiny_model(**overrides)
+    with torch.device("meta"):
+        model = Transformer(ref.config)
+    model.to_empty(device="cpu").load_state_dict(ref.state_dict())
+    model.eval()
+    assert model.generator.weight is model.tgt_embed.embed.weight
+    assert model.num_parameters() == ref.num_parameters()
+    src, tgt = padded_batch([5, 3], 50), padded_batch([4, 2], model.config.target_vocab_size)
+    torch.testing.assert_close(model(src, tgt), ref(src, tgt), rtol=0, atol=0)
+    with torch.device("meta"):
+        fresh = Transformer(ref.config)
+    fresh.to_empty(device="cpu").reset_parameters()  # a new model, initialized after materializing
+    assert torch.isfinite(fresh.eval()(src, tgt)).all()
+    if fresh.final_logits_bias is not None:
+        assert not fresh.final_logits_bias.any()
 
 
 def test_learns_a_copy_task():

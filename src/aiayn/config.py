@@ -37,7 +37,7 @@ class ModelConfig:
     activation: str = "relu"  # FFN non-linearity: relu (paper), gelu, silu (Marian's swish)
     norm_first: bool = False  # False: post-norm LayerNorm(x + Sublayer(x)) (paper); True: pre-norm
     positions: str = "interleaved"  # interleaved: PE(2i)=sin, PE(2i+1)=cos (paper); sin_cos: all sines
-    # then all cosines (tensor2tensor, fairseq, Marian), needed to load their weights
+    # then all cosines, with the paper's frequencies (Marian), needed to load Marian's weights
     max_len: int = 1024  # longest sequence the sinusoid table covers
     share_embeddings: bool = True  # with a shared vocabulary: one matrix for source, target embeddings
     tie_output: bool = True  # pre-softmax projection shares the target embedding matrix (section 3.4)
@@ -54,8 +54,9 @@ class ModelConfig:
         # a zero or negative size (n_heads=0 was a ZeroDivisionError).
         problems = [
             f"{name}={getattr(self, name)} must be positive"
-            for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len")
-            if getattr(self, name) <= 0
+            for name in ("vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff", "n_layers",
+                         "n_decoder_layers", "max_len")
+            if getattr(self, name) is not None and getattr(self, name) <= 0
         ]
         if problems:
             raise ConfigError("ModelConfig: " + "; ".join(problems))

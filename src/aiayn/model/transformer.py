@@ -145,12 +145,27 @@ class Transformer(nn.Module):
         else:
             self.final_logits_bias = None
         self.reset_parameters()
-        if config.tie_output:
-            self.generator.weight = tgt_embed.weight  # section 3.4: shared with the target embedding
+        self._tie_output()
+
+    def _tie_output(self) -> None:
+        if self.config.tie_output:  # section 3.4: the pre-softmax projection is the target embedding
+            self.generator.weight = self.tgt_embed.embed.weight
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
+        """`nn.Module.to_empty` (for a model built on the meta device, then loaded or initialized), which
+        leaves every tensor uninitialized and gives each module its own copy of a shared parameter: the
+        position tables are computed again and the output projection tied again to the embedding."""
+        super().to_empty(device=device, recurse=recurse)
+        for emb in (self.src_embed, self.tgt_embed):
+            pe = sinusoidal_positions(self.config.max_len, self.config.d_model, self.config.positions)
+            emb.pe = pe.to(device=emb.pe.device, dtype=emb.pe.dtype)  # (max_len, d)
+        self._tie_output()
+        return self
 
     def reset_parameters(self) -> None:
         """Xavier-uniform matrices, zero biases (tensor2tensor, fairseq); embeddings N(0, d^-1/2) so
-        that after the sqrt(d) scale they have unit variance, the size of the positional signal."""
+        that after the sqrt(d) scale they have unit variance, the size of the positional signal; LayerNorm
+        gains one; Marian's logits bias, a buffer, zero."""
         for name, p in self.named_parameters():
             if p.dim() > 1 and "embed" not in name:
                 nn.init.xavier_uniform_(p)
@@ -158,6 +173,11 @@ class Transformer(nn.Module):
                 nn.init.zeros_(p)
         for emb in {id(m): m for m in self.modules() if isinstance(m, nn.Embedding)}.values():
             nn.init.normal_(emb.weight, mean=0.0, std=self.config.d_model**-0.5)
+        for norm in self.modules():
+            if isinstance(norm, nn.LayerNorm):
+                norm.reset_parameters()  # gain 1, bias 0
+        if self.final_logits_bias is not None:
+            nn.init.zeros_(self.final_logits_bias)
 
     def src_mask(self, src: Tensor) -> Tensor:
         return padding_mask(src, self.config.pad_id)  # (B, 1, 1, S)

@@ -50,14 +50,22 @@ def test_round_trip_is_exact(tmp_path, tokenizer):
 
 
 def test_a_checkpoint_directory_has_the_permissions_of_any_new_directory(tmp_path, tokenizer):
-    """Written through a private temporary directory (mkdtemp's 0700), it must not stay private."""
+    """Written through a private temporary directory (mkdtemp's 0700), and its tensors by safetensors
+    (0600 whatever the umask), it must not stay private: files get what `open(path, "w")` gives."""
     old = os.umask(0o022)
     try:
-        save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+        model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+        save_checkpoint(tmp_path / "ck", model, tokenizer, trainer_tensors={"x": torch.zeros(2)}, trainer_meta={})
         (tmp_path / "plain").mkdir()
+        (tmp_path / "plain.txt").write_text("")
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "ck").stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o755
+    files = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert "model.safetensors" in files and "trainer.safetensors" in files
+    for name in files:
+        assert stat.S_IMODE((tmp_path / "ck" / name).stat().st_mode) == 0o644, name
+    assert stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o644
 
 
 def test_errors_name_the_file(tmp_path, tokenizer):

@@ -137,6 +137,9 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
         write(tmp)
         for f in tmp.iterdir():  # flush every file before the rename makes them visible
             if f.is_file():
+                # safetensors writes its files 0600 whatever the umask: other users of a shared run
+                # could list the checkpoint but not read its weights
+                os.chmod(f, 0o666 & ~_umask())
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         _rename_into_place(tmp, directory)

@@ -225,6 +225,19 @@ def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_p
         one_by_one.append(ck.tokenizer.decode_tgt(generate(ck.model, src, DecodeConfig(beam=1))[0][0].tokens))
     assert score == pytest.approx(BLEU().corpus_score(one_by_one, [text.tgt]).score)
     assert signature.startswith("nrefs:1|")
+    # train.bleu_lang picks the tokenizer as `aiayn evaluate -l` does: Thai is scored on characters
+    # (13a scored unspaced targets near 0 whatever the model did)
+    score, signature = validation_bleu(ck.model, ck.tokenizer, text, 32, 64, torch.device("cpu"), lang="th")
+    assert "tok:char" in signature
+    assert score == pytest.approx(BLEU(tokenize="char").corpus_score(one_by_one, [text.tgt]).score)
+
+
+def test_bleu_lang_is_checked_with_the_config():
+    with pytest.raises(ConfigError, match="train.bleu_lang 'en-zh': train.bleu_lang takes the target language"):
+        TrainConfig(bleu_every=10, bleu_lang="en-zh")
+    with pytest.raises(ConfigError, match="train.bleu_lang='zh' needs train.bleu_every"):
+        TrainConfig(bleu_lang="zh")
+    assert TrainConfig(bleu_every=10, bleu_lang="zh-CN").bleu_lang == "zh-CN"
 
 
 def test_bleu_every_logs_bleu(tmp_path):

@@ -48,10 +48,10 @@ class Score:
     detail: str  # sacreBLEU's full line (n-gram precisions, brevity penalty, lengths)
 
 
-def target_language(lang: str) -> str:
+def target_language(lang: str, option: str = "-l") -> str:
     """`lang` as sacreBLEU knows it: lowercase, the primary subtag of a tag (zh-CN, zh_TW, zh-Hant: zh;
-    zho, tha: zh, th), '' for none. A UserError for what is not a language's code, a pair (en-zh)
-    among them."""
+    zho, tha: zh, th), '' for none. A UserError naming `option` for what is not a language's code, a
+    pair (en-zh) among them."""
     tag = lang.strip()
     if not tag:
         return ""
@@ -60,18 +60,22 @@ def target_language(lang: str) -> str:
         match = None  # EN-ZH: no telling a pair from a region
     if match is None and re.search(r"[-_>/:\s]", tag):
         raise UserError(
-            f"-l {tag!r}: -l takes the target language's code (e.g. zh), not a pair "
+            f"{option} {tag!r}: {option} takes the target language's code (e.g. zh), not a pair "
             "(a region goes in capitals after it: zh-CN)"
         )
     if match is None:
         raise UserError(
-            f"-l {tag!r} is not a language code: -l takes the target language's, 2 or 3 letters (e.g. zh)"
+            f"{option} {tag!r} is not a language code: {option} takes the target language's, 2 or 3 letters "
+            "(e.g. zh)"
         )
     code = match["lang"].lower()
     return _ALIASES.get(code, code)
 
 
-def unspaced_hint(hypotheses: Sequence[str], lang: str = "", tokenize: str | None = None) -> str | None:
+def unspaced_hint(
+    hypotheses: Sequence[str], lang: str = "", tokenize: str | None = None,
+    advice: str = "pass -l LANG (or --tokenize char)",
+) -> str | None:
     """A note for when 13a was used (no `lang`, no `tokenize`) on what looks like unspaced text: on
     average fewer than HINT_WORDS 13a words per non-empty line of more than HINT_CHARS characters, as
     Chinese, Japanese or Thai gives (BLEU near 0 however good the translation). None when it does not
@@ -86,26 +90,15 @@ def unspaced_hint(hypotheses: Sequence[str], lang: str = "", tokenize: str | Non
     chars = sum(len(line.strip()) for line in lines) / len(lines)
     if words >= HINT_WORDS or chars <= HINT_CHARS:
         return None
-    return (
-        "BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, "
-        "Korean or Thai pass -l LANG (or --tokenize char)"
-    )
+    return f"BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Korean or Thai {advice}"
 
 
-def corpus_scores(
-    hypotheses: Sequence[str], references: Sequence[Sequence[str]], lang: str = "", tokenize: str | None = None
-) -> list[Score]:
-    """BLEU, chrF and the lowercased BLEU of `hypotheses` against one or more reference streams
-    (`references[j][i]` is reference j of sentence i). `lang`: the target language's code (zh, zh-CN; see
-    `target_language`), from which BLEU's tokenizer is picked (zh, ja-mecab, ko-mecab as sacreBLEU does, char
-    for CHAR_LANGS, 13a for the others); `tokenize` names one."""
-    if not hypotheses:
-        raise UserError("no hypotheses: nothing to score")
-    for j, refs in enumerate(references):
-        if len(refs) != len(hypotheses):
-            raise UserError(
-                f"reference {j + 1} has {len(refs)} lines but the hypotheses have {len(hypotheses)}"
-            )
+
+def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLEU]:
+    """sacreBLEU's BLEU and lowercased BLEU for target language `lang` (see `target_language`; BLEU's
+    tokenizer is picked from it: zh, ja-mecab, ko-mecab as sacreBLEU does, char for CHAR_LANGS, 13a for
+    the others) or the tokenizer `tokenize` names. A UserError for an unknown tokenizer, one whose
+    packages are missing, or one whose model cannot be downloaded."""
     if tokenize is not None and tokenize not in TOKENIZERS:
         raise UserError(f"tokenize={tokenize!r} is not one of sacreBLEU's: {', '.join(TOKENIZERS)}")
     lang = target_language(lang)
@@ -127,6 +120,23 @@ def corpus_scores(
             f"sacreBLEU's {tokenize} tokenizer downloads its SentencePiece model on first use, and the "
             f"download failed: {reason}"
         ) from None
+    return bleu, lowercased
+
+
+def corpus_scores(
+    hypotheses: Sequence[str], references: Sequence[Sequence[str]], lang: str = "", tokenize: str | None = None
+) -> list[Score]:
+    """BLEU, chrF and the lowercased BLEU of `hypotheses` against one or more reference streams
+    (`references[j][i]` is reference j of sentence i). `lang`, `tokenize`: BLEU's tokenizer, as
+    `bleu_metrics` picks it."""
+    if not hypotheses:
+        raise UserError("no hypotheses: nothing to score")
+    for j, refs in enumerate(references):
+        if len(refs) != len(hypotheses):
+            raise UserError(
+                f"reference {j + 1} has {len(refs)} lines but the hypotheses have {len(hypotheses)}"
+            )
+    bleu, lowercased = bleu_metrics(lang, tokenize)
     out = []
     for label, metric in (("BLEU", bleu), ("chrF2", CHRF()), (LOWERCASE_LABEL.format(bleu.tokenizer_signature), lowercased)):
         result = metric.corpus_score(list(hypotheses), [list(r) for r in references])

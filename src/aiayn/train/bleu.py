@@ -6,14 +6,18 @@ cheaper; `aiayn translate` / `aiayn evaluate` give the reportable beam-search sc
 
 from __future__ import annotations
 
+import logging
+
 import torch
-from sacrebleu.metrics import BLEU
 
 from aiayn.data.batching import right_pad, token_batches
 from aiayn.data.dataset import ParallelText
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, generate
+from aiayn.evaluate import bleu_metrics, unspaced_hint
 from aiayn.model import Transformer
+
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -24,8 +28,10 @@ def validation_bleu(
     max_len: int,
     max_tokens: int,
     device: torch.device,
+    lang: str = "",
 ) -> tuple[float, str]:
-    """(BLEU, sacreBLEU signature) of greedy translations of `text.src` against `text.tgt`."""
+    """(BLEU, sacreBLEU signature) of greedy translations of `text.src` against `text.tgt`; BLEU's
+    tokenizer picked for target language `lang` as `aiayn evaluate -l` picks it."""
     was_training = model.training
     model.eval()
     sources = [tokenizer.encode_src(s) for s in text.src]
@@ -37,5 +43,7 @@ def validation_bleu(
         for i, hyps in zip(indices, generate(model, src.to(device), DecodeConfig(beam=1))):
             hypotheses[i] = tokenizer.decode_tgt(hyps[0].tokens)
     model.train(was_training)
-    bleu = BLEU()
+    bleu, _ = bleu_metrics(lang)
+    if (note := unspaced_hint(hypotheses, lang, advice="set train.bleu_lang")) is not None:
+        log.warning("validation BLEU: %s", note)  # else a flat curve near 0 for Chinese or Japanese
     return bleu.corpus_score(hypotheses, [text.tgt]).score, str(bleu.get_signature())

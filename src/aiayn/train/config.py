@@ -91,6 +91,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (the checkpoint keeps plain names)
     threads: int = 0  # CPU threads per process (0 = PyTorch's default); 1 on a busy shared machine
     bleu_every: int = 0  # validation BLEU (greedy, sacreBLEU) every this many updates (0 = off)
+    bleu_lang: str = ""  # the target language's code for BLEU's tokenizer, as `aiayn evaluate -l`: zh, ja
+    # and ko get sacreBLEU's own, th/lo/km/my characters; "" or others 13a, which scores unspaced text near 0
     init_from: str = ""  # fine-tune this checkpoint (aiayn or converted Marian): its weights, model and
     # tokenizer, a fresh optimizer and step 0; "" = a new model and a SentencePiece model trained here
 
@@ -110,9 +112,20 @@ class TrainConfig:
             problems.append("train.cooldown needs a budget to end at: max_minutes, max_updates or max_epochs")
         if not 0.0 <= self.label_smoothing < 1.0:
             problems.append(f"train.label_smoothing={self.label_smoothing} is not in [0, 1)")
-        problems += self._budget_problems()
+        problems += self._budget_problems() + self._bleu_problems()
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def _bleu_problems(self) -> list[str]:
+        from aiayn.evaluate import target_language  # sacreBLEU, only for this check
+
+        if self.bleu_lang and not self.bleu_every:
+            return [f"train.bleu_lang={self.bleu_lang!r} needs train.bleu_every (validation BLEU is off)"]
+        try:
+            target_language(self.bleu_lang, "train.bleu_lang")
+        except UserError as e:
+            return [str(e)]
+        return []
 
     def _budget_problems(self) -> list[str]:
         """Numbers TOML lets through (nan, inf, negatives) that mean nothing as a rate, a norm or a budget."""

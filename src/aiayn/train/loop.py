@@ -475,7 +475,7 @@ def _validate_and_save(
         from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
 
         result["valid_bleu"], result["bleu_signature"] = validation_bleu(
-            model, data.tokenizer, data.valid_text, config.data.max_len, tc.max_tokens, d.device
+            model, data.tokenizer, data.valid_text, config.data.max_len, tc.max_tokens, d.device, tc.bleu_lang
         )
         log.info("update %d: valid BLEU (greedy) %.2f", state.step, result["valid_bleu"])
     rngs = rng_states(d)  # collective: every process takes part
@@ -642,6 +642,10 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     valid_text = (
         read_parallel(dc.valid_src, dc.valid_tgt) if dc.valid_src and config.train.bleu_every else None
     )
+    if valid_text is not None:  # ja and ko need MeCab: say so now, not after bleu_every updates
+        from aiayn.evaluate import bleu_metrics
+
+        bleu_metrics(config.train.bleu_lang)
     return Data(tokenizer, train, batches, valid, valid_batches, valid_text)
 
 

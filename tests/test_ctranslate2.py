@@ -83,6 +83,22 @@ def test_greedy_tokens_are_identical(exported):
     assert len({tuple(row) for row in ours}) > 1  # different sources, different outputs: not a constant model
 
 
+def test_an_empty_translation_is_kept(tmp_path, spm_models):
+    """A model whose best output is EOS at once: CTranslate2's default min_decoding_length=1 forbade that
+    and returned other tokens; translate_tokens asks for the search aiayn makes."""
+    tokenizer = Tokenizer(spm_models[0])
+    torch.manual_seed(0)
+    model = random_model(tokenizer, **VARIANTS["marian-like"])
+    with torch.no_grad():
+        model.final_logits_bias[tokenizer.eos_id] = 30.0  # EOS first, whatever the source
+    save_checkpoint(tmp_path / "ck", model, tokenizer)
+    assert main(["export", "--to", "ctranslate2", str(tmp_path / "ck"), str(tmp_path / "ct2")]) == 0
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
+    ck = load_checkpoint(tmp_path / "ck")
+    assert aiayn_greedy(ck, SENTENCES) == [[]] * len(SENTENCES)
+    assert translate_tokens(translator, tokenizer, SENTENCES, beam_size=1, max_len=MAX_LEN) == [[]] * len(SENTENCES)
+
+
 @torch.no_grad()
 def test_scores_match(exported):
     """CTranslate2's per-token log-probabilities of a forced target equal those aiayn's searches use:

@@ -320,6 +320,19 @@ def test_missing_weight_names_the_weights_file(build, opus_bin, capsys):
                                                f"missing weight model.encoder.layers.0.fc1.weight")
 
 
+@pytest.mark.parametrize("shard, problem", [
+    ("../../../etc/passwd", "weight_map names a file outside"),  # read, then refused as "corrupt weights"
+    ("model-00002-of-00002.safetensors", "names the shard model-00002-of-00002.safetensors, which is missing"),
+])
+def test_shard_index_names_only_files_beside_it(opus_bin, capsys, shard, problem):
+    (opus_bin / "pytorch_model.bin").unlink(missing_ok=True)  # the index is read before it anyway
+    index = {"weight_map": {"model.shared.weight": shard}}
+    (opus_bin / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert convert_error(opus_bin, capsys) == (
+        f"aiayn: error: {opus_bin / 'model.safetensors.index.json'}: {problem}"
+        + (f" {opus_bin}" if "outside" in problem else ""))
+
+
 def test_cli_convert(tmp_path, capsys):
     from aiayn.cli import main
 

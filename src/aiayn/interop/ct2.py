@@ -166,8 +166,13 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
 
 def translate_tokens(translator, tokenizer: Tokenizer, texts: list[str], beam_size: int = 1,
                      max_len: int = 256) -> list[list[int]]:
-    """Translate `texts` with a `ctranslate2.Translator` of an exported model; target ids without EOS."""
+    """Translate `texts` with a `ctranslate2.Translator` of an exported model; target ids without EOS.
+
+    The source pieces are the tokenizer's, so that a Marian language code (`>>fra<<`) stays one piece.
+    `min_decoding_length=0`: CTranslate2's default of 1 forbids an empty translation (EOS first), which
+    aiayn and HuggingFace allow; with it, a model whose best output is empty got another one here."""
     tgt_ids = {t: i for i, t in enumerate(target_tokens(tokenizer, tokenizer.tgt_vocab_size))}
-    batch = [tokenizer.src.encode(t, out_type=str) for t in texts]
-    results = translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=max_len)
+    batch = [tokenizer.src_pieces(t)[:-1] for t in texts]  # without the EOS, which CTranslate2 appends
+    results = translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=max_len,
+                                         min_decoding_length=0)
     return [[tgt_ids.get(t, tokenizer.unk_id) for t in r.hypotheses[0]] for r in results]

@@ -207,7 +207,13 @@ def load_marian_weights(directory: Path) -> tuple[dict[str, Tensor], Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise UserError(f"{index}: weight_map is not a mapping from tensor name to file name")
-        source, files = index, [directory / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        if any(Path(name).name != name or name in ("", ".", "..") for name in names):  # ../../etc/passwd
+            raise UserError(f"{index}: weight_map names a file outside {directory}")
+        source, files = index, [directory / name for name in names]
+        for f in files:
+            if not f.is_file():
+                raise UserError(f"{index}: names the shard {f.name}, which is missing")
     elif legacy.is_file():
         return _load_pickled_weights(legacy), legacy
     else:

@@ -177,7 +177,9 @@ def test_wide_beam_finds_the_exhaustive_best(alpha, kind):
 def test_beam_one_equals_greedy():
     model = tiny_model()
     src = padded_batch([5, 3, 7, 1], 50)
-    config = DecodeConfig(beam=1, max_len_a=0.0, max_len_b=12, early_stopping=True)  # stop at the first EOS
+    # alpha 0: once EOS is the best token no continuation can beat it (log P only falls), so the beam
+    # of 1 stops where greedy search does (early_stopping, which did the same, is refused at beam 1)
+    config = DecodeConfig(beam=1, lenpen=0.0, max_len_a=0.0, max_len_b=12)
     greedy, beam = greedy_search(model, src, config), beam_search(model, src, config)
     for g, b in zip(greedy, beam):
         assert g[0].tokens == b[0].tokens and g[0].score == pytest.approx(b[0].score, abs=1e-5)
@@ -241,6 +243,14 @@ def test_decode_config_errors_name_the_field():
         DecodeConfig(lenpen_kind="gnmt2")
     with pytest.raises(ConfigError, match="sample"):
         DecodeConfig(beam=4, sample=True)
+
+
+@pytest.mark.parametrize("settings", [{"beam": 1}, {"sample": True, "beam": 1}])
+def test_early_stopping_is_refused_where_it_would_be_ignored(settings):
+    """Beam 1 is greedy search (sampling too): no beam to stop early, so the option was silently a no-op."""
+    with pytest.raises(ConfigError, match=r"early_stopping=True needs beam > 1, not 1"):
+        DecodeConfig(early_stopping=True, **settings)
+    assert DecodeConfig(beam=2, early_stopping=True).early_stopping
 
 
 SAMPLING = {"sample": True, "beam": 1}

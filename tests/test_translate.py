@@ -4,6 +4,7 @@ import errno
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,12 +16,14 @@ import torch
 
 from aiayn.checkpoint import save_checkpoint
 from aiayn.cli import main
+from aiayn.config import ConfigError
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
-from aiayn.decoding import DecodeConfig, generate
+from aiayn.decoding import DecodeConfig, generate, length_penalty
 from aiayn.errors import SentenceTooLong, UserError
 from aiayn.files import _stream_only, atomic_output
 from aiayn.translate import (
-    Translator, length_sorted_batches, quantize_int8, read_utf8_lines, translate, translate_stream,
+    Translator, decode_config, length_sorted_batches, quantize_int8, read_utf8_lines, translate,
+    translate_stream,
 )
 from conftest import padded_batch, tiny_model
 
@@ -65,6 +68,42 @@ def test_n_best_hypotheses_are_ranked(checkpoint):
     assert all(h[0].score >= h[1].score for h in hyps if h)
 
 
+def test_n_best_rows_are_marians_with_log_prob_and_score(checkpoint):
+    """`LINE ||| TEXT ||| F0= LOG_PROB ||| SCORE` (Marian's n-best; Moses' has the same four fields), with
+    exactly n_best rows per input line: an empty line gets n_best empty ones, not one. F0 is the raw
+    log P(Y | X) of the search's hypothesis, SCORE that divided by the length penalty."""
+    translator = Translator.load(checkpoint)
+    dst = io.StringIO()
+    data = ("\n".join(TEXTS) + "\n").encode()
+    assert translate_stream(translator, io.BytesIO(data), dst, "in.txt", n_best=2, **OPTIONS) == len(TEXTS)
+    rows = [line.split(" ||| ") for line in dst.getvalue().splitlines()]
+    assert [int(r[0]) for r in rows] == [i for i in range(len(TEXTS)) for _ in range(2)]
+    assert all(len(r) == 4 and re.fullmatch(r"F0= -?\d+\.\d{4}", r[2]) for r in rows), rows
+    text_of, config = translator.tokenizer.decode_tgt, DecodeConfig(n_best=2, **OPTIONS)
+    for i, text in enumerate(TEXTS):
+        if not text.strip():
+            assert rows[2 * i : 2 * i + 2] == [[str(i), "", "F0= 0.0000", "0.0000"]] * 2
+            continue
+        found = generate(translator.model, torch.tensor([translator.tokenizer.encode_src(text)]), config)[0]
+        expected = [[str(i), text_of(h.tokens), f"F0= {h.log_prob:.4f}", f"{h.score:.4f}"] for h in found]
+        assert rows[2 * i : 2 * i + 2] == expected
+    best = translator.hypotheses(TEXTS[:1], **OPTIONS)[0][0]
+    lp = length_penalty(len(best.tokens), DecodeConfig.lenpen, DecodeConfig.lenpen_kind)
+    assert best.log_prob < 0 and best.score == pytest.approx(best.log_prob / lp)
+
+
+def test_sample_alone_means_beam_one_in_the_api(checkpoint):
+    """As --sample does in the CLI: sample=True without a beam samples (it was refused for the default
+    beam 4); an explicit other beam is still a contradiction."""
+    translator = Translator.load(checkpoint)
+    texts = ["the number 12 is even"] * 5
+    options = dict(sample=True, seed=3, temperature=3.0, max_len_a=0.0, max_len_b=6)
+    assert translator.translate(texts, **options) == translator.translate(texts, beam=1, **options)
+    assert decode_config(sample=True).beam == decode_config(DecodeConfig(beam=8), sample=True).beam == 1
+    with pytest.raises(ConfigError, match="sample=True needs beam=1, not 4"):
+        translator.translate(texts, sample=True, beam=4)
+
+
 def test_length_sorted_batches_respect_the_budget():
     lengths = [5, 1, 9, 3, 3, 20]
     batches = list(length_sorted_batches(lengths, max_tokens=12, rows_per_sentence=2))
@@ -85,8 +124,8 @@ def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
     assert "6/6" in capsys.readouterr().err  # progress on stderr for a file, empty lines counted
     assert main(args + ["--n-best", "2", "-q"]) == 0
     nbest = [line.split(" ||| ") for line in out.read_text(encoding="utf-8").splitlines()]
-    assert [int(n) for n, _, _ in nbest] == [0, 0, 1, 2, 2, 3, 3, 4, 5, 5]
-    assert nbest[0][1] == alone(translator, TEXTS[0]) and float(nbest[0][2]) >= float(nbest[1][2])
+    assert [int(n) for n, _, _, _ in nbest] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]  # empty lines too
+    assert nbest[0][1] == alone(translator, TEXTS[0]) and float(nbest[0][3]) >= float(nbest[1][3])
     before = out.read_text(encoding="utf-8")
     src.write_bytes(b"fine\n\xff\xfe\n")
     assert main(args) == 2
@@ -227,6 +266,39 @@ def test_seeded_sampling_is_reproducible_and_never_reseeded_per_batch(checkpoint
     assert len(set(first)) > 1 and translator.translate(texts, **options) == first
 
 
+class Trickle:
+    """A pipe read a few bytes at a time: with `_ready` saying 'not ready', the input of a writer that
+    stalls after every line, whatever the machine's timing."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+
+    def fileno(self):
+        return self.pipe.fileno()
+
+    def read1(self, size=-1):
+        return self.pipe.read1(5)
+
+
+def test_seeded_sampling_from_a_stalling_pipe_gives_what_the_file_gives(checkpoint, tmp_path, monkeypatch):
+    """A batch used to end wherever piped input stalled, so which line got which of the seeded generator's
+    draws depended on timing. With a seed, a pipe is read in whole chunks (the last one shorter)."""
+    translator = Translator.load(checkpoint)
+    data = "".join(f"the number {i}{' is even' * (i % 3)}\n" for i in range(10)).encode()
+    options = dict(sample=True, beam=1, seed=1, temperature=3.0, max_len_a=0.0, max_len_b=6)
+    (tmp_path / "in.txt").write_bytes(data)
+    with open(tmp_path / "in.txt", "rb") as src:
+        translate_stream(translator, src, expected := io.StringIO(), "in.txt", chunk=4, **options)
+    monkeypatch.setattr("aiayn.translate._ready", lambda fd: False)
+    with piped(data) as src:
+        translate_stream(translator, Trickle(src), got := io.StringIO(), "<pipe>", chunk=4, **options)
+    assert got.getvalue() == expected.getvalue() and len(set(expected.getvalue().splitlines())) > 1
+    with piped(data) as src:
+        assert [len(b) for b in read_utf8_lines(Trickle(src), "<pipe>", 4, whole_chunks=True)] == [4, 4, 2]
+    with piped(data) as src:  # a search still answers each line as it arrives
+        assert [len(b) for b in read_utf8_lines(Trickle(src), "<pipe>", 4)] == [1] * 10
+
+
 def test_cli_reads_a_pipe_with_progress_but_no_total(checkpoint, tmp_path, capsys):
     """`-i /dev/stdin` on a pipe, or `-i <(...)`: read once, never rewound for a line count."""
     out = tmp_path / "out.txt"
@@ -304,11 +376,16 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
              (["--seed", "3"], "seed=3 needs sample=True (--sample)"),
              (["--sample", "--beam", "1", "--temperature", "1e-50"], "temperature=1e-50"),
              (["--device", "foo"], "device 'foo' is not a device name"),
-             (["--device", "meta"], "device 'meta': translation runs on cpu or cuda only")]
+             (["--device", "meta"], "device 'meta': translation runs on cpu or cuda only"),
+             (["--early-stopping", "--beam", "1"], "early_stopping=True needs beam > 1, not 1"),
+             (["--early-stopping", "--sample"], "early_stopping=True needs beam > 1, not 1"),
+             (["--lenpen", "1", "--lenpen-kind", "none"], "--lenpen 1.0 has no effect with --lenpen-kind"),
+             (["--int8", "--device", "cuda"], "--int8 is a CPU path")]
     for extra, message in cases:
         assert main(["translate", str(checkpoint), "-i", str(src), "-q"] + extra) == 2, extra
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+    assert main(["translate", str(checkpoint), "-i", str(src), "-q", "--lenpen-kind", "none"]) == 0  # alone
     src.write_bytes(b"fine\nbad\0byte\n")
     assert main(["translate", str(checkpoint), "-i", str(src), "-q"]) == 2
     assert f"{src}:2: NUL byte (binary or corrupt input?)" in capsys.readouterr().err
@@ -322,6 +399,17 @@ def test_load_refuses_devices_it_cannot_use(checkpoint, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(UserError, match=r"device 'cuda:9': this machine has 1 CUDA device\(s\), cuda:0 to cuda:0"):
         Translator.load(checkpoint, "cuda:9")
+
+
+def test_int8_is_refused_on_cuda_before_anything_else(checkpoint, monkeypatch):
+    """torch.ao's dynamic quantization has CPU kernels only: on a GPU machine int8 on cuda ended in a
+    traceback from inside the first batch. One line, whether or not this machine has CUDA."""
+    for count in (0, 1):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda count=count: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
+        for device in ("cuda", "cuda:0", torch.device("cuda")):
+            with pytest.raises(UserError, match=r"^--int8 is a CPU path"):
+                Translator.load(checkpoint, device, int8=True)
 
 
 def test_api_checks_its_texts_and_counts(checkpoint):

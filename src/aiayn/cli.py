@@ -139,17 +139,20 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
     import torch
 
-    from aiayn.decoding import DecodeConfig
     from aiayn.files import atomic_output
     from aiayn.memory import keep_freed_memory
     from aiayn.translate import Translator, decode_config, translate_stream
 
-    beam = args.beam if args.beam is not None else 1 if args.sample else DecodeConfig.beam
-    options = dict(beam=beam, lenpen=args.lenpen, lenpen_kind=args.lenpen_kind, max_len_a=args.max_len_a,
-                   max_len_b=args.max_len_b, min_len=args.min_len, n_best=args.n_best, sample=args.sample,
+    if args.lenpen is not None and args.lenpen_kind == "none":  # lp(|Y|) = 1 whatever alpha is
+        raise UserError(f"--lenpen {args.lenpen} has no effect with --lenpen-kind none; drop one of them")
+    options = dict(lenpen_kind=args.lenpen_kind, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
+                   min_len=args.min_len, n_best=args.n_best, sample=args.sample,
                    early_stopping=args.early_stopping)
-    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
-    options.update({k: v for k, v in sampling.items() if v is not None})  # given: refused without --sample
+    # None unless given: DecodeConfig's defaults then (a beam left out is 1 with --sample, see decode_config),
+    # and a sampling option given without --sample is refused rather than ignored
+    given = {"beam": args.beam, "lenpen": args.lenpen, "temperature": args.temperature, "top_k": args.top_k,
+             "top_p": args.top_p, "seed": args.seed}
+    options.update({k: v for k, v in given.items() if v is not None})
     decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading or reading
     _check_streams(args.input, args.output)  # before the model loads and translates for nothing
     keep_freed_memory()  # each batch re-allocates the same logits, caches and encoder states
@@ -315,7 +318,8 @@ def add_translate_parser(sub) -> None:
     p.add_argument("-o", "--output",
                    help="output file, written only once the whole input is translated (default: stdout)")
     p.add_argument("--beam", type=int, help="beam size; 1 is greedy search (default 4, the paper; 1 with --sample)")
-    p.add_argument("--lenpen", type=float, default=0.6, help="length penalty alpha (default 0.6, the paper)")
+    p.add_argument("--lenpen", type=float,  # None unless given: refused with --lenpen-kind none
+                   help="length penalty alpha (default 0.6, the paper; refused with --lenpen-kind none)")
     p.add_argument("--lenpen-kind", choices=["gnmt", "power", "none"], default="gnmt",
                    help="gnmt: score = log P / ((5+|Y|)/6)^alpha (GNMT, the paper); power: log P / |Y|^alpha "
                    "(fairseq, HuggingFace, CTranslate2). |Y| counts the output tokens INCLUDING the final "
@@ -327,9 +331,14 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--min-len", type=int, default=0, help="forbid EOS before this many output tokens")
     p.add_argument("--early-stopping", action="store_true",
                    help="stop a sentence once BEAM hypotheses ended (fairseq, HuggingFace); default: once no "
-                   "live hypothesis can beat them (tensor2tensor, the paper's code)")
+                   "live hypothesis can beat them (tensor2tensor, the paper's code). Beam > 1 only")
     p.add_argument("--n-best", type=int, default=1,
-                   help="hypotheses per line; above 1, lines read `LINE ||| TEXT ||| SCORE` (Moses)")
+                   help="hypotheses per line; above 1, each input line gets exactly N-BEST output lines in "
+                   "Marian's n-best format, `LINE ||| TEXT ||| F0= LOGP ||| SCORE`: LINE counts from 0, LOGP "
+                   "is log P(TEXT | line) (the sum of its tokens' log-probabilities, EOS included), SCORE is "
+                   "LOGP / lp(|Y|), the length-normalized score beam search ranks by (see --lenpen-kind; "
+                   "with --sample the rows are independent samples in the order drawn). An empty input line "
+                   "gets N-BEST empty rows scored 0")
     p.add_argument("--sample", action="store_true", help="sample instead of searching (beam 1)")
     # None unless given: DecodeConfig refuses a sampling option without --sample rather than ignore it
     p.add_argument("--temperature", type=float,
@@ -339,7 +348,9 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--seed", type=int,
                    help="with --sample: seeds one generator for the whole input, so that the same input, options "
                    "(--chunk and --max-tokens included) and device give the same output; repeated lines still "
-                   "get independent samples (default: a random seed)")
+                   "get independent samples (default: a random seed). Which line gets which draw depends on "
+                   "the batches, so a pipe is then read in whole --chunk blocks, as a file is, rather than "
+                   "answered whenever its input stalls: use --chunk 1 for an interactive filter")
     p.add_argument("--max-tokens", type=positive_int, default=4096,
                    help="batch budget: padded source tokens x beam (sentences are sorted by length)")
     p.add_argument("--chunk", type=positive_int, default=10_000, help="lines read (and sorted) at a time")

@@ -43,12 +43,20 @@ class Translation:
     """One hypothesis for one input line."""
 
     text: str  # detokenized output
-    score: float  # log P / lp(|Y|), what the search ranked by
+    score: float  # log_prob / lp(|Y|): what beam search ranked by (samples come in the order drawn)
     tokens: list[int]  # output ids (EOS included when the search produced it)
+    # log P(tokens | source), the sum of the tokens' log-probabilities as the search saw them: padding
+    # excluded, EOS included, an ensemble's mean of its members' probabilities at each step, and with
+    # sampling the model's own, before temperature, top-k and top-p
+    log_prob: float
 
 
 def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeConfig:
-    """`base` (or the paper's defaults) with `options` replaced; an unknown option raises ConfigError."""
+    """`base` (or the paper's defaults) with `options` replaced; an unknown option raises ConfigError.
+    `sample=True` without a `beam` means beam 1, as `--sample` does: sampling has no beam, and the
+    default beam 4 would make it a contradiction (an explicit beam other than 1 still is)."""
+    if options.get("sample") is True and "beam" not in options:
+        options["beam"] = 1
     return from_dict(DecodeConfig, {**dataclasses.asdict(base or DecodeConfig()), **options})
 
 
@@ -72,8 +80,9 @@ def check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value} must be at least 1")
 
 
-def inference_device(device: str | torch.device) -> torch.device:
-    """`device` parsed: the CPU or a CUDA device this machine has; anything else is a UserError."""
+def inference_device(device: str | torch.device, int8: bool = False) -> torch.device:
+    """`device` parsed: the CPU or a CUDA device this machine has (the CPU only with `int8`); anything
+    else is a UserError."""
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
@@ -82,6 +91,9 @@ def inference_device(device: str | torch.device) -> torch.device:
         return parsed
     if parsed.type != "cuda":  # meta, mps...: untested here, and meta has no weights to compute with
         raise UserError(f"device {device!r}: translation runs on cpu or cuda only")
+    if int8:  # before the CUDA checks: the answer is the same on a machine with or without a GPU
+        raise UserError(f"--int8 is a CPU path (torch.ao's dynamic quantization has no CUDA kernels): "
+                        f"drop it on device {str(device)!r}, or use device cpu")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         build = "" if torch.backends.cuda.is_built() else " (this PyTorch is built without CUDA)"
@@ -152,7 +164,7 @@ class Translator:
 
         if not isinstance(int8, bool):
             raise TypeError(f"int8 must be True or False, not {type(int8).__name__} ({int8!r})")
-        device = inference_device(device)  # before the loading, which can take a while
+        device = inference_device(device, int8)  # before the loading, which can take a while
         one = isinstance(checkpoint, (str, bytes, os.PathLike))  # a path, else several
         paths = [os.fsdecode(checkpoint)] if one else [os.fsdecode(p) for p in checkpoint]
         if not paths:
@@ -163,20 +175,21 @@ class Translator:
         return cls(models[0] if len(models) == 1 else Ensemble(models), ckpts[0].tokenizer)
 
     def translate(self, texts: Iterable[str], max_tokens: int = 4096, **options: Any) -> list[str]:
-        """The best translation of each text, in input order. `options` are `DecodeConfig` fields; with
-        `sample` and `seed`, one generator seeded once draws the whole call, so that the same texts and
-        options give the same output and repeated texts get independent samples."""
+        """The best translation of each text, in input order. `options` are `DecodeConfig` fields
+        (`sample=True` alone means beam 1); with `sample` and `seed`, one generator seeded once draws the
+        whole call, so that the same texts and options give the same output and repeated texts get
+        independent samples."""
         return [hyps[0].text if hyps else "" for hyps in self.hypotheses(texts, max_tokens, **options)]
 
     def hypotheses(
         self, texts: Iterable[str], max_tokens: int = 4096, progress: Callable[[int], None] | None = None,
         generator: torch.Generator | None = None, **options: Any,
     ) -> list[list[Translation]]:
-        """The `n_best` translations of each text, best first; an empty list for an empty text.
-        `progress(n)` is called after each batch with the number of texts it held. With `sample`, the
-        tokens are drawn from `generator` (which then takes the place of `seed`), or from one seeded once
-        for this call (not once per batch). Batches are length-sorted, so which sample a text gets also
-        depends on the other texts and on `max_tokens`; searches do not."""
+        """The `n_best` translations of each text, best first (samples: in the order drawn); an empty
+        list for an empty text. `progress(n)` is called after each batch with the number of texts it
+        held. With `sample`, the tokens are drawn from `generator` (which then takes the place of
+        `seed`), or from one seeded once for this call (not once per batch). Batches are length-sorted,
+        so which sample a text gets also depends on the other texts and on `max_tokens`; searches do not."""
         config = decode_config(self.config, **options)
         texts = text_list(texts)
         check_count("max_tokens", max_tokens)
@@ -203,7 +216,8 @@ class Translator:
                     raise
                 raise OutOfMemory(min(chosen), len(chosen), config.beam) from None
             for i, hyps in zip(chosen, found):
-                out[i] = [Translation(self.tokenizer.decode_tgt(h.tokens), h.score, h.tokens) for h in hyps]
+                out[i] = [Translation(self.tokenizer.decode_tgt(h.tokens), h.score, h.tokens, h.log_prob)
+                          for h in hyps]
             if progress is not None:
                 progress(len(chosen))
         if progress is not None and len(todo) < len(texts):
@@ -229,10 +243,13 @@ def translate(checkpoint: str | Path, texts: Iterable[str], **options: Any) -> l
     return Translator.load(checkpoint).translate(texts, **options)
 
 
-def read_utf8_lines(stream: BinaryIO, name: str, chunk: int) -> Iterator[list[str]]:
+def read_utf8_lines(
+    stream: BinaryIO, name: str, chunk: int, whole_chunks: bool = False
+) -> Iterator[list[str]]:
     """Lines of a binary stream, decoded, without newlines, in lists of up to `chunk` lines; a bad
     byte sequence or a NUL byte is a `UserError` naming NAME:LINE. From a pipe, a list also ends where
-    the input stalls, so that a slow writer gets each answer before it sends more."""
+    the input stalls, so that a slow writer gets each answer before it sends more; with `whole_chunks`
+    it does not (every list but the last holds `chunk` lines), so that the lists do not depend on timing."""
     lines: list[str] = []
     for n, (raw, more) in enumerate(_raw_lines(stream), 1):
         try:
@@ -241,7 +258,7 @@ def read_utf8_lines(stream: BinaryIO, name: str, chunk: int) -> Iterator[list[st
             raise UserError(f"{name}:{n}: invalid UTF-8") from None
         if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
             raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?)")
-        if len(lines) >= chunk or not more:
+        if len(lines) >= chunk or not (more or whole_chunks):
             yield lines
             lines = []
     if lines:
@@ -298,15 +315,23 @@ def translate_stream(
     max_tokens: int = 4096, progress: Callable[[int], None] | None = None, **options: Any,
 ) -> int:
     """Translate `src` line by line into `dst`, in input order, `chunk` lines at a time (1 for an
-    interactive filter: each line is answered as soon as it is read). With `n_best` > 1 every line gets
-    its hypotheses in Moses' n-best format, `LINE ||| TEXT ||| SCORE` (LINE from 0). With `sample`, one
-    generator seeded once draws the whole stream. Returns the number of lines read."""
+    interactive filter: each line is answered as soon as it is read); from a pipe, also what arrived
+    before the input stalled, except with `sample` and a `seed`.
+
+    With `n_best` > 1 every line gets exactly `n_best` rows in Marian's n-best format (Moses' four
+    fields), `LINE ||| TEXT ||| F0= LOG_PROB ||| SCORE`: LINE counts from 0, LOG_PROB is the raw log
+    P(TEXT | line) (`Translation.log_prob`), SCORE is LOG_PROB / lp(|Y|), what beam search ranked by.
+    An empty line gets `n_best` empty rows scored 0. With `sample`, one generator seeded once draws the
+    whole stream; with a `seed` too, a pipe is read in whole `chunk`-line blocks like a file, since
+    which line gets which draw depends on the batches (`Translator.hypotheses`). Returns the number of
+    lines read."""
     config = decode_config(translator.config, **options)
     check_count("chunk", chunk)
     check_count("max_tokens", max_tokens)
     generator = sampling_generator(config, translator.device) if config.sample else None
+    reproducible = config.sample and config.seed is not None  # batches must not follow a pipe's timing
     done = 0
-    for lines in read_utf8_lines(src, name, chunk):
+    for lines in read_utf8_lines(src, name, chunk, whole_chunks=reproducible):
         try:
             translated = translator.hypotheses(lines, max_tokens, progress, generator, **options)
         except TextError as e:  # a sentence too long, a batch out of memory: named by its line
@@ -315,8 +340,8 @@ def translate_stream(
             if config.n_best == 1:
                 dst.write((hyps[0].text if hyps else "") + "\n")
                 continue
-            for h in hyps or [Translation("", 0.0, [])]:  # an empty line: one empty hypothesis
-                dst.write(f"{done + i} ||| {h.text} ||| {h.score:.4f}\n")
+            for h in hyps or [Translation("", 0.0, [], 0.0)] * config.n_best:  # an empty line: n_best rows
+                dst.write(f"{done + i} ||| {h.text} ||| F0= {h.log_prob:.4f} ||| {h.score:.4f}\n")
         dst.flush()
         done += len(lines)
     return done

@@ -23,7 +23,7 @@ class DecodeConfig:
     max_len_b: int = 50
     min_len: int = 0  # EOS is forbidden until this many tokens were produced (benchmarks force lengths)
     n_best: int = 1  # hypotheses returned per sentence (<= beam; with sampling: independent samples)
-    early_stopping: bool = False  # False: tensor2tensor's rule (the paper's code): stop a sentence once
+    early_stopping: bool = False  # beam > 1 only. False: tensor2tensor's rule (the paper's code): stop once
     # no live hypothesis can beat the `beam`-th finished one, bounding its score by log P / lp(max length).
     # True: fairseq's and HuggingFace's rule, stop once `beam` hypotheses ended: faster, but a confident
     # model's junk beams can end first (the demo measured 98.8% exact match against 100% with False)
@@ -60,6 +60,8 @@ class DecodeConfig:
             problems.append(f"max_len_a={self.max_len_a} and max_len_b={self.max_len_b} allow no output token")
         if self.n_best < 1 or (not self.sample and self.n_best > self.beam):
             problems.append(f"n_best={self.n_best} must be between 1 and beam={self.beam}")
+        if self.early_stopping and self.beam == 1:  # beam 1 is greedy search (or sampling): nothing to stop
+            problems.append(f"early_stopping=True needs beam > 1, not {self.beam}")
         return problems
 
     def sampling_problems(self) -> list[str]:

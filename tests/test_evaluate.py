@@ -22,6 +22,31 @@ def test_bleu_equals_the_hand_computed_value():
     assert lowercased.name == LOWERCASE_LABEL.format("13a") and "case:lc" in lowercased.signature
 
 
+def test_chrf_plus_plus_ter_and_confidence_intervals_are_sacrebleus(tmp_path, capsys):
+    from sacrebleu.metrics import BLEU, CHRF
+
+    # TER by hand: tercom lowercases and splits on spaces, "the" -> "a" is 1 edit for 6 reference words
+    hyp, ref = ["The cat sat on the mat."], [["The cat sat on a mat."]]
+    bleu, chrf, _, ter = corpus_scores(hyp, ref, chrf_word_order=2, ter=True)
+    assert ter.name == "TER" and ter.score == pytest.approx(100 / 6) and "tok:tercom" in ter.signature
+    assert chrf.name == "chrF2++" and "nw:2" in chrf.signature
+    assert chrf.score == pytest.approx(CHRF(word_order=2).corpus_score(hyp, ref).score) != corpus_scores(hyp, ref)[1].score
+    hyps = [f"the number {i} is {'even' if i % 3 else 'odd'}" for i in range(60)]
+    refs = [[f"the number {i} is {'even' if i % 2 == 0 else 'odd'}" for i in range(60)]]
+    scored = corpus_scores(hyps, refs, confidence=200)
+    theirs = BLEU().corpus_score(hyps, refs, n_bootstrap=200)  # sacreBLEU's fixed seed: the same resamples
+    assert scored[0].score == pytest.approx(theirs.score) and scored[0].ci == pytest.approx(theirs._ci)
+    assert theirs._ci > 0
+    assert "bs:200" in scored[0].signature and all(s.ci is not None for s in scored)
+    assert corpus_scores(hyps, refs)[0].ci is None
+    (tmp_path / "hyp").write_text("\n".join(hyps) + "\n")
+    (tmp_path / "ref").write_text("\n".join(refs[0]) + "\n")
+    assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--ter", "--confidence", "200",
+                 "--chrf-word-order", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"BLEU: {theirs.score:.2f} (95% CI +/- {theirs._ci:.2f})" in out and "chrF2++: " in out and "TER: " in out
+
+
 def test_lowercased_bleu_ignores_case_and_is_labelled():
     hyps, refs = ["The Cat Sat On The Mat Today"], [["the cat sat on the mat today"]]
     bleu, _, lowercased = corpus_scores(hyps, refs)

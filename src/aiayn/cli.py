@@ -210,7 +210,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     from aiayn.data.dataset import read_lines
     from aiayn.evaluate import evaluate_files, unspaced_hint
 
-    scores = evaluate_files(args.hypotheses, args.references, args.lang, args.tokenize)
+    scores = evaluate_files(args.hypotheses, args.references, args.lang, args.tokenize,
+                            chrf_word_order=args.chrf_word_order, ter=args.ter, confidence=args.confidence)
     note = unspaced_hint(read_lines(args.hypotheses), args.lang, args.tokenize)
     if note:  # Chinese scored with 13a: BLEU near 0 however good the translation
         print(f"aiayn: note: {note}", file=sys.stderr)
@@ -218,7 +219,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         print(json.dumps([s.__dict__ for s in scores], indent=2))
         return
     for s in scores:
-        print(f"{s.name}: {s.score:.2f}\n  {s.detail}\n  signature: {s.signature}")
+        ci = "" if s.ci is None else f" (95% CI +/- {s.ci:.2f})"
+        print(f"{s.name}: {s.score:.2f}{ci}\n  {s.detail}\n  signature: {s.signature}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Thai, Lao, Khmer, Burmese: no sacreBLEU tokenizer) its char one (tok:char)")
     p.add_argument("--tokenize", default=None, help="BLEU's tokenizer by name (default: 13a, or LANG's): "
                    "13a, intl, zh, char, none, flores200 (downloads its model on first use), ...")
+    p.add_argument("--chrf-word-order", type=int, default=0, choices=[0, 1, 2],
+                   help="word n-grams in chrF: 2 is chrF++ (default 0, chrF)")
+    p.add_argument("--ter", action="store_true", help="also TER (translation edit rate; lower is better)")
+    p.add_argument("--confidence", type=int, nargs="?", const=1000, default=0, metavar="N",
+                   help="bootstrap resampling (sacreBLEU's, N resamples, default 1000): each score with its 95%% "
+                   "confidence interval")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.set_defaults(func=cmd_evaluate)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 from aiayn.data.dataset import read_lines
@@ -42,10 +42,11 @@ HINT_WORDS, HINT_CHARS = 1.5, 8  # 13a words and characters per non-empty hypoth
 class Score:
     """One corpus-level metric."""
 
-    name: str  # BLEU, chrF2, or the BLEU-lc label
-    score: float  # 0-100
+    name: str  # BLEU, chrF2 (chrF2++ with word bigrams), the BLEU-lc label, or TER
+    score: float  # 0-100 (TER: edits per reference word, x 100, lower is better)
     signature: str  # sacreBLEU's signature: what was computed, with which version
     detail: str  # sacreBLEU's full line (n-gram precisions, brevity penalty, lengths)
+    ci: float | None = None  # with `confidence`: half the width of the bootstrap's 95% interval
 
 
 def target_language(lang: str, option: str = "-l") -> str:
@@ -124,11 +125,14 @@ def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLE
 
 
 def corpus_scores(
-    hypotheses: Sequence[str], references: Sequence[Sequence[str]], lang: str = "", tokenize: str | None = None
+    hypotheses: Sequence[str], references: Sequence[Sequence[str]], lang: str = "", tokenize: str | None = None,
+    chrf_word_order: int = 0, ter: bool = False, confidence: int = 0,
 ) -> list[Score]:
-    """BLEU, chrF and the lowercased BLEU of `hypotheses` against one or more reference streams
-    (`references[j][i]` is reference j of sentence i). `lang`, `tokenize`: BLEU's tokenizer, as
-    `bleu_metrics` picks it."""
+    """BLEU, chrF and the lowercased BLEU of `hypotheses`, then TER with `ter`, against one or more
+    reference streams (`references[j][i]` is reference j of sentence i). `lang`, `tokenize`: BLEU's
+    tokenizer, as `bleu_metrics` picks it. `chrf_word_order=2` is chrF++ (Popovic, 2017). `confidence`:
+    that many bootstrap resamples (sacreBLEU's, 1,000 as its --confidence), each score with its 95%
+    interval, for telling whether two systems differ."""
     if not hypotheses:
         raise UserError("no hypotheses: nothing to score")
     for j, refs in enumerate(references):
@@ -136,19 +140,27 @@ def corpus_scores(
             raise UserError(
                 f"reference {j + 1} has {len(refs)} lines but the hypotheses have {len(hypotheses)}"
             )
+    if chrf_word_order not in (0, 1, 2):  # sacreBLEU takes 0-2 (0: chrF, 2: chrF++)
+        raise UserError(f"chrF's word order {chrf_word_order} is not 0, 1 or 2 (2 is chrF++)")
+    if confidence < 0 or confidence == 1:
+        raise UserError(f"confidence={confidence}: give a number of bootstrap resamples, at least 2 (0: off)")
     bleu, lowercased = bleu_metrics(lang, tokenize)
+    metrics = [(None, bleu), (None, CHRF(word_order=chrf_word_order)),
+               (LOWERCASE_LABEL.format(bleu.tokenizer_signature), lowercased)] + ([(None, TER())] if ter else [])
     out = []
-    for label, metric in (("BLEU", bleu), ("chrF2", CHRF()), (LOWERCASE_LABEL.format(bleu.tokenizer_signature), lowercased)):
-        result = metric.corpus_score(list(hypotheses), [list(r) for r in references])
-        out.append(Score(label, result.score, str(metric.get_signature()), str(result)))
+    for label, metric in metrics:
+        result = metric.corpus_score(list(hypotheses), [list(r) for r in references], n_bootstrap=confidence or 1)
+        ci = getattr(result, "_ci", None) if confidence else None
+        out.append(Score(label or result.name, result.score, str(metric.get_signature()), str(result), ci))
     return out
 
 
 def evaluate_files(
-    hypotheses: str | Path, references: Sequence[str | Path], lang: str = "", tokenize: str | None = None
+    hypotheses: str | Path, references: Sequence[str | Path], lang: str = "", tokenize: str | None = None,
+    **options: int | bool,
 ) -> list[Score]:
-    """Score a file of translations against reference files, line by line (`lang`, `tokenize`: as
-    `corpus_scores`)."""
+    """Score a file of translations against reference files, line by line (`lang`, `tokenize` and
+    `options`: as `corpus_scores`)."""
     hyps = read_lines(hypotheses)
     if not hyps:
         raise UserError(f"{hypotheses}: empty, nothing to score")
@@ -156,4 +168,4 @@ def evaluate_files(
     for path, lines in zip(references, refs):
         if len(lines) != len(hyps):
             raise UserError(f"{path}: {len(lines)} lines, but {hypotheses} has {len(hyps)}")
-    return corpus_scores(hyps, refs, lang, tokenize)
+    return corpus_scores(hyps, refs, lang, tokenize, **options)

@@ -260,6 +260,9 @@ def test_default_output_replaces_an_earlier_average_only(run, tokenizer):
     (run / "average_last_2").mkdir()  # not an average: somebody's directory
     with pytest.raises(UserError, match="average_last_2: already exists"):
         average_last(run, 2)
+    for k in (0, -1, 2.0):  # found[-0:] averaged every checkpoint, found[-1:] dropped the first ones
+        with pytest.raises(UserError, match=f"average the last {k!r} checkpoints: give a whole number >= 1"):
+            average_last(run, k)
 
 
 def test_average_checks_shapes_not_only_meta(run, tokenizer):

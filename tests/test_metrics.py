@@ -110,6 +110,16 @@ def test_plot_command_gives_one_line_for_a_bad_line(tmp_path, capsys):
     assert err == [f"aiayn: error: {tmp_path / 'metrics.jsonl'}:2: not a JSON object: 42"]
 
 
+@pytest.mark.parametrize("content", [b"", b'{"step": 1, "lo'])  # nothing yet; only a line cut by a kill
+def test_plot_command_refuses_a_log_with_no_metrics(tmp_path, capsys, content):
+    write_log(tmp_path / "metrics.jsonl", content)
+    assert cli.main(["plot", str(tmp_path), "-o", str(tmp_path / "c.png")]) == 2  # was an empty picture, 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"aiayn: error: {tmp_path / 'metrics.jsonl'}: no metrics logged yet "
+        "(the first come after train.log_every updates)")
+    assert not (tmp_path / "c.png").exists()
+
+
 def test_records_without_a_curves_keys_are_left_out_of_that_curve(tmp_path):
     """A train record without `nll` (the probe's) and a validation without a validation set."""
     path = write_log(

@@ -32,6 +32,14 @@ def test_a_missing_data_folder_is_one_line(tmp_path, capsys):
     assert err.startswith("run.py: error: ") and "nowhere" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("option", ["--beam", "--average"])
+def test_a_count_below_one_is_refused(tmp_path, capsys, option):
+    # --beam 0 became the pair's beam, --average 0 averaged every checkpoint
+    with pytest.raises(SystemExit) as e:
+        run.main(["--data", str(tmp_path), option, "0"])
+    assert e.value.code == 2 and "invalid positive integer value: '0'" in capsys.readouterr().err
+
+
 def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path):
     """--no-train scored the trained model but recorded the options given to it (another preset here)."""
     data = tmp_path / "data"

@@ -432,7 +432,8 @@ def test_validation_files_come_in_pairs():
     [
         (dict(normalization="nfd"), "data.normalization='nfd' is not one of nmt_nfkc, nfkc, nmt_nfkc_cf"),
         (dict(normalization="NFKC"), "data.normalization='NFKC'"),
-        (dict(character_coverage=0.0), r"data.character_coverage=0.0 is not in \(0, 1\]"),
+        (dict(character_coverage=0.0), r"data.character_coverage=0.0 is not in \[0.98, 1\]"),
+        (dict(character_coverage=0.5), r"data.character_coverage=0.5 is not in \[0.98, 1\] \(SentencePiece"),
         (dict(character_coverage=1.5), "data.character_coverage=1.5"),
         (dict(character_coverage=-0.5), "data.character_coverage=-0.5"),
         (dict(character_coverage=math.nan), "data.character_coverage=nan"),
@@ -441,6 +442,27 @@ def test_validation_files_come_in_pairs():
 def test_data_config_refuses_a_normalization_or_coverage_sentencepiece_has_not(changes, message):
     with pytest.raises(ConfigError, match=message):
         DataConfig(**changes)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("adam_beta1=1.5", r"train.adam_beta1=1.5 is not in \[0, 1\)"),  # was torch's traceback after encoding
+        ("adam_beta2=1.0", r"train.adam_beta2=1.0 is not in \[0, 1\)"),
+        ("adam_eps=0.0", "train.adam_eps=0.0 must be a finite number > 0"),  # was NaN at update 10
+        ("adam_eps=-1.0", "train.adam_eps=-1.0"),
+    ],
+)
+def test_adam_settings_are_checked_with_the_config(setting, message):
+    name, value = setting.split("=")
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**{name: float(value)})
+
+
+@pytest.mark.parametrize("eps", [0.0, -1.0, math.nan, math.inf])
+def test_layer_norm_eps_must_be_a_positive_number(eps):
+    with pytest.raises(ConfigError, match=f"layer_norm_eps={eps} must be a finite number > 0"):
+        model_config("micro", vocab_size=100, layer_norm_eps=eps)
 
 
 def test_normalization_and_character_coverage_can_be_set(tmp_path):

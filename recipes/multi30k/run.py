@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from aiayn.checkpoint import read_meta
+from aiayn.cli import positive_int
 from aiayn.config import ConfigError
 from aiayn.data.dataset import read_lines
 from aiayn.errors import UserError
@@ -54,9 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pair", default="en-de", choices=["en-de", "de-en"])
     p.add_argument("--test", action="store_true", help="also score test_2016_flickr (once per recipe change)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the recipe")
-    p.add_argument("--beam", type=int, help="beam size (default: the pair's, chosen on val)")
+    p.add_argument("--beam", type=positive_int, help="beam size (default: the pair's, chosen on val)")
     p.add_argument("--lenpen", type=float, help="GNMT length penalty alpha (default: the pair's, chosen on val)")
-    p.add_argument("--average", type=int, default=5, help="average the last K checkpoints")
+    p.add_argument("--average", type=positive_int, default=5, help="average the last K checkpoints")
     p.add_argument("--no-train", action="store_true",
                    help="score the run's existing checkpoints (e.g. on test, once, after tuning on val)")
     p.add_argument("--ensemble", action="store_true",
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(config.train.run_dir)
 
     beam, lenpen = SEARCH[args.pair]
-    beam, lenpen = args.beam or beam, lenpen if args.lenpen is None else args.lenpen
+    beam, lenpen = beam if args.beam is None else args.beam, lenpen if args.lenpen is None else args.lenpen
     start = time.monotonic()
     if args.ensemble:
         members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m])

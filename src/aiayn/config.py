@@ -9,6 +9,7 @@ every configuration is read the same way: an unknown key or a wrong type raises 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ class ModelConfig:
             problems.append(f"d_model={self.d_model} must be even for sinusoidal positions")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} is not in [0, 1)")
+        if not (math.isfinite(self.layer_norm_eps) and self.layer_norm_eps > 0):  # else NaN after some updates
+            problems.append(f"layer_norm_eps={self.layer_norm_eps} must be a finite number > 0")
         if self.share_embeddings and self.tgt_vocab_size not in (None, self.vocab_size):
             problems.append(
                 f"share_embeddings=True needs one vocabulary, but vocab_size={self.vocab_size} "

@@ -109,6 +109,8 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
     may be or lie inside the run's `checkpoints`, nor be or contain the run directory.
     """
     run_dir = Path(run_dir)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:  # found[-0:] would be every checkpoint
+        raise UserError(f"average the last {k!r} checkpoints: give a whole number >= 1")
     found = checkpoint_dirs(run_dir)
     if not found:
         raise UserError(f"{run_dir}: no checkpoints found")

@@ -44,8 +44,8 @@ class DataConfig:
     normalization: str = "nmt_nfkc"  # SentencePiece's rule for the text: "nmt_nfkc" (SentencePiece's and
     # Marian's default: NFKC, and the zero-width non-joiner U+200C becomes a space), "nfkc" (keeps ZWNJ),
     # "nmt_nfkc_cf" / "nfkc_cf" (also case-folded) or "identity" (keeps the text exactly)
-    character_coverage: float = 1.0  # share of the characters the vocabulary covers; SentencePiece
-    # recommends 0.9995 for Chinese and Japanese (rarer characters become <unk>)
+    character_coverage: float = 1.0  # share of the characters the vocabulary covers, 0.98 to 1;
+    # SentencePiece recommends 0.9995 for Chinese and Japanese (rarer characters become <unk>)
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -54,8 +54,9 @@ class DataConfig:
         rules = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")  # SentencePiece's rule names
         if self.normalization not in rules:
             raise ConfigError(f"data.normalization={self.normalization!r} is not one of {', '.join(rules)}")
-        if not 0.0 < self.character_coverage <= 1.0:  # also refuses nan
-            raise ConfigError(f"data.character_coverage={self.character_coverage} is not in (0, 1]")
+        if not 0.98 <= self.character_coverage <= 1.0:  # SentencePiece's own bounds; also refuses nan
+            raise ConfigError(f"data.character_coverage={self.character_coverage} is not in [0.98, 1] "
+                              "(SentencePiece's range)")
         if self.vocab_size < 8 or self.max_len < 2:
             raise ConfigError("data.vocab_size must be >= 8 and data.max_len >= 2")
         if bool(self.valid_src) != bool(self.valid_tgt):  # else validation silently reads one side only
@@ -112,6 +113,11 @@ class TrainConfig:
             problems.append("train.cooldown needs a budget to end at: max_minutes, max_updates or max_epochs")
         if not 0.0 <= self.label_smoothing < 1.0:
             problems.append(f"train.label_smoothing={self.label_smoothing} is not in [0, 1)")
+        for name in ("adam_beta1", "adam_beta2"):  # torch.optim.Adam's bounds, checked before any data work
+            if not 0.0 <= getattr(self, name) < 1.0:
+                problems.append(f"train.{name}={getattr(self, name)} is not in [0, 1)")
+        if not (math.isfinite(self.adam_eps) and self.adam_eps > 0):  # 0 divides by a zero second moment
+            problems.append(f"train.adam_eps={self.adam_eps} must be a finite number > 0")
         problems += self._budget_problems() + self._bleu_problems()
         if problems:
             raise ConfigError("; ".join(problems))

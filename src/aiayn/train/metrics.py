@@ -116,7 +116,10 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    fig = _draw(read_metrics(jsonl_path), plt)
+    records = read_metrics(jsonl_path)
+    if not any("step" in r for r in records):  # an empty picture, exit 0, looked like a broken run
+        raise UserError(f"{jsonl_path}: no metrics logged yet (the first come after train.log_every updates)")
+    fig = _draw(records, plt)
     try:
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=100)

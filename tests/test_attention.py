@@ -16,6 +16,7 @@ from aiayn.attention import attention_modules, extract_attention, record_attenti
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.errors import UserError
 from aiayn.model.attention import merge_heads, split_heads
 from conftest import padded_batch, tiny_model
 from reference import naive_attention
@@ -240,3 +241,59 @@ def test_label_characters_no_font_has_are_named_once(tmp_path, tokenizers, monke
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and warned[0].startswith("2 label character(s) (中文) are in no installed font")
     assert "▁中 文" in (tmp_path / "maps" / "attention.html").read_text(encoding="utf-8")
+
+
+def test_labels_are_text_not_matplotlib_math(tmp_path, tokenizers):
+    """A piece with dollar signs (LaTeX in the training text) made matplotlib parse math: "$$" raised
+    in the middle of drawing, "$x$" was drawn as an italic x."""
+    argv = _draw_args(tmp_path, tokenizers)
+    ck = load_checkpoint(tmp_path / "ck")
+    maps = extract_attention(ck.model, ck.tokenizer, "the number 7", "die Zahl 7")
+    pieces = ["$$", "$x$", r"$\frac$", "a_b$^$"][: len(maps.src_tokens)]
+    dollars = dataclasses.replace(maps, src_tokens=pieces + maps.src_tokens[len(pieces):])
+    files = attention.draw_attention(dollars, tmp_path / "maps")
+    assert files["cross"].read_bytes()[:4] == b"\x89PNG"
+    assert main(argv + ["--out", str(tmp_path / "cli")]) == 0
+
+
+def test_layers_and_heads_can_be_chosen_and_keep_their_numbers(tmp_path, tokenizers, capsys):
+    argv = _draw_args(tmp_path, tokenizers)
+    ck = load_checkpoint(tmp_path / "ck")
+    maps = extract_attention(ck.model, ck.tokenizer, "the number 7", "die Zahl 7")
+    some = maps.select(layers=[2], heads=[1, 2])
+    for kind in ("encoder", "decoder", "cross"):
+        assert torch.equal(some.weights(kind), maps.weights(kind)[[1]][:, [0, 1]])
+        assert some.layer_numbers(kind) == (2,) and maps.layer_numbers(kind) == (1, 2)
+    assert some.head_numbers() == (1, 2)
+    with pytest.raises(UserError, match="layer 3: choose layers from 1 to 2"):
+        maps.select(layers=[3])
+    with pytest.raises(UserError, match="head 9: choose heads from 1 to"):
+        maps.select(heads=[9])
+    assert main(argv + ["--layers", "2", "--heads", "1", "--out", str(tmp_path / "one")]) == 0
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--layers", "0", "--out", str(tmp_path / "none")])
+    assert e.value.code == 2
+    assert "invalid comma-separated list of positive integers value: '0'" in capsys.readouterr().err
+
+
+def test_the_page_says_which_target_the_decoder_read(tmp_path, tokenizers):
+    _draw_args(tmp_path, tokenizers)
+    ck = load_checkpoint(tmp_path / "ck")
+    given = extract_attention(ck.model, ck.tokenizer, "the number 7", "die Zahl 7")
+    greedy = extract_attention(ck.model, ck.tokenizer, "the number 7")
+    assert (given.target, greedy.target) == ("given", "greedy")
+    page = attention.draw_attention(greedy, tmp_path / "maps")["html"].read_text(encoding="utf-8")
+    assert "the model's greedy translation" in page
+
+
+def test_a_source_of_no_pieces_and_a_directory_in_the_way_are_refused(tmp_path, tokenizers, capsys):
+    argv = _draw_args(tmp_path, tokenizers)
+    assert main(argv[:3] + ["--src", "\u200b", "--out", str(tmp_path / "maps")]) == 2  # was a 1 x 1 map of EOS
+    assert "the source has no piece the tokenizer reads" in capsys.readouterr().err
+    ck = load_checkpoint(tmp_path / "ck")
+    maps = extract_attention(ck.model, ck.tokenizer, "the number 7", "die Zahl 7")
+    (tmp_path / "maps" / "attention_cross.png").mkdir(parents=True)
+    (tmp_path / "maps" / "attention_encoder.png").write_bytes(b"old")
+    with pytest.raises(UserError, match="attention_cross.png: is a directory"):
+        attention.draw_attention(maps, tmp_path / "maps")
+    assert (tmp_path / "maps" / "attention_encoder.png").read_bytes() == b"old"  # nothing replaced

@@ -13,12 +13,13 @@ self-attention (T x T) and encoder-decoder ("cross") attention (T x S).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import io
 import logging
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,9 +84,36 @@ class AttentionMaps:
     decoder: Tensor  # (L, H, T, T)
     cross: Tensor  # (L, H, T, S)
     logits: Tensor  # (T, V) the model's output in the same forward pass
+    target: str = "given"  # what the decoder read: "given" (teacher-forced) or "greedy" (the model's own)
+    layers: tuple[int, ...] = ()  # the model's 1-based numbers of the layers held (`select`); () = all
+    heads: tuple[int, ...] = ()  # the same for heads
 
     def weights(self, kind: str) -> Tensor:
         return {"encoder": self.encoder, "decoder": self.decoder, "cross": self.cross}[kind]
+
+    def layer_numbers(self, kind: str) -> tuple[int, ...]:
+        return self.layers or tuple(range(1, self.weights(kind).shape[0] + 1))
+
+    def head_numbers(self) -> tuple[int, ...]:
+        return self.heads or tuple(range(1, self.encoder.shape[1] + 1))
+
+    def select(self, layers: Sequence[int] = (), heads: Sequence[int] = ()) -> AttentionMaps:
+        """These maps for some layers and heads only (1-based, as the pictures number them; empty: all):
+        a 6 x 8 grid of 100-token maps has 2-point labels, one layer or head of it readable ones."""
+        if self.layers or self.heads:  # numbers would refer to positions in the selection
+            raise ValueError("select() on maps that are already a selection")
+        layers, heads = tuple(layers), tuple(heads)
+        n_layers = min(self.encoder.shape[0], self.decoder.shape[0])  # a layer number picks in both stacks
+        for name, chosen, count in (("layer", layers, n_layers), ("head", heads, self.encoder.shape[1])):
+            if bad := [n for n in chosen if not 1 <= n <= count]:
+                raise UserError(f"{name} {bad[0]}: choose {name}s from 1 to {count}")
+
+        def pick(w: Tensor) -> Tensor:  # (L, H, R, C) -> (L', H', R, C)
+            w = w[[n - 1 for n in layers]] if layers else w
+            return w[:, [n - 1 for n in heads]] if heads else w
+
+        return dataclasses.replace(self, encoder=pick(self.encoder), decoder=pick(self.decoder),
+                                   cross=pick(self.cross), layers=layers, heads=heads)
 
     def labels(self, kind: str) -> tuple[list[str], list[str]]:
         """(row labels, column labels) of one kind's maps."""
@@ -124,6 +152,8 @@ def extract_attention(
     if tgt is not None and not tgt.strip():
         raise UserError("the target is empty (leave it out to draw the model's own translation)")
     src_ids = tokenizer.encode_src(src)
+    if len(src_ids) < 2:  # only EOS: a zero-width space or control characters, which the tokenizer drops
+        raise UserError("the source has no piece the tokenizer reads: there is nothing to attend to")
     if len(src_ids) > model.config.max_len:
         raise SentenceTooLong(0, len(src_ids), model.config.max_len, "the source")
     check_drawable(len(src_ids), "the source", max_tokens)
@@ -134,7 +164,10 @@ def extract_attention(
         tgt_ids = tokenizer.encode_tgt(tgt) + [tokenizer.eos_id]
         if len(tgt_ids) > model.config.max_len:  # the decoder reads start + all but EOS: as many
             raise SentenceTooLong(0, len(tgt_ids), model.config.max_len, "the target")
-    check_drawable(len(tgt_ids), "the target" if tgt is not None else "the greedy translation", max_tokens)
+    if tgt is None:  # a model that repeats itself: its own output can run to the length limit
+        check_drawable(len(tgt_ids), "the greedy translation", max_tokens, " (give a target to draw instead)")
+    else:
+        check_drawable(len(tgt_ids), "the target", max_tokens)
     tgt_in = [model.config.decoder_start_id] + tgt_ids[:-1]
     with record_attention(model) as records:
         logits = model(src_t, torch.tensor([tgt_in]))  # (1, T, V)
@@ -145,14 +178,15 @@ def extract_attention(
         tgt_in_tokens=tokenizer.tgt_pieces(tgt_in),
         tgt_out_tokens=tokenizer.tgt_pieces(tgt_ids),
         logits=logits[0],
+        target="given" if tgt is not None else "greedy",
         **stacked,
     )
 
 
-def check_drawable(tokens: int, side: str, max_tokens: int | None = MAX_TOKENS) -> None:
+def check_drawable(tokens: int, side: str, max_tokens: int | None = MAX_TOKENS, hint: str = "") -> None:
     if max_tokens is not None and tokens > max_tokens:
         raise UserError(f"{side}: {tokens} tokens (with EOS), more than {max_tokens}; "
-                        "attention maps of more tokens are unreadable, so they are not drawn")
+                        f"attention maps of more tokens are unreadable, so they are not drawn{hint}")
 
 
 def source_labels(tokenizer: Tokenizer, src: str, src_ids: list[int]) -> list[str]:
@@ -210,6 +244,7 @@ def _render(plt, maps: AttentionMaps, kind: str) -> bytes:
     """`render_kind`'s figure."""
     weights = maps.weights(kind).numpy()  # (L, H, R, C)
     rows, cols = maps.labels(kind)
+    layer_numbers, head_numbers = maps.layer_numbers(kind), maps.head_numbers()
     n_layers, n_heads = weights.shape[:2]
     cell, font = figure_layout(n_layers, n_heads, len(rows), len(cols))
     w, h = max(1.5, cell * len(cols)), max(1.5, cell * len(rows))
@@ -222,9 +257,12 @@ def _render(plt, maps: AttentionMaps, kind: str) -> bytes:
                 ax = axes[layer][head]
                 image = ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
                 # Every map of a kind shares its axes: label the left column and the bottom row only.
-                ax.set_yticks(range(len(rows)), rows if head == 0 else [], fontsize=font)
-                ax.set_xticks(range(len(cols)), cols if layer == n_layers - 1 else [], rotation=90, fontsize=font)
-                ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=9)
+                # parse_math=False: a piece such as "$$" or "$x$" is text, not matplotlib's math (which
+                # raised on "$$" and drew "$x$" as an italic x)
+                ax.set_yticks(range(len(rows)), rows if head == 0 else [], fontsize=font, parse_math=False)
+                ax.set_xticks(range(len(cols)), cols if layer == n_layers - 1 else [], rotation=90,
+                              fontsize=font, parse_math=False)
+                ax.set_title(f"layer {layer_numbers[layer]}, head {head_numbers[head]}", fontsize=9)
         fig.suptitle(TITLES[kind], fontsize=11)
         fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
         png = io.BytesIO()
@@ -232,6 +270,12 @@ def _render(plt, maps: AttentionMaps, kind: str) -> bytes:
     finally:
         plt.close(fig)
     return png.getvalue()
+
+
+TARGETS = {  # what the decoder read, said on the page: a greedy translation can differ from translate's beam 4
+    "given": "the given target, teacher-forced",
+    "greedy": "the model's greedy translation, which can differ from aiayn translate's beam search",
+}
 
 
 def html_page(maps: AttentionMaps, pngs: dict[str, bytes], title: str) -> str:
@@ -242,7 +286,7 @@ def html_page(maps: AttentionMaps, pngs: dict[str, bytes], title: str) -> str:
         "<style>body{font-family:sans-serif;margin:2em}img{max-width:100%}code{background:#eee}</style>",
         f"</head><body><h1>{html.escape(title)}</h1>",
         f"<p>source pieces: <code>{html.escape(' '.join(maps.src_tokens))}</code></p>",
-        f"<p>target pieces: <code>{html.escape(' '.join(maps.tgt_out_tokens))}</code></p>",
+        f"<p>target pieces: <code>{html.escape(' '.join(maps.tgt_out_tokens))}</code> ({TARGETS[maps.target]})</p>",
     ]
     for kind, png in pngs.items():
         data = base64.b64encode(png).decode("ascii")
@@ -280,12 +324,13 @@ def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "atten
                     "attention.html lists the pieces as text (a font such as Noto Sans CJK draws them)",
                     len(missing), "".join(missing[:10]))
     make_directory(out_dir, out_dir)
-    files = {}
+    files = {kind: out_dir / f"attention_{kind}.png" for kind in pngs} | {"html": out_dir / "attention.html"}
+    for path in files.values():  # before any is replaced: a directory in the way left a mixed set
+        if path.is_dir():
+            raise UserError(f"{path}: is a directory; will not replace it")
     for kind, png in pngs.items():
-        files[kind] = out_dir / f"attention_{kind}.png"
         with atomic_output(files[kind], binary=True) as f:
             f.write(png)
-    files["html"] = out_dir / "attention.html"
     with atomic_output(files["html"]) as f:
         f.write(html_page(maps, pngs, title))
     log.info("attention maps written to %s", out_dir)

@@ -26,6 +26,14 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"  # argparse's message: "invalid positive integer value: '0'"
 
 
+def number_list(text: str) -> tuple[int, ...]:
+    """argparse type: "1,6" -> (1, 6), each a whole number >= 1."""
+    return tuple(positive_int(part) for part in text.split(","))
+
+
+number_list.__name__ = "comma-separated list of positive integers"
+
+
 def cmd_info(args: argparse.Namespace) -> None:
     """Print a preset's resolved configuration and its parameter count."""
     import torch
@@ -87,7 +95,7 @@ def cmd_attention(args: argparse.Namespace) -> None:
     _log_to_stderr()  # e.g. label characters that no installed font has
     check_out_dir(args.out)  # before loading and running the model, not after
     ck = load_checkpoint(args.checkpoint)
-    maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt)
+    maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt).select(args.layers, args.heads)
     files = draw_attention(maps, args.out, title=f"attention of {args.checkpoint}: {args.src}")
     for path in files.values():
         print(path)
@@ -260,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--src", required=True, help="source sentence")
     p.add_argument("--tgt", help="target sentence to force (default: the model's greedy translation)")
     p.add_argument("--out", default="attention", help="output folder (default ./attention)")
+    p.add_argument("--layers", type=number_list, default=(), metavar="N,N,...",
+                   help="draw these layers only, e.g. 1,6 (default: all; maps of a big model's every layer and "
+                   "head have tiny labels)")
+    p.add_argument("--heads", type=number_list, default=(), metavar="N,N,...",
+                   help="draw these heads only, e.g. 3 (default: all)")
     p.set_defaults(func=cmd_attention)
 
     p = sub.add_parser("demo", help="learn English -> German numbers and dates on the CPU in minutes, then look inside")

@@ -58,7 +58,9 @@ def record_attention(model: Transformer) -> Iterator[dict[str, list[list[Tensor]
     """Yield records[kind][layer]: a list that gets one (B, H, T, L) weight tensor per attention call.
 
     One forward pass appends one tensor to every list; incremental decoding appends one per step.
-    The recorders are switched off again on exit, even after an error.
+    Under beam search the shapes follow the search's layout instead: self-attention rows are the live
+    beams, and cross-attention, which a sentence's beams share, folds its K beams into the query axis,
+    (B, H, K x T, S). The recorders are switched off again on exit, even after an error.
     """
     modules = attention_modules(model)
     records = {kind: [[] for _ in mods] for kind, mods in modules.items()}

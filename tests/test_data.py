@@ -1,17 +1,24 @@
 """Parallel text is read, checked, encoded once and cached; bad files give one line naming file and line."""
 
+import gzip
 import logging
+import os
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
+from aiayn.data import dataset
 from aiayn.data.dataset import (
     ParallelText,
     collate,
     find_tokenizer,
     load_encoded,
+    read_lines,
     read_parallel,
     train_tokenizer,
 )
+from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
 
 
@@ -85,6 +92,7 @@ def test_encode_once_then_cache(tmp_path, corpus_files, monkeypatch):
         raise AssertionError("re-encoded although cached")
 
     monkeypatch.setattr(type(tok), "encode_src", no_encoding)
+    monkeypatch.setattr(type(tok), "encode_src_batch", no_encoding)
     again, _ = load_encoded(src, tgt, tok, tmp_path / "cache")
     assert [again.source(i) for i in range(201)] == [first.source(i) for i in range(201)]
     assert [again.target(i) for i in range(201)] == [first.target(i) for i in range(201)]
@@ -121,6 +129,162 @@ def test_filter_length_keeps_the_right_pairs():
     want = [(s, t) for s, t in zip(src, tgt) if len(s) <= 8 and len(t) + 1 <= 8]
     assert dropped == 300 - len(want) and dropped > 50
     assert [(kept.source(i), kept.target(i)) for i in range(len(kept))] == want
+
+
+# What the files hold, beyond plain text.
+
+
+def test_lines_with_no_pieces_are_dropped_as_empty_pairs(tmp_path, corpus_files, caplog):
+    """A zero-width space or control bytes look non-empty to str.strip() but encode to no pieces: such
+    pairs were trained on as a source of EOS alone or an empty target."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    de = ["der Hund", "die Katze", "\x01\x02", "\u200b\u200b", "\ufffd", "schnell"]  # U+FFFD: text, no pieces
+    en = ["the dog", "\u200b", "the cat", "fast", "runs", "the \u200bcat"]
+    a, b = write(tmp_path / "v.de", de), write(tmp_path / "v.en", en)
+    text = read_parallel(a, b)
+    assert text.src == ["der Hund", "\ufffd", "schnell"] and text.tgt == ["the dog", "runs", "the \u200bcat"]
+    assert text.dropped_empty == 3
+    with caplog.at_level(logging.INFO, logger="aiayn.data.dataset"):
+        corpus, dropped = load_encoded(a, b, tok, tmp_path / "cache")
+    assert dropped == 4 and len(corpus) == 2
+    assert [corpus.source(i) for i in range(2)] == [tok.encode_src("der Hund"), tok.encode_src("schnell")]
+    assert corpus.target(1) == tok.encode_tgt("the \u200bcat")
+    assert f"{a}: dropped 4 empty pair(s) of 6" in caplog.messages
+    assert load_encoded(a, b, tok, tmp_path / "cache")[1] == 4  # the same count from the cache
+    write(b, ["\u200b"] * 6)
+    with pytest.raises(UserError, match=r"v\.de:1: no non-empty sentence pairs"):
+        load_encoded(a, b, tok, tmp_path / "cache")
+
+
+def test_cr_only_line_ends_are_named(tmp_path):
+    """An old Mac file was one line, and SentencePiece then failed with a message about the vocabulary."""
+    mac = write(tmp_path / "mac.de", [], raw=b"eins\rzwei\rdrei\r")
+    with pytest.raises(UserError, match=r"mac\.de: CR line ends and no LF .*tr '\\r' '\\n'"):
+        read_lines(mac)
+    assert read_lines(write(tmp_path / "one.de", [], raw=b"eins\r")) == ["eins"]  # one line, ended by CR
+    assert read_lines(write(tmp_path / "dos.de", [], raw=b"eins\r\nzwei\r\n")) == ["eins", "zwei"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "looks"),
+    [
+        (gzip.compress(b"eins\nzwei\n"), "(byte 0x8b); the file looks gzip-compressed; decompress it first"),
+        ("eins\nzwei\n".encode("utf-16"), "(byte 0xff); the file looks like UTF-16; convert it to UTF-8"),
+        ("\ufeffeins\n".encode("utf-16-be"), "(byte 0xfe); the file looks like UTF-16; convert it to UTF-8"),
+    ],
+    ids=["gzip", "utf-16-le", "utf-16-be"],
+)
+def test_compressed_or_utf16_input_says_what_it_looks_like(tmp_path, raw, looks):
+    path = write(tmp_path / "train.de", [], raw=raw)
+    with pytest.raises(UserError) as e:
+        read_lines(path)
+    assert str(e.value).startswith(f"{path}:1: invalid UTF-8 {looks}")
+
+
+def test_errors_keep_their_words_and_order_across_read_blocks(tmp_path, monkeypatch):
+    """Files are read in blocks; the first invalid byte is still named before a NUL byte earlier on, and
+    each at its line, as when the file was decoded whole."""
+    monkeypatch.setattr(dataset, "READ_BLOCK", 16)
+    head = "".join(f"Zeile {i} äöü\n" for i in range(20)).encode()
+    both = write(tmp_path / "both.de", [], raw=b"a\0b\n" + head + b"dr\xffei\n")
+    with pytest.raises(UserError) as e:
+        read_lines(both)
+    assert str(e.value) == f"{both}:22: invalid UTF-8 (byte 0xff)"
+    nul = write(tmp_path / "nul.de", [], raw=head + b"a\0b\n")
+    with pytest.raises(UserError) as e:
+        read_lines(nul)
+    assert str(e.value) == f"{nul}:21: NUL byte (binary or corrupt input?)"
+
+
+def test_load_encoded_checks_both_files_before_encoding(tmp_path, corpus_files, monkeypatch):
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+
+    def no_encoding(*_):
+        raise AssertionError("encoded before the files were checked")
+
+    monkeypatch.setattr(Tokenizer, "encode_src_batch", no_encoding)
+    monkeypatch.setattr(dataset, "READ_BLOCK", 64)
+    bad = write(tmp_path / "bad.en", [], raw=tgt.read_bytes() + b"la\xc3st\n")
+    with pytest.raises(UserError) as e:
+        load_encoded(src, bad, tok, tmp_path / "cache")
+    assert str(e.value) == f"{bad}:202: invalid UTF-8 (byte 0xc3)"
+    short = write(tmp_path / "short.en", sentences(200, "en"))
+    with pytest.raises(UserError) as e:
+        load_encoded(src, short, tok, tmp_path / "cache")
+    assert str(e.value) == f"{src}:201: line counts differ: {src} has 201 lines, {short} has 200"
+
+
+def test_batched_encoding_gives_the_ids_of_one_line_at_a_time(tmp_path, corpus_files):
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    lines = read_lines(src) + ["", "  ", "Hund\u200b", ">>fra<< der Hund"]
+    assert tok.encode_src_batch(lines) == [tok.encode_src(line) for line in lines]
+    assert tok.encode_tgt_batch(lines) == [tok.encode_tgt(line) for line in lines]
+    sp = tok.src  # a Marian-style vocabulary, and its >>fra<< language code as one piece
+    vocab = {sp.id_to_piece(i): i + 7 for i in range(sp.get_piece_size())} | {">>fra<<": 5}
+    marian = Tokenizer(tok.src_path, vocab=vocab, specials={"pad": 0, "bos": 1, "eos": 2, "unk": 3})
+    assert marian.encode_src_batch(lines) == [marian.encode_src(line) for line in lines]
+    assert marian.encode_src_batch([">>fra<< der Hund"])[0][0] == 5
+
+
+def test_a_long_encode_logs_its_progress(tmp_path, corpus_files, monkeypatch, caplog):
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    with caplog.at_level(logging.INFO, logger="aiayn.data.dataset"):
+        load_encoded(src, tgt, tok, tmp_path / "quick")
+    assert not [m for m in caplog.messages if " of 201 pairs" in m]  # a quick encode says nothing
+    monkeypatch.setattr(dataset, "ENCODE_CHUNK", 80)
+    monkeypatch.setattr(dataset, "PROGRESS_SECONDS", 0.0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="aiayn.data.dataset"):
+        load_encoded(src, tgt, tok, tmp_path / "slow")
+    progress = [m for m in caplog.messages if " of 201 pairs" in m]
+    want = [f"{src}: encoded {n} of 201 pairs" for n in (80, 160, 201)]
+    assert [m.split(" (")[0] for m in progress] == want
+    assert progress[-1].endswith(" pairs/s)") and "(100%," in progress[-1]
+
+
+def test_the_same_file_on_both_sides_is_warned_about(tmp_path, corpus_files, caplog):
+    """A copy model has its uses, so it is not refused; but it is rarely what was meant."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    link = tmp_path / "link.en"
+    link.symlink_to(src)
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        load_encoded(src, tgt, tok, tmp_path / "cache")
+        assert caplog.records == []
+        load_encoded(src, link, tok, tmp_path / "cache")
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    message = f"{src} and {link} are the same file: the model will learn to copy its input"
+    assert record.getMessage() == message
+
+
+def test_a_new_cache_removes_the_stale_ones_of_the_same_files(tmp_path, corpus_files):
+    """The key holds the files' mtime: a touched or re-copied corpus left its old cache (GBs for WMT)."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    cache = tmp_path / "cache"
+    other = tmp_path / "other"  # other files of the same names, in the same cache: theirs stays
+    other.mkdir()
+    write(other / "train.de", sentences(30, "de")), write(other / "train.en", sentences(30, "en"))
+    load_encoded(other / "train.de", other / "train.en", tok, cache)
+    [others] = cache.iterdir()
+    a, b = write(tmp_path / "train.de", read_lines(src)), write(tmp_path / "train.en", read_lines(tgt))
+    load_encoded(a, b, tok, cache)
+    [first] = set(cache.iterdir()) - {others}
+    old_format = cache / "train.de-train.en.0123456789abcdef.safetensors"  # aiayn-ids-1: no "format"
+    save_file({"x": torch.zeros(1)}, str(old_format), metadata={"key": "k", "dropped_empty": "0"})
+    names = ("train.de-train.en.notes", "xtrain.de-train.en.0123456789abcdef")  # not a cache of a, b
+    unrelated = {cache / f"{name}.safetensors" for name in names}
+    for path in unrelated:
+        path.write_bytes(b"not a cache")
+    os.utime(a, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns + 10**9))  # touched: another key
+    load_encoded(a, b, tok, cache)
+    [second] = set(cache.iterdir()) - {others} - unrelated
+    assert second != first and set(cache.iterdir()) == {others, second} | unrelated
 
 
 # Text SentencePiece's default normalization (nmt_nfkc) rewrites, and alphabets larger than the vocabulary.

@@ -2,10 +2,13 @@
 
 A corpus is two plain UTF-8 files, one sentence per line, line i of one the translation of line i
 of the other. Reading checks what users get wrong (a missing file, line counts that differ, bytes
-that are not UTF-8) and names the file and the line. Empty pairs are dropped and counted.
+that are not UTF-8) and names the file and the line. Pairs with an empty side (no text, or text that
+encodes to no pieces) are dropped and counted.
 
-Encoded ids are cached as safetensors (flat int32 ids + offsets, never pickle) beside the run, keyed
-by the files' identity and the tokenizer's bytes, so that epochs and restarts do not re-tokenize.
+Encoding reads the files in chunks, so that memory holds the ids, not the whole corpus as Python
+strings and lists. The ids are cached as safetensors (flat int32 ids + offsets, never pickle) beside
+the run, keyed by the files' identity and the tokenizer's bytes, so that epochs and restarts do not
+re-tokenize; a new cache of the same files replaces their earlier ones.
 
 Dimension key: B batch, S source length, T target length.
 """
@@ -17,20 +20,24 @@ import json
 import logging
 import os
 import re
+import time
 import unicodedata
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain, compress, islice
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.data.tokenizer import SEED_SENTENCES, Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
 from aiayn.files import atomic_output
 
 log = logging.getLogger(__name__)
-CACHE_FORMAT = "aiayn-ids-1"
+CACHE_FORMAT = "aiayn-ids-2"  # 2: pairs that encode to no pieces are dropped (1 kept them)
 TOKENIZER_INPUTS = "tokenizer_inputs.json"  # beside the run's SentencePiece model(s): what trained them
 
 
@@ -45,28 +52,94 @@ def require_file(path: Path) -> None:
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """The lines of a UTF-8 file, without line ends or a leading byte order mark; invalid UTF-8 or a
-    NUL byte is a UserError naming the file and the bad line."""
-    path = Path(path)
+    """The lines of a UTF-8 file, without line ends or a leading byte order mark; invalid UTF-8, a NUL
+    byte or CR-only line ends are a UserError naming the file (and the bad line)."""
+    return list(chain.from_iterable(_line_blocks(Path(path))))
+
+
+READ_BLOCK = 1 << 22  # bytes read at once (4 MiB): memory stays the lines kept, not 3x the file
+# What a file that is not UTF-8 text often is, by its first bytes: said after "invalid UTF-8".
+SIGNATURES = (
+    (b"\x1f\x8b", "gzip-compressed; decompress it first (gunzip)"),
+    (b"BZh", "bzip2-compressed; decompress it first (bunzip2)"),
+    (b"\xfd7zXZ\x00", "xz-compressed; decompress it first (unxz)"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed; decompress it first (unzstd)"),
+    (b"PK\x03\x04", "like a zip archive; extract it first (unzip)"),
+    (b"\xff\xfe", "like UTF-16; convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)"),  # its byte order marks
+    (b"\xfe\xff", "like UTF-16; convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)"),
+)
+
+
+def _line_blocks(path: Path) -> Iterator[list[str]]:
+    """The lines of `path` (as `read_lines`), a block at a time. Invalid UTF-8 raises where it is; a NUL
+    byte or CR-only line ends raise after the last block, so that the error is the one the whole file
+    decoded at once gave (invalid UTF-8 anywhere before a NUL byte anywhere)."""
     require_file(path)
+    newlines, nul, head, last = 0, None, b"", b""
+    for n, block in enumerate(_blocks(path)):
+        head = block[:8] if n == 0 else head
+        text = _decode(path, block, newlines, head)
+        if nul is None and (at := block.find(b"\0")) >= 0:  # valid UTF-8, but no text has it
+            nul = newlines + block.count(b"\n", 0, at) + 1
+        newlines += block.count(b"\n")
+        # Notepad's BOM would stay glued to the first word (a hypothesis scored 99.84 BLEU against itself);
+        # SentencePiece drops it from training text anyway.
+        yield _split_lines(text.removeprefix("\ufeff") if n == 0 else text)
+        last = block
+    if nul is not None:
+        raise UserError(f"{path}:{nul}: NUL byte (binary or corrupt input?)")
+    if not newlines and b"\r" in last.rstrip(b"\r"):  # else one line, refused later by SentencePiece
+        raise UserError(f"{path}: CR line ends and no LF (a classic Mac OS file?), so it reads as one line; "
+                        f"convert it, e.g. tr '\\r' '\\n' < {path} > {path}.lf")
+
+
+def _blocks(path: Path) -> Iterator[bytes]:
+    """`path`'s bytes in blocks of about READ_BLOCK that end at a line end (all but perhaps the last): no
+    line is cut, nor a UTF-8 character, since b"\\n" is never part of one."""
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            pending: list[bytes] = []  # read, but no line end yet
+            while piece := f.read(READ_BLOCK):
+                cut = piece.rfind(b"\n") + 1
+                if cut:
+                    yield b"".join([*pending, piece[:cut]])
+                    pending = [piece[cut:]]
+                else:
+                    pending.append(piece)
+            if rest := b"".join(pending):
+                yield rest
     except OSError as e:  # unreadable (permissions, I/O error): still one line naming the file
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _decode(path: Path, block: bytes, newlines_before: int, head: bytes) -> str:
+    """`block` as text, or a UserError naming the line of its first invalid byte and, from the file's first
+    bytes `head`, what the file looks like if it is a known other format."""
     try:
-        text = data.decode("utf-8")
+        return block.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise UserError(f"{path}:{line}: invalid UTF-8 (byte {data[e.start]:#04x})") from None
-    if (nul := data.find(b"\0")) >= 0:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
-        line = data.count(b"\n", 0, nul) + 1
-        raise UserError(f"{path}:{line}: NUL byte (binary or corrupt input?)")
-    # Notepad's BOM would stay glued to the first word (a hypothesis scored 99.84 BLEU against itself);
-    # SentencePiece drops it from training text anyway.
-    lines = text.removeprefix("\ufeff").split("\n")
-    if lines and lines[-1] == "":
+        line = newlines_before + block.count(b"\n", 0, e.start) + 1
+        looks = next((f"; the file looks {what}" for magic, what in SIGNATURES if head.startswith(magic)), "")
+        raise UserError(f"{path}:{line}: invalid UTF-8 (byte {block[e.start]:#04x}){looks}") from None
+
+
+def _split_lines(text: str) -> list[str]:
+    lines = text.split("\n")
+    if lines[-1] == "":
         lines.pop()  # the final newline ends the last line; it does not start a new one
-    return [line.rstrip("\r") for line in lines]
+    return [line.rstrip("\r") for line in lines] if "\r" in text else lines
+
+
+BLANK_CATEGORIES = ("Zs", "Zl", "Zp", "Cc", "Cf")  # separators, controls, formats (U+200B, bidi marks)
+
+
+def has_text(line: str) -> bool:
+    """Whether `line` has something to translate: not only whitespace, control and format characters (a
+    zero-width space, a stray \\x01). SentencePiece's nmt_nfkc deletes most of those, leaving no pieces:
+    a source of EOS alone, an empty target."""
+    if line.isprintable():  # the usual line, checked at C speed: only its spaces can be blank
+        return bool(line.strip())
+    return any(unicodedata.category(c) not in BLANK_CATEGORIES for c in line)
 
 
 @dataclass
@@ -77,21 +150,32 @@ class ParallelText:
 
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
-    """Read two aligned files; drop (and count) pairs with an empty side."""
+    """Read two aligned files; drop (and count) pairs with an empty side (see `has_text`)."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
-    if len(src) != len(tgt):  # named at the first line the other file lacks
-        longer = src_path if len(src) > len(tgt) else tgt_path
-        raise UserError(
-            f"{longer}:{min(len(src), len(tgt)) + 1}: line counts differ: "
-            f"{src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}"
-        )
-    keep = [i for i in range(len(src)) if src[i].strip() and tgt[i].strip()]
-    dropped = len(src) - len(keep)
+    _require_same_count(src_path, len(src), tgt_path, len(tgt))
+    keep = [has_text(s) and has_text(t) for s, t in zip(src, tgt)]  # bools: no per-pair objects
+    dropped = len(keep) - sum(keep)
     if dropped:
-        log.info("%s: dropped %d empty pair(s) of %d", src_path, dropped, len(src))
-    if not keep:
+        src, tgt = list(compress(src, keep)), list(compress(tgt, keep))
+    _log_dropped(src_path, dropped, len(keep))
+    return ParallelText(src, tgt, dropped)
+
+
+def _require_same_count(src_path: str | Path, n_src: int, tgt_path: str | Path, n_tgt: int) -> None:
+    if n_src != n_tgt:  # named at the first line the other file lacks
+        longer = src_path if n_src > n_tgt else tgt_path
+        raise UserError(
+            f"{longer}:{min(n_src, n_tgt) + 1}: line counts differ: "
+            f"{src_path} has {n_src} lines, {tgt_path} has {n_tgt}"
+        )
+
+
+def _log_dropped(src_path: str | Path, dropped: int, pairs: int) -> None:
+    """Log the empty pairs dropped; refuse a corpus that had nothing else."""
+    if dropped:
+        log.info("%s: dropped %d empty pair(s) of %d", src_path, dropped, pairs)
+    if dropped == pairs:
         raise UserError(f"{src_path}:1: no non-empty sentence pairs")
-    return ParallelText([src[i] for i in keep], [tgt[i] for i in keep], dropped)
 
 
 @dataclass
@@ -109,7 +193,15 @@ class EncodedCorpus:
 
     @classmethod
     def from_lists(cls, src: list[list[int]], tgt: list[list[int]]) -> "EncodedCorpus":
-        return cls(*_flatten(src), *_flatten(tgt))
+        return cls.from_lengths(*_flat(src), *_flat(tgt))
+
+    @classmethod
+    def from_lengths(
+        cls, src_ids: np.ndarray, src_lengths: np.ndarray, tgt_ids: np.ndarray, tgt_lengths: np.ndarray
+    ) -> EncodedCorpus:
+        """From flat int32 ids and each sentence's length (int64), without copying the ids."""
+        src, tgt = torch.from_numpy(src_ids), torch.from_numpy(tgt_ids)
+        return cls(src, _offsets(src_lengths), tgt, _offsets(tgt_lengths))
 
     def __len__(self) -> int:
         return len(self.src_offsets) - 1
@@ -128,32 +220,35 @@ class EncodedCorpus:
         return (self.tgt_offsets.diff() + 1).tolist()
 
     def filter_length(self, max_len: int) -> tuple["EncodedCorpus", int]:
-        """Drop pairs whose source (with EOS) or target (with EOS) is longer than `max_len`."""
-        keep = ((self.src_offsets.diff() <= max_len) & (self.tgt_offsets.diff() + 1 <= max_len)).nonzero()[
-            :, 0
-        ]
+        """Drop pairs whose source (with EOS) or target (with EOS) is longer than `max_len` (the corpus
+        itself if none is)."""
+        keep = (self.src_offsets.diff() <= max_len) & (self.tgt_offsets.diff() + 1 <= max_len)  # (N,) bool
+        if keep.all():  # the usual case: no copy of ids that are GBs for WMT
+            return self, 0
         kept = EncodedCorpus(
             *_select(self.src_ids, self.src_offsets, keep), *_select(self.tgt_ids, self.tgt_offsets, keep)
         )
         return kept, len(self) - len(kept)
 
 
-def _flatten(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    ids = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
-    return ids, offsets
+def _flat(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, lengths) of `seqs`: (total,) int32 and (N,) int64, with no flat Python list between."""
+    lengths = np.fromiter(map(len, seqs), np.int64, len(seqs))
+    return np.fromiter(chain.from_iterable(seqs), np.int32, int(lengths.sum())), lengths
+
+
+def _offsets(lengths: np.ndarray) -> torch.Tensor:
+    """(N + 1,) int64: where each sentence starts, and the end."""
+    return torch.from_numpy(np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths, dtype=np.int64)]))
 
 
 def _select(
     ids: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sentences at `keep`, flat again: every kept token's old position, gathered at once."""
-    lengths = offsets.diff()[keep]
-    new_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    sentence = torch.repeat_interleave(torch.arange(len(keep)), lengths)  # (kept tokens,)
-    old_position = offsets[keep][sentence] + torch.arange(int(new_offsets[-1])) - new_offsets[sentence]
-    return ids[old_position], new_offsets
+    """The sentences where `keep` (N,) is True, flat again, through a one-byte-a-token mask."""
+    lengths = offsets.diff()  # (N,)
+    kept_tokens = torch.repeat_interleave(keep, lengths)  # (total tokens,) bool
+    return ids[kept_tokens], torch.cat([torch.zeros(1, dtype=torch.int64), lengths[keep].cumsum(0)])
 
 
 def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
@@ -188,17 +283,82 @@ def load_encoded(
         if corpus is not None:
             log.info("%s: %d pairs from the cache", cache, len(corpus))
             return corpus, dropped
-    text = read_parallel(src_path, tgt_path)
-    corpus = EncodedCorpus.from_lists(
-        [tokenizer.encode_src(s) for s in text.src], [tokenizer.encode_tgt(t) for t in text.tgt]
-    )
-    _write_cache(cache, key, corpus, text.dropped_empty)
+    if src_path.samefile(tgt_path):  # said once, when encoded; a copy model has its uses, so not an error
+        log.warning("%s and %s are the same file: the model will learn to copy its input", src_path, tgt_path)
+    pairs = _count_pairs(src_path, tgt_path)  # every error in the files before minutes of encoding
+    corpus = _encode(src_path, tgt_path, pairs, tokenizer)
+    dropped = pairs - len(corpus)
+    _log_dropped(src_path, dropped, pairs)
+    _write_cache(cache, key, corpus, dropped, (src_path, tgt_path))
+    _remove_stale_caches(cache, src_path, tgt_path)
     log.info("%s: encoded %d pairs, cached in %s", src_path, len(corpus), cache)
-    return corpus, text.dropped_empty
+    return corpus, dropped
 
 
-def _write_cache(path: Path, key: str, corpus: EncodedCorpus, dropped: int) -> None:
-    """Write to a temporary name, then rename: a killed run never leaves half a cache."""
+def _count_pairs(src_path: Path, tgt_path: Path) -> int:
+    """The files' common line count, each checked whole as `read_lines` checks it, keeping no line."""
+    n_src = sum(map(len, _line_blocks(src_path)))
+    n_tgt = sum(map(len, _line_blocks(tgt_path)))
+    _require_same_count(src_path, n_src, tgt_path, n_tgt)
+    return n_src
+
+
+ENCODE_CHUNK = 20_000  # pairs encoded at once: their Python id lists (~40 bytes an id) stay ~50 MB
+PROGRESS_SECONDS = 10.0  # between the progress lines of a long encode
+
+
+def _encode(src_path: Path, tgt_path: Path, pairs: int, tokenizer: Tokenizer) -> EncodedCorpus:
+    """Encode the `pairs` lines of two checked files ENCODE_CHUNK at a time into int32 arrays, dropping
+    the empty pairs: the whole corpus as Python strings and int lists took 15x the files' bytes."""
+    # Per column, the chunks' arrays: source ids, source lengths, target ids, target lengths.
+    columns = tuple([np.empty(0, dtype)] for dtype in (np.int32, np.int64, np.int32, np.int64))
+    for src, tgt in _with_progress(_pair_chunks(src_path, tgt_path, ENCODE_CHUNK), src_path, pairs):
+        for column, part in zip(columns, _encode_chunk(src, tgt, tokenizer)):
+            column.append(part)
+    return EncodedCorpus.from_lengths(*(np.concatenate(column) for column in columns))
+
+
+def _pair_chunks(src_path: Path, tgt_path: Path, size: int) -> Iterator[tuple[list[str], list[str]]]:
+    """(source lines, target lines), `size` pairs at a time (the last chunk may be shorter)."""
+    src_lines = chain.from_iterable(_line_blocks(src_path))
+    tgt_lines = chain.from_iterable(_line_blocks(tgt_path))
+    while src := list(islice(src_lines, size)):
+        tgt = list(islice(tgt_lines, size))
+        if len(tgt) != len(src):  # they were counted equal a moment ago
+            raise UserError(f"{src_path} or {tgt_path}: changed while being read")
+        yield src, tgt
+
+
+def _with_progress(
+    chunks: Iterator[tuple[list[str], list[str]]], path: Path, pairs: int
+) -> Iterator[tuple[list[str], list[str]]]:
+    """`chunks`, passed on, with a progress line every PROGRESS_SECONDS: none for a quick encode."""
+    start = last = time.monotonic()
+    done = 0
+    for src, tgt in chunks:
+        yield src, tgt
+        done, now = done + len(src), time.monotonic()
+        if now - last >= PROGRESS_SECONDS:
+            log.info("%s: encoded %d of %d pairs (%.0f%%, %.0f pairs/s)",
+                     path, done, pairs, 100 * done / pairs, done / max(now - start, 1e-9))
+            last = now
+
+
+def _encode_chunk(src: list[str], tgt: list[str], tokenizer: Tokenizer) -> tuple[np.ndarray, ...]:
+    """(source ids, lengths, target ids, lengths) of the pairs that have pieces on both sides."""
+    keep = [has_text(s) and has_text(t) for s, t in zip(src, tgt)]
+    x = tokenizer.encode_src_batch(list(compress(src, keep)))
+    y = tokenizer.encode_tgt_batch(list(compress(tgt, keep)))
+    # Text can still have no pieces: nmt_nfkc deletes U+FFFD (the replacement character) and U+2581
+    pieces = [len(a) > 1 and len(b) > 0 for a, b in zip(x, y)]  # a source's last id is its EOS
+    return *_flat(list(compress(x, pieces))), *_flat(list(compress(y, pieces)))
+
+
+def _write_cache(
+    path: Path, key: str, corpus: EncodedCorpus, dropped: int, files: tuple[Path, Path]
+) -> None:
+    """Write to a temporary name, then rename: a killed run never leaves half a cache. The metadata names
+    the encoded `files`, so that `_remove_stale_caches` knows whose cache it is."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tensors = dict(
         src_ids=corpus.src_ids,
@@ -206,9 +366,11 @@ def _write_cache(path: Path, key: str, corpus: EncodedCorpus, dropped: int) -> N
         tgt_ids=corpus.tgt_ids,
         tgt_offsets=corpus.tgt_offsets,
     )
+    src, tgt = (str(p.resolve()) for p in files)
+    metadata = {"key": key, "dropped_empty": str(dropped), "format": CACHE_FORMAT, "src": src, "tgt": tgt}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata={"key": key, "dropped_empty": str(dropped)})
+        save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:  # a full disk: safetensors reports it as a SafetensorError
         tmp.unlink(missing_ok=True)
@@ -217,6 +379,31 @@ def _write_cache(path: Path, key: str, corpus: EncodedCorpus, dropped: int) -> N
     except BaseException:  # Ctrl-C mid-write: the temporary (named by pid, so never reused) goes too
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _remove_stale_caches(kept: Path, src_path: Path, tgt_path: Path) -> None:
+    """Delete the caches of earlier versions of these files (another mtime or size) or of an earlier
+    tokenizer beside `kept`: hundreds of MB each, never read again. Only files with a cache's name for
+    these file names go, and of those only caches of the same paths or of an older CACHE_FORMAT (which
+    no key matches any more): a cache of other files of the same names (valid/de.txt beside
+    train/de.txt, in one run) stays."""
+    name = re.compile(re.escape(f"{src_path.name}-{tgt_path.name}.") + r"[0-9a-f]{16}\.safetensors")
+    ours = (str(src_path.resolve()), str(tgt_path.resolve()))
+    for old in kept.parent.iterdir():
+        if old.name != kept.name and name.fullmatch(old.name) and _cache_files(old) in (ours, None):
+            old.unlink(missing_ok=True)
+            log.info("%s: removed, an earlier encoding of %s", old, src_path)
+
+
+def _cache_files(path: Path) -> tuple[str, str] | None:
+    """The (source, target) paths a cache was encoded from; None if no aiayn reads it any more (an older
+    CACHE_FORMAT, whose key can no longer match, or a damaged file)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # whatever safetensors raises for a file that is not one
+        return None
+    return (meta.get("src"), meta.get("tgt")) if meta.get("format") == CACHE_FORMAT else None
 
 
 def _read_cache(path: Path, key: str) -> tuple[EncodedCorpus | None, int]:
@@ -275,8 +462,11 @@ def train_tokenizer(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     settings = dict(normalization=normalization, character_coverage=character_coverage)
-    if shared:
-        path = _train_spm(text.src + text.tgt, directory / "spm", vocab_size, model_type, **settings)
+    if len(text.src) >= LARGE_CORPUS:
+        log.info("SentencePiece training on %d pairs (a sample of at most %d sentences per model) may take "
+                 "minutes", len(text.src), SEED_SENTENCES)
+    if shared:  # chained, not text.src + text.tgt: no second list of every sentence
+        path = _train_spm(chain(text.src, text.tgt), directory / "spm", vocab_size, model_type, **settings)
         tokenizer = Tokenizer(path)
     else:
         src = _train_spm(text.src, directory / "source", vocab_size, model_type, **settings)
@@ -289,8 +479,11 @@ def train_tokenizer(
     return tokenizer
 
 
+LARGE_CORPUS = 100_000  # pairs: training a tokenizer on more takes long enough to say so
+
+
 def _train_spm(
-    lines: list[str], prefix: Path, vocab_size: int, model_type: str,
+    lines: Iterable[str], prefix: Path, vocab_size: int, model_type: str,
     normalization: str = "nmt_nfkc", character_coverage: float = 1.0,
 ) -> Path:
     """train_sentencepiece, with SentencePiece's refusals (RuntimeError) as a line naming the setting."""

@@ -18,6 +18,7 @@ import sentencepiece as spm
 from aiayn.errors import UserError
 
 SHARED, SOURCE, TARGET = "spm.model", "source.spm", "target.spm"
+SEED_SENTENCES = 2_000_000  # sentences SentencePiece trains a model on at most: a random sample of more
 
 
 class Tokenizer:
@@ -80,6 +81,21 @@ class Tokenizer:
 
     def encode_tgt(self, text: str) -> list[int]:
         return self._ids(self.tgt, self.tgt_vocab, text)
+
+    def encode_src_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode_src` of each text: the same ids, from one call into SentencePiece for the whole list."""
+        return [ids + [self.eos_id] for ids in self._ids_batch(self.src, self.vocab, texts)]
+
+    def encode_tgt_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode_tgt` of each text, as `encode_src_batch`."""
+        return self._ids_batch(self.tgt, self.tgt_vocab, texts)
+
+    def _ids_batch(
+        self, sp: spm.SentencePieceProcessor, vocab: dict[str, int] | None, texts: list[str]
+    ) -> list[list[int]]:
+        if vocab is not None:  # Marian's vocabulary and its >>fra<< pieces: line by line, as `_ids`
+            return [self._ids(sp, vocab, text) for text in texts]
+        return sp.encode(texts)  # a list: encoded in SentencePiece's threads (by default one per core)
 
     def decode_tgt(self, ids: Sequence[int]) -> str:
         out = []
@@ -148,7 +164,7 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
 
 def train_sentencepiece(
     lines: Iterable[str], prefix: str | Path, vocab_size: int, model_type: str = "bpe",
-    character_coverage: float = 1.0, seed_sentences: int = 2_000_000, normalization: str = "nmt_nfkc",
+    character_coverage: float = 1.0, seed_sentences: int = SEED_SENTENCES, normalization: str = "nmt_nfkc",
 ) -> Path:
     """Train a SentencePiece model on `lines`; write `prefix`.model and return its path.
 

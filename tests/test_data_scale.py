@@ -1,0 +1,94 @@
+"""Corpora are read and encoded in chunks: the ids of the whole file at once, in a fraction of the memory."""
+
+import random
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.data import dataset
+from aiayn.data.dataset import EncodedCorpus, load_encoded, read_lines, read_parallel, train_tokenizer
+
+MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"  # as configs/tiny.toml has it
+
+
+def read_whole(path: Path) -> list[str]:
+    """read_lines as it was: the whole file decoded at once, then split."""
+    lines = path.read_bytes().decode("utf-8").removeprefix("\ufeff").split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.rstrip("\r") for line in lines]
+
+
+def encoded_whole(src: Path, tgt: Path, tokenizer) -> EncodedCorpus:
+    """load_encoded as it was: every line in memory, encoded one at a time, flattened through Python lists."""
+    pairs = [(s, t) for s, t in zip(read_whole(src), read_whole(tgt)) if s.strip() and t.strip()]
+    x = [tokenizer.encode_src(s) for s, _ in pairs]
+    y = [tokenizer.encode_tgt(t) for _, t in pairs]
+
+    def flat(seqs):
+        offsets = [0]
+        for s in seqs:
+            offsets.append(offsets[-1] + len(s))
+        return torch.tensor([i for s in seqs for i in s], dtype=torch.int32), torch.tensor(offsets)
+
+    return EncodedCorpus(*flat(x), *flat(y))
+
+
+def assert_same(a: EncodedCorpus, b: EncodedCorpus) -> None:
+    for name in ("src_ids", "src_offsets", "tgt_ids", "tgt_offsets"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason=f"needs the Multi30k text in {MULTI30K}")
+def test_chunks_give_the_ids_of_the_whole_file(tmp_path, monkeypatch):
+    """3,000 Multi30k pairs with a BOM, CRLF line ends and blank pairs, in blocks and chunks that end
+    anywhere: the tensors the whole-file, line-by-line encoding gave, and the cache holds them."""
+    de, en = (read_lines(MULTI30K / f"train.{lang}")[:3000] for lang in ("de", "en"))
+    de[10], en[20], de[30], en[30] = "", " ", "", ""
+    src, tgt = tmp_path / "train.de", tmp_path / "train.en"
+    src.write_bytes(("\ufeff" + "\r\n".join(de) + "\r\n").encode())
+    tgt.write_bytes("\n".join(en).encode())  # no final newline
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 500)
+    want = encoded_whole(src, tgt, tok)
+    assert len(want) == 2997
+    whole, dropped = load_encoded(src, tgt, tok, tmp_path / "one-chunk")
+    assert_same(whole, want)
+    assert dropped == 3
+    monkeypatch.setattr(dataset, "READ_BLOCK", 1000)  # bytes: lines and UTF-8 characters cross blocks
+    monkeypatch.setattr(dataset, "ENCODE_CHUNK", 333)
+    chunked, _ = load_encoded(src, tgt, tok, tmp_path / "chunks")
+    assert_same(chunked, want)
+    cached, _ = load_encoded(src, tgt, tok, tmp_path / "chunks")
+    assert_same(cached, want)
+
+
+def made_up_corpus(directory: Path, pairs: int) -> tuple[Path, Path]:
+    """Unique lines of made-up words, about the length of WMT sentences."""
+    r = random.Random(0)
+    letters = "abcdefghiklmnoprstuwäöü"
+    words = ["".join(r.choice(letters) for _ in range(r.randint(2, 9))) for _ in range(3000)]
+    paths = directory / "train.xx", directory / "train.yy"
+    for path in paths:
+        path.write_text("".join(" ".join(r.choices(words, k=r.randint(3, 25))) + "\n" for _ in range(pairs)))
+    return paths
+
+
+def test_encoding_takes_a_small_multiple_of_the_ids(tmp_path, monkeypatch):
+    """The whole corpus as Python strings and int lists took 8x its int32 ids here (15x the files' bytes
+    for 2M WMT-like pairs: 4.2 GB); chunks take the ids twice, while they are joined, and one chunk.
+    Scaled down: 20,000 pairs in chunks of 1,000, as 2M pairs are in chunks of 20,000 (ENCODE_CHUNK)."""
+    src, tgt = made_up_corpus(tmp_path, 20_000)
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 1000)
+    monkeypatch.setattr(dataset, "READ_BLOCK", 1 << 16, raising=False)  # raising: it runs on older aiayn
+    monkeypatch.setattr(dataset, "ENCODE_CHUNK", 1000, raising=False)
+    tracemalloc.start()  # Python's and numpy's allocations (not SentencePiece's, which are per chunk)
+    try:
+        corpus, _ = load_encoded(src, tgt, tok, tmp_path / "cache")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    ids_bytes = 4 * (len(corpus.src_ids) + len(corpus.tgt_ids))  # 7 MB, from 4 MB of text
+    assert peak < 3 * ids_bytes, (peak, ids_bytes)

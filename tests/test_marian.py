@@ -7,6 +7,7 @@ target.spm, vocab.json (and target_vocab.json), tokenizer_config.json.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -158,6 +159,12 @@ def test_tokenization_matches_marian_tokenizer(converted):
     ids = theirs(text_target=target)["input_ids"]  # target side: target.spm and the target vocabulary
     assert ck.tokenizer.encode_tgt(target) + [ck.tokenizer.eos_id] == ids
     assert ck.tokenizer.decode_tgt(ids) == theirs.decode(ids, skip_special_tokens=True) == target
+    # A decoder that starts from an ordinary piece (decoder_start_token_id=5): the converted tokenizer's
+    # bos_id is that piece, and decoding dropped it everywhere in the text
+    ordinary = copy.copy(ck.tokenizer)
+    ordinary.bos_id = ids[0]
+    twice = ids[:-1] + ids  # the first piece, a start piece here, also inside the text
+    assert ordinary.decode_tgt(twice) == theirs.decode(twice, skip_special_tokens=True)
 
 
 def test_source_pieces_are_one_per_id_like_marian_tokenizer(converted):

@@ -98,11 +98,14 @@ class Tokenizer:
         return sp.encode(texts)  # a list: encoded in SentencePiece's threads (by default one per core)
 
     def decode_tgt(self, ids: Sequence[int]) -> str:
+        """The text of target ids, up to the first EOS, without padding. BOS is not removed here: in
+        aiayn's own models it is a control piece SentencePiece decodes to nothing, and in a Marian
+        model whose decoder starts from an ordinary piece (`bos_id` is then that piece) it is text."""
         out = []
         for i in ids:
             if i == self.eos_id:
                 break
-            if i not in (self.pad_id, self.bos_id):
+            if i != self.pad_id:
                 out.append(int(i))
         if self.id_to_piece is None:
             return self.tgt.decode(out)

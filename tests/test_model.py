@@ -199,3 +199,13 @@ def test_learns_a_copy_task():
     # From log(10) = 2.3 at the start. The mean of the last 20 batches, not the last one: a single
     # batch's loss jumps (0.002 to 0.2 seen) with thread count and seed; the mean stayed below 0.016.
     assert sum(losses[-20:]) / 20 < 0.05
+
+
+def test_the_package_and_its_command_line_import_torch_only_when_used():
+    """`aiayn --help` and argument errors took 1.7 s, 1.6 of them importing torch through aiayn/__init__."""
+    import subprocess
+    import sys
+
+    code = ("import sys, aiayn, aiayn.cli; assert 'torch' not in sys.modules, 'torch imported'; "
+            "from aiayn import Transformer, KVCache; assert Transformer.__name__ == 'Transformer'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -3,6 +3,7 @@
 import gzip
 import logging
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -115,6 +116,82 @@ def test_collate_shifts_the_target(tmp_path, corpus_files):
     assert batch.src[0, : len(corpus.source(3))].tolist() == corpus.source(3)
     assert batch.n_tokens == len(corpus.target(3)) + len(corpus.target(0)) + 2
     assert (batch.tgt_out == tok.pad_id).sum() == batch.tgt_out.numel() - batch.n_tokens
+
+
+def collate_rows(corpus, indices, tokenizer):
+    """The oracle: collate as it was first written, one row at a time in Python."""
+    pad, bos, eos = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
+    s = max(len(corpus.source(i)) for i in indices)
+    t = max(len(corpus.target(i)) for i in indices) + 1
+    src = torch.full((len(indices), s), pad, dtype=torch.long)  # (B, S)
+    tgt_in = torch.full((len(indices), t), pad, dtype=torch.long)  # (B, T)
+    tgt_out = torch.full((len(indices), t), pad, dtype=torch.long)  # (B, T)
+    n_tokens = 0
+    for row, i in enumerate(indices):
+        x, y = corpus.source(i), corpus.target(i)
+        src[row, : len(x)] = torch.tensor(x)
+        tgt_in[row, : len(y) + 1] = torch.tensor([bos] + y)
+        tgt_out[row, : len(y) + 1] = torch.tensor(y + [eos])
+        n_tokens += len(y) + 1
+    return dataset.Batch(src, tgt_in, tgt_out, n_tokens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_collate_equals_the_row_by_row_oracle(seed):
+    """The vectorized collate (one gather per side) gives the row-by-row batches exactly: random lengths
+    from 1 (a lone EOS source, a one-piece target) up, batches of one, of every pair, in any order, and
+    the special ids of an imported Marian model (EOS 0, BOS = pad)."""
+    import random
+
+    from aiayn.data.dataset import EncodedCorpus
+
+    r = random.Random(seed)
+
+    def pieces(*short: int) -> list[int]:  # of a length in `short` (as often as all longer ones), or 3-40
+        return [r.randrange(5, 90) for _ in range(r.choice([*short, r.randint(3, 40)]))]
+
+    src = [pieces(0, 1, 2) + [2] for _ in range(60)]  # sources end in EOS (id 2)
+    tgt = [pieces(1, 1, 2) for _ in range(60)]
+    corpus = EncodedCorpus.from_lists(src, tgt)
+    aiayn, marian = (0, 1, 2), (58100, 58100, 0)  # (pad, bos, eos); a Marian decoder starts from its pad
+    tok = SimpleNamespace(**dict(zip(("pad_id", "bos_id", "eos_id"), [aiayn, marian][seed % 2])))
+    shortest = min(range(60), key=lambda i: (len(tgt[i]), len(src[i])))  # target and source of length 1
+    assert (len(tgt[shortest]), len(src[shortest])) == (1, 1)
+    batches = [[shortest], [r.randrange(60)], list(range(60)), r.sample(range(60), 17)]
+    batches.append([shortest, 5, shortest])  # a pair twice
+    for indices in batches:
+        got, want = collate(corpus, indices, tok), collate_rows(corpus, indices, tok)
+        for name in ("src", "tgt_in", "tgt_out"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype == torch.long and torch.equal(a, b), (name, indices)
+        assert got.n_tokens == want.n_tokens and isinstance(got.n_tokens, int)
+    no_ids = EncodedCorpus.from_lists([[2], [5, 2]], [[], []])  # empty targets only: nothing to gather
+    got, want = collate(no_ids, [1, 0], tok), collate_rows(no_ids, [1, 0], tok)
+    assert torch.equal(got.tgt_in, want.tgt_in) and torch.equal(got.tgt_out, want.tgt_out)
+
+
+def test_batch_to_the_cpu_is_the_batch():
+    """Batch.to pins and copies without blocking only for a GPU; to the CPU it is the plain copy it was."""
+    from aiayn.data.dataset import EncodedCorpus
+
+    corpus = EncodedCorpus.from_lists([[5, 6, 2], [7, 2]], [[8], [9, 10, 11]])
+    batch = collate(corpus, [0, 1], SimpleNamespace(pad_id=0, bos_id=1, eos_id=2))
+    moved = batch.to(torch.device("cpu"))
+    assert all(torch.equal(getattr(moved, n), getattr(batch, n)) for n in ("src", "tgt_in", "tgt_out"))
+    assert moved.n_tokens == batch.n_tokens == 6 and not moved.src.is_pinned()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batch_to_a_gpu_goes_through_pinned_memory_without_blocking():
+    from aiayn.data.dataset import EncodedCorpus
+
+    corpus = EncodedCorpus.from_lists([[5, 6, 2], [7, 2]], [[8], [9, 10, 11]])
+    batch = collate(corpus, [0, 1], SimpleNamespace(pad_id=0, bos_id=1, eos_id=2))
+    moved = batch.to(torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert moved.src.is_cuda and moved.n_tokens == batch.n_tokens
+    assert all(torch.equal(getattr(moved, n).cpu(), getattr(batch, n)) for n in ("src", "tgt_in", "tgt_out"))
 
 
 def test_filter_length_keeps_the_right_pairs():

@@ -297,3 +297,46 @@ def test_stopping_rules_and_bf16(tmp_path):
         )
     )
     assert result["step"] == 9 and result["stop"] == "max_epochs=1" and result["valid_loss"] < 10
+
+
+def test_train_step_sums_the_losses_on_the_device_without_reading_them(monkeypatch):
+    """train_step read each batch's loss with .item(): on a GPU the host waited for every batch's backward
+    and could not collate the next one meanwhile. Its sums now stay a device tensor, read once per log
+    line, and equal, bit for bit, the Python sums of the .item() values they replace."""
+    from copy import deepcopy
+    from types import SimpleNamespace
+
+    from aiayn.config import model_config
+    from aiayn.data.dataset import EncodedCorpus, collate
+    from aiayn.model import Transformer
+    from aiayn.train import loop
+    from aiayn.train.distributed import Dist
+
+    torch.manual_seed(0)
+    model = Transformer(model_config("micro", vocab_size=20, pad_id=0, decoder_start_id=1, eos_id=2))
+    tok = SimpleNamespace(pad_id=0, bos_id=1, eos_id=2)
+    corpus = EncodedCorpus.from_lists([[5, 6, 2], [7, 2], [8, 9, 10, 2]], [[8], [9, 10, 11], [12, 13]])
+    batches = [collate(corpus, indices, tok) for indices in ([0, 1], [2], [1, 2])]
+    off = torch.autocast("cpu", enabled=False)
+    want = [0.0, 0.0]
+    for b in batches:  # micro has no dropout: the same forward as train_step's, before its update
+        loss, nll = loop.batch_loss(deepcopy(model), b.src, b.tgt_in, b.tgt_out, 0.1, 0, off)
+        want = [want[0] + loss.item(), want[1] + nll.item()]
+    reads = []
+    for name in ("item", "tolist"):  # a caller in loop.py reading a tensor's value makes the host wait
+        real = getattr(torch.Tensor, name)
+
+        def recorded(self, *args, real=real, name=name, **kwargs):
+            reads.append((name, sys._getframe(1).f_globals.get("__name__")))
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, recorded)
+    optimizer = torch.optim.Adam(model.parameters(), fused=True)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    d = Dist(0, 1, 0, torch.device("cpu"))
+    result = loop.train_step(model, optimizer, scaler, batches, 16, 1e-3, 0.1, 0, 1.0, d, off)
+    assert [r for r in reads if r[1] == "aiayn.train.loop"] == []  # was 6: loss and NLL of each batch
+    monkeypatch.undo()
+    sums, tokens = result
+    assert isinstance(sums, torch.Tensor) and sums.dtype == torch.float64 and sums.shape == (2,)
+    assert sums.tolist() == want and tokens == 16.0 == sum(b.n_tokens for b in batches)

@@ -182,7 +182,9 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
     per_update = d.world_size * tc.update_freq
     start = last_log = time.monotonic()
     seconds_before = state.seconds  # a resumed run goes on with its clock, so the budget spans resumes
-    window = [0.0, 0.0, 0.0]  # smoothed loss sum, NLL sum, target tokens since the last log line
+    # Since the last log line: (smoothed loss, NLL) sums, kept on the device (reading them is a sync), and
+    # target tokens.
+    sums, tokens = _no_losses(d.device), 0.0
     last = {}
     saved_step = state.step
     while not stop:
@@ -195,7 +197,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
             batches = [collate(data.train, data.train_batches[b], tok).to(d.device) for b in mine]
             lr = inverse_sqrt_lr(state.step + 1, model.config.d_model, tc.warmup, tc.lr_scale)
             lr *= cooldown_factor(_budget_used(state, tc, n_updates), tc.cooldown)
-            sums = train_step(
+            step_sums, step_tokens = train_step(
                 net,
                 optimizer,
                 scaler,
@@ -210,13 +212,14 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
             )
             state.step, state.cursor = state.step + 1, state.cursor + 1
             state.seconds = _training_seconds(seconds_before, start, tc, d)
-            window = [w + s for w, s in zip(window, sums)]
+            sums, tokens = sums + step_sums, tokens + step_tokens
             bar.update(1)
             if state.step % tc.log_every == 0:
+                window = [*sums.tolist(), tokens]  # the window's one sync: then its work is done, and timed
                 now = time.monotonic()
                 left = _time_left(state, tc, n_updates)
                 last = _log_window(window, state, lr, now - last_log, state.seconds, d, bar, metrics, left)
-                window, last_log = [0.0, 0.0, 0.0], now
+                sums, tokens, last_log = _no_losses(d.device), 0.0, now
             stop = _stop_reason(state, tc, n_updates)
             signalled = None if stop else stopper.agreed(d)  # a run at its budget ends as usual
             if (
@@ -225,7 +228,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 or signalled
                 or (tc.bleu_every and state.step % tc.bleu_every == 0)
             ):
-                _check_unlogged(window, state.step, d)
+                _check_unlogged(sums, state.step, d)
                 begun = time.monotonic()
                 last = _validate_and_save(  # on a signal only the save: a scheduler's grace is short
                     net, model, optimizer, scaler, state, data, config, d, autocast, metrics, not signalled
@@ -239,7 +242,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
             if tc.max_epochs and state.epoch >= tc.max_epochs:
                 stop = stop or f"max_epochs={tc.max_epochs}"
     if saved_step != state.step:  # stopped at an epoch end between validations
-        _check_unlogged(window, state.step, d)
+        _check_unlogged(sums, state.step, d)
         last = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics)
     return stop, last
 
@@ -398,22 +401,24 @@ def train_step(
     clip_norm: float,
     d: Dist,
     autocast,
-) -> tuple[float, float, float]:
+) -> tuple[Tensor, float]:
     """One update: accumulate this process' batches, normalize by the update's tokens, step Adam.
 
     The gradient is that of (sum of smoothed losses over all processes' batches) / update_tokens.
     DDP averages gradients over processes, so each process scales its loss by world_size first.
-    Returns this process' (smoothed loss sum, NLL sum, target tokens) for the log.
+    Returns this process' (smoothed loss, NLL) sums, (2,) float64 on the device, and its target tokens,
+    for the log. The sums stay on the device: .item() here waited for the GPU at every batch, so the host
+    could not collate the next batch while the GPU worked.
     """
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = nll_sum = 0.0
+    sums = _no_losses(d.device)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         sync = nullcontext() if last or not isinstance(net, DistributedDataParallel) else net.no_sync()
         with sync:
             loss, nll = batch_loss(net, batch.src, batch.tgt_in, batch.tgt_out, eps, pad_id, autocast)
             scaler.scale(loss * (d.world_size / update_tokens)).backward()
-        loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
+        sums = sums + torch.stack([loss.detach(), nll.detach()]).double()  # (2,)
     if clip_norm > 0:
         scaler.unscale_(optimizer)  # clip the true gradient, not the loss-scaled one
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
@@ -421,7 +426,7 @@ def train_step(
         group["lr"] = lr
     scaler.step(optimizer)
     scaler.update()
-    return loss_sum, nll_sum, float(sum(b.n_tokens for b in batches))
+    return sums, float(sum(b.n_tokens for b in batches))
 
 
 def batch_loss(
@@ -439,13 +444,14 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> d
     """Smoothed loss and NLL per target token on the validation set (shared out over processes)."""
     was_training = model.training
     model.eval()
-    sums, pad_id = [0.0, 0.0, 0.0], data.tokenizer.pad_id
+    sums, tokens, pad_id = _no_losses(d.device), 0.0, data.tokenizer.pad_id
     for indices in data.valid_batches[d.rank :: d.world_size]:
         batch = collate(data.valid, indices, data.tokenizer).to(d.device)
         loss, nll = batch_loss(model, batch.src, batch.tgt_in, batch.tgt_out, eps, pad_id, autocast)
-        sums = [sums[0] + loss.item(), sums[1] + nll.item(), sums[2] + batch.n_tokens]
+        sums = sums + torch.stack([loss, nll]).double()  # (2,), on the device: no sync per batch
+        tokens += batch.n_tokens
     model.train(was_training)
-    loss, nll, tokens = distributed.all_reduce_sum(sums, d)
+    loss, nll, tokens = distributed.all_reduce_sum([*sums.tolist(), tokens], d)
     if not tokens:  # prepare_data refuses an empty validation set; this keeps a division by zero out
         raise UserError("data.valid_src: the validation set has no target tokens")
     return {
@@ -517,9 +523,16 @@ def _check_finite(what: str, value: float, step: int) -> None:
         )
 
 
-def _check_unlogged(window: list[float], step: int, d: Dist) -> None:
-    """Before a save, the training loss since the last log line: a sum, so one NaN update shows."""
-    _check_finite("training loss", distributed.all_reduce_sum(window[:1], d)[0], step)
+def _check_unlogged(sums: Tensor, step: int, d: Dist) -> None:
+    """Before a save, the training loss since the last log line: a sum, so one NaN update shows. `sums`:
+    the window's (smoothed loss, NLL) sums on the device; reading them is one sync per save."""
+    _check_finite("training loss", distributed.all_reduce_sum(sums[:1].tolist(), d)[0], step)
+
+
+def _no_losses(device: torch.device) -> Tensor:
+    """(2,) float64 zeros on `device`: (smoothed loss, NLL) sums to add batches' losses to. float64, as the
+    Python floats that .item() gave were: the same sums, bit for bit."""
+    return torch.zeros(2, dtype=torch.float64, device=device)
 
 
 def _check_finite_weights(model: Transformer, step: int) -> None:

@@ -198,3 +198,20 @@ def test_a_note_suggests_lang_for_unspaced_text_scored_with_13a(tmp_path, capsys
     ref.write_text("The cat sat on a mat.\nShort.\n", encoding="utf-8")
     assert main(["evaluate", str(hyp), str(ref)]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_hypotheses_from_standard_input(tmp_path, capsys, monkeypatch):
+    """`aiayn translate ... | aiayn evaluate - REF`: "-" was "file not found", /dev/stdin "not a regular file"."""
+    import io
+    import sys
+
+    ref = tmp_path / "ref"
+    ref.write_text("The cat sat on a mat.\nA dog ran.\n", encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("The cat sat on the mat.\nA dog ran.\n".encode())))
+    assert main(["evaluate", "-", str(ref), "--json"]) == 0  # read once: the unspaced-text check reads the same lines
+    scores = json.loads(capsys.readouterr().out)
+    assert scores[0]["score"] == pytest.approx(corpus_scores(["The cat sat on the mat.", "A dog ran."],
+                                                             [["The cat sat on a mat.", "A dog ran."]])[0].score)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok\n\xff\n")))
+    assert main(["evaluate", "-", str(ref)]) == 2
+    assert capsys.readouterr().err.strip() == "aiayn: error: <stdin>:2: invalid UTF-8 (byte 0xff)"

@@ -215,12 +215,12 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     """Print sacreBLEU BLEU, chrF and the lowercased BLEU of a translation file, with signatures."""
     import json
 
-    from aiayn.data.dataset import read_lines
-    from aiayn.evaluate import evaluate_files, unspaced_hint
+    from aiayn.evaluate import read_hypotheses, score_lines, unspaced_hint
 
-    scores = evaluate_files(args.hypotheses, args.references, args.lang, args.tokenize,
-                            chrf_word_order=args.chrf_word_order, ter=args.ter, confidence=args.confidence)
-    note = unspaced_hint(read_lines(args.hypotheses), args.lang, args.tokenize)
+    hyps = read_hypotheses(args.hypotheses)  # once: standard input cannot be read twice
+    scores = score_lines(hyps, args.hypotheses, args.references, args.lang, args.tokenize,
+                         chrf_word_order=args.chrf_word_order, ter=args.ter, confidence=args.confidence)
+    note = unspaced_hint(hyps, args.lang, args.tokenize)
     if note:  # Chinese scored with 13a: BLEU near 0 however good the translation
         print(f"aiayn: note: {note}", file=sys.stderr)
     if args.json:
@@ -307,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_translate_parser(sub)
     p = sub.add_parser("evaluate", help="sacreBLEU BLEU and chrF (with signatures) against references")
-    p.add_argument("hypotheses", metavar="HYP", help="detokenized, cased translations, one per line")
+    p.add_argument("hypotheses", metavar="HYP",
+                   help="detokenized, cased translations, one per line; - reads standard input")
     p.add_argument("references", metavar="REF", nargs="+", help="reference file(s), line-aligned with HYP")
     p.add_argument("-l", "--lang", default="", metavar="LANG",
                    help="the target language's code (zh; zh-CN and ZH are zh; not a pair such as en-zh): zh, ja and "

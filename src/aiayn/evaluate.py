@@ -13,6 +13,7 @@ the score to report.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -159,13 +160,29 @@ def evaluate_files(
     hypotheses: str | Path, references: Sequence[str | Path], lang: str = "", tokenize: str | None = None,
     **options: int | bool,
 ) -> list[Score]:
-    """Score a file of translations against reference files, line by line (`lang`, `tokenize` and
-    `options`: as `corpus_scores`)."""
-    hyps = read_lines(hypotheses)
+    """Score a file of translations ("-": standard input) against reference files, line by line (`lang`,
+    `tokenize` and `options`: as `corpus_scores`)."""
+    return score_lines(read_hypotheses(hypotheses), hypotheses, references, lang, tokenize, **options)
+
+
+def read_hypotheses(path: str | Path) -> list[str]:
+    """The lines of a translation file, or of standard input for "-" (`aiayn translate ... | aiayn
+    evaluate - REF`), checked as every text file is."""
+    if str(path) == "-":
+        return read_lines("<stdin>", sys.stdin.buffer)
+    return read_lines(path)
+
+
+def score_lines(
+    hyps: Sequence[str], name: str | Path, references: Sequence[str | Path], lang: str = "",
+    tokenize: str | None = None, **options: int | bool,
+) -> list[Score]:
+    """`corpus_scores` of translations already read (from `name`) against reference files."""
+    name = "<stdin>" if str(name) == "-" else name
     if not hyps:
-        raise UserError(f"{hypotheses}: empty, nothing to score")
+        raise UserError(f"{name}: empty, nothing to score")
     refs = [read_lines(r) for r in references]
     for path, lines in zip(references, refs):
         if len(lines) != len(hyps):
-            raise UserError(f"{path}: {len(lines)} lines, but {hypotheses} has {len(hyps)}")
+            raise UserError(f"{path}: {len(lines)} lines, but {name} has {len(hyps)}")
     return corpus_scores(hyps, refs, lang, tokenize, **options)

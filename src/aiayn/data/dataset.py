@@ -15,6 +15,7 @@ Dimension key: B batch, S source length, T target length.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ import re
 import time
 import unicodedata
 from collections.abc import Iterable, Iterator
+from typing import BinaryIO
 from dataclasses import dataclass
 from itertools import chain, compress, islice
 from pathlib import Path
@@ -51,10 +53,11 @@ def require_file(path: Path) -> None:
         raise UserError(f"{path}: not a regular file")
 
 
-def read_lines(path: str | Path) -> list[str]:
+def read_lines(path: str | Path, stream: BinaryIO | None = None) -> list[str]:
     """The lines of a UTF-8 file, without line ends or a leading byte order mark; invalid UTF-8, a NUL
-    byte or CR-only line ends are a UserError naming the file (and the bad line)."""
-    return list(chain.from_iterable(_line_blocks(Path(path))))
+    byte or CR-only line ends are a UserError naming the file (and the bad line). With `stream` (standard
+    input), its lines, checked the same way and named `path` in errors."""
+    return list(chain.from_iterable(_line_blocks(Path(path), stream)))
 
 
 READ_BLOCK = 1 << 22  # bytes read at once (4 MiB): memory stays the lines kept, not 3x the file
@@ -70,13 +73,14 @@ SIGNATURES = (
 )
 
 
-def _line_blocks(path: Path) -> Iterator[list[str]]:
-    """The lines of `path` (as `read_lines`), a block at a time. Invalid UTF-8 raises where it is; a NUL
-    byte or CR-only line ends raise after the last block, so that the error is the one the whole file
-    decoded at once gave (invalid UTF-8 anywhere before a NUL byte anywhere)."""
-    require_file(path)
+def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[str]]:
+    """The lines of `path` (or of `stream`, named `path`), as `read_lines`, a block at a time. Invalid
+    UTF-8 raises where it is; a NUL byte or CR-only line ends raise after the last block, so that the error
+    is the one the whole file decoded at once gave (invalid UTF-8 anywhere before a NUL byte anywhere)."""
+    if stream is None:
+        require_file(path)
     newlines, nul, head, last = 0, None, b"", b""
-    for n, block in enumerate(_blocks(path)):
+    for n, block in enumerate(_blocks(path, stream)):
         head = block[:8] if n == 0 else head
         text = _decode(path, block, newlines, head)
         if nul is None and (at := block.find(b"\0")) >= 0:  # valid UTF-8, but no text has it
@@ -93,11 +97,11 @@ def _line_blocks(path: Path) -> Iterator[list[str]]:
                         f"convert it, e.g. tr '\\r' '\\n' < {path} > {path}.lf")
 
 
-def _blocks(path: Path) -> Iterator[bytes]:
-    """`path`'s bytes in blocks of about READ_BLOCK that end at a line end (all but perhaps the last): no
-    line is cut, nor a UTF-8 character, since b"\\n" is never part of one."""
+def _blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[bytes]:
+    """`path`'s (or `stream`'s) bytes in blocks of about READ_BLOCK that end at a line end (all but perhaps
+    the last): no line is cut, nor a UTF-8 character, since b"\\n" is never part of one."""
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") if stream is None else contextlib.nullcontext(stream) as f:
             pending: list[bytes] = []  # read, but no line end yet
             while piece := f.read(READ_BLOCK):
                 cut = piece.rfind(b"\n") + 1

@@ -81,6 +81,18 @@ def test_shared_and_separate_tokenizers(tmp_path, corpus_files):
     assert find_tokenizer(tmp_path) is None
 
 
+def test_fewer_pieces_than_asked_are_said(tmp_path, corpus_files, caplog):
+    _, src, tgt = corpus_files
+    with caplog.at_level("WARNING", logger="aiayn.data.dataset"):
+        tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 5000)  # far more than this text holds
+    assert tok.src_vocab_size < 5000
+    assert f"SentencePiece made {tok.src_vocab_size} pieces, fewer than data.vocab_size=5000" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="aiayn.data.dataset"):
+        train_tokenizer(read_parallel(src, tgt), tmp_path / "fits", 40)
+    assert "fewer than data.vocab_size" not in caplog.text
+
+
 def test_encode_once_then_cache(tmp_path, corpus_files, monkeypatch):
     _, src, tgt = corpus_files
     tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)

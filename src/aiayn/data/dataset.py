@@ -502,7 +502,18 @@ def train_tokenizer(
         os.replace(tgt, directory / "target.spm")
         tokenizer = Tokenizer(directory / "source.spm", directory / "target.spm")
     _warn_if_normalization_changes_text(tokenizer, text, normalization)
+    _warn_if_fewer_pieces(tokenizer, vocab_size)
     return tokenizer
+
+
+def _warn_if_fewer_pieces(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """SentencePiece stops early when the text has no more merges to make (hard_vocab_limit=False): say
+    so, since the run's configuration still shows the size asked for."""
+    sizes = {tokenizer.src_vocab_size, tokenizer.tgt_vocab_size}
+    if min(sizes) < vocab_size:
+        made = " and ".join(str(n) for n in sorted(sizes))
+        log.warning("SentencePiece made %s pieces, fewer than data.vocab_size=%d: the training text has no "
+                    "more to merge; the model's vocabulary is what was made", made, vocab_size)
 
 
 LARGE_CORPUS = 100_000  # pairs: training a tokenizer on more takes long enough to say so

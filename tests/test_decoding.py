@@ -35,6 +35,16 @@ def full_log_prob(model, src, tokens):
 # --- the cache ---------------------------------------------------------------------------------------
 
 
+def poison_unfilled(cache: KVCache) -> None:
+    """NaN in every position not written yet and in the whole spare buffer: `select`, `keep_sentences`
+    and `expand_beams` copy only the filled past into uninitialized buffers, so decoding must never
+    read a slot before `append` writes it. A read of one would put NaN into the output."""
+    for buf in (cache.k, cache.v):
+        buf[:, :, cache.length :] = float("nan")  # (L, rows, max_len - length, H, D)
+    for buf in cache.spare or ():
+        buf.fill_(float("nan"))
+
+
 @pytest.mark.parametrize(
     "perm",  # beam reorderings within each sentence: most rows move (a gather into the spare buffer),
     [[2, 0, 1, 4, 4, 3], [0, 2, 2, 3, 4, 5],  # or one row takes another's past (a copy of that row),
@@ -60,9 +70,52 @@ def test_cache_with_shared_cross_kv_reordered_and_shrunk_equals_full_recomputati
                 cache.keep_sentences(torch.tensor([1]))
                 rows, expected = rows[k:], expected[k:]
                 memory, mask = memory[1:], mask[1:]
+            poison_unfilled(cache)
             step = model.decode(rows[:, t : t + 1], memory, mask, cache)  # (rows, 1, V)
             torch.testing.assert_close(step[:, 0], expected[:, t], atol=1e-5, rtol=1e-5)
     assert cache.cross[0][0].shape[0] == 1  # one cross K/V row per sentence, never one per beam
+
+
+def test_cache_dropping_finished_rows_equals_full_recomputation():
+    """Greedy search: finished rows leave (`select` with fewer rows), their cross K/V with them (K = 1)."""
+    model = tiny_model()
+    src, tgt = padded_batch([6, 3, 5, 4], 50), padded_batch([6] * 4, 50)
+    with torch.no_grad():
+        memory, mask = model.encode(src), model.src_mask(src)
+        full = model.decode(tgt, memory, mask)  # (4, T, V)
+        cache = model.new_cache(4, 6)
+        alive = torch.arange(4)
+        for t in range(6):
+            keep = {2: [0, 2, 3], 4: [0, 2]}.get(t)  # positions in the live batch: rows 1, then 2, finished
+            if keep is not None:
+                keep = torch.tensor(keep)
+                cache.select(keep)
+                alive, memory, mask = alive[keep], memory[keep], mask[keep]
+            poison_unfilled(cache)
+            step = model.decode(tgt[alive, t : t + 1], memory, mask, cache)  # (rows, 1, V)
+            torch.testing.assert_close(step[:, 0], full[alive, t], atol=1e-5, rtol=1e-5)
+    assert alive.tolist() == [0, 3] and cache.cross[0][0].shape[0] == 2
+
+
+def test_cache_grown_into_beams_equals_full_recomputation():
+    """Beam search: one row per sentence for the shared first steps, then `expand_beams` into K rows."""
+    model = tiny_model()
+    b, k, t_max, shared = 2, 3, 6, 2
+    src = padded_batch([6, 3], 50)
+    tgt = padded_batch([t_max] * (b * k), 50)  # (B*K, T): K prefixes per sentence,
+    tgt[:, :shared] = tgt[::k, :shared].repeat_interleave(k, 0)  # the same in their first 2 positions
+    with torch.no_grad():
+        memory, mask = model.encode(src), model.src_mask(src)
+        full = model.decode(tgt, memory.repeat_interleave(k, 0), mask.repeat_interleave(k, 0))
+        cache = model.new_cache(b, t_max)
+        for t in range(t_max):
+            if t == shared:
+                cache.expand_beams(torch.arange(b).repeat_interleave(k), k)  # (B*K,) row of each beam
+            rows = torch.arange(b) * k if t < shared else torch.arange(b * k)  # beam 0 alone at first
+            poison_unfilled(cache)
+            step = model.decode(tgt[rows, t : t + 1], memory, mask, cache)  # (rows, 1, V)
+            torch.testing.assert_close(step[:, 0], full[rows, t], atol=1e-5, rtol=1e-5)
+    assert cache.cross[0][0].shape[0] == b  # one cross K/V row per sentence, never one per beam
 
 
 def test_search_scores_equal_full_recomputation():

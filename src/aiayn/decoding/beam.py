@@ -19,7 +19,7 @@ from torch import Tensor
 
 from aiayn.decoding.length_penalty import length_penalty
 from aiayn.decoding.options import DecodeConfig
-from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, source_mask, step_log_probs
+from aiayn.decoding.search import Hypothesis, hypotheses, source_lengths, source_mask, step_log_probs
 from aiayn.decoding.topk import topk_rows
 from aiayn.model import KVCache, Transformer
 
@@ -31,7 +31,7 @@ class Beams:
     sentence: list[int]  # (B,) index in the input batch of each live sentence
     tokens_RT: Tensor  # (B*K, max T) output ids so far; row b*K + k is beam k of sentence b
     scores_BK: Tensor  # (B, K) log P of each live hypothesis; -inf for empty slots
-    limit_B: Tensor  # (B,) maximum output length of each sentence
+    limit_B: list[int]  # (B,) maximum output length of each sentence, on the host: checked every step
     memory: Tensor  # (B, S, d) encoder output, one per sentence (the beams share it)
     src_mask: Tensor | None  # (B, 1, 1, S); None when no source has padding
     cache: KVCache  # B*K self-attention rows, B cross-attention rows
@@ -78,7 +78,7 @@ def start(model: Transformer, src: Tensor, config: DecodeConfig) -> Beams:
         sentence=list(range(b)),
         tokens_RT=torch.zeros(b * k, max(limit), dtype=torch.long, device=src.device),
         scores_BK=scores_BK,
-        limit_B=torch.tensor(limit, device=src.device),
+        limit_B=limit,
         memory=model.encode(src),
         src_mask=source_mask(model, src),
         cache=model.new_cache(b * j, max(limit), beam_size=j),
@@ -107,10 +107,9 @@ def step(
     eos_B2K = token_B2K == eos
     ended_BK = eos_B2K[:, :k] & top_B2K[:, :k].isfinite()  # EOS ranked in the top K: a finished hypothesis
     if ended_BK.any():
-        for i, c in ended_BK.nonzero().tolist():
-            row = i * k + beam_B2K[i, c].item()  # tokens_RT has K rows per sentence even when J = 1
-            tokens = beams.tokens_RT[row, :t].tolist() + [eos]
-            finished[beams.sentence[i]].append(make_hypothesis(tokens, top_B2K[i, c].item(), config))
+        i_E, c_E = ended_BK.nonzero().unbind(1)  # (E,) sentence and rank of each
+        rows_E = i_E * k + beam_B2K[i_E, c_E]  # tokens_RT has K rows per sentence even when J = 1
+        record(beams, finished, i_E, beams.tokens_RT[rows_E, :t], top_B2K[i_E, c_E], config, eos)
     scores_BK, pick_BK = top_B2K.masked_fill(eos_B2K, float("-inf")).topk(k, dim=1)  # best K to go on
     beam_BK = beam_B2K.gather(1, pick_BK)  # (B, K) the beam each new hypothesis extends
     new_R = token_B2K.gather(1, pick_BK).view(-1)  # (R,)
@@ -123,20 +122,34 @@ def step(
         beams.cache.expand_beams(rows_R, k)
     else:  # self-attention rows only: the beams of a sentence share cross K/V
         beams.cache.select(rows_R)
-    at_limit_B = beams.limit_B <= t + 1
-    if at_limit_B.any():  # cut at the maximum length: the live hypotheses are finished as they are
-        for i in at_limit_B.nonzero()[:, 0].tolist():
-            for c in scores_BK[i].isfinite().nonzero()[:, 0].tolist():
-                tokens = beams.tokens_RT[i * k + c, : t + 1].tolist()
-                finished[beams.sentence[i]].append(make_hypothesis(tokens, scores_BK[i, c].item(), config))
+    at_limit = [limit <= t + 1 for limit in beams.limit_B]
+    if any(at_limit):  # cut at the maximum length: the live hypotheses are finished as they are
+        at_limit_B1 = torch.tensor(at_limit, device=scores_BK.device)[:, None]
+        i_E, c_E = (at_limit_B1 & scores_BK.isfinite()).nonzero().unbind(1)  # (E,) sentence and beam
+        record(beams, finished, i_E, beams.tokens_RT[i_E * k + c_E, : t + 1], scores_BK[i_E, c_E], config)
     return new_R
+
+
+def record(
+    beams: Beams, finished: list[list[Hypothesis]], i_E: Tensor, tokens_ET: Tensor, log_prob_E: Tensor,
+    config: DecodeConfig, eos: int | None = None,
+) -> None:
+    """Add E hypotheses to the finished lists of their live sentences i_E (E,): `tokens_ET` (E, T),
+    then `eos` if given, with log P `log_prob_E` (E,).
+
+    Three device reads for all E: on a GPU each `.item()` or `.tolist()` waits for the device. Reading
+    each hypothesis on its own made a 4-best beam 4 search of Multi30k's 1,014 validation lines read
+    25,133 times; with its other reads it now reads 1,825 times.
+    """
+    for i, hyp in zip(i_E.tolist(), hypotheses(tokens_ET, log_prob_E, config, eos)):
+        finished[beams.sentence[i]].append(hyp)
 
 
 def still_searching(
     beams: Beams, finished: list[list[Hypothesis]], t: int, config: DecodeConfig
 ) -> list[int]:
     """Positions (in the live batch) of the sentences whose search goes on after step t."""
-    keep, best_live_B, limit_B = [], None, beams.limit_B.tolist()
+    keep, best_live_B, limit_B = [], None, beams.limit_B
     for i, s in enumerate(beams.sentence):
         if limit_B[i] <= t + 1:
             continue
@@ -161,7 +174,7 @@ def shrink(beams: Beams, keep_B: list[int], k: int) -> None:
     rows_R = (index_B[:, None] * k + torch.arange(k, device=index_B.device)).view(-1)  # (B'*K,)
     beams.sentence = [beams.sentence[i] for i in keep_B]
     beams.tokens_RT = beams.tokens_RT[rows_R]
-    beams.scores_BK, beams.limit_B = beams.scores_BK[index_B], beams.limit_B[index_B]
+    beams.scores_BK, beams.limit_B = beams.scores_BK[index_B], [beams.limit_B[i] for i in keep_B]
     beams.memory = beams.memory[index_B]
     beams.src_mask = None if beams.src_mask is None else beams.src_mask[index_B]
     beams.cache.keep_sentences(index_B)

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.sampling import sample_next
-from aiayn.decoding.search import Hypothesis, make_hypothesis, source_lengths, source_mask, step_log_probs
+from aiayn.decoding.search import Hypothesis, hypotheses, source_lengths, source_mask, step_log_probs
 from aiayn.decoding.topk import argmax_rows
 from aiayn.model import Transformer
 
@@ -39,13 +39,15 @@ def greedy_search(
         tokens_RT[:, t] = last_R
         finished_R = (last_R == eos) | (limit_R <= t + 1)
         if finished_R.any():  # record them, then shrink every per-row tensor and the cache
-            for r in finished_R.nonzero()[:, 0].tolist():
-                tokens = tokens_RT[r, : t + 1].tolist()
-                done[alive[r]] = [make_hypothesis(tokens, log_prob_R[r].item(), config)]
-            keep_R = (~finished_R).nonzero()[:, 0]  # (R',)
-            if keep_R.numel() == 0:
+            ended_E = finished_R.nonzero()[:, 0]  # (E,)
+            ended = ended_E.tolist()
+            for r, hyp in zip(ended, hypotheses(tokens_RT[ended_E, : t + 1], log_prob_R[ended_E], config)):
+                done[alive[r]] = [hyp]
+            if len(ended) == len(alive):
                 break
-            alive = [alive[r] for r in keep_R.tolist()]
+            gone = set(ended)
+            alive = [s for r, s in enumerate(alive) if r not in gone]
+            keep_R = (~finished_R).nonzero()[:, 0]  # (R',)
             cache.select(keep_R)
             memory = memory[keep_R]
             src_mask = None if src_mask is None else src_mask[keep_R]

@@ -34,6 +34,16 @@ def make_hypothesis(tokens: list[int], log_prob: float, config: DecodeConfig) ->
     return Hypothesis(tokens, score, log_prob)
 
 
+def hypotheses(
+    tokens_ET: Tensor, log_prob_E: Tensor, config: DecodeConfig, eos: int | None = None
+) -> list[Hypothesis]:
+    """One hypothesis per row of `tokens_ET` (E, T), followed by `eos` if given, with log P `log_prob_E`
+    (E,): two device reads for all of them (on a GPU each `.tolist()` or `.item()` waits for the device)."""
+    tail = [] if eos is None else [eos]
+    return [make_hypothesis(tokens + tail, log_prob, config)
+            for tokens, log_prob in zip(tokens_ET.tolist(), log_prob_E.tolist())]
+
+
 def source_lengths(model: Transformer, src: Tensor) -> list[int]:
     """(B, S) right-padded ids -> the real length of each source, its EOS included."""
     return (src != model.config.pad_id).sum(1).tolist()

@@ -207,7 +207,7 @@ def test_hypotheses_from_standard_input(tmp_path, capsys, monkeypatch):
 
     ref = tmp_path / "ref"
     ref.write_text("The cat sat on a mat.\nA dog ran.\n", encoding="utf-8")
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("The cat sat on the mat.\nA dog ran.\n".encode())))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"The cat sat on the mat.\nA dog ran.\n")))
     assert main(["evaluate", "-", str(ref), "--json"]) == 0  # read once: the unspaced-text check reads the same lines
     scores = json.loads(capsys.readouterr().out)
     assert scores[0]["score"] == pytest.approx(corpus_scores(["The cat sat on the mat.", "A dog ran."],

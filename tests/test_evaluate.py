@@ -210,6 +210,7 @@ def test_hypotheses_from_standard_input(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"The cat sat on the mat.\nA dog ran.\n")))
     assert main(["evaluate", "-", str(ref), "--json"]) == 0  # read once: the unspaced-text check reads the same lines
     scores = json.loads(capsys.readouterr().out)
+    assert all("ci" not in s for s in scores)  # the default JSON as before --confidence existed
     assert scores[0]["score"] == pytest.approx(corpus_scores(["The cat sat on the mat.", "A dog ran."],
                                                              [["The cat sat on a mat.", "A dog ran."]])[0].score)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok\n\xff\n")))

@@ -178,6 +178,14 @@ def test_built_on_meta_then_materialized_equals_the_model(overrides):
     assert torch.isfinite(fresh.eval()(src, tgt)).all()
     if fresh.final_logits_bias is not None:
         assert not fresh.final_logits_bias.any()
+    # Module by module, as FSDP materializes: each module's own tensors, then its reset_parameters
+    with torch.device("meta"):
+        piecewise = Transformer(ref.config)
+    for module in piecewise.modules():
+        module.to_empty(device="cpu", recurse=False)
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert torch.equal(piecewise.src_embed.pe, ref.src_embed.pe) and torch.equal(piecewise.tgt_embed.pe, ref.tgt_embed.pe)
 
 
 def test_learns_a_copy_task():
@@ -207,5 +215,7 @@ def test_the_package_and_its_command_line_import_torch_only_when_used():
     import sys
 
     code = ("import sys, aiayn, aiayn.cli; assert 'torch' not in sys.modules, 'torch imported'; "
-            "from aiayn import Transformer, KVCache; assert Transformer.__name__ == 'Transformer'")
+            "from aiayn import Transformer, KVCache; assert Transformer.__name__ == 'Transformer'; "
+            "import aiayn as a; assert a.translate.Translator and a.model.KVCache is KVCache; "  # subpackages too
+            "assert not hasattr(a, 'nope')")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -380,7 +380,7 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
              (["--early-stopping", "--beam", "1"], "early_stopping=True needs beam > 1, not 1"),
              (["--early-stopping", "--sample"], "early_stopping=True needs beam > 1, not 1"),
              (["--lenpen", "1", "--lenpen-kind", "none"], "--lenpen 1.0 has no effect with --lenpen-kind"),
-             (["--int8", "--device", "cuda"], "--int8 is a CPU path")]
+             (["--int8", "--device", "cuda"], "int8 (--int8) is a CPU path")]
     for extra, message in cases:
         assert main(["translate", str(checkpoint), "-i", str(src), "-q"] + extra) == 2, extra
         err = capsys.readouterr().err
@@ -408,7 +408,7 @@ def test_int8_is_refused_on_cuda_before_anything_else(checkpoint, monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda count=count: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
         for device in ("cuda", "cuda:0", torch.device("cuda")):
-            with pytest.raises(UserError, match=r"^--int8 is a CPU path"):
+            with pytest.raises(UserError, match=r"^int8 \(--int8\) is a CPU path"):
                 Translator.load(checkpoint, device, int8=True)
 
 

@@ -16,7 +16,14 @@ __all__ = ["ConfigError", "KVCache", "ModelConfig", "Transformer", "model_config
 
 def __getattr__(name: str) -> Any:
     """`aiayn.Transformer` and `aiayn.KVCache` import torch on first use, not on `import aiayn`: every
-    `aiayn` command imports this package, and torch took 1.6 of `aiayn --help`'s 1.7 seconds."""
+    `aiayn` command imports this package, and torch took 1.6 of `aiayn --help`'s 1.7 seconds. A
+    subpackage (`aiayn.model`, `aiayn.translate`...) is imported on first use too, as it was once
+    `import aiayn` had imported the model."""
     if name in ("KVCache", "Transformer"):
         return getattr(importlib.import_module("aiayn.model"), name)
-    raise AttributeError(f"module 'aiayn' has no attribute {name!r}")
+    try:
+        return importlib.import_module(f"aiayn.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"aiayn.{name}":  # the module exists but lacks one of its own imports
+            raise
+        raise AttributeError(f"module 'aiayn' has no attribute {name!r}") from None

@@ -224,7 +224,9 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     if note:  # Chinese scored with 13a: BLEU near 0 however good the translation
         print(f"aiayn: note: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps([s.__dict__ for s in scores], indent=2))
+        # "ci" only with --confidence: scripts that read the default JSON see what they saw before
+        print(json.dumps([{k: v for k, v in s.__dict__.items() if k != "ci" or v is not None} for s in scores],
+                         indent=2))
         return
     for s in scores:
         ci = "" if s.ci is None else f" (95% CI +/- {s.ci:.2f})"
@@ -355,9 +357,11 @@ def add_translate_parser(sub) -> None:
                    help="stop a sentence once BEAM hypotheses ended (fairseq, HuggingFace); default: once no "
                    "live hypothesis can beat them (tensor2tensor, the paper's code). Beam > 1 only")
     p.add_argument("--n-best", type=int, default=1,
-                   help="hypotheses per line; above 1, each input line gets exactly N-BEST output lines in "
+                   help="hypotheses per line; above 1, each input line gets N-BEST output lines (fewer only if the search "
+                   "ended with fewer) in "
                    "Marian's n-best format, `LINE ||| TEXT ||| F0= LOGP ||| SCORE`: LINE counts from 0, LOGP "
-                   "is log P(TEXT | line) (the sum of its tokens' log-probabilities, EOS included), SCORE is "
+                   "is log P(TEXT | line) (the sum of its tokens' log-probabilities, EOS included when "
+                   "produced), SCORE is "
                    "LOGP / lp(|Y|), the length-normalized score beam search ranks by (see --lenpen-kind; "
                    "with --sample the rows are independent samples in the order drawn). An empty input line "
                    "gets N-BEST empty rows scored 0")

@@ -135,11 +135,12 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a checkpoint is as readable as any directory
         write(tmp)
+        mode = 0o666 & ~_umask()  # read once: reading the umask sets it for a moment
         for f in tmp.iterdir():  # flush every file before the rename makes them visible
             if f.is_file():
                 # safetensors writes its files 0600 whatever the umask: other users of a shared run
                 # could list the checkpoint but not read its weights
-                os.chmod(f, 0o666 & ~_umask())
+                os.chmod(f, mode)
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         _rename_into_place(tmp, directory)

@@ -46,7 +46,7 @@ class Translation:
     score: float  # log_prob / lp(|Y|): what beam search ranked by (samples come in the order drawn)
     tokens: list[int]  # output ids (EOS included when the search produced it)
     # log P(tokens | source), the sum of the tokens' log-probabilities as the search saw them: padding
-    # excluded, EOS included, an ensemble's mean of its members' probabilities at each step, and with
+    # excluded, EOS included when produced, an ensemble's mean of its members' probabilities at each step, and with
     # sampling the model's own, before temperature, top-k and top-p
     log_prob: float
 
@@ -92,7 +92,7 @@ def inference_device(device: str | torch.device, int8: bool = False) -> torch.de
     if parsed.type != "cuda":  # meta, mps...: untested here, and meta has no weights to compute with
         raise UserError(f"device {device!r}: translation runs on cpu or cuda only")
     if int8:  # before the CUDA checks: the answer is the same on a machine with or without a GPU
-        raise UserError(f"--int8 is a CPU path (torch.ao's dynamic quantization has no CUDA kernels): "
+        raise UserError(f"int8 (--int8) is a CPU path (torch.ao's dynamic quantization has no CUDA kernels): "
                         f"drop it on device {str(device)!r}, or use device cpu")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
@@ -318,7 +318,8 @@ def translate_stream(
     interactive filter: each line is answered as soon as it is read); from a pipe, also what arrived
     before the input stalled, except with `sample` and a `seed`.
 
-    With `n_best` > 1 every line gets exactly `n_best` rows in Marian's n-best format (Moses' four
+    With `n_best` > 1 every line gets `n_best` rows (fewer only if the search ended with fewer: a tiny
+    vocabulary, a very short length limit) in Marian's n-best format (Moses' four
     fields), `LINE ||| TEXT ||| F0= LOG_PROB ||| SCORE`: LINE counts from 0, LOG_PROB is the raw log
     P(TEXT | line) (`Translation.log_prob`), SCORE is LOG_PROB / lp(|Y|), what beam search ranked by.
     An empty line gets `n_best` empty rows scored 0. With `sample`, one generator seeded once draws the

@@ -45,6 +45,13 @@ class Embeddings(nn.Module):
         pe = sinusoidal_positions(config.max_len, config.d_model, config.positions)
         self.register_buffer("pe", pe, persistent=False)  # (max_len, d): a function, not a weight
         self.dropout = Dropout(config.dropout)
+        self.config = config
+
+    def reset_parameters(self) -> None:
+        """Compute the position table again (after `to_empty` it is uninitialized memory). The token
+        embedding is `embed`'s, initialized by `Transformer.reset_parameters`."""
+        pe = sinusoidal_positions(self.config.max_len, self.config.d_model, self.config.positions)
+        self.pe = pe.to(device=self.pe.device, dtype=self.pe.dtype)  # (max_len, d)
 
     def forward(self, tokens: Tensor, start: int = 0) -> Tensor:
         """(B, T) ids at positions start..start+T-1 -> (B, T, d)."""
@@ -152,13 +159,14 @@ class Transformer(nn.Module):
             self.generator.weight = self.tgt_embed.embed.weight
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
-        """`nn.Module.to_empty` (for a model built on the meta device, then loaded or initialized), which
-        leaves every tensor uninitialized and gives each module its own copy of a shared parameter: the
-        position tables are computed again and the output projection tied again to the embedding."""
+        """`nn.Module.to_empty` of the whole model (built on the meta device, then loaded or initialized),
+        which leaves every tensor uninitialized and gives each module its own copy of a shared parameter:
+        the position tables are computed again and the output projection tied again to the embedding.
+        (Tools that materialize module by module call `Embeddings.reset_parameters` for the tables and
+        must tie the projection themselves.)"""
         super().to_empty(device=device, recurse=recurse)
         for emb in (self.src_embed, self.tgt_embed):
-            pe = sinusoidal_positions(self.config.max_len, self.config.d_model, self.config.positions)
-            emb.pe = pe.to(device=emb.pe.device, dtype=emb.pe.dtype)  # (max_len, d)
+            emb.reset_parameters()
         self._tie_output()
         return self
 

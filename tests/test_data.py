@@ -17,6 +17,7 @@ from aiayn.data.dataset import (
     load_encoded,
     read_lines,
     read_parallel,
+    scan_parallel,
     train_tokenizer,
 )
 from aiayn.data.tokenizer import Tokenizer
@@ -36,29 +37,41 @@ def sentences(n, lang):
     return [" ".join(words[(i + j) % len(words)] for j in range(1 + i % 5)) for i in range(n)]
 
 
-def test_read_parallel_drops_and_counts_empty_pairs(tmp_path):
-    src = write(tmp_path / "a.de", ["eins", "", "drei", "vier", "   "])
-    tgt = write(tmp_path / "a.en", ["one", "two", "", "four", "five"])
-    text = read_parallel(src, tgt)
-    assert text.src == ["eins", "vier"] and text.tgt == ["one", "four"] and text.dropped_empty == 3
+# scan_parallel keeps, checks and counts what read_parallel does, streaming the lines instead of holding them.
+READERS = pytest.mark.parametrize("read", [read_parallel, scan_parallel])
 
 
-def test_crlf_and_missing_final_newline(tmp_path):
+@READERS
+def test_read_parallel_drops_and_counts_empty_pairs(tmp_path, read):
+    src = write(tmp_path / "a.de", ["eins", "", "drei", "vier", "   ", "\u200b"])
+    tgt = write(tmp_path / "a.en", ["one", "two", "", "four", "five", "six"])
+    text = read(src, tgt)
+    assert list(text.src) == ["eins", "vier"] and list(text.tgt) == ["one", "four"]
+    assert len(text.src) == len(text.tgt) == 2 and text.dropped_empty == 4
+    assert list(text.src) == ["eins", "vier"]  # again: the lines are read on each pass
+    write(tgt, ["\u200b"] * 6)
+    with pytest.raises(UserError, match=r"a\.de:1: no non-empty sentence pairs"):
+        read(src, tgt)
+
+
+@READERS
+def test_crlf_and_missing_final_newline(tmp_path, read):
     src = write(tmp_path / "a.de", [], raw=b"eins\r\nzwei")
     tgt = write(tmp_path / "a.en", [], raw=b"one\r\ntwo\n")
-    assert read_parallel(src, tgt).src == ["eins", "zwei"]
+    assert list(read(src, tgt).src) == ["eins", "zwei"]
 
 
-def test_errors_name_file_and_line(tmp_path):
+@READERS
+def test_errors_name_file_and_line(tmp_path, read):
     good = write(tmp_path / "a.en", ["one", "two", "three"])
     with pytest.raises(UserError, match=r"missing\.de: file not found"):
-        read_parallel(tmp_path / "missing.de", good)
+        read(tmp_path / "missing.de", good)
     short = write(tmp_path / "short.de", ["eins", "zwei"])
     with pytest.raises(UserError, match=r"a\.en:3: line counts differ: .*short\.de has 2 lines"):
-        read_parallel(short, good)
+        read(short, good)
     bad = write(tmp_path / "bad.de", [], raw="eins\nzwei\n".encode() + b"dr\xffei\n")
     with pytest.raises(UserError, match=r"bad\.de:3: invalid UTF-8"):
-        read_parallel(bad, good)
+        read(bad, good)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +92,20 @@ def test_shared_and_separate_tokenizers(tmp_path, corpus_files):
     assert find_tokenizer(tmp_path / "sep").tgt_path.name == "target.spm"
     assert find_tokenizer(tmp_path / "shared").shared
     assert find_tokenizer(tmp_path) is None
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_file_changed_while_training_the_tokenizer_is_named(tmp_path, corpus_files, shared):
+    """Streamed text is read again after it was checked; a file rewritten since is an error naming it,
+    not a RuntimeError from inside SentencePiece, and leaves no tokenizer trained on part of it."""
+    _, src, _ = corpus_files
+    tgt = write(tmp_path / "train.en", sentences(201, "en"))
+    text = scan_parallel(src, tgt)
+    write(tgt, sentences(202, "en"))
+    with pytest.raises(UserError) as e:
+        train_tokenizer(text, tmp_path / "run", 40, shared=shared)
+    assert str(e.value) == f"{tgt}: changed while being read"
+    assert find_tokenizer(tmp_path / "run") is None and not (tmp_path / "run" / "spm.model").exists()
 
 
 def test_fewer_pieces_than_asked_are_said(tmp_path, corpus_files, caplog):
@@ -316,6 +343,27 @@ def test_batched_encoding_gives_the_ids_of_one_line_at_a_time(tmp_path, corpus_f
     marian = Tokenizer(tok.src_path, vocab=vocab, specials={"pad": 0, "bos": 1, "eos": 2, "unk": 3})
     assert marian.encode_src_batch(lines) == [marian.encode_src(line) for line in lines]
     assert marian.encode_src_batch([">>fra<< der Hund"])[0][0] == 5
+
+
+def test_encoding_uses_the_runs_threads(tmp_path, corpus_files, monkeypatch):
+    """train.threads=1 on a busy machine: SentencePiece's batched encode took one thread per core."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    asked = []
+
+    class Spy:  # SentencePiece's processor, recording the threads each batched encode asks for
+        def __init__(self, sp):
+            self.sp = sp
+
+        def encode(self, texts, **options):
+            asked.append(options.get("num_threads"))
+            return self.sp.encode(texts, **options)
+
+    monkeypatch.setattr(tok, "src", Spy(tok.src))
+    monkeypatch.setattr(tok, "tgt", tok.src)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    load_encoded(src, tgt, tok, tmp_path / "cache")
+    assert asked and set(asked) == {1}
 
 
 def test_a_long_encode_logs_its_progress(tmp_path, corpus_files, monkeypatch, caplog):

@@ -1,6 +1,7 @@
 """Corpora are read and encoded in chunks: the ids of the whole file at once, in a fraction of the memory."""
 
 import random
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -8,7 +9,14 @@ import pytest
 import torch
 
 from aiayn.data import dataset
-from aiayn.data.dataset import EncodedCorpus, load_encoded, read_lines, read_parallel, train_tokenizer
+from aiayn.data.dataset import (
+    EncodedCorpus,
+    load_encoded,
+    read_lines,
+    read_parallel,
+    scan_parallel,
+    train_tokenizer,
+)
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"  # as configs/tiny.toml has it
 
@@ -63,6 +71,58 @@ def test_chunks_give_the_ids_of_the_whole_file(tmp_path, monkeypatch):
     assert_same(chunked, want)
     cached, _ = load_encoded(src, tgt, tok, tmp_path / "chunks")
     assert_same(cached, want)
+
+
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason=f"needs the Multi30k text in {MULTI30K}")
+@pytest.mark.parametrize(("shared", "model_type"), [(True, "bpe"), (False, "unigram")])
+def test_a_tokenizer_streamed_from_the_files_is_the_one_trained_on_their_text(
+    tmp_path, monkeypatch, shared, model_type
+):
+    """3,000 Multi30k pairs with a BOM, CRLF line ends, and blank, zero-width and control-character lines
+    that drop 6 pairs: the models trained from the text held and from the files, read in blocks that end
+    anywhere, are the same bytes, and the normalization check samples the same lines."""
+    de, en = (read_lines(MULTI30K / f"train.{lang}")[:3000] for lang in ("de", "en"))
+    de[10], en[20], de[30], en[30], de[40], en[50], en[60] = "", " ", "", "", "\u200b", "\x01\u200e", "\t"
+    src, tgt = tmp_path / "train.de", tmp_path / "train.en"
+    src.write_bytes(("\ufeff" + "\r\n".join(de) + "\r\n").encode())
+    tgt.write_bytes("\n".join(en).encode())  # no final newline
+    held = read_parallel(src, tgt)
+    train_tokenizer(held, tmp_path / "held", 1000, model_type, shared)
+    monkeypatch.setattr(dataset, "READ_BLOCK", 1000)  # bytes: lines and UTF-8 characters cross blocks
+    files = scan_parallel(src, tgt)
+    train_tokenizer(files, tmp_path / "files", 1000, model_type, shared)
+    assert len(files.src) == len(files.tgt) == len(held.src) == 2994 and files.dropped_empty == 6
+    # In the same order too: below SEED_SENTENCES a model depends on the lines alone (one dropped pair
+    # more changes it), above it on their order as well, through SentencePiece's seeded sampling.
+    assert list(files.src) == held.src and list(files.tgt) == held.tgt
+    models = sorted(path.name for path in (tmp_path / "held").iterdir())
+    assert models == (["spm.model"] if shared else ["source.spm", "target.spm"])
+    assert sorted(path.name for path in (tmp_path / "files").iterdir()) == models
+    for name in models:
+        assert (tmp_path / "files" / name).read_bytes() == (tmp_path / "held" / name).read_bytes(), name
+    n, k = len(held.src), 1000
+    for side in ("src", "tgt"):  # the lines the held text's sample took by index
+        want = [getattr(held, side)[i * n // k] for i in range(k)]
+        assert dataset._evenly_spaced(getattr(files, side), k) == want
+
+
+def test_a_tokenizer_trained_from_the_files_does_not_hold_their_text(tmp_path, monkeypatch):
+    """read_parallel held the text as Python strings (0.44 GB per million WMT-length pairs): 1.75x the
+    strings' bytes at the peak of training here. scan_parallel holds a byte per pair, and a block of
+    lines at a time while SentencePiece reads them. Scaled down: blocks of 64 KiB and a normalization
+    sample of 200 lines of 20,000 pairs, as 4 MiB and 2,000 are of millions."""
+    src, tgt = made_up_corpus(tmp_path, 20_000)
+    monkeypatch.setattr(dataset, "READ_BLOCK", 1 << 16)
+    monkeypatch.setattr(dataset, "ROUND_TRIP_SAMPLE", 200)
+    tracemalloc.start()  # Python's and numpy's allocations, not SentencePiece's own copy of its sample
+    try:
+        train_tokenizer(scan_parallel(src, tgt), tmp_path / "files", 1000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    text = read_parallel(src, tgt)
+    held = sum(map(sys.getsizeof, text.src + text.tgt))  # 6.4 MB
+    assert peak < held / 5, (peak, held)
 
 
 def made_up_corpus(directory: Path, pairs: int) -> tuple[Path, Path]:

@@ -82,20 +82,21 @@ class Tokenizer:
     def encode_tgt(self, text: str) -> list[int]:
         return self._ids(self.tgt, self.tgt_vocab, text)
 
-    def encode_src_batch(self, texts: list[str]) -> list[list[int]]:
-        """`encode_src` of each text: the same ids, from one call into SentencePiece for the whole list."""
-        return [ids + [self.eos_id] for ids in self._ids_batch(self.src, self.vocab, texts)]
+    def encode_src_batch(self, texts: list[str], threads: int = -1) -> list[list[int]]:
+        """`encode_src` of each text: the same ids, from one call into SentencePiece for the whole list,
+        in `threads` threads (-1: one per core)."""
+        return [ids + [self.eos_id] for ids in self._ids_batch(self.src, self.vocab, texts, threads)]
 
-    def encode_tgt_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_tgt_batch(self, texts: list[str], threads: int = -1) -> list[list[int]]:
         """`encode_tgt` of each text, as `encode_src_batch`."""
-        return self._ids_batch(self.tgt, self.tgt_vocab, texts)
+        return self._ids_batch(self.tgt, self.tgt_vocab, texts, threads)
 
     def _ids_batch(
-        self, sp: spm.SentencePieceProcessor, vocab: dict[str, int] | None, texts: list[str]
+        self, sp: spm.SentencePieceProcessor, vocab: dict[str, int] | None, texts: list[str], threads: int
     ) -> list[list[int]]:
         if vocab is not None:  # Marian's vocabulary and its >>fra<< pieces: line by line, as `_ids`
             return [self._ids(sp, vocab, text) for text in texts]
-        return sp.encode(texts)  # a list: encoded in SentencePiece's threads (by default one per core)
+        return sp.encode(texts, num_threads=threads)
 
     def decode_tgt(self, ids: Sequence[int]) -> str:
         """The text of target ids, up to the first EOS, without padding. BOS is not removed here: in

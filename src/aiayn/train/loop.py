@@ -51,6 +51,7 @@ from aiayn.data.dataset import (
     load_encoded,
     read_parallel,
     refuse_other_tokenizer_settings,
+    scan_parallel,
     tokenizer_inputs,
     train_tokenizer,
     write_tokenizer_inputs,
@@ -731,7 +732,7 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
         return found
     if dc.valid_src:  # a bad validation file fails now, not after minutes of tokenizer training
         read_parallel(dc.valid_src, dc.valid_tgt)
-    text = read_parallel(dc.train_src, dc.train_tgt)
+    text = scan_parallel(dc.train_src, dc.train_tgt)  # streamed to SentencePiece: the corpus is not held
     log.info(
         "training a %s SentencePiece model (%d pieces, %s) on %d pairs",
         dc.spm_type,

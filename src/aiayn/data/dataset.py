@@ -154,15 +154,10 @@ class ParallelText:
 
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
-    """Read two aligned files; drop (and count) pairs with an empty side (see `has_text`)."""
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
-    _require_same_count(src_path, len(src), tgt_path, len(tgt))
-    keep = [has_text(s) and has_text(t) for s, t in zip(src, tgt)]  # bools: no per-pair objects
-    dropped = len(keep) - sum(keep)
-    if dropped:
-        src, tgt = list(compress(src, keep)), list(compress(tgt, keep))
-    _log_dropped(src_path, dropped, len(keep))
-    return ParallelText(src, tgt, dropped)
+    """Read two aligned files; drop (and count) pairs with an empty side (see `has_text`): the pairs
+    `scan_parallel` keeps, held in memory."""
+    files = scan_parallel(src_path, tgt_path)
+    return ParallelText(list(files.src), list(files.tgt), files.dropped_empty)
 
 
 def _require_same_count(src_path: str | Path, n_src: int, tgt_path: str | Path, n_tgt: int) -> None:

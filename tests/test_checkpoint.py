@@ -49,6 +49,30 @@ def test_round_trip_is_exact(tmp_path, tokenizer):
     assert loaded.tokenizer.encode_src("the number 3") == tokenizer.encode_src("the number 3")
 
 
+def test_loading_skips_the_random_initialization_it_would_overwrite(tmp_path, tokenizer, monkeypatch):
+    """A loaded model is built on the meta device and given memory (0.5 s of `base`'s initialization
+    saved): no init function may touch a real tensor, and yet every weight and buffer, the position
+    tables included, must be the saved model's."""
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size, final_logits_bias=True)
+    with torch.no_grad():
+        model.final_logits_bias.normal_()
+    save_checkpoint(tmp_path / "ck", model, tokenizer)
+
+    def meta_only(tensor, *args, **kwargs):
+        assert tensor.is_meta, "a loaded model was initialized in real memory"
+        return tensor
+
+    for name in ("xavier_uniform_", "normal_", "zeros_", "ones_", "uniform_"):
+        monkeypatch.setattr(torch.nn.init, name, meta_only)
+    loaded = load_checkpoint(tmp_path / "ck").model
+    monkeypatch.undo()
+    expected = dict(model.named_buffers()) | dict(model.named_parameters())
+    got = dict(loaded.named_buffers()) | dict(loaded.named_parameters())
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    assert loaded.generator.weight is loaded.src_embed.embed.weight
+
 def test_a_checkpoint_directory_has_the_permissions_of_any_new_directory(tmp_path, tokenizer):
     """Written through a private temporary directory (mkdtemp's 0700), and its tensors by safetensors
     (0600 whatever the umask), it must not stay private: files get what `open(path, "w")` gives."""

@@ -41,7 +41,12 @@ class Checkpoint:
 
 
 def state_dict_for_saving(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights without tied duplicates and without compile/DDP prefixes."""
+    """The model's weights without tied duplicates and without compile/DDP prefixes, on the CPU."""
+    return {name: tensor.contiguous().cpu() for name, tensor in _untied_state(model).items()}
+
+
+def _untied_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state_dict, where it lies, without tied duplicates and without wrapper prefixes."""
     model = unwrap(model)
     seen: set[int] = set()
     out = {}
@@ -49,8 +54,18 @@ def state_dict_for_saving(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if id(tensor) in seen or tensor.data_ptr() in seen:
             continue  # a tied weight (the shared embedding) is stored once
         seen.update({id(tensor), tensor.data_ptr()})
-        out[name] = tensor.detach().contiguous().cpu()
+        out[name] = tensor.detach()
     return out
+
+
+def empty_model(config: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
+    """A `Transformer` of `config` on `device` with uninitialized weights, for `load_into` to fill: its
+    random initialization would be thrown away (0.5 s for `base` on one CPU thread, 2 s for `big`).
+    Built on the meta device, then given memory; the position tables are computed and the output
+    projection tied again (`Transformer.to_empty`)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    return model.to_empty(device=device)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -123,8 +138,9 @@ def _castable(stored: torch.dtype, wanted: torch.dtype) -> bool:
 
 
 def load_into(model: Transformer, weights: dict[str, torch.Tensor], where: str | Path) -> None:
-    """Copy `weights` into `model`, naming any missing, unexpected, mis-shaped or mis-typed tensor."""
-    expected = state_dict_for_saving(model)
+    """Copy `weights` into `model`, naming any missing, unexpected, mis-shaped or mis-typed tensor.
+    Every weight `model` saves must be there, so an `empty_model` is wholly overwritten."""
+    expected = _untied_state(model)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     shapes = [f"{k} {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
@@ -191,8 +207,8 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
         config = from_dict(ModelConfig, meta["model"], where=str(directory / META))
     except (ConfigError, KeyError, TypeError) as e:
         raise UserError(f"{directory / META}: bad model configuration ({e})") from None
-    model = Transformer(config)
+    model = empty_model(config, device)
     load_into(model, load_weights(directory), directory / WEIGHTS)
     tokenizer = checkpoint_tokenizer(directory, meta)
     check_vocabulary(config, tokenizer, directory / META)
-    return Checkpoint(model.to(device).eval(), tokenizer, meta, directory)
+    return Checkpoint(model.eval(), tokenizer, meta, directory)

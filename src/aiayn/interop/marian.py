@@ -31,11 +31,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from aiayn.checkpoint import load_into, save_checkpoint
+from aiayn.checkpoint import empty_model, load_into, save_checkpoint
 from aiayn.config import ConfigError, ModelConfig, from_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
-from aiayn.model import Transformer, sinusoidal_positions
+from aiayn.model import sinusoidal_positions
 
 log = logging.getLogger(__name__)
 
@@ -392,7 +392,7 @@ def convert_marian(directory: str | Path, out: str | Path) -> Path:
     tokenizer = marian_tokenizer(directory, config)
     weights, source = load_marian_weights(directory)
     weights = convert_weights(weights, config, str(source))
-    model = Transformer(config)
+    model = empty_model(config)
     load_into(model, weights, source)
     meta = {"converted_from": {"format": "marian", "path": str(directory.resolve())},
             "marian_generation": generation_defaults(directory, hf)}

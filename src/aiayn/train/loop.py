@@ -34,6 +34,7 @@ from aiayn.checkpoint import (
     Checkpoint,
     checkpoint_tokenizer,
     config_section,
+    empty_model,
     load_checkpoint,
     load_into,
     read_meta,
@@ -317,7 +318,7 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
         return None
     path = resume_from or Path(config.train.init_from)
     ck = load_checkpoint(path)
-    model = Transformer(finetune_model_config(config, ck.model.config, path))
+    model = empty_model(finetune_model_config(config, ck.model.config, path))
     load_into(model, state_dict_for_saving(ck.model), path)  # a new model: dropout may have changed
     if not resume_from:
         log.info("fine-tuning %s (update %s of its run)", path, ck.meta.get("step", "?"))

@@ -332,6 +332,28 @@ def test_load_encoded_checks_both_files_before_encoding(tmp_path, corpus_files, 
     assert str(e.value) == f"{src}:201: line counts differ: {src} has 201 lines, {short} has 200"
 
 
+@pytest.mark.parametrize("side", ["source", "target"])
+def test_a_file_changed_between_its_check_and_its_encoding_is_named(tmp_path, corpus_files, monkeypatch, side):
+    """The encoding reads the files a second time, after `scan_parallel` checked and counted them: a file
+    rewritten in between (a line added) is one line naming it, and no cache is written."""
+    src, tgt = (write(tmp_path / p.name, [], raw=p.read_bytes()) for p in corpus_files[1:])  # copies to change
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    changed = src if side == "source" else tgt
+    scan = dataset.scan_parallel
+
+    def scan_then_append(*args, **kwargs):
+        files = scan(*args, **kwargs)
+        write(changed, [], raw=changed.read_bytes() + b"one line more\n")
+        return files
+
+    monkeypatch.setattr(dataset, "scan_parallel", scan_then_append)
+    monkeypatch.setattr(dataset, "ENCODE_CHUNK", 64)
+    with pytest.raises(UserError) as e:
+        load_encoded(src, tgt, tok, tmp_path / "cache")
+    assert str(e.value) == f"{changed}: changed while being read"
+    assert not (tmp_path / "cache").exists()  # nor a temporary file of one
+
+
 def test_batched_encoding_gives_the_ids_of_one_line_at_a_time(tmp_path, corpus_files):
     _, src, tgt = corpus_files
     tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)

@@ -284,9 +284,10 @@ def load_encoded(
             return corpus, dropped
     if src_path.samefile(tgt_path):  # said once, when encoded; a copy model has its uses, so not an error
         log.warning("%s and %s are the same file: the model will learn to copy its input", src_path, tgt_path)
-    pairs = _count_pairs(src_path, tgt_path)  # every error in the files before minutes of encoding
-    corpus = _encode(src_path, tgt_path, pairs, tokenizer)
-    dropped = pairs - len(corpus)
+    files = scan_parallel(src_path, tgt_path, report=False)  # every error in the files before the encoding
+    corpus = _encode(files, tokenizer)
+    pairs = len(files.src) + files.dropped_empty
+    dropped = pairs - len(corpus)  # empty pairs and those of text that encodes to no pieces
     _log_dropped(src_path, dropped, pairs)
     _write_cache(cache, key, corpus, dropped, (src_path, tgt_path))
     _remove_stale_caches(cache, src_path, tgt_path)
@@ -294,38 +295,30 @@ def load_encoded(
     return corpus, dropped
 
 
-def _count_pairs(src_path: Path, tgt_path: Path) -> int:
-    """The files' common line count, each checked whole as `read_lines` checks it, keeping no line."""
-    n_src = sum(map(len, _line_blocks(src_path)))
-    n_tgt = sum(map(len, _line_blocks(tgt_path)))
-    _require_same_count(src_path, n_src, tgt_path, n_tgt)
-    return n_src
-
-
 ENCODE_CHUNK = 20_000  # pairs encoded at once: their Python id lists (~40 bytes an id) stay ~50 MB
 PROGRESS_SECONDS = 10.0  # between the progress lines of a long encode
 
 
-def _encode(src_path: Path, tgt_path: Path, pairs: int, tokenizer: Tokenizer) -> EncodedCorpus:
-    """Encode the `pairs` lines of two checked files ENCODE_CHUNK at a time into int32 arrays, dropping
-    the empty pairs: the whole corpus as Python strings and int lists took 15x the files' bytes."""
+def _encode(files: ParallelFiles, tokenizer: Tokenizer) -> EncodedCorpus:
+    """Encode the kept pairs of two scanned files ENCODE_CHUNK at a time into int32 arrays, dropping those
+    that encode to no pieces: the whole corpus as Python strings and int lists took 15x the files' bytes."""
     # Per column, the chunks' arrays: source ids, source lengths, target ids, target lengths.
     columns = tuple([np.empty(0, dtype)] for dtype in (np.int32, np.int64, np.int32, np.int64))
-    for src, tgt in _with_progress(_pair_chunks(src_path, tgt_path, ENCODE_CHUNK), src_path, pairs):
+    chunks = _pair_chunks(files, ENCODE_CHUNK)
+    for src, tgt in _with_progress(chunks, files.src.path, len(files.src)):
         for column, part in zip(columns, _encode_chunk(src, tgt, tokenizer)):
             column.append(part)
     return EncodedCorpus.from_lengths(*(np.concatenate(column) for column in columns))
 
 
-def _pair_chunks(src_path: Path, tgt_path: Path, size: int) -> Iterator[tuple[list[str], list[str]]]:
-    """(source lines, target lines), `size` pairs at a time (the last chunk may be shorter)."""
-    src_lines = chain.from_iterable(_line_blocks(src_path))
-    tgt_lines = chain.from_iterable(_line_blocks(tgt_path))
+def _pair_chunks(files: ParallelFiles, size: int) -> Iterator[tuple[list[str], list[str]]]:
+    """(source lines, target lines) of the kept pairs, `size` pairs at a time (the last may be shorter).
+    Both sides keep the same pairs, so their chunks align; a file changed meanwhile is a UserError
+    (`KeptLines`)."""
+    src_lines, tgt_lines = iter(files.src), iter(files.tgt)
     while src := list(islice(src_lines, size)):
-        tgt = list(islice(tgt_lines, size))
-        if len(tgt) != len(src):  # they were counted equal a moment ago
-            raise UserError(f"{src_path} or {tgt_path}: changed while being read")
-        yield src, tgt
+        yield src, list(islice(tgt_lines, len(src)))
+    next(tgt_lines, None)  # runs the target's end-of-file check
 
 
 def _with_progress(
@@ -344,11 +337,10 @@ def _with_progress(
 
 
 def _encode_chunk(src: list[str], tgt: list[str], tokenizer: Tokenizer) -> tuple[np.ndarray, ...]:
-    """(source ids, lengths, target ids, lengths) of the pairs that have pieces on both sides."""
-    keep = [has_text(s) and has_text(t) for s, t in zip(src, tgt)]
+    """(source ids, lengths, target ids, lengths) of the pairs that have pieces on both sides (the pairs
+    given have text on both: `has_text`)."""
     threads = torch.get_num_threads()  # train.threads: 1 on a busy machine, not one per core
-    x = tokenizer.encode_src_batch(list(compress(src, keep)), threads)
-    y = tokenizer.encode_tgt_batch(list(compress(tgt, keep)), threads)
+    x, y = tokenizer.encode_src_batch(src, threads), tokenizer.encode_tgt_batch(tgt, threads)
     # Text can still have no pieces: nmt_nfkc deletes U+FFFD (the replacement character) and U+2581
     pieces = [len(a) > 1 and len(b) > 0 for a, b in zip(x, y)]  # a source's last id is its EOS
     return *_flat(list(compress(x, pieces))), *_flat(list(compress(y, pieces)))
@@ -399,25 +391,31 @@ def _cache_files(path: Path) -> tuple[str, str] | None:
     """The (source, target) paths a cache was encoded from; None if no aiayn reads it any more (an older
     CACHE_FORMAT, whose key can no longer match, or a damaged file)."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+        meta, _ = _open_cache(path)
     except Exception:  # whatever safetensors raises for a file that is not one
         return None
     return (meta.get("src"), meta.get("tgt")) if meta.get("format") == CACHE_FORMAT else None
 
 
 def _read_cache(path: Path, key: str) -> tuple[EncodedCorpus | None, int]:
+    """The corpus a cache holds and its count of dropped pairs; (None, 0) if it is another encoding's."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("key") != key:
-                return None, 0
-            t = {name: f.get_tensor(name) for name in f.keys()}
+        meta, t = _open_cache(path, key)
     except Exception as e:  # a damaged cache is rebuilt, not fatal
         log.warning("%s: unreadable cache (%s); re-encoding", path, e)
         return None, 0
+    if not t:
+        return None, 0
     corpus = EncodedCorpus(t["src_ids"], t["src_offsets"], t["tgt_ids"], t["tgt_offsets"])
     return corpus, int(meta.get("dropped_empty", 0))
+
+
+def _open_cache(path: Path, key: str | None = None) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A cache file's metadata, and its tensors if its key is `key` (else none)."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        same = key is not None and meta.get("key") == key
+        return meta, {name: f.get_tensor(name) for name in f.keys()} if same else {}
 
 
 @dataclass
@@ -505,14 +503,16 @@ class ParallelFiles:
     dropped_empty: int  # pairs with an empty side, not iterated
 
 
-def scan_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelFiles:
-    """The pairs `read_parallel` keeps, the files checked and the empty pairs counted (and refused if all
-    are) as it does, in one pass over each file; what is held is a byte per pair, not the text."""
+def scan_parallel(src_path: str | Path, tgt_path: str | Path, report: bool = True) -> ParallelFiles:
+    """The pairs `read_parallel` keeps, the files checked and the empty pairs counted (and, with `report`,
+    logged and refused if all are) as it does, in one pass over each file; what is held is a byte per
+    pair, not the text."""
     src_text, tgt_text = _has_text_per_line(src_path), _has_text_per_line(tgt_path)
     _require_same_count(src_path, len(src_text), tgt_path, len(tgt_text))
     keep = src_text & tgt_text
     dropped = len(keep) - int(keep.sum())
-    _log_dropped(src_path, dropped, len(keep))
+    if report:
+        _log_dropped(src_path, dropped, len(keep))
     return ParallelFiles(KeptLines(src_path, keep), KeptLines(tgt_path, keep), dropped)
 
 

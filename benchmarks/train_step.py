@@ -53,6 +53,7 @@ from common import (  # noqa: E402
 )
 
 from aiayn.config import ModelConfig, model_config  # noqa: E402
+from aiayn.data.dataset import Batch  # noqa: E402
 from aiayn.memory import keep_freed_memory  # noqa: E402
 from aiayn.model import Transformer, sinusoidal_positions  # noqa: E402
 from aiayn.model.compile import compile_for_training  # noqa: E402
@@ -169,8 +170,9 @@ def system_step(system: str, c: ModelConfig, dtype: torch.dtype | None, compiled
     model = build(system, c, seed).train()
     if not compiled and system == "aiayn":
         def forward(src, tgt_in, tgt_out):  # the loss of aiayn.train.loop.train_step
-            loss, _ = batch_loss(model, src, tgt_in, tgt_out, LABEL_SMOOTHING, PAD, nullcontext())
-            return loss / (tgt_out != PAD).sum()
+            batch = Batch.of(src, tgt_in, tgt_out, PAD)  # what collate makes
+            loss, _ = batch_loss(model, batch, LABEL_SMOOTHING, nullcontext())
+            return loss / batch.n_tokens
     elif not compiled:
         def forward(src, tgt_in, tgt_out):
             return label_smoothed_loss(model(src, tgt_in), tgt_out)

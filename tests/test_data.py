@@ -165,14 +165,16 @@ def collate_rows(corpus, indices, tokenizer):
     src = torch.full((len(indices), s), pad, dtype=torch.long)  # (B, S)
     tgt_in = torch.full((len(indices), t), pad, dtype=torch.long)  # (B, T)
     tgt_out = torch.full((len(indices), t), pad, dtype=torch.long)  # (B, T)
-    n_tokens = 0
+    n_tokens, positions, targets = 0, [], []
     for row, i in enumerate(indices):
         x, y = corpus.source(i), corpus.target(i)
         src[row, : len(x)] = torch.tensor(x)
         tgt_in[row, : len(y) + 1] = torch.tensor([bos] + y)
         tgt_out[row, : len(y) + 1] = torch.tensor(y + [eos])
         n_tokens += len(y) + 1
-    return dataset.Batch(src, tgt_in, tgt_out, n_tokens)
+        positions += [row * t + j for j in range(len(y) + 1)]  # flat indices into (B, T)
+        targets += y + [eos]
+    return dataset.Batch(src, tgt_in, tgt_out, n_tokens, torch.tensor(positions), torch.tensor(targets))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -200,7 +202,7 @@ def test_collate_equals_the_row_by_row_oracle(seed):
     batches.append([shortest, 5, shortest])  # a pair twice
     for indices in batches:
         got, want = collate(corpus, indices, tok), collate_rows(corpus, indices, tok)
-        for name in ("src", "tgt_in", "tgt_out"):
+        for name in ("src", "tgt_in", "tgt_out", "positions", "targets"):
             a, b = getattr(got, name), getattr(want, name)
             assert a.dtype == b.dtype == torch.long and torch.equal(a, b), (name, indices)
         assert got.n_tokens == want.n_tokens and isinstance(got.n_tokens, int)

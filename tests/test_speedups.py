@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from aiayn.config import model_config
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
-from aiayn.model import Transformer
+from aiayn.model import Transformer, target_positions
 from aiayn.model.attention import sdpa
 from aiayn.model.dropout import Dropout, dropout, keep_mask
 from aiayn.train.loss import SmoothedCrossEntropy, block_rows, label_smoothed_nll
@@ -122,8 +122,8 @@ def test_projecting_only_real_targets_gives_the_same_loss_and_gradients():
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
     full, _ = label_smoothed_nll(model(src, tgt_in), tgt_out, 0.1, 0)
     g_full = torch.autograd.grad(full, list(model.parameters()))
-    keep = tgt_out != 0
-    part, _ = label_smoothed_nll(model(src, tgt_in, keep), tgt_out[keep], 0.1, 0)
+    positions = target_positions(tgt_out, 0)  # (N,)
+    part, _ = label_smoothed_nll(model(src, tgt_in, positions), tgt_out.flatten()[positions], 0.1, None)
     g_part = torch.autograd.grad(part, list(model.parameters()))
     assert part.item() == pytest.approx(full.item(), rel=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_full, g_part))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 from train_helpers import tiny_config
 
 from aiayn import cli
@@ -320,7 +321,7 @@ def test_train_step_sums_the_losses_on_the_device_without_reading_them(monkeypat
     off = torch.autocast("cpu", enabled=False)
     want = [0.0, 0.0]
     for b in batches:  # micro has no dropout: the same forward as train_step's, before its update
-        loss, nll = loop.batch_loss(deepcopy(model), b.src, b.tgt_in, b.tgt_out, 0.1, 0, off)
+        loss, nll = loop.batch_loss(deepcopy(model), b, 0.1, off)
         want = [want[0] + loss.item(), want[1] + nll.item()]
     reads = []
     for name in ("item", "tolist"):  # a caller in loop.py reading a tensor's value makes the host wait
@@ -334,9 +335,59 @@ def test_train_step_sums_the_losses_on_the_device_without_reading_them(monkeypat
     optimizer = torch.optim.Adam(model.parameters(), fused=True)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     d = Dist(0, 1, 0, torch.device("cpu"))
-    result = loop.train_step(model, optimizer, scaler, batches, 16, 1e-3, 0.1, 0, 1.0, d, off)
+    result = loop.train_step(model, optimizer, scaler, batches, 16, 1e-3, 0.1, 1.0, d, off)
     assert [r for r in reads if r[1] == "aiayn.train.loop"] == []  # was 6: loss and NLL of each batch
     monkeypatch.undo()
     sums, tokens = result
     assert isinstance(sums, torch.Tensor) and sums.dtype == torch.float64 and sums.shape == (2,)
     assert sums.tolist() == want and tokens == 16.0 == sum(b.n_tokens for b in batches)
+
+
+class _ValueReads(TorchDispatchMode):
+    """Counts the operators that read a tensor's values back to the host, which on a GPU wait for the
+    device: `.item()`/`bool()` (`_local_scalar_dense`), `nonzero`, `masked_select`, and indexing by a
+    bool mask (whose result size is the mask's count)."""
+
+    SYNCS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default")
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        masks = [i for i in args[1] if i is not None and i.dtype == torch.bool] if name == "aten.index.Tensor" else []
+        if name in self.SYNCS or masks:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_training_step_reads_no_value_back_from_the_device(precision):
+    """Forward, loss, backward, clipping and Adam of collated batches: no operator whose result depends
+    on a tensor's values being on the host. Selecting the real targets by a bool mask (twice a batch)
+    and checking the mask (`bool(keep.all())`) made a GPU's host wait three times per batch; `collate`
+    now finds the positions on the host."""
+    from types import SimpleNamespace
+
+    from aiayn.config import model_config
+    from aiayn.data.dataset import EncodedCorpus, collate
+    from aiayn.model import Transformer
+    from aiayn.train import loop
+    from aiayn.train.distributed import Dist
+
+    torch.manual_seed(0)
+    model = Transformer(model_config("micro", vocab_size=20, pad_id=0, decoder_start_id=1, eos_id=2, dropout=0.1))
+    tok = SimpleNamespace(pad_id=0, bos_id=1, eos_id=2)
+    corpus = EncodedCorpus.from_lists([[5, 6, 2], [7, 2], [8, 9, 10, 2]], [[8], [9, 10, 11], [12, 13]])
+    batches = [collate(corpus, indices, tok) for indices in ([0, 1], [2], [1, 2])]
+    optimizer = torch.optim.Adam(model.parameters(), fused=True)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with _ValueReads() as mode:
+        loop.train_step(model, optimizer, scaler, batches, 16, 1e-3, 0.1, 1.0, Dist(0, 1, 0, torch.device("cpu")),
+                        autocast)
+    assert mode.reads == []  # was 6 bool-mask selections and 3 reads
+    with _ValueReads() as mode:  # the mode does see them
+        bool((batches[0].tgt_out != 0).all()), batches[0].tgt_out[batches[0].tgt_out != 0]
+    assert mode.reads == ["aten._local_scalar_dense.default", "aten.index.Tensor"]

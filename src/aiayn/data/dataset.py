@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from aiayn.data.tokenizer import SEED_SENTENCES, Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
 from aiayn.files import atomic_output
+from aiayn.model.transformer import target_positions
 
 log = logging.getLogger(__name__)
 CACHE_FORMAT = "aiayn-ids-2"  # 2: pairs that encode to no pieces are dropped (1 kept them)
@@ -424,17 +425,26 @@ class Batch:
     tgt_in: torch.Tensor  # (B, T) BOS + target, right-padded: the decoder input
     tgt_out: torch.Tensor  # (B, T) target + EOS, right-padded: what the decoder must predict
     n_tokens: int  # real target tokens (the loss' normalizer)
+    positions: torch.Tensor  # (N,) flat indices of the N = n_tokens non-pad positions of tgt_out
+    targets: torch.Tensor  # (N,) their target ids: tgt_out.flatten()[positions]
+
+    @classmethod
+    def of(cls, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, pad_id: int) -> Batch:
+        """The batch of these padded tensors, its real targets found here, on the host, not on a GPU."""
+        positions = target_positions(tgt_out, pad_id)  # (N,)
+        return cls(src, tgt_in, tgt_out, len(positions), positions, tgt_out.flatten()[positions])
 
     def to(self, device: torch.device | str) -> Batch:
         """The batch on `device`; to a GPU through pinned memory, without blocking. A copy from ordinary
         memory waits until the GPU has finished all its queued work (a host-device sync), so the host
         could not collate the next batch while the GPU trains on this one."""
-        tensors = (self.src, self.tgt_in, self.tgt_out)
+        tensors = (self.src, self.tgt_in, self.tgt_out, self.positions, self.targets)
         if torch.device(device).type == "cuda":
             tensors = tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
         else:
             tensors = tuple(t.to(device) for t in tensors)
-        return Batch(*tensors, self.n_tokens)
+        src, tgt_in, tgt_out, positions, targets = tensors
+        return Batch(src, tgt_in, tgt_out, self.n_tokens, positions, targets)
 
 
 def collate(corpus: EncodedCorpus, indices: list[int], tokenizer: Tokenizer) -> Batch:
@@ -452,7 +462,7 @@ def collate(corpus: EncodedCorpus, indices: list[int], tokenizer: Tokenizer) -> 
     tgt_out[torch.arange(len(rows)), lengths] = eos  # on each row's first pad
     bos_column = torch.full((len(rows), 1), bos, dtype=torch.long)  # (B, 1)
     tgt_in = torch.cat([bos_column, y[:, :-1]], dim=1)  # (B, T): y shifted right, dropping a column of pads
-    return Batch(src, tgt_in, tgt_out, int(lengths.sum()) + len(rows))
+    return Batch.of(src, tgt_in, tgt_out, pad)
 
 
 def _padded(

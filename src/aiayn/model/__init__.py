@@ -2,6 +2,7 @@
 
 from aiayn.model.attention import MultiHeadAttention, causal_mask, padding_mask
 from aiayn.model.kv_cache import KVCache
-from aiayn.model.transformer import Transformer, sinusoidal_positions
+from aiayn.model.transformer import Transformer, sinusoidal_positions, target_positions
 
-__all__ = ["KVCache", "MultiHeadAttention", "Transformer", "causal_mask", "padding_mask", "sinusoidal_positions"]
+__all__ = ["KVCache", "MultiHeadAttention", "Transformer", "causal_mask", "padding_mask", "sinusoidal_positions",
+           "target_positions"]

@@ -35,6 +35,13 @@ def sinusoidal_positions(max_len: int, d_model: int, layout: str = "interleaved"
     return pe.float()
 
 
+def target_positions(tgt_out: Tensor, pad_id: int) -> Tensor:
+    """(B, T) target ids -> (N,) long: the flat (row-major) indices of the N non-pad positions, those that
+    carry a loss; `Transformer.decode` projects only them. Built on the host (`collate`): on a GPU,
+    finding them waits for the device."""
+    return (tgt_out != pad_id).flatten().nonzero()[:, 0]  # (N,)
+
+
 class Embeddings(nn.Module):
     """Token embedding times sqrt(d_model) plus sinusoidal positions, then dropout (sections 3.4, 3.5, 5.4)."""
 
@@ -204,14 +211,16 @@ class Transformer(nn.Module):
         memory: Tensor,
         src_mask: Tensor | None,
         cache: KVCache | None = None,
-        keep: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """(B, T) target ids, memory (B, S, d), src_mask (B, 1, 1, S) -> logits (B, T, V_tgt).
 
         `src_mask` may be None when no source has padding.
 
         With a cache, `tgt_in` holds only the new positions (usually one) and the cache the past.
-        With `keep` (B, T) bool, only those positions are projected: logits (N, V_tgt), N = keep.sum().
+        With `positions` (N,) long, flat indices into the B*T positions (row-major), only those are
+        projected: logits (N, V_tgt). Indices rather than a bool mask, since selecting by a mask must
+        read the mask's count back from a GPU (a host-device sync every training batch).
         """
         start = 0 if cache is None else cache.length
         x = self.tgt_embed(tgt_in, start)
@@ -220,22 +229,24 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance(tgt_in.shape[1])
         h = self.decoder_norm(x)  # (B, T, d)
-        return self.project(h if keep is None else h[keep])  # (B, T, V) or (N, V)
+        if positions is not None:
+            h = h.flatten(0, 1).index_select(0, positions)  # (B*T, d) -> (N, d)
+        return self.project(h)  # (B, T, V) or (N, V)
 
     def project(self, h: Tensor) -> Tensor:
         """Decoder states (..., d) -> logits (..., V_tgt)."""
         logits = self.generator(h)
         return logits if self.final_logits_bias is None else logits + self.final_logits_bias
 
-    def forward(self, src: Tensor, tgt_in: Tensor, keep: Tensor | None = None) -> Tensor:
+    def forward(self, src: Tensor, tgt_in: Tensor, positions: Tensor | None = None) -> Tensor:
         """(B, S) source ids, (B, T) shifted target ids -> logits (B, T, V_tgt).
 
-        Training passes `keep` = the (B, T) positions whose target is not padding and gets their
-        logits only, (N, V_tgt): the V-wide projection and softmax then skip the padding (a third of
-        the positions in length-bucketed batches of short sentences).
+        Training passes `positions` = `target_positions(tgt_out)`, those whose target is not padding,
+        and gets their logits only, (N, V_tgt): the V-wide projection and softmax then skip the padding
+        (a third of the positions in length-bucketed batches of short sentences).
         """
         memory = self.encode(src)
-        return self.decode(tgt_in, memory, self.src_mask(src), keep=keep)
+        return self.decode(tgt_in, memory, self.src_mask(src), positions=positions)
 
     def new_cache(
         self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, beam_size: int = 1

@@ -207,7 +207,6 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 group_tokens,
                 lr,
                 tc.label_smoothing,
-                tok.pad_id,
                 tc.clip_norm,
                 d,
                 autocast,
@@ -399,7 +398,6 @@ def train_step(
     update_tokens: int,
     lr: float,
     eps: float,
-    pad_id: int,
     clip_norm: float,
     d: Dist,
     autocast,
@@ -418,7 +416,7 @@ def train_step(
         last = i == len(batches) - 1
         sync = nullcontext() if last or not isinstance(net, DistributedDataParallel) else net.no_sync()
         with sync:
-            loss, nll = batch_loss(net, batch.src, batch.tgt_in, batch.tgt_out, eps, pad_id, autocast)
+            loss, nll = batch_loss(net, batch, eps, autocast)
             scaler.scale(loss * (d.world_size / update_tokens)).backward()
         sums = sums + torch.stack([loss.detach(), nll.detach()]).double()  # (2,)
     if clip_norm > 0:
@@ -431,14 +429,12 @@ def train_step(
     return sums, float(sum(b.n_tokens for b in batches))
 
 
-def batch_loss(
-    net: torch.nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, eps: float, pad_id: int, autocast
-) -> tuple[Tensor, Tensor]:
-    """(smoothed loss sum, NLL sum) of one batch; only its non-pad targets are projected and scored."""
-    keep = tgt_out != pad_id  # (B, T): the positions that carry a loss
+def batch_loss(net: torch.nn.Module, batch: Batch, eps: float, autocast) -> tuple[Tensor, Tensor]:
+    """(smoothed loss sum, NLL sum) of one batch; only its non-pad targets are projected and scored,
+    selected by the indices `collate` found on the host: nothing here waits for a GPU."""
     with autocast:
-        logits = net(src, tgt_in, keep)  # (N, V), N = real target tokens
-    return label_smoothed_nll(logits, tgt_out[keep], eps, pad_id)
+        logits = net(batch.src, batch.tgt_in, batch.positions)  # (N, V), N = real target tokens
+    return label_smoothed_nll(logits, batch.targets, eps, ignore_index=None)
 
 
 @torch.no_grad()
@@ -446,10 +442,10 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> d
     """Smoothed loss and NLL per target token on the validation set (shared out over processes)."""
     was_training = model.training
     model.eval()
-    sums, tokens, pad_id = _no_losses(d.device), 0.0, data.tokenizer.pad_id
+    sums, tokens = _no_losses(d.device), 0.0
     for indices in data.valid_batches[d.rank :: d.world_size]:
         batch = collate(data.valid, indices, data.tokenizer).to(d.device)
-        loss, nll = batch_loss(model, batch.src, batch.tgt_in, batch.tgt_out, eps, pad_id, autocast)
+        loss, nll = batch_loss(model, batch, eps, autocast)
         sums = sums + torch.stack([loss, nll]).double()  # (2,), on the device: no sync per batch
         tokens += batch.n_tokens
     model.train(was_training)

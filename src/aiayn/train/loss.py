@@ -16,18 +16,19 @@ from torch import Tensor
 
 
 def label_smoothed_nll(
-    logits: Tensor, target: Tensor, eps: float, ignore_index: int
+    logits: Tensor, target: Tensor, eps: float, ignore_index: int | None
 ) -> tuple[Tensor, Tensor]:
     """(..., V) logits, (...) target ids -> (smoothed loss sum, NLL sum) over non-ignored positions.
 
-    The leading dimensions are (B, T) for a padded batch, or (N,) for the real target positions only
-    (what training passes: then nothing is dropped or copied here).
+    The leading dimensions are (B, T) for a padded batch, or (N,) for the real target positions only:
+    what training passes, with `ignore_index` None (nothing to drop; looking would wait for a GPU).
     Computed in float32 whatever the autocast dtype: a bf16 log-softmax over 37k classes loses the
     small probabilities that the smoothing term sums.
     """
-    keep = target != ignore_index  # (...)
-    if not bool(keep.all()):
-        logits, target = logits[keep], target[keep]  # (N, V), (N,)
+    if ignore_index is not None:
+        keep = target != ignore_index  # (...)
+        if not bool(keep.all()):
+            logits, target = logits[keep], target[keep]  # (N, V), (N,)
     logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)  # (N, V), (N,)
     smoothed, nll = SmoothedCrossEntropy.apply(logits, target, eps, block_rows(logits))  # (N,) each
     return smoothed.sum(), nll.sum()

@@ -90,9 +90,13 @@ class KVCache:
         with beams they belong to sentences: use `keep_sentences`."""
         if index.shape[0] == self.k.shape[1]:  # a reordering (each beam step)
             # Most beams continue their own hypothesis (94% of rows per step in benchmarks/decode.py):
-            # copy only the rows that take another row's past, when they are few.
-            moved = (index != torch.arange(index.shape[0], device=index.device)).nonzero()[:, 0]  # (M,)
-            if 2 * moved.shape[0] <= index.shape[0]:
+            # on a CPU, copy only the rows that take another row's past, when they are few. Not on a
+            # GPU: finding them reads the index back (a wait for the device at every beam step), and
+            # a copy per row is a kernel launch each, where the gather below is one.
+            moved = None
+            if index.device.type == "cpu":
+                moved = (index != torch.arange(index.shape[0], device=index.device)).nonzero()[:, 0]  # (M,)
+            if moved is not None and 2 * moved.shape[0] <= index.shape[0]:
                 self._copy_rows(index[moved], moved)
                 if self.beam_size == 1:
                     self._select_cross(index)

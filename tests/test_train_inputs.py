@@ -626,3 +626,20 @@ def test_info_on_a_huge_vocabulary_allocates_nothing(capsys):
     code = cli.main(["info", "--preset", "micro", "--vocab-size", "1000000000"])
     # micro: 32 * 1e9 shared embedding + 21,376 for the layers (53,376 - 32 * 1000 at vocab_size 1000)
     assert code == 0 and "parameters: 32,000,021,376" in capsys.readouterr().out
+
+
+def test_host_values_are_agreed_on_the_host_group_never_on_the_gpu(monkeypatch):
+    """The stop flags and the training clock are all-reduced at every update. Under NCCL, a host value put
+    on the GPU for it waits for the update's queued kernels (a sync per update); `setup` makes a gloo group
+    for them, and every host-value collective must use it with a CPU tensor."""
+    import torch.distributed as dist
+
+    seen = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: seen.append((t.device.type, group)))
+    monkeypatch.setattr(dist, "broadcast_object_list",
+                        lambda objects, src=0, group=None: seen.append(("objects", group)))
+    host = object()  # stands for the gloo group of a job whose default group is NCCL
+    d = distributed.Dist(1, 2, 1, torch.device("cuda", 1), host)
+    assert distributed.all_reduce_sum([1.0, 2.0], d) == [1.0, 2.0]  # (the fake leaves the values alone)
+    distributed.on_main(d, lambda: None)
+    assert seen == [("cpu", host), ("objects", host)]

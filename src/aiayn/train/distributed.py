@@ -5,14 +5,19 @@
              --rdzv_endpoint HOST:29500 --rdzv_id RUN -m aiayn train ...           # on each machine
 
 NCCL on GPUs, gloo on CPUs. Without torchrun's variables this is one process and nothing here talks.
+The few numbers the processes agree on at every update (stop signals, the training clock) and per log
+line go through gloo even on GPUs: an NCCL all-reduce of a host value first copies it to the GPU, which
+waits for the update's queued work, so the host could not prepare the next batches meanwhile.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +32,7 @@ class Dist:
     world_size: int  # processes in the job
     local_rank: int  # this process on its machine (picks the GPU)
     device: torch.device  # where this process computes
+    host_group: Any = None  # gloo group for host values when the default group is NCCL (None: the default)
 
     @property
     def is_main(self) -> bool:
@@ -48,10 +54,13 @@ def setup(device: str = "auto") -> Dist:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
+    host_group = None
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-    return Dist(rank, world_size, local_rank, dev)
+        if backend == "nccl":  # every process calls new_group, as it must
+            host_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
+    return Dist(rank, world_size, local_rank, dev, host_group)
 
 
 def _check_gpu(device: str, local_rank: int) -> None:
@@ -66,8 +75,19 @@ def _check_gpu(device: str, local_rank: int) -> None:
 
 
 def teardown(d: Dist) -> None:
+    """Leave the job, then let gloo's worker threads take the GIL once more before the interpreter exits.
+
+    A gloo worker frees a finished collective's tensors after the caller's wait() has returned, and
+    freeing a tensor that Python has already dropped needs the GIL. A process whose last Python steps
+    after its last collective took less than the GIL's 5 ms switch interval reached interpreter
+    finalization first; the waiting thread was then exited from inside a C++ destructor, and the process
+    aborted ("terminate called without an active exception") after training had finished: about 1 run in
+    20 of the two-process test (a core dump showed it; pytorch/pytorch#190489). DDP keeps the process
+    group alive in C++, so destroying it does not stop those threads; sleeping releases the GIL to them.
+    """
     if d.enabled and dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(0.05)
 
 
 class FailedOnMain(UserError):
@@ -88,18 +108,19 @@ def on_main(d: Dist, work: Callable[[], None]) -> None:
         except Exception as e:
             failure[0] = str(e) or type(e).__name__
             if d.enabled:
-                dist.broadcast_object_list(failure, src=0)
+                dist.broadcast_object_list(failure, src=0, group=d.host_group)
             raise
     if d.enabled:
-        dist.broadcast_object_list(failure, src=0)  # process 0 sends, the others receive
+        dist.broadcast_object_list(failure, src=0, group=d.host_group)  # 0 sends, the others receive
     if failure[0] is not None:
         raise FailedOnMain(f"process 0 failed: {failure[0]}")
 
 
 def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
-    """Sum a few numbers over all processes (loss sums, token counts, a stop flag)."""
+    """Sum a few numbers over all processes (loss sums, token counts, a stop flag), on the host: through
+    `d.host_group` (gloo), never waiting for a GPU's queue."""
     if not d.enabled:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=d.device)
-    dist.all_reduce(t)
+    t = torch.tensor(values, dtype=torch.float64)  # on the CPU
+    dist.all_reduce(t, group=d.host_group)
     return t.tolist()

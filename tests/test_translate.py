@@ -604,3 +604,33 @@ def test_logits_bias_folded_into_the_vocabulary_product():
         with torch.no_grad():
             torch.testing.assert_close(folded(src, tgt), reference(src, tgt), atol=1e-5, rtol=1e-5)
     assert model.final_logits_bias is not None
+
+
+def test_bfloat16_translation_runs_in_bfloat16_and_stays_close_to_float32(checkpoint, tmp_path, capsys):
+    """`dtype="bfloat16"` casts the weights, so the activations and the cache are bfloat16 too (not float32
+    weights autocast per call); its logits stay near float32's, batching still changes nothing, and the
+    command gives what the API gives."""
+    fp32, bf16 = Translator.load(checkpoint), Translator.load(checkpoint, dtype="bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
+    assert bf16.model.new_cache(2, 8).k.dtype == torch.bfloat16
+    src = torch.tensor([fp32.tokenizer.encode_src("the number 12 is even")])  # (1, S)
+    tgt = torch.tensor([[fp32.tokenizer.bos_id] + fp32.tokenizer.encode_tgt("the number")])  # (1, T)
+    with torch.no_grad():
+        ref, low = fp32.model(src, tgt).float(), bf16.model(src, tgt).float()
+    assert torch.nn.functional.cosine_similarity(ref.flatten(), low.flatten(), dim=0) > 0.999
+    out = bf16.translate(TEXTS, max_tokens=30, **OPTIONS)
+    assert out == [alone(bf16, t) for t in TEXTS] and any(out)
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    assert main(["translate", str(checkpoint), "-i", str(inp), "-q", "--dtype", "bfloat16", *OPTIONS_ARGS]) == 0
+    assert capsys.readouterr().out.split("\n")[:-1] == bf16.translate(TEXTS, **OPTIONS)
+
+
+def test_dtypes_that_cannot_run_are_one_line(checkpoint):
+    with pytest.raises(UserError, match=r"^dtype float16 is for GPUs; on a CPU use bfloat16"):
+        Translator.load(checkpoint, dtype="float16")
+    with pytest.raises(UserError, match=r"^int8 \(--int8\) quantizes float32 weights"):
+        Translator.load(checkpoint, int8=True, dtype=torch.bfloat16)
+    with pytest.raises(UserError, match=r"^dtype 'half': choose one of float32, bfloat16, float16"):
+        Translator.load(checkpoint, dtype="half")
+    assert Translator.load(checkpoint, dtype=torch.float32).model.tgt_embed.embed.weight.dtype == torch.float32

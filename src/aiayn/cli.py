@@ -166,7 +166,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
     keep_freed_memory()  # each batch re-allocates the same logits, caches and encoder states
     if args.threads:
         torch.set_num_threads(args.threads)
-    translator = Translator.load(args.checkpoint, args.device, int8=args.int8)
+    translator = Translator.load(args.checkpoint, args.device, int8=args.int8, dtype=args.dtype)
     with contextlib.ExitStack() as stack:
         if args.input in (None, "-"):
             src, name = sys.stdin.buffer, "<stdin>"
@@ -381,6 +381,9 @@ def add_translate_parser(sub) -> None:
                    help="batch budget: padded source tokens x beam (sentences are sorted by length)")
     p.add_argument("--chunk", type=positive_int, default=10_000, help="lines read (and sorted) at a time")
     p.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the linear layers (CPU)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' and activations' type: bfloat16 is faster on GPUs and on CPUs with AMX "
+                   "(a few translations in a hundred differ from float32's); float16 on GPUs only")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

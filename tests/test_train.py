@@ -184,6 +184,14 @@ def test_bad_inputs_give_one_line(tmp_path, capsys):
     assert code == 2 and "already holds checkpoints; pass --resume" in line
     code, line = run_cli(capsys, "train", *args, "--resume", "--set", "model.d_model=64")
     assert code == 2 and "checkpoint from an incompatible model (d_model=32, this run has 64)" in line
+    code, line = run_cli(capsys, "train", *args, "--resume", "--set", "model.dropout=0.0")
+    assert code == 2 and "(dropout=0.1, this run has 0.0); --resume keeps the model's settings; to train" in line
+    for setting, message in (("train.seed=7", "trained with train.seed=1, resumed with 7; keep it"),
+                             ("data.max_len=20", "trained with data.max_len=32, resumed with 20; keep it")):
+        # another batch order or other pairs: the saved position in the epoch would train some batches
+        # twice and skip others, silently
+        code, line = run_cli(capsys, "train", *args, "--resume", "--set", setting, "--set", "train.max_updates=4")
+        assert code == 2 and message in line, (setting, line)
     latest = checkpoint_dirs(tmp_path / "run")[-1]
     (latest / "trainer.safetensors").write_bytes(b"\x00broken")
     code, line = run_cli(capsys, "train", *args, "--resume", "--set", "train.max_updates=4")
@@ -284,6 +292,11 @@ def test_stopping_rules_and_bf16(tmp_path):
     )
     result = train(config)
     assert result["step"] == 3 and result["stop"] == "no better validation loss for 2 validations"
+    saved = [p.name for p in checkpoint_dirs(tmp_path / "a")]
+    again = train(config, resume=True)  # a run patience ended trains no more, as one at its budget
+    assert again["stop"] == result["stop"] and again["step"] == 3
+    assert [p.name for p in checkpoint_dirs(tmp_path / "a")] == saved
+    assert train(with_train(config, patience=3), resume=True)["step"] == 4  # more patience: one more
     # The toy corpus makes 18 batches of max_tokens=64: one epoch is 9 updates with update_freq 2.
     result = train(
         with_train(

@@ -113,7 +113,7 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     resume_from = _checkpoint_to_resume(run_dir, resume)
     if resume_from:
         with _resume_hint(run_dir, resume_from):
-            _check_update_shape(resume_from, tc, d)
+            _check_same_batches(resume_from, config, d)
     if tc.threads:
         torch.set_num_threads(tc.threads)
     keep_freed_memory()  # every step frees and re-allocates the same large tensors
@@ -161,7 +161,8 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         dynamic_ncols=True,
     )  # a terminal only: tokens/s, loss, ppl, lr, and time left
     start = time.monotonic()
-    stop = _stop_reason(state, tc, n_updates)  # a resumed run may have reached its budget already
+    # A resumed run may have reached its budget, or run out of patience, already: it trains no more.
+    stop = _stop_reason(state, tc, n_updates) or _patience_exhausted(state, tc)
     if stop and d.is_main:
         log.info("%s: already at update %d (%s); nothing to train", resume_from, state.step, stop)
     stopper = StopSignal()
@@ -573,7 +574,7 @@ def _stop_reason(state: TrainState, tc, n_updates: int) -> str:
 
 def _patience_exhausted(state: TrainState, tc) -> str:
     if tc.patience and state.bad_validations >= tc.patience:
-        return f"no better validation loss for {tc.patience} validations"
+        return f"no better validation loss for {state.bad_validations} validations"
     return ""
 
 
@@ -680,13 +681,20 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
                 log.info("%s: %d empty pairs dropped", src, dropped)
 
 
-def _check_update_shape(checkpoint: Path, tc, d: Dist) -> None:
-    """The saved position in the epoch counts updates of (processes x update_freq) batches of max_tokens:
-    resuming with another product or max_tokens would train part of the epoch twice or skip it, so it
-    is refused (the same product with other factors is the same batches per update, and is allowed)."""
+def _check_same_batches(checkpoint: Path, config: RunConfig, d: Dist) -> None:
+    """The saved position in the epoch counts updates of (processes x update_freq) batches of max_tokens,
+    in the order train.seed shuffles the pairs data.max_len keeps: resuming with another product,
+    max_tokens, seed or max_len would train part of the epoch twice and skip the rest, so it is refused
+    (the same product with other factors is the same batches per update, and is allowed)."""
     from safetensors import safe_open
 
-    trained = config_section(read_meta(checkpoint), "train")
+    tc, meta = config.train, read_meta(checkpoint)
+    trained, data = config_section(meta, "train"), config_section(meta, "data")
+    for name, saved_value, value in (("train.seed", (trained or {}).get("seed"), tc.seed),
+                                     ("data.max_len", (data or {}).get("max_len"), config.data.max_len)):
+        if saved_value is not None and saved_value != value:
+            raise UserError(f"{checkpoint}: trained with {name}={saved_value}, resumed with {value}; keep it, "
+                            "or the epoch's position would point at other batches")
     tensors = checkpoint / "trainer.safetensors"
     if not isinstance(trained, dict) or not tensors.is_file():
         return  # restore() names what is missing

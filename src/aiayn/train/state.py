@@ -152,9 +152,12 @@ def check_compatible(path: Path, config: ModelConfig) -> None:
         raise CorruptFile(f"{path / 'meta.json'}: corrupt checkpoint metadata ('model' is not a table)")
     for key, value in to_dict(config).items():
         if saved.get(key) != value:
+            # dropout changes no weight, but a resumed run continues the same training, bit for bit
+            how = ("; to train on with another, fine-tune from the checkpoint (train.init_from)"
+                   if key == "dropout" else "")
             raise UserError(
                 f"{path}: checkpoint from an incompatible model ({key}={saved.get(key)!r}, "
-                f"this run has {value!r})"
+                f"this run has {value!r}); --resume keeps the model's settings{how}"
             )
 
 

@@ -383,6 +383,9 @@ def test_encoding_uses_the_runs_threads(tmp_path, corpus_files, monkeypatch):
             asked.append(options.get("num_threads"))
             return self.sp.encode(texts, **options)
 
+        def __getattr__(self, name):  # everything else as the processor
+            return getattr(self.sp, name)
+
     monkeypatch.setattr(tok, "src", Spy(tok.src))
     monkeypatch.setattr(tok, "tgt", tok.src)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)

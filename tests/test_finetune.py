@@ -165,3 +165,19 @@ def test_imported_vocabulary_changes_the_cache_key(aiayn_checkpoint):
     assert mapped.encode_src("ein Hund") != plain.encode_src("ein Hund")
     assert cache_key(src, tgt, mapped) != cache_key(src, tgt, plain)
     assert cache_key(src, tgt, plain) == cache_key(src, tgt, load_checkpoint(start).tokenizer)
+
+
+def test_cache_key_needs_no_tokenizer_files(aiayn_checkpoint, tmp_path):
+    """A tokenizer whose files are gone (its fine-tuning checkpoint pruned by keep_last) still keys the
+    encoded cache, with the key its files gave: the models' bytes are read from memory."""
+    import shutil
+
+    from aiayn.data.dataset import cache_key
+
+    start, src, tgt = aiayn_checkpoint
+    copy = tmp_path / "ck"
+    shutil.copytree(start, copy)
+    tok = load_checkpoint(copy).tokenizer
+    before = cache_key(src, tgt, tok)
+    shutil.rmtree(copy)
+    assert cache_key(src, tgt, tok) == before == cache_key(src, tgt, load_checkpoint(start).tokenizer)

@@ -259,9 +259,9 @@ def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
     for p in (src_path, tgt_path):
         st = Path(p).stat()
         h.update(f"{Path(p).resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
-    for p in (tokenizer.src_path, tokenizer.tgt_path):
-        if p is not None:
-            h.update(Path(p).read_bytes())
+    for model in tokenizer.models():  # the files' bytes, as when they were read from disk
+        if model is not None:
+            h.update(model)
     if tokenizer.vocab is not None:  # absent for aiayn's own tokenizers, so their keys stay as they were
         specials = [tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, tokenizer.unk_id]
         mapping = [tokenizer.vocab, tokenizer.tgt_vocab, specials]

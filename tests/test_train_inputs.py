@@ -137,6 +137,25 @@ def test_a_damaged_latest_checkpoint_names_the_one_to_resume_from(finished_run, 
     assert train(config, resume=True)["step"] == 6
 
 
+@pytest.mark.parametrize("lost", ["meta.json", "spm.model", "trainer.safetensors"])
+def test_a_latest_checkpoint_missing_a_file_names_the_one_to_resume_from(finished_run, tmp_path, lost):
+    """A file gone from the newest checkpoint (a failing disk, a hand's rm) is damage too: the same way
+    out as a truncated one, where it stopped with no hint ("not an aiayn checkpoint", "SentencePiece
+    model not found")."""
+    config = copy_run(finished_run, tmp_path)
+    latest = checkpoint_dirs(Path(config.train.run_dir))[-1]
+    (latest / lost).unlink()
+    with pytest.raises(UserError, match=r"; to resume from step_000002 instead, move .*step_000004 out of "):
+        train(with_train(config, max_updates=6), resume=True)
+
+
+def test_a_refused_resume_setting_gets_no_move_it_out_hint(finished_run, tmp_path):
+    config = copy_run(finished_run, tmp_path)
+    with pytest.raises(UserError) as e:
+        train(with_train(config, seed=99, max_updates=6), resume=True)
+    assert "train.seed" in str(e.value) and "move" not in str(e.value)
+
+
 # 2. Resuming a finished run trains nothing.
 
 

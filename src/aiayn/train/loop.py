@@ -31,6 +31,8 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from aiayn.checkpoint import (
+    META,
+    WEIGHTS,
     Checkpoint,
     checkpoint_tokenizer,
     config_section,
@@ -121,7 +123,8 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     random.seed(tc.seed)
     with _resume_hint(run_dir, resume_from):
         start_from = initial_checkpoint(config, resume_from)
-    data = prepare_data(config, run_dir, d, start_from.tokenizer if start_from else None)
+    with _resume_hint(run_dir, resume_from):  # the tokenizer of a resumed run is read from its checkpoint
+        data = prepare_data(config, run_dir, d, start_from.tokenizer if start_from else None)
     tok = data.tokenizer
     model = (start_from.model if start_from else build_model(config, tok)).to(d.device)
     optimizer = torch.optim.Adam(  # fused: one pass per tensor, 3x faster than the default on a CPU
@@ -596,12 +599,25 @@ def _resume_hint(run_dir: Path, resume_from: Path | None):
     on from the one before instead of leaving the user to find out."""
     try:
         yield
-    except CorruptFile as e:
+    except UserError as e:  # damaged: unreadable (CorruptFile), or a file of it missing
         found = checkpoint_dirs(run_dir)
-        if resume_from is None or len(found) < 2 or found[-1] != resume_from:
+        damaged = isinstance(e, CorruptFile) or (resume_from is not None and _missing_files(resume_from))
+        if not damaged or resume_from is None or len(found) < 2 or found[-1] != resume_from:
             raise
         raise CorruptFile(f"{e}; to resume from {found[-2].name} instead, move {resume_from} out of "
                           f"{resume_from.parent}") from None
+
+
+def _missing_files(checkpoint: Path) -> list[str]:
+    """The files a training checkpoint must hold that `checkpoint` lacks (its tokenizer's as its
+    meta.json names them, when that can be read)."""
+    names = [META, WEIGHTS, "trainer.safetensors", "trainer.json"]
+    try:
+        files = read_meta(checkpoint).get("tokenizer", {}).get("files", {})
+        names += [f for f in files.values() if isinstance(f, str)] if isinstance(files, dict) else []
+    except (UserError, AttributeError):
+        pass  # no or unreadable meta.json: already missing, or named by the error itself
+    return [n for n in names if not (checkpoint / n).is_file()]
 
 
 def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Path | None:

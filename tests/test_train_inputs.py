@@ -149,6 +149,28 @@ def test_a_latest_checkpoint_missing_a_file_names_the_one_to_resume_from(finishe
         train(with_train(config, max_updates=6), resume=True)
 
 
+def test_resuming_removes_what_a_killed_run_was_writing(finished_run, tmp_path):
+    """A run killed while encoding its corpus or writing its tokenizer leaves a hidden temporary named by
+    its process; the next run removes it (a cache's is hundreds of MB), and keeps a live writer's."""
+    import subprocess
+    import sys
+    import time
+
+    config = copy_run(finished_run, tmp_path)
+    run = Path(config.train.run_dir)
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    dead = exited.pid
+    killed = [run / "cache" / f".train.de-train.en.0123456789abcdef.safetensors.{dead}.tmp",
+              run / f".spm.model.{dead}.tmp"]
+    live = run / "cache" / f".valid.de-valid.en.0123456789abcdef.safetensors.{os.getpid()}.tmp"
+    for p in (*killed, live):
+        p.write_bytes(b"half")
+        os.utime(p, (time.time() - 120, time.time() - 120))
+    assert train(with_train(config, max_updates=6), resume=True)["step"] == 6
+    assert not any(p.exists() for p in killed) and live.exists()
+
+
 def test_a_refused_resume_setting_gets_no_move_it_out_hint(finished_run, tmp_path):
     config = copy_run(finished_run, tmp_path)
     with pytest.raises(UserError) as e:

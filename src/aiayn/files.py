@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import re
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -20,6 +23,8 @@ from typing import IO
 from safetensors import SafetensorError
 
 from aiayn.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(path: Path) -> None:
@@ -132,10 +137,10 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
     tmp = None
     try:
         made = _make_parents(directory.parent)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(directory), suffix=".tmp", dir=directory.parent))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a checkpoint is as readable as any directory
         write(tmp)
-        mode = 0o666 & ~_umask()  # read once: reading the umask sets it for a moment
+        mode = new_file_mode()  # read once: reading the umask sets it for a moment
         for f in tmp.iterdir():  # flush every file before the rename makes them visible
             if f.is_file():
                 # safetensors writes its files 0600 whatever the umask: other users of a shared run
@@ -171,8 +176,8 @@ def atomic_output(path: str | Path, binary: bool = False) -> Iterator[IO]:
                 yield f
             return
         target = Path(path).resolve()
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask())
+        fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(target), suffix=".tmp", dir=target.parent)
+        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else new_file_mode())
         with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
             yield f
             f.flush()
@@ -191,6 +196,90 @@ def atomic_output(path: str | Path, binary: bool = False) -> Iterator[IO]:
 def _stream_only(path: Path) -> bool:
     """Whether `path` is a device, a FIFO, a socket or a descriptor's name: nothing to rename over."""
     return path.absolute().parts[1:2] in (("dev",), ("proc",)) or (path.exists() and not path.is_file())
+
+
+def new_file_mode() -> int:
+    """The permissions `open(path, "w")` gives a new file: for files that another writer (safetensors:
+    0600) would make readable by their owner alone."""
+    return 0o666 & ~_umask()
+
+
+# A temporary unchanged this long belongs to no live writer: one writes it continuously and renames it
+# once complete, in seconds (minutes for hundreds of MB), never pausing for an hour.
+ABANDONED_SECONDS = 3600.0
+# A temporary named by a process (`pid` in its name) that no longer runs is abandoned once it has been left
+# alone this long: the pid may be another machine's, whose writer shares the directory (a network filesystem).
+DEAD_WRITER_SECONDS = 60.0
+
+
+def temporary_prefix(target: Path) -> str:
+    """The start of the name of a temporary that becomes `target` when renamed: hidden, and naming its
+    writer's process, so that `remove_abandoned` can tell a killed writer's leftovers."""
+    return f".{Path(target).name}.{os.getpid()}."
+
+
+# What `temporary_prefix` starts: a file or directory of tempfile's (8 random characters, then .tmp), or
+# a fixed name of one writer's (".tmp" alone).
+TEMPORARY = re.compile(r"\..+\.(?P<pid>[0-9]+)\.(?:[a-z0-9_]{8}\.)?tmp")
+
+
+def remove_abandoned(directory: Path, names: re.Pattern[str] = TEMPORARY) -> list[Path]:
+    """Delete the temporaries in `directory` (files, or directories and what they hold) whose names
+    fullmatch `names` and that no live process is writing: a SIGKILL leaves them, and nothing else would
+    ever remove them. One whose name holds its writer's process id (the pattern's `pid` group) goes when no
+    such process runs; any goes when nothing in it changed for ABANDONED_SECONDS. Logged; a failure to
+    list or delete is ignored, as leftovers are no reason to stop the caller."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return []
+    now = time.time()
+    removed = []
+    for path in entries:
+        match = names.fullmatch(path.name)
+        if match is None or not _abandoned(path, match.groupdict().get("pid"), now):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if not (path.exists() or path.is_symlink()):
+            log.info("%s: removed, a temporary left by a killed process", path)
+            removed.append(path)
+    return removed
+
+
+def _abandoned(path: Path, pid: str | None, now: float) -> bool:
+    try:
+        idle = now - _last_change(path)
+    except OSError:  # gone meanwhile: its writer renamed it into place
+        return False
+    dead = pid is not None and not _running(int(pid))
+    return idle > ABANDONED_SECONDS or (dead and idle > DEAD_WRITER_SECONDS)
+
+
+def _last_change(path: Path) -> float:
+    """The newest mtime of `path` and, for a directory, of what it holds (a file being written there)."""
+    times = [path.lstat().st_mtime]
+    if path.is_dir() and not path.is_symlink():
+        for entry in os.scandir(path):
+            with contextlib.suppress(OSError):
+                times.append(entry.stat(follow_symlinks=False).st_mtime)
+    return max(times)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine (perhaps another user's, which signal 0 may not reach)."""
+    if pid <= 0:  # 0 and negative numbers signal process groups: no process writes under such a name
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:  # EPERM: it runs, as another user
+        return True
+    return True
 
 
 def _umask() -> int:

@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from aiayn.data.tokenizer import SEED_SENTENCES, Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
-from aiayn.files import atomic_output
+from aiayn.files import atomic_output, temporary_prefix
 from aiayn.model.transformer import target_positions
 
 log = logging.getLogger(__name__)
@@ -352,7 +352,7 @@ def _write_cache(
 ) -> None:
     """Write to a temporary name, then rename: a killed run never leaves half a cache. The metadata names
     the encoded `files`, so that `_remove_stale_caches` knows whose cache it is."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f"{temporary_prefix(path)}tmp")  # a killed writer's is removed by the next run
     tensors = dict(
         src_ids=corpus.src_ids,
         src_offsets=corpus.src_offsets,

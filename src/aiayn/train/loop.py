@@ -61,6 +61,7 @@ from aiayn.data.dataset import (
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import CorruptFile, Stopped, UserError
+from aiayn.files import remove_abandoned
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.train import distributed
@@ -689,6 +690,8 @@ def _require_pairs(path: str, kind: str, kept: int, too_long: int, max_len: int)
 def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None) -> None:
     """On process 0: the tokenizer and the caches, so that the other processes only read."""
     dc = config.data
+    for directory in (run_dir, run_dir / "cache"):  # a killed run's half-written cache is hundreds of MB
+        remove_abandoned(directory)
     tokenizer = tokenizer or _run_tokenizer(config, run_dir)
     for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):
         if src:

@@ -1,0 +1,80 @@
+"""Leftovers of killed writers: every temporary names its writer's process, and the next run removes
+those whose writer is gone (a half-written encoded cache is hundreds of MB that nothing else deletes)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import aiayn.files as files
+from aiayn.files import TEMPORARY, remove_abandoned
+
+KILLED_WRITER = r"""
+import os, signal, sys
+from pathlib import Path
+from aiayn.files import atomic_output, write_atomically
+out = Path(sys.argv[1])
+with atomic_output(out / "translation.txt") as f:
+    f.write("half a transla")
+    f.flush()
+    def write(tmp):
+        (tmp / "weights").write_bytes(b"0" * 1000)
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would, mid-write
+    write_atomically(out / "step_000008", write)
+"""
+
+
+def dead_pid() -> int:
+    """The id of a process that has exited (and been reaped), so runs no more."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_a_killed_writers_temporaries_are_named_and_removed(tmp_path, monkeypatch):
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 2 and all(TEMPORARY.fullmatch(n) for n in left), left  # nothing in place, both named
+    assert {re.sub(r"\.[0-9]+\..*", "", n) for n in left} == {".translation.txt", ".step_000008"}
+    assert remove_abandoned(tmp_path) == []  # within a minute of its last write: perhaps another machine's
+    monkeypatch.setattr(files, "DEAD_WRITER_SECONDS", 0.0)
+    assert sorted(p.name for p in remove_abandoned(tmp_path)) == left
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_only_abandoned_temporaries_go(tmp_path):
+    live = tmp_path / f".model.safetensors.{os.getpid()}.tmp"  # this process writes it
+    dead = tmp_path / f".model.safetensors.{dead_pid()}.tmp"
+    stale = tmp_path / f".spm.model.{os.getpid()}.abcd1234.tmp"  # a live pid (reused?) silent for hours
+    busy_dir = tmp_path / f".step_000004.{dead_pid()}.k2j4h5g6.tmp"  # a file inside it changes
+    user = [tmp_path / ".model.safetensors.tmp", tmp_path / "notes.123.tmp", tmp_path / ".bashrc"]
+    for p in (live, dead, stale, *user):
+        p.write_text("x")
+    busy_dir.mkdir()
+    (busy_dir / "weights").write_text("x")
+    for p in (live, dead, stale, busy_dir, *user):
+        age(p, 7200 if p in (stale, *user) or p == busy_dir else 120)
+    assert sorted(remove_abandoned(tmp_path)) == sorted([dead, stale])
+    assert all(p.exists() for p in (live, busy_dir, *user))
+    age(busy_dir / "weights", 120)  # its writer stopped writing
+    assert remove_abandoned(tmp_path) == [busy_dir]
+
+
+def test_a_directory_that_cannot_be_listed_is_no_error(tmp_path):
+    assert remove_abandoned(tmp_path / "missing") == []
+
+
+@pytest.mark.parametrize("pid", ["0", "-1"])
+def test_a_process_group_id_is_no_writer(pid):
+    assert not files._running(int(pid))

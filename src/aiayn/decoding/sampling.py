@@ -6,6 +6,9 @@ import torch
 from torch import Tensor
 
 
+TOP_P_ROUNDING = 1e-6  # float32 probabilities are exact to about 1e-7
+
+
 def filter_logits(logits_RV: Tensor, top_k: int, top_p: float) -> Tensor:
     """Set to -inf every token outside the top `k` (k > 0) and outside the smallest set whose probability
     reaches `top_p` (the most likely token always stays)."""
@@ -14,8 +17,11 @@ def filter_logits(logits_RV: Tensor, top_k: int, top_p: float) -> Tensor:
         logits_RV = logits_RV.masked_fill(logits_RV < kth_R1, float("-inf"))
     if top_p < 1.0:
         sorted_RV, order_RV = logits_RV.sort(dim=-1, descending=True)
-        before_RV = sorted_RV.softmax(-1).cumsum(-1) - sorted_RV.softmax(-1)  # mass of the better tokens
-        drop_sorted_RV = before_RV >= top_p
+        probs_RV = sorted_RV.softmax(-1, dtype=torch.float64)  # a sum over 32,000 terms stays exact enough
+        before_RV = probs_RV.cumsum(-1) - probs_RV  # mass of the better tokens
+        # Mass that reaches top_p up to rounding reaches it: [0.5, 0.4, 0.1] with top_p 0.5 keeps one
+        # token, where log and softmax put the first mass 3e-8 below 0.5 and a second token was kept.
+        drop_sorted_RV = before_RV >= top_p - TOP_P_ROUNDING
         drop_RV = torch.zeros_like(drop_sorted_RV).scatter(-1, order_RV, drop_sorted_RV)  # vocab order
         logits_RV = logits_RV.masked_fill(drop_RV, float("-inf"))
     return logits_RV

@@ -80,7 +80,10 @@ def step_log_probs(
 def sampling_generator(config: DecodeConfig, device: torch.device) -> torch.Generator:
     """A generator on `device` seeded with `config.seed`, or randomly when it is None."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+    if config.seed is None:
+        generator.seed()  # its own random seed: torch.seed() would reseed the caller's global generator
+    else:
+        generator.manual_seed(config.seed)
     return generator
 
 

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import os
 
 import pytest
 
@@ -216,3 +217,36 @@ def test_hypotheses_from_standard_input(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok\n\xff\n")))
     assert main(["evaluate", "-", str(ref)]) == 2
     assert capsys.readouterr().err.strip() == "aiayn: error: <stdin>:2: invalid UTF-8 (byte 0xff)"
+
+
+def test_the_api_refuses_one_string_where_it_takes_a_list(tmp_path):
+    """A str is iterable: it was scored character by character, and a path read as one file per character."""
+    with pytest.raises(TypeError, match="hypotheses must be a list of lines"):
+        corpus_scores("a cat", [["a cat"]])
+    with pytest.raises(TypeError, match="list of reference streams"):
+        corpus_scores(["a cat"], ["a cat"])
+    with pytest.raises(UserError, match="no references"):
+        corpus_scores(["a cat"], [])
+    assert corpus_scores((h for h in ["a cat sat here"]), [("a cat sat here",)])[0].score == pytest.approx(100)
+    (tmp_path / "h").write_text("a cat sat here\n", encoding="utf-8")
+    with pytest.raises(TypeError, match=r"pass \[.*h'\]"):
+        evaluate_files(tmp_path / "h", tmp_path / "h")
+
+
+def test_references_from_a_pipe(tmp_path, capsys):
+    """`aiayn evaluate out.de <(head ref.de)`: a FIFO, read once, was refused as not a regular file."""
+    hyp, fifo = tmp_path / "hyp", tmp_path / "fifo"
+    hyp.write_text("a cat sat here\n", encoding="utf-8")
+    os.mkfifo(fifo)
+
+    def feed():
+        with open(fifo, "w", encoding="utf-8") as f:
+            f.write("a cat sat here\n")
+
+    import threading
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    assert main(["evaluate", str(hyp), str(fifo), "--json"]) == 0
+    writer.join()
+    assert json.loads(capsys.readouterr().out)[0]["score"] == pytest.approx(100)

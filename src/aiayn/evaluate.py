@@ -134,6 +134,10 @@ def corpus_scores(
     tokenizer, as `bleu_metrics` picks it. `chrf_word_order=2` is chrF++ (Popovic, 2017). `confidence`:
     that many bootstrap resamples (sacreBLEU's, 1,000 as its --confidence), each score with its 95%
     interval, for telling whether two systems differ."""
+    hypotheses, references = _lines(hypotheses, "hypotheses"), [_lines(r, f"references[{j}]") for j, r in
+                                                                 enumerate(_streams(references))]
+    if not references:
+        raise UserError("no references: nothing to score against")
     if not hypotheses:
         raise UserError("no hypotheses: nothing to score")
     for j, refs in enumerate(references):
@@ -156,12 +160,38 @@ def corpus_scores(
     return out
 
 
+def _lines(lines: Sequence[str], name: str) -> list[str]:
+    """`lines` as a list of str; a lone str (iterable, so scored character by character) is refused."""
+    if isinstance(lines, (str, bytes)):
+        raise TypeError(f"{name} must be a list of lines, not one {type(lines).__name__}: pass [line]")
+    lines = list(lines)
+    for i, line in enumerate(lines):
+        if not isinstance(line, str):
+            raise TypeError(f"{name}[{i}] is {type(line).__name__}, not str")
+    return lines
+
+
+def _streams(references: Sequence[Sequence[str]]) -> list:
+    """Reference streams: a flat list of lines is one stream given without its list, and refused."""
+    streams = [] if isinstance(references, (str, bytes)) else list(references)
+    if isinstance(references, (str, bytes)) or any(isinstance(r, str) for r in streams):
+        raise TypeError("references is a list of reference streams, each a list of lines: pass [lines]")
+    return streams
+
+
+def _paths(paths: Sequence[str | Path], name: str) -> list[str | Path]:
+    if isinstance(paths, (str, Path)):  # one path, iterable by character
+        raise TypeError(f"{name} is a list of files: pass [{str(paths)!r}]")
+    return list(paths)
+
+
 def evaluate_files(
     hypotheses: str | Path, references: Sequence[str | Path], lang: str = "", tokenize: str | None = None,
     **options: int | bool,
 ) -> list[Score]:
     """Score a file of translations ("-": standard input) against reference files, line by line (`lang`,
     `tokenize` and `options`: as `corpus_scores`)."""
+    references = _paths(references, "references")
     return score_lines(read_hypotheses(hypotheses), hypotheses, references, lang, tokenize, **options)
 
 
@@ -170,6 +200,17 @@ def read_hypotheses(path: str | Path) -> list[str]:
     evaluate - REF`), checked as every text file is."""
     if str(path) == "-":
         return read_lines("<stdin>", sys.stdin.buffer)
+    return read_once(path)
+
+
+def read_once(path: str | Path) -> list[str]:
+    """`read_lines`, which also takes a pipe named by path (`<(head ref.de)`), read once."""
+    if Path(path).is_fifo():
+        try:
+            with open(path, "rb") as f:
+                return read_lines(path, f)
+        except OSError as e:
+            raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     return read_lines(path)
 
 
@@ -181,7 +222,7 @@ def score_lines(
     name = "<stdin>" if str(name) == "-" else name
     if not hyps:
         raise UserError(f"{name}: empty, nothing to score")
-    refs = [read_lines(r) for r in references]
+    refs = [read_once(r) for r in _paths(references, "references")]
     for path, lines in zip(references, refs):
         if len(lines) != len(hyps):
             raise UserError(f"{path}: {len(lines)} lines, but {name} has {len(hyps)}")

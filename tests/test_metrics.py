@@ -199,3 +199,19 @@ def test_a_step_logged_again_after_a_resume_keeps_its_last_record():
     steps, losses = _points(killed + resumed, "loss")
     assert steps == [1, 2, 3]
     assert losses == [TRAIN[0]["loss"], TRAIN[1]["loss"] / 2, TRAIN[2]["loss"] / 2]
+
+
+def test_plot_replaces_a_picture_but_never_its_log_or_another_file(tmp_path, capsys):
+    """`-o` over the log, a checkpoint's weights or any other file turned it into a PNG, exit 0."""
+    log = write_log(tmp_path / "metrics.jsonl", *map(whole, TRAIN))
+    kept = log.read_bytes()
+    other = tmp_path / "model.safetensors"
+    other.write_bytes(b"weights")
+    assert cli.main(["plot", str(tmp_path), "-o", str(log)]) == 2
+    assert "is the input" in capsys.readouterr().err
+    assert cli.main(["plot", str(tmp_path), "-o", str(other)]) == 2
+    assert "exists and is not a PNG picture; will not replace it" in capsys.readouterr().err
+    assert log.read_bytes() == kept and other.read_bytes() == b"weights"
+    for _ in range(2):  # a new picture, then the same one drawn again over it
+        assert cli.main(["plot", str(tmp_path)]) == 0
+        assert (tmp_path / "curves.png").read_bytes().startswith(PNG_MAGIC)

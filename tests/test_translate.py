@@ -360,7 +360,7 @@ def test_lines_of_a_pipe_keep_their_numbers_and_an_unended_last_line():
     """Read as it arrives, in blocks that cut lines: the same lines, numbers and errors as from a file."""
     long = b"x" * 70_000  # longer than one 64 KiB block
     with piped(b"one\r\ntwo\n" + long + b"\nbad \xff\n") as src:
-        with pytest.raises(UserError, match=r"^in\.txt:4: invalid UTF-8$"):
+        with pytest.raises(UserError, match=r"^in\.txt:4: invalid UTF-8 \(byte 0xff\)$"):
             list(read_utf8_lines(src, "in.txt", chunk=2))
     with piped(b"one\r\ntwo\n" + long + b"\nlast") as src:
         got = [line for lines in read_utf8_lines(src, "in.txt", chunk=2) for line in lines]
@@ -634,3 +634,57 @@ def test_dtypes_that_cannot_run_are_one_line(checkpoint):
     with pytest.raises(UserError, match=r"^dtype 'half': choose one of float32, bfloat16, float16"):
         Translator.load(checkpoint, dtype="half")
     assert Translator.load(checkpoint, dtype=torch.float32).model.tgt_embed.embed.weight.dtype == torch.float32
+
+
+def test_output_never_replaces_the_input_or_a_checkpoint_file(checkpoint, tmp_path, capsys):
+    """`-o` over the input (or a link to it) or over a checkpoint's weights, metadata or tokenizer wrote the
+    translation there and exited 0: the input, or the model, was gone."""
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3\n", encoding="utf-8")
+    (tmp_path / "link.txt").symlink_to(src)
+    weights = (checkpoint / "model.safetensors").read_bytes()
+    for out in (src, tmp_path / "link.txt", checkpoint / "model.safetensors", checkpoint / "meta.json"):
+        assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(out), "-q"]) == 2
+        err = capsys.readouterr().err
+        assert f"{out}: " in err and "the input" in err and "would destroy the input" in err
+    assert src.read_text(encoding="utf-8") == "the number 3\n"
+    assert (checkpoint / "model.safetensors").read_bytes() == weights
+    assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(tmp_path / "out.txt"), "-q"]) == 0
+    assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(tmp_path / "out.txt"), "-q"]) == 0
+
+
+def test_a_text_of_no_pieces_stays_empty(checkpoint, tmp_path, capsys):
+    """A zero-width space or a lone BOM encodes to EOS alone, from which the model made up a sentence."""
+    translator = Translator.load(checkpoint)
+    texts = ["\u200b", "the number 3", "\u200c\u200b", "\x01"]
+    assert [translator.tokenizer.encode_src(t) for t in texts[::2]] == [[translator.tokenizer.eos_id]] * 2
+    out = translator.translate(texts, **OPTIONS)
+    assert out[0] == out[2] == out[3] == "" and out[1] == alone(translator, texts[1])
+    assert translator.hypotheses(texts[:1]) == [[]]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    assert main(["translate", str(checkpoint), "-i", str(src), "-q", *OPTIONS_ARGS]) == 0
+    assert capsys.readouterr().out.split("\n") == out + [""]
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"one\rtwo\r", "CR line ends and no LF"),
+    (b"\x1f\x8b\x08\x00\xff\xfe", "invalid UTF-8 (byte 0x8b); the file looks gzip-compressed"),
+    ("one\ntwo\n".encode("utf-16"), "invalid UTF-8 (byte 0xff); the file looks like UTF-16"),
+])
+def test_translate_names_what_an_unreadable_input_is(checkpoint, tmp_path, capsys, data, message):
+    """As training and evaluate do: a CR-only file was translated as one line, exit 0."""
+    src = tmp_path / "in.txt"
+    src.write_bytes(data)
+    assert main(["translate", str(checkpoint), "-i", str(src), "-q"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(checkpoint, run / "checkpoints" / "step_000008")
+    assert main(["translate", str(run)]) == 2
+    assert f"no meta.json); a run directory: name one of its checkpoints, e.g. {run}/checkpoints/step_000008" in (
+        capsys.readouterr().err)
+    assert main(["translate", str(checkpoint / "meta.json")]) == 2
+    assert "meta.json: is a file, not a checkpoint directory" in capsys.readouterr().err

@@ -102,7 +102,10 @@ def save_checkpoint(
 def read_meta(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / META
     if not path.is_file():
-        raise UserError(f"{directory}: not an aiayn checkpoint (no {META})")
+        runs = Path(directory) / "checkpoints"  # a run directory: its checkpoints are inside
+        found = sorted(p.name for p in runs.iterdir() if (p / META).is_file()) if runs.is_dir() else []
+        hint = f"; a run directory: name one of its checkpoints, e.g. {runs / found[-1]}" if found else ""
+        raise UserError(f"{directory}: not an aiayn checkpoint (no {META}){hint}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -201,7 +204,8 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
     """Model (eval mode), tokenizer and metadata of a checkpoint directory."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise UserError(f"{directory}: checkpoint not found")
+        what = "is a file, not a checkpoint directory" if directory.exists() else "checkpoint not found"
+        raise UserError(f"{directory}: {what}")
     meta = read_meta(directory)
     try:
         config = from_dict(ModelConfig, meta["model"], where=str(directory / META))

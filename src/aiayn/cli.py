@@ -163,6 +163,12 @@ def cmd_translate(args: argparse.Namespace) -> None:
     options.update({k: v for k, v in given.items() if v is not None})
     decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading or reading
     _check_streams(args.input, args.output)  # before the model loads and translates for nothing
+    if args.output not in (None, "-"):  # never over the input or a checkpoint's file
+        from pathlib import Path
+
+        from aiayn.files import check_file_output
+
+        check_file_output(args.output, [Path(p) for p in [*args.checkpoint, args.input or "-"] if p != "-"])
     keep_freed_memory()  # each batch re-allocates the same logits, caches and encoder states
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -378,8 +384,8 @@ def add_translate_parser(sub) -> None:
                    "the batches, so a pipe is then read in whole --chunk blocks, as a file is, rather than "
                    "answered whenever its input stalls: use --chunk 1 for an interactive filter")
     p.add_argument("--max-tokens", type=positive_int, default=4096,
-                   help="batch budget: padded source tokens x beam (sentences are sorted by length)")
-    p.add_argument("--chunk", type=positive_int, default=10_000, help="lines read (and sorted) at a time")
+                   help="batch budget: padded source tokens x beam (sentences are sorted by length; default 4096)")
+    p.add_argument("--chunk", type=positive_int, default=10_000, help="lines read (and sorted) at a time (default 10000)")
     p.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the linear layers (CPU)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the weights' and activations' type: bfloat16 is faster on GPUs and on CPUs with AMX "

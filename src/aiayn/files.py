@@ -66,6 +66,22 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
         raise UserError(f"{out}: already exists (pass --force to replace it)")
 
 
+def check_file_output(out: str | Path, inputs: list[Path]) -> None:
+    """Refuse an output file whose writing would replace one of `inputs` (a file, through any link) or a
+    file inside one (a checkpoint directory), before any work. A new file, or another existing one, is
+    fine: replacing an earlier output is what an output option is for."""
+    out = Path(out)
+    if _stream_only(out) or not out.exists():  # /dev/stdout may be the terminal stdin reads too
+        return
+    for other in map(Path, inputs):
+        if not other.exists():
+            continue
+        inside = other.is_dir() and overlap(out, other) == "lies inside"
+        if inside or (not other.is_dir() and os.path.samefile(out, other)):
+            raise UserError(f"{out}: {'lies inside' if inside else 'is'} the input {other}; writing it "
+                            "would destroy the input")
+
+
 def check_directory_path(path: Path) -> None:
     """Refuse, before any work, a path that cannot become a directory: an existing non-directory, or a
     path under a file (its nearest existing ancestor is no directory). Creates nothing."""

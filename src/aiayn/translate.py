@@ -25,6 +25,7 @@ import torch
 
 from aiayn.config import from_dict
 from aiayn.data.batching import right_pad
+from aiayn.data.dataset import cr_only, cr_only_error, looks_like
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
@@ -209,7 +210,7 @@ class Translator:
         generator: torch.Generator | None = None, **options: Any,
     ) -> list[list[Translation]]:
         """The `n_best` translations of each text, best first (samples: in the order drawn); an empty
-        list for an empty text. `progress(n)` is called after each batch with the number of texts it
+        list for a text of no pieces (empty, blank, or only zero-width and control characters). `progress(n)` is called after each batch with the number of texts it
         held. With `sample`, the tokens are drawn from `generator` (which then takes the place of
         `seed`), or from one seeded once for this call (not once per batch). Batches are length-sorted,
         so which sample a text gets also depends on the other texts and on `max_tokens`; searches do not."""
@@ -220,7 +221,9 @@ class Translator:
             raise ValueError("generator is used only with sample=True")
         if config.sample and generator is None:
             generator = sampling_generator(config, self.device)
-        ids = [self.tokenizer.encode_src(t) if t.strip() else [] for t in texts]
+        # A text of no pieces (blank, or only characters the tokenizer drops: a zero-width space, a BOM)
+        # is EOS alone, from which a model makes up a sentence: it gets no translation, as an empty line
+        ids = [s if len(s) > 1 else [] for s in (self.tokenizer.encode_src(t) if t.strip() else [] for t in texts)]
         limit = self.model.config.max_len  # the encoder's positions
         for i, s in enumerate(ids):
             if len(s) > limit:  # before any batch: a stream's output stays whole up to the bad chunk
@@ -274,11 +277,15 @@ def read_utf8_lines(
     the input stalls, so that a slow writer gets each answer before it sends more; with `whole_chunks`
     it does not (every list but the last holds `chunk` lines), so that the lists do not depend on timing."""
     lines: list[str] = []
+    head = b""  # the first bytes, which say what a file that is no UTF-8 text is (gzip, UTF-16)
     for n, (raw, more) in enumerate(_raw_lines(stream), 1):
+        head = raw[:8] if n == 1 else head
         try:
             lines.append(raw.decode("utf-8").rstrip("\r\n"))
-        except UnicodeDecodeError:
-            raise UserError(f"{name}:{n}: invalid UTF-8") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"{name}:{n}: invalid UTF-8 (byte {raw[e.start]:#04x}){looks_like(head)}") from None
+        if n == 1 and not raw.endswith(b"\n") and cr_only(raw):  # the whole input, and no LF in it
+            raise cr_only_error(name)
         if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
             raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?)")
         if len(lines) >= chunk or not (more or whole_chunks):

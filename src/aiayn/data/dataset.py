@@ -93,9 +93,23 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
         last = block
     if nul is not None:
         raise UserError(f"{path}:{nul}: NUL byte (binary or corrupt input?)")
-    if not newlines and b"\r" in last.rstrip(b"\r"):  # else one line, refused later by SentencePiece
-        raise UserError(f"{path}: CR line ends and no LF (a classic Mac OS file?), so it reads as one line; "
-                        f"convert it, e.g. tr '\\r' '\\n' < {path} > {path}.lf")
+    if not newlines and cr_only(last):  # else one line, refused later by SentencePiece
+        raise cr_only_error(path)
+
+
+def cr_only(text: bytes) -> bool:
+    """Whether `text`, all of a file that holds no LF, has CR line ends: read as one line."""
+    return b"\r" in text.rstrip(b"\r")
+
+
+def cr_only_error(path: Path | str) -> UserError:
+    return UserError(f"{path}: CR line ends and no LF (a classic Mac OS file?), so it reads as one line; "
+                     f"convert it, e.g. tr '\\r' '\\n' < {path} > {path}.lf")
+
+
+def looks_like(head: bytes) -> str:
+    """What a file that starts with `head` looks like, if a known other format, to follow "invalid UTF-8"."""
+    return next((f"; the file looks {what}" for magic, what in SIGNATURES if head.startswith(magic)), "")
 
 
 def _blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[bytes]:
@@ -124,8 +138,7 @@ def _decode(path: Path, block: bytes, newlines_before: int, head: bytes) -> str:
         return block.decode("utf-8")
     except UnicodeDecodeError as e:
         line = newlines_before + block.count(b"\n", 0, e.start) + 1
-        looks = next((f"; the file looks {what}" for magic, what in SIGNATURES if head.startswith(magic)), "")
-        raise UserError(f"{path}:{line}: invalid UTF-8 (byte {block[e.start]:#04x}){looks}") from None
+        raise UserError(f"{path}:{line}: invalid UTF-8 (byte {block[e.start]:#04x}){looks_like(head)}") from None
 
 
 def _split_lines(text: str) -> list[str]:

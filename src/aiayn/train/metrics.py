@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.errors import UserError
-from aiayn.files import atomic_output, make_directory
+from aiayn.files import atomic_output, check_file_output, make_directory
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
+    _check_png_output(Path(png_path), Path(jsonl_path))
     records = read_metrics(jsonl_path)
     if not any("step" in r for r in records):  # an empty picture, exit 0, looked like a broken run
         raise UserError(f"{jsonl_path}: no metrics logged yet (the first come after train.log_every updates)")
@@ -128,6 +129,23 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     png_path = Path(png_path)
     _write_png(png.getvalue(), png_path)
     return png_path
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_png_output(png: Path, log: Path) -> None:
+    """Replace an earlier picture, never anything else: `-o` naming the log, a checkpoint's weights or any
+    other file (a slip of the shell's completion) lost it to a PNG."""
+    check_file_output(png, [log])
+    if png.is_file():
+        try:
+            with open(png, "rb") as f:
+                head = f.read(len(PNG_SIGNATURE))
+        except OSError as e:
+            raise UserError(f"{png}: cannot read ({e.strerror or e})") from None
+        if head not in (PNG_SIGNATURE, b""):
+            raise UserError(f"{png}: exists and is not a PNG picture; will not replace it")
 
 
 def _points(records: list[dict[str, Any]], key: str) -> tuple[list, list]:

@@ -3,6 +3,7 @@ those whose writer is gone (a half-written encoded cache is hundreds of MB that 
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import aiayn.files as files
-from aiayn.files import TEMPORARY, remove_abandoned
+from aiayn.files import TEMPORARY, remove_abandoned, write_atomically
 
 KILLED_WRITER = r"""
 import os, signal, sys
@@ -78,3 +79,27 @@ def test_a_directory_that_cannot_be_listed_is_no_error(tmp_path):
 @pytest.mark.parametrize("pid", ["0", "-1"])
 def test_a_process_group_id_is_no_writer(pid):
     assert not files._running(int(pid))
+
+
+def test_a_lock_holder_removes_a_dead_writers_temporary_at_once(tmp_path):
+    """In its own directory (a run's checkpoints/ and cache/) no other machine writes: no waiting."""
+    dead = tmp_path / f".model.safetensors.{dead_pid()}.tmp"
+    dead.write_text("x")
+    assert remove_abandoned(tmp_path) == []
+    assert remove_abandoned(tmp_path, locked=True) == [dead]
+
+
+def test_a_directory_left_moved_aside_is_put_back(tmp_path):
+    """A kill between the two renames of a replacement left only '.out.old' (and the new one's temporary):
+    the next write, or `recover_replaced`, puts the old one back; beside a complete one it is deleted."""
+    out = tmp_path / "out"
+    write_atomically(out, lambda tmp: (tmp / "a").write_text("old"))
+    os.rename(out, tmp_path / ".out.old")
+    files.recover_replaced(tmp_path)
+    assert (out / "a").read_text() == "old" and not (tmp_path / ".out.old").exists()
+    os.rename(out, tmp_path / ".out.old")
+    write_atomically(out, lambda tmp: (tmp / "a").write_text("new"))
+    assert (out / "a").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    shutil.copytree(out, tmp_path / ".out.old")
+    files.recover_replaced(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

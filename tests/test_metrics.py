@@ -215,3 +215,19 @@ def test_plot_replaces_a_picture_but_never_its_log_or_another_file(tmp_path, cap
     for _ in range(2):  # a new picture, then the same one drawn again over it
         assert cli.main(["plot", str(tmp_path)]) == 0
         assert (tmp_path / "curves.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_full_disk_while_logging_is_one_line_naming_the_log(tmp_path, monkeypatch):
+    """It was an OSError traceback from the middle of training, exit 1."""
+    import errno as errnos
+
+    import aiayn.train.metrics as metrics
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+
+    def full(*args, **kwargs):
+        raise OSError(errnos.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metrics, "open", full, raising=False)
+    with pytest.raises(UserError, match=r"metrics\.jsonl: cannot write the training log \(No space left on device\)"):
+        log.write({"step": 1})

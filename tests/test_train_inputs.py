@@ -27,7 +27,7 @@ from aiayn import cli
 from aiayn.config import ConfigError, model_config
 from aiayn.data.dataset import EncodedCorpus, read_lines
 from aiayn.data.tokenizer import train_sentencepiece
-from aiayn.errors import UserError
+from aiayn.errors import Stopped, UserError
 from aiayn.model import Transformer
 from aiayn.train import distributed, loop
 from aiayn.train.config import DataConfig, TrainConfig, load_config, with_train
@@ -684,3 +684,108 @@ def test_host_values_are_agreed_on_the_host_group_never_on_the_gpu(monkeypatch):
     assert distributed.all_reduce_sum([1.0, 2.0], d) == [1.0, 2.0]  # (the fake leaves the values alone)
     distributed.on_main(d, lambda: None)
     assert seen == [("cpu", host), ("objects", host)]
+
+
+@pytest.mark.parametrize("file, edit, message", [
+    ("trainer.json", lambda t: t["state"].update(step="4"), r"trainer\.json: corrupt training state \(step='4' is not a whole number"),
+    ("trainer.json", lambda t: t["state"].update(epoch=None), r"trainer\.json: corrupt training state \(epoch=None"),
+    ("meta.json", lambda m: m["config"]["train"].update(seed="1"), r"meta\.json: corrupt checkpoint metadata \(seed='1' is not a whole number"),
+])
+def test_hand_edited_training_metadata_of_the_wrong_type_is_named(finished_run, tmp_path, file, edit, message):
+    """Each gave a TypeError traceback, or 'trained with train.seed=1, resumed with 1'."""
+    config = copy_run(finished_run, tmp_path)
+    path = checkpoint_dirs(config.train.run_dir)[-1] / file
+    content = json.loads(path.read_text(encoding="utf-8"))
+    edit(content)
+    path.write_text(json.dumps(content), encoding="utf-8")
+    with pytest.raises(UserError, match=message):
+        train(with_train(config, max_updates=6), resume=True)
+
+
+def test_an_update_freq_recorded_as_null_is_the_default(finished_run, tmp_path):
+    config = copy_run(finished_run, tmp_path)
+    path = checkpoint_dirs(config.train.run_dir)[-1] / "meta.json"
+    meta = json.loads(path.read_text(encoding="utf-8"))
+    meta["config"]["train"]["update_freq"] = None
+    path.write_text(json.dumps(meta), encoding="utf-8")
+    assert train(with_train(config, max_updates=6), resume=True)["step"] == 6
+
+
+# 9. One run at a time in a run directory, and what killed runs leave behind.
+
+
+def test_a_second_run_in_the_same_run_dir_is_refused(finished_run, tmp_path):
+    """Two runs in one directory deleted each other's checkpoints mid-write and mixed their logs."""
+    from aiayn.train.state import RunLock
+
+    config = copy_run(finished_run, tmp_path)
+    other = RunLock(Path(config.train.run_dir))  # as another process holding it: flock is per open file
+    other.acquire()
+    try:
+        with pytest.raises(UserError, match=rf"run: another training run is writing there \(process {os.getpid()} on "):
+            train(with_train(config, max_updates=6), resume=True)
+    finally:
+        other.release()
+    assert train(with_train(config, max_updates=6), resume=True)["step"] == 6
+    assert train(with_train(config, max_updates=8), resume=True)["step"] == 8  # released when a run ends
+
+
+def test_a_killed_save_leaves_nothing_the_next_run_keeps(finished_run, tmp_path, caplog):
+    """A kill mid-save left a checkpoint-sized temporary that only a successful save removed: on a nearly
+    full disk no save succeeded again. A kill between the two renames of a re-save left the checkpoint
+    only as '.step_N.old', out of sight of --resume."""
+    import subprocess
+    import sys
+
+    config = copy_run(finished_run, tmp_path)
+    checkpoints = Path(config.train.run_dir) / "checkpoints"
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    half = checkpoints / f".step_000006.{exited.pid}.k2j4h5g6.tmp"  # just now: no waiting for it to age
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"half")
+    os.rename(checkpoints / "step_000004", checkpoints / ".step_000004.old")
+    with caplog.at_level(logging.INFO, logger="aiayn"):
+        assert train(with_train(config, max_updates=6), resume=True)["step"] == 6
+    assert f"resuming from {checkpoints / 'step_000004'} (update 4" in caplog.text
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002", "step_000004", "step_000006"]
+
+
+def test_resume_before_any_checkpoint_starts_from_the_beginning(tmp_path):
+    """A run killed before its first save, restarted by a loop that always passes --resume."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2", "train.valid_every=2")
+    assert train(config, resume=True)["step"] == 2
+
+
+def test_a_signal_when_a_validation_is_due_validates_on_resume(finished_run, tmp_path, monkeypatch):
+    """SIGTERM at update 2, where valid_every=2 validates: the signal's save skips the validation (a
+    scheduler's grace is short), and --resume makes it first, so that the log, the patience count and
+    the weights are the unbroken run's."""
+    d, config, _ = finished_run
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("spm.model", "tokenizer_inputs.json"):
+        shutil.copy(d / "run" / name, run / name)
+    real_step, calls = loop.train_step, []
+
+    def step_then_signal(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", step_then_signal)
+    config = with_train(config, run_dir=str(run))
+    with pytest.raises(Stopped):
+        train(config)
+    monkeypatch.setattr(loop, "train_step", real_step)
+    assert train(config, resume=True)["step"] == 4
+
+    def validations(path):
+        return [(r["step"], r["valid_loss"]) for r in map(json.loads, path.read_text().splitlines())
+                if "valid_loss" in r]
+
+    assert validations(run / "metrics.jsonl") == validations(d / "run" / "metrics.jsonl")
+    resumed = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
+    unbroken = load_file(str(d / "run" / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)

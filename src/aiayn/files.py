@@ -123,12 +123,38 @@ def _remove_empty(made: list[Path]) -> None:
             p.rmdir()
 
 
+def _old(directory: Path) -> Path:
+    """Where `_rename_into_place` moves the directory it replaces, for a moment."""
+    return directory.with_name(f".{directory.name}.old")
+
+
+def _recover_replaced(directory: Path) -> None:
+    """A kill between `_rename_into_place`'s two renames left `directory` only as its `.old` copy: put it
+    back (the next write replaces it properly); beside a `directory` it is a leftover, deleted."""
+    old = _old(directory)
+    if not old.is_dir() or old.is_symlink():
+        return
+    if directory.exists() or directory.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(old, directory)
+        log.info("%s: put back, where a killed writer had left it as %s", directory, old.name)
+
+
+def recover_replaced(parent: Path) -> None:
+    """`_recover_replaced` for every directory in `parent` that a kill left moved aside."""
+    with contextlib.suppress(OSError):
+        for old in parent.iterdir():
+            if old.name.startswith(".") and old.name.endswith(".old") and len(old.name) > 5:
+                _recover_replaced(parent / old.name[1:-4])
+
+
 def _rename_into_place(tmp: Path, directory: Path) -> None:
     """Rename `tmp` to `directory`; an existing one is moved aside first, put back if the rename fails."""
     if not directory.exists():
         os.rename(tmp, directory)
         return
-    old = directory.with_name(f".{directory.name}.old")
+    old = _old(directory)
     shutil.rmtree(old, ignore_errors=True)
     os.rename(directory, old)
     try:
@@ -153,6 +179,8 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
     tmp = None
     try:
         made = _make_parents(directory.parent)
+        _recover_replaced(directory)
+        remove_abandoned(directory.parent)  # a killed writer's earlier try
         tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(directory), suffix=".tmp", dir=directory.parent))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a checkpoint is as readable as any directory
         write(tmp)
@@ -239,12 +267,14 @@ def temporary_prefix(target: Path) -> str:
 TEMPORARY = re.compile(r"\..+\.(?P<pid>[0-9]+)\.(?:[a-z0-9_]{8}\.)?tmp")
 
 
-def remove_abandoned(directory: Path, names: re.Pattern[str] = TEMPORARY) -> list[Path]:
+def remove_abandoned(directory: Path, names: re.Pattern[str] = TEMPORARY, locked: bool = False) -> list[Path]:
     """Delete the temporaries in `directory` (files, or directories and what they hold) whose names
     fullmatch `names` and that no live process is writing: a SIGKILL leaves them, and nothing else would
     ever remove them. One whose name holds its writer's process id (the pattern's `pid` group) goes when no
-    such process runs; any goes when nothing in it changed for ABANDONED_SECONDS. Logged; a failure to
-    list or delete is ignored, as leftovers are no reason to stop the caller."""
+    such process runs here (and, unless the caller holds the directory's lock (`locked`), when it has
+    been left alone DEAD_WRITER_SECONDS, as the pid may be another machine's); any goes when nothing in it
+    changed for ABANDONED_SECONDS. Logged; a failure to list or delete is ignored, as leftovers are no
+    reason to stop the caller."""
     try:
         entries = list(directory.iterdir())
     except OSError:
@@ -253,7 +283,7 @@ def remove_abandoned(directory: Path, names: re.Pattern[str] = TEMPORARY) -> lis
     removed = []
     for path in entries:
         match = names.fullmatch(path.name)
-        if match is None or not _abandoned(path, match.groupdict().get("pid"), now):
+        if match is None or not _abandoned(path, match.groupdict().get("pid"), now, locked):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
@@ -266,13 +296,13 @@ def remove_abandoned(directory: Path, names: re.Pattern[str] = TEMPORARY) -> lis
     return removed
 
 
-def _abandoned(path: Path, pid: str | None, now: float) -> bool:
+def _abandoned(path: Path, pid: str | None, now: float, locked: bool) -> bool:
     try:
         idle = now - _last_change(path)
     except OSError:  # gone meanwhile: its writer renamed it into place
         return False
     dead = pid is not None and not _running(int(pid))
-    return idle > ABANDONED_SECONDS or (dead and idle > DEAD_WRITER_SECONDS)
+    return idle > ABANDONED_SECONDS or (dead and (locked or idle > DEAD_WRITER_SECONDS))
 
 
 def _last_change(path: Path) -> float:

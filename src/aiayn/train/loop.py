@@ -61,7 +61,7 @@ from aiayn.data.dataset import (
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import CorruptFile, Stopped, UserError
-from aiayn.files import remove_abandoned
+from aiayn.files import recover_replaced, remove_abandoned
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.train import distributed
@@ -71,6 +71,7 @@ from aiayn.train.loss import label_smoothed_nll
 from aiayn.train.metrics import MetricsLog, plot_metrics
 from aiayn.train.schedule import cooldown_factor, inverse_sqrt_lr
 from aiayn.train.state import (
+    RunLock,
     TrainState,
     checkpoint_dirs,
     prune,
@@ -108,11 +109,33 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
 
 
 def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
+    if config.train.precision == "fp16" and d.device.type != "cuda":
+        raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
+    run_dir = Path(config.train.run_dir)
+    _check_run_dir(run_dir)
+    lock = RunLock(run_dir)
+    distributed.on_main(d, lock.acquire)  # a second run in this run_dir stops here, every process with it
+    try:
+        if d.is_main:  # what a killed run was writing: only this run writes checkpoints/ and cache/ now
+            _remove_leftovers(run_dir)
+        return _train_locked(config, resume, d)
+    finally:
+        lock.release()
+
+
+def _remove_leftovers(run_dir: Path) -> None:
+    """A killed run's temporaries (a cache is hundreds of MB, a checkpoint as much, and on a nearly full disk
+    they left no room for the next save), and a checkpoint a kill left moved aside as it was replaced."""
+    checkpoints = run_dir / "checkpoints"
+    recover_replaced(checkpoints)
+    remove_abandoned(run_dir)  # also `aiayn average`'s, which may be another machine's: not `locked`
+    for directory in (run_dir / "cache", checkpoints):
+        remove_abandoned(directory, locked=True)
+
+
+def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     cap_kernel_caches()  # first: token batches make thousands of shapes, one cached oneDNN kernel each
     tc, run_dir = config.train, Path(config.train.run_dir)
-    if tc.precision == "fp16" and d.device.type != "cuda":
-        raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
-    _check_run_dir(run_dir)
     resume_from = _checkpoint_to_resume(run_dir, resume)
     if resume_from:
         with _resume_hint(run_dir, resume_from):
@@ -165,6 +188,9 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         dynamic_ncols=True,
     )  # a terminal only: tokens/s, loss, ppl, lr, and time left
     start = time.monotonic()
+    if state.validation_due:  # a signal's save skipped it: validate now, as the unbroken run did then
+        state.validation_due = False
+        _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics)
     # A resumed run may have reached its budget, or run out of patience, already: it trains no more.
     stop = _stop_reason(state, tc, n_updates) or _patience_exhausted(state, tc)
     if stop and d.is_main:
@@ -228,12 +254,9 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 sums, tokens, last_log = _no_losses(d.device), 0.0, now
             stop = _stop_reason(state, tc, n_updates)
             signalled = None if stop else stopper.agreed(d)  # a run at its budget ends as usual
-            if (
-                state.step % tc.valid_every == 0
-                or stop
-                or signalled
-                or (tc.bleu_every and state.step % tc.bleu_every == 0)
-            ):
+            due = state.step % tc.valid_every == 0 or bool(tc.bleu_every and state.step % tc.bleu_every == 0)
+            if due or stop or signalled:
+                state.validation_due = bool(signalled and due)  # saved so: --resume validates first
                 _check_unlogged(sums, state.step, d)
                 begun = time.monotonic()
                 last = _validate_and_save(  # on a signal only the save: a scheduler's grace is short
@@ -623,8 +646,9 @@ def _missing_files(checkpoint: Path) -> list[str]:
 
 def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Path | None:
     found = checkpoint_dirs(run_dir)
-    if resume and not found:
-        raise UserError(f"{run_dir}: no checkpoint to resume from")
+    if resume and not found:  # killed before its first save: a restart loop passing --resume goes on
+        log.info("%s: no checkpoint to resume from yet; starting from the beginning", run_dir)
+        return None
     if not resume and found:
         raise UserError(
             f"{run_dir}: already holds checkpoints; pass --resume to continue, or another run_dir"
@@ -690,8 +714,6 @@ def _require_pairs(path: str, kind: str, kept: int, too_long: int, max_len: int)
 def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None) -> None:
     """On process 0: the tokenizer and the caches, so that the other processes only read."""
     dc = config.data
-    for directory in (run_dir, run_dir / "cache"):  # a killed run's half-written cache is hundreds of MB
-        remove_abandoned(directory)
     tokenizer = tokenizer or _run_tokenizer(config, run_dir)
     for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):
         if src:
@@ -709,6 +731,11 @@ def _check_same_batches(checkpoint: Path, config: RunConfig, d: Dist) -> None:
 
     tc, meta = config.train, read_meta(checkpoint)
     trained, data = config_section(meta, "train"), config_section(meta, "data")
+    for section, key in ((trained, "seed"), (data, "max_len"), (trained, "update_freq"), (trained, "max_tokens")):
+        value = (section or {}).get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):  # a hand's edit
+            raise CorruptFile(f"{checkpoint / META}: corrupt checkpoint metadata ({key}={value!r} is not a "
+                              "whole number)")
     for name, saved_value, value in (("train.seed", (trained or {}).get("seed"), tc.seed),
                                      ("data.max_len", (data or {}).get("max_len"), config.data.max_len)):
         if saved_value is not None and saved_value != value:
@@ -722,7 +749,7 @@ def _check_same_batches(checkpoint: Path, config: RunConfig, d: Dist) -> None:
             processes = sum(1 for k in f.keys() if k.startswith("rng.cpu."))
     except Exception:  # a damaged file: restore() says so in its own words
         return
-    saved = (processes * trained.get("update_freq", 1), trained.get("max_tokens", tc.max_tokens))
+    saved = (processes * (trained.get("update_freq") or 1), trained.get("max_tokens") or tc.max_tokens)
     if processes and saved != (d.world_size * tc.update_freq, tc.max_tokens):
         raise UserError(
             f"{checkpoint}: saved by {processes} process(es) x train.update_freq={trained.get('update_freq', 1)} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -24,13 +25,22 @@ class MetricsLog:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.is_file():
-            _end_with_whole_line(self.path)
+        with self._errors():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.is_file():
+                _end_with_whole_line(self.path)
 
     def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        with self._errors(), open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")  # a full disk may cut it: the next run drops the cut line
+
+    @contextlib.contextmanager
+    def _errors(self):
+        """An OSError (a full disk) as one line naming the log; the checkpoints saved so far stay."""
+        try:
+            yield
+        except OSError as e:
+            raise UserError(f"{self.path}: cannot write the training log ({e.strerror or e})") from None
 
 
 def _end_with_whole_line(path: Path) -> None:

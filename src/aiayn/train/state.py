@@ -11,12 +11,15 @@ highest `step_*` directory (temporary ones start with a dot). No pickle anywhere
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
-from dataclasses import asdict, dataclass
+import socket
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,44 @@ from aiayn.errors import CorruptFile, UserError
 from aiayn.train.distributed import Dist
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+LOCK = ".lock"  # in the run directory: held by the one training run that writes there
+
+
+class RunLock:
+    """The run directory for one training run at a time (process 0's; `flock`, which also holds on NFS):
+    two runs in one directory deleted each other's checkpoints as they were written and interleaved their
+    logs. Released when the process ends, however it ends."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK
+        self.file = None
+
+    def acquire(self) -> None:
+        try:
+            f = open(self.path, "a+", encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"{self.path}: cannot open the run's lock ({e.strerror or e})") from None
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.seek(0)
+            holder = f.read().strip()
+            f.close()
+            if e.errno not in (errno.EAGAIN, errno.EACCES):  # a filesystem without locks: nothing to refuse
+                return
+            raise UserError(f"{self.path.parent}: another training run is writing there"
+                            f"{f' (process {holder})' if holder else ''}; wait for it to end, or set another "
+                            "train.run_dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        self.file = f
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()  # closing releases the lock
+            self.file = None
 
 
 @dataclass
@@ -44,6 +85,7 @@ class TrainState:
     best_valid: float = float("inf")  # best validation loss so far
     bad_validations: int = 0  # validations since the best one (for `patience`)
     seconds: float = 0.0  # training wall time so far, over all invocations (for max_minutes, cooldown)
+    validation_due: bool = False  # a signal's save skipped this step's validation: --resume makes it first
 
 
 def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
@@ -140,9 +182,23 @@ def restore(
         random.setstate(_as_tuple(trainer["python_rng"]))
         if scaler.is_enabled() and trainer.get("scaler"):
             scaler.load_state_dict(trainer["scaler"])
-        return TrainState(**trainer["state"])
+        return _train_state(trainer["state"], path)
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise UserError(f"{path}: training state does not fit this run ({e})") from None
+
+
+def _train_state(saved: Any, path: Path) -> TrainState:
+    """trainer.json's "state", each field of its type (a hand's edit, "120" for 120, failed in arithmetic)."""
+    if not isinstance(saved, dict):
+        raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state ('state' is not a table)")
+    for field in fields(TrainState):
+        value = saved.get(field.name, field.default)
+        kinds = {"int": (int,), "float": (int, float), "bool": (bool,)}[field.type]
+        if (isinstance(value, bool) and field.type != "bool") or not isinstance(value, kinds):
+            what = {"int": "a whole number", "float": "a number", "bool": "true or false"}[field.type]
+            raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state ({field.name}={value!r} is "
+                              f"not {what})")
+    return TrainState(**saved)
 
 
 def check_compatible(path: Path, config: ModelConfig) -> None:

@@ -1,5 +1,8 @@
 """CPU inference: every Linear with its weight reordered once into the layout its matmul library wants.
 
+The layout follows the CPU and the process' thread count when the model is packed (`aiayn translate
+--threads` and `Translator.load` after `torch.set_num_threads`).
+
 Measured with one thread (`benchmarks/decode.py`, benchmarks/RESULTS.md): on an AMD EPYC machine,
 PyTorch's default CPU matmul (MKL sgemm) runs the decoder's small-batch products 2-7x slower than oneDNN
 with a prepacked weight, which is what CTranslate2 uses on non-Intel CPUs. On an Intel Xeon (Sapphire
@@ -40,8 +43,14 @@ def packing_available() -> bool:
 
 
 def one_row_mkl_available() -> bool:
-    """MKL for one-row products: on Intel CPUs only, where MKL is tuned (as CTranslate2 does)."""
-    return torch.backends.mkl.is_available() and _cpu_vendor() == "GenuineIntel"
+    """MKL for one-row products: on Intel CPUs, where MKL is tuned (as CTranslate2 does) and splits a row's
+    product between threads; elsewhere only for a process that computes on one thread. On an AMD EPYC
+    (Zen 4), the 37 products of a `base` decoder step (benchmarks/RESULTS.md, thirteenth run): one thread,
+    MKL on W^T 8.7 ms against oneDNN's 10.4; two threads, 9.0 (MKL leaves the second thread idle there)
+    against oneDNN's 6.3."""
+    if not torch.backends.mkl.is_available():
+        return False
+    return _cpu_vendor() == "GenuineIntel" or torch.get_num_threads() == 1
 
 
 @functools.cache  # read once, not once per Linear

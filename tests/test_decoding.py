@@ -306,6 +306,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
                 assert kept == [True] * j + [False] * (n - j), (weights, j)
                 cases += 1
     assert cases > 1000
+    for tiny in (1e-6, 1e-9):  # the most likely token stays, however small top_p is
+        assert filter_logits(torch.tensor([[0.0, -1.0]]), top_k=0, top_p=tiny).isfinite().tolist() == [[True, False]]
 
 
 def test_unseeded_sampling_leaves_the_global_generator_alone():

@@ -47,7 +47,7 @@ def test_a_killed_writers_temporaries_are_named_and_removed(tmp_path, monkeypatc
     assert proc.returncode == -signal.SIGKILL
     left = sorted(p.name for p in tmp_path.iterdir())
     assert len(left) == 2 and all(TEMPORARY.fullmatch(n) for n in left), left  # nothing in place, both named
-    assert {re.sub(r"\.[0-9]+\..*", "", n) for n in left} == {".translation.txt", ".step_000008"}
+    assert {re.sub(r"\.aiayn-[0-9]+\..*", "", n) for n in left} == {".translation.txt", ".step_000008"}
     assert remove_abandoned(tmp_path) == []  # within a minute of its last write: perhaps another machine's
     monkeypatch.setattr(files, "DEAD_WRITER_SECONDS", 0.0)
     assert sorted(p.name for p in remove_abandoned(tmp_path)) == left
@@ -55,11 +55,12 @@ def test_a_killed_writers_temporaries_are_named_and_removed(tmp_path, monkeypatc
 
 
 def test_only_abandoned_temporaries_go(tmp_path):
-    live = tmp_path / f".model.safetensors.{os.getpid()}.tmp"  # this process writes it
-    dead = tmp_path / f".model.safetensors.{dead_pid()}.tmp"
-    stale = tmp_path / f".spm.model.{os.getpid()}.abcd1234.tmp"  # a live pid (reused?) silent for hours
-    busy_dir = tmp_path / f".step_000004.{dead_pid()}.k2j4h5g6.tmp"  # a file inside it changes
-    user = [tmp_path / ".model.safetensors.tmp", tmp_path / "notes.123.tmp", tmp_path / ".bashrc"]
+    live = tmp_path / f".model.safetensors.aiayn-{os.getpid()}.tmp"  # this process writes it
+    dead = tmp_path / f".model.safetensors.aiayn-{dead_pid()}.tmp"
+    stale = tmp_path / f".spm.model.aiayn-{os.getpid()}.abcd1234.tmp"  # a live pid (reused?) silent for hours
+    busy_dir = tmp_path / f".step_000004.aiayn-{dead_pid()}.k2j4h5g6.tmp"  # a file inside it changes
+    user = [tmp_path / ".model.safetensors.tmp", tmp_path / "notes.123.tmp", tmp_path / ".bashrc",
+            tmp_path / f".x.{dead_pid()}.tmp"]
     for p in (live, dead, stale, *user):
         p.write_text("x")
     busy_dir.mkdir()
@@ -82,11 +83,24 @@ def test_a_process_group_id_is_no_writer(pid):
 
 
 def test_a_lock_holder_removes_a_dead_writers_temporary_at_once(tmp_path):
-    """In its own directory (a run's checkpoints/ and cache/) no other machine writes: no waiting."""
-    dead = tmp_path / f".model.safetensors.{dead_pid()}.tmp"
-    dead.write_text("x")
+    """In its own directory (a run's checkpoints/ and cache/) no other machine writes: no waiting. Nor
+    does the lock holder itself yet: a temporary of its own pid is a killed predecessor's (a container's
+    training process has the same pid every run)."""
+    dead = tmp_path / f".model.safetensors.aiayn-{dead_pid()}.tmp"
+    mine = tmp_path / f".spm.model.aiayn-{os.getpid()}.tmp"
+    live = tmp_path / f".spm.model.aiayn-{os.getppid()}.tmp"
+    for p in (dead, mine, live):
+        p.write_text("x")
     assert remove_abandoned(tmp_path) == []
-    assert remove_abandoned(tmp_path, locked=True) == [dead]
+    assert sorted(remove_abandoned(tmp_path, locked=True)) == sorted([dead, mine]) and live.exists()
+
+
+def test_a_temporary_is_told_by_its_tag_and_pid():
+    """8 random digits after the pid are not the pid; another program's hidden temporaries are not ours."""
+    assert TEMPORARY.fullmatch(".step_000004.aiayn-4242.12345678.tmp")["pid"] == "4242"
+    assert TEMPORARY.fullmatch(".a.2024.b.aiayn-17.tmp")["pid"] == "17"
+    assert TEMPORARY.fullmatch(".x.123456789.tmp") is None  # Go's os.CreateTemp(".x.*.tmp")
+    assert TEMPORARY.fullmatch(".model.safetensors.4242.tmp") is None
 
 
 def test_a_directory_left_moved_aside_is_put_back(tmp_path):

@@ -14,6 +14,7 @@ from aiayn import cli
 from aiayn.errors import UserError
 from aiayn.train import loop
 from aiayn.train.metrics import MetricsLog, _points, plot_metrics, read_metrics
+from aiayn.train.state import TrainState
 
 TRAIN = [{"step": s, "epoch": 1, "loss": 3.0 / s, "nll": 2.5 / s, "lr": 1e-4 * s} for s in (1, 2, 3)]
 VALID = {"step": 3, "epoch": 1, "valid_loss": 1.2, "valid_nll": 1.0, "valid_ppl": 2.72}
@@ -72,7 +73,7 @@ def test_plot_during_training_failing_does_not_stop_training(log_path, tmp_path,
     monkeypatch.setattr(loop, "_check_finite_weights", lambda *a: None)  # no model here
     train_cfg = SimpleNamespace(bleu_every=0, run_dir=str(tmp_path), keep_last=1, label_smoothing=0.1)
     config = SimpleNamespace(train=train_cfg, to_dict=dict)
-    state = SimpleNamespace(step=3, epoch=0)
+    state = TrainState(step=3)
     d = SimpleNamespace(is_main=True, enabled=False)
     data = SimpleNamespace(valid=None, tokenizer=None)
     result = loop._validate_and_save(

@@ -50,9 +50,32 @@ def test_two_gloo_processes_match_one_with_accumulation(tmp_path):
     trainer = load_file(str(checkpoint_dirs(two_run)[-1] / "trainer.safetensors"))
     assert {"rng.cpu.0", "rng.cpu.1"} <= trainer.keys()  # both processes' RNG states saved
 
+    # A kill between the renames of a re-save left the newest checkpoint moved aside: process 0 puts it
+    # back before any process picks the checkpoint to resume from (rank 1 took step 3, rank 0 step 6,
+    # and the job hung)
+    checkpoints = two_run / "checkpoints"
+    os.rename(checkpoints / "step_000006", checkpoints / ".step_000006.old")
+    slow = tmp_path / "slow_recovery.py"  # process 0 takes its time: the others must wait for it
+    slow.write_text(SLOW_RECOVERY, encoding="utf-8")
+    proc = torchrun_train([*sets, "train.max_updates=9"], "--resume", script=slow)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming from {checkpoints / 'step_000006'} (update 6" in proc.stderr, proc.stderr[-3000:]
+    assert [p.name for p in checkpoint_dirs(two_run)][-2:] == ["step_000006", "step_000009"]
 
-def torchrun_train(sets: list[str]) -> subprocess.CompletedProcess:
-    """`aiayn train --set ...` in 2 gloo processes under torchrun."""
+
+SLOW_RECOVERY = """
+import sys, time
+import aiayn.train.loop as loop
+recover = loop.recover_replaced
+loop.recover_replaced = lambda parent: (time.sleep(2), recover(parent))
+from aiayn.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def torchrun_train(sets: list[str], *options: str, script: Path | None = None) -> subprocess.CompletedProcess:
+    """`aiayn train --set ... OPTIONS` in 2 gloo processes under torchrun (`script` in place of `aiayn`:
+    a Python file that takes the same arguments)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     cmd = [
         sys.executable,
@@ -61,10 +84,10 @@ def torchrun_train(sets: list[str]) -> subprocess.CompletedProcess:
         "--standalone",
         "--nproc_per_node",
         "2",
-        "-m",
-        "aiayn",
+        *(["-m", "aiayn"] if script is None else [str(script)]),
         "train",
         *[a for s in sets for a in ("--set", s)],
+        *options,
     ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 

@@ -161,14 +161,14 @@ def test_resuming_removes_what_a_killed_run_was_writing(finished_run, tmp_path):
     exited = subprocess.Popen([sys.executable, "-c", "pass"])
     exited.wait()
     dead = exited.pid
-    killed = [run / "cache" / f".train.de-train.en.0123456789abcdef.safetensors.{dead}.tmp",
-              run / f".spm.model.{dead}.tmp"]
-    live = run / "cache" / f".valid.de-valid.en.0123456789abcdef.safetensors.{os.getpid()}.tmp"
+    killed = [run / "cache" / f".train.de-train.en.0123456789abcdef.safetensors.aiayn-{dead}.tmp",
+              run / f".spm.model.aiayn-{dead}.tmp"]
+    live = run / "cache" / f".valid.de-valid.en.0123456789abcdef.safetensors.aiayn-{os.getppid()}.tmp"
     for p in (*killed, live):
         p.write_bytes(b"half")
         os.utime(p, (time.time() - 120, time.time() - 120))
     assert train(with_train(config, max_updates=6), resume=True)["step"] == 6
-    assert not any(p.exists() for p in killed) and live.exists()
+    assert not any(p.exists() for p in killed) and live.exists()  # the parent process: alive
 
 
 def test_a_refused_resume_setting_gets_no_move_it_out_hint(finished_run, tmp_path):
@@ -259,9 +259,9 @@ def test_processes_agree_on_the_signal_and_its_status(monkeypatch):
     assert single.agreed(SimpleNamespace(enabled=False)) == "SIGINT"
 
 
-def test_a_signal_at_the_last_update_ends_the_run_as_usual(finished_run, tmp_path, monkeypatch):
-    """The run is at its budget anyway: it validates its last checkpoint and returns (exit 0), instead of
-    saving it unvalidated and saying that --resume continues."""
+def signalled_run(finished_run, tmp_path, monkeypatch, at_update: int):
+    """The finished run's config in a new run_dir with its tokenizer, and SIGTERM sent as update
+    `at_update` begins (delivered in the main thread, mid-loop, as from outside)."""
     d, config, _ = finished_run
     run = tmp_path / "run"
     run.mkdir()
@@ -271,12 +271,18 @@ def test_a_signal_at_the_last_update_ends_the_run_as_usual(finished_run, tmp_pat
 
     def step_then_signal(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 4:
+        if len(calls) == at_update:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(loop, "train_step", step_then_signal)
-    result = train(with_train(config, run_dir=str(run)))
+    return with_train(config, run_dir=str(run))
+
+
+def test_a_signal_at_the_last_update_ends_the_run_as_usual(finished_run, tmp_path, monkeypatch):
+    """The run is at its budget anyway: it validates its last checkpoint and returns (exit 0), instead of
+    saving it unvalidated and saying that --resume continues."""
+    result = train(signalled_run(finished_run, tmp_path, monkeypatch, at_update=4))
     assert result["stop"] == "max_updates=4" and result["step"] == 4 and "valid_loss" in result
 
 
@@ -730,6 +736,25 @@ def test_a_second_run_in_the_same_run_dir_is_refused(finished_run, tmp_path):
     assert train(with_train(config, max_updates=8), resume=True)["step"] == 8  # released when a run ends
 
 
+def test_a_lock_that_cannot_be_written_is_released_and_one_line(tmp_path, monkeypatch):
+    """A full disk as the holder's line is written: the lock stayed held by the file object in the
+    traceback, and a second try in the same process (a notebook) was refused as another run."""
+    import socket
+
+    from aiayn.train.state import RunLock
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(socket, "gethostname", full)
+    with pytest.raises(UserError, match=r"\.lock: cannot write the run's lock \(No space left on device\)"):
+        RunLock(tmp_path).acquire()
+    monkeypatch.undo()
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    lock.release()
+
+
 def test_a_killed_save_leaves_nothing_the_next_run_keeps(finished_run, tmp_path, caplog):
     """A kill mid-save left a checkpoint-sized temporary that only a successful save removed: on a nearly
     full disk no save succeeded again. A kill between the two renames of a re-save left the checkpoint
@@ -741,7 +766,7 @@ def test_a_killed_save_leaves_nothing_the_next_run_keeps(finished_run, tmp_path,
     checkpoints = Path(config.train.run_dir) / "checkpoints"
     exited = subprocess.Popen([sys.executable, "-c", "pass"])
     exited.wait()
-    half = checkpoints / f".step_000006.{exited.pid}.k2j4h5g6.tmp"  # just now: no waiting for it to age
+    half = checkpoints / f".step_000006.aiayn-{exited.pid}.k2j4h5g6.tmp"  # just now: no waiting for it to age
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"half")
     os.rename(checkpoints / "step_000004", checkpoints / ".step_000004.old")
@@ -761,29 +786,17 @@ def test_a_signal_when_a_validation_is_due_validates_on_resume(finished_run, tmp
     """SIGTERM at update 2, where valid_every=2 validates: the signal's save skips the validation (a
     scheduler's grace is short), and --resume makes it first, so that the log, the patience count and
     the weights are the unbroken run's."""
-    d, config, _ = finished_run
-    run = tmp_path / "run"
-    run.mkdir()
-    for name in ("spm.model", "tokenizer_inputs.json"):
-        shutil.copy(d / "run" / name, run / name)
-    real_step, calls = loop.train_step, []
-
-    def step_then_signal(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "train_step", step_then_signal)
-    config = with_train(config, run_dir=str(run))
+    d, run = finished_run[0], tmp_path / "run"
+    real_step = loop.train_step
+    config = signalled_run(finished_run, tmp_path, monkeypatch, at_update=2)
     with pytest.raises(Stopped):
         train(config)
     monkeypatch.setattr(loop, "train_step", real_step)
     assert train(config, resume=True)["step"] == 4
 
-    def validations(path):
-        return [(r["step"], r["valid_loss"]) for r in map(json.loads, path.read_text().splitlines())
-                if "valid_loss" in r]
+    def validations(path):  # the records of saves (training's log lines have a loss)
+        return [(r["step"], r.get("valid_loss")) for r in map(json.loads, path.read_text().splitlines())
+                if "loss" not in r]
 
     assert validations(run / "metrics.jsonl") == validations(d / "run" / "metrics.jsonl")
     resumed = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))

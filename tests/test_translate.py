@@ -671,6 +671,9 @@ def test_output_never_replaces_the_input_or_a_checkpoint_file(checkpoint, tmp_pa
         assert f"{out}: " in err and "the input" in err and "would destroy the input" in err
     assert src.read_text(encoding="utf-8") == "the number 3\n"
     assert (checkpoint / "model.safetensors").read_bytes() == weights
+    assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(checkpoint / "new.txt"), "-q"]) == 2
+    assert "new.txt: lies inside the input" in capsys.readouterr().err  # training may replace or delete it
+    assert not (checkpoint / "new.txt").exists()
     assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(tmp_path / "out.txt"), "-q"]) == 0
     assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(tmp_path / "out.txt"), "-q"]) == 0
 
@@ -704,9 +707,10 @@ def test_translate_names_what_an_unreadable_input_is(checkpoint, tmp_path, capsy
 
 def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, capsys):
     run = tmp_path / "run"
-    shutil.copytree(checkpoint, run / "checkpoints" / "step_000008")
+    for step in ("step_999999", "step_1000000"):  # the newest by number, not by name
+        shutil.copytree(checkpoint, run / "checkpoints" / step)
     assert main(["translate", str(run)]) == 2
-    assert f"no meta.json); a run directory: name one of its checkpoints, e.g. {run}/checkpoints/step_000008" in (
+    assert f"no meta.json); a run directory: name one of its checkpoints, e.g. {run}/checkpoints/step_1000000" in (
         capsys.readouterr().err)
     assert main(["translate", str(checkpoint / "meta.json")]) == 2
     assert "meta.json: is a file, not a checkpoint directory" in capsys.readouterr().err

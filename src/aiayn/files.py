@@ -67,17 +67,18 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
 
 
 def check_file_output(out: str | Path, inputs: list[Path]) -> None:
-    """Refuse an output file whose writing would replace one of `inputs` (a file, through any link) or a
-    file inside one (a checkpoint directory), before any work. A new file, or another existing one, is
-    fine: replacing an earlier output is what an output option is for."""
+    """Refuse, before any work, an output file that would replace one of `inputs` (a file, through any
+    link) or lie inside one (a checkpoint directory, which training may replace or delete, and whose files
+    it would overwrite). Any other file is fine: replacing an earlier output is what an output option is
+    for."""
     out = Path(out)
-    if _stream_only(out) or not out.exists():  # /dev/stdout may be the terminal stdin reads too
+    if _stream_only(out):  # /dev/stdout may be the terminal stdin reads too
         return
     for other in map(Path, inputs):
         if not other.exists():
             continue
         inside = other.is_dir() and overlap(out, other) == "lies inside"
-        if inside or (not other.is_dir() and os.path.samefile(out, other)):
+        if inside or (not other.is_dir() and out.exists() and os.path.samefile(out, other)):
             raise UserError(f"{out}: {'lies inside' if inside else 'is'} the input {other}; writing it "
                             "would destroy the input")
 
@@ -180,7 +181,6 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
     try:
         made = _make_parents(directory.parent)
         _recover_replaced(directory)
-        remove_abandoned(directory.parent)  # a killed writer's earlier try
         tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(directory), suffix=".tmp", dir=directory.parent))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a checkpoint is as readable as any directory
         write(tmp)
@@ -259,12 +259,14 @@ DEAD_WRITER_SECONDS = 60.0
 def temporary_prefix(target: Path) -> str:
     """The start of the name of a temporary that becomes `target` when renamed: hidden, and naming its
     writer's process, so that `remove_abandoned` can tell a killed writer's leftovers."""
-    return f".{Path(target).name}.{os.getpid()}."
+    return f".{Path(target).name}.aiayn-{os.getpid()}."
 
 
 # What `temporary_prefix` starts: a file or directory of tempfile's (8 random characters, then .tmp), or
-# a fixed name of one writer's (".tmp" alone).
-TEMPORARY = re.compile(r"\..+\.(?P<pid>[0-9]+)\.(?:[a-z0-9_]{8}\.)?tmp")
+# a fixed name of one writer's (".tmp" alone). Tagged, so that no other program's temporaries match (Go's
+# os.CreateTemp(".x.*.tmp") makes ".x.123456789.tmp"); the name before the tag is the shortest that fits,
+# so that 8 random digits are never read as the pid.
+TEMPORARY = re.compile(r"\..+?\.aiayn-(?P<pid>[0-9]+)\.(?:[a-z0-9_]{8}\.)?tmp")
 
 
 def remove_abandoned(directory: Path, names: re.Pattern[str] = TEMPORARY, locked: bool = False) -> list[Path]:
@@ -301,7 +303,9 @@ def _abandoned(path: Path, pid: str | None, now: float, locked: bool) -> bool:
         idle = now - _last_change(path)
     except OSError:  # gone meanwhile: its writer renamed it into place
         return False
-    dead = pid is not None and not _running(int(pid))
+    # Under the lock the caller writes nothing yet: its own pid (a container's, the same every run) is a
+    # killed predecessor's
+    dead = pid is not None and ((locked and int(pid) == os.getpid()) or not _running(int(pid)))
     return idle > ABANDONED_SECONDS or (dead and (locked or idle > DEAD_WRITER_SECONDS))
 
 

@@ -22,6 +22,7 @@ def filter_logits(logits_RV: Tensor, top_k: int, top_p: float) -> Tensor:
         # Mass that reaches top_p up to rounding reaches it: [0.5, 0.4, 0.1] with top_p 0.5 keeps one
         # token, where log and softmax put the first mass 3e-8 below 0.5 and a second token was kept.
         drop_sorted_RV = before_RV >= top_p - TOP_P_ROUNDING
+        drop_sorted_RV[:, 0] = False  # the most likely token stays, however small top_p is
         drop_RV = torch.zeros_like(drop_sorted_RV).scatter(-1, order_RV, drop_sorted_RV)  # vocab order
         logits_RV = logits_RV.masked_fill(drop_RV, float("-inf"))
     return logits_RV

@@ -114,10 +114,13 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     run_dir = Path(config.train.run_dir)
     _check_run_dir(run_dir)
     lock = RunLock(run_dir)
-    distributed.on_main(d, lock.acquire)  # a second run in this run_dir stops here, every process with it
+
+    def take_run_dir() -> None:  # on process 0, while the others wait: they then see what it put back
+        lock.acquire()  # a second run in this run_dir stops here, every process with it
+        _remove_leftovers(run_dir)  # only this run writes checkpoints/ and cache/ now
+
     try:
-        if d.is_main:  # what a killed run was writing: only this run writes checkpoints/ and cache/ now
-            _remove_leftovers(run_dir)
+        distributed.on_main(d, take_run_dir)
         return _train_locked(config, resume, d)
     finally:
         lock.release()
@@ -518,7 +521,8 @@ def _validate_and_save(
             run_dir, model, data.tokenizer, optimizer, scaler, state, config.to_dict(), result, rngs
         )
         prune(run_dir, tc.keep_last)
-        metrics.write(result)
+        if not state.validation_due:  # else the resumed run logs this step, validated, as an unbroken run
+            metrics.write(result)
         try:
             plot_metrics(metrics.path, run_dir / "curves.png")
         except (UserError, OSError) as e:  # a picture is not worth a training run: warn and go on

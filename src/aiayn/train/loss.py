@@ -97,5 +97,5 @@ def block_rows(logits: Tensor, elements: int | None = None) -> int:
     41.8 (2^19), 53.3 (2^21); two threads 27.0 (2^18), 24.3 (2^19), 22.8 (2^20), 24.3 (2^21)."""
     if logits.device.type != "cpu":
         return max(1, logits.shape[0])
-    elements = elements or 2**19 * torch.get_num_threads()
+    elements = elements or 2**19 * min(torch.get_num_threads(), 8)  # measured up to two: not 128 MB at 64
     return max(1, elements // logits.shape[-1])

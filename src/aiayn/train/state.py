@@ -63,10 +63,14 @@ class RunLock:
             raise UserError(f"{self.path.parent}: another training run is writing there"
                             f"{f' (process {holder})' if holder else ''}; wait for it to end, or set another "
                             "train.run_dir") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
+        except OSError as e:  # a full disk: released at once, not when the traceback is collected
+            f.close()
+            raise UserError(f"{self.path}: cannot write the run's lock ({e.strerror or e})") from None
         self.file = f
 
     def release(self) -> None:

@@ -272,7 +272,7 @@ class LinearFloor:
                     product(x)
         return [NEW_TOKENS] * batch
 
-    def fastest(self, rows: int, rounds: int = 7) -> tuple[str, list[tuple[Callable, torch.Tensor]]]:
+    def fastest(self, rows: int, rounds: int = 11) -> tuple[str, list[tuple[Callable, torch.Tensor]]]:
         """The kernel whose products of one step take the least time (median of `rounds`, the kernels
         interleaved in each), with its laid-out weights. Distinct random weights per product, as in a
         model, so that a step streams all of them through the caches."""
@@ -283,8 +283,10 @@ class LinearFloor:
         kernels = {name: [(layout(w), x) for w, x in zip(weights, inputs)]
                    for name, layout in floor_kernels(rows).items()}
         seconds: dict[str, list[float]] = {name: [] for name in kernels}
-        for _ in range(rounds):
-            for name, products in kernels.items():
+        order = list(kernels)
+        for r in range(rounds):
+            for name in order if r % 2 == 0 else reversed(order):  # A B C C B A: none always first
+                products = kernels[name]
                 start = time.perf_counter()
                 for product, x in products:
                     product(x)
@@ -365,6 +367,7 @@ def measure(runs: dict, repeats: int, settle: float = 0.0) -> dict:
         cell = f"{name}, batch {batch}"
         times: dict[str, list[float]] = {e: [] for e in runs}
         for e, fn in runs.items():  # warm-up, and the forced length checked once per engine and cell
+            time.sleep(settle)  # the Linear floor picks its kernel here: not against spinning threads
             _, lengths = fn(batch, beam)
             if lengths != [NEW_TOKENS] * batch:
                 raise SystemExit(f"{e} produced lengths {lengths} in {cell}, not {NEW_TOKENS}")

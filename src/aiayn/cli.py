@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set train.max_tokens=2048 (repeatable); "
                         "--set train.init_from=CKPT fine-tunes a checkpoint (aiayn or converted Marian)")
-    p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint (from the beginning if it has none yet)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("average", help="average the last K checkpoints of a run")

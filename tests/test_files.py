@@ -117,3 +117,18 @@ def test_a_directory_left_moved_aside_is_put_back(tmp_path):
     shutil.copytree(out, tmp_path / ".out.old")
     files.recover_replaced(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("name", [".", "", "sub/.."])
+def test_an_output_directory_needs_a_name_of_its_own(tmp_path, monkeypatch, name):
+    """`aiayn export CK . --force` (as the refusal without --force suggested) was a ValueError traceback."""
+    from aiayn.errors import UserError
+    from aiayn.files import check_output
+
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="names no directory of its own"):
+        check_output(name, [], force=True)
+    with pytest.raises(UserError, match="names no directory of its own"):
+        write_atomically(Path(name), lambda tmp: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]

@@ -53,6 +53,7 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     directory). An existing `out` is replaced only with `force`, and only if it is a directory.
     """
     out = Path(out)
+    _check_named(out)
     exists = out.exists() or out.is_symlink()
     refused = [(p, ("is", "contains", "lies inside") if exists else ("is", "contains")) for p in inputs]
     refused += [(p, ("is", "contains")) for p in enclosing or []]
@@ -81,6 +82,14 @@ def check_file_output(out: str | Path, inputs: list[Path]) -> None:
         if inside or (not other.is_dir() and out.exists() and os.path.samefile(out, other)):
             raise UserError(f"{out}: {'lies inside' if inside else 'is'} the input {other}; writing it "
                             "would destroy the input")
+
+
+def _check_named(directory: Path) -> None:
+    """An output directory must have a name of its own: "." or "" (the current directory) and "x/.." would
+    be replaced by renaming a sibling over them, which cannot be done (it was a ValueError traceback)."""
+    if directory.name in ("", ".."):
+        raise UserError(f"{str(directory) or repr('')}: names no directory of its own (the current one or a "
+                        "parent); give the output a new name")
 
 
 def check_directory_path(path: Path) -> None:
@@ -174,6 +183,7 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
     OSError, or safetensors' own error for one (a full disk), becomes a UserError naming `directory`.
     """
     directory = Path(directory)
+    _check_named(directory)
     if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
         raise UserError(f"{directory}: exists and is not a directory; will not replace it")
     made: list[Path] = []

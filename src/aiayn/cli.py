@@ -253,7 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set train.max_tokens=2048 (repeatable); "
                         "--set train.init_from=CKPT fine-tunes a checkpoint (aiayn or converted Marian)")
-    p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint (from the beginning if it has none yet)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the run directory's latest checkpoint (from the beginning if it "
+                        "has none yet)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("average", help="average the last K checkpoints of a run")
@@ -384,8 +386,10 @@ def add_translate_parser(sub) -> None:
                    "the batches, so a pipe is then read in whole --chunk blocks, as a file is, rather than "
                    "answered whenever its input stalls: use --chunk 1 for an interactive filter")
     p.add_argument("--max-tokens", type=positive_int, default=4096,
-                   help="batch budget: padded source tokens x beam (sentences are sorted by length; default 4096)")
-    p.add_argument("--chunk", type=positive_int, default=10_000, help="lines read (and sorted) at a time (default 10000)")
+                   help="batch budget: padded source tokens x beam (sentences are sorted by length; "
+                        "default 4096)")
+    p.add_argument("--chunk", type=positive_int, default=10_000,
+                   help="lines read (and sorted) at a time (default 10000)")
     p.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the linear layers (CPU)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the weights' and activations' type: bfloat16 is faster on GPUs and on CPUs with AMX "

@@ -1,5 +1,9 @@
 """Errors that the user can fix; the CLI prints them as one line and exits non-zero."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class Stopped(Exception):
     """A run that stopped on a signal after saving what it had; the CLI prints the message and exits
@@ -57,6 +61,20 @@ def is_out_of_memory(error: BaseException) -> bool:
 
     return isinstance(error, torch.OutOfMemoryError) or (
         isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
+def str_list(items: Iterable[str], name: str, plural: str, singular: str) -> list[str]:
+    """`items` as a list (a generator is read once), each checked to be a str. A lone str or bytes is
+    iterable too, and was taken character by character: refused, naming `name` ("texts") and what it
+    holds (`plural` "strings", `singular` "text")."""
+    if isinstance(items, (str, bytes)):
+        kind = type(items).__name__
+        raise TypeError(f"{name} must be a list of {plural}, not one {kind}: pass [{singular}]")
+    items = list(items)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise TypeError(f"{name}[{i}] is {type(item).__name__}, not str")
+    return items
 
 
 def check_unicode(text: str, where: str) -> None:

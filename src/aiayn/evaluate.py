@@ -22,7 +22,7 @@ from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 from aiayn.data.dataset import read_lines
-from aiayn.errors import UserError
+from aiayn.errors import UserError, str_list
 
 LOWERCASE_LABEL = "BLEU-lc (lowercased, {}-tokenized: only for comparison with older papers, not comparable)"
 TOKENIZERS = tuple(BLEU.TOKENIZERS)  # sacreBLEU's: 13a, intl, zh, ja-mecab, ko-mecab, char, none, ...
@@ -134,8 +134,9 @@ def corpus_scores(
     tokenizer, as `bleu_metrics` picks it. `chrf_word_order=2` is chrF++ (Popovic, 2017). `confidence`:
     that many bootstrap resamples (sacreBLEU's, 1,000 as its --confidence), each score with its 95%
     interval, for telling whether two systems differ."""
-    hypotheses, references = _lines(hypotheses, "hypotheses"), [_lines(r, f"references[{j}]") for j, r in
-                                                                 enumerate(_streams(references))]
+    hypotheses = str_list(hypotheses, "hypotheses", "lines", "line")
+    streams = enumerate(_streams(references))
+    references = [str_list(r, f"references[{j}]", "lines", "line") for j, r in streams]
     if not references:
         raise UserError("no references: nothing to score against")
     if not hypotheses:
@@ -160,17 +161,6 @@ def corpus_scores(
     return out
 
 
-def _lines(lines: Sequence[str], name: str) -> list[str]:
-    """`lines` as a list of str; a lone str (iterable, so scored character by character) is refused."""
-    if isinstance(lines, (str, bytes)):
-        raise TypeError(f"{name} must be a list of lines, not one {type(lines).__name__}: pass [line]")
-    lines = list(lines)
-    for i, line in enumerate(lines):
-        if not isinstance(line, str):
-            raise TypeError(f"{name}[{i}] is {type(line).__name__}, not str")
-    return lines
-
-
 def _streams(references: Sequence[Sequence[str]]) -> list:
     """Reference streams: a flat list of lines is one stream given without its list, and refused."""
     streams = [] if isinstance(references, (str, bytes)) else list(references)
@@ -191,7 +181,7 @@ def evaluate_files(
 ) -> list[Score]:
     """Score a file of translations ("-": standard input) against reference files, line by line (`lang`,
     `tokenize` and `options`: as `corpus_scores`)."""
-    references = _paths(references, "references")
+    references = _paths(references, "references")  # before reading the hypotheses
     return score_lines(read_hypotheses(hypotheses), hypotheses, references, lang, tokenize, **options)
 
 
@@ -222,7 +212,8 @@ def score_lines(
     name = "<stdin>" if str(name) == "-" else name
     if not hyps:
         raise UserError(f"{name}: empty, nothing to score")
-    refs = [read_once(r) for r in _paths(references, "references")]
+    references = _paths(references, "references")  # a generator is read once, for the names below too
+    refs = [read_once(r) for r in references]
     for path, lines in zip(references, refs):
         if len(lines) != len(hyps):
             raise UserError(f"{path}: {len(lines)} lines, but {name} has {len(hyps)}")

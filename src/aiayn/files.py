@@ -272,6 +272,12 @@ def temporary_prefix(target: Path) -> str:
     return f".{Path(target).name}.aiayn-{os.getpid()}."
 
 
+def temporary_path(target: Path) -> Path:
+    """A fixed temporary name for one writer's `target` (its pid makes it unique), renamed over it once
+    written."""
+    return target.with_name(f"{temporary_prefix(target)}tmp")
+
+
 # What `temporary_prefix` starts: a file or directory of tempfile's (8 random characters, then .tmp), or
 # a fixed name of one writer's (".tmp" alone). Tagged, so that no other program's temporaries match (Go's
 # os.CreateTemp(".x.*.tmp") makes ".x.123456789.tmp"); the name before the tag is the shortest that fits,
@@ -279,14 +285,13 @@ def temporary_prefix(target: Path) -> str:
 TEMPORARY = re.compile(r"\..+?\.aiayn-(?P<pid>[0-9]+)\.(?:[a-z0-9_]{8}\.)?tmp")
 
 
-def remove_abandoned(directory: Path, names: re.Pattern[str] = TEMPORARY, locked: bool = False) -> list[Path]:
-    """Delete the temporaries in `directory` (files, or directories and what they hold) whose names
-    fullmatch `names` and that no live process is writing: a SIGKILL leaves them, and nothing else would
-    ever remove them. One whose name holds its writer's process id (the pattern's `pid` group) goes when no
-    such process runs here (and, unless the caller holds the directory's lock (`locked`), when it has
-    been left alone DEAD_WRITER_SECONDS, as the pid may be another machine's); any goes when nothing in it
-    changed for ABANDONED_SECONDS. Logged; a failure to list or delete is ignored, as leftovers are no
-    reason to stop the caller."""
+def remove_abandoned(directory: Path, locked: bool = False) -> list[Path]:
+    """Delete aiayn's temporaries in `directory` (files, or directories and what they hold: names that
+    fullmatch TEMPORARY) that no live process is writing: a SIGKILL leaves them, and nothing else would
+    ever remove them. One goes when the process its name holds runs no more here (and, unless the caller
+    holds the directory's lock (`locked`), has been left alone DEAD_WRITER_SECONDS, as the pid may be
+    another machine's); any goes when nothing in it changed for ABANDONED_SECONDS. Logged; a failure to
+    list or delete is ignored, as leftovers are no reason to stop the caller."""
     try:
         entries = list(directory.iterdir())
     except OSError:
@@ -294,8 +299,8 @@ def remove_abandoned(directory: Path, names: re.Pattern[str] = TEMPORARY, locked
     now = time.time()
     removed = []
     for path in entries:
-        match = names.fullmatch(path.name)
-        if match is None or not _abandoned(path, match.groupdict().get("pid"), now, locked):
+        match = TEMPORARY.fullmatch(path.name)
+        if match is None or not _abandoned(path, int(match["pid"]), now, locked):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
@@ -308,14 +313,14 @@ def remove_abandoned(directory: Path, names: re.Pattern[str] = TEMPORARY, locked
     return removed
 
 
-def _abandoned(path: Path, pid: str | None, now: float, locked: bool) -> bool:
+def _abandoned(path: Path, pid: int, now: float, locked: bool) -> bool:
     try:
         idle = now - _last_change(path)
     except OSError:  # gone meanwhile: its writer renamed it into place
         return False
     # Under the lock the caller writes nothing yet: its own pid (a container's, the same every run) is a
     # killed predecessor's
-    dead = pid is not None and ((locked and int(pid) == os.getpid()) or not _running(int(pid)))
+    dead = (locked and pid == os.getpid()) or not _running(pid)
     return idle > ABANDONED_SECONDS or (dead and (locked or idle > DEAD_WRITER_SECONDS))
 
 

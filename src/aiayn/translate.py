@@ -31,7 +31,9 @@ from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
 from aiayn.decoding.ensemble import SHARED_FIELDS
 from aiayn.decoding.search import sampling_generator
-from aiayn.errors import OutOfMemory, SentenceTooLong, TextError, UserError, check_unicode, is_out_of_memory
+from aiayn.errors import (
+    OutOfMemory, SentenceTooLong, TextError, UserError, check_unicode, is_out_of_memory, str_list,
+)
 from aiayn.memory import cap_kernel_caches
 from aiayn.model import Transformer
 
@@ -63,12 +65,8 @@ def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeCon
 
 def text_list(texts: Iterable[str]) -> list[str]:
     """`texts` as a list (a generator is read once), each item checked to be a str that UTF-8 can encode."""
-    if isinstance(texts, (str, bytes)):  # iterable too, but translated character by character
-        raise TypeError(f"texts must be a list of strings, not one {type(texts).__name__}: pass [text]")
-    texts = list(texts)
+    texts = str_list(texts, "texts", "strings", "text")
     for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise TypeError(f"texts[{i}] is {type(text).__name__}, not str")
         check_unicode(text, f"text {i + 1}")
     return texts
 
@@ -210,10 +208,11 @@ class Translator:
         generator: torch.Generator | None = None, **options: Any,
     ) -> list[list[Translation]]:
         """The `n_best` translations of each text, best first (samples: in the order drawn); an empty
-        list for a text of no pieces (empty, blank, or only zero-width and control characters). `progress(n)` is called after each batch with the number of texts it
-        held. With `sample`, the tokens are drawn from `generator` (which then takes the place of
-        `seed`), or from one seeded once for this call (not once per batch). Batches are length-sorted,
-        so which sample a text gets also depends on the other texts and on `max_tokens`; searches do not."""
+        list for a text of no pieces (empty, blank, or only zero-width and control characters).
+        `progress(n)` is called after each batch with the number of texts it held. With `sample`, the
+        tokens are drawn from `generator` (which then takes the place of `seed`), or from one seeded once
+        for this call (not once per batch). Batches are length-sorted, so which sample a text gets also
+        depends on the other texts and on `max_tokens`; searches do not."""
         config = decode_config(self.config, **options)
         texts = text_list(texts)
         check_count("max_tokens", max_tokens)
@@ -223,7 +222,8 @@ class Translator:
             generator = sampling_generator(config, self.device)
         # A text of no pieces (blank, or only characters the tokenizer drops: a zero-width space, a BOM)
         # is EOS alone, from which a model makes up a sentence: it gets no translation, as an empty line
-        ids = [s if len(s) > 1 else [] for s in (self.tokenizer.encode_src(t) if t.strip() else [] for t in texts)]
+        ids = [self.tokenizer.encode_src(t) if t.strip() else [] for t in texts]
+        ids = [s if len(s) > 1 else [] for s in ids]
         limit = self.model.config.max_len  # the encoder's positions
         for i, s in enumerate(ids):
             if len(s) > limit:  # before any batch: a stream's output stays whole up to the bad chunk
@@ -283,7 +283,8 @@ def read_utf8_lines(
         try:
             lines.append(raw.decode("utf-8").rstrip("\r\n"))
         except UnicodeDecodeError as e:
-            raise UserError(f"{name}:{n}: invalid UTF-8 (byte {raw[e.start]:#04x}){looks_like(head)}") from None
+            looks = looks_like(head)
+            raise UserError(f"{name}:{n}: invalid UTF-8 (byte {raw[e.start]:#04x}){looks}") from None
         if n == 1 and not raw.endswith(b"\n") and cr_only(raw):  # the whole input, and no LF in it
             raise cr_only_error(name)
         if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one

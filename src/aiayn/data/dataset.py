@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from aiayn.data.tokenizer import SEED_SENTENCES, Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
-from aiayn.files import atomic_output, temporary_prefix
+from aiayn.files import atomic_output, temporary_path
 from aiayn.model.transformer import target_positions
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,8 @@ def _decode(path: Path, block: bytes, newlines_before: int, head: bytes) -> str:
         return block.decode("utf-8")
     except UnicodeDecodeError as e:
         line = newlines_before + block.count(b"\n", 0, e.start) + 1
-        raise UserError(f"{path}:{line}: invalid UTF-8 (byte {block[e.start]:#04x}){looks_like(head)}") from None
+        looks = looks_like(head)
+        raise UserError(f"{path}:{line}: invalid UTF-8 (byte {block[e.start]:#04x}){looks}") from None
 
 
 def _split_lines(text: str) -> list[str]:
@@ -365,7 +366,7 @@ def _write_cache(
 ) -> None:
     """Write to a temporary name, then rename: a killed run never leaves half a cache. The metadata names
     the encoded `files`, so that `_remove_stale_caches` knows whose cache it is."""
-    tmp = path.with_name(f"{temporary_prefix(path)}tmp")  # a killed writer's is removed by the next run
+    tmp = temporary_path(path)  # a killed writer's is removed by the next run
     tensors = dict(
         src_ids=corpus.src_ids,
         src_offsets=corpus.src_offsets,

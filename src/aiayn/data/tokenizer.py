@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 import sentencepiece as spm
 
 from aiayn.errors import UserError
-from aiayn.files import temporary_prefix
+from aiayn.files import temporary_path
 
 SHARED, SOURCE, TARGET = "spm.model", "source.spm", "target.spm"
 SEED_SENTENCES = 2_000_000  # sentences SentencePiece trains a model on at most: a random sample of more
@@ -192,7 +192,7 @@ def train_sentencepiece(
         num_threads=2, minloglevel=2,
     )
     path = Path(f"{prefix}.model")
-    tmp = path.with_name(f"{temporary_prefix(path)}tmp")  # a killed writer's is removed by the next run
+    tmp = temporary_path(path)  # a killed writer's is removed by the next run
     try:
         tmp.write_bytes(model.getvalue())
         os.replace(tmp, path)  # atomic: a kill mid-write never leaves a truncated model behind

@@ -735,7 +735,8 @@ def _check_same_batches(checkpoint: Path, config: RunConfig, d: Dist) -> None:
 
     tc, meta = config.train, read_meta(checkpoint)
     trained, data = config_section(meta, "train"), config_section(meta, "data")
-    for section, key in ((trained, "seed"), (data, "max_len"), (trained, "update_freq"), (trained, "max_tokens")):
+    recorded = ((trained, "seed"), (data, "max_len"), (trained, "update_freq"), (trained, "max_tokens"))
+    for section, key in recorded:
         value = (section or {}).get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):  # a hand's edit
             raise CorruptFile(f"{checkpoint / META}: corrupt checkpoint metadata ({key}={value!r} is not a "

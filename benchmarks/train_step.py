@@ -18,6 +18,7 @@ initialisation on the same batches.
     python benchmarks/train_step.py                 # small and base, fp32 and bf16, eager and compiled
     python benchmarks/train_step.py --quick         # small only, fewer steps: about a minute
     python benchmarks/train_step.py --configs base --precisions bf16 --no-compile
+    python benchmarks/train_step.py --device cuda --configs base,base25k --loss-steps 150   # on a GPU
 
 Writes benchmarks/results/local/train_step.{md,json} (ignored by git) unless --out names the markdown.
 Without transformers (pip install -e '.[bench]') the Marian peer is skipped.
@@ -49,6 +50,7 @@ from common import (  # noqa: E402
     environment,
     markdown_table,
     peer_available,
+    require_device,
     timeit,
 )
 
@@ -63,6 +65,8 @@ PAD, BOS = 0, 1
 SHAPES = {  # the issue's two configurations; batch = pairs of source + target tokens
     "small": dict(preset="small", vocab=8000, batch=64, src_len=32, tgt_len=32),
     "base": dict(preset="base", vocab=32000, batch=64, src_len=32, tgt_len=32),
+    # the paper's batch (about 25,000 source and 25,000 target tokens): what a GPU is fed
+    "base25k": dict(preset="base", vocab=32000, batch=768, src_len=32, tgt_len=32),
     "tiny": dict(preset="tiny", vocab=1000, batch=8, src_len=12, tgt_len=10),  # a smoke test, not a figure
 }
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -152,10 +156,11 @@ def label_smoothed_loss(logits: Tensor, tgt_out: Tensor) -> Tensor:
 def make_step(model: nn.Module, forward: Callable, dtype: torch.dtype | None) -> Callable:
     """A closure doing one training step on a batch; returns the loss as a float."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    device_type = next(model.parameters()).device.type
 
     def step(src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> float:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = forward(src, tgt_in, tgt_out)
         loss.backward()
         opt.step()
@@ -164,10 +169,11 @@ def make_step(model: nn.Module, forward: Callable, dtype: torch.dtype | None) ->
     return step
 
 
-def system_step(system: str, c: ModelConfig, dtype: torch.dtype | None, compiled: bool, seed: int = 0):
+def system_step(system: str, c: ModelConfig, dtype: torch.dtype | None, compiled: bool, seed: int = 0,
+                device: str = "cpu"):
     """One system's step closure; `compiled`: aiayn through `compile_for_training`, a peer through
     `torch.compile` of its forward and loss, the same wrapping."""
-    model = build(system, c, seed).train()
+    model = build(system, c, seed).to(device).train()
     if not compiled and system == "aiayn":
         def forward(src, tgt_in, tgt_out):  # the loss of aiayn.train.loop.train_step
             batch = Batch.of(src, tgt_in, tgt_out, PAD)  # what collate makes
@@ -217,10 +223,17 @@ def model_flops(c: ModelConfig, b: int, s: int, t: int) -> float:
     return float(weights + attention)
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """Measured FLOP/s of an n x n x n torch.matmul in `dtype` on this machine (median of repeats)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    seconds = timeit(lambda: torch.matmul(a, b), repeats=repeats, warmup=2)
+def peak_size(device: str) -> int:
+    """The square matmul that measures the peak: 2048 fills a CPU, a GPU needs 8192."""
+    return 8192 if torch.device(device).type == "cuda" else 2048
+
+
+def matmul_peak(dtype: torch.dtype, device: str = "cpu", repeats: int = 5) -> float:
+    """Measured FLOP/s of an n x n x n torch.matmul in `dtype` on `device` (median of repeats), n from
+    `peak_size`. On CUDA float32 is true float32 (PyTorch's default, no TF32), as every system runs."""
+    n = peak_size(device)
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    seconds = timeit(lambda: torch.matmul(a, b), repeats=repeats, warmup=2, device=device)
     return 2 * n**3 / seconds
 
 
@@ -233,19 +246,20 @@ def linear_shapes(c: ModelConfig, b: int, s: int, t: int) -> list[tuple[int, int
     return encoder * c.n_layers + decoder * c.decoder_layers + [(b * t, d, v)]
 
 
-def linear_floor(c: ModelConfig, b: int, s: int, t: int, dtype: torch.dtype, repeats: int = 5) -> float:
+def linear_floor(c: ModelConfig, b: int, s: int, t: int, dtype: torch.dtype, repeats: int = 5,
+                 device: str = "cpu") -> float:
     """Seconds that the step's Linear products alone take here: each one's forward (x W^T), input
     gradient (g W) and weight gradient (g^T x) as one `torch.mm` in `dtype`, nothing else. Every
     system makes these same products, so no step can be faster: the fastest peer's time over this
     bounds how far ahead of it any implementation could get on this machine."""
-    mats = [(torch.randn(n, i).to(dtype), torch.randn(o, i).to(dtype), torch.randn(n, o).to(dtype))
+    mats = [tuple(torch.randn(*shape, device=device).to(dtype) for shape in ((n, i), (o, i), (n, o)))
             for n, i, o in linear_shapes(c, b, s, t)]
 
     def products() -> None:
         for x, w, g in mats:
             torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x)
 
-    return timeit(products, repeats=repeats, warmup=1)
+    return timeit(products, repeats=repeats, warmup=1, device=device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -273,7 +287,7 @@ class Run:
 def time_config(name: str, args) -> tuple[list[Run], dict]:
     shape = SHAPES[name]
     c = model_config(shape["preset"], vocab_size=shape["vocab"])
-    batch = make_batch(shape, torch.Generator().manual_seed(0))
+    batch = tuple(x.to(args.device) for x in make_batch(shape, torch.Generator().manual_seed(0)))
     variants = [(s, False) for s in args.systems]
     if not args.no_compile:
         variants.append(("aiayn", True))
@@ -282,7 +296,8 @@ def time_config(name: str, args) -> tuple[list[Run], dict]:
     runs = []
     for precision in args.precisions:
         for system, compiled in variants:
-            run = Run(system, precision, compiled, system_step(system, c, PRECISIONS[precision], compiled))
+            step = system_step(system, c, PRECISIONS[precision], compiled, device=args.device)
+            run = Run(system, precision, compiled, step)
             start = time.perf_counter()
             run.step(*batch)
             run.first_s = time.perf_counter() - start
@@ -300,7 +315,7 @@ def time_config(name: str, args) -> tuple[list[Run], dict]:
     dims = shape["batch"], shape["src_len"], shape["tgt_len"]
     info = dict(config=name, **shape, tokens=shape["batch"] * (shape["src_len"] + shape["tgt_len"]),
                 flops=model_flops(c, *dims), parameters=sum(p.numel() for p in Transformer(c).parameters()),
-                linear_floor_s={p: linear_floor(c, *dims, PRECISIONS[p] or torch.float32)
+                linear_floor_s={p: linear_floor(c, *dims, PRECISIONS[p] or torch.float32, device=args.device)
                                 for p in args.precisions})
     return runs, info
 
@@ -331,7 +346,7 @@ def summarise(runs: list[Run], info: dict, peaks: dict) -> list[dict]:
 # The bfloat16 loss curve against the float32 one.
 
 
-def loss_curve(steps: int, seed: int = 0) -> dict:
+def loss_curve(steps: int, seed: int = 0, device: str = "cpu") -> dict:
     """aiayn `small` from one initialisation on the same batches in fp32 and in bf16 autocast.
 
     The task is learnable (the target is the source reversed, in a vocabulary of 8,000), so the curve
@@ -344,14 +359,14 @@ def loss_curve(steps: int, seed: int = 0) -> dict:
     for _ in range(steps):
         src = torch.randint(3, 200, (shape["batch"], shape["src_len"]), generator=gen)  # 200 words in use
         tgt = torch.cat([torch.full((shape["batch"], 1), BOS), src.flip(1)], dim=1)
-        batches.append((src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous()))
+        batches.append(tuple(x.to(device) for x in (src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous())))
     curves = {}
     for precision in ("fp32", "bf16"):
         torch.manual_seed(seed)
-        model = Transformer(c).train()
+        model = Transformer(c).to(device).train()
         opt = torch.optim.Adam(model.parameters(), lr=5e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
         step = make_step_with(model, opt, PRECISIONS[precision])
-        torch.manual_seed(seed + 2)  # the same dropout masks in both runs
+        torch.manual_seed(seed + 2)  # the same dropout masks in both runs (all devices' generators)
         curves[precision] = [step(*b) for b in batches]
     diffs = [abs(a - b) for a, b in zip(curves["fp32"], curves["bf16"])]
     rel = [d / a for d, a in zip(diffs, curves["fp32"])]
@@ -360,9 +375,11 @@ def loss_curve(steps: int, seed: int = 0) -> dict:
 
 
 def make_step_with(model: nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype | None) -> Callable:
+    device_type = next(model.parameters()).device.type
+
     def step(src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> float:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = label_smoothed_loss(model(src, tgt_in), tgt_out)
         loss.backward()
         opt.step()
@@ -414,7 +431,8 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
         "# Training step: aiayn vs torch.nn.Transformer vs MarianMT", "",
         f"Command: `python benchmarks/train_step.py {shlex.join(args.argv)}`", "",
         "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
-        f"Measured matmul peak (2048^3 torch.matmul): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
+        f"Measured matmul peak ({peak_size(args.device)}^3 torch.matmul on {args.device}): "
+        f"fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
         f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s.", "",
         "Step = forward, label-smoothed CE (0.1), backward, fused Adam (`zero_grad(set_to_none=True)`); "
         "shapes: " + "; ".join(f"{k} = preset {v['preset']}, vocab {v['vocab']}, batch {v['batch']} pairs of "
@@ -459,10 +477,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="small only, 3 rounds, 1 warmup, 40 loss steps")
     p.add_argument("--threads", type=at_least(1), default=None,
                    help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N): where every system runs")
     p.add_argument("--out", default=None, help="markdown path, the json beside it "
                    "(default benchmarks/results/local/train_step.md, ignored by git)")
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
+    args.device = str(require_device(args.device))
     if args.quick:
         args.configs, args.steps, args.warmup, args.loss_steps = ["small"], 3, 1, min(args.loss_steps, 40)
     args.systems = ["aiayn", "nn.Transformer"]
@@ -474,7 +494,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
     env = environment()
-    peaks = {name: matmul_peak(torch.float32 if name == "fp32" else torch.bfloat16) for name in PRECISIONS}
+    peaks = {name: matmul_peak(torch.float32 if name == "fp32" else torch.bfloat16, args.device)
+             for name in PRECISIONS}
     print("matmul peak GFLOP/s:", {k: round(v / 1e9) for k, v in peaks.items()}, flush=True)
     rows = []
     for name in args.configs:
@@ -482,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += summarise(runs, info, peaks)
         del runs
         write_report(rows, peaks, None, env, args, out)  # partial results survive an interruption
-    curve = loss_curve(args.loss_steps) if args.loss_steps else None
+    curve = loss_curve(args.loss_steps, device=args.device) if args.loss_steps else None
     write_report(rows, peaks, curve, env, args, out)
     print(open(out).read())
 

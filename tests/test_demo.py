@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from aiayn.cli import main
@@ -55,7 +56,8 @@ def test_config_errors():
 
 @pytest.mark.parametrize("option, value", [
     ("--beam", "0"), ("--minutes", "nan"), ("--minutes", "-1"), ("--minutes", "inf"), ("--seed", str(10**29)),
-    ("--test-pairs", "10000000"), ("--train-pairs", "1000000000"),
+    ("--test-pairs", "10000000"), ("--train-pairs", "1000000000"), ("--device", "tpu"),
+    *([("--device", "cuda")] if not torch.cuda.is_available() else []),
 ])
 def test_a_bad_option_fails_in_one_line_before_anything_is_written(tmp_path, capsys, option, value):
     """These failed after minutes of training, or with a traceback, leaving a run directory behind."""

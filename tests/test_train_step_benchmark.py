@@ -94,7 +94,7 @@ def test_without_transformers_marian_is_skipped_and_results_go_to_the_local_fold
     --out: the report lands in LOCAL_RESULTS (here a temporary one), not over benchmarks/results/."""
     monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets when absent
     monkeypatch.setattr(train_step, "LOCAL_RESULTS", tmp_path / "local")
-    monkeypatch.setattr(train_step, "matmul_peak", lambda dtype: 1e12)  # not what this test is about
+    monkeypatch.setattr(train_step, "matmul_peak", lambda dtype, device: 1e12)  # not what this test is about
     threads = torch.get_num_threads()
     try:
         train_step.main(["--configs", "tiny", "--precisions", "fp32", "--steps", "1", "--warmup", "1",
@@ -106,3 +106,23 @@ def test_without_transformers_marian_is_skipped_and_results_go_to_the_local_fold
     rows = json.loads((tmp_path / "local" / "train_step.json").read_text())["rows"]
     assert [r["system"] for r in rows] == ["aiayn", "nn.Transformer"]
     assert all(r["fastest_peer"] == "nn.Transformer" for r in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+def test_cuda_without_a_device_is_refused_before_any_work(tmp_path):
+    out = tmp_path / "train_step.md"
+    with pytest.raises(SystemExit, match="no such CUDA device"):
+        train_step.main(["--device", "cuda", "--configs", "tiny", "--out", str(out)])
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_benchmark_runs_on_a_gpu(tmp_path):
+    """Every system's step, the peak and the floor on the GPU, both precisions."""
+    out = tmp_path / "train_step.md"
+    train_step.main(["--device", "cuda", "--configs", "tiny", "--steps", "1", "--warmup", "1",
+                     "--loss-steps", "3", "--no-compile", "--out", str(out)])
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert {(r["system"], r["precision"]) for r in saved["rows"]} == {
+        (s, p) for s in ("aiayn", "nn.Transformer", "Marian") for p in ("fp32", "bf16")}
+    assert saved["environment"]["gpu"] and saved["loss_curve"]["steps"] == 3

@@ -107,7 +107,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
     _log_to_stderr()
     given = dict(out=args.out, seed=args.seed, size=args.size, steps=args.steps, minutes=args.minutes,
-                 n_train=args.train_pairs, n_test=args.test_pairs, beam=args.beam)
+                 n_train=args.train_pairs, n_test=args.test_pairs, beam=args.beam, device=args.device)
     config = DemoConfig(**{k: v for k, v in given.items() if v is not None})  # None: the demo's default
     r = run_demo(config)
     print(f"held-out exact match: {r.correct}/{r.total} = {100 * r.accuracy:.1f}% "
@@ -296,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-pairs", type=positive_int, help="training pairs generated (default 40000)")
     p.add_argument("--test-pairs", type=positive_int,
                    help="held-out pairs translated and scored (default 500)")
+    p.add_argument("--device", help="cpu (default) or cuda: where it trains and translates")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("convert", help="import a MarianMT (OPUS-MT) directory as an aiayn checkpoint")

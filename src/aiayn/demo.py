@@ -64,6 +64,8 @@ class DemoConfig:
     threads: int = 1  # torch threads: fixed, since sums in another order round differently; one,
     # since a model this small showed no clear gain from two on a shared 2-core machine
     examples: int = 8  # translations shown
+    device: str = "cpu"  # where it trains and translates: cpu, or cuda (a GPU rounds differently, so its
+    # model and figures differ from the CPU's)
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -85,6 +87,10 @@ class DemoConfig:
             problems.append(f"--seed {self.seed} must be between -2**46 and 2**46 ({MAX_SEED:,})")
         if not 1 <= self.n_train <= MAX_TRAIN_PAIRS:
             problems.append(f"--train-pairs {self.n_train} must be between 1 and {MAX_TRAIN_PAIRS:,}")
+        if self.device not in ("cpu", "cuda"):
+            problems.append(f"--device {self.device!r} is not cpu or cuda")
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            problems.append("--device cuda, but PyTorch sees no CUDA GPU")
         held_out = CorpusConfig().max_held_out - self.n_valid  # the validation pairs are held out too
         if self.n_test > held_out:
             problems.append(f"--test-pairs {self.n_test} is more than this task can hold out ({held_out:,})")
@@ -137,17 +143,17 @@ def run_config(config: DemoConfig, paths: dict[str, Path], run_dir: Path):
                      vocab_size=size["vocab_size"], shared_vocab=True, max_len=64),
         "train": dict(run_dir=str(run_dir), seed=config.seed, max_tokens=size["max_tokens"],
                       warmup=size["warmup"], lr_scale=size["lr_scale"], label_smoothing=0.1,
-                      max_updates=config.steps, max_minutes=config.minutes, device="cpu",
+                      max_updates=config.steps, max_minutes=config.minutes, device=config.device,
                       threads=config.threads, valid_every=max(1, config.steps // 4), keep_last=2,
                       log_every=max(1, min(50, config.steps // 10))),
     }, where="demo")
 
 
-def translate(checkpoint: Path, sources: list[str], beam: int) -> list[str]:
+def translate(checkpoint: Path, sources: list[str], beam: int, device: str = "cpu") -> list[str]:
     """Beam-search translations of `sources`, in order, through the library's `Translator`."""
     from aiayn.translate import Translator
 
-    translator = Translator.load(checkpoint)
+    translator = Translator.load(checkpoint, device)
     with tqdm(total=len(sources), desc="translating held-out sentences", unit="sent", leave=False) as bar:
         # early_stopping=False: this model is so sure of itself that three of the four beams are junk,
         # and fairseq's rule (stop once K hypotheses ended) ended searches on four junk hypotheses
@@ -180,7 +186,7 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     ck = load_checkpoint(checkpoint_dirs(run_dir)[-1])
     log.info("trained %d updates in %.0f s; translating %d held-out sentences (beam %d)", result["step"],
              seconds, len(test_pairs), config.beam)
-    hyps = translate(ck.path, [s for s, _ in test_pairs], config.beam)
+    hyps = translate(ck.path, [s for s, _ in test_pairs], config.beam, config.device)
     correct = sum(h == t for h, (_, t) in zip(hyps, test_pairs))
     files = {"translations": out / "test.hyp.de", "curves": run_dir / "curves.png"}
     files["translations"].write_text("".join(f"{h}\n" for h in hyps), encoding="utf-8")

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The checks that only a CUDA GPU can make, in one go, for a machine lent for minutes:
+#
+#   OUT=some/folder bash benchmarks/gpu.sh [SECONDS]
+#
+# the GPU tests (tests/test_cuda.py and the other CUDA-only ones), the training step (small, base and
+# the paper's 25k-token batch, fp32 and bf16, against nn.Transformer and Marian, with the bf16 loss
+# curve), decoding against HuggingFace (and CTranslate2 where its CUDA libraries load), the demo on the
+# GPU, then aiayn compiled. Every step gets at most what is left of SECONDS (default 540), so the
+# script ends in time and what it measured so far is kept. Needs a Python with CUDA PyTorch,
+# transformers, sentencepiece, sacrebleu, safetensors, matplotlib, tqdm and pytest; the package runs from
+# src/ (nothing installed). Writes $OUT/log.txt and the benchmarks' reports.
+set -u
+OUT=${OUT:-benchmarks/results/local/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+deadline=$((SECONDS + ${1:-540}))
+
+run() {  # run CAP COMMAND...: COMMAND under min(CAP, seconds left), its status said, never fatal
+  local cap=$1 left=$((deadline - SECONDS))
+  shift
+  ((left < cap)) && cap=$left
+  if ((cap < 10)); then echo "== skipped (time is up): $*"; return; fi
+  echo "== $(date +%T) [${cap} s at most] $*"
+  timeout "$cap" "$@"
+  echo "== exit $? after $((SECONDS - start_all)) s"
+}
+
+start_all=$SECONDS
+{
+  run 20 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  run 30 python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch',
+torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__,
+torch.cuda.get_device_name())"
+  run 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_data.py \
+    tests/test_train_step_benchmark.py -k "cuda or gpu"
+  run 150 python3 benchmarks/train_step.py --device cuda --configs small,base,base25k --no-compile \
+    --steps 10 --warmup 3 --loss-steps 150 --out "$OUT/train_step_gpu.md"
+  run 120 python3 benchmarks/decode.py --device cuda --repeats 5 --out "$OUT/decode_gpu"
+  run 90 python3 -m aiayn demo --device cuda --out "$(mktemp -d)/demo"
+  run 150 python3 benchmarks/train_step.py --device cuda --configs base25k --precisions bf16 \
+    --steps 10 --warmup 3 --loss-steps 0 --out "$OUT/train_step_gpu_compiled.md"
+} 2>&1 | tee "$OUT/log.txt"

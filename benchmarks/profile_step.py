@@ -1,0 +1,64 @@
+"""Where one training step's time goes: torch.profiler over a few steps of one system of train_step.py.
+
+    python benchmarks/profile_step.py --config base --precision bf16                 # aiayn, CPU
+    python benchmarks/profile_step.py --device cuda --config base25k --system Marian --compile
+
+Prints the operators (CPU) or kernels (CUDA) that take the most time, self time, summed over the
+profiled steps and divided by their count: per-step milliseconds, to set beside train_step.py's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_step  # noqa: E402
+from common import at_least, require_device  # noqa: E402
+
+from aiayn.config import model_config  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=list(train_step.SHAPES), default="base")
+    p.add_argument("--precision", choices=list(train_step.PRECISIONS), default="bf16")
+    p.add_argument("--system", choices=["aiayn", "nn.Transformer", "Marian"], default="aiayn")
+    p.add_argument("--compile", action="store_true", help="aiayn through compile_for_training, a peer "
+                   "through torch.compile")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=at_least(1), default=3, help="profiled steps, after 3 warm-up steps")
+    p.add_argument("--top", type=at_least(1), default=25, help="rows printed")
+    args = p.parse_args(argv)
+    device = str(require_device(args.device))
+    shape = train_step.SHAPES[args.config]
+    c = model_config(shape["preset"], vocab_size=shape["vocab"])
+    batch = tuple(x.to(device) for x in train_step.make_batch(shape, torch.Generator().manual_seed(0)))
+    step = train_step.system_step(args.system, c, train_step.PRECISIONS[args.precision], args.compile,
+                                  device=device)
+    for _ in range(3):
+        step(*batch)  # compilation, allocator and kernel caches out of the profile
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            step(*batch)
+    events = prof.key_averages()
+    gpu_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    key = gpu_key if cuda else "self_cpu_time_total"
+    events = sorted(events, key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) / args.steps / 1000
+    print(f"{args.system}{' (compiled)' if args.compile else ''} {args.config} {args.precision} on {device}: "
+          f"{total:.1f} ms of {'GPU kernel' if cuda else 'CPU operator'} self time per step")
+    print(f"{'ms/step':>8} {'share':>6} {'calls':>6}  name")
+    for e in events[: args.top]:
+        ms = getattr(e, key) / args.steps / 1000
+        print(f"{ms:8.2f} {100 * ms / total:5.1f}% {e.count // args.steps:6d}  {e.key[:100]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,9 @@
     python benchmarks/profile_step.py --config base --precision bf16                 # aiayn, CPU
     python benchmarks/profile_step.py --device cuda --config base25k --system Marian --compile
 
-Prints the operators (CPU) or kernels (CUDA) that take the most time, self time, summed over the
-profiled steps and divided by their count: per-step milliseconds, to set beside train_step.py's table.
+Prints the operators that take the most time (on a GPU: the time of the kernels each one launched
+itself), summed over the profiled steps and divided by their count: per-step milliseconds, to set beside
+train_step.py's table. --by-shape splits each operator by its input shapes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import sys
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=at_least(1), default=3, help="profiled steps, after 3 warm-up steps")
     p.add_argument("--top", type=at_least(1), default=25, help="rows printed")
+    p.add_argument("--by-shape", action="store_true", help="one row per operator and input shapes")
     args = p.parse_args(argv)
     device = str(require_device(args.device))
     shape = train_step.SHAPES[args.config]
@@ -44,12 +47,14 @@ def main(argv: list[str] | None = None) -> None:
         step(*batch)  # compilation, allocator and kernel caches out of the profile
     cuda = device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=args.by_shape) as prof:
         for _ in range(args.steps):
             step(*batch)
-    events = prof.key_averages()
+    events = prof.key_averages(group_by_input_shape=args.by_shape)
     gpu_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     key = gpu_key if cuda else "self_cpu_time_total"
+    if cuda:  # operators only: a kernel's own row would count its time a second time
+        events = [e for e in events if e.device_type == DeviceType.CPU]
     events = sorted(events, key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in events) / args.steps / 1000
     print(f"{args.system}{' (compiled)' if args.compile else ''} {args.config} {args.precision} on {device}: "
@@ -57,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'ms/step':>8} {'share':>6} {'calls':>6}  name")
     for e in events[: args.top]:
         ms = getattr(e, key) / args.steps / 1000
-        print(f"{ms:8.2f} {100 * ms / total:5.1f}% {e.count // args.steps:6d}  {e.key[:100]}")
+        shapes = f"  {e.input_shapes}"[:120] if args.by_shape else ""
+        print(f"{ms:8.2f} {100 * ms / total:5.1f}% {e.count // args.steps:6d}  {e.key[:100]}{shapes}")
 
 
 if __name__ == "__main__":

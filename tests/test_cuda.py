@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import padded_batch, tiny_model
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -18,6 +19,7 @@ from aiayn.cli import main
 from aiayn.decoding import DecodeConfig, generate
 from aiayn.train.config import with_train
 from aiayn.train.loop import train
+from aiayn.train.loss import block_rows, label_smoothed_nll
 from aiayn.train.state import checkpoint_dirs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -145,3 +147,26 @@ def test_short_demo_on_the_gpu(tmp_path, capsys):
     assert "held-out exact match" in capsys.readouterr().out
     assert len((out / "test.hyp.de").read_text(encoding="utf-8").splitlines()) == 12
     assert (out / "run" / "curves.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_loss_on_the_gpu_equals_a_float64_reference(dtype):
+    """The GPU's whole-tensor loss kernels (`block_rows` None) for every training dtype: the float64 loss of
+    the same logits within float32 rounding, the float64 gradient within one rounding to `dtype`."""
+    g = torch.Generator().manual_seed(6)
+    z = (torch.randn(300, 1000, generator=g) * 4).to(CUDA, dtype).requires_grad_()
+    y = torch.randint(0, 1000, (300,), generator=g).to(CUDA)
+    assert block_rows(z) is None
+    smoothed, nll = label_smoothed_nll(z, y, 0.1, ignore_index=None)
+    w = torch.rand((), generator=g).item()
+    (smoothed * w + nll).backward()
+    z64 = z.detach().cpu().double().requires_grad_()
+    ref = F.cross_entropy(z64, y.cpu(), label_smoothing=0.1, reduction="sum")
+    ref_nll = F.cross_entropy(z64, y.cpu(), reduction="sum")
+    (ref * w + ref_nll).backward()
+    assert smoothed.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert nll.item() == pytest.approx(ref_nll.item(), rel=1e-6)
+    assert z.grad.dtype == dtype
+    # relative: one rounding; absolute: float16's subnormal spacing, where small probabilities land
+    rtol, atol = {torch.bfloat16: (2**-7, 1e-9), torch.float16: (2**-10, 2**-24), torch.float32: (1e-6, 1e-9)}[dtype]
+    torch.testing.assert_close(z.grad.cpu().double(), z64.grad, rtol=rtol, atol=atol)

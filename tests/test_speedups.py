@@ -74,7 +74,7 @@ def test_sdpa_math_backend_for_bf16_training_matches_float64(causal):
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(before)
 
 
-@pytest.mark.parametrize("rows", [3, 11])  # blocks of 3, 3, 3, 2 rows, or one block
+@pytest.mark.parametrize("rows", [3, 11, None])  # blocks of 3, 3, 3, 2 rows, one block, or a GPU's kernels
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_one_pass_loss_gradient_equals_autograd_through_F_cross_entropy(eps, rows):
     g = torch.Generator().manual_seed(4)
@@ -92,14 +92,16 @@ def test_one_pass_loss_gradient_equals_autograd_through_F_cross_entropy(eps, row
     assert torch.equal(z.detach(), z0)  # the backward's blocks are copies: the logits are left alone
 
 
-def test_loss_blocks_of_bf16_logits_match_one_float64_pass():
-    """The CPU's cache-sized blocks (with a ragged last one) give the float64 loss of the bfloat16 logits
-    within float32 rounding, and their float64 gradient within the one rounding to bfloat16."""
+@pytest.mark.parametrize("rows", [16, None])
+def test_loss_blocks_of_bf16_logits_match_one_float64_pass(rows):
+    """The CPU's cache-sized blocks (with a ragged last one), and the GPU's whole-tensor kernels that
+    upcast as they read, give the float64 loss of the bfloat16 logits within float32 rounding, and their
+    float64 gradient within the one rounding to bfloat16."""
     g = torch.Generator().manual_seed(6)
     z = (torch.randn(70, 300, generator=g) * 4).bfloat16().requires_grad_()
     y = torch.randint(0, 300, (70,), generator=g)
     assert block_rows(z, elements=300 * 16) == 16  # 16, 16, 16, 16, 6
-    smoothed, nll = SmoothedCrossEntropy.apply(z, y, 0.1, 16)
+    smoothed, nll = SmoothedCrossEntropy.apply(z, y, 0.1, rows)
     w = torch.randn(70, generator=g)  # unequal weights per row reach every block's gradient
     (smoothed * w + nll * w.flip(0)).sum().backward()
     z64 = z.detach().double().requires_grad_()

@@ -47,20 +47,25 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     107 ms in whole-tensor passes; a bf16 `small` training step 626 against 661 ms; benchmarks/RESULTS.md;
     float32 logits gain nothing: 36 ms either way for 2,048 x 8,000, bound by reading and writing them).
     Only the logits and one float per row are kept for the backward, not an (N, V) float32 copy.
+    On a GPU (`rows` None) whole-tensor kernels that cast as they read do it in fewer passes: forward
+    log_softmax(dtype=float32) and sum(dtype=float32), backward softmax(dtype=float32), one addcmul and the
+    cast; the CPU's blocks would be many small kernels, and broadcasting in-place ops run slowly there
+    (an H200, `base` at a 25k-token batch, bf16: the loss's kernels took about 17 ms a step, against
+    about 10 for F.cross_entropy's; benchmarks/RESULTS.md).
     tests/test_speedups.py checks it against `F.cross_entropy` and gradcheck.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, eps: float, rows: int) -> tuple[Tensor, Tensor]:
+    def forward(ctx, logits: Tensor, target: Tensor, eps: float, rows: int | None) -> tuple[Tensor, Tensor]:
         acc = torch.promote_types(logits.dtype, torch.float32)  # at least float32
-        n = logits.shape[0]
-        lse = torch.empty(n, dtype=acc, device=logits.device)  # (N,) logsumexp_v z_v
-        mean_z = torch.empty(n, dtype=acc, device=logits.device)  # (N,) mean_v z_v
-        for i in range(0, n, rows):
-            z = logits[i : i + rows].to(acc)  # (rows, V), cache-sized
-            torch.logsumexp(z, dim=-1, out=lse[i : i + rows])
-            torch.mean(z, dim=-1, out=mean_z[i : i + rows])
-        nll = lse - logits.gather(-1, target[:, None]).squeeze(-1).to(acc)  # (N,) -log p_y
+        z_y = logits.gather(-1, target[:, None]).squeeze(-1).to(acc)  # (N,) the reference tokens' logits
+        if rows is None:  # whole tensors, each kernel upcasting as it reads (a GPU)
+            lp_y = torch.log_softmax(logits, dim=-1, dtype=acc).gather(-1, target[:, None]).squeeze(-1)  # (N,)
+            lse = z_y - lp_y  # (N,) logsumexp_v z_v
+            mean_z = torch.sum(logits, dim=-1, dtype=acc) / logits.shape[-1]  # (N,) mean_v z_v
+        else:
+            lse, mean_z = _row_statistics(logits, rows, acc)
+        nll = lse - z_y  # (N,) -log p_y
         smoothed = (1.0 - eps) * nll + eps * (lse - mean_z)  # (N,): -mean_v log p_v = lse - mean_v z_v
         ctx.save_for_backward(logits, target, lse)
         ctx.eps, ctx.rows = eps, rows
@@ -73,6 +78,11 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         scale = g_smoothed + g_nll  # (N,) weight of softmax(z) in the gradient
         uniform = (eps / vocab) * g_smoothed  # (N,) the smoothing's share of every class
         onehot = -((1.0 - eps) * g_smoothed + g_nll)  # (N,) added at the reference token
+        if rows is None:  # whole tensors (a GPU): softmax upcasts as it reads, addcmul scales in one pass
+            p = torch.softmax(logits, dim=-1, dtype=lse.dtype)  # (N, V)
+            torch.addcmul(-uniform[:, None], p, scale[:, None], out=p)  # p * scale - uniform
+            p.scatter_add_(-1, target[:, None], onehot[:, None])
+            return p.to(logits.dtype), None, None, None
         grad = torch.empty_like(logits)  # (N, V), the logits' dtype
         # Float32 (or float64) logits: each block is computed in place in `grad`; narrower ones in a
         # float32 block that is cast once on the way out.
@@ -89,13 +99,26 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def block_rows(logits: Tensor, elements: int | None = None) -> int:
+def _row_statistics(logits: Tensor, rows: int, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(N, V) logits -> logsumexp and mean of each row, (N,) each in `acc`, `rows` rows at a time."""
+    n = logits.shape[0]
+    lse = torch.empty(n, dtype=acc, device=logits.device)  # (N,) logsumexp_v z_v
+    mean_z = torch.empty(n, dtype=acc, device=logits.device)  # (N,) mean_v z_v
+    for i in range(0, n, rows):
+        z = logits[i : i + rows].to(acc)  # (rows, V), cache-sized
+        torch.logsumexp(z, dim=-1, out=lse[i : i + rows])
+        torch.mean(z, dim=-1, out=mean_z[i : i + rows])
+    return lse, mean_z
+
+
+def block_rows(logits: Tensor, elements: int | None = None) -> int | None:
     """Rows per block of `SmoothedCrossEntropy`: on a CPU about `elements` values, by default 2^19 (2 MB of
-    float32) per thread, each thread's share of a block staying in its caches; every row at once on a GPU,
-    where many small kernels would cost more than the memory passes they save. Forward and backward of
+    float32) per thread, each thread's share of a block staying in its caches; None (whole tensors,
+    kernels that cast as they read) on a GPU, where many small kernels would cost more than the memory
+    passes they save. Forward and backward of
     2,048 x 8,000 bf16 logits on an AMD EPYC (Zen 4), ms by elements per block: one thread 44.3 (2^18),
     41.8 (2^19), 53.3 (2^21); two threads 27.0 (2^18), 24.3 (2^19), 22.8 (2^20), 24.3 (2^21)."""
     if logits.device.type != "cpu":
-        return max(1, logits.shape[0])
+        return None
     elements = elements or 2**19 * min(torch.get_num_threads(), 8)  # measured up to two: not 128 MB at 64
     return max(1, elements // logits.shape[-1])

@@ -48,8 +48,7 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     float32 logits gain nothing: 36 ms either way for 2,048 x 8,000, bound by reading and writing them).
     Only the logits and one float per row are kept for the backward, not an (N, V) float32 copy.
     On a GPU (`rows` None) whole-tensor kernels that cast as they read do it in fewer passes: forward
-    log_softmax(dtype=float32) and sum(dtype=float32), backward softmax(dtype=float32), one addcmul and the
-    cast; the CPU's blocks would be many small kernels, and broadcasting in-place ops run slowly there
+    log_softmax(dtype=float32) and its mean, backward softmax(dtype=float32), one addcmul and the cast; the CPU's blocks would be many small kernels, and broadcasting in-place ops run slowly there
     (an H200, `base` at a 25k-token batch, bf16: the loss's kernels took about 17 ms a step, against
     about 10 for F.cross_entropy's; benchmarks/RESULTS.md).
     tests/test_speedups.py checks it against `F.cross_entropy` and gradcheck.
@@ -59,10 +58,11 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: Tensor, target: Tensor, eps: float, rows: int | None) -> tuple[Tensor, Tensor]:
         acc = torch.promote_types(logits.dtype, torch.float32)  # at least float32
         z_y = logits.gather(-1, target[:, None]).squeeze(-1).to(acc)  # (N,) the reference tokens' logits
-        if rows is None:  # whole tensors, each kernel upcasting as it reads (a GPU)
-            lp_y = torch.log_softmax(logits, dim=-1, dtype=acc).gather(-1, target[:, None]).squeeze(-1)  # (N,)
-            lse = z_y - lp_y  # (N,) logsumexp_v z_v
-            mean_z = torch.sum(logits, dim=-1, dtype=acc) / logits.shape[-1]  # (N,) mean_v z_v
+        if rows is None:  # whole tensors, the log-softmax upcasting as it reads (a GPU)
+            lp = torch.log_softmax(logits, dim=-1, dtype=acc)  # (N, V)
+            lse = z_y - lp.gather(-1, target[:, None]).squeeze(-1)  # (N,) logsumexp_v z_v
+            mean_z = lp.mean(dim=-1) + lse  # (N,) mean_v z_v, without a float32 copy of the logits
+            del lp
         else:
             lse, mean_z = _row_statistics(logits, rows, acc)
         nll = lse - z_y  # (N,) -log p_y

@@ -57,16 +57,15 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, eps: float, rows: int | None) -> tuple[Tensor, Tensor]:
         acc = torch.promote_types(logits.dtype, torch.float32)  # at least float32
-        z_y = logits.gather(-1, target[:, None]).squeeze(-1).to(acc)  # (N,) the reference tokens' logits
         if rows is None:  # whole tensors, the log-softmax upcasting as it reads (a GPU)
             lp = torch.log_softmax(logits, dim=-1, dtype=acc)  # (N, V)
-            lse = z_y - lp.gather(-1, target[:, None]).squeeze(-1)  # (N,) logsumexp_v z_v
-            mean_z = lp.mean(dim=-1) + lse  # (N,) mean_v z_v, without a float32 copy of the logits
+            lp_y, mean_lp = lp.gather(-1, target[:, None]).squeeze(-1), lp.mean(dim=-1)  # (N,) each
             del lp
         else:
-            lse, mean_z = _row_statistics(logits, rows, acc)
-        nll = lse - z_y  # (N,) -log p_y
-        smoothed = (1.0 - eps) * nll + eps * (lse - mean_z)  # (N,): -mean_v log p_v = lse - mean_v z_v
+            lp_y, mean_lp = _log_softmax_statistics(logits, target, rows, acc)
+        nll = -lp_y  # (N,) -log p_y
+        smoothed = (1.0 - eps) * nll - eps * mean_lp  # (N,): the smoothing's -mean_v log p_v
+        lse = logits.gather(-1, target[:, None]).squeeze(-1).to(acc) + nll  # (N,) logsumexp_v z_v = z_y - log p_y
         ctx.save_for_backward(logits, target, lse)
         ctx.eps, ctx.rows = eps, rows
         return smoothed, nll
@@ -99,16 +98,23 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _row_statistics(logits: Tensor, rows: int, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(N, V) logits -> logsumexp and mean of each row, (N,) each in `acc`, `rows` rows at a time."""
-    n = logits.shape[0]
-    lse = torch.empty(n, dtype=acc, device=logits.device)  # (N,) logsumexp_v z_v
-    mean_z = torch.empty(n, dtype=acc, device=logits.device)  # (N,) mean_v z_v
+def _log_softmax_statistics(logits: Tensor, target: Tensor, rows: int, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(N, V) logits, (N,) targets -> log p_y and mean_v log p_v of each row, (N,) each in `acc`, from a
+    log-softmax made `rows` rows at a time in place in one reused float32 block. PyTorch's fused
+    log-softmax (max, sum of exp, write, one exp per value) in a block that stays allocated halved the
+    forward against logsumexp and mean of a fresh float32 copy per block, whose temporaries made four
+    more passes (2,048 x 32,000 bf16 logits, two threads of an AMD EPYC: 26.6 against 52.6 ms)."""
+    n, vocab = logits.shape
+    lp_y = torch.empty(n, dtype=acc, device=logits.device)  # (N,)
+    mean_lp = torch.empty(n, dtype=acc, device=logits.device)  # (N,)
+    lp = torch.empty(min(rows, n), vocab, dtype=acc, device=logits.device)  # (rows, V), cache-sized
     for i in range(0, n, rows):
-        z = logits[i : i + rows].to(acc)  # (rows, V), cache-sized
-        torch.logsumexp(z, dim=-1, out=lse[i : i + rows])
-        torch.mean(z, dim=-1, out=mean_z[i : i + rows])
-    return lse, mean_z
+        j = slice(i, i + rows)
+        block = lp[: logits[j].shape[0]]
+        torch.log_softmax(block.copy_(logits[j]), dim=-1, out=block)
+        torch.gather(block, -1, target[j, None], out=lp_y[j, None])
+        torch.mean(block, dim=-1, out=mean_lp[j])
+    return lp_y, mean_lp
 
 
 def block_rows(logits: Tensor, elements: int | None = None) -> int | None:

@@ -351,7 +351,8 @@ def test_train_step_sums_the_losses_on_the_device_without_reading_them(monkeypat
     result = loop.train_step(model, optimizer, scaler, batches, 16, 1e-3, 0.1, 1.0, d, off)
     assert [r for r in reads if r[1] == "aiayn.train.loop"] == []  # was 6: loss and NLL of each batch
     monkeypatch.undo()
-    sums, tokens = result
+    sums, tokens, applied = result
+    assert applied
     assert isinstance(sums, torch.Tensor) and sums.dtype == torch.float64 and sums.shape == (2,)
     assert sums.tolist() == want and tokens == 16.0 == sum(b.n_tokens for b in batches)
 
@@ -404,3 +405,57 @@ def test_a_training_step_reads_no_value_back_from_the_device(precision):
     with _ValueReads() as mode:  # the mode does see them
         bool((batches[0].tgt_out != 0).all()), batches[0].tgt_out[batches[0].tgt_out != 0]
     assert mode.reads == ["aten._local_scalar_dense.default", "aten.index.Tensor"]
+
+
+def test_an_update_whose_scaled_gradients_overflow_is_skipped_and_said(monkeypatch):
+    """fp16's GradScaler skips Adam when a gradient is inf or NaN and halves its scale: train_step says
+    so (on a CPU scaler here; the logic is the device's own GradScaler's)."""
+    from types import SimpleNamespace
+
+    from aiayn.config import model_config
+    from aiayn.data.dataset import EncodedCorpus, collate
+    from aiayn.model import Transformer
+    from aiayn.train import loop
+    from aiayn.train.distributed import Dist
+
+    torch.manual_seed(0)
+    model = Transformer(model_config("micro", vocab_size=20, pad_id=0, decoder_start_id=1, eos_id=2))
+    tok = SimpleNamespace(pad_id=0, bos_id=1, eos_id=2)
+    corpus = EncodedCorpus.from_lists([[5, 6, 2], [7, 2]], [[8], [9, 10, 11]])
+    batches = [collate(corpus, [0, 1], tok)]
+    optimizer = torch.optim.Adam(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    d, off = Dist(0, 1, 0, torch.device("cpu")), torch.autocast("cpu", enabled=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    real_loss = loop.batch_loss
+    monkeypatch.setattr(loop, "batch_loss", lambda *a: tuple(x * float("inf") for x in real_loss(*a)))
+    *_, applied = loop.train_step(model, optimizer, scaler, batches, 4, 1e-3, 0.1, 0.0, d, off)
+    assert not applied and scaler.get_scale() == 512.0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # Adam did not step
+    monkeypatch.setattr(loop, "batch_loss", real_loss)
+    *_, applied = loop.train_step(model, optimizer, scaler, batches, 4, 1e-3, 0.1, 0.0, d, off)
+    assert applied and not all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_skipped_updates_are_not_counted(tmp_path, monkeypatch, caplog):
+    """Two updates skipped (as fp16 overflow skips them): the run still makes max_updates real updates,
+    its log and checkpoints number only those, and it says which were skipped."""
+    from aiayn.train import loop
+
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=6", "train.log_every=1",
+                            "train.valid_every=3")
+    real_step, calls = loop.train_step, []
+
+    def sometimes_skipped(*args):
+        calls.append(1)
+        sums, tokens, _ = real_step(*args)
+        return sums, tokens, len(calls) not in (2, 3)
+
+    monkeypatch.setattr(loop, "train_step", sometimes_skipped)
+    with caplog.at_level("WARNING", logger="aiayn"):
+        result = train(config)
+    assert result["step"] == 6 and len(calls) == 8
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step_000003", "step_000006"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert sum("update 2 skipped" in m for m in caplog.messages) == 2  # the second and third calls

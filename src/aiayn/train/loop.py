@@ -233,7 +233,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
             batches = [collate(data.train, data.train_batches[b], tok).to(d.device) for b in mine]
             lr = inverse_sqrt_lr(state.step + 1, model.config.d_model, tc.warmup, tc.lr_scale)
             lr *= cooldown_factor(_budget_used(state, tc, n_updates), tc.cooldown)
-            step_sums, step_tokens = train_step(
+            step_sums, step_tokens, applied = train_step(
                 net,
                 optimizer,
                 scaler,
@@ -245,11 +245,16 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 d,
                 autocast,
             )
-            state.step, state.cursor = state.step + 1, state.cursor + 1
+            state.cursor += 1  # the batches are used up either way, as fairseq's are
+            if applied:
+                state.step += 1
+                bar.update(1)
+            elif d.is_main:
+                log.warning("update %d skipped: fp16 gradients overflowed; loss scale lowered to %g",
+                            state.step + 1, scaler.get_scale())
             state.seconds = _training_seconds(seconds_before, start, tc, d)
             sums, tokens = sums + step_sums, tokens + step_tokens
-            bar.update(1)
-            if state.step % tc.log_every == 0:
+            if applied and state.step % tc.log_every == 0:
                 window = [*sums.tolist(), tokens]  # the window's one sync: then its work is done, and timed
                 now = time.monotonic()
                 left = _time_left(state, tc, n_updates)
@@ -257,7 +262,8 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 sums, tokens, last_log = _no_losses(d.device), 0.0, now
             stop = _stop_reason(state, tc, n_updates)
             signalled = None if stop else stopper.agreed(d)  # a run at its budget ends as usual
-            due = state.step % tc.valid_every == 0 or bool(tc.bleu_every and state.step % tc.bleu_every == 0)
+            due = applied and (state.step % tc.valid_every == 0
+                               or bool(tc.bleu_every and state.step % tc.bleu_every == 0))
             if due or stop or signalled:
                 state.validation_due = bool(signalled and due)  # saved so: --resume validates first
                 _check_unlogged(sums, state.step, d)
@@ -432,13 +438,15 @@ def train_step(
     clip_norm: float,
     d: Dist,
     autocast,
-) -> tuple[Tensor, float]:
+) -> tuple[Tensor, float, bool]:
     """One update: accumulate this process' batches, normalize by the update's tokens, step Adam.
 
     The gradient is that of (sum of smoothed losses over all processes' batches) / update_tokens.
     DDP averages gradients over processes, so each process scales its loss by world_size first.
-    Returns this process' (smoothed loss, NLL) sums, (2,) float64 on the device, and its target tokens,
-    for the log. The sums stay on the device: .item() here waited for the GPU at every batch, so the host
+    Returns this process' (smoothed loss, NLL) sums, (2,) float64 on the device, its target tokens, for
+    the log, and whether Adam stepped: with fp16 the GradScaler skips an update whose gradients overflowed
+    and lowers its scale, and such an update is not counted (as fairseq: the step, the learning-rate
+    schedule and max_updates see only real updates). Telling costs fp16 two reads of the scale an update. The sums stay on the device: .item() here waited for the GPU at every batch, so the host
     could not collate the next batch while the GPU worked.
     """
     optimizer.zero_grad(set_to_none=True)
@@ -455,9 +463,11 @@ def train_step(
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
     for group in optimizer.param_groups:
         group["lr"] = lr
+    scale = scaler.get_scale() if scaler.is_enabled() else None  # fp16 only: a read from the GPU
     scaler.step(optimizer)
     scaler.update()
-    return sums, float(sum(b.n_tokens for b in batches))
+    applied = scale is None or scaler.get_scale() >= scale  # a lowered scale: inf/NaN found, step skipped
+    return sums, float(sum(b.n_tokens for b in batches)), applied
 
 
 def batch_loss(net: torch.nn.Module, batch: Batch, eps: float, autocast) -> tuple[Tensor, Tensor]:

@@ -290,6 +290,8 @@ def test_a_source_of_no_pieces_and_a_directory_in_the_way_are_refused(tmp_path, 
     argv = _draw_args(tmp_path, tokenizers)
     assert main(argv[:3] + ["--src", "\u200b", "--out", str(tmp_path / "maps")]) == 2  # was a 1 x 1 map of EOS
     assert "the source has no piece the tokenizer reads" in capsys.readouterr().err
+    assert main(argv[:3] + ["--src", "the number 7", "--tgt", "\u200b", "--out", str(tmp_path / "maps")]) == 2
+    assert "the target has no piece the tokenizer reads" in capsys.readouterr().err  # was a map of EOS alone
     ck = load_checkpoint(tmp_path / "ck")
     maps = extract_attention(ck.model, ck.tokenizer, "the number 7", "die Zahl 7")
     (tmp_path / "maps" / "attention_cross.png").mkdir(parents=True)

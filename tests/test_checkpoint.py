@@ -107,6 +107,16 @@ def test_errors_name_the_file(tmp_path, tokenizer):
     (tmp_path / "ck" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match="do not fit this model: .*wrong shape"):
         load_checkpoint(tmp_path / "ck")
+    meta["model"]["max_len"] = 10**8  # a 200 GB position table: was a MemoryError traceback
+    (tmp_path / "ck" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="meta.json: bad model configuration .*max_len=100000000"):
+        load_checkpoint(tmp_path / "ck")
+    meta["model"]["max_len"] = 1024
+    (tmp_path / "ck" / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "ck" / "model.safetensors").unlink()
+    (tmp_path / "ck" / "model.safetensors").mkdir()
+    with pytest.raises(UserError, match="no model.safetensors .*model.safetensors is not a file"):
+        load_checkpoint(tmp_path / "ck")
     meta["model"]["d_modle"] = 1
     (tmp_path / "ck" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match="d_modle"):
@@ -314,13 +324,15 @@ def test_convert_never_writes_over_its_source(tmp_path, capsys):
     (tmp_path / "opus").mkdir()
     (tmp_path / "opus" / "config.json").write_text("{}")
     (tmp_path / "out").mkdir()
-    for out, problem in (("opus", "is the input"), (".", "contains the input"), ("out", "already exists")):
+    (tmp_path / "afile").write_text("mine")
+    for out, problem in (("opus", "is the input"), (".", "contains the input"), ("out", "already exists"),
+                         ("afile/x", f"{tmp_path / 'afile'} is not a directory")):  # was a traceback, late
         capsys.readouterr()
         force = ["--force"] if out != "out" else []
         assert main(["convert", "--from", "marian", str(tmp_path / "opus"), str(tmp_path / out), *force]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and f"{tmp_path / out}: {problem}" in err[0]
-    assert tree(tmp_path) == {"opus/config.json": b"{}"}
+    assert tree(tmp_path) == {"opus/config.json": b"{}", "afile": b"mine"}
 
 
 def test_a_tokenizer_saves_after_its_files_are_gone(tmp_path, tokenizer):

@@ -162,3 +162,15 @@ def test_export_never_writes_over_its_checkpoint(tmp_path, spm_models):
         with pytest.raises(UserError, match=f"{out}: {problem} .*would delete the input"):
             export_ctranslate2(tmp_path / "run" / "ck", tmp_path / out, force=True)
     assert files(tmp_path) == before
+
+
+def test_an_unknown_quantization_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):
+    """It was found by CTranslate2's converter, after loading the checkpoint."""
+    from aiayn.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["export", "--to", "ctranslate2", str(tmp_path / "none"), str(tmp_path / "out"), "--quantization", "int3"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'int3'" in err and "checkpoint" not in err.splitlines()[-1]
+    assert not (tmp_path / "out").exists()

@@ -164,6 +164,9 @@ def extract_attention(
         tgt_ids = generate(model, src_t, DecodeConfig(beam=1))[0][0].tokens  # greedy, up to EOS
     else:
         tgt_ids = tokenizer.encode_tgt(tgt) + [tokenizer.eos_id]
+        if len(tgt_ids) < 2:  # only zero-width or control characters, which the tokenizer drops
+            raise UserError("the target has no piece the tokenizer reads (leave it out to draw the model's "
+                            "own translation)")
         if len(tgt_ids) > model.config.max_len:  # the decoder reads start + all but EOS: as many
             raise SentenceTooLong(0, len(tgt_ids), model.config.max_len, "the target")
     if tgt is None:  # a model that repeats itself: its own output can run to the length limit

@@ -128,7 +128,8 @@ def config_section(meta: dict[str, Any], section: str) -> dict[str, Any] | None:
 def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     path = Path(directory) / WEIGHTS
     if not path.is_file():
-        raise UserError(f"{directory}: checkpoint has no {WEIGHTS}")
+        what = "is not a file" if path.exists() else "is missing"
+        raise UserError(f"{directory}: checkpoint has no {WEIGHTS} ({path} {what})")
     try:
         return load_file(str(path))  # safetensors: plain tensors, never unpickles code
     except (SafetensorError, OSError, ValueError) as e:

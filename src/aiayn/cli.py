@@ -15,6 +15,11 @@ from aiayn.config import PRESETS, ConfigError, model_config
 from aiayn.errors import Stopped, UserError
 
 
+# CTranslate2's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES, 4.x), listed here so
+# that `aiayn --help` and a wrong name need no ctranslate2 import and no loading
+CT2_QUANTIZATIONS = ["int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
+                     "float32"]
+
 def positive_int(text: str) -> int:
     """argparse type: a whole number >= 1 (argparse turns the ValueError into a usage error)."""
     value = int(text)
@@ -312,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", dest="target_format", required=True, choices=["ctranslate2"])
     p.add_argument("checkpoint", metavar="CKPT", help="an aiayn checkpoint directory (trained or imported)")
     p.add_argument("out", metavar="OUT", help="output model directory")
-    p.add_argument("--quantization", help="CTranslate2 weight type: int8, int8_float16, float16, bfloat16...")
+    p.add_argument("--quantization", choices=CT2_QUANTIZATIONS,  # checked here: before the checkpoint loads
+                   help="CTranslate2 weight type (default: the checkpoint's float32)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (never CKPT or what holds it)")
     p.set_defaults(func=cmd_export)
 

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 ACTIVATIONS = ("relu", "gelu", "silu")
 POSITIONS = ("interleaved", "sin_cos")
+MAX_POSITIONS = 2**20  # max_len's bound: the sinusoid table is max_len x d_model floats (4 GB at d_model 1024)
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,8 @@ class ModelConfig:
         ]
         if problems:
             raise ConfigError("ModelConfig: " + "; ".join(problems))
+        if self.max_len > MAX_POSITIONS:  # a tampered meta.json asked for a 200 GB position table
+            problems.append(f"max_len={self.max_len} is more than {MAX_POSITIONS:,} positions")
         if self.d_model % self.n_heads:
             problems.append(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.activation not in ACTIVATIONS:

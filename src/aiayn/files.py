@@ -54,6 +54,9 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     """
     out = Path(out)
     _check_named(out)
+    ancestor = next(p for p in out.absolute().parents if p.exists() or p.is_symlink())  # "/" is
+    if not ancestor.is_dir():  # OUT under a file: a NotADirectoryError once the work was done
+        raise UserError(f"{out}: {ancestor} is not a directory")
     exists = out.exists() or out.is_symlink()
     refused = [(p, ("is", "contains", "lies inside") if exists else ("is", "contains")) for p in inputs]
     refused += [(p, ("is", "contains")) for p in enclosing or []]

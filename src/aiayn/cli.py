@@ -94,11 +94,17 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 def cmd_attention(args: argparse.Namespace) -> None:
     """Draw every layer's and head's attention for one sentence pair as PNGs and one HTML page."""
+    from pathlib import Path
+
     from aiayn.attention import check_out_dir, draw_attention, extract_attention
     from aiayn.checkpoint import load_checkpoint
+    from aiayn.files import overlap
 
     _log_to_stderr()  # e.g. label characters that no installed font has
     check_out_dir(args.out)  # before loading and running the model, not after
+    relation = overlap(Path(args.out), Path(args.checkpoint))
+    if relation in ("is", "lies inside"):  # as translate -o: a run's keep_last deletes checkpoints whole
+        raise UserError(f"{args.out}: {relation} the checkpoint {args.checkpoint}; choose a folder outside it")
     ck = load_checkpoint(args.checkpoint)
     maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt).select(args.layers, args.heads)
     files = draw_attention(maps, args.out, title=f"attention of {args.checkpoint}: {args.src}")

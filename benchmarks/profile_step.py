@@ -23,6 +23,7 @@ import train_step  # noqa: E402
 from common import at_least, require_device  # noqa: E402
 
 from aiayn.config import model_config  # noqa: E402
+from aiayn.memory import keep_freed_memory  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--by-shape", action="store_true", help="one row per operator and input shapes")
     args = p.parse_args(argv)
     device = str(require_device(args.device))
+    keep_freed_memory()  # as train_step.py and `aiayn train` do: large buffers are reused, not re-faulted
     shape = train_step.SHAPES[args.config]
     c = model_config(shape["preset"], vocab_size=shape["vocab"])
     batch = tuple(x.to(device) for x in train_step.make_batch(shape, torch.Generator().manual_seed(0)))

@@ -37,18 +37,19 @@ def label_smoothed_nll(
 class SmoothedCrossEntropy(torch.autograd.Function):
     """Per-token smoothed loss and NLL of (N, V) logits, with the gradient written directly.
 
-    With z the logits, lse = logsumexp(z) and lp = z - lse: nll = lse - z_y and smoothed =
-    (1 - eps) nll + eps (lse - mean_v(z_v)), so d smoothed / dz = softmax(z) - (1 - eps) onehot(y) - eps / V.
+    With z the logits and lp = log_softmax(z): nll = -lp_y and smoothed = (1 - eps) nll - eps mean_v(lp_v),
+    so d smoothed / dz = softmax(z) - (1 - eps) onehot(y) - eps / V.
     Autograd through log_softmax, gather and mean builds and adds three (N, V) gradients; this writes one.
     On a CPU the rows go through in blocks of about 2 MB a thread (`block_rows`) that stay in the cores'
-    caches while they are upcast, exponentiated, scaled and cast back: memory sees the logits read once
-    each way and their gradient written once, instead of about nine (N, V) float32 passes
-    (3,500 x 8,000 bf16 logits, one core of an Intel Xeon with AMX: 59 ms for forward and backward against
-    107 ms in whole-tensor passes; a bf16 `small` training step 626 against 661 ms; benchmarks/RESULTS.md;
-    float32 logits gain nothing: 36 ms either way for 2,048 x 8,000, bound by reading and writing them).
-    Only the logits and one float per row are kept for the backward, not an (N, V) float32 copy.
+    caches while they are upcast, (log-)softmaxed by PyTorch's fused kernels, scaled and cast back:
+    memory sees the logits read once each way and their gradient written once, instead of about nine
+    (N, V) float32 passes. Forward and backward of 2,048 x 32,000 bf16 logits, two threads of an AMD EPYC:
+    63 ms, against 97 for the same blocks through logsumexp and exp_ (whose exp is about 1.5x slower than
+    the softmax kernels'); one thread 115 against 172.
+    Only the logits are kept for the backward, not an (N, V) float32 copy.
     On a GPU (`rows` None) whole-tensor kernels that cast as they read do it in fewer passes: forward
-    log_softmax(dtype=float32) and its mean, backward softmax(dtype=float32), one addcmul and the cast; the CPU's blocks would be many small kernels, and broadcasting in-place ops run slowly there
+    log_softmax(dtype=float32) and its mean, backward softmax(dtype=float32), one addcmul and the cast;
+    the CPU's blocks would be many small kernels, and broadcasting in-place ops run slowly there
     (an H200, `base` at a 25k-token batch, bf16: the loss's kernels took about 17 ms a step, against
     about 10 for F.cross_entropy's; benchmarks/RESULTS.md).
     tests/test_speedups.py checks it against `F.cross_entropy` and gradcheck.
@@ -65,32 +66,33 @@ class SmoothedCrossEntropy(torch.autograd.Function):
             lp_y, mean_lp = _log_softmax_statistics(logits, target, rows, acc)
         nll = -lp_y  # (N,) -log p_y
         smoothed = (1.0 - eps) * nll - eps * mean_lp  # (N,): the smoothing's -mean_v log p_v
-        lse = logits.gather(-1, target[:, None]).squeeze(-1).to(acc) + nll  # (N,) logsumexp_v z_v = z_y - log p_y
-        ctx.save_for_backward(logits, target, lse)
-        ctx.eps, ctx.rows = eps, rows
+        ctx.save_for_backward(logits, target)
+        ctx.eps, ctx.rows, ctx.acc = eps, rows, acc
         return smoothed, nll
 
     @staticmethod
     def backward(ctx, g_smoothed: Tensor, g_nll: Tensor) -> tuple[Tensor, None, None, None]:
-        logits, target, lse = ctx.saved_tensors
-        eps, rows, vocab = ctx.eps, ctx.rows, logits.shape[-1]
+        logits, target = ctx.saved_tensors
+        eps, rows, acc, vocab = ctx.eps, ctx.rows, ctx.acc, logits.shape[-1]
         scale = g_smoothed + g_nll  # (N,) weight of softmax(z) in the gradient
         uniform = (eps / vocab) * g_smoothed  # (N,) the smoothing's share of every class
         onehot = -((1.0 - eps) * g_smoothed + g_nll)  # (N,) added at the reference token
         if rows is None:  # whole tensors (a GPU): softmax upcasts as it reads, addcmul scales in one pass
-            p = torch.softmax(logits, dim=-1, dtype=lse.dtype)  # (N, V)
+            p = torch.softmax(logits, dim=-1, dtype=acc)  # (N, V)
             torch.addcmul(-uniform[:, None], p, scale[:, None], out=p)  # p * scale - uniform
             p.scatter_add_(-1, target[:, None], onehot[:, None])
             return p.to(logits.dtype), None, None, None
         grad = torch.empty_like(logits)  # (N, V), the logits' dtype
         # Float32 (or float64) logits: each block is computed in place in `grad`; narrower ones in a
         # float32 block that is cast once on the way out.
-        narrow = logits.dtype != lse.dtype
-        block = torch.empty(rows, vocab, dtype=lse.dtype, device=grad.device) if narrow else None
+        narrow = logits.dtype != acc
+        block = torch.empty(rows, vocab, dtype=acc, device=grad.device) if narrow else None
         for i in range(0, logits.shape[0], rows):
             j = slice(i, i + rows)
             p = grad[j] if block is None else block[: grad[j].shape[0]]  # (rows, V), in cache
-            p.copy_(logits[j]).sub_(lse[j, None]).exp_()  # softmax
+            # PyTorch's softmax kernel, not exp(z - lse): its vectorized exp runs about 1.5x faster than
+            # exp_'s (one 32 x 32,000 block on this AMD EPYC: 334 against 511 us, copy included)
+            torch.softmax(logits[j], dim=-1, dtype=acc, out=p)
             p.mul_(scale[j, None]).sub_(uniform[j, None])
             p.scatter_add_(-1, target[j, None], onehot[j, None])
             if block is not None:
@@ -100,10 +102,10 @@ class SmoothedCrossEntropy(torch.autograd.Function):
 
 def _log_softmax_statistics(logits: Tensor, target: Tensor, rows: int, acc: torch.dtype) -> tuple[Tensor, Tensor]:
     """(N, V) logits, (N,) targets -> log p_y and mean_v log p_v of each row, (N,) each in `acc`, from a
-    log-softmax made `rows` rows at a time in place in one reused float32 block. PyTorch's fused
-    log-softmax (max, sum of exp, write, one exp per value) in a block that stays allocated halved the
-    forward against logsumexp and mean of a fresh float32 copy per block, whose temporaries made four
-    more passes (2,048 x 32,000 bf16 logits, two threads of an AMD EPYC: 26.6 against 52.6 ms)."""
+    log-softmax made `rows` rows at a time into one reused float32 block. PyTorch's fused log-softmax
+    (max, sum of exp, write, one exp per value) in a block that stays allocated halved the forward against
+    logsumexp and mean of a fresh float32 copy per block, whose temporaries made four more passes
+    (2,048 x 32,000 bf16 logits, two threads of an AMD EPYC: 26.6 against 52.6 ms)."""
     n, vocab = logits.shape
     lp_y = torch.empty(n, dtype=acc, device=logits.device)  # (N,)
     mean_lp = torch.empty(n, dtype=acc, device=logits.device)  # (N,)
@@ -111,7 +113,7 @@ def _log_softmax_statistics(logits: Tensor, target: Tensor, rows: int, acc: torc
     for i in range(0, n, rows):
         j = slice(i, i + rows)
         block = lp[: logits[j].shape[0]]
-        torch.log_softmax(block.copy_(logits[j]), dim=-1, out=block)
+        torch.log_softmax(logits[j], dim=-1, dtype=acc, out=block)
         torch.gather(block, -1, target[j, None], out=lp_y[j, None])
         torch.mean(block, dim=-1, out=mean_lp[j])
     return lp_y, mean_lp
@@ -121,9 +123,10 @@ def block_rows(logits: Tensor, elements: int | None = None) -> int | None:
     """Rows per block of `SmoothedCrossEntropy`: on a CPU about `elements` values, by default 2^19 (2 MB of
     float32) per thread, each thread's share of a block staying in its caches; None (whole tensors,
     kernels that cast as they read) on a GPU, where many small kernels would cost more than the memory
-    passes they save. Forward and backward of
-    2,048 x 8,000 bf16 logits on an AMD EPYC (Zen 4), ms by elements per block: one thread 44.3 (2^18),
-    41.8 (2^19), 53.3 (2^21); two threads 27.0 (2^18), 24.3 (2^19), 22.8 (2^20), 24.3 (2^21)."""
+    passes they save. Forward and backward of 2,048 x V bf16 logits on an AMD EPYC (Zen 4), ms by elements
+    per block and thread (2^17, 2^18, 2^19, 2^20, 2^21): V = 32,000, two threads 81.0, 69.8, 64.3, 68.5,
+    86.2, one thread 141.5, 125.7, 119.0, 117.9, 138.3; V = 8,000, two threads 21.0, 19.1, 18.9, 19.3,
+    26.1, one thread 35.8, 32.3, 30.7, 31.4, 39.3."""
     if logits.device.type != "cpu":
         return None
     elements = elements or 2**19 * min(torch.get_num_threads(), 8)  # measured up to two: not 128 MB at 64

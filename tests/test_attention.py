@@ -302,3 +302,28 @@ def test_a_source_of_no_pieces_and_a_directory_in_the_way_are_refused(tmp_path, 
     with pytest.raises(UserError, match="attention_cross.png: is a directory"):
         attention.draw_attention(maps, tmp_path / "maps")
     assert (tmp_path / "maps" / "attention_encoder.png").read_bytes() == b"old"  # nothing replaced
+
+
+def test_a_layer_only_the_deeper_stack_has_is_drawn_there_alone(tmp_path, tokenizers, capsys):
+    """A Marian-style student (3 encoder layers, 1 decoder layer): --layers 3 was refused ("choose layers
+    from 1 to 1"), so its encoder's last layer could not be drawn on its own."""
+    tokenizer = tokenizers[0]
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size, n_heads=2, n_layers=3, n_decoder_layers=1)
+    save_checkpoint(tmp_path / "ck", model, tokenizer)
+    ck = load_checkpoint(tmp_path / "ck")
+    maps = extract_attention(ck.model, ck.tokenizer, "the number 7", "die Zahl 7")
+    some = maps.select(layers=[1, 3])
+    assert torch.equal(some.encoder, maps.encoder[[0, 2]]) and torch.equal(some.cross, maps.cross[[0]])
+    assert (some.layer_numbers("encoder"), some.layer_numbers("decoder")) == ((1, 3), (1,))
+    with pytest.raises(UserError, match="layer 4: choose layers from 1 to 3"):
+        maps.select(layers=[4])
+    out = tmp_path / "maps"
+    attention.draw_attention(maps, out)  # all three kinds, then a drawing of encoder layer 3 alone
+    files = attention.draw_attention(maps.select(layers=[3]), out)
+    assert set(files) == {"encoder", "html"}
+    assert sorted(p.name for p in out.iterdir()) == ["attention.html", "attention_encoder.png"]
+    assert "this stack has no layer 3" in files["html"].read_text(encoding="utf-8")
+    argv = ["attention", "--checkpoint", str(tmp_path / "ck"), "--src", "the number 7", "--layers", "3"]
+    assert main(argv + ["--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "attention_encoder.png").exists()
+    assert not (tmp_path / "cli" / "attention_cross.png").exists()

@@ -87,35 +87,43 @@ class AttentionMaps:
     cross: Tensor  # (L, H, T, S)
     logits: Tensor  # (T, V) the model's output in the same forward pass
     target: str = "given"  # what the decoder read: "given" (teacher-forced) or "greedy" (the model's own)
-    layers: tuple[int, ...] = ()  # the model's 1-based numbers of the layers held (`select`); () = all
+    layers: tuple[int, ...] = ()  # the 1-based layer numbers asked of `select`; () = all
     heads: tuple[int, ...] = ()  # the same for heads
+    # after `select`: each stack's numbers of the layers held (those of `layers` the stack has)
+    kind_layers: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def weights(self, kind: str) -> Tensor:
         return {"encoder": self.encoder, "decoder": self.decoder, "cross": self.cross}[kind]
 
     def layer_numbers(self, kind: str) -> tuple[int, ...]:
-        return self.layers or tuple(range(1, self.weights(kind).shape[0] + 1))
+        if self.layers:
+            return self.kind_layers[kind]
+        return tuple(range(1, self.weights(kind).shape[0] + 1))
 
     def head_numbers(self) -> tuple[int, ...]:
         return self.heads or tuple(range(1, self.encoder.shape[1] + 1))
 
     def select(self, layers: Sequence[int] = (), heads: Sequence[int] = ()) -> AttentionMaps:
         """These maps for some layers and heads only (1-based, as the pictures number them; empty: all):
-        a 6 x 8 grid of 100-token maps has 2-point labels, one layer or head of it readable ones."""
+        a 6 x 8 grid of 100-token maps has 2-point labels, one layer or head of it readable ones.
+        A layer number picks that layer in each stack that has it: with 3 encoder and 1 decoder layers,
+        layer 3 is the encoder's alone, and the decoder's kinds then hold no map."""
         if self.layers or self.heads:  # numbers would refer to positions in the selection
             raise ValueError("select() on maps that are already a selection")
         layers, heads = tuple(layers), tuple(heads)
-        n_layers = min(self.encoder.shape[0], self.decoder.shape[0])  # a layer number picks in both stacks
+        n_layers = max(self.encoder.shape[0], self.decoder.shape[0])
         for name, chosen, count in (("layer", layers, n_layers), ("head", heads, self.encoder.shape[1])):
             if bad := [n for n in chosen if not 1 <= n <= count]:
                 raise UserError(f"{name} {bad[0]}: choose {name}s from 1 to {count}")
+        kind_layers = {kind: tuple(n for n in layers if n <= self.weights(kind).shape[0]) for kind in KINDS}
 
-        def pick(w: Tensor) -> Tensor:  # (L, H, R, C) -> (L', H', R, C)
-            w = w[[n - 1 for n in layers]] if layers else w
+        def pick(kind: str) -> Tensor:  # (L, H, R, C) -> (L', H', R, C)
+            w = self.weights(kind)
+            w = w[[n - 1 for n in kind_layers[kind]]] if layers else w
             return w[:, [n - 1 for n in heads]] if heads else w
 
-        return dataclasses.replace(self, encoder=pick(self.encoder), decoder=pick(self.decoder),
-                                   cross=pick(self.cross), layers=layers, heads=heads)
+        return dataclasses.replace(self, encoder=pick("encoder"), decoder=pick("decoder"), cross=pick("cross"),
+                                   layers=layers, heads=heads, kind_layers=kind_layers if layers else {})
 
     def labels(self, kind: str) -> tuple[list[str], list[str]]:
         """(row labels, column labels) of one kind's maps."""
@@ -293,9 +301,13 @@ def html_page(maps: AttentionMaps, pngs: dict[str, bytes], title: str) -> str:
         f"<p>source pieces: <code>{html.escape(' '.join(maps.src_tokens))}</code></p>",
         f"<p>target pieces: <code>{html.escape(' '.join(maps.tgt_out_tokens))}</code> ({TARGETS[maps.target]})</p>",
     ]
-    for kind, png in pngs.items():
-        data = base64.b64encode(png).decode("ascii")
+    for kind in KINDS:
         parts.append(f"<h2>{html.escape(TITLES[kind])}</h2>")
+        if kind not in pngs:  # `select`ed layers that this stack does not have
+            layers = ", ".join(map(str, maps.layers))
+            parts.append(f"<p>none: this stack has no layer {html.escape(layers)}</p>")
+            continue
+        data = base64.b64encode(pngs[kind]).decode("ascii")
         parts.append(f"<img alt='{kind}' src='data:image/png;base64,{data}'>")
     parts.append("</body></html>\n")
     return "\n".join(parts)
@@ -315,13 +327,15 @@ def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "atten
     """Write attention_{encoder,decoder,cross}.png and attention.html into `out_dir`.
 
     Each file is replaced atomically and only after every picture was drawn, so a Ctrl-C or an error
-    leaves the old set whole; other files in `out_dir` are the user's and are kept. (`write_atomically`
+    leaves the old set whole; other files in `out_dir` are the user's and are kept. A kind with no map
+    (layers its stack does not have) gets none, and an earlier drawing's PNG of it is removed. (`write_atomically`
     on the folder would replace them too.)
     """
     out_dir = check_out_dir(out_dir)
     check_drawable(len(maps.src_tokens), "the source")  # maps extracted with max_tokens=None
     check_drawable(len(maps.tgt_out_tokens), "the target")
-    rendered = {kind: render_kind(maps, kind) for kind in KINDS}
+    drawn = [kind for kind in KINDS if maps.weights(kind).shape[0]]  # a stack without the chosen layers: none
+    rendered = {kind: render_kind(maps, kind) for kind in drawn}
     pngs = {kind: png for kind, (png, _) in rendered.items()}
     missing = sorted(set().union(*(chars for _, chars in rendered.values())))
     if missing:
@@ -336,6 +350,11 @@ def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "atten
     for kind, png in pngs.items():
         with atomic_output(files[kind], binary=True) as f:
             f.write(png)
+    for kind in sorted(set(KINDS) - set(drawn)):  # an earlier drawing's map of it would pass for this one's
+        stale = out_dir / f"attention_{kind}.png"
+        if stale.is_file():
+            stale.unlink()
+        log.info("no %s map: that stack has none of layers %s", kind, ",".join(map(str, maps.layers)))
     with atomic_output(files["html"]) as f:
         f.write(html_page(maps, pngs, title))
     log.info("attention maps written to %s", out_dir)

@@ -16,17 +16,16 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 deadline=$((SECONDS + ${1:-540}))
 
-run() {  # run CAP COMMAND...: COMMAND under min(CAP, seconds left), its status said, never fatal
-  local cap=$1 left=$((deadline - SECONDS))
+run() {  # run CAP COMMAND...: COMMAND under min(CAP, seconds left), its status and time said, never fatal
+  local cap=$1 left=$((deadline - SECONDS)) began=$SECONDS
   shift
   ((left < cap)) && cap=$left
   if ((cap < 10)); then echo "== skipped (time is up): $*"; return; fi
   echo "== $(date +%T) [${cap} s at most] $*"
   timeout "$cap" "$@"
-  echo "== exit $? after $((SECONDS - start_all)) s"
+  echo "== exit $? after $((SECONDS - began)) s"
 }
 
-start_all=$SECONDS
 {
   run 20 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
   run 30 python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch',

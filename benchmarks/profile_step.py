@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.steps):
             step(*batch)
     events = prof.key_averages(group_by_input_shape=args.by_shape)
-    gpu_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    gpu_key = next(k for k in ("self_device_time_total", "self_cuda_time_total") if hasattr(events[0], k))
     key = gpu_key if cuda else "self_cpu_time_total"
     if cuda:  # operators only: a kernel's own row would count its time a second time
         events = [e for e in events if e.device_type == DeviceType.CPU]

@@ -175,10 +175,7 @@ def system_step(system: str, c: ModelConfig, dtype: torch.dtype | None, compiled
     `torch.compile` of its forward and loss, the same wrapping."""
     model = build(system, c, seed).to(device).train()
     if not compiled and system == "aiayn":
-        def forward(src, tgt_in, tgt_out):  # the loss of aiayn.train.loop.train_step
-            batch = Batch.of(src, tgt_in, tgt_out, PAD)  # what collate makes
-            loss, _ = batch_loss(model, batch, LABEL_SMOOTHING, nullcontext())
-            return loss / batch.n_tokens
+        forward = aiayn_loss(model)
     elif not compiled:
         def forward(src, tgt_in, tgt_out):
             return label_smoothed_loss(model(src, tgt_in), tgt_out)
@@ -188,6 +185,18 @@ def system_step(system: str, c: ModelConfig, dtype: torch.dtype | None, compiled
         forward = torch.compile(lambda src, tgt_in, tgt_out: label_smoothed_loss(model(src, tgt_in), tgt_out),
                                 dynamic=False)
     return make_step(model, forward, dtype)
+
+
+def aiayn_loss(model: nn.Module) -> Callable:
+    """(src, tgt_in, tgt_out) -> the mean loss as `aiayn train` computes it (aiayn.train.loop.train_step:
+    only the real target positions projected, aiayn's own label-smoothed loss)."""
+
+    def forward(src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
+        batch = Batch.of(src, tgt_in, tgt_out, PAD)  # what collate makes
+        loss, _ = batch_loss(model, batch, LABEL_SMOOTHING, nullcontext())
+        return loss / batch.n_tokens
+
+    return forward
 
 
 def make_batch(shape: dict, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
@@ -347,7 +356,8 @@ def summarise(runs: list[Run], info: dict, peaks: dict) -> list[dict]:
 
 
 def loss_curve(steps: int, seed: int = 0, device: str = "cpu") -> dict:
-    """aiayn `small` from one initialisation on the same batches in fp32 and in bf16 autocast.
+    """aiayn `small` from one initialisation on the same batches in fp32 and in bf16 autocast, with the
+    loss and its gradient as `aiayn train` computes them.
 
     The task is learnable (the target is the source reversed, in a vocabulary of 8,000), so the curve
     falls and a drift would show. Dropout draws the same masks in both runs (same seed, same shapes).
@@ -376,11 +386,12 @@ def loss_curve(steps: int, seed: int = 0, device: str = "cpu") -> dict:
 
 def make_step_with(model: nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype | None) -> Callable:
     device_type = next(model.parameters()).device.type
+    forward = aiayn_loss(model)  # the loss `aiayn train` minimizes, not the peers' F.cross_entropy
 
     def step(src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> float:
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = label_smoothed_loss(model(src, tgt_in), tgt_out)
+            loss = forward(src, tgt_in, tgt_out)
         loss.backward()
         opt.step()
         return loss.item()

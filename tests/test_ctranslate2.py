@@ -169,8 +169,18 @@ def test_an_unknown_quantization_is_refused_before_the_checkpoint_is_read(tmp_pa
     from aiayn.cli import main
 
     with pytest.raises(SystemExit) as stopped:
-        main(["export", "--to", "ctranslate2", str(tmp_path / "none"), str(tmp_path / "out"), "--quantization", "int3"])
+        main(["export", "--to", "ctranslate2", str(tmp_path / "none"), str(tmp_path / "out"),
+              "--quantization", "int3"])
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'int3'" in err and "checkpoint" not in err.splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_lists_ctranslate2s_own_weight_types():
+    """`--quantization` choices are a copy (checked before ctranslate2 is imported): they must stay its list."""
+    from ctranslate2.specs.model_spec import ACCEPTED_MODEL_TYPES
+
+    from aiayn.cli import CT2_QUANTIZATIONS
+
+    assert sorted(CT2_QUANTIZATIONS) == sorted(ACCEPTED_MODEL_TYPES)

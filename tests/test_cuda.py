@@ -168,5 +168,6 @@ def test_loss_on_the_gpu_equals_a_float64_reference(dtype):
     assert nll.item() == pytest.approx(ref_nll.item(), rel=1e-6)
     assert z.grad.dtype == dtype
     # relative: one rounding; absolute: float16's subnormal spacing, where small probabilities land
-    rtol, atol = {torch.bfloat16: (2**-7, 1e-9), torch.float16: (2**-10, 2**-24), torch.float32: (1e-6, 1e-9)}[dtype]
+    rtol, atol = {torch.bfloat16: (2**-7, 1e-9), torch.float16: (2**-10, 2**-24),
+                  torch.float32: (1e-6, 1e-9)}[dtype]
     torch.testing.assert_close(z.grad.cpu().double(), z64.grad, rtol=rtol, atol=atol)

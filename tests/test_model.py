@@ -155,7 +155,7 @@ def test_config_errors_name_the_problem():
     with pytest.raises(ConfigError, match="n_decoder_layers=-2 must be positive"):
         ModelConfig(vocab_size=10, n_decoder_layers=-2)  # was a model with no decoder, silently
     with pytest.raises(ConfigError, match="max_len=2000000 is more than 1,048,576"):
-        ModelConfig(vocab_size=10, max_len=2_000_000)  # was a table of d_model x max_len floats, or a MemoryError
+        ModelConfig(vocab_size=10, max_len=2_000_000)  # was a d_model x max_len table, or a MemoryError
     with pytest.raises(ConfigError, match="tgt_vocab_size=0 must be positive"):
         ModelConfig(vocab_size=10, tgt_vocab_size=0, share_embeddings=False)
 

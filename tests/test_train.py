@@ -437,25 +437,68 @@ def test_an_update_whose_scaled_gradients_overflow_is_skipped_and_said(monkeypat
     assert applied and not all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_skipped_updates_are_not_counted(tmp_path, monkeypatch, caplog):
-    """Two updates skipped (as fp16 overflow skips them): the run still makes max_updates real updates,
-    its log and checkpoints number only those, and it says which were skipped."""
+def _train_with_skips(config, skipped_calls: set[int], monkeypatch) -> tuple[dict, int]:
+    """train(config) with the train_step calls numbered in `skipped_calls` (from 1) reported as skipped
+    updates with an infinite loss, as an fp16 overflow may come; (its result, how many calls)."""
     from aiayn.train import loop
 
-    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=6", "train.log_every=1",
-                            "train.valid_every=3")
     real_step, calls = loop.train_step, []
 
     def sometimes_skipped(*args):
         calls.append(1)
         sums, tokens, _ = real_step(*args)
-        return sums, tokens, len(calls) not in (2, 3)
+        skipped = len(calls) in skipped_calls
+        return sums * float("inf") if skipped else sums, tokens, not skipped
 
-    monkeypatch.setattr(loop, "train_step", sometimes_skipped)
+    with monkeypatch.context() as m:
+        m.setattr(loop, "train_step", sometimes_skipped)
+        return train(config), len(calls)
+
+
+def validated_steps(run_dir: Path) -> list[int]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if "valid_loss" in r]
+
+
+def test_skipped_updates_are_not_counted(tmp_path, monkeypatch, caplog):
+    """Three updates skipped (as fp16 overflow skips them), one right after a validation: the run still
+    makes max_updates real updates, its log, validations and checkpoints number only those, and it says
+    which were skipped."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=6", "train.log_every=1",
+                            "train.valid_every=3")
     with caplog.at_level("WARNING", logger="aiayn"):
-        result = train(config)
-    assert result["step"] == 6 and len(calls) == 8
+        result, calls = _train_with_skips(config, {2, 3, 6}, monkeypatch)  # after updates 1, 1 and 3
+    assert result["step"] == 6 and calls == 9
     assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step_000003", "step_000006"]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
-    assert sum("update 2 skipped" in m for m in caplog.messages) == 2  # the second and third calls
+    assert validated_steps(tmp_path / "run") == [3, 6]
+    assert [m.split(":")[0] for m in caplog.messages if "skipped" in m] == [
+        "update 2 skipped", "update 2 skipped", "update 4 skipped"]
+
+
+def test_a_skipped_last_update_of_the_last_epoch_saves_nothing_twice(tmp_path, monkeypatch):
+    """The epoch's last batches skipped right after a validation: the run stops at max_epochs without
+    validating and saving that same step again (which counted against patience and logged it twice)."""
+    (tmp_path / "a").mkdir()
+    config, _ = tiny_config(tmp_path / "a", tmp_path / "a" / "run", "train.max_epochs=1",
+                            "train.valid_every=1000")
+    _, n = _train_with_skips(config, set(), monkeypatch)  # updates in one epoch
+    (tmp_path / "b").mkdir()
+    config, _ = tiny_config(tmp_path / "b", tmp_path / "b" / "run", "train.max_epochs=1",
+                            f"train.valid_every={n - 1}", "train.patience=1")
+    result, calls = _train_with_skips(config, {n}, monkeypatch)
+    assert calls == n and result["step"] == n - 1 and result["stop"] == "max_epochs=1"
+    assert validated_steps(tmp_path / "b" / "run") == [n - 1]
+
+
+def test_an_epoch_budget_is_measured_in_batches_used_not_updates_counted():
+    """With skipped fp16 updates the step falls behind the epoch position: the cooldown and the time
+    left follow the position, which is what max_epochs stops on."""
+    from types import SimpleNamespace
+
+    from aiayn.train.loop import _budget_used
+    from aiayn.train.state import TrainState
+
+    tc = SimpleNamespace(max_minutes=0, max_updates=0, max_epochs=2)
+    assert _budget_used(TrainState(step=12, epoch=1, cursor=5), tc, n_updates=10) == 0.75  # was 0.6

@@ -232,7 +232,7 @@ def test_a_signal_saves_the_update_it_stopped_at_and_resume_ends_where_an_unbrok
 def test_time_left_counts_down_the_first_budget_to_end():
     """The bar's own estimate knew only updates and epochs: with max_minutes (tiny.toml's budget) it
     showed none, or hours for a run that stopped in seconds."""
-    state = SimpleNamespace(step=25, seconds=50.0)
+    state = SimpleNamespace(step=25, epoch=2, cursor=5, seconds=50.0)  # 25 updates of 10 an epoch
     budgets = dict(max_minutes=0.0, max_updates=0, max_epochs=0)
     assert loop._time_left(state, SimpleNamespace(**budgets), 10) is None
     assert loop._time_left(state, SimpleNamespace(**{**budgets, "max_minutes": 10.0}), 10) == pytest.approx(550.0)

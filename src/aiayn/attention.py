@@ -122,8 +122,9 @@ class AttentionMaps:
             w = w[[n - 1 for n in kind_layers[kind]]] if layers else w
             return w[:, [n - 1 for n in heads]] if heads else w
 
-        return dataclasses.replace(self, encoder=pick("encoder"), decoder=pick("decoder"), cross=pick("cross"),
-                                   layers=layers, heads=heads, kind_layers=kind_layers if layers else {})
+        return dataclasses.replace(
+            self, encoder=pick("encoder"), decoder=pick("decoder"), cross=pick("cross"), layers=layers,
+            heads=heads, kind_layers=kind_layers if layers else {})
 
     def labels(self, kind: str) -> tuple[list[str], list[str]]:
         """(row labels, column labels) of one kind's maps."""

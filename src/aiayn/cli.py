@@ -20,6 +20,7 @@ from aiayn.errors import Stopped, UserError
 CT2_QUANTIZATIONS = ["int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
                      "float32"]
 
+
 def positive_int(text: str) -> int:
     """argparse type: a whole number >= 1 (argparse turns the ValueError into a usage error)."""
     value = int(text)
@@ -104,7 +105,8 @@ def cmd_attention(args: argparse.Namespace) -> None:
     check_out_dir(args.out)  # before loading and running the model, not after
     relation = overlap(Path(args.out), Path(args.checkpoint))
     if relation in ("is", "lies inside"):  # as translate -o: a run's keep_last deletes checkpoints whole
-        raise UserError(f"{args.out}: {relation} the checkpoint {args.checkpoint}; choose a folder outside it")
+        raise UserError(f"{args.out}: {relation} the checkpoint {args.checkpoint}; "
+                        "choose a folder outside it")
     ck = load_checkpoint(args.checkpoint)
     maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt).select(args.layers, args.heads)
     files = draw_attention(maps, args.out, title=f"attention of {args.checkpoint}: {args.src}")

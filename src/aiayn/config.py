@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 ACTIVATIONS = ("relu", "gelu", "silu")
 POSITIONS = ("interleaved", "sin_cos")
-MAX_POSITIONS = 2**20  # max_len's bound: the sinusoid table is max_len x d_model floats (4 GB at d_model 1024)
+MAX_POSITIONS = 2**20  # max_len's bound: the sinusoid table holds max_len x d_model floats (4 GB at 1024)
 
 
 class ConfigError(ValueError):

@@ -253,7 +253,8 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 log.warning("update %d skipped: fp16 gradients overflowed; loss scale lowered to %g",
                             state.step + 1, scaler.get_scale())
             state.seconds = _training_seconds(seconds_before, start, tc, d)
-            sums, tokens = sums + step_sums, tokens + step_tokens
+            if applied:  # a skipped update's loss may be the overflow itself (inf), not a divergence
+                sums, tokens = sums + step_sums, tokens + step_tokens
             if applied and state.step % tc.log_every == 0:
                 window = [*sums.tolist(), tokens]  # the window's one sync: then its work is done, and timed
                 now = time.monotonic()
@@ -264,7 +265,9 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
             signalled = None if stop else stopper.agreed(d)  # a run at its budget ends as usual
             due = applied and (state.step % tc.valid_every == 0
                                or bool(tc.bleu_every and state.step % tc.bleu_every == 0))
-            if due or stop or signalled:
+            if (due or stop or signalled) and state.step == saved_step:  # skipped since the last save
+                stop = stop or signalled
+            elif due or stop or signalled:
                 state.validation_due = bool(signalled and due)  # saved so: --resume validates first
                 _check_unlogged(sums, state.step, d)
                 begun = time.monotonic()
@@ -446,8 +449,9 @@ def train_step(
     Returns this process' (smoothed loss, NLL) sums, (2,) float64 on the device, its target tokens, for
     the log, and whether Adam stepped: with fp16 the GradScaler skips an update whose gradients overflowed
     and lowers its scale, and such an update is not counted (as fairseq: the step, the learning-rate
-    schedule and max_updates see only real updates). Telling costs fp16 two reads of the scale an update. The sums stay on the device: .item() here waited for the GPU at every batch, so the host
-    could not collate the next batch while the GPU worked.
+    schedule and max_updates see only real updates). Telling costs fp16 two reads of the scale an update.
+    The sums stay on the device: .item() here waited for the GPU at every batch, so the host could not
+    collate the next batch while the GPU worked.
     """
     optimizer.zero_grad(set_to_none=True)
     sums = _no_losses(d.device)
@@ -597,8 +601,8 @@ def _budget_used(state: TrainState, tc, n_updates: int) -> float:
         used.append(state.seconds / (tc.max_minutes * 60))
     if tc.max_updates:
         used.append(state.step / tc.max_updates)
-    if tc.max_epochs:
-        used.append(state.step / (tc.max_epochs * n_updates))
+    if tc.max_epochs:  # the epochs' position: skipped fp16 updates used their batches too
+        used.append((state.epoch * n_updates + state.cursor) / (tc.max_epochs * n_updates))
     return max(used)
 
 

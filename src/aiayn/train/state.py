@@ -85,7 +85,7 @@ class TrainState:
 
     step: int = 0  # updates done
     epoch: int = 0  # current epoch, from 0
-    cursor: int = 0  # updates done within the current epoch
+    cursor: int = 0  # update-sized groups of batches used in the current epoch (skipped fp16 updates too)
     best_valid: float = float("inf")  # best validation loss so far
     bad_validations: int = 0  # validations since the best one (for `patience`)
     seconds: float = 0.0  # training wall time so far, over all invocations (for max_minutes, cooldown)

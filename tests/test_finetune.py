@@ -88,6 +88,11 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
     result = train(load_config(None, sets[:-1] + ["train.max_updates=8"]), resume=True)
     assert result["step"] == 8
 
+    again = settings(src, tgt, tmp_path / "run2", tuned, "train.max_updates=1")  # its meta records [data]
+    with pytest.raises(UserError, match=r"init_from keeps this checkpoint's tokenizer \(data.vocab_size "):
+        train(load_config(None, again + ["data.vocab_size=100"]))  # was ignored, and printed as if used
+    assert train(load_config(None, again))["step"] == 1
+
     forgot = [s for s in sets[:-1] if not s.startswith("train.init_from=")] + ["train.max_updates=9"]
     with pytest.raises(UserError, match=f"fine-tunes {start}; resume it with train.init_from={start}") as e:
         train(load_config(None, forgot), resume=True)

@@ -502,3 +502,17 @@ def test_an_epoch_budget_is_measured_in_batches_used_not_updates_counted():
 
     tc = SimpleNamespace(max_minutes=0, max_updates=0, max_epochs=2)
     assert _budget_used(TrainState(step=12, epoch=1, cursor=5), tc, n_updates=10) == 0.75  # was 0.6
+
+
+def test_a_patience_stop_keeps_the_best_checkpoint(tmp_path):
+    """keep_last=1 and patience=2: the run stops two validations after its best one, whose checkpoint
+    pruning deleted, leaving only worse weights."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.keep_last=1", "train.patience=2",
+                            "train.valid_every=1", "train.lr_scale=50", "train.max_updates=40")
+    result = train(config)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["valid_loss"] for r in records if "valid_loss" in r}
+    best = min(losses, key=losses.get)
+    assert result["stop"].startswith("no better validation loss") and result["step"] > best
+    kept = [p.name for p in checkpoint_dirs(tmp_path / "run")]
+    assert kept == [f"step_{best:06d}", f"step_{result['step']:06d}"]

@@ -802,3 +802,67 @@ def test_a_signal_when_a_validation_is_due_validates_on_resume(finished_run, tmp
     resumed = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
     unbroken = load_file(str(d / "run" / "checkpoints" / "step_000004" / "model.safetensors"))
     assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
+
+
+def test_set_keeps_a_bare_value_of_a_string_key_as_written(tmp_path):
+    """'bare words are strings': a run_dir of 2024-05-01 or 123 was a TOML date or integer, then refused."""
+    for text in ("2024-05-01", "123", "inf", "true"):
+        assert load_config(None, [f"train.run_dir={text}"]).train.run_dir == text
+    assert load_config(None, ["train.max_tokens=2048"]).train.max_tokens == 2048  # a number stays one
+
+
+@pytest.mark.parametrize("where, content, sets, message", [
+    ("file", "[train]\nmax_tokens = \"256\"\n", [],
+     r"bad\.toml: \[train\] max_tokens: '256' is a str, expected int"),
+    ("set", "", ["train.max_tokens=abc"], r"--set 'train\.max_tokens=abc': 'abc' is a str, expected int"),
+    ("set", "", ["model.dropout=true"], r"--set 'model\.dropout=true': True is a bool, expected float"),
+])
+def test_a_value_of_the_wrong_type_is_named_where_it_was_written(tmp_path, where, content, sets, message):
+    """The message named the dataclass field (TrainConfig.max_tokens), not the file or the --set item."""
+    path = tmp_path / "bad.toml"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path if where == "file" else None, sets)
+
+
+def test_separate_vocabularies_with_shared_embeddings(tmp_path):
+    """model.share_embeddings with data.shared_vocab=false: false trains (it was a TypeError traceback, after
+    the tokenizer was trained), true is refused before any data is read."""
+    (tmp_path / "data").mkdir()
+    base = ["data.shared_vocab=false", "train.max_updates=1"]
+    config, _ = tiny_config(tmp_path / "data", tmp_path / "run", *base, "model.share_embeddings=false")
+    assert train(config)["step"] == 1
+    with pytest.raises(ConfigError, match="model.share_embeddings=true needs one vocabulary"):
+        tiny_config(tmp_path / "data", tmp_path / "run2", *base, "model.share_embeddings=true")
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("train.threads=4294967296", "train.threads=4294967296 is more than 65,536"),  # was an overflow traceback
+    ("data.vocab_size=4294967296", "data.vocab_size=4294967296 is more than 16,777,216"),  # after the data
+    ("model.d_ff=4294967296", "d_ff=4294967296 is more than 16,777,216"),  # an allocator traceback
+    ("model.n_layers=100000", "n_layers=100000 is more than 4,096 layers"),
+])
+def test_sizes_past_any_machine_are_refused_before_any_work(setting, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["model.preset=micro", setting])
+
+
+def test_a_model_too_large_for_memory_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    config, _ = tiny_config(tmp_path / "data", tmp_path / "run", "train.max_updates=1")
+
+    def no_memory(config):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(loop, "Transformer", no_memory)
+    with pytest.raises(UserError, match=r"\[model\]: not enough memory for the model \(d_model=32"):
+        train(config)
+
+
+def test_lines_longer_than_sentencepieces_default_still_train_the_tokenizer(tmp_path):
+    """SentencePiece skips lines over its max_sentence_length (4,192 bytes by default) when it trains: a
+    corpus of long lines failed with 'SentencePiece cannot train on this text (RuntimeError)'."""
+    words = " ".join(["ein", "Hund", "läuft", "über", "die", "Wiese"] * 150)  # about 4.8 KB a line
+    lines = [f"{words} {i}" for i in range(30)]
+    path = train_sentencepiece(lines, tmp_path / "spm", 40)
+    assert path.is_file()

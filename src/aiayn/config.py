@@ -17,6 +17,9 @@ from typing import Any, Mapping
 
 ACTIVATIONS = ("relu", "gelu", "silu")
 POSITIONS = ("interleaved", "sin_cos")
+MAX_WIDTH = 2**24  # d_model and d_ff: 16.7 M, past any model that fits in memory
+MAX_IDS = 2**31 - 1  # vocabulary sizes: token ids are 32-bit in SentencePiece and CTranslate2
+MAX_LAYERS = 2**12
 MAX_POSITIONS = 2**20  # max_len's bound: the sinusoid table holds max_len x d_model floats (4 GB at 1024)
 
 
@@ -64,6 +67,13 @@ class ModelConfig:
             raise ConfigError("ModelConfig: " + "; ".join(problems))
         if self.max_len > MAX_POSITIONS:  # a tampered meta.json asked for a 200 GB position table
             problems.append(f"max_len={self.max_len} is more than {MAX_POSITIONS:,} positions")
+        for name, bound in (("vocab_size", MAX_IDS), ("tgt_vocab_size", MAX_IDS), ("d_model", MAX_WIDTH),
+                            ("d_ff", MAX_WIDTH)):  # else an allocation or overflow traceback
+            if (getattr(self, name) or 0) > bound:
+                problems.append(f"{name}={getattr(self, name)} is more than {bound:,}")
+        for name in ("n_layers", "n_decoder_layers"):
+            if (getattr(self, name) or 0) > MAX_LAYERS:
+                problems.append(f"{name}={getattr(self, name)} is more than {MAX_LAYERS:,} layers")
         if self.d_model % self.n_heads:
             problems.append(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.activation not in ACTIVATIONS:
@@ -138,16 +148,17 @@ def check_types(obj: Any) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, hint = getattr(obj, f.name), hints[f.name]
-        if not _matches(value, hint):
+        if not matches_type(value, hint):
             raise ConfigError(
                 f"{type(obj).__name__}.{f.name}={value!r} has type {type(value).__name__}, expected {hint}"
             )
 
 
-def _matches(value: Any, hint: Any) -> bool:
+def matches_type(value: Any, hint: Any) -> bool:
+    """Whether `value` fits the type annotation `hint` (a bool is no int; an int is a float)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, h) for h in typing.get_args(hint))
+        return any(matches_type(value, h) for h in typing.get_args(hint))
     if hint is type(None):
         return value is None
     if hint is float:

@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from aiayn.data.tokenizer import SEED_SENTENCES, Tokenizer, train_sentencepiece
+from aiayn.data.tokenizer import MAX_LINE_BYTES, SEED_SENTENCES, Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
 from aiayn.files import atomic_output, temporary_path
 from aiayn.model.transformer import target_positions
@@ -610,6 +610,9 @@ def _train_spm(
                 f"for the vocabulary and its 4 special pieces; raise data.vocab_size to at least {needed}, or "
                 "lower data.character_coverage (0.9995 is usual for Chinese and Japanese)"
             )
+        elif "sentences_.empty()" in str(e) or not reason:  # every line skipped: none to learn from
+            message = (f"SentencePiece found no line to learn from: every line of the training text is empty "
+                       f"or longer than {MAX_LINE_BYTES:,} bytes")
         else:
             message = f"data.vocab_size={vocab_size}: SentencePiece cannot train on this text ({reason})"
         raise UserError(message) from None

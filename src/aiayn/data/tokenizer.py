@@ -171,6 +171,8 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
         raise UserError(f"{path}: not a SentencePiece model ({e})") from None
     return sp
 
+MAX_LINE_BYTES = 2**16  # longest line SentencePiece learns from; far past any data.max_len in tokens
+
 
 def train_sentencepiece(
     lines: Iterable[str], prefix: str | Path, vocab_size: int, model_type: str = "bpe",
@@ -189,6 +191,7 @@ def train_sentencepiece(
         character_coverage=character_coverage, normalization_rule_name=normalization,
         pad_id=0, bos_id=1, eos_id=2, unk_id=3,
         hard_vocab_limit=False, input_sentence_size=seed_sentences, shuffle_input_sentence=True,
+        max_sentence_length=MAX_LINE_BYTES,  # its default, 4,192, left longer lines out silently
         num_threads=2, minloglevel=2,
     )
     path = Path(f"{prefix}.model")

@@ -12,13 +12,16 @@ Every key is checked: an unknown one or a wrong type raises `ConfigError` naming
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
-from aiayn.config import PRESETS, ConfigError, ModelConfig, check_types, from_dict, model_config, to_dict
+from aiayn.config import (
+    PRESETS, ConfigError, ModelConfig, check_types, from_dict, matches_type, model_config, to_dict,
+)
 from aiayn.errors import UserError
 
 TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
@@ -28,6 +31,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # seed * 100_003 + epoch, so a seed must stay within 2**63 / 100_003 of 0: 2**46 is 7e13 (x 100_003 = 7.04e18).
 MAX_SEED = 2**46
 
+MAX_VOCAB = 2**24  # data.vocab_size's bound (SentencePiece reads a 32-bit integer; 16.7 M is past any use)
+MAX_THREADS = 2**16  # train.threads' bound (torch.set_num_threads takes a 32-bit integer)
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -59,6 +64,8 @@ class DataConfig:
                               "(SentencePiece's range)")
         if self.vocab_size < 8 or self.max_len < 2:
             raise ConfigError("data.vocab_size must be >= 8 and data.max_len >= 2")
+        if self.vocab_size > MAX_VOCAB:  # SentencePiece's int32 parse failed with a traceback, after reading
+            raise ConfigError(f"data.vocab_size={self.vocab_size} is more than {MAX_VOCAB:,}")
         if bool(self.valid_src) != bool(self.valid_tgt):  # else validation silently reads one side only
             raise ConfigError("data.valid_src and data.valid_tgt go together: set both or neither")
 
@@ -143,6 +150,8 @@ class TrainConfig:
         for name in ("max_updates", "max_epochs", "patience", "threads", "bleu_every"):  # 0 = off
             if getattr(self, name) < 0:
                 problems.append(f"train.{name}={getattr(self, name)} must be >= 0 (0 = no limit / off)")
+        if self.threads > MAX_THREADS:  # torch.set_num_threads overflowed with a traceback
+            problems.append(f"train.threads={self.threads} is more than {MAX_THREADS:,}")
         if not -MAX_SEED <= self.seed <= MAX_SEED:  # else: an overflow traceback once training starts
             problems.append(f"train.seed={self.seed} must be between -2**46 and 2**46 ({MAX_SEED:,})")
         if not self.run_dir.strip():
@@ -161,6 +170,9 @@ class RunConfig:
         if set_by_tokenizer:
             raise ConfigError(f"model.{set_by_tokenizer[0]} comes from the tokenizer and cannot be set")
         self.model_config(vocab_size=64)  # check the model keys now, before any data is read
+        if not self.data.shared_vocab and self.model.get("share_embeddings") is True:
+            raise ConfigError("model.share_embeddings=true needs one vocabulary, but data.shared_vocab=false "
+                              "trains one per side")
         if self.data.max_len > self.model.get("max_len", 1024):
             raise ConfigError(f"data.max_len={self.data.max_len} is longer than the model's max_len")
         if self.data.max_len > self.train.max_tokens:
@@ -246,6 +258,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{path}: not valid TOML ({e})") from None
         where = str(path)
+        for section, table in values.items():  # a wrong type named with its file, before --set changes it
+            if isinstance(table, dict):
+                for key, value in table.items():
+                    _check_value_type(section, key, value, f"{path}: [{section}] {key}")
     for item in overrides:
         section, key, value = parse_override(item)
         if not isinstance(values.get(section, {}), dict):
@@ -284,7 +300,30 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = text.strip()  # a path or other bare word
+    if _string_key(section, key.strip()) and not isinstance(value, str):
+        value = text.strip()  # run_dir=2024-05-01 or =123 is a name, not a TOML date or number
+    _check_value_type(section, key.strip(), value, f"--set {item!r}")
     return section, key.strip(), value
+
+
+def _check_value_type(section: str, key: str, value: Any, where: str) -> None:
+    """Refuse a value of the wrong type for a known key, naming where it was written (a file's section or
+    the --set item). Unknown keys and sections are refused elsewhere, with the list of known ones."""
+    classes = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+    if section not in classes or key not in classes[section].__dataclass_fields__:
+        return
+    hint = typing.get_type_hints(classes[section])[key]
+    if not matches_type(value, hint):
+        expected = getattr(hint, "__name__", str(hint))
+        raise ConfigError(f"{where}: {value!r} is a {type(value).__name__}, expected {expected}")
+
+
+def _string_key(section: str, key: str) -> bool:
+    """Whether a `--set` key takes a string (a path, a name), so that its bare value is kept as written."""
+    if section == "model":
+        return key == "preset" or ModelConfig.__dataclass_fields__[key].type in ("str", str)
+    cls = DataConfig if section == "data" else TrainConfig
+    return cls.__dataclass_fields__[key].type in ("str", str)
 
 
 def with_train(config: RunConfig, **changes: Any) -> RunConfig:

@@ -56,6 +56,7 @@ from aiayn.data.dataset import (
     refuse_other_tokenizer_settings,
     scan_parallel,
     tokenizer_inputs,
+    tokenizer_setting_changes,
     train_tokenizer,
     write_tokenizer_inputs,
 )
@@ -331,16 +332,23 @@ class StopSignal:
 
 def build_model(config: RunConfig, tok: Tokenizer) -> Transformer:
     """The configured Transformer with the tokenizer's vocabulary sizes and special ids."""
-    return Transformer(
-        config.model_config(
-            vocab_size=tok.src_vocab_size,
-            tgt_vocab_size=None if tok.shared else tok.tgt_vocab_size,
-            pad_id=tok.pad_id,
-            decoder_start_id=tok.bos_id,
-            eos_id=tok.eos_id,
-            **({} if tok.shared else {"share_embeddings": False}),
-        )
+    model_config = config.model_config(
+        vocab_size=tok.src_vocab_size,
+        tgt_vocab_size=None if tok.shared else tok.tgt_vocab_size,
+        pad_id=tok.pad_id,
+        decoder_start_id=tok.bos_id,
+        eos_id=tok.eos_id,
+        # separate vocabularies cannot share one matrix; [model] may say so itself
+        **({} if tok.shared or "share_embeddings" in config.model else {"share_embeddings": False}),
     )
+    try:
+        return Transformer(model_config)
+    except (RuntimeError, MemoryError) as e:  # a [model] far too large: the allocator's traceback before
+        if "memory" not in str(e).lower() and not isinstance(e, MemoryError):
+            raise
+        m = model_config
+        raise UserError(f"[model]: not enough memory for the model (d_model={m.d_model}, d_ff={m.d_ff}, "
+                        f"{m.n_layers}+{m.decoder_layers} layers, vocabulary {m.vocab_size:,})") from None
 
 
 def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoint | None:
@@ -360,8 +368,23 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
     model = empty_model(finetune_model_config(config, ck.model.config, path))
     load_into(model, state_dict_for_saving(ck.model), path)  # a new model: dropout may have changed
     if not resume_from:
+        _refuse_tokenizer_settings(config, ck.meta, path)
         log.info("fine-tuning %s (update %s of its run)", path, ck.meta.get("step", "?"))
     return Checkpoint(model.train(), ck.tokenizer, ck.meta, path)
+
+
+def _refuse_tokenizer_settings(config: RunConfig, meta: dict, path: Path) -> None:
+    """Fine-tuning keeps the checkpoint's tokenizer: [data] tokenizer settings other than those it records
+    could not take effect (they were ignored, and printed as the run's configuration). A checkpoint that
+    records none (a converted Marian model) is not compared."""
+    saved, dc = config_section(meta, "data"), config.data
+    if saved is None:
+        return
+    settings = dict(vocab_size=dc.vocab_size, spm_type=dc.spm_type, shared_vocab=dc.shared_vocab,
+                    normalization=dc.normalization, character_coverage=dc.character_coverage)
+    if changes := tokenizer_setting_changes(saved, settings):
+        raise UserError(f"{path}: train.init_from keeps this checkpoint's tokenizer ({'; '.join(changes)}); "
+                        "drop the change")
 
 
 def _fine_tuned_from(checkpoint: Path) -> str | None:
@@ -515,7 +538,7 @@ def _validate_and_save(
         result.update(validate(model, data, d, autocast, tc.label_smoothing))
         _check_finite("validation loss", result["valid_loss"], state.step)
         if result["valid_loss"] < state.best_valid:
-            state.best_valid, state.bad_validations = result["valid_loss"], 0
+            state.best_valid, state.bad_validations, state.best_step = result["valid_loss"], 0, state.step
         else:
             state.bad_validations += 1
     _check_finite_weights(model, state.step)  # also without a validation set: never save NaN weights
@@ -534,7 +557,7 @@ def _validate_and_save(
         path = save_training_checkpoint(
             run_dir, model, data.tokenizer, optimizer, scaler, state, config.to_dict(), result, rngs
         )
-        prune(run_dir, tc.keep_last)
+        prune(run_dir, tc.keep_last, state.best_step)
         if not state.validation_due:  # else the resumed run logs this step, validated, as an unbroken run
             metrics.write(result)
         try:

@@ -88,6 +88,7 @@ class TrainState:
     cursor: int = 0  # update-sized groups of batches used in the current epoch (skipped fp16 updates too)
     best_valid: float = float("inf")  # best validation loss so far
     bad_validations: int = 0  # validations since the best one (for `patience`)
+    best_step: int = 0  # the update whose validation loss is best_valid: `prune` keeps its checkpoint
     seconds: float = 0.0  # training wall time so far, over all invocations (for max_minutes, cooldown)
     validation_due: bool = False  # a signal's save skipped this step's validation: --resume makes it first
 
@@ -101,8 +102,10 @@ def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def prune(run_dir: str | Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` checkpoints; clear what killed runs left half-written.
+def prune(run_dir: str | Path, keep_last: int, best_step: int = 0) -> None:
+    """Keep the newest `keep_last` checkpoints and that of update `best_step` (the best validation loss:
+    a run stopped by `patience` ends `patience` validations after it, and keep_last <= patience deleted
+    it); clear what killed runs left half-written.
 
     An old checkpoint is first renamed out of view (hidden), then deleted: a kill mid-delete never
     leaves a half-deleted directory that looks like a checkpoint. Called by the only writer, right
@@ -110,7 +113,8 @@ def prune(run_dir: str | Path, keep_last: int) -> None:
     """
     root = Path(run_dir) / "checkpoints"
     for old in checkpoint_dirs(run_dir)[:-keep_last]:
-        os.rename(old, old.with_name(f".{old.name}.deleting"))
+        if old.name != f"step_{best_step:06d}":
+            os.rename(old, old.with_name(f".{old.name}.deleting"))
     for hidden in root.glob(".step_*"):  # those just hidden, and what killed runs left
         shutil.rmtree(hidden, ignore_errors=True)
 

@@ -866,3 +866,10 @@ def test_lines_longer_than_sentencepieces_default_still_train_the_tokenizer(tmp_
     lines = [f"{words} {i}" for i in range(30)]
     path = train_sentencepiece(lines, tmp_path / "spm", 40)
     assert path.is_file()
+
+
+def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path):
+    """Windows editors write one; it was 'not valid TOML (Invalid statement (at line 1, column 1))'."""
+    path = tmp_path / "bom.toml"
+    path.write_bytes("\ufeff[train]\nmax_updates = 7\n".encode("utf-8"))
+    assert load_config(path).train.max_updates == 7

@@ -254,7 +254,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         if not path.is_file():
             raise UserError(f"{path}: config file not found")
         try:
-            values = tomllib.loads(path.read_text(encoding="utf-8"))
+            values = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is skipped
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{path}: not valid TOML ({e})") from None
         where = str(path)

@@ -46,6 +46,10 @@ def test_chrf_plus_plus_ter_and_confidence_intervals_are_sacrebleus(tmp_path, ca
                  "--chrf-word-order", "2"]) == 0
     out = capsys.readouterr().out
     assert f"BLEU: {theirs.score:.2f} (95% CI +/- {theirs._ci:.2f})" in out and "chrF2++: " in out and "TER: " in out
+    argv = ["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--confidence", "200", "--json"]
+    assert main(argv) == 0
+    scores = json.loads(capsys.readouterr().out)  # sacreBLEU's numpy float32 was a TypeError traceback
+    assert scores[0]["ci"] == pytest.approx(float(theirs._ci)) and type(scored[0].ci) is float
 
 
 def test_lowercased_bleu_ignores_case_and_is_labelled():
@@ -217,6 +221,9 @@ def test_hypotheses_from_standard_input(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok\n\xff\n")))
     assert main(["evaluate", "-", str(ref)]) == 2
     assert capsys.readouterr().err.strip() == "aiayn: error: <stdin>:2: invalid UTF-8 (byte 0xff)"
+    monkeypatch.setattr(sys, "stdin", None)  # started with stdin closed: an AttributeError traceback
+    assert main(["evaluate", "-", str(ref)]) == 2
+    assert capsys.readouterr().err.strip() == "aiayn: error: <stdin>: closed; give the translations as a file"
 
 
 def test_the_api_refuses_one_string_where_it_takes_a_list(tmp_path):

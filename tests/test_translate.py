@@ -372,8 +372,10 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
     src.write_text("the number 3\n", encoding="utf-8")
     cases = [(["--lenpen", "nan"], "lenpen=nan"), (["--lenpen=-inf"], "lenpen=-inf"),
              (["--max-len-a", "0", "--max-len-b", "0"], "allow no output token"),
-             (["--temperature", "0.5"], "temperature=0.5 needs sample=True (--sample)"),
-             (["--seed", "3"], "seed=3 needs sample=True (--sample)"),
+             (["--temperature", "0.5"], "--temperature 0.5 needs --sample"),
+             (["--seed", "3"], "--seed 3 needs --sample"),
+             (["--temperature", "1"], "--temperature 1.0 needs --sample"),  # its default: it was ignored
+             (["--top-k", "0"], "--top-k 0 needs --sample"), (["--top-p", "1"], "--top-p 1.0 needs --sample"),
              (["--sample", "--beam", "1", "--temperature", "1e-50"], "temperature=1e-50"),
              (["--device", "foo"], "device 'foo' is not a device name"),
              (["--device", "meta"], "device 'meta': translation runs on cpu or cuda only"),
@@ -676,6 +678,22 @@ def test_output_never_replaces_the_input_or_a_checkpoint_file(checkpoint, tmp_pa
     assert not (checkpoint / "new.txt").exists()
     assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(tmp_path / "out.txt"), "-q"]) == 0
     assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(tmp_path / "out.txt"), "-q"]) == 0
+    other = tmp_path / "other_checkpoint"  # not this command's input, but a keep_last may delete it whole
+    shutil.copytree(checkpoint, other)
+    assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(other / "out.txt"), "-q"]) == 2
+    assert f"lies inside the checkpoint {other}" in capsys.readouterr().err
+
+
+def test_output_never_replaces_a_file_given_as_standard_input(checkpoint, tmp_path):
+    """`aiayn translate CKPT -o f < f` wrote the translation over f, exit 0 (-i f, or -i /dev/stdin, was
+    refused)."""
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3\n", encoding="utf-8")
+    command = [sys.executable, "-m", "aiayn", "translate", str(checkpoint), "-o", str(src), "-q"]
+    with open(src, "rb") as stdin:
+        done = subprocess.run(command, stdin=stdin, capture_output=True, text=True)
+    assert done.returncode == 2 and "is the input (standard input)" in done.stderr
+    assert src.read_text(encoding="utf-8") == "the number 3\n"
 
 
 def test_a_text_of_no_pieces_stays_empty(checkpoint, tmp_path, capsys):

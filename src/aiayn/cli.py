@@ -107,6 +107,7 @@ def cmd_attention(args: argparse.Namespace) -> None:
     if relation in ("is", "lies inside"):  # as translate -o: a run's keep_last deletes checkpoints whole
         raise UserError(f"{args.out}: {relation} the checkpoint {args.checkpoint}; "
                         "choose a folder outside it")
+    _check_outside_checkpoints(Path(args.out))
     ck = load_checkpoint(args.checkpoint)
     maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt).select(args.layers, args.heads)
     files = draw_attention(maps, args.out, title=f"attention of {args.checkpoint}: {args.src}")
@@ -173,6 +174,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
     # and a sampling option given without --sample is refused rather than ignored
     given = {"beam": args.beam, "lenpen": args.lenpen, "temperature": args.temperature, "top_k": args.top_k,
              "top_p": args.top_p, "seed": args.seed}
+    for name in ("temperature", "top_k", "top_p", "seed"):  # DecodeConfig sees values, not which were given
+        if given[name] is not None and not args.sample:
+            raise UserError(f"--{name.replace('_', '-')} {given[name]} needs --sample (a search ignores it)")
     options.update({k: v for k, v in given.items() if v is not None})
     decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading or reading
     _check_streams(args.input, args.output)  # before the model loads and translates for nothing
@@ -182,6 +186,8 @@ def cmd_translate(args: argparse.Namespace) -> None:
         from aiayn.files import check_file_output
 
         check_file_output(args.output, [Path(p) for p in [*args.checkpoint, args.input or "-"] if p != "-"])
+        _check_not_stdin(args.input, Path(args.output))
+        _check_outside_checkpoints(Path(args.output))
     keep_freed_memory()  # each batch re-allocates the same logits, caches and encoder states
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -205,6 +211,29 @@ def cmd_translate(args: argparse.Namespace) -> None:
             progress = stack.enter_context(tqdm(total=total, unit="line", file=sys.stderr)).update
         chunk = 1 if name == "<stdin>" and src.isatty() else args.chunk  # interactive: answer each line
         translate_stream(translator, src, dst, name, chunk, args.max_tokens, progress, **options)
+
+
+def _check_outside_checkpoints(output: Path) -> None:
+    """An output (a file, or a folder of pictures) may not be or lie inside any checkpoint directory (one
+    with weights and meta.json), read or not: training's keep_last deletes such directories whole, and
+    `average` or `export` read them."""
+    from aiayn.checkpoint import META, WEIGHTS
+
+    for place in (output.absolute(), *output.absolute().parents):
+        if (place / META).is_file() and (place / WEIGHTS).is_file():
+            raise UserError(f"{output}: lies inside the checkpoint {place}; write it elsewhere")
+
+
+def _check_not_stdin(input: str | None, output: Path) -> None:
+    """`translate CKPT -o f < f`: the shell gave the input file as stdin, which -o would replace."""
+    if input not in (None, "-") or sys.stdin is None or not output.exists():
+        return
+    try:
+        same = os.path.samestat(os.fstat(sys.stdin.fileno()), os.stat(output))
+    except (OSError, ValueError):  # no file descriptor behind stdin (a notebook, a test's StringIO)
+        return
+    if same:
+        raise UserError(f"{output}: is the input (standard input); writing it would destroy the input")
 
 
 def _check_streams(input: str | None, output: str | None) -> None:

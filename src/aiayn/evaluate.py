@@ -157,6 +157,7 @@ def corpus_scores(
     for label, metric in metrics:
         result = metric.corpus_score(list(hypotheses), [list(r) for r in references], n_bootstrap=confidence or 1)
         ci = getattr(result, "_ci", None) if confidence else None
+        ci = None if ci is None else float(ci)  # sacreBLEU's is a numpy float32, which json cannot write
         out.append(Score(label or result.name, result.score, str(metric.get_signature()), str(result), ci))
     return out
 
@@ -189,6 +190,8 @@ def read_hypotheses(path: str | Path) -> list[str]:
     """The lines of a translation file, or of standard input for "-" (`aiayn translate ... | aiayn
     evaluate - REF`), checked as every text file is."""
     if str(path) == "-":
+        if sys.stdin is None:  # started with stdin closed (`<&-`, some service managers)
+            raise UserError("<stdin>: closed; give the translations as a file")
         return read_lines("<stdin>", sys.stdin.buffer)
     return read_once(path)
 

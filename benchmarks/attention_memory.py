@@ -51,11 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` beside this
 from common import (
     LOCAL_RESULTS,
     at_least,
+    check_out,
     environment,
     load_average,
     markdown_table,
     require_device,
     status_kib,
+    with_suffix_added,
 )
 
 log = logging.getLogger("benchmarks.attention_memory")
@@ -238,8 +240,10 @@ def memory_table(series: dict, cfg: MemoryConfig, mode: str) -> str:
         square = cfg.batch * cfg.heads * n * n * 4  # one float32 (B, H, n, n) matrix
         row = [n, f"{cfg.batch * cfg.heads * n * cfg.head_dim * 4 / MIB:.1f}", _mib(s), _mib(e)]
         both = "peak_bytes" in s and "peak_bytes" in e and s["peak_bytes"] > 0
-        row.append(f"{e['peak_bytes'] / s['peak_bytes']:.0f}x" if both else "-")
-        row.append(f"{e['peak_bytes'] / square:.2f}" if "peak_bytes" in e else "-")
+        predicted = " (predicted)" if both and not (s["measured"] and e["measured"]) else ""
+        row.append(f"{e['peak_bytes'] / s['peak_bytes']:.2g}x{predicted}" if both else "-")  # 0.9x, not "1x"
+        row.append(f"{e['peak_bytes'] / square:.2f}" + ("" if e["measured"] else " (predicted)")
+                   if "peak_bytes" in e else "-")
         rows.append(row)
     header = [
         "n",
@@ -393,6 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
         "device": args.device,
     }
     cfg = MemoryConfig(**{**asdict(cfg), **{k: v for k, v in overrides.items() if v is not None}})
+    stem = args.out / f"attention_memory_{torch.device(cfg.device).type}{'_quick' if args.quick else ''}"
+    check_out(stem, [with_suffix_added(stem, s) for s in (".json", ".md", ".png")])  # before the runs
     env = environment()  # before the runs: the load average is the machine's, not this run's
     series = run_all(cfg)
     result = {
@@ -403,11 +409,9 @@ def main(argv: list[str] | None = None) -> dict:
         "series": series,
     }
     text, data = markdown(result, cfg), json.dumps(result, indent=1)  # both made before any file is written
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"attention_memory_{torch.device(cfg.device).type}{'_quick' if args.quick else ''}"
-    plot(result["series"], cfg, stem.with_suffix(".png"))
-    stem.with_suffix(".md").write_text(text)
-    stem.with_suffix(".json").write_text(data)
+    plot(result["series"], cfg, with_suffix_added(stem, ".png"))
+    with_suffix_added(stem, ".md").write_text(text)
+    with_suffix_added(stem, ".json").write_text(data)
     log.info("wrote %s.{json,md,png}", stem)
     return result
 

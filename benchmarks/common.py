@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import math
 import os
 import platform
 import statistics
@@ -90,11 +91,15 @@ def peer_available(module: str, peer: str) -> bool:
 
 
 def require_device(name: str) -> torch.device:
-    """`name` as a torch.device; exits with one line when it is not one, or is a CUDA device not here."""
+    """`name` as a torch.device; exits with one line when it is not one, is not a CPU or CUDA device (the
+    benchmarks time and synchronise those two: a meta tensor "ran" in no time), or is a CUDA device not
+    here."""
     try:
         device = torch.device(name)
     except RuntimeError:
         raise SystemExit(f"--device {name}: not a device name torch knows") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {name}: the benchmarks run on cpu or cuda")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise SystemExit(f"--device {name}: no such CUDA device here "
                          f"(torch.cuda.is_available() is {torch.cuda.is_available()})")
@@ -112,9 +117,34 @@ def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
         if not value >= minimum:  # `not >=`: also refuses nan
             raise argparse.ArgumentTypeError(f"must be at least {minimum}: {text!r}")
+        if not math.isfinite(value):  # inf: a sleep or a loop that never ends, or an OverflowError later
+            raise argparse.ArgumentTypeError(f"must be finite: {text!r}")
         return value
 
     return parse
+
+
+def check_out(path: Path, also: list[Path] = ()) -> None:
+    """Exit with one line, before any measuring, if `path` (and the files `also` beside it) cannot be
+    written: a directory in the way, or a parent that cannot be made or written to. Makes the parent
+    directories."""
+    for target in [path, *also]:
+        if target.is_dir():
+            raise SystemExit(f"--out {path}: {target} is a directory")
+    existing = next(p for p in path.absolute().parents if p.exists())  # "/" does
+    if not existing.is_dir():
+        raise SystemExit(f"--out {path}: {existing} is not a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--out {path}: cannot make {path.parent} ({e.strerror or e})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise SystemExit(f"--out {path}: {path.parent} is not writable")
+
+
+def with_suffix_added(path: Path, suffix: str) -> Path:
+    """`path` + `suffix` (decode_v1.5 -> decode_v1.5.json, where Path.with_suffix made decode_v1.json)."""
+    return path.with_name(path.name + suffix)
 
 
 def comma_choices(choices: list[str], allow_empty: bool = False) -> Callable[[str], list[str]]:

@@ -63,8 +63,10 @@ from common import (  # noqa: E402
     environment,
     load_average,
     peer_available,
+    check_out,
     require_device,
     status_kib,
+    with_suffix_added,
 )
 
 from aiayn.checkpoint import load_into  # noqa: E402
@@ -460,6 +462,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     require_device(args.device)
     args.out = Path(args.out) if args.out else LOCAL_RESULTS / f"decode_{args.device}"
+    check_out(args.out, [with_suffix_added(args.out, s) for s in (".json", ".md")])  # before the timing
+    if not -(2**63) <= args.seed < 2**63:  # torch.manual_seed's range
+        parser.error(f"--seed {args.seed}: must be within [-2**63, 2**63)")
     return args
 
 
@@ -503,8 +508,8 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"environment": env, "tokens_per_second_by_threads": per_threads, "resident_mb_after_runs": memory}
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    out.with_suffix(".md").write_text(
+    with_suffix_added(out, ".json").write_text(json.dumps(record, indent=2) + "\n")
+    with_suffix_added(out, ".md").write_text(
         f"# Decoding speed, {args.device}\n\n`{env['command']}`\n\n{text}\n\n"
         f"Resident memory of each engine's process (@ thread count) after the runs, MB (freed heap returned "
         f"first; every process also holds the libraries it loaded; the float32 weights are {weights_mb:.0f} MB): "

@@ -12,9 +12,13 @@
 # src/ (nothing installed). Writes $OUT/log.txt and the benchmarks' reports.
 set -u
 OUT=${OUT:-benchmarks/results/local/gpu}
-mkdir -p "$OUT"
+budget=${1:-540}
+if ! [[ $budget =~ ^[0-9]+$ ]] || ((10#$budget < 10)); then
+  echo "gpu.sh: SECONDS must be a whole number of seconds, at least 10, not '$budget'" >&2; exit 2
+fi
+mkdir -p "$OUT" || { echo "gpu.sh: cannot make the folder OUT=$OUT" >&2; exit 2; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-deadline=$((SECONDS + ${1:-540}))
+deadline=$((SECONDS + 10#$budget))
 
 run() {  # run CAP COMMAND...: COMMAND under min(CAP, seconds left), its status and time said, never fatal
   local cap=$1 left=$((deadline - SECONDS)) began=$SECONDS
@@ -36,7 +40,7 @@ torch.cuda.get_device_name())"
   run 150 python3 benchmarks/train_step.py --device cuda --configs small,base,base25k --no-compile \
     --steps 10 --warmup 3 --loss-steps 150 --out "$OUT/train_step_gpu.md"
   run 120 python3 benchmarks/decode.py --device cuda --repeats 5 --out "$OUT/decode_gpu"
-  run 90 python3 -m aiayn demo --device cuda --out "$(mktemp -d)/demo"
+  run 90 python3 -m aiayn demo --device cuda --out "${TMPDIR:-/tmp}/aiayn-gpu-demo-$$"
   run 150 python3 benchmarks/train_step.py --device cuda --configs base25k --precisions bf16 \
     --steps 10 --warmup 3 --loss-steps 0 --out "$OUT/train_step_gpu_compiled.md"
 } 2>&1 | tee "$OUT/log.txt"

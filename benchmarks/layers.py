@@ -46,11 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` beside this
 from common import (
     LOCAL_RESULTS,
     at_least,
+    check_out,
     environment,
     load_average,
     markdown_table,
     require_device,
     sync,
+    with_suffix_added,
 )
 
 from aiayn.model import MultiHeadAttention
@@ -495,10 +497,10 @@ def write_results(result: dict, cfg: GridConfig, stem: Path, json_too: bool = Tr
     text = markdown(result, cfg)
     data = json.dumps(result, indent=1) if json_too else None
     stem.parent.mkdir(parents=True, exist_ok=True)
-    plot(result["times"], result["crossovers"], cfg, stem.with_suffix(".png"))
-    stem.with_suffix(".md").write_text(text)
+    plot(result["times"], result["crossovers"], cfg, with_suffix_added(stem, ".png"))
+    with_suffix_added(stem, ".md").write_text(text)  # with_suffix cut a --tag of b8.v2 to b8
     if data is not None:
-        stem.with_suffix(".json").write_text(data)
+        with_suffix_added(stem, ".json").write_text(data)
 
 
 def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | None]:
@@ -514,11 +516,15 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
                         help="stop a width after a round this long (default 6 s)")
     parser.add_argument("--tag", help="add _TAG to the file names (a run beside the default one)")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="redraw the md and png of a saved run")
-    parser.add_argument("--out", type=Path, default=LOCAL_RESULTS,
+    parser.add_argument("--out", type=Path,
                         help="directory for the json, md and png (default benchmarks/results/local, "
-                             "ignored by git)")
+                             "ignored by git; with --replot: beside the json)")
     args = parser.parse_args(argv)
     require_device(args.device)
+    for d in args.widths or ():  # MultiHeadAttention's heads must divide the width
+        if d % n_heads(d, 64):
+            parser.error(f"--widths {d}: not divisible by its {n_heads(d, 64)} heads of 64 "
+                         "(use a multiple of 64, or a width under 128)")
     cfg = QUICK if args.quick else GridConfig()
     overrides = {
         "lengths": args.lengths and tuple(sorted(set(args.lengths))),  # the sweep stops at the first slow n
@@ -531,26 +537,38 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     cfg = GridConfig(**{**asdict(cfg), **{k: v for k, v in overrides.items() if v is not None}})
     stem = f"layers_{torch.device(cfg.device).type}"
     stem += ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
-    return cfg, args.out, stem, args.replot
+    if args.replot is not None:
+        return cfg, args.out, stem, args.replot
+    out = args.out or LOCAL_RESULTS
+    files = [with_suffix_added(out / stem, s) for s in (".json", ".md", ".png")]
+    check_out(out / stem, files)  # before the run, not after it
+    return cfg, out, stem, None
 
 
-def replot(path: Path) -> None:
-    """Redraw the markdown and the plot of a saved run from its json (the figures are not re-measured)."""
-    result = json.loads(path.read_text())
+def replot(path: Path, out: Path | None = None) -> None:
+    """Redraw the markdown and the plot of a saved run from its json (the figures are not re-measured),
+    beside it or into the directory `out`."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # missing, a directory, not JSON, not UTF-8
+        raise SystemExit(f"--replot {path}: cannot read a saved run ({e})") from None
     config = {k: tuple(v) if isinstance(v, list) else v for k, v in result["config"].items()}
     cfg = GridConfig(**config)
     # json keys are strings: back to the ints the tables and the plot sort by
     times = {int(d): {int(n): cell for n, cell in cells.items()} for d, cells in result["times"].items()}
     cross = {int(d): pairs for d, pairs in result["crossovers"].items()}
     result.update(times=times, crossovers=cross)
-    write_results(result, cfg, path.with_suffix(""), json_too=False)
+    stem = path.with_suffix("") if out is None else out / path.stem
+    if out is not None:
+        check_out(stem, [with_suffix_added(stem, s) for s in (".md", ".png")])
+    write_results(result, cfg, stem, json_too=False)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the grid, write OUT/layers_{device}[_quick][_tag].{json,md,png}; returns what the json holds."""
     cfg, out, name, saved = parse_args(argv)
     if saved is not None:
-        replot(saved)
+        replot(saved, out)
         return {}
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)

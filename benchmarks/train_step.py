@@ -7,7 +7,7 @@ The process keeps freed memory (`aiayn.memory.keep_freed_memory`, as `aiayn trai
 speeds up every system alike. Every system gets the
 same shapes (d_model, heads, d_ff, layers, vocabulary, ReLU, dropout 0.1, attention dropout 0, one shared
 embedding tied to the output projection, sinusoidal positions) and the very same batch. Systems are
-timed interleaved (A B C A B C ...), so that the noise of a shared machine falls on all of them alike;
+timed interleaved (A B C C B A ...), so that the noise of a shared machine falls on all of them alike;
 what counts are ratios measured in the same run.
 
 Also: model FLOP utilisation against a matmul peak measured here; the floor that the step's Linear
@@ -36,6 +36,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -49,6 +50,7 @@ from common import (  # noqa: E402
     comma_choices,
     environment,
     markdown_table,
+    check_out,
     peer_available,
     require_device,
     timeit,
@@ -500,7 +502,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.configs and peer_available("transformers", "the Marian peer"):
         args.systems.append("Marian")
     out = args.out or str(LOCAL_RESULTS / "train_step.md")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    if not out.endswith(".md"):  # the json goes beside it: --out r.json was replaced by the json
+        p.error(f"--out {out}: name the markdown report, ending in .md (the json is written beside it)")
+    check_out(Path(out), [Path(out).with_suffix(".json")])  # a directory in the way failed after the timing
+
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()

@@ -210,3 +210,38 @@ def test_attention_memory_writes_its_default_folder(tmp_path, monkeypatch):
     attention_memory.main(["--lengths", "32", "16"])
     for suffix in ("json", "md", "png"):
         assert (tmp_path / "local" / f"attention_memory_cpu.{suffix}").stat().st_size > 0
+
+
+@pytest.mark.parametrize("script", [layers, attention_memory])
+@pytest.mark.parametrize("bad, message", [
+    (["--device", "meta"], "the benchmarks run on cpu or cuda"),  # meta tensors "ran" in no time, exit 0
+    (["--out", "FILE"], "is not a directory"),  # a FileExistsError after the whole run
+])
+def test_a_device_or_folder_it_cannot_use_is_refused_before_measuring(script, bad, message, tmp_path):
+    (tmp_path / "FILE").write_text("mine")
+    argv = [tmp_path / "FILE" if a == "FILE" else a for a in bad]
+    with pytest.raises(SystemExit, match=message):
+        out = [] if "--out" in bad else ["--out", str(tmp_path)]
+        script.main([*map(str, argv), "--lengths", "8", *out])
+    assert (tmp_path / "FILE").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]
+
+
+def test_replot_writes_where_out_says_and_a_tag_keeps_its_dots(tmp_path, capsys):
+    """--replot ignored --out and rewrote the md beside the json (the committed results); a --tag of
+    b8.v2 was written as ..._b8.{json,md,png} while the log said _b8.v2."""
+    layers.main(["--lengths", "8", "--widths", "16", "--batch", "1", "--cell-limit", "0", "--tag", "b8.v2",
+                 "--out", str(tmp_path / "run")])
+    saved = tmp_path / "run" / "layers_cpu_b8.v2.json"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "layers_cpu_b8.v2.json", "layers_cpu_b8.v2.md", "layers_cpu_b8.v2.png"]
+    before = (tmp_path / "run" / "layers_cpu_b8.v2.md").stat().st_mtime_ns
+    layers.main(["--replot", str(saved), "--out", str(tmp_path / "again")])
+    again = sorted(p.name for p in (tmp_path / "again").iterdir())
+    assert again == ["layers_cpu_b8.v2.md", "layers_cpu_b8.v2.png"]
+    assert (tmp_path / "run" / "layers_cpu_b8.v2.md").stat().st_mtime_ns == before
+    with pytest.raises(SystemExit, match="cannot read a saved run"):
+        layers.main(["--replot", str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit):  # a reshape traceback in the model, once timing began
+        layers.main(["--widths", "129", "--out", str(tmp_path)])
+    assert "--widths 129: not divisible by its 2 heads" in capsys.readouterr().err

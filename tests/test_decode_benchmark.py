@@ -105,3 +105,24 @@ def test_cuda_without_a_device_is_refused_up_front():
 def test_output_defaults_to_the_local_results_folder():
     assert decode.parse_args([]).out == decode.LOCAL_RESULTS / "decode_cpu"
     assert decode.LOCAL_RESULTS.name == "local" and decode.LOCAL_RESULTS.parent.name == "results"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--settle", "inf"], "must be finite"),  # an OverflowError in time.sleep after the models were built
+    (["--seed", str(10**23)], "must be within"),  # an overflow traceback
+    (["--device", "meta"], "invalid choice: 'meta'"),
+])
+def test_values_it_cannot_use_are_refused_up_front(bad, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        decode.parse_args(bad)
+    assert message in capsys.readouterr().err + str(stopped.value)  # argparse's usage line, or the exit's
+
+
+def test_an_output_prefix_keeps_its_dots_and_is_checked_before_timing(tmp_path):
+    """--out D/decode_v1.5 wrote decode_v1.{json,md} (over another run's); --out FILE/x failed after the
+    run."""
+    (tmp_path / "FILE").write_text("mine")
+    with pytest.raises(SystemExit, match="is not a directory"):
+        decode.parse_args(["--out", str(tmp_path / "FILE" / "x")])
+    out = decode.parse_args(["--out", str(tmp_path / "decode_v1.5")]).out
+    assert decode.with_suffix_added(out, ".json").name == "decode_v1.5.json"

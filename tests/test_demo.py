@@ -136,3 +136,27 @@ def test_default_demo_reaches_99_percent(tmp_path):
     hyps, refs, _ = check_outputs(tmp_path / "demo", result.total)
     assert result.correct == sum(h == r for h, r in zip(hyps, refs))
     assert result.accuracy >= 0.99, result.examples
+
+
+def test_a_beam_wider_than_the_vocabulary_and_an_empty_out_are_refused_up_front(tmp_path, capsys):
+    """--beam 100000000 failed with 'out of memory' after the training, and its run/ blocked a rerun;
+    --out '' wrote into the current directory."""
+    assert main(["demo", "--out", str(tmp_path / "d"), "--beam", "100000000"]) == 2
+    assert "--beam 100000000 is more than the 500 pieces" in capsys.readouterr().err
+    assert main(["demo", "--out", ""]) == 2
+    assert "--out is empty" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_demo_stopped_by_a_signal_names_what_it_left(tmp_path, monkeypatch):
+    """The trainer's message said '--resume continues from there'; the demo has no --resume."""
+    from aiayn.errors import Stopped
+    from aiayn.train import loop
+
+    def stopped(config, resume=False):
+        raise Stopped("stopped by SIGINT at update 3, saved in x; --resume continues from there", 2)
+
+    monkeypatch.setattr(loop, "train", stopped)
+    with pytest.raises(Stopped, match="demo stopped during training") as e:
+        run_demo(DemoConfig(out=str(tmp_path / "d"), size="tiny", steps=5, n_train=300, n_test=5))
+    assert "--resume" not in str(e.value) and e.value.exit_status == 130

@@ -111,6 +111,20 @@ def test_plot_command_gives_one_line_for_a_bad_line(tmp_path, capsys):
     assert err == [f"aiayn: error: {tmp_path / 'metrics.jsonl'}:2: not a JSON object: 42"]
 
 
+@pytest.mark.parametrize("line, problem", [
+    (b'{"step": 2, "valid_loss": 1.0, "valid_bleu": "abc"}\n', "'valid_bleu' is \"abc\", not a number"),
+    (b'{"step": 2, "valid_bleu": null}\n', "'valid_bleu' is null, not a number"),  # these two: TypeError
+    (b'{"step": 1e308, "loss": 1.0}\n', "'step' is 1e+308, not an update number"),  # a ValueError traceback
+])
+def test_plot_command_refuses_values_it_cannot_draw(tmp_path, capsys, line, problem):
+    write_log(tmp_path / "metrics.jsonl", whole(TRAIN[0]), line)
+    assert cli.main(["plot", str(tmp_path), "-o", str(tmp_path / "c.png")]) == 2
+    assert capsys.readouterr().err.strip() == f"aiayn: error: {tmp_path / 'metrics.jsonl'}:2: {problem}"
+    assert cli.main(["plot", str(tmp_path), "-o", ""]) == 2  # was the default path, silently
+    assert "--output is empty" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists() and not (tmp_path / "curves.png").exists()
+
+
 @pytest.mark.parametrize("content", [b"", b'{"step": 1, "lo'])  # nothing yet; only a line cut by a kill
 def test_plot_command_refuses_a_log_with_no_metrics(tmp_path, capsys, content):
     write_log(tmp_path / "metrics.jsonl", content)

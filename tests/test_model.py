@@ -139,6 +139,14 @@ def test_embeddings_are_shared_and_scaled():
     assert separate(padded_batch([3], 50), padded_batch([2], 40)).shape == (1, 2, 40)
 
 
+def test_attention_refuses_heads_that_do_not_divide_the_width():
+    """MultiHeadAttention(129, 2) was built, then failed at the first forward with a reshape error."""
+    from aiayn.model import MultiHeadAttention
+
+    with pytest.raises(ValueError, match="d_model=129 is not divisible into n_heads=2"):
+        MultiHeadAttention(129, 2, self_attention=True)
+
+
 def test_config_errors_name_the_problem():
     with pytest.raises(ConfigError, match="n_heads"):
         ModelConfig(vocab_size=10, d_model=30, n_heads=4)

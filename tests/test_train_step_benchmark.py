@@ -126,3 +126,15 @@ def test_benchmark_runs_on_a_gpu(tmp_path):
     assert {(r["system"], r["precision"]) for r in saved["rows"]} == {
         (s, p) for s in ("aiayn", "nn.Transformer", "Marian") for p in ("fp32", "bf16")}
     assert saved["environment"]["gpu"] and saved["loss_curve"]["steps"] == 3
+
+
+@pytest.mark.parametrize("out, message", [
+    ("r.json", "ending in .md"),  # the markdown was written there, then replaced by the json
+    ("FILE/x.md", "is not a directory"),  # a traceback, after all the timing for a directory in the way
+])
+def test_an_output_it_cannot_write_is_refused_before_timing(tmp_path, capsys, out, message):
+    (tmp_path / "FILE").write_text("mine")
+    with pytest.raises(SystemExit) as stopped:
+        train_step.main(["--configs", "tiny", "--out", str(tmp_path / out)])
+    assert message in capsys.readouterr().err + str(stopped.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]

@@ -26,7 +26,7 @@ from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
 from aiayn.decoding.options import DecodeConfig
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
-from aiayn.errors import UserError
+from aiayn.errors import Stopped, UserError
 from aiayn.files import check_directory_path
 from aiayn.train.config import MAX_SEED
 
@@ -98,6 +98,12 @@ class DemoConfig:
             DecodeConfig(beam=self.beam, early_stopping=False)  # what `translate` searches with
         except ConfigError as e:
             problems.append(f"--beam {self.beam}: {e}")
+        if not self.out:  # Path("") is the current directory, not ./demo
+            problems.append("--out is empty: give a folder name (default ./demo)")
+        vocabulary = SIZES[self.size]["vocab_size"]
+        if self.beam > vocabulary:  # ran out of memory after the training, and the run then blocked a rerun
+            problems.append(f"--beam {self.beam} is more than the {vocabulary} pieces of the demo's "
+                            "vocabulary")
         return problems
 
 
@@ -181,7 +187,12 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     check_out(out)
     test_pairs, paths = write_corpus(config, out / "data")
     start = time.monotonic()
-    result = train(run_config(config, paths, run_dir))
+    try:
+        result = train(run_config(config, paths, run_dir))
+    except Stopped as e:  # the trainer's message says --resume, which the demo does not have
+        raise Stopped(f"demo stopped during training; its checkpoint is in {run_dir}, which `aiayn "
+                      f"translate` can use; to run the demo again, delete {run_dir} or choose another --out",
+                      e.exit_status - 128) from None
     seconds = time.monotonic() - start
     ck = load_checkpoint(checkpoint_dirs(run_dir)[-1])
     log.info("trained %d updates in %.0f s; translating %d held-out sentences (beam %d)", result["step"],

@@ -110,6 +110,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, self_attention: bool):
         super().__init__()
+        if n_heads < 1 or d_model % n_heads:  # ModelConfig checks this; a direct caller met a reshape error
+            raise ValueError(f"d_model={d_model} is not divisible into n_heads={n_heads} heads")
         self.n_heads = n_heads
         self.self_attention = self_attention
         if self_attention:

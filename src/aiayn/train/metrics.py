@@ -17,7 +17,8 @@ from aiayn.files import atomic_output, check_file_output, make_directory
 log = logging.getLogger(__name__)
 
 # The keys the picture draws; where a record has one, it must be a number.
-PLOTTED = ("step", "loss", "nll", "valid_loss", "valid_nll", "lr")
+PLOTTED = ("step", "loss", "nll", "valid_loss", "valid_nll", "lr", "valid_bleu")
+MAX_STEP = 2**53  # a step past any run (and past float precision: matplotlib's ticks failed on 1e308)
 
 
 class MetricsLog:
@@ -116,6 +117,8 @@ def _check_numbers(record: dict[str, Any], where: str) -> None:
         value = record.get(key)
         if key in record and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UserError(f"{where}: {key!r} is {json.dumps(value)[:40]}, not a number")
+    if not -MAX_STEP <= record.get("step", 0) <= MAX_STEP:
+        raise UserError(f"{where}: 'step' is {record['step']}, not an update number")
 
 
 def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:

@@ -59,3 +59,47 @@ def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path):
     assert scored["configs"] == trained["configs"] and trained["configs"][0]["model"]["preset"] == "micro"
     assert scored["command"].endswith("--set model.preset=base") and "--no-train" in scored["command"]
     assert {"commit", "cpu", "torch", "date", "load_average"} <= set(scored["environment"])
+
+
+def test_a_signal_to_the_ensemble_script_stops_its_members_too(monkeypatch):
+    """SIGTERM to `run.py --ensemble` ended it (143) and left both member trainings running as orphans."""
+    import os
+    import signal
+    import threading
+
+    slow = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(run.Stopped, match="SIGTERM") as e:
+        run.wait_all(slow, poll_s=0.05)
+    assert [p.returncode for p in slow] == [-15, -15] and e.value.exit_status == 143
+
+
+def test_files_it_would_score_and_search_options_are_checked_before_training(tmp_path, capsys):
+    """A missing test file, or --lenpen 20, failed after the whole training (80 minutes in the recipe)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "val"):
+        for lang in ("en", "de"):
+            (data / f"{split}.{lang}").write_text("ein Hund\n", encoding="utf-8")
+    base = ["--data", str(data), "--set", f"train.run_dir={tmp_path / 'run'}"]
+    assert run.main([*base, "--test"]) == 2
+    assert "test_2016_flickr.en: file not found" in capsys.readouterr().err
+    assert run.main([*base, "--lenpen", "20"]) == 2
+    assert "lenpen=20.0" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_stopped_training_is_one_line_with_the_signals_status(tmp_path, capsys, monkeypatch):
+    """It was a Stopped traceback, exit 1, advising a --resume the script did not have."""
+    def stopped(config, resume=False):
+        raise run.Stopped("stopped by SIGTERM at update 601, saved in x; --resume continues from there", 15)
+
+    monkeypatch.setattr(run, "train", stopped)
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "val"):
+        for lang in ("en", "de"):
+            (data / f"{split}.{lang}").write_text("ein Hund\n", encoding="utf-8")
+    assert run.main(["--data", str(data), "--set", f"train.run_dir={tmp_path / 'run'}"]) == 143
+    assert capsys.readouterr().err.strip().startswith("run.py: stopped by SIGTERM")
+    assert run.parse_args(["--data", "x", "--resume"]).resume is True  # what that line advises

@@ -6,6 +6,7 @@ a vocabulary SentencePiece cannot build, a malformed config or checkpoint, a sta
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import logging
@@ -873,3 +874,21 @@ def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes("\ufeff[train]\nmax_updates = 7\n".encode("utf-8"))
     assert load_config(path).train.max_updates == 7
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_a_refusal_every_process_reaches_is_printed_by_process_0_only(rank, printed, monkeypatch, capsys):
+    """Under torchrun an unknown --set key or a resume refusal was printed once per process."""
+    monkeypatch.setenv("RANK", rank)
+    assert cli.main(["train", "--set", "train.bogus=1"]) == 2
+    assert ("unknown train key 'bogus'" in capsys.readouterr().err) == printed
+
+    def failing(error: Exception):
+        def run(args):
+            raise error
+        return argparse.Namespace(func=run)
+
+    assert cli._run(failing(distributed.SameOnEveryProcess("ck: saved by 2 process(es) x ..."))) == 2
+    assert ("saved by 2 process(es)" in capsys.readouterr().err) == printed
+    assert cli._run(failing(UserError("x.de: missing"))) == 2
+    assert "x.de: missing" in capsys.readouterr().err  # a process's own failure: printed wherever it is

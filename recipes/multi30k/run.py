@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +26,8 @@ from aiayn.checkpoint import read_meta
 from aiayn.cli import positive_int
 from aiayn.config import ConfigError
 from aiayn.data.dataset import read_lines
-from aiayn.errors import UserError
+from aiayn.decoding import DecodeConfig
+from aiayn.errors import Stopped, UserError
 from aiayn.evaluate import corpus_scores
 from aiayn.train.average import average_last
 from aiayn.train.config import load_config
@@ -60,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--average", type=positive_int, default=5, help="average the last K checkpoints")
     p.add_argument("--no-train", action="store_true",
                    help="score the run's existing checkpoints (e.g. on test, once, after tuning on val)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a training that a signal or Ctrl-C stopped (each --ensemble member too)")
     p.add_argument("--ensemble", action="store_true",
                    help="train the recipe's model and the pair's partner (PARTNER) at the same time "
                    "(half the threads each) in RUN_DIR/a and RUN_DIR/b, then decode them as an ensemble")
@@ -88,7 +92,8 @@ def train_members(args: argparse.Namespace, run_dir: Path, threads: int) -> list
         return members
     procs = []
     for overrides in members:
-        cmd = [sys.executable, __file__, "--data", args.data, "--pair", args.pair, "--train-only"]
+        cmd = [sys.executable, __file__, "--data", args.data, "--pair", args.pair, "--train-only",
+               *(["--resume"] if args.resume else [])]
         procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)]))
     codes = wait_all(procs)
     if any(codes):
@@ -97,17 +102,36 @@ def train_members(args: argparse.Namespace, run_dir: Path, threads: int) -> list
 
 
 def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
-    """Every process' exit code. Once one fails, the others get SIGTERM (a training saves its update and
-    stops) and are waited for, instead of training on as orphans after this script has exited."""
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode not in (None, 0) for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                p.wait()
-            break
-        time.sleep(poll_s)
+    """Every process' exit code. Once one fails, or this script gets SIGTERM or Ctrl-C, the others get
+    SIGTERM (a training saves its update and stops) and are waited for, instead of training on as orphans
+    after this script has exited; a signal then stops this script as `Stopped`."""
+
+    def stop_all() -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            p.wait()
+
+    def on_sigterm(signum, frame):
+        raise Stopped("stopped by SIGTERM: each member saved its update; --resume continues", signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                stop_all()
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt:  # the members, in the same process group, got the Ctrl-C too
+        stop_all()
+        raise Stopped("stopped by SIGINT: each member saved its update; --resume continues",
+                      signal.SIGINT) from None
+    except Stopped:
+        stop_all()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return [p.returncode for p in procs]
 
 
@@ -119,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ConfigError) as e:  # a wrong --data, a run directory that is not there: one line
         print(f"run.py: error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:  # SIGTERM or Ctrl-C: the training saved its update (as `aiayn train` says it)
+        print(f"run.py: {e}", file=sys.stderr)
+        return e.exit_status
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,6 +161,12 @@ def run(args: argparse.Namespace) -> int:
 
     beam, lenpen = SEARCH[args.pair]
     beam, lenpen = beam if args.beam is None else args.beam, lenpen if args.lenpen is None else args.lenpen
+    DecodeConfig(beam=beam, lenpen=lenpen)  # a bad --lenpen failed after the whole training
+    splits = ["val", "test_2016_flickr"] if args.test else ["val"]
+    for split in (splits if args.no_train else ["train", *splits]):  # before training, not after it
+        for lang in (src, tgt):
+            if not (data / f"{split}.{lang}").is_file():
+                raise UserError(f"{data / f'{split}.{lang}'}: file not found")
     start = time.monotonic()
     if args.ensemble:
         members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m])
@@ -141,13 +174,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         members = [config]
         if not args.no_train:
-            train(config)
+            train(config, resume=args.resume)
         if args.train_only:
             return 0
     train_s = time.monotonic() - start
     averaged = [average_last(m.train.run_dir, args.average) for m in members]
     translator = Translator.load(averaged)
-    splits = ["val", "test_2016_flickr"] if args.test else ["val"]
     results = {"pair": args.pair, "train_s": round(train_s, 1), "checkpoints": [str(a) for a in averaged],
                "beam": beam, "lenpen": lenpen, "command": args.command,
                "environment": env,

@@ -510,9 +510,10 @@ def _run(args: argparse.Namespace) -> int:
     except (UserError, ConfigError) as e:
         repeated = False
         if os.environ.get("RANK", "0") != "0":  # under torchrun (torch is loaded: the import is free)
-            from aiayn.train.distributed import FailedOnMain
+            from aiayn.train.distributed import FailedOnMain, SameOnEveryProcess
 
-            repeated = isinstance(e, FailedOnMain)  # process 0 prints it: one line, not one per process
+            # process 0 prints these: one line, not one per process (a configuration is the same on each)
+            repeated = isinstance(e, (FailedOnMain, SameOnEveryProcess, ConfigError))
         if not repeated:
             print(f"aiayn: error: {e}", file=sys.stderr)
         return 2

@@ -90,6 +90,11 @@ def teardown(d: Dist) -> None:
         time.sleep(0.05)
 
 
+class SameOnEveryProcess(UserError):
+    """A refusal that every process reaches from the same inputs (a resumed run's settings against its
+    checkpoint): process 0 prints it, the command line on the others does not."""
+
+
 class FailedOnMain(UserError):
     """Process 0's failure in `on_main`, raised on the other processes; process 0 reports it itself,
     so the command line prints it there only."""

@@ -67,7 +67,7 @@ from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_mem
 from aiayn.model import Transformer
 from aiayn.train import distributed
 from aiayn.train.config import RunConfig, finetune_model_config
-from aiayn.train.distributed import Dist
+from aiayn.train.distributed import Dist, SameOnEveryProcess
 from aiayn.train.loss import label_smoothed_nll
 from aiayn.train.metrics import MetricsLog, plot_metrics
 from aiayn.train.schedule import cooldown_factor, inverse_sqrt_lr
@@ -781,8 +781,8 @@ def _check_same_batches(checkpoint: Path, config: RunConfig, d: Dist) -> None:
     for name, saved_value, value in (("train.seed", (trained or {}).get("seed"), tc.seed),
                                      ("data.max_len", (data or {}).get("max_len"), config.data.max_len)):
         if saved_value is not None and saved_value != value:
-            raise UserError(f"{checkpoint}: trained with {name}={saved_value}, resumed with {value}; keep it, "
-                            "or the epoch's position would point at other batches")
+            raise SameOnEveryProcess(f"{checkpoint}: trained with {name}={saved_value}, resumed with {value}; "
+                                     "keep it, or the epoch's position would point at other batches")
     tensors = checkpoint / "trainer.safetensors"
     if not isinstance(trained, dict) or not tensors.is_file():
         return  # restore() names what is missing
@@ -793,7 +793,7 @@ def _check_same_batches(checkpoint: Path, config: RunConfig, d: Dist) -> None:
         return
     saved = (processes * (trained.get("update_freq") or 1), trained.get("max_tokens") or tc.max_tokens)
     if processes and saved != (d.world_size * tc.update_freq, tc.max_tokens):
-        raise UserError(
+        raise SameOnEveryProcess(
             f"{checkpoint}: saved by {processes} process(es) x train.update_freq={trained.get('update_freq', 1)} "
             f"batches of train.max_tokens={saved[1]}, resumed with {d.world_size} x {tc.update_freq} of "
             f"{tc.max_tokens}; keep processes x update_freq and max_tokens as they were, or the epoch's "

@@ -241,7 +241,9 @@ def memory_table(series: dict, cfg: MemoryConfig, mode: str) -> str:
         row = [n, f"{cfg.batch * cfg.heads * n * cfg.head_dim * 4 / MIB:.1f}", _mib(s), _mib(e)]
         both = "peak_bytes" in s and "peak_bytes" in e and s["peak_bytes"] > 0
         predicted = " (predicted)" if both and not (s["measured"] and e["measured"]) else ""
-        row.append(f"{e['peak_bytes'] / s['peak_bytes']:.2g}x{predicted}" if both else "-")  # 0.9x, not "1x"
+        ratio = e["peak_bytes"] / s["peak_bytes"] if both else 0.0
+        shown = f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"  # 0.9x, not "1x" when SDPA is larger
+        row.append(shown + predicted if both else "-")
         row.append(f"{e['peak_bytes'] / square:.2f}" + ("" if e["measured"] else " (predicted)")
                    if "peak_bytes" in e else "-")
         rows.append(row)

@@ -116,6 +116,23 @@ def test_the_checkpoints_own_preset_may_be_named(aiayn_checkpoint, tmp_path):
         train(load_config(None, settings(src, tgt, tmp_path / "run2", start, "model.preset=tiny")))
 
 
+def test_the_runs_own_config_with_a_preset_and_overrides_may_fine_tune_it(aiayn_checkpoint, tmp_path):
+    """preset micro with d_model 48 trained a model that the same config could not fine-tune: the preset's
+    own d_model (32) was compared with the checkpoint's, not the config's."""
+    start, src, tgt = aiayn_checkpoint
+    first = settings(src, tgt, tmp_path / "run", start, "train.max_updates=1")
+    first = [s for s in first if not s.startswith("train.init_from=")]
+    first += ["model.preset=micro", "model.d_model=48", "data.vocab_size=40"]
+    train(load_config(None, first))
+    def again(run: str, *extra: str) -> list[str]:
+        return settings(src, tgt, tmp_path / run, only_checkpoint(tmp_path / "run"), "train.max_updates=1",
+                        "model.preset=micro", "model.d_model=48", "data.vocab_size=40", *extra)
+
+    assert train(load_config(None, again("run2")))["step"] == 1
+    with pytest.raises(ConfigError, match=r"model.d_model=64 differs from .*'s 48"):  # the override, named
+        train(load_config(None, again("run3", "model.d_model=64")))
+
+
 def test_dropout_may_be_set_and_missing_checkpoint_is_one_line(aiayn_checkpoint, tmp_path):
     start, src, tgt = aiayn_checkpoint
     sets = settings(src, tgt, tmp_path / "run", start, "train.max_updates=1", "model.dropout=0.3",

@@ -892,3 +892,9 @@ def test_a_refusal_every_process_reaches_is_printed_by_process_0_only(rank, prin
     assert ("saved by 2 process(es)" in capsys.readouterr().err) == printed
     assert cli._run(failing(UserError("x.de: missing"))) == 2
     assert "x.de: missing" in capsys.readouterr().err  # a process's own failure: printed wherever it is
+
+
+def test_a_logits_bias_that_training_would_never_change_is_refused():
+    """model.final_logits_bias=true trained a model identical to one without it (a zero buffer)."""
+    with pytest.raises(ConfigError, match="model.final_logits_bias=true is a fixed buffer"):
+        load_config(None, ["model.preset=micro", "model.final_logits_bias=true"])

@@ -170,6 +170,10 @@ class RunConfig:
         if set_by_tokenizer:
             raise ConfigError(f"model.{set_by_tokenizer[0]} comes from the tokenizer and cannot be set")
         self.model_config(vocab_size=64)  # check the model keys now, before any data is read
+        if self.model.get("final_logits_bias") is True and not self.train.init_from:
+            raise ConfigError("model.final_logits_bias=true is a fixed buffer that imported Marian models bring "
+                              "(HuggingFace does not train it either): a new model would keep it at zero; "
+                              "leave it out")
         if not self.data.shared_vocab and self.model.get("share_embeddings") is True:
             raise ConfigError("model.share_embeddings=true needs one vocabulary, but data.shared_vocab=false "
                               "trains one per side")
@@ -200,24 +204,26 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
 
     The weights fix everything else, so any other [model] key must equal the checkpoint's value (or be
     absent). A `preset` may name the checkpoint's shape (fine-tuning a `small` run with configs/small.toml):
-    each of its keys but dropout must then equal the checkpoint's too.
+    each of its keys but dropout, as [model] overrides it (the run's own config: preset micro, d_model 48),
+    must then equal the checkpoint's too.
     """
     values = dict(config.model)
     preset = values.pop("preset", None)
-    if preset is not None:
-        if preset not in PRESETS:
-            raise ConfigError(f"model.preset={preset!r} is not one of {sorted(PRESETS)}")
-        differ = [f"{key}={value!r} (the checkpoint's: {getattr(saved, key)!r})"
-                  for key, value in PRESETS[preset].items() if key != "dropout" and getattr(saved, key) != value]
-        if differ:
-            raise ConfigError(f"model.preset={preset!r} has {', '.join(differ)}; with train.init_from the model "
-                              f"is {where}'s: remove the preset or name the checkpoint's")
     for key, value in values.items():
         if key != "dropout" and getattr(saved, key) != value:
             raise ConfigError(
                 f"model.{key}={value!r} differs from {where}'s {getattr(saved, key)!r}; with "
                 "train.init_from only model.dropout may be set"
             )
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"model.preset={preset!r} is not one of {sorted(PRESETS)}")
+        differ = [f"{key}={value!r} (the checkpoint's: {getattr(saved, key)!r})"  # keys [model] leaves to it
+                  for key, value in PRESETS[preset].items()
+                  if key != "dropout" and key not in values and getattr(saved, key) != value]
+        if differ:
+            raise ConfigError(f"model.preset={preset!r} has {', '.join(differ)}; with train.init_from the model "
+                              f"is {where}'s: remove the preset or name the checkpoint's")
     if config.data.max_len > saved.max_len:
         raise ConfigError(
             f"data.max_len={config.data.max_len} is longer than {where}'s max_len={saved.max_len}"

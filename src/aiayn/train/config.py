@@ -171,8 +171,8 @@ class RunConfig:
             raise ConfigError(f"model.{set_by_tokenizer[0]} comes from the tokenizer and cannot be set")
         self.model_config(vocab_size=64)  # check the model keys now, before any data is read
         if self.model.get("final_logits_bias") is True and not self.train.init_from:
-            raise ConfigError("model.final_logits_bias=true is a fixed buffer that imported Marian models bring "
-                              "(HuggingFace does not train it either): a new model would keep it at zero; "
+            raise ConfigError("model.final_logits_bias=true is a fixed buffer that imported Marian models "
+                              "bring (HuggingFace does not train it either): a new model would keep it at zero; "
                               "leave it out")
         if not self.data.shared_vocab and self.model.get("share_embeddings") is True:
             raise ConfigError("model.share_embeddings=true needs one vocabulary, but data.shared_vocab=false "
@@ -222,8 +222,8 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
                   for key, value in PRESETS[preset].items()
                   if key != "dropout" and key not in values and getattr(saved, key) != value]
         if differ:
-            raise ConfigError(f"model.preset={preset!r} has {', '.join(differ)}; with train.init_from the model "
-                              f"is {where}'s: remove the preset or name the checkpoint's")
+            raise ConfigError(f"model.preset={preset!r} has {', '.join(differ)}; with train.init_from the "
+                              f"model is {where}'s: remove the preset or name the checkpoint's")
     if config.data.max_len > saved.max_len:
         raise ConfigError(
             f"data.max_len={config.data.max_len} is longer than {where}'s max_len={saved.max_len}"

@@ -170,7 +170,8 @@ def translate_tokens(translator, tokenizer: Tokenizer, texts: list[str], beam_si
 
     The source pieces are the tokenizer's, so that a Marian language code (`>>fra<<`) stays one piece.
     `min_decoding_length=0`: CTranslate2's default of 1 forbids an empty translation (EOS first), which
-    aiayn and HuggingFace allow; with it, a model whose best output is empty got another one here."""
+    aiayn and HuggingFace allow; with it, a model whose best output is empty got another one here.
+    `max_len` may not pass the model's position table (model.max_len): CTranslate2 raises there."""
     tgt_ids = {t: i for i, t in enumerate(target_tokens(tokenizer, tokenizer.tgt_vocab_size))}
     batch = [tokenizer.src_pieces(t)[:-1] for t in texts]  # without the EOS, which CTranslate2 appends
     results = translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=max_len,

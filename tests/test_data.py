@@ -520,3 +520,65 @@ def test_an_alphabet_larger_than_the_vocabulary_names_the_settings_that_fix_it(t
     assert tok.src_vocab_size == 64
     assert tok.unk_id not in tok.encode_tgt(text.src[1])
     assert any(tok.unk_id in tok.encode_tgt(line) for line in text.src[::25])  # the rarest are <unk>
+
+
+def test_an_edit_that_keeps_size_and_mtime_is_not_read_from_the_cache(tmp_path, corpus_files):
+    """Same size, `touch -d` back to the old mtime: the stale ids were served (a --resume trained on them)."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    before, _ = load_encoded(src, tgt, tok, tmp_path / "cache")
+    st = tgt.stat()
+    text = tgt.read_text(encoding="utf-8")
+    swapped = text.replace("a", "\0").replace("e", "a").replace("\0", "e")  # same length, other words
+    assert swapped != text and len(swapped.encode()) == st.st_size
+    tgt.write_text(swapped, encoding="utf-8")
+    os.utime(tgt, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after, _ = load_encoded(src, tgt, tok, tmp_path / "cache")
+    assert [after.target(i) for i in range(3)] == [tok.encode_tgt(line) for line in swapped.splitlines()[:3]]
+    assert [after.target(i) for i in range(3)] != [before.target(i) for i in range(3)]
+
+
+@pytest.mark.parametrize("damage", ["missing", "2d", "offsets", "ids", "float", "dropped"])
+def test_a_cache_with_wrong_contents_is_rebuilt_not_trusted(tmp_path, corpus_files, damage, caplog):
+    """Valid safetensors with the right key but wrong tensors: tracebacks later (KeyError, IndexError) or,
+    for offsets out of order or other dtypes, training on garbage."""
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    good, _ = load_encoded(src, tgt, tok, tmp_path / "cache")
+    [path] = (tmp_path / "cache").glob("*.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    t = load_file(str(path))
+    if damage == "missing":
+        del t["tgt_offsets"]
+    elif damage == "2d":
+        t["src_ids"] = t["src_ids"][None]
+    elif damage == "offsets":
+        t["src_offsets"] = t["src_offsets"].flip(0).contiguous()
+    elif damage == "ids":
+        t["tgt_ids"] = t["tgt_ids"] + 1000
+    elif damage == "float":
+        t["src_ids"] = t["src_ids"].float()
+    else:
+        meta = {**meta, "dropped_empty": "abc"}
+    save_file(t, str(path), metadata=meta)
+    with caplog.at_level("WARNING", logger="aiayn.data.dataset"):
+        again, _ = load_encoded(src, tgt, tok, tmp_path / "cache")
+    assert "unreadable cache" in caplog.text and "re-encoding" in caplog.text
+    assert [again.source(i) for i in range(len(good))] == [good.source(i) for i in range(len(good))]
+
+
+def test_a_cache_folder_that_is_a_file_or_a_directory_with_a_caches_name_is_one_line_or_skipped(
+        tmp_path, corpus_files):
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    (tmp_path / "cache_file").write_text("mine")
+    with pytest.raises(UserError, match="cannot write the encoded-ids cache"):  # was NotADirectoryError
+        load_encoded(src, tgt, tok, tmp_path / "cache_file")
+    cache = tmp_path / "cache"
+    (cache / f"{src.name}-{tgt.name}.0123456789abcdef.safetensors").mkdir(parents=True)  # IsADirectoryError
+    corpus, _ = load_encoded(src, tgt, tok, cache)
+    assert len(corpus) == 201

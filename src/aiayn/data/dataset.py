@@ -266,13 +266,14 @@ def _select(
 
 
 def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
-    """Identity of an encoding: both files (path, size, mtime), the tokenizer models' bytes and, for an
+    """Identity of an encoding: both files (path, size, mtime, and inode and ctime, which an edit or a
+    replacement changes even when `touch -d` puts the old mtime back), the tokenizer models' bytes and, for an
     imported tokenizer (Marian), its piece -> id vocabularies and special ids: the same SentencePiece
     model gives other ids through them."""
     h = hashlib.sha256(CACHE_FORMAT.encode())
     for p in (src_path, tgt_path):
         st = Path(p).stat()
-        h.update(f"{Path(p).resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+        h.update(f"{Path(p).resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}".encode())
     for model in tokenizer.models():  # the files' bytes, as when they were read from disk
         if model is not None:
             h.update(model)
@@ -293,7 +294,7 @@ def load_encoded(
     key = cache_key(src_path, tgt_path, tokenizer)
     cache = Path(cache_dir) / f"{src_path.name}-{tgt_path.name}.{key[:16]}.safetensors"
     if cache.is_file():
-        corpus, dropped = _read_cache(cache, key)
+        corpus, dropped = _read_cache(cache, key, (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size))
         if corpus is not None:
             log.info("%s: %d pairs from the cache", cache, len(corpus))
             return corpus, dropped
@@ -380,7 +381,8 @@ def _write_cache(
         save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:  # a full disk: safetensors reports it as a SafetensorError
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # cache/ a file: unlinking under it fails the same way
+            tmp.unlink(missing_ok=True)
         reason = getattr(e, "strerror", None) or e
         raise UserError(f"{path}: cannot write the encoded-ids cache ({reason})") from None
     except BaseException:  # Ctrl-C mid-write: the temporary (named by pid, so never reused) goes too
@@ -397,7 +399,8 @@ def _remove_stale_caches(kept: Path, src_path: Path, tgt_path: Path) -> None:
     name = re.compile(re.escape(f"{src_path.name}-{tgt_path.name}.") + r"[0-9a-f]{16}\.safetensors")
     ours = (str(src_path.resolve()), str(tgt_path.resolve()))
     for old in kept.parent.iterdir():
-        if old.name != kept.name and name.fullmatch(old.name) and _cache_files(old) in (ours, None):
+        if (old.name != kept.name and name.fullmatch(old.name) and old.is_file()  # a directory: not ours
+                and _cache_files(old) in (ours, None)):
             old.unlink(missing_ok=True)
             log.info("%s: removed, an earlier encoding of %s", old, src_path)
 
@@ -412,17 +415,43 @@ def _cache_files(path: Path) -> tuple[str, str] | None:
     return (meta.get("src"), meta.get("tgt")) if meta.get("format") == CACHE_FORMAT else None
 
 
-def _read_cache(path: Path, key: str) -> tuple[EncodedCorpus | None, int]:
-    """The corpus a cache holds and its count of dropped pairs; (None, 0) if it is another encoding's."""
+def _read_cache(path: Path, key: str, vocab_sizes: tuple[int, int]) -> tuple[EncodedCorpus | None, int]:
+    """The corpus a cache holds and its count of dropped pairs; (None, 0) if it is another encoding's, or
+    damaged (then said, and rebuilt by the caller)."""
     try:
         meta, t = _open_cache(path, key)
+        if not t:
+            return None, 0
+        problem = _cache_problem(meta, t, vocab_sizes)
     except Exception as e:  # a damaged cache is rebuilt, not fatal
-        log.warning("%s: unreadable cache (%s); re-encoding", path, e)
-        return None, 0
-    if not t:
+        problem = str(e) or type(e).__name__
+    if problem:
+        log.warning("%s: unreadable cache (%s); re-encoding", path, problem)
         return None, 0
     corpus = EncodedCorpus(t["src_ids"], t["src_offsets"], t["tgt_ids"], t["tgt_offsets"])
-    return corpus, int(meta.get("dropped_empty", 0))
+    return corpus, int(meta["dropped_empty"])
+
+
+def _cache_problem(meta: dict[str, str], t: dict[str, torch.Tensor], vocab_sizes: tuple[int, int]) -> str:
+    """What is wrong with a cache's tensors ("" if nothing): each side's ids 1-D int32 within its
+    vocabulary, offsets 1-D int64 from 0, never decreasing, ending at the ids' length, as many sentences
+    on both sides. A file edited by hand or by another program failed later with an IndexError, or
+    trained on garbage."""
+    if sorted(t) != ["src_ids", "src_offsets", "tgt_ids", "tgt_offsets"]:
+        return f"tensors {sorted(t)}"
+    if not meta.get("dropped_empty", "").isdigit():
+        return f"dropped_empty={meta.get('dropped_empty')!r}"
+    for side, vocab in zip(("src", "tgt"), vocab_sizes):
+        ids, offsets = t[f"{side}_ids"], t[f"{side}_offsets"]
+        if ids.dtype != torch.int32 or offsets.dtype != torch.int64 or ids.dim() != 1 or offsets.dim() != 1:
+            return f"{side} tensors: {ids.dtype}, {offsets.dtype}; {ids.dim()}, {offsets.dim()} dimensions"
+        if len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(ids) or bool((offsets.diff() < 0).any()):
+            return f"{side} offsets that do not cut the ids"
+        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            return f"{side} ids outside the vocabulary of {vocab}"
+    if len(t["src_offsets"]) != len(t["tgt_offsets"]):
+        return "unequal numbers of source and target sentences"
+    return ""
 
 
 def _open_cache(path: Path, key: str | None = None) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

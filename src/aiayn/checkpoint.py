@@ -14,7 +14,6 @@ kill at any moment leaves either the old set of checkpoints or the new one, neve
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,10 +102,10 @@ def save_checkpoint(
 def read_meta(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / META
     if not path.is_file():
-        runs = Path(directory) / "checkpoints"  # a run directory: its checkpoints are inside
-        steps = [p for p in runs.iterdir() if re.fullmatch(r"step_\d+", p.name)] if runs.is_dir() else []
-        newest = max(steps, key=lambda p: int(p.name[5:]), default=None)
-        hint = f"; a run directory: name one of its checkpoints, e.g. {newest}" if newest else ""
+        from aiayn.train.state import checkpoint_dirs  # here only: the training package imports this one
+
+        found = checkpoint_dirs(directory)  # a run directory: its checkpoints are inside
+        hint = f"; a run directory: name one of its checkpoints, e.g. {found[-1]}" if found else ""
         raise UserError(f"{directory}: not an aiayn checkpoint (no {META}){hint}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))

@@ -101,15 +101,10 @@ def cmd_attention(args: argparse.Namespace) -> None:
 
     from aiayn.attention import check_out_dir, draw_attention, extract_attention
     from aiayn.checkpoint import load_checkpoint
-    from aiayn.files import overlap
 
     _log_to_stderr()  # e.g. label characters that no installed font has
     check_out_dir(args.out)  # before loading and running the model, not after
-    relation = overlap(Path(args.out), Path(args.checkpoint))
-    if relation in ("is", "lies inside"):  # as translate -o: a run's keep_last deletes checkpoints whole
-        raise UserError(f"{args.out}: {relation} the checkpoint {args.checkpoint}; "
-                        "choose a folder outside it")
-    _check_outside_checkpoints(Path(args.out))
+    _check_outside_checkpoints(Path(args.out))  # the one read, too: as translate -o
     ck = load_checkpoint(args.checkpoint)
     maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt).select(args.layers, args.heads)
     files = draw_attention(maps, args.out, title=f"attention of {args.checkpoint}: {args.src}")
@@ -223,7 +218,8 @@ def _check_outside_checkpoints(output: Path) -> None:
 
     for place in (output.absolute(), *output.absolute().parents):
         if (place / META).is_file() and (place / WEIGHTS).is_file():
-            raise UserError(f"{output}: lies inside the checkpoint {place}; write it elsewhere")
+            relation = "is" if place == output.absolute() else "lies inside"
+            raise UserError(f"{output}: {relation} the checkpoint {place}; write it elsewhere")
 
 
 def _check_not_stdin(input: str | None, output: Path) -> None:

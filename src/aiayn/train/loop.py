@@ -247,15 +247,14 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 autocast,
             )
             state.cursor += 1  # the batches are used up either way, as fairseq's are
-            if applied:
+            if applied:  # a skipped update's loss may be the overflow itself (inf): kept out of the log
                 state.step += 1
                 bar.update(1)
+                sums, tokens = sums + step_sums, tokens + step_tokens
             elif d.is_main:
                 log.warning("update %d skipped: fp16 gradients overflowed; loss scale lowered to %g",
                             state.step + 1, scaler.get_scale())
             state.seconds = _training_seconds(seconds_before, start, tc, d)
-            if applied:  # a skipped update's loss may be the overflow itself (inf), not a divergence
-                sums, tokens = sums + step_sums, tokens + step_tokens
             if applied and state.step % tc.log_every == 0:
                 window = [*sums.tolist(), tokens]  # the window's one sync: then its work is done, and timed
                 now = time.monotonic()
@@ -264,9 +263,8 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 sums, tokens, last_log = _no_losses(d.device), 0.0, now
             stop = _stop_reason(state, tc, n_updates)
             signalled = None if stop else stopper.agreed(d)  # a run at its budget ends as usual
-            due = applied and (state.step % tc.valid_every == 0
-                               or bool(tc.bleu_every and state.step % tc.bleu_every == 0))
-            if (due or stop or signalled) and state.step == saved_step:  # skipped since the last save
+            due = state.step % tc.valid_every == 0 or bool(tc.bleu_every and state.step % tc.bleu_every == 0)
+            if state.step == saved_step:  # only skipped updates since the last save: nothing new to save
                 stop = stop or signalled
             elif due or stop or signalled:
                 state.validation_due = bool(signalled and due)  # saved so: --resume validates first

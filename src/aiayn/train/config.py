@@ -280,19 +280,19 @@ def _not_a_table(where: str, section: str, value: Any) -> str:
     return f"{where}: {section} = {value!r} is not a table; write a [{section}] section"
 
 
+def _key_types(section: str) -> dict[str, Any]:
+    """A section's keys and their types ([model]: ModelConfig's fields and `preset`)."""
+    cls = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}[section]
+    types = typing.get_type_hints(cls)
+    return {"preset": str, **types} if section == "model" else types
+
+
 def _check_override_key(item: str, section: str, key: str) -> None:
     """An unknown `--set` key is named as the command line's, not blamed on the TOML file."""
-    fields = {
-        "model": {"preset", *ModelConfig.__dataclass_fields__},
-        "data": set(DataConfig.__dataclass_fields__),
-        "train": set(TrainConfig.__dataclass_fields__),
-    }
-    if section not in fields:
+    if section not in SECTIONS:
         raise ConfigError(f"--set {item!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
-    if key not in fields[section]:
-        raise ConfigError(
-            f"--set {item!r}: unknown {section} key {key!r}; known: {', '.join(sorted(fields[section]))}"
-        )
+    if key not in (known := _key_types(section)):
+        raise ConfigError(f"--set {item!r}: unknown {section} key {key!r}; known: {', '.join(sorted(known))}")
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
@@ -306,7 +306,7 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = text.strip()  # a path or other bare word
-    if _string_key(section, key.strip()) and not isinstance(value, str):
+    if _key_types(section)[key.strip()] is str and not isinstance(value, str):
         value = text.strip()  # run_dir=2024-05-01 or =123 is a name, not a TOML date or number
     _check_value_type(section, key.strip(), value, f"--set {item!r}")
     return section, key.strip(), value
@@ -315,21 +315,13 @@ def parse_override(item: str) -> tuple[str, str, Any]:
 def _check_value_type(section: str, key: str, value: Any, where: str) -> None:
     """Refuse a value of the wrong type for a known key, naming where it was written (a file's section or
     the --set item). Unknown keys and sections are refused elsewhere, with the list of known ones."""
-    classes = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
-    if section not in classes or key not in classes[section].__dataclass_fields__:
+    hint = _key_types(section).get(key) if section in SECTIONS else None
+    if hint is None:
         return
-    hint = typing.get_type_hints(classes[section])[key]
     if not matches_type(value, hint):
         expected = getattr(hint, "__name__", str(hint))
         raise ConfigError(f"{where}: {value!r} is a {type(value).__name__}, expected {expected}")
 
-
-def _string_key(section: str, key: str) -> bool:
-    """Whether a `--set` key takes a string (a path, a name), so that its bare value is kept as written."""
-    if section == "model":
-        return key == "preset" or ModelConfig.__dataclass_fields__[key].type in ("str", str)
-    cls = DataConfig if section == "data" else TrainConfig
-    return cls.__dataclass_fields__[key].type in ("str", str)
 
 
 def with_train(config: RunConfig, **changes: Any) -> RunConfig:

@@ -721,20 +721,25 @@ TOKENIZER_DEFAULTS = {"normalization": "nmt_nfkc", "character_coverage": 1.0}  #
 # aiayn had them: a tokenizer_inputs.json without one was trained with the value here
 
 
-def tokenizer_inputs(
-    src_path: str | Path, tgt_path: str | Path, vocab_size: int, model_type: str, shared: bool,
-    normalization: str = "nmt_nfkc", character_coverage: float = 1.0,
+def tokenizer_settings(
+    vocab_size: int, model_type: str, shared: bool, normalization: str = "nmt_nfkc",
+    character_coverage: float = 1.0,
 ) -> dict:
-    """What a trained tokenizer depends on: the data settings and the identity of both training files."""
+    """The data settings a trained tokenizer depends on, by their [data] names."""
     return {
         "vocab_size": vocab_size,
         "spm_type": model_type,
         "shared_vocab": shared,
         "normalization": normalization,
         "character_coverage": character_coverage,
-        "train_src": _file_identity(Path(src_path)),
-        "train_tgt": _file_identity(Path(tgt_path)),
     }
+
+
+def tokenizer_inputs(src_path: str | Path, tgt_path: str | Path, settings: dict) -> dict:
+    """What a trained tokenizer depends on: its `tokenizer_settings` and the identity of both training
+    files."""
+    files = {"train_src": _file_identity(Path(src_path)), "train_tgt": _file_identity(Path(tgt_path))}
+    return {**settings, **files}
 
 
 def _file_identity(path: Path) -> dict:

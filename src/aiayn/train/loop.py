@@ -57,6 +57,7 @@ from aiayn.data.dataset import (
     scan_parallel,
     tokenizer_inputs,
     tokenizer_setting_changes,
+    tokenizer_settings,
     train_tokenizer,
     write_tokenizer_inputs,
 )
@@ -375,14 +376,18 @@ def _refuse_tokenizer_settings(config: RunConfig, meta: dict, path: Path) -> Non
     """Fine-tuning keeps the checkpoint's tokenizer: [data] tokenizer settings other than those it records
     could not take effect (they were ignored, and printed as the run's configuration). A checkpoint that
     records none (a converted Marian model) is not compared."""
-    saved, dc = config_section(meta, "data"), config.data
+    saved = config_section(meta, "data")
     if saved is None:
         return
-    settings = dict(vocab_size=dc.vocab_size, spm_type=dc.spm_type, shared_vocab=dc.shared_vocab,
-                    normalization=dc.normalization, character_coverage=dc.character_coverage)
-    if changes := tokenizer_setting_changes(saved, settings):
+    if changes := tokenizer_setting_changes(saved, _tokenizer_settings(config)):
         raise UserError(f"{path}: train.init_from keeps this checkpoint's tokenizer ({'; '.join(changes)}); "
                         "drop the change")
+
+
+def _tokenizer_settings(config: RunConfig) -> dict:
+    dc = config.data
+    return tokenizer_settings(dc.vocab_size, dc.spm_type, dc.shared_vocab, dc.normalization,
+                              dc.character_coverage)
 
 
 def _fine_tuned_from(checkpoint: Path) -> str | None:
@@ -803,8 +808,7 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
     """The run directory's tokenizer: trained once on the training text, then reused if it fits."""
     dc = config.data
     found = find_tokenizer(run_dir)
-    inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, dc.vocab_size, dc.spm_type, dc.shared_vocab,
-                              dc.normalization, dc.character_coverage)
+    inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, _tokenizer_settings(config))
     saved = checkpoint_dirs(run_dir)
     if saved:  # resumed: the tokenizer its checkpoints were trained with, which each of them holds
         latest = saved[-1]

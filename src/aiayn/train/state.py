@@ -93,6 +93,11 @@ class TrainState:
     validation_due: bool = False  # a signal's save skipped this step's validation: --resume makes it first
 
 
+def step_dir_name(step: int) -> str:
+    """The name of update `step`'s checkpoint directory (STEP_DIR reads it back)."""
+    return f"step_{step:06d}"
+
+
 def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     root = Path(run_dir) / "checkpoints"
@@ -113,7 +118,7 @@ def prune(run_dir: str | Path, keep_last: int, best_step: int = 0) -> None:
     """
     root = Path(run_dir) / "checkpoints"
     for old in checkpoint_dirs(run_dir)[:-keep_last]:
-        if old.name != f"step_{best_step:06d}":
+        if old.name != step_dir_name(best_step):
             os.rename(old, old.with_name(f".{old.name}.deleting"))
     for hidden in root.glob(".step_*"):  # those just hidden, and what killed runs left
         shutil.rmtree(hidden, ignore_errors=True)
@@ -161,7 +166,7 @@ def save_training_checkpoint(
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
     }
     meta = {"step": state.step, "epoch": state.epoch, "config": config, "metrics": metrics}
-    path = Path(run_dir) / "checkpoints" / f"step_{state.step:06d}"
+    path = Path(run_dir) / "checkpoints" / step_dir_name(state.step)
     return save_checkpoint(path, model, tokenizer, meta, {**tensors, **rngs}, trainer)
 
 

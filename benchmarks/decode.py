@@ -71,7 +71,7 @@ from common import (  # noqa: E402
 
 from aiayn.checkpoint import load_into  # noqa: E402
 from aiayn.decoding import DecodeConfig, generate  # noqa: E402
-from aiayn.decoding.cpu import PACKED_ROWS  # noqa: E402
+from aiayn.decoding.cpu import PACKED_ROWS, OneRowProduct  # noqa: E402
 from aiayn.interop.marian import convert_weights, model_config_from_marian  # noqa: E402
 from aiayn.memory import keep_freed_memory, release_freed_memory  # noqa: E402
 from aiayn.translate import prepare_for_inference  # noqa: E402
@@ -243,7 +243,12 @@ def floor_kernels(rows: int) -> dict[str, Callable[[torch.Tensor], Callable[[tor
             return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         return layout
 
+    def mkl_blocks(w):  # W^T cut into one block per thread, as aiayn's one-row products (OneRowProduct)
+        return OneRowProduct(w, None, torch.get_num_threads())
+
     kernels = {"MKL sgemm on W": mkl_on_w, "MKL sgemm on W^T": mkl_on_w_t}
+    if rows == 1 and torch.get_num_threads() > 1:
+        kernels["MKL batched on W^T, a block per thread"] = mkl_blocks
     if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
         kernels["MKL packed GEMM"] = mkl_packed
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):

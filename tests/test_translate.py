@@ -561,25 +561,56 @@ def test_cpu_packed_linears_compute_the_same_function():
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="no MKL")
-def test_one_row_products_take_mkl_on_intel_or_on_one_thread(monkeypatch):
-    """Elsewhere (an AMD EPYC) MKL leaves a second thread idle on a one-row product: oneDNN then, which
-    splits it (two threads: 6.3 against 9.0 ms a step's products)."""
+def test_one_row_products_take_a_weight_block_per_thread_where_mkl_does_not_split_a_row(monkeypatch):
+    """On Intel MKL splits a one-row product between threads itself: one block, W^T whole. Elsewhere (an
+    AMD EPYC) it leaves the other threads idle: one block per thread. Either way the packed model computes
+    what the model does, the logits bias folded in included, and greedy search finds the same tokens."""
     from aiayn.decoding import cpu
 
     threads = torch.get_num_threads()
+    model = tiny_model(final_logits_bias=True)
+    with torch.no_grad():
+        model.final_logits_bias.normal_(0.0, 1.0)
+    one, first = padded_batch([6], 50), torch.tensor([[1]])
     try:
-        for vendor, n, expected in [("GenuineIntel", 2, True), ("AuthenticAMD", 1, True), ("AuthenticAMD", 2, False)]:
+        for vendor, n, blocks in [("GenuineIntel", 2, 1), ("AuthenticAMD", 1, 1), ("AuthenticAMD", 2, 2),
+                                  ("AuthenticAMD", 3, 3)]:
             monkeypatch.setattr(cpu, "_cpu_vendor", lambda vendor=vendor: vendor)
             torch.set_num_threads(n)
-            model = tiny_model()
+            assert cpu.one_row_blocks() == blocks
             packed = cpu.pack_for_cpu(model)
-            assert (packed.generator.weight_t is not None) is expected
-            one, first = padded_batch([6], 50), torch.tensor([[1]])
-            with torch.no_grad():  # the same function either way
+            assert packed.generator.one_row.blocks == blocks and packed.final_logits_bias is None
+            with torch.no_grad():  # every decoder product of one sentence's first step has one row
                 ours = packed.decode(first, packed.encode(one), None)
                 torch.testing.assert_close(ours, model.decode(first, model.encode(one), None), atol=1e-5, rtol=1e-5)
+            greedy = DecodeConfig(beam=1, max_len_b=6)
+            assert [h[0].tokens for h in generate(packed, one, greedy)] == [
+                h[0].tokens for h in generate(model, one, greedy)]
     finally:
         torch.set_num_threads(threads)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    assert cpu.one_row_blocks() == 0 and cpu.pack_for_cpu(model).generator.one_row is None  # oneDNN then
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4])
+@pytest.mark.parametrize("in_out", [(32, 96), (96, 32), (32, 32), (30, 50), (50, 30), (7, 3)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_one_row_product_in_blocks_equals_the_float64_product(blocks, in_out, bias):
+    """Cut by output columns (padded to equal widths where they do not divide) or by input rows (partial
+    sums added), one row times the blocks is x W^T + b."""
+    from aiayn.decoding.cpu import OneRowProduct
+
+    torch.manual_seed(blocks)
+    linear = torch.nn.Linear(*in_out, bias=bias)
+    x = torch.randn(1, in_out[0])
+    product = OneRowProduct(linear.weight, linear.bias, blocks)
+    expected = x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0.0)  # (1, out)
+    got = product(x)
+    assert got.shape == (1, in_out[1]) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    by_rows = blocks > 1 and in_out[1] <= in_out[0] and in_out[0] % blocks == 0
+    assert product.by_rows is by_rows
+    assert product.weight.shape[0] == blocks or blocks == 1
 
 
 NO_ONEDNN_INT8 = "onednn" not in torch.backends.quantized.supported_engines

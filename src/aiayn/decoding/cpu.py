@@ -42,15 +42,22 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def one_row_mkl_available() -> bool:
-    """MKL for one-row products: on Intel CPUs, where MKL is tuned (as CTranslate2 does) and splits a row's
-    product between threads; elsewhere only for a process that computes on one thread. On an AMD EPYC
-    (Zen 4), the 37 products of a `base` decoder step (benchmarks/RESULTS.md, thirteenth run): one thread,
-    MKL on W^T 8.7 ms against oneDNN's 10.4; two threads, 9.0 (MKL leaves the second thread idle there)
-    against oneDNN's 6.3."""
+def one_row_blocks() -> int:
+    """How many blocks a one-row product's weight is cut into for MKL, one per thread; 0 for none (oneDNN
+    makes one-row products too).
+
+    MKL on W^T is the fastest one-row kernel here, but it splits a row's product between threads on Intel
+    CPUs only. On an AMD EPYC (Zen 4) it leaves the second thread idle, so there each thread gets a block
+    of the weight of its own, and MKL's batched product runs the blocks side by side. The 37 products of
+    a `base` decoder step, two threads, MKL on two blocks against oneDNN packed for 64 rows, per shape
+    (us, cold caches, benchmarks/RESULTS.md): (512, 1536) 122 against 167, (512, 512) 64 against 75,
+    (512, 2048) 129 against 220, (2048, 512) 211 against 231, the vocabulary (512, 32000) 1,459 against
+    2,435. From four rows up oneDNN is faster than any of these."""
     if not torch.backends.mkl.is_available():
-        return False
-    return _cpu_vendor() == "GenuineIntel" or torch.get_num_threads() == 1
+        return 0
+    if _cpu_vendor() == "GenuineIntel":
+        return 1
+    return torch.get_num_threads()
 
 
 @functools.cache  # read once, not once per Linear
@@ -62,9 +69,49 @@ def _cpu_vendor() -> str:
         return "GenuineIntel" if "Intel" in platform.processor() else ""
 
 
+class OneRowProduct:
+    """x W^T + b for one row x (1, in) through plain MKL on W^T, (in, out) contiguous, cut into `blocks`
+    blocks that MKL's batched product runs one per thread.
+
+    A wide weight (out > in) is cut by output columns, each block a (in, out / blocks) W^T, padded with
+    zero columns to equal widths: the blocks' outputs side by side are the row's. A square or narrow one
+    (the FFN's second product) is cut by input rows, each block a (in / blocks, out) W^T, and the blocks'
+    partial sums are added: 211 against 280 us for (2048, 512), 64 against 77 for (512, 512), two threads.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, blocks: int):
+        out_features, in_features = weight.shape
+        w_t = weight.detach().t()  # (in, out)
+        zero = torch.zeros(out_features, dtype=weight.dtype)
+        self.blocks, self.out_features = blocks, out_features
+        self.by_rows = blocks > 1 and out_features <= in_features and in_features % blocks == 0
+        if blocks == 1:
+            self.weight, self.bias = w_t.contiguous(), bias
+        elif self.by_rows:
+            self.weight = w_t.reshape(blocks, in_features // blocks, out_features).contiguous()  # (S, in/S, out)
+            # The bias in the first block's sum only: (S, 1, out).
+            self.bias = torch.stack([zero if bias is None else bias] + [zero] * (blocks - 1))[:, None, :]
+        else:
+            width = -(-out_features // blocks)  # ceil
+            padded = nn.functional.pad(w_t, (0, width * blocks - out_features))  # (in, S * width)
+            self.weight = padded.view(in_features, blocks, width).transpose(0, 1).contiguous()  # (S, in, width)
+            bias = nn.functional.pad(zero if bias is None else bias, (0, width * blocks - out_features))
+            self.bias = bias.view(blocks, 1, width)  # (S, 1, width)
+
+    def __call__(self, row: Tensor) -> Tensor:  # (1, in) -> (1, out)
+        if self.blocks == 1:
+            return torch.mm(row, self.weight) if self.bias is None else torch.addmm(self.bias, row, self.weight)
+        if self.by_rows:
+            parts = torch.baddbmm(self.bias, row.view(self.blocks, 1, -1), self.weight)  # (S, 1, out)
+            return parts.sum(0)  # (1, out)
+        rows = row.expand(self.blocks, 1, row.shape[-1])  # (S, 1, in), no copy
+        cols = torch.baddbmm(self.bias, rows, self.weight)  # (S, 1, width)
+        return cols.view(1, -1)[:, : self.out_features]  # (1, out)
+
+
 class PackedLinear(nn.Module):
-    """y = x W^T + b (an `nn.Linear`): oneDNN's `_linear_pointwise` with a prepacked W, or for one row on
-    an Intel CPU plain MKL on W^T."""
+    """y = x W^T + b (an `nn.Linear`): oneDNN's `_linear_pointwise` with a prepacked W, or for one row
+    plain MKL on W^T (`OneRowProduct`)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -75,16 +122,16 @@ class PackedLinear(nn.Module):
         # project's Intel CPU; a hint of 1 row made 4- to 64-row products up to 2x slower.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_ROWS)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        # One-row products through plain MKL on W^T, (in, out) contiguous: the row times W^T reads W^T
-        # row by row, in memory order. Whole greedy decoding of one sentence ran 4% faster than with MKL's
-        # packed GEMM (A/B in one process), and W^T is one copy of the weight where MKL's packed one was
-        # 1.4x (the vocabulary) to 8.8x (512 x 512) (benchmarks/RESULTS.md).
-        self.weight_t = linear.weight.detach().t().contiguous() if one_row_mkl_available() else None
+        # One-row products (greedy search of one sentence) through plain MKL on W^T: the row times W^T
+        # reads W^T row by row, in memory order. On Intel, whole greedy decoding of one sentence ran 4%
+        # faster than with MKL's packed GEMM (A/B in one process), and W^T is one copy of the weight where
+        # MKL's packed one was 1.4x (the vocabulary) to 8.8x (512 x 512) (benchmarks/RESULTS.md).
+        blocks = one_row_blocks()
+        self.one_row = OneRowProduct(linear.weight, self.bias, blocks) if blocks else None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.weight_t is not None and x.numel() == self.in_features:  # one row
-            row, w_t = x.reshape(1, self.in_features), self.weight_t
-            y = torch.mm(row, w_t) if self.bias is None else torch.addmm(self.bias, row, w_t)  # (1, out)
+        if self.one_row is not None and x.numel() == self.in_features:  # one row
+            y = self.one_row(x.reshape(1, self.in_features))  # (1, out)
             return y.view(*x.shape[:-1], self.out_features)  # (..., out)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
@@ -138,8 +185,8 @@ def pack_for_cpu(model: nn.Module) -> nn.Module:
         log.info("oneDNN linear packing unavailable in this PyTorch build; using the model as it is")
         return model
     packed = copy.deepcopy(model).eval()
+    fold_logits_bias(packed)  # before packing: the one-row layouts hold the bias
     replace_modules(packed, lambda m: type(m) is nn.Linear, PackedLinear)
-    fold_logits_bias(packed)
     return packed
 
 
@@ -154,16 +201,16 @@ def replace_modules(
 
 
 def fold_logits_bias(model: nn.Module) -> None:
-    """Move Marian's bias on the logits (`final_logits_bias`) into the vocabulary product of a packed or
-    quantized model, whose `generator` has no bias of its own: added inside the product, it saves a pass
-    over the (R, V) logits every step (2.5% of an int8 greedy step at batch 16, `base` shape)."""
+    """Move Marian's bias on the logits (`final_logits_bias`) into the vocabulary product of a model copy
+    about to be packed, or of a quantized one, whose `generator` has no bias of its own: added inside the
+    product, it saves a pass over the (R, V) logits every step (2.5% of an int8 greedy step at batch 16, `base` shape)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
     bias, generator = getattr(model, "final_logits_bias", None), getattr(model, "generator", None)
     if bias is None:
         return
-    if isinstance(generator, PackedLinear) and generator.bias is None:
-        generator.bias = bias
+    if type(generator) is nn.Linear and generator.bias is None:
+        generator.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
     elif type(generator) is DynamicQuantizedLinear and generator.bias() is None:
         generator.set_weight_bias(generator.weight(), bias)
     else:

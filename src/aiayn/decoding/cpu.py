@@ -9,9 +9,10 @@ with a prepacked weight, which is what CTranslate2 uses on non-Intel CPUs. On an
 Rapids class), oneDNN's prepacked weights still beat plain MKL from 4 rows up, but for one row (greedy
 search of one sentence) plain MKL on the weight stored transposed, (in, out) contiguous, is fastest: the
 37 products of a `base` decoder step take 9.5 ms, against 10.0 with MKL's packed GEMM (whose packed copy
-is 1.4-8.8x the weight), 11.1 with MKL on the (out, in) weight and 11.7 with oneDNN. `pack_for_cpu` swaps
-each `nn.Linear` for a `PackedLinear` in a copy of the model: the same function, the weights reordered,
-nothing saved.
+is 1.4-8.8x the weight), 11.1 with MKL on the (out, in) weight and 11.7 with oneDNN. Where MKL does not
+split a one-row product between threads (an AMD EPYC), `OneRowProduct` cuts W^T into a block per thread.
+`pack_for_cpu` swaps each `nn.Linear` for a `PackedLinear` in a copy of the model: the same function, the
+weights reordered, nothing saved.
 
 int8 (`aiayn translate --int8`): PyTorch's dynamic quantization packs each weight for fbgemm, which has
 no AMX kernels. On CPUs with AMX, `pack_int8_for_amx` also packs it for oneDNN, whose int8 matmul runs

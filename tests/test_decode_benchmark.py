@@ -126,3 +126,27 @@ def test_an_output_prefix_keeps_its_dots_and_is_checked_before_timing(tmp_path):
         decode.parse_args(["--out", str(tmp_path / "FILE" / "x")])
     out = decode.parse_args(["--out", str(tmp_path / "decode_v1.5")]).out
     assert decode.with_suffix_added(out, ".json").name == "decode_v1.5.json"
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="no MKL")
+def test_one_row_benchmark_times_each_kernel_and_names_aiayns_pick(tmp_path, monkeypatch):
+    """benchmarks/one_row.py: every kernel at every thread count (the blocks from two threads up), each
+    checked against F.linear before timing, and the kernel `one_row_blocks` picks there."""
+    import one_row
+
+    from aiayn.decoding import cpu
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(one_row, "model_config", lambda *a, **k: model_config("tiny", vocab_size=501))
+    monkeypatch.setattr(cpu, "_cpu_vendor", lambda: "AuthenticAMD")
+    try:
+        result = one_row.main(["--threads", "2,1", "--rounds", "1", "--out", str(tmp_path / "r")])
+    finally:
+        torch.set_num_threads(threads)
+    assert list(result["ms"]) == [1, 2]
+    assert set(result["ms"][1]) == {one_row.WHOLE} | ({one_row.ONEDNN} if cpu.packing_available() else set())
+    assert one_row.BLOCKS in result["ms"][2] and all(t > 0 for t in result["ms"][2].values())
+    assert result["picked"] == {1: one_row.WHOLE, 2: one_row.BLOCKS}
+    assert (tmp_path / "r.json").exists() and "| 2 |" in (tmp_path / "r.md").read_text()
+    with pytest.raises(SystemExit):
+        one_row.main(["--threads", "0,2"])

@@ -35,9 +35,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def resolved(path: Path) -> Path:
+    """`path.resolve()`, with a symlink loop a one-line `UserError` (Python before 3.13 raised a
+    RuntimeError for it, which no OSError handler caught)."""
+    try:
+        return path.resolve()
+    except RuntimeError:
+        raise UserError(f"{path}: too many levels of symbolic links") from None
+    except OSError as e:
+        raise UserError(f"{path}: {e.strerror or e}") from None
+
+
 def overlap(out: Path, other: Path) -> str | None:
     """How `out` overlaps `other`: "is", "contains", "lies inside" or None (symlinks resolved)."""
-    out, other = out.resolve(), other.resolve()
+    out, other = resolved(out), resolved(other)
     if out == other:
         return "is"
     if out in other.parents:
@@ -232,7 +243,7 @@ def atomic_output(path: str | Path, binary: bool = False) -> Iterator[IO]:
             with open(path, "ab" if binary else "a", encoding=None if binary else "utf-8") as f:
                 yield f
             return
-        target = Path(path).resolve()
+        target = resolved(Path(path))
         fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(target), suffix=".tmp", dir=target.parent)
         os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else new_file_mode())
         with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:

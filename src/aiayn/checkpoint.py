@@ -109,7 +109,7 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         raise UserError(f"{directory}: not an aiayn checkpoint (no {META}){hint}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # [[[...]]] past the stack
         raise CorruptFile(f"{path}: corrupt checkpoint metadata ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise UserError(f"{path}: not an {FORMAT} checkpoint (format={meta.get('format') if isinstance(meta, dict) else None!r})")
@@ -209,6 +209,8 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
         what = "is a file, not a checkpoint directory" if directory.exists() else "checkpoint not found"
         raise UserError(f"{directory}: {what}")
     meta = read_meta(directory)
+    if not isinstance(meta.get("model"), dict):  # a string was read key by key: "unknown keys c, i, m"
+        raise CorruptFile(f"{directory / META}: corrupt checkpoint metadata ('model' is not a table)")
     try:
         config = from_dict(ModelConfig, meta["model"], where=str(directory / META))
     except (ConfigError, KeyError, TypeError) as e:

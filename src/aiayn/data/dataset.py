@@ -813,7 +813,7 @@ def _read_tokenizer_inputs(directory: Path) -> dict | None:
     advice = "delete it and the tokenizer beside it to train a new one"
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # ValueError includes JSON and UTF-8 decoding errors
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSON and UTF-8 decoding errors
         raise UserError(f"{path}: unreadable ({e}); {advice}") from None
     if not isinstance(saved, dict):
         raise UserError(f"{path}: not a JSON object; {advice}")

@@ -49,6 +49,11 @@ class Tokenizer:
             specials = dict(pad=self.tgt.pad_id(), bos=self.tgt.bos_id(), eos=self.tgt.eos_id(), unk=self.tgt.unk_id())
         self.pad_id, self.bos_id = specials["pad"], specials["bos"]
         self.eos_id, self.unk_id = specials["eos"], specials["unk"]
+        # A hand-edited meta.json's null or "2" failed later in a comparison, as a traceback.
+        ids = [("special id", k, v) for k, v in specials.items()]
+        ids += [("vocabulary id", k, v) for table in (vocab, tgt_vocab) if table for k, v in table.items()]
+        if bad := next(((what, k, v) for what, k, v in ids if type(v) is not int), None):
+            raise ValueError(f"{bad[0]} {bad[1]!r} is {bad[2]!r}, not an integer")
 
     @property
     def shared(self) -> bool:

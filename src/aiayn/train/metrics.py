@@ -110,6 +110,8 @@ def _decode(line: bytes, where: str) -> Any:
         raise UserError(f"{where}: invalid UTF-8") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+    except RecursionError:
+        raise UserError(f"{where}: not valid JSON (nested too deeply)") from None
 
 
 def _check_numbers(record: dict[str, Any], where: str) -> None:

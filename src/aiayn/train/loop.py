@@ -160,8 +160,18 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         model.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps, fused=True
     )
     scaler = torch.amp.GradScaler("cuda", enabled=tc.precision == "fp16")
+    per_update = d.world_size * tc.update_freq
+    n_updates = updates_in_epoch(len(data.train_batches), per_update)
+    if n_updates == 0:
+        raise UserError(
+            f"{config.data.train_src}: {len(data.train_batches)} batches, fewer than one update "
+            f"needs ({per_update}); lower train.max_tokens or train.update_freq"
+        )
     with _resume_hint(run_dir, resume_from):
         state = restore(resume_from, model, optimizer, scaler, d) if resume_from else TrainState()
+        if state.cursor > n_updates:  # where the resumed epoch stood: within it, or a damaged trainer.json
+            raise CorruptFile(f"{resume_from / 'trainer.json'}: corrupt training state (cursor={state.cursor} "
+                              f"is past the {n_updates} updates of an epoch; or the corpus shrank since)")
     if d.is_main:
         log.info("configuration:\n%s", _describe(config, model, data, d))
         if resume_from:
@@ -174,13 +184,6 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         enabled=tc.precision != "fp32",
     )
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
-    per_update = d.world_size * tc.update_freq
-    n_updates = updates_in_epoch(len(data.train_batches), per_update)
-    if n_updates == 0:
-        raise UserError(
-            f"{config.data.train_src}: {len(data.train_batches)} batches, fewer than one update "
-            f"needs ({per_update}); lower train.max_tokens or train.update_freq"
-        )
     tgt_lengths = data.train.tgt_lengths()
     batch_tokens = [sum(tgt_lengths[i] for i in b) for b in data.train_batches]
     planned = [n for n in (tc.max_updates, tc.max_epochs * n_updates) if n]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import random
 import re
@@ -181,11 +182,8 @@ def restore(
     check_compatible(path, model.config)
     load_into(model, {k: v.to(d.device) for k, v in load_weights(path).items()}, path)
     tensors, trainer = _read_trainer(path)
-    state_by_param: dict[int, dict[str, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        if name.startswith("optimizer."):
-            _, p, k = name.split(".", 2)
-            state_by_param.setdefault(int(p), {})[k] = t
+    state_by_param = _adam_state(tensors, optimizer, path / "trainer.safetensors")
+    _check_param_groups(trainer.get("param_groups"), optimizer, path / "trainer.json")
     try:
         optimizer.load_state_dict({"state": state_by_param, "param_groups": trainer["param_groups"]})
         rank = d.rank if f"rng.cpu.{d.rank}" in tensors else 0
@@ -201,7 +199,8 @@ def restore(
 
 
 def _train_state(saved: Any, path: Path) -> TrainState:
-    """trainer.json's "state", each field of its type (a hand's edit, "120" for 120, failed in arithmetic)."""
+    """trainer.json's "state", each field of its type (a hand's edit, "120" for 120, failed in arithmetic)
+    and range (a negative step shifted the schedule, a negative cursor trained on the wrong batches)."""
     if not isinstance(saved, dict):
         raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state ('state' is not a table)")
     for field in fields(TrainState):
@@ -209,9 +208,72 @@ def _train_state(saved: Any, path: Path) -> TrainState:
         kinds = {"int": (int,), "float": (int, float), "bool": (bool,)}[field.type]
         if (isinstance(value, bool) and field.type != "bool") or not isinstance(value, kinds):
             what = {"int": "a whole number", "float": "a number", "bool": "true or false"}[field.type]
-            raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state ({field.name}={value!r} is "
-                              f"not {what})")
-    return TrainState(**saved)
+        elif field.type == "bool":
+            continue
+        elif math.isnan(value) or value < 0 or (math.isinf(value) and field.name != "best_valid"):
+            what = "a finite number, at least 0" if field.type == "float" else "at least 0"
+        else:
+            continue
+        raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state ({field.name}={value!r} is "
+                          f"not {what})")
+    state = TrainState(**saved)
+    if state.best_step > state.step:
+        raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state (best_step={state.best_step} is "
+                          f"past step={state.step})")
+    return state
+
+
+ADAM_STATE = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _adam_state(tensors: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+                where: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """trainer.safetensors' `optimizer.<param>.<name>` tensors as Adam's per-parameter state, each checked
+    against this run's parameters: a damaged moment (another shape, a NaN) loaded without complaint and
+    surfaced two updates later as a diverged run."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if not name.startswith("optimizer."):
+            continue
+        _, index, key = (name.split(".", 2) + ["", ""])[:3]
+        problem = None
+        if not index.isdigit() or int(index) >= len(params) or key not in ADAM_STATE:
+            problem = "is no Adam state of this model's parameters"
+        elif not t.is_floating_point() or t.shape != (() if key == "step" else params[int(index)].shape):
+            problem = f"has shape {tuple(t.shape)} and dtype {t.dtype}"
+        elif not bool(torch.isfinite(t).all()) or (key != "exp_avg" and bool((t < 0).any())):
+            problem = "holds a value that is not finite" + ("" if key == "exp_avg" else " and at least 0")
+        if problem:
+            raise CorruptFile(f"{where}: corrupt training state ({name} {problem})")
+        state.setdefault(int(index), {})[key] = t
+    return state
+
+
+def _check_param_groups(groups: Any, optimizer: torch.optim.Optimizer, where: Path) -> None:
+    """trainer.json's Adam hyper-parameters, each of the kind this run's optimizer holds (betas "x" was
+    accepted, and the first update failed unpacking it)."""
+    ours = optimizer.state_dict()["param_groups"]
+    tables = isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
+    if not tables or len(groups) != len(ours):
+        raise CorruptFile(f"{where}: corrupt training state (param_groups is not {len(ours)} table(s))")
+    for saved, group in zip(groups, ours):
+        for key, value in group.items():
+            if key not in saved or not _same_kind(saved[key], value):
+                raise CorruptFile(f"{where}: corrupt training state (param_groups {key}="
+                                  f"{saved.get(key, 'missing')!r}, where this optimizer has {value!r})")
+
+
+def _same_kind(saved: Any, ours: Any) -> bool:
+    """Whether a saved hyper-parameter can stand where `ours` does: a flag for a flag (or None), a
+    finite non-negative number for a number, a list of those of the same length for a list."""
+    if ours is None or isinstance(ours, bool):
+        return saved is None or isinstance(saved, bool)
+    if isinstance(ours, (int, float)):
+        return type(saved) in (int, float) and math.isfinite(saved) and saved >= 0
+    if isinstance(ours, (list, tuple)):
+        return isinstance(saved, list) and len(saved) == len(ours) and all(map(_same_kind, saved, ours))
+    return True
 
 
 def check_compatible(path: Path, config: ModelConfig) -> None:
@@ -242,7 +304,7 @@ def _read_trainer(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise CorruptFile(f"{tensors_file}: corrupt training state ({e})") from None
     try:  # its own message: the file to restore from a backup is this one, not the tensors
         trainer = json.loads(json_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # ValueError includes JSONDecodeError and UnicodeDecodeError
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
         raise CorruptFile(f"{json_file}: corrupt training state ({e})") from None
     if not isinstance(trainer, dict):
         raise CorruptFile(f"{json_file}: corrupt training state (not a JSON object)")

@@ -100,6 +100,9 @@ def is_average(directory: Path) -> bool:
         return False
 
 
+PRUNED_RETRIES = 3  # a run training in run_dir may prune a listed checkpoint before it is read
+
+
 def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, force: bool = False) -> Path:
     """Average a run's last `k` checkpoints into `out`, by default `run_dir/average_last_N`.
 
@@ -111,17 +114,28 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
     run_dir = Path(run_dir)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:  # found[-0:] would be every checkpoint
         raise UserError(f"average the last {k!r} checkpoints: give a whole number >= 1")
-    found = checkpoint_dirs(run_dir)
-    if not found:
-        raise UserError(f"{run_dir}: no checkpoints found")
-    if len(found) < k:
-        log.warning("%s: only %d checkpoints, averaging those", run_dir, len(found))
-    chosen = found[-k:]
-    if out is None:
-        out = run_dir / f"average_last_{len(chosen)}"
-        force = force or is_average(out)
-    root = run_dir / "checkpoints"
-    if (relation := overlap(Path(out), root)) in ("is", "lies inside"):  # "contains": the check below
-        raise UserError(f"{out}: {relation} {root}, which training owns (it resumes from and prunes what is there)")
-    check_output(out, [], force, enclosing=[run_dir])
-    return average_checkpoints(chosen, out, force)
+    named, asked_force = out, force
+    for attempt in range(PRUNED_RETRIES + 1):
+        found = checkpoint_dirs(run_dir)
+        if not found:
+            raise UserError(f"{run_dir}: no checkpoints found")
+        if len(found) < k and attempt == 0:
+            log.warning("%s: only %d checkpoints, averaging those", run_dir, len(found))
+        chosen = found[-k:]
+        out, force = named, asked_force
+        if out is None:
+            out = run_dir / f"average_last_{len(chosen)}"
+            force = force or is_average(out)
+        root = run_dir / "checkpoints"
+        if (relation := overlap(Path(out), root)) in ("is", "lies inside"):  # "contains": the check below
+            raise UserError(f"{out}: {relation} {root}, which training owns (it resumes from and prunes what "
+                            "is there)")
+        check_output(out, [], force, enclosing=[run_dir])
+        try:
+            return average_checkpoints(chosen, out, force)
+        except UserError:
+            if all(p.is_dir() for p in chosen):  # a real problem, not a run pruning what was listed
+                raise
+            log.info("%s: the training run pruned a checkpoint while it was read; listing again", run_dir)
+    raise UserError(f"{run_dir}: the training run there pruned the last {k} checkpoints while they were read, "
+                    f"{PRUNED_RETRIES + 1} times; average after it stops, or raise its train.keep_last")

@@ -347,3 +347,89 @@ def test_a_tokenizer_saves_after_its_files_are_gone(tmp_path, tokenizer):
     second = save_checkpoint(tmp_path / "step_2", model, loaded)
     assert (second / "spm.model").read_bytes() == original
     assert load_checkpoint(second).tokenizer.same_as(tokenizer)
+
+
+def test_a_symlink_loop_is_one_line_where_a_path_is_read_or_written(run, tmp_path, capsys):
+    """Path.resolve() raises RuntimeError for a loop before Python 3.13: a traceback from every command
+    that checked its output against its inputs."""
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    (tmp_path / "in.txt").write_text("hello\n")
+    ck = run / "checkpoints" / "step_000003"
+    for args in (["average", str(run), "--last", "2", "-o", str(loop)],
+                 ["average", str(run), "--last", "2", "-o", str(loop / "x")],
+                 ["translate", str(ck), "-i", str(tmp_path / "in.txt"), "-o", str(loop), "-q"]):
+        capsys.readouterr()
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].endswith(": too many levels of symbolic links"), (args, err)
+    with pytest.raises(UserError, match="loop: too many levels of symbolic links"):
+        with aiayn.files.atomic_output(loop) as f:
+            f.write("x")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["tokenizer"]["specials"].update(eos=None), r"special id 'eos' is None, not an integer"),
+    (lambda m: m["tokenizer"]["specials"].update(pad="0"), r"special id 'pad' is '0', not an integer"),
+])
+def test_special_ids_of_the_wrong_type_are_a_malformed_tokenizer(run, edit, message):
+    """A null eos failed in check_vocabulary's comparison, as a TypeError traceback."""
+    ck = run / "checkpoints" / "step_000003"
+    meta = json.loads((ck / "meta.json").read_text())
+    edit(meta)
+    (ck / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r'meta\.json: malformed "tokenizer" entry \(ValueError: ' + message):
+        load_checkpoint(ck)
+
+
+def test_metadata_nested_past_the_stack_is_corrupt_not_a_recursion_error(run):
+    ck = run / "checkpoints" / "step_000003"
+    (ck / "meta.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UserError, match=r"meta\.json: corrupt checkpoint metadata \(maximum recursion depth"):
+        load_checkpoint(ck)
+
+
+def test_average_lists_again_when_training_prunes_a_checkpoint_it_reads(run, monkeypatch):
+    """A run training in run_dir prunes old checkpoints after each save: `average` read a listed one
+    after it was gone and failed with 'checkpoint has no model.safetensors'."""
+    import aiayn.train.average as average
+
+    real, calls = average.average_checkpoints, []
+
+    def pruned_first(paths, out, force=False):  # training prunes the oldest as the first try reads it
+        calls.append([p.name for p in paths])
+        if len(calls) == 1:
+            shutil.rmtree(paths[0])
+        return real(paths, out, force)
+
+    monkeypatch.setattr(average, "average_checkpoints", pruned_first)
+    assert average_last(run, 3, run.parent / "avg") == run.parent / "avg"
+    assert calls == [["step_000001", "step_000002", "step_000003"], ["step_000002", "step_000003"]]
+    assert len(load_checkpoint(run.parent / "avg").meta["averaged"]) == 2
+
+    def always_pruned(paths, out, force=False):
+        shutil.rmtree(paths[0])
+        return real(paths, out, force)
+
+    for step in (4, 5, 6, 7):  # enough checkpoints for every try to lose one
+        shutil.copytree(run / "checkpoints" / "step_000003", run / "checkpoints" / f"step_{step:06d}")
+    monkeypatch.setattr(average, "average_checkpoints", always_pruned)
+    with pytest.raises(UserError, match=r"pruned the last 2 checkpoints while they were read, 4 times; average "
+                                        r"after it stops, or raise its train\.keep_last"):
+        average_last(run, 2, run.parent / "avg2")
+    assert not (run.parent / "avg2").exists()
+    monkeypatch.setattr(average, "average_checkpoints", real)
+    (run / "checkpoints" / "step_000007" / "model.safetensors").unlink()  # damaged, not pruned: no retry
+    with pytest.raises(UserError, match=r"step_000007: checkpoint has no model\.safetensors"):
+        average_last(run, 2, run.parent / "avg3")
+
+
+@pytest.mark.parametrize("model", ["micro", None, [1, 2]])
+def test_a_model_entry_that_is_no_table_is_corrupt_metadata(run, model):
+    """A string was read as its characters: 'unknown ModelConfig key(s): c, i, m, o, r'."""
+    ck = run / "checkpoints" / "step_000003"
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["model"] = model
+    (ck / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"meta\.json: corrupt checkpoint metadata \('model' is not a table\)"):
+        load_checkpoint(ck)

@@ -28,7 +28,7 @@ from aiayn import cli
 from aiayn.config import ConfigError, model_config
 from aiayn.data.dataset import EncodedCorpus, read_lines
 from aiayn.data.tokenizer import train_sentencepiece
-from aiayn.errors import Stopped, UserError
+from aiayn.errors import CorruptFile, Stopped, UserError
 from aiayn.model import Transformer
 from aiayn.train import distributed, loop
 from aiayn.train.config import DataConfig, TrainConfig, load_config, with_train
@@ -706,6 +706,56 @@ def test_hand_edited_training_metadata_of_the_wrong_type_is_named(finished_run, 
     edit(content)
     path.write_text(json.dumps(content), encoding="utf-8")
     with pytest.raises(UserError, match=message):
+        train(with_train(config, max_updates=6), resume=True)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t["state"].update(step=-5), r"\(step=-5 is not at least 0\)"),
+    (lambda t: t["state"].update(cursor=-3), r"\(cursor=-3 is not at least 0\)"),
+    (lambda t: t["state"].update(cursor=10**9), r"\(cursor=1000000000 is past the \d+ updates of an epoch"),
+    (lambda t: t["state"].update(seconds=math.nan), r"\(seconds=nan is not a finite number, at least 0\)"),
+    (lambda t: t["state"].update(best_valid=math.nan), r"\(best_valid=nan is not a finite number"),
+    (lambda t: t["state"].update(best_step=99), r"\(best_step=99 is past step=4\)"),
+    (lambda t: t["param_groups"][0].update(betas="x"), r"\(param_groups betas='x', where this optimizer has"),
+    (lambda t: t["param_groups"][0].update(eps=-1.0), r"\(param_groups eps=-1\.0, where"),
+    (lambda t: t["param_groups"][0].pop("lr"), r"\(param_groups lr='missing', where"),
+    (lambda t: t["param_groups"][0]["params"].pop(), r"\(param_groups params=\[0, "),
+    (lambda t: t.update(param_groups={}), r"\(param_groups is not 1 table\(s\)\)"),
+])
+def test_training_state_out_of_range_is_refused(finished_run, tmp_path, edit, message):
+    """Each was resumed: a negative cursor trained on the wrong batches, a negative step shifted the
+    schedule, NaN seconds never reached max_minutes; betas "x" failed at the first update."""
+    config = copy_run(finished_run, tmp_path)
+    path = checkpoint_dirs(config.train.run_dir)[-1] / "trainer.json"
+    content = json.loads(path.read_text(encoding="utf-8"))
+    edit(content)
+    path.write_text(json.dumps(content), encoding="utf-8")
+    with pytest.raises(CorruptFile, match=r"step_000004/trainer\.json: corrupt training state " + message):
+        train(with_train(config, max_updates=6), resume=True)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda w: w.update({"optimizer.x.exp_avg": torch.zeros(1)}), r"optimizer\.x\.exp_avg is no Adam state"),
+    (lambda w: w.update({"optimizer.3": torch.zeros(1)}), r"optimizer\.3 is no Adam state"),
+    (lambda w: w.update({"optimizer.999.exp_avg": torch.zeros(1)}), r"optimizer\.999\.exp_avg is no Adam"),
+    (lambda w: w.update({"optimizer.0.exp_avg": torch.zeros(7)}), r"optimizer\.0\.exp_avg has shape \(7,\)"),
+    (lambda w: w.update({"optimizer.0.step": torch.zeros(2)}), r"optimizer\.0\.step has shape \(2,\)"),
+    (lambda w: w["optimizer.0.exp_avg_sq"].view(-1)[0].fill_(math.nan),
+     r"optimizer\.0\.exp_avg_sq holds a value that is not finite and at least 0"),
+    (lambda w: w["optimizer.1.exp_avg_sq"].view(-1)[0].fill_(-1.0), r"optimizer\.1\.exp_avg_sq holds a value"),
+    (lambda w: w["optimizer.0.exp_avg"].view(-1)[0].fill_(math.inf), r"optimizer\.0\.exp_avg holds a value"),
+])
+def test_a_damaged_adam_state_is_refused_naming_the_tensor(finished_run, tmp_path, edit, message):
+    """A malformed name gave a ValueError traceback; a moment of another shape, or a NaN, loaded and
+    surfaced two updates later as 'training diverged ... lower train.lr_scale'."""
+    from safetensors.torch import save_file
+
+    config = copy_run(finished_run, tmp_path)
+    path = checkpoint_dirs(config.train.run_dir)[-1] / "trainer.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+    with pytest.raises(CorruptFile, match=r"step_000004/trainer\.safetensors: corrupt training state \(" + message):
         train(with_train(config, max_updates=6), resume=True)
 
 

@@ -349,6 +349,8 @@ SAMPLING = {"sample": True, "beam": 1}
     ({"max_len_a": math.nan}, "max_len_a=nan"),
     ({"max_len_a": math.inf}, "max_len_a=inf"),
     ({"max_len_a": 0.0, "max_len_b": 0}, "max_len_a=0.0 and max_len_b=0 allow no output token"),
+    ({"max_len_a": 0.0, "max_len_b": 2, "min_len": 3},  # every output was cut at 2, without EOS
+     "min_len=3 is more than the max_len_b=2 tokens that max_len_a=0.0 allows"),
     ({"temperature": math.nan, **SAMPLING}, "temperature=nan"),  # torch: probability tensor contains nan
     ({"temperature": math.inf, **SAMPLING}, "temperature=inf"),
     ({"temperature": 1e-50, **SAMPLING}, "temperature=1e-50"),  # 0 in float32: 0 / 0

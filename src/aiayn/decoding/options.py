@@ -58,6 +58,9 @@ class DecodeConfig:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
         if self.max_len_a == 0 and self.max_len_b < 1:  # max_lengths would quietly allow 1 token anyway
             problems.append(f"max_len_a={self.max_len_a} and max_len_b={self.max_len_b} allow no output token")
+        if self.max_len_a == 0 and self.min_len > self.max_len_b:  # every output would end cut, without EOS
+            problems.append(f"min_len={self.min_len} is more than the max_len_b={self.max_len_b} tokens that "
+                            f"max_len_a={self.max_len_a} allows")
         if self.n_best < 1 or (not self.sample and self.n_best > self.beam):
             problems.append(f"n_best={self.n_best} must be between 1 and beam={self.beam}")
         if self.early_stopping and self.beam == 1:  # beam 1 is greedy search (or sampling): nothing to stop

@@ -536,3 +536,55 @@ def test_fine_tune_then_reload(build, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(load_checkpoint(tmp_path / "tuned").model(src, tgt_in), model(src, tgt_in),
                                    atol=0, rtol=0)
+
+
+def test_opus_mt_layout_decodes_as_marian_tokenizer(tmp_path):
+    """OPUS-MT's usual layout: one vocab.json (both sides' pieces) with a source.spm and a target.spm of
+    their own. A target id whose piece only the source side has (▁the) decoded with a literal U+2581
+    ('▁the▁on'); <unk> decoded as ' ⁇ ' and a final lone '▁' left a trailing space."""
+    import random
+
+    from aiayn.data.tokenizer import Tokenizer
+
+    src_spm = train_sentencepiece(SRC_LINES, tmp_path / "s", 60)
+    tgt_spm = train_sentencepiece(TGT_LINES, tmp_path / "t", 48)
+    shutil.copyfile(src_spm, tmp_path / "source.spm")
+    shutil.copyfile(tgt_spm, tmp_path / "target.spm")
+    pieces = list(dict.fromkeys(spm_pieces(src_spm) + spm_pieces(tgt_spm)))  # the union, in order
+    vocab = marian_vocab(pieces, pad_last=True)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "MarianTokenizer"}))
+    theirs = transformers.MarianTokenizer.from_pretrained(str(tmp_path))
+    specials = {"pad": vocab["<pad>"], "eos": 0, "unk": 1, "bos": vocab["<pad>"]}
+    ours = Tokenizer(tmp_path / "source.spm", tmp_path / "target.spm", vocab, specials)
+    assert "▁the" in vocab and "▁the" not in spm_pieces(tgt_spm)
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(1, len(vocab)) for _ in range(rng.randrange(1, 8))]  # no EOS (0) inside
+        assert ours.decode_tgt(ids) == theirs.decode(ids, skip_special_tokens=True), ids
+    assert ours.decode_tgt([vocab["▁the"], vocab["▁is"]]) == "the is"
+
+
+def test_a_vocabulary_giving_one_id_twice_is_refused_at_conversion(build, tmp_path, capsys):
+    """It converted, and the checkpoint then failed to load with 'not the tokenizer this model was
+    trained with'."""
+    opus = tmp_path / "opus"
+    shutil.copytree(build(VARIANTS[0])[2], opus)
+    vocab = json.loads((opus / "vocab.json").read_text())
+    first = next(p for p, i in vocab.items() if i == 5)
+    vocab["zzzdup"] = 5
+    (opus / "vocab.json").write_text(json.dumps(vocab))
+    assert convert_error(opus, capsys) == (
+        f"aiayn: error: {opus / 'vocab.json'}: id 5 is given to both {first!r} and 'zzzdup'")
+
+
+@pytest.mark.parametrize("pad", [{"__type": "AddedToken", "lstrip": False}, 5, None])
+def test_a_special_token_without_its_text_is_refused_in_one_line(build, tmp_path, capsys, pad):
+    opus = tmp_path / "opus"
+    shutil.copytree(build(VARIANTS[0])[2], opus)
+    settings = json.loads((opus / "tokenizer_config.json").read_text())
+    settings["pad_token"] = pad
+    (opus / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert convert_error(opus, capsys) == (
+        f"aiayn: error: {opus / 'tokenizer_config.json'}: pad_token: expected a token string or a table "
+        f"with its \"content\", not {pad!r}")

@@ -115,7 +115,11 @@ class Tokenizer:
                 out.append(int(i))
         if self.id_to_piece is None:
             return self.tgt.decode(out)
-        return self.tgt.decode_pieces([self.id_to_piece[i] for i in out])
+        # As MarianTokenizer.decode(skip_special_tokens=True): <unk> dropped, and a word boundary left in a
+        # piece that target.spm does not hold (OPUS-MT's one vocab.json lists the source side's pieces
+        # too) is a space, not a literal U+2581.
+        pieces = [self.id_to_piece[i] for i in out if i != self.unk_id]
+        return self.tgt.decode_pieces(pieces).replace("\u2581", " ").strip()
 
     def src_pieces(self, text: str) -> list[str]:
         """Subword strings of a source sentence and its EOS, one per id of `encode_src` (axis labels for

@@ -319,12 +319,20 @@ def _read_vocab(path: Path) -> dict[str, int]:
     vocab = read_json(path)
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
         raise UserError(f"{path}: expected a mapping from piece to integer id")
+    first: dict[int, str] = {}
+    for piece, i in vocab.items():  # two pieces on one id converted, and the checkpoint could not load
+        if i in first:
+            raise UserError(f"{path}: id {i} is given to both {first[i]!r} and {piece!r}")
+        first[i] = piece
     return vocab
 
 
-def _token_name(value: Any) -> str:
+def _token_name(value: Any, where: str) -> str:
     """tokenizer_config.json writes special tokens as strings or as AddedToken dicts."""
-    return value["content"] if isinstance(value, dict) else str(value)
+    name = value.get("content") if isinstance(value, dict) else value
+    if not isinstance(name, str):
+        raise UserError(f"{where}: expected a token string or a table with its \"content\", not {value!r}")
+    return name
 
 
 def _separate_vocabs(directory: Path, settings: dict[str, Any], config: ModelConfig) -> bool:
@@ -351,7 +359,7 @@ def marian_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
     tgt_vocab = _read_vocab(tgt_path) if _separate_vocabs(directory, settings, config) else None
     specials = {}
     for key, default in (("pad", "<pad>"), ("eos", "</s>"), ("unk", "<unk>")):
-        name = _token_name(settings.get(f"{key}_token", default))
+        name = _token_name(settings.get(f"{key}_token", default), f"{settings_path}: {key}_token")
         if name not in vocab:
             raise UserError(f"{vocab_path}: has no {key} token {name!r}")
         if tgt_vocab is not None and tgt_vocab.get(name) != vocab[name]:

@@ -64,7 +64,7 @@ def test_learns_and_writes_its_files(straight_run):
     assert [p.name for p in checkpoint_dirs(run)] == ["step_000004", "step_000008", "step_000010"]
     ck = load_checkpoint(checkpoint_dirs(run)[-1])
     assert ck.meta["config"]["train"]["max_updates"] == 10 and ck.meta["step"] == 10
-    assert ck.meta["epoch"] == 1  # 0-based: the second epoch had begun
+    assert ck.meta["epoch"] == ck.meta["metrics"]["epoch"] == 2  # from 1, as the logs: the second had begun
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights(run))
     first_valid = [m for m in metrics if '"valid_loss"' in m][0]
     assert result["valid_loss"] < float(first_valid.split('"valid_loss": ')[1].split(",")[0])

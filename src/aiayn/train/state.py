@@ -166,7 +166,8 @@ def save_training_checkpoint(
         "python_rng": random.getstate(),
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
     }
-    meta = {"step": state.step, "epoch": state.epoch, "config": config, "metrics": metrics}
+    # The epoch counted from 1, as the progress line and metrics.jsonl count it (TrainState's is 0-based).
+    meta = {"step": state.step, "epoch": state.epoch + 1, "config": config, "metrics": metrics}
     path = Path(run_dir) / "checkpoints" / step_dir_name(state.step)
     return save_checkpoint(path, model, tokenizer, meta, {**tensors, **rngs}, trainer)
 

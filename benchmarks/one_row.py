@@ -60,8 +60,8 @@ def kernels(threads: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], Ca
     return out
 
 
-def picked(threads: int) -> str:
-    """The kernel aiayn takes for one row at this thread count (the rule of `one_row_blocks`)."""
+def picked() -> str:
+    """The kernel aiayn takes for one row at the thread count set now (the rule of `one_row_blocks`)."""
     blocks = one_row_blocks()  # reads torch.get_num_threads(), set by the caller
     return ONEDNN if blocks == 0 else WHOLE if blocks == 1 else BLOCKS
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     ms, choice = {}, {}
     for threads in args.threads:
         ms[threads] = measure(threads, args.rounds)
-        choice[threads] = picked(threads)
+        choice[threads] = picked()
         print(f"{threads} threads: " + ", ".join(f"{n} {t:.2f} ms" for n, t in ms[threads].items())
               + f"; aiayn picks {choice[threads]}", file=sys.stderr, flush=True)
     result = {

@@ -363,9 +363,10 @@ def test_a_symlink_loop_is_one_line_where_a_path_is_read_or_written(run, tmp_pat
         assert main(args) == 2, args
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].endswith(": too many levels of symbolic links"), (args, err)
-    with pytest.raises(UserError, match="loop: too many levels of symbolic links"):
-        with aiayn.files.atomic_output(loop) as f:
-            f.write("x")
+    with pytest.raises(UserError, match="loop: too many levels of symbolic links"), \
+            aiayn.files.atomic_output(loop) as f:
+        f.write("x")
+    assert loop.is_symlink()  # not replaced by a file
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -392,7 +393,7 @@ def test_metadata_nested_past_the_stack_is_corrupt_not_a_recursion_error(run):
 def test_average_lists_again_when_training_prunes_a_checkpoint_it_reads(run, monkeypatch):
     """A run training in run_dir prunes old checkpoints after each save: `average` read a listed one
     after it was gone and failed with 'checkpoint has no model.safetensors'."""
-    import aiayn.train.average as average
+    from aiayn.train import average
 
     real, calls = average.average_checkpoints, []
 

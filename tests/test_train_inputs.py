@@ -710,16 +710,21 @@ def test_hand_edited_training_metadata_of_the_wrong_type_is_named(finished_run, 
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda t: t["state"].update(step=-5), r"\(step=-5 is not at least 0\)"),
-    (lambda t: t["state"].update(cursor=-3), r"\(cursor=-3 is not at least 0\)"),
+    (lambda t: t["state"].update(step=-5), r"\(step=-5 is not a whole number from 0 to 2\^53\)"),
+    (lambda t: t["state"].update(cursor=-3), r"\(cursor=-3 is not a whole number from 0 to 2\^53\)"),
     (lambda t: t["state"].update(cursor=10**9), r"\(cursor=1000000000 is past the \d+ updates of an epoch"),
     (lambda t: t["state"].update(seconds=math.nan), r"\(seconds=nan is not a finite number, at least 0\)"),
     (lambda t: t["state"].update(best_valid=math.nan), r"\(best_valid=nan is not a finite number"),
     (lambda t: t["state"].update(best_step=99), r"\(best_step=99 is past step=4\)"),
     (lambda t: t["param_groups"][0].update(betas="x"), r"\(param_groups betas='x', where this optimizer has"),
     (lambda t: t["param_groups"][0].update(eps=-1.0), r"\(param_groups eps=-1\.0, where"),
-    (lambda t: t["param_groups"][0].pop("lr"), r"\(param_groups lr='missing', where"),
-    (lambda t: t["param_groups"][0]["params"].pop(), r"\(param_groups params=\[0, "),
+    (lambda t: t["param_groups"][0].pop("lr"), r"\(param_groups has no lr\)"),
+    (lambda t: t["param_groups"][0]["params"].pop(), r"\(param_groups' params are not this model's \d+ "),
+    (lambda t: t["param_groups"][0]["params"].reverse(),  # each parameter would get another's moments
+     r"\(param_groups' params are not this model's \d+ parameters in order\)"),
+    (lambda t: t["param_groups"][0].update(eps=10**400), r"\(param_groups eps=10+, where"),  # OverflowError
+    (lambda t: t["state"].update(step=10**400), r"\(step=\d+ is not a whole number from 0 to 2\^53\)"),
+    (lambda t: t["state"].update(seconds=10**400), r"\(seconds=\d+ is not a finite number, at least 0\)"),
     (lambda t: t.update(param_groups={}), r"\(param_groups is not 1 table\(s\)\)"),
 ])
 def test_training_state_out_of_range_is_refused(finished_run, tmp_path, edit, message):
@@ -734,6 +739,18 @@ def test_training_state_out_of_range_is_refused(finished_run, tmp_path, edit, me
         train(with_train(config, max_updates=6), resume=True)
 
 
+def test_a_param_group_from_an_older_torch_resumes(finished_run, tmp_path):
+    """torch 2.4-2.6 saved Adam's groups without the flags later versions added (decoupled_weight_decay,
+    ...); load_state_dict fills them with defaults, and such a checkpoint was refused as corrupt."""
+    config = copy_run(finished_run, tmp_path)
+    path = checkpoint_dirs(config.train.run_dir)[-1] / "trainer.json"
+    content = json.loads(path.read_text(encoding="utf-8"))
+    content["param_groups"] = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "params")}
+                               for g in content["param_groups"]]
+    path.write_text(json.dumps(content), encoding="utf-8")
+    assert train(with_train(config, max_updates=6), resume=True)["step"] == 6
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda w: w.update({"optimizer.x.exp_avg": torch.zeros(1)}), r"optimizer\.x\.exp_avg is no Adam state"),
     (lambda w: w.update({"optimizer.3": torch.zeros(1)}), r"optimizer\.3 is no Adam state"),
@@ -744,6 +761,10 @@ def test_training_state_out_of_range_is_refused(finished_run, tmp_path, edit, me
      r"optimizer\.0\.exp_avg_sq holds a value that is not finite and at least 0"),
     (lambda w: w["optimizer.1.exp_avg_sq"].view(-1)[0].fill_(-1.0), r"optimizer\.1\.exp_avg_sq holds a value"),
     (lambda w: w["optimizer.0.exp_avg"].view(-1)[0].fill_(math.inf), r"optimizer\.0\.exp_avg holds a value"),
+    (lambda w: w.pop("optimizer.2.exp_avg_sq"), r"optimizer\.2 has no exp_avg_sq"),  # a KeyError, later
+    (lambda w: w.update({"optimizer.\u00b2.exp_avg": torch.zeros(1)}), r"optimizer\.\u00b2\.exp_avg is no"),
+    (lambda w: w.update({"optimizer.0.max_exp_avg_sq": torch.zeros(1)}),  # amsgrad's, which this run has not
+     r"optimizer\.0\.max_exp_avg_sq is no Adam state"),
 ])
 def test_a_damaged_adam_state_is_refused_naming_the_tensor(finished_run, tmp_path, edit, message):
     """A malformed name gave a ValueError traceback; a moment of another shape, or a NaN, loaded and

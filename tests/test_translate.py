@@ -574,12 +574,13 @@ def test_one_row_products_take_a_weight_block_per_thread_where_mkl_does_not_spli
     one, first = padded_batch([6], 50), torch.tensor([[1]])
     try:
         for vendor, n, blocks in [("GenuineIntel", 2, 1), ("AuthenticAMD", 1, 1), ("AuthenticAMD", 2, 2),
-                                  ("AuthenticAMD", 3, 3)]:
+                                  ("AuthenticAMD", 3, 3), ("", 1, 1), ("", 2, 0), ("HygonGenuine", 2, 0)]:
             monkeypatch.setattr(cpu, "_cpu_vendor", lambda vendor=vendor: vendor)
             torch.set_num_threads(n)
             assert cpu.one_row_blocks() == blocks
             packed = cpu.pack_for_cpu(model)
-            assert packed.generator.one_row.blocks == blocks and packed.final_logits_bias is None
+            one_row = packed.generator.one_row
+            assert (one_row.blocks if one_row else 0) == blocks and packed.final_logits_bias is None
             with torch.no_grad():  # every decoder product of one sentence's first step has one row
                 ours = packed.decode(first, packed.encode(one), None)
                 torch.testing.assert_close(ours, model.decode(first, model.encode(one), None), atol=1e-5, rtol=1e-5)

@@ -36,8 +36,16 @@ def fsync_dir(path: Path) -> None:
 
 
 def resolved(path: Path) -> Path:
-    """`path.resolve()`, with a symlink loop a one-line `UserError` (Python before 3.13 raised a
-    RuntimeError for it, which no OSError handler caught)."""
+    """`path.resolve()`, with a symlink loop on the way a one-line `UserError`: Python before 3.13 raised a
+    RuntimeError for it, which no OSError handler caught, and 3.13 resolves it quietly (a write would
+    then replace the link)."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{path}: too many levels of symbolic links") from None
+    except ValueError:  # a NUL in the name: the caller's own checks say so
+        pass
     try:
         return path.resolve()
     except RuntimeError:

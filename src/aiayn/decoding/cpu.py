@@ -53,12 +53,14 @@ def one_row_blocks() -> int:
     a `base` decoder step, two threads, MKL on two blocks against oneDNN packed for 64 rows, per shape
     (us, cold caches, benchmarks/RESULTS.md): (512, 1536) 122 against 167, (512, 512) 64 against 75,
     (512, 2048) 129 against 220, (2048, 512) 211 against 231, the vocabulary (512, 32000) 1,459 against
-    2,435. From four rows up oneDNN is faster than any of these."""
+    2,435. From four rows up oneDNN is faster than any of these. Measured on AMD at one and two threads
+    (benchmarks/one_row.py); other vendors keep oneDNN on several threads."""
     if not torch.backends.mkl.is_available():
         return 0
-    if _cpu_vendor() == "GenuineIntel":
+    threads = torch.get_num_threads()
+    if _cpu_vendor() == "GenuineIntel" or threads == 1:
         return 1
-    return torch.get_num_threads()
+    return threads if _cpu_vendor() == "AuthenticAMD" else 0  # elsewhere unmeasured: oneDNN, as before
 
 
 @functools.cache  # read once, not once per Linear
@@ -82,7 +84,7 @@ class OneRowProduct:
 
     def __init__(self, weight: Tensor, bias: Tensor | None, blocks: int):
         out_features, in_features = weight.shape
-        w_t = weight.detach().t()  # (in, out)
+        w_t, bias = weight.detach().t(), None if bias is None else bias.detach()  # (in, out), (out,)
         zero = torch.zeros(out_features, dtype=weight.dtype)
         self.blocks, self.out_features = blocks, out_features
         self.by_rows = blocks > 1 and out_features <= in_features and in_features % blocks == 0
@@ -204,7 +206,8 @@ def replace_modules(
 def fold_logits_bias(model: nn.Module) -> None:
     """Move Marian's bias on the logits (`final_logits_bias`) into the vocabulary product of a model copy
     about to be packed, or of a quantized one, whose `generator` has no bias of its own: added inside the
-    product, it saves a pass over the (R, V) logits every step (2.5% of an int8 greedy step at batch 16, `base` shape)."""
+    product, it saves a pass over the (R, V) logits every step (2.5% of an int8 greedy step at batch 16,
+    `base` shape)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
     bias, generator = getattr(model, "final_logits_bias", None), getattr(model, "generator", None)

@@ -209,10 +209,11 @@ def _train_state(saved: Any, path: Path) -> TrainState:
         kinds = {"int": (int,), "float": (int, float), "bool": (bool,)}[field.type]
         if (isinstance(value, bool) and field.type != "bool") or not isinstance(value, kinds):
             what = {"int": "a whole number", "float": "a number", "bool": "true or false"}[field.type]
-        elif field.type == "bool":
-            continue
-        elif math.isnan(value) or value < 0 or (math.isinf(value) and field.name != "best_valid"):
-            what = "a finite number, at least 0" if field.type == "float" else "at least 0"
+        elif field.type == "int" and not 0 <= value <= 2**53:  # past 2^53 the schedule's float math fails
+            what = "a whole number from 0 to 2^53"
+        elif field.type == "float" and (value < 0 or not (_finite(value) or (field.name == "best_valid"
+                                                                              and value == math.inf))):
+            what = "a finite number, at least 0"
         else:
             continue
         raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state ({field.name}={value!r} is "
@@ -224,22 +225,26 @@ def _train_state(saved: Any, path: Path) -> TrainState:
     return state
 
 
-ADAM_STATE = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")  # each parameter's, once it has had a gradient
+ADAM_SETTINGS = ("lr", "betas", "eps", "weight_decay", "params")  # every torch's Adam saves these; newer
+# torch versions add flags (decoupled_weight_decay, ...) that loading an older group fills with defaults
 
 
 def _adam_state(tensors: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                 where: Path) -> dict[int, dict[str, torch.Tensor]]:
     """trainer.safetensors' `optimizer.<param>.<name>` tensors as Adam's per-parameter state, each checked
     against this run's parameters: a damaged moment (another shape, a NaN) loaded without complaint and
-    surfaced two updates later as a diverged run."""
+    surfaced two updates later as a diverged run, and a missing one as a KeyError at the first update."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    amsgrad = any(group.get("amsgrad") for group in optimizer.param_groups)
+    names = ADAM_STATE + (("max_exp_avg_sq",) if amsgrad else ())
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
         if not name.startswith("optimizer."):
             continue
         _, index, key = (name.split(".", 2) + ["", ""])[:3]
         problem = None
-        if not index.isdigit() or int(index) >= len(params) or key not in ADAM_STATE:
+        if not (index.isascii() and index.isdigit()) or int(index) >= len(params) or key not in names:
             problem = "is no Adam state of this model's parameters"
         elif not t.is_floating_point() or t.shape != (() if key == "step" else params[int(index)].shape):
             problem = f"has shape {tuple(t.shape)} and dtype {t.dtype}"
@@ -248,21 +253,31 @@ def _adam_state(tensors: dict[str, torch.Tensor], optimizer: torch.optim.Optimiz
         if problem:
             raise CorruptFile(f"{where}: corrupt training state ({name} {problem})")
         state.setdefault(int(index), {})[key] = t
+    for index, held in sorted(state.items()):
+        if missing := [k for k in names if k not in held]:
+            raise CorruptFile(f"{where}: corrupt training state (optimizer.{index} has no "
+                              f"{', '.join(missing)})")
     return state
 
 
 def _check_param_groups(groups: Any, optimizer: torch.optim.Optimizer, where: Path) -> None:
     """trainer.json's Adam hyper-parameters, each of the kind this run's optimizer holds (betas "x" was
-    accepted, and the first update failed unpacking it)."""
+    accepted, and the first update failed unpacking it), over this run's parameters in their order
+    (another order would hand each parameter another's moments)."""
     ours = optimizer.state_dict()["param_groups"]
     tables = isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
     if not tables or len(groups) != len(ours):
         raise CorruptFile(f"{where}: corrupt training state (param_groups is not {len(ours)} table(s))")
     for saved, group in zip(groups, ours):
+        if missing := [k for k in ADAM_SETTINGS if k not in saved]:
+            raise CorruptFile(f"{where}: corrupt training state (param_groups has no {', '.join(missing)})")
+        if saved["params"] != group["params"] or not all(type(i) is int for i in saved["params"]):
+            raise CorruptFile(f"{where}: corrupt training state (param_groups' params are not this model's "
+                              f"{len(group['params'])} parameters in order)")
         for key, value in group.items():
-            if key not in saved or not _same_kind(saved[key], value):
+            if key != "params" and key in saved and not _same_kind(saved[key], value):
                 raise CorruptFile(f"{where}: corrupt training state (param_groups {key}="
-                                  f"{saved.get(key, 'missing')!r}, where this optimizer has {value!r})")
+                                  f"{saved[key]!r}, where this optimizer has {value!r})")
 
 
 def _same_kind(saved: Any, ours: Any) -> bool:
@@ -271,10 +286,19 @@ def _same_kind(saved: Any, ours: Any) -> bool:
     if ours is None or isinstance(ours, bool):
         return saved is None or isinstance(saved, bool)
     if isinstance(ours, (int, float)):
-        return type(saved) in (int, float) and math.isfinite(saved) and saved >= 0
+        return type(saved) in (int, float) and _finite(saved) and saved >= 0
     if isinstance(ours, (list, tuple)):
         return isinstance(saved, list) and len(saved) == len(ours) and all(map(_same_kind, saved, ours))
     return True
+
+
+def _finite(value: float) -> bool:
+    """A float that is not NaN or infinite, or an integer a float holds (JSON reads 10**400 as an int,
+    which math.isfinite and torch's Adam fail to convert, with an OverflowError)."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def check_compatible(path: Path, config: ModelConfig) -> None:

@@ -207,6 +207,31 @@ def test_an_interrupted_rerun_leaves_the_old_maps_and_the_users_files(tmp_path, 
     assert {p.name: p.read_bytes() for p in (tmp_path / "maps").iterdir()} == before  # no temporaries either
 
 
+def test_a_full_disk_on_the_last_file_leaves_the_old_set(tmp_path, tokenizers, monkeypatch):
+    """Each file was renamed into place as soon as it was written: a full disk on attention.html left the
+    new drawing's PNGs beside the old drawing's page."""
+    import errno
+
+    import aiayn.files
+
+    argv = _draw_args(tmp_path, tokenizers) + ["--out", str(tmp_path / "maps")]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "maps").iterdir()}
+    fsync = aiayn.files.os.fsync
+    synced = []
+
+    def full_on_the_html(fd):
+        synced.append(fd)
+        if len(synced) == 4:  # three PNGs written, then the page
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return fsync(fd)
+
+    monkeypatch.setattr(aiayn.files.os, "fsync", full_on_the_html)
+    monkeypatch.setattr(attention.os, "fsync", full_on_the_html)
+    assert main(argv[:4] + ["the number 8"] + argv[5:]) == 2
+    assert {p.name: p.read_bytes() for p in (tmp_path / "maps").iterdir()} == before  # no temporaries either
+
+
 def test_empty_sentences_are_refused_and_unknown_pieces_labelled_unk(tmp_path, tokenizers, capsys):
     argv = _draw_args(tmp_path, tokenizers)
     for args, side in ((["--src", ""], "source"), (["--src", "   "], "source"), (["--src", "7", "--tgt", ""], "target")):

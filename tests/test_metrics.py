@@ -4,6 +4,7 @@ log, a `file:line` error or a one-line error, never a traceback, a glued record 
 import errno
 import json
 import logging
+import math
 import os
 import re
 from types import SimpleNamespace
@@ -115,11 +116,14 @@ def test_plot_command_gives_one_line_for_a_bad_line(tmp_path, capsys):
     (b'{"step": 2, "valid_loss": 1.0, "valid_bleu": "abc"}\n', "'valid_bleu' is \"abc\", not a number"),
     (b'{"step": 2, "valid_bleu": null}\n', "'valid_bleu' is null, not a number"),  # these two: TypeError
     (b'{"step": 1e308, "loss": 1.0}\n', "'step' is 1e+308, not an update number"),  # a ValueError traceback
+    (b'{"step": 2, "lr": -1e308}\n', "'lr' is -1e+308, past any value a run logs"),  # matplotlib failed
+    (b'{"step": 2, "loss": 1' + b"0" * 5000 + b'}\n', "not valid JSON (Exceeds the limit"),  # int() refused
 ])
 def test_plot_command_refuses_values_it_cannot_draw(tmp_path, capsys, line, problem):
     write_log(tmp_path / "metrics.jsonl", whole(TRAIN[0]), line)
     assert cli.main(["plot", str(tmp_path), "-o", str(tmp_path / "c.png")]) == 2
-    assert capsys.readouterr().err.strip() == f"aiayn: error: {tmp_path / 'metrics.jsonl'}:2: {problem}"
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"aiayn: error: {tmp_path / 'metrics.jsonl'}:2: {problem}") and "\n" not in err
     assert cli.main(["plot", str(tmp_path), "-o", ""]) == 2  # was the default path, silently
     assert "--output is empty" in capsys.readouterr().err
     assert not (tmp_path / "c.png").exists() and not (tmp_path / "curves.png").exists()
@@ -246,3 +250,37 @@ def test_a_full_disk_while_logging_is_one_line_naming_the_log(tmp_path, monkeypa
     monkeypatch.setattr(metrics, "open", full, raising=False)
     with pytest.raises(UserError, match=r"metrics\.jsonl: cannot write the training log \(No space left on device\)"):
         log.write({"step": 1})
+
+
+def test_the_best_validation_score_ignores_nan(tmp_path):
+    """A NaN first compared as the least: the title read 'best valid NLL nan (ppl nan) at 100'."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from aiayn.train.metrics import _draw
+
+    records = [{"step": 100, "valid_nll": math.nan, "valid_bleu": math.nan},
+               {"step": 200, "valid_nll": 0.5, "valid_bleu": 12.0},
+               {"step": 300, "valid_nll": 0.7, "valid_bleu": 9.0}]
+    fig = _draw(records, plt)
+    titles = [ax.get_title() for ax in fig.axes]
+    plt.close(fig)
+    assert titles[0] == "best valid NLL 0.500 (ppl 1.65) at 200"
+    assert titles[2] == "best valid BLEU 12.00 at 200"
+
+
+def test_plot_output_inside_a_checkpoint_is_refused(tmp_path, capsys):
+    """Training's keep_last deletes a checkpoint directory whole, the picture with it; `..` is taken out
+    first (a/ck/../x is not inside a/ck)."""
+    write_log(tmp_path / "metrics.jsonl", whole(TRAIN[0]), whole(TRAIN[1]))
+    ck = tmp_path / "checkpoints" / "step_000002"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text("{}")
+    (ck / "model.safetensors").write_bytes(b"")
+    assert cli.main(["plot", str(tmp_path), "-o", str(ck / "c.png")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"lies inside the checkpoint {ck}; write it elsewhere")
+    assert not (ck / "c.png").exists()
+    assert cli.main(["plot", str(tmp_path), "-o", str(ck / ".." / "c.png")]) == 0
+    assert (ck.parent / "c.png").is_file()

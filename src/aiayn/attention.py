@@ -17,10 +17,11 @@ import dataclasses
 import html
 import io
 import logging
+import os
 import re
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,10 +328,10 @@ def check_out_dir(out_dir: str | Path) -> Path:
 def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "attention") -> dict[str, Path]:
     """Write attention_{encoder,decoder,cross}.png and attention.html into `out_dir`.
 
-    Each file is replaced atomically and only after every picture was drawn, so a Ctrl-C or an error
-    leaves the old set whole; other files in `out_dir` are the user's and are kept. A kind with no map
-    (layers its stack does not have) gets none, and an earlier drawing's PNG of it is removed. (`write_atomically`
-    on the folder would replace them too.)
+    Each file is replaced atomically and only after every picture was drawn and every file written, so
+    a Ctrl-C or an error (a full disk) leaves the old set whole; other files in `out_dir` are the user's
+    and are kept. A kind with no map (layers its stack does not have) gets none, and an earlier drawing's
+    PNG of it is removed. (`write_atomically` on the folder would replace them too.)
     """
     out_dir = check_out_dir(out_dir)
     check_drawable(len(maps.src_tokens), "the source")  # maps extracted with max_tokens=None
@@ -348,15 +349,20 @@ def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "atten
     for path in files.values():  # before any is replaced: a directory in the way left a mixed set
         if path.is_dir():
             raise UserError(f"{path}: is a directory; will not replace it")
-    for kind, png in pngs.items():
-        with atomic_output(files[kind], binary=True) as f:
-            f.write(png)
+    # Every file is written and flushed to disk before any is renamed into place: a full disk on the last
+    # one left the PNGs of the new drawing beside the page of the old.
+    with ExitStack() as stack:
+        pages = [(files[kind], png, True) for kind, png in pngs.items()]
+        pages.append((files["html"], html_page(maps, pngs, title), False))
+        for path, content, binary in pages:
+            f = stack.enter_context(atomic_output(path, binary=binary))
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
     for kind in sorted(set(KINDS) - set(drawn)):  # an earlier drawing's map of it would pass for this one's
         stale = out_dir / f"attention_{kind}.png"
         if stale.is_file():
             stale.unlink()
         log.info("no %s map: that stack has none of layers %s", kind, ",".join(map(str, maps.layers)))
-    with atomic_output(files["html"]) as f:
-        f.write(html_page(maps, pngs, title))
     log.info("attention maps written to %s", out_dir)
     return files

@@ -92,6 +92,8 @@ def cmd_plot(args: argparse.Namespace) -> None:
     run = Path(args.run_dir)
     if args.output == "":  # was the default path, silently
         raise UserError("--output is empty: give a file name (default RUN_DIR/curves.png)")
+    if args.output:  # training's keep_last deletes a checkpoint directory whole, a picture in it too
+        _check_outside_checkpoints(Path(args.output))
     print(plot_metrics(run / "metrics.jsonl", args.output or run / "curves.png"))
 
 
@@ -216,9 +218,10 @@ def _check_outside_checkpoints(output: Path) -> None:
     `average` or `export` read them."""
     from aiayn.checkpoint import META, WEIGHTS
 
-    for place in (output.absolute(), *output.absolute().parents):
+    target = type(output)(os.path.abspath(output))  # a/ck/../x is a/x: `..` taken out as the kernel would
+    for place in (target, *target.parents):
         if (place / META).is_file() and (place / WEIGHTS).is_file():
-            relation = "is" if place == output.absolute() else "lies inside"
+            relation = "is" if place == target else "lies inside"
             raise UserError(f"{output}: {relation} the checkpoint {place}; write it elsewhere")
 
 

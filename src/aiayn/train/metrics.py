@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 # The keys the picture draws; where a record has one, it must be a number.
 PLOTTED = ("step", "loss", "nll", "valid_loss", "valid_nll", "lr", "valid_bleu")
 MAX_STEP = 2**53  # a step past any run (and past float precision: matplotlib's ticks failed on 1e308)
+MAX_VALUE = 1e100  # a loss, NLL, BLEU or rate past any run (lr 1e308 beside -1e308: matplotlib failed)
 
 
 class MetricsLog:
@@ -112,6 +113,8 @@ def _decode(line: bytes, where: str) -> Any:
         raise UserError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
     except RecursionError:
         raise UserError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # a number of more than 4,300 digits, which Python's int() refuses
+        raise UserError(f"{where}: not valid JSON ({e})") from None
 
 
 def _check_numbers(record: dict[str, Any], where: str) -> None:
@@ -119,6 +122,9 @@ def _check_numbers(record: dict[str, Any], where: str) -> None:
         value = record.get(key)
         if key in record and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UserError(f"{where}: {key!r} is {json.dumps(value)[:40]}, not a number")
+        # inf and nan are drawn; a finite 1e308 beside -1e308 failed in matplotlib's ticks
+        if key != "step" and key in record and math.isfinite(value) and abs(value) > MAX_VALUE:
+            raise UserError(f"{where}: {key!r} is {value:.3g}, past any value a run logs")
     if not -MAX_STEP <= record.get("step", 0) <= MAX_STEP:
         raise UserError(f"{where}: 'step' is {record['step']}, not an update number")
 
@@ -195,7 +201,8 @@ def _draw(records: list[dict[str, Any]], plt):
     ax_loss.grid(alpha=0.3)
     steps, nlls = _points(records, "valid_nll")
     if steps:
-        nll, step = min(zip(nlls, steps))
+        real = [(v, s) for v, s in zip(nlls, steps) if not math.isnan(v)]  # a NaN compares as the least
+        nll, step = min(real, default=(math.nan, steps[0]))
         # capped as the training loop caps valid_ppl: exp overflows past ~709
         ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {math.exp(min(nll, 50)):.2f}) at {step}")
     ax_lr.plot(*_points(records, "lr"))
@@ -207,7 +214,8 @@ def _draw(records: list[dict[str, Any]], plt):
         ax_bleu.plot(bleu_steps, bleus, "o-", markersize=3)
         ax_bleu.set_xlabel("update")
         ax_bleu.set_ylabel("valid BLEU (greedy, sacreBLEU)")
-        best, at = max(zip(bleus, bleu_steps))
+        best, at = max(((v, s) for v, s in zip(bleus, bleu_steps) if not math.isnan(v)),
+                       default=(math.nan, bleu_steps[0]))
         ax_bleu.set_title(f"best valid BLEU {best:.2f} at {at}")
         ax_bleu.grid(alpha=0.3)
     fig.tight_layout()

@@ -504,6 +504,21 @@ def test_an_epoch_budget_is_measured_in_batches_used_not_updates_counted():
     assert _budget_used(TrainState(step=12, epoch=1, cursor=5), tc, n_updates=10) == 0.75  # was 0.6
 
 
+def test_an_epoch_budget_lowered_below_the_epoch_under_way_trains_no_more():
+    """--resume with max_epochs=2 from an update in epoch 4 trained to the end of epoch 4: the budget was
+    looked at only at an epoch's end."""
+    from types import SimpleNamespace
+
+    from aiayn.train.loop import _stop_reason
+    from aiayn.train.state import TrainState
+
+    tc = SimpleNamespace(max_minutes=0, max_updates=0, max_epochs=2)
+    assert _stop_reason(TrainState(step=130, epoch=3, cursor=10), tc, n_updates=40) == "max_epochs=2"
+    assert _stop_reason(TrainState(step=80, epoch=1, cursor=40), tc, n_updates=40) == "max_epochs=2"
+    assert _stop_reason(TrainState(step=79, epoch=1, cursor=39), tc, n_updates=40) == ""  # the last epoch's
+    assert _stop_reason(TrainState(step=40, epoch=1, cursor=0), tc, n_updates=40) == ""
+
+
 def test_a_patience_stop_keeps_the_best_checkpoint(tmp_path):
     """keep_last=1 and patience=2: the run stops two validations after its best one, whose checkpoint
     pruning deleted, leaving only worse weights."""

@@ -114,7 +114,6 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
     run_dir = Path(run_dir)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:  # found[-0:] would be every checkpoint
         raise UserError(f"average the last {k!r} checkpoints: give a whole number >= 1")
-    named, asked_force = out, force
     for attempt in range(PRUNED_RETRIES + 1):
         found = checkpoint_dirs(run_dir)
         if not found:
@@ -122,17 +121,15 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
         if len(found) < k and attempt == 0:
             log.warning("%s: only %d checkpoints, averaging those", run_dir, len(found))
         chosen = found[-k:]
-        out, force = named, asked_force
-        if out is None:
-            out = run_dir / f"average_last_{len(chosen)}"
-            force = force or is_average(out)
+        target = run_dir / f"average_last_{len(chosen)}" if out is None else out
+        replace = force or (out is None and is_average(target))
         root = run_dir / "checkpoints"
-        if (relation := overlap(Path(out), root)) in ("is", "lies inside"):  # "contains": the check below
-            raise UserError(f"{out}: {relation} {root}, which training owns (it resumes from and prunes what "
-                            "is there)")
-        check_output(out, [], force, enclosing=[run_dir])
+        if (relation := overlap(Path(target), root)) in ("is", "lies inside"):  # "contains": the check below
+            raise UserError(f"{target}: {relation} {root}, which training owns (it resumes from and prunes "
+                            "what is there)")
+        check_output(target, [], replace, enclosing=[run_dir])
         try:
-            return average_checkpoints(chosen, out, force)
+            return average_checkpoints(chosen, target, replace)
         except UserError:
             if all(p.is_dir() for p in chosen):  # a real problem, not a run pruning what was listed
                 raise

@@ -639,8 +639,9 @@ def _stop_reason(state: TrainState, tc, n_updates: int) -> str:
     """Why to stop after this update ("" = go on); the same answer on every process."""
     if tc.max_updates and state.step >= tc.max_updates:
         return f"max_updates={tc.max_updates}"
-    # The last epoch done; or already past it (a resume with max_epochs lowered below the epoch under way)
-    if tc.max_epochs and (state.epoch + (state.cursor >= n_updates) >= tc.max_epochs):
+    # Past the budget as well as at its end: a resume with max_epochs lowered below the epoch under way
+    epochs_done = state.epoch + (1 if state.cursor >= n_updates else 0)
+    if tc.max_epochs and epochs_done >= tc.max_epochs:
         return f"max_epochs={tc.max_epochs}"
     if tc.max_minutes and state.seconds > tc.max_minutes * 60:
         return f"max_minutes={tc.max_minutes}"

@@ -181,6 +181,13 @@ def _points(records: list[dict[str, Any]], key: str) -> tuple[list, list]:
     return steps, [latest[s] for s in steps]
 
 
+def _best(pick, values: list[float], steps: list[int]) -> tuple[float, int]:
+    """(value, step) of the best of `values` by `pick` (min or max), NaNs left out: a NaN compares as
+    neither larger nor smaller, so a first NaN was taken as the best; (nan, first step) if all are."""
+    real = [(v, s) for v, s in zip(values, steps) if not math.isnan(v)]
+    return pick(real, default=(math.nan, steps[0]))
+
+
 def _draw(records: list[dict[str, Any]], plt):
     bleu_steps, bleus = _points(records, "valid_bleu")  # with train.bleu_every: a third panel
     fig, axes = plt.subplots(1, 3 if bleu_steps else 2, figsize=(16 if bleu_steps else 11, 4))
@@ -201,8 +208,7 @@ def _draw(records: list[dict[str, Any]], plt):
     ax_loss.grid(alpha=0.3)
     steps, nlls = _points(records, "valid_nll")
     if steps:
-        real = [(v, s) for v, s in zip(nlls, steps) if not math.isnan(v)]  # a NaN compares as the least
-        nll, step = min(real, default=(math.nan, steps[0]))
+        nll, step = _best(min, nlls, steps)
         # capped as the training loop caps valid_ppl: exp overflows past ~709
         ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {math.exp(min(nll, 50)):.2f}) at {step}")
     ax_lr.plot(*_points(records, "lr"))
@@ -214,8 +220,7 @@ def _draw(records: list[dict[str, Any]], plt):
         ax_bleu.plot(bleu_steps, bleus, "o-", markersize=3)
         ax_bleu.set_xlabel("update")
         ax_bleu.set_ylabel("valid BLEU (greedy, sacreBLEU)")
-        best, at = max(((v, s) for v, s in zip(bleus, bleu_steps) if not math.isnan(v)),
-                       default=(math.nan, bleu_steps[0]))
+        best, at = _best(max, bleus, bleu_steps)
         ax_bleu.set_title(f"best valid BLEU {best:.2f} at {at}")
         ax_bleu.grid(alpha=0.3)
     fig.tight_layout()

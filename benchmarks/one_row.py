@@ -8,7 +8,10 @@ can pick (`aiayn.decoding.cpu`):
 - `MKL on W^T`: plain MKL sgemm on the whole transposed weight (one block);
 - `MKL, a block per thread`: W^T cut into one block per thread, run side by side by MKL's batched
   product (`OneRowProduct`);
-- `oneDNN packed`: oneDNN with the weight packed for 64 rows, what aiayn uses from two rows up.
+- `oneDNN packed`: oneDNN with the weight packed for 64 rows, what aiayn uses from two rows up;
+- `aiayn's pick on 4 KiB pages`: the MKL layout aiayn picks there, its weights where malloc puts them.
+  The two MKL kernels above hold theirs in one mapping on transparent huge pages, as aiayn's packed
+  model does (`aiayn.memory.on_huge_pages`); oneDNN allocates its packed weights itself.
 
 Distinct random weights per product, as in a model, so that a step streams all of them (154 MB) through
 the caches; the kernels interleaved in every round (A B C C B A); the median over rounds. The last
@@ -39,9 +42,11 @@ from common import with_suffix_added  # noqa: E402
 from decode import step_linear_shapes  # noqa: E402
 
 from aiayn.config import model_config  # noqa: E402
-from aiayn.decoding.cpu import PACKED_ROWS, OneRowProduct, one_row_blocks, packing_available  # noqa: E402
+from aiayn.decoding.cpu import PACKED_ROWS, OneRowProduct, huge_page_weights, one_row_blocks  # noqa: E402
+from aiayn.decoding.cpu import packing_available  # noqa: E402
 
 WHOLE, BLOCKS, ONEDNN = "MKL on W^T", "MKL, a block per thread", "oneDNN packed"
+SMALL_PAGES = "aiayn's pick on 4 KiB pages"
 
 
 def kernels(threads: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], Callable]]:
@@ -57,6 +62,9 @@ def kernels(threads: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], Ca
         out[BLOCKS] = lambda w, b: OneRowProduct(w, b, threads)
     if packing_available():
         out[ONEDNN] = onednn
+    blocks = one_row_blocks()  # aiayn's pick at the thread count set now
+    if blocks:
+        out[SMALL_PAGES] = lambda w, b: OneRowProduct(w, b, blocks)
     return out
 
 
@@ -75,6 +83,8 @@ def measure(threads: int, rounds: int, config=None) -> dict[str, float]:
     weights = [(torch.randn(o, i) * i**-0.5, torch.randn(o) * 0.1) for i, o in shapes]  # (out, in), (out,)
     inputs = [torch.randn(1, i) for i, _ in shapes]
     laid_out = {name: [layout(w, b) for w, b in weights] for name, layout in kernels(threads).items()}
+    for name in (WHOLE, BLOCKS):  # each kernel's weights in a mapping of its own
+        huge_page_weights(laid_out.get(name, []))
     for x, w_b, *products in zip(inputs, weights, *laid_out.values()):  # every kernel computes x W^T + b
         expected = torch.nn.functional.linear(x, *w_b)
         for product in products:
@@ -108,10 +118,10 @@ def thread_list(text: str) -> list[int]:
 
 
 def markdown(result: dict) -> str:
-    names = [WHOLE, BLOCKS, ONEDNN]
+    names = [WHOLE, BLOCKS, ONEDNN, SMALL_PAGES]
     rows = []
     for threads, row in result["ms"].items():
-        fastest = min(row, key=row.get)
+        fastest = min((n for n in row if n != SMALL_PAGES), key=row.get)  # among the kernels aiayn has
         cells = [f"{row[n]:.2f}" if n in row else "-" for n in names]
         choice = result["picked"][threads]
         rows.append([threads, *cells, f"{choice}{'' if choice == fastest else f' (fastest: {fastest})'}"])

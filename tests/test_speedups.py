@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.config import model_config
-from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
+from aiayn.memory import HUGE_PAGE, cap_kernel_caches, keep_freed_memory, on_huge_pages, release_freed_memory
 from aiayn.model import Transformer, target_positions
 from aiayn.model.attention import sdpa
 from aiayn.model.dropout import Dropout, dropout, keep_mask
@@ -166,3 +166,35 @@ def test_kernel_caches_are_capped_unless_the_environment_already_sets_them(monke
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")  # the user's choice stands
     assert cap_kernel_caches() == {"LRU_CACHE_CAPACITY": "64", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "512"}
     assert os.environ["LRU_CACHE_CAPACITY"] == "64" and os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:  # a mapping's first line
+            start, end = (int(a, 16) for a in line.split()[0].split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+def test_huge_page_copies_are_equal_aligned_and_advised_for_huge_pages():
+    tensors = [torch.randn(3 * HUGE_PAGE // 4), torch.randn(7, 5).double(), torch.arange(3), torch.randn(0),
+               torch.randn(6, 4).t()]  # float32 over a huge page, float64, int64, empty, not contiguous
+    copies = on_huge_pages(tensors)
+    for t, c in zip(tensors, copies):
+        assert c.dtype == t.dtype and c.shape == t.shape and torch.equal(c, t) and c.is_contiguous()
+        assert c.data_ptr() % 64 == 0 and (c.numel() == 0 or c.data_ptr() != t.data_ptr())
+    ends = sorted((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in copies if c.numel())
+    assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:]))  # side by side, no overlap
+    assert copies[0].data_ptr() % HUGE_PAGE == 0  # the first starts a huge page
+    assert "hg" in vm_flags(copies[0].data_ptr())  # the mapping carries MADV_HUGEPAGE
+    assert vm_flags(copies[0].data_ptr()) == vm_flags(copies[-1].data_ptr())
+    copies[1][0, 0] = 1e9  # copies, not views of the originals
+    assert tensors[1][0, 0] != 1e9
+    del tensors
+    assert torch.equal(copies[2], torch.arange(3))  # the mapping outlives everything but the copies
+    assert on_huge_pages([]) == []

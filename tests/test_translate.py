@@ -593,6 +593,32 @@ def test_one_row_products_take_a_weight_block_per_thread_where_mkl_does_not_spli
     assert cpu.one_row_blocks() == 0 and cpu.pack_for_cpu(model).generator.one_row is None  # oneDNN then
 
 
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="no MKL")
+def test_one_row_layouts_are_the_decoder_steps_own_and_share_huge_pages():
+    """Only the Linears of a decoder step get a one-row layout (the encoder and the cross-attention's K/V
+    projection read whole sentences), all in one mapping advised for huge pages on Linux; a one-token
+    source, one row through the encoder, still gets the model's function from oneDNN."""
+    from aiayn.decoding.cpu import PackedLinear, pack_for_cpu
+
+    model = tiny_model()
+    packed = pack_for_cpu(model)
+    linears = {name: m for name, m in packed.named_modules() if type(m) is PackedLinear}
+    one_row = {name for name, m in linears.items() if m.one_row is not None}
+    assert one_row == {name for name in linears
+                       if name.startswith("decoder.") and not name.endswith(".kv_proj") or name == "generator"}
+    assert len(one_row) == 6 * len(packed.decoder) + 1
+    if sys.platform.startswith("linux"):
+        from test_speedups import vm_flags
+
+        flags = {tuple(vm_flags(linears[name].one_row.weight.data_ptr())) for name in one_row}
+        assert len(flags) == 1 and "hg" in next(iter(flags))
+    one = torch.tensor([[model.config.eos_id]])  # a one-token source
+    first = torch.tensor([[model.config.decoder_start_id]])
+    with torch.no_grad():
+        ours = packed.decode(first, packed.encode(one), None)
+        torch.testing.assert_close(ours, model.decode(first, model.encode(one), None), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("blocks", [1, 2, 3, 4])
 @pytest.mark.parametrize("in_out", [(32, 96), (96, 32), (32, 32), (30, 50), (50, 30), (7, 3)])
 @pytest.mark.parametrize("bias", [True, False])

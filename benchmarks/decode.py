@@ -21,9 +21,15 @@ the engine's weights in whatever copies and layouts it keeps, plus the libraries
 On a CPU a sixth worker, "Linear floor", runs beside the engines: only the Linear products of the 32
 decoder steps of each cell (`step_linear_shapes`, float32 weights of the `base` shape, each product with
 the fastest of the matmul kernels PyTorch ships here: MKL's sgemm on W or on W^T, MKL's packed GEMM,
-oneDNN's packed weights). Nothing else: no encoder, attention, LayerNorm, search or Python model code.
-Every float32 engine makes these products, so its tok/s bounds how fast any of them can go here, and
-its ratio to HuggingFace bounds how far ahead of HuggingFace any one can get.
+oneDNN's packed weights; W^T and its blocks on huge pages, as aiayn keeps them). Nothing else: no
+encoder, attention, LayerNorm, search or Python model code. Every float32 engine makes these products,
+so its tok/s bounds how fast any of them can go here, and its ratio to HuggingFace bounds how far ahead
+of HuggingFace any one can get (an engine with its weights on 4 KiB pages may find them slower).
+
+On a CPU with a C++ compiler, "aiayn fp32 compiled" is aiayn as `Translator.load(compile=True)` and
+`aiayn translate --compile` prepare it: the same packed model, its decoder steps of one row (greedy
+search of one sentence) compiled with torch.compile when the worker starts (`aiayn.decoding.compiled`).
+Its other cells decode as "aiayn fp32" does.
 
 With several thread counts (`--threads 1,2`) every engine runs at each, all interleaved in one run,
 and a first table takes each engine at its own best count: what each reaches on the whole machine.
@@ -47,6 +53,7 @@ import argparse
 import gc
 import json
 import multiprocessing
+import shutil
 import statistics
 import sys
 import tempfile
@@ -71,13 +78,14 @@ from common import (  # noqa: E402
 
 from aiayn.checkpoint import load_into  # noqa: E402
 from aiayn.decoding import DecodeConfig, generate  # noqa: E402
-from aiayn.decoding.cpu import PACKED_ROWS, OneRowProduct  # noqa: E402
+from aiayn.decoding.cpu import PACKED_ROWS, OneRowProduct, huge_page_weights  # noqa: E402
 from aiayn.interop.marian import convert_weights, model_config_from_marian  # noqa: E402
 from aiayn.memory import keep_freed_memory, release_freed_memory  # noqa: E402
 from aiayn.translate import prepare_for_inference  # noqa: E402
 
 SRC_LEN, NEW_TOKENS, VOCAB = 24, 32, 32_000
 FLOOR = "Linear floor"
+COMPILED = "aiayn fp32 compiled"  # `Translator.load(compile=True)`: one-row steps compiled, the rest as fp32
 EOS, UNK, PAD = 0, 1, VOCAB - 1  # Marian's layout: </s> 0, <unk> 1, <pad> last (CTranslate2 drops its row)
 CELLS = [("greedy", 1, 1), ("greedy", 1, 16), ("beam 4", 4, 1), ("beam 4", 4, 16)]
 
@@ -195,8 +203,8 @@ def make_engine(name: str, seed: int, device: str, ct2_paths: dict[str, str], th
         hf = build_hf(seed).to(device)
         src = src.to(device)
         return lambda b, k: run_hf(hf, src[:b], k)
-    if name == "aiayn fp32":  # as `Translator.load`: oneDNN-packed on a CPU
-        model = prepare_for_inference(build_aiayn(build_hf(seed)).to(device))
+    if name in ("aiayn fp32", COMPILED):  # as `Translator.load`: oneDNN-packed on a CPU
+        model = prepare_for_inference(build_aiayn(build_hf(seed)).to(device), compile=name == COMPILED)
         src = src.to(device)
         return lambda b, k: run_aiayn(model, src[:b], k)
     if name == FLOOR:
@@ -229,9 +237,8 @@ def floor_kernels(rows: int) -> dict[str, Callable[[torch.Tensor], Callable[[tor
     def mkl_on_w(w):
         return lambda x: torch.mm(x, w.t())
 
-    def mkl_on_w_t(w):
-        w_t = w.t().contiguous()  # (in, out)
-        return lambda x: torch.mm(x, w_t)
+    def mkl_on_w_t(w):  # W^T (in, out) contiguous, x W^T by torch.mm at any row count
+        return OneRowProduct(w, None, 1)
 
     def mkl_packed(w):
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)  # packed for exactly `rows` rows
@@ -289,6 +296,8 @@ class LinearFloor:
         inputs = [torch.randn(rows, i) for i, _ in shapes]
         kernels = {name: [(layout(w), x) for w, x in zip(weights, inputs)]
                    for name, layout in floor_kernels(rows).items()}
+        for products in kernels.values():  # aiayn's layouts on huge pages, as `pack_for_cpu` puts them
+            huge_page_weights([p for p, _ in products if isinstance(p, OneRowProduct)])
         seconds: dict[str, list[float]] = {name: [] for name in kernels}
         order = list(kernels)
         for r in range(rounds):
@@ -409,6 +418,8 @@ def table(results: dict, threads: dict | None = None) -> str:
     head = "| cell | " + " | ".join(f"{e} tok/s" for e in engines_) + " | aiayn / CT2 fp32 | aiayn / HF |"
     if "aiayn int8" in engines_ and "CT2 int8" in engines_:
         head += " aiayn int8 / CT2 int8 |"
+    if COMPILED in engines_ and "CT2 float32" in engines_:
+        head += " compiled / CT2 fp32 |"
     if FLOOR in engines_:
         head += " floor / HF |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -419,6 +430,8 @@ def table(results: dict, threads: dict | None = None) -> str:
         row += f" | {r['aiayn fp32'] / r['HF Marian fp32']:.2f}x |"
         if "aiayn int8" in r and "CT2 int8" in r:
             row += f" {r['aiayn int8'] / r['CT2 int8']:.2f}x |"
+        if COMPILED in r and "CT2 float32" in r:
+            row += f" {r[COMPILED] / r['CT2 float32']:.2f}x |"
         if FLOOR in r:
             row += f" {r[FLOOR] / r['HF Marian fp32']:.2f}x |"
         lines.append(row)
@@ -440,6 +453,11 @@ def engine_names(device: str) -> list[str]:
     """The engines to time on `device`: CTranslate2's only where its package (and, on a GPU, its CUDA)
     is there, with one line on stderr when they are skipped."""
     names = ["aiayn fp32", "HF Marian fp32"] + (["aiayn int8", FLOOR] if device == "cpu" else [])
+    if device == "cpu":
+        if any(map(shutil.which, ("g++", "c++", "clang++"))):
+            names.insert(1, COMPILED)
+        else:
+            print(f"no C++ compiler for torch.compile: {COMPILED} not timed", file=sys.stderr)
     if not peer_available("ctranslate2", "the CTranslate2 engines"):
         return names
     import ctranslate2
@@ -523,14 +541,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def verdict(results: dict) -> str:
-    """The issue's bar, cell by cell: aiayn fp32 >= CTranslate2 float32 everywhere, >= 2x HF at batch 1."""
+    """The issue's bar, cell by cell: aiayn fp32 >= CTranslate2 float32 everywhere, >= 2x HF at batch 1;
+    the same for aiayn with its one-row steps compiled, where it was timed."""
     lines = []
     for cell, r in results.items():
         checks = []
-        if "CT2 float32" in r:
-            checks.append(("vs CT2 float32 >= 1", r["aiayn fp32"] / r["CT2 float32"], 1.0))
-        if cell.endswith("batch 1"):
-            checks.append(("vs HF >= 2", r["aiayn fp32"] / r["HF Marian fp32"], 2.0))
+        for engine in ("aiayn fp32", COMPILED):
+            if engine not in r:
+                continue
+            name = "" if engine == "aiayn fp32" else "compiled "
+            if "CT2 float32" in r:
+                checks.append((f"{name}vs CT2 float32 >= 1", r[engine] / r["CT2 float32"], 1.0))
+            if cell.endswith("batch 1"):
+                checks.append((f"{name}vs HF >= 2", r[engine] / r["HF Marian fp32"], 2.0))
         lines += [f"- {cell}: {name}: {ratio:.2f}x, {'met' if ratio >= bar else 'NOT met'}"
                   for name, ratio, bar in checks]
         if FLOOR in r and cell.endswith("batch 1"):

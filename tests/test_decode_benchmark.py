@@ -77,9 +77,24 @@ def test_thread_counts_parse_a_comma_list():
 
 def test_without_ctranslate2_its_engines_are_skipped_with_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # `import ctranslate2` then fails, as if absent
-    assert decode.engine_names("cpu") == ["aiayn fp32", "HF Marian fp32", "aiayn int8", decode.FLOOR]
+    monkeypatch.setattr(decode.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert decode.engine_names("cpu") == [
+        "aiayn fp32", decode.COMPILED, "HF Marian fp32", "aiayn int8", decode.FLOOR]
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ctranslate2" in err[0] and "pip install -e '.[bench]'" in err[0]
+    monkeypatch.setattr(decode.shutil, "which", lambda name: None)  # no C++ compiler: no compiled engine
+    assert decode.engine_names("cpu") == ["aiayn fp32", "HF Marian fp32", "aiayn int8", decode.FLOOR]
+    assert "no C++ compiler" in capsys.readouterr().err
+
+
+def test_table_and_verdict_of_the_compiled_engine():
+    results = {"greedy, batch 1": {"aiayn fp32": 90.0, decode.COMPILED: 110.0, "HF Marian fp32": 50.0,
+                                   "CT2 float32": 100.0}}
+    assert "| 90.0 | 110.0 | 50.0 | 100.0 | 0.90x | 1.80x | 1.10x |" in decode.table(results)
+    verdict = decode.verdict(results)
+    assert "vs CT2 float32 >= 1: 0.90x, NOT met" in verdict
+    assert "compiled vs CT2 float32 >= 1: 1.10x, met" in verdict
+    assert "vs HF >= 2: 1.80x, NOT met" in verdict and "compiled vs HF >= 2: 2.20x, met" in verdict
 
 
 def test_table_and_verdict_without_ctranslate2_columns():
@@ -144,8 +159,10 @@ def test_one_row_benchmark_times_each_kernel_and_names_aiayns_pick(tmp_path, mon
     finally:
         torch.set_num_threads(threads)
     assert list(result["ms"]) == [1, 2]
-    assert set(result["ms"][1]) == {one_row.WHOLE} | ({one_row.ONEDNN} if cpu.packing_available() else set())
-    assert one_row.BLOCKS in result["ms"][2] and all(t > 0 for t in result["ms"][2].values())
+    onednn = {one_row.ONEDNN} if cpu.packing_available() else set()
+    assert set(result["ms"][1]) == {one_row.WHOLE, one_row.SMALL_PAGES} | onednn
+    assert set(result["ms"][2]) == {one_row.WHOLE, one_row.BLOCKS, one_row.SMALL_PAGES} | onednn
+    assert all(t > 0 for t in result["ms"][2].values())
     assert result["picked"] == {1: one_row.WHOLE, 2: one_row.BLOCKS}
     assert (tmp_path / "r.json").exists() and "| 2 |" in (tmp_path / "r.md").read_text()
     with pytest.raises(SystemExit):

@@ -1,0 +1,92 @@
+"""The decoder step of one row through `torch.compile` (`aiayn translate --compile`,
+`Translator.load(compile=True)`): greedy search or sampling of one sentence, a service's latency case.
+
+Decoding one sentence feeds the decoder one row a step. The step's 37 Linear products (`base`) then read
+every weight once, 154 MB, at the memory's rate (`aiayn.decoding.cpu`); besides them the step is about
+150 small operations (the cache writes, attention over one query, residual adds, LayerNorm), each a
+dispatch through PyTorch and the Python around it, run from caches that the weights have just flushed.
+Compiled, those become a dozen fused loops around the products: a greedy step of one sentence on two
+threads of this project's AMD EPYC took 6.11 against 6.77 ms (median of 40 rounds of 30 steps, eager
+and compiled interleaved in one process; benchmarks/RESULTS.md).
+
+Only steps of one row, after the first, take the compiled path. The first step also projects the
+source's cross-attention keys and values (a product of S rows) into the cache, and from two rows up the
+products go to oneDNN's packed weights: opaque tensors that torch.compile cannot trace, and products that
+outweigh the rest of the step more. Inside the compiled step attention goes through SDPA's math backend,
+which inductor fuses into the step's loops; the CPU flash kernel would stay a call of its own (about
+28 us per call there, 12 calls a step). Sizes are dynamic: one compilation serves every source length
+and output length limit (a one-token source, which translation never decodes, would compile again).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from aiayn.model import KVCache, Transformer
+
+
+class OneRowStep:
+    """`model.decode(tgt_in, memory, src_mask, cache)` compiled, for a cached step of one row.
+
+    Made by `compile_one_row_step`; `aiayn.decoding.search.step_log_probs` calls it when `applies`.
+    The first call compiles (10-25 s for `base` on a 2-core CPU; `warm_up` makes it at load time).
+    """
+
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.compiled = torch.compile(self._decode)
+        self.marked: KVCache | None = None  # the cache whose sizes were last marked dynamic
+
+    def _decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache) -> Tensor:
+        with sdpa_kernel(SDPBackend.MATH):
+            return self.model.decode(tgt_in, memory, src_mask, cache)
+
+    @staticmethod
+    def applies(tgt_in: Tensor, cache: KVCache) -> bool:
+        """One row, one new token, the cross-attention keys and values already in the cache."""
+        return tgt_in.shape == (1, 1) and cache.length > 0
+
+    def __call__(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache) -> Tensor:
+        if cache is not self.marked:  # a new sentence: its source length and length limit are sizes
+            self.mark_dynamic(memory, cache)
+        # view: strides (1, 1) whatever the caller's, as the compiled graph's guards expect
+        return self.compiled(tgt_in.view(1, 1), memory, src_mask, cache)  # (1, 1, V)
+
+    def mark_dynamic(self, memory: Tensor, cache: KVCache) -> None:
+        """Compile the source length S and the cache's length limit as symbols, not constants (the
+        weights' sizes stay constants); the number of positions already cached becomes one when it
+        first changes."""
+        sized = [(memory, 1), (cache.k, 2), (cache.v, 2)]  # (1, S, d); (L, 1, max_len, H, D)
+        sized += [(kv, 1) for kv in (*cache.k_layers, *cache.v_layers)]  # their (1, max_len, H, D) views
+        sized += [(kv, 2) for pair in cache.cross if pair is not None for kv in pair]  # (1, H, S, D)
+        for tensor, dim in sized:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        self.marked = cache
+
+    def warm_up(self) -> None:
+        """Compile now: decode two tokens of a two-token source (the sizes stay dynamic)."""
+        c = self.model.config
+        src = torch.tensor([[c.eos_id, c.eos_id]], device=self.model.tgt_embed.pe.device)  # (1, 2)
+        with torch.inference_mode():
+            memory, cache = self.model.encode(src), self.model.new_cache(1, 3)
+            tgt_in = torch.full((1, 1), c.decoder_start_id, device=src.device)
+            self.model.decode(tgt_in, memory, None, cache)  # the first step: eager, fills the cross K/V
+            self(tgt_in, memory, None, cache)
+            self(tgt_in, memory, None, cache)  # a second cached length: compiled again, as a symbol
+
+
+def compile_one_row_step(model: Transformer) -> Transformer:
+    """`model` with its one-row decoder steps compiled (`OneRowStep`, attribute `one_row_step`),
+    compiled now; a `UserError` if torch.compile cannot run here (it needs a C++ compiler)."""
+    from aiayn.errors import UserError
+
+    step = OneRowStep(model)
+    try:
+        step.warm_up()
+    except Exception as e:  # dynamo and inductor raise many kinds, with pages of detail
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(f"--compile: torch.compile failed here: {first[:300]}") from None
+    model.one_row_step = step
+    return model

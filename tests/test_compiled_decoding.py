@@ -1,0 +1,137 @@
+"""`aiayn.decoding.compiled`: the compiled one-row decoder step computes what full recomputation does, at
+every step and for every source length and length limit after one warm-up, and runs only where it applies."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+import torch
+
+from aiayn.checkpoint import save_checkpoint
+from aiayn.cli import main
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.decoding import DecodeConfig, generate
+from aiayn.errors import UserError
+from aiayn.translate import Translator, prepare_for_inference
+from conftest import tiny_model
+
+needs_compiler = pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))),
+                                    reason="torch.compile's CPU backend needs a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(model, packed, compiled): one tiny model, its packed copy, and a packed copy with a compiled step."""
+    torch.manual_seed(0)
+    model = tiny_model(vocab_size=40)
+    return model, prepare_for_inference(model), prepare_for_inference(model, compile=True)
+
+
+def source(length: int, vocab: int = 40) -> torch.Tensor:
+    src = torch.randint(3, vocab, (1, length))
+    src[0, -1] = tiny_model().config.eos_id
+    return src  # (1, S)
+
+
+def compiles() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@needs_compiler
+def test_compiled_steps_equal_full_recomputation_at_every_step(models):
+    model, _, compiled = models
+    step = compiled.one_row_step
+    before = compiles()
+    with torch.inference_mode():
+        for length, limit in [(2, 4), (5, 9), (9, 3), (13, 12)]:  # sizes other than the warm-up's
+            src = source(length)
+            memory, cache = compiled.encode(src), compiled.new_cache(1, limit)
+            tokens = torch.full((1, 1), model.config.decoder_start_id)  # (1, 1)
+            full_memory = model.encode(src)
+            for t in range(limit):
+                tgt_in = tokens[:, -1:]
+                assert step.applies(tgt_in, cache) == (t > 0)
+                decode = step if t > 0 else compiled.decode
+                logits = decode(tgt_in, memory, None, cache)[:, -1]  # (1, V)
+                full = model.decode(tokens, full_memory, None)[:, -1]  # the whole prefix again, unpacked
+                torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5)
+                tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+    assert compiles() == before  # the warm-up's graphs serve every source length and limit
+
+
+@needs_compiler
+def test_compiled_step_runs_only_for_one_row_and_searches_match_eager(models, monkeypatch):
+    model, packed, compiled = models
+    step = compiled.one_row_step
+    calls = []
+    original = step.compiled
+    monkeypatch.setattr(step, "compiled", lambda *a: calls.append(a[0].shape) or original(*a))
+    one, two = source(7), torch.cat([source(7), source(7)])
+    for src, config, used in [
+        (one, DecodeConfig(beam=1, max_len_b=8), True),  # greedy search of one sentence
+        (one, DecodeConfig(beam=1, max_len_b=8, sample=True, seed=3, top_k=5), True),
+        (one, DecodeConfig(beam=3, max_len_b=8), False),  # three rows a step
+        (two, DecodeConfig(beam=1, max_len_b=8), None),  # two rows, then one if the other ends first
+    ]:
+        calls.clear()
+        ours, eager = generate(compiled, src, config), generate(packed, src, config)
+        assert [[h.tokens for h in hyps] for hyps in ours] == [[h.tokens for h in hyps] for hyps in eager]
+        for mine, theirs in zip(ours, eager):
+            assert [h.log_prob for h in mine] == pytest.approx([h.log_prob for h in theirs], abs=1e-4)
+        assert all(shape == (1, 1) for shape in calls)
+        if used is not None:
+            assert bool(calls) == used
+    assert type(model.generator) is torch.nn.Linear and not hasattr(model, "one_row_step")  # untouched
+
+
+def test_compile_is_refused_where_it_does_not_apply(tmp_path):
+    model = tiny_model()
+    with pytest.raises(UserError, match=r"^compile \(--compile\) is for float32 decoding on a CPU, not int8"):
+        prepare_for_inference(model, int8=True, compile=True)
+    with pytest.raises(UserError, match=r"not torch.bfloat16 on cpu"):
+        prepare_for_inference(tiny_model().bfloat16(), compile=True)
+    lines = [f"word {i} and {i + 1}" for i in range(200)]
+    tokenizer = Tokenizer(train_sentencepiece(lines, tmp_path / "spm", vocab_size=40))
+    ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    with pytest.raises(UserError, match="decodes one model: drop it to decode an ensemble"):
+        Translator.load([ck, ck], compile=True)
+    with pytest.raises(UserError, match="for float32 decoding on a CPU, not torch.bfloat16"):
+        Translator.load(ck, dtype="bfloat16", compile=True)
+    with pytest.raises(TypeError, match="compile must be True or False, not str"):
+        Translator.load(ck, compile="yes")
+    assert main(["translate", str(ck), "--compile", "--int8"]) == 2
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_translate_compile_gives_the_same_lines(tmp_path, capsys):
+    lines = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'}" for i in range(200)]
+    tokenizer = Tokenizer(train_sentencepiece(lines, tmp_path / "spm", vocab_size=40))
+    ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3 is odd\n\nthe number 12 is even\n")
+    outs = []
+    for extra in ([], ["--compile"]):
+        out = tmp_path / f"out{len(extra)}.txt"
+        args = ["-i", str(src), "-o", str(out), "-q", "--chunk", "1", "--beam", "1", *extra]
+        assert main(["translate", str(ck), *args]) == 0
+        outs.append(out.read_text())
+    assert outs[0] == outs[1] and outs[0].count("\n") == 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the compiler's path is set the Linux way")
+def test_a_failed_compilation_is_one_line(monkeypatch):
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setattr(inductor, "fx_graph_cache", False)  # compile, do not reuse an earlier test's code
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(UserError, match=r"^--compile: torch.compile failed here: .+") as e:
+            prepare_for_inference(tiny_model(d_model=48, n_heads=4), compile=True)
+        assert "\n" not in str(e.value)
+    finally:
+        torch._dynamo.reset()

@@ -198,3 +198,6 @@ def test_huge_page_copies_are_equal_aligned_and_advised_for_huge_pages():
     del tensors
     assert torch.equal(copies[2], torch.arange(3))  # the mapping outlives everything but the copies
     assert on_huge_pages([]) == []
+    weight = torch.nn.Parameter(torch.randn(3, 4))
+    (leaf,) = on_huge_pages(t for t in [weight])  # any iterable; a parameter's copy is a plain leaf
+    assert leaf.is_leaf and not leaf.requires_grad and torch.equal(leaf, weight.detach())

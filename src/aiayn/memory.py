@@ -22,7 +22,7 @@ import ctypes.util
 import mmap
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -86,7 +86,7 @@ HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on x86-64 (and on arm64 wi
 _ALIGN = 64  # bytes: a cache line, what MKL and oneDNN align their own buffers to
 
 
-def on_huge_pages(tensors: Sequence[Tensor]) -> list[Tensor]:
+def on_huge_pages(tensors: Iterable[Tensor]) -> list[Tensor]:
     """Copies of the CPU `tensors`, side by side in one private anonymous mapping that Linux is asked to
     back with transparent huge pages (madvise MADV_HUGEPAGE, which the usual THP setting "madvise"
     requires); the tensors themselves where that cannot be asked (not Linux, or a kernel without THP).
@@ -99,9 +99,9 @@ def on_huge_pages(tensors: Sequence[Tensor]) -> list[Tensor]:
     them (`torch.frombuffer` holds it); a huge page backs only a whole aligned 2 MiB, so small weights
     gain only side by side in one mapping, not each in its own.
     """
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    tensors, advice = list(tensors), getattr(mmap, "MADV_HUGEPAGE", None)  # a generator is read once
     if not tensors or sys.platform != "linux" or advice is None:
-        return list(tensors)
+        return tensors
     offsets, end = [], 0
     for t in tensors:
         offsets.append(end)
@@ -113,12 +113,12 @@ def on_huge_pages(tensors: Sequence[Tensor]) -> list[Tensor]:
         mapping.madvise(advice)  # before the copies touch the pages: they are faulted in huge
     except OSError:
         mapping.close()
-        return list(tensors)
+        return tensors
     arena = torch.frombuffer(mapping, dtype=torch.uint8)  # (end + HUGE_PAGE,) bytes
     start = -arena.data_ptr() % HUGE_PAGE
     copies = []
     for t, offset in zip(tensors, offsets):
         nbytes = t.numel() * t.element_size()
         copy = arena[start + offset : start + offset + nbytes].view(t.dtype).view(t.shape)
-        copies.append(copy.copy_(t))
+        copies.append(copy.copy_(t.detach()))  # detached: a copy, not a view of a parameter in a graph
     return copies

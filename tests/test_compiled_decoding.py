@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from aiayn.checkpoint import save_checkpoint
 from aiayn.cli import main
@@ -15,7 +16,6 @@ from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.decoding import DecodeConfig, generate
 from aiayn.errors import UserError
 from aiayn.translate import Translator, prepare_for_inference
-from conftest import tiny_model
 
 needs_compiler = pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))),
                                     reason="torch.compile's CPU backend needs a C++ compiler")
@@ -52,7 +52,7 @@ def test_compiled_steps_equal_full_recomputation_at_every_step(models):
             full_memory = model.encode(src)
             for t in range(limit):
                 tgt_in = tokens[:, -1:]
-                assert step.applies(tgt_in, cache) == (t > 0)
+                assert step.applies(tgt_in, None, cache) == (t > 0)
                 decode = step if t > 0 else compiled.decode
                 logits = decode(tgt_in, memory, None, cache)[:, -1]  # (1, V)
                 full = model.decode(tokens, full_memory, None)[:, -1]  # the whole prefix again, unpacked
@@ -66,8 +66,8 @@ def test_compiled_step_runs_only_for_one_row_and_searches_match_eager(models, mo
     model, packed, compiled = models
     step = compiled.one_row_step
     calls = []
-    original = step.compiled
-    monkeypatch.setattr(step, "compiled", lambda *a: calls.append(a[0].shape) or original(*a))
+    original = step.run_only  # (model, tgt_in, memory, src_mask, cache) -> logits
+    monkeypatch.setattr(step, "run_only", lambda *a: calls.append(a[1].shape) or original(*a))
     one, two = source(7), torch.cat([source(7), source(7)])
     for src, config, used in [
         (one, DecodeConfig(beam=1, max_len_b=8), True),  # greedy search of one sentence
@@ -86,22 +86,56 @@ def test_compiled_step_runs_only_for_one_row_and_searches_match_eager(models, mo
     assert type(model.generator) is torch.nn.Linear and not hasattr(model, "one_row_step")  # untouched
 
 
+@needs_compiler
+def test_nothing_compiles_after_loading(models):
+    """Past attention's math-backend length (256), a padded source's last row, a thread count changed
+    after loading: each decodes as the eager model does, and none compiles a graph."""
+    _, packed, compiled = models
+    threads = torch.get_num_threads()
+    before = compiles()
+    long = torch.cat([torch.randint(3, 40, (1, 299)), source(1)], dim=1)  # 300 tokens, EOS last
+    cases = [(long, DecodeConfig(beam=1, max_len_a=0.0, max_len_b=300, min_len=300)),
+             (torch.nn.utils.rnn.pad_sequence([source(9)[0], source(4)[0]], batch_first=True),
+              DecodeConfig(beam=1, max_len_a=0.0, max_len_b=12, min_len=3))]
+    try:
+        for src, config in cases + [(source(6), DecodeConfig(beam=1, max_len_b=8))]:
+            ours, eager = generate(compiled, src, config), generate(packed, src, config)
+            assert [[h.tokens for h in hyps] for hyps in ours] == [[h.tokens for h in hyps] for hyps in eager]
+            torch.set_num_threads(threads % 2 + 1)  # the last case at another count than the loading's
+    finally:
+        torch.set_num_threads(threads)
+    assert len(cases[0][0][0]) == 300 and compiles() == before
+
+
 def test_compile_is_refused_where_it_does_not_apply(tmp_path):
     model = tiny_model()
-    with pytest.raises(UserError, match=r"^compile \(--compile\) is for float32 decoding on a CPU, not int8"):
+    int8 = r"^compile \(--compile\) decodes float32 weights, not int8 \(--int8\)"
+    with pytest.raises(UserError, match=int8):
         prepare_for_inference(model, int8=True, compile=True)
-    with pytest.raises(UserError, match=r"not torch.bfloat16 on cpu"):
+    with pytest.raises(UserError, match=r"not dtype bfloat16: drop one$"):
         prepare_for_inference(tiny_model().bfloat16(), compile=True)
     lines = [f"word {i} and {i + 1}" for i in range(200)]
     tokenizer = Tokenizer(train_sentencepiece(lines, tmp_path / "spm", vocab_size=40))
     ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
     with pytest.raises(UserError, match="decodes one model: drop it to decode an ensemble"):
         Translator.load([ck, ck], compile=True)
-    with pytest.raises(UserError, match="for float32 decoding on a CPU, not torch.bfloat16"):
-        Translator.load(ck, dtype="bfloat16", compile=True)
+    for dtype in ("bfloat16", "float16"):  # float16's advice on a CPU, bfloat16, would be refused too
+        with pytest.raises(UserError, match=f"decodes float32 weights, not dtype {dtype}: drop one"):
+            Translator.load(ck, dtype=dtype, compile=True)
     with pytest.raises(TypeError, match="compile must be True or False, not str"):
         Translator.load(ck, compile="yes")
     assert main(["translate", str(ck), "--compile", "--int8"]) == 2
+
+
+def test_torch_compile_refusing_is_one_line(monkeypatch):
+    """torch.compile itself raising (it refuses Python versions newer than it knows) is one line too."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("torch.compile is not supported on Python 3.15+\nsee the release notes")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    refusal = r"^--compile: torch.compile failed here: torch.compile is not supported on Python 3.15\+$"
+    with pytest.raises(UserError, match=refusal):
+        prepare_for_inference(tiny_model(), compile=True)
 
 
 @pytest.mark.slow
@@ -119,6 +153,21 @@ def test_translate_compile_gives_the_same_lines(tmp_path, capsys):
         assert main(["translate", str(ck), *args]) == 0
         outs.append(out.read_text())
     assert outs[0] == outs[1] and outs[0].count("\n") == 3
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_each_model_compiles_its_own_step_past_dynamos_limit_of_8():
+    """Dynamo keeps up to 8 graphs per code object; each step has a code object of its own, so a fifth
+    model (two graphs each) still gets compiled graphs instead of decoding eagerly."""
+    for width in (8, 16, 24, 32, 40):
+        before = compiles()
+        model = tiny_model(d_model=width, n_heads=2)
+        compiled, eager = prepare_for_inference(model, compile=True), prepare_for_inference(model)
+        assert compiles() > before, width
+        src, config = source(5), DecodeConfig(beam=1, max_len_b=6)
+        assert [h.tokens for h in generate(compiled, src, config)[0]] == [
+            h.tokens for h in generate(eager, src, config)[0]]
 
 
 @pytest.mark.slow

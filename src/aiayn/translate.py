@@ -145,12 +145,17 @@ def quantize_int8(model: Transformer) -> Transformer:
     return pack_int8_for_amx(quantized)
 
 
-def check_compile(device: torch.device, dtype: torch.dtype, int8: bool, models: int = 1) -> None:
-    """`compile` compiles one float32 model's decoder step on the CPU; anything else is a UserError."""
-    if int8 or device.type != "cpu" or dtype != torch.float32:
-        what = "int8" if int8 else dtype
-        raise UserError(f"compile (--compile) is for float32 decoding on a CPU, not {what} on {device}: "
-                        f"drop it, or --int8, --dtype or --device")
+def check_compile(device: torch.device, dtype: str | torch.dtype, int8: bool, models: int = 1) -> None:
+    """`compile` compiles one float32 model's decoder step on the CPU; anything else is a UserError that
+    names what is not (the dtype as `--dtype` spells it)."""
+    if device.type != "cpu":
+        raise UserError(f"compile (--compile) compiles the decoder step on the CPU, not on {device}: "
+                        "drop one")
+    if int8:
+        raise UserError("compile (--compile) decodes float32 weights, not int8 (--int8): drop one")
+    name = next((n for n, d in DTYPES.items() if d == dtype), dtype)  # a torch dtype: --dtype's name
+    if name != "float32":
+        raise UserError(f"compile (--compile) decodes float32 weights, not dtype {name}: drop one")
     if models > 1:
         raise UserError("compile (--compile) decodes one model: drop it to decode an ensemble")
 
@@ -199,7 +204,8 @@ class Translator:
         `compile` (one float32 model on the CPU) compiles the decoder step of one sentence with
         torch.compile while loading (10-40 s): greedy search or sampling of one text at a time, a
         service's requests, then runs about 10% faster (`aiayn.decoding.compiled`). Batches of several
-        texts, and beam search, decode as without it.
+        texts, and beam search, decode as without it, and so does everything after a
+        `torch.set_num_threads` to another count than the loading's (nothing compiles after loading).
 
         `dtype` "bfloat16" (or "float16" on a GPU) casts the weights, and with them the activations and
         the decoding cache: faster, and a few translations in a hundred come out otherwise (Multi30k
@@ -211,13 +217,13 @@ class Translator:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, not {type(flag).__name__} ({flag!r})")
         device = inference_device(device, int8)  # before the loading, which can take a while
-        dtype = inference_dtype(dtype, device, int8)
         one = isinstance(checkpoint, (str, bytes, os.PathLike))  # a path, else several
         paths = [os.fsdecode(checkpoint)] if one else [os.fsdecode(p) for p in checkpoint]
         if not paths:
             raise ValueError("no checkpoint given: pass a checkpoint directory, or several for an ensemble")
-        if compile:
+        if compile:  # before the dtype's own checks, whose advice (bfloat16 on a CPU) it would refuse
             check_compile(device, dtype, int8, len(paths))
+        dtype = inference_dtype(dtype, device, int8)
         ckpts = [load_checkpoint(p, device) for p in paths]
         check_ensemble(paths, ckpts)
         models = [prepare_for_inference(ck.model.to(dtype), int8, compile) for ck in ckpts]  # fp32 packing

@@ -9,16 +9,21 @@ Compiled, those become a dozen fused loops around the products: a greedy step of
 threads of this project's AMD EPYC took 6.11 against 6.77 ms (median of 40 rounds of 30 steps, eager
 and compiled interleaved in one process; benchmarks/RESULTS.md).
 
-Only steps of one row, after the first, take the compiled path. The first step also projects the
-source's cross-attention keys and values (a product of S rows) into the cache, and from two rows up the
-products go to oneDNN's packed weights: opaque tensors that torch.compile cannot trace, and products that
-outweigh the rest of the step more. Inside the compiled step attention goes through SDPA's math backend,
-which inductor fuses into the step's loops; the CPU flash kernel would stay a call of its own (about
-28 us per call there, 12 calls a step). Sizes are dynamic: one compilation serves every source length
-and output length limit (a one-token source, which translation never decodes, would compile again).
+Only steps of one row, after the first, of an unpadded source, at the thread count of the loading, take
+the compiled path. The first step also projects the source's cross-attention keys and values (a product
+of S rows) into the cache, and from two rows up the products go to oneDNN's packed weights: opaque
+tensors that torch.compile cannot trace, and products that outweigh the rest of the step more. Inside
+the compiled step attention goes through SDPA's math backend, which inductor fuses into the step's loops;
+the CPU flash kernel would stay a call of its own (about 28 us per call there, 12 calls a step).
+
+Everything compiles while loading (`warm_up`), nothing afterwards: sizes are marked dynamic, so the two
+graphs made then serve every source length and length limit, and a step they do not cover (a thread
+count changed since, say) runs eagerly instead of compiling in the middle of a translation.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import Tensor
@@ -27,32 +32,44 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from aiayn.model import KVCache, Transformer
 
 
+def _decode(
+    model: Transformer, tgt_in: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache
+) -> Tensor:
+    with sdpa_kernel(SDPBackend.MATH):
+        return model.decode(tgt_in, memory, src_mask, cache)
+
+
 class OneRowStep:
     """`model.decode(tgt_in, memory, src_mask, cache)` compiled, for a cached step of one row.
 
-    Made by `compile_one_row_step`; `aiayn.decoding.search.step_log_probs` calls it when `applies`.
-    The first call compiles (10-25 s for `base` on a 2-core CPU; `warm_up` makes it at load time).
+    Made by `compile_one_row_step`, which compiles it (10-40 s for `base` on a 2-core CPU);
+    `aiayn.decoding.search.step_log_probs` calls it where `applies`.
     """
 
     def __init__(self, model: Transformer):
         self.model = model
-        self.compiled = torch.compile(self._decode)
+        self.threads = torch.get_num_threads()  # the graphs' OpenMP loops are made for this many
+        # A function of its own, with a code object of its own: dynamo keeps compiled graphs, and its limit
+        # of 8, per code object, and with one shared by every model the fifth would decode eagerly.
+        decode = types.FunctionType(_decode.__code__.replace(), _decode.__globals__, "_decode")
+        self.compiled = torch.compile(decode)
+        self.run_only = torch._dynamo.run(self.compiled)  # the graphs compiled so far, never a new one
         self.marked: KVCache | None = None  # the cache whose sizes were last marked dynamic
 
-    def _decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache) -> Tensor:
-        with sdpa_kernel(SDPBackend.MATH):
-            return self.model.decode(tgt_in, memory, src_mask, cache)
-
-    @staticmethod
-    def applies(tgt_in: Tensor, cache: KVCache) -> bool:
-        """One row, one new token, the cross-attention keys and values already in the cache."""
-        return tgt_in.shape == (1, 1) and cache.length > 0
+    def applies(self, tgt_in: Tensor, src_mask: Tensor | None, cache: KVCache) -> bool:
+        """One row, one new token, an unpadded source whose cross-attention keys and values are in the
+        cache already, and the thread count the step was compiled for."""
+        return (tgt_in.shape == (1, 1) and src_mask is None and cache.length > 0
+                and torch.get_num_threads() == self.threads)
 
     def __call__(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache) -> Tensor:
+        return self._step(self.run_only, tgt_in, memory, src_mask, cache)  # (1, 1, V)
+
+    def _step(self, run, tgt_in: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache) -> Tensor:
         if cache is not self.marked:  # a new sentence: its source length and length limit are sizes
             self.mark_dynamic(memory, cache)
         # view: strides (1, 1) whatever the caller's, as the compiled graph's guards expect
-        return self.compiled(tgt_in.view(1, 1), memory, src_mask, cache)  # (1, 1, V)
+        return run(self.model, tgt_in.view(1, 1), memory, src_mask, cache)  # (1, 1, V)
 
     def mark_dynamic(self, memory: Tensor, cache: KVCache) -> None:
         """Compile the source length S and the cache's length limit as symbols, not constants (the
@@ -73,8 +90,8 @@ class OneRowStep:
             memory, cache = self.model.encode(src), self.model.new_cache(1, 3)
             tgt_in = torch.full((1, 1), c.decoder_start_id, device=src.device)
             self.model.decode(tgt_in, memory, None, cache)  # the first step: eager, fills the cross K/V
-            self(tgt_in, memory, None, cache)
-            self(tgt_in, memory, None, cache)  # a second cached length: compiled again, as a symbol
+            self._step(self.compiled, tgt_in, memory, None, cache)
+            self._step(self.compiled, tgt_in, memory, None, cache)  # a second cached length: a symbol
 
 
 def compile_one_row_step(model: Transformer) -> Transformer:
@@ -82,10 +99,10 @@ def compile_one_row_step(model: Transformer) -> Transformer:
     compiled now; a `UserError` if torch.compile cannot run here (it needs a C++ compiler)."""
     from aiayn.errors import UserError
 
-    step = OneRowStep(model)
     try:
+        step = OneRowStep(model)
         step.warm_up()
-    except Exception as e:  # dynamo and inductor raise many kinds, with pages of detail
+    except Exception as e:  # noqa: BLE001  dynamo and inductor raise many kinds, with pages of detail
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise UserError(f"--compile: torch.compile failed here: {first[:300]}") from None
     model.one_row_step = step

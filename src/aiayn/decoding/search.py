@@ -69,7 +69,7 @@ def step_log_probs(
     """
     tgt_in = last_R[:, None]  # (R, 1)
     step = getattr(model, "one_row_step", None)  # set by `aiayn.decoding.compiled.compile_one_row_step`
-    decode = step if step is not None and step.applies(tgt_in, cache) else model.decode
+    decode = step if step is not None and step.applies(tgt_in, src_mask, cache) else model.decode
     logits_RV = decode(tgt_in, memory, src_mask, cache)[:, -1].float()  # (R, V)
     logits_RV[:, model.config.pad_id] = float("-inf")
     # In place: the logits are this step's own. A fresh (R, V) output is 2.7x slower with cold caches

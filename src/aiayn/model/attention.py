@@ -51,8 +51,10 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal:
     The one attention call of the model. PyTorch picks the kernel, except for CPU training in
     bfloat16 on short sequences (translation's usual case), where the math backend is faster.
     """
-    short = max(q.shape[-2], k.shape[-2]) <= MATH_BACKEND_MAX_LEN
-    if short and q.requires_grad and q.device.type == "cpu" and q.dtype == torch.bfloat16:
+    # The lengths are looked at last: a compiled decoder step (no gradient) would otherwise be compiled
+    # for lengths up to MATH_BACKEND_MAX_LEN only, and compiled again past it.
+    cpu_bf16_training = q.requires_grad and q.device.type == "cpu" and q.dtype == torch.bfloat16
+    if cpu_bf16_training and max(q.shape[-2], k.shape[-2]) <= MATH_BACKEND_MAX_LEN:
         with sdpa_kernel(SDPBackend.MATH), _bf16_math():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)

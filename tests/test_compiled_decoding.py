@@ -172,15 +172,13 @@ def test_each_model_compiles_its_own_step_past_dynamos_limit_of_8():
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="the compiler's path is set the Linux way")
-def test_a_failed_compilation_is_one_line(monkeypatch):
+def test_a_failed_compilation_is_one_line():
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
-    monkeypatch.setattr(inductor, "fx_graph_cache", False)  # compile, do not reuse an earlier test's code
-    torch._dynamo.reset()
-    try:
+    # Inductor's own patch: monkeypatch's undo deleted the config entries, which later compiles then missed.
+    # No FX graph cache: compile, rather than reuse an earlier test's code.
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
         with pytest.raises(UserError, match=r"^--compile: torch.compile failed here: .+") as e:
             prepare_for_inference(tiny_model(d_model=48, n_heads=4), compile=True)
-        assert "\n" not in str(e.value)
-    finally:
-        torch._dynamo.reset()
+    assert "\n" not in str(e.value) and "C++ compiler" in str(e.value)
+    assert inductor.fx_graph_cache is not False and inductor.cpp.cxx != ("/nonexistent/c++",)

@@ -359,6 +359,38 @@ def test_an_unusable_run_dir_gives_one_line_before_anything_runs(tmp_path, capsy
     assert (tmp_path / "afile").read_text(encoding="utf-8") == "x"
 
 
+def test_a_config_path_that_is_not_a_readable_file_is_one_line_saying_what_it_is(tmp_path, monkeypatch):
+    fifo = tmp_path / "c.fifo"
+    os.mkfifo(fifo)
+    unreadable = tmp_path / "locked.toml"
+    unreadable.write_text("[train]\n", encoding="utf-8")
+    real_read_text = Path.read_text
+
+    def read_text(self, *args, **kwargs):  # chmod 000 does not stop root, whom CI may run as
+        if self == unreadable:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    for path, problem in [(tmp_path, "is a directory, not a config file"), (fifo, "not a regular file"),
+                          (tmp_path / "none.toml", "config file not found"),
+                          (unreadable, r"cannot read \(Permission denied\)")]:
+        with pytest.raises(UserError, match=f"^{path}: {problem}$"):  # was a traceback, or "not found"
+            load_config(path)
+
+
+def test_dropped_empty_pairs_are_reported_once(tmp_path, caplog):
+    """The tokenizer's scan, the early validation check and the encoding each said it (three lines)."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
+    src = Path(config.data.train_src)
+    lines = src.read_text(encoding="utf-8").splitlines()
+    src.write_text("\n".join([""] * 5 + lines[5:]) + "\n", encoding="utf-8")  # 5 pairs lose a side
+    with caplog.at_level(logging.INFO):
+        train(config)
+    said = [m for m in caplog.messages if "empty pair" in m and m.startswith(str(src))]
+    assert said == [f"{src}: dropped 5 empty pair(s) of {len(lines)}"], said
+
+
 # 5. A full disk: one line naming the file, no temporary file left.
 
 

@@ -168,10 +168,10 @@ class ParallelText:
     dropped_empty: int  # pairs with an empty side that were dropped
 
 
-def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
+def read_parallel(src_path: str | Path, tgt_path: str | Path, report: bool = True) -> ParallelText:
     """Read two aligned files; drop (and count) pairs with an empty side (see `has_text`): the pairs
-    `scan_parallel` keeps, held in memory."""
-    files = scan_parallel(src_path, tgt_path)
+    `scan_parallel` keeps, held in memory (the count logged with `report`)."""
+    files = scan_parallel(src_path, tgt_path, report)
     return ParallelText(list(files.src), list(files.tgt), files.dropped_empty)
 
 
@@ -184,9 +184,9 @@ def _require_same_count(src_path: str | Path, n_src: int, tgt_path: str | Path, 
         )
 
 
-def _log_dropped(src_path: str | Path, dropped: int, pairs: int) -> None:
-    """Log the empty pairs dropped; refuse a corpus that had nothing else."""
-    if dropped:
+def _log_dropped(src_path: str | Path, dropped: int, pairs: int, report: bool = True) -> None:
+    """Log the empty pairs dropped (with `report`); refuse a corpus that had nothing else."""
+    if dropped and report:
         log.info("%s: dropped %d empty pair(s) of %d", src_path, dropped, pairs)
     if dropped == pairs:
         raise UserError(f"{src_path}:1: no non-empty sentence pairs")
@@ -296,7 +296,8 @@ def load_encoded(
     if cache.is_file():
         corpus, dropped = _read_cache(cache, key, (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size))
         if corpus is not None:
-            log.info("%s: %d pairs from the cache", cache, len(corpus))
+            log.info("%s: %d pairs from the cache%s", cache, len(corpus),
+                     f" ({dropped} empty pairs dropped)" if dropped else "")
             return corpus, dropped
     if src_path.samefile(tgt_path):  # said once, when encoded; a copy model has its uses, so not an error
         log.warning("%s and %s are the same file: the model will learn to copy its input", src_path, tgt_path)
@@ -557,15 +558,14 @@ class ParallelFiles:
 
 
 def scan_parallel(src_path: str | Path, tgt_path: str | Path, report: bool = True) -> ParallelFiles:
-    """The pairs `read_parallel` keeps, the files checked and the empty pairs counted (and, with `report`,
-    logged and refused if all are) as it does, in one pass over each file; what is held is a byte per
+    """The pairs `read_parallel` keeps, the files checked and the empty pairs counted (with `report`,
+    logged) and refused if all are, as it does, in one pass over each file; what is held is a byte per
     pair, not the text."""
     src_text, tgt_text = _has_text_per_line(src_path), _has_text_per_line(tgt_path)
     _require_same_count(src_path, len(src_text), tgt_path, len(tgt_text))
     keep = src_text & tgt_text
     dropped = len(keep) - int(keep.sum())
-    if report:
-        _log_dropped(src_path, dropped, len(keep))
+    _log_dropped(src_path, dropped, len(keep), report)
     return ParallelFiles(KeptLines(src_path, keep), KeptLines(tgt_path, keep), dropped)
 
 

@@ -257,11 +257,21 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     where = "command line"
     if path is not None:
         path = Path(path)
-        if not path.is_file():
+        if path.is_dir():
+            raise UserError(f"{path}: is a directory, not a config file")
+        if not path.exists():
             raise UserError(f"{path}: config file not found")
+        if not path.is_file():  # a FIFO or a device: reading it may block or never end
+            raise UserError(f"{path}: not a regular file")
         try:
-            values = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is skipped
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            text = path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is skipped
+        except OSError as e:
+            raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}: not valid TOML ({e})") from None
+        try:
+            values = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
             raise UserError(f"{path}: not valid TOML ({e})") from None
         where = str(path)
         for section, table in values.items():  # a wrong type named with its file, before --set changes it

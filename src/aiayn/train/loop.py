@@ -742,7 +742,8 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
             )
         valid_batches = token_batches(valid.src_lengths(), valid.tgt_lengths(), config.train.max_tokens)
     valid_text = (
-        read_parallel(dc.valid_src, dc.valid_tgt) if dc.valid_src and config.train.bleu_every else None
+        read_parallel(dc.valid_src, dc.valid_tgt, report=False) if dc.valid_src and config.train.bleu_every
+        else None
     )
     if valid_text is not None:  # ja and ko need MeCab: say so now, not after bleu_every updates
         from aiayn.evaluate import bleu_metrics
@@ -766,9 +767,7 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
     tokenizer = tokenizer or _run_tokenizer(config, run_dir)
     for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):
         if src:
-            _, dropped = load_encoded(src, tgt, tokenizer, run_dir / "cache")
-            if dropped:
-                log.info("%s: %d empty pairs dropped", src, dropped)
+            load_encoded(src, tgt, tokenizer, run_dir / "cache")  # which says what it dropped
 
 
 def _check_same_batches(checkpoint: Path, config: RunConfig, d: Dist) -> None:
@@ -830,9 +829,10 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
     if found is not None:  # resumed: the tokenizer of its checkpoints; else left by a first run that
         check_tokenizer_inputs(run_dir, inputs, resumed=bool(saved))  # failed later
         return found
+    # Checked, not reported: the encoding that follows says what it dropped, once.
     if dc.valid_src:  # a bad validation file fails now, not after minutes of tokenizer training
-        read_parallel(dc.valid_src, dc.valid_tgt)
-    text = scan_parallel(dc.train_src, dc.train_tgt)  # streamed to SentencePiece: the corpus is not held
+        read_parallel(dc.valid_src, dc.valid_tgt, report=False)
+    text = scan_parallel(dc.train_src, dc.train_tgt, report=False)  # streamed to SentencePiece, not held
     log.info(
         "training a %s SentencePiece model (%d pieces, %s) on %d pairs",
         dc.spm_type,

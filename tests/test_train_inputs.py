@@ -391,6 +391,26 @@ def test_dropped_empty_pairs_are_reported_once(tmp_path, caplog):
     assert said == [f"{src}: dropped 5 empty pair(s) of {len(lines)}"], said
 
 
+def test_an_unwritable_checkpoints_folder_is_one_line_before_training(tmp_path, capsys, monkeypatch):
+    """Found at the first save before, `valid_every` updates (hours, in a real run) later."""
+    import tempfile
+
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    real = tempfile.TemporaryFile
+
+    def temporary_file(*args, dir=None, **kwargs):  # chmod 555 does not stop root, whom CI may run as
+        if dir is not None and Path(dir).name == "checkpoints":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", temporary_file)
+    code, err = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    assert code == 2 and err[-1] == f"aiayn: error: {tmp_path / 'run' / 'checkpoints'}: cannot be written " \
+        "(Permission denied)", err
+    assert not any("SentencePiece" in line for line in err)  # nothing was trained first
+
+
 # 5. A full disk: one line naming the file, no temporary file left.
 
 

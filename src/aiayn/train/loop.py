@@ -664,6 +664,13 @@ def _check_run_dir(run_dir: Path) -> None:
             pass
     except OSError as e:
         raise UserError(f"{run_dir}: train.run_dir cannot be written ({e.strerror or e})") from None
+    checkpoints = run_dir / "checkpoints"  # the first save can come hours later: an unwritable one fails now
+    if checkpoints.is_dir():
+        try:
+            with tempfile.TemporaryFile(dir=checkpoints):
+                pass
+        except OSError as e:
+            raise UserError(f"{checkpoints}: cannot be written ({e.strerror or e})") from None
 
 
 @contextmanager

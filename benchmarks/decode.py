@@ -53,7 +53,6 @@ import argparse
 import gc
 import json
 import multiprocessing
-import shutil
 import statistics
 import sys
 import tempfile
@@ -78,6 +77,7 @@ from common import (  # noqa: E402
 
 from aiayn.checkpoint import load_into  # noqa: E402
 from aiayn.decoding import DecodeConfig, generate  # noqa: E402
+from aiayn.decoding.compiled import has_cxx_compiler  # noqa: E402
 from aiayn.decoding.cpu import PACKED_ROWS, OneRowProduct, huge_page_weights  # noqa: E402
 from aiayn.interop.marian import convert_weights, model_config_from_marian  # noqa: E402
 from aiayn.memory import keep_freed_memory, release_freed_memory  # noqa: E402
@@ -454,7 +454,7 @@ def engine_names(device: str) -> list[str]:
     is there, with one line on stderr when they are skipped."""
     names = ["aiayn fp32", "HF Marian fp32"] + (["aiayn int8", FLOOR] if device == "cpu" else [])
     if device == "cpu":
-        if any(map(shutil.which, ("g++", "c++", "clang++"))):
+        if has_cxx_compiler():
             names.insert(1, COMPILED)
         else:
             print(f"no C++ compiler for torch.compile: {COMPILED} not timed", file=sys.stderr)

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,3 +34,15 @@ def padded_batch(lengths: list[int], vocab: int, pad_id: int = 0, generator=None
     for i, n in enumerate(lengths):
         out[i, :n] = torch.randint(3, vocab, (n,), generator=generator)
     return out
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:  # a mapping's first line
+            start, end = (int(a, 16) for a in line.split()[0].split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -3,7 +3,6 @@ every step and for every source length and length limit after one warm-up, and r
 
 from __future__ import annotations
 
-import shutil
 import sys
 
 import pytest
@@ -14,11 +13,11 @@ from aiayn.checkpoint import save_checkpoint
 from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.decoding import DecodeConfig, generate
+from aiayn.decoding.compiled import has_cxx_compiler
 from aiayn.errors import UserError
 from aiayn.translate import Translator, prepare_for_inference
 
-needs_compiler = pytest.mark.skipif(not any(map(shutil.which, ("g++", "c++", "clang++"))),
-                                    reason="torch.compile's CPU backend needs a C++ compiler")
+needs_compiler = pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler here")
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import vm_flags
 
 from aiayn.config import model_config
 from aiayn.memory import HUGE_PAGE, cap_kernel_caches, keep_freed_memory, on_huge_pages, release_freed_memory
@@ -166,18 +167,6 @@ def test_kernel_caches_are_capped_unless_the_environment_already_sets_them(monke
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")  # the user's choice stands
     assert cap_kernel_caches() == {"LRU_CACHE_CAPACITY": "64", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "512"}
     assert os.environ["LRU_CACHE_CAPACITY"] == "64" and os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
-
-
-def vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:  # a mapping's first line
-            start, end = (int(a, 16) for a in line.split()[0].split("-"))
-            inside = start <= address < end
-        elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")

@@ -25,7 +25,7 @@ from aiayn.translate import (
     Translator, decode_config, length_sorted_batches, quantize_int8, read_utf8_lines, translate,
     translate_stream,
 )
-from conftest import padded_batch, tiny_model
+from conftest import padded_batch, tiny_model, vm_flags
 
 TEXTS = ["the number 12 is even", "", "odd", "und die Zahl 7 ist odd und die Zahl 8 ist even", "  ",
          "the number 3"]
@@ -608,8 +608,6 @@ def test_one_row_layouts_are_the_decoder_steps_own_and_share_huge_pages():
                        if name.startswith("decoder.") and not name.endswith(".kv_proj") or name == "generator"}
     assert len(one_row) == 6 * len(packed.decoder) + 1
     if sys.platform.startswith("linux"):
-        from test_speedups import vm_flags
-
         flags = {tuple(vm_flags(linears[name].one_row.weight.data_ptr())) for name in one_row}
         assert len(flags) == 1 and "hg" in next(iter(flags))
     one = torch.tensor([[model.config.eos_id]])  # a one-token source

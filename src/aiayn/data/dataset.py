@@ -36,22 +36,12 @@ from safetensors.torch import save_file
 
 from aiayn.data.tokenizer import MAX_LINE_BYTES, SEED_SENTENCES, Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
-from aiayn.files import atomic_output, temporary_path
+from aiayn.files import atomic_output, require_file, temporary_path
 from aiayn.model.transformer import target_positions
 
 log = logging.getLogger(__name__)
 CACHE_FORMAT = "aiayn-ids-2"  # 2: pairs that encode to no pieces are dropped (1 kept them)
 TOKENIZER_INPUTS = "tokenizer_inputs.json"  # beside the run's SentencePiece model(s): what trained them
-
-
-def require_file(path: Path) -> None:
-    """A UserError unless `path` is a regular file, saying what it is instead."""
-    if path.is_dir():
-        raise UserError(f"{path}: is a directory, not a text file")
-    if not path.exists():
-        raise UserError(f"{path}: file not found")
-    if not path.is_file():  # a FIFO or a device: reading it may block or never end
-        raise UserError(f"{path}: not a regular file")
 
 
 def read_lines(path: str | Path, stream: BinaryIO | None = None) -> list[str]:

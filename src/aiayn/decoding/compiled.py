@@ -23,6 +23,7 @@ count changed since, say) runs eagerly instead of compiling in the middle of a t
 
 from __future__ import annotations
 
+import shutil
 import types
 
 import torch
@@ -30,6 +31,11 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aiayn.model import KVCache, Transformer
+
+
+def has_cxx_compiler() -> bool:
+    """Whether a C++ compiler is on PATH: torch.compile's CPU backend (inductor) compiles C++."""
+    return any(map(shutil.which, ("g++", "c++", "clang++")))
 
 
 def _decode(

@@ -23,6 +23,7 @@ from aiayn.config import (
     PRESETS, ConfigError, ModelConfig, check_types, from_dict, matches_type, model_config, to_dict,
 )
 from aiayn.errors import UserError
+from aiayn.files import require_file
 
 TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
 SECTIONS = ("data", "model", "train")
@@ -257,12 +258,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     where = "command line"
     if path is not None:
         path = Path(path)
-        if path.is_dir():
-            raise UserError(f"{path}: is a directory, not a config file")
-        if not path.exists():
-            raise UserError(f"{path}: config file not found")
-        if not path.is_file():  # a FIFO or a device: reading it may block or never end
-            raise UserError(f"{path}: not a regular file")
+        require_file(path, "config")
         try:
             text = path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is skipped
         except OSError as e:

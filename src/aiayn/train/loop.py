@@ -658,19 +658,17 @@ def _check_run_dir(run_dir: Path) -> None:
     """An unusable run_dir fails now, in one line, not with a traceback after the tokenizer's training."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: train.run_dir exists and is not a directory")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=run_dir):  # writing is the only test root cannot pass by its rights
-            pass
-    except OSError as e:
-        raise UserError(f"{run_dir}: train.run_dir cannot be written ({e.strerror or e})") from None
+    places = [(run_dir, "train.run_dir ")]
     checkpoints = run_dir / "checkpoints"  # the first save can come hours later: an unwritable one fails now
     if checkpoints.is_dir():
+        places.append((checkpoints, ""))
+    for directory, name in places:
         try:
-            with tempfile.TemporaryFile(dir=checkpoints):
+            directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=directory):  # writing is the only test root cannot pass by rights
                 pass
         except OSError as e:
-            raise UserError(f"{checkpoints}: cannot be written ({e.strerror or e})") from None
+            raise UserError(f"{directory}: {name}cannot be written ({e.strerror or e})") from None
 
 
 @contextmanager

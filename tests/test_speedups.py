@@ -15,7 +15,7 @@ from aiayn.config import model_config
 from aiayn.memory import HUGE_PAGE, cap_kernel_caches, keep_freed_memory, on_huge_pages, release_freed_memory
 from aiayn.model import Transformer, target_positions
 from aiayn.model.attention import sdpa
-from aiayn.model.dropout import Dropout, dropout, keep_mask
+from aiayn.model.dropout import Dropout, dropout, keep_mask, keep_scale
 from aiayn.train.loss import SmoothedCrossEntropy, block_rows, label_smoothed_nll
 
 
@@ -33,6 +33,21 @@ def test_dropout_masks_are_independent_across_the_four_slices_of_a_draw():
     m = keep_mask(torch.Size([400_000, 4]), 0.5, torch.device("cpu")).double()  # one int64 per row
     corr = torch.corrcoef(m.T)  # (4, 4)
     assert (corr - torch.eye(4)).abs().max() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_scale_is_the_bool_mask_over_1_minus_p(p, dtype):
+    # keep_scale makes the mask in int16 arithmetic (u - (t - 1) clamped to 0..1); from the same draws
+    # it must keep exactly where keep_mask's u >= t does, every one of the 2^15 uniforms occurring
+    shape = torch.Size([1_000, 1_000])
+    torch.manual_seed(4)
+    mask = keep_mask(shape, p, torch.device("cpu"))
+    torch.manual_seed(4)
+    scale = keep_scale(shape, p, dtype, torch.device("cpu"))
+    assert scale.dtype == dtype and scale.shape == shape
+    expected = torch.where(mask, torch.tensor(1 / (1 - p), dtype=dtype), torch.tensor(0.0, dtype=dtype))
+    assert torch.equal(scale, expected)
 
 
 def test_dropout_scales_survivors_and_masks_the_gradient_like_F_dropout():

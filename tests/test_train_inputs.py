@@ -123,6 +123,20 @@ def test_train_config_keeps_zero_as_off():
     assert config.max_updates == 0
 
 
+def test_a_leading_tilde_in_a_path_is_the_home_directory(tmp_path, monkeypatch):
+    # neither TOML nor the shell expands it (`--set train.run_dir=~/x`): unexpanded, a directory named ~
+    # appeared in the working directory
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    toml = tmp_path / "run.toml"
+    toml.write_text('[data]\ntrain_src = "~/c/train.en"\n[train]\nrun_dir = "~/runs/a"\n', encoding="utf-8")
+    config = load_config(toml, ["data.train_tgt=~/c/train.de", "train.init_from=~/ckpt", "data.valid_src=a~b",
+                                "data.valid_tgt=~"])
+    home = str(tmp_path / "home")
+    assert config.data.train_src == f"{home}/c/train.en" and config.data.train_tgt == f"{home}/c/train.de"
+    assert config.train.run_dir == f"{home}/runs/a" and config.train.init_from == f"{home}/ckpt"
+    assert config.data.valid_src == "a~b" and config.data.valid_tgt == home  # a leading ~ only
+
+
 @pytest.mark.parametrize("damaged", ["model.safetensors", "trainer.json", "meta.json"])
 def test_a_damaged_latest_checkpoint_names_the_one_to_resume_from(finished_run, tmp_path, damaged):
     """A checkpoint a failing disk truncated stops --resume with the way out; taking it brings the run

@@ -12,6 +12,7 @@ Every key is checked: an unknown one or a wrong type raises `ConfigError` naming
 from __future__ import annotations
 
 import math
+import os
 import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -247,9 +248,20 @@ def run_config(values: dict[str, Any], where: str = "") -> RunConfig:
     bad = sorted(set(model) - {"preset"} - set(ModelConfig.__dataclass_fields__))
     if bad:
         raise ConfigError(f"unknown model key(s){' in ' + where if where else ''}: {', '.join(bad)}")
-    data = from_dict(DataConfig, values.get("data", {}), where)
-    train = from_dict(TrainConfig, values.get("train", {}), where)
+    data = from_dict(DataConfig, _expand_home(values.get("data", {})), where)
+    train = from_dict(TrainConfig, _expand_home(values.get("train", {})), where)
     return RunConfig(model, data, train)
+
+
+# Keys that name files or directories: a leading ~ is the home directory, as in a shell. Neither TOML nor
+# the shell (`--set train.run_dir=~/runs/x`) expands it, and a literal `~` directory in the working
+# directory is one `rm -rf ~` away from the user's home.
+PATH_KEYS = ("train_src", "train_tgt", "valid_src", "valid_tgt", "run_dir", "init_from")
+
+
+def _expand_home(table: dict[str, Any]) -> dict[str, Any]:
+    return {key: os.path.expanduser(value) if key in PATH_KEYS and isinstance(value, str) else value
+            for key, value in table.items()}
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

@@ -36,18 +36,21 @@ def test_dropout_masks_are_independent_across_the_four_slices_of_a_draw():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("p", [0.1, 0.5])
-def test_dropout_scale_is_the_bool_mask_over_1_minus_p(p, dtype):
-    # keep_scale makes the mask in int16 arithmetic (u - (t - 1) clamped to 0..1); from the same draws
-    # it must keep exactly where keep_mask's u >= t does, every one of the 2^15 uniforms occurring
+@pytest.mark.parametrize("p", [1e-6, 0.1, 0.5, 1 - 1e-6])  # thresholds 0, 3277, 16384 and 2^15
+def test_dropout_masks_keep_from_the_threshold_on_without_int16_overflow(p, dtype):
+    # The reference in int32, from the same draws: four 15-bit uniforms per int64, kept from round(p 2^15)
+    # on. Every one of the 2^15 uniforms occurs; int16 arithmetic must not wrap at either end.
     shape = torch.Size([1_000, 1_000])
     torch.manual_seed(4)
-    mask = keep_mask(shape, p, torch.device("cpu"))
-    torch.manual_seed(4)
-    scale = keep_scale(shape, p, dtype, torch.device("cpu"))
-    assert scale.dtype == dtype and scale.shape == shape
-    expected = torch.where(mask, torch.tensor(1 / (1 - p), dtype=dtype), torch.tensor(0.0, dtype=dtype))
-    assert torch.equal(scale, expected)
+    draws = torch.empty(shape.numel() // 4, dtype=torch.int64).random_()
+    kept = (draws.view(torch.int16).int() & (2**15 - 1)).view(shape) >= round(p * 2**15)  # int32
+    for make in (lambda: keep_mask(shape, p, torch.device("cpu")),
+                 lambda: keep_scale(shape, p, dtype, torch.device("cpu"))):
+        torch.manual_seed(4)
+        got = make()
+        assert got.shape == shape and torch.equal(got != 0, kept)
+        if got.dtype != torch.bool:
+            assert got.dtype == dtype and torch.equal(got[kept], torch.full_like(got[kept], 1 / (1 - p)))
 
 
 def test_dropout_scales_survivors_and_masks_the_gradient_like_F_dropout():

@@ -6,9 +6,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -502,6 +504,55 @@ def test_cli_streams_that_cannot_be_used_are_one_line(checkpoint, tmp_path):
     with open(src, "rb") as stdin:
         run_ = run(base + ["-o", str(tmp_path)], stdin=stdin)
     assert (run_.returncode, run_.stderr) == (2, f"aiayn: error: {tmp_path}: is a directory; -o names the output file\n")
+
+
+def _cli(args, **popen):
+    code = "import sys; from aiayn.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", code, *args], **popen)
+
+
+def test_a_stderr_that_fails_never_costs_the_results(checkpoint, tmp_path):
+    """The progress bar and the notes are for a person: stderr closed (2>&-), full (2>/dev/full) or read by
+    a reader that went away loses them, not the translation; and an error line never lands in stdout."""
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3\nthe number 4\n", encoding="utf-8")
+    base = ["translate", str(checkpoint), "--threads", "1", "-i", str(src)]  # with the progress bar
+    stderrs = [("closed", lambda: os.close(2))] + [("full", None)] * os.path.exists("/dev/full")
+    for name, close in stderrs:
+        err = subprocess.DEVNULL if close else open("/dev/full", "w")
+        out = tmp_path / f"out_{name}.txt"
+        for args in (base + ["-o", str(out)], base):
+            proc = _cli(args, stdout=subprocess.PIPE, stderr=err, preexec_fn=close)
+            stdout = proc.communicate(timeout=120)[0].decode()
+            assert proc.returncode == 0, (name, args)
+            lines = (out.read_text(encoding="utf-8") if "-o" in args else stdout).splitlines()
+            assert len(lines) == 2, (name, args)
+        bad = tmp_path / "bad.txt"
+        bad.write_bytes(b"the number 3\n\xff\n")
+        proc = _cli(base[:-1] + [str(bad), "-q"], stdout=subprocess.PIPE, stderr=err, preexec_fn=close)
+        assert (proc.communicate(timeout=120)[0], proc.returncode) == (b"", 2), name  # no error in stdout
+        if not close:
+            err.close()
+
+
+def test_sigterm_removes_the_output_being_written(checkpoint, tmp_path):
+    """`timeout`, a scheduler or a closed terminal: SIGTERM or SIGHUP stops as Ctrl-C does, the old -o file
+    kept and the temporary one removed (it was left behind, hidden, for good)."""
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3 is odd\n" * 20_000, encoding="utf-8")
+    out = tmp_path / "out.txt"
+    out.write_text("OLD\n", encoding="utf-8")
+    proc = _cli(["translate", str(checkpoint), "--threads", "1", "-q", "--chunk", "50", "-i", str(src), "-o",
+                 str(out)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(p.suffix == ".tmp" for p in tmp_path.iterdir()):  # translating into the temporary file
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=120)[1]
+    assert (proc.returncode, stderr) == (128 + signal.SIGTERM, "aiayn: stopped by SIGTERM\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]
+    assert out.read_text(encoding="utf-8") == "OLD\n"
 
 
 def test_cli_writes_utf8_to_stdout_whatever_the_locale(checkpoint, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 
 from aiayn.config import PRESETS, ConfigError, model_config
@@ -498,13 +499,85 @@ class ResultStream:
             raise UserError(f"<stdout>: cannot write ({e.strerror or e})") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    stdout, sys.stdout = sys.stdout, ResultStream(sys.stdout)
+class DiagnosticStream:
+    """The commands' stderr: progress bars, notes and error lines. They are for a person; a write that
+    fails (stderr closed with `2>&-`, a full disk, a reader that went away) is dropped, and the stream is
+    then quiet, instead of failing the command and losing its results (a finished translation, the
+    scores). Closed at start, Python's sys.stderr is None, and print(file=None) writes to stdout: into
+    the results."""
+
+    def __init__(self, stderr) -> None:
+        self.stderr = stderr
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.stderr, "encoding", None) or "utf-8"
+
+    def write(self, text: str) -> int:
+        self._guard(lambda: self.stderr.write(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._guard(lambda: self.stderr.flush())
+
+    def isatty(self) -> bool:
+        return self.stderr is not None and self.stderr.isatty()
+
+    def _guard(self, write) -> None:
+        if self.stderr is None:
+            return
+        try:
+            write()
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # the exit's flush may not fail
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stderr.fileno())
+            self.stderr = None
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP (`timeout`, a closed terminal, a job scheduler) outside training, raised as Ctrl-C
+    raises KeyboardInterrupt: an output being written is removed on the way out (`atomic_output`), not
+    left behind as a hidden temporary file. A BaseException, as KeyboardInterrupt, so that no `except
+    Exception` takes it for an error. Training handles these signals itself (it saves, then stops)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum: int, frame) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _signals_raise(command: str):
+    """SIGTERM and SIGHUP raise `Terminated` while a command other than training runs, where they still
+    have their default action (not in a thread or under a caller's own handler)."""
+    installed = {}
+    if command not in ("train", "demo"):
+        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            with contextlib.suppress(TypeError, ValueError):  # no such signal here, or not the main thread
+                if signal.getsignal(sig) == signal.SIG_DFL:
+                    installed[sig] = signal.signal(sig, _terminate)
     try:
-        return _run(args)
+        yield
     finally:
-        sys.stdout = stdout
+        for sig, previous in installed.items():
+            signal.signal(sig, previous)
+
+
+def main(argv: list[str] | None = None) -> int:
+    stderr, sys.stderr = sys.stderr, DiagnosticStream(sys.stderr)
+    try:
+        args = build_parser().parse_args(argv)
+        stdout, sys.stdout = sys.stdout, ResultStream(sys.stdout)
+        try:
+            with _signals_raise(args.command):
+                return _run(args)
+        finally:
+            sys.stdout = stdout
+    finally:
+        sys.stderr = stderr
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -529,6 +602,9 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("aiayn: interrupted", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print(f"aiayn: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum  # what a shell reports for a process killed by the signal
     except BrokenPipeError:  # the reader went away (`aiayn translate ... | head`): stop quietly, as cat does
         with contextlib.suppress(OSError, ValueError):  # stdout may have no file descriptor
             stdout = sys.stdout.fileno()

@@ -89,8 +89,10 @@ def test_several_references_and_line_counts(tmp_path):
     assert evaluate_files(hyp, [ref1, ref2])[0].score == pytest.approx(100.0)  # each line matches a reference
     assert evaluate_files(hyp, [ref1])[0].score < 100
     ref1.write_text("a b c d e\n")
-    with pytest.raises(UserError, match="ref1: 1 lines, but .*hyp has 2"):
+    with pytest.raises(UserError, match="hyp:2: line counts differ: .*ref1 has 1 lines, .*hyp has 2"):
         evaluate_files(hyp, [ref1])
+    with pytest.raises(UserError, match=r"^-: only the translations \(HYP\) may come from standard input"):
+        evaluate_files(hyp, [ref1, "-"])  # was "-: file not found"
     hyp.write_text("")
     ref1.write_text("")
     with pytest.raises(UserError, match="hyp: empty, nothing to score"):
@@ -257,3 +259,15 @@ def test_references_from_a_pipe(tmp_path, capsys):
     assert main(["evaluate", str(hyp), str(fifo), "--json"]) == 0
     writer.join()
     assert json.loads(capsys.readouterr().out)[0]["score"] == pytest.approx(100)
+
+
+def test_bootstrap_resamples_past_memory_are_one_line(monkeypatch):
+    import sacrebleu.significance
+
+    def no_memory(*args, **kwargs):  # numpy's error for 1e9 resamples of 12 lines: 89.4 GiB
+        raise MemoryError("Unable to allocate 89.4 GiB")
+
+    monkeypatch.setattr(sacrebleu.significance, "_bootstrap_resample", no_memory)  # imported per call
+    with pytest.raises(UserError, match=r"^confidence=1000000000: out of memory for that many bootstrap "
+                                        r"resamples of 2 lines; give fewer"):
+        corpus_scores(["a b c", "d e f"], [["a b c", "d e f"]], confidence=1_000_000_000)

@@ -155,7 +155,12 @@ def corpus_scores(
                (LOWERCASE_LABEL.format(bleu.tokenizer_signature), lowercased)] + ([(None, TER())] if ter else [])
     out = []
     for label, metric in metrics:
-        result = metric.corpus_score(list(hypotheses), [list(r) for r in references], n_bootstrap=confidence or 1)
+        try:
+            result = metric.corpus_score(list(hypotheses), [list(r) for r in references],
+                                         n_bootstrap=confidence or 1)
+        except MemoryError:  # sacreBLEU draws all resamples of every line at once (numpy's message: a traceback)
+            raise UserError(f"confidence={confidence}: out of memory for that many bootstrap resamples of "
+                            f"{len(hypotheses)} lines; give fewer (sacreBLEU's default is 1,000)") from None
         ci = getattr(result, "_ci", None) if confidence else None
         ci = None if ci is None else float(ci)  # sacreBLEU's is a numpy float32, which json cannot write
         out.append(Score(label or result.name, result.score, str(metric.get_signature()), str(result), ci))
@@ -216,8 +221,13 @@ def score_lines(
     if not hyps:
         raise UserError(f"{name}: empty, nothing to score")
     references = _paths(references, "references")  # a generator is read once, for the names below too
+    if any(str(r) == "-" for r in references):  # else "-: file not found"
+        raise UserError("-: only the translations (HYP) may come from standard input; give each reference "
+                        "as a file, or as <(command)")
     refs = [read_once(r) for r in references]
     for path, lines in zip(references, refs):
-        if len(lines) != len(hyps):
-            raise UserError(f"{path}: {len(lines)} lines, but {name} has {len(hyps)}")
+        if len(lines) != len(hyps):  # named at the first line the other file lacks, as training does
+            longer = path if len(lines) > len(hyps) else name
+            raise UserError(f"{longer}:{min(len(lines), len(hyps)) + 1}: line counts differ: "
+                            f"{path} has {len(lines)} lines, {name} has {len(hyps)}")
     return corpus_scores(hyps, refs, lang, tokenize, **options)

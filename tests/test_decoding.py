@@ -354,6 +354,7 @@ SAMPLING = {"sample": True, "beam": 1}
     ({"temperature": math.nan, **SAMPLING}, "temperature=nan"),  # torch: probability tensor contains nan
     ({"temperature": math.inf, **SAMPLING}, "temperature=inf"),
     ({"temperature": 1e-50, **SAMPLING}, "temperature=1e-50"),  # 0 in float32: 0 / 0
+    ({"temperature": 1e39, **SAMPLING}, r"temperature=1e\+39 must be a number in \[0.001, 3.403e\+38\]"),  # inf
     ({"top_p": math.nan, **SAMPLING}, "top_p=nan"),
     ({"seed": 2**64, **SAMPLING}, "seed=18446744073709551616"),  # torch: Overflow when unpacking long long
     ({"seed": -(2**63) - 1, **SAMPLING}, "seed=-9223372036854775809"),
@@ -379,6 +380,8 @@ def test_decode_config_bounds_still_decode_with_finite_scores():
     assert [s[0].tokens for s in generate(model, src, cold)] == [s[0].tokens for s in generate(model, src,
                                                                  DecodeConfig(beam=1, max_len_b=5))]
     generate(model, src, DecodeConfig(seed=-(2**63), max_len_b=5, **SAMPLING))  # torch's lowest seed
+    hot = DecodeConfig(temperature=3.4028234663852886e38, seed=1, max_len_b=5, **SAMPLING)  # float32's largest
+    assert all(math.isfinite(s[0].score) for s in generate(model, src, hot))
     assert DecodeConfig(max_len_a=1e308).max_lengths([1, 2, 3], 40) == [40, 40, 40]  # a * n = inf before int
     assert DecodeConfig(max_len_a=0.0, max_len_b=1).max_lengths([3], 40) == [1]  # the smallest maximum
 

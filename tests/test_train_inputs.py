@@ -975,7 +975,7 @@ def test_separate_vocabularies_with_shared_embeddings(tmp_path):
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("train.threads=4294967296", "train.threads=4294967296 is more than 65,536"),  # was an overflow traceback
+    ("train.threads=4294967296", "train.threads=4294967296 is more than 1,024"),  # was an overflow traceback
     ("data.vocab_size=4294967296", "data.vocab_size=4294967296 is more than 16,777,216"),  # after the data
     ("model.d_ff=4294967296", "d_ff=4294967296 is more than 16,777,216"),  # an allocator traceback
     ("model.n_layers=100000", "n_layers=100000 is more than 4,096 layers"),

@@ -169,6 +169,12 @@ def test_running_out_of_memory_is_one_line_naming_the_batch(checkpoint, tmp_path
     assert run.stderr.strip().splitlines() == [
         (f"aiayn: error: {src}:1: out of memory decoding a batch of 1 sentence(s) at beam 100000000; "
          "use a smaller beam or fewer tokens per batch (--max-tokens)")]
+    run = subprocess.run([sys.executable, "-c", code, "translate", str(checkpoint), "-i", str(src), "-q",
+                          "--sample", "--n-best", "100000000", "--threads", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.stderr.strip().splitlines() == [  # sampling's rows are the samples; it said "at beam 1"
+        (f"aiayn: error: {src}:1: out of memory decoding a batch of 1 sentence(s) at 100000000 samples each "
+         "(--n-best); use fewer samples or fewer tokens per batch (--max-tokens)")]
 
 
 def test_output_file_is_untouched_when_writing_fails(tmp_path, monkeypatch):
@@ -384,7 +390,9 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
              (["--early-stopping", "--beam", "1"], "early_stopping=True needs beam > 1, not 1"),
              (["--early-stopping", "--sample"], "early_stopping=True needs beam > 1, not 1"),
              (["--lenpen", "1", "--lenpen-kind", "none"], "--lenpen 1.0 has no effect with --lenpen-kind"),
-             (["--int8", "--device", "cuda"], "int8 (--int8) is a CPU path")]
+             (["--int8", "--device", "cuda"], "int8 (--int8) is a CPU path"),
+             (["--threads", "100000"], "--threads 100000 is more than 1,024"),  # a segfault, exit 139
+             (["--sample", "--temperature", "1e39"], "temperature=1e+39 must be a number in")]  # NaN: traceback
     for extra, message in cases:
         assert main(["translate", str(checkpoint), "-i", str(src), "-q"] + extra) == 2, extra
         err = capsys.readouterr().err
@@ -801,6 +809,18 @@ def test_output_never_replaces_a_file_given_as_standard_input(checkpoint, tmp_pa
         done = subprocess.run(command, stdin=stdin, capture_output=True, text=True)
     assert done.returncode == 2 and "is the input (standard input)" in done.stderr
     assert src.read_text(encoding="utf-8") == "the number 3\n"
+
+
+def test_blank_is_what_training_calls_blank_whatever_the_normalization(checkpoint, monkeypatch):
+    """With data.normalization=identity a zero-width space or a \\x01 is a piece of its own: such lines were
+    translated (made up) though training drops them as blank; and a file's leading BOM is dropped."""
+    translator = Translator.load(checkpoint)
+    pieces = translator.tokenizer.encode_src
+    monkeypatch.setattr(translator.tokenizer, "encode_src", lambda text: [7] + pieces(text))  # never EOS alone
+    assert translator.hypotheses(["\u200b", "\x01", "\ufeff", " \t"]) == [[], [], [], []]
+    assert translator.hypotheses(["the number 3"])[0]
+    stream = io.BytesIO("\ufeffthe number 3\n\ufeffa\n".encode("utf-8"))
+    assert list(read_utf8_lines(stream, "in.txt", 10)) == [["the number 3", "\ufeffa"]]  # the first line's only
 
 
 def test_a_text_of_no_pieces_stays_empty(checkpoint, tmp_path, capsys):

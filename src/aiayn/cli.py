@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from aiayn.config import PRESETS, ConfigError, model_config
+from aiayn.config import MAX_THREADS, PRESETS, ConfigError, model_config
 from aiayn.errors import Stopped, UserError
 
 
@@ -165,6 +165,8 @@ def cmd_translate(args: argparse.Namespace) -> None:
     from aiayn.memory import keep_freed_memory
     from aiayn.translate import Translator, decode_config, translate_stream
 
+    if args.threads and args.threads > MAX_THREADS:  # libgomp failed, or crashed, creating them
+        raise UserError(f"--threads {args.threads} is more than {MAX_THREADS:,}")
     if args.lenpen is not None and args.lenpen_kind == "none":  # lp(|Y|) = 1 whatever alpha is
         raise UserError(f"--lenpen {args.lenpen} has no effect with --lenpen-kind none; drop one of them")
     options = dict(lenpen_kind=args.lenpen_kind, max_len_a=args.max_len_a, max_len_b=args.max_len_b,

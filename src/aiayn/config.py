@@ -15,6 +15,10 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+# CPU threads per process (train.threads, translate --threads): libgomp could not create 20,000 threads
+# (its own one-line error) and segfaulted at 100,000; torch.set_num_threads overflows past 2^31.
+MAX_THREADS = 1024
+
 ACTIVATIONS = ("relu", "gelu", "silu")
 POSITIONS = ("interleaved", "sin_cos")
 MAX_WIDTH = 2**24  # d_model and d_ff: 16.7 M, past any model that fits in memory

@@ -49,10 +49,12 @@ class SentenceTooLong(TextError):
 class OutOfMemory(TextError):
     """Decoding a batch ran out of memory; `index` is its first text in input order."""
 
-    def __init__(self, index: int, sentences: int, beam: int, where: str | None = None):
+    def __init__(self, index: int, sentences: int, beam: int, where: str | None = None, samples: int = 0):
         self.sentences, self.beam = sentences, beam
-        super().__init__(index, f"out of memory decoding a batch of {sentences} sentence(s) at beam {beam}; "
-                                "use a smaller beam or fewer tokens per batch (--max-tokens)", where)
+        rows = f"{samples} samples each (--n-best)" if samples else f"beam {beam}"  # sampling's rows: n_best
+        fewer = "fewer samples" if samples else "a smaller beam"
+        super().__init__(index, f"out of memory decoding a batch of {sentences} sentence(s) at {rows}; "
+                                f"use {fewer} or fewer tokens per batch (--max-tokens)", where)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -26,7 +26,7 @@ import torch
 
 from aiayn.config import from_dict
 from aiayn.data.batching import right_pad
-from aiayn.data.dataset import cr_only, cr_only_error, looks_like
+from aiayn.data.dataset import cr_only, cr_only_error, has_text, looks_like
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.compiled import compile_one_row_step
@@ -255,7 +255,7 @@ class Translator:
             generator = sampling_generator(config, self.device)
         # A text of no pieces (blank, or only characters the tokenizer drops: a zero-width space, a BOM)
         # is EOS alone, from which a model makes up a sentence: it gets no translation, as an empty line
-        ids = [self.tokenizer.encode_src(t) if t.strip() else [] for t in texts]
+        ids = [self.tokenizer.encode_src(t) if has_text(t) else [] for t in texts]  # as training sees them
         ids = [s if len(s) > 1 else [] for s in ids]
         limit = self.model.config.max_len  # the encoder's positions
         for i, s in enumerate(ids):
@@ -273,7 +273,8 @@ class Translator:
             except RuntimeError as e:  # e.g. --beam 100000000: a 54 GB tensor and a C++ traceback
                 if not is_out_of_memory(e):
                     raise
-                raise OutOfMemory(min(chosen), len(chosen), config.beam) from None
+                raise OutOfMemory(min(chosen), len(chosen), config.beam,
+                                  samples=config.n_best if config.sample else 0) from None
             for i, hyps in zip(chosen, found):
                 out[i] = [Translation(self.tokenizer.decode_tgt(h.tokens), h.score, h.tokens, h.log_prob)
                           for h in hyps]
@@ -314,7 +315,7 @@ def read_utf8_lines(
     for n, (raw, more) in enumerate(_raw_lines(stream), 1):
         head = raw[:8] if n == 1 else head
         try:
-            lines.append(raw.decode("utf-8").rstrip("\r\n"))
+            text = raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError as e:
             looks = looks_like(head)
             raise UserError(f"{name}:{n}: invalid UTF-8 (byte {raw[e.start]:#04x}){looks}") from None
@@ -322,6 +323,7 @@ def read_utf8_lines(
             raise cr_only_error(name)
         if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
             raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?)")
+        lines.append(text.removeprefix("\ufeff") if n == 1 else text)  # a BOM, as training and evaluate drop it
         if len(lines) >= chunk or not (more or whole_chunks):
             yield lines
             lines = []

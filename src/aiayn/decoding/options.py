@@ -10,6 +10,7 @@ from aiayn.decoding.length_penalty import KINDS
 
 MAX_LENPEN = 10.0  # |alpha| above this could overflow lp(|Y|): see DecodeConfig.search_problems
 MIN_TEMPERATURE = 1e-3  # lower is greedy search but for near-ties: see DecodeConfig.sampling_problems
+MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: past it T is inf in float32 and -inf / T NaN
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,9 @@ class DecodeConfig:
         # The float32 log-probabilities are divided by T: a T that rounds to 0 in float32 (1e-50) gives NaN
         # and torch refuses to sample. At T = 1e-3 a token 0.1 nats behind the best already has probability
         # e^-100, so lower values are greedy search in all but near-ties, and log P / T stays finite.
-        if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
-            problems.append(f"temperature={self.temperature} must be a finite number >= {MIN_TEMPERATURE}")
+        if not (math.isfinite(self.temperature) and MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            problems.append(f"temperature={self.temperature} must be a number in [{MIN_TEMPERATURE}, "
+                            f"{MAX_TEMPERATURE:.4g}] (float32's largest)")
         if self.top_k < 0:
             problems.append(f"top_k={self.top_k} must not be negative")
         if not 0 < self.top_p <= 1:  # NaN fails this comparison too

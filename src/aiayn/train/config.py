@@ -21,7 +21,7 @@ from typing import Any
 import tomllib
 
 from aiayn.config import (
-    PRESETS, ConfigError, ModelConfig, check_types, from_dict, matches_type, model_config, to_dict,
+    MAX_THREADS, PRESETS, ConfigError, ModelConfig, check_types, from_dict, matches_type, model_config, to_dict,
 )
 from aiayn.errors import UserError
 from aiayn.files import require_file
@@ -34,7 +34,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 MAX_SEED = 2**46
 
 MAX_VOCAB = 2**24  # data.vocab_size's bound (SentencePiece reads a 32-bit integer; 16.7 M is past any use)
-MAX_THREADS = 2**16  # train.threads' bound (torch.set_num_threads takes a 32-bit integer)
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -152,7 +151,7 @@ class TrainConfig:
         for name in ("max_updates", "max_epochs", "patience", "threads", "bleu_every"):  # 0 = off
             if getattr(self, name) < 0:
                 problems.append(f"train.{name}={getattr(self, name)} must be >= 0 (0 = no limit / off)")
-        if self.threads > MAX_THREADS:  # torch.set_num_threads overflowed with a traceback
+        if self.threads > MAX_THREADS:  # torch.set_num_threads overflowed, libgomp crashed
             problems.append(f"train.threads={self.threads} is more than {MAX_THREADS:,}")
         if not -MAX_SEED <= self.seed <= MAX_SEED:  # else: an overflow traceback once training starts
             problems.append(f"train.seed={self.seed} must be between -2**46 and 2**46 ({MAX_SEED:,})")

@@ -286,8 +286,16 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         print(f"{s.name}: {s.score:.2f}{ci}\n  {s.detail}\n  signature: {s.signature}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's one-line errors: `aiayn translate: error: argument --chunk: ...`, exit 2,
+    without the usage block (a dozen lines for translate) that argparse prints first; --help has it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aiayn", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="aiayn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="show a model preset and its parameter count")

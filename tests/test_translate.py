@@ -374,6 +374,10 @@ def test_lines_of_a_pipe_keep_their_numbers_and_an_unended_last_line():
     with piped(b"one\r\ntwo\n" + long + b"\nlast") as src:
         got = [line for lines in read_utf8_lines(src, "in.txt", chunk=2) for line in lines]
     assert got == ["one", "two", long.decode(), "last"]
+    # a stream of NULs with no newline (/dev/zero) was read on, its line growing, for good
+    zeros = open("/dev/zero", "rb") if os.path.exists("/dev/zero") else piped(b"ok\n" + b"\0" * 10**6)
+    with zeros as src, pytest.raises(UserError, match=r"^in\.txt:[12]: NUL byte"):
+        list(read_utf8_lines(src, "in.txt", chunk=2))
 
 
 def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, capsys):

@@ -346,6 +346,9 @@ def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:
         *complete, rest = (rest + block).split(b"\n")
         for i, line in enumerate(complete, 1):
             yield line + b"\n", i < len(complete) or _ready(fd)
+        if b"\0" in rest:  # no text has one; a binary stream (/dev/zero) may never end the line: say so now
+            yield rest, True
+            rest = b""
     if rest:
         yield rest, True
 

@@ -148,6 +148,23 @@ def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
                                            "value: '0' (see aiayn translate --help)\n")
 
 
+def test_a_bad_line_late_in_a_file_fails_before_anything_is_translated(checkpoint, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Invalid UTF-8 at line 3,001 was found after 3,000 lines were translated (minutes at beam 4), and the
+    work thrown away with the -o file left as it was; a regular file is checked whole first."""
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"the number 3\n" * 30 + b"bad \xff\n")
+
+    def translated(*args, **kwargs):
+        raise AssertionError("a chunk was translated before the input was checked")
+
+    monkeypatch.setattr(Translator, "hypotheses", translated)
+    for quiet in ([], ["-q"]):
+        code = main(["translate", str(checkpoint), "-i", str(src), "--chunk", "10", "-o", str(tmp_path / "o")]
+                    + quiet)
+        assert (code, capsys.readouterr().err) == (2, f"aiayn: error: {src}:31: invalid UTF-8 (byte 0xff)\n")
+
+
 def test_over_long_text_is_named(checkpoint):
     translator = Translator.load(checkpoint)
     limit = translator.model.config.max_len

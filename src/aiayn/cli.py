@@ -206,11 +206,11 @@ def cmd_translate(args: argparse.Namespace) -> None:
         dst = sys.stdout
         if args.output not in (None, "-"):  # complete or untouched: a failed run leaves no half file
             dst = stack.enter_context(atomic_output(args.output))
+        total = _checked_line_count(src, name)  # a regular file: a bad line fails now, not chunks later
         progress = None
         if name != "<stdin>" and not args.quiet:  # a named input: show progress on stderr
             from tqdm import tqdm
 
-            total = _line_count(src)
             progress = stack.enter_context(tqdm(total=total, unit="line", file=sys.stderr)).update
         chunk = 1 if name == "<stdin>" and src.isatty() else args.chunk  # interactive: answer each line
         translate_stream(translator, src, dst, name, chunk, args.max_tokens, progress, **options)
@@ -251,15 +251,17 @@ def _check_streams(input: str | None, output: str | None) -> None:
         raise UserError(f"{output}: is a directory; -o names the output file")
 
 
-def _line_count(src) -> int | None:
-    """The lines of a regular file, counted, then back to where it was; None for a pipe, a FIFO or
-    `<(...)`, which can be read only once (a progress bar without a total then)."""
-    from aiayn.translate import is_regular_file
+def _checked_line_count(src, name: str) -> int | None:
+    """The lines of a regular file, counted and checked as translating reads them (UTF-8, no NUL), then
+    back to where it was: invalid UTF-8 at line 3,001 is found before any line is translated, not after
+    3,000 were and then thrown away. None for a pipe, a FIFO or `<(...)`, which can be read only once (a
+    progress bar without a total then)."""
+    from aiayn.translate import is_regular_file, read_utf8_lines
 
     if not (is_regular_file(src) and src.seekable()):
         return None
     start = src.tell()
-    total = sum(1 for _ in src)
+    total = sum(len(lines) for lines in read_utf8_lines(src, name, 10_000, whole_chunks=True))
     src.seek(start)
     return total
 

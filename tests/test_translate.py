@@ -596,6 +596,12 @@ def test_cli_writes_utf8_to_stdout_whatever_the_locale(checkpoint, tmp_path):
     printed = run.stdout.decode("utf-8").splitlines()
     assert printed and all(line.startswith(str(out)) for line in printed)
     assert {Path(line) for line in printed} <= set(out.iterdir())
+    raw = os.fsencode(tmp_path) + b"/maps\xff"  # a folder name that is no UTF-8: printed as its own bytes
+    run = subprocess.run([sys.executable, "-m", "aiayn", "attention", "--checkpoint", str(checkpoint), "--src",
+                          "the number 12", "--out", raw], capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr  # was a UnicodeEncodeError traceback after the files were written
+    printed = run.stdout.splitlines()
+    assert printed and all(line.startswith(raw + b"/") and os.path.exists(line) for line in printed)
 
 
 def test_ensemble_member_with_other_ids_is_named(checkpoint, tmp_path, capsys):

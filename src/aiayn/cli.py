@@ -482,7 +482,9 @@ class ResultStream:
 
     def write(self, text: str) -> int:
         if self._bytes is not None:
-            self._guard(lambda: self._bytes.write(text.encode("utf-8")))
+            # surrogateescape: a path given on the command line in bytes that are no UTF-8 is printed as
+            # those bytes (strict encoding raised a traceback after the work was done)
+            self._guard(lambda: self._bytes.write(text.encode("utf-8", "surrogateescape")))
             if self._line_buffered and "\n" in text:  # a terminal sees each line as it is printed
                 self.flush()
         else:

@@ -315,6 +315,29 @@ def test_resume_uses_the_tokenizer_its_checkpoints_hold(finished_run, tmp_path):
         train(with_train(config, run_dir=str(run), max_updates=6), resume=True)
 
 
+def test_putting_the_tokenizer_back_on_resume_is_whole_or_nothing(finished_run, tmp_path, monkeypatch):
+    """It was a plain write into run_dir/spm.model: a full disk was a traceback that left a truncated file,
+    which every later --resume then refused; a directory in the way, an IsADirectoryError traceback."""
+    d, config, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(d / "run" / "checkpoints", run / "checkpoints")
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(UserError, match=r"spm\.model: cannot write \(No space left on device\)$"):
+        train(with_train(config, run_dir=str(run), max_updates=5), resume=True)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert not [p.name for p in run.iterdir() if "spm" in p.name]  # no file, whole or truncated, no temporary
+    (run / "spm.model").mkdir()
+    with pytest.raises(UserError, match=r"spm\.model: cannot write \(Is a directory\)$"):
+        train(with_train(config, run_dir=str(run), max_updates=5), resume=True)
+    (run / "spm.model").rmdir()
+    assert train(with_train(config, run_dir=str(run), max_updates=5), resume=True)["step"] == 5
+
+
 @pytest.mark.parametrize("change", [dict(update_freq=2), dict(max_tokens=128)])
 def test_resume_refuses_another_update_shape(finished_run, tmp_path, change):
     """The saved position counts updates of processes x update_freq batches of max_tokens: another shape

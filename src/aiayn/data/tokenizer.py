@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 import sentencepiece as spm
 
 from aiayn.errors import UserError
-from aiayn.files import temporary_path
+from aiayn.files import atomic_output, temporary_path
 
 SHARED, SOURCE, TARGET = "spm.model", "source.spm", "target.spm"
 SEED_SENTENCES = 2_000_000  # sentences SentencePiece trains a model on at most: a random sample of more
@@ -145,16 +145,17 @@ class Tokenizer:
         return self.src.serialized_model_proto(), None if self.shared else self.tgt.serialized_model_proto()
 
     def save(self, directory: str | Path) -> dict:
-        """Write the model files into `directory`; return the JSON description `load` reads back."""
+        """Write the model files into `directory`; return the JSON description `load` reads back.
+
+        Each file is written whole or not at all (`atomic_output`; an OSError is a UserError naming it):
+        `--resume` writes them into a run directory that has only checkpoints/, where a full disk or a kill
+        left a truncated spm.model that every later resume refused."""
         directory = Path(directory)
         src, tgt = self.models()
-        if tgt is None:
-            (directory / SHARED).write_bytes(src)
-            files = {"source": SHARED}
-        else:
-            (directory / SOURCE).write_bytes(src)
-            (directory / TARGET).write_bytes(tgt)
-            files = {"source": SOURCE, "target": TARGET}
+        files = {"source": SHARED} if tgt is None else {"source": SOURCE, "target": TARGET}
+        for name, data in zip(files.values(), (src, tgt)):
+            with atomic_output(directory / name, binary=True) as f:
+                f.write(data)
         specials = dict(pad=self.pad_id, bos=self.bos_id, eos=self.eos_id, unk=self.unk_id)
         description = {"files": files, "vocab": self.vocab, "specials": specials}
         if self.tgt_vocab is not self.vocab:

@@ -267,6 +267,19 @@ def test_average_never_writes_over_the_run(run, out, monkeypatch):
     assert tree(run) == before
 
 
+def test_average_never_writes_inside_another_checkpoint(run, tmp_path, capsys):
+    """Another run's checkpoint: its keep_last deletes the directory whole, the average with it."""
+    other = tmp_path / "other" / "checkpoints" / "step_000009"
+    shutil.copytree(run / "checkpoints" / "step_000001", other)
+    before = tree(other)
+    assert main(["average", str(run), "--last", "2", "-o", str(other / "avg")]) == 2
+    assert capsys.readouterr().err == f"aiayn: error: {other / 'avg'}: lies inside the checkpoint {other}; " \
+                                      "write it elsewhere\n"
+    assert tree(other) == before
+    assert main(["average", str(run), "--last", "2", "-o", str(tmp_path / "avg")]) == 0  # replaced with --force:
+    assert main(["average", str(run), "--last", "2", "-o", str(tmp_path / "avg"), "--force"]) == 0  # is one
+
+
 def test_existing_outputs_need_force_and_must_be_directories(run, tmp_path, capsys):
     (tmp_path / "precious").mkdir()
     (tmp_path / "precious" / "notes.txt").write_text("mine")

@@ -162,6 +162,11 @@ def test_export_never_writes_over_its_checkpoint(tmp_path, spm_models):
         with pytest.raises(UserError, match=f"{out}: {problem} .*would delete the input"):
             export_ctranslate2(tmp_path / "run" / "ck", tmp_path / out, force=True)
     assert files(tmp_path) == before
+    from aiayn.cli import main
+
+    save_checkpoint(tmp_path / "other", random_model(tokenizer), tokenizer)  # training would prune it whole
+    assert main(["export", "--to", "ctranslate2", str(tmp_path / "run" / "ck"), str(tmp_path / "other" / "ct2")]) == 2
+    assert not (tmp_path / "other" / "ct2").exists()
 
 
 def test_an_unknown_quantization_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):

@@ -78,9 +78,13 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_average(args: argparse.Namespace) -> None:
     """Average a run's last K checkpoints (the paper: 5 for base, 20 for big)."""
+    from pathlib import Path
+
     from aiayn.train.average import average_last
 
     _log_to_stderr()
+    if args.output is not None:  # inside another checkpoint, keep_last would delete it with that one
+        _check_outside_checkpoints(Path(args.output), may_be_one=True)
     print(average_last(args.run_dir, args.last, args.output, args.force))
 
 
@@ -143,15 +147,19 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
     _log_to_stderr()
     check_output(Path(args.out), [Path(args.source)], args.force)  # before convert_marian's write replaces OUT
+    _check_outside_checkpoints(Path(args.out), may_be_one=True)
     print(convert_marian(args.source, args.out))
 
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Write an aiayn checkpoint as a CTranslate2 model directory."""
+    from pathlib import Path
+
     try:
         from aiayn.interop.ct2 import export_ctranslate2
     except ImportError as e:
         raise UserError(f"export --to ctranslate2 needs the ctranslate2 package: pip install 'aiayn[interop]' ({e})")
+    _check_outside_checkpoints(Path(args.out))
     print(export_ctranslate2(args.checkpoint, args.out, args.quantization, args.force))
 
 
@@ -216,14 +224,15 @@ def cmd_translate(args: argparse.Namespace) -> None:
         translate_stream(translator, src, dst, name, chunk, args.max_tokens, progress, **options)
 
 
-def _check_outside_checkpoints(output: Path) -> None:
+def _check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
     """An output (a file, or a folder of pictures) may not be or lie inside any checkpoint directory (one
     with weights and meta.json), read or not: training's keep_last deletes such directories whole, and
-    `average` or `export` read them."""
+    `average` or `export` read them. `may_be_one`: an output that is itself a checkpoint (average and
+    convert with --force replace theirs) may be one, but not lie inside another."""
     from aiayn.checkpoint import META, WEIGHTS
 
     target = type(output)(os.path.abspath(output))  # a/ck/../x is a/x: `..` taken out as the kernel would
-    for place in (target, *target.parents):
+    for place in target.parents if may_be_one else (target, *target.parents):
         if (place / META).is_file() and (place / WEIGHTS).is_file():
             relation = "is" if place == target else "lies inside"
             raise UserError(f"{output}: {relation} the checkpoint {place}; write it elsewhere")

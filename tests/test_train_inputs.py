@@ -315,6 +315,27 @@ def test_resume_uses_the_tokenizer_its_checkpoints_hold(finished_run, tmp_path):
         train(with_train(config, run_dir=str(run), max_updates=6), resume=True)
 
 
+def test_a_kill_after_a_checkpoint_appears_loses_no_validation_record(finished_run, tmp_path, monkeypatch):
+    """Killed between the checkpoint's rename and the log's append (prune deletes old checkpoints between
+    the two), the run resumed after that step and its validation was never logged."""
+    config = copy_run(finished_run, tmp_path)
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(loop, "prune", killed)  # the process dies as old checkpoints are being deleted
+    with pytest.raises(Killed):
+        train(with_train(config, max_updates=6), resume=True)
+    monkeypatch.undo()
+    assert checkpoint_dirs(Path(config.train.run_dir))[-1].name == "step_000006"
+    train(with_train(config, max_updates=8), resume=True)
+    log = [json.loads(line) for line in (Path(config.train.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "valid_loss" in r] == [2, 4, 6, 8]
+
+
 def test_putting_the_tokenizer_back_on_resume_is_whole_or_nothing(finished_run, tmp_path, monkeypatch):
     """It was a plain write into run_dir/spm.model: a full disk was a traceback that left a truncated file,
     which every later --resume then refused; a directory in the way, an IsADirectoryError traceback."""

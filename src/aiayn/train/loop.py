@@ -560,12 +560,15 @@ def _validate_and_save(
 
     def save() -> None:
         run_dir = Path(tc.run_dir)
+        # Logged before the checkpoint appears: a kill between the two left a checkpoint whose validation
+        # was never logged (the resumed run starts after it). Logged and then not saved, the step is done
+        # again from the checkpoint before and logged again, and the curves keep a step's last record.
+        if not state.validation_due:  # else the resumed run logs this step, validated, as an unbroken run
+            metrics.write(result)
         path = save_training_checkpoint(
             run_dir, model, data.tokenizer, optimizer, scaler, state, config.to_dict(), result, rngs
         )
         prune(run_dir, tc.keep_last, state.best_step)
-        if not state.validation_due:  # else the resumed run logs this step, validated, as an unbroken run
-            metrics.write(result)
         try:
             plot_metrics(metrics.path, run_dir / "curves.png")
         except (UserError, OSError) as e:  # a picture is not worth a training run: warn and go on

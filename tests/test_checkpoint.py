@@ -447,3 +447,17 @@ def test_a_model_entry_that_is_no_table_is_corrupt_metadata(run, model):
     (ck / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match=r"meta\.json: corrupt checkpoint metadata \('model' is not a table\)"):
         load_checkpoint(ck)
+
+
+@pytest.mark.parametrize("ids, example", [(lambda i: 2 * i, "e.g. 1, 3, 5"),  # up to 118: past the embeddings
+                                          (lambda i: i + (i >= 5), "e.g. 5, 60"),  # a gap
+                                          (lambda i: min(i, 58), "e.g. 59")])  # an id twice
+def test_a_vocabulary_whose_ids_are_not_0_to_n_is_corrupt(run, tokenizer, ids, example):
+    """Ids past the embeddings were an IndexError traceback in the lookup; a gap, a KeyError in decoding."""
+    ck = run / "checkpoints" / "step_000003"
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["tokenizer"]["vocab"] = {tokenizer.src.id_to_piece(i): ids(i) for i in range(tokenizer.src_vocab_size)}
+    (ck / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=rf"meta\.json: the source vocabulary's ids are not 0 to 59, each once "
+                                        rf"\({example}"):
+        load_checkpoint(ck)

@@ -195,6 +195,13 @@ def check_vocabulary(config: ModelConfig, tokenizer: Tokenizer, where: Path) -> 
         if pieces > rows or (tokenizer.vocab is None and pieces != rows):
             raise CorruptFile(f"{where}: the {side} tokenizer has {pieces} pieces but the model {rows} "
                               "embeddings: not the tokenizer this model was trained with")
+    for side, vocab in (("source", tokenizer.vocab), ("target", tokenizer.tgt_vocab)):
+        # ids past the embeddings failed in their lookup (an IndexError traceback); a gap, in decoding an
+        # id that no piece has (a KeyError). A vocabulary's ids are 0 .. n-1, each once.
+        if vocab is not None and sorted(vocab.values()) != list(range(len(vocab))):
+            wrong = sorted(set(vocab.values()) ^ set(range(len(vocab))))[:3]
+            raise CorruptFile(f"{where}: the {side} vocabulary's ids are not 0 to {len(vocab) - 1}, each once "
+                              f"(e.g. {', '.join(map(str, wrong)) or 'one twice'})")
     specials = dict(pad=tokenizer.pad_id, bos=tokenizer.bos_id, eos=tokenizer.eos_id, unk=tokenizer.unk_id)
     bad = [f"{k}={v}" for k, v in specials.items() if not -1 <= v < config.target_vocab_size]
     if bad:

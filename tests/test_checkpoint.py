@@ -461,3 +461,19 @@ def test_a_vocabulary_whose_ids_are_not_0_to_n_is_corrupt(run, tokenizer, ids, e
     with pytest.raises(UserError, match=rf"meta\.json: the source vocabulary's ids are not 0 to 59, each once "
                                         rf"\({example}"):
         load_checkpoint(ck)
+
+
+def test_a_model_in_meta_json_that_the_weights_do_not_fit_is_named_before_memory_is_asked(run, monkeypatch):
+    """A damaged d_ff of 16,777,216 asked for a terabyte before the weights were looked at: a RuntimeError
+    traceback. The weights' shapes are compared with meta.json's model on the meta device first."""
+    ck = run / "checkpoints" / "step_000003"
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["model"]["d_ff"] = 16_777_216
+    (ck / "meta.json").write_text(json.dumps(meta))
+
+    def no_memory(*args, **kwargs):
+        raise AssertionError("memory asked for a model the weights do not fit")
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", no_memory)
+    with pytest.raises(UserError, match=r"model\.safetensors: weights do not fit this model: wrong shape"):
+        load_checkpoint(ck)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from aiayn.config import ConfigError, ModelConfig, from_dict, to_dict
 from aiayn.data.tokenizer import Tokenizer
-from aiayn.errors import CorruptFile, UserError
+from aiayn.errors import CorruptFile, UserError, is_out_of_memory
 from aiayn.files import write_atomically
 from aiayn.model import Transformer
 
@@ -48,12 +48,15 @@ def state_dict_for_saving(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _untied_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state_dict, where it lies, without tied duplicates and without wrapper prefixes."""
     model = unwrap(model)
-    seen: set[int] = set()
+    seen: set[int] = set()  # the tensors themselves (keep_vars: a tied Parameter is one object)
+    addresses: set[int] = set()  # and their memory: on the meta device every tensor's address is 0
     out = {}
-    for name, tensor in model.state_dict().items():
-        if id(tensor) in seen or tensor.data_ptr() in seen:
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        address = set() if tensor.is_meta else {tensor.data_ptr()}
+        if id(tensor) in seen or address & addresses:
             continue  # a tied weight (the shared embedding) is stored once
-        seen.update({id(tensor), tensor.data_ptr()})
+        seen.add(id(tensor))
+        addresses |= address
         out[name] = tensor.detach()
     return out
 
@@ -145,6 +148,12 @@ def _castable(stored: torch.dtype, wanted: torch.dtype) -> bool:
 def load_into(model: Transformer, weights: dict[str, torch.Tensor], where: str | Path) -> None:
     """Copy `weights` into `model`, naming any missing, unexpected, mis-shaped or mis-typed tensor.
     Every weight `model` saves must be there, so an `empty_model` is wholly overwritten."""
+    check_fits(model, weights, where)
+    model.load_state_dict(weights, strict=False)  # tied copies are absent by design
+
+
+def check_fits(model: Transformer, weights: dict[str, torch.Tensor], where: str | Path) -> None:
+    """`load_into`'s checks, which a model on the meta device can take before it is given memory."""
     expected = _untied_state(model)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -160,7 +169,6 @@ def load_into(model: Transformer, weights: dict[str, torch.Tensor], where: str |
     if broken:  # training never saves such weights (loop._check_finite_weights): the file was damaged
         raise CorruptFile(f"{where}: {len(broken)} tensor(s) hold NaN or infinite values ({', '.join(broken[:3])}); "
                           "the file is damaged")
-    model.load_state_dict(weights, strict=False)  # tied copies are absent by design
 
 
 def tokenizer_description(meta: dict[str, Any], where: Path) -> dict[str, Any]:
@@ -222,8 +230,19 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
         config = from_dict(ModelConfig, meta["model"], where=str(directory / META))
     except (ConfigError, KeyError, TypeError) as e:
         raise UserError(f"{directory / META}: bad model configuration ({e})") from None
-    model = empty_model(config, device)
-    load_into(model, load_weights(directory), directory / WEIGHTS)
+    weights = load_weights(directory)
+    with torch.device("meta"):
+        model = Transformer(config)
+    # meta.json's model checked against the weights before it is given memory: a damaged d_ff asked for
+    # a terabyte (a RuntimeError traceback), not a line naming the file
+    check_fits(model, weights, directory / WEIGHTS)
+    try:
+        model = model.to_empty(device=device)  # the position tables computed, the projection tied again
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        raise UserError(f"{directory}: out of memory for its {model.num_parameters():,}-parameter model") from None
+    load_into(model, weights, directory / WEIGHTS)
     tokenizer = checkpoint_tokenizer(directory, meta)
     check_vocabulary(config, tokenizer, directory / META)
     return Checkpoint(model.eval(), tokenizer, meta, directory)

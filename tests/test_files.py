@@ -132,3 +132,23 @@ def test_an_output_directory_needs_a_name_of_its_own(tmp_path, monkeypatch, name
     with pytest.raises(UserError, match="names no directory of its own"):
         write_atomically(Path(name), lambda tmp: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
+
+
+def test_the_next_write_removes_a_killed_writers_leftover_beside_it(tmp_path):
+    """A killed `average -o`, `export` or `translate -o` left its hidden temporary (for a big model,
+    hundreds of MB) that only a training run ever swept, and only in its run directory."""
+    from aiayn.files import atomic_output
+
+    leftovers = [tmp_path / f".avg.aiayn-{dead_pid()}.zkmv1wbo.tmp", tmp_path / f".out.txt.aiayn-{dead_pid()}.tmp"]
+    leftovers[0].mkdir()
+    (leftovers[0] / "model.safetensors").write_text("x")
+    leftovers[1].write_text("x")
+    for p in (leftovers[0] / "model.safetensors", *leftovers):
+        age(p, 120)
+    write_atomically(tmp_path / "avg", lambda d: (d / "meta.json").write_text("{}"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["avg"]  # both swept by the first write beside them
+    leftovers[1].write_text("x")
+    age(leftovers[1], 120)
+    with atomic_output(tmp_path / "out.txt") as f:
+        f.write("ok\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["avg", "out.txt"]

@@ -224,6 +224,7 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
     try:
         made = _make_parents(directory.parent)
         _recover_replaced(directory)
+        remove_abandoned(directory.parent)  # a killed writer's leftovers there (average, convert, export)
         tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(directory), suffix=".tmp", dir=directory.parent))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a checkpoint is as readable as any directory
         write(tmp)
@@ -263,6 +264,7 @@ def atomic_output(path: str | Path, binary: bool = False) -> Iterator[IO]:
                 yield f
             return
         target = resolved(Path(path))
+        remove_abandoned(target.parent)  # a killed writer's leftovers there (translate -o: only training swept)
         fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(target), suffix=".tmp", dir=target.parent)
         os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else new_file_mode())
         with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:

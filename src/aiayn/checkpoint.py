@@ -61,15 +61,26 @@ def _untied_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def empty_model(config: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
-    """A `Transformer` of `config` on `device` with uninitialized weights, for `load_into` to fill: its
-    random initialization would be thrown away (0.5 s for `base` on one CPU thread, 2 s for `big`).
-    Built on the meta device, then given memory; the position tables are computed and the output
-    projection tied again (`Transformer.to_empty`)."""
+def model_from_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: str | Path,
+                       device: str | torch.device = "cpu") -> Transformer:
+    """A `Transformer` of `config` on `device` holding `weights` (checked by `load_into`'s rules).
+
+    Built on the meta device and checked against the weights there, then given memory: a damaged d_ff
+    in a meta.json asked for a terabyte first (a RuntimeError traceback), not a line naming the file.
+    No random initialization either, which the weights would overwrite (0.5 s for `base` on one CPU
+    thread, 2 s for `big`). `Transformer.to_empty` computes the position tables and ties the output
+    projection again."""
     with torch.device("meta"):
         model = Transformer(config)
-    return model.to_empty(device=device)
-
+    check_fits(model, weights, where)
+    try:
+        model = model.to_empty(device=device)
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        raise UserError(f"{where}: out of memory for its {model.num_parameters():,}-parameter model") from None
+    model.load_state_dict(weights, strict=False)  # tied copies are absent by design
+    return model
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """Strip DistributedDataParallel (`module.`) and torch.compile (`_orig_mod.`) wrappers."""
@@ -147,7 +158,7 @@ def _castable(stored: torch.dtype, wanted: torch.dtype) -> bool:
 
 def load_into(model: Transformer, weights: dict[str, torch.Tensor], where: str | Path) -> None:
     """Copy `weights` into `model`, naming any missing, unexpected, mis-shaped or mis-typed tensor.
-    Every weight `model` saves must be there, so an `empty_model` is wholly overwritten."""
+    Every weight `model` saves must be there, so `model` is wholly overwritten."""
     check_fits(model, weights, where)
     model.load_state_dict(weights, strict=False)  # tied copies are absent by design
 
@@ -230,19 +241,7 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
         config = from_dict(ModelConfig, meta["model"], where=str(directory / META))
     except (ConfigError, KeyError, TypeError) as e:
         raise UserError(f"{directory / META}: bad model configuration ({e})") from None
-    weights = load_weights(directory)
-    with torch.device("meta"):
-        model = Transformer(config)
-    # meta.json's model checked against the weights before it is given memory: a damaged d_ff asked for
-    # a terabyte (a RuntimeError traceback), not a line naming the file
-    check_fits(model, weights, directory / WEIGHTS)
-    try:
-        model = model.to_empty(device=device)  # the position tables computed, the projection tied again
-    except RuntimeError as e:
-        if not is_out_of_memory(e):
-            raise
-        raise UserError(f"{directory}: out of memory for its {model.num_parameters():,}-parameter model") from None
-    load_into(model, weights, directory / WEIGHTS)
+    model = model_from_weights(config, load_weights(directory), directory / WEIGHTS, device)
     tokenizer = checkpoint_tokenizer(directory, meta)
     check_vocabulary(config, tokenizer, directory / META)
     return Checkpoint(model.eval(), tokenizer, meta, directory)

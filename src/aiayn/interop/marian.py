@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from aiayn.checkpoint import empty_model, load_into, save_checkpoint
+from aiayn.checkpoint import model_from_weights, save_checkpoint
 from aiayn.config import ConfigError, ModelConfig, from_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
@@ -400,8 +400,7 @@ def convert_marian(directory: str | Path, out: str | Path) -> Path:
     tokenizer = marian_tokenizer(directory, config)
     weights, source = load_marian_weights(directory)
     weights = convert_weights(weights, config, str(source))
-    model = empty_model(config)
-    load_into(model, weights, source)
+    model = model_from_weights(config, weights, source)
     meta = {"converted_from": {"format": "marian", "path": str(directory.resolve())},
             "marian_generation": generation_defaults(directory, hf)}
     log.info("converted %s: %s parameters", directory, f"{model.num_parameters():,}")

@@ -36,9 +36,8 @@ from aiayn.checkpoint import (
     Checkpoint,
     checkpoint_tokenizer,
     config_section,
-    empty_model,
     load_checkpoint,
-    load_into,
+    model_from_weights,
     read_meta,
     state_dict_for_saving,
 )
@@ -367,8 +366,8 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
         return None
     path = resume_from or Path(config.train.init_from)
     ck = load_checkpoint(path)
-    model = empty_model(finetune_model_config(config, ck.model.config, path))
-    load_into(model, state_dict_for_saving(ck.model), path)  # a new model: dropout may have changed
+    tuned = finetune_model_config(config, ck.model.config, path)  # a new model: dropout may have changed
+    model = model_from_weights(tuned, state_dict_for_saving(ck.model), path)
     if not resume_from:
         _refuse_tokenizer_settings(config, ck.meta, path)
         log.info("fine-tuning %s (update %s of its run)", path, ck.meta.get("step", "?"))

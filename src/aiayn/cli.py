@@ -517,9 +517,18 @@ class ResultStream:
         except BrokenPipeError:
             raise
         except OSError as e:  # a full disk (> /dev/full), an I/O error: the output is incomplete
-            with contextlib.suppress(OSError, ValueError):  # so that the exit's flush of what is left cannot fail
-                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stdout.fileno())
+            _to_devnull(self.stdout)
             raise UserError(f"<stdout>: cannot write ({e.strerror or e})") from None
+
+
+def _to_devnull(stream) -> None:
+    """Point `stream`'s file descriptor at /dev/null once a write to it failed (a full disk, a reader that
+    went away), so that the exit's flush of what it still buffers cannot fail again; nothing for a stream
+    without a descriptor (a notebook's, a test's)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
 
 
 class DiagnosticStream:
@@ -552,8 +561,7 @@ class DiagnosticStream:
         try:
             write()
         except (OSError, ValueError):
-            with contextlib.suppress(OSError, ValueError, AttributeError):  # the exit's flush may not fail
-                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stderr.fileno())
+            _to_devnull(self.stderr)
             self.stderr = None
 
 
@@ -629,9 +637,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"aiayn: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
         return 128 + e.signum  # what a shell reports for a process killed by the signal
     except BrokenPipeError:  # the reader went away (`aiayn translate ... | head`): stop quietly, as cat does
-        with contextlib.suppress(OSError, ValueError):  # stdout may have no file descriptor
-            stdout = sys.stdout.fileno()
-            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout)  # so that the exit's flush cannot fail again
+        _to_devnull(sys.stdout)
         return 141  # 128 + SIGPIPE, what a shell reports for a filter killed by it
     return 0
 

@@ -93,15 +93,16 @@ def test_sdpa_math_backend_for_bf16_training_matches_float64(causal):
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(before)
 
 
+@pytest.mark.parametrize("grad_now", [False, True])  # the gradient made in the backward, or the forward
 @pytest.mark.parametrize("rows", [3, 11, None])  # blocks of 3, 3, 3, 2 rows, one block, or a GPU's kernels
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-def test_one_pass_loss_gradient_equals_autograd_through_F_cross_entropy(eps, rows):
+def test_one_pass_loss_gradient_equals_autograd_through_F_cross_entropy(eps, rows, grad_now):
     g = torch.Generator().manual_seed(4)
     z = torch.randn(11, 17, dtype=torch.float64, generator=g, requires_grad=True)
     y = torch.randint(0, 17, (11,), generator=g)
     z0 = z.detach().clone()
-    assert torch.autograd.gradcheck(lambda z: SmoothedCrossEntropy.apply(z, y, eps, rows), (z,))
-    smoothed, nll = SmoothedCrossEntropy.apply(z, y, eps, rows)
+    assert torch.autograd.gradcheck(lambda z: SmoothedCrossEntropy.apply(z, y, eps, rows, grad_now), (z,))
+    smoothed, nll = SmoothedCrossEntropy.apply(z, y, eps, rows, grad_now)
     (grad,) = torch.autograd.grad(smoothed.sum(), z)
     ref = F.cross_entropy(z, y, label_smoothing=eps, reduction="none")
     (ref_grad,) = torch.autograd.grad(ref.sum(), z)
@@ -111,26 +112,54 @@ def test_one_pass_loss_gradient_equals_autograd_through_F_cross_entropy(eps, row
     assert torch.equal(z.detach(), z0)  # the backward's blocks are copies: the logits are left alone
 
 
-@pytest.mark.parametrize("rows", [16, None])
-def test_loss_blocks_of_bf16_logits_match_one_float64_pass(rows):
-    """The CPU's cache-sized blocks (with a ragged last one), and the GPU's whole-tensor kernels that
-    upcast as they read, give the float64 loss of the bfloat16 logits within float32 rounding, and their
-    float64 gradient within the one rounding to bfloat16."""
+@pytest.mark.parametrize("weighted", [True, False])  # rows weighted, or the mean that training takes
+@pytest.mark.parametrize("rows, grad_now", [(16, False), (16, True), (None, False)])
+def test_loss_blocks_of_bf16_logits_match_one_float64_pass(rows, grad_now, weighted):
+    """The CPU's cache-sized blocks (with a ragged last one), with the gradient made in the backward or
+    already in the forward, and the GPU's whole-tensor kernels that upcast as they read, give the float64
+    loss of the bfloat16 logits within float32 rounding, and their float64 gradient within a bf16
+    rounding or two (G, then G times the mean's 1/70, for `grad_now`)."""
     g = torch.Generator().manual_seed(6)
     z = (torch.randn(70, 300, generator=g) * 4).bfloat16().requires_grad_()
     y = torch.randint(0, 300, (70,), generator=g)
     assert block_rows(z, elements=300 * 16) == 16  # 16, 16, 16, 16, 6
-    smoothed, nll = SmoothedCrossEntropy.apply(z, y, 0.1, rows)
-    w = torch.randn(70, generator=g)  # unequal weights per row reach every block's gradient
-    (smoothed * w + nll * w.flip(0)).sum().backward()
+    smoothed, nll = SmoothedCrossEntropy.apply(z, y, 0.1, rows, grad_now)
+    # unequal weights per row reach every block's gradient; or the mean that training backpropagates
+    w = torch.randn(70, generator=g) if weighted else torch.full((70,), 1 / 70)
+    (smoothed * w).sum().backward() if weighted else smoothed.mean().backward()
     z64 = z.detach().double().requires_grad_()
     ref = F.cross_entropy(z64, y, label_smoothing=0.1, reduction="none")
     ref_nll = F.cross_entropy(z64, y, reduction="none")
-    (ref * w.double() + ref_nll * w.flip(0).double()).sum().backward()
+    (ref * w.double()).sum().backward()
+    assert not nll.requires_grad  # a statistic
     assert torch.allclose(smoothed.double(), ref, rtol=1e-6, atol=1e-6)
     assert torch.allclose(nll.double(), ref_nll, rtol=1e-6, atol=1e-6)
     assert z.grad.dtype == torch.bfloat16
-    assert torch.allclose(z.grad.double(), z64.grad, rtol=2**-7, atol=1e-9)  # within one bf16 rounding
+    assert torch.allclose(z.grad.double(), z64.grad, rtol=2**-7, atol=1e-9)  # within two bf16 roundings
+
+
+def test_gradient_made_in_the_forward_is_the_backward_one_and_survives_underflow():
+    """With a power-of-two scale (a mean over 64 rows) the forward's G times it is the backward's gradient
+    bit for bit; a reference probability that underflows float32 (z_y 200 below the top) still gives the
+    exact NLL; and without autograd (validation) no gradient is made."""
+    g = torch.Generator().manual_seed(7)
+    z = (torch.randn(64, 500, generator=g) * 4).bfloat16()
+    y = torch.randint(0, 500, (64,), generator=g)
+    z[0, y[0]] = -200.0
+    grads, nlls = [], []
+    for grad_now in (False, True):
+        zz = z.clone().requires_grad_()
+        smoothed, nll = SmoothedCrossEntropy.apply(zz, y, 0.1, 16, grad_now)
+        smoothed.mean().backward()
+        grads.append(zz.grad)
+        nlls.append(nll)
+    assert torch.equal(grads[0], grads[1])
+    ref = F.cross_entropy(z.double(), y, reduction="none")
+    assert ref[0] > 200 and torch.allclose(nlls[1].double(), ref, rtol=1e-6)
+    assert torch.allclose(nlls[0], nlls[1], rtol=1e-6)
+    with torch.no_grad():
+        loss, _ = label_smoothed_nll(z.requires_grad_(), y, 0.1, None)
+    assert loss.grad_fn is None
 
 
 def test_projecting_only_real_targets_gives_the_same_loss_and_gradients():

@@ -23,14 +23,15 @@ def label_smoothed_nll(
     The leading dimensions are (B, T) for a padded batch, or (N,) for the real target positions only:
     what training passes, with `ignore_index` None (nothing to drop; looking would wait for a GPU).
     Computed in float32 whatever the autocast dtype: a bf16 log-softmax over 37k classes loses the
-    small probabilities that the smoothing term sums.
+    small probabilities that the smoothing term sums. The NLL is a statistic and carries no gradient.
     """
     if ignore_index is not None:
         keep = target != ignore_index  # (...)
         if not bool(keep.all()):
             logits, target = logits[keep], target[keep]  # (N, V), (N,)
     logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)  # (N, V), (N,)
-    smoothed, nll = SmoothedCrossEntropy.apply(logits, target, eps, block_rows(logits))  # (N,) each
+    grad_now = torch.is_grad_enabled() and logits.requires_grad  # training: the backward will follow
+    smoothed, nll = SmoothedCrossEntropy.apply(logits, target, eps, block_rows(logits), grad_now)  # (N,) each
     return smoothed.sum(), nll.sum()
 
 
@@ -38,15 +39,21 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     """Per-token smoothed loss and NLL of (N, V) logits, with the gradient written directly.
 
     With z the logits and lp = log_softmax(z): nll = -lp_y and smoothed = (1 - eps) nll - eps mean_v(lp_v),
-    so d smoothed / dz = softmax(z) - (1 - eps) onehot(y) - eps / V.
+    so d smoothed / dz = G = softmax(z) - (1 - eps) onehot(y) - eps / V. The NLL is a statistic, reported
+    beside the loss that training minimizes: it carries no gradient.
     Autograd through log_softmax, gather and mean builds and adds three (N, V) gradients; this writes one.
     On a CPU the rows go through in blocks of about 2 MB a thread (`block_rows`) that stay in the cores'
-    caches while they are upcast, (log-)softmaxed by PyTorch's fused kernels, scaled and cast back:
-    memory sees the logits read once each way and their gradient written once, instead of about nine
-    (N, V) float32 passes. Forward and backward of 2,048 x 32,000 bf16 logits, two threads of an AMD EPYC,
-    both formulations interleaved in one run: 63 ms, against 97 for the same blocks through logsumexp and
-    exp_ (whose exp is about 1.5x slower than the softmax kernels'); one thread 115 against 172.
-    Only the logits are kept for the backward, not an (N, V) float32 copy.
+    caches while they are upcast, (log-)softmaxed by PyTorch's fused kernels and cast back: memory sees
+    the logits read once and their gradient written once, instead of about nine (N, V) float32 passes.
+
+    `grad_now` (a CPU, in training): one softmax per block in the forward gives the loss and G at once,
+    and G, in the logits' dtype, is kept instead of the logits; the backward only scales it by the one
+    number that a sum or mean of the losses sends back. Against a log-softmax forward and a softmax
+    backward that is half the exps and one upcast less: forward and backward of 2,048 x 32,000 bf16
+    logits on two threads of an AMD EPYC, both interleaved in one run, about 49 against 70 ms; 2,048 x
+    8,000, 13 against 19. Bf16 logits' gradient is then rounded twice (G, then G times the scale), at most
+    half a bf16 unit more; with a power-of-two scale, such as the benchmark's 1 / 2,048, the two ways give
+    the same bits. Without it (validation) nothing is kept but the logits, and no gradient is made.
     On a GPU (`rows` None) whole-tensor kernels that cast as they read do it in fewer passes: forward
     log_softmax(dtype=float32) and its mean, backward softmax(dtype=float32), one addcmul and the cast;
     the CPU's blocks would be many small kernels, and broadcasting in-place ops run slowly there
@@ -56,32 +63,39 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, eps: float, rows: int | None) -> tuple[Tensor, Tensor]:
+    def forward(ctx, logits: Tensor, target: Tensor, eps: float, rows: int | None,
+                grad_now: bool) -> tuple[Tensor, Tensor]:
         acc = torch.promote_types(logits.dtype, torch.float32)  # at least float32
+        ctx.eps, ctx.rows, ctx.acc, ctx.grad_now = eps, rows, acc, grad_now and rows is not None
         if rows is None:  # whole tensors, the log-softmax upcasting as it reads (a GPU)
             lp = torch.log_softmax(logits, dim=-1, dtype=acc)  # (N, V)
             lp_y, mean_lp = lp.gather(-1, target[:, None]).squeeze(-1), lp.mean(dim=-1)  # (N,) each
             del lp
+            ctx.save_for_backward(logits, target)
+        elif ctx.grad_now:
+            lp_y, mean_lp, grad = _statistics_and_gradient(logits, target, eps, rows, acc)
+            ctx.save_for_backward(grad, target)
         else:
             lp_y, mean_lp = _log_softmax_statistics(logits, target, rows, acc)
+            ctx.save_for_backward(logits, target)
         nll = -lp_y  # (N,) -log p_y
         smoothed = (1.0 - eps) * nll - eps * mean_lp  # (N,): the smoothing's -mean_v log p_v
-        ctx.save_for_backward(logits, target)
-        ctx.eps, ctx.rows, ctx.acc = eps, rows, acc
+        ctx.mark_non_differentiable(nll)
         return smoothed, nll
 
     @staticmethod
-    def backward(ctx, g_smoothed: Tensor, g_nll: Tensor) -> tuple[Tensor, None, None, None]:
-        logits, target = ctx.saved_tensors
-        eps, rows, acc, vocab = ctx.eps, ctx.rows, ctx.acc, logits.shape[-1]
-        scale = g_smoothed + g_nll  # (N,) weight of softmax(z) in the gradient
+    def backward(ctx, g_smoothed: Tensor, _: Tensor) -> tuple[Tensor, None, None, None, None]:
+        saved, target = ctx.saved_tensors  # the logits, or with grad_now the gradient G
+        if ctx.grad_now:
+            return _scaled(saved, g_smoothed), None, None, None, None
+        logits, eps, rows, acc, vocab = saved, ctx.eps, ctx.rows, ctx.acc, saved.shape[-1]
         uniform = (eps / vocab) * g_smoothed  # (N,) the smoothing's share of every class
-        onehot = -((1.0 - eps) * g_smoothed + g_nll)  # (N,) added at the reference token
+        onehot = -(1.0 - eps) * g_smoothed  # (N,) added at the reference token
         if rows is None:  # whole tensors (a GPU): softmax upcasts as it reads, addcmul scales in one pass
             p = torch.softmax(logits, dim=-1, dtype=acc)  # (N, V)
-            torch.addcmul(-uniform[:, None], p, scale[:, None], out=p)  # p * scale - uniform
+            torch.addcmul(-uniform[:, None], p, g_smoothed[:, None], out=p)  # p * g - uniform
             p.scatter_add_(-1, target[:, None], onehot[:, None])
-            return p.to(logits.dtype), None, None, None
+            return p.to(logits.dtype), None, None, None, None
         grad = torch.empty_like(logits)  # (N, V), the logits' dtype
         # Float32 (or float64) logits: each block is computed in place in `grad`; narrower ones in a
         # float32 block that is cast once on the way out.
@@ -93,11 +107,50 @@ class SmoothedCrossEntropy(torch.autograd.Function):
             # PyTorch's softmax kernel, not exp(z - lse): its vectorized exp runs about 1.5x faster than
             # exp_'s (one 32 x 32,000 block on this AMD EPYC: 334 against 511 us, copy included)
             torch.softmax(logits[j], dim=-1, dtype=acc, out=p)
-            p.mul_(scale[j, None]).sub_(uniform[j, None])
+            p.mul_(g_smoothed[j, None]).sub_(uniform[j, None])
             p.scatter_add_(-1, target[j, None], onehot[j, None])
             if block is not None:
                 grad[j] = p  # cast to the logits' dtype
-        return grad, None, None, None
+        return grad, None, None, None, None
+
+
+def _statistics_and_gradient(
+    logits: Tensor, target: Tensor, eps: float, rows: int, acc: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(N, V) logits, (N,) targets -> log p_y and mean_v log p_v of each row ((N,) each, in `acc`) and
+    the smoothed loss's gradient G = p - (1 - eps) onehot(y) - eps / V ((N, V), the logits' dtype), from
+    one softmax per block of `rows` rows. The log-sum-exp comes from the row's largest logit m and its
+    probability exp(m - lse) = max_v p_v >= 1 / V, which cannot underflow: lse = m - log max_v p_v, and
+    log p_y = z_y - lse holds where p_y itself is 0 in float32."""
+    n, vocab = logits.shape
+    grad = torch.empty_like(logits)  # (N, V)
+    lp_y = torch.empty(n, dtype=acc, device=logits.device)  # (N,)
+    mean_lp = torch.empty(n, dtype=acc, device=logits.device)  # (N,)
+    narrow = logits.dtype != acc
+    block = torch.empty(min(rows, n), vocab, dtype=acc, device=logits.device) if narrow else None
+    hit = torch.full((min(rows, n), 1), -(1.0 - eps), dtype=acc, device=logits.device)  # G's at y
+    for i in range(0, n, rows):
+        j = slice(i, i + rows)
+        p = grad[j] if block is None else block[: grad[j].shape[0]]  # (rows, V), in cache
+        p.copy_(logits[j])  # z, upcast
+        m, z_sum, z_y = p.amax(dim=-1), p.sum(dim=-1), p.gather(-1, target[j, None]).squeeze(-1)  # (rows,)
+        torch.softmax(p, dim=-1, out=p)  # p, in place
+        lse = m - p.amax(dim=-1).log()  # (rows,)
+        torch.sub(z_y, lse, out=lp_y[j])
+        torch.sub(z_sum / vocab, lse, out=mean_lp[j])
+        p.sub_(eps / vocab).scatter_add_(-1, target[j, None], hit[: p.shape[0]])  # G
+        if block is not None:
+            grad[j] = p  # cast to the logits' dtype
+    return lp_y, mean_lp, grad
+
+
+def _scaled(grad: Tensor, g: Tensor) -> Tensor:
+    """G times the (N,) gradient of the smoothed losses. Training sends one number for every row (a
+    sum's or a mean's gradient, expanded: stride 0): one pass, computed in float32 and rounded once.
+    Rows weighted differently go through an (N, V) float32 product."""
+    if g.numel() == 1 or g.stride(0) == 0:
+        return torch.mul(grad, g[0])  # a 0-dim factor: the result keeps G's dtype, nothing read back
+    return (grad * g[:, None]).to(grad.dtype)
 
 
 def _log_softmax_statistics(

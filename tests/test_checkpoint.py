@@ -477,3 +477,20 @@ def test_a_model_in_meta_json_that_the_weights_do_not_fit_is_named_before_memory
     monkeypatch.setattr(torch.nn.Module, "to_empty", no_memory)
     with pytest.raises(UserError, match=r"model\.safetensors: weights do not fit this model: wrong shape"):
         load_checkpoint(ck)
+
+
+def test_weights_behind_a_looping_or_dangling_link_are_named_as_such(tmp_path):
+    """A link that leads nowhere (to itself, or to a deleted file) is not "missing": the message says what
+    the user will find with ls."""
+    from aiayn.checkpoint import load_weights
+
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "model.safetensors").symlink_to("model.safetensors")  # points at itself
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "model.safetensors").symlink_to(tmp_path / "deleted.safetensors")
+    for name in ("loop", "gone"):
+        with pytest.raises(UserError, match=r"model\.safetensors is a link that leads to no file\)$"):
+            load_weights(tmp_path / name)
+    (tmp_path / "none").mkdir()
+    with pytest.raises(UserError, match=r"model\.safetensors is missing\)$"):
+        load_weights(tmp_path / "none")

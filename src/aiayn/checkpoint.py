@@ -142,6 +142,7 @@ def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     path = Path(directory) / WEIGHTS
     if not path.is_file():
         what = "is not a file" if path.exists() else "is missing"
+        what = "is a link that leads to no file" if path.is_symlink() and not path.exists() else what  # or loops
         raise UserError(f"{directory}: checkpoint has no {WEIGHTS} ({path} {what})")
     try:
         return load_file(str(path))  # safetensors: plain tensors, never unpickles code

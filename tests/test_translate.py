@@ -887,3 +887,18 @@ def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, cap
         capsys.readouterr().err)
     assert main(["translate", str(checkpoint / "meta.json")]) == 2
     assert "meta.json: is a file, not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_min_len_past_the_models_positions_is_refused_whatever_max_len_a(checkpoint, capsys):
+    """With max_len_a > 0 the length limit depends on each source, but never passes the model's positions:
+    a min_len beyond them would cut every output without EOS. Refused before anything is translated."""
+    translator = Translator.load(checkpoint)
+    limit = translator.model.config.max_len
+    with pytest.raises(ConfigError, match=rf"^min_len={limit + 1} is more than the {limit} output positions"):
+        translator.translate(["the number 3"], min_len=limit + 1, max_len_a=2.0)
+    assert translator.translate(["the number 3"], min_len=2, max_len_a=2.0, beam=1)  # within: translated
+    src = Path(capsys.readouterr() and checkpoint).parent / "one.txt"
+    src.write_text("the number 3\n")
+    assert main(["translate", str(checkpoint), "-i", str(src), "--min-len", str(limit + 1)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"min_len={limit + 1}" in err

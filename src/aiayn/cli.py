@@ -203,6 +203,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     translator = Translator.load(args.checkpoint, args.device, int8=args.int8, dtype=args.dtype,
                                  compile=args.compile)
+    translator.decode_config(**options)  # what only the model can tell (--min-len), before any reading
     with contextlib.ExitStack() as stack:
         if args.input in (None, "-"):
             src, name = sys.stdin.buffer, "<stdin>"

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, S
 
 import torch
 
-from aiayn.config import from_dict
+from aiayn.config import ConfigError, from_dict
 from aiayn.data.batching import right_pad
 from aiayn.data.dataset import cr_only, cr_only_error, has_text, looks_like
 from aiayn.data.tokenizer import Tokenizer
@@ -229,6 +229,15 @@ class Translator:
         models = [prepare_for_inference(ck.model.to(dtype), int8, compile) for ck in ckpts]  # fp32 packing
         return cls(models[0] if len(models) == 1 else Ensemble(models), ckpts[0].tokenizer)
 
+    def decode_config(self, **options: Any) -> DecodeConfig:
+        """This translator's `DecodeConfig` with `options`, checked against the model too: a `min_len` past
+        its output positions would cut every output without EOS (whatever max_len_a makes of a source)."""
+        config = decode_config(self.config, **options)
+        if config.min_len > self.model.config.max_len:
+            raise ConfigError(f"min_len={config.min_len} is more than the {self.model.config.max_len} output "
+                              "positions of this model")
+        return config
+
     def translate(self, texts: Iterable[str], max_tokens: int = 4096, **options: Any) -> list[str]:
         """The best translation of each text, in input order. `options` are `DecodeConfig` fields
         (`sample=True` alone means beam 1); with `sample` and `seed`, one generator seeded once draws the
@@ -246,7 +255,7 @@ class Translator:
         tokens are drawn from `generator` (which then takes the place of `seed`), or from one seeded once
         for this call (not once per batch). Batches are length-sorted, so which sample a text gets also
         depends on the other texts and on `max_tokens`; searches do not."""
-        config = decode_config(self.config, **options)
+        config = self.decode_config(**options)
         texts = text_list(texts)
         check_count("max_tokens", max_tokens)
         if generator is not None and not config.sample:

@@ -4,6 +4,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -494,3 +495,23 @@ def test_weights_behind_a_looping_or_dangling_link_are_named_as_such(tmp_path):
     (tmp_path / "none").mkdir()
     with pytest.raises(UserError, match=r"model\.safetensors is missing\)$"):
         load_weights(tmp_path / "none")
+
+
+def test_a_run_dir_inside_a_checkpoint_or_another_runs_checkpoints_is_refused(tmp_path):
+    """Another run's keep_last deletes its checkpoints whole: a run_dir that was one of them (the one
+    init_from read, say) or lay inside one lost this run's checkpoints with it. A folder merely called
+    `checkpoints` that holds no run's checkpoints is an ordinary place."""
+    from aiayn.train.loop import _check_run_dir
+
+    step = tmp_path / "P" / "checkpoints" / "step_000020"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    (step / "model.safetensors").write_bytes(b"")
+    for run_dir, message in ((step, "is the checkpoint"), (step / "child", "lies inside the checkpoint"),
+                             (step / ".." / "mine", "lies inside .*P/checkpoints, the checkpoints of the run"),
+                             (tmp_path / "P" / "checkpoints", "lies inside .*, the checkpoints of the run")):
+        with pytest.raises(UserError, match=f"^{re.escape(str(run_dir))}: train.run_dir {message}"):
+            _check_run_dir(run_dir)
+    assert not (step / "child").exists() and not (step.parent / "mine").exists()  # refused before mkdir
+    _check_run_dir(tmp_path / "checkpoints" / "run1")  # no run's checkpoints there: fine
+    assert (tmp_path / "checkpoints" / "run1").is_dir()

@@ -14,6 +14,7 @@ kill at any moment leaves either the old set of checkpoints or the new one, neve
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,16 @@ def save_checkpoint(
 
     write_atomically(directory, write)
     return directory
+
+
+def enclosing_checkpoint(path: str | Path, itself: bool = True) -> Path | None:
+    """The checkpoint directory (weights and meta.json) that `path` is (when `itself`) or lies inside, or
+    None. `..` is taken out first, as the kernel would: a/ck/../x is a/x."""
+    target = Path(os.path.abspath(path))
+    for place in (target, *target.parents) if itself else target.parents:
+        if (place / META).is_file() and (place / WEIGHTS).is_file():
+            return place
+    return None
 
 
 def read_meta(directory: str | Path) -> dict[str, Any]:

@@ -230,13 +230,12 @@ def _check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
     with weights and meta.json), read or not: training's keep_last deletes such directories whole, and
     `average` or `export` read them. `may_be_one`: an output that is itself a checkpoint (average and
     convert with --force replace theirs) may be one, but not lie inside another."""
-    from aiayn.checkpoint import META, WEIGHTS
+    from aiayn.checkpoint import enclosing_checkpoint
 
-    target = type(output)(os.path.abspath(output))  # a/ck/../x is a/x: `..` taken out as the kernel would
-    for place in target.parents if may_be_one else (target, *target.parents):
-        if (place / META).is_file() and (place / WEIGHTS).is_file():
-            relation = "is" if place == target else "lies inside"
-            raise UserError(f"{output}: {relation} the checkpoint {place}; write it elsewhere")
+    place = enclosing_checkpoint(output, itself=not may_be_one)
+    if place is not None:
+        relation = "is" if place == type(place)(os.path.abspath(output)) else "lies inside"
+        raise UserError(f"{output}: {relation} the checkpoint {place}; write it elsewhere")
 
 
 def _check_not_stdin(input: str | None, output: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import signal
 import sys
@@ -36,6 +37,7 @@ from aiayn.checkpoint import (
     Checkpoint,
     checkpoint_tokenizer,
     config_section,
+    enclosing_checkpoint,
     load_checkpoint,
     model_from_weights,
     read_meta,
@@ -660,6 +662,7 @@ def _check_run_dir(run_dir: Path) -> None:
     """An unusable run_dir fails now, in one line, not with a traceback after the tokenizer's training."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: train.run_dir exists and is not a directory")
+    _check_outside_other_runs(run_dir)
     places = [(run_dir, "train.run_dir ")]
     checkpoints = run_dir / "checkpoints"  # the first save can come hours later: an unwritable one fails now
     if checkpoints.is_dir():
@@ -671,6 +674,21 @@ def _check_run_dir(run_dir: Path) -> None:
                 pass
         except OSError as e:
             raise UserError(f"{directory}: {name}cannot be written ({e.strerror or e})") from None
+
+
+def _check_outside_other_runs(run_dir: Path) -> None:
+    """A run_dir that is or lies inside a checkpoint (the one `init_from` reads, say), or inside another
+    run's checkpoints/, would be deleted whole, this run's checkpoints with it, when that run prunes."""
+    place = enclosing_checkpoint(run_dir)
+    if place is not None:
+        relation = "is" if place == Path(os.path.abspath(run_dir)) else "lies inside"
+        raise UserError(f"{run_dir}: train.run_dir {relation} the checkpoint {place}, which its run's "
+                        "keep_last may delete; choose another run_dir")
+    target = Path(os.path.abspath(run_dir))
+    for place in (target, *target.parents):
+        if place.name == "checkpoints" and checkpoint_dirs(place.parent):
+            raise UserError(f"{run_dir}: train.run_dir lies inside {place}, the checkpoints of the run "
+                            f"{place.parent}; choose another run_dir")
 
 
 @contextmanager

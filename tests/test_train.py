@@ -85,6 +85,24 @@ def test_resume_is_bit_identical(straight_run, tmp_path):
     assert_identical(a, b)  # Adam moments and RNG states too
 
 
+def test_adam_settings_changed_at_resume_are_used_and_said(straight_run, tmp_path, caplog):
+    """--resume with another train.adam_beta2 or adam_eps: the checkpoint's param_groups had put the old
+    ones back silently while meta.json recorded the new. The run's configuration now holds, as on a fresh
+    start, and the change is said; the saved Adam moments carry on."""
+    d, config, _ = straight_run
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(d / "run" / "spm.model", run / "spm.model")
+    train(with_train(config, run_dir=str(run), max_updates=5))
+    with caplog.at_level("INFO", logger="aiayn"):
+        train(with_train(config, run_dir=str(run), adam_beta2=0.5, adam_eps=1e-6), resume=True)
+    assert "Adam's betas [0.9, 0.98] -> [0.9, 0.5], eps 1e-09 -> 1e-06, as configured now" in caplog.text
+    saved = json.loads((checkpoint_dirs(run)[-1] / "trainer.json").read_text())["param_groups"][0]
+    assert saved["betas"] == [0.9, 0.5] and saved["eps"] == 1e-6
+    changed = weights(run)
+    assert any(not torch.equal(changed[k], v) for k, v in weights(d / "run").items())  # it trained otherwise
+
+
 def test_average_last_k(straight_run, tmp_path):
     d, _, _ = straight_run
     out = average_last(d / "run", 2, tmp_path / "avg")

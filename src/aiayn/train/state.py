@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import math
 import os
 import random
@@ -34,6 +35,8 @@ from aiayn.config import ModelConfig, to_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import CorruptFile, UserError
 from aiayn.train.distributed import Dist
+
+log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 LOCK = ".lock"  # in the run directory: held by the one training run that writes there
@@ -185,8 +188,10 @@ def restore(
     tensors, trainer = _read_trainer(path)
     state_by_param = _adam_state(tensors, optimizer, path / "trainer.safetensors")
     _check_param_groups(trainer.get("param_groups"), optimizer, path / "trainer.json")
+    configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
         optimizer.load_state_dict({"state": state_by_param, "param_groups": trainer["param_groups"]})
+        _keep_configured(optimizer, configured, path)
         rank = d.rank if f"rng.cpu.{d.rank}" in tensors else 0
         torch.set_rng_state(tensors[f"rng.cpu.{rank}"])
         if d.device.type == "cuda" and f"rng.cuda.{rank}" in tensors:
@@ -197,6 +202,23 @@ def restore(
         return _train_state(trainer["state"], path)
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise UserError(f"{path}: training state does not fit this run ({e})") from None
+
+
+def _keep_configured(optimizer: torch.optim.Optimizer, configured: list[dict[str, Any]], where: Path) -> None:
+    """Adam's settings are this run's configuration (train.adam_beta1, adam_beta2, adam_eps), on --resume
+    as on a fresh start, and a change is said: loading the saved param_groups had put the old ones back
+    silently, while the new checkpoints' meta.json recorded the new ones. The moments carry on."""
+    for group, mine in zip(optimizer.param_groups, configured):
+        changed = [f"{k} {_plain(group[k])} -> {_plain(v)}" for k, v in mine.items()
+                   if k in ("betas", "eps", "weight_decay") and _plain(group[k]) != _plain(v)]
+        group.update(mine)  # lr too: the schedule sets it before every update
+        if changed:
+            log.info("%s: Adam's %s, as configured now", where, ", ".join(changed))
+
+
+def _plain(value: Any) -> Any:
+    """A hyper-parameter as JSON holds it: (0.9, 0.98) and [0.9, 0.98] alike."""
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _train_state(saved: Any, path: Path) -> TrainState:

@@ -1,5 +1,6 @@
 """The training loop: it learns, resumes bit for bit, survives SIGKILL mid-checkpoint, refuses bad input."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
-from train_helpers import tiny_config
+from train_helpers import tiny_config, write_corpus
 
 from aiayn import cli
 from aiayn.checkpoint import load_checkpoint
@@ -101,6 +102,28 @@ def test_adam_settings_changed_at_resume_are_used_and_said(straight_run, tmp_pat
     assert saved["betas"] == [0.9, 0.5] and saved["eps"] == 1e-6
     changed = weights(run)
     assert any(not torch.equal(changed[k], v) for k, v in weights(d / "run").items())  # it trained otherwise
+
+
+def test_resume_on_a_smaller_corpus_starts_the_next_epoch(straight_run, tmp_path, caplog):
+    """The README's promise: --resume trains on another corpus, saying so. At update 5 of an epoch of 9 a
+    corpus of 3 updates an epoch was called a corrupt trainer.json, and the hint (move the checkpoint
+    away) failed again on the one before. Now the next epoch starts on the new corpus, said once."""
+    d, config, _ = straight_run
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(d / "run" / "spm.model", run / "spm.model")
+    train(with_train(config, run_dir=str(run), max_updates=5))  # update 5 of the epoch's 9
+    small = tmp_path / "small"
+    small.mkdir()
+    src, tgt = write_corpus(small, 20)
+    smaller = dataclasses.replace(config, data=dataclasses.replace(config.data, train_src=str(src),
+                                                                   train_tgt=str(tgt)))
+    with caplog.at_level("INFO", logger="aiayn"):
+        result = train(with_train(smaller, run_dir=str(run), max_updates=8), resume=True)
+    assert "at update 5 of epoch 1): epoch 2 starts" in caplog.text
+    assert result["step"] == 8 and result["epoch"] == 2
+    state = json.loads((checkpoint_dirs(run)[-1] / "trainer.json").read_text())["state"]
+    assert state["epoch"] == 1 and state["cursor"] == 3 and state["epoch_updates"] < 9
 
 
 def test_average_last_k(straight_run, tmp_path):

@@ -170,9 +170,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         )
     with _resume_hint(run_dir, resume_from):
         state = restore(resume_from, model, optimizer, scaler, d) if resume_from else TrainState()
-        if state.cursor > n_updates:  # where the resumed epoch stood: within it, or a damaged trainer.json
-            raise CorruptFile(f"{resume_from / 'trainer.json'}: corrupt training state (cursor={state.cursor} "
-                              f"is past the {n_updates} updates of an epoch; or the corpus shrank since)")
+        _epoch_on_this_corpus(state, n_updates, resume_from, d)
     if d.is_main:
         log.info("configuration:\n%s", _describe(config, model, data, d))
         if resume_from:
@@ -656,6 +654,24 @@ def _patience_exhausted(state: TrainState, tc) -> str:
     if tc.patience and state.bad_validations >= tc.patience:
         return f"no better validation loss for {state.bad_validations} validations"
     return ""
+
+
+def _epoch_on_this_corpus(state: TrainState, n_updates: int, resume_from: Path | None, d: Dist) -> None:
+    """Where a resumed epoch stands. On another corpus (an epoch of another number of updates) the saved
+    position means nothing: the next epoch starts, from this corpus' first update, and that is said.
+    Otherwise the position must lie within the epoch, or trainer.json was damaged."""
+    saved, state.epoch_updates = state.epoch_updates, n_updates
+    if resume_from is None or saved in (0, n_updates):  # 0: a checkpoint that did not record it
+        if state.cursor > n_updates:
+            raise CorruptFile(f"{resume_from / 'trainer.json'}: corrupt training state (cursor={state.cursor} "
+                              f"is past the {n_updates} updates of an epoch)")
+        return
+    if d.is_main:
+        log.info("an epoch is %d updates on this corpus, %d when %s was saved (at update %d of epoch %d): "
+                 "epoch %d starts", n_updates, saved, resume_from.name, state.cursor, state.epoch + 1,
+                 state.epoch + 1 + (state.cursor > 0))
+    if state.cursor > 0:
+        state.epoch, state.cursor = state.epoch + 1, 0
 
 
 def _check_run_dir(run_dir: Path) -> None:

@@ -95,6 +95,7 @@ class TrainState:
     best_step: int = 0  # the update whose validation loss is best_valid: `prune` keeps its checkpoint
     seconds: float = 0.0  # training wall time so far, over all invocations (for max_minutes, cooldown)
     validation_due: bool = False  # a signal's save skipped this step's validation: --resume makes it first
+    epoch_updates: int = 0  # updates an epoch had (the corpus' batches): --resume on another corpus sees it
 
 
 def step_dir_name(step: int) -> str:

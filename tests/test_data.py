@@ -49,8 +49,13 @@ def test_read_parallel_drops_and_counts_empty_pairs(tmp_path, read):
     assert list(text.src) == ["eins", "vier"] and list(text.tgt) == ["one", "four"]
     assert len(text.src) == len(text.tgt) == 2 and text.dropped_empty == 4
     assert list(text.src) == ["eins", "vier"]  # again: the lines are read on each pass
-    write(tgt, ["\u200b"] * 6)
-    with pytest.raises(UserError, match=r"a\.de:1: no non-empty sentence pairs"):
+    write(tgt, ["\u200b"] * 6)  # the target is the empty side: named, not the source
+    with pytest.raises(UserError, match=r"a\.en: no line has text \(all 6 are empty or blank\)$"):
+        read(src, tgt)
+    write(tgt, ["one", "", "", "four", "", ""])  # text on each side, never on both
+    write(src, ["", "zwei", "drei", "", "fünf", "sechs"])
+    with pytest.raises(UserError, match=r"a\.de, .*a\.en: no pair has text on both sides \(2 empty in "
+                                        r".*a\.de, 4 empty in .*a\.en\)$"):
         read(src, tgt)
 
 
@@ -268,10 +273,11 @@ def test_lines_with_no_pieces_are_dropped_as_empty_pairs(tmp_path, corpus_files,
     assert dropped == 4 and len(corpus) == 2
     assert [corpus.source(i) for i in range(2)] == [tok.encode_src("der Hund"), tok.encode_src("schnell")]
     assert corpus.target(1) == tok.encode_tgt("the \u200bcat")
-    assert f"{a}: dropped 4 empty pair(s) of 6" in caplog.messages
+    assert f"{a}, {b}: dropped 4 pair(s) of 6 with a side empty or of no pieces (2 empty in {a}, 1 empty in {b})" \
+        in caplog.messages
     assert load_encoded(a, b, tok, tmp_path / "cache")[1] == 4  # the same count from the cache
     write(b, ["\u200b"] * 6)
-    with pytest.raises(UserError, match=r"v\.de:1: no non-empty sentence pairs"):
+    with pytest.raises(UserError, match=r"v\.en: no line has text"):
         load_encoded(a, b, tok, tmp_path / "cache")
 
 

@@ -445,8 +445,10 @@ def test_dropped_empty_pairs_are_reported_once(tmp_path, caplog):
     src.write_text("\n".join([""] * 5 + lines[5:]) + "\n", encoding="utf-8")  # 5 pairs lose a side
     with caplog.at_level(logging.INFO):
         train(config)
-    said = [m for m in caplog.messages if "empty pair" in m and m.startswith(str(src))]
-    assert said == [f"{src}: dropped 5 empty pair(s) of {len(lines)}"], said
+    said = [m for m in caplog.messages if "with a side" in m and m.startswith(str(src))]
+    tgt = config.data.train_tgt
+    want = f"{src}, {tgt}: dropped 5 pair(s) of {len(lines)} with a side empty or of no pieces (5 empty in {src})"
+    assert said == [want], said
 
 
 def test_an_unwritable_checkpoints_folder_is_one_line_before_training(tmp_path, capsys, monkeypatch):

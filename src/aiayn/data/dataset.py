@@ -174,12 +174,21 @@ def _require_same_count(src_path: str | Path, n_src: int, tgt_path: str | Path, 
         )
 
 
-def _log_dropped(src_path: str | Path, dropped: int, pairs: int, report: bool = True) -> None:
-    """Log the empty pairs dropped (with `report`); refuse a corpus that had nothing else."""
+def _log_dropped(src_path: str | Path, tgt_path: str | Path, dropped: int, pairs: int, empty: tuple[int, int],
+                 report: bool = True, why: str = "an empty side") -> None:
+    """Log the pairs dropped (with `report`) and how many lines of each file were empty; refuse a corpus
+    that had nothing else, naming the file that is all empty when one is (the source was blamed for an
+    empty target)."""
+    counts = [f"{n} empty in {path}" for path, n in zip((src_path, tgt_path), empty) if n]
+    sides = f" ({', '.join(counts)})" if counts else ""
     if dropped and report:
-        log.info("%s: dropped %d empty pair(s) of %d", src_path, dropped, pairs)
-    if dropped == pairs:
-        raise UserError(f"{src_path}:1: no non-empty sentence pairs")
+        log.info("%s, %s: dropped %d pair(s) of %d with %s%s", src_path, tgt_path, dropped, pairs, why, sides)
+    if dropped < pairs:
+        return
+    for path, n in zip((src_path, tgt_path), empty):
+        if n == pairs:
+            raise UserError(f"{path}: no line has text (all {pairs} are empty or blank)")
+    raise UserError(f"{src_path}, {tgt_path}: no pair has text on both sides{sides}")
 
 
 @dataclass
@@ -295,7 +304,7 @@ def load_encoded(
     corpus = _encode(files, tokenizer)
     pairs = len(files.src) + files.dropped_empty
     dropped = pairs - len(corpus)  # empty pairs and those of text that encodes to no pieces
-    _log_dropped(src_path, dropped, pairs)
+    _log_dropped(src_path, tgt_path, dropped, pairs, files.empty_lines, why="a side empty or of no pieces")
     _write_cache(cache, key, corpus, dropped, (src_path, tgt_path))
     _remove_stale_caches(cache, src_path, tgt_path)
     log.info("%s: encoded %d pairs, cached in %s", src_path, len(corpus), cache)
@@ -545,6 +554,7 @@ class ParallelFiles:
     src: KeptLines
     tgt: KeptLines
     dropped_empty: int  # pairs with an empty side, not iterated
+    empty_lines: tuple[int, int] = (0, 0)  # empty (or blank) lines in the source file and in the target file
 
 
 def scan_parallel(src_path: str | Path, tgt_path: str | Path, report: bool = True) -> ParallelFiles:
@@ -555,8 +565,9 @@ def scan_parallel(src_path: str | Path, tgt_path: str | Path, report: bool = Tru
     _require_same_count(src_path, len(src_text), tgt_path, len(tgt_text))
     keep = src_text & tgt_text
     dropped = len(keep) - int(keep.sum())
-    _log_dropped(src_path, dropped, len(keep), report)
-    return ParallelFiles(KeptLines(src_path, keep), KeptLines(tgt_path, keep), dropped)
+    empty = (len(keep) - int(src_text.sum()), len(keep) - int(tgt_text.sum()))
+    _log_dropped(src_path, tgt_path, dropped, len(keep), empty, report)
+    return ParallelFiles(KeptLines(src_path, keep), KeptLines(tgt_path, keep), dropped, empty)
 
 
 def _has_text_per_line(path: str | Path) -> np.ndarray:

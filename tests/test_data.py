@@ -128,8 +128,14 @@ def test_fewer_pieces_than_asked_are_said(tmp_path, corpus_files, caplog):
 def test_encode_once_then_cache(tmp_path, corpus_files, monkeypatch):
     _, src, tgt = corpus_files
     tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
-    first, dropped = load_encoded(src, tgt, tok, tmp_path / "cache")
+    umask = os.umask(0o022)
+    try:
+        first, dropped = load_encoded(src, tgt, tok, tmp_path / "cache")
+    finally:
+        os.umask(umask)
     assert len(first) == 201 and dropped == 0
+    (cache,) = (tmp_path / "cache").iterdir()
+    assert cache.stat().st_mode & 0o777 == 0o644  # as the run's other files; safetensors made it 0600
     assert first.source(0) == tok.encode_src(sentences(1, "de")[0]) and first.source(0)[-1] == tok.eos_id
     assert first.target(0) == tok.encode_tgt(sentences(1, "en")[0])
 

@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 from aiayn.data.tokenizer import MAX_LINE_BYTES, SEED_SENTENCES, Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
-from aiayn.files import atomic_output, require_file, temporary_path
+from aiayn.files import atomic_output, new_file_mode, require_file, temporary_path
 from aiayn.model.transformer import target_positions
 
 log = logging.getLogger(__name__)
@@ -379,6 +379,7 @@ def _write_cache(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, new_file_mode())  # safetensors makes it 0600, whatever the umask: as the run's other files
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:  # a full disk: safetensors reports it as a SafetensorError
         with contextlib.suppress(OSError):  # cache/ a file: unlinking under it fails the same way

@@ -282,6 +282,23 @@ def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_p
     assert score == pytest.approx(BLEU(tokenize="char").corpus_score(one_by_one, [text.tgt]).score)
 
 
+def test_a_bleu_tokenizer_missing_its_packages_fails_before_the_tokenizer_is_trained(tmp_path, capsys):
+    """ja and ko need MeCab, which sacreBLEU does not install: refused before SentencePiece training and
+    the encoding (minutes on a large corpus), not after them."""
+    pytest.importorskip("sacrebleu")
+    try:
+        from sacrebleu.metrics import BLEU
+
+        BLEU(tokenize="ja-mecab")
+        pytest.skip("MeCab is installed here")
+    except (RuntimeError, ImportError):
+        pass
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.bleu_every=2", "train.bleu_lang=ja")
+    assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert "sacreBLEU's ja tokenizer needs packages missing here" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing trained, not even the run directory made
+
+
 def test_bleu_lang_is_checked_with_the_config():
     with pytest.raises(ConfigError, match="train.bleu_lang 'en-zh': train.bleu_lang takes the target language"):
         TrainConfig(bleu_every=10, bleu_lang="en-zh")

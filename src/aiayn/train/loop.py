@@ -114,6 +114,10 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
 def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     if config.train.precision == "fp16" and d.device.type != "cuda":
         raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
+    if config.data.valid_src and config.train.bleu_every:  # ja and ko need MeCab: say so now, not after
+        from aiayn.evaluate import bleu_metrics  # the tokenizer's training and the encoding
+
+        bleu_metrics(config.train.bleu_lang)
     run_dir = Path(config.train.run_dir)
     _check_run_dir(run_dir)
     lock = RunLock(run_dir)
@@ -786,10 +790,6 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
         read_parallel(dc.valid_src, dc.valid_tgt, report=False) if dc.valid_src and config.train.bleu_every
         else None
     )
-    if valid_text is not None:  # ja and ko need MeCab: say so now, not after bleu_every updates
-        from aiayn.evaluate import bleu_metrics
-
-        bleu_metrics(config.train.bleu_lang)
     return Data(tokenizer, train, batches, valid, valid_batches, valid_text)
 
 

@@ -126,6 +126,16 @@ def test_resume_on_a_smaller_corpus_starts_the_next_epoch(straight_run, tmp_path
     assert state["epoch"] == 1 and state["cursor"] == 3 and state["epoch_updates"] < 9
 
 
+def test_without_a_validation_set_each_save_is_said(tmp_path, caplog):
+    """The "saved ..." line came only with a validation loss: without a validation set nothing said
+    where the checkpoints went."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=4", "data.valid_src=",
+                            "data.valid_tgt=")
+    with caplog.at_level("INFO", logger="aiayn"):
+        train(config)
+    assert f"update 4: saved {tmp_path / 'run' / 'checkpoints' / 'step_000004'}" in caplog.messages
+
+
 def test_average_last_k(straight_run, tmp_path):
     d, _, _ = straight_run
     out = average_last(d / "run", 2, tmp_path / "avg")

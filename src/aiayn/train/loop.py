@@ -585,6 +585,8 @@ def _validate_and_save(
                 result["valid_ppl"],
                 path,
             )
+        else:  # no validation set: where the checkpoint went was never said
+            log.info("update %d: saved %s", state.step, path)
 
     # Process 0 writes while the others wait (nobody runs ahead of a checkpoint being written); a failed
     # write (a full disk) reaches them as its one line, not as gloo's "connection reset" tracebacks.

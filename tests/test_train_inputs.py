@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import threading
 import shutil
 import signal
 from dataclasses import replace
@@ -430,11 +431,17 @@ def test_a_config_path_that_is_not_a_readable_file_is_one_line_saying_what_it_is
         return real_read_text(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "read_text", read_text)
-    for path, problem in [(tmp_path, "is a directory, not a config file"), (fifo, "not a regular file"),
+    for path, problem in [(tmp_path, "is a directory, not a config file"),
+                          (Path("/dev/null"), "not a regular file"),  # a device
                           (tmp_path / "none.toml", "config file not found"),
                           (unreadable, r"cannot read \(Permission denied\)")]:
         with pytest.raises(UserError, match=f"^{path}: {problem}$"):  # was a traceback, or "not found"
             load_config(path)
+    # a pipe, as `--config <(sed ... base.toml)` gives, is read once: it was refused as not a regular file
+    writer = threading.Thread(target=lambda: fifo.write_text("[train]\nmax_updates = 7\n", encoding="utf-8"))
+    writer.start()
+    assert load_config(fifo).train.max_updates == 7
+    writer.join()
 
 
 def test_dropped_empty_pairs_are_reported_once(tmp_path, caplog):

@@ -54,14 +54,14 @@ def resolved(path: Path) -> Path:
         raise UserError(f"{path}: {e.strerror or e}") from None
 
 
-def require_file(path: Path, kind: str = "text") -> None:
-    """A UserError unless `path` is a regular file, saying what it is instead: a corpus ("text") or a
-    config file ("config")."""
+def require_file(path: Path, kind: str = "text", pipe: bool = False) -> None:
+    """A UserError unless `path` is a regular file (or with `pipe`, a pipe: `--config <(...)`, read once),
+    saying what it is instead: a corpus ("text") or a config file ("config")."""
     if path.is_dir():
         raise UserError(f"{path}: is a directory, not a {kind} file")
     if not path.exists():
         raise UserError(f"{path}: {'' if kind == 'text' else kind + ' '}file not found")
-    if not path.is_file():  # a FIFO or a device: reading it may block or never end
+    if not (path.is_file() or (pipe and path.is_fifo())):  # a device: reading it may block or never end
         raise UserError(f"{path}: not a regular file")
 
 

@@ -269,7 +269,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     where = "command line"
     if path is not None:
         path = Path(path)
-        require_file(path, "config")
+        require_file(path, "config", pipe=True)
         try:
             text = path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is skipped
         except OSError as e:

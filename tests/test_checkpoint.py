@@ -513,5 +513,8 @@ def test_a_run_dir_inside_a_checkpoint_or_another_runs_checkpoints_is_refused(tm
         with pytest.raises(UserError, match=f"^{re.escape(str(run_dir))}: train.run_dir {message}"):
             _check_run_dir(run_dir)
     assert not (step / "child").exists() and not (step.parent / "mine").exists()  # refused before mkdir
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")  # mkdir said "File exists"
+    with pytest.raises(UserError, match=r"dangling: train.run_dir is a link that leads to no directory"):
+        _check_run_dir(tmp_path / "dangling")
     _check_run_dir(tmp_path / "checkpoints" / "run1")  # no run's checkpoints there: fine
     assert (tmp_path / "checkpoints" / "run1").is_dir()

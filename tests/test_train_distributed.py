@@ -122,3 +122,22 @@ def test_a_failed_checkpoint_write_on_rank_0_is_one_line(tmp_path):
     assert len(errors) == 1 and "checkpoints" in errors[0], proc.stderr[-3000:]
     rank_tracebacks = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
     assert not rank_tracebacks, proc.stderr[-3000:]
+
+
+def test_a_collective_failing_because_a_peer_died_is_one_line():
+    """Rank 0 printed gloo's 36-line traceback ("Read error ...: Connection reset by peer") when another
+    process was killed; now one line that says what happened and how to go on. Other errors, and the same
+    message in a job of one process, pass through untouched."""
+    from aiayn.train.distributed import Dist, peer_lost
+
+    two, one = (Dist(0, n, 0, torch.device("cpu")) for n in (2, 1))
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:29500: "
+                        "Connection reset by peer\nException raised from ...")
+    lost = peer_lost(gloo, two)
+    assert str(lost) == ("process 0: another process of this job stopped ([../third_party/gloo/gloo/"
+                         "transport/tcp/pair.cc:537] Read error [127.0.0.1]:29500: Connection reset by "
+                         "peer); its own error or torchrun's log says why, and --resume continues from the "
+                         "last checkpoint")
+    assert peer_lost(gloo, one) is None
+    assert peer_lost(RuntimeError("CUDA out of memory"), two) is None
+    assert peer_lost(ValueError("Connection reset by peer"), two) is None

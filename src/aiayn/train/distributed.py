@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,6 +89,23 @@ def teardown(d: Dist) -> None:
     if d.enabled and dist.is_initialized():
         dist.destroy_process_group()
         time.sleep(0.05)
+
+
+# What a collective raises when another process of the job is gone (killed, or exited on an error of its
+# own): gloo's "Read error ...: Connection reset by peer" and its kin, NCCL's aborted communicator.
+_PEER_GONE = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|gloo/transport|NCCL communicator was aborted"
+)
+
+
+def peer_lost(e: BaseException, d: Dist) -> UserError | None:
+    """A one-line error for a collective that failed because another process stopped, or None: rank 0
+    printed gloo's 36-line traceback when a peer was killed, before torchrun stopped it."""
+    if not (d.enabled and isinstance(e, RuntimeError) and _PEER_GONE.search(str(e))):
+        return None
+    line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+    return UserError(f"process {d.rank}: another process of this job stopped ({line}); its own error or "
+                     "torchrun's log says why, and --resume continues from the last checkpoint")
 
 
 class SameOnEveryProcess(UserError):

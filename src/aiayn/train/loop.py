@@ -107,6 +107,10 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     d = distributed.setup(config.train.device)
     try:
         return _train(config, resume, d)
+    except RuntimeError as e:
+        if (lost := distributed.peer_lost(e, d)) is not None:
+            raise lost from None
+        raise
     finally:
         distributed.teardown(d)
 
@@ -684,6 +688,9 @@ def _check_run_dir(run_dir: Path) -> None:
     """An unusable run_dir fails now, in one line, not with a traceback after the tokenizer's training."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: train.run_dir exists and is not a directory")
+    if run_dir.is_symlink() and not run_dir.exists():  # mkdir said "File exists"
+        target = os.readlink(run_dir)
+        raise UserError(f"{run_dir}: train.run_dir is a link that leads to no directory ({target})")
     _check_outside_other_runs(run_dir)
     places = [(run_dir, "train.run_dir ")]
     checkpoints = run_dir / "checkpoints"  # the first save can come hours later: an unwritable one fails now

@@ -509,7 +509,7 @@ def test_a_run_dir_inside_a_checkpoint_or_another_runs_checkpoints_is_refused(tm
     (step / "model.safetensors").write_bytes(b"")
     for run_dir, message in ((step, "is the checkpoint"), (step / "child", "lies inside the checkpoint"),
                              (step / ".." / "mine", "lies inside .*P/checkpoints, the checkpoints of the run"),
-                             (tmp_path / "P" / "checkpoints", "lies inside .*, the checkpoints of the run")):
+                             (tmp_path / "P" / "checkpoints", "is .*, the checkpoints of the run")):
         with pytest.raises(UserError, match=f"^{re.escape(str(run_dir))}: train.run_dir {message}"):
             _check_run_dir(run_dir)
     assert not (step / "child").exists() and not (step.parent / "mine").exists()  # refused before mkdir
@@ -518,3 +518,18 @@ def test_a_run_dir_inside_a_checkpoint_or_another_runs_checkpoints_is_refused(tm
         _check_run_dir(tmp_path / "dangling")
     _check_run_dir(tmp_path / "checkpoints" / "run1")  # no run's checkpoints there: fine
     assert (tmp_path / "checkpoints" / "run1").is_dir()
+
+
+def test_convert_and_export_refuse_a_runs_checkpoints_folder(tmp_path, capsys):
+    """`convert ... run/checkpoints/step_000099` was accepted: the next --resume took it for the run's
+    newest checkpoint, and keep_last deleted an export there."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000010").mkdir(parents=True)
+    (tmp_path / "opus").mkdir()
+    (tmp_path / "opus" / "config.json").write_text("{}")
+    out = run / "checkpoints" / "step_000099"
+    assert main(["convert", "--from", "marian", str(tmp_path / "opus"), str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].endswith(f"{out}: lies inside {run / 'checkpoints'}, which training owns "
+                                             "(it resumes from and prunes what is there); write it elsewhere")
+    assert not out.exists()

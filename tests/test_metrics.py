@@ -285,5 +285,12 @@ def test_plot_output_inside_a_checkpoint_is_refused(tmp_path, capsys):
     assert cli.main(["plot", str(tmp_path), "-o", str(ck / "c.png")]) == 2
     assert capsys.readouterr().err.strip().endswith(f"lies inside the checkpoint {ck}; write it elsewhere")
     assert not (ck / "c.png").exists()
-    assert cli.main(["plot", str(tmp_path), "-o", str(ck / ".." / "c.png")]) == 0
-    assert (ck.parent / "c.png").is_file()
+    # nor anywhere in the run's checkpoints/: a step_N there is pruned, or read as a checkpoint
+    for inside in (ck / ".." / "c.png", ck.parent / "step_000099" / "c.png"):
+        assert cli.main(["plot", str(tmp_path), "-o", str(inside)]) == 2
+        assert capsys.readouterr().err.strip().endswith(
+            f"lies inside {ck.parent}, which training owns (it resumes from and prunes what is there); "
+            "write it elsewhere")
+    assert not (ck.parent / "c.png").exists() and not (ck.parent / "step_000099").exists()
+    assert cli.main(["plot", str(tmp_path), "-o", str(ck / ".." / ".." / "c.png")]) == 0
+    assert (tmp_path / "c.png").is_file()

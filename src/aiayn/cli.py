@@ -227,15 +227,21 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
 def _check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
     """An output (a file, or a folder of pictures) may not be or lie inside any checkpoint directory (one
-    with weights and meta.json), read or not: training's keep_last deletes such directories whole, and
-    `average` or `export` read them. `may_be_one`: an output that is itself a checkpoint (average and
-    convert with --force replace theirs) may be one, but not lie inside another."""
+    with weights and meta.json), read or not, nor inside a training run's checkpoints/: training's
+    keep_last deletes such directories whole, a step_N there is read as a checkpoint, and `average` or
+    `export` read them. `may_be_one`: an output that is itself a checkpoint (average and convert with
+    --force replace theirs) may be one, but not lie inside another."""
     from aiayn.checkpoint import enclosing_checkpoint
+    from aiayn.train.state import training_owned
 
     place = enclosing_checkpoint(output, itself=not may_be_one)
     if place is not None:
         relation = "is" if place == type(place)(os.path.abspath(output)) else "lies inside"
         raise UserError(f"{output}: {relation} the checkpoint {place}; write it elsewhere")
+    if (owned := training_owned(output)) is not None:  # a step_N name there is pruned or read by training
+        relation, place = owned
+        raise UserError(f"{output}: {relation} {place}, which training owns (it resumes from and prunes what "
+                        "is there); write it elsewhere")
 
 
 def _check_not_stdin(input: str | None, output: Path) -> None:

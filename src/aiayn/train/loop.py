@@ -81,6 +81,7 @@ from aiayn.train.state import (
     restore,
     rng_states,
     save_training_checkpoint,
+    training_owned,
 )
 
 log = logging.getLogger(__name__)
@@ -713,11 +714,10 @@ def _check_outside_other_runs(run_dir: Path) -> None:
         relation = "is" if place == Path(os.path.abspath(run_dir)) else "lies inside"
         raise UserError(f"{run_dir}: train.run_dir {relation} the checkpoint {place}, which its run's "
                         "keep_last may delete; choose another run_dir")
-    target = Path(os.path.abspath(run_dir))
-    for place in (target, *target.parents):
-        if place.name == "checkpoints" and checkpoint_dirs(place.parent):
-            raise UserError(f"{run_dir}: train.run_dir lies inside {place}, the checkpoints of the run "
-                            f"{place.parent}; choose another run_dir")
+    if (owned := training_owned(run_dir)) is not None:
+        relation, place = owned
+        raise UserError(f"{run_dir}: train.run_dir {relation} {place}, the checkpoints of the run "
+                        f"{place.parent}; choose another run_dir")
 
 
 @contextmanager

@@ -112,6 +112,18 @@ def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def training_owned(path: str | Path) -> tuple[str, Path] | None:
+    """("is" or "lies inside", the folder) where `path` is or lies inside a training run's checkpoints/
+    (one holding its step_N checkpoints, or beside its metrics.jsonl), else None. Training resumes from
+    and prunes what is there: anything else written there is deleted, or read as a checkpoint."""
+    target = Path(os.path.abspath(path))  # `..` taken out as the kernel would
+    for place in (target, *target.parents):
+        run = place.parent
+        if place.name == "checkpoints" and ((run / "metrics.jsonl").is_file() or checkpoint_dirs(run)):
+            return ("is" if place == target else "lies inside"), place
+    return None
+
+
 def prune(run_dir: str | Path, keep_last: int, best_step: int = 0) -> None:
     """Keep the newest `keep_last` checkpoints and that of update `best_step` (the best validation loss:
     a run stopped by `patience` ends `patience` validations after it, and keep_last <= patience deleted

@@ -293,9 +293,35 @@ def test_existing_outputs_need_force_and_must_be_directories(run, tmp_path, caps
             + ("already exists (pass --force to replace it)" if out == "precious" else
                "exists and is not a directory; will not replace it")]
     assert main(["average", str(run), "-o", str(tmp_path / "afile"), "--force"]) == 2
+    # --force replaces an earlier checkpoint or an empty directory, never other files (a whole training
+    # run, a live one too, went that way; and "$PWD" --force took the user's files with it)
+    capsys.readouterr()
+    other_run = tmp_path / "run2"  # another training run
+    (other_run / "checkpoints").mkdir(parents=True)
+    (other_run / "metrics.jsonl").write_text("")
+    for out in (tmp_path / "precious", other_run):
+        assert main(["average", str(run), "-o", str(out), "--force"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"aiayn: error: {out}: holds files that are not an aiayn checkpoint; will not replace it, even "
+            "with --force (delete it first if it should go)"]
+    assert (other_run / "metrics.jsonl").exists()
     assert (tmp_path / "precious" / "notes.txt").read_text() == (tmp_path / "afile").read_text() == "mine"
-    assert main(["average", str(run), "-o", str(tmp_path / "precious"), "--force"]) == 0
-    assert load_checkpoint(tmp_path / "precious").meta["step"] == 3
+    (tmp_path / "empty").mkdir()
+    for out in ("empty", "empty"):  # an empty directory, then the checkpoint written there the first time
+        assert main(["average", str(run), "-o", str(tmp_path / out), "--force"]) == 0
+        assert load_checkpoint(tmp_path / out).meta["step"] == 3
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "notes.txt").write_text("mine")
+    cwd = os.getcwd()
+    try:
+        os.chdir(here)  # the current directory by its full name: "." was refused, this was not
+        assert main(["average", str(run), "-o", str(here), "--force"]) == 2
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert last.endswith(f"{here}: is the current directory; will not replace it")
+    finally:
+        os.chdir(cwd)
+    assert (here / "notes.txt").read_text() == "mine"
 
 
 def test_default_output_replaces_an_earlier_average_only(run, tokenizer):

@@ -128,6 +128,14 @@ def test_existing_output_is_not_replaced(tmp_path, spm_models):
         export_ctranslate2(tmp_path / "ck", tmp_path / "ct2")
     with pytest.raises(UserError, match="quantization"):
         export_ctranslate2(tmp_path / "ck", tmp_path / "ct2", quantization="int3", force=True)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")  # --force replaced any directory, a run's too
+    with pytest.raises(UserError, match="mine: holds files that are not a CTranslate2 model"):
+        export_ctranslate2(tmp_path / "ck", tmp_path / "mine", force=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+    export_ctranslate2(tmp_path / "ck", tmp_path / "ct2", force=True)  # an empty directory, then an export
+    export_ctranslate2(tmp_path / "ck", tmp_path / "ct2", force=True)
+    assert (tmp_path / "ct2" / "model.bin").is_file()
 
 
 def files(root) -> dict[str, bytes]:

@@ -114,12 +114,17 @@ def save_checkpoint(
     return directory
 
 
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` is a checkpoint directory: its weights and meta.json."""
+    return (path / META).is_file() and (path / WEIGHTS).is_file()
+
+
 def enclosing_checkpoint(path: str | Path, itself: bool = True) -> Path | None:
     """The checkpoint directory (weights and meta.json) that `path` is (when `itself`) or lies inside, or
     None. `..` is taken out first, as the kernel would: a/ck/../x is a/x."""
     target = Path(os.path.abspath(path))
     for place in (target, *target.parents) if itself else target.parents:
-        if (place / META).is_file() and (place / WEIGHTS).is_file():
+        if is_checkpoint(place):
             return place
     return None
 

@@ -16,7 +16,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -75,12 +75,16 @@ def overlap(out: Path, other: Path) -> str | None:
     return "lies inside" if other in out.parents else None
 
 
-def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: list[Path] | None = None) -> None:
+def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: list[Path] | None = None,
+                 earlier: tuple[str, Callable[[Path], bool]] | None = None) -> None:
     """Refuse an output directory whose writing would lose data (the commands' guard, before any work).
 
     `out` may not be or contain any of `inputs`, nor replace something inside one, even with `force`
     (a new directory inside one deletes nothing); nor be or contain an `enclosing` directory (a run
-    directory). An existing `out` is replaced only with `force`, and only if it is a directory.
+    directory). An existing `out` is replaced only with `force`, only if it is a directory, never the
+    current directory or one above it, and, with `earlier` = (what, test), only if it is empty or
+    `test` finds an earlier output of that kind in it: `convert ... RUN --force` replaced a whole
+    training run, a live one too, and `"$PWD" --force` the user's files.
     """
     out = Path(out)
     _check_named(out)
@@ -98,6 +102,12 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
         raise UserError(f"{out}: exists and is not a directory; will not replace it")
     if exists and not force:
         raise UserError(f"{out}: already exists (pass --force to replace it)")
+    if exists and overlap(Path.cwd(), out) in ("is", "lies inside"):  # "." was refused, "$PWD" was not
+        raise UserError(f"{out}: {'is' if resolved(out) == resolved(Path.cwd()) else 'contains'} the current "
+                        "directory; will not replace it")
+    if exists and earlier is not None and any(out.iterdir()) and not earlier[1](out):
+        raise UserError(f"{out}: holds files that are not {earlier[0]}; will not replace it, even with "
+                        "--force (delete it first if it should go)")
 
 
 def check_file_output(out: str | Path, inputs: list[Path]) -> None:

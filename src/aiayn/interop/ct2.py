@@ -143,6 +143,11 @@ class AiaynConverter(Converter):
         return aiayn_spec(ck.model, ck.tokenizer)
 
 
+def _is_ct2_model(directory: Path) -> bool:
+    """Whether `directory` holds a CTranslate2 model (what an earlier export wrote)."""
+    return (directory / "model.bin").is_file() and (directory / "config.json").is_file()
+
+
 def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: str | None = None,
                        force: bool = False) -> Path:
     """Write the CTranslate2 model directory `out` for `checkpoint`; return its path.
@@ -152,7 +157,7 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     replaces an existing `out`, but never the checkpoint itself or a directory holding it.
     """
     out = Path(out)
-    check_output(out, [Path(checkpoint)], force)
+    check_output(out, [Path(checkpoint)], force, earlier=("a CTranslate2 model", _is_ct2_model))
 
     def write(tmp: Path) -> None:
         try:  # force: the converter replaces `tmp`, the empty directory write_atomically made

@@ -10,6 +10,7 @@ import torch
 
 from aiayn.checkpoint import (
     checkpoint_tokenizer,
+    is_checkpoint,
     config_section,
     load_checkpoint,
     load_into,
@@ -22,6 +23,7 @@ from aiayn.files import check_output, overlap
 from aiayn.train.state import checkpoint_dirs
 
 log = logging.getLogger(__name__)
+EARLIER = ("an aiayn checkpoint", is_checkpoint)  # what --force may replace: nothing else
 
 
 def average_state_dicts(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -74,7 +76,7 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     An existing `out` is replaced only with `force`, and never when it is or holds one of `paths`."""
     if not paths:
         raise UserError("no checkpoints to average")
-    check_output(out, list(paths), force)
+    check_output(out, list(paths), force, earlier=EARLIER)
     metas = [read_meta(p) for p in paths]
     for p, meta in zip(paths, metas):
         if meta.get("model") != metas[-1].get("model"):
@@ -127,7 +129,7 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
         if (relation := overlap(Path(target), root)) in ("is", "lies inside"):  # "contains": the check below
             raise UserError(f"{target}: {relation} {root}, which training owns (it resumes from and prunes "
                             "what is there)")
-        check_output(target, [], replace, enclosing=[run_dir])
+        check_output(target, [], replace, enclosing=[run_dir], earlier=EARLIER)
         try:
             return average_checkpoints(chosen, target, replace)
         except UserError:

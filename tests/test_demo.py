@@ -41,7 +41,8 @@ def test_short_demo_through_the_cli(tmp_path, capsys):
     correct = sum(h == r for h, r in zip(hyps, refs))
     assert f"held-out exact match: {correct}/12" in printed and "12 updates" in printed
     assert main(["demo", "--size", "huge"]) == 2 and "huge" in capsys.readouterr().err
-    assert main(argv) == 2 and "earlier demo run" in capsys.readouterr().err  # never mixes two runs
+    err = capsys.readouterr().err if main(argv) == 2 else ""  # never mixes two runs; deleting run/ is enough
+    assert f"holds an earlier demo run; delete {out / 'run'} or choose another --out" in err
     shutil.rmtree(out / "run")  # the demo's own corpus is replaced: it wrote it
     assert main(argv) == 0
     assert check_outputs(out, 12)[1] == refs
@@ -88,7 +89,7 @@ def test_the_users_own_corpus_is_never_replaced(tmp_path, capsys):
     assert sorted(p.name for p in mine.parent.iterdir()) == ["train.en"]
 
 
-@pytest.mark.parametrize("name", ["test.hyp.de", "attention/index.html"])
+@pytest.mark.parametrize("name", ["test.hyp.de", "attention/index.html", "run/metrics.jsonl"])
 def test_the_users_own_translations_or_maps_are_never_replaced(tmp_path, capsys, name):
     mine = tmp_path / "project" / name
     mine.parent.mkdir(parents=True, exist_ok=True)
@@ -111,10 +112,15 @@ def test_out_under_a_regular_file_is_one_line(tmp_path, capsys, under):
 
 
 def test_only_checkpoints_or_a_tokenizer_make_an_earlier_run(tmp_path):
-    """An empty run directory, left by a run that failed at once, must not block the rerun."""
+    """An empty run directory, left by a run that failed at once, must not block the rerun. (Without the
+    demo's data marker a run/ holding anything is the user's: "no demo wrote it".)"""
     (tmp_path / "run").mkdir()
     check_out(tmp_path)
     (tmp_path / "run" / "spm.model").write_bytes(b"")
+    with pytest.raises(UserError, match="run: exists and no demo wrote it"):
+        check_out(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / MARKER).write_text("")
     with pytest.raises(UserError, match="earlier demo run"):
         check_out(tmp_path)
 

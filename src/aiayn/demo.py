@@ -220,13 +220,14 @@ def check_out(out: Path) -> None:
     data = out / "data"
     if data.is_dir() and any(data.iterdir()) and not (data / MARKER).exists():
         raise UserError(f"{data}: holds files that no demo wrote (it has no {MARKER}); choose another --out")
-    if not (data / MARKER).exists():  # no demo wrote here: the translations and maps it would replace are the user's
-        for path in (out / "test.hyp.de", out / "attention"):
+    if not (data / MARKER).exists():  # no demo wrote here: the translations, maps and run are the user's
+        for path in (out / "test.hyp.de", out / "attention", out / "run"):
             if path.is_file() or (path.is_dir() and any(path.iterdir())):
                 raise UserError(f"{path}: exists and no demo wrote it ({data} has no {MARKER}); "
                                 "choose another --out")
     if earlier_run(out / "run"):  # its tokenizer and checkpoints would be picked up, not replaced
-        raise UserError(f"{out / 'run'}: holds an earlier demo run; delete {out} or choose another --out")
+        run = out / "run"
+        raise UserError(f"{run}: holds an earlier demo run; delete {run} or choose another --out")
 
 
 def earlier_run(run_dir: Path) -> bool:

@@ -559,3 +559,21 @@ def test_convert_and_export_refuse_a_runs_checkpoints_folder(tmp_path, capsys):
     assert len(err) == 1 and err[0].endswith(f"{out}: lies inside {run / 'checkpoints'}, which training owns "
                                              "(it resumes from and prunes what is there); write it elsewhere")
     assert not out.exists()
+
+
+def test_averaging_past_keep_last_says_the_old_best_is_mixed_in(tmp_path, tokenizer, caplog):
+    """keep_last=2 keeps step 5 (the best validation) beside 35 and 40: `--last 3` averaged 5, 35 and 40
+    without a word, as if they were three consecutive checkpoints."""
+    torch.manual_seed(0)
+    for step in (5, 35, 40):
+        save_checkpoint(tmp_path / "run" / "checkpoints" / f"step_{step:06d}",
+                        tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer,
+                        {"step": step, "config": {"train": {"keep_last": 2}}})
+    with caplog.at_level(logging.WARNING):
+        average_last(tmp_path / "run", 3)
+    assert ("step_000005: kept beyond train.keep_last=2 (the run's best validation), averaged with step_000035 "
+            "to step_000040") in caplog.messages
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        average_last(tmp_path / "run", 2, tmp_path / "avg2")  # within the window: nothing to say
+    assert not caplog.messages

@@ -102,6 +102,20 @@ def is_average(directory: Path) -> bool:
         return False
 
 
+def _warn_out_of_window(chosen: list[Path]) -> None:
+    """Say when the last k checkpoints reach past the run's train.keep_last: the older ones survive only
+    as its best validation's, kept from much earlier, and the average mixes them with the recent ones
+    (averaging 5, 35 and 40 looked like three consecutive checkpoints)."""
+    try:
+        keep_last = (config_section(read_meta(chosen[-1]), "train") or {}).get("keep_last")
+    except UserError:
+        return  # the average names the damaged checkpoint itself
+    if isinstance(keep_last, int) and not isinstance(keep_last, bool) and 0 < keep_last < len(chosen):
+        older = ", ".join(p.name for p in chosen[:-keep_last])
+        log.warning("%s: kept beyond train.keep_last=%d (the run's best validation), averaged with %s to %s",
+                    older, keep_last, chosen[-keep_last].name, chosen[-1].name)
+
+
 PRUNED_RETRIES = 3  # a run training in run_dir may prune a listed checkpoint before it is read
 
 
@@ -123,6 +137,8 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
         if len(found) < k and attempt == 0:
             log.warning("%s: only %d checkpoints, averaging those", run_dir, len(found))
         chosen = found[-k:]
+        if attempt == 0:
+            _warn_out_of_window(chosen)
         target = run_dir / f"average_last_{len(chosen)}" if out is None else out
         replace = force or (out is None and is_average(target))
         root = run_dir / "checkpoints"

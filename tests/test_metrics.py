@@ -294,3 +294,22 @@ def test_plot_output_inside_a_checkpoint_is_refused(tmp_path, capsys):
     assert not (ck.parent / "c.png").exists() and not (ck.parent / "step_000099").exists()
     assert cli.main(["plot", str(tmp_path), "-o", str(ck / ".." / ".." / "c.png")]) == 0
     assert (tmp_path / "c.png").is_file()
+
+
+def test_a_curve_of_one_point_is_drawn_as_a_marker():
+    """A run stopped right after its first log_every has one record: as a line it drew an empty panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from aiayn.train.metrics import _draw
+
+    fig = _draw([{"step": 10, "loss": 5.0, "nll": 4.9, "lr": 0.001}], plt)
+    markers = [[line.get_marker() for line in ax.lines] for ax in fig.axes]
+    plt.close(fig)
+    assert markers == [["o", "o"], ["o"]]
+    fig = _draw([{"step": s, "loss": 5.0, "nll": 4.9, "lr": 0.001} for s in (10, 20)], plt)
+    markers = [[line.get_marker() for line in ax.lines] for ax in fig.axes]
+    plt.close(fig)
+    assert markers == [["None", "None"], ["None"]]  # a curve: lines, as before

@@ -201,8 +201,8 @@ def _draw(records: list[dict[str, Any]], plt):
         ("valid_nll", "valid NLL", "o-"),
     ):
         steps, values = _points(records, key)
-        if steps:
-            ax_loss.plot(steps, values, style, label=label, markersize=3)
+        if steps:  # one point of a line style draws nothing: a run stopped after its first log_every
+            ax_loss.plot(steps, values, "o-" if len(steps) == 1 else style, label=label, markersize=3)
     ax_loss.set_xlabel("update")
     ax_loss.set_ylabel("nats per target token")
     if ax_loss.lines:
@@ -213,7 +213,8 @@ def _draw(records: list[dict[str, Any]], plt):
         nll, step = _best(min, nlls, steps)
         # capped as the training loop caps valid_ppl: exp overflows past ~709
         ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {math.exp(min(nll, 50)):.2f}) at {step}")
-    ax_lr.plot(*_points(records, "lr"))
+    lr_steps, lrs = _points(records, "lr")
+    ax_lr.plot(lr_steps, lrs, "o-" if len(lr_steps) == 1 else "-", markersize=3)
     ax_lr.set_xlabel("update")
     ax_lr.set_ylabel("learning rate")
     ax_lr.grid(alpha=0.3)

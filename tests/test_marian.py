@@ -327,6 +327,21 @@ def test_missing_weight_names_the_weights_file(build, opus_bin, capsys):
                                                f"missing weight model.encoder.layers.0.fc1.weight")
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+@pytest.mark.parametrize("container", ["model.safetensors", "pytorch_model.bin"])
+def test_a_weight_that_is_not_a_float_tensor_is_refused_by_name(build, opus_bin, capsys, dtype, container):
+    """`.float()` turned an integer, bool or complex weight into garbage (a complex one with a two-line
+    warning) and the converted model translated nonsense, exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(build(VARIANTS[0])[2] / "model.safetensors"))  # plain tensors, none shared
+    weights["model.encoder.layers.0.fc1.weight"] = weights["model.encoder.layers.0.fc1.weight"].to(dtype)
+    path = opus_bin / container
+    save_file(weights, str(path)) if container == "model.safetensors" else torch.save(weights, path)
+    assert convert_error(opus_bin, capsys) == (f"aiayn: error: {path}: model.encoder.layers.0.fc1.weight is "
+                                               f"{str(dtype).removeprefix('torch.')}, not a float tensor")
+
+
 @pytest.mark.parametrize("shard, problem", [
     ("../../../etc/passwd", "weight_map names a file outside"),  # read, then refused as "corrupt weights"
     ("model-00002-of-00002.safetensors", "names the shard model-00002-of-00002.safetensors, which is missing"),

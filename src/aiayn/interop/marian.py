@@ -193,6 +193,15 @@ def _plain_tensors(weights: Any, path: Path) -> dict[str, Tensor]:
             raise UserError(f"{path}: key {name!r} is of type {type(name).__name__}, expected a string")
         if not isinstance(value, Tensor):
             raise UserError(f"{path}: {name} is of type {type(value).__name__}, expected a tensor")
+    return _as_float32(weights, path)
+
+
+def _as_float32(weights: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
+    """The tensors as float32; an integer, bool or complex one is refused by name: `.float()` made
+    garbage weights of it (a complex one with a two-line warning), and the model translated nonsense."""
+    for name, value in weights.items():
+        if not value.is_floating_point():
+            raise UserError(f"{path}: {name} is {str(value.dtype).removeprefix('torch.')}, not a float tensor")
     return {k: v.float() for k, v in weights.items()}
 
 
@@ -224,7 +233,7 @@ def load_marian_weights(directory: Path) -> tuple[dict[str, Tensor], Path]:
             weights.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"{f}: corrupt weights ({e})") from None
-    return {k: v.float() for k, v in weights.items()}, source
+    return _as_float32(weights, source), source
 
 
 def _check_positions(hf: dict[str, Tensor], config: ModelConfig, where: str) -> None:

@@ -201,7 +201,8 @@ def _as_float32(weights: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
     garbage weights of it (a complex one with a two-line warning), and the model translated nonsense."""
     for name, value in weights.items():
         if not value.is_floating_point():
-            raise UserError(f"{path}: {name} is {str(value.dtype).removeprefix('torch.')}, not a float tensor")
+            dtype = str(value.dtype).removeprefix("torch.")
+            raise UserError(f"{path}: {name} is {dtype}, not a float tensor")
     return {k: v.float() for k, v in weights.items()}
 
 

@@ -577,3 +577,15 @@ def test_averaging_past_keep_last_says_the_old_best_is_mixed_in(tmp_path, tokeni
     with caplog.at_level(logging.WARNING):
         average_last(tmp_path / "run", 2, tmp_path / "avg2")  # within the window: nothing to say
     assert not caplog.messages
+
+
+def test_average_of_a_file_or_a_missing_directory_says_so(tmp_path):
+    """Both were "no checkpoints found", as if they were runs that had saved none."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match=r"afile: is not a directory$"):
+        average_last(tmp_path / "afile", 2)
+    with pytest.raises(UserError, match=r"nowhere: no such run directory$"):
+        average_last(tmp_path / "nowhere", 2)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"empty: no checkpoints found$"):
+        average_last(tmp_path / "empty", 2)

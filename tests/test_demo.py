@@ -107,7 +107,9 @@ def test_the_users_own_translations_or_maps_are_never_replaced(tmp_path, capsys,
 def test_out_under_a_regular_file_is_one_line(tmp_path, capsys, under):
     (tmp_path / "afile").write_text("x", encoding="utf-8")
     assert main(["demo", "--out", str(tmp_path / "afile" / under)]) == 2
-    assert "afile is not a directory" in capsys.readouterr().err
+    out = tmp_path / "afile" / under
+    problem = f"{tmp_path / 'afile'} is not a directory" if under else "exists and is not a directory"
+    assert capsys.readouterr().err.strip().endswith(f"{out}: {problem}")  # not "afile: afile is not ..."
     assert (tmp_path / "afile").read_text(encoding="utf-8") == "x"
 
 

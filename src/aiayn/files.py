@@ -139,7 +139,10 @@ def check_directory_path(path: Path) -> None:
     """Refuse, before any work, a path that cannot become a directory: an existing non-directory, or a
     path under a file (its nearest existing ancestor is no directory). Creates nothing."""
     existing = next(p for p in (path, *path.absolute().parents) if p.exists() or p.is_symlink())  # "/" is
-    if not existing.is_dir():
+    if existing == path:  # "x: x is not a directory" said it twice
+        if not existing.is_dir():
+            raise UserError(f"{path}: exists and is not a directory")
+    elif not existing.is_dir():
         raise UserError(f"{path}: {existing} is not a directory")
 
 

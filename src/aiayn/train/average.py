@@ -130,6 +130,8 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
     run_dir = Path(run_dir)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:  # found[-0:] would be every checkpoint
         raise UserError(f"average the last {k!r} checkpoints: give a whole number >= 1")
+    if not run_dir.is_dir():  # was "no checkpoints found", as if it were a run that had saved none
+        raise UserError(f"{run_dir}: {'is not a directory' if run_dir.exists() else 'no such run directory'}")
     for attempt in range(PRUNED_RETRIES + 1):
         found = checkpoint_dirs(run_dir)
         if not found:

@@ -290,6 +290,8 @@ def test_layers_and_heads_can_be_chosen_and_keep_their_numbers(tmp_path, tokeniz
         assert torch.equal(some.weights(kind), maps.weights(kind)[[1]][:, [0, 1]])
         assert some.layer_numbers(kind) == (2,) and maps.layer_numbers(kind) == (1, 2)
     assert some.head_numbers() == (1, 2)
+    twice = maps.select(layers=[2, 2], heads=[2, 1, 2])  # a number given twice is drawn once
+    assert twice.layer_numbers("encoder") == (2,) and twice.head_numbers() == (2, 1)
     with pytest.raises(UserError, match="layer 3: choose layers from 1 to 2"):
         maps.select(layers=[3])
     with pytest.raises(UserError, match="head 9: choose heads from 1 to"):

@@ -362,6 +362,7 @@ SAMPLING = {"sample": True, "beam": 1}
     ({"top_k": 3}, "top_k=3 needs sample=True"),
     ({"top_p": 0.5}, "top_p=0.5 needs sample=True"),
     ({"seed": 7}, "seed=7 needs sample=True"),
+    ({"beam": 0}, r"DecodeConfig: beam=0 must be at least 1$"),  # not also "n_best=1 must be ... beam=0"
 ])
 def test_decode_config_refuses_values_a_search_cannot_use(settings, message):
     with pytest.raises(ConfigError, match=message):

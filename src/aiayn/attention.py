@@ -111,7 +111,7 @@ class AttentionMaps:
         layer 3 is the encoder's alone, and the decoder's kinds then hold no map."""
         if self.layers or self.heads:  # numbers would refer to positions in the selection
             raise ValueError("select() on maps that are already a selection")
-        layers, heads = tuple(layers), tuple(heads)
+        layers, heads = tuple(dict.fromkeys(layers)), tuple(dict.fromkeys(heads))  # 2,2 drew one map twice
         n_layers = max(self.encoder.shape[0], self.decoder.shape[0])
         for name, chosen, count in (("layer", layers, n_layers), ("head", heads, self.encoder.shape[1])):
             if bad := [n for n in chosen if not 1 <= n <= count]:

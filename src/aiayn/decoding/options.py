@@ -62,7 +62,7 @@ class DecodeConfig:
         if self.max_len_a == 0 and self.min_len > self.max_len_b:  # every output would end cut, without EOS
             problems.append(f"min_len={self.min_len} is more than the max_len_b={self.max_len_b} tokens that "
                             f"max_len_a={self.max_len_a} allows")
-        if self.n_best < 1 or (not self.sample and self.n_best > self.beam):
+        if self.n_best < 1 or (not self.sample and self.n_best > self.beam >= 1):  # beam 0: said once above
             problems.append(f"n_best={self.n_best} must be between 1 and beam={self.beam}")
         if self.early_stopping and self.beam == 1:  # beam 1 is greedy search (or sampling): nothing to stop
             problems.append(f"early_stopping=True needs beam > 1, not {self.beam}")

@@ -151,6 +151,10 @@ def run_config(config: DemoConfig, paths: dict[str, Path], run_dir: Path):
                       warmup=size["warmup"], lr_scale=size["lr_scale"], label_smoothing=0.1,
                       max_updates=config.steps, max_minutes=config.minutes, device=config.device,
                       threads=config.threads, valid_every=max(1, config.steps // 4), keep_last=2,
+                      # the lr falls linearly to 0 over the last quarter: validation NLL at update 1,200
+                      # 0.112 for seeds 1, 2 and 3 (0.119, 0.116, 0.111 without), where a rounding change
+                      # of the loss had moved seed 1's held-out exact match from 100% to 98.6%
+                      cooldown=0.25,
                       log_every=max(1, min(50, config.steps // 10))),
     }, where="demo")
 

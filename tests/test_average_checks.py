@@ -9,6 +9,7 @@ from conftest import tiny_model
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.errors import UserError
 from aiayn.train.average import average_checkpoints, average_last
 
 LINES = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} und die Zahl {i}" for i in range(40)]
@@ -72,3 +73,22 @@ def test_one_seed_does_not_warn(tmp_path, tokenizers, caplog):
     with caplog.at_level(logging.WARNING, logger="aiayn"):
         average_checkpoints(paths, tmp_path / "avg")
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_the_checkpoint_with_another_model_is_the_one_named(tmp_path, tokenizers):
+    """Each model was compared with the newest's: a damaged newest meta.json (d_ff 16 M) blamed the first
+    of the good ones. The odd one out is named now, with the setting that differs; of two, both."""
+    import json
+
+    first, _ = tokenizers
+    ckpts = tmp_path / "run" / "checkpoints"
+    paths = [save(ckpts / f"step_{s:06d}", first, step=s) for s in (1, 2, 3)]
+    meta = json.loads((paths[-1] / "meta.json").read_text())
+    d_ff = meta["model"]["d_ff"]
+    meta["model"]["d_ff"] = 16_777_216
+    (paths[-1] / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=rf"^{paths[-1]}: a different model from the other checkpoints "
+                                        rf"\(d_ff 16777216 against {d_ff}\); cannot average them$"):
+        average_checkpoints(paths, tmp_path / "avg")
+    with pytest.raises(UserError, match=rf"^{paths[-1]} and {paths[-2]}: different models \(d_ff "):
+        average_checkpoints(paths[1:], tmp_path / "avg")

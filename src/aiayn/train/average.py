@@ -78,9 +78,7 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
         raise UserError("no checkpoints to average")
     check_output(out, list(paths), force, earlier=EARLIER)
     metas = [read_meta(p) for p in paths]
-    for p, meta in zip(paths, metas):
-        if meta.get("model") != metas[-1].get("model"):
-            raise UserError(f"{p}: a different model from {paths[-1]}; cannot average them")
+    check_same_model(paths, metas)
     check_same_tokenizer(paths, metas)
     warn_other_seeds(paths, metas)
     last = load_checkpoint(paths[-1])
@@ -92,6 +90,23 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     saved = save_checkpoint(out, last.model, last.tokenizer, meta)
     log.info("averaged %d checkpoints into %s", len(paths), saved)  # after: a failed write is not reported
     return saved
+
+
+def check_same_model(paths: list[Path], metas: list[dict]) -> None:
+    """All of `paths` hold one model. Otherwise the odd one out is named (the one whose model fewer of
+    them share; with two, both), with a setting that differs: each was compared with the newest, which
+    blamed every other checkpoint when the newest was the damaged one."""
+    models = [json.dumps(m.get("model"), sort_keys=True) for m in metas]
+    if len(set(models)) == 1:
+        return
+    odd = min(range(len(paths)), key=lambda i: (models.count(models[i]), -i))  # the rarest, newest first
+    other = next(i for i in reversed(range(len(paths))) if models[i] != models[odd])
+    a, b = (metas[i].get("model") for i in (odd, other))
+    keys = sorted(set(a) | set(b), key=str) if isinstance(a, dict) and isinstance(b, dict) else []
+    diff = next((f" ({k} {a.get(k)!r} against {b.get(k)!r})" for k in keys if a.get(k) != b.get(k)), "")
+    if models.count(models[other]) == 1:  # two, or all different: nothing tells which is odd
+        raise UserError(f"{paths[odd]} and {paths[other]}: different models{diff}; cannot average them")
+    raise UserError(f"{paths[odd]}: a different model from the other checkpoints{diff}; cannot average them")
 
 
 def is_average(directory: Path) -> bool:

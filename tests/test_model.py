@@ -229,3 +229,40 @@ def test_the_package_and_its_command_line_import_torch_only_when_used():
             "import aiayn as a; assert a.translate.Translator and a.model.KVCache is KVCache; "  # subpackages too
             "assert not hasattr(a, 'nope')")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_mismatched_batches_and_bad_ids_are_refused_not_broadcast():
+    """A 1-row target with a 2-row source, or a 1-row step into a 2-row cache, broadcast silently into
+    2 rows of output; 1-D, empty or float ids failed deep inside with PyTorch's own messages."""
+    model = tiny_model().eval()
+    src = padded_batch([3, 2], 50)
+    with pytest.raises(ValueError, match=r"^src has 2 rows and tgt_in 1: one target per source$"):
+        model(src, torch.tensor([[1, 5]]))
+    with torch.no_grad():
+        memory = model.encode(src[:1])
+        with pytest.raises(ValueError, match=r"^tgt_in has 2 rows, memory \(1, 3, \d+\): \(B, S, d\)"):
+            model.decode(torch.tensor([[1, 5], [1, 6]]), memory, None)
+        with pytest.raises(ValueError, match=r"^KVCache holds 2 rows; this step has 1$"):
+            model.decode(torch.tensor([[1]]), memory, None, model.new_cache(2, 8))
+    for bad, error, message in ((torch.tensor([5, 6, 2]), ValueError, r"src has shape \(3,\): token ids are"),
+                                (torch.zeros(0, 3, dtype=torch.long), ValueError, r"no token to read"),
+                                (torch.zeros(2, 0, dtype=torch.long), ValueError, r"no token to read"),
+                                (torch.tensor([[5.0, 2.0]]), TypeError, r"src is torch.float32: token ids")):
+        with pytest.raises(error, match=message):
+            model.encode(bad)
+
+
+def test_a_kv_cache_is_tied_to_its_memory_and_to_no_grad():
+    """The cache kept the first step's cross-attention keys and silently ignored a later memory (the
+    step attended over the first source's keys with the second's mask). In grad mode the copy into the
+    cache failed with a message about views made in no_grad mode."""
+    model = tiny_model().eval()
+    a, b = padded_batch([3], 50), padded_batch([5], 50)
+    with torch.no_grad():
+        cache = model.new_cache(1, 8)
+        model.decode(torch.tensor([[1]]), model.encode(a), None, cache)
+        with pytest.raises(ValueError, match=r"^KVCache was filled for a memory of 1 x 3 source positions, "
+                                             r"not 1 x 5: a new source needs a new cache$"):
+            model.decode(torch.tensor([[4]]), model.encode(b), None, cache)
+    with pytest.raises(RuntimeError, match=r"^decoding with a KVCache needs torch.no_grad\(\) or "):
+        model.decode(torch.tensor([[1]]), model.encode(a), None, model.new_cache(1, 8))

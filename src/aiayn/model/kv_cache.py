@@ -53,11 +53,26 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    def check_step(self, rows: int, sentences: int, src_len: int) -> None:
+        """Before a decoding step of `rows` target rows over a memory of `sentences` x `src_len`: the cache's
+        rows, and the memory its cross-attention K/V were projected from on the first step (a later one was
+        ignored: the step attended over the first memory's keys with the second's mask)."""
+        if rows != self.k.shape[1]:
+            raise ValueError(f"KVCache holds {self.k.shape[1]} rows; this step has {rows}")
+        cross = self.cross[0][0] if self.cross[0] is not None else None  # layer 0's keys, (B, H, S, D)
+        if cross is not None and (cross.shape[0], cross.shape[2]) != (sentences, src_len):
+            raise ValueError(f"KVCache was filled for a memory of {cross.shape[0]} x {cross.shape[2]} source "
+                             f"positions, not {sentences} x {src_len}: a new source needs a new cache")
+
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store (B, H, T, D) new keys/values of `layer`; return all so far, (B, H, length + T, D).
 
         `length` moves on in `advance`, once every layer has appended, so all layers write the same slots.
         """
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # the buffers keep no graph: the
+            # copy failed with a message about views made in no_grad mode
+            raise RuntimeError("decoding with a KVCache needs torch.no_grad() or torch.inference_mode(): the "
+                               "cache keeps no gradients")
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KVCache holds {self.max_len} positions; step {end} is past its end")

@@ -81,6 +81,18 @@ class PositionwiseFeedForward(nn.Module):
         return self.w_2(self.activation(self.w_1(x)))
 
 
+def check_ids(name: str, ids: Tensor) -> None:
+    """(B, T) token ids, B and T at least 1, of an integer dtype: a 1-D, empty or float input failed deep in
+    the embedding or a reshape. Shapes and dtype only: checking the values' range would read them back from
+    a GPU at every batch (an id past the vocabulary is the embedding's IndexError)."""
+    if ids.dim() != 2:
+        raise ValueError(f"{name} has shape {tuple(ids.shape)}: token ids are (batch, length)")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} is {ids.dtype}: token ids are integers (torch.long)")
+    if ids.numel() == 0:
+        raise ValueError(f"{name} has shape {tuple(ids.shape)}: no token to read")
+
+
 class SublayerConnection(nn.Module):
     """Residual, dropout and LayerNorm around one sub-layer (section 3.1, 5.4).
 
@@ -199,6 +211,7 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor) -> Tensor:
         """(B, S) source ids -> memory (B, S, d)."""
+        check_ids("src", src)
         mask = self.src_mask(src)
         x = self.src_embed(src)
         for layer in self.encoder:
@@ -222,6 +235,14 @@ class Transformer(nn.Module):
         projected: logits (N, V_tgt). Indices rather than a bool mask, since selecting by a mask must
         read the mask's count back from a GPU (a host-device sync every training batch).
         """
+        check_ids("tgt_in", tgt_in)
+        beam = 1 if cache is None else cache.beam_size
+        if memory.dim() != 3 or tgt_in.shape[0] != memory.shape[0] * beam:  # 1 row broadcast silently
+            per = f" / beam_size {beam}" if beam > 1 else ""
+            raise ValueError(f"tgt_in has {tgt_in.shape[0]} rows, memory {tuple(memory.shape)}: (B, S, d) "
+                             f"with B = rows{per}")
+        if cache is not None:
+            cache.check_step(tgt_in.shape[0], memory.shape[0], memory.shape[1])
         start = 0 if cache is None else cache.length
         x = self.tgt_embed(tgt_in, start)
         for i, layer in enumerate(self.decoder):
@@ -245,6 +266,9 @@ class Transformer(nn.Module):
         and gets their logits only, (N, V_tgt): the V-wide projection and softmax then skip the padding
         (a third of the positions in length-bucketed batches of short sentences).
         """
+        if src.dim() == 2 == tgt_in.dim() and src.shape[0] != tgt_in.shape[0]:  # (1, T) broadcast silently
+            raise ValueError(f"src has {src.shape[0]} rows and tgt_in {tgt_in.shape[0]}: one target per "
+                             "source")
         memory = self.encode(src)
         return self.decode(tgt_in, memory, self.src_mask(src), positions=positions)
 

@@ -89,3 +89,19 @@ def test_gradient_flows_and_bf16_logits_are_upcast():
     loss.backward()
     assert logits.grad[0, 2].abs().sum() == 0 and logits.grad[0, 0].abs().sum() > 0  # pads get no gradient
     assert math.isfinite(loss.item())
+
+
+def test_mismatched_shapes_and_eps_are_refused_and_nothing_scored_has_zero_gradient():
+    """(3, V) logits with 2 targets gave a number read past the logits (5e23 in one run); eps outside
+    [0, 1] a number; and a batch whose every target is ignored failed in the backward."""
+    with pytest.raises(ValueError, match=r"^logits \(3, 10\) and target \(2,\): the target needs"):
+        label_smoothed_nll(torch.randn(3, 10), torch.tensor([1, 2]), 0.1, None)
+    with pytest.raises(ValueError, match=r"^logits \(2, 5, 10\) and target \(2, 4\)"):
+        label_smoothed_nll(torch.randn(2, 5, 10), torch.zeros(2, 4, dtype=torch.long), 0.1, 0)
+    for eps in (-0.5, 2.0, math.nan):
+        with pytest.raises(ValueError, match="label smoothing eps="):
+            label_smoothed_nll(torch.randn(3, 10), torch.tensor([1, 2, 3]), eps, None)
+    logits = torch.randn(2, 3, 10, requires_grad=True)
+    loss, nll = label_smoothed_nll(logits, torch.zeros(2, 3, dtype=torch.long), 0.1, 0)  # all padding
+    loss.backward()
+    assert loss.item() == nll.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))

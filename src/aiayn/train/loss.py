@@ -25,6 +25,11 @@ def label_smoothed_nll(
     Computed in float32 whatever the autocast dtype: a bf16 log-softmax over 37k classes loses the
     small probabilities that the smoothing term sums. The NLL is a statistic and carries no gradient.
     """
+    if logits.shape[:-1] != target.shape:  # (3, V) with (2,) read past the logits, or broadcast
+        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)}: the target needs "
+                         "the logits' shape without the last (vocabulary) dimension")
+    if not 0.0 <= eps <= 1.0:  # a number outside is no distribution
+        raise ValueError(f"label smoothing eps={eps} is not in [0, 1]")
     if ignore_index is not None:
         keep = target != ignore_index  # (...)
         if not bool(keep.all()):
@@ -148,6 +153,8 @@ def _scaled(grad: Tensor, g: Tensor) -> Tensor:
     """G times the (N,) gradient of the smoothed losses. Training sends one number for every row (a
     sum's or a mean's gradient, expanded: stride 0): one pass, computed in float32 and rounded once.
     Rows weighted differently go through an (N, V) float32 product."""
+    if grad.shape[0] == 0:  # no position scored (every target ignored): nothing to scale
+        return grad
     if g.numel() == 1 or g.stride(0) == 0:
         return torch.mul(grad, g[0])  # a 0-dim factor: the result keeps G's dtype, nothing read back
     return (grad * g[:, None]).to(grad.dtype)

@@ -266,3 +266,9 @@ def test_a_kv_cache_is_tied_to_its_memory_and_to_no_grad():
             model.decode(torch.tensor([[4]]), model.encode(b), None, cache)
     with pytest.raises(RuntimeError, match=r"^decoding with a KVCache needs torch.no_grad\(\) or "):
         model.decode(torch.tensor([[1]]), model.encode(a), None, model.new_cache(1, 8))
+
+
+def test_pad_and_eos_must_differ():
+    """The search masks padding: with pad_id == eos_id no output could end (twenty tokens, no EOS)."""
+    with pytest.raises(ConfigError, match=r"pad_id and eos_id are both 2: padding and the end of a sentence"):
+        model_config("micro", vocab_size=10, pad_id=2, eos_id=2)

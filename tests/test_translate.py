@@ -608,12 +608,18 @@ def test_ensemble_member_with_other_ids_is_named(checkpoint, tmp_path, capsys):
     other = tmp_path / "other"
     shutil.copytree(checkpoint, other)
     meta = json.loads((other / "meta.json").read_text(encoding="utf-8"))
-    meta["model"]["eos_id"] += 1
+    meta["model"]["decoder_start_id"] += 1  # eos_id or pad_id: refused at load, against the tokenizer's
     (other / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
-    with pytest.raises(UserError, match=f"{other}: differs from {checkpoint} in eos_id"):
+    with pytest.raises(UserError, match=f"{other}: differs from {checkpoint} in decoder_start_id"):
         Translator.load([checkpoint, other])
     assert main(["translate", str(checkpoint), str(other), "-q"]) == 2
     assert f"{other}: differs from" in capsys.readouterr().err
+    meta["model"]["decoder_start_id"] -= 1
+    meta["model"]["pad_id"] = 5  # the model would attend the tokenizer's padding
+    (other / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    with pytest.raises(UserError, match=r"meta.json: the tokenizer's pad id is 0, the model's pad_id 5: not "
+                                        "the tokenizer this model was trained with$"):
+        Translator.load([other])
 
 
 def test_int8_model_stays_close_to_float():

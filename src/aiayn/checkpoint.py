@@ -243,6 +243,13 @@ def check_vocabulary(config: ModelConfig, tokenizer: Tokenizer, where: Path) -> 
     if bad:
         raise CorruptFile(f"{where}: special ids {', '.join(bad)} outside the model's "
                           f"{config.target_vocab_size} target embeddings")
+    # The model masks config.pad_id and stops at config.eos_id; the tokenizer pads and ends sentences with
+    # its own: another pad was attended (results changed with batching), -1 failed in the embedding
+    pairs = (("pad", tokenizer.pad_id, config.pad_id), ("eos", tokenizer.eos_id, config.eos_id))
+    for name, ours, model in pairs:
+        if ours != model:
+            raise CorruptFile(f"{where}: the tokenizer's {name} id is {ours}, the model's {name}_id {model}: "
+                              "not the tokenizer this model was trained with")
 
 
 def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> Checkpoint:

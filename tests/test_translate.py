@@ -908,3 +908,15 @@ def test_min_len_past_the_models_positions_is_refused_whatever_max_len_a(checkpo
     assert main(["translate", str(checkpoint), "-i", str(src), "--min-len", str(limit + 1)]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"min_len={limit + 1}" in err
+
+
+def test_translate_stream_of_text_is_a_type_error_naming_the_fix(checkpoint):
+    """A text stream (io.StringIO, sys.stdin) failed at its first line: 'str' object has no attribute
+    'decode'."""
+    translator = Translator.load(checkpoint)
+    with pytest.raises(TypeError, match=r"^<text>: translate_stream reads bytes .* open\(path, 'rb'\) or "
+                                        r"sys.stdin.buffer$"):
+        translate_stream(translator, io.StringIO("the number 3\n"), io.StringIO(), "<text>", **OPTIONS)
+    out = io.StringIO()
+    assert translate_stream(translator, io.BytesIO(b"the number 3\n"), out, "<bytes>", **OPTIONS) == 1
+    assert out.getvalue().count("\n") == 1

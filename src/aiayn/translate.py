@@ -407,6 +407,9 @@ def translate_stream(
     config = decode_config(translator.config, **options)
     check_count("chunk", chunk)
     check_count("max_tokens", max_tokens)
+    if isinstance(src, io.TextIOBase):  # failed at the first line: 'str' object has no attribute 'decode'
+        raise TypeError(f"{name}: translate_stream reads bytes (its UTF-8 is checked line by line); give a "
+                        "binary stream, e.g. open(path, 'rb') or sys.stdin.buffer")
     generator = sampling_generator(config, translator.device) if config.sample else None
     reproducible = config.sample and config.seed is not None  # batches must not follow a pipe's timing
     done = 0

@@ -271,3 +271,13 @@ def test_bootstrap_resamples_past_memory_are_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"^confidence=1000000000: out of memory for that many bootstrap "
                                         r"resamples of 2 lines; give fewer"):
         corpus_scores(["a b c", "d e f"], [["a b c", "d e f"]], confidence=1_000_000_000)
+
+
+def test_corpus_scores_checks_confidence_and_ter_types():
+    """confidence=2.5 failed inside sacreBLEU ("'float' object cannot be interpreted as an integer");
+    ter="no" was taken as True."""
+    for confidence in (2.5, 1, -3, True):
+        with pytest.raises(UserError, match=rf"^confidence={confidence!r}: give a whole number of bootstrap"):
+            corpus_scores(["a b c"], [["a b c"]], confidence=confidence)
+    with pytest.raises(TypeError, match=r"^ter='no' must be True or False$"):
+        corpus_scores(["a b c"], [["a b c"]], ter="no")

@@ -148,8 +148,11 @@ def corpus_scores(
             )
     if chrf_word_order not in (0, 1, 2):  # sacreBLEU takes 0-2 (0: chrF, 2: chrF++)
         raise UserError(f"chrF's word order {chrf_word_order} is not 0, 1 or 2 (2 is chrF++)")
-    if confidence < 0 or confidence == 1:
-        raise UserError(f"confidence={confidence}: give a number of bootstrap resamples, at least 2 (0: off)")
+    if isinstance(confidence, bool) or not isinstance(confidence, int) or confidence < 0 or confidence == 1:
+        raise UserError(f"confidence={confidence!r}: give a whole number of bootstrap resamples, at least 2 "
+                        "(0: off)")  # 2.5 failed inside sacreBLEU
+    if not isinstance(ter, bool):  # "no" is true
+        raise TypeError(f"ter={ter!r} must be True or False")
     bleu, lowercased = bleu_metrics(lang, tokenize)
     metrics = [(None, bleu), (None, CHRF(word_order=chrf_word_order)),
                (LOWERCASE_LABEL.format(bleu.tokenizer_signature), lowercased)] + ([(None, TER())] if ter else [])

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from aiayn.config import ConfigError, ModelConfig, model_config
 from aiayn.model import MultiHeadAttention, Transformer, causal_mask, padding_mask, sinusoidal_positions
+from aiayn.model.kv_cache import KVCache
 from conftest import padded_batch, tiny_model
 from reference import TorchReference, naive_attention
 
@@ -264,6 +265,13 @@ def test_a_kv_cache_is_tied_to_its_memory_and_to_no_grad():
         with pytest.raises(ValueError, match=r"^KVCache was filled for a memory of 1 x 3 source positions, "
                                              r"not 1 x 5: a new source needs a new cache$"):
             model.decode(torch.tensor([[4]]), model.encode(b), None, cache)
+    with torch.no_grad():
+        c = model.config
+        wrong = ((c.decoder_layers - 1, c.n_heads, c.d_k), (c.decoder_layers, 1, c.d_model))
+        for layers, heads, size in wrong:  # a layer too few was an IndexError, other heads a size mismatch
+            hand_made = KVCache(layers, 1, heads, size, 8)
+            with pytest.raises(ValueError, match=r"^KVCache has \(layers, heads, head size\) .* make it"):
+                model.decode(torch.tensor([[1]]), model.encode(a), None, hand_made)
     with pytest.raises(RuntimeError, match=r"^decoding with a KVCache needs torch.no_grad\(\) or "):
         model.decode(torch.tensor([[1]]), model.encode(a), None, model.new_cache(1, 8))
 

@@ -53,10 +53,16 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
-    def check_step(self, rows: int, sentences: int, src_len: int) -> None:
+    def check_step(self, rows: int, sentences: int, src_len: int, shape: tuple[int, int, int]) -> None:
         """Before a decoding step of `rows` target rows over a memory of `sentences` x `src_len`: the cache's
         rows, and the memory its cross-attention K/V were projected from on the first step (a later one was
-        ignored: the step attended over the first memory's keys with the second's mask)."""
+        ignored: the step attended over the first memory's keys with the second's mask). `shape`: the
+        model's (decoder layers, heads, head size), which a hand-made cache must have (fewer layers were an
+        IndexError, other heads a size mismatch)."""
+        mine = (self.k.shape[0], self.k.shape[3], self.k.shape[4])
+        if mine != shape:
+            raise ValueError(f"KVCache has (layers, heads, head size) {mine}, the model {shape}: make it "
+                             "with the model's new_cache")
         if rows != self.k.shape[1]:
             raise ValueError(f"KVCache holds {self.k.shape[1]} rows; this step has {rows}")
         cross = self.cross[0][0] if self.cross[0] is not None else None  # layer 0's keys, (B, H, S, D)

@@ -242,7 +242,8 @@ class Transformer(nn.Module):
             raise ValueError(f"tgt_in has {tgt_in.shape[0]} rows, memory {tuple(memory.shape)}: (B, S, d) "
                              f"with B = rows{per}")
         if cache is not None:
-            cache.check_step(tgt_in.shape[0], memory.shape[0], memory.shape[1])
+            shape = (len(self.decoder), self.config.n_heads, self.config.d_k)
+            cache.check_step(tgt_in.shape[0], memory.shape[0], memory.shape[1], shape)
         start = 0 if cache is None else cache.length
         x = self.tgt_embed(tgt_in, start)
         for i, layer in enumerate(self.decoder):

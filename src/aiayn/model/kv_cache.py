@@ -60,7 +60,7 @@ class KVCache:
         model's (decoder layers, heads, head size), which a hand-made cache must have (fewer layers were an
         IndexError, other heads a size mismatch)."""
         mine = (self.k.shape[0], self.k.shape[3], self.k.shape[4])
-        if mine != shape:
+        if not torch.compiler.is_compiling() and mine != shape:  # eager: dynamo's fake tensors fail on it
             raise ValueError(f"KVCache has (layers, heads, head size) {mine}, the model {shape}: make it "
                              "with the model's new_cache")
         if rows != self.k.shape[1]:

@@ -58,7 +58,7 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     logits on two threads of an AMD EPYC, both interleaved in one run, about 49 against 70 ms; 2,048 x
     8,000, 13 against 19. Bf16 logits' gradient is then rounded twice (G, then G times the scale), at most
     half a bf16 unit more; with a power-of-two scale, such as the benchmark's 1 / 2,048, the two ways give
-    the same bits. Without it (validation) nothing is kept but the logits, and no gradient is made.
+    the same bits. Without it (validation) only the logits are kept; a backward, if one comes, makes G then.
     On a GPU (`rows` None) whole-tensor kernels that cast as they read do it in fewer passes: forward
     log_softmax(dtype=float32) and its mean, backward softmax(dtype=float32), one addcmul and the cast;
     the CPU's blocks would be many small kernels, and broadcasting in-place ops run slowly there
@@ -91,32 +91,17 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_smoothed: Tensor, _: Tensor) -> tuple[Tensor, None, None, None, None]:
         saved, target = ctx.saved_tensors  # the logits, or with grad_now the gradient G
-        if ctx.grad_now:
-            return _scaled(saved, g_smoothed), None, None, None, None
         logits, eps, rows, acc, vocab = saved, ctx.eps, ctx.rows, ctx.acc, saved.shape[-1]
+        if rows is not None:  # a CPU: G from the forward (training), or made now from the saved logits
+            grad = saved if ctx.grad_now else _statistics_and_gradient(logits, target, eps, rows, acc)[2]
+            return _scaled(grad, g_smoothed), None, None, None, None
+        # whole tensors (a GPU): softmax upcasts as it reads, addcmul scales in one pass
         uniform = (eps / vocab) * g_smoothed  # (N,) the smoothing's share of every class
         onehot = -(1.0 - eps) * g_smoothed  # (N,) added at the reference token
-        if rows is None:  # whole tensors (a GPU): softmax upcasts as it reads, addcmul scales in one pass
-            p = torch.softmax(logits, dim=-1, dtype=acc)  # (N, V)
-            torch.addcmul(-uniform[:, None], p, g_smoothed[:, None], out=p)  # p * g - uniform
-            p.scatter_add_(-1, target[:, None], onehot[:, None])
-            return p.to(logits.dtype), None, None, None, None
-        grad = torch.empty_like(logits)  # (N, V), the logits' dtype
-        # Float32 (or float64) logits: each block is computed in place in `grad`; narrower ones in a
-        # float32 block that is cast once on the way out.
-        narrow = logits.dtype != acc
-        block = torch.empty(rows, vocab, dtype=acc, device=grad.device) if narrow else None
-        for i in range(0, logits.shape[0], rows):
-            j = slice(i, i + rows)
-            p = grad[j] if block is None else block[: grad[j].shape[0]]  # (rows, V), in cache
-            # PyTorch's softmax kernel, not exp(z - lse): its vectorized exp runs about 1.5x faster than
-            # exp_'s (one 32 x 32,000 block on this AMD EPYC: 334 against 511 us, copy included)
-            torch.softmax(logits[j], dim=-1, dtype=acc, out=p)
-            p.mul_(g_smoothed[j, None]).sub_(uniform[j, None])
-            p.scatter_add_(-1, target[j, None], onehot[j, None])
-            if block is not None:
-                grad[j] = p  # cast to the logits' dtype
-        return grad, None, None, None, None
+        p = torch.softmax(logits, dim=-1, dtype=acc)  # (N, V)
+        torch.addcmul(-uniform[:, None], p, g_smoothed[:, None], out=p)  # p * g - uniform
+        p.scatter_add_(-1, target[:, None], onehot[:, None])
+        return p.to(logits.dtype), None, None, None, None
 
 
 def _statistics_and_gradient(
@@ -139,6 +124,8 @@ def _statistics_and_gradient(
         p = grad[j] if block is None else block[: grad[j].shape[0]]  # (rows, V), in cache
         p.copy_(logits[j])  # z, upcast
         m, z_sum, z_y = p.amax(dim=-1), p.sum(dim=-1), p.gather(-1, target[j, None]).squeeze(-1)  # (rows,)
+        # PyTorch's softmax kernel, not exp(z - lse): its vectorized exp runs about 1.5x faster than exp_'s
+        # (one 32 x 32,000 block on this AMD EPYC: 334 against 511 us, copy included)
         torch.softmax(p, dim=-1, out=p)  # p, in place
         lse = m - p.amax(dim=-1).log()  # (rows,)
         torch.sub(z_y, lse, out=lp_y[j])

@@ -119,13 +119,14 @@ def is_checkpoint(path: Path) -> bool:
     return (path / META).is_file() and (path / WEIGHTS).is_file()
 
 
-def enclosing_checkpoint(path: str | Path, itself: bool = True) -> Path | None:
-    """The checkpoint directory (weights and meta.json) that `path` is (when `itself`) or lies inside, or
-    None. `..` is taken out first, as the kernel would: a/ck/../x is a/x."""
+def enclosing_checkpoint(path: str | Path, itself: bool = True) -> tuple[str, Path] | None:
+    """("is" or "lies inside", the checkpoint directory) where `path` is (when `itself`) or lies inside a
+    checkpoint (weights and meta.json), else None, as `train.state.training_owned` says it of a run's
+    checkpoints/. `..` is taken out first, as the kernel would: a/ck/../x is a/x."""
     target = Path(os.path.abspath(path))
     for place in (target, *target.parents) if itself else target.parents:
         if is_checkpoint(place):
-            return place
+            return ("is" if place == target else "lies inside"), place
     return None
 
 

@@ -237,9 +237,8 @@ def _check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
     from aiayn.checkpoint import enclosing_checkpoint
     from aiayn.train.state import training_owned
 
-    place = enclosing_checkpoint(output, itself=not may_be_one)
-    if place is not None:
-        relation = "is" if place == type(place)(os.path.abspath(output)) else "lies inside"
+    if (inside := enclosing_checkpoint(output, itself=not may_be_one)) is not None:
+        relation, place = inside
         raise UserError(f"{output}: {relation} the checkpoint {place}; write it elsewhere")
     if (owned := training_owned(output)) is not None:  # a step_N name there is pruned or read by training
         relation, place = owned

@@ -102,9 +102,10 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
         raise UserError(f"{out}: exists and is not a directory; will not replace it")
     if exists and not force:
         raise UserError(f"{out}: already exists (pass --force to replace it)")
-    if exists and overlap(Path.cwd(), out) in ("is", "lies inside"):  # "." was refused, "$PWD" was not
-        raise UserError(f"{out}: {'is' if resolved(out) == resolved(Path.cwd()) else 'contains'} the current "
-                        "directory; will not replace it")
+    here = overlap(Path.cwd(), out) if exists else None  # "." was refused, "$PWD" was not
+    if here in ("is", "lies inside"):
+        raise UserError(f"{out}: {'is' if here == 'is' else 'contains'} the current directory; will not "
+                        "replace it")
     if exists and earlier is not None and any(out.iterdir()) and not earlier[1](out):
         raise UserError(f"{out}: holds files that are not {earlier[0]}; will not replace it, even with "
                         "--force (delete it first if it should go)")

@@ -404,7 +404,7 @@ def translate_stream(
     whole stream; with a `seed` too, a pipe is read in whole `chunk`-line blocks like a file, since
     which line gets which draw depends on the batches (`Translator.hypotheses`). Returns the number of
     lines read."""
-    config = decode_config(translator.config, **options)
+    config = translator.decode_config(**options)
     check_count("chunk", chunk)
     check_count("max_tokens", max_tokens)
     if isinstance(src, io.TextIOBase):  # failed at the first line: 'str' object has no attribute 'decode'

@@ -709,9 +709,8 @@ def _check_run_dir(run_dir: Path) -> None:
 def _check_outside_other_runs(run_dir: Path) -> None:
     """A run_dir that is or lies inside a checkpoint (the one `init_from` reads, say), or inside another
     run's checkpoints/, would be deleted whole, this run's checkpoints with it, when that run prunes."""
-    place = enclosing_checkpoint(run_dir)
-    if place is not None:
-        relation = "is" if place == Path(os.path.abspath(run_dir)) else "lies inside"
+    if (inside := enclosing_checkpoint(run_dir)) is not None:
+        relation, place = inside
         raise UserError(f"{run_dir}: train.run_dir {relation} the checkpoint {place}, which its run's "
                         "keep_last may delete; choose another run_dir")
     if (owned := training_owned(run_dir)) is not None:

@@ -155,9 +155,11 @@ def label_smoothed_loss(logits: Tensor, tgt_out: Tensor) -> Tensor:
                            label_smoothing=LABEL_SMOOTHING)
 
 
-def make_step(model: nn.Module, forward: Callable, dtype: torch.dtype | None) -> Callable:
+def make_step(model: nn.Module, forward: Callable, dtype: torch.dtype | None,
+              opt: torch.optim.Optimizer | None = None) -> Callable:
     """A closure doing one training step on a batch; returns the loss as a float."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    if opt is None:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     device_type = next(model.parameters()).device.type
 
     def step(src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> float:
@@ -377,28 +379,14 @@ def loss_curve(steps: int, seed: int = 0, device: str = "cpu") -> dict:
         torch.manual_seed(seed)
         model = Transformer(c).to(device).train()
         opt = torch.optim.Adam(model.parameters(), lr=5e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
-        step = make_step_with(model, opt, PRECISIONS[precision])
+        # The loss `aiayn train` minimizes, not the peers' F.cross_entropy.
+        step = make_step(model, aiayn_loss(model), PRECISIONS[precision], opt)
         torch.manual_seed(seed + 2)  # the same dropout masks in both runs (all devices' generators)
         curves[precision] = [step(*b) for b in batches]
     diffs = [abs(a - b) for a, b in zip(curves["fp32"], curves["bf16"])]
     rel = [d / a for d, a in zip(diffs, curves["fp32"])]
     return dict(steps=steps, fp32=curves["fp32"], bf16=curves["bf16"], max_abs_diff=max(diffs),
                 max_rel_diff=max(rel), final_fp32=curves["fp32"][-1], final_bf16=curves["bf16"][-1])
-
-
-def make_step_with(model: nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype | None) -> Callable:
-    device_type = next(model.parameters()).device.type
-    forward = aiayn_loss(model)  # the loss `aiayn train` minimizes, not the peers' F.cross_entropy
-
-    def step(src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> float:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = forward(src, tgt_in, tgt_out)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -144,6 +144,23 @@ def test_config_is_marians(converted):
     assert c.target_vocab_size == hf.lm_head.weight.shape[0]
 
 
+def test_info_describes_the_converted_checkpoint(build, capsys):
+    """`aiayn info` of a converted checkpoint: HF's parameter count (its tied, shared embeddings counted
+    once, the frozen position table and the final_logits_bias buffer not at all), both vocabularies, and
+    the OPUS-MT directory it came from."""
+    from aiayn.cli import main
+
+    hf, ckpt, opus = build(("relu", False))  # separate vocabularies
+    assert main(["info", str(ckpt.path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    counted = sum(p.numel() for name, p in hf.named_parameters() if "embed_positions" not in name)
+    assert lines[2].startswith(f"parameters: {counted:,} (float32; model.safetensors ")
+    sizes = ckpt.tokenizer.src_vocab_size, ckpt.tokenizer.tgt_vocab_size
+    assert lines[3] == (f"tokenizer: SentencePiece (source.spm, target.spm), {sizes[0]:,} source and "
+                        f"{sizes[1]:,} target pieces") and sizes[0] != sizes[1]
+    assert lines[-1] == f"converted from: marian {opus.resolve()}"
+
+
 def test_positions_are_marians_table(converted):
     hf, ck, _ = converted
     theirs = hf.model.encoder.embed_positions.weight  # MarianSinusoidalPositionalEmbedding.create_weight

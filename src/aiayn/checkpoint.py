@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from aiayn.config import ConfigError, ModelConfig, from_dict, to_dict
@@ -194,7 +194,8 @@ def check_fits(model: Transformer, weights: dict[str, torch.Tensor], where: str 
         parts = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
                  f"wrong shape {shapes[:3]}" if shapes else "", f"wrong dtype {dtypes[:3]}" if dtypes else ""]
         raise UserError(f"{where}: weights do not fit this model: " + "; ".join(p for p in parts if p))
-    broken = [k for k, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    broken = [k for k, t in weights.items()  # (meta tensors: shapes only, as `describe_checkpoint` reads)
+              if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all())]
     if broken:  # training never saves such weights (loop._check_finite_weights): the file was damaged
         raise CorruptFile(f"{where}: {len(broken)} tensor(s) hold NaN or infinite values ({', '.join(broken[:3])}); "
                           "the file is damaged")
@@ -260,13 +261,95 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
         what = "is a file, not a checkpoint directory" if directory.exists() else "checkpoint not found"
         raise UserError(f"{directory}: {what}")
     meta = read_meta(directory)
-    if not isinstance(meta.get("model"), dict):  # a string was read key by key: "unknown keys c, i, m"
-        raise CorruptFile(f"{directory / META}: corrupt checkpoint metadata ('model' is not a table)")
-    try:
-        config = from_dict(ModelConfig, meta["model"], where=str(directory / META))
-    except (ConfigError, KeyError, TypeError) as e:
-        raise UserError(f"{directory / META}: bad model configuration ({e})") from None
+    config = meta_model_config(directory, meta)
     model = model_from_weights(config, load_weights(directory), directory / WEIGHTS, device)
     tokenizer = checkpoint_tokenizer(directory, meta)
     check_vocabulary(config, tokenizer, directory / META)
     return Checkpoint(model.eval(), tokenizer, meta, directory)
+
+
+def meta_model_config(directory: Path, meta: dict[str, Any]) -> ModelConfig:
+    """The `ModelConfig` a checkpoint's meta.json records, checked; else one line naming the file."""
+    if not isinstance(meta.get("model"), dict):  # a string was read key by key: "unknown keys c, i, m"
+        raise CorruptFile(f"{directory / META}: corrupt checkpoint metadata ('model' is not a table)")
+    try:
+        return from_dict(ModelConfig, meta["model"], where=str(directory / META))
+    except (ConfigError, KeyError, TypeError) as e:
+        raise UserError(f"{directory / META}: bad model configuration ({e})") from None
+
+
+def describe_checkpoint(directory: str | Path) -> list[str]:
+    """`aiayn info CHECKPOINT`'s lines: the model, its weights as stored, the tokenizer and where the
+    checkpoint came from. The weights file's header is read, not its tensors: a `big` checkpoint is
+    described in a blink, and a damaged header or a file that does not fit the model is still named."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        what = "is a file, not a checkpoint directory" if directory.exists() else "checkpoint not found"
+        raise UserError(f"{directory}: {what}")
+    meta = read_meta(directory)
+    config = meta_model_config(directory, meta)
+    tokenizer = checkpoint_tokenizer(directory, meta)
+    check_vocabulary(config, tokenizer, directory / META)
+    with torch.device("meta"):  # shapes only
+        model = Transformer(config)
+    stored = _stored_tensors(directory)
+    check_fits(model, stored, directory / WEIGHTS)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in stored.values()})
+    size = (directory / WEIGHTS).stat().st_size
+    size_text = f"{size / 1e6:,.1f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"
+    lines = [f"checkpoint: {directory}", str(config),
+             f"parameters: {model.num_parameters():,} ({', '.join(dtypes)}; {WEIGHTS} {size_text})"]
+    files = tokenizer_description(meta, directory / META)["files"]
+    one = tokenizer.shared and tokenizer.vocab is None
+    pieces = (f"{tokenizer.src_vocab_size:,} pieces, both sides" if one
+              else f"{tokenizer.src_vocab_size:,} source and {tokenizer.tgt_vocab_size:,} target pieces")
+    lines.append(f"tokenizer: SentencePiece ({', '.join(files.values())}), {pieces}")
+    lines += _provenance(meta)
+    return lines
+
+
+def _stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """The weights file's tensors as empty meta-device tensors of their stored dtypes and shapes."""
+    path = directory / WEIGHTS
+    if not path.is_file():
+        load_weights(directory)  # names the missing file, the directory or the dangling link
+    try:
+        with safe_open(str(path), framework="pt") as f:  # the header alone
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {name: torch.empty(part.get_shape(), device="meta",
+                                      dtype=_SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8))
+                    for name, part in slices.items()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CorruptFile(f"{path}: corrupt weights ({e})") from None
+
+
+# safetensors' dtype names (its header's); one not listed is named to `check_fits` as uint8, not a float
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _provenance(meta: dict[str, Any]) -> list[str]:
+    """Where a checkpoint came from, as its meta.json says: training (step, validation), an average, or
+    a conversion."""
+    lines = []
+    averaged = meta.get("averaged") if isinstance(meta.get("averaged"), list) else None
+    if isinstance(meta.get("step"), int):
+        # An average keeps the newest checkpoint's meta.json, whose validation scored that one alone
+        metrics = meta.get("metrics") if isinstance(meta.get("metrics"), dict) and averaged is None else {}
+        scores = [f"{k} {v:.4g}" for k, v in metrics.items()
+                  if k.startswith("valid_") and isinstance(v, (int, float)) and not isinstance(v, bool)]
+        epoch = f", epoch {meta['epoch']}" if isinstance(meta.get("epoch"), int) else ""
+        scored = f"; {', '.join(scores)}" if scores else ""
+        lines.append(f"trained: update {meta['step']:,}{epoch}{scored}")
+    data = config_section(meta, "data") or {}
+    if isinstance(data.get("train_src"), str) and isinstance(data.get("train_tgt"), str):
+        lines.append(f"data: {data['train_src']} -> {data['train_tgt']}")
+    if averaged is not None:
+        lines.append(f"averaged: {len(averaged)} checkpoints, {', '.join(map(str, averaged))} "
+                     "(not validated as an average)")
+    source = meta.get("converted_from")
+    if isinstance(source, dict):
+        lines.append(f"converted from: {source.get('format')} {source.get('path')}")
+    return lines

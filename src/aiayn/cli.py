@@ -42,16 +42,44 @@ number_list.__name__ = "comma-separated list of positive integers"
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    """Print a preset's resolved configuration and its parameter count."""
+    """Print a preset's resolved configuration and its parameter count, or describe a checkpoint."""
     import torch
 
     from aiayn.model import Transformer
 
-    config = model_config(args.preset, vocab_size=args.vocab_size)
+    preset = _info_preset(args)
+    if preset is None:
+        from aiayn.checkpoint import describe_checkpoint
+
+        print("\n".join(describe_checkpoint(args.what)))
+        return
+    config = model_config(preset, vocab_size=args.vocab_size or 37000)
     print(config)
     with torch.device("meta"):  # shapes only: a billion-word vocabulary would allocate 128 GB, or OOM-kill
         model = Transformer(config)
     print(f"parameters: {model.num_parameters():,}")
+
+
+def _info_preset(args: argparse.Namespace) -> str | None:
+    """The preset `aiayn info` shows, or None for the checkpoint directory `args.what` names. A checkpoint
+    directory named like a preset ("base") is a checkpoint; a name that is neither is one line."""
+    from pathlib import Path
+
+    from aiayn.checkpoint import is_checkpoint
+
+    if args.what is not None and args.preset is not None:
+        both = f"{args.what!r} and --preset {args.preset}"
+        raise UserError(f"info: give a preset or a checkpoint, not both ({both})")
+    if args.what is None:
+        return args.preset or "base"
+    if args.what in PRESETS and not is_checkpoint(Path(args.what)):
+        return args.what
+    if args.vocab_size is not None:
+        raise UserError(f"info: --vocab-size sizes a preset; {args.what} is described as saved")
+    if not Path(args.what).exists() and args.what.isidentifier():
+        raise UserError(f"info: {args.what!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                        "nor a checkpoint directory")
+    return None
 
 
 def _log_to_stderr() -> None:
@@ -317,9 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="aiayn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("info", help="show a model preset and its parameter count")
-    p.add_argument("--preset", default="base", choices=sorted(PRESETS))
-    p.add_argument("--vocab-size", type=positive_int, default=37000)
+    p = sub.add_parser("info", help="show a model preset and its parameter count, or describe a checkpoint")
+    p.add_argument("what", nargs="?", metavar="PRESET_OR_CHECKPOINT",
+                   help=f"a preset ({', '.join(sorted(PRESETS))}; default base) or a checkpoint directory: "
+                        "its model, parameters, tokenizer and where it came from (training, average, "
+                        "conversion)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="the same as naming the preset")
+    p.add_argument("--vocab-size", type=positive_int, help="a preset's shared vocabulary (default 37000)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("train", help="train on parallel text (also under torchrun --nproc_per_node N)")

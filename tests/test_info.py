@@ -1,0 +1,111 @@
+"""`aiayn info CHECKPOINT`: what a checkpoint holds, read from its files' headers, against the loaded model."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from aiayn.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
+from aiayn.cli import main
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.train.average import average_checkpoints
+
+LINES = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} und die Zahl {i}" for i in range(40)]
+METRICS = {"step": 300, "epoch": 2, "valid_loss": 1.5, "valid_nll": 1.25, "valid_ppl": 3.4903}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return Tokenizer(train_sentencepiece(LINES, tmp_path_factory.mktemp("spm") / "spm", vocab_size=60))
+
+
+def save(path, tokenizer, step=300, dtype=torch.float32, **overrides):
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size, **overrides).to(dtype)
+    meta = {"step": step, "epoch": 2, "metrics": {**METRICS, "step": step},
+            "config": {"data": {"train_src": "corpus.en", "train_tgt": "corpus.de"}}}
+    return save_checkpoint(path, model, tokenizer, meta)
+
+
+def info(capsys, *args):
+    code = main(["info", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out.splitlines(), out.err.strip()
+
+
+def test_a_trained_checkpoint_is_described_as_loading_it_finds_it(tmp_path, tokenizer, capsys):
+    path = save(tmp_path / "ck", tokenizer, dtype=torch.bfloat16)
+    loaded = load_checkpoint(path)
+    code, lines, err = info(capsys, path)
+    assert code == 0 and not err
+    assert lines[0] == f"checkpoint: {path}" and lines[1] == str(loaded.model.config)
+    size = (path / WEIGHTS).stat().st_size
+    assert lines[2] == f"parameters: {loaded.model.num_parameters():,} (bfloat16; {WEIGHTS} {size / 1e3:.0f} kB)"
+    assert lines[3] == f"tokenizer: SentencePiece (spm.model), {tokenizer.src_vocab_size} pieces, both sides"
+    assert lines[4] == "trained: update 300, epoch 2; valid_loss 1.5, valid_nll 1.25, valid_ppl 3.49"
+    assert lines[5] == "data: corpus.en -> corpus.de" and len(lines) == 6
+
+
+def test_an_average_does_not_show_its_newest_checkpoints_validation(tmp_path, tokenizer, capsys):
+    paths = [save(tmp_path / f"step_{i}", tokenizer, step=i) for i in (100, 200)]
+    out = average_checkpoints(paths, tmp_path / "avg")
+    code, lines, _ = info(capsys, out)
+    assert code == 0 and "trained: update 200, epoch 2" in lines and not any("valid_" in line for line in lines)
+    assert lines[-1] == f"averaged: 2 checkpoints, {paths[0]}, {paths[1]} (not validated as an average)"
+
+
+def test_a_preset_is_named_as_an_argument_or_an_option(capsys):
+    assert info(capsys, "small")[:2] == info(capsys, "--preset", "small")[:2]
+    code, lines, _ = info(capsys, "small")
+    assert code == 0 and lines[0].startswith("ModelConfig(vocab_size=37000, tgt_vocab_size=None, d_model=256")
+    assert info(capsys)[1] == info(capsys, "base")[1]  # base, as before the argument existed
+
+
+def test_a_checkpoint_directory_named_like_a_preset_is_the_checkpoint(tmp_path, tokenizer, capsys, monkeypatch):
+    save(tmp_path / "small", tokenizer)
+    monkeypatch.chdir(tmp_path)
+    code, lines, _ = info(capsys, "small")
+    assert code == 0 and lines[0] == "checkpoint: small"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bse"], "info: 'bse' is neither a preset (base, big, micro, small, tiny) nor a checkpoint directory"),
+    (["small", "--preset", "base"], "info: give a preset or a checkpoint, not both ('small' and --preset base)"),
+    (["nowhere/ck"], "nowhere/ck: checkpoint not found"),
+])
+def test_wrong_arguments_are_one_line(capsys, args, message):
+    code, lines, err = info(capsys, *args)
+    assert code == 2 and not lines and err == f"aiayn: error: {message}"
+
+
+def test_vocab_size_is_refused_for_a_checkpoint(tmp_path, tokenizer, capsys):
+    path = save(tmp_path / "ck", tokenizer)
+    code, _, err = info(capsys, path, "--vocab-size", "8000")
+    assert code == 2 and err == f"aiayn: error: info: --vocab-size sizes a preset; {path} is described as saved"
+
+
+def test_weights_of_another_model_are_named(tmp_path, tokenizer, capsys):
+    path = save(tmp_path / "ck", tokenizer)
+    save(tmp_path / "wide", tokenizer, d_ff=96)
+    (path / WEIGHTS).write_bytes((tmp_path / "wide" / WEIGHTS).read_bytes())
+    code, lines, err = info(capsys, path)
+    assert code == 2 and not lines
+    assert err.startswith(f"aiayn: error: {path / WEIGHTS}: weights do not fit this model: wrong shape [")
+    assert "(96, 32) vs (64, 32)" in err
+
+
+def test_a_damaged_header_is_named(tmp_path, tokenizer, capsys):
+    path = save(tmp_path / "ck", tokenizer)
+    data = (path / WEIGHTS).read_bytes()
+    (path / WEIGHTS).write_bytes(data[:8] + b"{not json" + data[17:])
+    code, _, err = info(capsys, path)
+    assert code == 2 and err.startswith(f"aiayn: error: {path / WEIGHTS}: corrupt weights (")
+
+
+def test_a_damaged_meta_json_is_named(tmp_path, tokenizer, capsys):
+    path = save(tmp_path / "ck", tokenizer)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "model": "base"}))
+    code, _, err = info(capsys, path)
+    assert code == 2 and err == (f"aiayn: error: {path / 'meta.json'}: corrupt checkpoint metadata "
+                                 "('model' is not a table)")

@@ -9,7 +9,7 @@ import pytest
 
 from aiayn.cli import main
 from aiayn.errors import UserError
-from aiayn.evaluate import LOWERCASE_LABEL, corpus_scores, evaluate_files
+from aiayn.evaluate import LOWERCASE_LABEL, corpus_scores, evaluate_files, ter_metric
 
 
 def test_bleu_equals_the_hand_computed_value():
@@ -281,3 +281,53 @@ def test_corpus_scores_checks_confidence_and_ter_types():
             corpus_scores(["a b c"], [["a b c"]], confidence=confidence)
     with pytest.raises(TypeError, match=r"^ter='no' must be True or False$"):
         corpus_scores(["a b c"], [["a b c"]], ter="no")
+
+
+def test_confidence_on_a_few_lines_with_an_empty_hypothesis_is_scored():
+    """sacreBLEU 2.6's chrF gave 0.0 for a resample without matches and float32 otherwise; its bootstrap's
+    `statistics.mean` refused the mix (a TypeError traceback, `sacrebleu --confidence` too)."""
+    from sacrebleu.metrics import CHRF
+
+    hyps, refs = ["the cat sat on the mat", ""], [["the cat sat on the mat", "it rained"]]
+    with pytest.raises(TypeError, match="coerce"):  # sacreBLEU's own, as long as it has the bug
+        CHRF().corpus_score(hyps, refs, n_bootstrap=1000)
+    bleu, chrf, _ = corpus_scores(hyps, refs, confidence=1000)
+    assert chrf.score == pytest.approx(CHRF().corpus_score(hyps, refs).score)
+    assert type(chrf.ci) is float and 0 < chrf.ci <= 50 and "bs:1000" in chrf.signature
+    assert bleu.ci is not None
+
+
+def test_resamples_past_any_memory_are_refused_before_numpy_sees_them():
+    """numpy raised OverflowError for 1e20 resamples and ValueError ("array is too big") for 1e16 of
+    200 lines, both tracebacks; MemoryError alone was caught."""
+    for confidence, lines in ((10**20, 2), (10**16, 200)):
+        with pytest.raises(UserError, match=rf"^confidence={confidence}: out of memory for that many "):
+            corpus_scores(["a b"] * lines, [["a b"] * lines], confidence=confidence)
+
+
+def test_ter_of_chinese_and_japanese_counts_characters_as_words():
+    """Plain TER read an unspaced line as one word (100 for any sentence not exactly right); with -l zh or
+    ja it is sacreBLEU's TER with asian_support, and Thai-like scripts, which it cannot split, are refused."""
+    from sacrebleu.metrics import TER
+
+    hyp, ref = ["我们今天去公园散步。", "他喜欢吃苹果"], [["我们今天去公园。", "他喜欢吃香蕉"]]
+    assert corpus_scores(hyp, ref, ter=True)[-1].score == 100.0
+    asian = TER(normalized=True, asian_support=True).corpus_score(hyp, ref)
+    for lang in ("zh", "zh-TW"):
+        ter = corpus_scores(hyp, ref, lang=lang, ter=True)[-1]
+        assert ter.score == pytest.approx(asian.score) and 0 < ter.score < 50 and "asian:yes" in ter.signature
+    assert ter_metric("ja").asian_support and ter_metric("ja").normalized  # its BLEU needs MeCab here
+    assert not ter_metric("ko").asian_support and not ter_metric("").asian_support  # Korean is spaced
+    with pytest.raises(UserError, match=r"^TER counts word edits, and sacreBLEU cannot split Thai text"):
+        corpus_scores(["วันนี้อากาศดีมาก"], [["วันนี้อากาศดีมาก"]], lang="th", ter=True)
+
+
+def test_chrf_word_ngrams_are_refused_for_unspaced_languages_and_must_be_whole_numbers():
+    for lang, name in (("zh", "Chinese"), ("ja", "Japanese"), ("th", "Thai")):
+        with pytest.raises(UserError, match=rf"^chrF's word n-grams \(word order 2\) are split at spaces, "
+                                            rf"which {name} text has few of"):
+            corpus_scores(["今天天气很好"], [["今天天气很好"]], lang=lang, chrf_word_order=2)
+    assert corpus_scores(["今天天气很好"], [["今天天气很好"]], lang="zh")[1].score == 100.0  # chrF: fine
+    for order in (2.0, True):  # 2.0 failed inside sacreBLEU; True signed itself nw:yes
+        with pytest.raises(UserError, match=rf"^chrF's word order {order!r} is not 0, 1 or 2"):
+            corpus_scores(["a b"], [["a b"]], chrf_word_order=order)

@@ -30,6 +30,7 @@ DOWNLOADED = ("spm", "flores101", "flores200", "spBLEU-1K")  # fetch a SentenceP
 # Unspaced scripts sacreBLEU has no tokenizer for: with -l and no --tokenize, BLEU is scored on characters
 # (13a would leave each line a few long "words" and score a correct translation near 0).
 CHAR_LANGS = {"th": "Thai", "lo": "Lao", "km": "Khmer", "my": "Burmese"}
+UNSPACED = {"zh": "Chinese", "ja": "Japanese", **CHAR_LANGS}  # whose words no space separates
 # ISO 639-2/3 codes of the languages whose tokenizer differs, so that -l tha or -l zho is not 13a unnoticed
 _ALIASES = {"zho": "zh", "chi": "zh", "cmn": "zh", "yue": "zh", "jpn": "ja", "kor": "ko",
             "tha": "th", "lao": "lo", "khm": "km", "mya": "my", "bur": "my"}
@@ -37,6 +38,18 @@ _ALIASES = {"zho": "zh", "chi": "zh", "cmn": "zh", "yue": "zh", "jpn": "ja", "ko
 # (zh-Hant, zh-Hans-CN). A lowercase two-letter second part is what a pair looks like (en-zh, en-de): refused.
 _LANG_TAG = re.compile(r"(?P<lang>[A-Za-z]{2,3})(?:[-_][A-Za-z]{4})?(?:[-_](?P<region>[A-Z]{2}|[0-9]{3}))?")
 HINT_WORDS, HINT_CHARS = 1.5, 8  # 13a words and characters per non-empty hypothesis line: unspaced text
+# Bytes of the (resamples, lines) index table sacreBLEU's bootstrap draws at once: past this no machine
+# holds it (numpy's OverflowError or "array is too big" otherwise, as tracebacks)
+MAX_BOOTSTRAP_BYTES = 2**50
+
+
+class _CHRF(CHRF):
+    """sacreBLEU's chrF, its score a Python float. sacreBLEU 2.6 returns 0.0 where a resample matched no
+    character n-gram and a numpy float32 elsewhere, and the bootstrap's `statistics.mean` refuses the mix
+    (a TypeError, in `sacrebleu --confidence` too), so a few lines with an empty hypothesis crashed."""
+
+    def _compute_f_score(self, statistics: list[int]) -> float:
+        return float(super()._compute_f_score(statistics))
 
 
 @dataclass(frozen=True)
@@ -125,6 +138,18 @@ def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLE
     return bleu, lowercased
 
 
+def ter_metric(lang: str = "") -> TER:
+    """sacreBLEU's TER for target language `lang`. TER counts word edits: Chinese and Japanese characters
+    are split into words first (sacreBLEU's asian_support, which needs its normalization; plain TER read
+    a whole unspaced line as one word, 100 for nearly every sentence). Thai, Lao, Khmer and Burmese,
+    which sacreBLEU cannot split into words, are refused."""
+    lang = target_language(lang)
+    if lang in CHAR_LANGS:
+        raise UserError(f"TER counts word edits, and sacreBLEU cannot split {CHAR_LANGS[lang]} text into "
+                        "words: score it with BLEU (on characters, as -l gives) and chrF")
+    return TER(normalized=True, asian_support=True) if lang in ("zh", "ja") else TER()
+
+
 def corpus_scores(
     hypotheses: Sequence[str], references: Sequence[Sequence[str]], lang: str = "", tokenize: str | None = None,
     chrf_word_order: int = 0, ter: bool = False, confidence: int = 0,
@@ -146,24 +171,32 @@ def corpus_scores(
             raise UserError(
                 f"reference {j + 1} has {len(refs)} lines but the hypotheses have {len(hypotheses)}"
             )
-    if chrf_word_order not in (0, 1, 2):  # sacreBLEU takes 0-2 (0: chrF, 2: chrF++)
-        raise UserError(f"chrF's word order {chrf_word_order} is not 0, 1 or 2 (2 is chrF++)")
+    # sacreBLEU takes 0-2 (0: chrF, 2: chrF++); 2.0 failed inside it, True signed itself nw:yes
+    if type(chrf_word_order) is not int or chrf_word_order not in (0, 1, 2):
+        raise UserError(f"chrF's word order {chrf_word_order!r} is not 0, 1 or 2 (2 is chrF++)")
     if isinstance(confidence, bool) or not isinstance(confidence, int) or confidence < 0 or confidence == 1:
         raise UserError(f"confidence={confidence!r}: give a whole number of bootstrap resamples, at least 2 "
                         "(0: off)")  # 2.5 failed inside sacreBLEU
     if not isinstance(ter, bool):  # "no" is true
         raise TypeError(f"ter={ter!r} must be True or False")
+    if chrf_word_order and target_language(lang) in UNSPACED:
+        raise UserError(f"chrF's word n-grams (word order {chrf_word_order}) are split at spaces, which "
+                        f"{UNSPACED[target_language(lang)]} text has few of: use chrF's characters alone (0)")
+    extra = [(None, ter_metric(lang))] if ter else []
     bleu, lowercased = bleu_metrics(lang, tokenize)
-    metrics = [(None, bleu), (None, CHRF(word_order=chrf_word_order)),
-               (LOWERCASE_LABEL.format(bleu.tokenizer_signature), lowercased)] + ([(None, TER())] if ter else [])
+    metrics = [(None, bleu), (None, _CHRF(word_order=chrf_word_order)),
+               (LOWERCASE_LABEL.format(bleu.tokenizer_signature), lowercased)] + extra
+    too_many = UserError(f"confidence={confidence}: out of memory for that many bootstrap resamples of "
+                         f"{len(hypotheses)} lines; give fewer (sacreBLEU's default is 1,000)")
+    if confidence * len(hypotheses) * 8 > MAX_BOOTSTRAP_BYTES:
+        raise too_many
     out = []
     for label, metric in metrics:
         try:
             result = metric.corpus_score(list(hypotheses), [list(r) for r in references],
                                          n_bootstrap=confidence or 1)
         except MemoryError:  # sacreBLEU draws all resamples of every line at once (numpy's message: a traceback)
-            raise UserError(f"confidence={confidence}: out of memory for that many bootstrap resamples of "
-                            f"{len(hypotheses)} lines; give fewer (sacreBLEU's default is 1,000)") from None
+            raise too_many from None
         ci = getattr(result, "_ci", None) if confidence else None
         ci = None if ci is None else float(ci)  # sacreBLEU's is a numpy float32, which json cannot write
         out.append(Score(label or result.name, result.score, str(metric.get_signature()), str(result), ci))

@@ -900,9 +900,14 @@ def test_min_len_past_the_models_positions_is_refused_whatever_max_len_a(checkpo
     a min_len beyond them would cut every output without EOS. Refused before anything is translated."""
     translator = Translator.load(checkpoint)
     limit = translator.model.config.max_len
-    with pytest.raises(ConfigError, match=rf"^min_len={limit + 1} is more than the {limit} output positions"):
-        translator.translate(["the number 3"], min_len=limit + 1, max_len_a=2.0)
+    for min_len in (limit, limit + 1):  # at `limit` EOS could come at position limit + 1 only: cut, too
+        with pytest.raises(ConfigError, match=rf"^min_len={min_len} leaves no room for EOS in the {limit} "):
+            translator.translate(["the number 3"], min_len=min_len, max_len_a=2.0)
     assert translator.translate(["the number 3"], min_len=2, max_len_a=2.0, beam=1)  # within: translated
+    # DecodeConfig forces exactly max_len_b tokens so (benchmarks); text would come without its EOS
+    with pytest.raises(ConfigError, match=r"^min_len=4 leaves no room for EOS in the max_len_b=4 tokens"):
+        translator.translate(["the number 3"], min_len=4, max_len_a=0.0, max_len_b=4)
+    assert translator.translate(["the number 3"], min_len=3, max_len_a=0.0, max_len_b=4, beam=1)
     src = Path(capsys.readouterr() and checkpoint).parent / "one.txt"
     src.write_text("the number 3\n")
     assert main(["translate", str(checkpoint), "-i", str(src), "--min-len", str(limit + 1)]) != 0

@@ -231,11 +231,16 @@ class Translator:
 
     def decode_config(self, **options: Any) -> DecodeConfig:
         """This translator's `DecodeConfig` with `options`, checked against the model too: a `min_len` past
-        its output positions would cut every output without EOS (whatever max_len_a makes of a source)."""
+        its output positions would cut every output without EOS (whatever max_len_a makes of a source).
+        EOS may come after min_len tokens, as token min_len + 1: a min_len equal to the limit, which
+        `DecodeConfig` allows for forcing lengths, would give text without its end, and is refused too."""
         config = decode_config(self.config, **options)
-        if config.min_len > self.model.config.max_len:
-            raise ConfigError(f"min_len={config.min_len} is more than the {self.model.config.max_len} output "
-                              "positions of this model")
+        if config.min_len >= self.model.config.max_len:
+            raise ConfigError(f"min_len={config.min_len} leaves no room for EOS in the "
+                              f"{self.model.config.max_len} output positions of this model")
+        if config.max_len_a == 0 and config.min_len >= config.max_len_b:
+            raise ConfigError(f"min_len={config.min_len} leaves no room for EOS in the max_len_b="
+                              f"{config.max_len_b} tokens that max_len_a={config.max_len_a} allows")
         return config
 
     def translate(self, texts: Iterable[str], max_tokens: int = 4096, **options: Any) -> list[str]:

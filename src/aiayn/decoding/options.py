@@ -59,7 +59,9 @@ class DecodeConfig:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
         if self.max_len_a == 0 and self.max_len_b < 1:  # max_lengths would quietly allow 1 token anyway
             problems.append(f"max_len_a={self.max_len_a} and max_len_b={self.max_len_b} allow no output token")
-        if self.max_len_a == 0 and self.min_len > self.max_len_b:  # every output would end cut, without EOS
+        # EOS may come after min_len tokens: here every output would end cut, without EOS. min_len equal to
+        # the limit forces that many tokens, no EOS (benchmarks); `Translator` refuses it for text.
+        if self.max_len_a == 0 and self.min_len > self.max_len_b:
             problems.append(f"min_len={self.min_len} is more than the max_len_b={self.max_len_b} tokens that "
                             f"max_len_a={self.max_len_a} allows")
         if self.n_best < 1 or (not self.sample and self.n_best > self.beam >= 1):  # beam 0: said once above

@@ -1,4 +1,5 @@
-"""`aiayn info CHECKPOINT`: what a checkpoint holds, read from its files' headers, against the loaded model."""
+"""`aiayn info CHECKPOINT`: what a checkpoint holds, read from its files' headers, against the loaded
+model."""
 
 import json
 
@@ -40,7 +41,8 @@ def test_a_trained_checkpoint_is_described_as_loading_it_finds_it(tmp_path, toke
     assert code == 0 and not err
     assert lines[0] == f"checkpoint: {path}" and lines[1] == str(loaded.model.config)
     size = (path / WEIGHTS).stat().st_size
-    assert lines[2] == f"parameters: {loaded.model.num_parameters():,} (bfloat16; {WEIGHTS} {size / 1e3:.0f} kB)"
+    count = loaded.model.num_parameters()
+    assert lines[2] == f"parameters: {count:,} (bfloat16; {WEIGHTS} {size / 1e3:.0f} kB)"
     assert lines[3] == f"tokenizer: SentencePiece (spm.model), {tokenizer.src_vocab_size} pieces, both sides"
     assert lines[4] == "trained: update 300, epoch 2; valid_loss 1.5, valid_nll 1.25, valid_ppl 3.49"
     assert lines[5] == "data: corpus.en -> corpus.de" and len(lines) == 6
@@ -50,7 +52,8 @@ def test_an_average_does_not_show_its_newest_checkpoints_validation(tmp_path, to
     paths = [save(tmp_path / f"step_{i}", tokenizer, step=i) for i in (100, 200)]
     out = average_checkpoints(paths, tmp_path / "avg")
     code, lines, _ = info(capsys, out)
-    assert code == 0 and "trained: update 200, epoch 2" in lines and not any("valid_" in line for line in lines)
+    assert code == 0 and "trained: update 200, epoch 2" in lines
+    assert not any("valid_" in line for line in lines)
     assert lines[-1] == f"averaged: 2 checkpoints, {paths[0]}, {paths[1]} (not validated as an average)"
 
 
@@ -61,7 +64,7 @@ def test_a_preset_is_named_as_an_argument_or_an_option(capsys):
     assert info(capsys)[1] == info(capsys, "base")[1]  # base, as before the argument existed
 
 
-def test_a_checkpoint_directory_named_like_a_preset_is_the_checkpoint(tmp_path, tokenizer, capsys, monkeypatch):
+def test_a_checkpoint_named_like_a_preset_is_the_checkpoint(tmp_path, tokenizer, capsys, monkeypatch):
     save(tmp_path / "small", tokenizer)
     monkeypatch.chdir(tmp_path)
     code, lines, _ = info(capsys, "small")
@@ -70,7 +73,8 @@ def test_a_checkpoint_directory_named_like_a_preset_is_the_checkpoint(tmp_path, 
 
 @pytest.mark.parametrize("args, message", [
     (["bse"], "info: 'bse' is neither a preset (base, big, micro, small, tiny) nor a checkpoint directory"),
-    (["small", "--preset", "base"], "info: give a preset or a checkpoint, not both ('small' and --preset base)"),
+    (["small", "--preset", "base"],
+     "info: give a preset or a checkpoint, not both ('small' and --preset base)"),
     (["nowhere/ck"], "nowhere/ck: checkpoint not found"),
 ])
 def test_wrong_arguments_are_one_line(capsys, args, message):
@@ -81,7 +85,8 @@ def test_wrong_arguments_are_one_line(capsys, args, message):
 def test_vocab_size_is_refused_for_a_checkpoint(tmp_path, tokenizer, capsys):
     path = save(tmp_path / "ck", tokenizer)
     code, _, err = info(capsys, path, "--vocab-size", "8000")
-    assert code == 2 and err == f"aiayn: error: info: --vocab-size sizes a preset; {path} is described as saved"
+    assert code == 2
+    assert err == f"aiayn: error: info: --vocab-size sizes a preset; {path} is described as saved"
 
 
 def test_weights_of_another_model_are_named(tmp_path, tokenizer, capsys):

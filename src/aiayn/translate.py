@@ -355,15 +355,19 @@ def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:
         for raw in iter(stream.readline, b""):
             yield raw, True
         return
-    rest = b""
+    pending: list[bytes] = []  # the line under way, joined once it ends (joined and split again for each
+    # block, a 40 MB line took 13 s)
     while block := stream.read1(1 << 16):
-        *complete, rest = (rest + block).split(b"\n")
+        *complete, tail = block.split(b"\n")
+        if complete:
+            complete[0], pending = b"".join([*pending, complete[0]]), []
         for i, line in enumerate(complete, 1):
             yield line + b"\n", i < len(complete) or _ready(fd)
-        if b"\0" in rest:  # no text has one; a binary stream (/dev/zero) may never end the line: say so now
-            yield rest, True
-            rest = b""
-    if rest:
+        pending.append(tail)
+        if b"\0" in tail:  # no text has one; a binary stream (/dev/zero) may never end the line: say so now
+            yield b"".join(pending), True
+            pending = []
+    if rest := b"".join(pending):
         yield rest, True
 
 

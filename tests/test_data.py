@@ -3,6 +3,7 @@
 import gzip
 import logging
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +14,10 @@ from aiayn.data import dataset
 from aiayn.data.dataset import (
     ParallelText,
     collate,
+    encoded_cache,
     find_tokenizer,
     load_encoded,
+    read_encoded,
     read_lines,
     read_parallel,
     scan_parallel,
@@ -436,6 +439,31 @@ def test_the_same_file_on_both_sides_is_warned_about(tmp_path, corpus_files, cap
     assert record.levelno == logging.WARNING
     message = f"{src} and {link} are the same file: the model will learn to copy its input"
     assert record.getMessage() == message
+
+
+def test_other_processes_read_process_0s_cache_as_it_is(tmp_path, corpus_files, monkeypatch):
+    """Training's other processes take the (cache, key) process 0 names, whatever their own look at the
+    files says: a copy of the corpus on another machine (another inode) had another key, was encoded
+    again and deleted process 0's cache; other bytes trained that process on another corpus."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    first, _ = load_encoded(src, tgt, tok, tmp_path / "cache")
+    cache, key = encoded_cache(src, tgt, tok, tmp_path / "cache")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [cache.name]
+
+    def no_encoding(*_):
+        raise AssertionError("encoded by another process")
+
+    monkeypatch.setattr(type(tok), "encode_src_batch", no_encoding)
+    read = read_encoded(cache, key, tok)
+    assert [read.source(i) for i in range(len(first))] == [first.source(i) for i in range(len(first))]
+    assert [read.target(i) for i in range(len(first))] == [first.target(i) for i in range(len(first))]
+    for missing in (tmp_path / "elsewhere" / cache.name, cache.with_name("other.safetensors")):
+        message = rf"^{re.escape(str(missing))}: process 0's encoding of the corpus is missing or unreadable"
+        with pytest.raises(UserError, match=message + " on this machine; with several machines"):
+            read_encoded(missing, key, tok)
+    with pytest.raises(UserError, match="process 0's encoding"):  # another encoding's key: not trusted
+        read_encoded(cache, "0" * 64, tok)
 
 
 def test_a_new_cache_removes_the_stale_ones_of_the_same_files(tmp_path, corpus_files):

@@ -141,3 +141,31 @@ def test_a_collective_failing_because_a_peer_died_is_one_line():
     assert peer_lost(gloo, one) is None
     assert peer_lost(RuntimeError("CUDA out of memory"), two) is None
     assert peer_lost(ValueError("Connection reset by peer"), two) is None
+
+
+OTHER_CORPUS_ON_RANK_1 = """
+import os, sys
+if os.environ["RANK"] == "1":  # this process's machine has its own copy of the corpus, and it differs
+    sys.argv = [a.replace("/data/", "/other/") for a in sys.argv]
+from aiayn.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_every_process_trains_on_the_pairs_process_0_encoded(tmp_path):
+    """Rank 1 used to encode the files as it saw them: another machine's copy (another inode, or other
+    bytes) made another cache, deleted rank 0's as stale, and trained rank 1 on its own corpus."""
+    (tmp_path / "data").mkdir()
+    _, sets = tiny_config(tmp_path / "data", tmp_path / "run", "train.device=cpu", "train.max_updates=2")
+    (tmp_path / "other").mkdir()
+    _, other_sets = tiny_config(tmp_path / "other", tmp_path / "run")
+    (tmp_path / "other" / "train.en").write_text("something else\n" * 30, encoding="utf-8")
+    (tmp_path / "other" / "train.de").write_text("etwas anderes\n" * 30, encoding="utf-8")
+    script = tmp_path / "other_corpus.py"
+    script.write_text(OTHER_CORPUS_ON_RANK_1, encoding="utf-8")
+    proc = torchrun_train(sets, script=script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    caches = sorted(p.name.split(".")[0] for p in (tmp_path / "run" / "cache").iterdir())
+    assert caches == ["train", "valid"], caches  # rank 0's two; rank 1 wrote and removed none
+    assert "earlier encoding" not in proc.stderr and "encoded" in proc.stderr

@@ -283,6 +283,27 @@ def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
     return h.hexdigest()
 
 
+def encoded_cache(src_path: Path, tgt_path: Path, tokenizer: Tokenizer, cache_dir: str | Path,
+                  ) -> tuple[Path, str]:
+    """(the cache file of this encoding of two files, its full key)."""
+    key = cache_key(src_path, tgt_path, tokenizer)
+    return Path(cache_dir) / f"{src_path.name}-{tgt_path.name}.{key[:16]}.safetensors", key
+
+
+def read_encoded(cache: Path, key: str, tokenizer: Tokenizer) -> EncodedCorpus:
+    """The corpus that `load_encoded` cached in `cache` under `key`, read as it is and never encoded here:
+    how training's other processes take process 0's pairs. Their own look at the files found another
+    key for the same bytes on another machine's copy (another inode), encoded them again and deleted
+    process 0's cache; for other bytes, it trained each process on its own corpus unnoticed."""
+    corpus = None
+    if cache.is_file():
+        corpus, _ = _read_cache(cache, key, (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size), "")
+    if corpus is None:
+        raise UserError(f"{cache}: process 0's encoding of the corpus is missing or unreadable on this "
+                        "machine; with several machines, put run_dir on a shared filesystem")
+    return corpus
+
+
 def load_encoded(
     src_path: str | Path, tgt_path: str | Path, tokenizer: Tokenizer, cache_dir: str | Path
 ) -> tuple[EncodedCorpus, int]:
@@ -290,8 +311,7 @@ def load_encoded(
     src_path, tgt_path = Path(src_path), Path(tgt_path)
     for p in (src_path, tgt_path):
         require_file(p)
-    key = cache_key(src_path, tgt_path, tokenizer)
-    cache = Path(cache_dir) / f"{src_path.name}-{tgt_path.name}.{key[:16]}.safetensors"
+    cache, key = encoded_cache(src_path, tgt_path, tokenizer, cache_dir)
     if cache.is_file():
         corpus, dropped = _read_cache(cache, key, (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size))
         if corpus is not None:
@@ -416,9 +436,10 @@ def _cache_files(path: Path) -> tuple[str, str] | None:
     return (meta.get("src"), meta.get("tgt")) if meta.get("format") == CACHE_FORMAT else None
 
 
-def _read_cache(path: Path, key: str, vocab_sizes: tuple[int, int]) -> tuple[EncodedCorpus | None, int]:
+def _read_cache(path: Path, key: str, vocab_sizes: tuple[int, int], then: str = "; re-encoding",
+                ) -> tuple[EncodedCorpus | None, int]:
     """The corpus a cache holds and its count of dropped pairs; (None, 0) if it is another encoding's, or
-    damaged (then said, and rebuilt by the caller)."""
+    damaged (then said, with what the caller does `then`)."""
     try:
         meta, t = _open_cache(path, key)
         if not t:
@@ -427,7 +448,7 @@ def _read_cache(path: Path, key: str, vocab_sizes: tuple[int, int]) -> tuple[Enc
     except Exception as e:  # a damaged cache is rebuilt, not fatal
         problem = str(e) or type(e).__name__
     if problem:
-        log.warning("%s: unreadable cache (%s); re-encoding", path, problem)
+        log.warning("%s: unreadable cache (%s)%s", path, problem, then)
         return None, 0
     corpus = EncodedCorpus(t["src_ids"], t["src_offsets"], t["tgt_ids"], t["tgt_offsets"])
     return corpus, int(meta["dropped_empty"])

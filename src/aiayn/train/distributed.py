@@ -18,13 +18,15 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from aiayn.config import ConfigError
 from aiayn.errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -118,25 +120,27 @@ class FailedOnMain(UserError):
     so the command line prints it there only."""
 
 
-def on_main(d: Dist, work: Callable[[], None]) -> None:
-    """Run `work` on process 0 while the others wait; if it fails, every process fails with its message.
+def on_main(d: Dist, work: Callable[[], T]) -> T:
+    """Run `work` on process 0 while the others wait, and give every process its result (plain data:
+    it is pickled across); if it fails, every process fails with its message.
 
     A bare barrier left the others waiting for a process that had exited with a one-line error: gloo
     then failed them with "Connection reset by peer", some 70 lines of traceback around that line.
     """
-    failure: list[str | None] = [None]
+    outcome: list = [None, None]  # [failure message, result]
     if d.is_main:
         try:
-            work()
+            outcome[1] = work()
         except Exception as e:
-            failure[0] = str(e) or type(e).__name__
+            outcome[0] = str(e) or type(e).__name__
             if d.enabled:
-                dist.broadcast_object_list(failure, src=0, group=d.host_group)
+                dist.broadcast_object_list(outcome, src=0, group=d.host_group)
             raise
     if d.enabled:
-        dist.broadcast_object_list(failure, src=0, group=d.host_group)  # 0 sends, the others receive
-    if failure[0] is not None:
-        raise FailedOnMain(f"process 0 failed: {failure[0]}")
+        dist.broadcast_object_list(outcome, src=0, group=d.host_group)  # 0 sends, the others receive
+    if outcome[0] is not None:
+        raise FailedOnMain(f"process 0 failed: {outcome[0]}")
+    return outcome[1]
 
 
 def all_reduce_sum(values: list[float], d: Dist) -> list[float]:

@@ -51,8 +51,10 @@ from aiayn.data.dataset import (
     ParallelText,
     check_tokenizer_inputs,
     collate,
+    encoded_cache,
     find_tokenizer,
     load_encoded,
+    read_encoded,
     read_parallel,
     refuse_other_tokenizer_settings,
     scan_parallel,
@@ -767,12 +769,13 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     dc = config.data
     if not dc.train_src or not dc.train_tgt:
         raise ConfigError("data.train_src and data.train_tgt must name the training files")
-    distributed.on_main(d, lambda: _prepare_files(config, run_dir, tokenizer))  # its errors reach every process
+    # Process 0's caches, named to all: every process trains on the pairs process 0 encoded, whatever the
+    # files look like from its own machine. Errors reach every process.
+    caches = distributed.on_main(d, lambda: _prepare_files(config, run_dir, tokenizer))
     tokenizer = tokenizer or find_tokenizer(run_dir)
     if tokenizer is None:  # process 0 wrote it: this process is on a machine that cannot see run_dir
         raise UserError(f"{run_dir}: no tokenizer; with several machines, put run_dir on a shared filesystem")
-    cache = run_dir / "cache"
-    train, _ = load_encoded(dc.train_src, dc.train_tgt, tokenizer, cache)
+    train = read_encoded(Path(caches[0][0]), caches[0][1], tokenizer)
     train, too_long = train.filter_length(dc.max_len)
     _require_pairs(dc.train_src, "training", len(train), too_long, dc.max_len)
     if d.is_main:
@@ -786,7 +789,7 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     batches = token_batches(train.src_lengths(), train.tgt_lengths(), config.train.max_tokens)
     valid, valid_batches = None, []
     if dc.valid_src:
-        valid, _ = load_encoded(dc.valid_src, dc.valid_tgt, tokenizer, cache)
+        valid = read_encoded(Path(caches[1][0]), caches[1][1], tokenizer)
         valid, too_long = valid.filter_length(dc.max_len)
         _require_pairs(dc.valid_src, "validation", len(valid), too_long, dc.max_len)
         if too_long and d.is_main:
@@ -794,9 +797,9 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
                 "%s: %d validation pairs longer than max_len=%d dropped", dc.valid_src, too_long, dc.max_len
             )
         valid_batches = token_batches(valid.src_lengths(), valid.tgt_lengths(), config.train.max_tokens)
-    valid_text = (
-        read_parallel(dc.valid_src, dc.valid_tgt, report=False) if dc.valid_src and config.train.bleu_every
-        else None
+    valid_text = (  # BLEU is scored by process 0
+        read_parallel(dc.valid_src, dc.valid_tgt, report=False)
+        if dc.valid_src and config.train.bleu_every and d.is_main else None
     )
     return Data(tokenizer, train, batches, valid, valid_batches, valid_text)
 
@@ -810,13 +813,18 @@ def _require_pairs(path: str, kind: str, kept: int, too_long: int, max_len: int)
         )
 
 
-def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None) -> None:
-    """On process 0: the tokenizer and the caches, so that the other processes only read."""
+def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None) -> list[tuple[str, str]]:
+    """On process 0: the tokenizer and the caches, so that the other processes only read; the (path, key)
+    of the training set's cache, then the validation set's if there is one."""
     dc = config.data
     tokenizer = tokenizer or _run_tokenizer(config, run_dir)
+    caches = []
     for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):
         if src:
             load_encoded(src, tgt, tokenizer, run_dir / "cache")  # which says what it dropped
+            cache, key = encoded_cache(Path(src), Path(tgt), tokenizer, run_dir / "cache")
+            caches.append((str(cache), key))
+    return caches
 
 
 def _check_same_batches(checkpoint: Path, config: RunConfig, d: Dist) -> None:

@@ -34,7 +34,7 @@ from aiayn.model import Transformer
 from aiayn.train import distributed, loop
 from aiayn.train.config import DataConfig, TrainConfig, load_config, with_train
 from aiayn.train.loop import Data, _check_finite_weights, train, validate
-from aiayn.train.state import checkpoint_dirs
+from aiayn.train.state import checkpoint_dirs, prune
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -243,6 +243,29 @@ def test_a_signal_saves_the_update_it_stopped_at_and_resume_ends_where_an_unbrok
     resumed = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
     unbroken = load_file(str(d / "run" / "checkpoints" / "step_000004" / "model.safetensors"))
     assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
+    # and the checkpoints too: the signal's step_000003 counted toward keep_last, and average --last read it
+    assert [p.name for p in checkpoint_dirs(run)] == [p.name for p in checkpoint_dirs(d / "run")]
+
+
+def test_a_signals_checkpoint_never_counts_toward_keep_last_and_goes_once_a_newer_one_is_saved(tmp_path):
+    """keep_last=2 over regular saves at 2, 4, 6, 8 and signals' saves at 5 and 7 (each resumed)."""
+    run = tmp_path / "run"
+
+    def save(step, interrupted=False):
+        path = run / "checkpoints" / f"step_{step:06d}"
+        path.mkdir(parents=True)
+        meta = {"step": step, **({"interrupted": True} if interrupted else {})}
+        (path / "meta.json").write_text(json.dumps(meta))
+
+    for step, interrupted, kept in [(2, False, [2]), (4, False, [2, 4]), (5, True, [2, 4, 5]),
+                                    (6, False, [4, 6]), (7, True, [4, 6, 7]), (8, False, [6, 8])]:
+        save(step, interrupted)
+        prune(run, keep_last=2, best_step=0)
+        assert [int(p.name[5:]) for p in checkpoint_dirs(run)] == kept, step
+    (run / "checkpoints" / "step_000008" / "meta.json").write_text("{damaged")  # read as not interrupted
+    save(9, True)
+    prune(run, keep_last=2, best_step=6)
+    assert [int(p.name[5:]) for p in checkpoint_dirs(run)] == [6, 8, 9]
 
 
 def test_time_left_counts_down_the_first_budget_to_end():

@@ -576,7 +576,8 @@ def _validate_and_save(
         if not state.validation_due:  # else the resumed run logs this step, validated, as an unbroken run
             metrics.write(result)
         path = save_training_checkpoint(
-            run_dir, model, data.tokenizer, optimizer, scaler, state, config.to_dict(), result, rngs
+            run_dir, model, data.tokenizer, optimizer, scaler, state, config.to_dict(), result, rngs,
+            interrupted=not validating,  # only a signal's save skips validation
         )
         prune(run_dir, tc.keep_last, state.best_step)
         try:

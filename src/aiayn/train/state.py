@@ -30,7 +30,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from aiayn.checkpoint import load_into, load_weights, read_meta, save_checkpoint
+from aiayn.checkpoint import META, load_into, load_weights, read_meta, save_checkpoint
 from aiayn.config import ModelConfig, to_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import CorruptFile, UserError
@@ -129,16 +129,31 @@ def prune(run_dir: str | Path, keep_last: int, best_step: int = 0) -> None:
     a run stopped by `patience` ends `patience` validations after it, and keep_last <= patience deleted
     it); clear what killed runs left half-written.
 
+    A checkpoint saved on a signal (meta.json's "interrupted") is there to resume from: it never counts
+    toward keep_last and goes once a newer one is saved, so that a run stopped and resumed keeps (and
+    `aiayn average --last` reads) the checkpoints of a run never stopped, not one at the signal's update.
+
     An old checkpoint is first renamed out of view (hidden), then deleted: a kill mid-delete never
     leaves a half-deleted directory that looks like a checkpoint. Called by the only writer, right
     after a save, so no hidden directory is still being written.
     """
     root = Path(run_dir) / "checkpoints"
-    for old in checkpoint_dirs(run_dir)[:-keep_last]:
-        if old.name != step_dir_name(best_step):
-            os.rename(old, old.with_name(f".{old.name}.deleting"))
+    found = checkpoint_dirs(run_dir)
+    interrupted = [c for c in found if _interrupted(c)]
+    regular = [c for c in found if c not in interrupted]
+    old = [c for c in regular[:-keep_last] if c.name != step_dir_name(best_step)]
+    for stale in old + [c for c in interrupted if c != found[-1]]:
+        os.rename(stale, stale.with_name(f".{stale.name}.deleting"))
     for hidden in root.glob(".step_*"):  # those just hidden, and what killed runs left
         shutil.rmtree(hidden, ignore_errors=True)
+
+
+def _interrupted(checkpoint: Path) -> bool:
+    """Whether `checkpoint` was saved on a signal; one whose meta.json cannot be read counts as not."""
+    try:
+        return json.loads((checkpoint / META).read_text(encoding="utf-8")).get("interrupted") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def rng_states(d: Dist) -> dict[str, torch.Tensor]:
@@ -174,6 +189,7 @@ def save_training_checkpoint(
     config: dict[str, Any],
     metrics: dict[str, Any],
     rngs: dict[str, torch.Tensor],
+    interrupted: bool = False,
 ) -> Path:
     tensors, groups = optimizer_tensors(optimizer)
     trainer = {
@@ -184,6 +200,8 @@ def save_training_checkpoint(
     }
     # The epoch counted from 1, as the progress line and metrics.jsonl count it (TrainState's is 0-based).
     meta = {"step": state.step, "epoch": state.epoch + 1, "config": config, "metrics": metrics}
+    if interrupted:  # saved on a signal, to resume from: `prune` lets it go once a newer one is saved
+        meta["interrupted"] = True
     path = Path(run_dir) / "checkpoints" / step_dir_name(state.step)
     return save_checkpoint(path, model, tokenizer, meta, {**tensors, **rngs}, trainer)
 

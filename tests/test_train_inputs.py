@@ -907,6 +907,11 @@ def test_a_param_group_from_an_older_torch_resumes(finished_run, tmp_path):
     (lambda w: w.update({"optimizer.\u00b2.exp_avg": torch.zeros(1)}), r"optimizer\.\u00b2\.exp_avg is no"),
     (lambda w: w.update({"optimizer.0.max_exp_avg_sq": torch.zeros(1)}),  # amsgrad's, which this run has not
      r"optimizer\.0\.max_exp_avg_sq is no Adam state"),
+    # A parameter's whole state gone: Adam restarted its moments and step count, and the run diverged
+    (lambda w: [w.pop(k) for k in list(w) if k.startswith("optimizer.3.")],
+     r"no Adam state for parameter 3 of \d+, after 4 updates\)"),
+    (lambda w: [w.pop(k) for k in list(w) if k.startswith("optimizer.")],
+     r"no Adam state for parameter 0 of \d+, after 4 updates\)"),
 ])
 def test_a_damaged_adam_state_is_refused_naming_the_tensor(finished_run, tmp_path, edit, message):
     """A malformed name gave a ValueError traceback; a moment of another shape, or a NaN, loaded and

@@ -217,7 +217,8 @@ def restore(
     check_compatible(path, model.config)
     load_into(model, {k: v.to(d.device) for k, v in load_weights(path).items()}, path)
     tensors, trainer = _read_trainer(path)
-    state_by_param = _adam_state(tensors, optimizer, path / "trainer.safetensors")
+    saved = _train_state(trainer.get("state"), path)
+    state_by_param = _adam_state(tensors, optimizer, path / "trainer.safetensors", saved.step)
     _check_param_groups(trainer.get("param_groups"), optimizer, path / "trainer.json")
     configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
@@ -230,7 +231,7 @@ def restore(
         random.setstate(_as_tuple(trainer["python_rng"]))
         if scaler.is_enabled() and trainer.get("scaler"):
             scaler.load_state_dict(trainer["scaler"])
-        return _train_state(trainer["state"], path)
+        return saved
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise UserError(f"{path}: training state does not fit this run ({e})") from None
 
@@ -284,10 +285,12 @@ ADAM_SETTINGS = ("lr", "betas", "eps", "weight_decay", "params")  # every torch'
 
 
 def _adam_state(tensors: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-                where: Path) -> dict[int, dict[str, torch.Tensor]]:
+                where: Path, updates: int) -> dict[int, dict[str, torch.Tensor]]:
     """trainer.safetensors' `optimizer.<param>.<name>` tensors as Adam's per-parameter state, each checked
     against this run's parameters: a damaged moment (another shape, a NaN) loaded without complaint and
-    surfaced two updates later as a diverged run, and a missing one as a KeyError at the first update."""
+    surfaced two updates later as a diverged run, and a missing one as a KeyError at the first update.
+    After `updates` applied updates every trained parameter has its state: one without was loaded with
+    its moments and step count restarted, and the run diverged from the one it continues."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     amsgrad = any(group.get("amsgrad") for group in optimizer.param_groups)
     names = ADAM_STATE + (("max_exp_avg_sq",) if amsgrad else ())
@@ -310,6 +313,10 @@ def _adam_state(tensors: dict[str, torch.Tensor], optimizer: torch.optim.Optimiz
         if missing := [k for k in names if k not in held]:
             raise CorruptFile(f"{where}: corrupt training state (optimizer.{index} has no "
                               f"{', '.join(missing)})")
+    stateless = [i for i, p in enumerate(params) if p.requires_grad and i not in state]
+    if updates and stateless:
+        raise CorruptFile(f"{where}: corrupt training state (no Adam state for parameter {stateless[0]} of "
+                          f"{len(params)}, after {updates} updates)")
     return state
 
 

@@ -142,6 +142,8 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # [[[...]]] past the stack
         raise CorruptFile(f"{path}: corrupt checkpoint metadata ({e})") from None
+    except OSError as e:  # permissions, an I/O error: a PermissionError traceback
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise UserError(f"{path}: not an {FORMAT} checkpoint (format={meta.get('format') if isinstance(meta, dict) else None!r})")
     return meta

@@ -213,6 +213,21 @@ def test_full_disk_keeps_the_old_checkpoint_and_leaves_nothing(tmp_path, tokeniz
     assert tree(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["ck"]  # no temporary, no parents
 
 
+def test_a_full_disk_while_the_tokenizer_is_written_names_the_checkpoint(tmp_path, tokenizer, monkeypatch):
+    """The tokenizer's file goes through `atomic_output` inside the temporary directory: its error named
+    `.ck.aiayn-PID...tmp/spm.model`, a hidden directory already removed."""
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+
+    def full(fd):  # the first file flushed is the tokenizer's, inside the checkpoint's temporary
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(aiayn.files.os, "fsync", full)
+    with pytest.raises(UserError) as e:
+        save_checkpoint(tmp_path / "ck", model, tokenizer)
+    assert str(e.value) == f"{tmp_path / 'ck' / 'spm.model'}: cannot write (No space left on device)"
+    assert os.listdir(tmp_path) == []
+
+
 def test_unwritable_places_are_one_line_errors(tmp_path, tokenizer, monkeypatch):
     model = tiny_model(vocab_size=tokenizer.src_vocab_size)
     (tmp_path / "afile").write_text("mine")
@@ -428,6 +443,24 @@ def test_metadata_nested_past_the_stack_is_corrupt_not_a_recursion_error(run):
     (ck / "meta.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(UserError, match=r"meta\.json: corrupt checkpoint metadata \(maximum recursion depth"):
         load_checkpoint(ck)
+
+
+def test_an_unreadable_meta_json_is_one_line(run, monkeypatch, capsys):
+    """EACCES (for a user other than root) or EIO reading meta.json was a PermissionError traceback."""
+    ck = run / "checkpoints" / "step_000003"
+    real = Path.read_text
+
+    def denied(self, *args, **kwargs):
+        if self.name == "meta.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    message = rf"^{re.escape(str(ck / 'meta.json'))}: cannot read \(Permission denied\)$"
+    with pytest.raises(UserError, match=message):
+        load_checkpoint(ck)
+    assert main(["translate", str(ck)]) == 2
+    assert capsys.readouterr().err == f"aiayn: error: {ck / 'meta.json'}: cannot read (Permission denied)\n"
 
 
 def test_average_lists_again_when_training_prunes_a_checkpoint_it_reads(run, monkeypatch):

@@ -259,6 +259,9 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
         if isinstance(e, (OSError, SafetensorError)):
             reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
             raise UserError(f"{directory}: could not write {what} ({reason})") from None
+        if isinstance(e, UserError) and tmp is not None and str(tmp) in str(e):
+            # a file written inside through `atomic_output` (the tokenizer's) named the temporary, gone now
+            raise type(e)(str(e).replace(str(tmp), str(directory))) from None
         raise
 
 

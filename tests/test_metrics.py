@@ -69,7 +69,7 @@ def test_plot_during_training_failing_does_not_stop_training(log_path, tmp_path,
     plot_metrics raise, and the validation still returns its result."""
     write_log(log_path, whole(TRAIN[0]), b"not json\n")
     monkeypatch.setattr(loop, "rng_states", lambda d: None)
-    monkeypatch.setattr(loop, "save_training_checkpoint", lambda *a: tmp_path / "step_3")
+    monkeypatch.setattr(loop, "save_training_checkpoint", lambda *a, **k: tmp_path / "step_3")
     monkeypatch.setattr(loop, "prune", lambda *a: None)
     monkeypatch.setattr(loop, "_check_finite_weights", lambda *a: None)  # no model here
     train_cfg = SimpleNamespace(bleu_every=0, run_dir=str(tmp_path), keep_last=1, label_smoothing=0.1)

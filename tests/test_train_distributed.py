@@ -169,3 +169,20 @@ def test_every_process_trains_on_the_pairs_process_0_encoded(tmp_path):
     caches = sorted(p.name.split(".")[0] for p in (tmp_path / "run" / "cache").iterdir())
     assert caches == ["train", "valid"], caches  # rank 0's two; rank 1 wrote and removed none
     assert "earlier encoding" not in proc.stderr and "encoded" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_to_resume_from_is_one_line_for_all_processes(tmp_path):
+    """Every process reads the checkpoint; each printed the same error, one line per process."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.device=cpu", "train.max_updates=4",
+                            "train.valid_every=2", "train.update_freq=2")
+    train(config)  # one process x update_freq 2: the same batches per update as two processes x 1
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.device=cpu", "train.max_updates=6",
+                          "train.valid_every=2")
+    weights = checkpoint_dirs(tmp_path / "run")[-1] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    proc = torchrun_train(sets, "--resume")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("aiayn: error:")]
+    assert len(errors) == 1 and f"{weights}: corrupt weights" in errors[0], proc.stderr[-3000:]
+    assert "to resume from step_000002 instead" in errors[0]

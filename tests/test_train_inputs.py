@@ -138,7 +138,7 @@ def test_a_leading_tilde_in_a_path_is_the_home_directory(tmp_path, monkeypatch):
     assert config.data.valid_src == "a~b" and config.data.valid_tgt == home  # a leading ~ only
 
 
-@pytest.mark.parametrize("damaged", ["model.safetensors", "trainer.json", "meta.json"])
+@pytest.mark.parametrize("damaged", ["model.safetensors", "trainer.json", "meta.json", "spm.model"])
 def test_a_damaged_latest_checkpoint_names_the_one_to_resume_from(finished_run, tmp_path, damaged):
     """A checkpoint a failing disk truncated stops --resume with the way out; taking it brings the run
     back to the checkpoint before, which then trains on."""
@@ -147,7 +147,8 @@ def test_a_damaged_latest_checkpoint_names_the_one_to_resume_from(finished_run, 
     latest = checkpoint_dirs(run)[-1]
     path = latest / damaged
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(UserError, match=rf"{damaged}: corrupt .*; to resume from step_000002 instead, move "):
+    # spm.model: "not a SentencePiece model", without the way out before
+    with pytest.raises(UserError, match=rf"{damaged}: (corrupt|not a) .*; to resume from step_000002"):
         train(config, resume=True)
     latest.rename(tmp_path / "damaged")
     assert train(config, resume=True)["step"] == 6
@@ -1116,3 +1117,32 @@ def test_a_logits_bias_that_training_would_never_change_is_refused():
     """model.final_logits_bias=true trained a model identical to one without it (a zero buffer)."""
     with pytest.raises(ConfigError, match="model.final_logits_bias=true is a fixed buffer"):
         load_config(None, ["model.preset=micro", "model.final_logits_bias=true"])
+
+
+@pytest.mark.parametrize("rank, failures, raised", [
+    (0, ["damaged", "damaged"], ("CorruptFile", "damaged")),  # process 0 prints its own
+    (1, ["damaged", "damaged"], ("SameOnEveryProcess", "damaged")),  # the others stay quiet
+    (1, ["damaged", None], ("SameOnEveryProcess", "damaged")),
+    (1, ["damaged", "other"], ("CorruptFile", "other")),  # a failure of its own: printed
+    (0, [None, "unreadable here"], ("UserError", "process 1: unreadable here")),  # named by process 0
+    (1, [None, "unreadable here"], ("SameOnEveryProcess", "unreadable here")),
+])
+def test_a_checkpoint_every_process_reads_fails_with_one_line_for_all(monkeypatch, rank, failures, raised):
+    """A damaged checkpoint to resume from was one line per process under torchrun (16 on two machines of
+    eight GPUs): `on_every` gathers the processes' failures so that the command line prints one."""
+    d = SimpleNamespace(enabled=True, is_main=rank == 0, rank=rank, world_size=2, host_group=None)
+    monkeypatch.setattr(distributed.dist, "all_gather_object",
+                        lambda out, obj, group=None: out.__setitem__(slice(None), failures))
+
+    def work():
+        if failures[rank] is not None:
+            raise CorruptFile(failures[rank])
+        return "state"
+
+    with pytest.raises(UserError) as e:
+        distributed.on_every(d, work)
+    assert (type(e.value).__name__, str(e.value)) == raised
+    monkeypatch.setattr(distributed.dist, "all_gather_object",
+                        lambda out, obj, group=None: out.__setitem__(slice(None), [None, None]))
+    assert distributed.on_every(d, lambda: "state") == "state"
+    assert distributed.on_every(SimpleNamespace(enabled=False, is_main=True), lambda: 7) == 7

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
-from aiayn.errors import UserError
+from aiayn.errors import CorruptFile, UserError
 from aiayn.files import atomic_output, temporary_path
 
 SHARED, SOURCE, TARGET = "spm.model", "source.spm", "target.spm"
@@ -178,7 +178,7 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
     try:
         sp.load(str(path))
     except (OSError, RuntimeError) as e:
-        raise UserError(f"{path}: not a SentencePiece model ({e})") from None
+        raise CorruptFile(f"{path}: not a SentencePiece model ({e})") from None
     return sp
 
 MAX_LINE_BYTES = 2**16  # longest line SentencePiece learns from; far past any data.max_len in tokens

@@ -20,10 +20,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -86,6 +87,7 @@ from aiayn.train.state import (
     training_owned,
 )
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -155,15 +157,13 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     tc, run_dir = config.train, Path(config.train.run_dir)
     resume_from = _checkpoint_to_resume(run_dir, resume)
     if resume_from:
-        with _resume_hint(run_dir, resume_from):
-            _check_same_batches(resume_from, config, d)
+        _read_resumed(d, run_dir, resume_from, lambda: _check_same_batches(resume_from, config, d))
     if tc.threads:
         torch.set_num_threads(tc.threads)
     keep_freed_memory()  # every step frees and re-allocates the same large tensors
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
-    with _resume_hint(run_dir, resume_from):
-        start_from = initial_checkpoint(config, resume_from)
+    start_from = _read_resumed(d, run_dir, resume_from, lambda: initial_checkpoint(config, resume_from))
     with _resume_hint(run_dir, resume_from):  # the tokenizer of a resumed run is read from its checkpoint
         data = prepare_data(config, run_dir, d, start_from.tokenizer if start_from else None)
     tok = data.tokenizer
@@ -179,9 +179,12 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
             f"{config.data.train_src}: {len(data.train_batches)} batches, fewer than one update "
             f"needs ({per_update}); lower train.max_tokens or train.update_freq"
         )
-    with _resume_hint(run_dir, resume_from):
+    def restored() -> TrainState:
         state = restore(resume_from, model, optimizer, scaler, d) if resume_from else TrainState()
         _epoch_on_this_corpus(state, n_updates, resume_from, d)
+        return state
+
+    state = _read_resumed(d, run_dir, resume_from, restored)
     if d.is_main:
         log.info("configuration:\n%s", _describe(config, model, data, d))
         if resume_from:
@@ -720,6 +723,17 @@ def _check_outside_other_runs(run_dir: Path) -> None:
         relation, place = owned
         raise UserError(f"{run_dir}: train.run_dir {relation} {place}, the checkpoints of the run "
                         f"{place.parent}; choose another run_dir")
+
+
+def _read_resumed(d: Dist, run_dir: Path, resume_from: Path | None, work: Callable[[], T]) -> T:
+    """`work`, reading the checkpoint to resume from (or init_from's) on every process: its errors with
+    `_resume_hint`'s hint, said once for all processes (`distributed.on_every`)."""
+
+    def hinted() -> T:
+        with _resume_hint(run_dir, resume_from):
+            return work()
+
+    return distributed.on_every(d, hinted)
 
 
 @contextmanager

@@ -152,3 +152,18 @@ def test_the_next_write_removes_a_killed_writers_leftover_beside_it(tmp_path):
     with atomic_output(tmp_path / "out.txt") as f:
         f.write("ok\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["avg", "out.txt"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["translate", "CK", "-o", ""], ["translate", "CK", "-i", ""], ["translate", ""], ["evaluate", "", "ref"],
+    ["evaluate", "hyp", ""], ["average", ""], ["plot", "run", "-o", ""], ["attention", "--checkpoint", "",
+    "--src", "x"], ["demo", "--out", ""], ["convert", "--from", "marian", "", "out"], ["info", ""],
+    ["export", "--to", "ctranslate2", "CK", ""], ["train", "--config", ""],
+])
+def test_an_empty_path_is_a_usage_error(argv, capsys):
+    """`-o ""` said ": cannot write (No such file or directory)", `evaluate ""` ".: is a directory"."""
+    from aiayn.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "invalid path value: ''" in capsys.readouterr().err

@@ -33,6 +33,16 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"  # argparse's message: "invalid positive integer value: '0'"
 
 
+def path_arg(text: str) -> str:
+    """argparse type: a file or directory name, not empty (`-o ""` said ": cannot write")."""
+    if not text:
+        raise ValueError(text)
+    return text
+
+
+path_arg.__name__ = "path"  # argparse's message: "invalid path value: ''"
+
+
 def number_list(text: str) -> tuple[int, ...]:
     """argparse type: "1,6" -> (1, 6), each a whole number >= 1."""
     return tuple(positive_int(part) for part in text.split(","))
@@ -346,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="show a model preset and its parameter count, or describe a checkpoint")
-    p.add_argument("what", nargs="?", metavar="PRESET_OR_CHECKPOINT",
+    p.add_argument("what", type=path_arg, nargs="?", metavar="PRESET_OR_CHECKPOINT",
                    help=f"a preset ({', '.join(sorted(PRESETS))}; default base) or a checkpoint directory: "
                         "its model, parameters, tokenizer and where it came from (training, average, "
                         "conversion)")
@@ -355,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("train", help="train on parallel text (also under torchrun --nproc_per_node N)")
-    p.add_argument("--config", help="TOML file with [model], [data], [train] (see configs/)")
+    p.add_argument("--config", type=path_arg, help="TOML file with [model], [data], [train] (see configs/)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set train.max_tokens=2048 (repeatable); "
                         "--set train.init_from=CKPT fine-tunes a checkpoint (aiayn or converted Marian)")
@@ -365,25 +375,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("average", help="average the last K checkpoints of a run")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", type=path_arg)
     p.add_argument("--last", type=positive_int, default=5,
                    help="how many (default 5; the paper: 5 for base, 20 for big)")
-    p.add_argument("-o", "--output", help="output checkpoint directory (default RUN_DIR/average_last_N, N the "
+    p.add_argument("-o", "--output", type=path_arg,
+                   help="output checkpoint directory (default RUN_DIR/average_last_N, N the "
                    "number averaged; it replaces an earlier average there, nothing else)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing OUTPUT (never the run, its checkpoints or a directory holding them)")
     p.set_defaults(func=cmd_average)
 
     p = sub.add_parser("plot", help="draw a run's training curves as a PNG")
-    p.add_argument("run_dir")
-    p.add_argument("-o", "--output", help="PNG path (default RUN_DIR/curves.png)")
+    p.add_argument("run_dir", type=path_arg)
+    p.add_argument("-o", "--output", type=path_arg, help="PNG path (default RUN_DIR/curves.png)")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("attention", help="draw a checkpoint's attention maps for one sentence (PNG + HTML)")
-    p.add_argument("--checkpoint", required=True, help="an aiayn checkpoint directory (trained or imported)")
+    p.add_argument("--checkpoint", type=path_arg, required=True,
+                   help="an aiayn checkpoint directory (trained or imported)")
     p.add_argument("--src", required=True, help="source sentence")
     p.add_argument("--tgt", help="target sentence to force (default: the model's greedy translation)")
-    p.add_argument("--out", default="attention", help="output folder (default ./attention)")
+    p.add_argument("--out", type=path_arg, default="attention", help="output folder (default ./attention)")
     p.add_argument("--layers", type=number_list, default=(), metavar="N,N,...",
                    help="draw these layers only, e.g. 1,6 (default: all; maps of a big model's every layer and "
                    "head have tiny labels)")
@@ -392,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_attention)
 
     p = sub.add_parser("demo", help="learn English -> German numbers and dates on the CPU in minutes, then look inside")
-    p.add_argument("--out", help="output folder (default ./demo)")
+    p.add_argument("--out", type=path_arg, help="output folder (default ./demo)")
     p.add_argument("--size", help="model size: tiny, small (default) or medium")
     p.add_argument("--steps", type=positive_int,
                    help="training updates (default: enough for >= 99%% exact match)")
@@ -408,16 +420,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="import a MarianMT (OPUS-MT) directory as an aiayn checkpoint")
     p.add_argument("--from", dest="source_format", required=True, choices=["marian"],
                    help="the format of SOURCE: marian = a HuggingFace MarianMT directory")
-    p.add_argument("source", metavar="SOURCE", help="local directory: config.json, model.safetensors or "
+    p.add_argument("source", type=path_arg, metavar="SOURCE",
+                   help="local directory: config.json, model.safetensors or "
                    "pytorch_model.bin, source.spm, target.spm, vocab.json")
-    p.add_argument("out", metavar="OUT", help="aiayn checkpoint directory to write")
+    p.add_argument("out", type=path_arg, metavar="OUT", help="aiayn checkpoint directory to write")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (never SOURCE or what holds it)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("export", help="write an aiayn checkpoint for another runtime (CTranslate2)")
     p.add_argument("--to", dest="target_format", required=True, choices=["ctranslate2"])
-    p.add_argument("checkpoint", metavar="CKPT", help="an aiayn checkpoint directory (trained or imported)")
-    p.add_argument("out", metavar="OUT", help="output model directory")
+    p.add_argument("checkpoint", type=path_arg, metavar="CKPT",
+                   help="an aiayn checkpoint directory (trained or imported)")
+    p.add_argument("out", type=path_arg, metavar="OUT", help="output model directory")
     p.add_argument("--quantization", choices=CT2_QUANTIZATIONS,  # checked here: before the checkpoint loads
                    help="CTranslate2 weight type (default: the checkpoint's float32)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (never CKPT or what holds it)")
@@ -425,9 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_translate_parser(sub)
     p = sub.add_parser("evaluate", help="sacreBLEU BLEU and chrF (with signatures) against references")
-    p.add_argument("hypotheses", metavar="HYP",
+    p.add_argument("hypotheses", type=path_arg, metavar="HYP",
                    help="detokenized, cased translations, one per line; - reads standard input")
-    p.add_argument("references", metavar="REF", nargs="+", help="reference file(s), line-aligned with HYP")
+    p.add_argument("references", type=path_arg, metavar="REF", nargs="+",
+                   help="reference file(s), line-aligned with HYP")
     p.add_argument("-l", "--lang", default="", metavar="LANG",
                    help="the target language's code (zh; zh-CN and ZH are zh; not a pair such as en-zh): zh, ja and "
                         "ko get the BLEU tokenizer sacreBLEU picks for them (13a splits no Chinese or Japanese "
@@ -454,11 +469,11 @@ def add_translate_parser(sub) -> None:
     p = sub.add_parser("translate", help="translate a file or stdin with a checkpoint (beam search, n-best)",
                        description="Translate one sentence per line, in input order; empty lines stay empty. "
                        "Works as a Unix filter: `aiayn translate CKPT < in.txt > out.txt`.")
-    p.add_argument("checkpoint", metavar="CKPT", nargs="+",
+    p.add_argument("checkpoint", type=path_arg, metavar="CKPT", nargs="+",
                    help="checkpoint directory (trained, averaged or imported); several with one vocabulary "
                    "are decoded as an ensemble (their probabilities averaged at every step)")
-    p.add_argument("-i", "--input", help="input file (default: stdin)")
-    p.add_argument("-o", "--output",
+    p.add_argument("-i", "--input", type=path_arg, help="input file (default: stdin)")
+    p.add_argument("-o", "--output", type=path_arg,
                    help="output file, written only once the whole input is translated (default: stdout)")
     p.add_argument("--beam", type=int, help="beam size; 1 is greedy search (default 4, the paper; 1 with --sample)")
     p.add_argument("--lenpen", type=float,  # None unless given: refused with --lenpen-kind none

@@ -172,7 +172,7 @@ def test_figure_stays_bounded_and_keeps_full_cells_when_small():
         assert font == pytest.approx(7.0 * cell / attention.CELL_INCHES)
 
 
-@pytest.mark.parametrize("bad", ["file", "file/sub", "/proc/x", ""])
+@pytest.mark.parametrize("bad", ["file", "file/sub", "/proc/x"])  # "": argparse's (test_files)
 def test_an_unusable_out_is_one_line(tmp_path, tokenizers, capsys, monkeypatch, bad):
     argv = _draw_args(tmp_path, tokenizers)
     (tmp_path / "file").write_text("mine")
@@ -180,8 +180,13 @@ def test_an_unusable_out_is_one_line(tmp_path, tokenizers, capsys, monkeypatch, 
     out = str(tmp_path / bad) if bad in ("file", "file/sub") else bad
     assert main(argv + ["--out", out]) == 2
     err = capsys.readouterr().err
-    assert "error: " in err and err.count("\n") == 1 and (out in err or "empty" in err)
+    assert "error: " in err and err.count("\n") == 1 and out in err
     assert (tmp_path / "file").read_text() == "mine" and not list(tmp_path.glob("attention*"))
+
+
+def test_an_empty_out_is_refused_by_the_library_too():
+    with pytest.raises(UserError, match="^the output folder name is empty$"):  # "" is the current directory
+        attention.check_out_dir("")
 
 
 def test_an_interrupted_rerun_leaves_the_old_maps_and_the_users_files(tmp_path, tokenizers, monkeypatch):

@@ -88,3 +88,9 @@ def test_translator_and_cli_load_several_checkpoints_as_an_ensemble(tmp_path, mo
     odd = save_checkpoint(tmp_path / "odd", tiny_model(vocab_size=other.src_vocab_size), other)
     with pytest.raises(UserError, match="odd: its tokenizer differs"):
         Translator.load([ckpts[0], odd])
+
+    short = save_checkpoint(tmp_path / "short", tiny_model(vocab_size=tokenizer.src_vocab_size, max_len=4),
+                            tokenizer)
+    with pytest.raises(UserError, match=r"tokens \(with EOS\), more than the 4 positions of the ensemble's "
+                                        r"shortest model$"):  # "of this model": which one?
+        Translator.load([ckpts[0], short]).translate(["the number 4 is even"])

@@ -124,8 +124,9 @@ def test_plot_command_refuses_values_it_cannot_draw(tmp_path, capsys, line, prob
     assert cli.main(["plot", str(tmp_path), "-o", str(tmp_path / "c.png")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"aiayn: error: {tmp_path / 'metrics.jsonl'}:2: {problem}") and "\n" not in err
-    assert cli.main(["plot", str(tmp_path), "-o", ""]) == 2  # was the default path, silently
-    assert "--output is empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # "" was the default path, silently; now argparse's usage error
+        cli.main(["plot", str(tmp_path), "-o", ""])
+    assert e.value.code == 2 and "-o/--output: invalid path value: ''" in capsys.readouterr().err
     assert not (tmp_path / "c.png").exists() and not (tmp_path / "curves.png").exists()
 
 

@@ -133,8 +133,6 @@ def cmd_plot(args: argparse.Namespace) -> None:
     from aiayn.train.metrics import plot_metrics
 
     run = Path(args.run_dir)
-    if args.output == "":  # was the default path, silently
-        raise UserError("--output is empty: give a file name (default RUN_DIR/curves.png)")
     if args.output:  # training's keep_last deletes a checkpoint directory whole, a picture in it too
         _check_outside_checkpoints(Path(args.output))
     print(plot_metrics(run / "metrics.jsonl", args.output or run / "curves.png"))

@@ -274,7 +274,8 @@ class Translator:
         limit = self.model.config.max_len  # the encoder's positions
         for i, s in enumerate(ids):
             if len(s) > limit:  # before any batch: a stream's output stays whole up to the bad chunk
-                raise SentenceTooLong(i, len(s), limit)
+                shortest = "the ensemble's shortest model" if isinstance(self.model, Ensemble) else "this model"
+                raise SentenceTooLong(i, len(s), limit, model=shortest)
         out: list[list[Translation]] = [[] for _ in texts]
         todo = [i for i, s in enumerate(ids) if s]
         rows = config.n_best if config.sample else config.beam

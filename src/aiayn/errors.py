@@ -41,9 +41,11 @@ class TextError(UserError):
 class SentenceTooLong(TextError):
     """A sentence with more tokens than the model has positions."""
 
-    def __init__(self, index: int, tokens: int, limit: int, where: str | None = None, model: str = "this model"):
+    def __init__(self, index: int, tokens: int, limit: int, where: str | None = None,
+                 model: str = "this model"):
         self.tokens, self.limit = tokens, limit
-        super().__init__(index, f"{tokens} tokens (with EOS), more than the {limit} positions of {model}", where)
+        super().__init__(index, f"{tokens} tokens (with EOS), more than the {limit} positions of {model}",
+                         where)
 
 
 class OutOfMemory(TextError):

@@ -274,8 +274,9 @@ class Translator:
         limit = self.model.config.max_len  # the encoder's positions
         for i, s in enumerate(ids):
             if len(s) > limit:  # before any batch: a stream's output stays whole up to the bad chunk
-                shortest = "the ensemble's shortest model" if isinstance(self.model, Ensemble) else "this model"
-                raise SentenceTooLong(i, len(s), limit, model=shortest)
+                ensemble = isinstance(self.model, Ensemble)
+                model = "the ensemble's shortest model" if ensemble else "this model"
+                raise SentenceTooLong(i, len(s), limit, model=model)
         out: list[list[Translation]] = [[] for _ in texts]
         todo = [i for i, s in enumerate(ids) if s]
         rows = config.n_best if config.sample else config.beam

@@ -264,6 +264,53 @@ def cmd_translate(args: argparse.Namespace) -> None:
         translate_stream(translator, src, dst, name, chunk, args.max_tokens, progress, **options)
 
 
+def cmd_score(args: argparse.Namespace) -> None:
+    """Write log P(target | source) of each line pair of --src and --tgt, one per line."""
+    import contextlib
+    import math
+    from pathlib import Path
+
+    import torch
+
+    from aiayn.data.dataset import read_lines
+    from aiayn.errors import SentenceTooLong
+    from aiayn.files import atomic_output, check_file_output
+    from aiayn.translate import Translator
+
+    if args.output not in (None, "-"):
+        check_file_output(args.output, [Path(p) for p in [*args.checkpoint, args.src, args.tgt]])
+        _check_outside_checkpoints(Path(args.output))
+    _check_streams(args.src, args.output)
+    sources, targets = read_lines(args.src), read_lines(args.tgt)  # each checked: UTF-8, NUL bytes
+    if len(sources) != len(targets):
+        def lines(n: int) -> str:
+            return f"{n:,} line{'' if n == 1 else 's'}"
+
+        raise UserError(f"{args.tgt}: {lines(len(targets))}, but {args.src} has {lines(len(sources))}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    translator = Translator.load(args.checkpoint, args.device, dtype=args.dtype)
+    with contextlib.ExitStack() as stack:
+        progress = None
+        if not args.quiet:
+            from tqdm import tqdm
+
+            progress = stack.enter_context(tqdm(total=len(sources), unit="pair", file=sys.stderr)).update
+        try:
+            scored = translator.score(sources, targets, args.max_tokens, progress)
+        except SentenceTooLong as e:  # "text 12 (target)" -> the file and line
+            raise e.located(args.tgt if e.side == "target" else args.src, 0) from None
+    dst = sys.stdout
+    with atomic_output(args.output) if args.output not in (None, "-") else contextlib.nullcontext(dst) as out:
+        for s in scored:
+            out.write(f"{s.per_token if args.normalize else s.log_prob:.6f}\n")
+    tokens = sum(s.tokens for s in scored)
+    if tokens:
+        nll = -sum(s.log_prob for s in scored) / tokens
+        print(f"{len(scored):,} pairs, {tokens:,} target tokens (EOS included): log P per token {-nll:.4f}, "
+              f"perplexity {math.exp(min(nll, 700)):.3f}", file=sys.stderr)
+
+
 def _check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
     """An output (a file, or a folder of pictures) may not be or lie inside any checkpoint directory (one
     with weights and meta.json), read or not, nor inside a training run's checkpoints/: training's
@@ -436,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     add_translate_parser(sub)
+    add_score_parser(sub)
     p = sub.add_parser("evaluate", help="sacreBLEU BLEU and chrF (with signatures) against references")
     p.add_argument("hypotheses", type=path_arg, metavar="HYP",
                    help="detokenized, cased translations, one per line; - reads standard input")
@@ -527,6 +575,32 @@ def add_translate_parser(sub) -> None:
                    "batches of several lines and beam search decode as without it")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_translate)
+
+
+def add_score_parser(sub) -> None:
+    p = sub.add_parser("score", help="log P(target | source) of given translations (forced decoding)",
+                       description="Score each line pair of SRC and TGT under the model: log P(target | "
+                       "source), the sum of the target tokens' log-probabilities, its EOS included (as "
+                       "`translate --n-best` scores what it finds), one number per line; the perplexity of "
+                       "the whole on stderr. For reranking n-best lists, filtering a corpus, or a test set's "
+                       "perplexity.")
+    p.add_argument("checkpoint", type=path_arg, metavar="CKPT", nargs="+",
+                   help="checkpoint directory; several with one vocabulary score as an ensemble (their "
+                   "probabilities averaged at every step)")
+    p.add_argument("--src", type=path_arg, required=True, help="source sentences, one per line")
+    p.add_argument("--tgt", type=path_arg, required=True, help="their translations, line by line")
+    p.add_argument("-o", "--output", type=path_arg,
+                   help="output file, written only once every pair is scored (default: stdout)")
+    p.add_argument("--normalize", action="store_true",
+                   help="divide each log P by its target's tokens (EOS included): the mean per token")
+    p.add_argument("--max-tokens", type=positive_int, default=4096,
+                   help="batch budget: padded tokens of the longer side (default 4096)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' and activations' type, as for translate (scores sum in float32)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_score)
 
 
 class ResultStream:

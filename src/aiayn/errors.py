@@ -42,8 +42,8 @@ class SentenceTooLong(TextError):
     """A sentence with more tokens than the model has positions."""
 
     def __init__(self, index: int, tokens: int, limit: int, where: str | None = None,
-                 model: str = "this model"):
-        self.tokens, self.limit = tokens, limit
+                 model: str = "this model", side: str = "source"):
+        self.tokens, self.limit, self.side = tokens, limit, side  # side: which text of a pair (scoring)
         super().__init__(index, f"{tokens} tokens (with EOS), more than the {limit} positions of {model}",
                          where)
 

@@ -32,6 +32,7 @@ from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.compiled import compile_one_row_step
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
 from aiayn.decoding.ensemble import SHARED_FIELDS
+from aiayn.decoding.score import force_decode
 from aiayn.decoding.search import sampling_generator
 from aiayn.errors import (
     OutOfMemory, SentenceTooLong, TextError, UserError, check_unicode, is_out_of_memory, str_list,
@@ -54,6 +55,18 @@ class Translation:
     # excluded, EOS included when produced, an ensemble's mean of its members' probabilities at each step, and with
     # sampling the model's own, before temperature, top-k and top-p
     log_prob: float
+
+
+@dataclass(frozen=True)
+class Scored:
+    """log P(target | source) of one given pair (`Translator.score`)."""
+
+    log_prob: float  # the sum of the target's token log-probabilities, its EOS included
+    tokens: int  # how many: the target's pieces and its EOS
+
+    @property
+    def per_token(self) -> float:
+        return self.log_prob / self.tokens
 
 
 def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeConfig:
@@ -298,6 +311,43 @@ class Translator:
                 progress(len(chosen))
         if progress is not None and len(todo) < len(texts):
             progress(len(texts) - len(todo))  # the empty lines, done without the model
+        return out
+
+    def score(
+        self, sources: Iterable[str], targets: Iterable[str], max_tokens: int = 4096,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[Scored]:
+        """log P(target | source) of each pair under the model (an ensemble: its members' mean
+        probability at each step), the target's EOS included: forced decoding through the searches' own
+        steps (`aiayn.decoding.score`), so a translation this translator found scores here its
+        `log_prob`. Every pair is scored, an empty side too (then EOS alone). `progress(n)` as in
+        `hypotheses`."""
+        sources, targets = text_list(sources), text_list(targets)
+        check_count("max_tokens", max_tokens)
+        if len(sources) != len(targets):
+            raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
+        limit = self.model.config.max_len
+        src_ids = [self.tokenizer.encode_src(t) for t in sources]
+        tgt_ids = [self.tokenizer.encode_tgt(t) + [self.tokenizer.eos_id] for t in targets]
+        for i, (s, t) in enumerate(zip(src_ids, tgt_ids)):
+            for side, ids in (("source", s), ("target", t)):
+                if len(ids) > limit:  # before any batch, as `hypotheses`
+                    raise SentenceTooLong(i, len(ids), limit, where=f"text {i + 1} ({side})", side=side)
+        out: list[Scored] = [Scored(0.0, 0)] * len(sources)
+        lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]  # encoder or decoder: the longer
+        for chosen in length_sorted_batches(lengths, max_tokens):
+            src = right_pad([src_ids[i] for i in chosen], self.tokenizer.pad_id).to(self.device)  # (B, S)
+            try:
+                with torch.autocast(self.device.type, enabled=False):  # as `hypotheses`
+                    found = force_decode(self.model, src, [tgt_ids[i] for i in chosen])
+            except RuntimeError as e:
+                if not is_out_of_memory(e):
+                    raise
+                raise OutOfMemory(min(chosen), len(chosen), 1) from None
+            for i, log_prob in zip(chosen, found):
+                out[i] = Scored(log_prob, len(tgt_ids[i]))
+            if progress is not None:
+                progress(len(chosen))
         return out
 
 

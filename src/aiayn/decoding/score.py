@@ -1,0 +1,45 @@
+"""Forced decoding: log P(target | source) of given translations, through the searches' own steps.
+
+Dimension key: B sentences, S source length, T target length (EOS included), V target vocabulary.
+
+What reranking, corpus filtering and a test set's perplexity need (fairseq's --score-reference,
+marian-scorer). Each target token is fed to the decoder as a search feeds the token it chose, through
+`step_log_probs` over a `KVCache`, and its log-probability summed in float32 as the searches sum them:
+a hypothesis a search found scores here what the search scored it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from aiayn.decoding.options import DecodeConfig
+from aiayn.decoding.search import source_mask, step_log_probs
+from aiayn.model import Transformer
+
+
+@torch.inference_mode()
+def force_decode(model: Transformer, src: Tensor, targets: list[list[int]]) -> list[float]:
+    """log P(targets[i] | src[i]) for a (B, S) right-padded source batch and B lists of target ids (end
+    each with EOS to score a whole translation): the sum of its tokens' log-probabilities. Rows whose
+    target ended stay in the batch, fed EOS, and add nothing more."""
+    b = src.shape[0]
+    if len(targets) != b or not all(targets):
+        raise ValueError(f"{len(targets)} targets for {b} sources, or an empty one (end each with EOS)")
+    steps = max(map(len, targets))
+    memory, src_mask = model.encode(src), source_mask(model, src)  # (B, S, d), (B, 1, 1, S) or None
+    cache = model.new_cache(b, steps)
+    tokens_BT = torch.full((b, steps), model.config.eos_id, dtype=torch.long)
+    for i, target in enumerate(targets):
+        tokens_BT[i, : len(target)] = torch.tensor(target)
+    tokens_BT = tokens_BT.to(src.device)
+    lengths_B = torch.tensor([len(t) for t in targets], device=src.device)
+    log_prob_B = torch.zeros(b, device=src.device, dtype=torch.float32)  # as the searches accumulate
+    last_B = torch.full((b,), model.config.decoder_start_id, dtype=torch.long, device=src.device)
+    scoring = DecodeConfig(min_len=0)  # EOS is never masked: a target's end is scored where it is
+    for t in range(steps):
+        log_probs_BV = step_log_probs(model, last_B, memory, src_mask, cache, t, scoring)  # (B, V)
+        last_B = tokens_BT[:, t]
+        token_B = log_probs_BV.gather(1, last_B[:, None])[:, 0]  # (B,)
+        log_prob_B += torch.where(lengths_B > t, token_B, torch.zeros_like(token_B))
+    return log_prob_B.tolist()

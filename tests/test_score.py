@@ -1,0 +1,130 @@
+"""Forced decoding (`aiayn score`): log P(target | source) of given translations equals what a search
+scored when it found them, and a float64 full forward pass of the model."""
+
+import math
+
+import pytest
+import torch
+from conftest import padded_batch, tiny_model
+
+from aiayn.checkpoint import save_checkpoint
+from aiayn.cli import main
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.decoding import DecodeConfig, Ensemble, generate
+from aiayn.decoding.score import force_decode
+from aiayn.errors import SentenceTooLong
+from aiayn.translate import Translator
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def full_forward_log_prob(model, src_row, tokens):
+    """log P(tokens | src) from one uncached forward pass in float64, padding never an output."""
+    model = model.double()
+    tgt_in = torch.tensor([[model.config.decoder_start_id] + tokens[:-1]])
+    with torch.no_grad():
+        logits = model(src_row[None], tgt_in)[0]  # (T, V)
+    logits[:, model.config.pad_id] = -math.inf
+    log_probs = logits.log_softmax(-1)
+    model.float()
+    return log_probs.gather(1, torch.tensor(tokens)[:, None]).sum().item()
+
+
+def test_found_hypotheses_score_what_the_search_scored_them():
+    torch.manual_seed(0)
+    model = tiny_model()
+    src = padded_batch([5, 3, 7], 50)
+    found = generate(model, src, DecodeConfig(beam=4, n_best=4, max_len_a=0.0, max_len_b=6))
+    rows = [i for i, hyps in enumerate(found) for _ in hyps]
+    targets = [h.tokens for hyps in found for h in hyps]  # some end with EOS, some were cut at 6
+    scored = force_decode(model, src[rows], targets)
+    assert scored == pytest.approx([h.log_prob for hyps in found for h in hyps], abs=1e-4)
+    for r, tokens, log_prob in zip(rows, targets, scored):
+        length = int((src[r] != model.config.pad_id).sum())
+        assert log_prob == pytest.approx(full_forward_log_prob(model, src[r, :length], tokens), abs=1e-4)
+
+
+def test_an_ensemble_scores_the_mean_of_its_members_probabilities():
+    torch.manual_seed(0)
+    models = [tiny_model(), tiny_model(d_model=16, d_ff=32, n_layers=3)]
+    ensemble = Ensemble(models)
+    src = padded_batch([4, 6], 50)
+    found = generate(ensemble, src, DecodeConfig(beam=3, n_best=3, max_len_a=0.0, max_len_b=5))
+    rows = [i for i, hyps in enumerate(found) for _ in hyps]
+    scored = force_decode(ensemble, src[rows], [h.tokens for hyps in found for h in hyps])
+    assert scored == pytest.approx([h.log_prob for hyps in found for h in hyps], abs=1e-4)
+
+
+def test_a_batch_scores_as_each_pair_alone():
+    torch.manual_seed(0)
+    model = tiny_model()
+    src = padded_batch([2, 7, 4], 50)
+    targets = [[5, 6, 2], [7, 2], [9, 10, 11, 12, 2]]
+    alone = [force_decode(model, src[i : i + 1, : int((src[i] != 0).sum())], [t])[0]
+             for i, t in enumerate(targets)]
+    assert force_decode(model, src, targets) == pytest.approx(alone, abs=1e-5)
+    with pytest.raises(ValueError, match="empty one"):
+        force_decode(model, src, [[5, 2], [], [2]])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("score")
+    lines = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} und die Zahl {i}" for i in range(300)]
+    tokenizer = Tokenizer(train_sentencepiece(lines, d / "spm", vocab_size=60))
+    torch.manual_seed(0)
+    return save_checkpoint(d / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size, max_len=40), tokenizer)
+
+
+SOURCES = ["the number 3 is odd", "the number 12", "", "die Zahl 7"]
+
+
+def test_translations_score_their_log_prob_and_every_pair_is_scored(checkpoint):
+    translator = Translator.load(checkpoint)
+    found = translator.hypotheses(SOURCES, beam=1, max_len_a=0.0, max_len_b=8)
+    outputs = [hyps[0].text if hyps else "" for hyps in found]
+    scored = translator.score(SOURCES, outputs, max_tokens=8)  # several batches
+    for text, hyps, s in zip(outputs, found, scored):
+        tokens = translator.tokenizer.encode_tgt(text) + [translator.tokenizer.eos_id]
+        assert s.tokens == len(tokens) and s.per_token == s.log_prob / s.tokens
+        if hyps and hyps[0].tokens == tokens:  # the text reads back as the tokens found
+            assert s.log_prob == pytest.approx(hyps[0].log_prob, abs=1e-4)
+    assert scored[2].tokens == 1 and scored[2].log_prob < 0  # an empty pair: P(EOS | EOS)
+    with pytest.raises(ValueError, match="4 sources but 3 targets"):
+        translator.score(SOURCES, outputs[:3])
+
+
+def test_the_cli_writes_one_score_per_line_and_the_perplexity(checkpoint, tmp_path, capsys):
+    translator = Translator.load(checkpoint)
+    targets = ["die Zahl 3 ist ungerade", "die Zahl 12", "", "the number 7"]
+    expected = translator.score(SOURCES, targets)
+    (tmp_path / "src").write_text("\n".join(SOURCES) + "\n")
+    (tmp_path / "tgt").write_text("\n".join(targets) + "\n")
+    argv = ["score", str(checkpoint), "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"), "-q"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert [float(x) for x in out.split()] == pytest.approx([s.log_prob for s in expected], abs=1e-6)
+    tokens = sum(s.tokens for s in expected)
+    nll = -sum(s.log_prob for s in expected) / tokens
+    assert err == (f"4 pairs, {tokens} target tokens (EOS included): log P per token {-nll:.4f}, "
+                   f"perplexity {math.exp(nll):.3f}\n")
+    assert main([*argv, "--normalize", "-o", str(tmp_path / "out")]) == 0
+    written = [float(x) for x in (tmp_path / "out").read_text().split()]
+    assert written == pytest.approx([s.per_token for s in expected], abs=1e-6)
+
+
+def test_bad_pairs_are_one_line_naming_the_file(checkpoint, tmp_path, capsys):
+    (tmp_path / "src").write_text("the number 3\nthe number 4\n")
+    (tmp_path / "tgt").write_text("die Zahl 3\n")
+    argv = ["score", str(checkpoint), "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"), "-q"]
+    assert main(argv) == 2
+    tgt, src = tmp_path / "tgt", tmp_path / "src"
+    assert capsys.readouterr().err == f"aiayn: error: {tgt}: 1 line, but {src} has 2 lines\n"
+    (tmp_path / "tgt").write_text("die Zahl 3\n" + "die Zahl 4 " * 30 + "\n")  # past max_len=40
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiayn: error: {tmp_path / 'tgt'}:2: ") and "more than the 40 positions" in err
+    assert main([*argv, "-o", str(tmp_path / "src")]) == 2  # never over an input
+    assert "writing it would destroy the input" in capsys.readouterr().err
+    with pytest.raises(SentenceTooLong, match=r"^text 2 \(target\): "):
+        Translator.load(checkpoint).score(["a", "b"], ["c", "d " * 60])

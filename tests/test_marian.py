@@ -458,6 +458,21 @@ def test_beam_is_token_identical_to_generate(build, variant, beam, alpha):
         assert ours != aiayn_search(ck, src, beam=1)[0]
 
 
+@pytest.mark.parametrize("variant", [VARIANTS[0], pytest.param(VARIANTS[1], marks=pytest.mark.slow)])
+def test_beam_with_a_minimum_length_is_token_identical_to_generate(build, variant):
+    """EOS banned for the first tokens before the softmax, as padding always is (HuggingFace's
+    min_new_tokens with renormalize_logits, CTranslate2's min_decoding_length). Banned after it, each such
+    step kept log(1 - P(EOS)) in the beams' scores, and beam search ranked them otherwise."""
+    hf, ck, _ = build(variant)
+    src = search_batch(ck)
+    options = dict(num_beams=4, length_penalty=1.0, early_stopping=True, min_new_tokens=5)
+    theirs, their_scores = hf_search(hf, src, ck.tokenizer.pad_id, **options)
+    ours, our_scores = aiayn_search(ck, src, beam=4, lenpen=1.0, lenpen_kind="power", early_stopping=True,
+                                    min_len=5)
+    assert ours == theirs and min(map(len, ours)) >= 6  # 5 tokens, then EOS at the earliest
+    torch.testing.assert_close(our_scores, their_scores, atol=1e-4, rtol=0)
+
+
 # The converted model everywhere else in aiayn: translate, attention, fine-tuning.
 
 

@@ -63,21 +63,23 @@ def step_log_probs(
     """Feed the newest token of each row (R,) and return log P(next token) (R, V), in float32.
 
     The decoder returns the logits of the one new position only, so the vocabulary projection (the
-    largest matmul of a step) is done once per row. EOS is masked while fewer than `min_len` tokens
-    were produced, as `min_new_tokens` (HuggingFace) and `min_decoding_length` (CTranslate2) do. Padding
-    is never an output (Marian's models ship `bad_words_ids=[[pad]]` for the same reason).
+    largest matmul of a step) is done once per row. Padding is never an output (Marian's models ship
+    `bad_words_ids=[[pad]]` for the same reason), and EOS is not one while fewer than `min_len` tokens
+    were produced: both are masked before the softmax, so the other tokens' probabilities are
+    renormalized, as CTranslate2's `min_decoding_length` does (and HuggingFace's `min_new_tokens` with
+    `renormalize_logits=True`). Masked after it, beam search kept each such step's log(1 - P(EOS)) in
+    its scores and ranked beams otherwise than CTranslate2 and HuggingFace.
     """
     tgt_in = last_R[:, None]  # (R, 1)
     step = getattr(model, "one_row_step", None)  # set by `aiayn.decoding.compiled.compile_one_row_step`
     decode = step if step is not None and step.applies(tgt_in, src_mask, cache) else model.decode
     logits_RV = decode(tgt_in, memory, src_mask, cache)[:, -1].float()  # (R, V)
     logits_RV[:, model.config.pad_id] = float("-inf")
+    if produced < config.min_len:
+        logits_RV[:, model.config.eos_id] = float("-inf")
     # In place: the logits are this step's own. A fresh (R, V) output is 2.7x slower with cold caches
     # (64 x 32,000: 3.5 ms against 1.3); beam 4 x 16 decodes 1-3% faster (benchmarks/RESULTS.md).
-    log_probs_RV = torch.log_softmax(logits_RV, dim=-1, out=logits_RV)
-    if produced < config.min_len:
-        log_probs_RV[:, model.config.eos_id] = float("-inf")
-    return log_probs_RV
+    return torch.log_softmax(logits_RV, dim=-1, out=logits_RV)
 
 
 def sampling_generator(config: DecodeConfig, device: torch.device) -> torch.Generator:

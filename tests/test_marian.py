@@ -232,6 +232,31 @@ def test_unsupported_fields_are_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_inconsistent_embeddings_and_a_misshapen_logits_bias_are_refused(tmp_path):
+    """transformers keeps every stored embedding and ties the output to model.shared: a file whose
+    encoder and decoder copies differ from it converted silently into another model (logits off by up
+    to 5); a (2, V/2) final_logits_bias was flattened, where transformers refuses the file."""
+    from safetensors.torch import load_file, save_file
+
+    make_marian_dir(tmp_path / "opus", "swish", shared=True)
+    path = tmp_path / "opus" / "model.safetensors"
+    original = load_file(str(path))
+    shared = original["model.shared.weight"]
+    for side in ("encoder", "decoder"):
+        weights = {**original, f"model.{side}.embed_tokens.weight": shared + 0.1}
+        save_file(weights, str(path))
+        with pytest.raises(UserError, match=rf"model\.{side}\.embed_tokens\.weight differs from "
+                                            r"model\.shared\.weight"):
+            convert_marian(tmp_path / "opus", tmp_path / "out")
+    copies = {f"model.{side}.embed_tokens.weight": shared.clone() for side in ("encoder", "decoder")}
+    save_file({**original, **copies}, str(path))  # the same values stored three times: fine
+    convert_marian(tmp_path / "opus", tmp_path / "out")
+    v = shared.shape[0]
+    save_file({**original, "final_logits_bias": torch.zeros(2, v // 2)}, str(path))
+    with pytest.raises(UserError, match=rf"final_logits_bias has shape \(2, {v // 2}\), not \(1, {v}\)"):
+        convert_marian(tmp_path / "opus", tmp_path / "out2")
+
+
 # A MarianConfig as config.json holds it, the fields the import reads (tiny, written by hand).
 TINY_CONFIG = {"model_type": "marian", "architectures": ["MarianMTModel"], "vocab_size": 10, "d_model": 8,
                "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 16,

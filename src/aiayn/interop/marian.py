@@ -252,9 +252,19 @@ def _check_positions(hf: dict[str, Tensor], config: ModelConfig, where: str) -> 
 def _embeddings(hf: dict[str, Tensor], config: ModelConfig, where: str) -> dict[str, Tensor]:
     """Token embeddings, output projection and logits bias, in aiayn's names; tying checked."""
     shared = hf.pop("model.shared.weight", None)
-    src = hf.pop("model.encoder.embed_tokens.weight", shared)
-    tgt = hf.pop("model.decoder.embed_tokens.weight", shared)
+    src = hf.pop("model.encoder.embed_tokens.weight", None)
+    tgt = hf.pop("model.decoder.embed_tokens.weight", None)
     lm_head = hf.pop("lm_head.weight", None)
+    # transformers keeps each stored tensor and ties the output to model.shared: an edited or merged file
+    # whose copies differ converted silently into another model (logits off by up to 5 in a probe)
+    for part, side in (("encoder", src), ("decoder", tgt)):
+        name = f"model.{part}.embed_tokens.weight"
+        if config.share_embeddings and shared is not None and side is not None and not torch.equal(side, shared):
+            raise UserError(f"{where}: {name} differs from model.shared.weight, which transformers ties the "
+                            "output to; the file is inconsistent")
+    src = shared if src is None else src
+    # a separate target vocabulary has its own embeddings: model.shared is the source's
+    tgt = (shared if config.share_embeddings else None) if tgt is None else tgt
     if src is None or tgt is None:
         raise UserError(f"{where}: missing token embeddings "
                         f"(model.shared.weight or model.*.embed_tokens.weight)")
@@ -274,7 +284,10 @@ def _embeddings(hf: dict[str, Tensor], config: ModelConfig, where: str) -> dict[
     else:
         out["generator.weight"] = lm_head
     bias = hf.pop("final_logits_bias", None)  # transformers treats a missing one as zeros
-    out["final_logits_bias"] = torch.zeros(config.target_vocab_size) if bias is None else bias.reshape(-1)
+    vocab = config.target_vocab_size
+    if bias is not None and tuple(bias.shape) not in ((vocab,), (1, vocab)):  # (2, V/2) was flattened
+        raise UserError(f"{where}: final_logits_bias has shape {tuple(bias.shape)}, not (1, {vocab})")
+    out["final_logits_bias"] = torch.zeros(vocab) if bias is None else bias.reshape(-1)
     return out
 
 

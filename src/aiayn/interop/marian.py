@@ -259,7 +259,8 @@ def _embeddings(hf: dict[str, Tensor], config: ModelConfig, where: str) -> dict[
     # whose copies differ converted silently into another model (logits off by up to 5 in a probe)
     for part, side in (("encoder", src), ("decoder", tgt)):
         name = f"model.{part}.embed_tokens.weight"
-        if config.share_embeddings and shared is not None and side is not None and not torch.equal(side, shared):
+        copies = config.share_embeddings and shared is not None and side is not None
+        if copies and not torch.equal(side, shared):
             raise UserError(f"{where}: {name} differs from model.shared.weight, which transformers ties the "
                             "output to; the file is inconsistent")
     src = shared if src is None else src

@@ -527,6 +527,17 @@ def test_the_default_normalization_turns_zwnj_into_a_space_and_says_so(tmp_path,
     assert 'data.normalization = "nfkc"' in record.message and "train a new tokenizer" in record.message
 
 
+def test_a_compatibility_form_only_identity_keeps_is_advised_so(tmp_path, caplog):
+    """nfkc folds ＩＢＭ to IBM as nmt_nfkc does: advising "nfkc" led to the same warning again."""
+    text = ParallelText([f"{s} ＩＢＭ" for s in sentences(100, "de")], sentences(100, "en"), 0)
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        train_tokenizer(text, tmp_path, 40)
+    [record] = caplog.records
+    assert "U+FF29 FULLWIDTH LATIN CAPITAL LETTER I" in record.message
+    assert 'set data.normalization = "identity" and train a new tokenizer' in record.message
+    assert '"nfkc"' not in record.message
+
+
 @pytest.mark.parametrize("normalization", ["nmt_nfkc", "nfkc", "identity"])
 def test_whitespace_alone_is_not_warned_about(tmp_path, caplog, normalization):
     """SentencePiece collapses spaces whatever the rule, and a no-break space or a tab is whitespace too."""

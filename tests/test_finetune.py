@@ -6,6 +6,7 @@ after; the Marian case starts from a random `transformers.MarianMTModel` convert
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -92,6 +93,18 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
     with pytest.raises(UserError, match=r"init_from keeps this checkpoint's tokenizer \(data.vocab_size "):
         train(load_config(None, again + ["data.vocab_size=100"]))  # was ignored, and printed as if used
     assert train(load_config(None, again))["step"] == 1
+
+    # A checkpoint of a run that trained its tokenizer records its settings: [data] left at the defaults
+    # takes them (it was refused: "vocab_size was 40, now 8000"), and the run records what it used
+    meta = json.loads((tuned / "meta.json").read_text())
+    meta["config"]["data"].update(vocab_size=40, character_coverage=0.9995)
+    (tuned / "meta.json").write_text(json.dumps(meta))
+    third = settings(src, tgt, tmp_path / "run3", tuned, "train.max_updates=1")
+    assert train(load_config(None, third))["step"] == 1
+    recorded = load_checkpoint(only_checkpoint(tmp_path / "run3")).meta["config"]["data"]
+    assert (recorded["vocab_size"], recorded["character_coverage"]) == (40, 0.9995)
+    with pytest.raises(UserError, match=r"\(data.vocab_size was 40, now 100\)"):  # a value set: refused
+        train(load_config(None, third + ["train.run_dir=" + str(tmp_path / "run4"), "data.vocab_size=100"]))
 
     forgot = [s for s in sets[:-1] if not s.startswith("train.init_from=")] + ["train.max_updates=9"]
     with pytest.raises(UserError, match=f"fine-tunes {start}; resume it with train.init_from={start}") as e:

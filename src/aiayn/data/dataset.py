@@ -713,9 +713,12 @@ def _warn_if_normalization_changes_text(
     at = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
     char = want[at] if at < len(want) else got[at]
     example = want[max(0, at - 30) : at + 30]
-    fix = {"nfkc": '; set data.normalization = "identity"', "identity": ""}.get(
-        normalization, '; set data.normalization = "nfkc" (or "identity")'
-    )
+    # "nfkc" keeps what nmt_nfkc alone rewrites (the ZWNJ), not a compatibility form (ＩＢＭ, ﬁ), which
+    # only "identity" keeps: the advice to try "nfkc" there was followed by the same warning
+    nfkc_changes = unicodedata.normalize("NFKC", char) != char
+    identity = '; set data.normalization = "identity"'
+    nfkc = '; set data.normalization = "nfkc" (or "identity")'
+    fix = {"nfkc": identity, "identity": ""}.get(normalization, identity if nfkc_changes else nfkc)
     if fix:
         fix += (" and train a new tokenizer (in a new train.run_dir, or delete this one's spm.model, or "
                 "source.spm and target.spm)")

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -71,7 +71,7 @@ from aiayn.files import recover_replaced, remove_abandoned
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.train import distributed
-from aiayn.train.config import RunConfig, finetune_model_config
+from aiayn.train.config import DataConfig, RunConfig, finetune_model_config
 from aiayn.train.distributed import Dist, SameOnEveryProcess
 from aiayn.train.loss import label_smoothed_nll
 from aiayn.train.metrics import MetricsLog, plot_metrics
@@ -156,6 +156,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     cap_kernel_caches()  # first: token batches make thousands of shapes, one cached oneDNN kernel each
     tc, run_dir = config.train, Path(config.train.run_dir)
     resume_from = _checkpoint_to_resume(run_dir, resume)
+    config = _with_checkpoint_tokenizer_settings(config, resume_from)
     if resume_from:
         _read_resumed(d, run_dir, resume_from, lambda: _check_same_batches(resume_from, config, d))
     if tc.threads:
@@ -386,6 +387,24 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
         _refuse_tokenizer_settings(config, ck.meta, path)
         log.info("fine-tuning %s (update %s of its run)", path, ck.meta.get("step", "?"))
     return Checkpoint(model.train(), ck.tokenizer, ck.meta, path)
+
+
+def _with_checkpoint_tokenizer_settings(config: RunConfig, resume_from: Path | None) -> RunConfig:
+    """Fine-tuning keeps the checkpoint's tokenizer, so [data]'s tokenizer settings left at their defaults
+    take the values the checkpoint records: a run.toml naming only its files was refused ("vocab_size was
+    300, now 8000": a default, not a change), or printed and saved 8,000 pieces for a 300-piece model.
+    A value set otherwise is still refused (`_refuse_tokenizer_settings`)."""
+    if not config.train.init_from:
+        return config
+    try:
+        saved = config_section(read_meta(resume_from or Path(config.train.init_from)), "data") or {}
+    except UserError:  # not a checkpoint: `initial_checkpoint` says so in its own words
+        return config
+    defaults = DataConfig()
+    adopted = {k: saved[k] for k in _tokenizer_settings(config)
+               if k in saved and type(saved[k]) is type(getattr(defaults, k))  # a hand's edit: compared later
+               and getattr(config.data, k) == getattr(defaults, k)}
+    return replace(config, data=replace(config.data, **adopted)) if adopted else config
 
 
 def _refuse_tokenizer_settings(config: RunConfig, meta: dict, path: Path) -> None:

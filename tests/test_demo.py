@@ -151,8 +151,11 @@ def test_a_beam_wider_than_the_vocabulary_and_an_empty_out_are_refused_up_front(
     --out '' wrote into the current directory."""
     assert main(["demo", "--out", str(tmp_path / "d"), "--beam", "100000000"]) == 2
     assert "--beam 100000000 is more than the 500 pieces" in capsys.readouterr().err
-    assert main(["demo", "--out", ""]) == 2
-    assert "--out is empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse's usage error, as for every empty path
+        main(["demo", "--out", ""])
+    assert e.value.code == 2 and "--out: invalid path value: ''" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--out is empty"):  # and the library's own check
+        DemoConfig(out="")
     assert not any(tmp_path.iterdir())
 
 

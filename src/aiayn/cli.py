@@ -82,8 +82,11 @@ def _info_preset(args: argparse.Namespace) -> str | None:
         raise UserError(f"info: give a preset or a checkpoint, not both ({both})")
     if args.what is None:
         return args.preset or "base"
-    if args.what in PRESETS and not is_checkpoint(Path(args.what)):
+    if args.what in PRESETS and not Path(args.what).exists():
         return args.what
+    if args.what in PRESETS and not is_checkpoint(Path(args.what)):  # a damaged one was shown as the preset
+        raise UserError(f"info: {args.what} is a folder here but no checkpoint; for the preset, give "
+                        f"--preset {args.what}")
     if args.vocab_size is not None:
         raise UserError(f"info: --vocab-size sizes a preset; {args.what} is described as saved")
     if not Path(args.what).exists() and args.what.isidentifier():
@@ -267,48 +270,53 @@ def cmd_translate(args: argparse.Namespace) -> None:
 def cmd_score(args: argparse.Namespace) -> None:
     """Write log P(target | source) of each line pair of --src and --tgt, one per line."""
     import contextlib
-    import math
     from pathlib import Path
 
     import torch
 
-    from aiayn.data.dataset import read_lines
-    from aiayn.errors import SentenceTooLong
     from aiayn.files import atomic_output, check_file_output
-    from aiayn.translate import Translator
+    from aiayn.translate import Translator, lines_text, score_stream
 
+    if args.src == "-" and args.tgt == "-":
+        raise UserError("--src and --tgt cannot both be standard input")
     if args.output not in (None, "-"):
-        check_file_output(args.output, [Path(p) for p in [*args.checkpoint, args.src, args.tgt]])
+        check_file_output(args.output, [Path(p) for p in [*args.checkpoint, args.src, args.tgt] if p != "-"])
+        _check_not_stdin("-" if "-" in (args.src, args.tgt) else args.src, Path(args.output))
         _check_outside_checkpoints(Path(args.output))
-    _check_streams(args.src, args.output)
-    sources, targets = read_lines(args.src), read_lines(args.tgt)  # each checked: UTF-8, NUL bytes
-    if len(sources) != len(targets):
-        def lines(n: int) -> str:
-            return f"{n:,} line{'' if n == 1 else 's'}"
-
-        raise UserError(f"{args.tgt}: {lines(len(targets))}, but {args.src} has {lines(len(sources))}")
+    _check_streams("-" if "-" in (args.src, args.tgt) else args.src, args.output)
     if args.threads:
         torch.set_num_threads(args.threads)
-    translator = Translator.load(args.checkpoint, args.device, dtype=args.dtype)
     with contextlib.ExitStack() as stack:
+        streams = []
+        for path in (args.src, args.tgt):
+            if path == "-":
+                streams.append((sys.stdin.buffer, "<stdin>"))
+                continue
+            try:
+                streams.append((stack.enter_context(open(path, "rb")), path))
+            except OSError as e:
+                raise UserError(f"{path}: cannot read ({e.strerror})") from None
+        counts = [_checked_line_count(stream, name) for stream, name in streams]  # None for a pipe
+        if None not in counts and counts[0] != counts[1]:  # before the model loads and scores for nothing
+            (_, src_name), (_, tgt_name) = streams
+            raise UserError(f"{tgt_name}: {lines_text(counts[1])}, but {src_name} has "
+                            f"{lines_text(counts[0])}")
+        dst = sys.stdout  # a missing folder for -o fails now, not after the scoring
+        if args.output not in (None, "-"):
+            dst = stack.enter_context(atomic_output(args.output))
+        translator = Translator.load(args.checkpoint, args.device, dtype=args.dtype)
         progress = None
         if not args.quiet:
             from tqdm import tqdm
 
-            progress = stack.enter_context(tqdm(total=len(sources), unit="pair", file=sys.stderr)).update
-        try:
-            scored = translator.score(sources, targets, args.max_tokens, progress)
-        except SentenceTooLong as e:  # "text 12 (target)" -> the file and line
-            raise e.located(args.tgt if e.side == "target" else args.src, 0) from None
-    dst = sys.stdout
-    with atomic_output(args.output) if args.output not in (None, "-") else contextlib.nullcontext(dst) as out:
-        for s in scored:
-            out.write(f"{s.per_token if args.normalize else s.log_prob:.6f}\n")
-    tokens = sum(s.tokens for s in scored)
-    if tokens:
-        nll = -sum(s.log_prob for s in scored) / tokens
-        print(f"{len(scored):,} pairs, {tokens:,} target tokens (EOS included): log P per token {-nll:.4f}, "
-              f"perplexity {math.exp(min(nll, 700)):.3f}", file=sys.stderr)
+            total = next((c for c in counts if c is not None), None)
+            progress = stack.enter_context(tqdm(total=total, unit="pair", file=sys.stderr)).update
+        (src, src_name), (tgt, tgt_name) = streams
+        done = score_stream(translator, src, tgt, dst, (src_name, tgt_name), max_tokens=args.max_tokens,
+                            normalize=args.normalize, progress=progress)
+    if done.tokens:
+        print(f"{done.pairs:,} pairs, {done.tokens:,} target tokens (EOS included): log P per token "
+              f"{done.log_prob / done.tokens:.4f}, perplexity {done.perplexity:.3f}", file=sys.stderr)
 
 
 def _check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
@@ -587,8 +595,10 @@ def add_score_parser(sub) -> None:
     p.add_argument("checkpoint", type=path_arg, metavar="CKPT", nargs="+",
                    help="checkpoint directory; several with one vocabulary score as an ensemble (their "
                    "probabilities averaged at every step)")
-    p.add_argument("--src", type=path_arg, required=True, help="source sentences, one per line")
-    p.add_argument("--tgt", type=path_arg, required=True, help="their translations, line by line")
+    p.add_argument("--src", type=path_arg, required=True,
+                   help="source sentences, one per line (a file, a pipe, or - for standard input)")
+    p.add_argument("--tgt", type=path_arg, required=True,
+                   help="their translations, line by line (a file, a pipe, or - for standard input)")
     p.add_argument("-o", "--output", type=path_arg,
                    help="output file, written only once every pair is scored (default: stdout)")
     p.add_argument("--normalize", action="store_true",
@@ -676,7 +686,10 @@ class DiagnosticStream:
         return getattr(self.stderr, "encoding", None) or "utf-8"
 
     def write(self, text: str) -> int:
-        self._guard(lambda: self.stderr.write(text))
+        # what the terminal cannot encode (a file name's undecodable bytes, surrogates here) as escapes, as
+        # Python's own stderr writes them: the encoding error silenced the stream, error line and all
+        safe = text.encode(self.encoding, "backslashreplace").decode(self.encoding, "replace")
+        self._guard(lambda: self.stderr.write(safe))
         return len(text)
 
     def flush(self) -> None:

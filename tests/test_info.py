@@ -10,6 +10,7 @@ from conftest import tiny_model
 from aiayn.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
 from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.errors import UserError
 from aiayn.train.average import average_checkpoints
 
 LINES = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} und die Zahl {i}" for i in range(40)]
@@ -114,3 +115,40 @@ def test_a_damaged_meta_json_is_named(tmp_path, tokenizer, capsys):
     code, _, err = info(capsys, path)
     assert code == 2 and err == (f"aiayn: error: {path / 'meta.json'}: corrupt checkpoint metadata "
                                  "('model' is not a table)")
+
+
+def test_a_folder_named_like_a_preset_but_no_checkpoint_is_refused(tmp_path, tokenizer, capsys, monkeypatch):
+    """A damaged checkpoint ./base (no meta.json) was described as the preset base, exit 0."""
+    path = save(tmp_path / "base", tokenizer)
+    (path / "meta.json").unlink()
+    monkeypatch.chdir(tmp_path)
+    code, lines, err = info(capsys, "base")
+    assert code == 2 and not lines
+    assert err == ("aiayn: error: info: base is a folder here but no checkpoint; for the preset, give "
+                   "--preset base")
+    assert info(capsys, "--preset", "base")[0] == 0
+
+
+def test_fine_tuning_a_signals_save_and_hand_edited_counts_are_described(tmp_path, tokenizer, capsys):
+    path = save(tmp_path / "ck", tokenizer)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["config"]["train"] = {"init_from": "opus/converted"}
+    (path / "meta.json").write_text(json.dumps({**meta, "interrupted": True, "epoch": True}))
+    _, lines, _ = info(capsys, path)
+    assert "trained: update 300; valid_loss 1.5, valid_nll 1.25, valid_ppl 3.49 (saved on a signal, not " \
+           "validated)" in lines  # "epoch True" was printed
+    assert lines[-1] == "fine-tuned from: opus/converted"
+
+
+def test_a_path_that_is_not_utf8_is_named_as_such(tmp_path, tokenizer, capsys):
+    """safetensors and SentencePiece open only UTF-8 paths: 'corrupt weights', or a pybind TypeError."""
+    import os
+
+    path = save(tmp_path / "ck", tokenizer)
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9")
+    os.rename(path, odd)
+    code, _, err = info(capsys, odd)
+    assert code == 2 and "a path that is not valid UTF-8, which safetensors cannot open; rename it" in err
+    with pytest.raises(UserError, match="not valid UTF-8"):
+        load_checkpoint(odd)
+    assert Tokenizer.load(odd, {"files": {"source": "spm.model"}}).src_vocab_size == tokenizer.src_vocab_size

@@ -163,10 +163,20 @@ def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
         what = "is not a file" if path.exists() else "is missing"
         what = "is a link that leads to no file" if path.is_symlink() and not path.exists() else what  # or loops
         raise UserError(f"{directory}: checkpoint has no {WEIGHTS} ({path} {what})")
+    check_utf8_path(path)
     try:
         return load_file(str(path))  # safetensors: plain tensors, never unpickles code
     except (SafetensorError, OSError, ValueError) as e:
         raise CorruptFile(f"{path}: corrupt weights ({e})") from None
+
+
+def check_utf8_path(path: Path) -> None:
+    """safetensors opens only paths that are valid UTF-8: another read as "corrupt weights"."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{path}: a path that is not valid UTF-8, which safetensors cannot open; "
+                        "rename it") from None
 
 
 def _castable(stored: torch.dtype, wanted: torch.dtype) -> bool:
@@ -302,7 +312,8 @@ def describe_checkpoint(directory: str | Path) -> list[str]:
     lines = [f"checkpoint: {directory}", str(config),
              f"parameters: {model.num_parameters():,} ({', '.join(dtypes)}; {WEIGHTS} {size_text})"]
     files = tokenizer_description(meta, directory / META)["files"]
-    one = tokenizer.shared and tokenizer.vocab is None
+    one = tokenizer.shared and tokenizer.vocab is None or tokenizer.vocab is not None and (
+        tokenizer.tgt_vocab is tokenizer.vocab)  # Marian's one vocabulary over two SentencePiece models
     pieces = (f"{tokenizer.src_vocab_size:,} pieces, both sides" if one
               else f"{tokenizer.src_vocab_size:,} source and {tokenizer.tgt_vocab_size:,} target pieces")
     lines.append(f"tokenizer: SentencePiece ({', '.join(files.values())}), {pieces}")
@@ -315,6 +326,7 @@ def _stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
     path = directory / WEIGHTS
     if not path.is_file():
         load_weights(directory)  # names the missing file, the directory or the dangling link
+    check_utf8_path(path)
     try:
         with safe_open(str(path), framework="pt") as f:  # the header alone
             slices = {name: f.get_slice(name) for name in f.keys()}
@@ -335,19 +347,26 @@ _SAFETENSORS_DTYPES = {
 def _provenance(meta: dict[str, Any]) -> list[str]:
     """Where a checkpoint came from, as its meta.json says: training (step, validation), an average, or
     a conversion."""
+    def count(value: Any) -> bool:  # a hand's edit printed "epoch True" or "update -5"
+        return type(value) is int and value >= 0
+
     lines = []
     averaged = meta.get("averaged") if isinstance(meta.get("averaged"), list) else None
-    if isinstance(meta.get("step"), int):
+    if count(meta.get("step")):
         # An average keeps the newest checkpoint's meta.json, whose validation scored that one alone
         metrics = meta.get("metrics") if isinstance(meta.get("metrics"), dict) and averaged is None else {}
         scores = [f"{k} {v:.4g}" for k, v in metrics.items()
                   if k.startswith("valid_") and isinstance(v, (int, float)) and not isinstance(v, bool)]
-        epoch = f", epoch {meta['epoch']}" if isinstance(meta.get("epoch"), int) else ""
+        epoch = f", epoch {meta['epoch']}" if count(meta.get("epoch")) else ""
         scored = f"; {', '.join(scores)}" if scores else ""
-        lines.append(f"trained: update {meta['step']:,}{epoch}{scored}")
+        interrupted = " (saved on a signal, not validated)" if meta.get("interrupted") is True else ""
+        lines.append(f"trained: update {meta['step']:,}{epoch}{scored}{interrupted}")
     data = config_section(meta, "data") or {}
     if isinstance(data.get("train_src"), str) and isinstance(data.get("train_tgt"), str):
         lines.append(f"data: {data['train_src']} -> {data['train_tgt']}")
+    tuned_from = (config_section(meta, "train") or {}).get("init_from")
+    if isinstance(tuned_from, str) and tuned_from:
+        lines.append(f"fine-tuned from: {tuned_from}")
     if averaged is not None:
         lines.append(f"averaged: {len(averaged)} checkpoints, {', '.join(map(str, averaged))} "
                      "(not validated as an average)")

@@ -175,10 +175,12 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
     if not path.is_file():
         raise UserError(f"{path}: SentencePiece model not found")
     sp = spm.SentencePieceProcessor()
-    try:
-        sp.load(str(path))
-    except (OSError, RuntimeError) as e:
-        raise CorruptFile(f"{path}: not a SentencePiece model ({e})") from None
+    try:  # the bytes, not the name: SentencePiece's C++ took no path that is not UTF-8 (a TypeError)
+        sp.load(model_proto=path.read_bytes())
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+    except RuntimeError as e:
+        raise CorruptFile(f"{path}: not a SentencePiece model ({' '.join(str(e).split())})") from None
     return sp
 
 MAX_LINE_BYTES = 2**16  # longest line SentencePiece learns from; far past any data.max_len in tokens

@@ -159,6 +159,7 @@ def test_the_next_write_removes_a_killed_writers_leftover_beside_it(tmp_path):
     ["evaluate", "hyp", ""], ["average", ""], ["plot", "run", "-o", ""], ["attention", "--checkpoint", "",
     "--src", "x"], ["demo", "--out", ""], ["convert", "--from", "marian", "", "out"], ["info", ""],
     ["export", "--to", "ctranslate2", "CK", ""], ["train", "--config", ""],
+    ["score", "CK", "--src", "", "--tgt", "t"], ["score", "CK", "--src", "s", "--tgt", "t", "-o", ""],
 ])
 def test_an_empty_path_is_a_usage_error(argv, capsys):
     """`-o ""` said ": cannot write (No such file or directory)", `evaluate ""` ".: is a directory"."""

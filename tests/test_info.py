@@ -124,8 +124,8 @@ def test_a_folder_named_like_a_preset_but_no_checkpoint_is_refused(tmp_path, tok
     monkeypatch.chdir(tmp_path)
     code, lines, err = info(capsys, "base")
     assert code == 2 and not lines
-    assert err == ("aiayn: error: info: base is a folder here but no checkpoint; for the preset, give "
-                   "--preset base")
+    assert err == ("aiayn: error: info: base exists here but is no checkpoint directory; for the preset, "
+                   "give --preset base")
     assert info(capsys, "--preset", "base")[0] == 0
 
 

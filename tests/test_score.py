@@ -79,19 +79,45 @@ def checkpoint(tmp_path_factory):
 SOURCES = ["the number 3 is odd", "the number 12", "", "die Zahl 7"]
 
 
-def test_translations_score_their_log_prob_and_every_pair_is_scored(checkpoint):
+def test_texts_score_as_their_pieces_alone_in_float64_and_every_pair_is_scored(checkpoint):
+    """Translator.score encodes, batches (several batches here) and sums as one pair alone through a
+    float64 full forward pass of the checkpoint's model would."""
+    from aiayn.checkpoint import load_checkpoint
+
     translator = Translator.load(checkpoint)
-    found = translator.hypotheses(SOURCES, beam=1, max_len_a=0.0, max_len_b=8)
-    outputs = [hyps[0].text if hyps else "" for hyps in found]
-    scored = translator.score(SOURCES, outputs, max_tokens=8)  # several batches
-    for text, hyps, s in zip(outputs, found, scored):
-        tokens = translator.tokenizer.encode_tgt(text) + [translator.tokenizer.eos_id]
-        assert s.tokens == len(tokens) and s.per_token == s.log_prob / s.tokens
-        if hyps and hyps[0].tokens == tokens:  # the text reads back as the tokens found
-            assert s.log_prob == pytest.approx(hyps[0].log_prob, abs=1e-4)
+    model, tokenizer = load_checkpoint(checkpoint).model, translator.tokenizer
+    targets = ["die Zahl 3 ist ungerade", "die Zahl 12", "", "the number 7 is odd"]
+    scored = translator.score(SOURCES, targets, max_tokens=8)
+    for source, target, s in zip(SOURCES, targets, scored):
+        tokens = tokenizer.encode_tgt(target) + [tokenizer.eos_id]
+        expected = full_forward_log_prob(model, torch.tensor(tokenizer.encode_src(source)), tokens)
+        assert s.tokens == len(tokens) and s.log_prob == pytest.approx(expected, abs=1e-4)
+        assert s.per_token == s.log_prob / s.tokens
     assert scored[2].tokens == 1 and scored[2].log_prob < 0  # an empty pair: P(EOS | EOS)
     with pytest.raises(ValueError, match="4 sources but 3 targets"):
-        translator.score(SOURCES, outputs[:3])
+        translator.score(SOURCES, targets[:3])
+
+
+def test_an_ensemble_past_its_shortest_members_positions_and_out_of_memory_are_named(checkpoint, tmp_path,
+                                                                                    monkeypatch):
+    from aiayn.checkpoint import load_checkpoint
+    from aiayn.errors import OutOfMemory
+
+    ck = load_checkpoint(checkpoint)
+    narrow = tiny_model(vocab_size=ck.tokenizer.src_vocab_size, max_len=20)
+    short = save_checkpoint(tmp_path / "short", narrow, ck.tokenizer)
+    ensemble = Translator.load([checkpoint, short])
+    with pytest.raises(SentenceTooLong, match=r"^text 1 \(target\): \d+ tokens \(with EOS\), more than the "
+                                              r"20 positions of the ensemble's shortest model$"):
+        ensemble.score(["a"], ["die Zahl 4 " * 10])
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr("aiayn.translate.force_decode", no_memory)
+    with pytest.raises(OutOfMemory, match=r"^text 1: out of memory scoring a batch of 2 pair\(s\); use fewer "
+                                          r"tokens per batch \(--max-tokens\)$"):  # it spoke of a beam
+        Translator.load(checkpoint).score(["a", "b"], ["c", "d"])
 
 
 def test_the_cli_writes_one_score_per_line_and_the_perplexity(checkpoint, tmp_path, capsys):
@@ -179,3 +205,8 @@ def test_the_cli_reads_standard_input_and_refuses_a_missing_output_folder_first(
     assert "cannot write (No such file or directory)" in capsys.readouterr().err
     assert main([*argv[:2], "--src", "-", "--tgt", "-"]) == 2
     assert "cannot both be standard input" in capsys.readouterr().err
+    assert main([*argv, "--threads", "100000"]) == 2  # libgomp segfaulted; translate refused it already
+    assert "--threads 100000 is more than" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", None)  # started with stdin closed
+    assert main([*argv[:2], "--src", "-", "--tgt", str(tmp_path / "src")]) == 2
+    assert capsys.readouterr().err == "aiayn: error: <stdin>: closed; give an input file with --src FILE\n"

@@ -1146,3 +1146,34 @@ def test_a_checkpoint_every_process_reads_fails_with_one_line_for_all(monkeypatc
                         lambda out, obj, group=None: out.__setitem__(slice(None), [None, None]))
     assert distributed.on_every(d, lambda: "state") == "state"
     assert distributed.on_every(SimpleNamespace(enabled=False, is_main=True), lambda: 7) == 7
+
+
+def test_a_corpus_touched_while_it_is_encoded_still_trains(tmp_path, monkeypatch):
+    """Process 0 names the cache by the key taken before encoding: taken again after, a file touched
+    meanwhile (an rsync, a `touch`) named a cache never written, and training stopped with 'process 0's
+    encoding of the corpus is missing'."""
+    from aiayn.data import dataset
+
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
+    real = dataset._encode
+
+    def touched_meanwhile(files, tokenizer):
+        out = real(files, tokenizer)
+        path = Path(config.data.train_src)
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+        return out
+
+    monkeypatch.setattr(dataset, "_encode", touched_meanwhile)
+    assert train(config)["step"] == 1
+
+
+def test_an_unknown_field_in_the_saved_training_state_is_one_line(finished_run, tmp_path):
+    """A newer aiayn's field, or a hand's edit, was TrainState's TypeError traceback."""
+    config = copy_run(finished_run, tmp_path)
+    path = checkpoint_dirs(config.train.run_dir)[-1] / "trainer.json"
+    content = json.loads(path.read_text(encoding="utf-8"))
+    content["state"]["extra_field"] = 1
+    path.write_text(json.dumps(content), encoding="utf-8")
+    with pytest.raises(CorruptFile, match=r"trainer\.json: corrupt training state \(unknown field\(s\) "
+                                          r"'extra_field' in 'state'\)"):
+        train(with_train(config, max_updates=6), resume=True)

@@ -85,8 +85,8 @@ def _info_preset(args: argparse.Namespace) -> str | None:
     if args.what in PRESETS and not Path(args.what).exists():
         return args.what
     if args.what in PRESETS and not is_checkpoint(Path(args.what)):  # a damaged one was shown as the preset
-        raise UserError(f"info: {args.what} is a folder here but no checkpoint; for the preset, give "
-                        f"--preset {args.what}")
+        raise UserError(f"info: {args.what} exists here but is no checkpoint directory; for the preset, "
+                        f"give --preset {args.what}")
     if args.vocab_size is not None:
         raise UserError(f"info: --vocab-size sizes a preset; {args.what} is described as saved")
     if not Path(args.what).exists() and args.what.isidentifier():
@@ -215,8 +215,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
     from aiayn.memory import keep_freed_memory
     from aiayn.translate import Translator, decode_config, translate_stream
 
-    if args.threads and args.threads > MAX_THREADS:  # libgomp failed, or crashed, creating them
-        raise UserError(f"--threads {args.threads} is more than {MAX_THREADS:,}")
+    _check_threads(args.threads)
     if args.lenpen is not None and args.lenpen_kind == "none":  # lp(|Y|) = 1 whatever alpha is
         raise UserError(f"--lenpen {args.lenpen} has no effect with --lenpen-kind none; drop one of them")
     options = dict(lenpen_kind=args.lenpen_kind, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
@@ -275,15 +274,19 @@ def cmd_score(args: argparse.Namespace) -> None:
     import torch
 
     from aiayn.files import atomic_output, check_file_output
+    from aiayn.memory import keep_freed_memory
     from aiayn.translate import Translator, lines_text, score_stream
 
+    _check_threads(args.threads)
     if args.src == "-" and args.tgt == "-":
         raise UserError("--src and --tgt cannot both be standard input")
     if args.output not in (None, "-"):
         check_file_output(args.output, [Path(p) for p in [*args.checkpoint, args.src, args.tgt] if p != "-"])
         _check_not_stdin("-" if "-" in (args.src, args.tgt) else args.src, Path(args.output))
         _check_outside_checkpoints(Path(args.output))
-    _check_streams("-" if "-" in (args.src, args.tgt) else args.src, args.output)
+    stdin = "--src" if args.src == "-" else "--tgt"
+    _check_streams("-" if "-" in (args.src, args.tgt) else args.src, args.output, f"{stdin} FILE")
+    keep_freed_memory()  # each batch re-allocates the same logits and caches, as translate's
     if args.threads:
         torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
@@ -349,10 +352,15 @@ def _check_not_stdin(input: str | None, output: Path) -> None:
         raise UserError(f"{output}: is the input (standard input); writing it would destroy the input")
 
 
-def _check_streams(input: str | None, output: str | None) -> None:
+def _check_threads(threads: int | None) -> None:
+    if threads and threads > MAX_THREADS:  # libgomp failed, or crashed (a segfault), creating them
+        raise UserError(f"--threads {threads} is more than {MAX_THREADS:,}")
+
+
+def _check_streams(input: str | None, output: str | None, input_option: str = "-i") -> None:
     """A closed stdin or stdout that the command would use, or an output that is a directory."""
     if input in (None, "-") and sys.stdin is None:
-        raise UserError("<stdin>: closed; give an input file with -i")
+        raise UserError(f"<stdin>: closed; give an input file with {input_option}")
     if output in (None, "-") and getattr(sys.stdout, "closed_at_start", sys.stdout is None):
         raise UserError("<stdout>: closed; give an output file with -o")
     if output not in (None, "-") and os.path.isdir(output):

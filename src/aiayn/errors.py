@@ -51,8 +51,13 @@ class SentenceTooLong(TextError):
 class OutOfMemory(TextError):
     """Decoding a batch ran out of memory; `index` is its first text in input order."""
 
-    def __init__(self, index: int, sentences: int, beam: int, where: str | None = None, samples: int = 0):
+    def __init__(self, index: int, sentences: int, beam: int, where: str | None = None, samples: int = 0,
+                 scoring: bool = False):
         self.sentences, self.beam = sentences, beam
+        if scoring:  # forced decoding has no beam
+            super().__init__(index, f"out of memory scoring a batch of {sentences} pair(s); use fewer tokens "
+                                    "per batch (--max-tokens)", where)
+            return
         rows = f"{samples} samples each (--n-best)" if samples else f"beam {beam}"  # sampling's rows: n_best
         fewer = "fewer samples" if samples else "a smaller beam"
         super().__init__(index, f"out of memory decoding a batch of {sentences} sentence(s) at {rows}; "

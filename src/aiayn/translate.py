@@ -286,12 +286,8 @@ class Translator:
         # is EOS alone, from which a model makes up a sentence: it gets no translation, as an empty line
         ids = [self.tokenizer.encode_src(t) if has_text(t) else [] for t in texts]  # as training sees them
         ids = [s if len(s) > 1 else [] for s in ids]
-        limit = self.model.config.max_len  # the encoder's positions
         for i, s in enumerate(ids):
-            if len(s) > limit:  # before any batch: a stream's output stays whole up to the bad chunk
-                ensemble = isinstance(self.model, Ensemble)
-                model = "the ensemble's shortest model" if ensemble else "this model"
-                raise SentenceTooLong(i, len(s), limit, model=model)
+            self._check_length(i, s)  # before any batch: a stream's output stays whole up to the bad chunk
         out: list[list[Translation]] = [[] for _ in texts]
         todo = [i for i, s in enumerate(ids) if s]
         rows = config.n_best if config.sample else config.beam
@@ -315,6 +311,15 @@ class Translator:
             progress(len(texts) - len(todo))  # the empty lines, done without the model
         return out
 
+    def _check_length(self, index: int, ids: list[int], side: str | None = None) -> None:
+        """A text of more ids than the model has positions (an ensemble: its shortest member's) is a
+        `SentenceTooLong`; `side` names which text of a scored pair."""
+        limit = self.model.config.max_len
+        if len(ids) > limit:
+            model = "the ensemble's shortest model" if isinstance(self.model, Ensemble) else "this model"
+            where = None if side is None else f"text {index + 1} ({side})"
+            raise SentenceTooLong(index, len(ids), limit, where, model, side or "source")
+
     def score(
         self, sources: Iterable[str], targets: Iterable[str], max_tokens: int = 4096,
         progress: Callable[[int], None] | None = None,
@@ -328,13 +333,11 @@ class Translator:
         check_count("max_tokens", max_tokens)
         if len(sources) != len(targets):
             raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
-        limit = self.model.config.max_len
         src_ids = [self.tokenizer.encode_src(t) for t in sources]
         tgt_ids = [self.tokenizer.encode_tgt(t) + [self.tokenizer.eos_id] for t in targets]
         for i, (s, t) in enumerate(zip(src_ids, tgt_ids)):
-            for side, ids in (("source", s), ("target", t)):
-                if len(ids) > limit:  # before any batch, as `hypotheses`
-                    raise SentenceTooLong(i, len(ids), limit, where=f"text {i + 1} ({side})", side=side)
+            self._check_length(i, s, "source")  # before any batch, as `hypotheses`
+            self._check_length(i, t, "target")
         out: list[Scored] = [Scored(0.0, 0)] * len(sources)
         lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]  # encoder or decoder: the longer
         for chosen in length_sorted_batches(lengths, max_tokens):
@@ -345,7 +348,7 @@ class Translator:
             except RuntimeError as e:
                 if not is_out_of_memory(e):
                     raise
-                raise OutOfMemory(min(chosen), len(chosen), 1) from None
+                raise OutOfMemory(min(chosen), len(chosen), 1, scoring=True) from None
             for i, log_prob in zip(chosen, found):
                 out[i] = Scored(log_prob, len(tgt_ids[i]))
             if progress is not None:

@@ -308,6 +308,16 @@ def load_encoded(
     src_path: str | Path, tgt_path: str | Path, tokenizer: Tokenizer, cache_dir: str | Path
 ) -> tuple[EncodedCorpus, int]:
     """Ids from the cache, or read, check, encode and cache them: (corpus, empty pairs dropped)."""
+    corpus, dropped, _ = cache_encoded(src_path, tgt_path, tokenizer, cache_dir)
+    return corpus, dropped
+
+
+def cache_encoded(
+    src_path: str | Path, tgt_path: str | Path, tokenizer: Tokenizer, cache_dir: str | Path
+) -> tuple[EncodedCorpus, int, tuple[Path, str]]:
+    """`load_encoded`, and the (cache file, key) it read or wrote: what training's process 0 names to the
+    others. The key is the one taken before encoding: taken again after, a file touched meanwhile named
+    a cache that was never written."""
     src_path, tgt_path = Path(src_path), Path(tgt_path)
     for p in (src_path, tgt_path):
         require_file(p)
@@ -317,7 +327,7 @@ def load_encoded(
         if corpus is not None:
             log.info("%s: %d pairs from the cache%s", cache, len(corpus),
                      f" ({dropped} empty pairs dropped)" if dropped else "")
-            return corpus, dropped
+            return corpus, dropped, (cache, key)
     if src_path.samefile(tgt_path):  # said once, when encoded; a copy model has its uses, so not an error
         log.warning("%s and %s are the same file: the model will learn to copy its input", src_path, tgt_path)
     files = scan_parallel(src_path, tgt_path, report=False)  # every error in the files before the encoding
@@ -328,7 +338,7 @@ def load_encoded(
     _write_cache(cache, key, corpus, dropped, (src_path, tgt_path))
     _remove_stale_caches(cache, src_path, tgt_path)
     log.info("%s: encoded %d pairs, cached in %s", src_path, len(corpus), cache)
-    return corpus, dropped
+    return corpus, dropped, (cache, key)
 
 
 ENCODE_CHUNK = 20_000  # pairs encoded at once: their Python id lists (~40 bytes an id) stay ~50 MB

@@ -151,8 +151,8 @@ def on_every(d: Dist, work: Callable[[], T]) -> T:
     failure, error = None, None
     try:
         result = work()
-    except UserError as e:
-        failure, error = str(e), e
+    except Exception as e:  # any: a process that skipped the gather left the others waiting in it
+        failure, error = str(e) or type(e).__name__, e
     failures = [failure]
     if d.enabled:
         failures = [None] * d.world_size

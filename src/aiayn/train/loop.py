@@ -52,9 +52,8 @@ from aiayn.data.dataset import (
     ParallelText,
     check_tokenizer_inputs,
     collate,
-    encoded_cache,
+    cache_encoded,
     find_tokenizer,
-    load_encoded,
     read_encoded,
     read_parallel,
     refuse_other_tokenizer_settings,
@@ -855,8 +854,7 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
     caches = []
     for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):
         if src:
-            load_encoded(src, tgt, tokenizer, run_dir / "cache")  # which says what it dropped
-            cache, key = encoded_cache(Path(src), Path(tgt), tokenizer, run_dir / "cache")
+            _, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache")  # says what it dropped
             caches.append((str(cache), key))
     return caches
 

@@ -272,6 +272,10 @@ def _train_state(saved: Any, path: Path) -> TrainState:
             continue
         raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state ({field.name}={value!r} is "
                           f"not {what})")
+    unknown = sorted(set(saved) - {f.name for f in fields(TrainState)})
+    if unknown:  # a newer aiayn's field, or a hand's edit: a TypeError traceback
+        raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state (unknown field(s) "
+                          f"{', '.join(map(repr, unknown))} in 'state')")
     state = TrainState(**saved)
     if state.best_step > state.step:
         raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state (best_step={state.best_step} is "

@@ -28,6 +28,19 @@ def tiny_model(**overrides) -> Transformer:
     return Transformer(config).eval()
 
 
+def numbers_checkpoint(directory: Path, **overrides) -> Path:
+    """A random `tiny_model` saved with a 60-piece SentencePiece model of "the number N is even und die
+    Zahl N" sentences, in `directory`/ck: for tests of translating and scoring text."""
+    from aiayn.checkpoint import save_checkpoint
+    from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+
+    lines = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} und die Zahl {i}" for i in range(300)]
+    tokenizer = Tokenizer(train_sentencepiece(lines, directory / "spm", vocab_size=60))
+    torch.manual_seed(0)
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size, **overrides)
+    return save_checkpoint(directory / "ck", model, tokenizer)
+
+
 def padded_batch(lengths: list[int], vocab: int, pad_id: int = 0, generator=None) -> torch.Tensor:
     """Right-padded random token ids (B, max(lengths)), real ids in [3, vocab)."""
     out = torch.full((len(lengths), max(lengths)), pad_id, dtype=torch.long)

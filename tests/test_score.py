@@ -5,11 +5,10 @@ import math
 
 import pytest
 import torch
-from conftest import padded_batch, tiny_model
+from conftest import numbers_checkpoint, padded_batch, tiny_model
 
 from aiayn.checkpoint import save_checkpoint
 from aiayn.cli import main
-from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.score import force_decode
 from aiayn.errors import SentenceTooLong, UserError
@@ -69,11 +68,7 @@ def test_a_batch_scores_as_each_pair_alone():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("score")
-    lines = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} und die Zahl {i}" for i in range(300)]
-    tokenizer = Tokenizer(train_sentencepiece(lines, d / "spm", vocab_size=60))
-    torch.manual_seed(0)
-    return save_checkpoint(d / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size, max_len=40), tokenizer)
+    return numbers_checkpoint(tmp_path_factory.mktemp("score"), max_len=40)
 
 
 SOURCES = ["the number 3 is odd", "the number 12", "", "die Zahl 7"]

@@ -16,10 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.checkpoint import save_checkpoint
 from aiayn.cli import main
 from aiayn.config import ConfigError
-from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.decoding import DecodeConfig, generate, length_penalty
 from aiayn.errors import SentenceTooLong, UserError
 from aiayn.files import _stream_only, atomic_output
@@ -27,7 +25,7 @@ from aiayn.translate import (
     Translator, decode_config, length_sorted_batches, quantize_int8, read_utf8_lines, translate,
     translate_stream,
 )
-from conftest import padded_batch, tiny_model, vm_flags
+from conftest import numbers_checkpoint, padded_batch, tiny_model, vm_flags
 
 TEXTS = ["the number 12 is even", "", "odd", "und die Zahl 7 ist odd und die Zahl 8 ist even", "  ",
          "the number 3"]
@@ -40,11 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("translate")
-    lines = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} und die Zahl {i}" for i in range(300)]
-    tokenizer = Tokenizer(train_sentencepiece(lines, d / "spm", vocab_size=60))
-    torch.manual_seed(0)
-    return save_checkpoint(d / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    return numbers_checkpoint(tmp_path_factory.mktemp("translate"))
 
 
 def alone(translator, text):

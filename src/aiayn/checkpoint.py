@@ -268,16 +268,22 @@ def check_vocabulary(config: ModelConfig, tokenizer: Tokenizer, where: Path) -> 
 
 def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
     """Model (eval mode), tokenizer and metadata of a checkpoint directory."""
+    directory, meta, config = _checkpoint_meta(directory)
+    model = model_from_weights(config, load_weights(directory), directory / WEIGHTS, device)
+    tokenizer = checkpoint_tokenizer(directory, meta)
+    check_vocabulary(config, tokenizer, directory / META)
+    return Checkpoint(model.eval(), tokenizer, meta, directory)
+
+
+def _checkpoint_meta(directory: str | Path) -> tuple[Path, dict[str, Any], ModelConfig]:
+    """(the directory, its meta.json, the ModelConfig that records), each checked: one line naming what
+    is missing or wrong."""
     directory = Path(directory)
     if not directory.is_dir():
         what = "is a file, not a checkpoint directory" if directory.exists() else "checkpoint not found"
         raise UserError(f"{directory}: {what}")
     meta = read_meta(directory)
-    config = meta_model_config(directory, meta)
-    model = model_from_weights(config, load_weights(directory), directory / WEIGHTS, device)
-    tokenizer = checkpoint_tokenizer(directory, meta)
-    check_vocabulary(config, tokenizer, directory / META)
-    return Checkpoint(model.eval(), tokenizer, meta, directory)
+    return directory, meta, meta_model_config(directory, meta)
 
 
 def meta_model_config(directory: Path, meta: dict[str, Any]) -> ModelConfig:
@@ -294,12 +300,7 @@ def describe_checkpoint(directory: str | Path) -> list[str]:
     """`aiayn info CHECKPOINT`'s lines: the model, its weights as stored, the tokenizer and where the
     checkpoint came from. The weights file's header is read, not its tensors: a `big` checkpoint is
     described in a blink, and a damaged header or a file that does not fit the model is still named."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        what = "is a file, not a checkpoint directory" if directory.exists() else "checkpoint not found"
-        raise UserError(f"{directory}: {what}")
-    meta = read_meta(directory)
-    config = meta_model_config(directory, meta)
+    directory, meta, config = _checkpoint_meta(directory)
     tokenizer = checkpoint_tokenizer(directory, meta)
     check_vocabulary(config, tokenizer, directory / META)
     with torch.device("meta"):  # shapes only

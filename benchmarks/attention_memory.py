@@ -174,6 +174,15 @@ def measure_in_subprocess(impl: str, n: int, mode: str, cfg: MemoryConfig) -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def least_peak(impl: str, n: int, cfg: MemoryConfig) -> float:
+    """What a point needs at the least, from the shapes: q, k, v and the output (B, H, n, D) in float32,
+    and for the explicit formula its (B, H, n, n) scores. Bounds the first point of a series, which has no
+    measured one to extrapolate from: with --lengths 100000 the explicit form was started on ~300 GiB."""
+    tensors = 4 * cfg.batch * cfg.heads * n * cfg.head_dim
+    scores = cfg.batch * cfg.heads * n * n if impl == "explicit" else 0
+    return 4.0 * (tensors + scores)
+
+
 def predicted_peak(points: list[dict], n: int) -> float | None:
     """Extrapolate the measured peaks of one series to n along its last log-log slope (2 if one point)."""
     measured = [p for p in points if "peak_bytes" in p and p.get("measured") and p["peak_bytes"] > 0]
@@ -196,7 +205,8 @@ def run_all(cfg: MemoryConfig) -> dict[str, dict[str, list[dict]]]:
             for impl in IMPLS:
                 points = series[impl][mode]
                 guess = predicted_peak(points, n)
-                if guess is not None and guess > budget:
+                guess = least_peak(impl, n, cfg) if guess is None else guess
+                if guess > budget:
                     points.append(
                         {"impl": impl, "n": n, "mode": mode, "peak_bytes": int(guess), "measured": False}
                     )

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from aiayn.config import MAX_THREADS
+
 LOCAL_RESULTS = Path(__file__).resolve().parent / "results" / "local"  # the default output folder
 
 
@@ -106,8 +108,9 @@ def require_device(name: str) -> torch.device:
     return device
 
 
-def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
-    """argparse type: a number of `kind` (int or float) no smaller than `minimum`."""
+def at_least(minimum: float, kind: type = int, maximum: float = math.inf) -> Callable[[str], float]:
+    """argparse type: a number of `kind` (int or float) no smaller than `minimum` (nor larger than
+    `maximum`)."""
 
     def parse(text: str):
         try:
@@ -119,9 +122,25 @@ def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}: {text!r}")
         if not math.isfinite(value):  # inf: a sleep or a loop that never ends, or an OverflowError later
             raise argparse.ArgumentTypeError(f"must be finite: {text!r}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:,}: {text!r}")
         return value
 
     return parse
+
+
+# torch.set_num_threads: libgomp fails creating 20,000 threads and segfaults at 100,000; past 2^31 it is
+# an OverflowError traceback (aiayn's own limit)
+threads = at_least(1, maximum=MAX_THREADS)
+
+
+def thread_counts(text: str) -> list[int]:
+    """argparse type: "1" or "2,1,2" -> [1] or [1, 2], each a `threads` count."""
+    try:
+        return sorted({threads(t) for t in text.split(",")})
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"not a thread count or a comma list of them ({e}): "
+                                         f"{text!r}") from None
 
 
 def check_out(path: Path, also: list[Path] = ()) -> None:
@@ -151,7 +170,7 @@ def comma_choices(choices: list[str], allow_empty: bool = False) -> Callable[[st
     """argparse type: a comma-separated list, each item one of `choices` ("" an empty list if allowed)."""
 
     def parse(text: str) -> list[str]:
-        items = [x for x in text.split(",") if x]
+        items = list(dict.fromkeys(x for x in text.split(",") if x))  # once each: a repeat was timed twice
         if unknown := [x for x in items if x not in choices]:
             raise argparse.ArgumentTypeError(
                 f"unknown {', '.join(map(repr, unknown))}: choose from {', '.join(choices)}")

@@ -72,6 +72,7 @@ from common import (  # noqa: E402
     check_out,
     require_device,
     status_kib,
+    thread_counts,
     with_suffix_added,
 )
 
@@ -438,17 +439,6 @@ def table(results: dict, threads: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def thread_counts(text: str) -> list[int]:
-    """argparse type: "1" or "1,2" -> [1] or [1, 2]."""
-    try:
-        counts = sorted({int(t) for t in text.split(",")})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a thread count or a comma list of them: {text!r}") from None
-    if counts[0] < 1:
-        raise argparse.ArgumentTypeError(f"thread counts must be at least 1: {text!r}")
-    return counts
-
-
 def engine_names(device: str) -> list[str]:
     """The engines to time on `device`: CTranslate2's only where its package (and, on a GPU, its CUDA)
     is there, with one line on stderr when they are skipped."""
@@ -519,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
                repeats=args.repeats, settle_s=args.settle, max_abs_logit_diff_vs_hf=diff,
                processes="one per engine and thread count", float32_weights_mb=round(weights_mb),
                linear_floor_kernel_by_threads_and_rows=floor_kernel, load_average_after=load_average(),
-               command="python " + " ".join(sys.argv if argv is None else ["benchmarks/decode.py", *argv]))
+               command="python benchmarks/decode.py " + " ".join(sys.argv[1:] if argv is None else argv))
     sections = []
     if len(args.threads) > 1:
         best, count = at_best(per_threads)

@@ -52,6 +52,7 @@ from common import (
     markdown_table,
     require_device,
     sync,
+    threads,
     with_suffix_added,
 )
 
@@ -511,7 +512,7 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
     parser.add_argument("--widths", type=at_least(1), nargs="+", help="override the widths d")
     parser.add_argument("--batch", type=at_least(1), help="override the batch size B")
-    parser.add_argument("--threads", type=at_least(1), help="CPU threads (default 1, see GridConfig)")
+    parser.add_argument("--threads", type=threads, help="CPU threads (default 1, see GridConfig)")
     parser.add_argument("--cell-limit", type=at_least(0.0, float),
                         help="stop a width after a round this long (default 6 s)")
     parser.add_argument("--tag", help="add _TAG to the file names (a run beside the default one)")

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import LOCAL_RESULTS, at_least, check_out, environment, load_average, markdown_table  # noqa: E402
-from common import with_suffix_added  # noqa: E402
+from common import thread_counts, with_suffix_added  # noqa: E402
 from decode import step_linear_shapes  # noqa: E402
 
 from aiayn.config import model_config  # noqa: E402
@@ -107,16 +107,6 @@ def default_threads() -> list[int]:
     return sorted({2**i for i in range(cores.bit_length()) if 2**i <= cores} | {cores})
 
 
-def thread_list(text: str) -> list[int]:
-    try:
-        counts = sorted({int(x) for x in text.split(",") if x})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
-    if not counts or counts[0] < 1:
-        raise argparse.ArgumentTypeError(f"thread counts must be at least 1: {text!r}")
-    return counts
-
-
 def markdown(result: dict) -> str:
     names = [WHOLE, BLOCKS, ONEDNN, SMALL_PAGES]
     rows = []
@@ -135,7 +125,7 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=thread_list, default=default_threads(),
+    p.add_argument("--threads", type=thread_counts, default=default_threads(),
                    help="comma-separated thread counts (default: 1, 2, 4, ... and the core count)")
     p.add_argument("--rounds", type=at_least(1), default=11, help="timed rounds per thread count")
     p.add_argument("--out", type=Path, default=LOCAL_RESULTS / "one_row_cpu",

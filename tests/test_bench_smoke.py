@@ -144,6 +144,20 @@ def test_predicted_peak_follows_the_last_slope():
     assert attention_memory.predicted_peak([], 1024) is None
 
 
+def test_a_first_length_past_the_budget_is_not_started(monkeypatch):
+    """Nothing measured yet, the first length was run whatever it needed (--lengths 100000: the explicit
+    form on ~300 GiB); its least need, from the shapes, now keeps it within the budget."""
+    cfg = attention_memory.MemoryConfig(lengths=(4096,), budget_gib=0.05)
+    # (B, H, n, n) float32 scores of the explicit form alone: 8 * 4096^2 * 4 bytes = 512 MiB
+    assert attention_memory.least_peak("explicit", 4096, cfg) > 8 * 4096**2 * 4
+    started = []
+    monkeypatch.setattr(attention_memory, "measure_in_subprocess",
+                        lambda impl, n, mode, cfg: started.append((impl, mode)) or {"peak_bytes": 1})
+    series = attention_memory.run_all(cfg)
+    assert ("explicit", "forward") not in started and not series["explicit"]["forward"][0]["measured"]
+    assert ("sdpa", "forward") in started  # q, k, v and the output, 32 MiB, fit 51 MiB
+
+
 @pytest.mark.slow
 def test_attention_memory_tiny_run_writes_results(tmp_path):
     """The whole pipeline; a 40 MiB budget makes the explicit n = 1,024 runs predicted, not run."""

@@ -1177,3 +1177,12 @@ def test_an_unknown_field_in_the_saved_training_state_is_one_line(finished_run, 
     with pytest.raises(CorruptFile, match=r"trainer\.json: corrupt training state \(unknown field\(s\) "
                                           r"'extra_field' in 'state'\)"):
         train(with_train(config, max_updates=6), resume=True)
+
+
+def test_a_warmup_past_float_precision_and_a_bare_string_of_overrides_are_refused():
+    """warmup=2**1024 trained the tokenizer and encoded the corpus, then failed in the schedule's
+    warmup**-1.5 (OverflowError); a bare string was read character by character ("--set 't'")."""
+    with pytest.raises(ConfigError, match=r"train\.warmup=\d+ is more than 2\^53 updates"):
+        load_config(None, [f"train.warmup={2**60}"])
+    with pytest.raises(TypeError, match=r"^overrides is a list of SECTION\.KEY=VALUE strings: pass \['train"):
+        load_config(None, "train.warmup=10")

@@ -80,7 +80,9 @@ def test_benchmark_runs_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [["--steps", "0"], ["--warmup", "0"], ["--loss-steps", "-1"],
-                                 ["--precisions", "fp16"], ["--configs", "tny"], ["--precisions", ""]])
+                                 ["--precisions", "fp16"], ["--configs", "tny"], ["--precisions", ""],
+                                 ["--threads", "3000000000"],  # torch's OverflowError traceback
+                                 ["--quick", "--steps", "9"]])  # --quick replaced it silently
 def test_bad_arguments_are_usage_errors(bad, tmp_path):
     with pytest.raises(SystemExit) as stopped:
         train_step.main([*bad, "--out", str(tmp_path / "train_step.md")])
@@ -138,3 +140,22 @@ def test_an_output_it_cannot_write_is_refused_before_timing(tmp_path, capsys, ou
         train_step.main(["--configs", "tiny", "--out", str(tmp_path / out)])
     assert message in capsys.readouterr().err + str(stopped.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]
+
+
+def test_a_floor_above_a_measured_step_is_said_to_bound_nothing():
+    """The floor is timed once after the rounds: with the machine's load changed it read 2,357 ms against
+    a 638 ms step, printed as "no step can be more than 0.30x" and "-1,719 ms outside them"."""
+    assert "NOT a bound in this run" in train_step._floor_caveat(
+        {"linear_floor_ms": 2357.0, "step_ms": 638.0, "peer_over_floor": 0.30})
+    quiet = {"linear_floor_ms": 300.0, "step_ms": 400.0, "peer_over_floor": 1.5}
+    assert train_step._floor_caveat(quiet) == ""
+
+
+def test_thread_counts_and_repeated_choices():
+    from common import comma_choices, thread_counts
+
+    assert thread_counts("2,1,2") == [1, 2]
+    for bad in ("0", "1025", "two", "1,"):
+        with pytest.raises(train_step.argparse.ArgumentTypeError):
+            thread_counts(bad)
+    assert comma_choices(["tiny", "small"])("tiny,tiny,small") == ["tiny", "small"]  # was timed twice

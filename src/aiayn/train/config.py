@@ -115,6 +115,8 @@ class TrainConfig:
         for name in ("max_tokens", "update_freq", "warmup", "valid_every", "keep_last", "log_every"):
             if getattr(self, name) < 1:
                 problems.append(f"train.{name}={getattr(self, name)} must be >= 1")
+        if self.warmup > 2**53:  # the schedule's warmup^-1.5 in floats: an OverflowError at the first update
+            problems.append(f"train.warmup={self.warmup} is more than 2^53 updates")
         if not 0.0 <= self.cooldown < 1.0:
             problems.append(f"train.cooldown={self.cooldown} is not in [0, 1)")
         if self.cooldown and not (self.max_minutes or self.max_updates or self.max_epochs):
@@ -285,6 +287,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             if isinstance(table, dict):
                 for key, value in table.items():
                     _check_value_type(section, key, value, f"{path}: [{section}] {key}")
+    if isinstance(overrides, str):  # read character by character: "--set 't': expected section.key=value"
+        raise TypeError(f"overrides is a list of SECTION.KEY=VALUE strings: pass [{overrides!r}]")
     for item in overrides:
         section, key, value = parse_override(item)
         if not isinstance(values.get(section, {}), dict):

@@ -11,9 +11,9 @@ timed interleaved (A B C C B A ...), so that the noise of a shared machine falls
 what counts are ratios measured in the same run.
 
 Also: model FLOP utilisation against a matmul peak measured here; the floor that the step's Linear
-products alone set (`linear_floor`: the same products as `torch.mm`, nothing else), which bounds any
-system's lead over the fastest peer; and the bfloat16 loss curve against the float32 one from the same
-initialisation on the same batches.
+products alone set (`linear_products`: the same products as `torch.mm`, nothing else, timed in the same
+rounds as the systems), which bounds any system's lead over the fastest peer; and the bfloat16 loss curve
+against the float32 one from the same initialisation on the same batches.
 
     python benchmarks/train_step.py                 # small and base, fp32 and bf16, eager and compiled
     python benchmarks/train_step.py --quick         # small only, fewer steps: about a minute
@@ -157,13 +157,14 @@ def label_smoothed_loss(logits: Tensor, tgt_out: Tensor) -> Tensor:
 
 
 def _floor_caveat(row: dict) -> str:
-    """The floor is timed once, after the interleaved rounds: a change of the machine's load lands on it
-    alone. Above a measured step it bounds nothing in this run (it read -1,719 ms outside the products
-    with three busy loops started after the last round), and the report says so."""
+    """The floor is a median over the same rounds as the steps, but a noisy machine can still put it
+    above a measured step; it then bounds nothing in this run (timed once after the rounds, it read
+    -1,719 ms outside the products with three busy loops started after the last round), and the report
+    says so."""
     if row["linear_floor_ms"] <= row["step_ms"] and row["peer_over_floor"] >= 1.0:
         return ""
-    return (" (NOT a bound in this run: the floor, timed after the rounds, exceeds a measured step, so the "
-            "machine's load changed meanwhile; run again on a quiet machine)")
+    return (" (NOT a bound in this run: the floor exceeds a measured step, so the machine's load varied "
+            "too much; run again on a quiet machine)")
 
 
 def make_step(model: nn.Module, forward: Callable, dtype: torch.dtype | None,
@@ -270,20 +271,24 @@ def linear_shapes(c: ModelConfig, b: int, s: int, t: int) -> list[tuple[int, int
     return encoder * c.n_layers + decoder * c.decoder_layers + [(b * t, d, v)]
 
 
-def linear_floor(c: ModelConfig, b: int, s: int, t: int, dtype: torch.dtype, repeats: int = 5,
-                 device: str = "cpu") -> float:
-    """Seconds that the step's Linear products alone take here: each one's forward (x W^T), input
-    gradient (g W) and weight gradient (g^T x) as one `torch.mm` in `dtype`, nothing else. Every
-    system makes these same products, so no step can be faster: the fastest peer's time over this
-    bounds how far ahead of it any implementation could get on this machine."""
+def linear_products(c: ModelConfig, b: int, s: int, t: int, dtype: torch.dtype,
+                    device: str = "cpu") -> Callable[..., None]:
+    """The step's Linear products alone: each one's forward (x W^T), input gradient (g W) and weight
+    gradient (g^T x) as one `torch.mm` in `dtype`, nothing else, done when the call returns (any
+    arguments are ignored, so that it times as a system's step does). Every system makes these same
+    products, so no step can be faster: the fastest peer's time over theirs bounds how far ahead of it
+    any implementation could get on this machine."""
     mats = [tuple(torch.randn(*shape, device=device).to(dtype) for shape in ((n, i), (o, i), (n, o)))
             for n, i, o in linear_shapes(c, b, s, t)]
 
-    def products() -> None:
+    def products(*_) -> None:
         for x, w, g in mats:
             torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
 
-    return timeit(products, repeats=repeats, warmup=1, device=device)
+    return products
+
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -330,17 +335,24 @@ def time_config(name: str, args) -> tuple[list[Run], dict]:
             run.times = []
             runs.append(run)
             print(f"[{name}] {run.label} {precision}: first step {run.first_s:.1f} s", flush=True)
+    dims = shape["batch"], shape["src_len"], shape["tgt_len"]
+    # The Linear products alone take their turn in every round, as a system: timed once after the rounds,
+    # a change of the machine's load landed on them alone (a "floor" of 2,357 ms under a 638 ms step)
+    floors = [Run("Linear floor", p, False, linear_products(c, *dims, PRECISIONS[p] or torch.float32,
+                                                            device=args.device)) for p in args.precisions]
+    for floor in floors:
+        floor.step()  # warm-up
+        floor.times = []
+    timed = runs + floors
     for r in range(args.steps):
-        for run in runs if r % 2 == 0 else reversed(runs):  # A B C C B A ...: no system always first
+        for run in timed if r % 2 == 0 else reversed(timed):  # A B C C B A ...: no system always first
             start = time.perf_counter()
             run.step(*batch)
             run.times.append(time.perf_counter() - start)
         print(f"[{name}] round {r + 1}/{args.steps}", flush=True)
-    dims = shape["batch"], shape["src_len"], shape["tgt_len"]
     info = dict(config=name, **shape, tokens=shape["batch"] * (shape["src_len"] + shape["tgt_len"]),
                 flops=model_flops(c, *dims), parameters=sum(p.numel() for p in Transformer(c).parameters()),
-                linear_floor_s={p: linear_floor(c, *dims, PRECISIONS[p] or torch.float32, device=args.device)
-                                for p in args.precisions})
+                linear_floor_s={f.precision: f.median_s for f in floors})
     return runs, info
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from aiayn.data.batching import right_pad
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.search import source_mask, step_log_probs
 from aiayn.model import Transformer
@@ -29,10 +30,7 @@ def force_decode(model: Transformer, src: Tensor, targets: list[list[int]]) -> l
     steps = max(map(len, targets))
     memory, src_mask = model.encode(src), source_mask(model, src)  # (B, S, d), (B, 1, 1, S) or None
     cache = model.new_cache(b, steps)
-    tokens_BT = torch.full((b, steps), model.config.eos_id, dtype=torch.long)
-    for i, target in enumerate(targets):
-        tokens_BT[i, : len(target)] = torch.tensor(target)
-    tokens_BT = tokens_BT.to(src.device)
+    tokens_BT = right_pad(targets, model.config.eos_id).to(src.device)  # (B, T): ended rows fed EOS
     lengths_B = torch.tensor([len(t) for t in targets], device=src.device)
     log_prob_B = torch.zeros(b, device=src.device, dtype=torch.float32)  # as the searches accumulate
     last_B = torch.full((b,), model.config.decoder_start_id, dtype=torch.long, device=src.device)

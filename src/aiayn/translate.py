@@ -20,6 +20,7 @@ import os
 import select
 import stat
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, Sequence, TextIO
@@ -294,14 +295,8 @@ class Translator:
         for batch in length_sorted_batches([len(ids[i]) for i in todo], max_tokens, rows):
             chosen = [todo[j] for j in batch]
             src = right_pad([ids[i] for i in chosen], self.tokenizer.pad_id).to(self.device)  # (B, S)
-            try:
-                with torch.autocast(self.device.type, enabled=False):  # the caller's: packed fp32 or int8 here
-                    found = generate(self.model, src, config, generator)
-            except RuntimeError as e:  # e.g. --beam 100000000: a 54 GB tensor and a C++ traceback
-                if not is_out_of_memory(e):
-                    raise
-                raise OutOfMemory(min(chosen), len(chosen), config.beam,
-                                  samples=config.n_best if config.sample else 0) from None
+            with self._batch(chosen, beam=config.beam, samples=config.n_best if config.sample else 0):
+                found = generate(self.model, src, config, generator)
             for i, hyps in zip(chosen, found):
                 out[i] = [Translation(self.tokenizer.decode_tgt(h.tokens), h.score, h.tokens, h.log_prob)
                           for h in hyps]
@@ -310,6 +305,19 @@ class Translator:
         if progress is not None and len(todo) < len(texts):
             progress(len(texts) - len(todo))  # the empty lines, done without the model
         return out
+
+    @contextmanager
+    def _batch(self, chosen: list[int], **oom: Any) -> Iterator[None]:
+        """Decoding one batch of the texts `chosen`: without the caller's autocast (the weights are packed
+        fp32 or int8 here), and out of memory as an `OutOfMemory` naming its first text (`oom`: that
+        error's beam, samples or scoring), not a C++ traceback (--beam 100000000: a 54 GB tensor)."""
+        try:
+            with torch.autocast(self.device.type, enabled=False):
+                yield
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise
+            raise OutOfMemory(min(chosen), len(chosen), **oom) from None
 
     def _check_length(self, index: int, ids: list[int], side: str | None = None) -> None:
         """A text of more ids than the model has positions (an ensemble: its shortest member's) is a
@@ -342,13 +350,8 @@ class Translator:
         lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]  # encoder or decoder: the longer
         for chosen in length_sorted_batches(lengths, max_tokens):
             src = right_pad([src_ids[i] for i in chosen], self.tokenizer.pad_id).to(self.device)  # (B, S)
-            try:
-                with torch.autocast(self.device.type, enabled=False):  # as `hypotheses`
-                    found = force_decode(self.model, src, [tgt_ids[i] for i in chosen])
-            except RuntimeError as e:
-                if not is_out_of_memory(e):
-                    raise
-                raise OutOfMemory(min(chosen), len(chosen), 1, scoring=True) from None
+            with self._batch(chosen, beam=1, scoring=True):
+                found = force_decode(self.model, src, [tgt_ids[i] for i in chosen])
             for i, log_prob in zip(chosen, found):
                 out[i] = Scored(log_prob, len(tgt_ids[i]))
             if progress is not None:

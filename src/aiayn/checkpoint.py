@@ -158,25 +158,28 @@ def config_section(meta: dict[str, Any], section: str) -> dict[str, Any] | None:
 
 
 def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    path = Path(directory) / WEIGHTS
-    if not path.is_file():
-        what = "is not a file" if path.exists() else "is missing"
-        what = "is a link that leads to no file" if path.is_symlink() and not path.exists() else what  # or loops
-        raise UserError(f"{directory}: checkpoint has no {WEIGHTS} ({path} {what})")
-    check_utf8_path(path)
+    path = weights_path(directory)
     try:
         return load_file(str(path))  # safetensors: plain tensors, never unpickles code
     except (SafetensorError, OSError, ValueError) as e:
         raise CorruptFile(f"{path}: corrupt weights ({e})") from None
 
 
-def check_utf8_path(path: Path) -> None:
-    """safetensors opens only paths that are valid UTF-8: another read as "corrupt weights"."""
+def weights_path(directory: str | Path) -> Path:
+    """The checkpoint's weights file, checked to be one safetensors can open: a missing one, a directory
+    or a dangling link in its place, or a path that is not valid UTF-8 (read as "corrupt weights") is
+    one line."""
+    path = Path(directory) / WEIGHTS
+    if not path.is_file():
+        what = "is not a file" if path.exists() else "is missing"
+        what = "is a link that leads to no file" if path.is_symlink() and not path.exists() else what  # or loops
+        raise UserError(f"{directory}: checkpoint has no {WEIGHTS} ({path} {what})")
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:
         raise UserError(f"{path}: a path that is not valid UTF-8, which safetensors cannot open; "
                         "rename it") from None
+    return path
 
 
 def _castable(stored: torch.dtype, wanted: torch.dtype) -> bool:
@@ -324,10 +327,7 @@ def describe_checkpoint(directory: str | Path) -> list[str]:
 
 def _stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """The weights file's tensors as empty meta-device tensors of their stored dtypes and shapes."""
-    path = directory / WEIGHTS
-    if not path.is_file():
-        load_weights(directory)  # names the missing file, the directory or the dangling link
-    check_utf8_path(path)
+    path = weights_path(directory)
     try:
         with safe_open(str(path), framework="pt") as f:  # the header alone
             slices = {name: f.get_slice(name) for name in f.keys()}

@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import sys
+from typing import BinaryIO
 
 from aiayn.config import MAX_THREADS, PRESETS, ConfigError, model_config
 from aiayn.errors import Stopped, UserError
@@ -246,13 +247,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
                                  compile=args.compile)
     translator.decode_config(**options)  # what only the model can tell (--min-len), before any reading
     with contextlib.ExitStack() as stack:
-        if args.input in (None, "-"):
-            src, name = sys.stdin.buffer, "<stdin>"
-        else:
-            try:
-                src, name = stack.enter_context(open(args.input, "rb")), args.input
-            except OSError as e:
-                raise UserError(f"{args.input}: cannot read ({e.strerror})") from None
+        src, name = _open_input(stack, args.input)
         dst = sys.stdout
         if args.output not in (None, "-"):  # complete or untouched: a failed run leaves no half file
             dst = stack.enter_context(atomic_output(args.output))
@@ -280,25 +275,17 @@ def cmd_score(args: argparse.Namespace) -> None:
     _check_threads(args.threads)
     if args.src == "-" and args.tgt == "-":
         raise UserError("--src and --tgt cannot both be standard input")
+    reads = "-" if "-" in (args.src, args.tgt) else args.src  # standard input, or a file
     if args.output not in (None, "-"):
         check_file_output(args.output, [Path(p) for p in [*args.checkpoint, args.src, args.tgt] if p != "-"])
-        _check_not_stdin("-" if "-" in (args.src, args.tgt) else args.src, Path(args.output))
+        _check_not_stdin(reads, Path(args.output))
         _check_outside_checkpoints(Path(args.output))
-    stdin = "--src" if args.src == "-" else "--tgt"
-    _check_streams("-" if "-" in (args.src, args.tgt) else args.src, args.output, f"{stdin} FILE")
+    _check_streams(reads, args.output, f"{'--src' if args.src == '-' else '--tgt'} FILE")
     keep_freed_memory()  # each batch re-allocates the same logits and caches, as translate's
     if args.threads:
         torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
-        streams = []
-        for path in (args.src, args.tgt):
-            if path == "-":
-                streams.append((sys.stdin.buffer, "<stdin>"))
-                continue
-            try:
-                streams.append((stack.enter_context(open(path, "rb")), path))
-            except OSError as e:
-                raise UserError(f"{path}: cannot read ({e.strerror})") from None
+        streams = [_open_input(stack, path) for path in (args.src, args.tgt)]
         counts = [_checked_line_count(stream, name) for stream, name in streams]  # None for a pipe
         if None not in counts and counts[0] != counts[1]:  # before the model loads and scores for nothing
             (_, src_name), (_, tgt_name) = streams
@@ -320,6 +307,17 @@ def cmd_score(args: argparse.Namespace) -> None:
     if done.tokens:
         print(f"{done.pairs:,} pairs, {done.tokens:,} target tokens (EOS included): log P per token "
               f"{done.log_prob / done.tokens:.4f}, perplexity {done.perplexity:.3f}", file=sys.stderr)
+
+
+def _open_input(stack: contextlib.ExitStack, path: str | None) -> tuple[BinaryIO, str]:
+    """(binary stream, name for messages) of an input file, or of standard input for None or "-"; the
+    file is closed with `stack`."""
+    if path in (None, "-"):
+        return sys.stdin.buffer, "<stdin>"
+    try:
+        return stack.enter_context(open(path, "rb")), path
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def _check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:

@@ -179,9 +179,9 @@ def corpus_scores(
                         "(0: off)")  # 2.5 failed inside sacreBLEU
     if not isinstance(ter, bool):  # "no" is true
         raise TypeError(f"ter={ter!r} must be True or False")
-    if chrf_word_order and target_language(lang) in UNSPACED:
+    if chrf_word_order and (unspaced := UNSPACED.get(target_language(lang))):
         raise UserError(f"chrF's word n-grams (word order {chrf_word_order}) are split at spaces, which "
-                        f"{UNSPACED[target_language(lang)]} text has few of: use chrF's characters alone (0)")
+                        f"{unspaced} text has few of: use chrF's characters alone (0)")
     extra = [(None, ter_metric(lang))] if ter else []
     bleu, lowercased = bleu_metrics(lang, tokenize)
     metrics = [(None, bleu), (None, _CHRF(word_order=chrf_word_order)),

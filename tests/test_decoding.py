@@ -399,6 +399,37 @@ def test_one_generator_draws_on_across_batches():
     assert generate(model, src, config)[0][0].tokens == generate(model, src, config)[0][0].tokens == draws[0]
 
 
+def test_searches_and_scoring_refuse_dropout_and_bad_batches():
+    """A model in training mode (as `Transformer(config)` starts) dropped activations at every step: each
+    search found, and each forced decoding scored, under another random model. An empty or 1-D batch
+    failed in beam search's length limit or `source_lengths` before `encode` could name it."""
+    from aiayn.decoding.score import force_decode
+    from aiayn.decoding.ensemble import Ensemble
+
+    model = tiny_model(dropout=0.3).train()
+    src = padded_batch([5, 3], 50)
+    calls = [lambda m: greedy_search(m, src, DecodeConfig()),
+             lambda m: beam_search(m, src, DecodeConfig(beam=3)),
+             lambda m: generate(m, src, DecodeConfig(seed=1, **SAMPLING)),
+             lambda m: force_decode(m, src, [[4, 2], [5, 2]])]
+    for call in calls:
+        for m in (model, Ensemble([model.eval(), tiny_model()]).eval()):
+            model.train()  # also a member left in training mode inside an ensemble in eval mode
+            with pytest.raises(ValueError, match=r"^the model is in training mode, .* call model.eval"):
+                call(m)
+        model.eval()
+        assert call(model) == call(model)  # deterministic once in eval mode
+    unused = tiny_model(dropout=0.0).train()  # training mode without dropout changes nothing: allowed
+    assert generate(unused, src, DecodeConfig()) == generate(unused.eval(), src, DecodeConfig())
+    for beam in (1, 4):
+        with pytest.raises(ValueError, match=r"^src has shape \(0, 3\): no token to read"):
+            generate(model, torch.zeros(0, 3, dtype=torch.long), DecodeConfig(beam=beam))
+        with pytest.raises(ValueError, match=r"^src has shape \(3,\): token ids are \(batch, length\)"):
+            generate(model, torch.tensor([5, 6, 2]), DecodeConfig(beam=beam))
+    with pytest.raises(ValueError, match=r"^generator is used only with sample=True$"):  # it was ignored
+        generate(model, src, DecodeConfig(), torch.Generator())
+
+
 # --- the two-pass top-k ------------------------------------------------------------------------------
 
 

@@ -248,9 +248,23 @@ def test_mismatched_batches_and_bad_ids_are_refused_not_broadcast():
     for bad, error, message in ((torch.tensor([5, 6, 2]), ValueError, r"src has shape \(3,\): token ids are"),
                                 (torch.zeros(0, 3, dtype=torch.long), ValueError, r"no token to read"),
                                 (torch.zeros(2, 0, dtype=torch.long), ValueError, r"no token to read"),
-                                (torch.tensor([[5.0, 2.0]]), TypeError, r"src is torch.float32: token ids")):
+                                (torch.tensor([[5.0, 2.0]]), TypeError, r"src is torch.float32: token ids"),
+                                # passed the check, then the embedding's "Expected ... Long, Int" error
+                                (torch.tensor([[5, 2]], dtype=torch.int16), TypeError, r"is torch.int16")):
         with pytest.raises(error, match=message):
             model.encode(bad)
+    assert torch.equal(model.encode(src.int()), model.encode(src))  # int32 is read as long is
+    with torch.no_grad():  # a float 0/1 mask was added to the scores by SDPA: padding attended, silently
+        memory = model.encode(src)
+        for mask in (model.src_mask(src).float(), model.src_mask(src)[:, 0]):
+            with pytest.raises(ValueError, match=r"^src_mask is torch\.\w+ \(.*\): it is bool \(B, 1, 1"):
+                model.decode(torch.tensor([[1], [1]]), memory, mask)
+    long = torch.ones(1, model.config.max_len + 1, dtype=torch.long)
+    past = model.config.max_len + 1
+    with pytest.raises(ValueError, match=rf"^tgt_in reaches position {past}, past max_len"):
+        model(src[:1], long)  # the message said "sequence", not which
+    with pytest.raises(ValueError, match=rf"^src reaches position {past}, past max_len"):
+        model(long, src[:1])
 
 
 def test_a_kv_cache_is_tied_to_its_memory_and_to_no_grad():
@@ -265,6 +279,20 @@ def test_a_kv_cache_is_tied_to_its_memory_and_to_no_grad():
         with pytest.raises(ValueError, match=r"^KVCache was filled for a memory of 1 x 3 source positions, "
                                              r"not 1 x 5: a new source needs a new cache$"):
             model.decode(torch.tensor([[4]]), model.encode(b), None, cache)
+        # Another source of the same shape, too: its keys were never projected
+        c = padded_batch([3], 50)
+        assert not torch.equal(a, c)
+        memory = model.encode(a)
+        cache = model.new_cache(1, 8)
+        model.decode(torch.tensor([[1]]), memory, None, cache)
+        model.decode(torch.tensor([[4]]), memory, None, cache)  # the same memory goes on
+        with pytest.raises(ValueError, match=r"^KVCache was filled from another memory tensor: pass"):
+            model.decode(torch.tensor([[4]]), model.encode(c), None, cache)
+        cache.select(torch.tensor([0]))  # rows selected: the caller's memory is selected alike, a new tensor
+        model.decode(torch.tensor([[4]]), memory[torch.tensor([0])], None, cache)
+    for sizes in ((1, 8, 0), (1, 0, 1), (0, 8, 1)):  # beam_size 0 was a ZeroDivisionError
+        with pytest.raises(ValueError, match=r"^KVCache of batch_size=\d+, max_len=\d+, beam_size=\d+: each"):
+            KVCache(1, sizes[0], 1, 4, sizes[1], beam_size=sizes[2])
     with torch.no_grad():
         c = model.config
         wrong = ((c.decoder_layers - 1, c.n_heads, c.d_k), (c.decoder_layers, 1, c.d_model))

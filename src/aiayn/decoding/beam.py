@@ -19,7 +19,9 @@ from torch import Tensor
 
 from aiayn.decoding.length_penalty import length_penalty
 from aiayn.decoding.options import DecodeConfig
-from aiayn.decoding.search import Hypothesis, hypotheses, source_lengths, source_mask, step_log_probs
+from aiayn.decoding.search import (
+    Hypothesis, check_inference, hypotheses, source_lengths, source_mask, step_log_probs,
+)
 from aiayn.decoding.topk import topk_rows
 from aiayn.model import KVCache, Transformer
 
@@ -40,6 +42,7 @@ class Beams:
 @torch.inference_mode()
 def beam_search(model: Transformer, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
     """Per sentence of the (B, S) batch, its `n_best` hypotheses, best first."""
+    check_inference(model, src)
     beams = start(model, src, config)
     finished: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
     rows = src.shape[0] * first_rows(model, config.beam)

@@ -7,7 +7,9 @@ from torch import Tensor
 
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.sampling import sample_next
-from aiayn.decoding.search import Hypothesis, hypotheses, source_lengths, source_mask, step_log_probs
+from aiayn.decoding.search import (
+    Hypothesis, check_inference, hypotheses, source_lengths, source_mask, step_log_probs,
+)
 from aiayn.decoding.topk import argmax_rows
 from aiayn.model import Transformer
 
@@ -18,6 +20,7 @@ def greedy_search(
 ) -> list[list[Hypothesis]]:
     """The most likely next token at every step (or a sampled one, with a `generator`); per sentence
     a one-element list. A row that produced EOS or reached its maximum length leaves the batch."""
+    check_inference(model, src)
     eos = model.config.eos_id
     max_len_R = config.max_lengths(source_lengths(model, src), model.config.max_len)
     memory, src_mask = model.encode(src), source_mask(model, src)  # (R, S, d), (R, 1, 1, S) or None

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from aiayn.data.batching import right_pad
 from aiayn.decoding.options import DecodeConfig
-from aiayn.decoding.search import source_mask, step_log_probs
+from aiayn.decoding.search import check_inference, source_mask, step_log_probs
 from aiayn.model import Transformer
 
 
@@ -24,6 +24,7 @@ def force_decode(model: Transformer, src: Tensor, targets: list[list[int]]) -> l
     """log P(targets[i] | src[i]) for a (B, S) right-padded source batch and B lists of target ids (end
     each with EOS to score a whole translation): the sum of its tokens' log-probabilities. Rows whose
     target ended stay in the batch, fed EOS, and add nothing more."""
+    check_inference(model, src)
     b = src.shape[0]
     if len(targets) != b or not all(targets):
         raise ValueError(f"{len(targets)} targets for {b} sources, or an empty one (end each with EOS)")

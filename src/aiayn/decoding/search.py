@@ -18,6 +18,8 @@ from torch import Tensor
 from aiayn.decoding.length_penalty import length_penalty
 from aiayn.decoding.options import DecodeConfig
 from aiayn.model import KVCache, Transformer
+from aiayn.model.dropout import Dropout
+from aiayn.model.transformer import check_ids
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,17 @@ def step_log_probs(
     return torch.log_softmax(logits_RV, dim=-1, out=logits_RV)
 
 
+def check_inference(model: torch.nn.Module, src: Tensor) -> None:
+    """Before a search or forced decoding: `src` (B, S) ids, and no dropout. A model in training mode (as
+    `Transformer(config)` starts) dropped activations at every step, so each call searched or scored
+    another random model; a batch of 0 sentences failed in beam search's length limit."""
+    check_ids("src", src)
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()  # or another decoding interface
+    if any(isinstance(m, Dropout) and m.training and m.p > 0 for m in modules):
+        raise ValueError("the model is in training mode, so dropout would change every search or score: "
+                         "call model.eval() first")
+
+
 def sampling_generator(config: DecodeConfig, device: torch.device) -> torch.Generator:
     """A generator on `device` seeded with `config.seed`, or randomly when it is None."""
     generator = torch.Generator(device=device)
@@ -105,6 +118,8 @@ def generate(
     from aiayn.decoding.beam import beam_search
     from aiayn.decoding.greedy import greedy_search
 
+    if generator is not None and not config.sample:
+        raise ValueError("generator is used only with sample=True")
     if config.sample:
         if generator is None:
             generator = sampling_generator(config, src.device)

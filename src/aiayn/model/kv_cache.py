@@ -38,6 +38,9 @@ class KVCache:
         device: torch.device | str | None = None,
         beam_size: int = 1,
     ):
+        if beam_size < 1 or batch_size < 1 or max_len < 1:
+            raise ValueError(f"KVCache of batch_size={batch_size}, max_len={max_len}, beam_size={beam_size}: "
+                             "each is at least 1")
         if batch_size % beam_size:
             raise ValueError(f"batch_size={batch_size} rows is not a multiple of beam_size={beam_size}")
         self.beam_size = beam_size  # K decoding rows per sentence share one cross-attention K/V row
@@ -48,27 +51,36 @@ class KVCache:
         self.length = 0  # target positions already stored (the same in every layer)
         self.cross: list[tuple[Tensor, Tensor] | None] = [None] * n_layers  # (B, H, S, D) pairs
         self.spare: tuple[Tensor, Tensor] | None = None  # second K/V buffers for beam reordering
+        self.memory: Tensor | None = None  # what the cross K/V were projected from, until rows change
 
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
 
-    def check_step(self, rows: int, sentences: int, src_len: int, shape: tuple[int, int, int]) -> None:
-        """Before a decoding step of `rows` target rows over a memory of `sentences` x `src_len`: the cache's
-        rows, and the memory its cross-attention K/V were projected from on the first step (a later one was
-        ignored: the step attended over the first memory's keys with the second's mask). `shape`: the
-        model's (decoder layers, heads, head size), which a hand-made cache must have (fewer layers were an
-        IndexError, other heads a size mismatch)."""
+    def check_step(self, rows: int, memory: Tensor, shape: tuple[int, int, int]) -> None:
+        """Before a decoding step of `rows` target rows over `memory` (B, S, d): the cache's rows, and the
+        memory its cross-attention K/V were projected from on the first step (a later one was ignored: the
+        step attended over the first memory's keys with the second's mask). The same memory tensor, not
+        only the same shape, until rows are selected (a search then passes the selected memory). `shape`:
+        the model's (decoder layers, heads, head size), which a hand-made cache must have (fewer layers
+        were an IndexError, other heads a size mismatch)."""
+        if torch.compiler.is_compiling():  # dynamo's fake tensors fail on these checks; eager makes them
+            return
         mine = (self.k.shape[0], self.k.shape[3], self.k.shape[4])
-        if not torch.compiler.is_compiling() and mine != shape:  # eager: dynamo's fake tensors fail on it
+        if mine != shape:
             raise ValueError(f"KVCache has (layers, heads, head size) {mine}, the model {shape}: make it "
                              "with the model's new_cache")
         if rows != self.k.shape[1]:
             raise ValueError(f"KVCache holds {self.k.shape[1]} rows; this step has {rows}")
         cross = self.cross[0][0] if self.cross[0] is not None else None  # layer 0's keys, (B, H, S, D)
+        sentences, src_len = memory.shape[0], memory.shape[1]
         if cross is not None and (cross.shape[0], cross.shape[2]) != (sentences, src_len):
             raise ValueError(f"KVCache was filled for a memory of {cross.shape[0]} x {cross.shape[2]} source "
                              f"positions, not {sentences} x {src_len}: a new source needs a new cache")
+        if cross is not None and self.memory is not None and memory is not self.memory:
+            raise ValueError("KVCache was filled from another memory tensor: pass the same memory at every "
+                             "step (a new source needs a new cache)")
+        self.memory = memory
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store (B, H, T, D) new keys/values of `layer`; return all so far, (B, H, length + T, D).
@@ -109,6 +121,7 @@ class KVCache:
         """Keep (and reorder) self-attention rows `index` (B'*K,): beam search reordering, or dropping
         finished rows. Cross-attention rows follow only without beams (K = 1, one row per sentence);
         with beams they belong to sentences: use `keep_sentences`."""
+        self.memory = None  # the caller selects its memory alike and passes that
         if index.shape[0] == self.k.shape[1]:  # a reordering (each beam step)
             # Most beams continue their own hypothesis (94% of rows per step in benchmarks/decode.py):
             # on a CPU, copy only the rows that take another row's past, when they are few. Not on a
@@ -155,6 +168,7 @@ class KVCache:
         """Grow the one self-attention row of each sentence into `beam_size` rows, row i taking the past
         of row index[i] (B*K,): beam search after its first step, which decodes one row per sentence
         (its K beams all start from the same empty hypothesis). The cross K/V stay one per sentence."""
+        self.memory = None  # the caller selects its memory alike and passes that
         self._take_rows(index)
         self.beam_size = beam_size
         self._layers()
@@ -181,6 +195,7 @@ class KVCache:
 
     def keep_sentences(self, index: Tensor) -> None:
         """Keep (and reorder) whole sentences `index` (B',): their K rows each and their cross K/V."""
+        self.memory = None  # the caller selects its memory alike and passes that
         k = self.beam_size
         rows = (index[:, None] * k + torch.arange(k, device=index.device)).flatten()  # (B'*K,)
         self._take_rows(rows)

@@ -45,8 +45,9 @@ def target_positions(tgt_out: Tensor, pad_id: int) -> Tensor:
 class Embeddings(nn.Module):
     """Token embedding times sqrt(d_model) plus sinusoidal positions, then dropout (sections 3.4, 3.5, 5.4)."""
 
-    def __init__(self, embed: nn.Embedding, config: ModelConfig):
+    def __init__(self, embed: nn.Embedding, config: ModelConfig, side: str = "src"):
         super().__init__()
+        self.side = side  # "src" or "tgt_in", named when a sequence is too long
         self.embed = embed  # may be shared with the other stack and the output projection
         self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         pe = sinusoidal_positions(config.max_len, config.d_model, config.positions)
@@ -64,7 +65,7 @@ class Embeddings(nn.Module):
         """(B, T) ids at positions start..start+T-1 -> (B, T, d)."""
         t = tokens.shape[1]
         if start + t > self.pe.shape[0]:
-            raise ValueError(f"sequence of {start + t} positions is longer than max_len={self.pe.shape[0]}")
+            raise ValueError(f"{self.side} reaches position {start + t}, past max_len={self.pe.shape[0]}")
         return self.dropout(self.embed(tokens) * self.scale + self.pe[start : start + t])
 
 
@@ -87,8 +88,8 @@ def check_ids(name: str, ids: Tensor) -> None:
     a GPU at every batch (an id past the vocabulary is the embedding's IndexError)."""
     if ids.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(ids.shape)}: token ids are (batch, length)")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise TypeError(f"{name} is {ids.dtype}: token ids are integers (torch.long)")
+    if ids.dtype not in (torch.long, torch.int32):  # the two the embedding takes
+        raise TypeError(f"{name} is {ids.dtype}: token ids are integers (torch.long or torch.int32)")
     if ids.numel() == 0:
         raise ValueError(f"{name} has shape {tuple(ids.shape)}: no token to read")
 
@@ -158,8 +159,8 @@ class Transformer(nn.Module):
         src_embed = nn.Embedding(config.vocab_size, d)
         shared = config.share_embeddings and config.tgt_vocab_size in (None, config.vocab_size)
         tgt_embed = src_embed if shared else nn.Embedding(config.target_vocab_size, d)
-        self.src_embed = Embeddings(src_embed, config)
-        self.tgt_embed = Embeddings(tgt_embed, config)
+        self.src_embed = Embeddings(src_embed, config, "src")
+        self.tgt_embed = Embeddings(tgt_embed, config, "tgt_in")
         self.encoder = nn.ModuleList([EncoderLayer(config) for _ in range(config.n_layers)])
         self.decoder = nn.ModuleList([DecoderLayer(config) for _ in range(config.decoder_layers)])
         # Pre-norm leaves each stack's output un-normalized: each stack ends with a LayerNorm.
@@ -241,9 +242,14 @@ class Transformer(nn.Module):
             per = f" / beam_size {beam}" if beam > 1 else ""
             raise ValueError(f"tgt_in has {tgt_in.shape[0]} rows, memory {tuple(memory.shape)}: (B, S, d) "
                              f"with B = rows{per}")
+        if src_mask is not None and (src_mask.dtype != torch.bool or src_mask.dim() != 4
+                                     or src_mask.shape[-1] != memory.shape[1]):
+            # SDPA adds a float mask to the scores: a 0/1 mask attended to padding, silently
+            raise ValueError(f"src_mask is {src_mask.dtype} {tuple(src_mask.shape)}: it is bool "
+                             "(B, 1, 1, S), True where the source is a token (Transformer.src_mask)")
         if cache is not None:
             shape = (len(self.decoder), self.config.n_heads, self.config.d_k)
-            cache.check_step(tgt_in.shape[0], memory.shape[0], memory.shape[1], shape)
+            cache.check_step(tgt_in.shape[0], memory, shape)
         start = 0 if cache is None else cache.length
         x = self.tgt_embed(tgt_in, start)
         for i, layer in enumerate(self.decoder):

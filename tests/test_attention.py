@@ -235,6 +235,9 @@ def test_a_full_disk_on_the_last_file_leaves_the_old_set(tmp_path, tokenizers, m
     monkeypatch.setattr(attention.os, "fsync", full_on_the_html)
     assert main(argv[:4] + ["the number 8"] + argv[5:]) == 2
     assert {p.name: p.read_bytes() for p in (tmp_path / "maps").iterdir()} == before  # no temporaries either
+    synced.clear()  # a new folder: the folders made for it go too
+    assert main(argv[:4] + ["the number 8"] + argv[5:-1] + [str(tmp_path / "new" / "maps")]) == 2
+    assert not (tmp_path / "new").exists()
 
 
 def test_empty_sentences_are_refused_and_unknown_pieces_labelled_unk(tmp_path, tokenizers, capsys):

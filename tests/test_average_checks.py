@@ -1,6 +1,8 @@
 """`aiayn average` refuses checkpoints whose tokenizers differ and warns about independently trained runs."""
 
+import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -92,3 +94,58 @@ def test_the_checkpoint_with_another_model_is_the_one_named(tmp_path, tokenizers
         average_checkpoints(paths, tmp_path / "avg")
     with pytest.raises(UserError, match=rf"^{paths[-1]} and {paths[-2]}: different models \(d_ff "):
         average_checkpoints(paths[1:], tmp_path / "avg")
+
+
+def test_a_damaged_checkpoint_is_named_not_the_newest(tmp_path, tokenizers):
+    """A NaN in one checkpoint went into the mean, which was checked as the newest checkpoint's weights:
+    the message sent the user to delete a good one."""
+    from safetensors.torch import load_file, save_file
+
+    first, _ = tokenizers
+    paths = [save(tmp_path / f"ck{i}", first, step=i) for i in (1, 2, 3)]
+    weights = load_file(paths[0] / "model.safetensors")
+    name = next(k for k in weights if k.endswith("bias"))
+    weights[name][0] = float("nan")
+    save_file(weights, paths[0] / "model.safetensors")
+    with pytest.raises(UserError, match=rf"^{paths[0]}: 1 tensor\(s\) hold NaN or infinite values \({name}\)"):
+        average_checkpoints(paths, tmp_path / "avg")
+    assert not (tmp_path / "avg").exists()
+
+
+def test_bfloat16_checkpoints_average_into_bfloat16(tmp_path, tokenizers):
+    """They were loaded into a float32 model and saved from it: twice the size, the mean widened."""
+    from safetensors.torch import load_file, save_file
+
+    first, _ = tokenizers
+    paths = [save(tmp_path / f"ck{i}", first, step=i) for i in (1, 2)]
+    for p in paths:
+        save_file({k: v.bfloat16() for k, v in load_file(p / "model.safetensors").items()}, p / "model.safetensors")
+    out = average_checkpoints(paths, tmp_path / "avg")
+    states = [load_file(p / "model.safetensors") for p in (*paths, out)]
+    for name, t in states[2].items():
+        assert t.dtype == torch.bfloat16
+        expected = ((states[0][name].double() + states[1][name].double()) / 2).bfloat16()
+        assert torch.equal(t, expected)  # rounded once, from the float64 mean
+
+
+def test_a_checkpoint_saved_on_a_signal_is_left_out_of_the_last_k(tmp_path, tokenizers, caplog):
+    """A run stopped by a signal saves one update or a few after its last regular checkpoint: averaged,
+    it counted nearly the same weights twice and pushed an older checkpoint out of the window, and the
+    average said it was "saved on a signal" itself."""
+    first, _ = tokenizers
+    ckpts = tmp_path / "run" / "checkpoints"
+    for step in (10, 20, 30):
+        save(ckpts / f"step_{step:06d}", first, step=step)
+    signal = save(ckpts / "step_000031", first, step=31)
+    meta = json.loads((signal / "meta.json").read_text())
+    (signal / "meta.json").write_text(json.dumps({**meta, "interrupted": True}))
+    with caplog.at_level(logging.INFO):
+        out = average_last(tmp_path / "run", 2)
+    assert out.name == "average_last_2"
+    averaged = json.loads((out / "meta.json").read_text())
+    assert averaged["averaged"] == [str(ckpts / "step_000020"), str(ckpts / "step_000030")]
+    assert "interrupted" not in averaged
+    assert "left out step_000031: saved on a signal" in caplog.text
+    for step in (10, 20, 30):  # a run of nothing but signal saves still averages them
+        shutil.rmtree(ckpts / f"step_{step:06d}")
+    assert json.loads((average_last(tmp_path / "run", 2) / "meta.json").read_text())["averaged"] == [str(signal)]

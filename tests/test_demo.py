@@ -171,3 +171,30 @@ def test_a_demo_stopped_by_a_signal_names_what_it_left(tmp_path, monkeypatch):
     with pytest.raises(Stopped, match="demo stopped during training") as e:
         run_demo(DemoConfig(out=str(tmp_path / "d"), size="tiny", steps=5, n_train=300, n_test=5))
     assert "--resume" not in str(e.value) and e.value.exit_status == 130
+    assert "checkpoint" not in str(e.value)  # none saved: none named
+
+    def saved_one(config, resume=False):  # `aiayn translate d2/run` is refused: the checkpoint is named
+        ck = tmp_path / "d2" / "run" / "checkpoints" / "step_000003"
+        ck.mkdir(parents=True)
+        (ck / "meta.json").write_text("{}")
+        (ck / "model.safetensors").write_bytes(b"")
+        stopped(config)
+
+    monkeypatch.setattr(loop, "train", saved_one)
+    with pytest.raises(Stopped, match=r"its checkpoint .*d2/run/checkpoints/step_000003 can translate"):
+        run_demo(DemoConfig(out=str(tmp_path / "d2"), size="tiny", steps=5, n_train=300, n_test=5))
+
+
+def test_out_inside_a_checkpoint_or_a_runs_checkpoints_is_refused_before_the_corpus(tmp_path, capsys):
+    """The corpus (10 MB by default) was written inside, then training refused its run_dir; pruning
+    would have deleted it with the checkpoint."""
+    ck = tmp_path / "run" / "checkpoints" / "step_000005"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text("{}")
+    (ck / "model.safetensors").write_bytes(b"")
+    owned = "which training owns (it resumes from and prunes what is there)"
+    for out, problem in ((ck / "demo", f"lies inside the checkpoint {ck}"),
+                         (ck.parent / "demo", f"lies inside {ck.parent}, {owned}")):
+        assert main(["demo", "--out", str(out), "--size", "tiny", "--steps", "5", "--train-pairs", "300"]) == 2
+        assert capsys.readouterr().err.strip() == f"aiayn: error: {out}: {problem}; write it elsewhere"
+        assert not out.exists()

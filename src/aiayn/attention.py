@@ -32,7 +32,7 @@ from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.search import generate
 from aiayn.errors import SentenceTooLong, UserError, check_unicode
-from aiayn.files import atomic_output, check_directory_path, make_directory
+from aiayn.files import atomic_output, check_directory_path, directory_for
 from aiayn.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -344,14 +344,13 @@ def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "atten
         log.warning("%d label character(s) (%s) are in no installed font and show as boxes in the PNGs; "
                     "attention.html lists the pieces as text (a font such as Noto Sans CJK draws them)",
                     len(missing), "".join(missing[:10]))
-    make_directory(out_dir, out_dir)
     files = {kind: out_dir / f"attention_{kind}.png" for kind in pngs} | {"html": out_dir / "attention.html"}
     for path in files.values():  # before any is replaced: a directory in the way left a mixed set
         if path.is_dir():
             raise UserError(f"{path}: is a directory; will not replace it")
     # Every file is written and flushed to disk before any is renamed into place: a full disk on the last
     # one left the PNGs of the new drawing beside the page of the old.
-    with ExitStack() as stack:
+    with directory_for(out_dir, out_dir), ExitStack() as stack:
         pages = [(files[kind], png, True) for kind, png in pngs.items()]
         pages.append((files["html"], html_page(maps, pngs, title), False))
         for path, content, binary in pages:

@@ -209,9 +209,14 @@ def check_fits(model: Transformer, weights: dict[str, torch.Tensor], where: str 
         parts = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
                  f"wrong shape {shapes[:3]}" if shapes else "", f"wrong dtype {dtypes[:3]}" if dtypes else ""]
         raise UserError(f"{where}: weights do not fit this model: " + "; ".join(p for p in parts if p))
+    check_finite(weights, where)
+
+
+def check_finite(weights: dict[str, torch.Tensor], where: str | Path) -> None:
+    """Training never saves NaN or infinite weights (loop._check_finite_weights): such a file was damaged."""
     broken = [k for k, t in weights.items()  # (meta tensors: shapes only, as `describe_checkpoint` reads)
               if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all())]
-    if broken:  # training never saves such weights (loop._check_finite_weights): the file was damaged
+    if broken:
         raise CorruptFile(f"{where}: {len(broken)} tensor(s) hold NaN or infinite values ({', '.join(broken[:3])}); "
                           "the file is damaged")
 

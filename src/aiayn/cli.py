@@ -321,21 +321,11 @@ def _open_input(stack: contextlib.ExitStack, path: str | None) -> tuple[BinaryIO
 
 
 def _check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
-    """An output (a file, or a folder of pictures) may not be or lie inside any checkpoint directory (one
-    with weights and meta.json), read or not, nor inside a training run's checkpoints/: training's
-    keep_last deletes such directories whole, a step_N there is read as a checkpoint, and `average` or
-    `export` read them. `may_be_one`: an output that is itself a checkpoint (average and convert with
-    --force replace theirs) may be one, but not lie inside another."""
-    from aiayn.checkpoint import enclosing_checkpoint
-    from aiayn.train.state import training_owned
+    """`train.state.check_outside_checkpoints`, imported when a command needs it (the CLI starts fast)."""
+    from aiayn.train.state import check_outside_checkpoints
 
-    if (inside := enclosing_checkpoint(output, itself=not may_be_one)) is not None:
-        relation, place = inside
-        raise UserError(f"{output}: {relation} the checkpoint {place}; write it elsewhere")
-    if (owned := training_owned(output)) is not None:  # a step_N name there is pruned or read by training
-        relation, place = owned
-        raise UserError(f"{output}: {relation} {place}, which training owns (it resumes from and prunes what "
-                        "is there); write it elsewhere")
+    check_outside_checkpoints(output, may_be_one)
+
 
 
 def _check_not_stdin(input: str | None, output: Path) -> None:

@@ -27,8 +27,9 @@ from aiayn.config import ConfigError, check_types
 from aiayn.decoding.options import DecodeConfig
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
 from aiayn.errors import Stopped, UserError
-from aiayn.files import check_directory_path
+from aiayn.files import atomic_output, check_directory_path
 from aiayn.train.config import MAX_SEED
+from aiayn.train.state import check_outside_checkpoints, checkpoint_dirs
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,6 @@ def run_demo(config: DemoConfig) -> DemoResult:
 
 def _run_demo(config: DemoConfig) -> DemoResult:
     from aiayn.train.loop import train
-    from aiayn.train.state import checkpoint_dirs
 
     out = Path(config.out)
     run_dir = out / "run"
@@ -194,9 +194,10 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     try:
         result = train(run_config(config, paths, run_dir))
     except Stopped as e:  # the trainer's message says --resume, which the demo does not have
-        raise Stopped(f"demo stopped during training; its checkpoint is in {run_dir}, which `aiayn "
-                      f"translate` can use; to run the demo again, delete {run_dir} or choose another --out",
-                      e.exit_status - 128) from None
+        saved = checkpoint_dirs(run_dir)  # `aiayn translate RUN_DIR` is refused: name the checkpoint
+        where = f"its checkpoint {saved[-1]} can translate (`aiayn translate`); " if saved else ""
+        raise Stopped(f"demo stopped during training; {where}to run the demo again, delete {run_dir} or "
+                      "choose another --out", e.exit_status - 128) from None
     seconds = time.monotonic() - start
     ck = load_checkpoint(checkpoint_dirs(run_dir)[-1])
     log.info("trained %d updates in %.0f s; translating %d held-out sentences (beam %d)", result["step"],
@@ -204,7 +205,8 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     hyps = translate(ck.path, [s for s, _ in test_pairs], config.beam, config.device)
     correct = sum(h == t for h, (_, t) in zip(hyps, test_pairs))
     files = {"translations": out / "test.hyp.de", "curves": run_dir / "curves.png"}
-    files["translations"].write_text("".join(f"{h}\n" for h in hyps), encoding="utf-8")
+    with atomic_output(files["translations"]) as f:  # a full disk: one line, no half-written file
+        f.write("".join(f"{h}\n" for h in hyps))
     source, reference = pick_example(test_pairs)
     maps = extract_attention(ck.model, ck.tokenizer, source, reference)
     files.update(draw_attention(maps, out / "attention", title=f"{source} -> {reference}"))
@@ -216,6 +218,7 @@ def _run_demo(config: DemoConfig) -> DemoResult:
 def check_out(out: Path) -> None:
     """Refuse, before any work, an `--out` the demo cannot write or whose writing would lose data."""
     check_directory_path(out)  # `--out FILE` or `--out FILE/x`: a NotADirectoryError traceback later
+    check_outside_checkpoints(out)  # the corpus was written into a checkpoint before training refused
     for name, want_dir in (("data", True), ("run", True), ("attention", True), ("test.hyp.de", False)):
         path = out / name
         if (path.exists() or path.is_symlink()) and path.is_dir() != want_dir:

@@ -147,12 +147,22 @@ def check_directory_path(path: Path) -> None:
         raise UserError(f"{path}: {existing} is not a directory")
 
 
-def make_directory(path: Path, where: Path) -> None:
-    """`path` and its missing parents, made for writing `where`; an OSError is a UserError naming it."""
+@contextlib.contextmanager
+def directory_for(path: Path, where: Path) -> Iterator[None]:
+    """`path` and its missing parents, made for writing `where` inside the block, and those made removed
+    again if the block fails (a full disk left the new folders behind); an OSError making them is a
+    UserError naming `where`, a file in the way named as such (mkdir said "File exists")."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        made = _make_parents(path)
+    except NotADirectoryError as e:
+        raise UserError(f"{where}: {e.strerror}") from None
     except OSError as e:
-        raise UserError(f"{where}: cannot make directory {e.filename} ({e.strerror or e})") from None
+        raise UserError(f"{where}: cannot make directory {e.filename or path} ({e.strerror or e})") from None
+    try:
+        yield
+    except BaseException:
+        _remove_empty(made)
+        raise
 
 
 def _make_parents(parent: Path) -> list[Path]:

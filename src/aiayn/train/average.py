@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from aiayn.checkpoint import (
+    check_finite,
     checkpoint_tokenizer,
     is_checkpoint,
     config_section,
@@ -20,7 +21,7 @@ from aiayn.checkpoint import (
 )
 from aiayn.errors import UserError
 from aiayn.files import check_output, overlap
-from aiayn.train.state import checkpoint_dirs
+from aiayn.train.state import checkpoint_dirs, is_interrupted
 
 log = logging.getLogger(__name__)
 EARLIER = ("an aiayn checkpoint", is_checkpoint)  # what --force may replace: nothing else
@@ -40,9 +41,11 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]]) -> dict[str, torc
 
 
 def check_same_tensors(paths: list[Path], states: list[dict[str, torch.Tensor]]) -> None:
-    """Every state has the last one's names, shapes and dtypes; meta.json alone can be wrong."""
+    """Every state has the last one's names, shapes and dtypes, and finite values (a NaN in one was
+    blamed on the last, into which the mean was loaded); meta.json alone can be wrong."""
     ref = states[-1]
     for p, s in zip(paths, states):
+        check_finite(s, p)
         if set(s) != set(ref):
             raise UserError(f"{p}: weight names differ from {paths[-1]} ({sorted(set(s) ^ set(ref))[:3]})")
         for name, t in s.items():
@@ -84,8 +87,13 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     last = load_checkpoint(paths[-1])
     states = [load_weights(p) for p in paths]
     check_same_tensors(paths, states)
-    load_into(last.model, average_state_dicts(states), paths[-1])
-    meta = {k: v for k, v in last.meta.items() if k not in ("format", "model", "tokenizer")}
+    mean = average_state_dicts(states)
+    dtypes = {t.dtype for t in mean.values() if t.is_floating_point()}
+    if len(dtypes) == 1:  # bf16 checkpoints average into bf16 (saved from the float32 model: twice the size)
+        last.model.to(dtypes.pop())
+    load_into(last.model, mean, paths[-1])
+    # The newest member's meta, less what describes it alone: a signal's save is an average's no more
+    meta = {k: v for k, v in last.meta.items() if k not in ("format", "model", "tokenizer", "interrupted")}
     meta["averaged"] = [str(p) for p in paths]
     saved = save_checkpoint(out, last.model, last.tokenizer, meta)
     log.info("averaged %d checkpoints into %s", len(paths), saved)  # after: a failed write is not reported
@@ -119,16 +127,30 @@ def is_average(directory: Path) -> bool:
 
 def _warn_out_of_window(chosen: list[Path]) -> None:
     """Say when the last k checkpoints reach past the run's train.keep_last: the older ones survive only
-    as its best validation's, kept from much earlier, and the average mixes them with the recent ones
-    (averaging 5, 35 and 40 looked like three consecutive checkpoints)."""
+    as its best validation's (or from a larger keep_last earlier), kept from much earlier, and the average
+    mixes them with the recent ones (averaging 5, 35 and 40 looked like three consecutive checkpoints)."""
     try:
         keep_last = (config_section(read_meta(chosen[-1]), "train") or {}).get("keep_last")
     except UserError:
         return  # the average names the damaged checkpoint itself
     if isinstance(keep_last, int) and not isinstance(keep_last, bool) and 0 < keep_last < len(chosen):
         older = ", ".join(p.name for p in chosen[:-keep_last])
-        log.warning("%s: kept beyond train.keep_last=%d (the run's best validation), averaged with %s to %s",
+        log.warning("%s: kept beyond train.keep_last=%d (the run's best validation, or an earlier keep_last), "
+                    "averaged with %s to %s",
                     older, keep_last, chosen[-keep_last].name, chosen[-1].name)
+
+
+def _regular(found: list[Path], log_skipped: bool) -> list[Path]:
+    """The checkpoints of `found` not saved on a signal. That one is there to resume from, one or a few
+    updates after the last regular save: averaged, it counted twice the same weights and pushed out an
+    older checkpoint (as `state.prune` keeps it out of keep_last). A run with no other keeps it."""
+    regular = [p for p in found if not is_interrupted(p)]
+    if not regular:
+        return found
+    if log_skipped and len(regular) < len(found):
+        log.info("left out %s: saved on a signal, to resume from",
+                 ", ".join(p.name for p in found if p not in regular))
+    return regular
 
 
 PRUNED_RETRIES = 3  # a run training in run_dir may prune a listed checkpoint before it is read
@@ -148,7 +170,7 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
     if not run_dir.is_dir():  # was "no checkpoints found", as if it were a run that had saved none
         raise UserError(f"{run_dir}: {'is not a directory' if run_dir.exists() else 'no such run directory'}")
     for attempt in range(PRUNED_RETRIES + 1):
-        found = checkpoint_dirs(run_dir)
+        found = _regular(checkpoint_dirs(run_dir), log_skipped=attempt == 0)
         if not found:
             raise UserError(f"{run_dir}: no checkpoints found")
         if len(found) < k and attempt == 0:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.errors import UserError
-from aiayn.files import atomic_output, check_file_output, make_directory
+from aiayn.files import atomic_output, check_file_output, directory_for
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +233,5 @@ def _draw(records: list[dict[str, Any]], plt):
 def _write_png(data: bytes, path: Path) -> None:
     """Write `data` with `atomic_output` (temporary sibling, fsync, rename; an OSError becomes a
     UserError naming `path`). Missing directories are made, as `write_atomically` makes them."""
-    make_directory(path.parent, path)
-    with atomic_output(path, binary=True) as f:
+    with directory_for(path.parent, path), atomic_output(path, binary=True) as f:
         f.write(data)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from aiayn.checkpoint import META, load_into, load_weights, read_meta, save_checkpoint
+from aiayn.checkpoint import META, enclosing_checkpoint, load_into, load_weights, read_meta, save_checkpoint
 from aiayn.config import ModelConfig, to_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import CorruptFile, UserError
@@ -124,6 +124,21 @@ def training_owned(path: str | Path) -> tuple[str, Path] | None:
     return None
 
 
+def check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
+    """An output (a file, or a folder of pictures) may not be or lie inside any checkpoint directory (one
+    with weights and meta.json), read or not, nor inside a training run's checkpoints/: training's
+    keep_last deletes such directories whole, a step_N there is read as a checkpoint, and `average` or
+    `export` read them. `may_be_one`: an output that is itself a checkpoint (average and convert with
+    --force replace theirs) may be one, but not lie inside another."""
+    if (inside := enclosing_checkpoint(output, itself=not may_be_one)) is not None:
+        relation, place = inside
+        raise UserError(f"{output}: {relation} the checkpoint {place}; write it elsewhere")
+    if (owned := training_owned(output)) is not None:  # a step_N name there is pruned or read by training
+        relation, place = owned
+        raise UserError(f"{output}: {relation} {place}, which training owns (it resumes from and prunes what "
+                        "is there); write it elsewhere")
+
+
 def prune(run_dir: str | Path, keep_last: int, best_step: int = 0) -> None:
     """Keep the newest `keep_last` checkpoints and that of update `best_step` (the best validation loss:
     a run stopped by `patience` ends `patience` validations after it, and keep_last <= patience deleted
@@ -139,7 +154,7 @@ def prune(run_dir: str | Path, keep_last: int, best_step: int = 0) -> None:
     """
     root = Path(run_dir) / "checkpoints"
     found = checkpoint_dirs(run_dir)
-    interrupted = [c for c in found if _interrupted(c)]
+    interrupted = [c for c in found if is_interrupted(c)]
     regular = [c for c in found if c not in interrupted]
     old = [c for c in regular[:-keep_last] if c.name != step_dir_name(best_step)]
     for stale in old + [c for c in interrupted if c != found[-1]]:
@@ -148,7 +163,7 @@ def prune(run_dir: str | Path, keep_last: int, best_step: int = 0) -> None:
         shutil.rmtree(hidden, ignore_errors=True)
 
 
-def _interrupted(checkpoint: Path) -> bool:
+def is_interrupted(checkpoint: Path) -> bool:
     """Whether `checkpoint` was saved on a signal; one whose meta.json cannot be read counts as not."""
     try:
         return json.loads((checkpoint / META).read_text(encoding="utf-8")).get("interrupted") is True

@@ -107,7 +107,7 @@ def test_a_damaged_checkpoint_is_named_not_the_newest(tmp_path, tokenizers):
     name = next(k for k in weights if k.endswith("bias"))
     weights[name][0] = float("nan")
     save_file(weights, paths[0] / "model.safetensors")
-    with pytest.raises(UserError, match=rf"^{paths[0]}: 1 tensor\(s\) hold NaN or infinite values \({name}\)"):
+    with pytest.raises(UserError, match=rf"^{paths[0]}: 1 tensor\(s\) hold NaN or infinite values \({name}"):
         average_checkpoints(paths, tmp_path / "avg")
     assert not (tmp_path / "avg").exists()
 
@@ -119,7 +119,8 @@ def test_bfloat16_checkpoints_average_into_bfloat16(tmp_path, tokenizers):
     first, _ = tokenizers
     paths = [save(tmp_path / f"ck{i}", first, step=i) for i in (1, 2)]
     for p in paths:
-        save_file({k: v.bfloat16() for k, v in load_file(p / "model.safetensors").items()}, p / "model.safetensors")
+        weights = p / "model.safetensors"
+        save_file({k: v.bfloat16() for k, v in load_file(weights).items()}, weights)
     out = average_checkpoints(paths, tmp_path / "avg")
     states = [load_file(p / "model.safetensors") for p in (*paths, out)]
     for name, t in states[2].items():
@@ -148,4 +149,5 @@ def test_a_checkpoint_saved_on_a_signal_is_left_out_of_the_last_k(tmp_path, toke
     assert "left out step_000031: saved on a signal" in caplog.text
     for step in (10, 20, 30):  # a run of nothing but signal saves still averages them
         shutil.rmtree(ckpts / f"step_{step:06d}")
-    assert json.loads((average_last(tmp_path / "run", 2) / "meta.json").read_text())["averaged"] == [str(signal)]
+    alone = average_last(tmp_path / "run", 2)
+    assert json.loads((alone / "meta.json").read_text())["averaged"] == [str(signal)]

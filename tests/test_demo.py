@@ -195,6 +195,7 @@ def test_out_inside_a_checkpoint_or_a_runs_checkpoints_is_refused_before_the_cor
     owned = "which training owns (it resumes from and prunes what is there)"
     for out, problem in ((ck / "demo", f"lies inside the checkpoint {ck}"),
                          (ck.parent / "demo", f"lies inside {ck.parent}, {owned}")):
-        assert main(["demo", "--out", str(out), "--size", "tiny", "--steps", "5", "--train-pairs", "300"]) == 2
+        argv = ["demo", "--out", str(out), "--size", "tiny", "--steps", "5", "--train-pairs", "300"]
+        assert main(argv) == 2
         assert capsys.readouterr().err.strip() == f"aiayn: error: {out}: {problem}; write it elsewhere"
         assert not out.exists()

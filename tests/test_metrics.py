@@ -185,7 +185,8 @@ def test_plot_under_a_regular_file_is_one_line_and_leaves_nothing(log_path, tmp_
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     for png in (blocker / "c.png", blocker / "sub" / "c.png"):  # the first said "File exists"
-        with pytest.raises(UserError, match=f"^{re.escape(str(png))}: {re.escape(str(blocker))} is not a directory$"):
+        message = f"^{re.escape(str(png))}: {re.escape(str(blocker))} is not a directory$"
+        with pytest.raises(UserError, match=message):
             plot_metrics(log_path, png)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "metrics.jsonl"]
     assert blocker.read_text() == "not a directory"

@@ -135,8 +135,8 @@ def _warn_out_of_window(chosen: list[Path]) -> None:
         return  # the average names the damaged checkpoint itself
     if isinstance(keep_last, int) and not isinstance(keep_last, bool) and 0 < keep_last < len(chosen):
         older = ", ".join(p.name for p in chosen[:-keep_last])
-        log.warning("%s: kept beyond train.keep_last=%d (the run's best validation, or an earlier keep_last), "
-                    "averaged with %s to %s",
+        log.warning("%s: kept beyond train.keep_last=%d (the run's best validation, or an earlier "
+                    "keep_last), averaged with %s to %s",
                     older, keep_last, chosen[-keep_last].name, chosen[-1].name)
 
 

@@ -604,8 +604,8 @@ def test_averaging_past_keep_last_says_the_old_best_is_mixed_in(tmp_path, tokeni
                         {"step": step, "config": {"train": {"keep_last": 2}}})
     with caplog.at_level(logging.WARNING):
         average_last(tmp_path / "run", 3)
-    assert ("step_000005: kept beyond train.keep_last=2 (the run's best validation), averaged with "
-            "step_000035 to step_000040") in caplog.messages
+    assert ("step_000005: kept beyond train.keep_last=2 (the run's best validation, or an earlier "
+            "keep_last), averaged with step_000035 to step_000040") in caplog.messages
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         average_last(tmp_path / "run", 2, tmp_path / "avg2")  # within the window: nothing to say

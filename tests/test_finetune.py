@@ -110,6 +110,16 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
     with pytest.raises(UserError, match=f"fine-tunes {start}; resume it with train.init_from={start}") as e:
         train(load_config(None, forgot), resume=True)
     assert "\n" not in str(e.value)
+    # Another init_from was ignored (the run goes on from its own checkpoint) and saved as its origin
+    other = [s for s in forgot if not s.startswith("train.max_updates")] + [f"train.init_from={tuned}",
+                                                                             "train.max_updates=9"]
+    with pytest.raises(UserError, match=f"fine-tunes {start}; resume it with train.init_from={start}"):
+        train(load_config(None, other), resume=True)
+    plain = tmp_path / "plain"  # a run that fine-tuned nothing, resumed with an init_from
+    assert train(load_config(None, [s for s in forgot if not s.startswith(("train.run_dir", "train.max_up"))]
+                             + [f"train.run_dir={plain}", "train.max_updates=1"]))["step"] == 1
+    with pytest.raises(UserError, match="was not fine-tuned from a checkpoint; resume it without train.init"):
+        train(load_config(None, settings(src, tgt, plain, tuned, "train.max_updates=2")), resume=True)
 
 
 @pytest.mark.parametrize("key", ["d_model=64", "preset=tiny"])

@@ -266,6 +266,8 @@ def test_shipped_configs_load():
             assert tc.max_tokens * tc.update_freq == 25000 and tc.warmup == 4000 and tc.label_smoothing == 0.1
             assert tc.max_updates == {"base": 100_000, "big": 300_000}[path.stem]
             assert tc.keep_last == {"base": 5, "big": 20}[path.stem]
+            # every 10 minutes at the paper's step times (0.4 and 1.0 s): the window averaged is the paper's
+            assert tc.valid_every == {"base": 1500, "big": 600}[path.stem]
 
 
 def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_path):

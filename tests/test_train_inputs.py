@@ -1186,3 +1186,47 @@ def test_a_warmup_past_float_precision_and_a_bare_string_of_overrides_are_refuse
         load_config(None, [f"train.warmup={2**60}"])
     with pytest.raises(TypeError, match=r"^overrides is a list of SECTION\.KEY=VALUE strings: pass \['train"):
         load_config(None, "train.warmup=10")
+
+
+def test_another_validation_set_on_resume_starts_the_best_loss_again(finished_run, tmp_path, caplog):
+    """Its losses were compared with the old set's best: none was better, train.patience stopped the run
+    and `prune` kept the old best's checkpoint. The same pairs under another name keep the best."""
+    config = copy_run(finished_run, tmp_path)
+    run = Path(config.train.run_dir)
+    best = json.loads((run / "checkpoints" / "step_000004" / "trainer.json").read_text())["state"]
+    assert best["valid_digest"] and best["best_valid"] < math.inf
+    same = tmp_path / "same.de", tmp_path / "same.en"  # a copy: another path, inode and mtime
+    shutil.copy(config.data.valid_src, same[0])
+    shutil.copy(config.data.valid_tgt, same[1])
+    copied = replace(config, data=replace(config.data, valid_src=str(same[0]), valid_tgt=str(same[1])))
+    with caplog.at_level(logging.WARNING):
+        train(with_train(copied, max_updates=6), resume=True)
+    assert "validation pairs differ" not in caplog.text
+    kept = json.loads((run / "checkpoints" / "step_000006" / "trainer.json").read_text())["state"]
+    assert kept["valid_digest"] == best["valid_digest"] and kept["best_valid"] <= best["best_valid"]
+    hard = write_corpus(tmp_path, 9, "hard")
+    other = replace(config, data=replace(config.data, valid_src=str(hard[0]), valid_tgt=str(hard[1])))
+    with caplog.at_level(logging.WARNING):
+        train(with_train(other, max_updates=8), resume=True)
+    said = f"the validation pairs differ from those of the best validation loss so far ({kept['best_valid']:.4f}"
+    assert said in caplog.text
+    state = json.loads((run / "checkpoints" / "step_000008" / "trainer.json").read_text())["state"]
+    assert state["best_step"] == 8 and state["valid_digest"] != best["valid_digest"]  # on the new set
+
+
+def test_a_config_without_training_files_leaves_no_run_dir(tmp_path):
+    """The run directory and its lock were made before the refusal."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run")
+    for data, message in ((dict(train_src=""), "must name the training files"),
+                          (dict(valid_tgt=str(tmp_path / "nope.en")), "nope.en: file not found")):
+        with pytest.raises((ConfigError, UserError), match=message):
+            train(replace(config, data=replace(config.data, **data)))
+        assert not (tmp_path / "run").exists()
+
+
+def test_a_perplexity_past_the_cap_is_printed_as_a_bound():
+    from aiayn.train.loop import shown_ppl
+
+    assert shown_ppl(math.log(12.34), 2) == "12.34"
+    assert shown_ppl(50.0, 1) == f"{math.exp(50):.1f}"
+    assert shown_ppl(2e10, 1) == ">5.2e+21"  # exp(50) was printed as if it were the value

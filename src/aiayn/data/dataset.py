@@ -219,6 +219,13 @@ class EncodedCorpus:
     def __len__(self) -> int:
         return len(self.src_offsets) - 1
 
+    def digest(self) -> str:
+        """sha256 of the ids and offsets: the same pairs, whatever their files' names, copies or times."""
+        h = hashlib.sha256()
+        for t in (self.src_ids, self.src_offsets, self.tgt_ids, self.tgt_offsets):
+            h.update(t.contiguous().numpy())
+        return h.hexdigest()
+
     def source(self, i: int) -> list[int]:
         return self.src_ids[self.src_offsets[i] : self.src_offsets[i + 1]].tolist()
 

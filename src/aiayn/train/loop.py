@@ -66,7 +66,7 @@ from aiayn.data.dataset import (
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import CorruptFile, Stopped, UserError
-from aiayn.files import recover_replaced, remove_abandoned
+from aiayn.files import recover_replaced, remove_abandoned, require_file
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.train import distributed
@@ -127,6 +127,7 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
 
         bleu_metrics(config.train.bleu_lang)
     run_dir = Path(config.train.run_dir)
+    distributed.on_main(d, lambda: _check_data_files(config))  # before run_dir is made for nothing
     _check_run_dir(run_dir)
     lock = RunLock(run_dir)
 
@@ -166,6 +167,8 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     start_from = _read_resumed(d, run_dir, resume_from, lambda: initial_checkpoint(config, resume_from))
     with _resume_hint(run_dir, resume_from):  # the tokenizer of a resumed run is read from its checkpoint
         data = prepare_data(config, run_dir, d, start_from.tokenizer if start_from else None)
+    release_freed_memory()  # what the tokenizer's training and the encoding freed (a quarter GB at 1.5 M
+    # pairs) was kept until the first validation's trim
     tok = data.tokenizer
     model = (start_from.model if start_from else build_model(config, tok)).to(d.device)
     optimizer = torch.optim.Adam(  # fused: one pass per tensor, 3x faster than the default on a CPU
@@ -185,6 +188,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         return state
 
     state = _read_resumed(d, run_dir, resume_from, restored)
+    _same_validation(state, data, d)
     if d.is_main:
         log.info("configuration:\n%s", _describe(config, model, data, d))
         if resume_from:
@@ -372,11 +376,16 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
     A resumed fine-tuning run reads them from its own checkpoint (the same tokenizer files and model
     config, saved there), so the init_from directory is needed only for the first invocation.
     """
-    if not config.train.init_from:
-        tuned_from = _fine_tuned_from(resume_from) if resume_from else None
-        if tuned_from:  # else the model built from [model] fails to load with a less helpful mismatch
+    tuned_from = _fine_tuned_from(resume_from) if resume_from else None
+    if resume_from and not _same_path(tuned_from, config.train.init_from):
+        # no init_from: the model built from [model] failed to load with a less helpful mismatch; another
+        # one was ignored (the run goes on from its own checkpoint) and saved as where the run started
+        if tuned_from:
             raise UserError(f"{resume_from}: this run fine-tunes {tuned_from}; "
                             f"resume it with train.init_from={tuned_from}")
+        raise UserError(f"{resume_from}: this run was not fine-tuned from a checkpoint; resume it without "
+                        "train.init_from")
+    if not config.train.init_from:
         return None
     path = resume_from or Path(config.train.init_from)
     ck = load_checkpoint(path)
@@ -424,6 +433,16 @@ def _tokenizer_settings(config: RunConfig) -> dict:
                               dc.character_coverage)
 
 
+def _same_path(saved: str | None, given: str) -> bool:
+    """Whether train.init_from `given` names the checkpoint `saved` (as written, or the same directory)."""
+    if not saved or not given:
+        return not saved and not given
+    try:
+        return saved == given or Path(saved).resolve() == Path(given).resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        return False
+
+
 def _fine_tuned_from(checkpoint: Path) -> str | None:
     """The train.init_from that the run which saved `checkpoint` started from, if it was a fine-tuning run."""
     config = read_meta(checkpoint).get("config", {})
@@ -446,7 +465,7 @@ def _log_window(
         "epoch": state.epoch + 1,
         "loss": loss / tokens,
         "nll": nll / tokens,
-        "ppl": math.exp(min(nll / tokens, 50)),
+        "ppl": math.exp(min(nll / tokens, PPL_CAP)),
         "lr": lr,
         "tokens_per_s": tokens / seconds,
         "elapsed_s": elapsed,
@@ -454,24 +473,32 @@ def _log_window(
     bar.set_postfix(
         tok_s=f"{line['tokens_per_s']:.0f}",
         loss=f"{line['loss']:.3f}",
-        ppl=f"{line['ppl']:.1f}",
+        ppl=shown_ppl(line["nll"], 1),
         lr=f"{lr:.2e}",
         **({"left": _clock(left)} if left is not None else {}),
     )
     if metrics:
         metrics.write(line)
         log.info(
-            "update %d epoch %d: loss %.3f nll %.3f ppl %.1f lr %.2e %.0f tok/s%s",
+            "update %d epoch %d: loss %.3f nll %.3f ppl %s lr %.2e %.0f tok/s%s",
             state.step,
             state.epoch + 1,
             line["loss"],
             line["nll"],
-            line["ppl"],
+            shown_ppl(line["nll"], 1),
             lr,
             line["tokens_per_s"],
             f", {_clock(left)} left" if left is not None else "",
         )
     return line
+
+
+PPL_CAP = 50  # nats: exp overflows past ~709; metrics.jsonl's ppl is exp of at most this
+
+
+def shown_ppl(nll: float, digits: int) -> str:
+    """Perplexity as printed: past the cap, as a bound (exp(50) was printed as a diverged run's value)."""
+    return f"{math.exp(nll):.{digits}f}" if nll <= PPL_CAP else f">{math.exp(PPL_CAP):.1e}"
 
 
 def _time_left(state: TrainState, tc, n_updates: int) -> float | None:
@@ -560,7 +587,7 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> d
     return {
         "valid_loss": loss / tokens,
         "valid_nll": nll / tokens,
-        "valid_ppl": math.exp(min(nll / tokens, 50)),
+        "valid_ppl": math.exp(min(nll / tokens, PPL_CAP)),
     }
 
 
@@ -607,11 +634,11 @@ def _validate_and_save(
             log.warning("curves.png not drawn: %s", e)
         if "valid_loss" in result:
             log.info(
-                "update %d: valid loss %.3f nll %.3f ppl %.2f; saved %s",
+                "update %d: valid loss %.3f nll %.3f ppl %s; saved %s",
                 state.step,
                 result["valid_loss"],
                 result["valid_nll"],
-                result["valid_ppl"],
+                shown_ppl(result["valid_nll"], 2),
                 path,
             )
         else:  # no validation set: where the checkpoint went was never said
@@ -709,6 +736,33 @@ def _epoch_on_this_corpus(state: TrainState, n_updates: int, resume_from: Path |
         state.epoch, state.cursor = state.epoch + 1, 0
 
 
+def _same_validation(state: TrainState, data: Data, d: Dist) -> None:
+    """best_valid and patience hold on the pairs they were measured on. Resumed on another validation set,
+    a run compared its losses with the old set's best: no validation was better, patience stopped it, and
+    `prune` kept the old best's checkpoint. Then they start again, and that is said."""
+    if data.valid is None:
+        return
+    digest = data.valid.digest()
+    if state.valid_digest not in ("", digest) and state.best_valid != math.inf:
+        if d.is_main:
+            log.warning("the validation pairs differ from those of the best validation loss so far (%.4f at "
+                        "update %d): the best loss and train.patience's count start again", state.best_valid,
+                        state.best_step)
+        state.best_valid, state.bad_validations, state.best_step = math.inf, 0, 0
+    state.valid_digest = digest
+
+
+def _check_data_files(config: RunConfig) -> None:
+    """Training files named, and every named corpus file there: a run.toml without them made train.run_dir
+    and its lock before it was refused. (Process 0 reads them; the others take its encoded cache.)"""
+    dc = config.data
+    if not dc.train_src or not dc.train_tgt:
+        raise ConfigError("data.train_src and data.train_tgt must name the training files")
+    for path in (dc.train_src, dc.train_tgt, dc.valid_src, dc.valid_tgt):
+        if path:
+            require_file(Path(path))
+
+
 def _check_run_dir(run_dir: Path) -> None:
     """An unusable run_dir fails now, in one line, not with a traceback after the tokenizer's training."""
     if run_dir.exists() and not run_dir.is_dir():
@@ -799,9 +853,7 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     Process 0 trains the tokenizer and fills the cache; the others wait, then read the cache.
     A given `tokenizer` (a fine-tuned checkpoint's) is used as it is: nothing is trained.
     """
-    dc = config.data
-    if not dc.train_src or not dc.train_tgt:
-        raise ConfigError("data.train_src and data.train_tgt must name the training files")
+    dc = config.data  # its files are named and there (`_check_data_files`)
     # Process 0's caches, named to all: every process trains on the pairs process 0 encoded, whatever the
     # files look like from its own machine. Errors reach every process.
     caches = distributed.on_main(d, lambda: _prepare_files(config, run_dir, tokenizer))

@@ -96,6 +96,7 @@ class TrainState:
     seconds: float = 0.0  # training wall time so far, over all invocations (for max_minutes, cooldown)
     validation_due: bool = False  # a signal's save skipped this step's validation: --resume makes it first
     epoch_updates: int = 0  # updates an epoch had (the corpus' batches): --resume on another corpus sees it
+    valid_digest: str = ""  # sha256 of the validation pairs' ids best_valid was measured on ("" before any)
 
 
 def step_dir_name(step: int) -> str:
@@ -275,9 +276,10 @@ def _train_state(saved: Any, path: Path) -> TrainState:
         raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state ('state' is not a table)")
     for field in fields(TrainState):
         value = saved.get(field.name, field.default)
-        kinds = {"int": (int,), "float": (int, float), "bool": (bool,)}[field.type]
+        kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}[field.type]
         if (isinstance(value, bool) and field.type != "bool") or not isinstance(value, kinds):
-            what = {"int": "a whole number", "float": "a number", "bool": "true or false"}[field.type]
+            what = {"int": "a whole number", "float": "a number", "bool": "true or false",
+                    "str": "a string"}[field.type]
         elif field.type == "int" and not 0 <= value <= 2**53:  # past 2^53 the schedule's float math fails
             what = "a whole number from 0 to 2^53"
         elif field.type == "float" and (value < 0 or not (_finite(value) or (field.name == "best_valid"

@@ -1208,8 +1208,8 @@ def test_another_validation_set_on_resume_starts_the_best_loss_again(finished_ru
     other = replace(config, data=replace(config.data, valid_src=str(hard[0]), valid_tgt=str(hard[1])))
     with caplog.at_level(logging.WARNING):
         train(with_train(other, max_updates=8), resume=True)
-    said = f"the validation pairs differ from those of the best validation loss so far ({kept['best_valid']:.4f}"
-    assert said in caplog.text
+    so_far = f"{kept['best_valid']:.4f}"
+    assert f"the validation pairs differ from those of the best validation loss so far ({so_far}" in caplog.text
     state = json.loads((run / "checkpoints" / "step_000008" / "trainer.json").read_text())["state"]
     assert state["best_step"] == 8 and state["valid_digest"] != best["valid_digest"]  # on the new set
 

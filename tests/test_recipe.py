@@ -103,3 +103,12 @@ def test_a_stopped_training_is_one_line_with_the_signals_status(tmp_path, capsys
     assert run.main(["--data", str(data), "--set", f"train.run_dir={tmp_path / 'run'}"]) == 143
     assert capsys.readouterr().err.strip().startswith("run.py: stopped by SIGTERM")
     assert run.parse_args(["--data", "x", "--resume"]).resume is True  # what that line advises
+
+
+@pytest.mark.parametrize("options", [["--partner", "train.seed=3"], ["--no-train", "--resume"]])
+def test_contradictory_options_are_refused(capsys, options):
+    """--partner without --ensemble, and --resume with --no-train, were silently ignored."""
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(["--data", "x", *options])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: ") and options[0] in err.splitlines()[-1]

@@ -71,7 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the second --ensemble member's overrides, replacing the pair's PARTNER "
                    "(e.g. --partner train.seed=3 --partner model.dropout=0.2)")
     p.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)  # one --ensemble member
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Each was silently ignored: a model trained without the partner asked for, scores of no resumed run.
+    if args.partner and not args.ensemble:
+        p.error("--partner sets the second --ensemble member's overrides; add --ensemble, or use --set")
+    if args.no_train and args.resume:
+        p.error("--no-train scores the checkpoints as they are and --resume trains on: give one of them")
+    return args
 
 
 def score(translator: Translator, data: Path, split: str, src: str, tgt: str, beam: int, lenpen: float) -> dict:

@@ -112,3 +112,30 @@ def test_contradictory_options_are_refused(capsys, options):
         run.parse_args(["--data", "x", *options])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("usage: ") and options[0] in err.splitlines()[-1]
+
+
+def dog_data(folder: Path) -> Path:
+    """train and val files of one line: enough for what is checked before training."""
+    folder.mkdir()
+    for split in ("train", "val"):
+        for lang in ("en", "de"):
+            (folder / f"{split}.{lang}").write_text("ein Hund\n", encoding="utf-8")
+    return folder
+
+
+def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, capsys, monkeypatch):
+    """`--ensemble --set train.seed=2` gave member b en-de's partner seed 2 as well: one model trained
+    twice, bit for bit, and scored as an ensemble."""
+    def trained(*args):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(run, "train_members", trained)
+    base = ["--data", str(dog_data(tmp_path / "data")), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]
+    assert run.main([*base, "--set", "train.seed=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py: error: ") and "--partner train.seed=3" in err and err.count("\n") == 1
+    assert run.main([*base, "--partner", "train.log_every=7"]) == 2  # bookkeeping: the same weights
+    capsys.readouterr()
+    with pytest.raises(AssertionError, match="trained"):  # the recipe's own partner differs
+        run.main(base)
+    assert not (tmp_path / "r").exists()

@@ -24,13 +24,13 @@ from pathlib import Path
 
 from aiayn.checkpoint import read_meta
 from aiayn.cli import positive_int
-from aiayn.config import ConfigError
+from aiayn.config import ConfigError, to_dict
 from aiayn.data.dataset import read_lines
 from aiayn.decoding import DecodeConfig
 from aiayn.errors import Stopped, UserError
 from aiayn.evaluate import corpus_scores
 from aiayn.train.average import average_last
-from aiayn.train.config import load_config
+from aiayn.train.config import RunConfig, load_config
 from aiayn.train.loop import train
 from aiayn.translate import Translator
 
@@ -89,13 +89,30 @@ def score(translator: Translator, data: Path, split: str, src: str, tgt: str, be
             "scores": [{"name": s.name, "score": round(s.score, 2), "signature": s.signature} for s in scores]}
 
 
-def train_members(args: argparse.Namespace, run_dir: Path, threads: int) -> list[list[str]]:
-    """Train the two --ensemble members in parallel processes; return each one's overrides."""
+def member_overrides(args: argparse.Namespace, run_dir: Path, threads: int) -> list[list[str]]:
+    """Each --ensemble member's overrides: --set, then the partner's (for b), its run_dir and threads."""
     partner = args.partner or PARTNER[args.pair]
     members = [[f"train.run_dir={run_dir / 'a'}"], [*partner, f"train.run_dir={run_dir / 'b'}"]]
-    members = [[*args.set, *m, f"train.threads={max(1, threads // 2)}"] for m in members]
-    if args.no_train:
-        return members
+    return [[*args.set, *m, f"train.threads={max(1, threads // 2)}"] for m in members]
+
+
+# Train keys that leave the trained weights as they are: where they go, the threads, metrics.jsonl's lines.
+BOOKKEEPING = ("run_dir", "threads", "log_every")
+
+
+def check_members_differ(configs: list[RunConfig]) -> None:
+    """Two members of one configuration train one model twice, bit for bit: `--set train.seed=2` met
+    en-de's partner `train.seed=2`, and the ensemble of two copies cost twice the training."""
+    a, b = ({**to_dict(c), "train": {k: v for k, v in to_dict(c.train).items() if k not in BOOKKEEPING}}
+            for c in configs)
+    if a == b:
+        raise UserError("the two --ensemble members would train the same model (the partner's overrides set "
+                        "nothing --set has not); make them differ, e.g. --partner "
+                        f"train.seed={configs[0].train.seed + 1}")
+
+
+def train_members(args: argparse.Namespace, members: list[list[str]]) -> None:
+    """Train the two --ensemble members, given their overrides, in parallel processes."""
     procs = []
     for overrides in members:
         cmd = [sys.executable, __file__, "--data", args.data, "--pair", args.pair, "--train-only",
@@ -104,7 +121,6 @@ def train_members(args: argparse.Namespace, run_dir: Path, threads: int) -> list
     codes = wait_all(procs)
     if any(codes):
         raise SystemExit(f"an ensemble member failed: exit codes {codes}")
-    return members
 
 
 def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
@@ -175,8 +191,11 @@ def run(args: argparse.Namespace) -> int:
                 raise UserError(f"{data / f'{split}.{lang}'}: file not found")
     start = time.monotonic()
     if args.ensemble:
-        members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m])
-                   for m in train_members(args, run_dir, config.train.threads)]
+        overrides = member_overrides(args, run_dir, config.train.threads)
+        members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m]) for m in overrides]
+        if not args.no_train:  # --no-train scores runs trained already, however they were configured
+            check_members_differ(members)
+            train_members(args, overrides)
     else:
         members = [config]
         if not args.no_train:

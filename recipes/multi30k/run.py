@@ -7,8 +7,9 @@
 
 Validation scores are always printed (tune on them); `--test` also scores test_2016_flickr: do that
 once per recipe change. Prints cased detokenized sacreBLEU and the lowercased BLEU that the published
-Multi30k numbers use, both with signatures, and the wall time of every stage, and writes them to
-RUN_DIR/results.json. A benchmark, not a test: it takes the recipe's 80 minutes plus decoding.
+Multi30k numbers use, both with signatures, and the time of every stage, and writes them to
+RUN_DIR/results.json (results_scored.json when it trained nothing: --no-train, a --resume of a finished
+run). A benchmark, not a test: it takes the recipe's 80 minutes plus decoding.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from aiayn.evaluate import corpus_scores
 from aiayn.train.average import average_last
 from aiayn.train.config import RunConfig, load_config
 from aiayn.train.loop import train
+from aiayn.train.state import checkpoint_dirs
 from aiayn.translate import Translator
 
 HERE = Path(__file__).resolve().parent
@@ -190,36 +192,70 @@ def run(args: argparse.Namespace) -> int:
             if not (data / f"{split}.{lang}").is_file():
                 raise UserError(f"{data / f'{split}.{lang}'}: file not found")
     start = time.monotonic()
-    if args.ensemble:
-        overrides = member_overrides(args, run_dir, config.train.threads)
-        members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m]) for m in overrides]
-        if not args.no_train:  # --no-train scores runs trained already, however they were configured
-            check_members_differ(members)
-            train_members(args, overrides)
-    else:
-        members = [config]
-        if not args.no_train:
-            train(config, resume=args.resume)
-        if args.train_only:
-            return 0
-    train_s = time.monotonic() - start
+    members, overrides = member_configs(args, config, data_keys)
+    before = [so_far(m.train.run_dir) for m in members]
+    if args.ensemble and not args.no_train:
+        train_members(args, overrides)
+    elif not args.no_train:
+        train(config, resume=args.resume)
+    if args.train_only:
+        return 0
+    after = [so_far(m.train.run_dir) for m in members]
     averaged = [average_last(m.train.run_dir, args.average) for m in members]
     translator = Translator.load(averaged)
-    results = {"pair": args.pair, "train_s": round(train_s, 1), "checkpoints": [str(a) for a in averaged],
+    seconds = [s for _, s in after]
+    results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),
+               "updates": [u for u, _ in after], "checkpoints": [str(a) for a in averaged],
                "beam": beam, "lenpen": lenpen, "command": args.command,
                "environment": env,
                # what the checkpoints were trained with (with --no-train the options given here may differ)
                "configs": [read_meta(a).get("config") for a in averaged],
                "results": [score(translator, data, s, src, tgt, beam, lenpen) for s in splits]}
-    results["total_s"] = round(time.monotonic() - start, 1)
-    name = "results_scored.json" if args.no_train else "results.json"  # keep the training run's figures
+    # The whole run: this invocation's wall time and the training earlier invocations did (--resume).
+    results["total_s"] = round(time.monotonic() - start + max(s or 0.0 for _, s in before), 1)
+    write_results(args, run_dir, results, trained=[u for u, _ in after] != [u for u, _ in before])
+    return 0
+
+
+def member_configs(args: argparse.Namespace, config: RunConfig,
+                   data_keys: list[str]) -> tuple[list[RunConfig], list[list[str]]]:
+    """The runs to train and score: the recipe's, or the two --ensemble members' with their overrides."""
+    if not args.ensemble:
+        return [config], []
+    overrides = member_overrides(args, Path(config.train.run_dir), config.train.threads)
+    members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m]) for m in overrides]
+    if not args.no_train:  # --no-train scores runs trained already, however they were configured
+        check_members_differ(members)
+    return members, overrides
+
+
+def so_far(run_dir: str | Path) -> tuple[int, float | None]:
+    """(updates, seconds of training) in the run's newest checkpoint, (0, 0.0) before any: the training
+    time over every invocation, where a --resume's own clock saw only its part (17.5 s recorded as 2.5 s).
+    Seconds are None where trainer.json cannot be read: scoring needs only the weights."""
+    newest = checkpoint_dirs(run_dir)[-1:]
+    if not newest:
+        return 0, 0.0
+    step = int(newest[0].name.removeprefix("step_"))
+    try:
+        state = json.loads((newest[0] / "trainer.json").read_text(encoding="utf-8"))["state"]
+        return step, float(state["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return step, None
+
+
+def write_results(args: argparse.Namespace, run_dir: Path, results: dict, trained: bool) -> None:
+    """results.json holds the figures of the invocation that trained the run; one that trained nothing
+    (--no-train, a --resume of a finished run) writes results_scored.json, instead of replacing them."""
+    kept = args.no_train or (not trained and (run_dir / "results.json").exists())
+    path = run_dir / ("results_scored.json" if kept else "results.json")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / name).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"{args.pair}: trained {train_s / 60:.1f} min, total {results['total_s'] / 60:.1f} min")
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    minutes = "?" if results["train_s"] is None else f"{results['train_s'] / 60:.1f}"
+    print(f"{args.pair}: trained {minutes} min, total {results['total_s'] / 60:.1f} min; {path}")
     for r in results["results"]:
         for s in r["scores"]:
             print(f"  {r['split']:<17} {s['score']:6.2f}  {s['name']}  [{s['signature']}]")
-    return 0
 
 
 if __name__ == "__main__":

@@ -172,3 +172,17 @@ def test_results_record_the_whole_training_and_a_run_that_trained_nothing_keeps_
     seconds = json.loads(newest.read_text())["state"]["seconds"]
     assert resumed["updates"] == [4] and resumed["train_s"] == round(seconds, 1) and seconds > 1000
     assert resumed["total_s"] >= resumed["train_s"]
+
+
+def test_a_copy_of_the_recipe_outside_the_repository_runs(tmp_path):
+    """It imported benchmarks/common.py by its place in the repository: a copy elsewhere failed on that
+    import with a traceback, before reading its options."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("run.py", "en-de.toml"):
+        shutil.copy(RECIPE / name, copy / name)
+    done = subprocess.run([sys.executable, str(copy / "run.py"), "--data", str(tmp_path / "nowhere"),
+                           "--set", f"train.run_dir={tmp_path / 'run'}"], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("run.py: error: ") and "nowhere" in done.stderr

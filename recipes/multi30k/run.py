@@ -37,8 +37,16 @@ from aiayn.train.state import checkpoint_dirs
 from aiayn.translate import Translator
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
-from common import environment  # noqa: E402  (hardware, versions, commit, date: as every benchmark records)
+BENCHMARKS = HERE.parent.parent / "benchmarks"
+if (BENCHMARKS / "common.py").is_file():
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import environment  # hardware, versions, commit, date: as every benchmark records
+else:  # a copy of the recipe outside the repository failed on the import, with a traceback
+
+    def environment() -> dict:
+        return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "note": f"{BENCHMARKS / 'common.py'} not found: hardware, versions and commit not recorded"}
+
 
 # --ensemble's second model per pair, each chosen on val. en-de: the recipe's model again with another
 # seed (another initialization, dropout and batch order): on val it beat the narrow, deeper partner below

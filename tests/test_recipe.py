@@ -183,6 +183,7 @@ def test_a_copy_of_the_recipe_outside_the_repository_runs(tmp_path):
     copy.mkdir()
     for name in ("run.py", "en-de.toml"):
         shutil.copy(RECIPE / name, copy / name)
-    done = subprocess.run([sys.executable, str(copy / "run.py"), "--data", str(tmp_path / "nowhere"),
-                           "--set", f"train.run_dir={tmp_path / 'run'}"], capture_output=True, text=True)
+    command = [sys.executable, str(copy / "run.py"), "--data", str(tmp_path / "nowhere"),
+               "--set", f"train.run_dir={tmp_path / 'run'}"]
+    done = subprocess.run(command, check=False, capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("run.py: error: ") and "nowhere" in done.stderr

@@ -40,20 +40,29 @@ def test_a_count_below_one_is_refused(tmp_path, capsys, option):
     assert e.value.code == 2 and "invalid positive integer value: '0'" in capsys.readouterr().err
 
 
-def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path):
-    """--no-train scored the trained model but recorded the options given to it (another preset here)."""
-    data = tmp_path / "data"
-    data.mkdir()
+def numbers_data(folder: Path) -> Path:
+    """50 training and 10 validation pairs of "the number N is even/odd" in English and German."""
+    folder.mkdir()
     en = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'}" for i in range(60)]
     de = [f"die Zahl {i} ist {'gerade' if i % 2 == 0 else 'ungerade'}" for i in range(60)]
     for split, rows in (("train", slice(0, 50)), ("val", slice(50, 60))):
-        (data / f"{split}.en").write_text("\n".join(en[rows]) + "\n", encoding="utf-8")
-        (data / f"{split}.de").write_text("\n".join(de[rows]) + "\n", encoding="utf-8")
-    tiny = ["model.preset=micro", "data.vocab_size=60", "train.max_updates=2", "train.valid_every=1",
-            "train.warmup=2", "train.threads=1", f"train.run_dir={tmp_path / 'run'}"]
-    sets = [a for s in tiny for a in ("--set", s)]
-    assert run.main(["--data", str(data), "--beam", "1", *sets]) == 0
-    assert run.main(["--data", str(data), "--beam", "1", "--no-train", *sets, "--set", "model.preset=base"]) == 0
+        (folder / f"{split}.en").write_text("\n".join(en[rows]) + "\n", encoding="utf-8")
+        (folder / f"{split}.de").write_text("\n".join(de[rows]) + "\n", encoding="utf-8")
+    return folder
+
+
+def tiny_run(run_dir: Path, updates: int = 2) -> list[str]:
+    """--set options for a training of seconds in `run_dir`, a checkpoint every update."""
+    tiny = ["model.preset=micro", "data.vocab_size=60", f"train.max_updates={updates}", "train.valid_every=1",
+            "train.warmup=2", "train.threads=1", f"train.run_dir={run_dir}", "--beam", "1"]
+    return [a for s in tiny for a in (("--set", s) if "=" in s else (s,))]
+
+
+def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path):
+    """--no-train scored the trained model but recorded the options given to it (another preset here)."""
+    data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")
+    assert run.main(["--data", str(data), *sets]) == 0
+    assert run.main(["--data", str(data), "--no-train", *sets, "--set", "model.preset=base"]) == 0
     trained = json.loads((tmp_path / "run" / "results.json").read_text())
     scored = json.loads((tmp_path / "run" / "results_scored.json").read_text())
     assert scored["configs"] == trained["configs"] and trained["configs"][0]["model"]["preset"] == "micro"
@@ -103,3 +112,78 @@ def test_a_stopped_training_is_one_line_with_the_signals_status(tmp_path, capsys
     assert run.main(["--data", str(data), "--set", f"train.run_dir={tmp_path / 'run'}"]) == 143
     assert capsys.readouterr().err.strip().startswith("run.py: stopped by SIGTERM")
     assert run.parse_args(["--data", "x", "--resume"]).resume is True  # what that line advises
+
+
+@pytest.mark.parametrize("options", [["--partner", "train.seed=3"], ["--no-train", "--resume"]])
+def test_contradictory_options_are_refused(capsys, options):
+    """--partner without --ensemble, and --resume with --no-train, were silently ignored."""
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(["--data", "x", *options])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: ") and options[0] in err.splitlines()[-1]
+
+
+def dog_data(folder: Path) -> Path:
+    """train and val files of one line: enough for what is checked before training."""
+    folder.mkdir()
+    for split in ("train", "val"):
+        for lang in ("en", "de"):
+            (folder / f"{split}.{lang}").write_text("ein Hund\n", encoding="utf-8")
+    return folder
+
+
+def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, capsys, monkeypatch):
+    """`--ensemble --set train.seed=2` gave member b en-de's partner seed 2 as well: one model trained
+    twice, bit for bit, and scored as an ensemble."""
+    def trained(*args):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(run, "train_members", trained)
+    data = dog_data(tmp_path / "data")
+    base = ["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]
+    assert run.main([*base, "--set", "train.seed=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py: error: ") and "--partner train.seed=3" in err and err.count("\n") == 1
+    assert run.main([*base, "--partner", "train.log_every=7"]) == 2  # bookkeeping: the same weights
+    capsys.readouterr()
+    with pytest.raises(AssertionError, match="trained"):  # the recipe's own partner differs
+        run.main(base)
+    assert not (tmp_path / "r").exists()
+
+
+def test_results_record_the_whole_training_and_a_run_that_trained_nothing_keeps_them(tmp_path):
+    """train_s was the wall time around this invocation: a --resume after a stop recorded only its own
+    part, and a --resume of a finished run (nothing to train) replaced results.json, 17.5 s with 2.5 s."""
+    data, run_dir = numbers_data(tmp_path / "data"), tmp_path / "run"
+    assert run.main(["--data", str(data), *tiny_run(run_dir)]) == 0
+    first = (run_dir / "results.json").read_text()
+    assert run.main(["--data", str(data), *tiny_run(run_dir), "--resume"]) == 0  # already at update 2
+    assert (run_dir / "results.json").read_text() == first
+    scored = json.loads((run_dir / "results_scored.json").read_text())
+    assert scored["train_s"] == json.loads(first)["train_s"] and scored["updates"] == [2]
+
+    trainer = run_dir / "checkpoints" / "step_000002" / "trainer.json"
+    saved = json.loads(trainer.read_text())
+    saved["state"]["seconds"] += 1000.0  # as if the invocation before the stop had trained 1000 s
+    trainer.write_text(json.dumps(saved))
+    assert run.main(["--data", str(data), *tiny_run(run_dir, updates=4), "--resume"]) == 0
+    resumed = json.loads((run_dir / "results.json").read_text())
+    newest = run_dir / "checkpoints" / "step_000004" / "trainer.json"
+    seconds = json.loads(newest.read_text())["state"]["seconds"]
+    assert resumed["updates"] == [4] and resumed["train_s"] == round(seconds, 1) and seconds > 1000
+    assert resumed["total_s"] >= resumed["train_s"]
+
+
+def test_a_copy_of_the_recipe_outside_the_repository_runs(tmp_path):
+    """It imported benchmarks/common.py by its place in the repository: a copy elsewhere failed on that
+    import with a traceback, before reading its options."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("run.py", "en-de.toml"):
+        shutil.copy(RECIPE / name, copy / name)
+    command = [sys.executable, str(copy / "run.py"), "--data", str(tmp_path / "nowhere"),
+               "--set", f"train.run_dir={tmp_path / 'run'}"]
+    done = subprocess.run(command, check=False, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("run.py: error: ") and "nowhere" in done.stderr

@@ -7,8 +7,9 @@
 
 Validation scores are always printed (tune on them); `--test` also scores test_2016_flickr: do that
 once per recipe change. Prints cased detokenized sacreBLEU and the lowercased BLEU that the published
-Multi30k numbers use, both with signatures, and the wall time of every stage, and writes them to
-RUN_DIR/results.json. A benchmark, not a test: it takes the recipe's 80 minutes plus decoding.
+Multi30k numbers use, both with signatures, and the time of every stage, and writes them to
+RUN_DIR/results.json (results_scored.json when it trained nothing: --no-train, a --resume of a finished
+run). A benchmark, not a test: it takes the recipe's 80 minutes plus decoding.
 """
 
 from __future__ import annotations
@@ -24,19 +25,28 @@ from pathlib import Path
 
 from aiayn.checkpoint import read_meta
 from aiayn.cli import positive_int
-from aiayn.config import ConfigError
+from aiayn.config import ConfigError, to_dict
 from aiayn.data.dataset import read_lines
 from aiayn.decoding import DecodeConfig
 from aiayn.errors import Stopped, UserError
 from aiayn.evaluate import corpus_scores
 from aiayn.train.average import average_last
-from aiayn.train.config import load_config
+from aiayn.train.config import RunConfig, load_config
 from aiayn.train.loop import train
+from aiayn.train.state import checkpoint_dirs
 from aiayn.translate import Translator
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
-from common import environment  # noqa: E402  (hardware, versions, commit, date: as every benchmark records)
+BENCHMARKS = HERE.parent.parent / "benchmarks"
+if (BENCHMARKS / "common.py").is_file():
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import environment  # hardware, versions, commit, date: as every benchmark records
+else:  # a copy of the recipe outside the repository failed on the import, with a traceback
+
+    def environment() -> dict:
+        return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "note": f"{BENCHMARKS / 'common.py'} not found: hardware, versions and commit not recorded"}
+
 
 # --ensemble's second model per pair, each chosen on val. en-de: the recipe's model again with another
 # seed (another initialization, dropout and batch order): on val it beat the narrow, deeper partner below
@@ -71,7 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the second --ensemble member's overrides, replacing the pair's PARTNER "
                    "(e.g. --partner train.seed=3 --partner model.dropout=0.2)")
     p.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)  # one --ensemble member
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Each was silently ignored: a model trained without the partner asked for, scores of no resumed run.
+    if args.partner and not args.ensemble:
+        p.error("--partner sets the second --ensemble member's overrides; add --ensemble, or use --set")
+    if args.no_train and args.resume:
+        p.error("--no-train scores the checkpoints as they are and --resume trains on: give one of them")
+    return args
 
 
 def score(translator: Translator, data: Path, split: str, src: str, tgt: str, beam: int, lenpen: float) -> dict:
@@ -83,13 +99,30 @@ def score(translator: Translator, data: Path, split: str, src: str, tgt: str, be
             "scores": [{"name": s.name, "score": round(s.score, 2), "signature": s.signature} for s in scores]}
 
 
-def train_members(args: argparse.Namespace, run_dir: Path, threads: int) -> list[list[str]]:
-    """Train the two --ensemble members in parallel processes; return each one's overrides."""
+def member_overrides(args: argparse.Namespace, run_dir: Path, threads: int) -> list[list[str]]:
+    """Each --ensemble member's overrides: --set, then the partner's (for b), its run_dir and threads."""
     partner = args.partner or PARTNER[args.pair]
     members = [[f"train.run_dir={run_dir / 'a'}"], [*partner, f"train.run_dir={run_dir / 'b'}"]]
-    members = [[*args.set, *m, f"train.threads={max(1, threads // 2)}"] for m in members]
-    if args.no_train:
-        return members
+    return [[*args.set, *m, f"train.threads={max(1, threads // 2)}"] for m in members]
+
+
+# Train keys that leave the trained weights as they are: where they go, the threads, metrics.jsonl's lines.
+BOOKKEEPING = ("run_dir", "threads", "log_every")
+
+
+def check_members_differ(configs: list[RunConfig]) -> None:
+    """Two members of one configuration train one model twice, bit for bit: `--set train.seed=2` met
+    en-de's partner `train.seed=2`, and the ensemble of two copies cost twice the training."""
+    a, b = ({**to_dict(c), "train": {k: v for k, v in to_dict(c.train).items() if k not in BOOKKEEPING}}
+            for c in configs)
+    if a == b:
+        raise UserError("the two --ensemble members would train the same model (the partner's overrides set "
+                        "nothing --set has not); make them differ, e.g. --partner "
+                        f"train.seed={configs[0].train.seed + 1}")
+
+
+def train_members(args: argparse.Namespace, members: list[list[str]]) -> None:
+    """Train the two --ensemble members, given their overrides, in parallel processes."""
     procs = []
     for overrides in members:
         cmd = [sys.executable, __file__, "--data", args.data, "--pair", args.pair, "--train-only",
@@ -98,7 +131,6 @@ def train_members(args: argparse.Namespace, run_dir: Path, threads: int) -> list
     codes = wait_all(procs)
     if any(codes):
         raise SystemExit(f"an ensemble member failed: exit codes {codes}")
-    return members
 
 
 def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
@@ -168,33 +200,70 @@ def run(args: argparse.Namespace) -> int:
             if not (data / f"{split}.{lang}").is_file():
                 raise UserError(f"{data / f'{split}.{lang}'}: file not found")
     start = time.monotonic()
-    if args.ensemble:
-        members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m])
-                   for m in train_members(args, run_dir, config.train.threads)]
-    else:
-        members = [config]
-        if not args.no_train:
-            train(config, resume=args.resume)
-        if args.train_only:
-            return 0
-    train_s = time.monotonic() - start
+    members, overrides = member_configs(args, config, data_keys)
+    before = [so_far(m.train.run_dir) for m in members]
+    if args.ensemble and not args.no_train:
+        train_members(args, overrides)
+    elif not args.no_train:
+        train(config, resume=args.resume)
+    if args.train_only:
+        return 0
+    after = [so_far(m.train.run_dir) for m in members]
     averaged = [average_last(m.train.run_dir, args.average) for m in members]
     translator = Translator.load(averaged)
-    results = {"pair": args.pair, "train_s": round(train_s, 1), "checkpoints": [str(a) for a in averaged],
+    seconds = [s for _, s in after]
+    results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),
+               "updates": [u for u, _ in after], "checkpoints": [str(a) for a in averaged],
                "beam": beam, "lenpen": lenpen, "command": args.command,
                "environment": env,
                # what the checkpoints were trained with (with --no-train the options given here may differ)
                "configs": [read_meta(a).get("config") for a in averaged],
                "results": [score(translator, data, s, src, tgt, beam, lenpen) for s in splits]}
-    results["total_s"] = round(time.monotonic() - start, 1)
-    name = "results_scored.json" if args.no_train else "results.json"  # keep the training run's figures
+    # The whole run: this invocation's wall time and the training earlier invocations did (--resume).
+    results["total_s"] = round(time.monotonic() - start + max(s or 0.0 for _, s in before), 1)
+    write_results(args, run_dir, results, trained=[u for u, _ in after] != [u for u, _ in before])
+    return 0
+
+
+def member_configs(args: argparse.Namespace, config: RunConfig,
+                   data_keys: list[str]) -> tuple[list[RunConfig], list[list[str]]]:
+    """The runs to train and score: the recipe's, or the two --ensemble members' with their overrides."""
+    if not args.ensemble:
+        return [config], []
+    overrides = member_overrides(args, Path(config.train.run_dir), config.train.threads)
+    members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m]) for m in overrides]
+    if not args.no_train:  # --no-train scores runs trained already, however they were configured
+        check_members_differ(members)
+    return members, overrides
+
+
+def so_far(run_dir: str | Path) -> tuple[int, float | None]:
+    """(updates, seconds of training) in the run's newest checkpoint, (0, 0.0) before any: the training
+    time over every invocation, where a --resume's own clock saw only its part (17.5 s recorded as 2.5 s).
+    Seconds are None where trainer.json cannot be read: scoring needs only the weights."""
+    newest = checkpoint_dirs(run_dir)[-1:]
+    if not newest:
+        return 0, 0.0
+    step = int(newest[0].name.removeprefix("step_"))
+    try:
+        state = json.loads((newest[0] / "trainer.json").read_text(encoding="utf-8"))["state"]
+        return step, float(state["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return step, None
+
+
+def write_results(args: argparse.Namespace, run_dir: Path, results: dict, trained: bool) -> None:
+    """results.json holds the figures of the invocation that trained the run; one that trained nothing
+    (--no-train, a --resume of a finished run) writes results_scored.json, instead of replacing them."""
+    kept = args.no_train or (not trained and (run_dir / "results.json").exists())
+    path = run_dir / ("results_scored.json" if kept else "results.json")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / name).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"{args.pair}: trained {train_s / 60:.1f} min, total {results['total_s'] / 60:.1f} min")
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    minutes = "?" if results["train_s"] is None else f"{results['train_s'] / 60:.1f}"
+    print(f"{args.pair}: trained {minutes} min, total {results['total_s'] / 60:.1f} min; {path}")
     for r in results["results"]:
         for s in r["scores"]:
             print(f"  {r['split']:<17} {s['score']:6.2f}  {s['name']}  [{s['signature']}]")
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,11 @@
 import gzip
 import logging
 import os
+import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +27,7 @@ from aiayn.data.dataset import (
     scan_parallel,
     train_tokenizer,
 )
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
 
 
@@ -102,10 +106,15 @@ def test_shared_and_separate_tokenizers(tmp_path, corpus_files):
     assert find_tokenizer(tmp_path) is None
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("shared", [True, False])
-def test_a_file_changed_while_training_the_tokenizer_is_named(tmp_path, corpus_files, shared):
+def test_a_file_changed_while_training_the_tokenizer_is_named(tmp_path, corpus_files, monkeypatch, shared,
+                                                              sampled):
     """Streamed text is read again after it was checked; a file rewritten since is an error naming it,
-    not a RuntimeError from inside SentencePiece, and leaves no tokenizer trained on part of it."""
+    not a RuntimeError from inside SentencePiece, and leaves no tokenizer trained on part of it. A sample
+    of the lines still reads them all, to the end of the file."""
+    if sampled:
+        monkeypatch.setattr(dataset, "SEED_SENTENCES", 100)
     _, src, _ = corpus_files
     tgt = write(tmp_path / "train.en", sentences(201, "en"))
     text = scan_parallel(src, tgt)
@@ -126,6 +135,81 @@ def test_fewer_pieces_than_asked_are_said(tmp_path, corpus_files, caplog):
     with caplog.at_level("WARNING", logger="aiayn.data.dataset"):
         train_tokenizer(read_parallel(src, tgt), tmp_path / "fits", 40)
     assert "fewer than data.vocab_size" not in caplog.text
+
+
+# Above SEED_SENTENCES lines, a model learns from a sample: SentencePiece's own drew from a generator no seed
+# reached, so two runs of one configuration made different models, caches and batches.
+
+def random_corpus(directory, pairs):
+    """Lines of made-up words: each sample of them gives a model of its own."""
+    r = random.Random(0)
+    letters = "abcdefghiklmnoprstuwäöü"
+    words = ["".join(r.choice(letters) for _ in range(r.randint(2, 8))) for _ in range(500)]
+    paths = directory / "train.xx", directory / "train.yy"
+    for path in paths:
+        write(path, [" ".join(r.choices(words, k=r.randint(3, 12))) for _ in range(pairs)])
+    return paths
+
+
+SAMPLED_RUN = """
+import hashlib, sys
+from aiayn.data import dataset
+dataset.SEED_SENTENCES = 300
+fed = []
+train_sentencepiece = dataset.train_sentencepiece
+def counted(lines, *args, **kwargs):
+    lines = list(lines)
+    fed.append(len(lines))
+    return train_sentencepiece(lines, *args, **kwargs)
+dataset.train_sentencepiece = counted
+tokenizer = dataset.train_tokenizer(dataset.scan_parallel(sys.argv[1], sys.argv[2]), sys.argv[3], 200, seed=7)
+print(fed, hashlib.sha256(tokenizer.src_path.read_bytes()).hexdigest())
+"""
+
+
+def test_a_sampled_tokenizer_is_the_same_in_every_process(tmp_path):
+    src, tgt = random_corpus(tmp_path, 1000)
+    env = {**os.environ, "PYTHONPATH": str(Path(dataset.__file__).parents[2])}  # this aiayn, not another
+    runs = [subprocess.run([sys.executable, "-c", SAMPLED_RUN, str(src), str(tgt), str(tmp_path / f"run{i}")],
+                           env=env, capture_output=True, text=True, check=True, timeout=300).stdout
+            for i in range(2)]
+    assert runs[0].startswith("[300] ") and runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_sample_is_its_size_of_the_same_lines_held_or_streamed(tmp_path, monkeypatch, shared):
+    src, tgt = random_corpus(tmp_path, 1000)
+    monkeypatch.setattr(dataset, "SEED_SENTENCES", 300)
+    fed = []
+
+    def counted(lines, *args, **kwargs):
+        fed.append(list(lines))
+        return train_sentencepiece(fed[-1], *args, **kwargs)
+
+    monkeypatch.setattr(dataset, "train_sentencepiece", counted)
+    held = read_parallel(src, tgt)
+    train_tokenizer(held, tmp_path / "held", 200, shared=shared, seed=7)
+    train_tokenizer(scan_parallel(src, tgt), tmp_path / "files", 200, shared=shared, seed=7)
+    train_tokenizer(held, tmp_path / "other", 200, shared=shared, seed=8)
+    sides = 1 if shared else 2
+    held_fed, files_fed, other_fed = fed[:sides], fed[sides : 2 * sides], fed[2 * sides :]
+    assert [len(lines) for lines in fed] == [300] * 3 * sides and files_fed == held_fed != other_fed
+    whole = held.src + held.tgt if shared else held.src
+    assert set(held_fed[0]) <= set(whole) and sorted(held_fed[0], key=whole.index) == held_fed[0]  # in order
+    for name in ["spm.model"] if shared else ["source.spm", "target.spm"]:
+        assert (tmp_path / "files" / name).read_bytes() == (tmp_path / "held" / name).read_bytes()
+        assert (tmp_path / "other" / name).read_bytes() != (tmp_path / "held" / name).read_bytes()
+    if not shared:  # one sample of pairs: line i of the source beside line i of the target
+        assert [held.src.index(line) for line in fed[0]] == [held.tgt.index(line) for line in fed[1]]
+
+
+def test_sample_flags_choose_k_of_n_uniformly_a_block_at_a_time(monkeypatch):
+    monkeypatch.setattr(dataset, "SAMPLE_BLOCK", 10)
+    flags = [list(dataset._sample_flags(35, 7, seed)) for seed in range(2000)]
+    assert all(len(f) == 35 and sum(f) == 7 for f in flags)
+    assert flags[0] == list(dataset._sample_flags(35, 7, 0)) and flags[0] != flags[1]
+    share = torch.tensor(flags, dtype=torch.float64).mean(0)  # (35,): 7 / 35 each, standard error 0.009
+    assert ((share - 0.2).abs() < 0.05).all(), share
 
 
 def test_encode_once_then_cache(tmp_path, corpus_files, monkeypatch):

@@ -610,26 +610,31 @@ def _has_text_per_line(path: str | Path) -> np.ndarray:
 
 def train_tokenizer(
     text: ParallelText | ParallelFiles, directory: str | Path, vocab_size: int, model_type: str = "bpe",
-    shared: bool = True, normalization: str = "nmt_nfkc", character_coverage: float = 1.0,
+    shared: bool = True, normalization: str = "nmt_nfkc", character_coverage: float = 1.0, seed: int = 0,
 ) -> Tokenizer:
     """Train SentencePiece on the training text: one model for both sides (the paper) or one per side.
     `text` is held (`read_parallel`) or streamed from its files (`scan_parallel`); both feed SentencePiece
-    the same lines in the same order, so give the same model byte for byte.
+    the same lines in the same order, so give the same model byte for byte. A model learns from at most
+    SEED_SENTENCES lines: of more, a sample that `seed` chooses (`_sampled`), the same in every process.
 
     Then warn (once) if the model's normalization rewrites a sizeable share of the text, since the model
     will translate into the rewritten form (a Persian ZWNJ becomes a space under "nmt_nfkc")."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     settings = dict(normalization=normalization, character_coverage=character_coverage)
-    if len(text.src) >= LARGE_CORPUS:
+    n = len(text.src)
+    if n >= LARGE_CORPUS:
         log.info("SentencePiece training on %d pairs (a sample of at most %d sentences per model) may take "
-                 "minutes", len(text.src), SEED_SENTENCES)
+                 "minutes", n, SEED_SENTENCES)
     if shared:  # chained, not text.src + text.tgt: no second list of every sentence
-        path = _train_spm(chain(text.src, text.tgt), directory / "spm", vocab_size, model_type, **settings)
+        lines = _sampled(chain(text.src, text.tgt), 2 * n, seed)
+        path = _train_spm(lines, directory / "spm", vocab_size, model_type, **settings)
         tokenizer = Tokenizer(path)
-    else:
-        src = _train_spm(text.src, directory / "source", vocab_size, model_type, **settings)
-        tgt = _train_spm(text.tgt, directory / "target", vocab_size, model_type, **settings)
+    else:  # one seed: both models learn from the same pairs
+        src = _train_spm(_sampled(text.src, n, seed), directory / "source", vocab_size, model_type,
+                         **settings)
+        tgt = _train_spm(_sampled(text.tgt, n, seed), directory / "target", vocab_size, model_type,
+                         **settings)
         # Tokenizer.save names them source.spm / target.spm; keep those names in the run directory too.
         os.replace(src, directory / "source.spm")
         os.replace(tgt, directory / "target.spm")
@@ -650,6 +655,30 @@ def _warn_if_fewer_pieces(tokenizer: Tokenizer, vocab_size: int) -> None:
 
 
 LARGE_CORPUS = 100_000  # pairs: training a tokenizer on more takes long enough to say so
+SAMPLE_BLOCK = 1 << 20  # lines whose sample flags are drawn at once: memory for a block, not the corpus
+
+
+def _sampled(lines: Iterable[str], n: int, seed: int) -> Iterable[str]:
+    """The `n` `lines`, or of more than SEED_SENTENCES, that many of them, in their order, chosen by a
+    generator seeded with `seed`. Every line is still read: a streamed file's end-of-file check runs."""
+    if n <= SEED_SENTENCES:
+        return lines
+    flags = _sample_flags(n, SEED_SENTENCES, seed)
+    return (line for line in lines if next(flags, False))
+
+
+def _sample_flags(n: int, k: int, seed: int) -> Iterator[bool]:
+    """`n` flags, `k` of them True, a uniform choice of `seed`'s generator, drawn SAMPLE_BLOCK at a time:
+    how many of the k fall in a block is a hypergeometric draw (k taken from the n left, without
+    replacement), then which of its lines they are, a choice within the block."""
+    rng = np.random.default_rng(seed)
+    for start in range(0, n, SAMPLE_BLOCK):
+        size = min(SAMPLE_BLOCK, n - start)
+        take = int(rng.hypergeometric(size, n - start - size, k))
+        block = np.zeros(size, dtype=bool)
+        block[rng.choice(size, take, replace=False)] = True
+        k -= take
+        yield from block.tolist()
 
 
 def _train_spm(

@@ -125,6 +125,42 @@ def test_a_file_changed_while_training_the_tokenizer_is_named(tmp_path, corpus_f
     assert find_tokenizer(tmp_path / "run") is None and not (tmp_path / "run" / "spm.model").exists()
 
 
+class RaisingLines(list):
+    """Lines whose iteration raises `error` after the first `after`."""
+
+    def __init__(self, lines, after, error):
+        super().__init__(lines)
+        self.after, self.error = after, error
+
+    def __iter__(self):
+        yield from self[: self.after]
+        raise self.error
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize(("after", "error"), [(150, KeyboardInterrupt()), (150, MemoryError()),
+                                              (0, UserError("train.de: changed while being read"))])
+def test_what_reading_the_lines_raises_comes_out_as_itself(tmp_path, shared, after, error):
+    """SentencePiece wrapped it: Ctrl-C was "data.vocab_size=...: SentencePiece cannot train on this text
+    (INTERNAL: KeyboardInterrupt: ..." over several lines, exit status 2, not 130; a UserError before the
+    first line was "found no line to learn from". It stops SentencePiece at once, leaving no model."""
+    src = RaisingLines(sentences(200, "de"), after, error)
+    with pytest.raises(type(error)) as e:
+        train_tokenizer(ParallelText(src, sentences(200, "en"), 0), tmp_path, 40, shared=shared)
+    assert e.value is error and list(tmp_path.iterdir()) == []
+
+
+def test_sentencepieces_other_refusals_are_one_line(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("INTERNAL: trainer_interface.cc(1) [check] it went\nwrong\n\nAt:\n  x.py(5): it\n")
+
+    monkeypatch.setattr(dataset, "train_sentencepiece", refuse)
+    with pytest.raises(UserError) as e:
+        train_tokenizer(ParallelText(["eins"], ["one"], 0), tmp_path, 40)
+    assert str(e.value) == ("data.vocab_size=40: SentencePiece cannot train on this text "
+                            "(it went wrong At: x.py(5): it)")
+
+
 def test_fewer_pieces_than_asked_are_said(tmp_path, corpus_files, caplog):
     _, src, tgt = corpus_files
     with caplog.at_level("WARNING", logger="aiayn.data.dataset"):

@@ -685,41 +685,52 @@ def _train_spm(
     lines: Iterable[str], prefix: Path, vocab_size: int, model_type: str,
     normalization: str = "nmt_nfkc", character_coverage: float = 1.0,
 ) -> Path:
-    """train_sentencepiece, with SentencePiece's refusals (RuntimeError) as a line naming the setting."""
-    unread: list[UserError] = []
+    """train_sentencepiece, with SentencePiece's refusals (RuntimeError) as a line naming the setting, and
+    what reading the lines raised (a UserError naming the file, Ctrl-C, MemoryError) raised as itself:
+    SentencePiece wraps it in a RuntimeError ("INTERNAL: KeyboardInterrupt: ..."), which Ctrl-C's exit
+    status 130 became a vocabulary error's 2."""
+    raised: list[BaseException] = []
     try:
-        path = train_sentencepiece(_until_error(lines, unread), prefix, vocab_size, model_type,
+        path = train_sentencepiece(_noting_errors(lines, raised), prefix, vocab_size, model_type,
                                    character_coverage=character_coverage, normalization=normalization)
     except RuntimeError as e:  # "INTERNAL: trainer_interface.cc(638) [check] Vocabulary size is smaller ..."
-        reason = str(e).rsplit("] ", 1)[-1].strip() or type(e).__name__  # the sentence after the C++ check
-        chars = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason)
-        if chars:  # SentencePiece's own advice names its --character_coverage flag, which aiayn does not have
-            needed = int(chars.group(1))  # the characters kept, plus pad, bos, eos and unk
-            covered = "" if character_coverage == 1.0 else f" at data.character_coverage={character_coverage}"
-            message = (
-                f"data.vocab_size={vocab_size}: the text has {needed - 4} distinct characters{covered}, too many "
-                f"for the vocabulary and its 4 special pieces; raise data.vocab_size to at least {needed}, or "
-                "lower data.character_coverage (0.9995 is usual for Chinese and Japanese)"
-            )
-        elif "sentences_.empty()" in str(e) or not reason:  # every line skipped: none to learn from
-            message = (f"SentencePiece found no line to learn from: every line of the training text is empty "
-                       f"or longer than {MAX_LINE_BYTES:,} bytes")
-        else:
-            message = f"data.vocab_size={vocab_size}: SentencePiece cannot train on this text ({reason})"
-        raise UserError(message) from None
-    if unread:  # a streamed file changed: the model was trained on part of it
+        if raised:
+            raise raised[0] from None
+        raise UserError(_refusal(str(e), vocab_size, character_coverage)) from None
+    if raised:  # in case a SentencePiece went on to train on the lines read before the error
         path.unlink()
-        raise unread[0]
+        raise raised[0]
     return path
 
 
-def _until_error(lines: Iterable[str], errors: list[UserError]) -> Iterator[str]:
-    """`lines` until one raises a UserError, which goes into `errors`: raised inside SentencePiece's
-    reading, it came out as a RuntimeError and a traceback rather than the line naming the file."""
+def _refusal(error: str, vocab_size: int, character_coverage: float) -> str:
+    """One line for SentencePiece's RuntimeError `error`, naming the setting that fixes it."""
+    reason = " ".join(error.rsplit("] ", 1)[-1].split()) or "RuntimeError"  # after the C++ check, one line
+    chars = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason)
+    if chars:  # SentencePiece's own advice names its --character_coverage flag, which aiayn does not have
+        needed = int(chars.group(1))  # the characters kept, plus pad, bos, eos and unk
+        covered = "" if character_coverage == 1.0 else f" at data.character_coverage={character_coverage}"
+        return (
+            f"data.vocab_size={vocab_size}: the text has {needed - 4} distinct characters{covered}, too many "
+            f"for the vocabulary and its 4 special pieces; raise data.vocab_size to at least {needed}, or "
+            "lower data.character_coverage (0.9995 is usual for Chinese and Japanese)"
+        )
+    if "sentences_.empty()" in error or not reason:  # every line skipped: none to learn from
+        return (f"SentencePiece found no line to learn from: every line of the training text is empty "
+                f"or longer than {MAX_LINE_BYTES:,} bytes")
+    return f"data.vocab_size={vocab_size}: SentencePiece cannot train on this text ({reason})"
+
+
+def _noting_errors(lines: Iterable[str], errors: list[BaseException]) -> Iterator[str]:
+    """`lines`; what one raises goes into `errors`, then on into SentencePiece, which stops reading at
+    once (stopping the lines instead, it trained on those read so far: minutes on WMT, after a Ctrl-C)."""
     try:
         yield from lines
-    except UserError as e:
+    except GeneratorExit:  # closed by its reader: no error
+        raise
+    except BaseException as e:  # KeyboardInterrupt and MemoryError too: each is raised as itself
         errors.append(e)
+        raise
 
 
 ROUND_TRIP_SAMPLE = 2000  # lines per side checked after training a tokenizer

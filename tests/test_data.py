@@ -611,6 +611,27 @@ def test_a_new_cache_removes_the_stale_ones_of_the_same_files(tmp_path, corpus_f
     assert second != first and set(cache.iterdir()) == {others, second} | unrelated
 
 
+@pytest.mark.parametrize("stem", ["a" * 251, "ä" * 125], ids=["ascii", "two-byte"])
+def test_files_of_the_longest_names_have_a_cache(tmp_path, corpus_files, stem):
+    """The cache's name held both files' names whole: two legal names of 134 characters failed with
+    "File name too long" after the tokenizer's training and the encoding."""
+    _, src, tgt = corpus_files
+    a = write(tmp_path / f"{stem}1.de", [], raw=src.read_bytes())
+    b = write(tmp_path / f"{stem}2.en", [], raw=tgt.read_bytes())
+    assert len(os.fsencode(a.name)) in (254, 255)  # 255 bytes: the most a name may have
+    tok = train_tokenizer(read_parallel(a, b), tmp_path, 40)
+    first, _ = load_encoded(a, b, tok, tmp_path / "cache")
+    [cache] = (tmp_path / "cache").iterdir()
+    assert cache.name.startswith(stem[:40]) and len(os.fsencode(cache.name)) <= 255 - 19  # 19: a temporary's
+    assert cache.name.encode().decode("utf-8") == cache.name  # cut between characters
+    again, _ = load_encoded(a, b, tok, tmp_path / "cache")  # found by its name
+    assert torch.equal(again.src_ids, first.src_ids)
+    os.utime(a, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns + 10**9))  # touched: another key
+    load_encoded(a, b, tok, tmp_path / "cache")
+    [new] = (tmp_path / "cache").iterdir()  # the stale one removed, by its cut name
+    assert new != cache
+
+
 # Text SentencePiece's default normalization (nmt_nfkc) rewrites, and alphabets larger than the vocabulary.
 
 PERSIAN = ["می\u200cروم", "کتاب\u200cها", "نمی\u200cدانم", "خانه", "بزرگ", "است", "این", "ما"]  # \u200c: ZWNJ

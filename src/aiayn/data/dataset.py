@@ -287,7 +287,21 @@ def encoded_cache(src_path: Path, tgt_path: Path, tokenizer: Tokenizer, cache_di
                   ) -> tuple[Path, str]:
     """(the cache file of this encoding of two files, its full key)."""
     key = cache_key(src_path, tgt_path, tokenizer)
-    return Path(cache_dir) / f"{src_path.name}-{tgt_path.name}.{key[:16]}.safetensors", key
+    return Path(cache_dir) / f"{_cache_stem(src_path, tgt_path)}.{key[:16]}.safetensors", key
+
+
+CACHE_NAME_BYTES = 80  # at most, of each file's name in its cache's name: two names of 134 characters made
+# one longer than a file name can be (255 bytes), with room left for `temporary_path`'s 19 more
+
+
+def _cache_stem(src_path: Path, tgt_path: Path) -> str:
+    """The start of the name of a cache of these files: their names, each cut to CACHE_NAME_BYTES (the key
+    that follows tells apart those that are then the same)."""
+    def cut(name: str) -> str:
+        while len(os.fsencode(name)) > CACHE_NAME_BYTES:  # whole characters: a name stays valid UTF-8
+            name = name[:-1]
+        return name
+    return f"{cut(src_path.name)}-{cut(tgt_path.name)}"
 
 
 def read_encoded(cache: Path, key: str, tokenizer: Tokenizer) -> EncodedCorpus:
@@ -427,7 +441,7 @@ def _remove_stale_caches(kept: Path, src_path: Path, tgt_path: Path) -> None:
     these file names go, and of those only caches of the same paths or of an older CACHE_FORMAT (which
     no key matches any more): a cache of other files of the same names (valid/de.txt beside
     train/de.txt, in one run) stays."""
-    name = re.compile(re.escape(f"{src_path.name}-{tgt_path.name}.") + r"[0-9a-f]{16}\.safetensors")
+    name = re.compile(re.escape(f"{_cache_stem(src_path, tgt_path)}.") + r"[0-9a-f]{16}\.safetensors")
     ours = (str(src_path.resolve()), str(tgt_path.resolve()))
     for old in kept.parent.iterdir():
         if (old.name != kept.name and name.fullmatch(old.name) and old.is_file()  # a directory: not ours

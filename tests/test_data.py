@@ -632,6 +632,29 @@ def test_files_of_the_longest_names_have_a_cache(tmp_path, corpus_files, stem):
     assert new != cache
 
 
+def test_files_whose_names_are_not_utf8_have_a_cache(tmp_path, corpus_files):
+    """The cache's key encoded the path as UTF-8: b"s\\xff.de" was a UnicodeEncodeError traceback, and the
+    cache's metadata, which names the files, would have been one too; safetensors opens no file whose
+    name is not UTF-8."""
+    from safetensors import safe_open
+
+    _, src, tgt = corpus_files
+    a = write(tmp_path / os.fsdecode(b"s\xff.de"), [], raw=src.read_bytes())
+    b = write(tmp_path / os.fsdecode(b"s\xff.en"), [], raw=tgt.read_bytes())
+    tok = train_tokenizer(read_parallel(a, b), tmp_path / "run", 40)
+    first, _ = load_encoded(a, b, tok, tmp_path / "cache")
+    [cache] = (tmp_path / "cache").iterdir()
+    assert cache.name.startswith("s\ufffd.de-s\ufffd.en.")
+    with safe_open(str(cache), framework="pt") as f:
+        assert f.metadata()["src"] == str(tmp_path.resolve()) + "/s\\xff.de"
+    again, _ = load_encoded(a, b, tok, tmp_path / "cache")
+    assert torch.equal(again.tgt_ids, first.tgt_ids) and list((tmp_path / "cache").iterdir()) == [cache]
+    os.utime(a, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns + 10**9))  # touched: another key
+    load_encoded(a, b, tok, tmp_path / "cache")
+    [new] = (tmp_path / "cache").iterdir()  # the stale one removed: its metadata names these files
+    assert new != cache
+
+
 # Text SentencePiece's default normalization (nmt_nfkc) rewrites, and alphabets larger than the vocabulary.
 
 PERSIAN = ["می\u200cروم", "کتاب\u200cها", "نمی\u200cدانم", "خانه", "بزرگ", "است", "این", "ما"]  # \u200c: ZWNJ

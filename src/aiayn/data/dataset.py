@@ -272,7 +272,9 @@ def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
     h = hashlib.sha256(CACHE_FORMAT.encode())
     for p in (src_path, tgt_path):
         st = Path(p).stat()
-        h.update(f"{Path(p).resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}".encode())
+        # fsencode: a name's own bytes, UTF-8 or not (str.encode refused b"s\xff.de" as a traceback)
+        h.update(os.fsencode(Path(p).resolve()))
+        h.update(f"|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}".encode())
     for model in tokenizer.models():  # the files' bytes, as when they were read from disk
         if model is not None:
             h.update(model)
@@ -296,9 +298,11 @@ CACHE_NAME_BYTES = 80  # at most, of each file's name in its cache's name: two n
 
 def _cache_stem(src_path: Path, tgt_path: Path) -> str:
     """The start of the name of a cache of these files: their names, each cut to CACHE_NAME_BYTES (the key
-    that follows tells apart those that are then the same)."""
+    that follows tells apart those that are then the same), a byte that is not UTF-8 as U+FFFD:
+    safetensors opens no path that is not UTF-8."""
     def cut(name: str) -> str:
-        while len(os.fsencode(name)) > CACHE_NAME_BYTES:  # whole characters: a name stays valid UTF-8
+        name = os.fsencode(name).decode("utf-8", "replace")
+        while len(name.encode()) > CACHE_NAME_BYTES:  # whole characters: a name stays valid UTF-8
             name = name[:-1]
         return name
     return f"{cut(src_path.name)}-{cut(tgt_path.name)}"
@@ -418,7 +422,7 @@ def _write_cache(
         tgt_ids=corpus.tgt_ids,
         tgt_offsets=corpus.tgt_offsets,
     )
-    src, tgt = (str(p.resolve()) for p in files)
+    src, tgt = map(_path_text, files)
     metadata = {"key": key, "dropped_empty": str(dropped), "format": CACHE_FORMAT, "src": src, "tgt": tgt}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -442,12 +446,18 @@ def _remove_stale_caches(kept: Path, src_path: Path, tgt_path: Path) -> None:
     no key matches any more): a cache of other files of the same names (valid/de.txt beside
     train/de.txt, in one run) stays."""
     name = re.compile(re.escape(f"{_cache_stem(src_path, tgt_path)}.") + r"[0-9a-f]{16}\.safetensors")
-    ours = (str(src_path.resolve()), str(tgt_path.resolve()))
+    ours = (_path_text(src_path), _path_text(tgt_path))
     for old in kept.parent.iterdir():
         if (old.name != kept.name and name.fullmatch(old.name) and old.is_file()  # a directory: not ours
                 and _cache_files(old) in (ours, None)):
             old.unlink(missing_ok=True)
             log.info("%s: removed, an earlier encoding of %s", old, src_path)
+
+
+def _path_text(path: Path) -> str:
+    """`path`, resolved, as text that UTF-8 can hold (a cache's metadata): a byte of a name that is not
+    UTF-8 written as \\xff, where the name itself failed to be written."""
+    return os.fsencode(path.resolve()).decode("utf-8", "backslashreplace")
 
 
 def _cache_files(path: Path) -> tuple[str, str] | None:

@@ -419,6 +419,21 @@ def test_cr_only_line_ends_are_named(tmp_path):
     assert read_lines(write(tmp_path / "dos.de", [], raw=b"eins\r\nzwei\r\n")) == ["eins", "zwei"]
 
 
+@pytest.mark.parametrize("block", [1 << 22, 8])
+def test_cr_line_ends_with_a_last_lf_are_named(tmp_path, monkeypatch, block):
+    """A classic Mac file that ends with an LF was one line, silently; a stray CR in an LF file is text."""
+    monkeypatch.setattr(dataset, "READ_BLOCK", block)
+    mac = write(tmp_path / "mac.de", [], raw=b"eins\rzwei\rdrei\r\n")
+    with pytest.raises(UserError) as e:
+        read_lines(mac)
+    convert = f"convert it, e.g. tr '\\r' '\\n' < {mac} > {mac}.lf"
+    assert str(e.value) == (f"{mac}: CR line ends and more CRs alone than LFs (2 to 1; a classic Mac OS "
+                            f"file?), so lines run together; {convert}")
+    stray = write(tmp_path / "stray.de", [], raw=b"ei\rns\nzw\rei\r\ndrei\n")  # 2 alone, 3 LFs
+    assert read_lines(stray) == ["ei\rns", "zw\rei", "drei"]
+    assert read_lines(write(tmp_path / "crlf.de", [], raw=b"eins\r\r\nzwei\r\n")) == ["eins", "zwei"]
+
+
 @pytest.mark.parametrize(
     ("raw", "looks"),
     [

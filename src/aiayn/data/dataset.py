@@ -70,13 +70,14 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
     is the one the whole file decoded at once gave (invalid UTF-8 anywhere before a NUL byte anywhere)."""
     if stream is None:
         require_file(path)
-    newlines, nul, head, last = 0, None, b"", b""
+    newlines, lone_crs, nul, head, last = 0, 0, None, b"", b""
     for n, block in enumerate(_blocks(path, stream)):
         head = block[:8] if n == 0 else head
         text = _decode(path, block, newlines, head)
         if nul is None and (at := block.find(b"\0")) >= 0:  # valid UTF-8, but no text has it
             nul = newlines + block.count(b"\n", 0, at) + 1
         newlines += block.count(b"\n")
+        lone_crs += block.count(b"\r") - block.count(b"\r\n")  # a block ends after an LF: no CRLF is cut
         # Notepad's BOM would stay glued to the first word (a hypothesis scored 99.84 BLEU against itself);
         # SentencePiece drops it from training text anyway.
         yield _split_lines(text.removeprefix("\ufeff") if n == 0 else text)
@@ -85,6 +86,8 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
         raise UserError(f"{path}:{nul}: NUL byte (binary or corrupt input?)")
     if not newlines and cr_only(last):  # else one line, refused later by SentencePiece
         raise cr_only_error(path)
+    if newlines and lone_crs > newlines:  # CR line ends, an LF at the end: read as one line, silently
+        raise cr_only_error(path, newlines, lone_crs)
 
 
 def cr_only(text: bytes) -> bool:
@@ -92,9 +95,13 @@ def cr_only(text: bytes) -> bool:
     return b"\r" in text.rstrip(b"\r")
 
 
-def cr_only_error(path: Path | str) -> UserError:
-    return UserError(f"{path}: CR line ends and no LF (a classic Mac OS file?), so it reads as one line; "
-                     f"convert it, e.g. tr '\\r' '\\n' < {path} > {path}.lf")
+def cr_only_error(path: Path | str, lfs: int = 0, lone_crs: int = 0) -> UserError:
+    """The error for a file of CR line ends: with no LF (`lfs` 0), or with more CRs alone (not before an
+    LF) than LFs."""
+    ends = "no LF (a classic Mac OS file?), so it reads as one line"
+    if lfs:
+        ends = f"more CRs alone than LFs ({lone_crs} to {lfs}; a classic Mac OS file?), so lines run together"
+    return UserError(f"{path}: CR line ends and {ends}; convert it, e.g. tr '\\r' '\\n' < {path} > {path}.lf")
 
 
 def looks_like(head: bytes) -> str:

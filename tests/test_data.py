@@ -752,6 +752,22 @@ def test_an_alphabet_larger_than_the_vocabulary_names_the_settings_that_fix_it(t
     assert any(tok.unk_id in tok.encode_tgt(line) for line in text.src[::25])  # the rarest are <unk>
 
 
+@pytest.mark.parametrize(("coverage", "kept", "advice"), [
+    (0.9995, 54, ", or lower data.character_coverage (0.98 at the lowest)"),
+    (0.98, 41, ""),
+])
+def test_too_many_characters_advises_only_what_can_be_done(tmp_path, coverage, kept, advice):
+    """"0.9995 is usual" was advised at 0.9995, and lowering the coverage at 0.98, below which
+    data.character_coverage is refused."""
+    with pytest.raises(UserError) as e:
+        train_tokenizer(cjk_text(), tmp_path, 40, character_coverage=coverage)
+    assert str(e.value) == (
+        f"data.vocab_size=40: the text has {kept} distinct characters at data.character_coverage={coverage}, "
+        f"too many for the vocabulary and its 4 special pieces; raise data.vocab_size to at least {kept + 4}"
+        f"{advice}"
+    )
+
+
 def test_an_edit_that_keeps_size_and_mtime_is_not_read_from_the_cache(tmp_path, corpus_files):
     """Same size, `touch -d` back to the old mtime: the stale ids were served (a --resume trained on them)."""
     _, src, tgt = corpus_files

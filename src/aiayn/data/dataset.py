@@ -739,17 +739,30 @@ def _refusal(error: str, vocab_size: int, character_coverage: float) -> str:
     reason = " ".join(error.rsplit("] ", 1)[-1].split()) or "RuntimeError"  # after the C++ check, one line
     chars = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason)
     if chars:  # SentencePiece's own advice names its --character_coverage flag, which aiayn does not have
-        needed = int(chars.group(1))  # the characters kept, plus pad, bos, eos and unk
-        covered = "" if character_coverage == 1.0 else f" at data.character_coverage={character_coverage}"
-        return (
-            f"data.vocab_size={vocab_size}: the text has {needed - 4} distinct characters{covered}, too many "
-            f"for the vocabulary and its 4 special pieces; raise data.vocab_size to at least {needed}, or "
-            "lower data.character_coverage (0.9995 is usual for Chinese and Japanese)"
-        )
+        return _too_many_characters(vocab_size, int(chars.group(1)), character_coverage)
     if "sentences_.empty()" in error or not reason:  # every line skipped: none to learn from
         return (f"SentencePiece found no line to learn from: every line of the training text is empty "
                 f"or longer than {MAX_LINE_BYTES:,} bytes")
     return f"data.vocab_size={vocab_size}: SentencePiece cannot train on this text ({reason})"
+
+
+USUAL_CJK_COVERAGE = 0.9995  # SentencePiece's advice for Chinese and Japanese
+MIN_CHARACTER_COVERAGE = 0.98  # SentencePiece's least, and data.character_coverage's (train/config.py)
+
+
+def _too_many_characters(vocab_size: int, needed: int, character_coverage: float) -> str:
+    """SentencePiece's "Vocabulary size is smaller than required_chars" as advice that can be taken: the
+    coverage lowered only where the configuration allows it (0.9995 was advised at 0.9995, and lowering
+    it at 0.98, which data.character_coverage refuses to go below). `needed`: the characters kept, plus
+    pad, bos, eos and unk."""
+    covered = "" if character_coverage == 1.0 else f" at data.character_coverage={character_coverage}"
+    fix = f"raise data.vocab_size to at least {needed}"
+    if character_coverage > USUAL_CJK_COVERAGE:
+        fix += f", or lower data.character_coverage ({USUAL_CJK_COVERAGE} is usual for Chinese and Japanese)"
+    elif character_coverage > MIN_CHARACTER_COVERAGE:
+        fix += f", or lower data.character_coverage ({MIN_CHARACTER_COVERAGE} at the lowest)"
+    return (f"data.vocab_size={vocab_size}: the text has {needed - 4} distinct characters{covered}, too many "
+            f"for the vocabulary and its 4 special pieces; {fix}")
 
 
 def _noting_errors(lines: Iterable[str], errors: list[BaseException]) -> Iterator[str]:

@@ -3,7 +3,11 @@
 import gzip
 import logging
 import os
+import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +27,7 @@ from aiayn.data.dataset import (
     scan_parallel,
     train_tokenizer,
 )
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
 
 
@@ -102,10 +106,15 @@ def test_shared_and_separate_tokenizers(tmp_path, corpus_files):
     assert find_tokenizer(tmp_path) is None
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("shared", [True, False])
-def test_a_file_changed_while_training_the_tokenizer_is_named(tmp_path, corpus_files, shared):
+def test_a_file_changed_while_training_the_tokenizer_is_named(tmp_path, corpus_files, monkeypatch, shared,
+                                                              sampled):
     """Streamed text is read again after it was checked; a file rewritten since is an error naming it,
-    not a RuntimeError from inside SentencePiece, and leaves no tokenizer trained on part of it."""
+    not a RuntimeError from inside SentencePiece, and leaves no tokenizer trained on part of it. A sample
+    of the lines still reads them all, to the end of the file."""
+    if sampled:
+        monkeypatch.setattr(dataset, "SEED_SENTENCES", 100)
     _, src, _ = corpus_files
     tgt = write(tmp_path / "train.en", sentences(201, "en"))
     text = scan_parallel(src, tgt)
@@ -114,6 +123,42 @@ def test_a_file_changed_while_training_the_tokenizer_is_named(tmp_path, corpus_f
         train_tokenizer(text, tmp_path / "run", 40, shared=shared)
     assert str(e.value) == f"{tgt}: changed while being read"
     assert find_tokenizer(tmp_path / "run") is None and not (tmp_path / "run" / "spm.model").exists()
+
+
+class RaisingLines(list):
+    """Lines whose iteration raises `error` after the first `after`."""
+
+    def __init__(self, lines, after, error):
+        super().__init__(lines)
+        self.after, self.error = after, error
+
+    def __iter__(self):
+        yield from self[: self.after]
+        raise self.error
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize(("after", "error"), [(150, KeyboardInterrupt()), (150, MemoryError()),
+                                              (0, UserError("train.de: changed while being read"))])
+def test_what_reading_the_lines_raises_comes_out_as_itself(tmp_path, shared, after, error):
+    """SentencePiece wrapped it: Ctrl-C was "data.vocab_size=...: SentencePiece cannot train on this text
+    (INTERNAL: KeyboardInterrupt: ..." over several lines, exit status 2, not 130; a UserError before the
+    first line was "found no line to learn from". It stops SentencePiece at once, leaving no model."""
+    src = RaisingLines(sentences(200, "de"), after, error)
+    with pytest.raises(type(error)) as e:
+        train_tokenizer(ParallelText(src, sentences(200, "en"), 0), tmp_path, 40, shared=shared)
+    assert e.value is error and list(tmp_path.iterdir()) == []
+
+
+def test_sentencepieces_other_refusals_are_one_line(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("INTERNAL: trainer_interface.cc(1) [check] it went\nwrong\n\nAt:\n  x.py(5): it\n")
+
+    monkeypatch.setattr(dataset, "train_sentencepiece", refuse)
+    with pytest.raises(UserError) as e:
+        train_tokenizer(ParallelText(["eins"], ["one"], 0), tmp_path, 40)
+    assert str(e.value) == ("data.vocab_size=40: SentencePiece cannot train on this text "
+                            "(it went wrong At: x.py(5): it)")
 
 
 def test_fewer_pieces_than_asked_are_said(tmp_path, corpus_files, caplog):
@@ -126,6 +171,81 @@ def test_fewer_pieces_than_asked_are_said(tmp_path, corpus_files, caplog):
     with caplog.at_level("WARNING", logger="aiayn.data.dataset"):
         train_tokenizer(read_parallel(src, tgt), tmp_path / "fits", 40)
     assert "fewer than data.vocab_size" not in caplog.text
+
+
+# Above SEED_SENTENCES lines, a model learns from a sample: SentencePiece's own drew from a generator no seed
+# reached, so two runs of one configuration made different models, caches and batches.
+
+def random_corpus(directory, pairs):
+    """Lines of made-up words: each sample of them gives a model of its own."""
+    r = random.Random(0)
+    letters = "abcdefghiklmnoprstuwäöü"
+    words = ["".join(r.choice(letters) for _ in range(r.randint(2, 8))) for _ in range(500)]
+    paths = directory / "train.xx", directory / "train.yy"
+    for path in paths:
+        write(path, [" ".join(r.choices(words, k=r.randint(3, 12))) for _ in range(pairs)])
+    return paths
+
+
+SAMPLED_RUN = """
+import hashlib, sys
+from aiayn.data import dataset
+dataset.SEED_SENTENCES = 300
+fed = []
+train_sentencepiece = dataset.train_sentencepiece
+def counted(lines, *args, **kwargs):
+    lines = list(lines)
+    fed.append(len(lines))
+    return train_sentencepiece(lines, *args, **kwargs)
+dataset.train_sentencepiece = counted
+tokenizer = dataset.train_tokenizer(dataset.scan_parallel(sys.argv[1], sys.argv[2]), sys.argv[3], 200, seed=7)
+print(fed, hashlib.sha256(tokenizer.src_path.read_bytes()).hexdigest())
+"""
+
+
+def test_a_sampled_tokenizer_is_the_same_in_every_process(tmp_path):
+    src, tgt = random_corpus(tmp_path, 1000)
+    env = {**os.environ, "PYTHONPATH": str(Path(dataset.__file__).parents[2])}  # this aiayn, not another
+    runs = [subprocess.run([sys.executable, "-c", SAMPLED_RUN, str(src), str(tgt), str(tmp_path / f"run{i}")],
+                           env=env, capture_output=True, text=True, check=True, timeout=300).stdout
+            for i in range(2)]
+    assert runs[0].startswith("[300] ") and runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_sample_is_its_size_of_the_same_lines_held_or_streamed(tmp_path, monkeypatch, shared):
+    src, tgt = random_corpus(tmp_path, 1000)
+    monkeypatch.setattr(dataset, "SEED_SENTENCES", 300)
+    fed = []
+
+    def counted(lines, *args, **kwargs):
+        fed.append(list(lines))
+        return train_sentencepiece(fed[-1], *args, **kwargs)
+
+    monkeypatch.setattr(dataset, "train_sentencepiece", counted)
+    held = read_parallel(src, tgt)
+    train_tokenizer(held, tmp_path / "held", 200, shared=shared, seed=7)
+    train_tokenizer(scan_parallel(src, tgt), tmp_path / "files", 200, shared=shared, seed=7)
+    train_tokenizer(held, tmp_path / "other", 200, shared=shared, seed=8)
+    sides = 1 if shared else 2
+    held_fed, files_fed, other_fed = fed[:sides], fed[sides : 2 * sides], fed[2 * sides :]
+    assert [len(lines) for lines in fed] == [300] * 3 * sides and files_fed == held_fed != other_fed
+    whole = held.src + held.tgt if shared else held.src
+    assert set(held_fed[0]) <= set(whole) and sorted(held_fed[0], key=whole.index) == held_fed[0]  # in order
+    for name in ["spm.model"] if shared else ["source.spm", "target.spm"]:
+        assert (tmp_path / "files" / name).read_bytes() == (tmp_path / "held" / name).read_bytes()
+        assert (tmp_path / "other" / name).read_bytes() != (tmp_path / "held" / name).read_bytes()
+    if not shared:  # one sample of pairs: line i of the source beside line i of the target
+        assert [held.src.index(line) for line in fed[0]] == [held.tgt.index(line) for line in fed[1]]
+
+
+def test_sample_flags_choose_k_of_n_uniformly_a_block_at_a_time(monkeypatch):
+    monkeypatch.setattr(dataset, "SAMPLE_BLOCK", 10)
+    flags = [list(dataset._sample_flags(35, 7, seed)) for seed in range(2000)]
+    assert all(len(f) == 35 and sum(f) == 7 for f in flags)
+    assert flags[0] == list(dataset._sample_flags(35, 7, 0)) and flags[0] != flags[1]
+    share = torch.tensor(flags, dtype=torch.float64).mean(0)  # (35,): 7 / 35 each, standard error 0.009
+    assert ((share - 0.2).abs() < 0.05).all(), share
 
 
 def test_encode_once_then_cache(tmp_path, corpus_files, monkeypatch):
@@ -297,6 +417,21 @@ def test_cr_only_line_ends_are_named(tmp_path):
         read_lines(mac)
     assert read_lines(write(tmp_path / "one.de", [], raw=b"eins\r")) == ["eins"]  # one line, ended by CR
     assert read_lines(write(tmp_path / "dos.de", [], raw=b"eins\r\nzwei\r\n")) == ["eins", "zwei"]
+
+
+@pytest.mark.parametrize("block", [1 << 22, 8])
+def test_cr_line_ends_with_a_last_lf_are_named(tmp_path, monkeypatch, block):
+    """A classic Mac file that ends with an LF was one line, silently; a stray CR in an LF file is text."""
+    monkeypatch.setattr(dataset, "READ_BLOCK", block)
+    mac = write(tmp_path / "mac.de", [], raw=b"eins\rzwei\rdrei\r\n")
+    with pytest.raises(UserError) as e:
+        read_lines(mac)
+    convert = f"convert it, e.g. tr '\\r' '\\n' < {mac} > {mac}.lf"
+    assert str(e.value) == (f"{mac}: CR line ends and more CRs alone than LFs (2 to 1; a classic Mac OS "
+                            f"file?), so lines run together; {convert}")
+    stray = write(tmp_path / "stray.de", [], raw=b"ei\rns\nzw\rei\r\ndrei\n")  # 2 alone, 3 LFs
+    assert read_lines(stray) == ["ei\rns", "zw\rei", "drei"]
+    assert read_lines(write(tmp_path / "crlf.de", [], raw=b"eins\r\r\nzwei\r\n")) == ["eins", "zwei"]
 
 
 @pytest.mark.parametrize(
@@ -491,6 +626,50 @@ def test_a_new_cache_removes_the_stale_ones_of_the_same_files(tmp_path, corpus_f
     assert second != first and set(cache.iterdir()) == {others, second} | unrelated
 
 
+@pytest.mark.parametrize("stem", ["a" * 251, "ä" * 125], ids=["ascii", "two-byte"])
+def test_files_of_the_longest_names_have_a_cache(tmp_path, corpus_files, stem):
+    """The cache's name held both files' names whole: two legal names of 134 characters failed with
+    "File name too long" after the tokenizer's training and the encoding."""
+    _, src, tgt = corpus_files
+    a = write(tmp_path / f"{stem}1.de", [], raw=src.read_bytes())
+    b = write(tmp_path / f"{stem}2.en", [], raw=tgt.read_bytes())
+    assert len(os.fsencode(a.name)) in (254, 255)  # 255 bytes: the most a name may have
+    tok = train_tokenizer(read_parallel(a, b), tmp_path, 40)
+    first, _ = load_encoded(a, b, tok, tmp_path / "cache")
+    [cache] = (tmp_path / "cache").iterdir()
+    assert cache.name.startswith(stem[:40]) and len(os.fsencode(cache.name)) <= 255 - 19  # 19: a temporary's
+    assert cache.name.encode().decode("utf-8") == cache.name  # cut between characters
+    again, _ = load_encoded(a, b, tok, tmp_path / "cache")  # found by its name
+    assert torch.equal(again.src_ids, first.src_ids)
+    os.utime(a, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns + 10**9))  # touched: another key
+    load_encoded(a, b, tok, tmp_path / "cache")
+    [new] = (tmp_path / "cache").iterdir()  # the stale one removed, by its cut name
+    assert new != cache
+
+
+def test_files_whose_names_are_not_utf8_have_a_cache(tmp_path, corpus_files):
+    """The cache's key encoded the path as UTF-8: b"s\\xff.de" was a UnicodeEncodeError traceback, and the
+    cache's metadata, which names the files, would have been one too; safetensors opens no file whose
+    name is not UTF-8."""
+    from safetensors import safe_open
+
+    _, src, tgt = corpus_files
+    a = write(tmp_path / os.fsdecode(b"s\xff.de"), [], raw=src.read_bytes())
+    b = write(tmp_path / os.fsdecode(b"s\xff.en"), [], raw=tgt.read_bytes())
+    tok = train_tokenizer(read_parallel(a, b), tmp_path / "run", 40)
+    first, _ = load_encoded(a, b, tok, tmp_path / "cache")
+    [cache] = (tmp_path / "cache").iterdir()
+    assert cache.name.startswith("s\ufffd.de-s\ufffd.en.")
+    with safe_open(str(cache), framework="pt") as f:
+        assert f.metadata()["src"] == str(tmp_path.resolve()) + "/s\\xff.de"
+    again, _ = load_encoded(a, b, tok, tmp_path / "cache")
+    assert torch.equal(again.tgt_ids, first.tgt_ids) and list((tmp_path / "cache").iterdir()) == [cache]
+    os.utime(a, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns + 10**9))  # touched: another key
+    load_encoded(a, b, tok, tmp_path / "cache")
+    [new] = (tmp_path / "cache").iterdir()  # the stale one removed: its metadata names these files
+    assert new != cache
+
+
 # Text SentencePiece's default normalization (nmt_nfkc) rewrites, and alphabets larger than the vocabulary.
 
 PERSIAN = ["می\u200cروم", "کتاب\u200cها", "نمی\u200cدانم", "خانه", "بزرگ", "است", "این", "ما"]  # \u200c: ZWNJ
@@ -571,6 +750,22 @@ def test_an_alphabet_larger_than_the_vocabulary_names_the_settings_that_fix_it(t
     assert tok.src_vocab_size == 64
     assert tok.unk_id not in tok.encode_tgt(text.src[1])
     assert any(tok.unk_id in tok.encode_tgt(line) for line in text.src[::25])  # the rarest are <unk>
+
+
+@pytest.mark.parametrize(("coverage", "kept", "advice"), [
+    (0.9995, 54, ", or lower data.character_coverage (0.98 at the lowest)"),
+    (0.98, 41, ""),
+])
+def test_too_many_characters_advises_only_what_can_be_done(tmp_path, coverage, kept, advice):
+    """"0.9995 is usual" was advised at 0.9995, and lowering the coverage at 0.98, below which
+    data.character_coverage is refused."""
+    with pytest.raises(UserError) as e:
+        train_tokenizer(cjk_text(), tmp_path, 40, character_coverage=coverage)
+    assert str(e.value) == (
+        f"data.vocab_size=40: the text has {kept} distinct characters at data.character_coverage={coverage}, "
+        f"too many for the vocabulary and its 4 special pieces; raise data.vocab_size to at least {kept + 4}"
+        f"{advice}"
+    )
 
 
 def test_an_edit_that_keeps_size_and_mtime_is_not_read_from_the_cache(tmp_path, corpus_files):

@@ -93,7 +93,7 @@ def test_a_tokenizer_streamed_from_the_files_is_the_one_trained_on_their_text(
     train_tokenizer(files, tmp_path / "files", 1000, model_type, shared)
     assert len(files.src) == len(files.tgt) == len(held.src) == 2994 and files.dropped_empty == 6
     # In the same order too: below SEED_SENTENCES a model depends on the lines alone (one dropped pair
-    # more changes it), above it on their order as well, through SentencePiece's seeded sampling.
+    # more changes it), above it on their order as well, through the sample of line numbers drawn.
     assert list(files.src) == held.src and list(files.tgt) == held.tgt
     models = sorted(path.name for path in (tmp_path / "held").iterdir())
     assert models == (["spm.model"] if shared else ["source.spm", "target.spm"])
@@ -106,14 +106,19 @@ def test_a_tokenizer_streamed_from_the_files_is_the_one_trained_on_their_text(
         assert dataset._evenly_spaced(getattr(files, side), k) == want
 
 
-def test_a_tokenizer_trained_from_the_files_does_not_hold_their_text(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_tokenizer_trained_from_the_files_does_not_hold_their_text(tmp_path, monkeypatch, sampled):
     """read_parallel held the text as Python strings (0.44 GB per million WMT-length pairs): 1.75x the
     strings' bytes at the peak of training here. scan_parallel holds a byte per pair, and a block of
     lines at a time while SentencePiece reads them. Scaled down: blocks of 64 KiB and a normalization
-    sample of 200 lines of 20,000 pairs, as 4 MiB and 2,000 are of millions."""
+    sample of 200 lines of 20,000 pairs, as 4 MiB and 2,000 are of millions. `sampled`: a model's sample
+    of 10,000 of the 40,000 lines, its flags drawn 4,096 at a time, holds no more."""
     src, tgt = made_up_corpus(tmp_path, 20_000)
     monkeypatch.setattr(dataset, "READ_BLOCK", 1 << 16)
     monkeypatch.setattr(dataset, "ROUND_TRIP_SAMPLE", 200)
+    if sampled:
+        monkeypatch.setattr(dataset, "SEED_SENTENCES", 10_000)
+        monkeypatch.setattr(dataset, "SAMPLE_BLOCK", 4096)
     tracemalloc.start()  # Python's and numpy's allocations, not SentencePiece's own copy of its sample
     try:
         train_tokenizer(scan_parallel(src, tgt), tmp_path / "files", 1000)

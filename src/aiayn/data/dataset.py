@@ -70,13 +70,14 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
     is the one the whole file decoded at once gave (invalid UTF-8 anywhere before a NUL byte anywhere)."""
     if stream is None:
         require_file(path)
-    newlines, nul, head, last = 0, None, b"", b""
+    newlines, lone_crs, nul, head, last = 0, 0, None, b"", b""
     for n, block in enumerate(_blocks(path, stream)):
         head = block[:8] if n == 0 else head
         text = _decode(path, block, newlines, head)
         if nul is None and (at := block.find(b"\0")) >= 0:  # valid UTF-8, but no text has it
             nul = newlines + block.count(b"\n", 0, at) + 1
         newlines += block.count(b"\n")
+        lone_crs += block.count(b"\r") - block.count(b"\r\n")  # a block ends after an LF: no CRLF is cut
         # Notepad's BOM would stay glued to the first word (a hypothesis scored 99.84 BLEU against itself);
         # SentencePiece drops it from training text anyway.
         yield _split_lines(text.removeprefix("\ufeff") if n == 0 else text)
@@ -85,6 +86,8 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
         raise UserError(f"{path}:{nul}: NUL byte (binary or corrupt input?)")
     if not newlines and cr_only(last):  # else one line, refused later by SentencePiece
         raise cr_only_error(path)
+    if newlines and lone_crs > newlines:  # CR line ends, an LF at the end: read as one line, silently
+        raise cr_only_error(path, newlines, lone_crs)
 
 
 def cr_only(text: bytes) -> bool:
@@ -92,9 +95,13 @@ def cr_only(text: bytes) -> bool:
     return b"\r" in text.rstrip(b"\r")
 
 
-def cr_only_error(path: Path | str) -> UserError:
-    return UserError(f"{path}: CR line ends and no LF (a classic Mac OS file?), so it reads as one line; "
-                     f"convert it, e.g. tr '\\r' '\\n' < {path} > {path}.lf")
+def cr_only_error(path: Path | str, lfs: int = 0, lone_crs: int = 0) -> UserError:
+    """The error for a file of CR line ends: with no LF (`lfs` 0), or with more CRs alone (not before an
+    LF) than LFs."""
+    ends = "no LF (a classic Mac OS file?), so it reads as one line"
+    if lfs:
+        ends = f"more CRs alone than LFs ({lone_crs} to {lfs}; a classic Mac OS file?), so lines run together"
+    return UserError(f"{path}: CR line ends and {ends}; convert it, e.g. tr '\\r' '\\n' < {path} > {path}.lf")
 
 
 def looks_like(head: bytes) -> str:
@@ -279,7 +286,9 @@ def cache_key(src_path: Path, tgt_path: Path, tokenizer: Tokenizer) -> str:
     h = hashlib.sha256(CACHE_FORMAT.encode())
     for p in (src_path, tgt_path):
         st = Path(p).stat()
-        h.update(f"{Path(p).resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}".encode())
+        # fsencode: a name's own bytes, UTF-8 or not (str.encode refused b"s\xff.de" as a traceback)
+        h.update(os.fsencode(Path(p).resolve()))
+        h.update(f"|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}".encode())
     for model in tokenizer.models():  # the files' bytes, as when they were read from disk
         if model is not None:
             h.update(model)
@@ -294,7 +303,23 @@ def encoded_cache(src_path: Path, tgt_path: Path, tokenizer: Tokenizer, cache_di
                   ) -> tuple[Path, str]:
     """(the cache file of this encoding of two files, its full key)."""
     key = cache_key(src_path, tgt_path, tokenizer)
-    return Path(cache_dir) / f"{src_path.name}-{tgt_path.name}.{key[:16]}.safetensors", key
+    return Path(cache_dir) / f"{_cache_stem(src_path, tgt_path)}.{key[:16]}.safetensors", key
+
+
+CACHE_NAME_BYTES = 80  # at most, of each file's name in its cache's name: two names of 134 characters made
+# one longer than a file name can be (255 bytes), with room left for `temporary_path`'s 19 more
+
+
+def _cache_stem(src_path: Path, tgt_path: Path) -> str:
+    """The start of the name of a cache of these files: their names, each cut to CACHE_NAME_BYTES (the key
+    that follows tells apart those that are then the same), a byte that is not UTF-8 as U+FFFD:
+    safetensors opens no path that is not UTF-8."""
+    def cut(name: str) -> str:
+        name = os.fsencode(name).decode("utf-8", "replace")
+        while len(name.encode()) > CACHE_NAME_BYTES:  # whole characters: a name stays valid UTF-8
+            name = name[:-1]
+        return name
+    return f"{cut(src_path.name)}-{cut(tgt_path.name)}"
 
 
 def read_encoded(cache: Path, key: str, tokenizer: Tokenizer) -> EncodedCorpus:
@@ -411,7 +436,7 @@ def _write_cache(
         tgt_ids=corpus.tgt_ids,
         tgt_offsets=corpus.tgt_offsets,
     )
-    src, tgt = (str(p.resolve()) for p in files)
+    src, tgt = map(_path_text, files)
     metadata = {"key": key, "dropped_empty": str(dropped), "format": CACHE_FORMAT, "src": src, "tgt": tgt}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -434,13 +459,19 @@ def _remove_stale_caches(kept: Path, src_path: Path, tgt_path: Path) -> None:
     these file names go, and of those only caches of the same paths or of an older CACHE_FORMAT (which
     no key matches any more): a cache of other files of the same names (valid/de.txt beside
     train/de.txt, in one run) stays."""
-    name = re.compile(re.escape(f"{src_path.name}-{tgt_path.name}.") + r"[0-9a-f]{16}\.safetensors")
-    ours = (str(src_path.resolve()), str(tgt_path.resolve()))
+    name = re.compile(re.escape(f"{_cache_stem(src_path, tgt_path)}.") + r"[0-9a-f]{16}\.safetensors")
+    ours = (_path_text(src_path), _path_text(tgt_path))
     for old in kept.parent.iterdir():
         if (old.name != kept.name and name.fullmatch(old.name) and old.is_file()  # a directory: not ours
                 and _cache_files(old) in (ours, None)):
             old.unlink(missing_ok=True)
             log.info("%s: removed, an earlier encoding of %s", old, src_path)
+
+
+def _path_text(path: Path) -> str:
+    """`path`, resolved, as text that UTF-8 can hold (a cache's metadata): a byte of a name that is not
+    UTF-8 written as \\xff, where the name itself failed to be written."""
+    return os.fsencode(path.resolve()).decode("utf-8", "backslashreplace")
 
 
 def _cache_files(path: Path) -> tuple[str, str] | None:
@@ -617,26 +648,31 @@ def _has_text_per_line(path: str | Path) -> np.ndarray:
 
 def train_tokenizer(
     text: ParallelText | ParallelFiles, directory: str | Path, vocab_size: int, model_type: str = "bpe",
-    shared: bool = True, normalization: str = "nmt_nfkc", character_coverage: float = 1.0,
+    shared: bool = True, normalization: str = "nmt_nfkc", character_coverage: float = 1.0, seed: int = 0,
 ) -> Tokenizer:
     """Train SentencePiece on the training text: one model for both sides (the paper) or one per side.
     `text` is held (`read_parallel`) or streamed from its files (`scan_parallel`); both feed SentencePiece
-    the same lines in the same order, so give the same model byte for byte.
+    the same lines in the same order, so give the same model byte for byte. A model learns from at most
+    SEED_SENTENCES lines: of more, a sample that `seed` chooses (`_sampled`), the same in every process.
 
     Then warn (once) if the model's normalization rewrites a sizeable share of the text, since the model
     will translate into the rewritten form (a Persian ZWNJ becomes a space under "nmt_nfkc")."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     settings = dict(normalization=normalization, character_coverage=character_coverage)
-    if len(text.src) >= LARGE_CORPUS:
+    n = len(text.src)
+    if n >= LARGE_CORPUS:
         log.info("SentencePiece training on %d pairs (a sample of at most %d sentences per model) may take "
-                 "minutes", len(text.src), SEED_SENTENCES)
+                 "minutes", n, SEED_SENTENCES)
     if shared:  # chained, not text.src + text.tgt: no second list of every sentence
-        path = _train_spm(chain(text.src, text.tgt), directory / "spm", vocab_size, model_type, **settings)
+        lines = _sampled(chain(text.src, text.tgt), 2 * n, seed)
+        path = _train_spm(lines, directory / "spm", vocab_size, model_type, **settings)
         tokenizer = Tokenizer(path)
-    else:
-        src = _train_spm(text.src, directory / "source", vocab_size, model_type, **settings)
-        tgt = _train_spm(text.tgt, directory / "target", vocab_size, model_type, **settings)
+    else:  # one seed: both models learn from the same pairs
+        src = _train_spm(_sampled(text.src, n, seed), directory / "source", vocab_size, model_type,
+                         **settings)
+        tgt = _train_spm(_sampled(text.tgt, n, seed), directory / "target", vocab_size, model_type,
+                         **settings)
         # Tokenizer.save names them source.spm / target.spm; keep those names in the run directory too.
         os.replace(src, directory / "source.spm")
         os.replace(tgt, directory / "target.spm")
@@ -657,47 +693,95 @@ def _warn_if_fewer_pieces(tokenizer: Tokenizer, vocab_size: int) -> None:
 
 
 LARGE_CORPUS = 100_000  # pairs: training a tokenizer on more takes long enough to say so
+SAMPLE_BLOCK = 1 << 20  # lines whose sample flags are drawn at once: memory for a block, not the corpus
+
+
+def _sampled(lines: Iterable[str], n: int, seed: int) -> Iterable[str]:
+    """The `n` `lines`, or of more than SEED_SENTENCES, that many of them, in their order, chosen by a
+    generator seeded with `seed`. Every line is still read: a streamed file's end-of-file check runs."""
+    if n <= SEED_SENTENCES:
+        return lines
+    flags = _sample_flags(n, SEED_SENTENCES, seed)
+    return (line for line in lines if next(flags, False))
+
+
+def _sample_flags(n: int, k: int, seed: int) -> Iterator[bool]:
+    """`n` flags, `k` of them True, a uniform choice of `seed`'s generator, drawn SAMPLE_BLOCK at a time:
+    how many of the k fall in a block is a hypergeometric draw (k taken from the n left, without
+    replacement), then which of its lines they are, a choice within the block."""
+    rng = np.random.default_rng(seed)
+    for start in range(0, n, SAMPLE_BLOCK):
+        size = min(SAMPLE_BLOCK, n - start)
+        take = int(rng.hypergeometric(size, n - start - size, k))
+        block = np.zeros(size, dtype=bool)
+        block[rng.choice(size, take, replace=False)] = True
+        k -= take
+        yield from block.tolist()
 
 
 def _train_spm(
     lines: Iterable[str], prefix: Path, vocab_size: int, model_type: str,
     normalization: str = "nmt_nfkc", character_coverage: float = 1.0,
 ) -> Path:
-    """train_sentencepiece, with SentencePiece's refusals (RuntimeError) as a line naming the setting."""
-    unread: list[UserError] = []
+    """train_sentencepiece, with SentencePiece's refusals (RuntimeError) as a line naming the setting, and
+    what reading the lines raised (a UserError naming the file, Ctrl-C, MemoryError) raised as itself:
+    SentencePiece wraps it in a RuntimeError ("INTERNAL: KeyboardInterrupt: ..."), which Ctrl-C's exit
+    status 130 became a vocabulary error's 2."""
+    raised: list[BaseException] = []
     try:
-        path = train_sentencepiece(_until_error(lines, unread), prefix, vocab_size, model_type,
+        path = train_sentencepiece(_noting_errors(lines, raised), prefix, vocab_size, model_type,
                                    character_coverage=character_coverage, normalization=normalization)
     except RuntimeError as e:  # "INTERNAL: trainer_interface.cc(638) [check] Vocabulary size is smaller ..."
-        reason = str(e).rsplit("] ", 1)[-1].strip() or type(e).__name__  # the sentence after the C++ check
-        chars = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason)
-        if chars:  # SentencePiece's own advice names its --character_coverage flag, which aiayn does not have
-            needed = int(chars.group(1))  # the characters kept, plus pad, bos, eos and unk
-            covered = "" if character_coverage == 1.0 else f" at data.character_coverage={character_coverage}"
-            message = (
-                f"data.vocab_size={vocab_size}: the text has {needed - 4} distinct characters{covered}, too many "
-                f"for the vocabulary and its 4 special pieces; raise data.vocab_size to at least {needed}, or "
-                "lower data.character_coverage (0.9995 is usual for Chinese and Japanese)"
-            )
-        elif "sentences_.empty()" in str(e) or not reason:  # every line skipped: none to learn from
-            message = (f"SentencePiece found no line to learn from: every line of the training text is empty "
-                       f"or longer than {MAX_LINE_BYTES:,} bytes")
-        else:
-            message = f"data.vocab_size={vocab_size}: SentencePiece cannot train on this text ({reason})"
-        raise UserError(message) from None
-    if unread:  # a streamed file changed: the model was trained on part of it
+        if raised:
+            raise raised[0] from None
+        raise UserError(_refusal(str(e), vocab_size, character_coverage)) from None
+    if raised:  # in case a SentencePiece went on to train on the lines read before the error
         path.unlink()
-        raise unread[0]
+        raise raised[0]
     return path
 
 
-def _until_error(lines: Iterable[str], errors: list[UserError]) -> Iterator[str]:
-    """`lines` until one raises a UserError, which goes into `errors`: raised inside SentencePiece's
-    reading, it came out as a RuntimeError and a traceback rather than the line naming the file."""
+def _refusal(error: str, vocab_size: int, character_coverage: float) -> str:
+    """One line for SentencePiece's RuntimeError `error`, naming the setting that fixes it."""
+    reason = " ".join(error.rsplit("] ", 1)[-1].split()) or "RuntimeError"  # after the C++ check, one line
+    chars = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason)
+    if chars:  # SentencePiece's own advice names its --character_coverage flag, which aiayn does not have
+        return _too_many_characters(vocab_size, int(chars.group(1)), character_coverage)
+    if "sentences_.empty()" in error or not reason:  # every line skipped: none to learn from
+        return (f"SentencePiece found no line to learn from: every line of the training text is empty "
+                f"or longer than {MAX_LINE_BYTES:,} bytes")
+    return f"data.vocab_size={vocab_size}: SentencePiece cannot train on this text ({reason})"
+
+
+USUAL_CJK_COVERAGE = 0.9995  # SentencePiece's advice for Chinese and Japanese
+MIN_CHARACTER_COVERAGE = 0.98  # SentencePiece's least, and data.character_coverage's (train/config.py)
+
+
+def _too_many_characters(vocab_size: int, needed: int, character_coverage: float) -> str:
+    """SentencePiece's "Vocabulary size is smaller than required_chars" as advice that can be taken: the
+    coverage lowered only where the configuration allows it (0.9995 was advised at 0.9995, and lowering
+    it at 0.98, which data.character_coverage refuses to go below). `needed`: the characters kept, plus
+    pad, bos, eos and unk."""
+    covered = "" if character_coverage == 1.0 else f" at data.character_coverage={character_coverage}"
+    fix = f"raise data.vocab_size to at least {needed}"
+    if character_coverage > USUAL_CJK_COVERAGE:
+        fix += f", or lower data.character_coverage ({USUAL_CJK_COVERAGE} is usual for Chinese and Japanese)"
+    elif character_coverage > MIN_CHARACTER_COVERAGE:
+        fix += f", or lower data.character_coverage ({MIN_CHARACTER_COVERAGE} at the lowest)"
+    return (f"data.vocab_size={vocab_size}: the text has {needed - 4} distinct characters{covered}, too many "
+            f"for the vocabulary and its 4 special pieces; {fix}")
+
+
+def _noting_errors(lines: Iterable[str], errors: list[BaseException]) -> Iterator[str]:
+    """`lines`; what one raises goes into `errors`, then on into SentencePiece, which stops reading at
+    once (stopping the lines instead, it trained on those read so far: minutes on WMT, after a Ctrl-C)."""
     try:
         yield from lines
-    except UserError as e:
+    except GeneratorExit:  # closed by its reader: no error
+        raise
+    except BaseException as e:  # KeyboardInterrupt and MemoryError too: each is raised as itself
         errors.append(e)
+        raise
 
 
 ROUND_TRIP_SAMPLE = 2000  # lines per side checked after training a tokenizer

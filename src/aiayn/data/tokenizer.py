@@ -18,7 +18,7 @@ from aiayn.errors import CorruptFile, UserError
 from aiayn.files import atomic_output, temporary_path
 
 SHARED, SOURCE, TARGET = "spm.model", "source.spm", "target.spm"
-SEED_SENTENCES = 2_000_000  # sentences SentencePiece trains a model on at most: a random sample of more
+SEED_SENTENCES = 2_000_000  # sentences a model is trained on at most: of more, a seeded sample (dataset.py)
 
 
 class Tokenizer:
@@ -188,9 +188,12 @@ MAX_LINE_BYTES = 2**16  # longest line SentencePiece learns from; far past any d
 
 def train_sentencepiece(
     lines: Iterable[str], prefix: str | Path, vocab_size: int, model_type: str = "bpe",
-    character_coverage: float = 1.0, seed_sentences: int = SEED_SENTENCES, normalization: str = "nmt_nfkc",
+    character_coverage: float = 1.0, normalization: str = "nmt_nfkc",
 ) -> Path:
-    """Train a SentencePiece model on `lines`; write `prefix`.model and return its path.
+    """Train a SentencePiece model on every one of `lines`; write `prefix`.model and return its path.
+    SentencePiece holds them all: a caller with more than SEED_SENTENCES samples them first, as
+    `train_tokenizer` does. SentencePiece's own sampling (input_sentence_size) draws from a generator no
+    seed reaches: two runs of one configuration trained different models.
 
     Ids are fixed: pad=0, bos=1, eos=2, unk=3, so that batches pad with 0. `hard_vocab_limit=False`
     lets a small corpus end with fewer pieces than asked instead of failing. `normalization` is the
@@ -202,7 +205,7 @@ def train_sentencepiece(
         sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type=model_type,
         character_coverage=character_coverage, normalization_rule_name=normalization,
         pad_id=0, bos_id=1, eos_id=2, unk_id=3,
-        hard_vocab_limit=False, input_sentence_size=seed_sentences, shuffle_input_sentence=True,
+        hard_vocab_limit=False, input_sentence_size=0,  # 0: every line, no sample of SentencePiece's
         max_sentence_length=MAX_LINE_BYTES,  # its default, 4,192, left longer lines out silently
         num_threads=2, minloglevel=2,
     )

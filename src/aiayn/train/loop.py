@@ -982,6 +982,8 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
         len(text.src),
     )
     write_tokenizer_inputs(run_dir, inputs)
+    # The sample of a large corpus is drawn with train_tokenizer's fixed seed, not train.seed: runs of other
+    # seeds on one corpus get one tokenizer, as an ensemble of them needs
     return train_tokenizer(text, run_dir, dc.vocab_size, dc.spm_type, dc.shared_vocab,
                            dc.normalization, dc.character_coverage)
 

@@ -867,6 +867,7 @@ def test_a_text_of_no_pieces_stays_empty(checkpoint, tmp_path, capsys):
 
 @pytest.mark.parametrize("data, message", [
     (b"one\rtwo\r", "CR line ends and no LF"),
+    (b"one\rtwo\rthree\n", "CR line ends and more CRs alone than LFs (2 to 1"),  # was translated as one line
     (b"\x1f\x8b\x08\x00\xff\xfe", "invalid UTF-8 (byte 0x8b); the file looks gzip-compressed"),
     ("one\ntwo\n".encode("utf-16"), "invalid UTF-8 (byte 0xff); the file looks like UTF-16"),
 ])

@@ -395,6 +395,8 @@ def read_utf8_lines(
             raise UserError(f"{name}:{n}: invalid UTF-8 (byte {raw[e.start]:#04x}){looks}") from None
         if n == 1 and not raw.endswith(b"\n") and cr_only(raw):  # the whole input, and no LF in it
             raise cr_only_error(name)
+        if n == 1 and (lone := raw.count(b"\r") - raw.count(b"\r\n")) > 1:  # more CRs alone than its one LF:
+            raise cr_only_error(name, 1, lone)  # a classic Mac file with a last LF, as training refuses it
         if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
             raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?)")
         lines.append(text.removeprefix("\ufeff") if n == 1 else text)  # a BOM, as training and evaluate drop it

@@ -105,6 +105,8 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
     assert (recorded["vocab_size"], recorded["character_coverage"]) == (40, 0.9995)
     with pytest.raises(UserError, match=r"\(data.vocab_size was 40, now 100\)"):  # a value set: refused
         train(load_config(None, third + ["train.run_dir=" + str(tmp_path / "run4"), "data.vocab_size=100"]))
+    with pytest.raises(UserError, match=r"\(data.vocab_size was 40, now 8000\)"):  # set to the default: too
+        train(load_config(None, third + ["train.run_dir=" + str(tmp_path / "run4"), "data.vocab_size=8000"]))
 
     forgot = [s for s in sets[:-1] if not s.startswith("train.init_from=")] + ["train.max_updates=9"]
     with pytest.raises(UserError, match=f"fine-tunes {start}; resume it with train.init_from={start}") as e:

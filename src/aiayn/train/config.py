@@ -167,6 +167,9 @@ class RunConfig:
     model: dict[str, Any] = field(default_factory=dict)  # preset (default "base") + ModelConfig fields
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    # [data] keys a file or --set wrote: fine-tuning adopts the checkpoint's tokenizer settings for the
+    # others, and compares these (a value written as the default, vocab_size=8000, was taken as unset)
+    data_given: frozenset[str] = field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
         set_by_tokenizer = sorted(set(self.model) & set(TOKENIZER_FIELDS))
@@ -251,7 +254,7 @@ def run_config(values: dict[str, Any], where: str = "") -> RunConfig:
         raise ConfigError(f"unknown model key(s){' in ' + where if where else ''}: {', '.join(bad)}")
     data = from_dict(DataConfig, _expand_home(values.get("data", {})), where)
     train = from_dict(TrainConfig, _expand_home(values.get("train", {})), where)
-    return RunConfig(model, data, train)
+    return RunConfig(model, data, train, frozenset(values.get("data", {})))
 
 
 # Keys that name files or directories: a leading ~ is the home directory, as in a shell. Neither TOML nor

@@ -401,7 +401,8 @@ def _with_checkpoint_tokenizer_settings(config: RunConfig, resume_from: Path | N
     """Fine-tuning keeps the checkpoint's tokenizer, so [data]'s tokenizer settings left at their defaults
     take the values the checkpoint records: a run.toml naming only its files was refused ("vocab_size was
     300, now 8000": a default, not a change), or printed and saved 8,000 pieces for a 300-piece model.
-    A value set otherwise is still refused (`_refuse_tokenizer_settings`)."""
+    A value set (`RunConfig.data_given`), even to the default, is still refused
+    (`_refuse_tokenizer_settings`)."""
     if not config.train.init_from:
         return config
     try:
@@ -411,7 +412,7 @@ def _with_checkpoint_tokenizer_settings(config: RunConfig, resume_from: Path | N
     defaults = DataConfig()
     adopted = {k: saved[k] for k in _tokenizer_settings(config)
                if k in saved and type(saved[k]) is type(getattr(defaults, k))  # a hand's edit: compared later
-               and getattr(config.data, k) == getattr(defaults, k)}
+               and k not in config.data_given and getattr(config.data, k) == getattr(defaults, k)}
     return replace(config, data=replace(config.data, **adopted)) if adopted else config
 
 

@@ -403,8 +403,8 @@ def test_searches_and_scoring_refuse_dropout_and_bad_batches():
     """A model in training mode (as `Transformer(config)` starts) dropped activations at every step: each
     search found, and each forced decoding scored, under another random model. An empty or 1-D batch
     failed in beam search's length limit or `source_lengths` before `encode` could name it."""
-    from aiayn.decoding.score import force_decode
     from aiayn.decoding.ensemble import Ensemble
+    from aiayn.decoding.score import force_decode
 
     model = tiny_model(dropout=0.3).train()
     src = padded_batch([5, 3], 50)
@@ -421,6 +421,11 @@ def test_searches_and_scoring_refuse_dropout_and_bad_batches():
         assert call(model) == call(model)  # deterministic once in eval mode
     unused = tiny_model(dropout=0.0).train()  # training mode without dropout changes nothing: allowed
     assert generate(unused, src, DecodeConfig()) == generate(unused.eval(), src, DecodeConfig())
+    for m in model.eval().modules():  # Monte Carlo dropout, switched on by hand: the caller's choice
+        if type(m).__name__ == "Dropout":
+            m.train()
+    assert len({tuple(generate(model, src, DecodeConfig())[0][0].tokens) for _ in range(4)}) > 1
+    model.eval()
     for beam in (1, 4):
         with pytest.raises(ValueError, match=r"^src has shape \(0, 3\): no token to read"):
             generate(model, torch.zeros(0, 3, dtype=torch.long), DecodeConfig(beam=beam))

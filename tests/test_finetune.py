@@ -117,6 +117,12 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
                                                                              "train.max_updates=9"]
     with pytest.raises(UserError, match=f"fine-tunes {start}; resume it with train.init_from={start}"):
         train(load_config(None, other), resume=True)
+    meta_path = only_checkpoint(run_dir) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["train"]["init_from"] = 123  # a hand's edit: a TypeError traceback
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"corrupt checkpoint metadata \(init_from=123 is not a path\)"):
+        train(load_config(None, other), resume=True)
     plain = tmp_path / "plain"  # a run that fine-tuned nothing, resumed with an init_from
     assert train(load_config(None, [s for s in forgot if not s.startswith(("train.run_dir", "train.max_up"))]
                              + [f"train.run_dir={plain}", "train.max_updates=1"]))["step"] == 1

@@ -286,10 +286,16 @@ def test_a_kv_cache_is_tied_to_its_memory_and_to_no_grad():
         cache = model.new_cache(1, 8)
         model.decode(torch.tensor([[1]]), memory, None, cache)
         model.decode(torch.tensor([[4]]), memory, None, cache)  # the same memory goes on
-        with pytest.raises(ValueError, match=r"^KVCache was filled from another memory tensor: pass"):
+        with pytest.raises(ValueError, match=r"^KVCache was filled from another memory: pass"):
             model.decode(torch.tensor([[4]]), model.encode(c), None, cache)
+        model.decode(torch.tensor([[4]]), model.encode(a).clone(), None, cache)  # the same source again
         cache.select(torch.tensor([0]))  # rows selected: the caller's memory is selected alike, a new tensor
         model.decode(torch.tensor([[4]]), memory[torch.tensor([0])], None, cache)
+        beams = model.new_cache(3, 8, beam_size=3)  # beams reordered: the sentences' memory stays
+        model.decode(torch.tensor([[1], [1], [1]]), memory, None, beams)
+        beams.select(torch.tensor([2, 0, 1]))
+        with pytest.raises(ValueError, match=r"^KVCache was filled from another memory: pass"):
+            model.decode(torch.tensor([[4], [4], [4]]), model.encode(c), None, beams)
     for sizes in ((1, 8, 0), (1, 0, 1), (0, 8, 1)):  # beam_size 0 was a ZeroDivisionError
         with pytest.raises(ValueError, match=r"^KVCache of batch_size=\d+, max_len=\d+, beam_size=\d+: each"):
             KVCache(1, sizes[0], 1, 4, sizes[1], beam_size=sizes[2])

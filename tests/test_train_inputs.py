@@ -1217,8 +1217,8 @@ def test_another_validation_set_on_resume_starts_the_best_loss_again(finished_ru
 def test_a_config_without_training_files_leaves_no_run_dir(tmp_path):
     """The run directory and its lock were made before the refusal."""
     config, _ = tiny_config(tmp_path, tmp_path / "run")
-    for data, message in ((dict(train_src=""), "must name the training files"),
-                          (dict(valid_tgt=str(tmp_path / "nope.en")), "nope.en: file not found")):
+    for data, message in (({"train_src": ""}, "must name the training files"),
+                          ({"valid_tgt": str(tmp_path / "nope.en")}, "nope.en: file not found")):
         with pytest.raises((ConfigError, UserError), match=message):
             train(replace(config, data=replace(config.data, **data)))
         assert not (tmp_path / "run").exists()

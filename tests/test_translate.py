@@ -879,6 +879,18 @@ def test_translate_names_what_an_unreadable_input_is(checkpoint, tmp_path, capsy
     assert message in capsys.readouterr().err
 
 
+def test_a_first_line_with_stray_crs_is_translated_when_more_lines_follow():
+    """CRs alone outnumbering LFs are a classic Mac file only in a one-line input; held, the first line is
+    then given with the next (one per list with chunk 1)."""
+    from aiayn.translate import read_utf8_lines
+
+    data = b"a\rb\rc\n" + b"more\n" * 3
+    assert list(read_utf8_lines(io.BytesIO(data), "in", 1, whole_chunks=True)) == [
+        ["a\rb\rc"], ["more"], ["more"], ["more"]]
+    with pytest.raises(UserError, match=r"^in: CR line ends and more CRs alone than LFs \(2 to 1"):
+        list(read_utf8_lines(io.BytesIO(b"a\rb\rc\n"), "in", 1))
+
+
 def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, capsys):
     run = tmp_path / "run"
     for step in ("step_999999", "step_1000000"):  # the newest by number, not by name

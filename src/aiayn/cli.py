@@ -327,7 +327,6 @@ def _check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
     check_outside_checkpoints(output, may_be_one)
 
 
-
 def _check_not_stdin(input: str | None, output: Path) -> None:
     """`translate CKPT -o f < f`: the shell gave the input file as stdin, which -o would replace."""
     if input not in (None, "-") or sys.stdin is None or not output.exists():

@@ -386,6 +386,7 @@ def read_utf8_lines(
     it does not (every list but the last holds `chunk` lines), so that the lists do not depend on timing."""
     lines: list[str] = []
     head = b""  # the first bytes, which say what a file that is no UTF-8 text is (gzip, UTF-16)
+    lone = 0  # CRs alone in the first line, while it is all there is
     for n, (raw, more) in enumerate(_raw_lines(stream), 1):
         head = raw[:8] if n == 1 else head
         try:
@@ -395,14 +396,18 @@ def read_utf8_lines(
             raise UserError(f"{name}:{n}: invalid UTF-8 (byte {raw[e.start]:#04x}){looks}") from None
         if n == 1 and not raw.endswith(b"\n") and cr_only(raw):  # the whole input, and no LF in it
             raise cr_only_error(name)
-        if n == 1 and (lone := raw.count(b"\r") - raw.count(b"\r\n")) > 1:  # more CRs alone than its one LF:
-            raise cr_only_error(name, 1, lone)  # a classic Mac file with a last LF, as training refuses it
+        if n <= 2:  # a whole input of one line whose CRs alone outnumber its LF: a classic Mac file that
+            # ends with an LF, refused as training refuses it (that line is held until the next one comes)
+            lone = raw.count(b"\r") - raw.count(b"\r\n") if n == 1 else 0
         if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
             raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?)")
         lines.append(text.removeprefix("\ufeff") if n == 1 else text)  # a BOM, as training and evaluate drop it
-        if len(lines) >= chunk or not (more or whole_chunks):
-            yield lines
+        if (len(lines) >= chunk or not (more or whole_chunks)) and lone <= 1:
+            for i in range(0, len(lines), chunk):  # two when the first line was held, with chunk 1
+                yield lines[i : i + chunk]
             lines = []
+    if lines and lone > 1:
+        raise cr_only_error(name, 1, lone)
     if lines:
         yield lines
 

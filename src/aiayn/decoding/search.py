@@ -18,7 +18,6 @@ from torch import Tensor
 from aiayn.decoding.length_penalty import length_penalty
 from aiayn.decoding.options import DecodeConfig
 from aiayn.model import KVCache, Transformer
-from aiayn.model.dropout import Dropout
 from aiayn.model.transformer import check_ids
 
 
@@ -85,12 +84,14 @@ def step_log_probs(
 
 
 def check_inference(model: torch.nn.Module, src: Tensor) -> None:
-    """Before a search or forced decoding: `src` (B, S) ids, and no dropout. A model in training mode (as
-    `Transformer(config)` starts) dropped activations at every step, so each call searched or scored
-    another random model; a batch of 0 sentences failed in beam search's length limit."""
+    """Before a search or forced decoding: `src` (B, S) ids, and no model (an ensemble's members too) in
+    training mode with dropout. One in training mode (as `Transformer(config)` starts) dropped activations
+    at every step, so each call searched or scored another random model; a batch of 0 sentences failed in
+    beam search's length limit. Dropout switched on by hand in a model in eval mode (Monte Carlo dropout:
+    `model.eval()`, then `.train()` on its `Dropout` modules) is the caller's choice, and is kept."""
     check_ids("src", src)
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()  # or another decoding interface
-    if any(isinstance(m, Dropout) and m.training and m.p > 0 for m in modules):
+    if any(isinstance(m, Transformer) and m.training and m.config.dropout > 0 for m in modules):
         raise ValueError("the model is in training mode, so dropout would change every search or score: "
                          "call model.eval() first")
 

@@ -60,14 +60,13 @@ class KVCache:
     def check_step(self, rows: int, memory: Tensor, shape: tuple[int, int, int]) -> None:
         """Before a decoding step of `rows` target rows over `memory` (B, S, d): the cache's rows, and the
         memory its cross-attention K/V were projected from on the first step (a later one was ignored: the
-        step attended over the first memory's keys with the second's mask). The same memory tensor, not
-        only the same shape, until rows are selected (a search then passes the selected memory). `shape`:
-        the model's (decoder layers, heads, head size), which a hand-made cache must have (fewer layers
-        were an IndexError, other heads a size mismatch)."""
-        if torch.compiler.is_compiling():  # dynamo's fake tensors fail on these checks; eager makes them
-            return
+        step attended over the first memory's keys with the second's mask): the same values, not only the
+        same shape, until sentences are selected (a search then passes the selected memory). `shape`: the
+        model's (decoder layers, heads, head size), which a hand-made cache must have (fewer layers were an
+        IndexError, other heads a size mismatch)."""
+        compiling = torch.compiler.is_compiling()  # the shape checks are traced into the graph's guards
         mine = (self.k.shape[0], self.k.shape[3], self.k.shape[4])
-        if mine != shape:
+        if not compiling and mine != shape:  # dynamo's fake tensors fail on it
             raise ValueError(f"KVCache has (layers, heads, head size) {mine}, the model {shape}: make it "
                              "with the model's new_cache")
         if rows != self.k.shape[1]:
@@ -77,9 +76,13 @@ class KVCache:
         if cross is not None and (cross.shape[0], cross.shape[2]) != (sentences, src_len):
             raise ValueError(f"KVCache was filled for a memory of {cross.shape[0]} x {cross.shape[2]} source "
                              f"positions, not {sentences} x {src_len}: a new source needs a new cache")
+        if compiling:
+            return
         if cross is not None and self.memory is not None and memory is not self.memory:
-            raise ValueError("KVCache was filled from another memory tensor: pass the same memory at every "
-                             "step (a new source needs a new cache)")
+            # another tensor: a view, a copy or encode() again are the same source; other values are not
+            if memory.shape != self.memory.shape or not torch.equal(memory, self.memory):
+                raise ValueError("KVCache was filled from another memory: pass the same memory at every "
+                                 "step (a new source needs a new cache)")
         self.memory = memory
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -121,7 +124,8 @@ class KVCache:
         """Keep (and reorder) self-attention rows `index` (B'*K,): beam search reordering, or dropping
         finished rows. Cross-attention rows follow only without beams (K = 1, one row per sentence);
         with beams they belong to sentences: use `keep_sentences`."""
-        self.memory = None  # the caller selects its memory alike and passes that
+        if self.beam_size == 1:  # rows are sentences: the caller selects its memory alike and passes that
+            self.memory = None
         if index.shape[0] == self.k.shape[1]:  # a reordering (each beam step)
             # Most beams continue their own hypothesis (94% of rows per step in benchmarks/decode.py):
             # on a CPU, copy only the rows that take another row's past, when they are few. Not on a
@@ -168,7 +172,6 @@ class KVCache:
         """Grow the one self-attention row of each sentence into `beam_size` rows, row i taking the past
         of row index[i] (B*K,): beam search after its first step, which decodes one row per sentence
         (its K beams all start from the same empty hypothesis). The cross K/V stay one per sentence."""
-        self.memory = None  # the caller selects its memory alike and passes that
         self._take_rows(index)
         self.beam_size = beam_size
         self._layers()

@@ -450,7 +450,11 @@ def _fine_tuned_from(checkpoint: Path) -> str | None:
     if not isinstance(config, dict):
         raise CorruptFile(f"{checkpoint / 'meta.json'}: corrupt checkpoint metadata ('config' is not a table)")
     train_config = config.get("train", {})
-    return train_config.get("init_from") if isinstance(train_config, dict) else None
+    tuned_from = train_config.get("init_from") if isinstance(train_config, dict) else None
+    if tuned_from is not None and not isinstance(tuned_from, str):  # a hand's edit: a TypeError traceback
+        raise CorruptFile(f"{checkpoint / 'meta.json'}: corrupt checkpoint metadata "
+                          f"(init_from={tuned_from!r} is not a path)")
+    return tuned_from
 
 
 def _log_window(

@@ -86,6 +86,9 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
     assert all(isinstance(t, str) for t in Translator.load(tuned).translate(["ein Hund", "zwei Katzen"]))
 
     shutil.rmtree(start)  # --resume reads the run's own checkpoint, not init_from
+    with pytest.raises(UserError, match=r"checkpoint.s tokenizer \(data.vocab_size was \d+, now 99"):
+        # resumed, another vocab_size was trained with and written into meta.json for this tokenizer
+        train(load_config(None, sets[:-1] + ["train.max_updates=8", "data.vocab_size=99"]), resume=True)
     result = train(load_config(None, sets[:-1] + ["train.max_updates=8"]), resume=True)
     assert result["step"] == 8
 

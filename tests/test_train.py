@@ -601,3 +601,37 @@ def test_a_patience_stop_keeps_the_best_checkpoint(tmp_path):
     assert result["stop"].startswith("no better validation loss") and result["step"] > best
     kept = [p.name for p in checkpoint_dirs(tmp_path / "run")]
     assert kept == [f"step_{best:06d}", f"step_{result['step']:06d}"]
+
+
+def test_a_value_out_of_range_names_where_it_was_written(tmp_path):
+    """Type errors and unknown keys named their file; a range error or a contradiction did not."""
+    toml = tmp_path / "run.toml"
+    toml.write_text("[train]\nkeep_last = 0\n")
+    with pytest.raises(ConfigError, match=rf"^{toml}: train.keep_last=0 must be >= 1"):
+        load_config(toml)
+    with pytest.raises(ConfigError, match=r"^command line: train.keep_last=0 must be >= 1"):
+        load_config(None, ["train.keep_last=0"])
+    toml.write_text("[model]\ndropout = 1.5\n")
+    with pytest.raises(ConfigError, match=rf"^{toml} with --set: .*dropout=1.5"):  # either may hold it
+        load_config(toml, ["train.seed=2"])
+
+
+def test_which_data_keys_were_written_is_known_only_for_the_data_read():
+    """Fine-tuning adopts the checkpoint's tokenizer settings for [data] keys not written; a `data` replaced
+    since (the keys were another DataConfig's) or built in Python falls back to "equal to the default"."""
+    config = load_config(None, ["data.vocab_size=8000", "data.train_src=a"])
+    assert config.given_data_keys() == {"vocab_size", "train_src"}
+    assert with_train(config, seed=3).given_data_keys() == {"vocab_size", "train_src"}
+    assert dataclasses.replace(config, data=dataclasses.replace(config.data)).given_data_keys() is None
+    assert dataclasses.replace(config, data=config.data) == config
+    from aiayn.train.config import RunConfig
+    assert RunConfig().given_data_keys() is None
+
+
+def test_init_from_leaves_the_model_keys_to_the_checkpoint():
+    """[model] was built on the base preset before the checkpoint was read: restating a checkpoint's
+    d_model=36 was "not divisible by n_heads=8", and its max_len 2048 "shorter" than data.max_len."""
+    sets = ["train.init_from=ck", "model.d_model=36", "data.max_len=1500", "train.max_tokens=4096"]
+    assert load_config(None, sets).model == {"d_model": 36}
+    with pytest.raises(ConfigError, match="not divisible"):
+        load_config(None, sets[1:])

@@ -215,7 +215,8 @@ def check_fits(model: Transformer, weights: dict[str, torch.Tensor], where: str 
 def check_finite(weights: dict[str, torch.Tensor], where: str | Path) -> None:
     """Training never saves NaN or infinite weights (loop._check_finite_weights): such a file was damaged."""
     broken = [k for k, t in weights.items()  # (meta tensors: shapes only, as `describe_checkpoint` reads)
-              if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all())]
+              if t.is_floating_point() and not t.is_meta
+              and not bool(torch.isfinite(t if t.element_size() > 1 else t.float()).all())]  # float8: none
     if broken:
         raise CorruptFile(f"{where}: {len(broken)} tensor(s) hold NaN or infinite values ({', '.join(broken[:3])}); "
                           "the file is damaged")

@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an aiayn checkpoint directory (trained or imported)")
     p.add_argument("out", type=path_arg, metavar="OUT", help="output model directory")
     p.add_argument("--quantization", choices=CT2_QUANTIZATIONS,  # checked here: before the checkpoint loads
-                   help="CTranslate2 weight type (default: the checkpoint's float32)")
+                   help="CTranslate2 weight type (default: float32, whatever dtype the checkpoint stores)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (never CKPT or what holds it)")
     p.set_defaults(func=cmd_export)
 

@@ -88,9 +88,10 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     states = [load_weights(p) for p in paths]
     check_same_tensors(paths, states)
     mean = average_state_dicts(states)
-    dtypes = {t.dtype for t in mean.values() if t.is_floating_point()}
-    if len(dtypes) == 1:  # bf16 checkpoints average into bf16 (saved from the float32 model: twice the size)
-        last.model.to(dtypes.pop())
+    tensors = dict(last.model.named_parameters()) | dict(last.model.named_buffers())
+    for name, t in mean.items():  # each in its stored dtype: bf16 checkpoints were saved from the float32
+        if name in tensors and t.is_floating_point():  # model as float32, twice the size (a tied weight is
+            tensors[name].data = tensors[name].data.to(t.dtype)  # one Parameter, named once in `mean`)
     load_into(last.model, mean, paths[-1])
     # The newest member's meta, less what describes it alone: a signal's save is an average's no more
     meta = {k: v for k, v in last.meta.items() if k not in ("format", "model", "tokenizer", "interrupted")}

@@ -167,15 +167,20 @@ class RunConfig:
     model: dict[str, Any] = field(default_factory=dict)  # preset (default "base") + ModelConfig fields
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
-    # [data] keys a file or --set wrote: fine-tuning adopts the checkpoint's tokenizer settings for the
-    # others, and compares these (a value written as the default, vocab_size=8000, was taken as unset)
-    data_given: frozenset[str] = field(default=frozenset(), compare=False)
+    # [data] keys a file or --set wrote into `data_read` (see `given_data_keys`)
+    data_given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    data_read: DataConfig | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_by_tokenizer = sorted(set(self.model) & set(TOKENIZER_FIELDS))
         if set_by_tokenizer:
             raise ConfigError(f"model.{set_by_tokenizer[0]} comes from the tokenizer and cannot be set")
-        self.model_config(vocab_size=64)  # check the model keys now, before any data is read
+        if not self.train.init_from:  # check the model keys now, before any data is read. (With init_from
+            # the model is the checkpoint's, compared with [model] in `finetune_model_config`: checked
+            # against the base preset, restating its d_model=36 was "not divisible by n_heads=8")
+            self.model_config(vocab_size=64)
+            if self.data.max_len > self.model.get("max_len", 1024):
+                raise ConfigError(f"data.max_len={self.data.max_len} is longer than the model's max_len")
         if self.model.get("final_logits_bias") is True and not self.train.init_from:
             raise ConfigError("model.final_logits_bias=true is a fixed buffer that imported Marian models "
                               "bring (HuggingFace does not train it either): a new model would keep it at zero; "
@@ -183,8 +188,6 @@ class RunConfig:
         if not self.data.shared_vocab and self.model.get("share_embeddings") is True:
             raise ConfigError("model.share_embeddings=true needs one vocabulary, but data.shared_vocab=false "
                               "trains one per side")
-        if self.data.max_len > self.model.get("max_len", 1024):
-            raise ConfigError(f"data.max_len={self.data.max_len} is longer than the model's max_len")
         if self.data.max_len > self.train.max_tokens:
             raise ConfigError(
                 f"data.max_len={self.data.max_len} does not fit in train.max_tokens={self.train.max_tokens}"
@@ -193,6 +196,13 @@ class RunConfig:
             if getattr(self.train, name) and not self.data.valid_src:
                 raise ConfigError(f"train.{name}={getattr(self.train, name)} needs a validation set "
                                   "(data.valid_src and data.valid_tgt)")
+
+    def given_data_keys(self) -> frozenset[str] | None:
+        """The [data] keys a file or --set wrote (fine-tuning adopts the checkpoint's tokenizer settings for
+        the others and compares these: vocab_size=8000 written was taken as unset), or None where that is
+        not known: a RunConfig built in Python, or one whose `data` was replaced since it was read (the
+        keys were another DataConfig's). Then a value equal to its default counts as unset."""
+        return self.data_given if self.data_read is self.data else None
 
     def model_config(self, **tokenizer_fields: Any) -> ModelConfig:
         values = dict(self.model)
@@ -252,9 +262,14 @@ def run_config(values: dict[str, Any], where: str = "") -> RunConfig:
     bad = sorted(set(model) - {"preset"} - set(ModelConfig.__dataclass_fields__))
     if bad:
         raise ConfigError(f"unknown model key(s){' in ' + where if where else ''}: {', '.join(bad)}")
-    data = from_dict(DataConfig, _expand_home(values.get("data", {})), where)
-    train = from_dict(TrainConfig, _expand_home(values.get("train", {})), where)
-    return RunConfig(model, data, train, frozenset(values.get("data", {})))
+    try:
+        data = from_dict(DataConfig, _expand_home(values.get("data", {})), where)
+        train = from_dict(TrainConfig, _expand_home(values.get("train", {})), where)
+        return RunConfig(model, data, train, frozenset(values.get("data", {})), data)
+    except ConfigError as e:  # a value out of range or contradicting another: name where it was written
+        if not where or where in str(e):
+            raise
+        raise ConfigError(f"{where}: {e}") from None
 
 
 # Keys that name files or directories: a leading ~ is the home directory, as in a shell. Neither TOML nor
@@ -297,6 +312,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         if not isinstance(values.get(section, {}), dict):
             raise ConfigError(_not_a_table(where, section, values[section]))
         values.setdefault(section, {})[key] = value
+    if overrides and path is not None:  # a range error may be either's
+        where = f"{where} with --set"
     return run_config(values, where)
 
 

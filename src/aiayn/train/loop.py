@@ -391,8 +391,10 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
     ck = load_checkpoint(path)
     tuned = finetune_model_config(config, ck.model.config, path)  # a new model: dropout may have changed
     model = model_from_weights(tuned, state_dict_for_saving(ck.model), path)
+    # resumed too: the run's own checkpoint records the settings it adopted (another vocab_size was
+    # trained with, and saved into meta.json for a tokenizer that does not have it)
+    _refuse_tokenizer_settings(config, ck.meta, path)
     if not resume_from:
-        _refuse_tokenizer_settings(config, ck.meta, path)
         log.info("fine-tuning %s (update %s of its run)", path, ck.meta.get("step", "?"))
     return Checkpoint(model.train(), ck.tokenizer, ck.meta, path)
 
@@ -401,18 +403,18 @@ def _with_checkpoint_tokenizer_settings(config: RunConfig, resume_from: Path | N
     """Fine-tuning keeps the checkpoint's tokenizer, so [data]'s tokenizer settings left at their defaults
     take the values the checkpoint records: a run.toml naming only its files was refused ("vocab_size was
     300, now 8000": a default, not a change), or printed and saved 8,000 pieces for a 300-piece model.
-    A value set (`RunConfig.data_given`), even to the default, is still refused
-    (`_refuse_tokenizer_settings`)."""
+    A value set (`RunConfig.given_data_keys`), even to the default, is still refused
+    (`_refuse_tokenizer_settings`), also when the run is resumed."""
     if not config.train.init_from:
         return config
     try:
         saved = config_section(read_meta(resume_from or Path(config.train.init_from)), "data") or {}
     except UserError:  # not a checkpoint: `initial_checkpoint` says so in its own words
         return config
-    defaults = DataConfig()
+    defaults, given = DataConfig(), config.given_data_keys() or frozenset()
     adopted = {k: saved[k] for k in _tokenizer_settings(config)
                if k in saved and type(saved[k]) is type(getattr(defaults, k))  # a hand's edit: compared later
-               and k not in config.data_given and getattr(config.data, k) == getattr(defaults, k)}
+               and k not in given and getattr(config.data, k) == getattr(defaults, k)}
     return replace(config, data=replace(config.data, **adopted)) if adopted else config
 
 

@@ -635,3 +635,10 @@ def test_init_from_leaves_the_model_keys_to_the_checkpoint():
     assert load_config(None, sets).model == {"d_model": 36}
     with pytest.raises(ConfigError, match="not divisible"):
         load_config(None, sets[1:])
+
+
+def test_a_set_value_holding_a_line_break_is_refused():
+    """Its second line was read as another TOML key and dropped: the run went on without train.seed=3."""
+    with pytest.raises(ConfigError, match=r"one value per --set \(the value holds a line break\)"):
+        load_config(None, ["train.max_tokens=2048\ntrain.seed=3"])
+    assert load_config(None, ["train.run_dir=a b=c"]).train.run_dir == "a b=c"

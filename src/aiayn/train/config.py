@@ -344,7 +344,10 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.max_tokens=2048")
     _check_override_key(item, section, key.strip())
     try:
-        value = tomllib.loads(f"v = {text.strip()}")["v"]
+        parsed = tomllib.loads(f"v = {text.strip()}")
+        if len(parsed) > 1:  # "2048\ntrain.seed=3": the second line was read as a TOML key and dropped
+            raise ConfigError(f"--set {item!r}: one value per --set (the value holds a line break)")
+        value = parsed["v"]
     except tomllib.TOMLDecodeError:
         value = text.strip()  # a path or other bare word
     if _key_types(section)[key.strip()] is str and not isinstance(value, str):
@@ -362,7 +365,6 @@ def _check_value_type(section: str, key: str, value: Any, where: str) -> None:
     if not matches_type(value, hint):
         expected = getattr(hint, "__name__", str(hint))
         raise ConfigError(f"{where}: {value!r} is a {type(value).__name__}, expected {expected}")
-
 
 
 def with_train(config: RunConfig, **changes: Any) -> RunConfig:

@@ -293,6 +293,16 @@ def test_processes_agree_on_the_signal_and_its_status(monkeypatch):
         stopper = loop.StopSignal()
         assert stopper.agreed(d) == expected
         assert stopper.signum == (None if expected is None else signal.Signals[expected])
+    late = loop.StopSignal()  # a signal during the reduction: the others summed none, so none stops yet
+
+    def signal_arrives(values, d):
+        late.signum = signal.SIGTERM
+        return [0.0, 0.0]
+
+    monkeypatch.setattr(distributed, "all_reduce_sum", signal_arrives)
+    assert late.agreed(d) is None  # it said "SIGTERM" and stopped this process alone: a deadlock
+    monkeypatch.setattr(distributed, "all_reduce_sum", lambda values, d: values)
+    assert late.agreed(d) == "SIGTERM"  # at the next update, for every process
     single = loop.StopSignal()
     assert single.agreed(SimpleNamespace(enabled=False)) is None
     single.signum = signal.SIGINT

@@ -340,13 +340,20 @@ class StopSignal:
                 signal.signal(s, h)
 
     def agreed(self, d: Dist) -> str | None:
-        """The signal's name once any process got one (a collective under torchrun), else None."""
-        if d.enabled:  # how many processes got each: a process that got none stops with the others' status
-            sigint, sigterm = distributed.all_reduce_sum(
-                [float(self.signum == signal.SIGINT), float(self.signum == signal.SIGTERM)], d)
-            if self.signum is None and (sigint or sigterm):
-                self.signum = signal.SIGTERM if sigterm else signal.SIGINT
-        return None if self.signum is None else signal.Signals(self.signum).name
+        """The signal's name once any process got one (a collective under torchrun), else None.
+
+        Decided from the sums alone, which every process gets: a signal that arrived during the reduction
+        counts at the next update. Read again after it, it stopped that process alone, which then waited
+        in the checkpoint's collectives while the others waited in the next update's (a deadlock)."""
+        mine = self.signum
+        if not d.enabled:
+            return None if mine is None else signal.Signals(mine).name
+        sigint, sigterm = distributed.all_reduce_sum(
+            [float(mine == signal.SIGINT), float(mine == signal.SIGTERM)], d)
+        if not (sigint or sigterm):
+            return None
+        self.signum = signal.SIGTERM if sigterm else signal.SIGINT  # one status for all (SIGINT and SIGTERM
+        return signal.Signals(self.signum).name  # on two processes: SIGTERM, a scheduler's)
 
 
 def build_model(config: RunConfig, tok: Tokenizer) -> Transformer:

@@ -127,8 +127,11 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
 
         bleu_metrics(config.train.bleu_lang)
     run_dir = Path(config.train.run_dir)
-    distributed.on_main(d, lambda: _check_data_files(config))  # before run_dir is made for nothing
-    _check_run_dir(run_dir)
+    def check() -> None:  # on process 0, the others told (one line, not one a process)
+        _check_data_files(config)  # before run_dir is made for nothing
+        _check_run_dir(run_dir)
+
+    distributed.on_main(d, check)
     lock = RunLock(run_dir)
 
     def take_run_dir() -> None:  # on process 0, while the others wait: they then see what it put back
@@ -155,7 +158,8 @@ def _remove_leftovers(run_dir: Path) -> None:
 def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     cap_kernel_caches()  # first: token batches make thousands of shapes, one cached oneDNN kernel each
     tc, run_dir = config.train, Path(config.train.run_dir)
-    resume_from = _checkpoint_to_resume(run_dir, resume)
+    # chosen once, for all: a lagging listing on another machine could resume another step
+    resume_from = distributed.on_main(d, lambda: _checkpoint_to_resume(run_dir, resume))
     config = _with_checkpoint_tokenizer_settings(config, resume_from)
     if resume_from:
         _read_resumed(d, run_dir, resume_from, lambda: _check_same_batches(resume_from, config, d))
@@ -178,7 +182,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     per_update = d.world_size * tc.update_freq
     n_updates = updates_in_epoch(len(data.train_batches), per_update)
     if n_updates == 0:
-        raise UserError(
+        raise SameOnEveryProcess(
             f"{config.data.train_src}: {len(data.train_batches)} batches, fewer than one update "
             f"needs ({per_update}); lower train.max_tokens or train.update_freq"
         )
@@ -667,8 +671,8 @@ def _validate_and_save(
 def _check_finite(what: str, value: float, step: int) -> None:
     """Stop a diverged run before it saves: a NaN checkpoint would also push the good ones out (keep_last).
     Checked on numbers already on the CPU (the log window, validation), so it adds no device sync."""
-    if not math.isfinite(value):
-        raise UserError(
+    if not math.isfinite(value):  # a value summed over the processes: all stop, process 0 says so
+        raise SameOnEveryProcess(
             f"update {step}: {what} is {value}; training diverged and stopped before saving, so the "
             "checkpoints are intact; lower train.lr_scale, or --resume from a checkpoint with finite weights"
         )
@@ -905,8 +909,8 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
 
 def _require_pairs(path: str, kind: str, kept: int, too_long: int, max_len: int) -> None:
     """Before training, not at the first validation: a set whose every pair is too long is empty."""
-    if not kept:
-        raise UserError(
+    if not kept:  # every process reads process 0's pairs: process 0 says so
+        raise SameOnEveryProcess(
             f"{path}: all {too_long} {kind} pairs are longer than data.max_len={max_len} tokens; "
             "raise data.max_len (and model.max_len) or use shorter sentences"
         )

@@ -614,6 +614,9 @@ def test_a_value_out_of_range_names_where_it_was_written(tmp_path):
     toml.write_text("[model]\ndropout = 1.5\n")
     with pytest.raises(ConfigError, match=rf"^{toml} with --set: .*dropout=1.5"):  # either may hold it
         load_config(toml, ["train.seed=2"])
+    toml.write_text("[data]\nvocab_sise = 3\n")  # an unknown key is the file's: --set's are checked
+    with pytest.raises(ConfigError, match=rf"^unknown DataConfig key\(s\) in {toml}: vocab_sise"):
+        load_config(toml, ["train.seed=2"])
 
 
 def test_which_data_keys_were_written_is_known_only_for_the_data_read():
@@ -635,10 +638,16 @@ def test_init_from_leaves_the_model_keys_to_the_checkpoint():
     assert load_config(None, sets).model == {"d_model": 36}
     with pytest.raises(ConfigError, match="not divisible"):
         load_config(None, sets[1:])
+    for key, message in (("model.dropout=1.5", r"model.dropout=1.5 is not in \[0, 1\)"),
+                         ("model.preset=nope", r"model.preset='nope' is not one of")):  # still when loaded
+        with pytest.raises(ConfigError, match=rf"^command line: {message}"):
+            load_config(None, sets[:1] + [key])
 
 
 def test_a_set_value_holding_a_line_break_is_refused():
     """Its second line was read as another TOML key and dropped: the run went on without train.seed=3."""
-    with pytest.raises(ConfigError, match=r"one value per --set \(the value holds a line break\)"):
-        load_config(None, ["train.max_tokens=2048\ntrain.seed=3"])
+    items = ("train.max_tokens=2048\ntrain.seed=3", "train.run_dir=runs/a\ntrain.seed=3", "train.run_dir=a\rb")
+    for item in items:
+        with pytest.raises(ConfigError, match=r"one value per --set \(the value holds a line break\)"):
+            load_config(None, [item])
     assert load_config(None, ["train.run_dir=a b=c"]).train.run_dir == "a b=c"

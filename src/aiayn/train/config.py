@@ -181,6 +181,8 @@ class RunConfig:
             self.model_config(vocab_size=64)
             if self.data.max_len > self.model.get("max_len", 1024):
                 raise ConfigError(f"data.max_len={self.data.max_len} is longer than the model's max_len")
+        else:  # what does not depend on the checkpoint's shape, before run_dir is made
+            self._check_finetune_keys()
         if self.model.get("final_logits_bias") is True and not self.train.init_from:
             raise ConfigError("model.final_logits_bias=true is a fixed buffer that imported Marian models "
                               "bring (HuggingFace does not train it either): a new model would keep it at zero; "
@@ -196,6 +198,15 @@ class RunConfig:
             if getattr(self.train, name) and not self.data.valid_src:
                 raise ConfigError(f"train.{name}={getattr(self.train, name)} needs a validation set "
                                   "(data.valid_src and data.valid_tgt)")
+
+    def _check_finetune_keys(self) -> None:
+        """With train.init_from: a known preset, if any, and dropout (the one key that may differ from the
+        checkpoint's) in [0, 1)."""
+        preset, dropout = self.model.get("preset"), self.model.get("dropout", 0.0)
+        if preset is not None and (not isinstance(preset, str) or preset not in PRESETS):
+            raise ConfigError(f"model.preset={preset!r} is not one of {sorted(PRESETS)}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise ConfigError(f"model.dropout={dropout!r} is not in [0, 1)")
 
     def given_data_keys(self) -> frozenset[str] | None:
         """The [data] keys a file or --set wrote (fine-tuning adopts the checkpoint's tokenizer settings for
@@ -247,8 +258,10 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
     return replace(saved, dropout=values.get("dropout", saved.dropout))
 
 
-def run_config(values: dict[str, Any], where: str = "") -> RunConfig:
-    """A RunConfig from nested dicts ({"model": ..., "data": ..., "train": ...})."""
+def run_config(values: dict[str, Any], where: str = "", written: str = "") -> RunConfig:
+    """A RunConfig from nested dicts ({"model": ..., "data": ..., "train": ...}); `where` they came from
+    names unknown keys, `written` (by default `where`: "FILE with --set" when either may hold it) a value
+    out of range or contradicting another."""
     unknown = sorted(set(values) - set(SECTIONS))
     if unknown:
         raise ConfigError(
@@ -267,9 +280,10 @@ def run_config(values: dict[str, Any], where: str = "") -> RunConfig:
         train = from_dict(TrainConfig, _expand_home(values.get("train", {})), where)
         return RunConfig(model, data, train, frozenset(values.get("data", {})), data)
     except ConfigError as e:  # a value out of range or contradicting another: name where it was written
-        if not where or where in str(e):
+        written = written or where
+        if not written or f" in {where}" in str(e) or str(e).startswith(f"{written}:"):  # named already
             raise
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{written}: {e}") from None
 
 
 # Keys that name files or directories: a leading ~ is the home directory, as in a shell. Neither TOML nor
@@ -312,9 +326,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         if not isinstance(values.get(section, {}), dict):
             raise ConfigError(_not_a_table(where, section, values[section]))
         values.setdefault(section, {})[key] = value
-    if overrides and path is not None:  # a range error may be either's
-        where = f"{where} with --set"
-    return run_config(values, where)
+    # a value out of range may be the file's or --set's (an unknown key is the file's: --set's are checked)
+    return run_config(values, where, f"{where} with --set" if overrides and path is not None else where)
 
 
 def _not_a_table(where: str, section: str, value: Any) -> str:
@@ -343,11 +356,11 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     if not eq or not dot or not key:
         raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.max_tokens=2048")
     _check_override_key(item, section, key.strip())
+    if "\n" in text.strip() or "\r" in text.strip():  # "2048\ntrain.seed=3": TOML read the second line as
+        # another key and dropped it; a bare word kept it, and named a run_dir across two lines
+        raise ConfigError(f"--set {item!r}: one value per --set (the value holds a line break)")
     try:
-        parsed = tomllib.loads(f"v = {text.strip()}")
-        if len(parsed) > 1:  # "2048\ntrain.seed=3": the second line was read as a TOML key and dropped
-            raise ConfigError(f"--set {item!r}: one value per --set (the value holds a line break)")
-        value = parsed["v"]
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = text.strip()  # a path or other bare word
     if _key_types(section)[key.strip()] is str and not isinstance(value, str):

@@ -231,9 +231,10 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     bar.close()
     if d.is_main:
         log.info("stopped (%s) after %d updates, %.1f min", stop, state.step, (time.monotonic() - start) / 60)
-    if stopper.signum is not None and stop == signal.Signals(stopper.signum).name:
+    if stop in (signal.SIGINT.name, signal.SIGTERM.name):  # the agreed signal, not the latest: a SIGTERM
+        # during the save changed one process' and that one exited 0
         raise Stopped(f"stopped by {stop} at update {state.step}, saved in {checkpoint_dirs(run_dir)[-1]}; "
-                      "--resume continues from there", stopper.signum)
+                      "--resume continues from there", signal.Signals[stop])
     return {**last, "stop": stop, "step": state.step}
 
 

@@ -646,7 +646,8 @@ def test_init_from_leaves_the_model_keys_to_the_checkpoint():
 
 def test_a_set_value_holding_a_line_break_is_refused():
     """Its second line was read as another TOML key and dropped: the run went on without train.seed=3."""
-    items = ("train.max_tokens=2048\ntrain.seed=3", "train.run_dir=runs/a\ntrain.seed=3", "train.run_dir=a\rb")
+    items = ("train.max_tokens=2048\ntrain.seed=3", "train.run_dir=runs/a\ntrain.seed=3",
+             "train.run_dir=a\rb")
     for item in items:
         with pytest.raises(ConfigError, match=r"one value per --set \(the value holds a line break\)"):
             load_config(None, [item])

@@ -154,13 +154,11 @@ def test_records_without_a_curves_keys_are_left_out_of_that_curve(tmp_path):
 
 def test_validation_bleu_gets_its_own_panel(tmp_path, monkeypatch):
     """README: curves.png records validation BLEU (train.bleu_every); it was logged but never drawn."""
-    import matplotlib.pyplot as plt
-
     from aiayn.train import metrics
 
     drawn = []
     real = metrics._draw
-    monkeypatch.setattr(metrics, "_draw", lambda records, p: drawn.append(real(records, p)) or drawn[-1])
+    monkeypatch.setattr(metrics, "_draw", lambda records: drawn.append(real(records)) or drawn[-1])
     bleu = [whole({"step": 10, "valid_loss": 2.0, "valid_nll": 1.9, "valid_bleu": 12.5}),
             whole({"step": 20, "valid_loss": 1.8, "valid_nll": 1.7, "valid_bleu": 17.25})]
     plot_metrics(write_log(tmp_path / "a.jsonl", *map(whole, TRAIN)), tmp_path / "a.png")
@@ -169,7 +167,21 @@ def test_validation_bleu_gets_its_own_panel(tmp_path, monkeypatch):
     assert len(without.axes) == 2 and len(with_bleu.axes) == 3
     assert [list(line.get_ydata()) for line in with_bleu.axes[2].lines] == [[12.5, 17.25]]
     assert with_bleu.axes[2].get_title() == "best valid BLEU 17.25 at 20"
-    plt.close("all")
+
+
+def test_drawing_leaves_the_callers_matplotlib_backend_and_figures_alone(log_path, tmp_path):
+    """matplotlib.use("Agg") switched a notebook's backend (inline plots) for the rest of its session
+    whenever training saved a checkpoint, and pyplot kept the figures."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    backend = matplotlib.get_backend()
+    plt.switch_backend("svg")  # a stand-in for a notebook's inline backend
+    try:
+        plot_metrics(log_path, tmp_path / "c.png")
+        assert matplotlib.get_backend() == "svg" and not plt.get_fignums()
+    finally:
+        plt.switch_backend(backend)
 
 
 # D6: the PNG
@@ -259,19 +271,12 @@ def test_a_full_disk_while_logging_is_one_line_naming_the_log(tmp_path, monkeypa
 
 def test_the_best_validation_score_ignores_nan(tmp_path):
     """A NaN first compared as the least: the title read 'best valid NLL nan (ppl nan) at 100'."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from aiayn.train.metrics import _draw
 
     records = [{"step": 100, "valid_nll": math.nan, "valid_bleu": math.nan},
                {"step": 200, "valid_nll": 0.5, "valid_bleu": 12.0},
                {"step": 300, "valid_nll": 0.7, "valid_bleu": 9.0}]
-    fig = _draw(records, plt)
-    titles = [ax.get_title() for ax in fig.axes]
-    plt.close(fig)
+    titles = [ax.get_title() for ax in _draw(records).axes]
     assert titles[0] == "best valid NLL 0.500 (ppl 1.65) at 200"
     assert titles[2] == "best valid BLEU 12.00 at 200"
 
@@ -300,18 +305,10 @@ def test_plot_output_inside_a_checkpoint_is_refused(tmp_path, capsys):
 
 def test_a_curve_of_one_point_is_drawn_as_a_marker():
     """A run stopped right after its first log_every has one record: as a line it drew an empty panel."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from aiayn.train.metrics import _draw
 
-    fig = _draw([{"step": 10, "loss": 5.0, "nll": 4.9, "lr": 0.001}], plt)
+    fig = _draw([{"step": 10, "loss": 5.0, "nll": 4.9, "lr": 0.001}])
+    assert [[line.get_marker() for line in ax.lines] for ax in fig.axes] == [["o", "o"], ["o"]]
+    fig = _draw([{"step": s, "loss": 5.0, "nll": 4.9, "lr": 0.001} for s in (10, 20)])
     markers = [[line.get_marker() for line in ax.lines] for ax in fig.axes]
-    plt.close(fig)
-    assert markers == [["o", "o"], ["o"]]
-    fig = _draw([{"step": s, "loss": 5.0, "nll": 4.9, "lr": 0.001} for s in (10, 20)], plt)
-    markers = [[line.get_marker() for line in ax.lines] for ax in fig.axes]
-    plt.close(fig)
     assert markers == [["None", "None"], ["None"]]  # a curve: lines, as before

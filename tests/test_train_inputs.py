@@ -1240,3 +1240,17 @@ def test_a_perplexity_past_the_cap_is_printed_as_a_bound():
     assert shown_ppl(math.log(12.34), 2) == "12.34"
     assert shown_ppl(50.0, 1) == f"{math.exp(50):.1f}"
     assert shown_ppl(2e10, 1) == ">5.2e+21"  # exp(50) was printed as if it were the value
+
+
+def test_train_gives_the_caller_its_thread_count_back(finished_run, tmp_path):
+    """train.threads=1 left the caller's process on one thread: a notebook's next run trained another
+    model (a thread count changes the sums' order), and slower."""
+    config = copy_run(finished_run, tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert config.train.threads == 1
+        assert train(with_train(config, max_updates=5), resume=True)["step"] == 5
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

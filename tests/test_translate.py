@@ -334,9 +334,12 @@ def test_cli_reads_a_pipe_with_progress_but_no_total(checkpoint, tmp_path, capsy
     assert "6line" in capsys.readouterr().err  # tqdm without a total: lines done, no "/6"
 
 
-def test_a_slow_writer_on_a_pipe_gets_each_answer_before_it_writes_more(checkpoint):
+@pytest.mark.parametrize("first", [TEXTS[0], "the\rnumber\r3"])
+def test_a_slow_writer_on_a_pipe_gets_each_answer_before_it_writes_more(checkpoint, first):
     """A filter in a pipeline: the producer writes a line and waits for its translation before the next.
-    Reading 10,000 lines before translating deadlocked that; each line must come back at once."""
+    Reading 10,000 lines before translating deadlocked that; each line must come back at once, a first
+    line with CRs alone too (held for the next as a classic Mac file might be, it hung the session)."""
+    texts = [first, *TEXTS[1:3]]
     translator = Translator.load(checkpoint)
     read_end, write_end = os.pipe()
     answered = threading.Event()
@@ -347,7 +350,7 @@ def test_a_slow_writer_on_a_pipe_gets_each_answer_before_it_writes_more(checkpoi
             return super().write(text)
 
     def producer():
-        for text in TEXTS[:3]:
+        for text in texts:
             answered.clear()
             os.write(write_end, (text + "\n").encode())
             waited.append(answered.wait(timeout=10))
@@ -361,7 +364,7 @@ def test_a_slow_writer_on_a_pipe_gets_each_answer_before_it_writes_more(checkpoi
         assert translate_stream(translator, src, dst, "<pipe>", chunk=10_000, **OPTIONS) == 3
     thread.join()
     assert waited == [True, True, True]
-    assert dst.getvalue().split("\n") == [alone(translator, t) for t in TEXTS[:3]] + [""]
+    assert dst.getvalue().split("\n") == [alone(translator, t) for t in texts] + [""]
 
 
 def piped(data: bytes):
@@ -889,6 +892,7 @@ def test_a_first_line_with_stray_crs_is_translated_when_more_lines_follow():
         ["a\rb\rc"], ["more"], ["more"], ["more"]]
     with pytest.raises(UserError, match=r"^in: CR line ends and more CRs alone than LFs \(2 to 1"):
         list(read_utf8_lines(io.BytesIO(b"a\rb\rc\n"), "in", 1))
+    assert list(read_utf8_lines(io.BytesIO(b"the number 5\r\r"), "in", 1)) == [["the number 5"]]  # no LF
 
 
 def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, capsys):

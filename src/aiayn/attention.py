@@ -237,14 +237,12 @@ def label_fonts() -> list[str]:
 def render_kind(maps: AttentionMaps, kind: str) -> tuple[bytes, set[str]]:
     """One PNG, in memory: a grid of heatmaps, a row per layer and a column per head, tokens on the axes;
     and the label characters that no installed font has (drawn as boxes)."""
-    import matplotlib
+    import matplotlib  # no pyplot: matplotlib.use("Agg") switched a notebook's backend for its session
 
-    matplotlib.use("Agg")  # no display needed; a no-op if pyplot already chose a backend
-    import matplotlib.pyplot as plt
-
-    with plt.rc_context({"font.family": label_fonts()}), warnings.catch_warnings(record=True) as caught:
+    fonts = {"font.family": label_fonts()}
+    with matplotlib.rc_context(fonts), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # matplotlib's multi-line warning per missing glyph: counted, not shown
-        png = _render(plt, maps, kind)
+        png = _render(maps, kind)
     missing = set()
     for w in caught:
         found = re.match(r"Glyph (\d+) ", str(w.message))
@@ -255,8 +253,10 @@ def render_kind(maps: AttentionMaps, kind: str) -> tuple[bytes, set[str]]:
     return png, missing
 
 
-def _render(plt, maps: AttentionMaps, kind: str) -> bytes:
+def _render(maps: AttentionMaps, kind: str) -> bytes:
     """`render_kind`'s figure."""
+    from matplotlib.figure import Figure
+
     weights = maps.weights(kind).numpy()  # (L, H, R, C)
     rows, cols = maps.labels(kind)
     layer_numbers, head_numbers = maps.layer_numbers(kind), maps.head_numbers()
@@ -265,25 +265,23 @@ def _render(plt, maps: AttentionMaps, kind: str) -> bytes:
     w, h = max(1.5, cell * len(cols)), max(1.5, cell * len(rows))
     label = 0.12 * font / 7.0 * max(map(len, rows + cols))  # inches of the longest tick label
     size = (min(w * n_heads, MAX_FIGURE_INCHES) + label + 1.5, min(h * n_layers, MAX_FIGURE_INCHES) + label + 1.0)
-    fig, axes = plt.subplots(n_layers, n_heads, figsize=size, squeeze=False, layout="constrained")
-    try:
-        for layer in range(n_layers):
-            for head in range(n_heads):
-                ax = axes[layer][head]
-                image = ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-                # Every map of a kind shares its axes: label the left column and the bottom row only.
-                # parse_math=False: a piece such as "$$" or "$x$" is text, not matplotlib's math (which
-                # raised on "$$" and drew "$x$" as an italic x)
-                ax.set_yticks(range(len(rows)), rows if head == 0 else [], fontsize=font, parse_math=False)
-                ax.set_xticks(range(len(cols)), cols if layer == n_layers - 1 else [], rotation=90,
-                              fontsize=font, parse_math=False)
-                ax.set_title(f"layer {layer_numbers[layer]}, head {head_numbers[head]}", fontsize=9)
-        fig.suptitle(TITLES[kind], fontsize=11)
-        fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-        png = io.BytesIO()
-        fig.savefig(png, dpi=DPI, bbox_inches="tight")
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=size, layout="constrained")
+    axes = fig.subplots(n_layers, n_heads, squeeze=False)
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            ax = axes[layer][head]
+            image = ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+            # Every map of a kind shares its axes: label the left column and the bottom row only.
+            # parse_math=False: a piece such as "$$" or "$x$" is text, not matplotlib's math (which
+            # raised on "$$" and drew "$x$" as an italic x)
+            ax.set_yticks(range(len(rows)), rows if head == 0 else [], fontsize=font, parse_math=False)
+            ax.set_xticks(range(len(cols)), cols if layer == n_layers - 1 else [], rotation=90,
+                          fontsize=font, parse_math=False)
+            ax.set_title(f"layer {layer_numbers[layer]}, head {head_numbers[head]}", fontsize=9)
+    fig.suptitle(TITLES[kind], fontsize=11)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    png = io.BytesIO()
+    fig.savefig(png, dpi=DPI, bbox_inches="tight")
     return png.getvalue()
 
 

@@ -397,8 +397,9 @@ def read_utf8_lines(
         if n == 1 and not raw.endswith(b"\n") and cr_only(raw):  # the whole input, and no LF in it
             raise cr_only_error(name)
         if n <= 2:  # a whole input of one line whose CRs alone outnumber its LF: a classic Mac file that
-            # ends with an LF, refused as training refuses it (that line is held until the next one comes)
-            lone = raw.count(b"\r") - raw.count(b"\r\n") if n == 1 else 0
+            # ends with an LF, refused as training refuses it. That line is held for the next one only
+            # while more input is ready (a file; a pipe that stalled after it is a session awaiting answers)
+            lone = raw.count(b"\r") - raw.count(b"\r\n") if n == 1 and raw.endswith(b"\n") and more else 0
         if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
             raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?)")
         lines.append(text.removeprefix("\ufeff") if n == 1 else text)  # a BOM, as training and evaluate drop it

@@ -109,6 +109,7 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
         raise TypeError(f"train() takes a RunConfig, not {type(config).__name__}: build one with "
                         "aiayn.train.config.load_config(path, overrides) or run_config(dict)")
     d = distributed.setup(config.train.device)
+    threads = torch.get_num_threads()
     try:
         return _train(config, resume, d)
     except RuntimeError as e:
@@ -116,6 +117,7 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
             raise lost from None
         raise
     finally:
+        torch.set_num_threads(threads)  # the caller's: train.threads=1 left a notebook's later runs on one
         distributed.teardown(d)
 
 

@@ -132,21 +132,12 @@ def _check_numbers(record: dict[str, Any], where: str) -> None:
 def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     """Loss and NLL (train and validation) and the learning rate against the update number, as a
     PNG written atomically (the old picture stays if writing fails); a missing directory is made."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
     _check_png_output(Path(png_path), Path(jsonl_path))
     records = read_metrics(jsonl_path)
     if not any("step" in r for r in records):  # an empty picture, exit 0, looked like a broken run
         raise UserError(f"{jsonl_path}: no metrics logged yet (the first come after train.log_every updates)")
-    fig = _draw(records, plt)
-    try:
-        png = io.BytesIO()
-        fig.savefig(png, format="png", dpi=100)
-    finally:
-        plt.close(fig)
+    png = io.BytesIO()
+    _draw(records).savefig(png, format="png", dpi=100)
     png_path = Path(png_path)
     _write_png(png.getvalue(), png_path)
     return png_path
@@ -190,9 +181,14 @@ def _best(pick, values: list[float], steps: list[int]) -> tuple[float, int]:
     return pick(real, default=(math.nan, steps[0]))
 
 
-def _draw(records: list[dict[str, Any]], plt):
+def _draw(records: list[dict[str, Any]]):
+    """The curves' figure, made without pyplot: `matplotlib.use("Agg")` switched a notebook's backend
+    (inline plots) for the rest of its session, and pyplot keeps every figure until it is closed."""
+    from matplotlib.figure import Figure
+
     bleu_steps, bleus = _points(records, "valid_bleu")  # with train.bleu_every: a third panel
-    fig, axes = plt.subplots(1, 3 if bleu_steps else 2, figsize=(16 if bleu_steps else 11, 4))
+    fig = Figure(figsize=(16 if bleu_steps else 11, 4))
+    axes = fig.subplots(1, 3 if bleu_steps else 2)
     ax_loss, ax_lr = axes[0], axes[1]
     for key, label, style in (
         ("loss", "train loss (smoothed)", "-"),

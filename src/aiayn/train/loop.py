@@ -101,7 +101,10 @@ class Data:
 
 
 def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
-    """Train (or continue training) the model `config` describes; return the last metrics.
+    """Train (or continue training) the model `config` describes. Returns the last checkpoint's record:
+    "step", "stop" (why it ended), and with "epoch" the validation's "valid_loss", "valid_nll",
+    "valid_ppl" (and "valid_bleu") when it validated; a resumed run already at its budget, "step" and
+    "stop" alone. The training loss is in metrics.jsonl.
 
     SIGTERM or a first Ctrl-C (a notebook's interrupt too) during the updates saves the update under way
     and raises `aiayn.errors.Stopped`; `resume=True` continues from there."""

@@ -263,7 +263,6 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
 def cmd_score(args: argparse.Namespace) -> None:
     """Write log P(target | source) of each line pair of --src and --tgt, one per line."""
-    import contextlib
     from pathlib import Path
 
     import torch

@@ -29,7 +29,7 @@ import torch
 
 from aiayn.config import ConfigError, from_dict
 from aiayn.data.batching import right_pad
-from aiayn.data.dataset import cr_only, cr_only_error, has_text, looks_like
+from aiayn.data.dataset import cr_only, cr_only_error, has_text, lone_cr_count, looks_like
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.compiled import compile_one_row_step
@@ -399,7 +399,7 @@ def read_utf8_lines(
         if n <= 2:  # a whole input of one line whose CRs alone outnumber its LF: a classic Mac file that
             # ends with an LF, refused as training refuses it. That line is held for the next one only
             # while more input is ready (a file; a pipe that stalled after it is a session awaiting answers)
-            lone = raw.count(b"\r") - raw.count(b"\r\n") if n == 1 and raw.endswith(b"\n") and more else 0
+            lone = lone_cr_count(raw) if n == 1 and raw.endswith(b"\n") and more else 0
         if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
             raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?)")
         lines.append(text.removeprefix("\ufeff") if n == 1 else text)  # a BOM, as training and evaluate drop it

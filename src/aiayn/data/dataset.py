@@ -34,7 +34,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from aiayn.data.tokenizer import MAX_LINE_BYTES, SEED_SENTENCES, Tokenizer, train_sentencepiece
+from aiayn.data.tokenizer import (
+    MAX_LINE_BYTES, MIN_CHARACTER_COVERAGE, SEED_SENTENCES, Tokenizer, train_sentencepiece,
+)
 from aiayn.errors import UserError
 from aiayn.files import atomic_output, new_file_mode, require_file, temporary_path
 from aiayn.model.transformer import target_positions
@@ -77,7 +79,7 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
         if nul is None and (at := block.find(b"\0")) >= 0:  # valid UTF-8, but no text has it
             nul = newlines + block.count(b"\n", 0, at) + 1
         newlines += block.count(b"\n")
-        lone_crs += block.count(b"\r") - block.count(b"\r\n")  # a block ends after an LF: no CRLF is cut
+        lone_crs += lone_cr_count(block)  # a block ends after an LF: no CRLF is cut
         # Notepad's BOM would stay glued to the first word (a hypothesis scored 99.84 BLEU against itself);
         # SentencePiece drops it from training text anyway.
         yield _split_lines(text.removeprefix("\ufeff") if n == 0 else text)
@@ -93,6 +95,11 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
 def cr_only(text: bytes) -> bool:
     """Whether `text`, all of a file that holds no LF, has CR line ends: read as one line."""
     return b"\r" in text.rstrip(b"\r")
+
+
+def lone_cr_count(text: bytes) -> int:
+    """CRs not before an LF in `text`: line ends of a classic Mac file where they outnumber the LFs."""
+    return text.count(b"\r") - text.count(b"\r\n")
 
 
 def cr_only_error(path: Path | str, lfs: int = 0, lone_crs: int = 0) -> UserError:
@@ -754,7 +761,6 @@ def _refusal(error: str, vocab_size: int, character_coverage: float) -> str:
 
 
 USUAL_CJK_COVERAGE = 0.9995  # SentencePiece's advice for Chinese and Japanese
-MIN_CHARACTER_COVERAGE = 0.98  # SentencePiece's least, and data.character_coverage's (train/config.py)
 
 
 def _too_many_characters(vocab_size: int, needed: int, character_coverage: float) -> str:

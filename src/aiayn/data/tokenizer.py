@@ -19,6 +19,7 @@ from aiayn.files import atomic_output, temporary_path
 
 SHARED, SOURCE, TARGET = "spm.model", "source.spm", "target.spm"
 SEED_SENTENCES = 2_000_000  # sentences a model is trained on at most: of more, a seeded sample (dataset.py)
+MIN_CHARACTER_COVERAGE = 0.98  # SentencePiece's least character_coverage, and data.character_coverage's
 
 
 class Tokenizer:

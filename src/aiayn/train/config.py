@@ -23,6 +23,7 @@ import tomllib
 from aiayn.config import (
     MAX_THREADS, PRESETS, ConfigError, ModelConfig, check_types, from_dict, matches_type, model_config, to_dict,
 )
+from aiayn.data.tokenizer import MIN_CHARACTER_COVERAGE
 from aiayn.errors import UserError
 from aiayn.files import require_file
 
@@ -60,9 +61,9 @@ class DataConfig:
         rules = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")  # SentencePiece's rule names
         if self.normalization not in rules:
             raise ConfigError(f"data.normalization={self.normalization!r} is not one of {', '.join(rules)}")
-        if not 0.98 <= self.character_coverage <= 1.0:  # SentencePiece's own bounds; also refuses nan
-            raise ConfigError(f"data.character_coverage={self.character_coverage} is not in [0.98, 1] "
-                              "(SentencePiece's range)")
+        if not MIN_CHARACTER_COVERAGE <= self.character_coverage <= 1.0:  # SentencePiece's; refuses nan
+            raise ConfigError(f"data.character_coverage={self.character_coverage} is not in "
+                              f"[{MIN_CHARACTER_COVERAGE}, 1] (SentencePiece's range)")
         if self.vocab_size < 8 or self.max_len < 2:
             raise ConfigError("data.vocab_size must be >= 8 and data.max_len >= 2")
         if self.vocab_size > MAX_VOCAB:  # SentencePiece's int32 parse failed with a traceback, after reading
@@ -242,9 +243,7 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
                 f"model.{key}={value!r} differs from {where}'s {getattr(saved, key)!r}; with "
                 "train.init_from only model.dropout may be set"
             )
-    if preset is not None:
-        if preset not in PRESETS:
-            raise ConfigError(f"model.preset={preset!r} is not one of {sorted(PRESETS)}")
+    if preset is not None:  # a known one (`RunConfig._check_finetune_keys`)
         differ = [f"{key}={value!r} (the checkpoint's: {getattr(saved, key)!r})"  # keys [model] leaves to it
                   for key, value in PRESETS[preset].items()
                   if key != "dropout" and key not in values and getattr(saved, key) != value]

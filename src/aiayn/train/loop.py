@@ -73,7 +73,7 @@ from aiayn.train import distributed
 from aiayn.train.config import DataConfig, RunConfig, finetune_model_config
 from aiayn.train.distributed import Dist, SameOnEveryProcess
 from aiayn.train.loss import label_smoothed_nll
-from aiayn.train.metrics import MetricsLog, plot_metrics
+from aiayn.train.metrics import PPL_CAP, MetricsLog, plot_metrics
 from aiayn.train.schedule import cooldown_factor, inverse_sqrt_lr
 from aiayn.train.state import (
     RunLock,
@@ -515,9 +515,6 @@ def _log_window(
             f", {_clock(left)} left" if left is not None else "",
         )
     return line
-
-
-PPL_CAP = 50  # nats: exp overflows past ~709; metrics.jsonl's ppl is exp of at most this
 
 
 def shown_ppl(nll: float, digits: int) -> str:

@@ -15,6 +15,7 @@ from aiayn.errors import UserError
 from aiayn.files import atomic_output, check_file_output, directory_for
 
 log = logging.getLogger(__name__)
+PPL_CAP = 50  # nats: exp overflows past ~709; the perplexity logged, printed and drawn is exp of at most this
 
 # The keys the picture draws; where a record has one, it must be a number.
 PLOTTED = ("step", "loss", "nll", "valid_loss", "valid_nll", "lr", "valid_bleu")
@@ -207,8 +208,7 @@ def _draw(records: list[dict[str, Any]]):
     steps, nlls = _points(records, "valid_nll")
     if steps:
         nll, step = _best(min, nlls, steps)
-        # capped as the training loop caps valid_ppl: exp overflows past ~709
-        ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {math.exp(min(nll, 50)):.2f}) at {step}")
+        ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {math.exp(min(nll, PPL_CAP)):.2f}) at {step}")
     lr_steps, lrs = _points(records, "lr")
     ax_lr.plot(lr_steps, lrs, "o-" if len(lr_steps) == 1 else "-", markersize=3)
     ax_lr.set_xlabel("update")

@@ -146,6 +146,8 @@ def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, 
     assert err.startswith("run.py: error: ") and "--partner train.seed=3" in err and err.count("\n") == 1
     assert run.main([*base, "--partner", "train.log_every=7"]) == 2  # bookkeeping: the same weights
     capsys.readouterr()
+    assert run.main([*base, "--partner", "data.normalization=nmt_nfkc"]) == 2  # the default written: compared
+    capsys.readouterr()  # as meta.json records them (the fields of what was written made them differ)
     with pytest.raises(AssertionError, match="trained"):  # the recipe's own partner differs
         run.main(base)
     assert not (tmp_path / "r").exists()

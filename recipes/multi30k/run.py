@@ -25,7 +25,7 @@ from pathlib import Path
 
 from aiayn.checkpoint import read_meta
 from aiayn.cli import positive_int
-from aiayn.config import ConfigError, to_dict
+from aiayn.config import ConfigError
 from aiayn.data.dataset import read_lines
 from aiayn.decoding import DecodeConfig
 from aiayn.errors import Stopped, UserError
@@ -113,8 +113,9 @@ BOOKKEEPING = ("run_dir", "threads", "log_every")
 def check_members_differ(configs: list[RunConfig]) -> None:
     """Two members of one configuration train one model twice, bit for bit: `--set train.seed=2` met
     en-de's partner `train.seed=2`, and the ensemble of two copies cost twice the training."""
-    a, b = ({**to_dict(c), "train": {k: v for k, v in to_dict(c.train).items() if k not in BOOKKEEPING}}
-            for c in configs)
+    a, b = (c.to_dict() for c in configs)  # what meta.json records (asdict also compared what was written)
+    for d in (a, b):
+        d["train"] = {k: v for k, v in d["train"].items() if k not in BOOKKEEPING}
     if a == b:
         raise UserError("the two --ensemble members would train the same model (the partner's overrides set "
                         "nothing --set has not); make them differ, e.g. --partner "

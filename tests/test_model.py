@@ -128,6 +128,29 @@ def test_parameter_counts_match_the_paper(preset, paper):
     assert abs(model.num_parameters() - paper) / paper < 0.05
 
 
+def test_attention_projections_start_as_fairseqs():
+    """Each of W^Q, W^K, W^V is drawn as its own d x d Xavier-uniform matrix with gain 1/sqrt(2) and W^O
+    with gain 1, in self- and encoder-decoder attention alike (fairseq's MultiheadAttention). Xavier over
+    the packed matrices gave W^Q three scales: 3d x d, 2d x d and d x d."""
+    torch.manual_seed(0)
+    d = 256
+    model = Transformer(ModelConfig(d_model=d, n_heads=4, d_ff=512, n_layers=1, vocab_size=50))
+
+    def check(w, gain):
+        bound = gain * math.sqrt(6 / (w.shape[0] + w.shape[1]))  # Glorot and Bengio (2010), eq. 16
+        assert w.abs().max() <= bound and w.abs().max() > 0.99 * bound
+        assert abs(w.std().item() / (bound / math.sqrt(3)) - 1) < 0.02  # a uniform's standard deviation
+
+    layer = model.decoder[0]
+    for linear in layer.self_attn.qkv_proj, layer.src_attn.q_proj, layer.src_attn.kv_proj:
+        for w in linear.weight.split(d):
+            check(w, 2**-0.5)
+        assert not linear.bias.any()
+    for attention in layer.self_attn, layer.src_attn, model.encoder[0].self_attn:
+        check(attention.out_proj.weight, 1.0)
+    check(layer.feed_forward.w_1.weight, 1.0)  # the rest as before: Xavier over the matrix
+
+
 def test_embeddings_are_shared_and_scaled():
     model = tiny_model()
     assert model.src_embed.embed.weight is model.tgt_embed.embed.weight is model.generator.weight

@@ -191,14 +191,21 @@ class Transformer(nn.Module):
         return self
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform matrices, zero biases (tensor2tensor, fairseq); embeddings N(0, d^-1/2) so
-        that after the sqrt(d) scale they have unit variance, the size of the positional signal; LayerNorm
-        gains one; Marian's logits bias, a buffer, zero."""
+        """Xavier-uniform matrices, zero biases (tensor2tensor, fairseq), attention's as fairseq's
+        (`MultiHeadAttention.reset_parameters`); embeddings N(0, d^-1/2) so that after the sqrt(d) scale
+        they have unit variance, the size of the positional signal; LayerNorm gains one; Marian's logits
+        bias, a buffer, zero."""
+        attentions = [m for m in self.modules() if isinstance(m, MultiHeadAttention)]
+        theirs = {id(p) for m in attentions for p in m.parameters()}
         for name, p in self.named_parameters():
+            if id(p) in theirs:
+                continue
             if p.dim() > 1 and "embed" not in name:
                 nn.init.xavier_uniform_(p)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
+        for attention in attentions:
+            attention.reset_parameters()
         for emb in {id(m): m for m in self.modules() if isinstance(m, nn.Embedding)}.values():
             nn.init.normal_(emb.weight, mean=0.0, std=self.config.d_model**-0.5)
         for norm in self.modules():

@@ -327,6 +327,17 @@ def test_existing_outputs_need_force_and_must_be_directories(run, tmp_path, caps
     for out in ("empty", "empty"):  # an empty directory, then the checkpoint written there the first time
         assert main(["average", str(run), "-o", str(tmp_path / out), "--force"]) == 0
         assert load_checkpoint(tmp_path / out).meta["step"] == 3
+    # a checkpoint with the user's files beside it: --force deleted them with the checkpoint it replaced
+    for name in ("NOTES.txt", "eval", "b", "c"):
+        (tmp_path / "empty" / name).write_text("mine")
+        capsys.readouterr()
+        assert main(["average", str(run), "-o", str(tmp_path / "empty"), "--force"]) == 2
+        named = "NOTES.txt, b, c and 1 more" if name == "c" else "NOTES.txt" if name == "NOTES.txt" else None
+        if named:
+            assert capsys.readouterr().err.splitlines() == [
+                f"aiayn: error: {tmp_path / 'empty'}: holds {named} beside an aiayn checkpoint; --force "
+                "replaces the whole directory, so move them out first"]
+    assert (tmp_path / "empty" / "NOTES.txt").read_text() == "mine"
     here = tmp_path / "here"
     here.mkdir()
     (here / "notes.txt").write_text("mine")

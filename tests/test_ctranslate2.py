@@ -48,6 +48,10 @@ def random_model(tokenizer: Tokenizer, **overrides) -> Transformer:
     for name, p in model.named_parameters():  # LayerNorms and biases away from 1 and 0 so each one counts
         if p.dim() == 1:
             p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3)
+        elif "embed" in name:  # unscaled embeddings of std d^-1/2 drowned in the positions: a constant output
+            p.mul_(1.0 if config.scale_embedding else config.d_model**0.5)
+        elif "src_attn" in name:
+            p.mul_(3.0)  # encoder-decoder attention sharper than at initialization, so the source counts
     if model.final_logits_bias is not None:
         model.final_logits_bias.normal_(0.0, 0.3)
     return model
@@ -136,6 +140,12 @@ def test_existing_output_is_not_replaced(tmp_path, spm_models):
     export_ctranslate2(tmp_path / "ck", tmp_path / "ct2", force=True)  # an empty directory, then an export
     export_ctranslate2(tmp_path / "ck", tmp_path / "ct2", force=True)
     assert (tmp_path / "ct2" / "model.bin").is_file()
+    # the SentencePiece model copied beside an export, as one deploys it, went with the export it replaced
+    (tmp_path / "ct2" / "spm.model").write_bytes((tmp_path / "ck" / "spm.model").read_bytes())
+    with pytest.raises(UserError, match="ct2: holds spm.model beside a CTranslate2 model; --force replaces "
+                                        "the whole directory, so move them out first"):
+        export_ctranslate2(tmp_path / "ck", tmp_path / "ct2", force=True)
+    assert (tmp_path / "ct2" / "spm.model").is_file()
 
 
 def files(root) -> dict[str, bytes]:

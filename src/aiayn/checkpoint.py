@@ -24,9 +24,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from aiayn.config import ConfigError, ModelConfig, from_dict, to_dict
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import SHARED, SOURCE, TARGET, Tokenizer
 from aiayn.errors import CorruptFile, UserError, is_out_of_memory
-from aiayn.files import write_atomically
+from aiayn.files import OutputKind, write_atomically
 from aiayn.model import Transformer
 
 FORMAT = "aiayn-1"
@@ -117,6 +117,11 @@ def save_checkpoint(
 def is_checkpoint(path: Path) -> bool:
     """Whether `path` is a checkpoint directory: its weights and meta.json."""
     return (path / META).is_file() and (path / WEIGHTS).is_file()
+
+
+# What `--force` may replace (convert, average): a checkpoint directory with no file of anyone else's.
+CHECKPOINT_KIND = OutputKind("an aiayn checkpoint", is_checkpoint, frozenset(
+    {WEIGHTS, META, "trainer.safetensors", "trainer.json", SHARED, SOURCE, TARGET}))
 
 
 def enclosing_checkpoint(path: str | Path, itself: bool = True) -> tuple[str, Path] | None:

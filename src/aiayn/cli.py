@@ -182,14 +182,13 @@ def cmd_convert(args: argparse.Namespace) -> None:
     """Import another toolkit's model as an aiayn checkpoint (MarianMT / OPUS-MT)."""
     from pathlib import Path
 
-    from aiayn.checkpoint import is_checkpoint
+    from aiayn.checkpoint import CHECKPOINT_KIND
     from aiayn.files import check_output
     from aiayn.interop.marian import convert_marian
 
     _log_to_stderr()
     # before convert_marian's write replaces OUT; --force replaces an earlier checkpoint, nothing else
-    earlier = ("an aiayn checkpoint", is_checkpoint)
-    check_output(Path(args.out), [Path(args.source)], args.force, earlier=earlier)
+    check_output(Path(args.out), [Path(args.source)], args.force, earlier=CHECKPOINT_KIND)
     _check_outside_checkpoints(Path(args.out), may_be_one=True)
     print(convert_marian(args.source, args.out))
 

@@ -17,6 +17,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -75,16 +76,27 @@ def overlap(out: Path, other: Path) -> str | None:
     return "lies inside" if other in out.parents else None
 
 
+@dataclass(frozen=True)
+class OutputKind:
+    """What a command writes as a directory, so that `--force` replaces an earlier one and nothing else:
+    `what` names it, `test` finds one in a directory, `names` are the entries one may hold."""
+
+    what: str
+    test: Callable[[Path], bool]
+    names: frozenset[str]
+
+
 def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: list[Path] | None = None,
-                 earlier: tuple[str, Callable[[Path], bool]] | None = None) -> None:
+                 earlier: OutputKind | None = None) -> None:
     """Refuse an output directory whose writing would lose data (the commands' guard, before any work).
 
     `out` may not be or contain any of `inputs`, nor replace something inside one, even with `force`
     (a new directory inside one deletes nothing); nor be or contain an `enclosing` directory (a run
     directory). An existing `out` is replaced only with `force`, only if it is a directory, never the
-    current directory or one above it, and, with `earlier` = (what, test), only if it is empty or
-    `test` finds an earlier output of that kind in it: `convert ... RUN --force` replaced a whole
-    training run, a live one too, and `"$PWD" --force` the user's files.
+    current directory or one above it, and, with `earlier`, only if it is empty or holds an earlier
+    output of that kind and nothing else: `convert ... RUN --force` replaced a whole training run, a live
+    one too, `"$PWD" --force` the user's files, and `export ... --force` the SentencePiece models copied
+    beside an earlier export.
     """
     out = Path(out)
     _check_named(out)
@@ -106,9 +118,16 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     if here in ("is", "lies inside"):
         raise UserError(f"{out}: {'is' if here == 'is' else 'contains'} the current directory; will not "
                         "replace it")
-    if exists and earlier is not None and any(out.iterdir()) and not earlier[1](out):
-        raise UserError(f"{out}: holds files that are not {earlier[0]}; will not replace it, even with "
+    if not (exists and earlier is not None and any(out.iterdir())):
+        return
+    if not earlier.test(out):
+        raise UserError(f"{out}: holds files that are not {earlier.what}; will not replace it, even with "
                         "--force (delete it first if it should go)")
+    others = sorted(p.name for p in out.iterdir() if p.name not in earlier.names)
+    if others:
+        named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise UserError(f"{out}: holds {named} beside {earlier.what}; --force replaces the whole directory, "
+                        "so move them out first")
 
 
 def check_file_output(out: str | Path, inputs: list[Path]) -> None:

@@ -25,7 +25,7 @@ from ctranslate2.specs.transformer_spec import TransformerSpec
 from aiayn.checkpoint import load_checkpoint
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
-from aiayn.files import check_output, write_atomically
+from aiayn.files import OutputKind, check_output, write_atomically
 from aiayn.model import Transformer
 
 # exp(-1e4) is 0 in float32, so pad drops out of the softmax exactly as aiayn's searches mask it; the
@@ -148,6 +148,14 @@ def _is_ct2_model(directory: Path) -> bool:
     return (directory / "model.bin").is_file() and (directory / "config.json").is_file()
 
 
+# What `export --force` may replace: the files CTranslate2's converters write (older ones wrote .txt
+# vocabularies), so that a tokenizer or notes kept beside an export are refused rather than deleted.
+_VOCABULARIES = {f"{side}_vocabulary.{ext}" for side in ("shared", "source", "target")
+                 for ext in ("json", "txt")}
+CT2_KIND = OutputKind("a CTranslate2 model", _is_ct2_model,
+                      frozenset({"model.bin", "config.json"} | _VOCABULARIES))
+
+
 def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: str | None = None,
                        force: bool = False) -> Path:
     """Write the CTranslate2 model directory `out` for `checkpoint`; return its path.
@@ -157,7 +165,7 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     replaces an existing `out`, but never the checkpoint itself or a directory holding it.
     """
     out = Path(out)
-    check_output(out, [Path(checkpoint)], force, earlier=("a CTranslate2 model", _is_ct2_model))
+    check_output(out, [Path(checkpoint)], force, earlier=CT2_KIND)
 
     def write(tmp: Path) -> None:
         try:  # force: the converter replaces `tmp`, the empty directory write_atomically made

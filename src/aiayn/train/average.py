@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from aiayn.checkpoint import (
+    CHECKPOINT_KIND,
     check_finite,
     checkpoint_tokenizer,
-    is_checkpoint,
     config_section,
     load_checkpoint,
     load_into,
@@ -24,7 +24,6 @@ from aiayn.files import check_output, overlap
 from aiayn.train.state import checkpoint_dirs, is_interrupted
 
 log = logging.getLogger(__name__)
-EARLIER = ("an aiayn checkpoint", is_checkpoint)  # what --force may replace: nothing else
 
 
 def average_state_dicts(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -79,7 +78,7 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     An existing `out` is replaced only with `force`, and never when it is or holds one of `paths`."""
     if not paths:
         raise UserError("no checkpoints to average")
-    check_output(out, list(paths), force, earlier=EARLIER)
+    check_output(out, list(paths), force, earlier=CHECKPOINT_KIND)
     metas = [read_meta(p) for p in paths]
     check_same_model(paths, metas)
     check_same_tokenizer(paths, metas)
@@ -185,7 +184,7 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
         if (relation := overlap(Path(target), root)) in ("is", "lies inside"):  # "contains": the check below
             raise UserError(f"{target}: {relation} {root}, which training owns (it resumes from and prunes "
                             "what is there)")
-        check_output(target, [], replace, enclosing=[run_dir], earlier=EARLIER)
+        check_output(target, [], replace, enclosing=[run_dir], earlier=CHECKPOINT_KIND)
         try:
             return average_checkpoints(chosen, target, replace)
         except UserError:

@@ -157,6 +157,14 @@ def test_a_bad_line_late_in_a_file_fails_before_anything_is_translated(checkpoin
         code = main(["translate", str(checkpoint), "-i", str(src), "--chunk", "10", "-o", str(tmp_path / "o")]
                     + quiet)
         assert (code, capsys.readouterr().err) == (2, f"aiayn: error: {src}:31: invalid UTF-8 (byte 0xff)\n")
+    # a sentence too long for the model's positions, past the pre-pass's first block of 10,000 lines too
+    limit = Translator.load(checkpoint).model.config.max_len
+    src.write_text("the number 3\n" * 10_030 + " ".join(["the number 12"] * limit) + "\n")
+    code = main(["translate", str(checkpoint), "-i", str(src), "--chunk", "10", "-o", str(tmp_path / "o"),
+                 "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"aiayn: error: {src}:10031: ") and f"the {limit} positions" in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_over_long_text_is_named(checkpoint):

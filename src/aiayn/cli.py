@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import BinaryIO
 
 from aiayn.config import MAX_THREADS, PRESETS, ConfigError, model_config
@@ -250,7 +251,8 @@ def cmd_translate(args: argparse.Namespace) -> None:
         dst = sys.stdout
         if args.output not in (None, "-"):  # complete or untouched: a failed run leaves no half file
             dst = stack.enter_context(atomic_output(args.output))
-        total = _checked_line_count(src, name)  # a regular file: a bad line fails now, not chunks later
+        # a regular file: a bad line fails now, not chunks later; a too long one too
+        total = _checked_line_count(src, name, translator.source_ids)
         progress = None
         if name != "<stdin>" and not args.quiet:  # a named input: show progress on stderr
             from tqdm import tqdm
@@ -352,17 +354,25 @@ def _check_streams(input: str | None, output: str | None, input_option: str = "-
         raise UserError(f"{output}: is a directory; -o names the output file")
 
 
-def _checked_line_count(src, name: str) -> int | None:
-    """The lines of a regular file, counted and checked as translating reads them (UTF-8, no NUL), then
-    back to where it was: invalid UTF-8 at line 3,001 is found before any line is translated, not after
-    3,000 were and then thrown away. None for a pipe, a FIFO or `<(...)`, which can be read only once (a
+def _checked_line_count(src, name: str, check: Callable[[list[str]], object] | None = None) -> int | None:
+    """The lines of a regular file, counted and checked as translating reads them (UTF-8, no NUL, and
+    `check`, which raises a `TextError` indexed in the lines it gets), then back to where it was: invalid
+    UTF-8 or a too long sentence at line 3,001 is found before any line is translated, not after 3,000
+    were and then thrown away. None for a pipe, a FIFO or `<(...)`, which can be read only once (a
     progress bar without a total then)."""
+    from aiayn.errors import TextError
     from aiayn.translate import is_regular_file, read_utf8_lines
 
     if not (is_regular_file(src) and src.seekable()):
         return None
-    start = src.tell()
-    total = sum(len(lines) for lines in read_utf8_lines(src, name, 10_000, whole_chunks=True))
+    start, total = src.tell(), 0
+    for lines in read_utf8_lines(src, name, 10_000, whole_chunks=True):
+        try:
+            if check is not None:
+                check(lines)
+        except TextError as e:
+            raise e.located(name, total) from None
+        total += len(lines)
     src.seek(start)
     return total
 
@@ -542,7 +552,9 @@ def add_translate_parser(sub) -> None:
                    "ended with fewer) in "
                    "Marian's n-best format, `LINE ||| TEXT ||| F0= LOGP ||| SCORE`: LINE counts from 0, LOGP "
                    "is log P(TEXT | line) (the sum of its tokens' log-probabilities, EOS included when "
-                   "produced), SCORE is "
+                   "produced, for the pieces the search chose: `aiayn score` of TEXT gives another number "
+                   "where SentencePiece splits TEXT otherwise, and the same TEXT may come twice; with "
+                   "--min-len, as the search saw them, EOS forbidden), SCORE is "
                    "LOGP / lp(|Y|), the length-normalized score beam search ranks by (see --lenpen-kind; "
                    "with --sample the rows are independent samples in the order drawn). An empty input line "
                    "gets N-BEST empty rows scored 0")
@@ -563,7 +575,10 @@ def add_translate_parser(sub) -> None:
                         "default 4096)")
     p.add_argument("--chunk", type=positive_int, default=10_000,
                    help="lines read (and sorted) at a time (default 10000)")
-    p.add_argument("--int8", action="store_true", help="dynamic int8 quantization of the linear layers (CPU)")
+    p.add_argument("--int8", action="store_true",
+                   help="dynamic int8 quantization of the linear layers (CPU); one activation scale per "
+                   "batch, so a line's translation can depend on the lines batched "
+                   "with it")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the weights' and activations' type: bfloat16 is faster on GPUs and on CPUs with AMX "
                    "(a few translations in a hundred differ from float32's); float16 on GPUs only")
@@ -582,7 +597,8 @@ def add_score_parser(sub) -> None:
     p = sub.add_parser("score", help="log P(target | source) of given translations (forced decoding)",
                        description="Score each line pair of SRC and TGT under the model: log P(target | "
                        "source), the sum of the target tokens' log-probabilities, its EOS included (as "
-                       "`translate --n-best` scores what it finds), one number per line; the perplexity of "
+                       "`translate --n-best` scores what it finds, where SentencePiece splits it as the "
+                       "search did), one number per line; the perplexity of "
                        "the whole on stderr. For reranking n-best lists, filtering a corpus, or a test set's "
                        "perplexity.")
     p.add_argument("checkpoint", type=path_arg, metavar="CKPT", nargs="+",

@@ -275,7 +275,8 @@ class Translator:
         `progress(n)` is called after each batch with the number of texts it held. With `sample`, the
         tokens are drawn from `generator` (which then takes the place of `seed`), or from one seeded once
         for this call (not once per batch). Batches are length-sorted, so which sample a text gets also
-        depends on the other texts and on `max_tokens`; searches do not."""
+        depends on the other texts and on `max_tokens`; searches do not, except on int8 weights, whose
+        activations are quantized with one scale per batch."""
         config = self.decode_config(**options)
         texts = text_list(texts)
         check_count("max_tokens", max_tokens)
@@ -283,12 +284,7 @@ class Translator:
             raise ValueError("generator is used only with sample=True")
         if config.sample and generator is None:
             generator = sampling_generator(config, self.device)
-        # A text of no pieces (blank, or only characters the tokenizer drops: a zero-width space, a BOM)
-        # is EOS alone, from which a model makes up a sentence: it gets no translation, as an empty line
-        ids = [self.tokenizer.encode_src(t) if has_text(t) else [] for t in texts]  # as training sees them
-        ids = [s if len(s) > 1 else [] for s in ids]
-        for i, s in enumerate(ids):
-            self._check_length(i, s)  # before any batch: a stream's output stays whole up to the bad chunk
+        ids = self.source_ids(texts)  # checked before any batch: a stream's output stays whole up to here
         out: list[list[Translation]] = [[] for _ in texts]
         todo = [i for i, s in enumerate(ids) if s]
         rows = config.n_best if config.sample else config.beam
@@ -319,6 +315,17 @@ class Translator:
                 raise
             raise OutOfMemory(min(chosen), len(chosen), **oom) from None
 
+    def source_ids(self, texts: list[str]) -> list[list[int]]:
+        """The ids `hypotheses` translates, each checked for length (`SentenceTooLong`, indexed in `texts`):
+        `aiayn translate` checks a whole file so before translating any of it."""
+        # A text of no pieces (blank, or only characters the tokenizer drops: a zero-width space, a BOM)
+        # is EOS alone, from which a model makes up a sentence: it gets no translation, as an empty line
+        ids = [self.tokenizer.encode_src(t) if has_text(t) else [] for t in texts]  # as training sees them
+        ids = [s if len(s) > 1 else [] for s in ids]
+        for i, s in enumerate(ids):
+            self._check_length(i, s)
+        return ids
+
     def _check_length(self, index: int, ids: list[int], side: str | None = None) -> None:
         """A text of more ids than the model has positions (an ensemble: its shortest member's) is a
         `SentenceTooLong`; `side` names which text of a scored pair."""
@@ -335,8 +342,9 @@ class Translator:
         """log P(target | source) of each pair under the model (an ensemble: its members' mean
         probability at each step), the target's EOS included: forced decoding through the searches' own
         steps (`aiayn.decoding.score`), so a translation this translator found scores here its
-        `log_prob`. Every pair is scored, an empty side too (then EOS alone). `progress(n)` as in
-        `hypotheses`."""
+        `log_prob` when the tokenizer splits its text into the pieces the search chose (without `min_len`,
+        which changes the probabilities the search sees). Every pair is scored, an empty side too (then
+        EOS alone). `progress(n)` as in `hypotheses`."""
         sources, targets = text_list(sources), text_list(targets)
         check_count("max_tokens", max_tokens)
         if len(sources) != len(targets):

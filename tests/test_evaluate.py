@@ -46,6 +46,11 @@ def test_chrf_plus_plus_ter_and_confidence_intervals_are_sacrebleus(tmp_path, ca
                  "--chrf-word-order", "2"]) == 0
     out = capsys.readouterr().out
     assert f"BLEU: {theirs.score:.2f} (95% CI +/- {theirs._ci:.2f})" in out and "chrF2++: " in out and "TER: " in out
+    with pytest.raises(SystemExit):  # the optional N took HYP: "invalid int value: 'HYP'"
+        main(["evaluate", "--confidence", str(tmp_path / "hyp"), str(tmp_path / "ref")])
+    assert capsys.readouterr().err == (
+        f"aiayn evaluate: error: argument --confidence: '{tmp_path / 'hyp'}' is not a number of resamples (N); "
+        "put --confidence after HYP and REF, or give N (see aiayn evaluate --help)\n")
     argv = ["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--confidence", "200", "--json"]
     assert main(argv) == 0
     scores = json.loads(capsys.readouterr().out)  # sacreBLEU's numpy float32 was a TypeError traceback

@@ -140,6 +140,10 @@ def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
         assert usage.value.code == 2  # one line, without argparse's dozen lines of usage first
         assert capsys.readouterr().err == (f"aiayn translate: error: argument {option}: invalid positive integer "
                                            "value: '0' (see aiayn translate --help)\n")
+    with pytest.raises(SystemExit):  # an option of another command: named by the one that does not know it
+        main(["score", str(checkpoint), "--src", "a", "--tgt", "b", "--int8"])
+    assert capsys.readouterr().err == ("aiayn score: error: unrecognized arguments: --int8 "
+                                       "(see aiayn score --help)\n")
 
 
 def test_a_bad_line_late_in_a_file_fails_before_anything_is_translated(checkpoint, tmp_path, capsys,

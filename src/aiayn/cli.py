@@ -35,6 +35,16 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"  # argparse's message: "invalid positive integer value: '0'"
 
 
+def resamples(text: str) -> int:
+    """argparse type of `evaluate --confidence [N]`, whose optional N takes the next word: `--confidence
+    HYP REF` read HYP as N, "invalid int value: 'HYP'"."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of resamples (N); put --confidence after "
+                                         "HYP and REF, or give N") from None
+
+
 def path_arg(text: str) -> str:
     """argparse type: a file or directory name, not empty (`-o ""` said ": cannot write")."""
     if not text:
@@ -406,6 +416,15 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but an unknown option is named by the command that does not know it: `aiayn score
+        --int8` said "aiayn: error: unrecognized arguments: --int8 (see aiayn --help)"."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            prog = f"{self.prog} {parsed.command}" if getattr(parsed, "command", None) else self.prog
+            self.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)\n")
+        return parsed
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="aiayn", description=__doc__.splitlines()[0])
@@ -513,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ter", action="store_true",
                    help="also TER (translation edit rate; lower is better); with -l zh or ja each "
                         "character is a word (sacreBLEU's asian support), and th, lo, km, my are refused")
-    p.add_argument("--confidence", type=int, nargs="?", const=1000, default=0, metavar="N",
+    p.add_argument("--confidence", type=resamples, nargs="?", const=1000, default=0, metavar="N",
                    help="bootstrap resampling (sacreBLEU's, N resamples, default 1000): each score with its 95%% "
                    "confidence interval")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")

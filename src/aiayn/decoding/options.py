@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from aiayn.config import ConfigError, check_types
 from aiayn.decoding.length_penalty import KINDS
 
+MAX_ROWS = 2**31 - 1  # beam or n_best past it overflowed a tensor's size: a C++ traceback, not out of memory
 MAX_LENPEN = 10.0  # |alpha| above this could overflow lp(|Y|): see DecodeConfig.search_problems
 MIN_TEMPERATURE = 1e-3  # lower is greedy search but for near-ties: see DecodeConfig.sampling_problems
 MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: past it T is inf in float32 and -inf / T NaN
@@ -66,6 +67,9 @@ class DecodeConfig:
                             f"max_len_a={self.max_len_a} allows")
         if self.n_best < 1 or (not self.sample and self.n_best > self.beam >= 1):  # beam 0: said once above
             problems.append(f"n_best={self.n_best} must be between 1 and beam={self.beam}")
+        for name in ("beam", "n_best"):
+            if getattr(self, name) > MAX_ROWS:
+                problems.append(f"{name}={getattr(self, name)} is more than {MAX_ROWS} rows a sentence")
         if self.early_stopping and self.beam == 1:  # beam 1 is greedy search (or sampling): nothing to stop
             problems.append(f"early_stopping=True needs beam > 1, not {self.beam}")
         return problems

@@ -49,8 +49,8 @@ def test_chrf_plus_plus_ter_and_confidence_intervals_are_sacrebleus(tmp_path, ca
     with pytest.raises(SystemExit):  # the optional N took HYP: "invalid int value: 'HYP'"
         main(["evaluate", "--confidence", str(tmp_path / "hyp"), str(tmp_path / "ref")])
     assert capsys.readouterr().err == (
-        f"aiayn evaluate: error: argument --confidence: '{tmp_path / 'hyp'}' is not a number of resamples (N); "
-        "put --confidence after HYP and REF, or give N (see aiayn evaluate --help)\n")
+        f"aiayn evaluate: error: argument --confidence: '{tmp_path / 'hyp'}' is not a number of resamples "
+        "(N); put --confidence after HYP and REF, or give N (see aiayn evaluate --help)\n")
     argv = ["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--confidence", "200", "--json"]
     assert main(argv) == 0
     scores = json.loads(capsys.readouterr().out)  # sacreBLEU's numpy float32 was a TypeError traceback

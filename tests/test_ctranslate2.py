@@ -146,6 +146,9 @@ def test_existing_output_is_not_replaced(tmp_path, spm_models):
                                         "the whole directory, so move them out first"):
         export_ctranslate2(tmp_path / "ck", tmp_path / "ct2", force=True)
     assert (tmp_path / "ct2" / "spm.model").is_file()
+    (tmp_path / "link").symlink_to(tmp_path / "ct2")  # "exists and is not a directory": it points at one
+    with pytest.raises(UserError, match="link: is a symbolic link; will not replace it"):
+        export_ctranslate2(tmp_path / "ck", tmp_path / "link", force=True)
 
 
 def files(root) -> dict[str, bytes]:

@@ -257,6 +257,26 @@ def test_inconsistent_embeddings_and_a_misshapen_logits_bias_are_refused(tmp_pat
         convert_marian(tmp_path / "opus", tmp_path / "out2")
 
 
+@pytest.mark.parametrize("field, value, problem", [
+    ("decoder_layers", 1, r"holds model\.decoder\.layers\.1\.\*, but config\.json's decoder_layers is 1"),
+    ("d_model", 64, r"model\.decoder\.layers\.0\.encoder_attn\.k_proj\.bias has shape \(32,\), not the "
+                    r"\(64,\) of config\.json's d_model"),
+    ("encoder_ffn_dim", 32, r"model\.decoder\.layers\.0\.fc1\.bias has shape \(64,\), not the \(32,\) of "
+                            r"config\.json's d_model and encoder_ffn_dim"),
+])
+def test_a_config_that_does_not_describe_the_weights_is_named(tmp_path, field, value, problem):
+    """An edited config.json was blamed on the weights in aiayn's names ("src_embed.embed.weight (96, 32)
+    vs (192, 64)", or "weights aiayn has no place for ... (a Marian variant it does not support)")."""
+    make_marian_dir(tmp_path / "opus", "swish", shared=True)
+    config = json.loads((tmp_path / "opus" / "config.json").read_text())
+    config[field] = value
+    if field == "encoder_ffn_dim":
+        config["decoder_ffn_dim"] = value  # the two must agree
+    (tmp_path / "opus" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=problem + r".*the config does not describe these weights$"):
+        convert_marian(tmp_path / "opus", tmp_path / "out")
+
+
 # A MarianConfig as config.json holds it, the fields the import reads (tiny, written by hand).
 TINY_CONFIG = {"model_type": "marian", "architectures": ["MarianMTModel"], "vocab_size": 10, "d_model": 8,
                "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 16,
@@ -408,6 +428,9 @@ def test_cli_convert(tmp_path, capsys):
     assert main(["convert", "--from", "marian", str(tmp_path / "opus"), str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "vocab.json: not found" in err[0]
+    for source, problem in (("nowhere", "not found"), ("opus/config.json", "not a directory")):  # was one
+        assert main(["convert", "--from", "marian", str(tmp_path / source), str(tmp_path / "out3")]) == 2
+        assert capsys.readouterr().err == f"aiayn: error: {tmp_path / source}: {problem}\n"
 
 
 MAX_NEW = 20

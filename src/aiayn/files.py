@@ -110,7 +110,9 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
         relation = overlap(out, Path(other))
         if relation in relations:
             raise UserError(f"{out}: {relation} the input {other}; writing it would delete the input")
-    if exists and (out.is_symlink() or not out.is_dir()):
+    if exists and out.is_symlink():  # replacing it would put a directory where the link was
+        raise UserError(f"{out}: is a symbolic link; will not replace it (name the directory it points to)")
+    if exists and not out.is_dir():
         raise UserError(f"{out}: exists and is not a directory; will not replace it")
     if exists and not force:
         raise UserError(f"{out}: already exists (pass --force to replace it)")

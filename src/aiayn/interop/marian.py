@@ -249,6 +249,43 @@ def _check_positions(hf: dict[str, Tensor], config: ModelConfig, where: str) -> 
                             f"table; learned positions are not supported")
 
 
+def _expected_shape(name: str, config: ModelConfig) -> tuple[tuple[int, ...], str] | None:
+    """The shape config.json gives a MarianMT tensor, and the fields that give it; None for names it does
+    not size (the position tables, which `_check_positions` reads)."""
+    d, d_ff = config.d_model, config.d_ff
+    vocab, tgt_vocab = config.vocab_size, config.target_vocab_size
+    tgt_field = "vocab_size" if config.tgt_vocab_size is None else "decoder_vocab_size"
+    if name in ("model.shared.weight", "model.encoder.embed_tokens.weight"):
+        return (vocab, d), "vocab_size and d_model"
+    if name in ("model.decoder.embed_tokens.weight", "lm_head.weight"):
+        return (tgt_vocab, d), f"{tgt_field} and d_model"
+    if name == "final_logits_bias":
+        return None  # (V,) or (1, V): `_embeddings` checks it
+    if ".layers." not in name:
+        return None
+    part, kind = name.rsplit(".", 2)[-2:]
+    if part == "fc1":
+        return ((d_ff, d) if kind == "weight" else (d_ff,)), "d_model and encoder_ffn_dim"
+    if part == "fc2":
+        return ((d, d_ff) if kind == "weight" else (d,)), "d_model and encoder_ffn_dim"
+    return ((d, d) if kind == "weight" and part.endswith("_proj") else (d,)), "d_model"
+
+
+def _check_shapes(hf: dict[str, Tensor], config: ModelConfig, where: str) -> None:
+    """Each tensor in the shape config.json gives it: a config that does not describe its weights was
+    reported in aiayn's own names ("src_embed.embed.weight (96, 32) vs (192, 64)")."""
+    for name in sorted(hf):
+        expected = _expected_shape(name, config)
+        if expected is not None and tuple(hf[name].shape) != expected[0]:
+            raise UserError(f"{where}: {name} has shape {tuple(hf[name].shape)}, not the {expected[0]} of "
+                            f"config.json's {expected[1]}; the config does not describe these weights")
+    for part, count in (("encoder", config.n_layers), ("decoder", config.decoder_layers)):
+        extra = f"model.{part}.layers.{count}."
+        if any(name.startswith(extra) for name in hf):
+            raise UserError(f"{where}: holds {extra}*, but config.json's {part}_layers is {count}; the "
+                            "config does not describe these weights")
+
+
 def _embeddings(hf: dict[str, Tensor], config: ModelConfig, where: str) -> dict[str, Tensor]:
     """Token embeddings, output projection and logits bias, in aiayn's names; tying checked."""
     shared = hf.pop("model.shared.weight", None)
@@ -260,9 +297,13 @@ def _embeddings(hf: dict[str, Tensor], config: ModelConfig, where: str) -> dict[
     for part, side in (("encoder", src), ("decoder", tgt)):
         name = f"model.{part}.embed_tokens.weight"
         copies = config.share_embeddings and shared is not None and side is not None
-        if copies and not torch.equal(side, shared):
+        if copies and not torch.equal(side, shared) and config.tie_output:
             raise UserError(f"{where}: {name} differs from model.shared.weight, which transformers ties the "
                             "output to; the file is inconsistent")
+        if copies and not torch.equal(side, shared):  # transformers 5 embeds with each copy, 4 with shared
+            raise UserError(f"{where}: {name} differs from model.shared.weight; transformers 4 embeds with "
+                            "model.shared.weight, transformers 5 (tie_word_embeddings=false) with each "
+                            "stored copy, so the file is two models: aiayn converts one whose copies agree")
     src = shared if src is None else src
     # a separate target vocabulary has its own embeddings: model.shared is the source's
     tgt = (shared if config.share_embeddings else None) if tgt is None else tgt
@@ -324,6 +365,7 @@ def _layer(hf: dict[str, Tensor], theirs: str, ours: str, decoder: bool) -> dict
 def convert_weights(hf: dict[str, Tensor], config: ModelConfig, where: str) -> dict[str, Tensor]:
     """MarianMTModel's state dict -> aiayn's (`state_dict_for_saving` names); unknown tensors are errors."""
     hf = dict(hf)  # consumed as it is read: what is left at the end is something aiayn would ignore
+    _check_shapes(hf, config, where)
     _check_positions(hf, config, where)
     out = _embeddings(hf, config, where)
     try:
@@ -418,7 +460,7 @@ def convert_marian(directory: str | Path, out: str | Path) -> Path:
     """Read a local MarianMT directory and write an aiayn checkpoint to `out`; return its path."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise UserError(f"{directory}: not a directory")
+        raise UserError(f"{directory}: {'not a directory' if directory.exists() else 'not found'}")
     hf = read_json(directory / "config.json")
     config = model_config_from_marian(hf, str(directory / "config.json"))
     tokenizer = marian_tokenizer(directory, config)

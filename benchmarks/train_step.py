@@ -95,7 +95,13 @@ class TorchTransformer(nn.Module):
             num_decoder_layers=c.decoder_layers, dim_feedforward=c.d_ff, dropout=c.dropout,
             activation="relu", batch_first=True,
         )
-        self.transformer.decoder.norm = None  # post-norm: no final LayerNorm, like the paper and aiayn
+        t = self.transformer
+        t.encoder.norm = t.decoder.norm = None  # post-norm: no final LayerNorms, like the paper and aiayn
+        for layer in [*t.encoder.layers, *t.decoder.layers]:  # the paper's dropout only, as aiayn and Marian:
+            for attention in (layer.self_attn, getattr(layer, "multihead_attn", None)):
+                if attention is not None:
+                    attention.dropout = 0.0  # none on the attention weights (which left SDPA's fused kernel)
+            layer.dropout = nn.Identity()  # none inside the FFN
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         return self.dropout(self.embed(tokens) * self.scale + self.pe[: tokens.shape[1]])

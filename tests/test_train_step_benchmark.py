@@ -70,6 +70,24 @@ def test_peers_have_the_same_shapes():
     assert linear_weights(train_step.build("Marian", c)) == ours
 
 
+def test_peers_drop_out_where_the_paper_does():
+    """nn.Transformer(dropout=0.1) also dropped attention weights, which took its attention off SDPA's
+    fused kernel, and the FFN's inner activation, and kept a final encoder LayerNorm: aiayn and Marian
+    have none of them, so every figure against it measured another model."""
+    c = model_config("tiny", vocab_size=500)
+    peer = train_step.build("nn.Transformer", c)
+    assert all(m.dropout == 0.0 for m in peer.modules() if isinstance(m, torch.nn.MultiheadAttention))
+    # each sub-layer's output (2 per encoder layer, 3 per decoder layer), and one module for both embeddings
+    dropouts = [m for m in peer.modules() if isinstance(m, torch.nn.Dropout) and m.p == c.dropout > 0]
+    assert len(dropouts) == 2 * c.n_layers + 3 * c.decoder_layers + 1
+    assert not [m for m in peer.modules() if isinstance(m, torch.nn.Dropout) and m not in dropouts]
+
+    def layer_norms(m):
+        return sum(isinstance(x, torch.nn.LayerNorm) for x in m.modules())
+
+    assert layer_norms(peer) == layer_norms(Transformer(c)) == layer_norms(train_step.build("Marian", c))
+
+
 @pytest.mark.slow
 def test_benchmark_runs_end_to_end(tmp_path):
     out = tmp_path / "train_step.md"

@@ -42,13 +42,16 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str:
-    """The commit of the working tree, with `+dirty` if it has uncommitted changes."""
+    """The commit of the working tree, with `+dirty` if it has uncommitted changes, or new Python files
+    (an untracked module of the package or a benchmark changes what runs; results files do not)."""
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
                              text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, check=True).stdout.strip()
+        dirty += subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "--", ":/*.py"],
+                                cwd=here, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return rev + ("+dirty" if dirty else "")

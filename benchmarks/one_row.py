@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     json_path, md_path = with_suffix_added(args.out, ".json"), with_suffix_added(args.out, ".md")
     check_out(args.out, [json_path, md_path])  # before the runs
     env = environment()
+    env["torch_threads"] = args.threads  # each measured at its own count, set by `measure`
     ms, choice = {}, {}
     for threads in args.threads:
         ms[threads] = measure(threads, args.rounds)

@@ -180,6 +180,9 @@ def test_damaged_weights_and_tokenizers_are_refused_in_one_line(tmp_path, tokeni
     (ck / "spm.model").write_bytes(bigger.read_bytes())
     with pytest.raises(UserError, match=r"the source tokenizer has \d+ pieces but the model 60 embeddings"):
         load_checkpoint(ck)
+    (ck / "spm.model").write_bytes(b"")  # SentencePiece's ValueError was blamed on meta.json
+    with pytest.raises(UserError, match=rf"^{ck / 'spm.model'}: empty, not a SentencePiece model$"):
+        load_checkpoint(ck)
     (ck / "spm.model").write_bytes(Path(tokenizer.src_path).read_bytes())
     for entry, message in [({**meta["tokenizer"], "specials": {"pad": 0, "bos": 1, "eos": 2}}, "KeyError"),
                            ({**meta["tokenizer"], "vocab": ["a", "b"]}, "AttributeError"),
@@ -274,6 +277,22 @@ def run(tmp_path, tokenizer):
                         tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer, {"step": step})
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 3}\n')
     return tmp_path / "run"
+
+
+def test_a_checkpoint_that_cannot_be_pruned_is_a_warning(run, monkeypatch, caplog):
+    """Pruning runs right after a save that holds everything: a failed rename (a full disk's directory
+    block, EIO) ended a healthy run with a traceback."""
+    from aiayn.train import state
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(state.os, "rename", full)
+    with caplog.at_level(logging.WARNING):
+        state.prune(run, keep_last=1)
+    assert [p.name for p in state.checkpoint_dirs(run)] == ["step_000001", "step_000002", "step_000003"]
+    assert f"{run / 'checkpoints' / 'step_000001'}: could not delete this old checkpoint (No space left on " \
+           "device); training goes on" in caplog.text
 
 
 @pytest.mark.parametrize("out", ["run", "run/checkpoints", "run/checkpoints/step_000003",

@@ -213,7 +213,7 @@ def test_scripted_greedy_and_max_length():
 
 @pytest.mark.parametrize("alpha,kind", [(0.0, "none"), (0.6, "gnmt"), (1.0, "power")])
 def test_wide_beam_finds_the_exhaustive_best(alpha, kind):
-    torch.manual_seed(7)  # a model where beam 2 misses the best output for every penalty below
+    torch.manual_seed(4)  # a model where beam 2 misses the best output for every penalty below
     model = tiny_model(vocab_size=6)
     src = torch.tensor([4, 3, 4, 2])
     eos, others = model.config.eos_id, [t for t in range(6) if t not in (model.config.eos_id, 0)]  # 0: pad

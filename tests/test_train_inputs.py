@@ -154,6 +154,34 @@ def test_a_damaged_latest_checkpoint_names_the_one_to_resume_from(finished_run, 
     assert train(config, resume=True)["step"] == 6
 
 
+def test_a_training_state_without_its_step_is_refused(finished_run, tmp_path):
+    """trainer.json's "state" emptied by a hand: every field took its default, so --resume trained from
+    update 0 on the trained weights and Adam moments, and saved over the checkpoints it had."""
+    config = with_train(copy_run(finished_run, tmp_path), max_updates=6)
+    latest = checkpoint_dirs(Path(config.train.run_dir))[-1]
+    trainer = json.loads((latest / "trainer.json").read_text())
+    (latest / "trainer.json").write_text(json.dumps({**trainer, "state": {}}))
+    with pytest.raises(UserError, match=rf"^{latest / 'trainer.json'}: corrupt training state \(step=0, but "
+                                        r"meta.json says 4\); to resume from step_000002"):
+        train(config, resume=True)
+
+
+def test_the_run_directorys_damaged_tokenizer_is_not_blamed_on_a_checkpoint(finished_run, tmp_path):
+    """The run's own spm.model truncated, every checkpoint whole: --resume advised moving the newest
+    checkpoint out, which mended nothing and gave up its training; empty, it was a ValueError traceback."""
+    config = with_train(copy_run(finished_run, tmp_path), max_updates=6)
+    spm_model = Path(config.train.run_dir) / "spm.model"
+    whole = spm_model.read_bytes()
+    for damaged in (whole[: len(whole) // 2], b""):
+        spm_model.write_bytes(damaged)
+        with pytest.raises(UserError) as e:
+            train(config, resume=True)
+        assert str(e.value).startswith(f"{spm_model}: ") and "to resume from" not in str(e.value)
+    spm_model.unlink()  # the way out: resuming writes the checkpoint's copy back
+    assert train(config, resume=True)["step"] == 6
+    assert spm_model.read_bytes() == whole
+
+
 @pytest.mark.parametrize("lost", ["meta.json", "spm.model", "trainer.safetensors"])
 def test_a_latest_checkpoint_missing_a_file_names_the_one_to_resume_from(finished_run, tmp_path, lost):
     """A file gone from the newest checkpoint (a failing disk, a hand's rm) is damage too: the same way

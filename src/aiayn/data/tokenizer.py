@@ -177,7 +177,10 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
         raise UserError(f"{path}: SentencePiece model not found")
     sp = spm.SentencePieceProcessor()
     try:  # the bytes, not the name: SentencePiece's C++ took no path that is not UTF-8 (a TypeError)
-        sp.load(model_proto=path.read_bytes())
+        proto = path.read_bytes()
+        if not proto:  # SentencePiece takes b"" for no model at all: a ValueError, blamed on meta.json
+            raise CorruptFile(f"{path}: empty, not a SentencePiece model")
+        sp.load(model_proto=proto)
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     except RuntimeError as e:

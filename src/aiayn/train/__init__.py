@@ -1,1 +1,1 @@
-"""Training: the loss, the schedule, batching by tokens, checkpoints, many processes, `train(config)`."""
+"""Training: the loss, the schedule, batching by tokens, checkpoints, many processes, `loop.train(config)`."""

@@ -837,7 +837,10 @@ def _resume_hint(run_dir: Path, resume_from: Path | None):
         yield
     except UserError as e:  # damaged: unreadable (CorruptFile), or a file of it missing
         found = checkpoint_dirs(run_dir)
-        damaged = isinstance(e, CorruptFile) or (resume_from is not None and _missing_files(resume_from))
+        # a file of the checkpoint's, not the run directory's own tokenizer, which no other checkpoint mends
+        inside = resume_from is not None and str(e).startswith(f"{resume_from}{os.sep}")
+        missing = resume_from is not None and _missing_files(resume_from)
+        damaged = (isinstance(e, CorruptFile) and inside) or missing
         if not damaged or resume_from is None or len(found) < 2 or found[-1] != resume_from:
             raise
         raise CorruptFile(f"{e}; to resume from {found[-2].name} instead, move {resume_from} out of "

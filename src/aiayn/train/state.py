@@ -159,7 +159,11 @@ def prune(run_dir: str | Path, keep_last: int, best_step: int = 0) -> None:
     regular = [c for c in found if c not in interrupted]
     old = [c for c in regular[:-keep_last] if c.name != step_dir_name(best_step)]
     for stale in old + [c for c in interrupted if c != found[-1]]:
-        os.rename(stale, stale.with_name(f".{stale.name}.deleting"))
+        try:
+            os.rename(stale, stale.with_name(f".{stale.name}.deleting"))
+        except OSError as e:  # right after a save that holds everything: a traceback stopped a healthy run
+            log.warning("%s: could not delete this old checkpoint (%s); training goes on", stale,
+                        e.strerror or e)
     for hidden in root.glob(".step_*"):  # those just hidden, and what killed runs left
         shutil.rmtree(hidden, ignore_errors=True)
 
@@ -234,6 +238,10 @@ def restore(
     load_into(model, {k: v.to(d.device) for k, v in load_weights(path).items()}, path)
     tensors, trainer = _read_trainer(path)
     saved = _train_state(trainer.get("state"), path)
+    written = read_meta(path).get("step")  # an edited "state": {} resumed at update 0 over trained weights
+    if isinstance(written, int) and written != saved.step:
+        raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state (step={saved.step}, but "
+                          f"meta.json says {written})")
     state_by_param = _adam_state(tensors, optimizer, path / "trainer.safetensors", saved.step)
     _check_param_groups(trainer.get("param_groups"), optimizer, path / "trainer.json")
     configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]

@@ -151,6 +151,27 @@ def test_bad_pairs_are_one_line_naming_the_file(checkpoint, tmp_path, capsys):
         Translator.load(checkpoint).score(["a", "b"], ["c", "d " * 60])
 
 
+def test_a_too_long_line_late_in_a_file_fails_before_anything_is_scored(checkpoint, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Line 10,031 past the model's positions was found after the 10,000 pairs before it were scored, and
+    the work thrown away; regular files are checked whole first, as translate's input."""
+    def scored(*args, **kwargs):
+        raise AssertionError("a chunk was scored before the input was checked")
+
+    monkeypatch.setattr(Translator, "score", scored)
+    for side, text in (("src", "the number 12 " * 30), ("tgt", "die Zahl 4 " * 30)):
+        lines = {"src": ["the number 3"] * 10_031, "tgt": ["die Zahl 3"] * 10_031}
+        lines[side][-1] = text
+        for name in lines:
+            (tmp_path / name).write_text("\n".join(lines[name]) + "\n")
+        assert main(["score", str(checkpoint), "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"),
+                     "-q", "-o", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"aiayn: error: {tmp_path / side}:10031: ")
+        assert "more than the 40 positions" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_stream_is_scored_chunk_by_chunk_as_a_whole(checkpoint):
     """Memory stays one chunk's (a 400,000-pair file read whole took 670 MB); the numbers do not move."""
     import io

@@ -305,6 +305,8 @@ def cmd_score(args: argparse.Namespace) -> None:
         if args.output not in (None, "-"):
             dst = stack.enter_context(atomic_output(args.output))
         translator = Translator.load(args.checkpoint, args.device, dtype=args.dtype)
+        for (stream, name), side in zip(streams, ("source", "target")):  # a too long line fails now, too
+            _checked_line_count(stream, name, lambda lines, side=side: translator.side_ids(lines, side))
         progress = None
         if not args.quiet:
             from tqdm import tqdm

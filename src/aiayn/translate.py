@@ -326,6 +326,17 @@ class Translator:
             self._check_length(i, s)
         return ids
 
+    def side_ids(self, texts: list[str], side: str) -> list[list[int]]:
+        """The ids `score` reads for one side of its pairs ("source", or "target" with its EOS), each checked
+        for length (`SentenceTooLong`, indexed in `texts`): `aiayn score` checks whole files so."""
+        if side == "source":
+            ids = [self.tokenizer.encode_src(t) for t in texts]
+        else:
+            ids = [self.tokenizer.encode_tgt(t) + [self.tokenizer.eos_id] for t in texts]
+        for i, s in enumerate(ids):
+            self._check_length(i, s, side)
+        return ids
+
     def _check_length(self, index: int, ids: list[int], side: str | None = None) -> None:
         """A text of more ids than the model has positions (an ensemble: its shortest member's) is a
         `SentenceTooLong`; `side` names which text of a scored pair."""
@@ -349,11 +360,8 @@ class Translator:
         check_count("max_tokens", max_tokens)
         if len(sources) != len(targets):
             raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
-        src_ids = [self.tokenizer.encode_src(t) for t in sources]
-        tgt_ids = [self.tokenizer.encode_tgt(t) + [self.tokenizer.eos_id] for t in targets]
-        for i, (s, t) in enumerate(zip(src_ids, tgt_ids)):
-            self._check_length(i, s, "source")  # before any batch, as `hypotheses`
-            self._check_length(i, t, "target")
+        src_ids = self.side_ids(sources, "source")  # both checked before any batch, as `hypotheses`
+        tgt_ids = self.side_ids(targets, "target")
         out: list[Scored] = [Scored(0.0, 0)] * len(sources)
         lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]  # encoder or decoder: the longer
         for chosen in length_sorted_batches(lengths, max_tokens):

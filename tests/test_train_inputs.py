@@ -480,6 +480,13 @@ def test_an_unusable_run_dir_gives_one_line_before_anything_runs(tmp_path, capsy
     assert (tmp_path / "afile").read_text(encoding="utf-8") == "x"
 
 
+def test_a_second_config_file_is_refused_not_taken_instead_of_the_first(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--config", "base.toml", "--config", "mine.toml"])
+    assert capsys.readouterr().err == ("aiayn train: error: --config given twice (base.toml, mine.toml): one "
+                                       "file; change its values with --set (see aiayn train --help)\n")
+
+
 def test_a_config_path_that_is_not_a_readable_file_is_one_line_saying_what_it_is(tmp_path, monkeypatch):
     fifo = tmp_path / "c.fifo"
     os.mkfifo(fifo)

@@ -428,6 +428,18 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
+class _Once(argparse.Action):
+    """An option given at most once: a second `--config` silently replaced the first, where a user may
+    have meant both files to count."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        first = getattr(namespace, self.dest, None)
+        if first is not None:
+            parser.error(f"{option_string} given twice ({first}, {values}): one file; change its values with "
+                         "--set")
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="aiayn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -442,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("train", help="train on parallel text (also under torchrun --nproc_per_node N)")
-    p.add_argument("--config", type=path_arg, help="TOML file with [model], [data], [train] (see configs/)")
+    p.add_argument("--config", type=path_arg, action=_Once,
+                   help="TOML file with [model], [data], [train] (see configs/)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set train.max_tokens=2048 (repeatable); "
                         "--set train.init_from=CKPT fine-tunes a checkpoint (aiayn or converted Marian)")

@@ -391,7 +391,18 @@ def agreement(outputs: dict[str, list[list[int]] | None]) -> dict[str, float]:
     return shares
 
 
-def measure(runs: dict, repeats: int, settle: float = 0.0) -> tuple[dict, dict]:
+def cell_names(text: str) -> list[tuple[str, int, int]]:
+    """argparse type: "greedy-1,beam4-16" -> those of CELLS (the search without its space, then the batch)."""
+    known = {f"{name.replace(' ', '')}-{batch}": cell for cell in CELLS for name, _, batch in [cell]}
+    chosen = [c.strip() for c in text.split(",")]
+    unknown = [c for c in chosen if c not in known]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)}: not among {', '.join(known)}")
+    return [cell for key, cell in known.items() if key in chosen]  # in CELLS' order
+
+
+def measure(runs: dict, repeats: int, settle: float = 0.0,
+            cells: list[tuple[str, int, int]] = CELLS) -> tuple[dict, dict]:
     """tokens/s per (cell, engine): engines interleaved within each repeat, median over repeats; and per
     cell, the share of sentences each float32 engine translated as aiayn fp32 did (`agreement`).
 
@@ -399,7 +410,7 @@ def measure(runs: dict, repeats: int, settle: float = 0.0) -> tuple[dict, dict]:
     workers of the engine before it, which spin for a while after a call returns, are asleep.
     """
     results, agreed = {}, {}
-    for name, beam, batch in CELLS:
+    for name, beam, batch in cells:
         cell = f"{name}, batch {batch}"
         times: dict[str, list[float]] = {e: [] for e in runs}
         outputs = {}
@@ -493,6 +504,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--settle", type=at_least(0.0, float), default=0.5,
                         help="idle seconds before each timed run, so that the previous engine's spinning "
                              "OpenMP threads have stopped (default 0.5)")
+    parser.add_argument("--cells", type=cell_names, default=CELLS,
+                        help="a comma list of greedy-1, greedy-16, beam4-1, beam4-16 (default all)")
+    parser.add_argument("--engines", type=lambda text: [e.strip() for e in text.split(",")],
+                        help="a comma list of engines to time besides aiayn fp32 and HF Marian fp32, which "
+                             "the ratios are taken against (default every one available here)")
     parser.add_argument("--out", help="results prefix (default benchmarks/results/local/decode_DEVICE, "
                                       "ignored by git)")
     args = parser.parse_args(argv)
@@ -516,13 +532,18 @@ def main(argv: list[str] | None = None) -> None:
     diff = check_same_logits(hf, build_aiayn(hf), sources(args.seed)[:4])
     weights_mb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e6  # float32, tied once
     names = engine_names(args.device)
+    if args.engines:
+        unknown = sorted(set(args.engines) - set(names))
+        if unknown:
+            raise SystemExit(f"--engines: {', '.join(unknown)} not among those here: {', '.join(names)}")
+        names = [n for n in names if n in args.engines or n in ("aiayn fp32", "HF Marian fp32")]
     with tempfile.TemporaryDirectory() as tmp:
         ct2_paths = convert_ct2(hf, Path(tmp)) if "CT2 float32" in names else {}
         del hf
         runs = {f"{n}@{t}": Engine(n, args.seed, args.device, ct2_paths, t) for t in args.threads for n in names}
         for engine in runs.values():
             engine.wait_ready()
-        speeds, agreed = measure(runs, args.repeats, args.settle)
+        speeds, agreed = measure(runs, args.repeats, args.settle, args.cells)
         per_threads = by_threads(speeds, args.threads)
         memory = {key: round(engine.memory_mb()) for key, engine in runs.items() if not key.startswith(FLOOR)}
         floor_kernel = {t: runs[f"{FLOOR}@{t}"].kernels() for t in args.threads if f"{FLOOR}@{t}" in runs}

@@ -3,6 +3,7 @@ of its kernels computes x W^T."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -161,6 +162,27 @@ def test_values_it_cannot_use_are_refused_up_front(bad, message, capsys):
     with pytest.raises(SystemExit) as stopped:
         decode.parse_args(bad)
     assert message in capsys.readouterr().err + str(stopped.value)  # argparse's usage line, or the exit's
+
+
+def test_cells_are_chosen_by_name_in_the_tables_order(capsys):
+    assert decode.parse_args(["--cells", "beam4-16,greedy-1"]).cells == [("greedy", 1, 1), ("beam 4", 4, 16)]
+    assert decode.parse_args([]).cells == decode.CELLS
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--cells", "greedy-2"])
+    assert "greedy-2: not among greedy-1, greedy-16, beam4-1, beam4-16" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_one_cell_runs_end_to_end_and_compares_the_outputs(tmp_path):
+    """The whole benchmark takes many minutes: one cell, two engines, one repeat, to see it run as written
+    (the base-shaped model in each worker process) and record that HF translated as aiayn did."""
+    out = tmp_path / "decode"
+    decode.main(["--cells", "greedy-1", "--engines", "HF Marian fp32", "--repeats", "1", "--settle", "0",
+                 "--out", str(out)])
+    record = json.loads(decode.with_suffix_added(out, ".json").read_text())
+    timed = record["tokens_per_second_by_threads"]["1"]["greedy, batch 1"]
+    assert set(timed) == {"aiayn fp32", "HF Marian fp32"}
+    assert record["environment"]["outputs_as_aiayn_fp32"] == {"greedy, batch 1": {"HF Marian fp32@1": 1.0}}
 
 
 def test_an_output_prefix_keeps_its_dots_and_is_checked_before_timing(tmp_path):

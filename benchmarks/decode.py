@@ -6,7 +6,8 @@ into CTranslate2 through CTranslate2's own `TransformersConverter` (float32 and 
 one set of weights, checked to give the same logits before anything is timed. Every source has 24
 tokens (its EOS included) and every output exactly 32 new tokens (EOS forbidden until then: aiayn's
 `min_len`, HuggingFace's `min_new_tokens`, CTranslate2's `min_decoding_length`; each output's length
-is checked). Cells: greedy and beam 4, batch 1 and 16. Tokens/s counts output tokens of the returned
+is checked), and the record says on what share of sentences each float32 engine's output equals aiayn
+fp32's. Cells: greedy and beam 4, batch 1 and 16. Tokens/s counts output tokens of the returned
 hypotheses (batch x 32), the encoder included.
 
 The engines of one cell run interleaved, repeat after repeat, with the same thread count, and the
@@ -41,6 +42,7 @@ restored it).
     python benchmarks/decode.py --threads 2 --repeats 5
     python benchmarks/decode.py --threads 1,2         # each engine also at its best thread count
     python benchmarks/decode.py --device cuda         # on a GPU (CT2 too if its wheel has CUDA)
+    python benchmarks/decode.py --cells greedy-1 --engines "CT2 float32" --repeats 1   # a quick look
 
 Writes benchmarks/results/local/decode_DEVICE.{json,md} (ignored by git) unless --out names a prefix.
 Without ctranslate2 (pip install -e '.[bench]') the CTranslate2 engines are skipped; transformers is

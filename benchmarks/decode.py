@@ -185,8 +185,8 @@ def run_hf(hf, src, beam: int) -> list[list[int]]:
     return out[:, 1:].tolist()  # without the decoder start token
 
 
-def run_ct2(translator, tokens, beam: int) -> list[list[int]]:
-    ids = _Vocabulary().get_vocab()
+def run_ct2(translator, tokens, beam: int, ids: dict[str, int]) -> list[list[int]]:
+    """`ids`: token name -> id, built once (a 32,000-entry dict, 18 ms: not inside the timing)."""
     results = translator.translate_batch(tokens, beam_size=beam, min_decoding_length=NEW_TOKENS,
                                          max_decoding_length=NEW_TOKENS)
     return [[ids[t] for t in r.hypotheses[0]] for r in results]
@@ -223,7 +223,8 @@ def make_engine(name: str, seed: int, device: str, ct2_paths: dict[str, str], th
     translator = ctranslate2.Translator(ct2_paths[compute], device=device, compute_type=compute,
                                         intra_threads=threads, inter_threads=1)
     tokens = [[f"t{i}" for i in row[:-1].tolist()] + ["</s>"] for row in src]
-    return lambda b, k: run_ct2(translator, tokens[:b], k)
+    ids = _Vocabulary().get_vocab()
+    return lambda b, k: run_ct2(translator, tokens[:b], k, ids)
 
 
 def step_linear_shapes(c) -> list[tuple[int, int]]:

@@ -353,9 +353,9 @@ def test_existing_outputs_need_force_and_must_be_directories(run, tmp_path, caps
         assert main(["average", str(run), "-o", str(tmp_path / "empty"), "--force"]) == 2
         named = "NOTES.txt, b, c and 1 more" if name == "c" else "NOTES.txt" if name == "NOTES.txt" else None
         if named:
-            assert capsys.readouterr().err.splitlines() == [
+            assert capsys.readouterr().err.splitlines() == [(
                 f"aiayn: error: {tmp_path / 'empty'}: holds {named} beside an aiayn checkpoint; --force "
-                "replaces the whole directory, so move them out first"]
+                "replaces the whole directory, so move them out first")]
     assert (tmp_path / "empty" / "NOTES.txt").read_text() == "mine"
     here = tmp_path / "here"
     here.mkdir()

@@ -81,7 +81,7 @@ def test_the_engines_return_the_same_ids_for_the_same_model(tmp_path, beam):
         path = decode.convert_ct2(hf, tmp_path)["float32"]
         translator = ctranslate2.Translator(path, device="cpu", intra_threads=1)
         tokens = [[f"t{i}" for i in row[:-1].tolist()] + ["</s>"] for row in src]
-        outputs["CT2 float32@1"] = decode.run_ct2(translator, tokens, beam)
+        outputs["CT2 float32@1"] = decode.run_ct2(translator, tokens, beam, decode._Vocabulary().get_vocab())
     assert all(len(ids) == decode.NEW_TOKENS for ids in ours)
     assert decode.agreement(outputs) == {k: 1.0 for k in outputs if k.split("@")[0] in decode.EXACT[1:]}
     other = [ours[0], [i + 1 for i in ours[1]]]  # one sentence translated otherwise

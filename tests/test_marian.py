@@ -259,10 +259,10 @@ def test_inconsistent_embeddings_and_a_misshapen_logits_bias_are_refused(tmp_pat
 
 @pytest.mark.parametrize("field, value, problem", [
     ("decoder_layers", 1, r"holds model\.decoder\.layers\.1\.\*, but config\.json's decoder_layers is 1"),
-    ("d_model", 64, r"model\.decoder\.layers\.0\.encoder_attn\.k_proj\.bias has shape \(32,\), not the "
-                    r"\(64,\) of config\.json's d_model"),
-    ("encoder_ffn_dim", 32, r"model\.decoder\.layers\.0\.fc1\.bias has shape \(64,\), not the \(32,\) of "
-                            r"config\.json's d_model and encoder_ffn_dim"),
+    ("d_model", 64, (r"model\.decoder\.layers\.0\.encoder_attn\.k_proj\.bias has shape \(32,\), not the "
+                     r"\(64,\) of config\.json's d_model")),
+    ("encoder_ffn_dim", 32, (r"model\.decoder\.layers\.0\.fc1\.bias has shape \(64,\), not the \(32,\) of "
+                             r"config\.json's d_model and encoder_ffn_dim")),
 ])
 def test_a_config_that_does_not_describe_the_weights_is_named(tmp_path, field, value, problem):
     """An edited config.json was blamed on the weights in aiayn's names ("src_embed.embed.weight (96, 32)

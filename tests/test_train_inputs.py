@@ -154,6 +154,22 @@ def test_a_damaged_latest_checkpoint_names_the_one_to_resume_from(finished_run, 
     assert train(config, resume=True)["step"] == 6
 
 
+def test_nan_weights_in_the_latest_checkpoint_name_the_one_to_resume_from(finished_run, tmp_path):
+    """The NaN check names the checkpoint directory itself ("step_000004: 1 tensor(s) hold NaN"), not a
+    file inside it: the hint must still come."""
+    from safetensors.torch import save_file
+
+    config = with_train(copy_run(finished_run, tmp_path), max_updates=6)
+    latest = checkpoint_dirs(Path(config.train.run_dir))[-1]
+    weights = load_file(str(latest / "model.safetensors"))
+    name = next(iter(weights))
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(latest / "model.safetensors"))
+    with pytest.raises(UserError, match=r"hold NaN or infinite values .*; to resume from step_000002"):
+        train(config, resume=True)
+
+
 def test_a_training_state_without_its_step_is_refused(finished_run, tmp_path):
     """trainer.json's "state" emptied by a hand: every field took its default, so --resume trained from
     update 0 on the trained weights and Adam moments, and saved over the checkpoints it had."""

@@ -144,6 +144,9 @@ def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
         main(["score", str(checkpoint), "--src", "a", "--tgt", "b", "--int8"])
     assert capsys.readouterr().err == ("aiayn score: error: unrecognized arguments: --int8 "
                                        "(see aiayn score --help)\n")
+    with pytest.raises(SystemExit):  # before the command: aiayn's
+        main(["--int8", "score", str(checkpoint), "--src", "a", "--tgt", "b"])
+    assert capsys.readouterr().err == "aiayn: error: unrecognized arguments: --int8 (see aiayn --help)\n"
 
 
 def test_a_bad_line_late_in_a_file_fails_before_anything_is_translated(checkpoint, tmp_path, capsys,

@@ -421,9 +421,12 @@ class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         """argparse's, but an unknown option is named by the command that does not know it: `aiayn score
         --int8` said "aiayn: error: unrecognized arguments: --int8 (see aiayn --help)"."""
-        parsed, extra = self.parse_known_args(args, namespace)
+        words = list(sys.argv[1:] if args is None else args)
+        parsed, extra = self.parse_known_args(words, namespace)
         if extra:
-            prog = f"{self.prog} {parsed.command}" if getattr(parsed, "command", None) else self.prog
+            command = getattr(parsed, "command", None)
+            after = command in words and words.index(extra[0]) > words.index(command)  # not `aiayn --x info`
+            prog = f"{self.prog} {command}" if after else self.prog
             self.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)\n")
         return parsed
 

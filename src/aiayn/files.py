@@ -111,7 +111,8 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
         if relation in relations:
             raise UserError(f"{out}: {relation} the input {other}; writing it would delete the input")
     if exists and out.is_symlink():  # replacing it would put a directory where the link was
-        raise UserError(f"{out}: is a symbolic link; will not replace it (name the directory it points to)")
+        advice = " (name the directory it points to)" if out.is_dir() else ""
+        raise UserError(f"{out}: is a symbolic link; will not replace it{advice}")
     if exists and not out.is_dir():
         raise UserError(f"{out}: exists and is not a directory; will not replace it")
     if exists and not force:

@@ -42,9 +42,10 @@ def causal_mask(t: int, device: torch.device | None = None, past: int = 0) -> Te
 # backward is 2-3x slower on short sequences (benchmarks/RESULTS.md); longer ones keep flash's O(L) memory.
 # The math backend runs in bfloat16 (`_bf16_math`): by default it upcasts q, k, v to float32, and those
 # casts and float32 products made a bf16 `small` step 8% slower (200 against 184 ms, RESULTS.md). The price
-# is accuracy: the scores are rounded to bfloat16 before the softmax, so the output lies 2-7x further from a
-# float64 reference than the fused kernel's (mean error 7e-4 against 4e-4 for unit-variance q and k, 5.5e-3
-# against 7e-4 at standard deviation 4); the bf16 loss curve still tracks float32's (0.78%, RESULTS.md).
+# is accuracy: the scores are rounded to bfloat16 before the softmax, so the output lies 1.8-8x further from
+# a float64 reference than the fused kernel's (mean error 7e-4 against 4e-4 for unit-variance q and k,
+# 5.5e-3 against 7e-4 at standard deviation 4); the bf16 loss curve still tracks float32's (0.74%,
+# RESULTS.md).
 MATH_BACKEND_MAX_LEN = 256
 
 

@@ -838,7 +838,7 @@ def _resume_hint(run_dir: Path, resume_from: Path | None):
     except UserError as e:  # damaged: unreadable (CorruptFile), or a file of it missing
         found = checkpoint_dirs(run_dir)
         # a file of the checkpoint's, not the run directory's own tokenizer, which no other checkpoint mends
-        inside = resume_from is not None and str(e).startswith(f"{resume_from}{os.sep}")
+        inside = resume_from is not None and str(e).startswith((f"{resume_from}{os.sep}", f"{resume_from}:"))
         missing = resume_from is not None and _missing_files(resume_from)
         damaged = (isinstance(e, CorruptFile) and inside) or missing
         if not damaged or resume_from is None or len(found) < 2 or found[-1] != resume_from:

@@ -279,6 +279,20 @@ def run(tmp_path, tokenizer):
     return tmp_path / "run"
 
 
+def test_a_checkpoint_loads_straight_into_another_dtype(run):
+    """`Translator.load(dtype="bfloat16")` built the float32 model, then cast it: both copies at once. The
+    model is now given bfloat16 memory and takes the float32 file's values rounded, as `.to()` rounds."""
+    ck = run / "checkpoints" / "step_000003"
+    wide, narrow = load_checkpoint(ck).model, load_checkpoint(ck, dtype=torch.bfloat16).model
+    assert {p.dtype for p in narrow.state_dict().values()} == {torch.bfloat16}
+    cast = wide.to(torch.bfloat16).state_dict()
+    for name, tensor in narrow.state_dict().items():
+        if name.endswith(".pe"):  # computed again: float64 rounded once, not through float32
+            torch.testing.assert_close(tensor, cast[name], atol=2**-8, rtol=0)
+        else:
+            assert torch.equal(tensor, cast[name]), name
+
+
 def test_a_checkpoint_that_cannot_be_pruned_is_a_warning(run, monkeypatch, caplog):
     """Pruning runs right after a save that holds everything: a failed rename (a full disk's directory
     block, EIO) ended a healthy run with a traceback."""

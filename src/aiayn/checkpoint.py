@@ -63,16 +63,17 @@ def _untied_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def model_from_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: str | Path,
-                       device: str | torch.device = "cpu") -> Transformer:
-    """A `Transformer` of `config` on `device` holding `weights` (checked by `load_into`'s rules).
+                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+    """A `Transformer` of `config` on `device` in `dtype` holding `weights` (checked by `load_into`'s rules).
 
     Built on the meta device and checked against the weights there, then given memory: a damaged d_ff
     in a meta.json asked for a terabyte first (a RuntimeError traceback), not a line naming the file.
     No random initialization either, which the weights would overwrite (0.5 s for `base` on one CPU
     thread, 2 s for `big`). `Transformer.to_empty` computes the position tables and ties the output
-    projection again."""
+    projection again. Another `dtype` is given memory as such: a float32 model cast afterwards held both
+    copies at once."""
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config).to(dtype)
     check_fits(model, weights, where)
     try:
         model = model.to_empty(device=device)
@@ -280,10 +281,11 @@ def check_vocabulary(config: ModelConfig, tokenizer: Tokenizer, where: Path) -> 
                               "not the tokenizer this model was trained with")
 
 
-def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
-    """Model (eval mode), tokenizer and metadata of a checkpoint directory."""
+def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Model (eval mode, in `dtype`), tokenizer and metadata of a checkpoint directory."""
     directory, meta, config = _checkpoint_meta(directory)
-    model = model_from_weights(config, load_weights(directory), directory / WEIGHTS, device)
+    model = model_from_weights(config, load_weights(directory), directory / WEIGHTS, device, dtype)
     tokenizer = checkpoint_tokenizer(directory, meta)
     check_vocabulary(config, tokenizer, directory / META)
     return Checkpoint(model.eval(), tokenizer, meta, directory)

@@ -240,9 +240,9 @@ class Translator:
         if compile:  # before the dtype's own checks, whose advice (bfloat16 on a CPU) it would refuse
             check_compile(device, dtype, int8, len(paths))
         dtype = inference_dtype(dtype, device, int8)
-        ckpts = [load_checkpoint(p, device) for p in paths]
+        ckpts = [load_checkpoint(p, device, dtype) for p in paths]
         check_ensemble(paths, ckpts)
-        models = [prepare_for_inference(ck.model.to(dtype), int8, compile) for ck in ckpts]  # fp32 packing
+        models = [prepare_for_inference(ck.model, int8, compile) for ck in ckpts]  # fp32 packing
         return cls(models[0] if len(models) == 1 else Ensemble(models), ckpts[0].tokenizer)
 
     def decode_config(self, **options: Any) -> DecodeConfig:

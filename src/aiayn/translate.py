@@ -151,13 +151,15 @@ def length_sorted_batches(
         yield batch
 
 
-def quantize_int8(model: Transformer) -> Transformer:
+def quantize_int8(model: Transformer, in_place: bool = False) -> Transformer:
     """Dynamic int8 quantization of every Linear layer (weights int8, activations quantized per call):
-    a CPU-only speed-up. The embeddings stay in float; the tied output projection gets its own int8 copy."""
+    a CPU-only speed-up. The embeddings stay in float; the tied output projection gets its own int8 copy.
+    A copy of `model`, or with `in_place` `model` itself quantized (no second float copy at once)."""
     with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated for torchao, still works
         warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
-        quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-    fold_logits_bias(quantized)  # a copy: `model` keeps its own
+        quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8,
+                                                           inplace=in_place)
+    fold_logits_bias(quantized)  # on the copy, unless in place
     return pack_int8_for_amx(quantized)
 
 
@@ -176,22 +178,24 @@ def check_compile(device: torch.device, dtype: str | torch.dtype, int8: bool, mo
         raise UserError("compile (--compile) decodes one model: drop it to decode an ensemble")
 
 
-def prepare_for_inference(model: Transformer, int8: bool = False, compile: bool = False) -> Transformer:
+def prepare_for_inference(model: Transformer, int8: bool = False, compile: bool = False,
+                          own: bool = False) -> Transformer:
     """The fastest equivalent of `model` for decoding: on a CPU, Linear layers prepacked for oneDNN
     (same float32 function) or, with `int8`, dynamically quantized; elsewhere the model itself. With
     `compile` (a float32 model on the CPU), also the decoder step of one row compiled, now
-    (`aiayn.decoding.compiled`); a UserError otherwise."""
+    (`aiayn.decoding.compiled`); a UserError otherwise. `own`: the caller gives `model` away, which is
+    then packed in place rather than copied (`base` loaded at a peak 178 MB lower)."""
     cap_kernel_caches()  # before the first oneDNN kernel: every batch and beam size is a new shape
     weight = model.tgt_embed.embed.weight
     if compile:
         check_compile(weight.device, weight.dtype, int8)
     if int8:
-        return quantize_int8(model)
+        return quantize_int8(model, in_place=own)
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return model
-    packed = pack_for_cpu(model)
+    packed = pack_for_cpu(model, in_place=own)
     if compile:  # on a copy: without oneDNN packing, `pack_for_cpu` returns the caller's model itself
-        return compile_one_row_step(packed if packed is not model else copy.deepcopy(model))
+        return compile_one_row_step(packed if packed is not model or own else copy.deepcopy(model))
     return packed
 
 
@@ -242,7 +246,7 @@ class Translator:
         dtype = inference_dtype(dtype, device, int8)
         ckpts = [load_checkpoint(p, device, dtype) for p in paths]
         check_ensemble(paths, ckpts)
-        models = [prepare_for_inference(ck.model, int8, compile) for ck in ckpts]  # fp32 packing
+        models = [prepare_for_inference(ck.model, int8, compile, own=True) for ck in ckpts]  # fp32 packing
         return cls(models[0] if len(models) == 1 else Ensemble(models), ckpts[0].tokenizer)
 
     def decode_config(self, **options: Any) -> DecodeConfig:

@@ -184,13 +184,14 @@ def pack_int8_for_amx(model: nn.Module) -> nn.Module:
     return model
 
 
-def pack_for_cpu(model: nn.Module) -> nn.Module:
-    """A copy of `model` (float32, on the CPU, for inference) with every `nn.Linear` packed for oneDNN;
-    the model itself when packing is unavailable in this PyTorch build."""
+def pack_for_cpu(model: nn.Module, in_place: bool = False) -> nn.Module:
+    """A copy of `model` (float32, on the CPU, for inference) with every `nn.Linear` packed for oneDNN, or
+    with `in_place` `model` itself so packed (a caller that gives it away holds no second copy at once);
+    the model itself, unpacked, when packing is unavailable in this PyTorch build."""
     if not packing_available():
         log.info("oneDNN linear packing unavailable in this PyTorch build; using the model as it is")
         return model
-    packed = copy.deepcopy(model).eval()
+    packed = (model if in_place else copy.deepcopy(model)).eval()
     fold_logits_bias(packed)  # before packing: the one-row layouts hold the bias
     replace_modules(packed, lambda m: type(m) is nn.Linear, PackedLinear)
     # The encoder reads whole sources, and the cross-attention's K/V projection reads the encoder's

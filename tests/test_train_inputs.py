@@ -170,6 +170,25 @@ def test_nan_weights_in_the_latest_checkpoint_name_the_one_to_resume_from(finish
         train(config, resume=True)
 
 
+def test_compile_without_a_cxx_compiler_is_refused_before_any_work(finished_run, tmp_path, monkeypatch):
+    """inductor's CPU code is C++: without a compiler, a 180-line traceback at the first update, with the
+    tokenizer and cache made for nothing."""
+    from aiayn.decoding import compiled
+
+    monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: False)
+    config = with_train(finished_run[1], run_dir=str(tmp_path / "fresh"), compile=True)
+    with pytest.raises(ConfigError, match=r"^train.compile=true on a CPU needs a C\+\+ compiler"):
+        train(config)
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_another_precision_on_resume_is_said(finished_run, tmp_path, caplog):
+    config = with_train(copy_run(finished_run, tmp_path), max_updates=6, precision="bf16")
+    with caplog.at_level(logging.INFO):
+        assert train(config, resume=True)["step"] == 6
+    assert "step_000004: trained with train.precision='fp32', resumed with 'bf16'" in caplog.text
+
+
 def test_a_training_state_without_its_step_is_refused(finished_run, tmp_path):
     """trainer.json's "state" emptied by a hand: every field took its default, so --resume trained from
     update 0 on the trained weights and Adam moments, and saved over the checkpoints it had."""

@@ -127,6 +127,12 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
 def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     if config.train.precision == "fp16" and d.device.type != "cuda":
         raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
+    if config.train.compile and d.device.type == "cpu":  # inductor's CPU code is C++: a 180-line traceback
+        from aiayn.decoding.compiled import has_cxx_compiler  # at the first update, the data prepared
+
+        if not has_cxx_compiler():
+            raise ConfigError("train.compile=true on a CPU needs a C++ compiler (g++ or clang++) on PATH; "
+                              "install one, or set train.compile=false")
     if config.data.valid_src and config.train.bleu_every:  # ja and ko need MeCab: say so now, not after
         from aiayn.evaluate import bleu_metrics  # the tokenizer's training and the encoding
 
@@ -935,6 +941,17 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
     return caches
 
 
+def _say_changed_arithmetic(checkpoint: Path, trained: dict[str, Any] | None, config: RunConfig,
+                            d: Dist) -> None:
+    """Another train.precision or train.compile on --resume is allowed, and said: the updates from here
+    round otherwise (and a compiled run resumes close to, not bit for bit as, an unbroken one), which a
+    log that said nothing left no trace of."""
+    for key in ("precision", "compile"):
+        saved, now = (trained or {}).get(key), getattr(config.train, key)
+        if saved is not None and saved != now and d.is_main:
+            log.info("%s: trained with train.%s=%r, resumed with %r", checkpoint, key, saved, now)
+
+
 def _check_same_batches(checkpoint: Path, config: RunConfig, d: Dist) -> None:
     """The saved position in the epoch counts updates of (processes x update_freq) batches of max_tokens,
     in the order train.seed shuffles the pairs data.max_len keeps: resuming with another product,
@@ -944,6 +961,7 @@ def _check_same_batches(checkpoint: Path, config: RunConfig, d: Dist) -> None:
 
     tc, meta = config.train, read_meta(checkpoint)
     trained, data = config_section(meta, "train"), config_section(meta, "data")
+    _say_changed_arithmetic(checkpoint, trained, config, d)
     recorded = ((trained, "seed"), (data, "max_len"), (trained, "update_freq"), (trained, "max_tokens"))
     for section, key in recorded:
         value = (section or {}).get(key)

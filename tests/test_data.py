@@ -717,6 +717,23 @@ def test_a_compatibility_form_only_identity_keeps_is_advised_so(tmp_path, caplog
     assert '"nfkc"' not in record.message
 
 
+@pytest.mark.parametrize("word, named", [
+    ("cafe\u0301", "U+0065 LATIN SMALL LETTER E + U+0301 COMBINING ACUTE ACCENT"),
+    ("\u1112\u1161\u11ab", "U+1112 HANGUL CHOSEONG HIEUH + U+1161 HANGUL JUNGSEONG A + U+11AB HANGUL "
+                            "JONGSEONG NIEUN"),
+])
+def test_a_decomposed_letter_is_named_whole_and_only_identity_is_advised(tmp_path, caplog, word, named):
+    """NFD text: the warning named the base letter alone and advised "nfkc", which composes it too (the
+    same warning again)."""
+    text = ParallelText([f"{s} {word}" for s in sentences(100, "de")], sentences(100, "en"), 0)
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        train_tokenizer(text, tmp_path, 40)
+    [record] = caplog.records
+    assert named in record.message
+    assert 'set data.normalization = "identity" and train a new tokenizer' in record.message
+    assert '"nfkc"' not in record.message
+
+
 @pytest.mark.parametrize("normalization", ["nmt_nfkc", "nfkc", "identity"])
 def test_whitespace_alone_is_not_warned_about(tmp_path, caplog, normalization):
     """SentencePiece collapses spaces whatever the rule, and a no-break space or a tab is whitespace too."""

@@ -818,22 +818,35 @@ def _warn_if_normalization_changes_text(
     counts = "; ".join(f"{changed} of {k} sampled {side} lines" for side, changed, k, _ in problems)
     want, got = problems[0][3]
     at = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-    char = want[at] if at < len(want) else got[at]
+    chars = _cluster(want, at) if at < len(want) else got[at]
     example = want[max(0, at - 30) : at + 30]
-    # "nfkc" keeps what nmt_nfkc alone rewrites (the ZWNJ), not a compatibility form (ＩＢＭ, ﬁ), which
-    # only "identity" keeps: the advice to try "nfkc" there was followed by the same warning
-    nfkc_changes = unicodedata.normalize("NFKC", char) != char
+    # "nfkc" keeps what nmt_nfkc alone rewrites (the ZWNJ), not a compatibility form (ＩＢＭ, ﬁ) or a
+    # decomposed letter (e + U+0301, Hangul jamo), which only "identity" keeps: the advice to try "nfkc"
+    # there was followed by the same warning
+    nfkc_changes = _spaced(unicodedata.normalize("NFKC", want)) != want
     identity = '; set data.normalization = "identity"'
     nfkc = '; set data.normalization = "nfkc" (or "identity")'
     fix = {"nfkc": identity, "identity": ""}.get(normalization, identity if nfkc_changes else nfkc)
     if fix:
         fix += (" and train a new tokenizer (in a new train.run_dir, or delete this one's spm.model, or "
                 "source.spm and target.spm)")
+    named = " + ".join(f"U+{ord(c):04X} {unicodedata.name(c, '(unnamed)')}" for c in chars)
     log.warning(
         "data.normalization=%r changes the training text the model will learn to write (%s), e.g. "
-        "U+%04X %s in %r%s",
-        normalization, counts, ord(char), unicodedata.name(char, "(unnamed)"), example, fix,
+        "%s in %r%s", normalization, counts, named, example, fix,
     )
+
+
+def _cluster(text: str, at: int) -> str:
+    """The character at `at` with the marks and Hangul vowel or final jamo after it: what composition
+    rewrites as one (e + U+0301 -> é), where the first character alone named the base letter."""
+    def joins(c: str) -> bool:
+        return unicodedata.category(c).startswith("M") or "\u1160" <= c <= "\u11ff"
+
+    end = at + 1
+    while end < len(text) and joins(text[end]):
+        end += 1
+    return text[at:end]
 
 
 def _evenly_spaced(lines: list[str] | KeptLines, k: int) -> list[str]:

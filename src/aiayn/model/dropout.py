@@ -5,7 +5,8 @@ a (227, 24, 256) activation on this project's 2-core machine, 17 times per train
 `small` model, about 15% of the step. Here one 64-bit draw (`random_`) gives four 16-bit uniforms,
 whose low 15 bits are compared against p: the same distribution as `F.dropout` (each element zeroed
 with probability p, rounded to a multiple of 2^-15, survivors scaled by 1/(1-p)), about 3x faster.
-On a GPU `F.dropout` is already a fused Philox kernel and is used as it is.
+On a GPU `F.dropout` is already a fused Philox kernel and is used as it is; so it is under torch.compile,
+whose inductor makes the random numbers of a compiled graph.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     """`F.dropout(x, p, training)`, with a cheaper mask on the CPU."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or p >= 1.0:
+    # compiled: F.dropout, whose random numbers inductor makes (dynamo cannot trace `random_`: a graph break)
+    if x.device.type != "cpu" or p >= 1.0 or torch.compiler.is_compiling():
         return F.dropout(x, p, training)
     return x * keep_scale(x.shape, p, x.dtype, x.device)
 

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import tomllib
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the same parser as the tomli package, a dependency there
+    import tomli as tomllib
 
 from aiayn.config import (
     MAX_THREADS, PRESETS, ConfigError, ModelConfig, check_types, from_dict, matches_type, model_config, to_dict,

@@ -644,6 +644,20 @@ def test_int8_model_stays_close_to_float():
     assert len(generate(quantize_int8(model), src, DecodeConfig(beam=2, max_len_b=4))) == 2
 
 
+def test_version_and_a_pytorch_without_dynamic_quantization(monkeypatch, capsys):
+    """`aiayn --version` said "the following arguments are required: command"; torch.ao.quantization is
+    deprecated for torchao, and a PyTorch without it made --int8 an AttributeError traceback."""
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"aiayn {version('aiayn')}\n"
+    monkeypatch.delattr(torch.ao.quantization, "quantize_dynamic")
+    with pytest.raises(UserError, match=r"^int8 \(--int8\) uses torch.ao.quantization.quantize_dynamic, "
+                                        r"which PyTorch .* no longer has; drop --int8$"):
+        quantize_int8(tiny_model())
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_model_given_away_is_prepared_in_place_with_the_same_function(int8):
     """`Translator.load` owns the model it loaded: packing or quantizing a copy held two at once (a

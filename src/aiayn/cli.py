@@ -443,8 +443,19 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def _version() -> str:
+    """The installed distribution's version (a source tree run without installing has none)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("aiayn")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="aiayn", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"aiayn {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="show a model preset and its parameter count, or describe a checkpoint")

@@ -155,10 +155,13 @@ def quantize_int8(model: Transformer, in_place: bool = False) -> Transformer:
     """Dynamic int8 quantization of every Linear layer (weights int8, activations quantized per call):
     a CPU-only speed-up. The embeddings stay in float; the tied output projection gets its own int8 copy.
     A copy of `model`, or with `in_place` `model` itself quantized (no second float copy at once)."""
+    quantize = getattr(getattr(torch.ao, "quantization", None), "quantize_dynamic", None)
+    if quantize is None:  # deprecated for torchao since PyTorch 2.10: an AttributeError once it goes
+        raise UserError(f"int8 (--int8) uses torch.ao.quantization.quantize_dynamic, which PyTorch "
+                        f"{torch.__version__} no longer has; drop --int8")
     with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated for torchao, still works
         warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
-        quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8,
-                                                           inplace=in_place)
+        quantized = quantize(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=in_place)
     fold_logits_bias(quantized)  # on the copy, unless in place
     return pack_int8_for_amx(quantized)
 

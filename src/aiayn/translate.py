@@ -156,7 +156,7 @@ def quantize_int8(model: Transformer, in_place: bool = False) -> Transformer:
     a CPU-only speed-up. The embeddings stay in float; the tied output projection gets its own int8 copy.
     A copy of `model`, or with `in_place` `model` itself quantized (no second float copy at once)."""
     quantize = getattr(getattr(torch.ao, "quantization", None), "quantize_dynamic", None)
-    if quantize is None:  # deprecated for torchao since PyTorch 2.10: an AttributeError once it goes
+    if quantize is None:  # deprecated for torchao (its warning names 2.10 for removal): an AttributeError
         raise UserError(f"int8 (--int8) uses torch.ao.quantization.quantize_dynamic, which PyTorch "
                         f"{torch.__version__} no longer has; drop --int8")
     with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated for torchao, still works
@@ -187,7 +187,7 @@ def prepare_for_inference(model: Transformer, int8: bool = False, compile: bool 
     (same float32 function) or, with `int8`, dynamically quantized; elsewhere the model itself. With
     `compile` (a float32 model on the CPU), also the decoder step of one row compiled, now
     (`aiayn.decoding.compiled`); a UserError otherwise. `own`: the caller gives `model` away, which is
-    then packed in place rather than copied (`base` loaded at a peak 178 MB lower)."""
+    then packed in place rather than copied (a `base`-sized checkpoint loaded at a peak 197 MB lower)."""
     cap_kernel_caches()  # before the first oneDNN kernel: every batch and beam size is a new shape
     weight = model.tgt_embed.embed.weight
     if compile:

@@ -173,7 +173,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     resume_from = distributed.on_main(d, lambda: _checkpoint_to_resume(run_dir, resume))
     config = _with_checkpoint_tokenizer_settings(config, resume_from)
     if resume_from:
-        _read_resumed(d, run_dir, resume_from, lambda: _check_same_batches(resume_from, config, d))
+        _read_resumed(d, run_dir, resume_from, lambda: _compare_with_trained(resume_from, config, d))
     if tc.threads:
         torch.set_num_threads(tc.threads)
     keep_freed_memory()  # every step frees and re-allocates the same large tensors
@@ -952,16 +952,25 @@ def _say_changed_arithmetic(checkpoint: Path, trained: dict[str, Any] | None, co
             log.info("%s: trained with train.%s=%r, resumed with %r", checkpoint, key, saved, now)
 
 
-def _check_same_batches(checkpoint: Path, config: RunConfig, d: Dist) -> None:
+def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> None:
+    """--resume's configuration against the one `checkpoint`'s meta.json records (read once): another
+    precision or compile said, other batches refused."""
+    meta = read_meta(checkpoint)
+    trained, data = config_section(meta, "train"), config_section(meta, "data")
+    _say_changed_arithmetic(checkpoint, trained, config, d)
+    _check_same_batches(checkpoint, trained, data, config, d)
+
+
+def _check_same_batches(checkpoint: Path, trained: dict[str, Any] | None, data: dict[str, Any] | None,
+                        config: RunConfig, d: Dist) -> None:
     """The saved position in the epoch counts updates of (processes x update_freq) batches of max_tokens,
     in the order train.seed shuffles the pairs data.max_len keeps: resuming with another product,
     max_tokens, seed or max_len would train part of the epoch twice and skip the rest, so it is refused
-    (the same product with other factors is the same batches per update, and is allowed)."""
+    (the same product with other factors is the same batches per update, and is allowed). `trained` and
+    `data`: the sections the checkpoint's meta.json records."""
     from safetensors import safe_open
 
-    tc, meta = config.train, read_meta(checkpoint)
-    trained, data = config_section(meta, "train"), config_section(meta, "data")
-    _say_changed_arithmetic(checkpoint, trained, config, d)
+    tc = config.train
     recorded = ((trained, "seed"), (data, "max_len"), (trained, "update_freq"), (trained, "max_tokens"))
     for section, key in recorded:
         value = (section or {}).get(key)

@@ -40,6 +40,7 @@ def settings(src: Path, tgt: Path, run_dir: Path, init_from: Path, *extra: str) 
         "train.log_every=1",
         "train.threads=1",
         "train.label_smoothing=0.0",
+        "train.device=cpu",  # as train_helpers.tiny_config: what CI runs, also on a machine with a GPU
         *extra,
     ]
 

@@ -6,8 +6,9 @@
 # the GPU tests (tests/test_cuda.py and the other CUDA-only ones), the training step (small, base and
 # the paper's 25k-token batch, fp32 and bf16, against nn.Transformer and Marian, with the bf16 loss
 # curve), decoding against HuggingFace (and CTranslate2 where its CUDA libraries load), the demo on the
-# GPU, then aiayn compiled. Every step gets at most what is left of SECONDS (default 540), so the
-# script ends in time and what it measured so far is kept. Needs a Python with CUDA PyTorch,
+# GPU, then aiayn compiled, then the whole default test suite (in parallel where pytest-xdist is). Every
+# step gets at most what is left of SECONDS (default 540), so the script ends in time and what it
+# measured so far is kept. Needs a Python with CUDA PyTorch,
 # transformers, sentencepiece, sacrebleu, safetensors, matplotlib, tqdm and pytest; the package runs from
 # src/ (nothing installed). Writes $OUT/log.txt and the benchmarks' reports.
 set -u
@@ -43,4 +44,9 @@ torch.cuda.get_device_name())"
   run 90 python3 -m aiayn demo --device cuda --out "${TMPDIR:-/tmp}/aiayn-gpu-demo-$$"
   run 150 python3 benchmarks/train_step.py --device cuda --configs base25k --precisions bf16 \
     --steps 10 --warmup 3 --loss-steps 0 --out "$OUT/train_step_gpu_compiled.md"
+  # the whole default suite where CUDA is present, each test's outcome on its own line as it ends (-v): a
+  # suite cut off at its time limit still names its failures (-q named none before the end)
+  parallel=$(python3 -c "import os, xdist; print('-n', max(1, (os.cpu_count() or 2) - 1))" 2>/dev/null)
+  run 240 python3 -m pytest -p no:cacheprovider -v $parallel --timeout 120 tests >"$OUT/suite.txt" 2>&1
+  grep -E "FAILED|ERROR|Timeout|[0-9]+ (passed|failed)|== exit" "$OUT/suite.txt" | tail -40
 } 2>&1 | tee "$OUT/log.txt"

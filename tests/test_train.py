@@ -294,6 +294,23 @@ def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_p
     assert score == pytest.approx(BLEU(tokenize="char").corpus_score(one_by_one, [text.tgt]).score)
 
 
+def test_validation_bleus_unspaced_hint_looks_at_the_references(straight_run, monkeypatch, caplog):
+    """The hint to set train.bleu_lang (13a finds about one word per line) read the hypotheses: an early
+    model repeating one piece had it said for German; the references show the target language."""
+    from aiayn.data.dataset import ParallelText, read_parallel
+    from aiayn.train.bleu import validation_bleu
+
+    d, config, _ = straight_run
+    ck = load_checkpoint(checkpoint_dirs(d / "run")[-1])
+    text = read_parallel(config.data.valid_src, config.data.valid_tgt)
+    monkeypatch.setattr(ck.tokenizer, "decode_tgt", lambda ids: "ichichichichichichichich")  # unspaced
+    validation_bleu(ck.model, ck.tokenizer, text, 32, 64, torch.device("cpu"))
+    assert "train.bleu_lang" not in caplog.text
+    unspaced = ParallelText(text.src, ["我们今天在这里学习翻译模型" for _ in text.tgt], 0)
+    validation_bleu(ck.model, ck.tokenizer, unspaced, 32, 64, torch.device("cpu"))
+    assert "for Chinese, Japanese, Korean or Thai set train.bleu_lang" in caplog.text
+
+
 def test_a_bleu_tokenizer_missing_its_packages_fails_before_the_tokenizer_is_trained(tmp_path, capsys):
     """ja and ko need MeCab, which sacreBLEU does not install: refused before SentencePiece training and
     the encoding (minutes on a large corpus), not after them."""

@@ -141,6 +141,55 @@ def test_a_collective_failing_because_a_peer_died_is_one_line():
     assert peer_lost(gloo, one) is None
     assert peer_lost(RuntimeError("CUDA out of memory"), two) is None
     assert peer_lost(ValueError("Connection reset by peer"), two) is None
+    # gloo's timeout runs through gloo/transport too, but no process stopped: it was called one that had
+    timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                           "1800000ms for recv operation to complete\nException raised from ...")
+    assert str(peer_lost(timeout, two)).startswith("process 0: the other processes did not answer within 30 "
+                                                   "minutes ([../third_party/gloo/gloo/transport/tcp/")
+
+
+def test_torchrun_variables_that_are_not_torchruns_are_one_line(monkeypatch):
+    """A WORLD_SIZE left in the environment was torch's ValueError traceback about env:// and
+    MASTER_ADDR; one that is not a number, an int() traceback."""
+    from aiayn.config import ConfigError
+    from aiayn.train import distributed
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2 is set, but MASTER_ADDR is not: start many processes "
+                                          "with torchrun, or unset WORLD_SIZE for one"):
+        distributed.setup("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    with pytest.raises(ConfigError, match="environment variable WORLD_SIZE='abc' is not a whole number"):
+        distributed.setup("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "")  # set but empty: the default, as when unset
+    assert distributed.setup("cpu").world_size == 1
+
+
+SLOW_PREPARATION = """
+import datetime, sys, time
+import aiayn.train.distributed as distributed
+import aiayn.train.loop as loop
+distributed.GROUP_TIMEOUT = datetime.timedelta(seconds=5)  # 30 minutes in a real job
+prepare = loop._prepare_files
+loop._prepare_files = lambda *a, **k: (time.sleep(12), prepare(*a, **k))[1]  # process 0's encoding
+from aiayn.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # three fresh Pythons importing torch, and a 12 s wait
+def test_the_others_wait_for_process_0s_preparation_past_the_groups_timeout(tmp_path):
+    """Process 0 trains the tokenizer and encodes the corpus while the others wait. They gave up after the
+    group's 30 minutes ("another process of this job stopped"), before a large corpus was encoded, and
+    torchrun stopped process 0 with it; they now wait as long as process 0 works."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.device=cpu", "train.max_updates=2")
+    script = tmp_path / "slow_preparation.py"
+    script.write_text(SLOW_PREPARATION, encoding="utf-8")
+    proc = torchrun_train(sets, script=script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step_000002"]
 
 
 OTHER_CORPUS_ON_RANK_1 = """

@@ -372,6 +372,21 @@ def test_processes_agree_on_the_signal_and_its_status(monkeypatch):
     assert single.agreed(SimpleNamespace(enabled=False)) == "SIGINT"
 
 
+def test_process_0_alone_says_that_a_signal_stops_the_run(monkeypatch, caplog):
+    """Every process said "SIGTERM: stopping after this update" when a scheduler signalled the job (16
+    lines for 16 GPUs); process 0 says it, also when the signal reached another process alone."""
+    for announce in (True, False):  # process 0, another process
+        caplog.clear()
+        with loop.StopSignal(announce=announce).installed():
+            signal.raise_signal(signal.SIGTERM)
+        assert ("SIGTERM: stopping after this update" in caplog.text) == announce
+    monkeypatch.setattr(distributed, "all_reduce_sum", lambda values, d: [0.0, 1.0])  # another's SIGTERM
+    for announce in (True, False):
+        caplog.clear()
+        assert loop.StopSignal(announce=announce).agreed(SimpleNamespace(enabled=True)) == "SIGTERM"
+        assert ("SIGTERM in another process: stopping after this update" in caplog.text) == announce
+
+
 def signalled_run(finished_run, tmp_path, monkeypatch, at_update: int):
     """The finished run's config in a new run_dir with its tokenizer, and SIGTERM sent as update
     `at_update` begins (delivered in the main thread, mid-loop, as from outside)."""
@@ -706,6 +721,11 @@ def test_cuda_without_a_gpu_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="train.device='cuda', but PyTorch sees no CUDA GPU"):
         distributed.setup("cuda")
+
+
+def test_a_data_max_len_past_the_models_names_both():
+    with pytest.raises(ConfigError, match="data.max_len=64 is longer than the model's max_len=32"):
+        load_config(None, ["model.preset=micro", "model.max_len=32", "data.max_len=64"])
 
 
 def test_validation_files_come_in_pairs():

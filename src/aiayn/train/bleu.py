@@ -44,6 +44,7 @@ def validation_bleu(
             hypotheses[i] = tokenizer.decode_tgt(hyps[0].tokens)
     model.train(was_training)
     bleu, _ = bleu_metrics(lang)
-    if (note := unspaced_hint(hypotheses, lang, advice="set train.bleu_lang")) is not None:
+    # the references show the language; an early model's hypotheses (a few words repeated) looked unspaced
+    if (note := unspaced_hint(text.tgt, lang, advice="set train.bleu_lang")) is not None:
         log.warning("validation BLEU: %s", note)  # else a flat curve near 0 for Chinese or Japanese
     return bleu.corpus_score(hypotheses, [text.tgt]).score, str(bleu.get_signature())

@@ -182,9 +182,10 @@ class RunConfig:
         if not self.train.init_from:  # check the model keys now, before any data is read. (With init_from
             # the model is the checkpoint's, compared with [model] in `finetune_model_config`: checked
             # against the base preset, restating its d_model=36 was "not divisible by n_heads=8")
-            self.model_config(vocab_size=64)
-            if self.data.max_len > self.model.get("max_len", 1024):
-                raise ConfigError(f"data.max_len={self.data.max_len} is longer than the model's max_len")
+            model_len = self.model_config(vocab_size=64).max_len
+            if self.data.max_len > model_len:
+                raise ConfigError(f"data.max_len={self.data.max_len} is longer than the model's "
+                                  f"max_len={model_len}")
         else:  # what does not depend on the checkpoint's shape, before run_dir is made
             self._check_finetune_keys()
         if self.model.get("final_logits_bias") is True and not self.train.init_from:

@@ -28,6 +28,15 @@ from aiayn.errors import UserError
 
 T = TypeVar("T")
 
+# How long a process waits in a collective before it takes the others as stuck, and gives up.
+GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+# How long the others wait for process 0's `on_main` work: the tokenizer and the corpus's encoding, a
+# checkpoint's save. Under GROUP_TIMEOUT they gave up while process 0 encoded a large corpus (the paper's
+# 36M EN-FR pairs: about 40 minutes at the README's rate), and a rerun began it again. A process 0 that
+# fails or dies ends the wait at once (its message, or gloo's reset connection), so only a process 0
+# stuck for a day is waited for that long.
+MAIN_WORK_TIMEOUT = datetime.timedelta(hours=24)
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -36,6 +45,7 @@ class Dist:
     local_rank: int  # this process on its machine (picks the GPU)
     device: torch.device  # where this process computes
     host_group: Any = None  # gloo group for host values when the default group is NCCL (None: the default)
+    main_group: Any = None  # gloo group in which the others wait for process 0's `on_main` work
 
     @property
     def is_main(self) -> bool:
@@ -48,8 +58,11 @@ class Dist:
 
 def setup(device: str = "auto") -> Dist:
     """Join the torchrun job if there is one; choose this process' device."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    world_size, rank, local_rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    if world_size > 1 and not dist.is_initialized() and not os.environ.get("MASTER_ADDR"):
+        # a WORLD_SIZE left in the environment: torch's ValueError traceback about env://
+        raise ConfigError(f"WORLD_SIZE={world_size} is set, but MASTER_ADDR is not: start many processes "
+                          "with torchrun, or unset WORLD_SIZE for one")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         _check_gpu(device, local_rank)
@@ -57,13 +70,26 @@ def setup(device: str = "auto") -> Dist:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    host_group = None
+    host_group = main_group = None
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        dist.init_process_group(backend, timeout=GROUP_TIMEOUT)
         if backend == "nccl":  # every process calls new_group, as it must
-            host_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
-    return Dist(rank, world_size, local_rank, dev, host_group)
+            host_group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+        main_group = dist.new_group(backend="gloo", timeout=MAIN_WORK_TIMEOUT)
+    return Dist(rank, world_size, local_rank, dev, host_group, main_group)
+
+
+def _env_int(name: str, default: int) -> int:
+    """torchrun's variable `name` as a number, or one line naming it (an int() traceback before)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not a whole number (torchrun sets "
+                          "it)") from None
 
 
 def _check_gpu(device: str, local_rank: int) -> None:
@@ -98,6 +124,7 @@ def teardown(d: Dist) -> None:
 _PEER_GONE = re.compile(
     r"Connection (reset|closed) by peer|Broken pipe|gloo/transport|NCCL communicator was aborted"
 )
+_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms")  # gloo's "Timed out waiting 1800000ms for recv ..."
 
 
 def peer_lost(e: BaseException, d: Dist) -> UserError | None:
@@ -106,6 +133,12 @@ def peer_lost(e: BaseException, d: Dist) -> UserError | None:
     if not (d.enabled and isinstance(e, RuntimeError) and _PEER_GONE.search(str(e))):
         return None
     line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+    if waited := _TIMED_OUT.search(str(e)):  # gloo's timeout runs through gloo/transport too: nobody stopped
+        seconds = int(waited[1]) / 1000
+        within = f"{seconds / 60:g} minutes" if seconds >= 60 else f"{seconds:g} s"
+        return UserError(f"process {d.rank}: the other processes did not answer within {within} ({line}); "
+                         "one of them is stuck or far slower, and --resume continues from the last "
+                         "checkpoint")
     return UserError(f"process {d.rank}: another process of this job stopped ({line}); its own error or "
                      "torchrun's log says why, and --resume continues from the last checkpoint")
 
@@ -134,10 +167,10 @@ def on_main(d: Dist, work: Callable[[], T]) -> T:
         except Exception as e:
             outcome[0] = str(e) or type(e).__name__
             if d.enabled:
-                dist.broadcast_object_list(outcome, src=0, group=d.host_group)
+                dist.broadcast_object_list(outcome, src=0, group=d.main_group)
             raise
     if d.enabled:
-        dist.broadcast_object_list(outcome, src=0, group=d.host_group)  # 0 sends, the others receive
+        dist.broadcast_object_list(outcome, src=0, group=d.main_group)  # 0 sends, the others receive
     if outcome[0] is not None:
         raise FailedOnMain(f"process 0 failed: {outcome[0]}")
     return outcome[1]

@@ -235,7 +235,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     stop = _stop_reason(state, tc, n_updates) or _patience_exhausted(state, tc)
     if stop and d.is_main:
         log.info("%s: already at update %d (%s); nothing to train", resume_from, state.step, stop)
-    stopper = StopSignal()
+    stopper = StopSignal(announce=d.is_main)
     with stopper.installed(), logging_redirect_tqdm():  # log lines above the bar, not glued onto it
         stop, last = _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast, metrics, bar,
                            n_updates, batch_tokens, stopper)
@@ -329,8 +329,9 @@ class StopSignal:
     checkpoint (without validating) and stop, instead of losing the updates since the last checkpoint. A
     second Ctrl-C interrupts at once. Under torchrun the processes agree on it at every update."""
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
         self.signum: int | None = None
+        self.announce = announce  # say so when the signal comes: process 0 alone, or 16 lines for 16 GPUs
 
     @contextmanager
     def installed(self):
@@ -344,8 +345,9 @@ class StopSignal:
             if self.signum is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt  # the second Ctrl-C
             self.signum = signum
-            log.warning("%s: stopping after this update, with a checkpoint (Ctrl-C again: at once)",
-                        signal.Signals(signum).name)
+            if self.announce:
+                log.warning("%s: stopping after this update, with a checkpoint (Ctrl-C again: at once)",
+                            signal.Signals(signum).name)
 
         for s in previous:
             signal.signal(s, handle)
@@ -369,7 +371,10 @@ class StopSignal:
         if not (sigint or sigterm):
             return None
         self.signum = signal.SIGTERM if sigterm else signal.SIGINT  # one status for all (SIGINT and SIGTERM
-        return signal.Signals(self.signum).name  # on two processes: SIGTERM, a scheduler's)
+        name = signal.Signals(self.signum).name  # on two processes: SIGTERM, a scheduler's)
+        if self.announce and mine is None:  # sent to another process alone
+            log.warning("%s in another process: stopping after this update, with a checkpoint", name)
+        return name
 
 
 def build_model(config: RunConfig, tok: Tokenizer) -> Transformer:

@@ -49,6 +49,22 @@ def test_resumed_log_drops_the_cut_record_and_keeps_the_rest(log_path, caplog):
     assert "dropped a record cut short" in caplog.text
 
 
+def test_a_run_starting_at_update_n_drops_the_records_past_it(log_path, caplog):
+    """A resume from update 2 (or a fresh start, 0) after a run that went on past its last checkpoint:
+    that run's later records were kept, and `plot` drew them beside the new run's (a resume ending
+    before them left them at the end). Lines that are no record with a step stay for the reader."""
+    with open(log_path, "ab") as f:
+        f.write(whole(VALID) + b'{"note": "no step"}\n')
+    MetricsLog(log_path, start_step=2).write(new := {"step": 3, "epoch": 1, "loss": 0.5, "nll": 0.4, "lr": 3e-4})
+    assert read_metrics(log_path) == [TRAIN[0], TRAIN[1], {"note": "no step"}, new]
+    assert "dropped 2 record(s) past update 2, from a run that went on after its last checkpoint" in caplog.text
+    MetricsLog(log_path, start_step=0)  # killed before its first checkpoint: a fresh start
+    assert read_metrics(log_path) == [{"note": "no step"}]
+    caplog.clear()
+    MetricsLog(log_path, start_step=0)  # nothing past: the log untouched, nothing said
+    assert read_metrics(log_path) == [{"note": "no step"}] and "dropped" not in caplog.text
+
+
 def test_resumed_log_keeps_a_record_that_lost_only_its_newline(log_path):
     with open(log_path, "ab") as f:
         f.write(json.dumps(VALID).encode())

@@ -66,6 +66,24 @@ def run_cli(capsys, *argv) -> tuple[int, list[str]]:
     return code, capsys.readouterr().err.strip().splitlines()
 
 
+def test_a_resume_drops_the_log_of_an_abandoned_continuation(finished_run, tmp_path):
+    """A continuation past update 4 killed before its next checkpoint logged updates 5 to 7; the resumed
+    run ends at 6. Its curves held both runs' updates 5 and 6, and the dead run's 7 after its end."""
+    from aiayn.train.metrics import read_metrics
+
+    config = copy_run(finished_run, tmp_path)
+    log_file = tmp_path / "run" / "metrics.jsonl"
+    before = read_metrics(log_file)
+    with open(log_file, "a", encoding="utf-8") as f:
+        for step in (5, 6, 7):
+            f.write(json.dumps({"step": step, "epoch": 9, "loss": 99.0, "nll": 99.0, "lr": 1.0}) + "\n")
+    train(with_train(config, max_updates=6), resume=True)
+    after = read_metrics(log_file)
+    assert after[: len(before)] == before
+    new = after[len(before):]
+    assert new and all(4 < r["step"] <= 6 and r.get("loss") != 99.0 for r in new), new
+
+
 # 1. Non-finite values: stop before saving, keep every good checkpoint.
 
 

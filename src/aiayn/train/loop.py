@@ -215,7 +215,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         dtype=torch.float16 if tc.precision == "fp16" else torch.bfloat16,
         enabled=tc.precision != "fp32",
     )
-    metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
+    metrics = MetricsLog(run_dir / "metrics.jsonl", state.step) if d.is_main else None
     tgt_lengths = data.train.tgt_lengths()
     batch_tokens = [sum(tgt_lengths[i] for i in b) for b in data.train_batches]
     planned = [n for n in (tc.max_updates, tc.max_epochs * n_updates) if n]

@@ -24,14 +24,23 @@ MAX_VALUE = 1e100  # a loss, NLL, BLEU or rate past any run (lr 1e308 beside -1e
 
 
 class MetricsLog:
-    """Appends records to `metrics.jsonl`; each line is flushed, so a crash loses at most one."""
+    """Appends records to `metrics.jsonl`; each line is flushed, so a crash loses at most one.
 
-    def __init__(self, path: str | Path):
+    Training, which starts at update `start_step` (0, or the checkpoint it resumes), first drops the records
+    past it, as TensorBoard's `purge_step` does: they are those of a run that went on after its last
+    checkpoint (or, at 0, one killed before its first), whose updates the weights no longer hold. Kept,
+    `plot` drew them beside the new run's: a 20-update run over the 2,000 of a killed one, a resume
+    from update 1,000 ending at 1,200 with the abandoned 1,201-1,250 after it."""
+
+    def __init__(self, path: str | Path, start_step: int | None = None):
         self.path = Path(path)
         with self._errors():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.is_file():
                 _end_with_whole_line(self.path)
+                if start_step is not None and (dropped := _drop_records_after(self.path, start_step)):
+                    log.warning("%s: dropped %d record(s) past update %d, from a run that went on after its "
+                                "last checkpoint", self.path, dropped, start_step)
 
     def write(self, record: dict[str, Any]) -> None:
         with self._errors(), open(self.path, "a", encoding="utf-8") as f:
@@ -67,6 +76,28 @@ def _end_with_whole_line(path: Path) -> None:
             log.warning("%s: dropped a record cut short by an interrupted write: %r", path, tail[:80])
         f.flush()
         os.fsync(f.fileno())  # before new records follow it
+
+
+def _drop_records_after(path: Path, step: int) -> int:
+    """Rewrite the log (atomically) without the records whose "step" is past `step`; how many went.
+    Lines that are no such record (another writer's, damaged ones) stay for `read_metrics` to judge."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    keep = [line for line in lines if not _past(line, step)]
+    if len(keep) < len(lines):
+        with atomic_output(path, binary=True) as f:
+            f.write(b"".join(keep))
+    return len(lines) - len(keep)
+
+
+def _past(line: bytes, step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:  # JSON's errors, invalid UTF-8, a 4,300-digit number
+        return False
+    except RecursionError:
+        return False
+    value = record.get("step") if isinstance(record, dict) else None
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > step
 
 
 def _parses_as_object(line: bytes) -> bool:

@@ -162,6 +162,22 @@ def test_a_long_sentence_is_refused_before_the_model_runs(tmp_path, tokenizers, 
     assert len(maps.src_tokens) == len(maps.tgt_out_tokens) == n
 
 
+def test_a_greedy_translation_cut_at_its_limit_is_not_counted_with_an_eos(tmp_path, tokenizers, monkeypatch):
+    """A model that repeats itself runs to the length limit, with no EOS: "(with EOS)" was said anyway."""
+    from aiayn.decoding.search import Hypothesis
+
+    _draw_args(tmp_path, tokenizers)
+    ck = load_checkpoint(tmp_path / "ck")
+    n, piece = attention.MAX_TOKENS, ck.tokenizer.eos_id + 1
+    eos = ck.tokenizer.eos_id
+    for tokens, said in (([piece] * (n + 5), "the greedy translation: 105 tokens, more than"),
+                         ([piece] * n + [eos], "the greedy translation: 101 tokens (with EOS)")):
+        hyp = Hypothesis(tokens=tokens, score=0.0, log_prob=0.0)
+        monkeypatch.setattr(attention, "generate", lambda *a, hyp=hyp, **k: [[hyp]])
+        with pytest.raises(UserError, match=re.escape(said)):
+            extract_attention(ck.model, ck.tokenizer, "the number 7")
+
+
 def test_figure_stays_bounded_and_keeps_full_cells_when_small():
     assert attention.figure_layout(2, 2, 10, 10) == (attention.CELL_INCHES, 7.0)  # a short sentence: as before
     n = attention.MAX_TOKENS

@@ -180,7 +180,8 @@ def extract_attention(
         if len(tgt_ids) > model.config.max_len:  # the decoder reads start + all but EOS: as many
             raise SentenceTooLong(0, len(tgt_ids), model.config.max_len, "the target")
     if tgt is None:  # a model that repeats itself: its own output can run to the length limit
-        check_drawable(len(tgt_ids), "the greedy translation", max_tokens, " (give a target to draw instead)")
+        check_drawable(len(tgt_ids), "the greedy translation", max_tokens, " (give a target to draw instead)",
+                       eos=bool(tgt_ids) and tgt_ids[-1] == tokenizer.eos_id)
     else:
         check_drawable(len(tgt_ids), "the target", max_tokens)
     tgt_in = [model.config.decoder_start_id] + tgt_ids[:-1]
@@ -198,9 +199,11 @@ def extract_attention(
     )
 
 
-def check_drawable(tokens: int, side: str, max_tokens: int | None = MAX_TOKENS, hint: str = "") -> None:
+def check_drawable(tokens: int, side: str, max_tokens: int | None = MAX_TOKENS, hint: str = "",
+                   eos: bool = True) -> None:
+    """`eos`: the count includes an EOS (a greedy translation cut at its length limit has none)."""
     if max_tokens is not None and tokens > max_tokens:
-        raise UserError(f"{side}: {tokens} tokens (with EOS), more than {max_tokens}; "
+        raise UserError(f"{side}: {tokens} tokens{' (with EOS)' if eos else ''}, more than {max_tokens}; "
                         f"attention maps of more tokens are unreadable, so they are not drawn{hint}")
 
 

@@ -66,6 +66,24 @@ def test_a_run_starting_at_update_n_drops_the_records_past_it(log_path, caplog):
     assert read_metrics(log_path) == [{"note": "no step"}] and "dropped" not in caplog.text
 
 
+@pytest.mark.parametrize("steps", [[1], [1, 2, 3], [100, 4000, 100000]])
+def test_the_update_axis_has_whole_numbers_only(steps):
+    """A one-update run's axis read 0.96, 0.98, 1.00 ...; three updates, 1.25, 1.5 ..."""
+    from aiayn.train.metrics import _draw
+
+    records = [{"step": s, "loss": 1.0, "nll": 1.0, "lr": 1e-4, "valid_bleu": 1.0} for s in steps]
+    for ax in _draw(records).axes:
+        ticks = ax.get_xticks()
+        assert len(ticks) and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_a_directory_named_with_its_slash_is_no_picture(log_path, tmp_path):
+    """`-o pics/` (no such directory yet) wrote a file named pics."""
+    with pytest.raises(UserError, match=re.escape(f"{tmp_path / 'pics'}/: names a directory; give the")):
+        plot_metrics(log_path, f"{tmp_path / 'pics'}/")
+    assert not (tmp_path / "pics").exists()
+
+
 def test_resumed_log_keeps_a_record_that_lost_only_its_newline(log_path):
     with open(log_path, "ab") as f:
         f.write(json.dumps(VALID).encode())

@@ -164,6 +164,9 @@ def _check_numbers(record: dict[str, Any], where: str) -> None:
 def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     """Loss and NLL (train and validation) and the learning rate against the update number, as a
     PNG written atomically (the old picture stays if writing fails); a missing directory is made."""
+    if str(png_path).endswith(("/", os.sep)):  # Path drops the slash: `-o pics/` wrote a file named pics
+        raise UserError(f"{png_path}: names a directory; give the picture's file name, such as "
+                        f"{Path(png_path) / 'curves.png'}")
     _check_png_output(Path(png_path), Path(jsonl_path))
     records = read_metrics(jsonl_path)
     if not any("step" in r for r in records):  # an empty picture, exit 0, looked like a broken run
@@ -217,6 +220,7 @@ def _draw(records: list[dict[str, Any]]):
     """The curves' figure, made without pyplot: `matplotlib.use("Agg")` switched a notebook's backend
     (inline plots) for the rest of its session, and pyplot keeps every figure until it is closed."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     bleu_steps, bleus = _points(records, "valid_bleu")  # with train.bleu_every: a third panel
     fig = Figure(figsize=(16 if bleu_steps else 11, 4))
@@ -253,6 +257,11 @@ def _draw(records: list[dict[str, Any]]):
         best, at = _best(max, bleus, bleu_steps)
         ax_bleu.set_title(f"best valid BLEU {best:.2f} at {at}")
         ax_bleu.grid(alpha=0.3)
+    steps = [r["step"] for r in records if "step" in r]
+    for ax in axes:  # updates are whole: a short run's ticks were 0.96, 0.98, ... or 1.25, 1.5, ...
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if steps and max(steps) - min(steps) < 2:  # under two updates apart: no two whole ticks to show
+            ax.set_xlim(min(steps) - 1, max(steps) + 1)
     fig.tight_layout()
     return fig
 

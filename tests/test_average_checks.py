@@ -155,3 +155,55 @@ def test_a_checkpoint_saved_on_a_signal_is_left_out_of_the_last_k(tmp_path, toke
         shutil.rmtree(ckpts / f"step_{step:06d}")
     alone = average_last(tmp_path / "run", 2)
     assert json.loads((alone / "meta.json").read_text())["averaged"] == [str(signal)]
+
+
+def test_paths_as_strings_average_and_are_recorded_absolute(tmp_path, tokenizers, monkeypatch):
+    """Strings failed at `directory / META` (a TypeError); the relative paths recorded in "averaged"
+    meant nothing from another directory (`aiayn info`)."""
+    first, _ = tokenizers
+    for i in (1, 2):
+        save(tmp_path / f"ck{i}", first, step=i)
+    monkeypatch.chdir(tmp_path)
+    out = average_checkpoints(["ck1", "ck2"], "avg")
+    assert json.loads((out / "meta.json").read_text())["averaged"] == [str(tmp_path / "ck1"),
+                                                                         str(tmp_path / "ck2")]
+
+
+def test_models_are_compared_as_they_load_and_without_dropout(tmp_path, tokenizers):
+    """A setting left out of meta.json is its default as loading reads it, and dropout shapes training,
+    not the weights: "different models (final_logits_bias False against None)" was untrue, and a
+    fine-tune's other dropout was refused."""
+    first, _ = tokenizers
+    paths = [save(tmp_path / f"ck{i}", first, step=i) for i in (1, 2, 3)]
+    edits = ((paths[0], lambda m: m.pop("final_logits_bias")), (paths[1], lambda m: m.update(dropout=0.3)))
+    for path, edit in edits:
+        meta = json.loads((path / "meta.json").read_text())
+        edit(meta["model"])
+        (path / "meta.json").write_text(json.dumps(meta))
+    averaged = load_checkpoint(average_checkpoints(paths, tmp_path / "avg")).model.config
+    assert averaged == load_checkpoint(paths[-1]).model.config  # the newest's, its dropout with it
+
+
+def test_whole_number_tensors_must_agree_and_are_kept():
+    """Their mean was truncated toward zero (1.5 -> 1), a boolean one became an OR, int64 past 2^53
+    rounded: a tensor of whole numbers that differs has no mean of its kind."""
+    from aiayn.train.average import average_state_dicts
+
+    big = torch.tensor([2**60 + 1])
+    mean = average_state_dicts([{"w": torch.tensor([1.0, 2.0]), "n": big},
+                                {"w": torch.tensor([2.0, 4.0]), "n": big}])
+    assert torch.equal(mean["w"], torch.tensor([1.5, 3.0])) and torch.equal(mean["n"], big)
+    for a, b in ((torch.tensor([1]), torch.tensor([2])), (torch.tensor([True]), torch.tensor([False]))):
+        with pytest.raises(ValueError, match=f"n: a {a.dtype} tensor that differs between the states"):
+            average_state_dicts([{"n": a}, {"n": b}])
+
+
+def test_a_checkpoints_folder_or_a_checkpoint_given_as_the_run_says_so(tmp_path, tokenizers):
+    first, _ = tokenizers
+    ckpts = tmp_path / "run" / "checkpoints"
+    one = save(ckpts / "step_000001", first, step=1)
+    with pytest.raises(UserError, match=f"it is a run's checkpoints folder: give the run directory, "
+                                        f"{tmp_path / 'run'}"):
+        average_last(ckpts, 2)
+    with pytest.raises(UserError, match="it is a checkpoint: give the run directory whose last checkpoints"):
+        average_last(one, 2)

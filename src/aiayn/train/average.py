@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -13,9 +15,11 @@ from aiayn.checkpoint import (
     check_finite,
     checkpoint_tokenizer,
     config_section,
+    is_checkpoint,
     load_checkpoint,
     load_into,
     load_weights,
+    meta_model_config,
     read_meta,
     save_checkpoint,
 )
@@ -27,11 +31,19 @@ log = logging.getLogger(__name__)
 
 
 def average_state_dicts(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The element-wise mean of several state dicts with the same names and shapes (in float64)."""
+    """The element-wise mean of several state dicts with the same names and shapes (in float64).
+    Whole-number and boolean tensors (a counter, a mask) have no mean of their kind: they must agree,
+    and are kept (their mean was truncated toward zero, or a boolean OR, and int64 past 2^53 rounded)."""
     if not states:
         raise ValueError("nothing to average")
     out = {}
     for name, first in states[0].items():
+        if not (first.is_floating_point() or first.is_complex()):
+            if any(not torch.equal(s[name], first) for s in states[1:]):
+                raise ValueError(f"{name}: a {first.dtype} tensor that differs between the states has no "
+                                 "mean of its kind")
+            out[name] = first.clone()
+            continue
         total = torch.zeros(first.shape, dtype=torch.float64)
         for s in states:
             total += s[name].double()
@@ -78,6 +90,7 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     An existing `out` is replaced only with `force`, and never when it is or holds one of `paths`."""
     if not paths:
         raise UserError("no checkpoints to average")
+    paths = [Path(p) for p in paths]  # strings failed at `directory / META`
     check_output(out, list(paths), force, earlier=CHECKPOINT_KIND)
     metas = [read_meta(p) for p in paths]
     check_same_model(paths, metas)
@@ -94,7 +107,7 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     load_into(last.model, mean, paths[-1])
     # The newest member's meta, less what describes it alone: a signal's save is an average's no more
     meta = {k: v for k, v in last.meta.items() if k not in ("format", "model", "tokenizer", "interrupted")}
-    meta["averaged"] = [str(p) for p in paths]
+    meta["averaged"] = [os.path.abspath(p) for p in paths]  # relative, they meant nothing from elsewhere
     saved = save_checkpoint(out, last.model, last.tokenizer, meta)
     log.info("averaged %d checkpoints into %s", len(paths), saved)  # after: a failed write is not reported
     return saved
@@ -103,18 +116,29 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
 def check_same_model(paths: list[Path], metas: list[dict]) -> None:
     """All of `paths` hold one model. Otherwise the odd one out is named (the one whose model fewer of
     them share; with two, both), with a setting that differs: each was compared with the newest, which
-    blamed every other checkpoint when the newest was the damaged one."""
-    models = [json.dumps(m.get("model"), sort_keys=True) for m in metas]
+    blamed every other checkpoint when the newest was the damaged one. The models are compared as they
+    load (a setting left out of meta.json is its default, as loading reads it), less their dropout, which
+    shapes training and not the weights (a fine-tune's may differ)."""
+    configs = [asdict(replace(meta_model_config(p, m), dropout=0.0)) for p, m in zip(paths, metas)]
+    models = [json.dumps(c, sort_keys=True) for c in configs]
     if len(set(models)) == 1:
         return
     odd = min(range(len(paths)), key=lambda i: (models.count(models[i]), -i))  # the rarest, newest first
     other = next(i for i in reversed(range(len(paths))) if models[i] != models[odd])
-    a, b = (metas[i].get("model") for i in (odd, other))
-    keys = sorted(set(a) | set(b), key=str) if isinstance(a, dict) and isinstance(b, dict) else []
-    diff = next((f" ({k} {a.get(k)!r} against {b.get(k)!r})" for k in keys if a.get(k) != b.get(k)), "")
+    a, b = configs[odd], configs[other]
+    diff = next((f" ({k} {a[k]!r} against {b[k]!r})" for k in a if a[k] != b[k]), "")
     if models.count(models[other]) == 1:  # two, or all different: nothing tells which is odd
         raise UserError(f"{paths[odd]} and {paths[other]}: different models{diff}; cannot average them")
     raise UserError(f"{paths[odd]}: a different model from the other checkpoints{diff}; cannot average them")
+
+
+def _wrong_directory_hint(directory: Path) -> str:
+    """What to give instead, when `directory` is a run's checkpoints folder or a checkpoint itself."""
+    if is_checkpoint(directory):
+        return " (it is a checkpoint: give the run directory whose last checkpoints to average)"
+    if directory.name == "checkpoints" and checkpoint_dirs(directory.parent):
+        return f" (it is a run's checkpoints folder: give the run directory, {directory.parent})"
+    return ""
 
 
 def is_average(directory: Path) -> bool:
@@ -172,7 +196,7 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
     for attempt in range(PRUNED_RETRIES + 1):
         found = _regular(checkpoint_dirs(run_dir), log_skipped=attempt == 0)
         if not found:
-            raise UserError(f"{run_dir}: no checkpoints found")
+            raise UserError(f"{run_dir}: no checkpoints found{_wrong_directory_hint(run_dir)}")
         if len(found) < k and attempt == 0:
             log.warning("%s: only %d checkpoints, averaging those", run_dir, len(found))
         chosen = found[-k:]

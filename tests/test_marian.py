@@ -683,3 +683,21 @@ def test_a_special_token_without_its_text_is_refused_in_one_line(build, tmp_path
     assert convert_error(opus, capsys) == (
         f"aiayn: error: {opus / 'tokenizer_config.json'}: pad_token: expected a token string or a table "
         f"with its \"content\", not {pad!r}")
+
+
+def test_an_ensemble_of_marian_models_with_other_start_ids_names_the_start_id(build, tmp_path):
+    """The tokenizer's BOS is a Marian model's decoder start: two with one vocabulary and other start ids
+    were refused as "its tokenizer differs ... an ensemble needs one vocabulary"."""
+    from aiayn.translate import Translator
+
+    _, _, opus = build(VARIANTS[0])
+    other = tmp_path / "opus"
+    shutil.copytree(opus, other)
+    config = json.loads((other / "config.json").read_text())
+    config["decoder_start_token_id"] = 1
+    (other / "config.json").write_text(json.dumps(config))
+    convert_marian(opus, tmp_path / "a")
+    convert_marian(other, tmp_path / "b")
+    with pytest.raises(UserError, match=f"{tmp_path / 'b'}: differs from {tmp_path / 'a'} in "
+                                        "decoder_start_id;"):
+        Translator.load([tmp_path / "a", tmp_path / "b"])

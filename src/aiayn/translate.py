@@ -387,12 +387,14 @@ def check_ensemble(paths: Sequence[str | Path], ckpts: Sequence[Checkpoint]) -> 
     different tokens; a UserError names the member that differs."""
     first = ckpts[0].model.config
     for path, ck in zip(paths[1:], ckpts[1:]):
-        if not ck.tokenizer.same_as(ckpts[0].tokenizer):
-            raise UserError(f"{path}: its tokenizer differs from {paths[0]}'s; an ensemble needs one vocabulary")
+        # the ids first: a tokenizer's comparison includes its BOS, which is a Marian model's decoder start,
+        # so two Marian models with one vocabulary and other start ids were said to differ in vocabulary
         differ = [f for f in SHARED_FIELDS if getattr(ck.model.config, f) != getattr(first, f)]
         if differ:
             raise UserError(f"{path}: differs from {paths[0]} in {', '.join(differ)}; an ensemble's "
                             "models must agree on the vocabulary and its special ids")
+        if not ck.tokenizer.same_as(ckpts[0].tokenizer):
+            raise UserError(f"{path}: its tokenizer differs from {paths[0]}'s; an ensemble needs one vocabulary")
 
 
 def translate(checkpoint: str | Path, texts: Iterable[str], **options: Any) -> list[str]:

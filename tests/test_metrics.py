@@ -84,6 +84,20 @@ def test_a_directory_named_with_its_slash_is_no_picture(log_path, tmp_path):
     assert not (tmp_path / "pics").exists()
 
 
+@pytest.mark.parametrize("content, said", [
+    (b"\x1f\x8b\x08\x00rest", "the file is gzip-compressed; decompress it first (gunzip)"),
+    ('{"step": 1}\n'.encode("utf-16"), "the file is like UTF-16; convert it to UTF-8"),
+    (None, "is a directory, not a metrics log"),
+])
+def test_a_log_that_is_no_text_log_is_one_line(tmp_path, content, said):
+    """gzip said "invalid UTF-8 (the write a kill interrupted?)" and then "no metrics logged yet"; a
+    directory, "no metrics log"."""
+    path = tmp_path / "metrics.jsonl"
+    path.mkdir() if content is None else path.write_bytes(content)
+    with pytest.raises(UserError, match=re.escape(f"{path}: ") + ".*" + re.escape(said)):
+        read_metrics(path)
+
+
 def test_resumed_log_keeps_a_record_that_lost_only_its_newline(log_path):
     with open(log_path, "ab") as f:
         f.write(json.dumps(VALID).encode())

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from aiayn.data.dataset import SIGNATURES
 from aiayn.errors import UserError
 from aiayn.files import atomic_output, check_file_output, directory_for
 
@@ -112,12 +113,16 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     last line without a newline: that is the write a kill interrupted, skipped with a warning."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: no metrics log")
+        what = "is a directory, not a metrics log" if path.is_dir() else "no metrics log"
+        raise UserError(f"{path}: {what}")
     try:
-        # bytes, split on newlines only: a bad byte is then one line's error, with its number
-        lines = path.read_bytes().split(b"\n")
+        data = path.read_bytes()
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+    if what := next((w for magic, w in SIGNATURES if data.startswith(magic)), None):
+        # one line, not "invalid UTF-8 (the write a kill interrupted?)" and then "no metrics logged yet"
+        raise UserError(f"{path}: not a metrics log (one JSON object a line): the file is {what}")
+    lines = data.split(b"\n")  # bytes, split on newlines only: a bad byte is one line's error, with its line
     records = []
     for n, line in enumerate(lines, 1):
         if not line.strip():

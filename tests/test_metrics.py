@@ -77,6 +77,21 @@ def test_the_update_axis_has_whole_numbers_only(steps):
         assert len(ticks) and all(float(t).is_integer() for t in ticks), ticks
 
 
+def test_panels_without_numbers_say_so():
+    """A log without lr records drew bare axes (-0.04 to 0.04); one of NaNs, blank panels titled "best
+    valid NLL nan"."""
+    from aiayn.train.metrics import _draw
+
+    nan = float("nan")
+    fig = _draw([{"step": 1, "loss": nan, "nll": nan}, {"step": 2, "valid_loss": nan, "valid_nll": nan}])
+    loss, lr = fig.axes
+    assert [t.get_text() for t in loss.texts] == ["no loss logged (or none finite)"]
+    assert [t.get_text() for t in lr.texts] == ["no learning rate logged (or none finite)"]
+    assert loss.get_title() == "valid NLL: not a number at every validation"
+    fig = _draw([{"step": 1, "loss": 2.0, "nll": 1.0, "lr": 1e-4}])
+    assert not fig.axes[0].texts and not fig.axes[1].texts
+
+
 def test_a_directory_named_with_its_slash_is_no_picture(log_path, tmp_path):
     """`-o pics/` (no such directory yet) wrote a file named pics."""
     with pytest.raises(UserError, match=re.escape(f"{tmp_path / 'pics'}/: names a directory; give the")):

@@ -248,9 +248,14 @@ def _draw(records: list[dict[str, Any]]):
     steps, nlls = _points(records, "valid_nll")
     if steps:
         nll, step = _best(min, nlls, steps)
-        ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {math.exp(min(nll, PPL_CAP)):.2f}) at {step}")
+        ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {math.exp(min(nll, PPL_CAP)):.2f}) at {step}"
+                          if not math.isnan(nll) else "valid NLL: not a number at every validation")
     lr_steps, lrs = _points(records, "lr")
     ax_lr.plot(lr_steps, lrs, "o-" if len(lr_steps) == 1 else "-", markersize=3)
+    for ax, what in ((ax_loss, "no loss"), (ax_lr, "no learning rate")):  # else bare axes at -0.04..0.04
+        if not any(math.isfinite(y) for line in ax.lines for y in line.get_ydata()):
+            ax.text(0.5, 0.5, f"{what} logged (or none finite)", ha="center", va="center",
+                    transform=ax.transAxes, color="0.4")
     ax_lr.set_xlabel("update")
     ax_lr.set_ylabel("learning rate")
     ax_lr.grid(alpha=0.3)

@@ -965,10 +965,11 @@ def test_host_values_are_agreed_on_the_host_group_never_on_the_gpu(monkeypatch):
     monkeypatch.setattr(dist, "broadcast_object_list",
                         lambda objects, src=0, group=None: seen.append(("objects", group)))
     host = object()  # stands for the gloo group of a job whose default group is NCCL
-    d = distributed.Dist(1, 2, 1, torch.device("cuda", 1), host)
+    main = object()  # the gloo group in which the others wait for process 0's work, as long as it takes
+    d = distributed.Dist(1, 2, 1, torch.device("cuda", 1), host, main)
     assert distributed.all_reduce_sum([1.0, 2.0], d) == [1.0, 2.0]  # (the fake leaves the values alone)
     distributed.on_main(d, lambda: None)
-    assert seen == [("cpu", host), ("objects", host)]
+    assert seen == [("cpu", host), ("objects", main)]
 
 
 @pytest.mark.parametrize("file, edit, message", [

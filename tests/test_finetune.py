@@ -7,6 +7,7 @@ after; the Marian case starts from a random `transformers.MarianMTModel` convert
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -87,21 +88,24 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
     assert all(isinstance(t, str) for t in Translator.load(tuned).translate(["ein Hund", "zwei Katzen"]))
 
     shutil.rmtree(start)  # --resume reads the run's own checkpoint, not init_from
-    with pytest.raises(UserError, match=r"checkpoint.s tokenizer \(data.vocab_size was \d+, now 99"):
-        # resumed, another vocab_size was trained with and written into meta.json for this tokenizer
+    no_record = ("records no tokenizer settings (imported, or saved outside training), and its tokenizer is "
+                 "kept")
+    with pytest.raises(UserError, match=re.escape(no_record) + ": data.vocab_size cannot be set"):
+        # resumed: the hand-saved start recorded no vocab_size, so the run recorded none (not the default)
         train(load_config(None, sets[:-1] + ["train.max_updates=8", "data.vocab_size=99"]), resume=True)
     result = train(load_config(None, sets[:-1] + ["train.max_updates=8"]), resume=True)
     assert result["step"] == 8
 
-    again = settings(src, tgt, tmp_path / "run2", tuned, "train.max_updates=1")  # its meta records [data]
-    with pytest.raises(UserError, match=r"init_from keeps this checkpoint's tokenizer \(data.vocab_size "):
+    again = settings(src, tgt, tmp_path / "run2", tuned, "train.max_updates=1")
+    assert "vocab_size" not in load_checkpoint(tuned).meta["config"]["data"]  # 8,000 was, for 40 pieces
+    with pytest.raises(UserError, match=re.escape(no_record) + ": data.vocab_size cannot be set"):
         train(load_config(None, again + ["data.vocab_size=100"]))  # was ignored, and printed as if used
     assert train(load_config(None, again))["step"] == 1
 
     # A checkpoint of a run that trained its tokenizer records its settings: [data] left at the defaults
     # takes them (it was refused: "vocab_size was 40, now 8000"), and the run records what it used
     meta = json.loads((tuned / "meta.json").read_text())
-    meta["config"]["data"].update(vocab_size=40, character_coverage=0.9995)
+    meta["config"]["data"].update(vocab_size=40, spm_type="bpe", shared_vocab=True, character_coverage=0.9995)
     (tuned / "meta.json").write_text(json.dumps(meta))
     third = settings(src, tgt, tmp_path / "run3", tuned, "train.max_updates=1")
     assert train(load_config(None, third))["step"] == 1
@@ -208,6 +212,17 @@ def test_finetune_converted_marian(tmp_path):
     y = torch.tensor([[a.model.config.decoder_start_id] + a.tokenizer.encode_tgt("die Zahl 12")])  # (1, T)
     with torch.no_grad():
         assert not torch.allclose(a.model(x, y), b.model(x, y), atol=1e-3)
+
+    # The Marian tokenizer records no [data] settings: the fine-tune recorded the defaults (vocab_size 8000,
+    # bpe) as its own, and refused the true values in the next fine-tune; one given was taken and recorded.
+    assert not {"vocab_size", "spm_type", "shared_vocab"} & set(b.meta["config"]["data"])
+    again = settings(src, tgt, tmp_path / "run2", tuned, "train.max_updates=1")
+    assert train(load_config(None, again))["step"] == 1
+    for start_from in (start, tuned):
+        given = settings(src, tgt, tmp_path / "run3", start_from, "train.max_updates=1",
+                         "data.vocab_size=120")
+        with pytest.raises(UserError, match=re.escape(f"{start_from}: records no tokenizer settings")):
+            train(load_config(None, given))
 
 
 def test_imported_vocabulary_changes_the_cache_key(aiayn_checkpoint):

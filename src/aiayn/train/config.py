@@ -31,6 +31,8 @@ from aiayn.errors import UserError
 from aiayn.files import require_file
 
 TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
+# [data]'s settings that a tokenizer is trained with (`aiayn.data.dataset.tokenizer_settings`)
+TOKENIZER_SETTINGS = ("vocab_size", "spm_type", "shared_vocab", "normalization", "character_coverage")
 SECTIONS = ("data", "model", "train")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # train.seed's bound. torch takes seeds in [-2**63, 2**64 - 1], but `epoch_order` seeds its generator with
@@ -174,6 +176,9 @@ class RunConfig:
     # [data] keys a file or --set wrote into `data_read` (see `given_data_keys`)
     data_given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
     data_read: DataConfig | None = field(default=None, compare=False, repr=False)
+    # fine-tuning a model whose checkpoint records no tokenizer settings (a converted Marian model, or a
+    # fine-tune of one): [data]'s tokenizer settings describe nothing, and are left out of `to_dict`
+    tokenizer_imported: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_by_tokenizer = sorted(set(self.model) & set(TOKENIZER_FIELDS))
@@ -228,7 +233,10 @@ class RunConfig:
         return model_config(preset, **values, **tokenizer_fields)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": dict(self.model), "data": to_dict(self.data), "train": to_dict(self.train)}
+        data = to_dict(self.data)
+        if self.tokenizer_imported:  # the defaults were saved as the model's: vocab_size 8000 for 51 pieces
+            data = {k: v for k, v in data.items() if k not in TOKENIZER_SETTINGS}
+        return {"model": dict(self.model), "data": data, "train": to_dict(self.train)}
 
 
 def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Path) -> ModelConfig:

@@ -70,7 +70,7 @@ from aiayn.files import recover_replaced, remove_abandoned, require_file
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.train import distributed
-from aiayn.train.config import DataConfig, RunConfig, finetune_model_config
+from aiayn.train.config import TOKENIZER_SETTINGS, DataConfig, RunConfig, finetune_model_config
 from aiayn.train.distributed import Dist, SameOnEveryProcess
 from aiayn.train.loss import label_smoothed_nll
 from aiayn.train.metrics import PPL_CAP, MetricsLog, plot_metrics
@@ -435,11 +435,17 @@ def _with_checkpoint_tokenizer_settings(config: RunConfig, resume_from: Path | N
     (`_refuse_tokenizer_settings`), also when the run is resumed."""
     if not config.train.init_from:
         return config
+    source = resume_from or Path(config.train.init_from)
     try:
-        saved = config_section(read_meta(resume_from or Path(config.train.init_from)), "data") or {}
+        saved = config_section(read_meta(source), "data") or {}
     except UserError:  # not a checkpoint: `initial_checkpoint` says so in its own words
         return config
     defaults, given = DataConfig(), config.given_data_keys() or frozenset()
+    if "vocab_size" not in saved:  # a converted Marian model, one saved by hand, or a fine-tune of either
+        if set_here := sorted(set(given) & set(TOKENIZER_SETTINGS)):  # was taken, ignored and recorded
+            raise UserError(f"{source}: records no tokenizer settings (imported, or saved outside training), "
+                            f"and its tokenizer is kept: data.{set_here[0]} cannot be set (drop it)")
+        return replace(config, tokenizer_imported=True)
     adopted = {k: saved[k] for k in _tokenizer_settings(config)
                if k in saved and type(saved[k]) is type(getattr(defaults, k))  # a hand's edit: compared later
                and k not in given and getattr(config.data, k) == getattr(defaults, k)}
@@ -451,7 +457,7 @@ def _refuse_tokenizer_settings(config: RunConfig, meta: dict, path: Path) -> Non
     could not take effect (they were ignored, and printed as the run's configuration). A checkpoint that
     records none (a converted Marian model) is not compared."""
     saved = config_section(meta, "data")
-    if saved is None:
+    if saved is None or "vocab_size" not in saved:  # see `_with_checkpoint_tokenizer_settings`
         return
     if changes := tokenizer_setting_changes(saved, _tokenizer_settings(config)):
         raise UserError(f"{path}: train.init_from keeps this checkpoint's tokenizer ({'; '.join(changes)}); "

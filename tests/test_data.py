@@ -420,7 +420,7 @@ def test_cr_only_line_ends_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("block", [1 << 22, 8])
-def test_cr_line_ends_with_a_last_lf_are_named(tmp_path, monkeypatch, block):
+def test_cr_line_ends_with_a_last_lf_are_named(tmp_path, monkeypatch, block, caplog):
     """A classic Mac file that ends with an LF was one line, silently; a stray CR in an LF file is text."""
     monkeypatch.setattr(dataset, "READ_BLOCK", block)
     mac = write(tmp_path / "mac.de", [], raw=b"eins\rzwei\rdrei\r\n")
@@ -429,9 +429,15 @@ def test_cr_line_ends_with_a_last_lf_are_named(tmp_path, monkeypatch, block):
     convert = f"convert it, e.g. tr '\\r' '\\n' < {mac} > {mac}.lf"
     assert str(e.value) == (f"{mac}: CR line ends and more CRs alone than LFs (2 to 1; a classic Mac OS "
                             f"file?), so lines run together; {convert}")
-    stray = write(tmp_path / "stray.de", [], raw=b"ei\rns\nzw\rei\r\ndrei\n")  # 2 alone, 3 LFs
-    assert read_lines(stray) == ["ei\rns", "zw\rei", "drei"]
+    stray = write(tmp_path / "stray.de", [], raw=b"eins\nei\rns\nzw\rei\r\ndrei\n")  # 2 alone, 4 LFs
+    with caplog.at_level(logging.WARNING):
+        assert read_lines(stray) == ["eins", "ei\rns", "zw\rei", "drei"]
+        assert read_lines(stray) == ["eins", "ei\rns", "zw\rei", "drei"]  # read again: said once
+    # three lines ended by a lone CR ran together silently, as one pair
+    assert caplog.messages == [f"{stray}:2: 2 CR(s) inside lines; lines end at LFs only, so where a CR "
+                               "ended a line, two sentences are read as one"]
     assert read_lines(write(tmp_path / "crlf.de", [], raw=b"eins\r\r\nzwei\r\n")) == ["eins", "zwei"]
+    assert caplog.messages[1:] == []  # CRs at a line's end are dropped with it
 
 
 @pytest.mark.parametrize(

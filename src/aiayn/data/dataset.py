@@ -72,14 +72,17 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
     is the one the whole file decoded at once gave (invalid UTF-8 anywhere before a NUL byte anywhere)."""
     if stream is None:
         require_file(path)
-    newlines, lone_crs, nul, head, last = 0, 0, None, b"", b""
+    newlines, lone_crs, nul, head, last, first_cr, inner_crs = 0, 0, None, b"", b"", 0, 0
     for n, block in enumerate(_blocks(path, stream)):
         head = block[:8] if n == 0 else head
         text = _decode(path, block, newlines, head)
         if nul is None and (at := block.find(b"\0")) >= 0:  # valid UTF-8, but no text has it
             nul = newlines + block.count(b"\n", 0, at) + 1
-        newlines += block.count(b"\n")
         lone_crs += lone_cr_count(block)  # a block ends after an LF: no CRLF is cut
+        if lone_crs and (found := INNER_CR.findall(block)):  # (counted first: most files have no CR)
+            first_cr = first_cr or newlines + block.count(b"\n", 0, INNER_CR.search(block).start()) + 1
+            inner_crs += len(found)
+        newlines += block.count(b"\n")
         # Notepad's BOM would stay glued to the first word (a hypothesis scored 99.84 BLEU against itself);
         # SentencePiece drops it from training text anyway.
         yield _split_lines(text.removeprefix("\ufeff") if n == 0 else text)
@@ -90,11 +93,19 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
         raise cr_only_error(path)
     if newlines and lone_crs > newlines:  # CR line ends, an LF at the end: read as one line, silently
         raise cr_only_error(path, newlines, lone_crs)
+    if inner_crs and str(path) not in _CR_WARNED:  # fewer: a stray CR in a sentence, or another system's
+        _CR_WARNED.add(str(path))  # line ends running lines together there; once, as a file is read often
+        log.warning("%s:%d: %d CR(s) inside lines; lines end at LFs only, so where a CR ended a line, two "
+                    "sentences are read as one", path, first_cr, inner_crs)
 
 
 def cr_only(text: bytes) -> bool:
     """Whether `text`, all of a file that holds no LF, has CR line ends: read as one line."""
     return b"\r" in text.rstrip(b"\r")
+
+
+INNER_CR = re.compile(rb"\r(?=[^\r\n])")  # a CR with text after it, in a line (CRs at its end are dropped)
+_CR_WARNED: set[str] = set()  # files whose inner CRs were warned about
 
 
 def lone_cr_count(text: bytes) -> int:

@@ -434,8 +434,8 @@ def test_cr_line_ends_with_a_last_lf_are_named(tmp_path, monkeypatch, block, cap
         assert read_lines(stray) == ["eins", "ei\rns", "zw\rei", "drei"]
         assert read_lines(stray) == ["eins", "ei\rns", "zw\rei", "drei"]  # read again: said once
     # three lines ended by a lone CR ran together silently, as one pair
-    assert caplog.messages == [f"{stray}:2: 2 CR(s) inside lines; lines end at LFs only, so where a CR "
-                               "ended a line, two sentences are read as one"]
+    said = f"{stray}:2: 2 CR(s) inside lines; lines end at LFs only, so where a CR ended a line,"
+    assert caplog.messages == [said + " two sentences are read as one"]
     assert read_lines(write(tmp_path / "crlf.de", [], raw=b"eins\r\r\nzwei\r\n")) == ["eins", "zwei"]
     assert caplog.messages[1:] == []  # CRs at a line's end are dropped with it
 

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import shutil
 import signal
@@ -75,8 +76,8 @@ def test_a_resume_drops_the_log_of_an_abandoned_continuation(finished_run, tmp_p
     log_file = tmp_path / "run" / "metrics.jsonl"
     before = read_metrics(log_file)
     with open(log_file, "a", encoding="utf-8") as f:
-        for step in (5, 6, 7):
-            f.write(json.dumps({"step": step, "epoch": 9, "loss": 99.0, "nll": 99.0, "lr": 1.0}) + "\n")
+        abandoned = ({"step": s, "epoch": 9, "loss": 99.0, "nll": 99.0, "lr": 1.0} for s in (5, 6, 7))
+        f.writelines(json.dumps(record) + "\n" for record in abandoned)
     train(with_train(config, max_updates=6), resume=True)
     after = read_metrics(log_file)
     assert after[: len(before)] == before
@@ -739,6 +740,15 @@ def test_cuda_without_a_gpu_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="train.device='cuda', but PyTorch sees no CUDA GPU"):
         distributed.setup("cuda")
+
+
+@pytest.mark.parametrize("key", ["data.train_src", "data.valid_tgt", "train.run_dir", "train.init_from"])
+def test_a_path_whose_name_is_not_utf8_is_refused_up_front(key):
+    """It trained, then the first checkpoint's meta.json failed with a UnicodeEncodeError traceback."""
+    name = os.fsdecode(b"/tmp/tr\xff.de")  # as Python holds a name of such bytes: a surrogate
+    sets = [f"{key}={name}"] + (["data.valid_src=v.de"] if key == "data.valid_tgt" else [])
+    with pytest.raises(ConfigError, match=re.escape(f"{key}='/tmp/tr\\xff.de': the name is not UTF-8")):
+        load_config(None, sets)
 
 
 def test_a_data_max_len_past_the_models_names_both():

@@ -75,6 +75,20 @@ class DataConfig:
             raise ConfigError(f"data.vocab_size={self.vocab_size} is more than {MAX_VOCAB:,}")
         if bool(self.valid_src) != bool(self.valid_tgt):  # else validation silently reads one side only
             raise ConfigError("data.valid_src and data.valid_tgt go together: set both or neither")
+        _check_utf8_paths(self, "data", ("train_src", "train_tgt", "valid_src", "valid_tgt"))
+
+
+def _check_utf8_paths(section: Any, name: str, fields: tuple[str, ...]) -> None:
+    """A path whose name is not UTF-8 (bytes Python keeps as surrogates) trained, then failed with a
+    UnicodeEncodeError traceback at the first checkpoint, whose meta.json records the paths: refused now."""
+    for field_name in fields:
+        value = getattr(section, field_name)
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise ConfigError(f"{name}.{field_name}='{shown}': the name is not UTF-8, which the checkpoints "
+                              "record it in; rename it") from None
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        _check_utf8_paths(self, "train", ("run_dir", "init_from"))
         problems = []
         if self.precision not in PRECISIONS:
             problems.append(f"train.precision={self.precision!r} is not one of {PRECISIONS}")

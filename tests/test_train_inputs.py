@@ -751,6 +751,15 @@ def test_a_path_whose_name_is_not_utf8_is_refused_up_front(key):
         load_config(None, sets)
 
 
+@pytest.mark.parametrize("key", ["data.train_src", "train.run_dir"])
+def test_a_name_too_long_is_one_line(tmp_path, key):
+    """Path.is_dir() and exists() let ENAMETOOLONG through: a traceback."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", f"{key}={tmp_path / ('a' * 300)}")
+    with pytest.raises(UserError, match="a{300}: (file name too long|train.run_dir cannot be used \\(File name "
+                                        "too long)"):
+        train(config)
+
+
 def test_a_data_max_len_past_the_models_names_both():
     with pytest.raises(ConfigError, match="data.max_len=64 is longer than the model's max_len=32"):
         load_config(None, ["model.preset=micro", "model.max_len=32", "data.max_len=64"])

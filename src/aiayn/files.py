@@ -58,11 +58,15 @@ def resolved(path: Path) -> Path:
 def require_file(path: Path, kind: str = "text", pipe: bool = False) -> None:
     """A UserError unless `path` is a regular file (or with `pipe`, a pipe: `--config <(...)`, read once),
     saying what it is instead: a corpus ("text") or a config file ("config")."""
-    if path.is_dir():
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise UserError(f"{path}: {'' if kind == 'text' else kind + ' '}file not found") from None
+    except OSError as e:  # a name too long (is_dir() let its error through: a traceback), a link loop
+        raise UserError(f"{path}: {(e.strerror or str(e)).lower()}") from None
+    if stat.S_ISDIR(mode):
         raise UserError(f"{path}: is a directory, not a {kind} file")
-    if not path.exists():
-        raise UserError(f"{path}: {'' if kind == 'text' else kind + ' '}file not found")
-    if not (path.is_file() or (pipe and path.is_fifo())):  # a device: reading it may block or never end
+    if not (stat.S_ISREG(mode) or (pipe and stat.S_ISFIFO(mode))):  # a device: reading may block or never end
         raise UserError(f"{path}: not a regular file")
 
 

@@ -803,6 +803,12 @@ def _check_data_files(config: RunConfig) -> None:
 
 def _check_run_dir(run_dir: Path) -> None:
     """An unusable run_dir fails now, in one line, not with a traceback after the tokenizer's training."""
+    try:
+        os.lstat(run_dir)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a name too long: exists() let its error through, a traceback
+        raise UserError(f"{run_dir}: train.run_dir cannot be used ({e.strerror or e})") from None
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: train.run_dir exists and is not a directory")
     if run_dir.is_symlink() and not run_dir.exists():  # mkdir said "File exists"

@@ -231,6 +231,8 @@ def test_the_run_directorys_damaged_tokenizer_is_not_blamed_on_a_checkpoint(fini
         with pytest.raises(UserError) as e:
             train(config, resume=True)
         assert str(e.value).startswith(f"{spm_model}: ") and "to resume from" not in str(e.value)
+        assert str(e.value).endswith("; delete it: --resume puts the checkpoint's copy back, a run without "
+                                     "checkpoints trains a new one")  # the way out, said
     spm_model.unlink()  # the way out: resuming writes the checkpoint's copy back
     assert train(config, resume=True)["step"] == 6
     assert spm_model.read_bytes() == whole

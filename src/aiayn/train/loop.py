@@ -1020,7 +1020,11 @@ def _check_same_batches(checkpoint: Path, trained: dict[str, Any] | None, data: 
 def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
     """The run directory's tokenizer: trained once on the training text, then reused if it fits."""
     dc = config.data
-    found = find_tokenizer(run_dir)
+    try:
+        found = find_tokenizer(run_dir)
+    except CorruptFile as e:  # the remedy: the checkpoints hold their own copy, a new run trains one
+        raise UserError(f"{e}; delete it: --resume puts the checkpoint's copy back, a run without "
+                        "checkpoints trains a new one") from None
     inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, _tokenizer_settings(config))
     saved = checkpoint_dirs(run_dir)
     if saved:  # resumed: the tokenizer its checkpoints were trained with, which each of them holds

@@ -446,8 +446,9 @@ def test_cr_line_ends_with_a_last_lf_are_named(tmp_path, monkeypatch, block, cap
         (gzip.compress(b"eins\nzwei\n"), "(byte 0x8b); the file looks gzip-compressed; decompress it first"),
         ("eins\nzwei\n".encode("utf-16"), "(byte 0xff); the file looks like UTF-16; convert it to UTF-8"),
         ("\ufeffeins\n".encode("utf-16-be"), "(byte 0xfe); the file looks like UTF-16; convert it to UTF-8"),
+        ("eins\n".encode("utf-32"), "(byte 0xff); the file looks like UTF-32; convert it to UTF-8"),
     ],
-    ids=["gzip", "utf-16-le", "utf-16-be"],
+    ids=["gzip", "utf-16-le", "utf-16-be", "utf-32"],
 )
 def test_compressed_or_utf16_input_says_what_it_looks_like(tmp_path, raw, looks):
     path = write(tmp_path / "train.de", [], raw=raw)

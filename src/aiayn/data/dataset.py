@@ -61,6 +61,9 @@ SIGNATURES = (
     (b"\xfd7zXZ\x00", "xz-compressed; decompress it first (unxz)"),
     (b"\x28\xb5\x2f\xfd", "zstd-compressed; decompress it first (unzstd)"),
     (b"PK\x03\x04", "like a zip archive; extract it first (unzip)"),
+    # UTF-32's byte order marks before UTF-16's, which begin the same way
+    (b"\xff\xfe\x00\x00", "like UTF-32; convert it to UTF-8 (iconv -f UTF-32 -t UTF-8)"),
+    (b"\x00\x00\xfe\xff", "like UTF-32; convert it to UTF-8 (iconv -f UTF-32 -t UTF-8)"),
     (b"\xff\xfe", "like UTF-16; convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)"),  # its byte order marks
     (b"\xfe\xff", "like UTF-16; convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)"),
 )

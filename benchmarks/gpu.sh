@@ -48,5 +48,5 @@ torch.cuda.get_device_name())"
   # suite cut off at its time limit still names its failures (-q named none before the end)
   parallel=$(python3 -c "import os, xdist; print('-n', max(1, (os.cpu_count() or 2) - 1))" 2>/dev/null)
   run 240 python3 -m pytest -p no:cacheprovider -v $parallel --timeout 120 tests >"$OUT/suite.txt" 2>&1
-  grep -E "FAILED|ERROR|Timeout|[0-9]+ (passed|failed)|== exit" "$OUT/suite.txt" | tail -40
+  grep -E "FAILED|ERROR|Timeout|[0-9]+ (passed|failed)|== (exit|skipped)" "$OUT/suite.txt" | tail -40
 } 2>&1 | tee "$OUT/log.txt"

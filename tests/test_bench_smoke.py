@@ -259,3 +259,12 @@ def test_replot_writes_where_out_says_and_a_tag_keeps_its_dots(tmp_path, capsys)
     with pytest.raises(SystemExit):  # a reshape traceback in the model, once timing began
         layers.main(["--widths", "129", "--out", str(tmp_path)])
     assert "--widths 129: not divisible by its 2 heads" in capsys.readouterr().err
+
+
+def test_batch_fill_counts_real_tokens_against_max_tokens():
+    """Pairs of 4 + 4 tokens fill batches of 8 padded tokens exactly; a 2-token pair among 4-token ones
+    pads its batch: 6 real tokens of 8, and the last batch, half empty, counts as a batch."""
+    batch_fill = _load("batch_fill")
+    assert batch_fill.fill([4] * 10, [4] * 10, 8) == (1.0, 1.0, 5)
+    share_tgt, share_src, n = batch_fill.fill([4, 4, 4], [2, 4, 4], 8)  # batches [2, 4] and [4]
+    assert n == 2 and share_tgt == pytest.approx(10 / 2 / 8) and share_src == pytest.approx(12 / 2 / 8)

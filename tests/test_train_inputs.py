@@ -406,6 +406,17 @@ def test_process_0_alone_says_that_a_signal_stops_the_run(monkeypatch, caplog):
         caplog.clear()
         assert loop.StopSignal(announce=announce).agreed(SimpleNamespace(enabled=True)) == "SIGTERM"
         assert ("SIGTERM in another process: stopping after this update" in caplog.text) == announce
+    caplog.clear()
+    own = loop.StopSignal()  # process 0 got it itself, and said so then: not again as another's
+    own.signum = signal.SIGTERM
+    assert own.agreed(SimpleNamespace(enabled=True)) == "SIGTERM" and "in another process" not in caplog.text
+
+
+def test_the_tokenizer_settings_are_those_a_tokenizer_is_trained_with():
+    from aiayn.data.dataset import tokenizer_settings
+    from aiayn.train.config import TOKENIZER_SETTINGS
+
+    assert set(TOKENIZER_SETTINGS) == set(tokenizer_settings(8, "bpe", True))
 
 
 def signalled_run(finished_run, tmp_path, monkeypatch, at_update: int):
@@ -754,12 +765,15 @@ def test_a_path_whose_name_is_not_utf8_is_refused_up_front(key):
 
 
 @pytest.mark.parametrize("key", ["data.train_src", "train.run_dir"])
-def test_a_name_too_long_is_one_line(tmp_path, key):
-    """Path.is_dir() and exists() let ENAMETOOLONG through: a traceback."""
+def test_a_name_too_long_or_with_a_nul_is_one_line(tmp_path, key):
+    """Path.is_dir() and exists() let ENAMETOOLONG through: a traceback; a NUL, stat()'s ValueError."""
     config, _ = tiny_config(tmp_path, tmp_path / "run", f"{key}={tmp_path / ('a' * 300)}")
     said = {"data.train_src": "file name too long",
             "train.run_dir": "train.run_dir cannot be used \\(File name too long"}[key]
     with pytest.raises(UserError, match=f"a{{300}}: {said}"):
+        train(config)
+    config, _ = tiny_config(tmp_path, tmp_path / "run", f"{key}={tmp_path / 'a'}\0b")
+    with pytest.raises(UserError, match="(file not found|cannot be used) \\(a NUL character in its name\\)"):
         train(config)
 
 
@@ -987,11 +1001,12 @@ def test_host_values_are_agreed_on_the_host_group_never_on_the_gpu(monkeypatch):
     monkeypatch.setattr(dist, "broadcast_object_list",
                         lambda objects, src=0, group=None: seen.append(("objects", group)))
     host = object()  # stands for the gloo group of a job whose default group is NCCL
-    main = object()  # the gloo group in which the others wait for process 0's work, as long as it takes
+    main = object()  # the gloo group in which the others wait for process 0's data preparation
     d = distributed.Dist(1, 2, 1, torch.device("cuda", 1), host, main)
     assert distributed.all_reduce_sum([1.0, 2.0], d) == [1.0, 2.0]  # (the fake leaves the values alone)
     distributed.on_main(d, lambda: None)
-    assert seen == [("cpu", host), ("objects", main)]
+    distributed.on_main(d, lambda: None, long=True)
+    assert seen == [("cpu", host), ("objects", host), ("objects", main)]
 
 
 @pytest.mark.parametrize("file, edit, message", [

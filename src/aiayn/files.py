@@ -64,6 +64,8 @@ def require_file(path: Path, kind: str = "text", pipe: bool = False) -> None:
         raise UserError(f"{path}: {'' if kind == 'text' else kind + ' '}file not found") from None
     except OSError as e:  # a name too long (is_dir() let its error through: a traceback), a link loop
         raise UserError(f"{path}: {(e.strerror or str(e)).lower()}") from None
+    except ValueError:  # a NUL in the name, which no file has
+        raise UserError(f"{str(path)!r}: file not found (a NUL character in its name)") from None
     if stat.S_ISDIR(mode):
         raise UserError(f"{path}: is a directory, not a {kind} file")
     if not (stat.S_ISREG(mode) or (pipe and stat.S_ISFIFO(mode))):  # a device: reading may block or never end

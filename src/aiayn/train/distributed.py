@@ -30,11 +30,12 @@ T = TypeVar("T")
 
 # How long a process waits in a collective before it takes the others as stuck, and gives up.
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-# How long the others wait for process 0's `on_main` work: the tokenizer and the corpus's encoding, a
-# checkpoint's save. Under GROUP_TIMEOUT they gave up while process 0 encoded a large corpus (the paper's
-# 36M EN-FR pairs: about 40 minutes at the README's rate), and a rerun began it again. A process 0 that
-# fails or dies ends the wait at once (its message, or gloo's reset connection), so only a process 0
-# stuck for a day is waited for that long.
+# How long the others wait for process 0's data preparation (`on_main(..., long=True)`): the tokenizer's
+# training and the corpus's encoding. Under GROUP_TIMEOUT they gave up while process 0 encoded a large
+# corpus (the paper's 36M EN-FR pairs, twice as long as Multi30k's: past half an hour at the README's 43 s
+# a million Multi30k pairs), and a rerun began it again. A process 0 that fails or dies ends the wait at
+# once (its message, or gloo's reset connection), so only a process 0 stuck for a day is waited for that
+# long. Its other work (a checkpoint's save) keeps GROUP_TIMEOUT: a stalled disk stops the job.
 MAIN_WORK_TIMEOUT = datetime.timedelta(hours=24)
 
 
@@ -45,7 +46,7 @@ class Dist:
     local_rank: int  # this process on its machine (picks the GPU)
     device: torch.device  # where this process computes
     host_group: Any = None  # gloo group for host values when the default group is NCCL (None: the default)
-    main_group: Any = None  # gloo group in which the others wait for process 0's `on_main` work
+    main_group: Any = None  # gloo group in which the others wait for process 0's data preparation
 
     @property
     def is_main(self) -> bool:
@@ -135,7 +136,8 @@ def peer_lost(e: BaseException, d: Dist) -> UserError | None:
     line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
     if waited := _TIMED_OUT.search(str(e)):  # gloo's timeout runs through gloo/transport too: nobody stopped
         seconds = int(waited[1]) / 1000
-        within = f"{seconds / 60:g} minutes" if seconds >= 60 else f"{seconds:g} s"
+        within = f"{seconds:g} s" if seconds < 60 else f"{seconds / 60:g} minutes"
+        within = f"{seconds / 3600:g} hours" if seconds >= 7200 else within
         return UserError(f"process {d.rank}: the other processes did not answer within {within} ({line}); "
                          "one of them is stuck or far slower, and --resume continues from the last "
                          "checkpoint")
@@ -153,9 +155,10 @@ class FailedOnMain(UserError):
     so the command line prints it there only."""
 
 
-def on_main(d: Dist, work: Callable[[], T]) -> T:
+def on_main(d: Dist, work: Callable[[], T], long: bool = False) -> T:
     """Run `work` on process 0 while the others wait, and give every process its result (plain data:
-    it is pickled across); if it fails, every process fails with its message.
+    it is pickled across); if it fails, every process fails with its message. `long`: the others wait up
+    to MAIN_WORK_TIMEOUT (data preparation), else GROUP_TIMEOUT.
 
     A bare barrier left the others waiting for a process that had exited with a one-line error: gloo
     then failed them with "Connection reset by peer", some 70 lines of traceback around that line.
@@ -167,10 +170,11 @@ def on_main(d: Dist, work: Callable[[], T]) -> T:
         except Exception as e:
             outcome[0] = str(e) or type(e).__name__
             if d.enabled:
-                dist.broadcast_object_list(outcome, src=0, group=d.main_group)
+                dist.broadcast_object_list(outcome, src=0, group=d.main_group if long else d.host_group)
             raise
     if d.enabled:
-        dist.broadcast_object_list(outcome, src=0, group=d.main_group)  # 0 sends, the others receive
+        # 0 sends, the others receive
+        dist.broadcast_object_list(outcome, src=0, group=d.main_group if long else d.host_group)
     if outcome[0] is not None:
         raise FailedOnMain(f"process 0 failed: {outcome[0]}")
     return outcome[1]

@@ -171,7 +171,8 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     tc, run_dir = config.train, Path(config.train.run_dir)
     # chosen once, for all: a lagging listing on another machine could resume another step
     resume_from = distributed.on_main(d, lambda: _checkpoint_to_resume(run_dir, resume))
-    config = _with_checkpoint_tokenizer_settings(config, resume_from)
+    # on every process, its refusal said once
+    config = distributed.on_every(d, lambda: _with_checkpoint_tokenizer_settings(config, resume_from))
     if resume_from:
         _read_resumed(d, run_dir, resume_from, lambda: _compare_with_trained(resume_from, config, d))
     if tc.threads:
@@ -809,6 +810,9 @@ def _check_run_dir(run_dir: Path) -> None:
         pass
     except OSError as e:  # a name too long: exists() let its error through, a traceback
         raise UserError(f"{run_dir}: train.run_dir cannot be used ({e.strerror or e})") from None
+    except ValueError:  # a NUL in the name
+        raise UserError(f"{str(run_dir)!r}: train.run_dir cannot be used (a NUL character in its "
+                        "name)") from None
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: train.run_dir exists and is not a directory")
     if run_dir.is_symlink() and not run_dir.exists():  # mkdir said "File exists"
@@ -903,7 +907,7 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     dc = config.data  # its files are named and there (`_check_data_files`)
     # Process 0's caches, named to all: every process trains on the pairs process 0 encoded, whatever the
     # files look like from its own machine. Errors reach every process.
-    caches = distributed.on_main(d, lambda: _prepare_files(config, run_dir, tokenizer))
+    caches = distributed.on_main(d, lambda: _prepare_files(config, run_dir, tokenizer), long=True)
     tokenizer = tokenizer or find_tokenizer(run_dir)
     if tokenizer is None:  # process 0 wrote it: this process is on a machine that cannot see run_dir
         raise UserError(f"{run_dir}: no tokenizer; with several machines, put run_dir on a shared filesystem")

@@ -40,8 +40,9 @@ class MetricsLog:
             if self.path.is_file():
                 _end_with_whole_line(self.path)
                 if start_step is not None and (dropped := _drop_records_after(self.path, start_step)):
-                    log.warning("%s: dropped %d record(s) past update %d, from a run that went on after its "
-                                "last checkpoint", self.path, dropped, start_step)
+                    which = "went on after its last checkpoint" if start_step else "stopped before its first"
+                    log.warning("%s: dropped %d record(s) past update %d, from a run that %s", self.path,
+                                dropped, start_step, which)
 
     def write(self, record: dict[str, Any]) -> None:
         with self._errors(), open(self.path, "a", encoding="utf-8") as f:
@@ -93,9 +94,7 @@ def _drop_records_after(path: Path, step: int) -> int:
 def _past(line: bytes, step: int) -> bool:
     try:
         record = json.loads(line)
-    except ValueError:  # JSON's errors, invalid UTF-8, a 4,300-digit number
-        return False
-    except RecursionError:
+    except (ValueError, RecursionError):  # JSON's errors, invalid UTF-8, a 4,300-digit number, nesting
         return False
     value = record.get("step") if isinstance(record, dict) else None
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > step

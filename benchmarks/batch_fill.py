@@ -1,0 +1,59 @@
+"""How many real tokens a batch of `train.max_tokens` padded tokens holds, as `aiayn train` batches a corpus.
+
+`max_tokens` caps each side's padded tokens (its longest sentence times the pairs), as fairseq's
+`--max-tokens` does; the paper's batches held "approximately 25000 source tokens and 25000 target tokens".
+This prepares the corpus as a training run does (a SentencePiece model and the encoded cache in a scratch
+run directory), cuts it with `token_batches` for each `max_tokens`, and reports the real tokens per batch
+as a share of `max_tokens`, for one process (with several, each cuts its own share the same way).
+
+    python benchmarks/batch_fill.py                                    # Multi30k en-de in ../shared/data
+    python benchmarks/batch_fill.py --src a.en --tgt a.de --max-tokens 4096,25000 --vocab-size 32000
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from aiayn.data.batching import token_batches
+from aiayn.train import loop
+from aiayn.train.config import load_config
+from aiayn.train.distributed import Dist
+
+MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+
+
+def fill(src: list[int], tgt: list[int], max_tokens: int) -> tuple[float, float, int]:
+    """(real target, real source) tokens per batch as shares of `max_tokens`, and the number of batches."""
+    batches = token_batches(src, tgt, max_tokens)
+    real_tgt = sum(tgt) / len(batches)
+    real_src = sum(src) / len(batches)
+    return real_tgt / max_tokens, real_src / max_tokens, len(batches)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--src", default=str(MULTI30K / "train.en"))
+    parser.add_argument("--tgt", default=str(MULTI30K / "train.de"))
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--max-tokens", default="4096,6250,25000", help="a comma list")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = load_config(None, [f"data.train_src={args.src}", f"data.train_tgt={args.tgt}",
+                                    f"data.vocab_size={args.vocab_size}", "model.preset=micro",
+                                    f"train.run_dir={run_dir}", "train.device=cpu"])
+        data = loop.prepare_data(config, Path(run_dir), Dist(0, 1, 0, torch.device("cpu")))
+        src, tgt = data.train.src_lengths(), data.train.tgt_lengths()
+    print(f"{args.src}, {args.tgt}: {len(src)} pairs, {args.vocab_size} pieces")
+    print("| max_tokens | real target tokens a batch | real source tokens a batch | batches |")
+    print("|---|---|---|---|")
+    for max_tokens in (int(m) for m in args.max_tokens.split(",")):
+        share_tgt, share_src, n = fill(src, tgt, max_tokens)
+        print(f"| {max_tokens:,} | {share_tgt:.1%} | {share_src:.1%} | {n} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -161,6 +161,14 @@ def test_sentencepieces_other_refusals_are_one_line(tmp_path, monkeypatch):
                             "(it went wrong At: x.py(5): it)")
 
 
+def test_a_text_of_no_character_sentencepiece_keeps_is_said_so(tmp_path):
+    """Lines of U+FFFD alone: "data.vocab_size=300: SentencePiece cannot train on this text (RuntimeError)"
+    blamed the vocabulary and dropped SentencePiece's reason (all_chars_count > 0)."""
+    with pytest.raises(UserError, match="^SentencePiece found no character to learn from: the training text "
+                                        "holds none it keeps"):
+        train_tokenizer(ParallelText(["\ufffd"] * 50, ["\ufffd"] * 50, 0), tmp_path, 40, shared=False)
+
+
 def test_fewer_pieces_than_asked_are_said(tmp_path, corpus_files, caplog):
     _, src, tgt = corpus_files
     with caplog.at_level("WARNING", logger="aiayn.data.dataset"):

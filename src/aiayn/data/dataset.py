@@ -771,6 +771,12 @@ def _refusal(error: str, vocab_size: int, character_coverage: float) -> str:
     if "sentences_.empty()" in error or not reason:  # every line skipped: none to learn from
         return (f"SentencePiece found no line to learn from: every line of the training text is empty "
                 f"or longer than {MAX_LINE_BYTES:,} bytes")
+    if "all_chars_count" in error:  # was blamed on data.vocab_size, with "(RuntimeError)" for a reason
+        return ("SentencePiece found no character to learn from: the training text holds none it keeps "
+                "(only U+FFFD replacement characters, say: a file decoded wrongly before)")
+    check = re.search(r"INTERNAL: \S+ \[(.+?)\] ", error)
+    if check and "trainer_spec {" in error:  # the text after the failed C++ check is SentencePiece's log
+        reason = check.group(1)
     return f"data.vocab_size={vocab_size}: SentencePiece cannot train on this text ({reason})"
 
 

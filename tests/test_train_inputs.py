@@ -777,6 +777,23 @@ def test_a_name_too_long_or_with_a_nul_is_one_line(tmp_path, key):
         train(config)
 
 
+@pytest.mark.parametrize("setting, problem", [
+    ("data.shared_vocab=false", "one shared vocabulary, not data.shared_vocab=False"),
+    ("data.vocab_size=20", "40 pieces, more than data.vocab_size=20"),
+])
+def test_a_tokenizer_left_in_run_dir_must_be_one_data_trains(finished_run, tmp_path, setting, problem):
+    """A tokenizer in run_dir without the record of what it was trained with (copied there, or an
+    older run's) was used whatever [data] said, and recorded as trained with [data]'s settings."""
+    config = copy_run(finished_run, tmp_path)
+    run = Path(config.train.run_dir)
+    shutil.rmtree(run / "checkpoints")
+    (run / "tokenizer_inputs.json").unlink()
+    sets = finished_run[2]
+    config = load_config(None, [*sets, f"train.run_dir={run}", setting])
+    with pytest.raises(UserError, match=f"^{run}: its tokenizer has {problem}; delete it"):
+        train(config)
+
+
 def test_a_data_max_len_past_the_models_names_both():
     with pytest.raises(ConfigError, match="data.max_len=64 is longer than the model's max_len=32"):
         load_config(None, ["model.preset=micro", "model.max_len=32", "data.max_len=64"])

@@ -1021,6 +1021,23 @@ def _check_same_batches(checkpoint: Path, trained: dict[str, Any] | None, data: 
         )
 
 
+def _check_found_tokenizer(found: Tokenizer, dc: DataConfig, run_dir: Path) -> None:
+    """A tokenizer left in run_dir (by a first run that failed later, or copied there) must be one that
+    [data] trains: separate source.spm and target.spm under shared_vocab, or an 8,696-piece spm.model
+    beside a record of 300, were used silently and recorded as trained with [data]'s settings.
+    SentencePiece may make fewer pieces than asked (a small corpus), never more."""
+    sizes = {found.src_vocab_size, found.tgt_vocab_size}
+    problem = None
+    if found.shared != dc.shared_vocab:
+        kind = "one shared" if found.shared else "separate"
+        problem = f"{kind} vocabulary, not data.shared_vocab={dc.shared_vocab}"
+    elif max(sizes) > dc.vocab_size:
+        problem = f"{max(sizes)} pieces, more than data.vocab_size={dc.vocab_size}"
+    if problem:
+        raise UserError(f"{run_dir}: its tokenizer has {problem}; delete it (spm.model, or source.spm and "
+                        "target.spm) to train a new one, or use a new train.run_dir")
+
+
 def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
     """The run directory's tokenizer: trained once on the training text, then reused if it fits."""
     dc = config.data
@@ -1045,6 +1062,10 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
                             f"checkpoint's back (the files in {latest}), or train in a new train.run_dir")
     if found is not None:  # resumed: the tokenizer of its checkpoints; else left by a first run that
         check_tokenizer_inputs(run_dir, inputs, resumed=bool(saved))  # failed later
+        if not saved:  # its record (tokenizer_inputs.json) says what it was asked, not what the files hold
+            _check_found_tokenizer(found, dc, run_dir)
+        log.info("%s: using the tokenizer there (%d%s pieces)", run_dir, found.src_vocab_size,
+                 ", shared" if found.shared else f" and {found.tgt_vocab_size}")
         return found
     # Checked, not reported: the encoding that follows says what it dropped, once.
     if dc.valid_src:  # a bad validation file fails now, not after minutes of tokenizer training

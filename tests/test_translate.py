@@ -972,6 +972,22 @@ def test_min_len_past_the_models_positions_is_refused_whatever_max_len_a(checkpo
     assert len(err.splitlines()) == 1 and f"min_len={limit + 1}" in err
 
 
+def test_min_len_past_a_sentences_own_limit_is_said(checkpoint, caplog):
+    """With max_len_a the limit is each sentence's own, so it cannot be refused up front: a min_len of 10
+    under 0.5 x length + 1 cut every output, without EOS, and nothing said so."""
+    translator = Translator.load(checkpoint)
+    n = len(translator.tokenizer.encode_src("the number 3"))  # the limit is int(0.5 * n + 1)
+    with caplog.at_level("WARNING", logger="aiayn.translate"):
+        out = translator.hypotheses(["the number 3", ""], min_len=10, max_len_a=0.5, max_len_b=1, beam=1)
+    assert out[0][0].tokens[-1] != translator.tokenizer.eos_id and len(out[0][0].tokens) == int(0.5 * n + 1)
+    assert caplog.messages == ["min_len=10 leaves no room for EOS in the length limit (0.5 x source length "
+                               "+ 1) of 1 text(s), the first 'the number 3': they end cut, without EOS"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="aiayn.translate"):
+        translator.hypotheses(["the number 3"], min_len=2, max_len_a=2.0, max_len_b=5, beam=1)
+    assert caplog.messages == []
+
+
 def test_translate_stream_of_text_is_a_type_error_naming_the_fix(checkpoint):
     """A text stream (io.StringIO, sys.stdin) failed at its first line: 'str' object has no attribute
     'decode'."""

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import io
 import itertools
+import logging
 import math
 import numbers
 import os
@@ -42,6 +43,8 @@ from aiayn.errors import (
 )
 from aiayn.memory import cap_kernel_caches
 from aiayn.model import Transformer
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from aiayn.checkpoint import Checkpoint
@@ -294,6 +297,7 @@ class Translator:
         ids = self.source_ids(texts)  # checked before any batch: a stream's output stays whole up to here
         out: list[list[Translation]] = [[] for _ in texts]
         todo = [i for i, s in enumerate(ids) if s]
+        self._warn_min_len_past_limits(config, [texts[i] for i in todo], [len(ids[i]) for i in todo])
         rows = config.n_best if config.sample else config.beam
         for batch in length_sorted_batches([len(ids[i]) for i in todo], max_tokens, rows):
             chosen = [todo[j] for j in batch]
@@ -308,6 +312,18 @@ class Translator:
         if progress is not None and len(todo) < len(texts):
             progress(len(texts) - len(todo))  # the empty lines, done without the model
         return out
+
+    def _warn_min_len_past_limits(self, config: DecodeConfig, texts: list[str], lengths: list[int]) -> None:
+        """With max_len_a, the length limit is each sentence's own: `decode_config` cannot refuse a min_len
+        that leaves one no room for EOS, and every such output came out cut, without EOS, silently."""
+        if not config.min_len or not config.max_len_a:
+            return
+        limits = config.max_lengths(lengths, self.model.config.max_len)
+        short = [t for t, limit in zip(texts, limits) if limit <= config.min_len]
+        if short:
+            log.warning("min_len=%d leaves no room for EOS in the length limit (%g x source length + %d) "
+                        "of %d text(s), the first %r: they end cut, without EOS", config.min_len,
+                        config.max_len_a, config.max_len_b, len(short), short[0][:40])
 
     @contextmanager
     def _batch(self, chosen: list[int], **oom: Any) -> Iterator[None]:

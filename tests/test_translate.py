@@ -980,8 +980,9 @@ def test_min_len_past_a_sentences_own_limit_is_said(checkpoint, caplog):
     with caplog.at_level("WARNING", logger="aiayn.translate"):
         out = translator.hypotheses(["the number 3", ""], min_len=10, max_len_a=0.5, max_len_b=1, beam=1)
     assert out[0][0].tokens[-1] != translator.tokenizer.eos_id and len(out[0][0].tokens) == int(0.5 * n + 1)
-    assert caplog.messages == ["min_len=10 leaves no room for EOS in the length limit (0.5 x source length "
-                               "+ 1) of 1 text(s), the first 'the number 3': they end cut, without EOS"]
+    said = ("min_len=10 leaves no room for EOS in the length limit (0.5 x source length + 1) of 1 text(s), "
+            "the first 'the number 3': they end cut, without EOS")
+    assert caplog.messages == [said]
     caplog.clear()
     with caplog.at_level("WARNING", logger="aiayn.translate"):
         translator.hypotheses(["the number 3"], min_len=2, max_len_a=2.0, max_len_b=5, beam=1)

@@ -81,10 +81,11 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
         text = _decode(path, block, newlines, head)
         if nul is None and (at := block.find(b"\0")) >= 0:  # valid UTF-8, but no text has it
             nul = newlines + block.count(b"\n", 0, at) + 1
-        lone_crs += lone_cr_count(block)  # a block ends after an LF: no CRLF is cut
-        if lone_crs and (found := INNER_CR.findall(block)):  # (counted first: most files have no CR)
-            first_cr = first_cr or newlines + block.count(b"\n", 0, INNER_CR.search(block).start()) + 1
-            inner_crs += len(found)
+        lone = lone_cr_count(block)  # a block ends after an LF: no CRLF is cut
+        if lone and (first := INNER_CR.search(block)):  # (counted first: most blocks have no CR alone)
+            first_cr = first_cr or newlines + block.count(b"\n", 0, first.start()) + 1
+            inner_crs += len(INNER_CR.findall(block, first.start()))
+        lone_crs += lone
         newlines += block.count(b"\n")
         # Notepad's BOM would stay glued to the first word (a hypothesis scored 99.84 BLEU against itself);
         # SentencePiece drops it from training text anyway.

@@ -164,17 +164,17 @@ def on_main(d: Dist, work: Callable[[], T], long: bool = False) -> T:
     then failed them with "Connection reset by peer", some 70 lines of traceback around that line.
     """
     outcome: list = [None, None]  # [failure message, result]
+    group = (d.main_group if long else d.host_group) if d.enabled else None
     if d.is_main:
         try:
             outcome[1] = work()
         except Exception as e:
             outcome[0] = str(e) or type(e).__name__
             if d.enabled:
-                dist.broadcast_object_list(outcome, src=0, group=d.main_group if long else d.host_group)
+                dist.broadcast_object_list(outcome, src=0, group=group)
             raise
     if d.enabled:
-        # 0 sends, the others receive
-        dist.broadcast_object_list(outcome, src=0, group=d.main_group if long else d.host_group)
+        dist.broadcast_object_list(outcome, src=0, group=group)  # 0 sends, the others receive
     if outcome[0] is not None:
         raise FailedOnMain(f"process 0 failed: {outcome[0]}")
     return outcome[1]

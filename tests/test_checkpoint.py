@@ -75,6 +75,18 @@ def test_loading_skips_the_random_initialization_it_would_overwrite(tmp_path, to
         assert torch.equal(got[name], tensor), name
     assert loaded.generator.weight is loaded.src_embed.embed.weight
 
+def test_loading_a_checkpoint_leaves_torch_compile_unimported(tmp_path, tokenizer):
+    """normal_ and arange on the meta device go through PyTorch's reference implementations, which import
+    torch._dynamo: 1.3 s of every `aiayn translate`, `score` or `attention` (a third of a small one)."""
+    import subprocess
+    import sys
+
+    save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    code = ("import sys; from aiayn.checkpoint import load_checkpoint; load_checkpoint(sys.argv[1]); "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], check=True)
+
+
 def test_a_checkpoint_directory_has_the_permissions_of_any_new_directory(tmp_path, tokenizer):
     """Written through a private temporary directory (mkdtemp's 0700), and its tensors by safetensors
     (0600 whatever the umask), it must not stay private: files get what `open(path, "w")` gives."""

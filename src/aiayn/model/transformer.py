@@ -50,7 +50,9 @@ class Embeddings(nn.Module):
         self.side = side  # "src" or "tgt_in", named when a sequence is too long
         self.embed = embed  # may be shared with the other stack and the output projection
         self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        pe = sinusoidal_positions(config.max_len, config.d_model, config.positions)
+        on_meta = embed.weight.is_meta  # nothing to compute: see `Transformer.__init__`
+        pe = torch.empty(config.max_len, config.d_model) if on_meta else \
+            sinusoidal_positions(config.max_len, config.d_model, config.positions)
         self.register_buffer("pe", pe, persistent=False)  # (max_len, d): a function, not a weight
         self.dropout = Dropout(config.dropout)
         self.config = config
@@ -156,9 +158,14 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         d = config.d_model
-        src_embed = nn.Embedding(config.vocab_size, d)
+        # On the meta device, where `model_from_weights` builds a model to load weights into, nothing is
+        # drawn or computed: there normal_ and arange import torch._dynamo, 1.3 s of every load. (Off it,
+        # nn.Embedding's own draw, redrawn by `reset_parameters`, is kept: a seed gives the same model.)
+        on_meta = torch.empty(0).is_meta
+        table = lambda n: nn.Embedding(n, d, _weight=torch.empty(n, d) if on_meta else None)  # noqa: E731
+        src_embed = table(config.vocab_size)
         shared = config.share_embeddings and config.tgt_vocab_size in (None, config.vocab_size)
-        tgt_embed = src_embed if shared else nn.Embedding(config.target_vocab_size, d)
+        tgt_embed = src_embed if shared else table(config.target_vocab_size)
         self.src_embed = Embeddings(src_embed, config, "src")
         self.tgt_embed = Embeddings(tgt_embed, config, "tgt_in")
         self.encoder = nn.ModuleList([EncoderLayer(config) for _ in range(config.n_layers)])
@@ -171,7 +178,8 @@ class Transformer(nn.Module):
             self.register_buffer("final_logits_bias", torch.zeros(config.target_vocab_size))
         else:
             self.final_logits_bias = None
-        self.reset_parameters()
+        if not on_meta:
+            self.reset_parameters()
         self._tie_output()
 
     def _tie_output(self) -> None:

@@ -279,7 +279,8 @@ def _render(maps: AttentionMaps, kind: str) -> bytes:
             # parse_math=False: a piece such as "$$" or "$x$" is text, not matplotlib's math (which
             # raised on "$$" and drew "$x$" as an italic x)
             left, bottom = head == 0, layer == n_layers - 1
-            ax.set_yticks(range(len(rows)) if left else [], rows if left else [], fontsize=font, parse_math=False)
+            ax.set_yticks(range(len(rows)) if left else [], rows if left else [], fontsize=font,
+                          parse_math=False)
             ax.set_xticks(range(len(cols)) if bottom else [], cols if bottom else [], rotation=90,
                           fontsize=font, parse_math=False)
             ax.set_title(f"layer {layer_numbers[layer]}, head {head_numbers[head]}", fontsize=9)

@@ -162,7 +162,7 @@ class Transformer(nn.Module):
         # drawn or computed: there normal_ and arange import torch._dynamo, 1.3 s of every load. (Off it,
         # nn.Embedding's own draw, redrawn by `reset_parameters`, is kept: a seed gives the same model.)
         on_meta = torch.empty(0).is_meta
-        table = lambda n: nn.Embedding(n, d, _weight=torch.empty(n, d) if on_meta else None)  # noqa: E731
+        table = lambda n: nn.Embedding(n, d, _weight=torch.empty(n, d) if on_meta else None)
         src_embed = table(config.vocab_size)
         shared = config.share_embeddings and config.tgt_vocab_size in (None, config.vocab_size)
         tgt_embed = src_embed if shared else table(config.target_vocab_size)

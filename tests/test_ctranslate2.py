@@ -188,6 +188,9 @@ def test_export_never_writes_over_its_checkpoint(tmp_path, spm_models):
     save_checkpoint(tmp_path / "other", random_model(tokenizer), tokenizer)  # training would prune it whole
     assert main(["export", "--to", "ctranslate2", str(tmp_path / "run" / "ck"), str(tmp_path / "other" / "ct2")]) == 2
     assert not (tmp_path / "other" / "ct2").exists()
+    export_ctranslate2(tmp_path / "run" / "ck", tmp_path / "ct2")  # and not inside an export, whose --force
+    with pytest.raises(UserError, match=f"ct2/sub: lies inside the CTranslate2 model {tmp_path / 'ct2'}; "):
+        export_ctranslate2(tmp_path / "run" / "ck", tmp_path / "ct2" / "sub")  # it would then refuse
 
 
 def test_an_unknown_quantization_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):

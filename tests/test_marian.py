@@ -431,6 +431,44 @@ def test_cli_convert(tmp_path, capsys):
     for source, problem in (("nowhere", "not found"), ("opus/config.json", "not a directory")):  # was one
         assert main(["convert", "--from", "marian", str(tmp_path / source), str(tmp_path / "out3")]) == 2
         assert capsys.readouterr().err == f"aiayn: error: {tmp_path / source}: {problem}\n"
+    # a directory in a file's place was "not found"; an aiayn checkpoint "config.json: not found"
+    make_marian_dir(tmp_path / "opus2", "swish", shared=True)
+    capsys.readouterr()
+    (tmp_path / "opus" / "vocab.json").mkdir()
+    (tmp_path / "opus" / "model.safetensors").rename(tmp_path / "weights")
+    (tmp_path / "opus" / "model.safetensors").mkdir()
+    for name, given in (("vocab.json", "opus"), ("model.safetensors", "opus"), ("out", "out")):
+        assert main(["convert", "--from", "marian", str(tmp_path / given), str(tmp_path / "out3")]) == 2
+        problem = ("an aiayn checkpoint already; translate, score or fine-tune it as it is" if given == "out"
+                   else "is a directory, not a file")
+        where = tmp_path / given if given == "out" else tmp_path / given / name
+        assert capsys.readouterr().err == f"aiayn: error: {where}: {problem}\n"
+        if name == "vocab.json":
+            (tmp_path / "opus" / "vocab.json").rmdir()
+            (tmp_path / "opus" / "vocab.json").write_bytes((tmp_path / "opus2" / "vocab.json").read_bytes())
+    assert not (tmp_path / "out3").exists()
+    with pytest.raises(UserError, match=r"opus2: not an aiayn checkpoint \(no meta.json\); a MarianMT "
+                                        r"\(OPUS-MT\) directory: import it with aiayn convert --from marian$"):
+        load_checkpoint(tmp_path / "opus2")
+
+
+def test_converted_is_said_only_once_written(tmp_path, monkeypatch, caplog):
+    """"converted DIR: N parameters" came before the checkpoint was written, and then a full disk."""
+    from aiayn.interop import marian
+
+    make_marian_dir(tmp_path / "opus", "swish", shared=True)
+
+    def full_disk(out, *args):
+        raise UserError(f"{out}: could not write checkpoint (No space left on device)")
+
+    monkeypatch.setattr(marian, "save_checkpoint", full_disk)
+    with caplog.at_level("INFO", logger="aiayn"), pytest.raises(UserError, match="No space left"):
+        convert_marian(tmp_path / "opus", tmp_path / "out")
+    assert "converted" not in caplog.text
+    monkeypatch.undo()
+    with caplog.at_level("INFO", logger="aiayn"):
+        convert_marian(tmp_path / "opus", tmp_path / "out")
+    assert "converted" in caplog.text
 
 
 MAX_NEW = 20

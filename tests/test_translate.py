@@ -537,6 +537,11 @@ def test_cli_streams_that_cannot_be_used_are_one_line(checkpoint, tmp_path):
                                   "<stdout>: closed, so the results cannot be written")]:
         run_ = run(args, close=close)
         assert (run_.returncode, run_.stderr) == (2, f"aiayn: error: {message}\n"), args
+    maps = tmp_path / "maps"  # a command whose stdout only names what it wrote: refused before writing it
+    run_ = run(["attention", "--checkpoint", str(checkpoint), "--src", "the number 3", "--out", str(maps)],
+               close=1)
+    assert (run_.returncode, run_.stderr, maps.exists()) == (
+        2, "aiayn: error: <stdout>: closed, so the results cannot be written\n", False)
     if os.path.exists("/dev/full"):
         for args in (base + ["-i", str(src)], ["evaluate", str(src), str(src)]):
             with open("/dev/full", "w") as full:

@@ -143,6 +143,9 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
 
         found = checkpoint_dirs(directory)  # a run directory: its checkpoints are inside
         hint = f"; a run directory: name one of its checkpoints, e.g. {found[-1]}" if found else ""
+        if not found and (Path(directory) / "config.json").is_file() and any(
+                (Path(directory) / name).is_file() for name in ("source.spm", "vocab.json")):
+            hint = "; a MarianMT (OPUS-MT) directory: import it with aiayn convert --from marian"
         raise UserError(f"{directory}: not an aiayn checkpoint (no {META}){hint}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))

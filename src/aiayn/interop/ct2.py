@@ -14,6 +14,7 @@ output of aiayn's searches (nor of OPUS-MT's, `bad_words_ids=[[pad]]`): the expo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import sentencepiece as spm
@@ -166,6 +167,9 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     """
     out = Path(out)
     check_output(out, [Path(checkpoint)], force, earlier=CT2_KIND)
+    for parent in Path(os.path.abspath(out)).parents:  # a later --force of that model was then refused
+        if _is_ct2_model(parent):
+            raise UserError(f"{out}: lies inside the CTranslate2 model {parent}; export beside it")
 
     def write(tmp: Path) -> None:
         try:  # force: the converter replaces `tmp`, the empty directory write_atomically made

@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from aiayn.checkpoint import model_from_weights, save_checkpoint
+from aiayn.checkpoint import is_checkpoint, model_from_weights, save_checkpoint
 from aiayn.config import ConfigError, ModelConfig, from_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
@@ -56,6 +56,8 @@ TRAINING_ONLY = ("attention_dropout", "activation_dropout", "encoder_layerdrop",
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, not a file")
     if not path.is_file():
         raise UserError(f"{path}: not found (is this a MarianMT directory?)")
     try:
@@ -227,6 +229,9 @@ def load_marian_weights(directory: Path) -> tuple[dict[str, Tensor], Path]:
     elif legacy.is_file():
         return _load_pickled_weights(legacy), legacy
     else:
+        for path in (single, index, legacy):
+            if path.is_dir():
+                raise UserError(f"{path}: is a directory, not a file")
         raise UserError(f"{directory}: no model.safetensors or pytorch_model.bin")
     weights = {}
     for f in files:
@@ -461,6 +466,9 @@ def convert_marian(directory: str | Path, out: str | Path) -> Path:
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{directory}: {'not a directory' if directory.exists() else 'not found'}")
+    if is_checkpoint(directory):  # "config.json: not found (is this a MarianMT directory?)"
+        raise UserError(f"{directory}: an aiayn checkpoint already; translate, score or fine-tune it "
+                        "as it is")
     hf = read_json(directory / "config.json")
     config = model_config_from_marian(hf, str(directory / "config.json"))
     tokenizer = marian_tokenizer(directory, config)
@@ -469,5 +477,6 @@ def convert_marian(directory: str | Path, out: str | Path) -> Path:
     model = model_from_weights(config, weights, source)
     meta = {"converted_from": {"format": "marian", "path": str(directory.resolve())},
             "marian_generation": generation_defaults(directory, hf)}
-    log.info("converted %s: %s parameters", directory, f"{model.num_parameters():,}")
-    return save_checkpoint(out, model.eval(), tokenizer, meta)
+    saved = save_checkpoint(out, model.eval(), tokenizer, meta)
+    log.info("converted %s: %s parameters", directory, f"{model.num_parameters():,}")  # once it is written
+    return saved

@@ -169,6 +169,25 @@ def test_each_model_compiles_its_own_step_past_dynamos_limit_of_8():
             h.tokens for h in generate(eager, src, config)[0]]
 
 
+def test_no_cxx_compiler_is_said_before_compiling(monkeypatch):
+    """Without g++ on PATH, translate --compile said "torch.compile failed here: backend='inductor'
+    raised:" and no reason (it is on the next line of inductor's message): said first, as training does."""
+    from aiayn.decoding import compiled
+
+    monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: False)
+    with pytest.raises(UserError, match=r"^--compile needs a C\+\+ compiler \(g\+\+ or clang\+\+\) on PATH"):
+        prepare_for_inference(tiny_model(), compile=True)
+    monkeypatch.undo()
+
+    def inductor_fails(*args, **kwargs):
+        raise RuntimeError("backend='inductor' raised:\nCalledProcessError: g++ returned 1\n\nSet TORCH_LOGS")
+
+    monkeypatch.setattr(torch, "compile", inductor_fails)
+    with pytest.raises(UserError, match=r"^--compile: torch.compile failed here: backend='inductor' raised: "
+                                        r"CalledProcessError: g\+\+ returned 1$"):
+        prepare_for_inference(tiny_model(), compile=True)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="the compiler's path is set the Linux way")
 def test_a_failed_compilation_is_one_line():

@@ -548,6 +548,9 @@ def test_cli_streams_that_cannot_be_used_are_one_line(checkpoint, tmp_path):
                 run_ = run(args, stdout=full)
             full_disk = "aiayn: error: <stdout>: cannot write (No space left on device)\n"
             assert (run_.returncode, run_.stderr) == (2, full_disk), args
+    for output in (f"{tmp_path}/new/", f"{tmp_path}/new.txt/"):  # wrote a file named new.txt
+        assert main(base + ["-i", str(src), "-o", output]) == 2
+        assert not os.path.exists(output.rstrip("/"))
     with open(src, "rb") as stdin:
         run_ = run(base + ["-o", str(tmp_path)], stdin=stdin)
     assert (run_.returncode, run_.stderr) == (2, f"aiayn: error: {tmp_path}: is a directory; -o names the output file\n")

@@ -364,6 +364,8 @@ def _check_streams(input: str | None, output: str | None, input_option: str = "-
         raise UserError("<stdout>: closed; give an output file with -o")
     if output not in (None, "-") and os.path.isdir(output):
         raise UserError(f"{output}: is a directory; -o names the output file")
+    if output not in (None, "-") and output.endswith("/"):  # open("x/", "w") refuses; a rename did not
+        raise UserError(f"{output}: ends with '/', a folder's name; -o names the output file")
 
 
 def _checked_line_count(src, name: str, check: Callable[[list[str]], object] | None = None) -> int | None:

@@ -1,7 +1,7 @@
 """Translating text with a checkpoint, from Python in two lines:
 
     from aiayn.translate import Translator
-    Translator.load("runs/base/average").translate(["Ein Mann fährt Fahrrad."], beam=4)
+    Translator.load("runs/base/average_last_5").translate(["A man rides a bike."], beam=4)
 
 Sentences are sorted by length and cut into batches of about `max_tokens` source tokens (times the
 beam), so that little padding is computed; the results come back in input order. Empty (or blank)

@@ -105,11 +105,21 @@ def compile_one_row_step(model: Transformer) -> Transformer:
     compiled now; a `UserError` if torch.compile cannot run here (it needs a C++ compiler)."""
     from aiayn.errors import UserError
 
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if on_cpu and not has_cxx_compiler():  # else "backend='inductor' raised:", the reason pages below
+        raise UserError("--compile needs a C++ compiler (g++ or clang++) on PATH: torch.compile's CPU code "
+                        "is C++; install one, or leave out --compile")
     try:
         step = OneRowStep(model)
         step.warm_up()
     except Exception as e:  # noqa: BLE001  dynamo and inductor raise many kinds, with pages of detail
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise UserError(f"--compile: torch.compile failed here: {first[:300]}") from None
+        raise UserError(f"--compile: torch.compile failed here: {_first_words(e)[:300]}") from None
     model.one_row_step = step
     return model
+
+
+def _first_words(error: Exception) -> str:
+    """The first line of `error` that says something: "backend='inductor' raised:" is followed by its
+    reason, on the next line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]

@@ -816,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     """Run one command; the exit status."""
     try:
-        if args.command not in ("translate", "score") and getattr(sys.stdout, "closed_at_start", False):
+        closed = getattr(sys.stdout, "closed_at_start", False)  # translate and score: -o, or refused
+        if closed and getattr(args, "command", None) not in ("translate", "score"):
             # before the work, not after: an export or a training run done, then exit 2 for its last line
             raise UserError("<stdout>: closed, so the results cannot be written")
         args.func(args)

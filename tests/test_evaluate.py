@@ -115,6 +115,12 @@ def test_cli_prints_scores_and_signatures(tmp_path, capsys):
     assert main(["evaluate", str(hyp), str(ref), "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)
     assert math.isclose(scores[0]["score"], 48.892302, abs_tol=1e-4)
+    assert "note" not in capsys.readouterr().err
+    (tmp_path / "link").symlink_to(hyp)  # the same file under another name: a note, and the scores
+    assert main(["evaluate", str(hyp), str(ref), str(tmp_path / "link")]) == 0
+    out, err = capsys.readouterr()
+    note = f"aiayn: note: {tmp_path / 'link'} is the hypotheses' file itself: it is scored against itself\n"
+    assert "BLEU: 100.00" in out and err == note
     hyp.write_bytes(b"\xff\n")
     assert main(["evaluate", str(hyp), str(ref)]) == 2
     assert f"{hyp}:1: invalid UTF-8" in capsys.readouterr().err

@@ -403,6 +403,10 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     note = unspaced_hint(hyps, args.lang, args.tokenize)
     if note:  # Chinese scored with 13a: BLEU near 0 however good the translation
         print(f"aiayn: note: {note}", file=sys.stderr)
+    for ref in args.references:  # `evaluate test.de test.de`, a slip of the shell's history: 100, silently
+        if _same_file(args.hypotheses, ref):
+            print(f"aiayn: note: {ref} is the hypotheses' file itself: it is scored against itself",
+                  file=sys.stderr)
     if args.json:
         # "ci" only with --confidence: scripts that read the default JSON see what they saw before
         print(json.dumps([{k: v for k, v in s.__dict__.items() if k != "ci" or v is not None} for s in scores],
@@ -411,6 +415,16 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     for s in scores:
         ci = "" if s.ci is None else f" (95% CI +/- {s.ci:.2f})"
         print(f"{s.name}: {s.score:.2f}{ci}\n  {s.detail}\n  signature: {s.signature}")
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name one file (a link or another spelling included); never for stdin."""
+    if "-" in (a, b):
+        return False
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # one is missing (said by the scoring), or holds a NUL
+        return False
 
 
 class _Parser(argparse.ArgumentParser):

@@ -190,6 +190,8 @@ def test_config_errors_name_the_problem():
         ModelConfig(vocab_size=10, max_len=2_000_000)  # was a d_model x max_len table, or a MemoryError
     with pytest.raises(ConfigError, match="tgt_vocab_size=0 must be positive"):
         ModelConfig(vocab_size=10, tgt_vocab_size=0, share_embeddings=False)
+    with pytest.raises(ConfigError, match=r"decoder_start_id=1 is outside the vocabulary of 1; eos_id=2"):
+        ModelConfig(vocab_size=1)  # aiayn info base --vocab-size 1: the size it is too small for was unsaid
 
 
 @pytest.mark.parametrize("overrides", [{}, {"share_embeddings": False, "tgt_vocab_size": 40, "final_logits_bias": True}])

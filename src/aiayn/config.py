@@ -97,7 +97,8 @@ class ModelConfig:
             )
         for name in ("pad_id", "decoder_start_id", "eos_id"):
             if not 0 <= getattr(self, name) < min(self.vocab_size, self.target_vocab_size):
-                problems.append(f"{name}={getattr(self, name)} is outside the vocabulary")
+                size = min(self.vocab_size, self.target_vocab_size)  # ids 0..size-1
+                problems.append(f"{name}={getattr(self, name)} is outside the vocabulary of {size:,}")
         if self.pad_id == self.eos_id:  # the search masks padding: no output could ever end
             problems.append(f"pad_id and eos_id are both {self.pad_id}: padding and the end of a sentence "
                             "need two ids")

@@ -412,6 +412,21 @@ def test_process_0_alone_says_that_a_signal_stops_the_run(monkeypatch, caplog):
     assert own.agreed(SimpleNamespace(enabled=True)) == "SIGTERM" and "in another process" not in caplog.text
 
 
+def test_a_signal_the_process_ignores_stays_ignored_during_training():
+    """A background job of a script (`aiayn train ... &`) starts with SIGINT ignored: the loop's handler
+    made a Ctrl-C meant for the script stop the training, which ignored it while preparing the data."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stopper = loop.StopSignal()
+        with stopper.installed():
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)  # handled
+            signal.raise_signal(signal.SIGINT)
+        assert stopper.signum is None and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_the_tokenizer_settings_are_those_a_tokenizer_is_trained_with():
     from aiayn.data.dataset import tokenizer_settings
     from aiayn.train.config import TOKENIZER_SETTINGS

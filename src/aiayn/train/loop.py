@@ -336,11 +336,15 @@ class StopSignal:
 
     @contextmanager
     def installed(self):
-        """The handlers for the duration of the block (signal handlers live in the main thread only)."""
+        """The handlers for the duration of the block (signal handlers live in the main thread only). A
+        signal the process was started ignoring stays ignored: a background job of a script (`aiayn train
+        &` in a non-interactive shell) inherits SIGINT ignored, and a Ctrl-C meant for the script stopped
+        its training, though not its data preparation."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: h for s, h in handlers.items() if h != signal.SIG_IGN}
 
         def handle(signum: int, frame) -> None:
             if self.signum is not None and signum == signal.SIGINT:

@@ -28,7 +28,14 @@ from train_helpers import tiny_config, write_corpus
 
 from aiayn import cli
 from aiayn.config import ConfigError, model_config
-from aiayn.data.dataset import EncodedCorpus, read_lines
+from aiayn.data.dataset import (
+    EncodedCorpus,
+    check_tokenizer_inputs,
+    read_lines,
+    tokenizer_inputs,
+    tokenizer_settings,
+    write_tokenizer_inputs,
+)
 from aiayn.data.tokenizer import train_sentencepiece
 from aiayn.errors import CorruptFile, Stopped, UserError
 from aiayn.model import Transformer
@@ -921,6 +928,23 @@ def test_a_tokenizer_left_by_a_failed_run_is_reused_only_for_the_same_data(tmp_p
     src, tgt = (shutil.copy(tmp_path / f"train.{side}", moved) for side in ("de", "en"))
     assert train(load_config(None, sets[:-2] + [f"data.train_src={src}", f"data.train_tgt={tgt}"]))["step"] == 1
     assert (run / "spm.model").read_bytes() == model
+
+
+def test_a_training_file_changed_in_place_is_said_to_have_changed(tmp_path, caplog):
+    """The same path with other contents was "data.train_src=X is not the X it was trained on", refused
+    before any checkpoint and logged on --resume: a sentence that contradicted itself."""
+    src, tgt = write_corpus(tmp_path)
+    settings = tokenizer_settings(40, "bpe", True)
+    write_tokenizer_inputs(tmp_path, tokenizer_inputs(src, tgt, settings))
+    write_corpus(tmp_path, 30)  # the same files, rewritten
+    inputs = tokenizer_inputs(src, tgt, settings)
+    said = f"data.train_src={src.resolve()} changed since the tokenizer was trained on it"
+    with pytest.raises(UserError, match="its tokenizer was trained for other data") as e:
+        check_tokenizer_inputs(tmp_path, inputs)
+    assert said in str(e.value) and "is not the" not in str(e.value)
+    with caplog.at_level(logging.INFO, logger="aiayn.data.dataset"):
+        check_tokenizer_inputs(tmp_path, inputs, resumed=True)
+    assert f"{said} (--resume keeps the run's tokenizer)" in caplog.messages
 
 
 def test_resume_refuses_other_tokenizer_settings_and_names_another_corpus(finished_run, tmp_path, caplog):

@@ -993,7 +993,11 @@ def _tokenizer_file_changes(saved: dict, inputs: dict) -> list[str]:
     for key in ("train_src", "train_tgt"):
         old, new = saved.get(key), inputs[key]
         old = old if isinstance(old, dict) else {}
-        if (old.get("size"), old.get("sha256_1mb")) != (new["size"], new["sha256_1mb"]):
+        if (old.get("size"), old.get("sha256_1mb")) == (new["size"], new["sha256_1mb"]):
+            continue
+        if old.get("path") == new["path"]:  # "X is not the X it was trained on" contradicted itself
+            files.append(f"data.{key}={new['path']} changed since the tokenizer was trained on it")
+        else:
             files.append(f"data.{key}={new['path']} is not the {old.get('path')} it was trained on")
     return files
 

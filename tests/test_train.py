@@ -134,6 +134,8 @@ def test_without_a_validation_set_each_save_is_said(tmp_path, caplog):
     with caplog.at_level("INFO", logger="aiayn"):
         train(config)
     assert f"update 4: saved {tmp_path / 'run' / 'checkpoints' / 'step_000004'}" in caplog.messages
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records and all("loss" in r for r in records)  # the saves, which measured nothing, wrote none
 
 
 def test_average_last_k(straight_run, tmp_path):

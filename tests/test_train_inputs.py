@@ -468,6 +468,23 @@ def test_a_signal_at_the_last_update_ends_the_run_as_usual(finished_run, tmp_pat
     assert result["stop"] == "max_updates=4" and result["step"] == 4 and "valid_loss" in result
 
 
+def test_a_signals_save_writes_no_empty_record_and_the_curves_still_draw(finished_run, tmp_path, monkeypatch,
+                                                                          capsys):
+    """A signal's save at update 3 (no validation due) logged {"step": 3, "epoch": 1}: a record with
+    nothing measured, which no unbroken run has. `aiayn plot` and the resumed run's purge go on."""
+    from aiayn.train.metrics import read_metrics
+
+    run = tmp_path / "run"
+    config = signalled_run(finished_run, tmp_path, monkeypatch, at_update=3)
+    with pytest.raises(Stopped):
+        train(config)
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [2, 2] and all(set(r) - {"step", "epoch"} for r in records)
+    assert cli.main(["plot", str(run)]) == 0 and capsys.readouterr().out.strip() == str(run / "curves.png")
+    assert train(config, resume=True)["step"] == 4
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [2, 2, 4, 4]
+
+
 def test_resume_uses_the_tokenizer_its_checkpoints_hold(finished_run, tmp_path):
     """A run dir holding only checkpoints/ trained a new tokenizer under the old model; a swapped spm.model
     was trained on silently."""

@@ -664,17 +664,16 @@ def _validate_and_save(
         # Logged before the checkpoint appears: a kill between the two left a checkpoint whose validation
         # was never logged (the resumed run starts after it). Logged and then not saved, the step is done
         # again from the checkpoint before and logged again, and the curves keep a step's last record.
-        if not state.validation_due:  # else the resumed run logs this step, validated, as an unbroken run
+        # Only what was measured: a signal's save (or any without a validation set) left {"step": 7,
+        # "epoch": 1}, a record no unbroken run has; a validation the signal skipped, the resumed run logs.
+        if set(result) - {"step", "epoch"}:
             metrics.write(result)
         path = save_training_checkpoint(
             run_dir, model, data.tokenizer, optimizer, scaler, state, config.to_dict(), result, rngs,
             interrupted=not validating,  # only a signal's save skips validation
         )
         prune(run_dir, tc.keep_last, state.best_step)
-        try:
-            plot_metrics(metrics.path, run_dir / "curves.png")
-        except (UserError, OSError) as e:  # a picture is not worth a training run: warn and go on
-            log.warning("curves.png not drawn: %s", e)
+        _draw_curves(metrics.path, run_dir / "curves.png")
         if "valid_loss" in result:
             log.info(
                 "update %d: valid loss %.3f nll %.3f ppl %s; saved %s",
@@ -691,6 +690,16 @@ def _validate_and_save(
     # write (a full disk) reaches them as its one line, not as gloo's "connection reset" tracebacks.
     distributed.on_main(d, save)
     return result
+
+
+def _draw_curves(log_path: Path, png: Path) -> None:
+    """curves.png from the log so far; none before anything is logged (a signal's save before the first
+    train.log_every updates), which would only warn that there is nothing to draw."""
+    try:
+        if log_path.is_file() and log_path.stat().st_size:
+            plot_metrics(log_path, png)
+    except (UserError, OSError) as e:  # a picture is not worth a training run: warn and go on
+        log.warning("curves.png not drawn: %s", e)
 
 
 def _check_finite(what: str, value: float, step: int) -> None:

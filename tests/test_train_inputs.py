@@ -215,6 +215,19 @@ def test_another_precision_on_resume_is_said(finished_run, tmp_path, caplog):
     assert "step_000004: trained with train.precision='fp32', resumed with 'bf16'" in caplog.text
 
 
+def test_other_optimisation_settings_on_resume_are_said_one_line_each(finished_run, tmp_path, caplog):
+    """Another lr_scale, warmup, cooldown, label_smoothing or clip_norm took effect on --resume without a
+    word in the log, where another precision or Adam's betas were said."""
+    changes = {"lr_scale": 2.0, "warmup": 8, "cooldown": 0.5, "label_smoothing": 0.2, "clip_norm": 1.0}
+    config = with_train(copy_run(finished_run, tmp_path), max_updates=5, **changes)
+    with caplog.at_level(logging.INFO):
+        assert train(config, resume=True)["step"] == 5
+    trained, checkpoint = finished_run[1].train, tmp_path / "run" / "checkpoints" / "step_000004"
+    said = [m for m in caplog.messages if m.startswith(f"{checkpoint}: trained with")]
+    assert said == [f"{checkpoint}: trained with train.{key}={getattr(trained, key)!r}, resumed with "
+                    f"{value!r}" for key, value in changes.items()]
+
+
 def test_a_training_state_without_its_step_is_refused(finished_run, tmp_path):
     """trainer.json's "state" emptied by a hand: every field took its default, so --resume trained from
     update 0 on the trained weights and Adam moments, and saved over the checkpoints it had."""

@@ -975,12 +975,17 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
     return caches
 
 
-def _say_changed_arithmetic(checkpoint: Path, trained: dict[str, Any] | None, config: RunConfig,
-                            d: Dist) -> None:
-    """Another train.precision or train.compile on --resume is allowed, and said: the updates from here
-    round otherwise (and a compiled run resumes close to, not bit for bit as, an unbroken one), which a
-    log that said nothing left no trace of."""
-    for key in ("precision", "compile"):
+# Settings --resume may change, each said in the log (Adam's own are said by `state.restore`): the updates
+# from there are computed otherwise, and a log that said nothing left no trace of why the curves bent
+RESUME_CHANGES = ("precision", "compile", "lr_scale", "warmup", "cooldown", "label_smoothing", "clip_norm")
+
+
+def _say_changed_settings(checkpoint: Path, trained: dict[str, Any] | None, config: RunConfig,
+                          d: Dist) -> None:
+    """Another train.precision or compile (rounding otherwise: a compiled run resumes close to, not bit
+    for bit as, an unbroken one), learning-rate schedule, label smoothing or clipping on --resume is
+    allowed, and said, one line each."""
+    for key in RESUME_CHANGES:
         saved, now = (trained or {}).get(key), getattr(config.train, key)
         if saved is not None and saved != now and d.is_main:
             log.info("%s: trained with train.%s=%r, resumed with %r", checkpoint, key, saved, now)
@@ -988,10 +993,10 @@ def _say_changed_arithmetic(checkpoint: Path, trained: dict[str, Any] | None, co
 
 def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> None:
     """--resume's configuration against the one `checkpoint`'s meta.json records (read once): another
-    precision or compile said, other batches refused."""
+    precision, schedule, smoothing or clipping said, other batches refused."""
     meta = read_meta(checkpoint)
     trained, data = config_section(meta, "train"), config_section(meta, "data")
-    _say_changed_arithmetic(checkpoint, trained, config, d)
+    _say_changed_settings(checkpoint, trained, config, d)
     _check_same_batches(checkpoint, trained, data, config, d)
 
 

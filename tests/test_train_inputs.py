@@ -1503,3 +1503,19 @@ def test_train_gives_the_caller_its_thread_count_back(finished_run, tmp_path):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_another_label_smoothing_on_resume_starts_the_best_loss_again(finished_run, tmp_path, caplog):
+    """best_valid is a smoothed loss: resumed with more smoothing, every validation was worse than the old
+    best by the smoothing alone, train.patience stopped the run and `prune` kept the old best's checkpoint."""
+    config = copy_run(finished_run, tmp_path)
+    run = Path(config.train.run_dir)
+    best = json.loads((run / "checkpoints" / "step_000004" / "trainer.json").read_text())["state"]
+    with caplog.at_level(logging.WARNING):
+        result = train(with_train(config, max_updates=8, patience=2, label_smoothing=0.5), resume=True)
+    assert result["step"] == 8 and result["stop"] == "max_updates=8"  # not stopped at 6 by patience
+    assert (f"the best validation loss so far ({best['best_valid']:.4f} at update {best['best_step']}) was "
+            "smoothed with train.label_smoothing=0.1, not 0.5: the best loss and train.patience's count "
+            "start again") in caplog.messages
+    state = json.loads((run / "checkpoints" / "step_000006" / "trainer.json").read_text())["state"]
+    assert state["best_step"] == 6 and state["best_valid"] > best["best_valid"]  # on the new smoothing

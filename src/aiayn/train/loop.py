@@ -173,8 +173,10 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     resume_from = distributed.on_main(d, lambda: _checkpoint_to_resume(run_dir, resume))
     # on every process, its refusal said once
     config = distributed.on_every(d, lambda: _with_checkpoint_tokenizer_settings(config, resume_from))
+    trained = None  # the [train] the checkpoint resumed from was trained with
     if resume_from:
-        _read_resumed(d, run_dir, resume_from, lambda: _compare_with_trained(resume_from, config, d))
+        trained = _read_resumed(d, run_dir, resume_from,
+                                lambda: _compare_with_trained(resume_from, config, d))
     if tc.threads:
         torch.set_num_threads(tc.threads)
     keep_freed_memory()  # every step frees and re-allocates the same large tensors
@@ -205,6 +207,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
 
     state = _read_resumed(d, run_dir, resume_from, restored)
     _same_validation(state, data, d)
+    _same_smoothing(state, trained, tc.label_smoothing, d)
     if d.is_main:
         log.info("configuration:\n%s", _describe(config, model, data, d))
         if resume_from:
@@ -804,6 +807,22 @@ def _same_validation(state: TrainState, data: Data, d: Dist) -> None:
     state.valid_digest = digest
 
 
+def _same_smoothing(state: TrainState, trained: dict[str, Any] | None, smoothing: float, d: Dist) -> None:
+    """best_valid is a label-smoothed loss, whose scale moves with train.label_smoothing: resumed with
+    more smoothing, a run compared its losses with a best of less, no validation was better, patience
+    stopped it, and `prune` kept the old best's checkpoint (with less, any was better). Then, as on
+    another validation set, the best and the patience count start again, and that is said. (Every
+    such resume resets them, so the best always holds the smoothing of the checkpoint it resumes.)"""
+    saved = (trained or {}).get("label_smoothing")
+    if saved is None or saved == smoothing or state.best_valid == math.inf:
+        return
+    if d.is_main:
+        log.warning("the best validation loss so far (%.4f at update %d) was smoothed with "
+                    "train.label_smoothing=%r, not %r: the best loss and train.patience's count start again",
+                    state.best_valid, state.best_step, saved, smoothing)
+    state.best_valid, state.bad_validations, state.best_step = math.inf, 0, 0
+
+
 def _check_data_files(config: RunConfig) -> None:
     """Training files named, and every named corpus file there: a run.toml without them made train.run_dir
     and its lock before it was refused. (Process 0 reads them; the others take its encoded cache.)"""
@@ -991,13 +1010,14 @@ def _say_changed_settings(checkpoint: Path, trained: dict[str, Any] | None, conf
             log.info("%s: trained with train.%s=%r, resumed with %r", checkpoint, key, saved, now)
 
 
-def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> None:
+def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> dict[str, Any] | None:
     """--resume's configuration against the one `checkpoint`'s meta.json records (read once): another
-    precision, schedule, smoothing or clipping said, other batches refused."""
+    precision, schedule, smoothing or clipping said, other batches refused. Returns that [train]."""
     meta = read_meta(checkpoint)
     trained, data = config_section(meta, "train"), config_section(meta, "data")
     _say_changed_settings(checkpoint, trained, config, d)
     _check_same_batches(checkpoint, trained, data, config, d)
+    return trained
 
 
 def _check_same_batches(checkpoint: Path, trained: dict[str, Any] | None, data: dict[str, Any] | None,

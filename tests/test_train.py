@@ -126,6 +126,30 @@ def test_resume_on_a_smaller_corpus_starts_the_next_epoch(straight_run, tmp_path
     assert state["epoch"] == 1 and state["cursor"] == 3 and state["epoch_updates"] < 9
 
 
+def test_resume_on_another_corpus_of_as_many_updates_starts_the_next_epoch(straight_run, tmp_path, caplog):
+    """The README's "an epoch ... starts anew on it" held for another length only: a corpus of as many
+    batches (here each sentence's words reversed) went on at update 5 of the old epoch's order, its first
+    five updates' worth of batches never trained on in that epoch."""
+    d, config, _ = straight_run
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(d / "run" / "spm.model", run / "spm.model")
+    train(with_train(config, run_dir=str(run), max_updates=5))  # update 5 of the epoch's 9
+    reversed_files = []
+    for side in ("train_src", "train_tgt"):
+        lines = Path(getattr(config.data, side)).read_text(encoding="utf-8").splitlines()
+        (tmp_path / side).write_text("".join(" ".join(line.split()[::-1]) + "\n" for line in lines), "utf-8")
+        reversed_files.append(str(tmp_path / side))
+    other = dataclasses.replace(config, data=dataclasses.replace(config.data, train_src=reversed_files[0],
+                                                                 train_tgt=reversed_files[1]))
+    with caplog.at_level("INFO", logger="aiayn"):
+        train(with_train(other, run_dir=str(run), max_updates=8), resume=True)
+    assert ("the training pairs are not those of when step_000005 was saved (at update 5 of epoch 1): "
+            "epoch 2 starts") in caplog.messages
+    state = json.loads((checkpoint_dirs(run)[-1] / "trainer.json").read_text())["state"]
+    assert state["epoch"] == 1 and state["cursor"] == 3 and state["epoch_updates"] == 9
+
+
 def test_without_a_validation_set_each_save_is_said(tmp_path, caplog):
     """The "saved ..." line came only with a validation loss: without a validation set nothing said
     where the checkpoints went."""

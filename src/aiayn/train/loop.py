@@ -202,7 +202,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         )
     def restored() -> TrainState:
         state = restore(resume_from, model, optimizer, scaler, d) if resume_from else TrainState()
-        _epoch_on_this_corpus(state, n_updates, resume_from, d)
+        _epoch_on_this_corpus(state, n_updates, data.train.digest(), resume_from, d)
         return state
 
     state = _read_resumed(d, run_dir, resume_from, restored)
@@ -773,20 +773,26 @@ def _patience_exhausted(state: TrainState, tc) -> str:
     return ""
 
 
-def _epoch_on_this_corpus(state: TrainState, n_updates: int, resume_from: Path | None, d: Dist) -> None:
-    """Where a resumed epoch stands. On another corpus (an epoch of another number of updates) the saved
-    position means nothing: the next epoch starts, from this corpus' first update, and that is said.
-    Otherwise the position must lie within the epoch, or trainer.json was damaged."""
+def _epoch_on_this_corpus(state: TrainState, n_updates: int, digest: str, resume_from: Path | None,
+                          d: Dist) -> None:
+    """Where a resumed epoch stands. On another corpus (other pairs, `digest` of their ids, or an epoch of
+    another number of updates) the saved position means nothing: the next epoch starts, from this
+    corpus' first update, and that is said. (Told by the epoch's length alone, another corpus of as many
+    updates went on mid-epoch, skipping the first part of its first epoch.) Otherwise the position must
+    lie within the epoch, or trainer.json was damaged."""
     saved, state.epoch_updates = state.epoch_updates, n_updates
-    if resume_from is None or saved in (0, n_updates):  # 0: a checkpoint that did not record it
+    saved_digest, state.train_digest = state.train_digest, digest
+    same_length = saved in (0, n_updates)  # 0, "": a checkpoint that did not record it
+    if resume_from is None or (same_length and saved_digest in ("", digest)):
         if state.cursor > n_updates:
             raise CorruptFile(f"{resume_from / 'trainer.json'}: corrupt training state (cursor={state.cursor} "
                               f"is past the {n_updates} updates of an epoch)")
         return
     if d.is_main:
-        log.info("an epoch is %d updates on this corpus, %d when %s was saved (at update %d of epoch %d): "
-                 "epoch %d starts", n_updates, saved, resume_from.name, state.cursor, state.epoch + 1,
-                 state.epoch + 1 + (state.cursor > 0))
+        where = f"{resume_from.name} was saved (at update {state.cursor} of epoch {state.epoch + 1})"
+        why = (f"the training pairs are not those of when {where}" if same_length else
+               f"an epoch is {n_updates} updates on this corpus, {saved} when {where}")
+        log.info("%s: epoch %d starts", why, state.epoch + 1 + (state.cursor > 0))
     if state.cursor > 0:
         state.epoch, state.cursor = state.epoch + 1, 0
 

@@ -96,6 +96,7 @@ class TrainState:
     seconds: float = 0.0  # training wall time so far, over all invocations (for max_minutes, cooldown)
     validation_due: bool = False  # a signal's save skipped this step's validation: --resume makes it first
     epoch_updates: int = 0  # updates an epoch had (the corpus' batches): --resume on another corpus sees it
+    train_digest: str = ""  # sha256 of the training pairs' ids the epoch's position counts in ("" unrecorded)
     valid_digest: str = ""  # sha256 of the validation pairs' ids best_valid was measured on ("" before any)
 
 

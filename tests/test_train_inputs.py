@@ -228,6 +228,30 @@ def test_other_optimisation_settings_on_resume_are_said_one_line_each(finished_r
                     f"{value!r}" for key, value in changes.items()]
 
 
+def test_the_result_line_names_the_best_checkpoint_also_when_a_resume_trains_nothing(finished_run, tmp_path,
+                                                                                      capsys):
+    """`aiayn train --resume` of a finished run printed nothing on stdout, where a run that trained printed
+    its result line; neither named the best checkpoint, the one pruning keeps."""
+    _, _, sets = finished_run
+    run = copy_run(finished_run, tmp_path).train.run_dir
+    checkpoints = Path(run) / "checkpoints"
+
+    def expected(step: int) -> str:
+        saved = checkpoints / f"step_{step:06d}"
+        m = json.loads((saved / "meta.json").read_text())["metrics"]
+        best = json.loads((saved / "trainer.json").read_text())["state"]["best_step"]
+        return (f"step {step}: valid loss {m['valid_loss']:.4f}, valid NLL {m['valid_nll']:.4f}, valid ppl "
+                f"{m['valid_ppl']:.2f} (max_updates={step}); best checkpoint "
+                f"{checkpoints / f'step_{best:06d}'}\n")
+
+    args = ["train", *[a for s in sets for a in ("--set", s)], "--set", f"train.run_dir={run}", "--resume"]
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out == expected(4)  # nothing trained: the finished run's line
+    assert cli.main([*args, "--set", "train.max_updates=6"]) == 0
+    assert capsys.readouterr().out == expected(6)
+    assert cli._train_summary({"step": 6, "stop": "max_updates=6"}) == "step 6 (max_updates=6)"  # unvalidated
+
+
 def test_a_training_state_without_its_step_is_refused(finished_run, tmp_path):
     """trainer.json's "state" emptied by a hand: every field took its default, so --resume trained from
     update 0 on the trained weights and Adam moments, and saved over the checkpoints it had."""

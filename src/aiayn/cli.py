@@ -124,9 +124,23 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     _log_to_stderr()
     result = train(load_config(args.config, args.set), resume=args.resume)
-    if os.environ.get("RANK", "0") == "0" and result.get("valid_loss") is not None:  # torchrun: rank 0 speaks
-        print(f"step {result['step']}: valid loss {result['valid_loss']:.4f}, valid NLL {result['valid_nll']:.4f}, "
-              f"valid ppl {result['valid_ppl']:.2f} ({result['stop']})")
+    if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
+        print(_train_summary(result))
+
+
+def _train_summary(result: dict) -> str:
+    """`aiayn train`'s one line on stdout, also for a run without a validation set or a resumed one that
+    trained nothing (which printed none): the step, the last validation, why it stopped, and the best
+    checkpoint (the one pruning keeps), e.g. "step 250: valid loss 5.3537, valid NLL 5.0450, valid ppl
+    155.24 (max_updates=250); best checkpoint runs/tiny/checkpoints/step_000240"."""
+    line = f"step {result['step']}"
+    if all(k in result for k in ("valid_loss", "valid_nll", "valid_ppl")):
+        line += (f": valid loss {result['valid_loss']:.4f}, valid NLL {result['valid_nll']:.4f}, "
+                 f"valid ppl {result['valid_ppl']:.2f}")
+    line += f" ({result['stop']})"
+    if "best_checkpoint" in result:
+        line += f"; best checkpoint {result['best_checkpoint']}"
+    return line
 
 
 def cmd_average(args: argparse.Namespace) -> None:

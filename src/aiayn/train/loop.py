@@ -83,6 +83,7 @@ from aiayn.train.state import (
     restore,
     rng_states,
     save_training_checkpoint,
+    step_dir_name,
     training_owned,
 )
 
@@ -103,8 +104,9 @@ class Data:
 def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     """Train (or continue training) the model `config` describes. Returns the last checkpoint's record:
     "step", "stop" (why it ended), and with "epoch" the validation's "valid_loss", "valid_nll",
-    "valid_ppl" (and "valid_bleu") when it validated; a resumed run already at its budget, "step" and
-    "stop" alone. The training loss is in metrics.jsonl.
+    "valid_ppl" (and "valid_bleu") when it validated, as a resumed run already at its budget finds them
+    in its checkpoint; "best_checkpoint", the path of the best validation loss's, once there is one. The
+    training loss is in metrics.jsonl.
 
     SIGTERM or a first Ctrl-C (a notebook's interrupt too) during the updates saves the update under way
     and raises `aiayn.errors.Stopped`; `resume=True` continues from there."""
@@ -232,9 +234,11 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         dynamic_ncols=True,
     )  # a terminal only: tokens/s, loss, ppl, lr, and time left
     start = time.monotonic()
+    validated = {}
     if state.validation_due:  # a signal's save skipped it: validate now, as the unbroken run did then
         state.validation_due = False
-        _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics)
+        validated = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast,
+                                       metrics)
     # A resumed run may have reached its budget, or run out of patience, already: it trains no more.
     stop = _stop_reason(state, tc, n_updates) or _patience_exhausted(state, tc)
     if stop and d.is_main:
@@ -250,7 +254,30 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         # during the save changed one process' and that one exited 0
         raise Stopped(f"stopped by {stop} at update {state.step}, saved in {checkpoint_dirs(run_dir)[-1]}; "
                       "--resume continues from there", signal.Signals[stop])
-    return {**last, "stop": stop, "step": state.step}
+    return _result(last or validated, state, stop, resume_from, run_dir)
+
+
+def _result(last: dict[str, Any], state: TrainState, stop: str, resume_from: Path | None,
+            run_dir: Path) -> dict[str, Any]:
+    """`train`'s answer: the last save's record (of a resumed run that trained nothing, the one its
+    checkpoint's meta.json holds: it answered the step alone), why it stopped, and the checkpoint of the
+    best validation loss, which pruning keeps and which the answer never named."""
+    if not last and resume_from is not None:
+        last = _recorded_result(resume_from)
+    result = {**last, "stop": stop, "step": state.step}
+    if state.best_step:  # 0: no validation yet (or none since the best started again)
+        result["best_checkpoint"] = str(run_dir / "checkpoints" / step_dir_name(state.best_step))
+    return result
+
+
+def _recorded_result(checkpoint: Path) -> dict[str, Any]:
+    """The epoch and validation results `checkpoint`'s meta.json records; what is not a number there (a
+    hand's edit) is left out, as the command line formats them."""
+    metrics = read_meta(checkpoint).get("metrics")
+    if not isinstance(metrics, dict):
+        return {}
+    kept = ("epoch", "valid_loss", "valid_nll", "valid_ppl", "valid_bleu")
+    return {k: v for k, v in metrics.items() if k in kept and type(v) in (int, float)}
 
 
 def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast, metrics, bar, n_updates,

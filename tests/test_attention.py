@@ -51,6 +51,36 @@ def test_weights_are_distributions_that_respect_the_masks():
     assert all(m.recorder is None for mods in attention_modules(model).values() for m in mods)
 
 
+def test_only_the_recording_threads_calls_are_recorded():
+    """A Translator's model translating in another thread meanwhile: its calls were recorded too, and
+    `extract_attention` drew them as the sentence's (wrong maps, silently)."""
+    import threading
+
+    model = tiny_model()
+    src, tgt = padded_batch([5, 3], 50), padded_batch([4, 4], 50)
+    with record_attention(model) as records, torch.no_grad():
+        other = threading.Thread(target=model, args=(src, tgt))
+        other.start()
+        other.join()
+        assert all(layer == [] for kind in records.values() for layer in kind)
+        model(src, tgt)
+    assert all(len(layer) == 1 for kind in records.values() for layer in kind)
+
+
+def test_extracting_leaves_the_model_in_its_mode_and_names_a_wrong_type(tokenizers):
+    """A model inspected in the middle of training was left in eval mode: it trained on without dropout."""
+    tokenizer = tokenizers[0]
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size, dropout=0.1).train()
+    maps = extract_attention(model, tokenizer, "the number 12 is even", "die Zahl 12 ist gerade")
+    assert model.training and torch.allclose(maps.encoder.sum(-1), torch.ones(maps.encoder.shape[:-1]))
+    for src, tgt, problem in ((b"the number", None, "src is bytes"), ("the number", ["die"], "tgt is list")):
+        with pytest.raises(TypeError, match=f"^{problem}: one sentence, as a str$"):
+            extract_attention(model, tokenizer, src, tgt)  # an AttributeError from deep inside
+    model.eval()
+    extract_attention(model, tokenizer, "the number 12 is even")
+    assert not model.training
+
+
 def test_logits_unchanged_and_weights_are_those_the_output_used():
     model = tiny_model()
     src, tgt = padded_batch([6, 4], 50), padded_batch([5, 5], 50)

@@ -19,6 +19,7 @@ import io
 import logging
 import os
 import re
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -64,7 +65,7 @@ def record_attention(model: Transformer) -> Iterator[dict[str, list[list[Tensor]
     (B, H, K x T, S). The recorders are switched off again on exit, even after an error.
     """
     modules = attention_modules(model)
-    records = {kind: [[] for _ in mods] for kind, mods in modules.items()}
+    records = {kind: [_Record() for _ in mods] for kind, mods in modules.items()}
     for kind, mods in modules.items():
         for module, record in zip(mods, records[kind]):
             module.recorder = record
@@ -74,6 +75,19 @@ def record_attention(model: Transformer) -> Iterator[dict[str, list[list[Tensor]
         for mods in modules.values():
             for module in mods:
                 module.recorder = None
+
+
+class _Record(list):
+    """One module's weights from the calls of the thread that records: a `Translator`'s model may be
+    translating in another thread meanwhile, whose calls landed in the record too (wrong maps, silently)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def append(self, weights: Tensor) -> None:
+        if threading.get_ident() == self.thread:
+            super().append(weights)
 
 
 @dataclass(frozen=True)
@@ -153,9 +167,24 @@ def extract_attention(
     """Teacher-force `tgt` (or the greedy translation of `src`) through `model`; return every weight.
 
     A side with more than `max_tokens` tokens is refused (None: no limit), before the model runs where
-    the length is known (all but the greedy translation's).
+    the length is known (all but the greedy translation's). The model runs in eval mode and is left in
+    the mode it was in (a model inspected in the middle of training trained on without dropout).
     """
+    for side, text, allowed in (("src", src, str), ("tgt", tgt, (str, type(None)))):
+        if not isinstance(text, allowed):  # bytes or a list: an AttributeError from deep inside
+            raise TypeError(f"{side} is {type(text).__name__}: one sentence, as a str")
+    training = model.training
     model.eval()
+    try:
+        return _extract(model, tokenizer, src, tgt, max_tokens)
+    finally:
+        model.train(training)
+
+
+def _extract(model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None, max_tokens: int | None
+             ) -> AttentionMaps:
+    """`extract_attention` of a model in eval mode."""
+    device = model.generator.weight.device  # the ids where the model is (they were on the CPU always)
     check_unicode(src, "the source")
     if tgt is not None:
         check_unicode(tgt, "the target")
@@ -169,7 +198,7 @@ def extract_attention(
     if len(src_ids) > model.config.max_len:
         raise SentenceTooLong(0, len(src_ids), model.config.max_len, "the source")
     check_drawable(len(src_ids), "the source", max_tokens)
-    src_t = torch.tensor([src_ids])  # (1, S)
+    src_t = torch.tensor([src_ids], device=device)  # (1, S)
     if tgt is None:
         tgt_ids = generate(model, src_t, DecodeConfig(beam=1))[0][0].tokens  # greedy, up to EOS
     else:
@@ -186,14 +215,14 @@ def extract_attention(
         check_drawable(len(tgt_ids), "the target", max_tokens)
     tgt_in = [model.config.decoder_start_id] + tgt_ids[:-1]
     with record_attention(model) as records:
-        logits = model(src_t, torch.tensor([tgt_in]))  # (1, T, V)
+        logits = model(src_t, torch.tensor([tgt_in], device=device))  # (1, T, V)
     # records[kind][layer][0]: the one forward pass, (1, H, rows, cols) -> stacked (L, H, rows, cols)
-    stacked = {kind: torch.stack([layer[0][0] for layer in records[kind]]).float() for kind in KINDS}
+    stacked = {kind: torch.stack([layer[0][0] for layer in records[kind]]).float().cpu() for kind in KINDS}
     return AttentionMaps(
         src_tokens=source_labels(tokenizer, src, src_ids),
         tgt_in_tokens=tokenizer.tgt_pieces(tgt_in),
         tgt_out_tokens=tokenizer.tgt_pieces(tgt_ids),
-        logits=logits[0],
+        logits=logits[0].cpu(),
         target="given" if tgt is not None else "greedy",
         **stacked,
     )

@@ -1009,3 +1009,10 @@ def test_translate_stream_of_text_is_a_type_error_naming_the_fix(checkpoint):
     out = io.StringIO()
     assert translate_stream(translator, io.BytesIO(b"the number 3\n"), out, "<bytes>", **OPTIONS) == 1
     assert out.getvalue().count("\n") == 1
+    from aiayn.translate import score_stream
+
+    with pytest.raises(TypeError, match=r"^<tgt>: score_stream reads bytes .* open\(path, 'rb'\) or "):
+        score_stream(translator, io.BytesIO(b"the number 3\n"), io.StringIO("die Zahl 3\n"), io.StringIO(),
+                     ("<src>", "<tgt>"))
+    assert score_stream(translator, io.BytesIO(b"the number 3\n"), io.BytesIO(b"die Zahl 3\n"), io.StringIO(),
+                        ("<src>", "<tgt>")).pairs == 1

@@ -21,6 +21,8 @@ def __getattr__(name: str) -> Any:
     `import aiayn` had imported the model."""
     if name in ("KVCache", "Transformer"):
         return getattr(importlib.import_module("aiayn.model"), name)
+    if name.startswith("__"):  # hasattr(aiayn, "__main__") ran the command line, and exited
+        raise AttributeError(f"module 'aiayn' has no attribute {name!r}")
     try:
         return importlib.import_module(f"aiayn.{name}")
     except ModuleNotFoundError as e:

@@ -208,10 +208,11 @@ def prepare_for_inference(model: Transformer, int8: bool = False, compile: bool 
 class Translator:
     """A model and its tokenizer, ready to translate lists of strings.
 
-    Safe to share between threads (each call has its own cache and generator). It leaves the process
-    as it found it: `aiayn translate` also makes glibc keep freed memory for reuse
-    (`aiayn.memory.keep_freed_memory`), which changes malloc for the whole process, so a program that
-    wants that calls it itself."""
+    Safe to share between threads (each call has its own cache and generator). Loading caps oneDNN's
+    kernel caches (`aiayn.memory.cap_kernel_caches`: two environment variables, which subprocesses
+    inherit); otherwise it leaves the process as it found it: `aiayn translate` also makes glibc keep
+    freed memory for reuse (`aiayn.memory.keep_freed_memory`), which changes malloc for the whole
+    process, so a program that wants that calls it itself."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: DecodeConfig | None = None):
         self.model = model.eval()
@@ -529,6 +530,10 @@ def score_stream(
     corpus (read whole, a 400,000-pair file took 670 MB). Streams of different lengths are a UserError
     naming both counts; a line past the model's positions names its file and line."""
     check_count("chunk", chunk)
+    for stream, name in zip((src, tgt), names):  # failed at the first line: 'str' has no attribute 'decode'
+        if isinstance(stream, io.TextIOBase):
+            raise TypeError(f"{name}: score_stream reads bytes (its UTF-8 is checked line by line); give a "
+                            "binary stream, e.g. open(path, 'rb') or sys.stdin.buffer")
     pieces = [read_utf8_lines(stream, name, chunk, whole_chunks=True)
               for stream, name in zip((src, tgt), names)]
     pairs = tokens = 0

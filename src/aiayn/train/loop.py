@@ -109,7 +109,9 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     training loss is in metrics.jsonl.
 
     SIGTERM or a first Ctrl-C (a notebook's interrupt too) during the updates saves the update under way
-    and raises `aiayn.errors.Stopped`; `resume=True` continues from there."""
+    and raises `aiayn.errors.Stopped`; `resume=True` continues from there. The run seeds torch's and
+    Python's global generators with train.seed (as fairseq does) and leaves them where it ended: two runs
+    at once in one process draw from the same generators, and neither is then its seed's run."""
     if not isinstance(config, RunConfig):  # a dict failed with an AttributeError deep inside
         raise TypeError(f"train() takes a RunConfig, not {type(config).__name__}: build one with "
                         "aiayn.train.config.load_config(path, overrides) or run_config(dict)")

@@ -445,6 +445,7 @@ def test_process_0_alone_says_that_a_signal_stops_the_run(monkeypatch, caplog):
         with loop.StopSignal(announce=announce).installed():
             signal.raise_signal(signal.SIGTERM)
         assert ("SIGTERM: stopping after this update" in caplog.text) == announce
+        assert "again" not in caplog.text  # a first signal: "(a Ctrl-C: at once)"
     monkeypatch.setattr(distributed, "all_reduce_sum", lambda values, d: [0.0, 1.0])  # another's SIGTERM
     for announce in (True, False):
         caplog.clear()

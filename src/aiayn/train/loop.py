@@ -383,8 +383,9 @@ class StopSignal:
                 raise KeyboardInterrupt  # the second Ctrl-C
             self.signum = signum
             if self.announce:
-                log.warning("%s: stopping after this update, with a checkpoint (Ctrl-C again: at once)",
-                            signal.Signals(signum).name)
+                again = "Ctrl-C again" if signum == signal.SIGINT else "a Ctrl-C"  # SIGTERM's had no first
+                log.warning("%s: stopping after this update, with a checkpoint (%s: at once)",
+                            signal.Signals(signum).name, again)
 
         for s in previous:
             signal.signal(s, handle)

@@ -499,6 +499,9 @@ def test_api_is_unaffected_by_the_callers_torch_settings_and_takes_any_path(chec
         assert Translator.load(path).translate(texts) == translator.translate(texts)
     with pytest.raises(ValueError, match="no checkpoint given"):
         Translator.load([])
+    for nothing in (None, 5):  # "'NoneType' object is not iterable"
+        with pytest.raises(TypeError, match=f"^checkpoint is {type(nothing).__name__}: a checkpoint directory"):
+            Translator.load(nothing)
     with pytest.raises(TypeError, match="int8 must be True or False, not str"):
         Translator.load(checkpoint, int8="yes")
     with pytest.raises(ValueError, match="generator is used only with sample=True"):

@@ -245,6 +245,9 @@ class Translator:
                 raise TypeError(f"{name} must be True or False, not {type(flag).__name__} ({flag!r})")
         device = inference_device(device, int8)  # before the loading, which can take a while
         one = isinstance(checkpoint, (str, bytes, os.PathLike))  # a path, else several
+        if not one and not isinstance(checkpoint, Iterable):  # None: "'NoneType' object is not iterable"
+            raise TypeError(f"checkpoint is {type(checkpoint).__name__}: a checkpoint directory's path, or "
+                            "several for an ensemble")
         paths = [os.fsdecode(checkpoint)] if one else [os.fsdecode(p) for p in checkpoint]
         if not paths:
             raise ValueError("no checkpoint given: pass a checkpoint directory, or several for an ensemble")

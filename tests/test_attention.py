@@ -64,7 +64,36 @@ def test_only_the_recording_threads_calls_are_recorded():
         other.join()
         assert all(layer == [] for kind in records.values() for layer in kind)
         model(src, tgt)
-    assert all(len(layer) == 1 for kind in records.values() for layer in kind)
+        theirs = []  # another thread recording meanwhile: its recorder replaced, then removed, this one's
+
+        def record_twice():
+            with record_attention(model) as records:
+                model(src, tgt)
+                model(src, tgt)
+            theirs.append(records)
+
+        other = threading.Thread(target=record_twice)
+        other.start()
+        other.join()
+        model(src, tgt)
+    assert all(len(layer) == 2 for kind in records.values() for layer in kind)
+    assert all(len(layer) == 2 for kind in theirs[0].values() for layer in kind)
+    assert all(m.recorder is None for mods in attention_modules(model).values() for m in mods)
+
+
+def test_a_translators_packed_or_int8_model_is_drawn(tmp_path, tokenizers):
+    """Its output projection is packed for oneDNN (or quantized): no `.weight` tensor to find the device."""
+    from aiayn.translate import Translator
+
+    tokenizer = tokenizers[0]
+    save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    plain = extract_attention(load_checkpoint(tmp_path / "ck").model, tokenizer, "the number 12",
+                              "die Zahl 12")
+    for int8 in (False, True):
+        model = Translator.load(tmp_path / "ck", int8=int8).model
+        maps = extract_attention(model, tokenizer, "the number 12", "die Zahl 12")
+        assert maps.cross.shape == plain.cross.shape
+        assert torch.allclose(maps.cross, plain.cross, atol=1e-5 if not int8 else 0.1)
 
 
 def test_extracting_leaves_the_model_in_its_mode_and_names_a_wrong_type(tokenizers):

@@ -175,8 +175,11 @@ def test_no_cxx_compiler_is_said_before_compiling(monkeypatch):
     from aiayn.decoding import compiled
 
     monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: False)
-    with pytest.raises(UserError, match=r"^--compile needs a C\+\+ compiler \(g\+\+ or clang\+\+\) on PATH"):
+    no_compiler = r"^--compile needs a C\+\+ compiler \(g\+\+, c\+\+ or clang\+\+\) on PATH"
+    with pytest.raises(UserError, match=no_compiler):
         prepare_for_inference(tiny_model(), compile=True)
+    with pytest.raises(UserError, match=no_compiler):  # before the checkpoint is read (it is not there)
+        Translator.load("no-such-checkpoint", compile=True)
     monkeypatch.undo()
 
     def inductor_fails(*args, **kwargs):

@@ -447,8 +447,8 @@ def test_cli_convert(tmp_path, capsys):
             (tmp_path / "opus" / "vocab.json").rmdir()
             (tmp_path / "opus" / "vocab.json").write_bytes((tmp_path / "opus2" / "vocab.json").read_bytes())
     assert not (tmp_path / "out3").exists()
-    with pytest.raises(UserError, match=r"opus2: not an aiayn checkpoint \(no meta.json\); a MarianMT "
-                                        r"\(OPUS-MT\) directory: import it with aiayn convert --from marian$"):
+    hint = r"a MarianMT \(OPUS-MT\) directory: import it with aiayn convert --from marian$"
+    with pytest.raises(UserError, match=r"opus2: not an aiayn checkpoint \(no meta.json\); " + hint):
         load_checkpoint(tmp_path / "opus2")
 
 

@@ -224,6 +224,27 @@ def test_built_on_meta_then_materialized_equals_the_model(overrides):
     assert torch.equal(piecewise.src_embed.pe, ref.src_embed.pe) and torch.equal(piecewise.tgt_embed.pe, ref.tgt_embed.pe)
 
 
+def test_parameters_alone_on_meta_keep_the_position_tables(monkeypatch):
+    """accelerate's init_empty_weights (include_buffers=False, its default) moves each parameter to the
+    meta device as it is registered and leaves buffers where they are: the position tables, buffers that
+    no checkpoint holds, were left uninitialized memory when the parameters' device decided."""
+    ref = tiny_model()
+    register = torch.nn.Module.register_parameter
+
+    def to_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), param.requires_grad)
+
+    monkeypatch.setattr(torch.nn.Module, "register_parameter", to_meta)
+    torch.empty(4 * ref.config.max_len * ref.config.d_model).fill_(7.0)  # memory a table could reuse
+    model = Transformer(ref.config)
+    monkeypatch.undo()
+    assert model.generator.weight.is_meta
+    assert torch.equal(model.src_embed.pe, ref.src_embed.pe)
+    assert torch.equal(model.tgt_embed.pe, ref.tgt_embed.pe)
+
+
 def test_learns_a_copy_task():
     torch.manual_seed(0)
     model = tiny_model(vocab_size=13).train()

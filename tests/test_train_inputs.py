@@ -16,6 +16,7 @@ import re
 import threading
 import shutil
 import signal
+import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -229,7 +230,7 @@ def test_other_optimisation_settings_on_resume_are_said_one_line_each(finished_r
 
 
 def test_the_result_line_names_the_best_checkpoint_also_when_a_resume_trains_nothing(finished_run, tmp_path,
-                                                                                      capsys):
+                                                                                      capsys, monkeypatch):
     """`aiayn train --resume` of a finished run printed nothing on stdout, where a run that trained printed
     its result line; neither named the best checkpoint, the one pruning keeps."""
     _, _, sets = finished_run
@@ -250,6 +251,10 @@ def test_the_result_line_names_the_best_checkpoint_also_when_a_resume_trains_not
     assert cli.main([*args, "--set", "train.max_updates=6"]) == 0
     assert capsys.readouterr().out == expected(6)
     assert cli._train_summary({"step": 6, "stop": "max_updates=6"}) == "step 6 (max_updates=6)"  # unvalidated
+    monkeypatch.setattr(sys, "stdout", None)  # started with stdout closed (pythonw, `>&-`): trains, no line
+    assert cli.main([*args, "--set", "train.max_updates=8"]) == 0
+    monkeypatch.undo()
+    assert (checkpoints / "step_000008").is_dir() and capsys.readouterr().out == ""
 
 
 def test_a_training_state_without_its_step_is_refused(finished_run, tmp_path):
@@ -445,7 +450,7 @@ def test_process_0_alone_says_that_a_signal_stops_the_run(monkeypatch, caplog):
         with loop.StopSignal(announce=announce).installed():
             signal.raise_signal(signal.SIGTERM)
         assert ("SIGTERM: stopping after this update" in caplog.text) == announce
-        assert "again" not in caplog.text  # a first signal: "(a Ctrl-C: at once)"
+        assert ("(a Ctrl-C: at once)" in caplog.text) == announce  # not "again": there was no first
     monkeypatch.setattr(distributed, "all_reduce_sum", lambda values, d: [0.0, 1.0])  # another's SIGTERM
     for announce in (True, False):
         caplog.clear()
@@ -457,7 +462,7 @@ def test_process_0_alone_says_that_a_signal_stops_the_run(monkeypatch, caplog):
     assert own.agreed(SimpleNamespace(enabled=True)) == "SIGTERM" and "in another process" not in caplog.text
 
 
-def test_a_signal_the_process_ignores_stays_ignored_during_training():
+def test_a_signal_the_process_ignores_stays_ignored_during_training(caplog):
     """A background job of a script (`aiayn train ... &`) starts with SIGINT ignored: the loop's handler
     made a Ctrl-C meant for the script stop the training, which ignored it while preparing the data."""
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -467,7 +472,10 @@ def test_a_signal_the_process_ignores_stays_ignored_during_training():
             assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)  # handled
             signal.raise_signal(signal.SIGINT)
-        assert stopper.signum is None and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            assert stopper.signum is None
+            signal.raise_signal(signal.SIGTERM)  # its note offered a Ctrl-C, which does nothing here
+        assert stopper.signum == signal.SIGTERM and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert "stopping after this update" in caplog.text and "Ctrl-C" not in caplog.text
     finally:
         signal.signal(signal.SIGINT, before)
 

@@ -521,7 +521,7 @@ def test_one_translator_serves_several_threads(checkpoint):
     assert together == alone_
 
 
-def test_cli_streams_that_cannot_be_used_are_one_line(checkpoint, tmp_path):
+def test_cli_streams_that_cannot_be_used_are_one_line(checkpoint, tmp_path, capsys):
     """Closed stdin or stdout, a full disk behind stdout, an -o that is a directory: one line, exit 2, and
     the ones that can be seen before the model loads are refused before it loads."""
     src = tmp_path / "in.txt"
@@ -554,7 +554,10 @@ def test_cli_streams_that_cannot_be_used_are_one_line(checkpoint, tmp_path):
             full_disk = "aiayn: error: <stdout>: cannot write (No space left on device)\n"
             assert (run_.returncode, run_.stderr) == (2, full_disk), args
     for output in (f"{tmp_path}/new/", f"{tmp_path}/new.txt/"):  # wrote a file named new.txt
+        capsys.readouterr()
         assert main(base + ["-i", str(src), "-o", output]) == 2
+        said = f"aiayn: error: {output}: ends with '/', a folder's name; -o names the output file\n"
+        assert capsys.readouterr().err == said
         assert not os.path.exists(output.rstrip("/"))
     with open(src, "rb") as stdin:
         run_ = run(base + ["-o", str(tmp_path)], stdin=stdin)

@@ -65,29 +65,40 @@ def record_attention(model: Transformer) -> Iterator[dict[str, list[list[Tensor]
     (B, H, K x T, S). The recorders are switched off again on exit, even after an error.
     """
     modules = attention_modules(model)
-    records = {kind: [_Record() for _ in mods] for kind, mods in modules.items()}
-    for kind, mods in modules.items():
-        for module, record in zip(mods, records[kind]):
-            module.recorder = record
+    records = {kind: [[] for _ in mods] for kind, mods in modules.items()}
+    thread = threading.get_ident()
+    with _RECORDING:
+        for kind, mods in modules.items():
+            for module, record in zip(mods, records[kind]):
+                if module.recorder is None:
+                    module.recorder = _Recorders()
+                module.recorder.by_thread[thread] = record
     try:
         yield records
     finally:
-        for mods in modules.values():
-            for module in mods:
-                module.recorder = None
+        with _RECORDING:
+            for mods in modules.values():
+                for module in mods:
+                    del module.recorder.by_thread[thread]
+                    if not module.recorder.by_thread:
+                        module.recorder = None
 
 
-class _Record(list):
-    """One module's weights from the calls of the thread that records: a `Translator`'s model may be
-    translating in another thread meanwhile, whose calls landed in the record too (wrong maps, silently)."""
+_RECORDING = threading.Lock()  # around installing and removing recorders, which threads share
+
+
+class _Recorders:
+    """A module's records, one per recording thread, each getting that thread's calls alone: a
+    `Translator`'s model may be translating, or drawn, in another thread meanwhile, whose calls landed in
+    the one record (wrong maps, silently), and whose recorder replaced and then removed this one's."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.thread = threading.get_ident()
+        self.by_thread: dict[int, list[Tensor]] = {}
 
     def append(self, weights: Tensor) -> None:
-        if threading.get_ident() == self.thread:
-            super().append(weights)
+        record = self.by_thread.get(threading.get_ident())
+        if record is not None:
+            record.append(weights)
 
 
 @dataclass(frozen=True)
@@ -184,7 +195,9 @@ def extract_attention(
 def _extract(model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None, max_tokens: int | None
              ) -> AttentionMaps:
     """`extract_attention` of a model in eval mode."""
-    device = model.generator.weight.device  # the ids where the model is (they were on the CPU always)
+    # the ids where the model is (they were on the CPU always); the embedding, as a packed or int8
+    # generator has no weight tensor
+    device = model.tgt_embed.embed.weight.device
     check_unicode(src, "the source")
     if tgt is not None:
         check_unicode(tgt, "the target")

@@ -124,7 +124,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     _log_to_stderr()
     result = train(load_config(args.config, args.set), resume=args.resume)
-    if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks
+    # torchrun: rank 0 speaks; a closed stdout (pythonw, `>&-`) loses the summary, not days of training
+    if os.environ.get("RANK", "0") == "0" and not getattr(sys.stdout, "closed_at_start", False):
         print(_train_summary(result))
 
 
@@ -845,11 +846,12 @@ def _run(args: argparse.Namespace) -> int:
     """Run one command; the exit status."""
     try:
         closed = getattr(sys.stdout, "closed_at_start", False)  # translate and score: -o, or refused
-        if closed and getattr(args, "command", None) not in ("translate", "score"):
-            # before the work, not after: an export or a training run done, then exit 2 for its last line
+        if closed and getattr(args, "command", None) not in ("translate", "score", "train"):
+            # before the work, not after: an export done (its old one replaced), then exit 2 for its path
             raise UserError("<stdout>: closed, so the results cannot be written")
         args.func(args)
-        sys.stdout.flush()  # a full disk shows here, while the error can still be one line
+        if not closed:  # (train's summary, the one line that may be lost)
+            sys.stdout.flush()  # a full disk shows here, while the error can still be one line
     except (UserError, ConfigError) as e:
         repeated = False
         if os.environ.get("RANK", "0") != "0":  # under torchrun (torch is loaded: the import is free)

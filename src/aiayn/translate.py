@@ -33,7 +33,7 @@ from aiayn.data.batching import right_pad
 from aiayn.data.dataset import cr_only, cr_only_error, has_text, lone_cr_count, looks_like
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
-from aiayn.decoding.compiled import compile_one_row_step
+from aiayn.decoding.compiled import check_cxx_compiler, compile_one_row_step
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
 from aiayn.decoding.ensemble import SHARED_FIELDS
 from aiayn.decoding.score import force_decode
@@ -182,6 +182,7 @@ def check_compile(device: torch.device, dtype: str | torch.dtype, int8: bool, mo
         raise UserError(f"compile (--compile) decodes float32 weights, not dtype {name}: drop one")
     if models > 1:
         raise UserError("compile (--compile) decodes one model: drop it to decode an ensemble")
+    check_cxx_compiler()  # before the checkpoint loads, not after
 
 
 def prepare_for_inference(model: Transformer, int8: bool = False, compile: bool = False,

@@ -38,6 +38,15 @@ def has_cxx_compiler() -> bool:
     return any(map(shutil.which, ("g++", "c++", "clang++")))
 
 
+def check_cxx_compiler() -> None:
+    """A UserError without one: inductor said "backend='inductor' raised:", its reason pages below."""
+    from aiayn.errors import UserError
+
+    if not has_cxx_compiler():
+        raise UserError("--compile needs a C++ compiler (g++, c++ or clang++) on PATH: torch.compile's CPU "
+                        "code is C++; install one, or leave out --compile")
+
+
 def _decode(
     model: Transformer, tgt_in: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache
 ) -> Tensor:
@@ -105,10 +114,8 @@ def compile_one_row_step(model: Transformer) -> Transformer:
     compiled now; a `UserError` if torch.compile cannot run here (it needs a C++ compiler)."""
     from aiayn.errors import UserError
 
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    if on_cpu and not has_cxx_compiler():  # else "backend='inductor' raised:", the reason pages below
-        raise UserError("--compile needs a C++ compiler (g++ or clang++) on PATH: torch.compile's CPU code "
-                        "is C++; install one, or leave out --compile")
+    if next(model.parameters()).device.type == "cpu":
+        check_cxx_compiler()
     try:
         step = OneRowStep(model)
         step.warm_up()

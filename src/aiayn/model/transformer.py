@@ -50,7 +50,9 @@ class Embeddings(nn.Module):
         self.side = side  # "src" or "tgt_in", named when a sequence is too long
         self.embed = embed  # may be shared with the other stack and the output projection
         self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        on_meta = embed.weight.is_meta  # nothing to compute: see `Transformer.__init__`
+        # Nothing to compute on the meta device (see `Transformer.__init__`); the buffer's device is the
+        # default one, not the embedding's: accelerate's init_empty_weights puts parameters alone on meta
+        on_meta = torch.empty(0).is_meta
         pe = torch.empty(config.max_len, config.d_model) if on_meta else \
             sinusoidal_positions(config.max_len, config.d_model, config.positions)
         self.register_buffer("pe", pe, persistent=False)  # (max_len, d): a function, not a weight

@@ -383,9 +383,10 @@ class StopSignal:
                 raise KeyboardInterrupt  # the second Ctrl-C
             self.signum = signum
             if self.announce:
-                again = "Ctrl-C again" if signum == signal.SIGINT else "a Ctrl-C"  # SIGTERM's had no first
-                log.warning("%s: stopping after this update, with a checkpoint (%s: at once)",
-                            signal.Signals(signum).name, again)
+                # SIGTERM's had no first Ctrl-C, and a process that ignores SIGINT has none at all
+                again = {signal.SIGINT: " (Ctrl-C again: at once)", signal.SIGTERM: " (a Ctrl-C: at once)"}
+                log.warning("%s: stopping after this update, with a checkpoint%s",
+                            signal.Signals(signum).name, again[signum] if signal.SIGINT in previous else "")
 
         for s in previous:
             signal.signal(s, handle)

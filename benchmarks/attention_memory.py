@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
     series = run_all(cfg)
     result = {
         "command": "python benchmarks/attention_memory.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        + shlex.join(sys.argv[1:] if argv is None else argv),
         "environment": {**env, "load_average_after": load_average()},
         "config": asdict(cfg),
         "series": series,

@@ -13,15 +13,23 @@ as a share of `max_tokens`, for one process (with several, each cuts its own sha
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from aiayn.config import ConfigError
 from aiayn.data.batching import token_batches
+from aiayn.errors import UserError
 from aiayn.train import loop
 from aiayn.train.config import load_config
 from aiayn.train.distributed import Dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
 
@@ -34,24 +42,40 @@ def fill(src: list[int], tgt: list[int], max_tokens: int) -> tuple[float, float,
     return real_tgt / max_tokens, real_src / max_tokens, len(batches)
 
 
+def budgets(text: str) -> list[int]:
+    """argparse type: a comma list of positive whole numbers."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of whole numbers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: each max_tokens must be at least 1")
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--src", default=str(MULTI30K / "train.en"))
     parser.add_argument("--tgt", default=str(MULTI30K / "train.de"))
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--max-tokens", default="4096,6250,25000", help="a comma list")
+    parser.add_argument("--max-tokens", type=budgets, default=[4096, 6250, 25000], help="a comma list")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as run_dir:
-        config = load_config(None, [f"data.train_src={args.src}", f"data.train_tgt={args.tgt}",
-                                    f"data.vocab_size={args.vocab_size}", "model.preset=micro",
-                                    f"train.run_dir={run_dir}", "train.device=cpu"])
-        data = loop.prepare_data(config, Path(run_dir), Dist(0, 1, 0, torch.device("cpu")))
-        src, tgt = data.train.src_lengths(), data.train.tgt_lengths()
+    try:  # a missing corpus, a vocabulary or max_tokens the data refuses: one line, not a traceback
+        with tempfile.TemporaryDirectory() as run_dir:
+            config = load_config(None, [f"data.train_src={args.src}", f"data.train_tgt={args.tgt}",
+                                        f"data.vocab_size={args.vocab_size}", "model.preset=micro",
+                                        f"train.run_dir={run_dir}", "train.device=cpu"])
+            data = loop.prepare_data(config, Path(run_dir), Dist(0, 1, 0, torch.device("cpu")))
+            src, tgt = data.train.src_lengths(), data.train.tgt_lengths()
+        rows = [(m, *fill(src, tgt, m)) for m in args.max_tokens]
+    except (UserError, ConfigError) as e:
+        raise SystemExit(f"batch_fill: {e}") from None
+    print(f"command: python benchmarks/batch_fill.py {shlex.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"environment: {environment()}")
     print(f"{args.src}, {args.tgt}: {len(src)} pairs, {args.vocab_size} pieces")
     print("| max_tokens | real target tokens a batch | real source tokens a batch | batches |")
     print("|---|---|---|---|")
-    for max_tokens in (int(m) for m in args.max_tokens.split(",")):
-        share_tgt, share_src, n = fill(src, tgt, max_tokens)
+    for max_tokens, share_tgt, share_src, n in rows:
         print(f"| {max_tokens:,} | {share_tgt:.1%} | {share_src:.1%} | {n} |")
 
 

@@ -18,6 +18,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,29 +30,43 @@ from aiayn.config import MAX_THREADS
 LOCAL_RESULTS = Path(__file__).resolve().parent / "results" / "local"  # the default output folder
 
 
+# The matrix units that decide a CPU's bfloat16 speed: a VM may name an AMX Xeon and one without AMX
+# alike ("Intel(R) Xeon(R) Processor"), and their bf16 matmuls differ by 5x.
+MATRIX_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx2", "fma")
+
+
 def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo (Linux), else what `platform` knows."""
+    """The CPU's marketing name from /proc/cpuinfo (Linux) with its `MATRIX_FLAGS`, else what `platform`
+    knows."""
+    name, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if not name:
+        return platform.processor() or platform.machine()
+    has = [f for f in MATRIX_FLAGS if f in flags]
+    return f"{name} ({' '.join(has) or 'none of ' + ', '.join(MATRIX_FLAGS)})" if flags else name
 
 
 def git_commit() -> str:
-    """The commit of the working tree, with `+dirty` if it has uncommitted changes, or new Python files
-    (an untracked module of the package or a benchmark changes what runs; results files do not)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """The commit of the tree aiayn runs from, with `+dirty` if it has uncommitted changes, or new Python
+    or shell files (an untracked module, benchmark or script changes what runs; results files do not)."""
+    import aiayn  # the tree of the code that runs, not of this script: a script run from another clone
+
+    here = os.path.dirname(os.path.abspath(aiayn.__file__))
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
                              text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, check=True).stdout.strip()
-        dirty += subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "--", ":/*.py"],
-                                cwd=here, capture_output=True, text=True, check=True).stdout.strip()
+        new = ["git", "ls-files", "--others", "--exclude-standard", "--", ":/*.py", ":/*.sh"]
+        dirty += subprocess.run(new, cwd=here, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return rev + ("+dirty" if dirty else "")
@@ -76,6 +91,7 @@ def environment() -> dict:
         env["transformers"] = None
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"], env["cudnn"] = torch.version.cuda, torch.backends.cudnn.version()
     env["load_average"] = load_average()
     return env
 
@@ -160,8 +176,10 @@ def check_out(path: Path, also: list[Path] = ()) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SystemExit(f"--out {path}: cannot make {path.parent} ({e.strerror or e})") from None
-    if not os.access(path.parent, os.W_OK):
-        raise SystemExit(f"--out {path}: {path.parent} is not writable")
+    try:  # a file made and removed: os.access says yes to root everywhere (/sys, a read-only mount)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        raise SystemExit(f"--out {path}: {path.parent} is not writable ({e.strerror or e})") from None
 
 
 def with_suffix_added(path: Path, suffix: str) -> Path:

@@ -55,6 +55,7 @@ import argparse
 import gc
 import json
 import multiprocessing
+import shlex
 import statistics
 import sys
 import tempfile
@@ -558,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
                processes="one per engine and thread count", float32_weights_mb=round(weights_mb),
                outputs_as_aiayn_fp32=agreed,
                linear_floor_kernel_by_threads_and_rows=floor_kernel, load_average_after=load_average(),
-               command="python benchmarks/decode.py " + " ".join(sys.argv[1:] if argv is None else argv))
+               command="python benchmarks/decode.py " + shlex.join(sys.argv[1:] if argv is None else argv))
     sections = []
     if len(args.threads) > 1:
         best, count = at_best(per_threads)

@@ -31,6 +31,7 @@ import argparse
 import json
 import logging
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -579,7 +580,7 @@ def main(argv: list[str] | None = None) -> dict:
         for cell in cells.values():
             cell.pop("round_s")
     result = {
-        "command": "python benchmarks/layers.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/layers.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "environment": {**env, "load_average_after": load_average()},
         "config": asdict(cfg),
         "times": times,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{threads} threads: " + ", ".join(f"{n} {t:.2f} ms" for n, t in ms[threads].items())
               + f"; aiayn picks {choice[threads]}", file=sys.stderr, flush=True)
     result = {
-        "command": "python benchmarks/one_row.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/one_row.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "environment": {**env, "load_average_after": load_average(), "rounds": args.rounds},
         "ms": ms,
         "picked": choice,

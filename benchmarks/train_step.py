@@ -2,7 +2,8 @@
 
 One step = forward, label-smoothed cross-entropy (0.1, pads ignored), backward, Adam (fused, the same for
 every system), `zero_grad(set_to_none=True)`. The peers' loss is `F.cross_entropy(label_smoothing=0.1)`;
-aiayn's is its own, as `aiayn train` runs it (only non-pad positions projected, `aiayn.train.loss`).
+aiayn's is its own, as `aiayn train` runs it (only non-pad positions projected, `aiayn.train.loss`),
+except in the compiled rows (`system_step`).
 The process keeps freed memory (`aiayn.memory.keep_freed_memory`, as `aiayn train` does), which
 speeds up every system alike. Every system gets the
 same shapes (d_model, heads, d_ff, layers, vocabulary, ReLU, dropout 0.1, attention dropout 0, one shared
@@ -194,7 +195,9 @@ def make_step(model: nn.Module, forward: Callable, dtype: torch.dtype | None,
 def system_step(system: str, c: ModelConfig, dtype: torch.dtype | None, compiled: bool, seed: int = 0,
                 device: str = "cpu"):
     """One system's step closure; `compiled`: aiayn through `compile_for_training`, a peer through
-    `torch.compile` of its forward and loss, the same wrapping."""
+    `torch.compile` of its forward and loss, the same wrapping, with the peers' loss (F.cross_entropy over
+    every position): not `aiayn train`'s compiled step, which compiles the model alone and keeps
+    aiayn's own loss outside the graph."""
     model = build(system, c, seed).to(device).train()
     if not compiled and system == "aiayn":
         forward = aiayn_loss(model)

@@ -162,6 +162,15 @@ def test_an_output_it_cannot_write_is_refused_before_timing(tmp_path, capsys, ou
     assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="a folder no one may write in: Linux's /proc")
+def test_a_folder_root_cannot_write_in_is_refused_before_timing(capsys):
+    """os.access says yes to root everywhere: /proc, /sys or a read-only mount was a PermissionError
+    traceback after all the timing (benchmarks run as root on the lent GPU machines)."""
+    with pytest.raises(SystemExit) as stopped:
+        train_step.main(["--configs", "tiny", "--out", "/proc/aiayn_benchmark.md"])
+    assert "--out /proc/aiayn_benchmark.md: /proc is not writable (" in str(stopped.value)
+
+
 def test_a_floor_above_a_measured_step_is_said_to_bound_nothing():
     """The floor is timed once after the rounds: with the machine's load changed it read 2,357 ms against
     a 638 ms step, printed as "no step can be more than 0.30x" and "-1,719 ms outside them"."""

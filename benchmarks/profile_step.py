@@ -11,6 +11,7 @@ train_step.py's table. --by-shape splits each operator by its input shapes.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=at_least(1), default=25, help="rows printed")
     p.add_argument("--by-shape", action="store_true", help="one row per operator and input shapes")
     args = p.parse_args(argv)
+    if args.system == "Marian" and importlib.util.find_spec("transformers") is None:  # an ImportError trace
+        raise SystemExit("--system Marian needs transformers: pip install -e '.[bench]'")
     device = str(require_device(args.device))
     keep_freed_memory()  # as train_step.py and `aiayn train` do: large buffers are reused, not re-faulted
     shape = train_step.SHAPES[args.config]

@@ -268,3 +268,19 @@ def test_batch_fill_counts_real_tokens_against_max_tokens():
     assert batch_fill.fill([4] * 10, [4] * 10, 8) == (1.0, 1.0, 5)
     share_tgt, share_src, n = batch_fill.fill([4, 4, 4], [2, 4, 4], 8)  # batches [2, 4] and [4]
     assert n == 2 and share_tgt == pytest.approx(10 / 2 / 8) and share_src == pytest.approx(12 / 2 / 8)
+
+
+def test_batch_fill_and_profile_step_say_bad_input_in_one_line(tmp_path, monkeypatch):
+    """batch_fill's --max-tokens abc, a missing corpus, a budget below a pair; profile_step's Marian
+    without transformers: each was a traceback."""
+    batch_fill = _load("batch_fill")
+    with pytest.raises(SystemExit):  # argparse's own line
+        batch_fill.main(["--max-tokens", "abc"])
+    with pytest.raises(SystemExit, match=f"^batch_fill: {tmp_path / 'none.en'}: file not found$"):
+        batch_fill.main(["--src", str(tmp_path / "none.en"), "--tgt", str(tmp_path / "none.de")])
+    profile_step = _load("profile_step")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers"
+                        else find_spec(name, *a))
+    with pytest.raises(SystemExit, match=r"^--system Marian needs transformers: pip install -e '.\[bench\]'$"):
+        profile_step.main(["--config", "tiny", "--system", "Marian"])

@@ -282,5 +282,5 @@ def test_batch_fill_and_profile_step_say_bad_input_in_one_line(tmp_path, monkeyp
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers"
                         else find_spec(name, *a))
-    with pytest.raises(SystemExit, match=r"^--system Marian needs transformers: pip install -e '.\[bench\]'$"):
+    with pytest.raises(SystemExit, match=r"^--system Marian needs transformers: pip install -e '\.\[bench"):
         profile_step.main(["--config", "tiny", "--system", "Marian"])

@@ -95,9 +95,9 @@ class ModelConfig:
                 f"share_embeddings=True needs one vocabulary, but vocab_size={self.vocab_size} "
                 f"and tgt_vocab_size={self.tgt_vocab_size}"
             )
+        size = min(self.vocab_size, self.target_vocab_size)  # ids 0..size-1 on both sides
         for name in ("pad_id", "decoder_start_id", "eos_id"):
-            if not 0 <= getattr(self, name) < min(self.vocab_size, self.target_vocab_size):
-                size = min(self.vocab_size, self.target_vocab_size)  # ids 0..size-1
+            if not 0 <= getattr(self, name) < size:
                 problems.append(f"{name}={getattr(self, name)} is outside the vocabulary of {size:,}")
         if self.pad_id == self.eos_id:  # the search masks padding: no output could ever end
             problems.append(f"pad_id and eos_id are both {self.pad_id}: padding and the end of a sentence "

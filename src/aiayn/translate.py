@@ -534,10 +534,8 @@ def score_stream(
     corpus (read whole, a 400,000-pair file took 670 MB). Streams of different lengths are a UserError
     naming both counts; a line past the model's positions names its file and line."""
     check_count("chunk", chunk)
-    for stream, name in zip((src, tgt), names):  # failed at the first line: 'str' has no attribute 'decode'
-        if isinstance(stream, io.TextIOBase):
-            raise TypeError(f"{name}: score_stream reads bytes (its UTF-8 is checked line by line); give a "
-                            "binary stream, e.g. open(path, 'rb') or sys.stdin.buffer")
+    for stream, name in zip((src, tgt), names):
+        _require_binary(stream, name, "score_stream")
     pieces = [read_utf8_lines(stream, name, chunk, whole_chunks=True)
               for stream, name in zip((src, tgt), names)]
     pairs = tokens = 0
@@ -560,6 +558,14 @@ def score_stream(
         tokens += sum(one.tokens for one in scored)
         total += sum(one.log_prob for one in scored)
     return ScoredStream(pairs, tokens, total)
+
+
+def _require_binary(stream: Any, name: str, reader: str) -> None:
+    """A TypeError for a text stream (io.StringIO, sys.stdin), which failed at its first line: 'str'
+    object has no attribute 'decode'."""
+    if isinstance(stream, io.TextIOBase):
+        raise TypeError(f"{name}: {reader} reads bytes (its UTF-8 is checked line by line); give a "
+                        "binary stream, e.g. open(path, 'rb') or sys.stdin.buffer")
 
 
 def lines_text(n: int) -> str:
@@ -586,9 +592,7 @@ def translate_stream(
     config = translator.decode_config(**options)
     check_count("chunk", chunk)
     check_count("max_tokens", max_tokens)
-    if isinstance(src, io.TextIOBase):  # failed at the first line: 'str' object has no attribute 'decode'
-        raise TypeError(f"{name}: translate_stream reads bytes (its UTF-8 is checked line by line); give a "
-                        "binary stream, e.g. open(path, 'rb') or sys.stdin.buffer")
+    _require_binary(src, name, "translate_stream")
     generator = sampling_generator(config, translator.device) if config.sample else None
     reproducible = config.sample and config.seed is not None  # batches must not follow a pipe's timing
     done = 0

@@ -42,6 +42,13 @@ def target_positions(tgt_out: Tensor, pad_id: int) -> Tensor:
     return (tgt_out != pad_id).flatten().nonzero()[:, 0]  # (N,)
 
 
+def _building_on_meta() -> bool:
+    """Whether modules are being built on the meta device (`with torch.device("meta")`), where
+    `model_from_weights` builds a model to load weights into: nothing is drawn or computed there, as
+    normal_ and arange on meta import torch._dynamo, 1.3 s of every checkpoint load."""
+    return torch.empty(0).is_meta
+
+
 class Embeddings(nn.Module):
     """Token embedding times sqrt(d_model) plus sinusoidal positions, then dropout (sections 3.4, 3.5, 5.4)."""
 
@@ -50,10 +57,9 @@ class Embeddings(nn.Module):
         self.side = side  # "src" or "tgt_in", named when a sequence is too long
         self.embed = embed  # may be shared with the other stack and the output projection
         self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        # Nothing to compute on the meta device (see `Transformer.__init__`); the buffer's device is the
-        # default one, not the embedding's: accelerate's init_empty_weights puts parameters alone on meta
-        on_meta = torch.empty(0).is_meta
-        pe = torch.empty(config.max_len, config.d_model) if on_meta else \
+        # Nothing to compute on the meta device; the buffer's device is the default one, not the
+        # embedding's: accelerate's init_empty_weights puts parameters alone on meta
+        pe = torch.empty(config.max_len, config.d_model) if _building_on_meta() else \
             sinusoidal_positions(config.max_len, config.d_model, config.positions)
         self.register_buffer("pe", pe, persistent=False)  # (max_len, d): a function, not a weight
         self.dropout = Dropout(config.dropout)
@@ -160,10 +166,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         d = config.d_model
-        # On the meta device, where `model_from_weights` builds a model to load weights into, nothing is
-        # drawn or computed: there normal_ and arange import torch._dynamo, 1.3 s of every load. (Off it,
-        # nn.Embedding's own draw, redrawn by `reset_parameters`, is kept: a seed gives the same model.)
-        on_meta = torch.empty(0).is_meta
+        # Off the meta device, nn.Embedding's own draw, redrawn by `reset_parameters`, is kept: a seed
+        # gives the same model.
+        on_meta = _building_on_meta()
         table = lambda n: nn.Embedding(n, d, _weight=torch.empty(n, d) if on_meta else None)
         src_embed = table(config.vocab_size)
         shared = config.share_embeddings and config.tgt_vocab_size in (None, config.vocab_size)

@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import resource
-import shlex
 import subprocess
 import sys
 import time
@@ -53,6 +52,7 @@ from common import (
     LOCAL_RESULTS,
     at_least,
     check_out,
+    command_line,
     environment,
     load_average,
     markdown_table,
@@ -415,8 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
     env = environment()  # before the runs: the load average is the machine's, not this run's
     series = run_all(cfg)
     result = {
-        "command": "python benchmarks/attention_memory.py "
-        + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": command_line(__file__, argv),
         "environment": {**env, "load_average_after": load_average()},
         "config": asdict(cfg),
         "series": series,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -29,7 +28,7 @@ from aiayn.train.config import load_config
 from aiayn.train.distributed import Dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment
+from common import command_line, environment
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
 
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = [(m, *fill(src, tgt, m)) for m in args.max_tokens]
     except (UserError, ConfigError) as e:
         raise SystemExit(f"batch_fill: {e}") from None
-    print(f"command: python benchmarks/batch_fill.py {shlex.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"command: {command_line(__file__, argv)}")
     print(f"environment: {environment()}")
     print(f"{args.src}, {args.tgt}: {len(src)} pairs, {args.vocab_size} pieces")
     print("| max_tokens | real target tokens a batch | real source tokens a batch | batches |")

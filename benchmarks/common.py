@@ -15,6 +15,7 @@ import importlib
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -180,6 +181,13 @@ def check_out(path: Path, also: list[Path] = ()) -> None:
         tempfile.TemporaryFile(dir=path.parent).close()
     except OSError as e:
         raise SystemExit(f"--out {path}: {path.parent} is not writable ({e.strerror or e})") from None
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The command that ran `script` (its `__file__`) with `argv` (None: sys.argv's), quoted as a shell
+    takes it: joined with spaces, `--engines "CT2 float32,Linear floor"` could not be run again as
+    recorded."""
+    return f"python benchmarks/{Path(script).name} {shlex.join(sys.argv[1:] if argv is None else argv)}"
 
 
 def with_suffix_added(path: Path, suffix: str) -> Path:

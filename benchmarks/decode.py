@@ -55,7 +55,6 @@ import argparse
 import gc
 import json
 import multiprocessing
-import shlex
 import statistics
 import sys
 import tempfile
@@ -69,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     LOCAL_RESULTS,
     at_least,
+    command_line,
     environment,
     load_average,
     peer_available,
@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
                processes="one per engine and thread count", float32_weights_mb=round(weights_mb),
                outputs_as_aiayn_fp32=agreed,
                linear_floor_kernel_by_threads_and_rows=floor_kernel, load_average_after=load_average(),
-               command="python benchmarks/decode.py " + shlex.join(sys.argv[1:] if argv is None else argv))
+               command=command_line(__file__, argv))
     sections = []
     if len(args.threads) > 1:
         best, count = at_best(per_threads)

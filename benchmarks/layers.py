@@ -31,7 +31,6 @@ import argparse
 import json
 import logging
 import math
-import shlex
 import statistics
 import sys
 import time
@@ -48,6 +47,7 @@ from common import (
     LOCAL_RESULTS,
     at_least,
     check_out,
+    command_line,
     environment,
     load_average,
     markdown_table,
@@ -580,7 +580,7 @@ def main(argv: list[str] | None = None) -> dict:
         for cell in cells.values():
             cell.pop("round_s")
     result = {
-        "command": "python benchmarks/layers.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": command_line(__file__, argv),
         "environment": {**env, "load_average_after": load_average()},
         "config": asdict(cfg),
         "times": times,

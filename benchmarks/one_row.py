@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import LOCAL_RESULTS, at_least, check_out, environment, load_average, markdown_table  # noqa: E402
-from common import thread_counts, with_suffix_added  # noqa: E402
+from common import command_line, thread_counts, with_suffix_added  # noqa: E402
 from decode import step_linear_shapes  # noqa: E402
 
 from aiayn.config import model_config  # noqa: E402
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{threads} threads: " + ", ".join(f"{n} {t:.2f} ms" for n, t in ms[threads].items())
               + f"; aiayn picks {choice[threads]}", file=sys.stderr, flush=True)
     result = {
-        "command": "python benchmarks/one_row.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": command_line(__file__, argv),
         "environment": {**env, "load_average_after": load_average(), "rounds": args.rounds},
         "ms": ms,
         "picked": choice,

@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -50,6 +49,7 @@ from common import (
     at_least,
     check_out,
     comma_choices,
+    command_line,
     environment,
     markdown_table,
     peer_available,
@@ -462,7 +462,7 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
               for r in rows if r["system"] == "aiayn" and "linear_floor_ms" in r]
     lines = [
         "# Training step: aiayn vs torch.nn.Transformer vs MarianMT", "",
-        f"Command: `python benchmarks/train_step.py {shlex.join(args.argv)}`", "",
+        f"Command: `{command_line(__file__, args.argv)}`", "",
         "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
         f"Measured matmul peak ({peak_size(args.device)}^3 torch.matmul on {args.device}): "
         f"fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "

@@ -554,11 +554,14 @@ def replot(path: Path, out: Path | None = None) -> None:
         result = json.loads(path.read_text())
     except (OSError, ValueError) as e:  # missing, a directory, not JSON, not UTF-8
         raise SystemExit(f"--replot {path}: cannot read a saved run ({e})") from None
-    config = {k: tuple(v) if isinstance(v, list) else v for k, v in result["config"].items()}
-    cfg = GridConfig(**config)
-    # json keys are strings: back to the ints the tables and the plot sort by
-    times = {int(d): {int(n): cell for n, cell in cells.items()} for d, cells in result["times"].items()}
-    cross = {int(d): pairs for d, pairs in result["crossovers"].items()}
+    try:
+        config = {k: tuple(v) if isinstance(v, list) else v for k, v in result["config"].items()}
+        cfg = GridConfig(**config)
+        # json keys are strings: back to the ints the tables and the plot sort by
+        times = {int(d): {int(n): cell for n, cell in cells.items()} for d, cells in result["times"].items()}
+        cross = {int(d): pairs for d, pairs in result["crossovers"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # valid JSON, not a run of this script
+        raise SystemExit(f"--replot {path}: not a saved run of layers.py ({type(e).__name__}: {e})") from None
     result.update(times=times, crossovers=cross)
     stem = path.with_suffix("") if out is None else out / path.stem
     if out is not None:

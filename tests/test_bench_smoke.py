@@ -256,6 +256,10 @@ def test_replot_writes_where_out_says_and_a_tag_keeps_its_dots(tmp_path, capsys)
     assert (tmp_path / "run" / "layers_cpu_b8.v2.md").stat().st_mtime_ns == before
     with pytest.raises(SystemExit, match="cannot read a saved run"):
         layers.main(["--replot", str(tmp_path / "missing.json")])
+    for text in ('{"config": {}}', "[1]", '{"config": {"lengths": [8]}, "times": {"x": {}}}'):
+        (tmp_path / "other.json").write_text(text)  # JSON, not this script's: was a KeyError traceback
+        with pytest.raises(SystemExit, match="not a saved run of layers.py"):
+            layers.main(["--replot", str(tmp_path / "other.json")])
     with pytest.raises(SystemExit):  # a reshape traceback in the model, once timing began
         layers.main(["--widths", "129", "--out", str(tmp_path)])
     assert "--widths 129: not divisible by its 2 heads" in capsys.readouterr().err

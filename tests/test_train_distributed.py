@@ -73,8 +73,28 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def torchrun_train(sets: list[str], *options: str, script: Path | None = None) -> subprocess.CompletedProcess:
-    """`aiayn train --set ... OPTIONS` in 2 gloo processes under torchrun (`script` in place of `aiayn`:
+@pytest.mark.slow  # six fresh Pythons importing torch
+def test_three_processes_resume_bit_for_bit(tmp_path):
+    """DDP regrouped its gradient buckets after the first update of every process, so a resumed job's
+    first update summed three processes' gradients in another order than the unbroken job's."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "model.dropout=0.0", "train.max_updates=6")
+    proc = torchrun_train([*sets, "train.valid_every=3"], processes=3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "find_unused_parameters" not in proc.stderr  # DDP's warning that every parameter was used
+    unbroken = load_file(str(checkpoint_dirs(tmp_path / "run")[-1] / "model.safetensors"))
+
+    shutil.rmtree(checkpoint_dirs(tmp_path / "run")[-1])  # back to update 3, in new processes
+    proc = torchrun_train([*sets, "train.valid_every=3"], "--resume", processes=3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(update 3" in proc.stderr, proc.stderr[-3000:]
+    resumed = load_file(str(checkpoint_dirs(tmp_path / "run")[-1] / "model.safetensors"))
+    assert [k for k in unbroken if not torch.equal(unbroken[k], resumed[k])] == []
+
+
+def torchrun_train(
+    sets: list[str], *options: str, script: Path | None = None, processes: int = 2
+) -> subprocess.CompletedProcess:
+    """`aiayn train --set ... OPTIONS` in gloo processes under torchrun (`script` in place of `aiayn`:
     a Python file that takes the same arguments)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     cmd = [
@@ -83,7 +103,7 @@ def torchrun_train(sets: list[str], *options: str, script: Path | None = None) -
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node",
-        "2",
+        str(processes),
         *(["-m", "aiayn"] if script is None else [str(script)]),
         "train",
         *[a for s in sets for a in ("--set", s)],

@@ -867,10 +867,12 @@ def _run(args: argparse.Namespace) -> int:
             print(f"aiayn: {e}", file=sys.stderr)
         return e.exit_status
     except KeyboardInterrupt:
-        print("aiayn: interrupted", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # a terminal's Ctrl-C reaches every process of a torchrun job
+            print("aiayn: interrupted", file=sys.stderr)
         return 130
     except Terminated as e:
-        print(f"aiayn: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # torchrun's launcher sends it to every process it stops
+            print(f"aiayn: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
         return 128 + e.signum  # what a shell reports for a process killed by the signal
     except BrokenPipeError:  # the reader went away (`aiayn translate ... | head`): stop quietly, as cat does
         _to_devnull(sys.stdout)

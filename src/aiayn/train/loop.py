@@ -203,6 +203,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         raise SameOnEveryProcess(
             f"{config.data.train_src}: {len(data.train_batches)} batches, fewer than one update "
             f"needs ({per_update}); lower train.max_tokens or train.update_freq"
+            + (f", or run fewer than {d.world_size} processes" if d.enabled else "")
         )
     def restored() -> TrainState:
         state = restore(resume_from, model, optimizer, scaler, d) if resume_from else TrainState()
@@ -223,6 +224,8 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         dtype=torch.float16 if tc.precision == "fp16" else torch.bfloat16,
         enabled=tc.precision != "fp32",
     )
+    if d.enabled and not tc.compile:  # compiled, a resume is close, not bit for bit, anyway
+        _settle_buckets(net, model, data, d, autocast)
     metrics = MetricsLog(run_dir / "metrics.jsonl", state.step) if d.is_main else None
     tgt_lengths = data.train.tgt_lengths()
     batch_tokens = [sum(tgt_lengths[i] for i in b) for b in data.train_batches]
@@ -381,8 +384,9 @@ class StopSignal:
         def handle(signum: int, frame) -> None:
             if self.signum is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt  # the second Ctrl-C
+            again = self.signum is not None  # torchrun's launcher turns a second SIGINT into a SIGTERM
             self.signum = signum
-            if self.announce:
+            if self.announce and not again:
                 # SIGTERM's had no first Ctrl-C, and a process that ignores SIGINT has none at all
                 again = {signal.SIGINT: " (Ctrl-C again: at once)", signal.SIGTERM: " (a Ctrl-C: at once)"}
                 log.warning("%s: stopping after this update, with a checkpoint%s",
@@ -636,6 +640,24 @@ def train_step(
     scaler.update()
     applied = scale is None or scaler.get_scale() >= scale  # a lowered scale: inf/NaN found, step skipped
     return sums, float(sum(b.n_tokens for b in batches)), applied
+
+
+def _settle_buckets(net: DistributedDataParallel, model: Transformer, data: Data, d: Dist, autocast) -> None:
+    """One forward and backward of one training pair, its gradients dropped, before the first update.
+
+    DDP all-reduces the first update of each process with every gradient in one bucket, then regroups
+    them in the order backward made them. Where an element lies in its bucket sets the order in which
+    the all-reduce adds the processes' gradients, which matters from 3 processes on ((a + b) + c is not
+    a + (b + c)): a resumed job's first update summed otherwise than the unbroken job's, and the
+    weights drifted apart. After this pass every update of every start uses the regrouped buckets. In
+    eval mode: no dropout, so no random draws that the run's own would then miss."""
+    was_training = model.training
+    model.eval()
+    batch = collate(data.train, data.train_batches[0][:1], data.tokenizer).to(d.device)
+    loss, _ = batch_loss(net, batch, 0.0, autocast)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
 
 
 def batch_loss(net: torch.nn.Module, batch: Batch, eps: float, autocast) -> tuple[Tensor, Tensor]:

@@ -207,3 +207,24 @@ def test_a_checkpoints_folder_or_a_checkpoint_given_as_the_run_says_so(tmp_path,
         average_last(ckpts, 2)
     with pytest.raises(UserError, match="it is a checkpoint: give the run directory whose last checkpoints"):
         average_last(one, 2)
+
+
+def test_the_running_mean_is_the_float64_mean_in_each_dtype_and_holds_one_state_at_a_time():
+    """average read every checkpoint before adding any (20 of `big`: 17 GB); the running sum must give
+    the float64 mean of a list, for float32, bfloat16, float64 and complex tensors alike."""
+    from aiayn.train.average import RunningMean
+
+    g = torch.Generator().manual_seed(0)
+    states = [{"a": torch.randn(5, generator=g), "b": torch.randn(3, generator=g).bfloat16(),
+               "c": torch.randn(2, generator=g, dtype=torch.float64),
+               "z": torch.randn(2, generator=g, dtype=torch.complex128), "n": torch.tensor([7])}
+              for _ in range(3)]
+    mean = RunningMean()
+    for s in states:
+        mean.add(s)
+    got = mean.mean({n: t.dtype for n, t in states[0].items()})
+    for name in ("a", "b", "c", "z"):
+        want = sum(s[name].to(torch.complex128 if name == "z" else torch.float64) for s in states) / 3
+        assert got[name].dtype == states[0][name].dtype, name
+        assert torch.equal(got[name], want.to(states[0][name].dtype)), name
+    assert torch.equal(got["n"], torch.tensor([7]))

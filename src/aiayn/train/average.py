@@ -30,39 +30,78 @@ from aiayn.train.state import checkpoint_dirs, is_interrupted
 log = logging.getLogger(__name__)
 
 
+class RunningMean:
+    """The element-wise mean of state dicts with the same names and shapes, added one at a time into a
+    float64 sum: a checkpoint in memory at a time, not all of them (the paper's last 20 of `big` held
+    17 GB at once). Whole-number and boolean tensors (a counter, a mask) have no mean of their kind: they
+    must agree, and are kept (their mean was truncated toward zero, or a boolean OR, and int64 past 2^53
+    rounded)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, state: dict[str, torch.Tensor]) -> None:
+        for name, t in state.items():
+            if not (t.is_floating_point() or t.is_complex()):
+                if self.count and not torch.equal(t, self.total[name]):
+                    raise ValueError(f"{name}: a {t.dtype} tensor that differs between the states has no "
+                                     "mean of its kind")
+                self.total[name] = t
+            elif self.count:
+                self.total[name] += t  # float64 += t's dtype: exact for every float32, bf16 or fp16 value
+            else:
+                self.total[name] = t.to(torch.complex128 if t.is_complex() else torch.float64, copy=True)
+        self.count += 1
+
+    def mean(self, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """The means, each in its tensor's stored dtype; the sums are handed over as they go (a float64
+        sum and its float32 mean of every tensor at once would be three models' worth)."""
+        if not self.count:
+            raise ValueError("nothing to average")
+        means = {}
+        for name in list(self.total):
+            t = self.total.pop(name)
+            means[name] = (t / self.count).to(dtypes[name]) if t.is_floating_point() or t.is_complex() else t
+        self.count = 0
+        return means
+
+
 def average_state_dicts(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The element-wise mean of several state dicts with the same names and shapes (in float64).
-    Whole-number and boolean tensors (a counter, a mask) have no mean of their kind: they must agree,
-    and are kept (their mean was truncated toward zero, or a boolean OR, and int64 past 2^53 rounded)."""
-    if not states:
-        raise ValueError("nothing to average")
-    out = {}
-    for name, first in states[0].items():
-        if not (first.is_floating_point() or first.is_complex()):
-            if any(not torch.equal(s[name], first) for s in states[1:]):
-                raise ValueError(f"{name}: a {first.dtype} tensor that differs between the states has no "
-                                 "mean of its kind")
-            out[name] = first.clone()
-            continue
-        total = torch.zeros(first.shape, dtype=torch.float64)
-        for s in states:
-            total += s[name].double()
-        out[name] = (total / len(states)).to(first.dtype)
-    return out
+    """The element-wise mean of several state dicts with the same names and shapes (in float64)."""
+    mean = RunningMean()
+    for s in states:
+        mean.add(s)
+    return mean.mean({n: t.dtype for n, t in states[0].items()} if states else {})
 
 
-def check_same_tensors(paths: list[Path], states: list[dict[str, torch.Tensor]]) -> None:
-    """Every state has the last one's names, shapes and dtypes, and finite values (a NaN in one was
-    blamed on the last, into which the mean was loaded); meta.json alone can be wrong."""
-    ref = states[-1]
-    for p, s in zip(paths, states):
-        check_finite(s, p)
-        if set(s) != set(ref):
-            raise UserError(f"{p}: weight names differ from {paths[-1]} ({sorted(set(s) ^ set(ref))[:3]})")
-        for name, t in s.items():
-            if (t.shape, t.dtype) != (ref[name].shape, ref[name].dtype):
-                raise UserError(f"{p}: weight {name} is {tuple(t.shape)} {t.dtype} but {tuple(ref[name].shape)} "
-                                f"{ref[name].dtype} in {paths[-1]}; cannot average them")
+def check_same_tensors(path: Path, state: dict[str, torch.Tensor], ref_path: Path,
+                       ref: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+    """`state` has the newest checkpoint's names, shapes and dtypes (`ref`), and finite values (a NaN in
+    one was blamed on the newest, into which the mean was loaded); meta.json alone can be wrong."""
+    check_finite(state, path)
+    if set(state) != set(ref):
+        raise UserError(f"{path}: weight names differ from {ref_path} ({sorted(set(state) ^ set(ref))[:3]})")
+    for name, t in state.items():
+        if (t.shape, t.dtype) != ref[name]:
+            shape, dtype = ref[name]
+            raise UserError(f"{path}: weight {name} is {tuple(t.shape)} {t.dtype} but {tuple(shape)} "
+                            f"{dtype} in {ref_path}; cannot average them")
+
+
+def mean_weights(paths: list[Path]) -> dict[str, torch.Tensor]:
+    """The mean of the checkpoints' weights, read one file at a time, each checked against the newest."""
+    newest = load_weights(paths[-1])
+    ref = {name: (t.shape, t.dtype) for name, t in newest.items()}
+    del newest  # read again in its turn: the sum goes in the checkpoints' order
+    mean = RunningMean()
+    for i, p in enumerate(paths):
+        state = load_weights(p)
+        check_same_tensors(p, state, paths[-1], ref)
+        mean.add(state)
+        del state
+        log.info("read %d/%d: %s", i + 1, len(paths), p)
+    return mean.mean({name: dtype for name, (_, dtype) in ref.items()})
 
 
 def check_same_tokenizer(paths: list[Path], metas: list[dict]) -> None:
@@ -96,10 +135,8 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     check_same_model(paths, metas)
     check_same_tokenizer(paths, metas)
     warn_other_seeds(paths, metas)
+    mean = mean_weights(paths)  # first: the check of every file comes before a model is built
     last = load_checkpoint(paths[-1])
-    states = [load_weights(p) for p in paths]
-    check_same_tensors(paths, states)
-    mean = average_state_dicts(states)
     tensors = dict(last.model.named_parameters()) | dict(last.model.named_buffers())
     for name, t in mean.items():  # each in its stored dtype: bf16 checkpoints were saved from the float32
         if name in tensors and t.is_floating_point():  # model as float32, twice the size (a tied weight is

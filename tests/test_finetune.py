@@ -253,3 +253,18 @@ def test_cache_key_needs_no_tokenizer_files(aiayn_checkpoint, tmp_path):
     before = cache_key(src, tgt, tok)
     shutil.rmtree(copy)
     assert cache_key(src, tgt, tok) == before == cache_key(src, tgt, load_checkpoint(start).tokenizer)
+
+
+def test_a_relative_init_from_is_recorded_absolute_and_resumes_from_another_directory(
+        aiayn_checkpoint, tmp_path, monkeypatch):
+    """Recorded as typed, `runs/x/step_7` was refused by a --resume from another directory that named the
+    same checkpoint by its absolute path, and the refusal suggested the relative one, which named nothing
+    there."""
+    start, src, tgt = aiayn_checkpoint
+    monkeypatch.chdir(start.parent)
+    run_dir = tmp_path / "run"
+    train(load_config(None, settings(src, tgt, run_dir, Path(start.name), "train.max_updates=2")))
+    assert load_checkpoint(only_checkpoint(run_dir)).meta["config"]["train"]["init_from"] == str(start)
+    monkeypatch.chdir(tmp_path)
+    resumed = train(load_config(None, settings(src, tgt, run_dir, start, "train.max_updates=3")), resume=True)
+    assert resumed["step"] == 3

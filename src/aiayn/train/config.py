@@ -253,7 +253,10 @@ class RunConfig:
         data = to_dict(self.data)
         if self.tokenizer_imported:  # the defaults were saved as the model's: vocab_size 8000 for 51 pieces
             data = {k: v for k, v in data.items() if k not in TOKENIZER_SETTINGS}
-        return {"model": dict(self.model), "data": data, "train": to_dict(self.train)}
+        train = to_dict(self.train)
+        if train["init_from"]:  # as written, relative, it named nothing from another directory: a --resume
+            train["init_from"] = os.path.abspath(train["init_from"])  # from there was refused
+        return {"model": dict(self.model), "data": data, "train": train}
 
 
 def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Path) -> ModelConfig:

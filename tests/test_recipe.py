@@ -81,6 +81,15 @@ def test_a_signal_to_the_ensemble_script_stops_its_members_too(monkeypatch):
     with pytest.raises(run.Stopped, match="SIGTERM") as e:
         run.wait_all(slow, poll_s=0.05)
     assert [p.returncode for p in slow] == [-15, -15] and e.value.exit_status == 143
+    # killed by it, the members saved nothing (still preparing their data): it said each saved its update
+    assert "saved its update" not in str(e.value) and "exit codes [-15, -15]" in str(e.value)
+
+    saving = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); time.sleep(60)"
+    members = [subprocess.Popen([sys.executable, "-c", saving]) for _ in range(2)]
+    time.sleep(1.0)  # their handlers in place
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(run.Stopped, match="SIGTERM: each member saved its update; --resume continues"):
+        run.wait_all(members, poll_s=0.05)
 
 
 def test_files_it_would_score_and_search_options_are_checked_before_training(tmp_path, capsys):
@@ -144,6 +153,9 @@ def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, 
     assert run.main([*base, "--set", "train.seed=2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("run.py: error: ") and "--partner train.seed=3" in err and err.count("\n") == 1
+    assert run.main([*base, "--partner", "train.foo=1"]) == 2
+    err = capsys.readouterr().err  # was named --set's, though no --set said it
+    assert err.startswith("run.py: error: --partner 'train.foo=1': unknown train key 'foo'") and "--set" not in err
     assert run.main([*base, "--partner", "train.log_every=7"]) == 2  # bookkeeping: the same weights
     capsys.readouterr()
     assert run.main([*base, "--partner", "data.normalization=nmt_nfkc"]) == 2  # the default written: compared

@@ -30,6 +30,7 @@ from aiayn.data.dataset import read_lines
 from aiayn.decoding import DecodeConfig
 from aiayn.errors import Stopped, UserError
 from aiayn.evaluate import corpus_scores
+from aiayn.files import atomic_output
 from aiayn.train.average import average_last
 from aiayn.train.config import RunConfig, load_config
 from aiayn.train.loop import train
@@ -139,15 +140,24 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
     SIGTERM (a training saves its update and stops) and are waited for, instead of training on as orphans
     after this script has exited; a signal then stops this script as `Stopped`."""
 
-    def stop_all() -> None:
+    def stop_all() -> list[int]:
         for p in procs:
             if p.poll() is None:
                 p.terminate()
-        for p in procs:
-            p.wait()
+        return [p.wait() for p in procs]
+
+    def stopped(signum: int) -> Stopped:
+        """What the members did with the signal: a training saves its update and exits 130 or 143; one
+        still preparing its data had nothing to save (it was said to have saved)."""
+        codes = stop_all()
+        saved = all(c in (128 + signal.SIGINT, 128 + signal.SIGTERM) for c in codes)
+        what = ("each member saved its update; --resume continues" if saved else
+                f"exit codes {codes}: a member stopped before its first update had nothing to save; "
+                "--resume continues from each member's last checkpoint, or starts it again")
+        return Stopped(f"stopped by {signal.Signals(signum).name}: {what}", signum)
 
     def on_sigterm(signum, frame):
-        raise Stopped("stopped by SIGTERM: each member saved its update; --resume continues", signum)
+        raise stopped(signum)
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
@@ -157,12 +167,7 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
                 break
             time.sleep(poll_s)
     except KeyboardInterrupt:  # the members, in the same process group, got the Ctrl-C too
-        stop_all()
-        raise Stopped("stopped by SIGINT: each member saved its update; --resume continues",
-                      signal.SIGINT) from None
-    except Stopped:
-        stop_all()
-        raise
+        raise stopped(signal.SIGINT) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
     return [p.returncode for p in procs]
@@ -232,6 +237,11 @@ def member_configs(args: argparse.Namespace, config: RunConfig,
     if not args.ensemble:
         return [config], []
     overrides = member_overrides(args, Path(config.train.run_dir), config.train.threads)
+    if args.partner:  # merged into the member's --set below, a bad one was reported as --set's
+        try:
+            load_config(HERE / f"{args.pair}.toml", [*data_keys, *args.partner])
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("--set", "--partner")) from None
     members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m]) for m in overrides]
     if not args.no_train:  # --no-train scores runs trained already, however they were configured
         check_members_differ(members)
@@ -259,7 +269,8 @@ def write_results(args: argparse.Namespace, run_dir: Path, results: dict, traine
     kept = args.no_train or (not trained and (run_dir / "results.json").exists())
     path = run_dir / ("results_scored.json" if kept else "results.json")
     run_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    with atomic_output(path) as f:  # a failure half way through left the old figures cut short
+        f.write(json.dumps(results, indent=2) + "\n")
     minutes = "?" if results["train_s"] is None else f"{results['train_s'] / 60:.1f}"
     print(f"{args.pair}: trained {minutes} min, total {results['total_s'] / 60:.1f} min; {path}")
     for r in results["results"]:

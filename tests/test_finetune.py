@@ -184,7 +184,7 @@ def test_dropout_may_be_set_and_missing_checkpoint_is_one_line(aiayn_checkpoint,
     assert "\n" not in str(e.value)
 
 
-def test_finetune_converted_marian(tmp_path):
+def test_finetune_converted_marian(tmp_path, caplog):
     pytest.importorskip("transformers")
     from test_marian import SRC_LINES, TGT_LINES, make_marian_dir, source_batch
 
@@ -196,7 +196,9 @@ def test_finetune_converted_marian(tmp_path):
     src.write_text("\n".join(SRC_LINES[:24]) + "\n", encoding="utf-8")
     tgt.write_text("\n".join(TGT_LINES[:24]) + "\n", encoding="utf-8")
     run_dir = tmp_path / "run"
-    train(load_config(None, settings(src, tgt, run_dir, start, "train.max_updates=6", "train.lr_scale=0.5")))
+    with caplog.at_level("INFO", logger="aiayn"):
+        train(load_config(None, settings(src, tgt, run_dir, start, "train.max_updates=6", "train.lr_scale=0.5")))
+    assert f"fine-tuning {start}\n" in caplog.text  # was "(update ? of its run)": a converted model has none
     tuned = only_checkpoint(run_dir)
     before, after = (corpus_nll(p, src, tgt, tmp_path / "cache") for p in (start, tuned))
     assert after < before - 0.2, (before, after)

@@ -466,7 +466,8 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
     # trained with, and saved into meta.json for a tokenizer that does not have it)
     _refuse_tokenizer_settings(config, ck.meta, path)
     if not resume_from:
-        log.info("fine-tuning %s (update %s of its run)", path, ck.meta.get("step", "?"))
+        step = ck.meta.get("step")  # none in a converted model, or one saved outside training
+        log.info("fine-tuning %s%s", path, f" (update {step} of its run)" if step is not None else "")
     return Checkpoint(model.train(), ck.tokenizer, ck.meta, path)
 
 

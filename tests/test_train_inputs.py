@@ -1387,6 +1387,19 @@ def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path):
     assert load_config(path).train.max_updates == 7
 
 
+@pytest.mark.parametrize("content, message", [
+    (b'[data]\ntrain_src = "a"\nvocab_size = 20\xff0\n', r"bad\.toml:3: invalid UTF-8 \(byte 0xff\)$"),
+    ("[data]\nvocab_size = 200\n".encode("utf-16"),
+     r"bad\.toml:1: invalid UTF-8 \(byte 0xff\); the file looks like UTF-16; convert it to UTF-8"),
+], ids=["bad-byte", "utf-16"])
+def test_a_config_that_is_not_utf8_is_named_by_line(tmp_path, content, message):
+    """It was "not valid TOML ('utf-8' codec can't decode byte 0xff in position 46: ...)", for UTF-16 too."""
+    path = tmp_path / "bad.toml"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=rf"^{path.parent}/{message}"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
 def test_a_refusal_every_process_reaches_is_printed_by_process_0_only(rank, printed, monkeypatch, capsys):
     """Under torchrun an unknown --set key or a resume refusal was printed once per process."""

@@ -336,11 +336,14 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         path = Path(path)
         require_file(path, "config", pipe=True)
         try:
-            text = path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is skipped
+            raw = path.read_bytes()
         except OSError as e:
             raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
-        except UnicodeDecodeError as e:
-            raise UserError(f"{path}: not valid TOML ({e})") from None
+        from aiayn.data.dataset import decode_utf8  # here: it imports torch, which demo's MAX_SEED need not
+
+        # invalid UTF-8 named by line, as a corpus' is, and a UTF-16 file as one (it was "not valid TOML
+        # ('utf-8' codec can't decode byte 0xff in position 0)"); a UTF-8 BOM (Windows editors) is skipped
+        text = decode_utf8(path, raw).removeprefix("\ufeff")
         try:
             values = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

@@ -184,6 +184,22 @@ def test_models_are_compared_as_they_load_and_without_dropout(tmp_path, tokenize
     assert averaged == load_checkpoint(paths[-1]).model.config  # the newest's, its dropout with it
 
 
+def test_a_setting_is_compared_as_what_it_means(tmp_path, tokenizers):
+    """n_decoder_layers None is n_layers: a fine-tune that restated it (2 layers both ways) was refused as
+    "different models (n_decoder_layers 2 against None)"; another number of layers still is."""
+    first, _ = tokenizers
+    paths = [save(tmp_path / f"ck{i}", first, step=i) for i in (1, 2)]
+    meta = json.loads((paths[1] / "meta.json").read_text())
+    assert meta["model"]["n_layers"] == 2 and meta["model"]["n_decoder_layers"] is None
+    meta["model"]["n_decoder_layers"] = 2
+    (paths[1] / "meta.json").write_text(json.dumps(meta))
+    assert load_checkpoint(average_checkpoints(paths, tmp_path / "avg")).model.config.decoder_layers == 2
+    meta["model"]["n_decoder_layers"] = 1
+    (paths[1] / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"different models \(n_decoder_layers 1 against 2\)"):
+        average_checkpoints(paths, tmp_path / "avg2")
+
+
 def test_whole_number_tensors_must_agree_and_are_kept():
     """Their mean was truncated toward zero (1.5 -> 1), a boolean one became an OR, int64 past 2^53
     rounded: a tensor of whole numbers that differs has no mean of its kind."""

@@ -172,6 +172,17 @@ def test_the_runs_own_config_with_a_preset_and_overrides_may_fine_tune_it(aiayn_
         train(load_config(None, again("run3", "model.d_model=64")))
 
 
+def test_an_equivalent_model_value_is_not_a_difference(aiayn_checkpoint, tmp_path):
+    """The checkpoint's n_decoder_layers is None, meaning n_layers (1): restating it as 1 was refused."""
+    start, src, tgt = aiayn_checkpoint
+    assert load_checkpoint(start).model.config.n_decoder_layers is None
+    sets = settings(src, tgt, tmp_path / "run", start, "train.max_updates=1", "model.n_decoder_layers=1")
+    assert train(load_config(None, sets))["step"] == 1
+    refusal = rf"^model.n_decoder_layers=2 differs from {re.escape(str(start))}'s 1;"  # the resolved 1, not None
+    with pytest.raises(ConfigError, match=refusal):
+        train(load_config(None, settings(src, tgt, tmp_path / "run2", start, "model.n_decoder_layers=2")))
+
+
 def test_dropout_may_be_set_and_missing_checkpoint_is_one_line(aiayn_checkpoint, tmp_path):
     start, src, tgt = aiayn_checkpoint
     sets = settings(src, tgt, tmp_path / "run", start, "train.max_updates=1", "model.dropout=0.3",

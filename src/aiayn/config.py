@@ -118,6 +118,18 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
 
+def resolved_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelConfig's fields (`values`: all of them) with each None read as what it means, so that two
+    descriptions of one model compare equal: a fine-tune restating n_decoder_layers=1 of a 1-layer
+    checkpoint saved with None was refused, and `aiayn average` called the two "different models"."""
+    resolved = dict(values)
+    if resolved["n_decoder_layers"] is None:  # as `ModelConfig.decoder_layers`
+        resolved["n_decoder_layers"] = resolved["n_layers"]
+    if resolved["tgt_vocab_size"] is None:  # as `ModelConfig.target_vocab_size`
+        resolved["tgt_vocab_size"] = resolved["vocab_size"]
+    return resolved
+
+
 # The paper's two models (Table 3) and smaller ones that train on a CPU in minutes. Vocabulary size
 # and special ids come from the tokenizer, so presets leave them out.
 PRESETS: dict[str, dict[str, Any]] = {

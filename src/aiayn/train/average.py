@@ -23,6 +23,7 @@ from aiayn.checkpoint import (
     read_meta,
     save_checkpoint,
 )
+from aiayn.config import resolved_settings
 from aiayn.errors import UserError
 from aiayn.files import check_output, overlap
 from aiayn.train.state import checkpoint_dirs, is_interrupted
@@ -155,8 +156,10 @@ def check_same_model(paths: list[Path], metas: list[dict]) -> None:
     them share; with two, both), with a setting that differs: each was compared with the newest, which
     blamed every other checkpoint when the newest was the damaged one. The models are compared as they
     load (a setting left out of meta.json is its default, as loading reads it), less their dropout, which
-    shapes training and not the weights (a fine-tune's may differ)."""
-    configs = [asdict(replace(meta_model_config(p, m), dropout=0.0)) for p, m in zip(paths, metas)]
+    shapes training and not the weights (a fine-tune's may differ), and each None as what it means
+    (n_decoder_layers None is n_layers, as a fine-tune may restate it)."""
+    configs = [resolved_settings(asdict(replace(meta_model_config(p, m), dropout=0.0)))
+               for p, m in zip(paths, metas)]
     models = [json.dumps(c, sort_keys=True) for c in configs]
     if len(set(models)) == 1:
         return

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import typing
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,8 @@ except ImportError:  # Python 3.10: the same parser as the tomli package, a depe
     import tomli as tomllib
 
 from aiayn.config import (
-    MAX_THREADS, PRESETS, ConfigError, ModelConfig, check_types, from_dict, matches_type, model_config, to_dict,
+    MAX_THREADS, PRESETS, ConfigError, ModelConfig, check_types, from_dict, matches_type, model_config,
+    resolved_settings, to_dict,
 )
 from aiayn.data.tokenizer import MIN_CHARACTER_COVERAGE
 from aiayn.errors import UserError
@@ -269,16 +270,19 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
     """
     values = dict(config.model)
     preset = values.pop("preset", None)
+    # compared as what they mean: n_decoder_layers=1 restates a 1-layer checkpoint's None
+    theirs = resolved_settings(asdict(saved))
+    mine = resolved_settings({**asdict(saved), **values})
     for key, value in values.items():
-        if key != "dropout" and getattr(saved, key) != value:
+        if key != "dropout" and mine[key] != theirs[key]:
             raise ConfigError(
-                f"model.{key}={value!r} differs from {where}'s {getattr(saved, key)!r}; with "
+                f"model.{key}={value!r} differs from {where}'s {theirs[key]!r}; with "
                 "train.init_from only model.dropout may be set"
             )
     if preset is not None:  # a known one (`RunConfig._check_finetune_keys`)
-        differ = [f"{key}={value!r} (the checkpoint's: {getattr(saved, key)!r})"  # keys [model] leaves to it
+        differ = [f"{key}={value!r} (the checkpoint's: {theirs[key]!r})"  # keys [model] leaves to it
                   for key, value in PRESETS[preset].items()
-                  if key != "dropout" and key not in values and getattr(saved, key) != value]
+                  if key != "dropout" and key not in values and theirs[key] != value]
         if differ:
             raise ConfigError(f"model.preset={preset!r} has {', '.join(differ)}; with train.init_from the "
                               f"model is {where}'s: remove the preset or name the checkpoint's")

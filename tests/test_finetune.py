@@ -183,6 +183,21 @@ def test_an_equivalent_model_value_is_not_a_difference(aiayn_checkpoint, tmp_pat
         train(load_config(None, settings(src, tgt, tmp_path / "run2", start, "model.n_decoder_layers=2")))
 
 
+def test_a_refusal_blames_what_was_written_not_the_checkpoints_settings(aiayn_checkpoint, tmp_path):
+    """A checkpoint of separate vocabularies, fine-tuned by a config silent about data.shared_vocab, with
+    model.share_embeddings=true: the refusal said "data.shared_vocab=false trains one per side"."""
+    _, src, tgt = aiayn_checkpoint
+    first = [s for s in settings(src, tgt, tmp_path / "run", Path(), "train.max_updates=1")
+             if not s.startswith("train.init_from=")]
+    train(load_config(None, [*first, "model.preset=micro", "data.vocab_size=40", "data.shared_vocab=false",
+                             "model.share_embeddings=false"]))
+    ck = only_checkpoint(tmp_path / "run")
+    sets = settings(src, tgt, tmp_path / "run2", ck, "model.share_embeddings=true")
+    with pytest.raises(ConfigError, match=rf"^model.share_embeddings=True differs from {re.escape(str(ck))}'s "
+                                          "False; with train.init_from only model.dropout may be set"):
+        train(load_config(None, sets))
+
+
 def test_dropout_may_be_set_and_missing_checkpoint_is_one_line(aiayn_checkpoint, tmp_path):
     start, src, tgt = aiayn_checkpoint
     sets = settings(src, tgt, tmp_path / "run", start, "train.max_updates=1", "model.dropout=0.3",

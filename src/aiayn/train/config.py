@@ -215,7 +215,10 @@ class RunConfig:
             raise ConfigError("model.final_logits_bias=true is a fixed buffer that imported Marian models "
                               "bring (HuggingFace does not train it either): a new model would keep it at zero; "
                               "leave it out")
-        if not self.data.shared_vocab and self.model.get("share_embeddings") is True:
+        # Not with init_from: shared_vocab may be the checkpoint's (`_with_checkpoint_tokenizer_settings`
+        # adopts it), blamed on a user who never wrote it; `finetune_model_config` compares [model] there
+        unshared = not self.data.shared_vocab and not self.train.init_from
+        if unshared and self.model.get("share_embeddings") is True:
             raise ConfigError("model.share_embeddings=true needs one vocabulary, but data.shared_vocab=false "
                               "trains one per side")
         if self.data.max_len > self.train.max_tokens:

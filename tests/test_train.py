@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -245,7 +246,7 @@ def test_bad_inputs_give_one_line(tmp_path, capsys):
         ),
         (
             ["--config", str(tmp_path / "bad.toml")],
-            "unknown TrainConfig key(s) in " + str(tmp_path / "bad.toml"),
+            f"{tmp_path / 'bad.toml'}:2: unknown [train] key max_tokenz (known: ",
         ),
         (["--set", "train.max_tokenz=5"], "max_tokenz"),
         (["--set", "model.d_modle=5"], "d_modle"),
@@ -657,18 +658,31 @@ def test_a_patience_stop_keeps_the_best_checkpoint(tmp_path):
 
 
 def test_a_value_out_of_range_names_where_it_was_written(tmp_path):
-    """Type errors and unknown keys named their file; a range error or a contradiction did not."""
+    """Type errors and unknown keys named their file; a range error or a contradiction did not. Each is
+    named by the file's line or the --set item that wrote it: "FILE with --set" blamed an unrelated --set
+    for the file's max_len = 1, and named vocab_size with it."""
     toml = tmp_path / "run.toml"
     toml.write_text("[train]\nkeep_last = 0\n")
-    with pytest.raises(ConfigError, match=rf"^{toml}: train.keep_last=0 must be >= 1"):
+    with pytest.raises(ConfigError, match=rf"^{toml}:2: train.keep_last=0 must be >= 1$"):
         load_config(toml)
-    with pytest.raises(ConfigError, match=r"^command line: train.keep_last=0 must be >= 1"):
+    with pytest.raises(ConfigError, match=r"^--set 'train.keep_last=0': train.keep_last=0 must be >= 1$"):
         load_config(None, ["train.keep_last=0"])
-    toml.write_text("[model]\ndropout = 1.5\n")
-    with pytest.raises(ConfigError, match=rf"^{toml} with --set: .*dropout=1.5"):  # either may hold it
+    toml.write_text("[model]\npreset = 'micro'\ndropout = 1.5\n")
+    with pytest.raises(ConfigError, match=rf"^{toml}:3: model.dropout=1.5 is not in \[0, 1\)$"):
         load_config(toml, ["train.seed=2"])
-    toml.write_text("[data]\nvocab_sise = 3\n")  # an unknown key is the file's: --set's are checked
-    with pytest.raises(ConfigError, match=rf"^unknown DataConfig key\(s\) in {toml}: vocab_sise"):
+    toml.write_text("[data]\nvocab_size = 200\nmax_len = 1\n")
+    with pytest.raises(ConfigError, match=rf"^{toml}:3: data.max_len=1 must be >= 2$"):
+        load_config(toml, [f"train.run_dir={tmp_path}"])
+    toml.write_text("[data]\nvocab_size = 4\nmax_len = 3\n")
+    with pytest.raises(ConfigError, match=rf"^{toml}:2: data.vocab_size=4 must be >= 8; "
+                                          rf"--set 'data.max_len=1': data.max_len=1 must be >= 2$"):
+        load_config(toml, ["data.max_len=1"])  # the file's line 3 is replaced by --set's
+    toml.write_text("[data]\nmax_len = 300\n")  # a contradiction: both places
+    with pytest.raises(ConfigError, match=rf"^{toml}:2 and --set 'train.max_tokens=200': data.max_len=300 "):
+        load_config(toml, ["train.max_tokens=200"])
+    toml.write_text("[model]\npreset = 'micro'\n[data]\ntrain_src = 'a'\nvocab_sise = 3\n")
+    with pytest.raises(ConfigError, match=rf"^{toml}:5: unknown \[data\] key vocab_sise \(known: "
+                                          "character_coverage, max_len,"):  # the file's: --set's are checked
         load_config(toml, ["train.seed=2"])
 
 
@@ -693,7 +707,7 @@ def test_init_from_leaves_the_model_keys_to_the_checkpoint():
         load_config(None, sets[1:])
     for key, message in (("model.dropout=1.5", r"model.dropout=1.5 is not in \[0, 1\)"),
                          ("model.preset=nope", r"model.preset='nope' is not one of")):  # still when loaded
-        with pytest.raises(ConfigError, match=rf"^command line: {message}"):
+        with pytest.raises(ConfigError, match=rf"^--set {re.escape(repr(key))}: {message}"):
             load_config(None, sets[:1] + [key])
 
 

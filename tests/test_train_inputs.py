@@ -676,14 +676,14 @@ def test_a_config_path_that_is_not_a_readable_file_is_one_line_saying_what_it_is
     os.mkfifo(fifo)
     unreadable = tmp_path / "locked.toml"
     unreadable.write_text("[train]\n", encoding="utf-8")
-    real_read_text = Path.read_text
+    real_read_bytes = Path.read_bytes
 
-    def read_text(self, *args, **kwargs):  # chmod 000 does not stop root, whom CI may run as
+    def read_bytes(self):  # chmod 000 does not stop root, whom CI may run as
         if self == unreadable:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
-        return real_read_text(self, *args, **kwargs)
+        return real_read_bytes(self)
 
-    monkeypatch.setattr(Path, "read_text", read_text)
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
     for path, problem in [(tmp_path, "is a directory, not a config file"),
                           (Path("/dev/null"), "not a regular file"),  # a device
                           (tmp_path / "none.toml", "config file not found"),
@@ -785,7 +785,8 @@ def test_settings_that_read_the_validation_set_need_one(tmp_path, setting):
     """They were silently ignored without one."""
     _, sets = tiny_config(tmp_path, tmp_path / "run")
     no_valid = [s for s in sets if not s.startswith("data.valid_")]
-    with pytest.raises(ConfigError, match=rf"^command line: train\.{setting} needs a validation set \("):
+    message = rf"^--set 'train\.{setting}': train\.{setting} needs a validation set \("  # the --set, not the file
+    with pytest.raises(ConfigError, match=message):
         load_config(None, no_valid + [f"train.{setting}"])
 
 
@@ -810,9 +811,10 @@ def test_a_section_that_is_not_a_table_names_file_and_section(tmp_path, toml):
     path = tmp_path / "bad.toml"
     path.write_text(toml, encoding="utf-8")
     section = toml.split(" ")[0]
-    with pytest.raises(ConfigError, match=rf"bad\.toml: {section} = .* is not a table; write a \[{section}\]"):
+    message = rf"bad\.toml:1: {section} = .* is not a table; write a \[{section}\]"
+    with pytest.raises(ConfigError, match=message):
         load_config(path, [f"{section}.preset=micro"] if section == "model" else [])
-    with pytest.raises(ConfigError, match=rf"bad\.toml: {section} = "):
+    with pytest.raises(ConfigError, match=rf"bad\.toml:1: {section} = "):
         load_config(path)
 
 
@@ -1325,7 +1327,11 @@ def test_set_keeps_a_bare_value_of_a_string_key_as_written(tmp_path):
 
 @pytest.mark.parametrize("where, content, sets, message", [
     ("file", "[train]\nmax_tokens = \"256\"\n", [],
-     r"bad\.toml: \[train\] max_tokens: '256' is a str, expected int"),
+     r"bad\.toml:2: \[train\] max_tokens = '256' is a str, expected int$"),
+    ("file", "[data]\nvocab_size = 200\n[train]\nrun_dir = 5\n", [],
+     r"bad\.toml:4: \[train\] run_dir = 5 is an int, expected str$"),  # was "a int"
+    ("file", "data.vocab_size = '200'\n", [], r"bad\.toml:1: \[data\] vocab_size = '200' is a str"),
+    ("file", "data = { max_len = 2, vocab_size = '2' }\n", [], r"bad\.toml:1: \[data\] vocab_size = '2'"),
     ("set", "", ["train.max_tokens=abc"], r"--set 'train\.max_tokens=abc': 'abc' is a str, expected int"),
     ("set", "", ["model.dropout=true"], r"--set 'model\.dropout=true': True is a bool, expected float"),
 ])

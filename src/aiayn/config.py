@@ -28,7 +28,13 @@ MAX_POSITIONS = 2**20  # max_len's bound: the sinusoid table holds max_len x d_m
 
 
 class ConfigError(ValueError):
-    """A configuration that names an unknown key, has a wrong type or contradicts itself."""
+    """A configuration that names an unknown key, has a wrong type or contradicts itself. Its `problems`
+    are each problem's own message (the error's joins them, after `context`), so that a config file's
+    reader can say where each wrong value was written."""
+
+    def __init__(self, *problems: str, context: str = "") -> None:
+        super().__init__(context + "; ".join(problems))
+        self.problems = problems
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,7 @@ class ModelConfig:
             if getattr(self, name) is not None and getattr(self, name) <= 0
         ]
         if problems:
-            raise ConfigError("ModelConfig: " + "; ".join(problems))
+            raise ConfigError(*problems, context="ModelConfig: ")
         if self.max_len > MAX_POSITIONS:  # a tampered meta.json asked for a 200 GB position table
             problems.append(f"max_len={self.max_len} is more than {MAX_POSITIONS:,} positions")
         for name, bound in (("vocab_size", MAX_IDS), ("tgt_vocab_size", MAX_IDS), ("d_model", MAX_WIDTH),
@@ -103,7 +109,7 @@ class ModelConfig:
             problems.append(f"pad_id and eos_id are both {self.pad_id}: padding and the end of a sentence "
                             "need two ids")
         if problems:
-            raise ConfigError("ModelConfig: " + "; ".join(problems))
+            raise ConfigError(*problems, context="ModelConfig: ")
 
     @property
     def target_vocab_size(self) -> int:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import typing
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -62,20 +64,25 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        problems = []  # each naming its setting and value: a config file's reader says where it was written
         if self.spm_type not in ("bpe", "unigram"):
-            raise ConfigError(f"data.spm_type={self.spm_type!r} is not 'bpe' or 'unigram'")
+            problems.append(f"data.spm_type={self.spm_type!r} is not 'bpe' or 'unigram'")
         rules = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")  # SentencePiece's rule names
         if self.normalization not in rules:
-            raise ConfigError(f"data.normalization={self.normalization!r} is not one of {', '.join(rules)}")
+            problems.append(f"data.normalization={self.normalization!r} is not one of {', '.join(rules)}")
         if not MIN_CHARACTER_COVERAGE <= self.character_coverage <= 1.0:  # SentencePiece's; refuses nan
-            raise ConfigError(f"data.character_coverage={self.character_coverage} is not in "
-                              f"[{MIN_CHARACTER_COVERAGE}, 1] (SentencePiece's range)")
-        if self.vocab_size < 8 or self.max_len < 2:
-            raise ConfigError("data.vocab_size must be >= 8 and data.max_len >= 2")
+            problems.append(f"data.character_coverage={self.character_coverage} is not in "
+                            f"[{MIN_CHARACTER_COVERAGE}, 1] (SentencePiece's range)")
+        if self.vocab_size < 8:
+            problems.append(f"data.vocab_size={self.vocab_size} must be >= 8")
         if self.vocab_size > MAX_VOCAB:  # SentencePiece's int32 parse failed with a traceback, after reading
-            raise ConfigError(f"data.vocab_size={self.vocab_size} is more than {MAX_VOCAB:,}")
+            problems.append(f"data.vocab_size={self.vocab_size} is more than {MAX_VOCAB:,}")
+        if self.max_len < 2:
+            problems.append(f"data.max_len={self.max_len} must be >= 2")
         if bool(self.valid_src) != bool(self.valid_tgt):  # else validation silently reads one side only
-            raise ConfigError("data.valid_src and data.valid_tgt go together: set both or neither")
+            problems.append("data.valid_src and data.valid_tgt go together: set both or neither")
+        if problems:
+            raise ConfigError(*problems)
         _check_utf8_paths(self, "data", ("train_src", "train_tgt", "valid_src", "valid_tgt"))
 
 
@@ -152,7 +159,7 @@ class TrainConfig:
             problems.append(f"train.adam_eps={self.adam_eps} must be a finite number > 0")
         problems += self._budget_problems() + self._bleu_problems()
         if problems:
-            raise ConfigError("; ".join(problems))
+            raise ConfigError(*problems)
 
     def _bleu_problems(self) -> list[str]:
         if not self.bleu_lang:  # nothing to check: sacreBLEU's import was 2.6 s of every cold `train` start
@@ -249,9 +256,13 @@ class RunConfig:
     def model_config(self, **tokenizer_fields: Any) -> ModelConfig:
         values = dict(self.model)
         preset = values.pop("preset", "base")
-        if not isinstance(preset, str):
-            raise ConfigError(f"model.preset={preset!r} must be a string")
-        return model_config(preset, **values, **tokenizer_fields)
+        if not isinstance(preset, str) or preset not in PRESETS:
+            raise ConfigError(f"model.preset={preset!r} is not one of {sorted(PRESETS)}")
+        try:
+            return model_config(preset, **values, **tokenizer_fields)
+        except ConfigError as e:  # "dropout=1.5 ..." named as [model] writes it, for `run_config` to place
+            raise ConfigError(*(f"model.{p}" if p.split("=")[0] in ModelConfig.__dataclass_fields__ else p
+                                for p in e.problems)) from None
 
     def to_dict(self) -> dict[str, Any]:
         data = to_dict(self.data)
@@ -296,10 +307,12 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
     return replace(saved, dropout=values.get("dropout", saved.dropout))
 
 
-def run_config(values: dict[str, Any], where: str = "", written: str = "") -> RunConfig:
+def run_config(values: dict[str, Any], where: str = "", written: str = "",
+               origins: dict[str, str] | None = None) -> RunConfig:
     """A RunConfig from nested dicts ({"model": ..., "data": ..., "train": ...}); `where` they came from
     names unknown keys, `written` (by default `where`: "FILE with --set" when either may hold it) a value
-    out of range or contradicting another."""
+    out of range or contradicting another. With `origins` ("data.max_len" -> "run.toml:3" or "--set
+    'data.max_len=1'"), each such problem is named where the settings it names were written instead."""
     unknown = sorted(set(values) - set(SECTIONS))
     if unknown:
         raise ConfigError(
@@ -319,9 +332,66 @@ def run_config(values: dict[str, Any], where: str = "", written: str = "") -> Ru
         return RunConfig(model, data, train, frozenset(values.get("data", {})), data)
     except ConfigError as e:  # a value out of range or contradicting another: name where it was written
         written = written or where
+        if origins is not None:  # "FILE with --set" blamed --set for a file's max_len = 1
+            raise ConfigError(*(_placed(problem, origins, written) for problem in e.problems)) from None
         if not written or f" in {where}" in str(e) or str(e).startswith(f"{written}:"):  # named already
             raise
         raise ConfigError(f"{written}: {e}") from None
+
+
+SETTING = re.compile(r"\b(?:data|model|train)\.\w+")  # a setting named in a problem: data.max_len
+
+
+def _placed(problem: str, origins: dict[str, str], fallback: str) -> str:
+    """`problem` after where the settings it names were written (both places for a contradiction between
+    a file's line and a --set), or `fallback` where it names none that was (defaults, a preset's)."""
+    places = dict.fromkeys(origins[name] for name in SETTING.findall(problem) if name in origins)
+    return f"{' and '.join(places) or fallback}: {problem}"
+
+
+# A TOML key (bare or quoted) and a dotted path of them: tomllib gives no positions, so these find a key's
+# line for an error. They read [section] headers, `key =` lines, dotted keys (data.max_len = 1) and
+# one-line inline tables (data = {max_len = 1}); a key not found is named without a line.
+_KEY = r"""[A-Za-z0-9_-]+|"[^"\n]*"|'[^'\n]*'"""
+_PATH = rf"(?:{_KEY})(?:\s*\.\s*(?:{_KEY}))*"
+_TABLE_LINE = re.compile(rf"\s*\[\s*({_PATH})\s*\]")
+_KEY_LINE = re.compile(rf"\s*({_PATH})\s*=")
+_INLINE_KEY = re.compile(rf"[{{,]\s*({_PATH})\s*=")
+
+
+def key_lines(text: str) -> dict[str, int]:
+    """The line (from 1) where each table and key of TOML `text` is first written, by dotted name: "data",
+    "data.max_len"."""
+    lines: dict[str, int] = {}
+    table: list[str] | None = []  # None: in an array of tables ([[x]]), which no section is
+    in_string = False  # inside a multi-line string, whose lines may look like keys
+    for n, line in enumerate(text.splitlines(), 1):
+        opens = (line.count('"""') + line.count("'''")) % 2 == 1  # starts or ends one
+        if in_string:
+            in_string = not opens
+            continue
+        in_string = opens
+        if line.lstrip().startswith("[["):
+            table = None
+        elif header := _TABLE_LINE.match(line):
+            table = _names(header[1])
+            _record(lines, table, n)
+        elif table is not None and (key := _KEY_LINE.match(line)):
+            path = table + _names(key[1])
+            _record(lines, path, n)
+            if line[key.end():].lstrip().startswith("{"):  # an inline table: its keys are on this line
+                for inner in _INLINE_KEY.finditer(line, key.end()):
+                    _record(lines, path + _names(inner[1]), n)
+    return lines
+
+
+def _names(path: str) -> list[str]:
+    return [name.strip("\"'") for name in re.findall(_KEY, path)]
+
+
+def _record(lines: dict[str, int], path: list[str], n: int) -> None:
+    for end in range(1, len(path) + 1):  # data.max_len = 1 also writes the table "data"
+        lines.setdefault(".".join(path[:end]), n)
 
 
 # Keys that name files or directories: a leading ~ is the home directory, as in a shell. Neither TOML nor
@@ -339,36 +409,69 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     """Read a TOML file (or start from defaults) and apply `section.key=value` overrides."""
     values: dict[str, dict[str, Any]] = {}
     where = "command line"
+    origins: dict[str, str] = {}  # "data.max_len" -> where it was written: "run.toml:3", "--set '...'"
     if path is not None:
         path = Path(path)
-        require_file(path, "config", pipe=True)
-        try:
-            raw = path.read_bytes()
-        except OSError as e:
-            raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
-        from aiayn.data.dataset import decode_utf8  # here: it imports torch, which demo's MAX_SEED need not
-
-        # invalid UTF-8 named by line, as a corpus' is, and a UTF-16 file as one (it was "not valid TOML
-        # ('utf-8' codec can't decode byte 0xff in position 0)"); a UTF-8 BOM (Windows editors) is skipped
-        text = decode_utf8(path, raw).removeprefix("\ufeff")
-        try:
-            values = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise UserError(f"{path}: not valid TOML ({e})") from None
+        values, lines = _read_toml(path)
         where = str(path)
-        for section, table in values.items():  # a wrong type named with its file, before --set changes it
-            if isinstance(table, dict):
-                for key, value in table.items():
-                    _check_value_type(section, key, value, f"{path}: [{section}] {key}")
+
+        def place(name: str) -> str:
+            return f"{path}:{lines[name]}" if name in lines else where
+
+        _check_file(values, place)  # before --set changes a value: the file's mistakes named by line
+        origins = {f"{s}.{k}": place(f"{s}.{k}") for s, table in values.items() for k in table}
     if isinstance(overrides, str):  # read character by character: "--set 't': expected section.key=value"
         raise TypeError(f"overrides is a list of SECTION.KEY=VALUE strings: pass [{overrides!r}]")
     for item in overrides:
         section, key, value = parse_override(item)
-        if not isinstance(values.get(section, {}), dict):
-            raise ConfigError(_not_a_table(where, section, values[section]))
         values.setdefault(section, {})[key] = value
-    # a value out of range may be the file's or --set's (an unknown key is the file's: --set's are checked)
-    return run_config(values, where, f"{where} with --set" if overrides and path is not None else where)
+        origins[f"{section}.{key}"] = f"--set {item!r}"
+    # a value out of range is named where it was written (an unknown key is the file's: --set's are checked)
+    written = f"{where} with --set" if overrides and path is not None else where
+    return run_config(values, where, written, origins)
+
+
+def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """A config file's tables, and the line of each table and key (`key_lines`)."""
+    require_file(path, "config", pipe=True)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+    from aiayn.data.dataset import decode_utf8  # here: it imports torch, which demo's MAX_SEED need not
+
+    # invalid UTF-8 named by line, as a corpus' is, and a UTF-16 file as one (it was "not valid TOML
+    # ('utf-8' codec can't decode byte 0xff in position 0)"); a UTF-8 BOM (Windows editors) is skipped
+    text = decode_utf8(path, raw).removeprefix("\ufeff")
+    try:
+        return tomllib.loads(text), key_lines(text)
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: not valid TOML ({e})") from None
+
+
+def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
+    """Refuse a config file's unknown sections and keys, a section that is no table and values of the wrong
+    type, each named by `place` ("run.toml:6") as the file writes it: [data], not DataConfig."""
+    problems = []
+    for section, table in values.items():
+        if section not in SECTIONS:
+            problems.append(f"{place(section)}: unknown section [{section}] (known: {', '.join(SECTIONS)})")
+            continue
+        if not isinstance(table, dict):
+            problems.append(_not_a_table(place(section), section, table))
+            continue
+        known = _key_types(section)
+        unknown = [f"{place(f'{section}.{key}')}: unknown [{section}] key {key}" for key in table
+                   if key not in known]
+        if unknown:  # [model]'s tokenizer fields are known, and refused with their own reason
+            settable = sorted(k for k in known if section != "model" or k not in TOKENIZER_FIELDS)
+            problems.append(f"{'; '.join(unknown)} (known: {', '.join(settable)})")
+        for key, value in table.items():
+            written = f"{place(f'{section}.{key}')}: [{section}] {key} = "
+            if key in known and (problem := _type_problem(section, key, value, written)):
+                problems.append(problem)
+    if problems:
+        raise ConfigError(*problems)
 
 
 def _not_a_table(where: str, section: str, value: Any) -> str:
@@ -406,19 +509,20 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         value = text.strip()  # a path or other bare word
     if _key_types(section)[key.strip()] is str and not isinstance(value, str):
         value = text.strip()  # run_dir=2024-05-01 or =123 is a name, not a TOML date or number
-    _check_value_type(section, key.strip(), value, f"--set {item!r}")
+    if problem := _type_problem(section, key.strip(), value, f"--set {item!r}: "):
+        raise ConfigError(problem)
     return section, key.strip(), value
 
 
-def _check_value_type(section: str, key: str, value: Any, where: str) -> None:
-    """Refuse a value of the wrong type for a known key, naming where it was written (a file's section or
-    the --set item). Unknown keys and sections are refused elsewhere, with the list of known ones."""
+def _type_problem(section: str, key: str, value: Any, where: str) -> str | None:
+    """What is wrong with a value of the wrong type for a known key, after `where` it was written (a file's
+    line and key, or the --set item). Unknown keys and sections are refused elsewhere, with the known ones."""
     hint = _key_types(section).get(key) if section in SECTIONS else None
-    if hint is None:
-        return
-    if not matches_type(value, hint):
-        expected = getattr(hint, "__name__", str(hint))
-        raise ConfigError(f"{where}: {value!r} is a {type(value).__name__}, expected {expected}")
+    if hint is None or matches_type(value, hint):
+        return None
+    expected = getattr(hint, "__name__", str(hint))
+    kind = type(value).__name__
+    return f"{where}{value!r} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, expected {expected}"
 
 
 def with_train(config: RunConfig, **changes: Any) -> RunConfig:

@@ -731,6 +731,33 @@ def test_an_unwritable_checkpoints_folder_is_one_line_before_training(tmp_path, 
     assert not any("SentencePiece" in line for line in err)  # nothing was trained first
 
 
+def test_a_full_run_dir_is_one_line_before_training(tmp_path, capsys, monkeypatch):
+    """The probe made an empty file, which a full disk allows: the run went on to the lock, a traceback."""
+    import tempfile
+
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
+    real = tempfile.TemporaryFile
+
+    class FullDisk:  # a file the full disk made, no byte of which can be written
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", lambda *args, **kwargs: FullDisk(real(*args, **kwargs)))
+    code, err = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    assert code == 2 and err[-1] == f"aiayn: error: {tmp_path / 'run'}: train.run_dir cannot be written " \
+        "(No space left on device)", err
+    assert not (tmp_path / "run" / ".lock").exists()
+
+
 # 5. A full disk: one line naming the file, no temporary file left.
 
 
@@ -1267,6 +1294,27 @@ def test_a_lock_that_cannot_be_written_is_released_and_one_line(tmp_path, monkey
     lock = RunLock(tmp_path)
     lock.acquire()
     lock.release()
+
+
+def test_a_lock_whose_line_fills_the_disk_is_one_line_and_left_no_file(tmp_path, monkeypatch):
+    """The line's flush failed, then closing flushed it again: a second OSError, a traceback, and an empty
+    .lock left in the run directory."""
+    import io
+
+    from aiayn.train import state
+    from aiayn.train.state import RunLock
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_disk_open(path, mode, encoding):
+        return io.TextIOWrapper(io.BufferedRandom(FullDisk(path, mode)), encoding=encoding)
+
+    monkeypatch.setattr(state, "open", full_disk_open, raising=False)  # the module's, before the builtin
+    with pytest.raises(UserError, match=r"\.lock: cannot write the run's lock \(No space left on device\)$"):
+        RunLock(tmp_path).acquire()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_killed_save_leaves_nothing_the_next_run_keeps(finished_run, tmp_path, caplog):

@@ -918,8 +918,10 @@ def _check_run_dir(run_dir: Path) -> None:
     for directory, name in places:
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=directory):  # writing is the only test root cannot pass by rights
-                pass
+            # Writing is the only test root cannot pass by rights; a byte, as an empty file is made on a
+            # full disk too (unbuffered: written now, not when closed)
+            with tempfile.TemporaryFile(dir=directory, buffering=0) as probe:
+                probe.write(b"\0")
         except OSError as e:
             raise UserError(f"{directory}: {name}cannot be written ({e.strerror or e})") from None
 

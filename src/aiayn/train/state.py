@@ -11,6 +11,7 @@ highest `step_*` directory (temporary ones start with a dot). No pickle anywhere
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -73,7 +74,9 @@ class RunLock:
             f.write(f"{os.getpid()} on {socket.gethostname()}\n")
             f.flush()
         except OSError as e:  # a full disk: released at once, not when the traceback is collected
-            f.close()
+            self.path.unlink(missing_ok=True)  # still ours: an empty lock left behind names no holder
+            with contextlib.suppress(OSError):  # close flushes the unwritten line again, and fails again
+                f.close()
             raise UserError(f"{self.path}: cannot write the run's lock ({e.strerror or e})") from None
         self.file = f
 

@@ -731,6 +731,38 @@ def test_an_unwritable_checkpoints_folder_is_one_line_before_training(tmp_path, 
     assert not any("SentencePiece" in line for line in err)  # nothing was trained first
 
 
+def test_a_cache_folder_that_is_a_file_is_one_line_before_training(tmp_path, capsys):
+    """Found after the tokenizer's training, as the ids cache was written: "cannot write ... (File
+    exists)"."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "cache").write_text("x", encoding="utf-8")
+    code, err = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    cache = tmp_path / "run" / "cache"
+    assert code == 2 and err[-1] == f"aiayn: error: {cache}: exists and is not a directory", err
+    assert not any("SentencePiece" in line for line in err)  # nothing was trained first
+    assert (tmp_path / "run" / "cache").read_text(encoding="utf-8") == "x"
+
+
+def test_an_unreadable_cache_folder_is_one_line_before_training(tmp_path, capsys, monkeypatch):
+    """A cache/ of mode 000, or another user's of 0700: a PermissionError traceback after the tokenizer's
+    training, from the look for a cached encoding."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
+    cache = tmp_path / "run" / "cache"
+    cache.mkdir(parents=True)
+    real = os.scandir
+
+    def scandir(path="."):  # chmod 000 does not stop root, whom CI may run as
+        if Path(path) == cache:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    code, err = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    assert code == 2 and err[-1] == f"aiayn: error: {cache}: cannot be read (Permission denied)", err
+    assert not any("SentencePiece" in line for line in err)
+
+
 def test_a_full_run_dir_is_one_line_before_training(tmp_path, capsys, monkeypatch):
     """The probe made an empty file, which a full disk allows: the run went on to the lock, a traceback."""
     import tempfile

@@ -911,19 +911,32 @@ def _check_run_dir(run_dir: Path) -> None:
         target = os.readlink(run_dir)
         raise UserError(f"{run_dir}: train.run_dir is a link that leads to no directory ({target})")
     _check_outside_other_runs(run_dir)
-    places = [(run_dir, "train.run_dir ")]
-    checkpoints = run_dir / "checkpoints"  # the first save can come hours later: an unwritable one fails now
-    if checkpoints.is_dir():
-        places.append((checkpoints, ""))
-    for directory, name in places:
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            # Writing is the only test root cannot pass by rights; a byte, as an empty file is made on a
-            # full disk too (unbuffered: written now, not when closed)
-            with tempfile.TemporaryFile(dir=directory, buffering=0) as probe:
-                probe.write(b"\0")
-        except OSError as e:
-            raise UserError(f"{directory}: {name}cannot be written ({e.strerror or e})") from None
+    _check_usable(run_dir, "train.run_dir ")
+    # The first save can come hours later, the ids cache is written after the tokenizer's training (and was
+    # a traceback where it could not be read): an unusable one fails now
+    for directory in (run_dir / "checkpoints", run_dir / "cache"):
+        if directory.is_dir():
+            _check_usable(directory)
+        elif os.path.lexists(directory):  # a file, or a link to nothing: nothing can be written under it
+            raise UserError(f"{directory}: exists and is not a directory")
+
+
+def _check_usable(directory: Path, name: str = "") -> None:
+    """`directory` made if missing, listed (leftovers and stale caches are swept by listing) and written to,
+    or a one-line `UserError`; `name` says what it is."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with os.scandir(directory):
+            pass
+    except OSError as e:
+        raise UserError(f"{directory}: {name}cannot be read ({e.strerror or e})") from None
+    try:
+        # Writing is the only test root cannot pass by rights; a byte, as an empty file is made on a full
+        # disk too (unbuffered: written now, not when closed)
+        with tempfile.TemporaryFile(dir=directory, buffering=0) as probe:
+            probe.write(b"\0")
+    except OSError as e:
+        raise UserError(f"{directory}: {name}cannot be written ({e.strerror or e})") from None
 
 
 def _check_outside_other_runs(run_dir: Path) -> None:

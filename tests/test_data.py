@@ -286,6 +286,31 @@ def test_encode_once_then_cache(tmp_path, corpus_files, monkeypatch):
     assert [filtered.target(i) for i in range(200)] == [first.target(i) for i in range(200)]
 
 
+def test_the_cache_is_on_disk_before_its_name_and_the_name_after(tmp_path, corpus_files, monkeypatch):
+    """It was renamed into place unflushed: after a power loss the name could be a zero-length file (as
+    `atomic_output`, the checkpoints: the file flushed, renamed, then its folder flushed)."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    done = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        done.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(a, b):
+        done.append(("replace", str(b)))
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    load_encoded(src, tgt, tok, tmp_path / "cache")
+    (cache,) = (tmp_path / "cache").iterdir()
+    tmp = [path for kind, path in done if kind == "fsync" and Path(path).parent == cache.parent]
+    assert len(tmp) == 1 and done[-3:] == [("fsync", tmp[0]), ("replace", str(cache)),
+                                           ("fsync", str(cache.parent))], done  # the temporary, flushed
+
+
 def test_collate_shifts_the_target(tmp_path, corpus_files):
     _, src, tgt = corpus_files
     tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)

@@ -28,6 +28,13 @@ from aiayn.errors import UserError
 log = logging.getLogger(__name__)
 
 
+def fsync_file(path: Path) -> None:
+    """Flush a file another writer (safetensors) wrote and closed to disk: renamed into place before its
+    data is, a power loss can leave the name on a zero-length file."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -286,8 +293,7 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
                 # safetensors writes its files 0600 whatever the umask: other users of a shared run
                 # could list the checkpoint but not read its weights
                 os.chmod(f, mode)
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
+                fsync_file(f)
         _rename_into_place(tmp, directory)
         fsync_dir(directory.parent)
     except BaseException as e:

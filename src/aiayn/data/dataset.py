@@ -38,7 +38,7 @@ from aiayn.data.tokenizer import (
     MAX_LINE_BYTES, MIN_CHARACTER_COVERAGE, SEED_SENTENCES, Tokenizer, train_sentencepiece,
 )
 from aiayn.errors import UserError
-from aiayn.files import atomic_output, new_file_mode, require_file, temporary_path
+from aiayn.files import atomic_output, fsync_dir, fsync_file, new_file_mode, require_file, temporary_path
 from aiayn.model.transformer import target_positions
 
 log = logging.getLogger(__name__)
@@ -455,8 +455,9 @@ def _encode_chunk(src: list[str], tgt: list[str], tokenizer: Tokenizer) -> tuple
 def _write_cache(
     path: Path, key: str, corpus: EncodedCorpus, dropped: int, files: tuple[Path, Path]
 ) -> None:
-    """Write to a temporary name, then rename: a killed run never leaves half a cache. The metadata names
-    the encoded `files`, so that `_remove_stale_caches` knows whose cache it is."""
+    """Write to a temporary name, flush it to disk, then rename: a killed run (or a power loss) never
+    leaves half a cache. The metadata names the encoded `files`, so that `_remove_stale_caches` knows
+    whose cache it is."""
     tmp = temporary_path(path)  # a killed writer's is removed by the next run
     tensors = dict(
         src_ids=corpus.src_ids,
@@ -470,7 +471,9 @@ def _write_cache(
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata=metadata)
         os.chmod(tmp, new_file_mode())  # safetensors makes it 0600, whatever the umask: as the run's other files
+        fsync_file(tmp)  # as `atomic_output` does: after a power loss, the whole file or none
         os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename too
     except (OSError, SafetensorError) as e:  # a full disk: safetensors reports it as a SafetensorError
         with contextlib.suppress(OSError):  # cache/ a file: unlinking under it fails the same way
             tmp.unlink(missing_ok=True)

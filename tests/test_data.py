@@ -490,6 +490,25 @@ def test_compressed_or_utf16_input_says_what_it_looks_like(tmp_path, raw, looks)
     assert str(e.value).startswith(f"{path}:1: invalid UTF-8 {looks}")
 
 
+@pytest.mark.parametrize(("text", "order", "error"), [
+    ("eins\nzwei\n", "LE", "NUL byte (binary or corrupt input?)"),  # was that alone
+    ("Straße und Fuß\n", "LE", "invalid UTF-8 (byte 0xdf)"),  # was that alone
+    ("eins\nzwei\n", "BE", "NUL byte (binary or corrupt input?)"),
+])
+@pytest.mark.parametrize("block", [1 << 22, 16])
+def test_utf16_without_a_byte_order_mark_is_named(tmp_path, monkeypatch, text, order, error, block):
+    monkeypatch.setattr(dataset, "READ_BLOCK", block)
+    path = write(tmp_path / "train.de", [], raw=text.encode(f"utf-16-{order.lower()}"))
+    with pytest.raises(UserError) as e:
+        read_lines(path)
+    assert str(e.value) == (f"{path}:1: {error}; the file looks like UTF-16 without a byte order mark; "
+                            f"convert it to UTF-8 (iconv -f UTF-16{order} -t UTF-8)")
+    binary = write(tmp_path / "binary.de", [], raw=b"\0\0\0\0eins\n")  # NULs in both byte positions
+    with pytest.raises(UserError) as e:
+        read_lines(binary)
+    assert str(e.value) == f"{binary}:1: NUL byte (binary or corrupt input?)"
+
+
 def test_errors_keep_their_words_and_order_across_read_blocks(tmp_path, monkeypatch):
     """Files are read in blocks; the first invalid byte is still named before a NUL byte earlier on, and
     each at its line, as when the file was decoded whole."""

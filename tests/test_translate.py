@@ -935,6 +935,12 @@ def test_a_text_of_no_pieces_stays_empty(checkpoint, tmp_path, capsys):
     (b"one\rtwo\rthree\n", "CR line ends and more CRs alone than LFs (2 to 1"),  # was translated as one line
     (b"\x1f\x8b\x08\x00\xff\xfe", "invalid UTF-8 (byte 0x8b); the file looks gzip-compressed"),
     ("one\ntwo\n".encode("utf-16"), "invalid UTF-8 (byte 0xff); the file looks like UTF-16"),
+    # without a byte order mark: a bare "NUL byte", or "invalid UTF-8" for an ß
+    ("one\ntwo\n".encode("utf-16-le"), ("in.txt:1: NUL byte (binary or corrupt input?); the file looks like "
+                                         "UTF-16 without a byte order mark; convert it to UTF-8 (iconv -f "
+                                         "UTF-16LE -t UTF-8)")),
+    ("Fuß\n".encode("utf-16-be"), ("in.txt:1: invalid UTF-8 (byte 0xdf); the file looks like UTF-16 without "
+                                   "a byte order mark; convert it to UTF-8 (iconv -f UTF-16BE -t UTF-8)")),
 ])
 def test_translate_names_what_an_unreadable_input_is(checkpoint, tmp_path, capsys, data, message):
     """As training and evaluate do: a CR-only file was translated as one line, exit 0."""

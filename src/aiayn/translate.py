@@ -30,7 +30,7 @@ import torch
 
 from aiayn.config import ConfigError, from_dict
 from aiayn.data.batching import right_pad
-from aiayn.data.dataset import cr_only, cr_only_error, has_text, lone_cr_count, looks_like
+from aiayn.data.dataset import HEAD_BYTES, cr_only, cr_only_error, has_text, lone_cr_count, looks_like
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.compiled import check_cxx_compiler, compile_one_row_step
@@ -434,7 +434,7 @@ def read_utf8_lines(
     head = b""  # the first bytes, which say what a file that is no UTF-8 text is (gzip, UTF-16)
     lone = 0  # CRs alone in the first line, while it is all there is
     for n, (raw, more) in enumerate(_raw_lines(stream), 1):
-        head = raw[:8] if n == 1 else head
+        head = raw[:HEAD_BYTES] if n == 1 else head
         try:
             text = raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError as e:
@@ -447,7 +447,7 @@ def read_utf8_lines(
             # while more input is ready (a file; a pipe that stalled after it is a session awaiting answers)
             lone = lone_cr_count(raw) if n == 1 and raw.endswith(b"\n") and more else 0
         if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
-            raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?)")
+            raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?){looks_like(head)}")
         lines.append(text.removeprefix("\ufeff") if n == 1 else text)  # a BOM, as training and evaluate drop it
         if (len(lines) >= chunk or not (more or whole_chunks)) and lone <= 1:
             for i in range(0, len(lines), chunk):  # two when the first line was held, with chunk 1

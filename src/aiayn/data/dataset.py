@@ -77,7 +77,7 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
         require_file(path)
     newlines, lone_crs, nul, head, last, first_cr, inner_crs = 0, 0, None, b"", b"", 0, 0
     for n, block in enumerate(_blocks(path, stream)):
-        head = block[:8] if n == 0 else head
+        head = block[:HEAD_BYTES] if n == 0 else head
         text = _decode(path, block, newlines, head)
         if nul is None and (at := block.find(b"\0")) >= 0:  # valid UTF-8, but no text has it
             nul = newlines + block.count(b"\n", 0, at) + 1
@@ -92,7 +92,7 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
         yield _split_lines(text.removeprefix("\ufeff") if n == 0 else text)
         last = block
     if nul is not None:
-        raise UserError(f"{path}:{nul}: NUL byte (binary or corrupt input?)")
+        raise UserError(f"{path}:{nul}: NUL byte (binary or corrupt input?){looks_like(head)}")
     if not newlines and cr_only(last):  # else one line, refused later by SentencePiece
         raise cr_only_error(path)
     if newlines and lone_crs > newlines:  # CR line ends, an LF at the end: read as one line, silently
@@ -126,9 +126,21 @@ def cr_only_error(path: Path | str, lfs: int = 0, lone_crs: int = 0) -> UserErro
     return UserError(f"{path}: CR line ends and {ends}; convert it, e.g. tr '\\r' '\\n' < {path} > {path}.lf")
 
 
+HEAD_BYTES = 64  # of a file's start, which `looks_like` reads
+
+
 def looks_like(head: bytes) -> str:
-    """What a file that starts with `head` looks like, if a known other format, to follow "invalid UTF-8"."""
-    return next((f"; the file looks {what}" for magic, what in SIGNATURES if head.startswith(magic)), "")
+    """What a file that starts with `head` (its first HEAD_BYTES) looks like, if a known other format, to
+    follow "invalid UTF-8" or "NUL byte"."""
+    if what := next((f"; the file looks {what}" for magic, what in SIGNATURES if head.startswith(magic)), ""):
+        return what
+    # UTF-16 without a byte order mark (as some Windows tools write it): Latin text has a NUL as every high
+    # byte and none as a low one, which read as UTF-8 was a bare "NUL byte", or "invalid UTF-8" for an ß
+    for order, high in (("LE", 1), ("BE", 0)):
+        if len(head) >= 4 and not head[high::2].strip(b"\0") and b"\0" not in head[1 - high::2]:
+            return (f"; the file looks like UTF-16 without a byte order mark; convert it to UTF-8 "
+                    f"(iconv -f UTF-16{order} -t UTF-8)")
+    return ""
 
 
 def _blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[bytes]:

@@ -59,6 +59,11 @@ def test_read_parallel_drops_and_counts_empty_pairs(tmp_path, read):
     write(tgt, ["\u200b"] * 6)  # the target is the empty side: named, not the source
     with pytest.raises(UserError, match=r"a\.en: no line has text \(all 6 are empty or blank\)$"):
         read(src, tgt)
+    write(src, [], raw=b"")
+    write(tgt, [], raw=b"")
+    with pytest.raises(UserError) as e:  # was "a.de: no line has text (all 0 are empty or blank)"
+        read(src, tgt)
+    assert str(e.value) == f"{src}, {tgt}: both files are empty (no lines)"
     write(tgt, ["one", "", "", "four", "", ""])  # text on each side, never on both
     write(src, ["", "zwei", "drei", "", "fünf", "sechs"])
     with pytest.raises(UserError, match=r"a\.de, .*a\.en: no pair has text on both sides \(2 empty in "

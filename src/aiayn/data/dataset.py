@@ -232,6 +232,8 @@ def _log_dropped(src_path: str | Path, tgt_path: str | Path, dropped: int, pairs
         log.info("%s, %s: dropped %d pair(s) of %d with %s%s", src_path, tgt_path, dropped, pairs, why, sides)
     if dropped < pairs:
         return
+    if not pairs:  # no line at all: "all 0 are empty or blank" said it as a riddle
+        raise UserError(f"{src_path}, {tgt_path}: both files are empty (no lines)")
     for path, n in zip((src_path, tgt_path), empty):
         if n == pairs:
             raise UserError(f"{path}: no line has text (all {pairs} are empty or blank)")

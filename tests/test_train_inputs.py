@@ -216,6 +216,14 @@ def test_another_precision_on_resume_is_said(finished_run, tmp_path, caplog):
     assert "step_000004: trained with train.precision='fp32', resumed with 'bf16'" in caplog.text
 
 
+def test_the_tokenizer_found_is_logged_with_its_pieces(finished_run, tmp_path, caplog):
+    config = with_train(copy_run(finished_run, tmp_path), max_updates=5)
+    with caplog.at_level(logging.INFO):
+        assert train(config, resume=True)["step"] == 5
+    # was "(40, shared pieces)"
+    assert f"{config.train.run_dir}: using the tokenizer there (40 pieces, shared)" in caplog.messages
+
+
 def test_other_optimisation_settings_on_resume_are_said_one_line_each(finished_run, tmp_path, caplog):
     """Another lr_scale, warmup, cooldown, label_smoothing or clip_norm took effect on --resume without a
     word in the log, where another precision or Adam's betas were said."""

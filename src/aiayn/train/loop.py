@@ -1177,8 +1177,10 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
         check_tokenizer_inputs(run_dir, inputs, resumed=bool(saved))  # failed later
         if not saved:  # its record (tokenizer_inputs.json) says what it was asked, not what the files hold
             _check_found_tokenizer(found, dc, run_dir)
-        log.info("%s: using the tokenizer there (%d%s pieces)", run_dir, found.src_vocab_size,
-                 ", shared" if found.shared else f" and {found.tgt_vocab_size}")
+        # as the training line says it: "(200 pieces, shared)" (this read "(200, shared pieces)")
+        pieces = "" if found.shared else f" and {found.tgt_vocab_size}"
+        log.info("%s: using the tokenizer there (%d%s pieces, %s)", run_dir, found.src_vocab_size, pieces,
+                 "shared" if found.shared else "separate")
         return found
     # Checked, not reported: the encoding that follows says what it dropped, once.
     if dc.valid_src:  # a bad validation file fails now, not after minutes of tokenizer training

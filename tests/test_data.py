@@ -1,5 +1,6 @@
 """Parallel text is read, checked, encoded once and cached; bad files give one line naming file and line."""
 
+import errno
 import gzip
 import logging
 import os
@@ -314,6 +315,33 @@ def test_the_cache_is_on_disk_before_its_name_and_the_name_after(tmp_path, corpu
     tmp = [path for kind, path in done if kind == "fsync" and Path(path).parent == cache.parent]
     assert len(tmp) == 1 and done[-3:] == [("fsync", tmp[0]), ("replace", str(cache)),
                                            ("fsync", str(cache.parent))], done  # the temporary, flushed
+
+
+def test_a_cache_that_cannot_be_read_is_said_so_and_rebuilt(tmp_path, corpus_files, monkeypatch, caplog):
+    """A cache file of mode 000 was logged in safetensors' words, "unreadable cache (No such file or
+    directory: ...)", of a file that is there."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    first, _ = load_encoded(src, tgt, tok, tmp_path / "cache")
+    (cache,) = (tmp_path / "cache").iterdir()
+    real_open, real_safe_open = open, dataset.safe_open
+
+    def unreadable(opener, error):  # chmod 000 does not stop root, whom CI may run as
+        def opens(path, *args, **kwargs):
+            if Path(path) == cache:
+                raise error
+            return opener(path, *args, **kwargs)
+        return opens
+
+    denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(cache))
+    monkeypatch.setattr(dataset, "open", unreadable(real_open, denied), raising=False)
+    # safetensors' error for any file it cannot open
+    said = FileNotFoundError(f"No such file or directory: {cache}")
+    monkeypatch.setattr(dataset, "safe_open", unreadable(real_safe_open, said))
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        again, _ = load_encoded(src, tgt, tok, tmp_path / "cache")
+    assert caplog.messages == [f"{cache}: unreadable cache (Permission denied); re-encoding"]
+    assert [again.source(i) for i in range(len(first))] == [first.source(i) for i in range(len(first))]
 
 
 def test_collate_shifts_the_target(tmp_path, corpus_files):

@@ -538,6 +538,8 @@ def _read_cache(path: Path, key: str, vocab_sizes: tuple[int, int], then: str = 
         if not t:
             return None, 0
         problem = _cache_problem(meta, t, vocab_sizes)
+    except OSError as e:  # one we may not read (mode 000, another user's): rebuilt too
+        problem = e.strerror or str(e)
     except Exception as e:  # a damaged cache is rebuilt, not fatal
         problem = str(e) or type(e).__name__
     if problem:
@@ -571,6 +573,8 @@ def _cache_problem(meta: dict[str, str], t: dict[str, torch.Tensor], vocab_sizes
 
 def _open_cache(path: Path, key: str | None = None) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """A cache file's metadata, and its tensors if its key is `key` (else none)."""
+    with open(path, "rb"):  # safetensors says "No such file or directory" of any file it cannot open
+        pass
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
         same = key is not None and meta.get("key") == key

@@ -176,7 +176,7 @@ def _decode(path: Path, block: bytes, newlines_before: int, head: bytes) -> str:
 def decode_utf8(path: Path | str, data: bytes) -> str:
     """All of a small file's bytes `data` as text (a config), or the UserError `read_lines` gives: the line
     of the first invalid byte, and what the file looks like (UTF-16, gzip) if a known other format."""
-    return _decode(Path(path), data, 0, data[:8])
+    return _decode(Path(path), data, 0, data[:HEAD_BYTES])
 
 
 def _split_lines(text: str) -> list[str]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from aiayn.decoding.ensemble import Ensemble
 from aiayn.decoding.length_penalty import length_penalty
 from aiayn.decoding.options import DecodeConfig
 from aiayn.model import KVCache, Transformer
@@ -72,6 +73,8 @@ def step_log_probs(
     its scores and ranked beams otherwise than CTranslate2 and HuggingFace.
     """
     tgt_in = last_R[:, None]  # (R, 1)
+    if isinstance(model, Ensemble):  # masked in each member before the mean: masked here, it weighted them
+        return model.decode(tgt_in, memory, src_mask, cache, forbid_eos=produced < config.min_len)[:, -1]
     step = getattr(model, "one_row_step", None)  # set by `aiayn.decoding.compiled.compile_one_row_step`
     decode = step if step is not None and step.applies(tgt_in, src_mask, cache) else model.decode
     logits_RV = decode(tgt_in, memory, src_mask, cache)[:, -1].float()  # (R, V)

@@ -387,6 +387,9 @@ def test_decode_config_bounds_still_decode_with_finite_scores():
     assert all(math.isfinite(s[0].score) for s in generate(model, src, hot))
     assert DecodeConfig(max_len_a=1e308).max_lengths([1, 2, 3], 40) == [40, 40, 40]  # a * n = inf before int
     assert DecodeConfig(max_len_a=0.0, max_len_b=1).max_lengths([3], 40) == [1]  # the smallest maximum
+    for a in (0.0, 0.5):  # a float of b overflowed: "OverflowError: int too large to convert to float"
+        assert DecodeConfig(max_len_a=a, max_len_b=10**309).max_lengths([1, 3], 40) == [40, 40]
+    assert DecodeConfig(max_len_a=0.5, max_len_b=39).max_lengths([1, 3, 4], 40) == [39, 40, 40]  # as before
 
 
 def test_one_generator_draws_on_across_batches():

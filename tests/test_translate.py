@@ -994,6 +994,15 @@ def test_min_len_past_the_models_positions_is_refused_whatever_max_len_a(checkpo
     assert len(err.splitlines()) == 1 and f"min_len={limit + 1}" in err
 
 
+def test_a_huge_max_len_b_means_the_models_own_limit(checkpoint):
+    """max_len_b=10**309 (or --max-len-b) failed with "OverflowError: int too large to convert to float"."""
+    translator = Translator.load(checkpoint)
+    limit = translator.model.config.max_len
+    for a in (0.0, 1.0):
+        assert translator.translate(["the number 3"], max_len_a=a, max_len_b=10**309, beam=1) == (
+            translator.translate(["the number 3"], max_len_a=a, max_len_b=limit, beam=1))
+
+
 def test_min_len_past_a_sentences_own_limit_is_said(checkpoint, caplog):
     """With max_len_a the limit is each sentence's own, so it cannot be refused up front: a min_len of 10
     under 0.5 x length + 1 cut every output, without EOS, and nothing said so."""

@@ -100,5 +100,7 @@ class DecodeConfig:
 
     def max_lengths(self, src_lengths: list[int], limit: int) -> list[int]:
         """Per sentence: at most a * src_len + b output tokens, and never past `limit` positions."""
-        # min before int: a huge max_len_a makes a * n infinite, which int() refuses
-        return [max(1, int(min(limit, self.max_len_a * n + self.max_len_b))) for n in src_lengths]
+        # min before int: a huge max_len_a makes a * n infinite, which int() refuses; b capped at the limit
+        # first (a * n >= 0, so the result is the same): an int past 1e308 could not become a float
+        b = min(self.max_len_b, limit)
+        return [max(1, int(min(limit, self.max_len_a * n + b))) for n in src_lengths]

@@ -100,6 +100,27 @@ def test_sample_alone_means_beam_one_in_the_api(checkpoint):
         translator.translate(texts, sample=True, beam=4)
 
 
+def test_a_sampling_translator_searches_for_one_call(checkpoint):
+    """A Translator sampling by default could not search for one call: sample=False was refused for the
+    temperature and seed it had not given, a beam 4 for the sampling it had not asked for."""
+    loaded = Translator.load(checkpoint)
+    sampling = Translator(loaded.model, loaded.tokenizer,
+                          DecodeConfig(beam=1, sample=True, seed=3, temperature=0.7, top_k=5, n_best=3))
+    texts = ["the number 12 is even", "the number 7"]
+    cases = [(dict(sample=False), dict(beam=1, n_best=1)),  # 3 samples: n_best capped at the beam
+             (dict(beam=4), dict(beam=4, n_best=3)), (dict(beam=4, n_best=2), dict(beam=4, n_best=2)),
+             (dict(sample=False, beam=3), dict(beam=3, n_best=3))]
+    for options, expected in cases:
+        assert sampling.decode_config(**options) == DecodeConfig(**expected), options
+        assert sampling.hypotheses(texts, **options) == loaded.hypotheses(texts, **expected), options
+    with pytest.raises(ConfigError, match="top_k=2 needs sample=True"):  # given in this call: a contradiction
+        sampling.translate(texts, sample=False, top_k=2)
+    with pytest.raises(ConfigError, match="sample=True needs beam=1, not 4"):
+        sampling.translate(texts, sample=True, beam=4)
+    assert sampling.decode_config(top_p=0.5) == DecodeConfig(beam=1, sample=True, seed=3, temperature=0.7,
+                                                             top_k=5, n_best=3, top_p=0.5)  # still sampling
+
+
 def test_length_sorted_batches_respect_the_budget():
     lengths = [5, 1, 9, 3, 3, 20]
     batches = list(length_sorted_batches(lengths, max_tokens=12, rows_per_sentence=2))

@@ -36,6 +36,7 @@ from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.compiled import check_cxx_compiler, compile_one_row_step
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
 from aiayn.decoding.ensemble import SHARED_FIELDS
+from aiayn.decoding.options import SAMPLING_ONLY
 from aiayn.decoding.score import force_decode
 from aiayn.decoding.search import sampling_generator
 from aiayn.errors import (
@@ -78,10 +79,21 @@ class Scored:
 def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeConfig:
     """`base` (or the paper's defaults) with `options` replaced; an unknown option raises ConfigError.
     `sample=True` without a `beam` means beam 1, as `--sample` does: sampling has no beam, and the
-    default beam 4 would make it a contradiction (an explicit beam other than 1 still is)."""
+    default beam 4 would make it a contradiction (an explicit beam other than 1 still is). Likewise a
+    sampling `base` and `sample=False`, or a beam above 1 without `sample`, mean a search: the sampling
+    fields the call did not give go back to their defaults (a search refuses them), and an inherited
+    number of samples `n_best` is capped at the beam."""
+    base = base or DecodeConfig()
     if options.get("sample") is True and "beam" not in options:
         options["beam"] = 1
-    return from_dict(DecodeConfig, {**dataclasses.asdict(base or DecodeConfig()), **options})
+    beam = options.get("beam", base.beam)
+    wider = isinstance(beam, int) and beam > 1 and "sample" not in options
+    if base.sample and (options.get("sample") is False or wider):
+        inherited = {"sample": False, **SAMPLING_ONLY}
+        if isinstance(beam, int) and not isinstance(beam, bool):
+            inherited["n_best"] = max(1, min(base.n_best, beam))
+        options = {**inherited, **options}
+    return from_dict(DecodeConfig, {**dataclasses.asdict(base), **options})
 
 
 def text_list(texts: Iterable[str]) -> list[str]:

@@ -12,6 +12,8 @@ MAX_ROWS = 2**31 - 1  # beam or n_best past it overflowed a tensor's size: a C++
 MAX_LENPEN = 10.0  # |alpha| above this could overflow lp(|Y|): see DecodeConfig.search_problems
 MIN_TEMPERATURE = 1e-3  # lower is greedy search but for near-ties: see DecodeConfig.sampling_problems
 MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: past it T is inf in float32 and -inf / T NaN
+# The fields only sampling reads, at their defaults: a search must have them so (see sampling_problems)
+SAMPLING_ONLY = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None}
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,7 @@ class DecodeConfig:
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             problems.append(f"seed={self.seed} must be within torch's 64-bit range [-2**63, 2**64 - 1]")
         if not self.sample:  # a search would silently ignore them
-            defaults = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None}
-            for name, default in defaults.items():
+            for name, default in SAMPLING_ONLY.items():
                 if getattr(self, name) != default:
                     problems.append(f"{name}={getattr(self, name)} needs sample=True (--sample)")
         return problems

@@ -107,9 +107,9 @@ def test_a_sampling_translator_searches_for_one_call(checkpoint):
     sampling = Translator(loaded.model, loaded.tokenizer,
                           DecodeConfig(beam=1, sample=True, seed=3, temperature=0.7, top_k=5, n_best=3))
     texts = ["the number 12 is even", "the number 7"]
-    cases = [(dict(sample=False), dict(beam=1, n_best=1)),  # 3 samples: n_best capped at the beam
-             (dict(beam=4), dict(beam=4, n_best=3)), (dict(beam=4, n_best=2), dict(beam=4, n_best=2)),
-             (dict(sample=False, beam=3), dict(beam=3, n_best=3))]
+    cases = [({"sample": False}, {"beam": 1, "n_best": 1}),  # 3 samples: n_best capped at the beam
+             ({"beam": 4}, {"beam": 4, "n_best": 3}), ({"beam": 4, "n_best": 2}, {"beam": 4, "n_best": 2}),
+             ({"sample": False, "beam": 3}, {"beam": 3, "n_best": 3})]
     for options, expected in cases:
         assert sampling.decode_config(**options) == DecodeConfig(**expected), options
         assert sampling.hypotheses(texts, **options) == loaded.hypotheses(texts, **expected), options
@@ -154,7 +154,7 @@ def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
     assert out.read_text(encoding="utf-8") == before  # a failed run leaves the output file as it was
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]  # no temporary left
     assert main(["translate", str(checkpoint), "--beam", "2", "--n-best", "3"]) == 2  # n_best > beam
-    assert "n_best" in capsys.readouterr().err
+    assert "--n-best 3 must be between 1 and --beam 2" in capsys.readouterr().err
     for option in ("--threads", "--chunk", "--max-tokens"):
         with pytest.raises(SystemExit) as usage:  # argparse: a usage error, exit status 2
             main(["translate", str(checkpoint), option, "0"])
@@ -433,25 +433,29 @@ def test_lines_of_a_pipe_keep_their_numbers_and_an_unended_last_line():
 def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, capsys):
     src = tmp_path / "in.txt"
     src.write_text("the number 3\n", encoding="utf-8")
-    cases = [(["--lenpen", "nan"], "lenpen=nan"), (["--lenpen=-inf"], "lenpen=-inf"),
+    cases = [(["--lenpen", "nan"], "error: --lenpen nan must be"), (["--lenpen=-inf"], "--lenpen -inf"),
              (["--max-len-a", "0", "--max-len-b", "0"], "allow no output token"),
              (["--temperature", "0.5"], "--temperature 0.5 needs --sample"),
              (["--seed", "3"], "--seed 3 needs --sample"),
              (["--temperature", "1"], "--temperature 1.0 needs --sample"),  # its default: it was ignored
              (["--top-k", "0"], "--top-k 0 needs --sample"), (["--top-p", "1"], "--top-p 1.0 needs --sample"),
-             (["--sample", "--beam", "1", "--temperature", "1e-50"], "temperature=1e-50"),
+             (["--sample", "--beam", "1", "--temperature", "1e-50"], "error: --temperature 1e-50 must"),
+             (["--n-best", "3", "--beam", "2"], "error: --n-best 3 must be between 1 and --beam 2"),
+             (["--sample", "--beam", "2"], "error: --sample needs --beam 1, not 2"),
              (["--device", "foo"], "device 'foo' is not a device name"),
              (["--device", "meta"], "device 'meta': translation runs on cpu or cuda only"),
-             (["--early-stopping", "--beam", "1"], "early_stopping=True needs beam > 1, not 1"),
-             (["--early-stopping", "--sample"], "early_stopping=True needs beam > 1, not 1"),
+             (["--early-stopping", "--beam", "1"], "--early-stopping needs beam > 1, not 1"),
+             (["--early-stopping", "--sample"], "--early-stopping needs beam > 1, not 1"),
              (["--lenpen", "1", "--lenpen-kind", "none"], "--lenpen 1.0 has no effect with --lenpen-kind"),
              (["--int8", "--device", "cuda"], "int8 (--int8) is a CPU path"),
              (["--threads", "100000"], "--threads 100000 is more than 1,024"),  # a segfault, exit 139
-             (["--sample", "--temperature", "1e39"], "temperature=1e+39 must be a number in")]  # NaN: traceback
+             (["--sample", "--temperature", "1e39"],
+              "--temperature 1e+39 must be a number in")]  # NaN: a traceback
     for extra, message in cases:
         assert main(["translate", str(checkpoint), "-i", str(src), "-q"] + extra) == 2, extra
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+        assert "DecodeConfig" not in err and not re.search(r"\b[a-z_]+=", err), err  # named as the flags were
     assert main(["translate", str(checkpoint), "-i", str(src), "-q", "--lenpen-kind", "none"]) == 0  # alone
     src.write_bytes(b"fine\nbad\0byte\n")
     assert main(["translate", str(checkpoint), "-i", str(src), "-q"]) == 2
@@ -1012,7 +1016,8 @@ def test_min_len_past_the_models_positions_is_refused_whatever_max_len_a(checkpo
     src.write_text("the number 3\n")
     assert main(["translate", str(checkpoint), "-i", str(src), "--min-len", str(limit + 1)]) != 0
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"min_len={limit + 1}" in err
+    assert err == (f"aiayn: error: --min-len {limit + 1} leaves no room for EOS in the {limit} output "
+                   "positions of this model")
 
 
 def test_a_huge_max_len_b_means_the_models_own_limit(checkpoint):
@@ -1039,6 +1044,20 @@ def test_min_len_past_a_sentences_own_limit_is_said(checkpoint, caplog):
     with caplog.at_level("WARNING", logger="aiayn.translate"):
         translator.hypotheses(["the number 3"], min_len=2, max_len_a=2.0, max_len_b=5, beam=1)
     assert caplog.messages == []
+
+
+def test_min_len_past_a_lines_own_limit_is_said_once_per_stream_in_flags(checkpoint, monkeypatch, capsys):
+    """`aiayn translate` said it once per chunk (3 times for 6 piped lines in chunks of 2), in the
+    library's words (min_len=10) and without the `aiayn:` of its other messages."""
+    lines = ["the number 3", "", "odd", "the number 4", "the number 5 is odd", "7"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines) + "\n").encode())))
+    args = ["--min-len", "10", "--max-len-a", "0.5", "--max-len-b", "1", "--beam", "1", "--chunk", "2"]
+    assert main(["translate", str(checkpoint), *args]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.split("\n")) == 7
+    assert err == ("aiayn: warning: --min-len 10 leaves no room for EOS in the length limit (0.5 x source "
+                   "length + 1) of <stdin> line 1 ('the number 3') and any line as short: they end cut, "
+                   "without EOS\n")
 
 
 def test_translate_stream_of_text_is_a_type_error_naming_the_fix(checkpoint):

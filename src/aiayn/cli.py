@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -255,7 +256,8 @@ def cmd_translate(args: argparse.Namespace) -> None:
         if given[name] is not None and not args.sample:
             raise UserError(f"--{name.replace('_', '-')} {given[name]} needs --sample (a search ignores it)")
     options.update({k: v for k, v in given.items() if v is not None})
-    decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading or reading
+    with _settings_as_flags():
+        decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading or reading
     _check_streams(args.input, args.output)  # before the model loads and translates for nothing
     if args.output not in (None, "-"):  # never over the input or a checkpoint's file
         from pathlib import Path
@@ -270,8 +272,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     translator = Translator.load(args.checkpoint, args.device, int8=args.int8, dtype=args.dtype,
                                  compile=args.compile)
-    translator.decode_config(**options)  # what only the model can tell (--min-len), before any reading
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_settings_as_flags())
+        translator.decode_config(**options)  # what only the model can tell (--min-len), before any reading
         src, name = _open_input(stack, args.input)
         dst = sys.stdout
         if args.output not in (None, "-"):  # complete or untouched: a failed run leaves no half file
@@ -279,7 +282,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
         # a regular file: a bad line fails now, not chunks later; a too long one too
         total = _checked_line_count(src, name, translator.source_ids)
         progress = None
-        if name != "<stdin>" and not args.quiet:  # a named input: show progress on stderr
+        # A named input shows progress on stderr; stdin is a filter's input (`cat in | aiayn translate`, or
+        # typed lines), whose stderr carries errors only, -o or not; `-i /dev/stdin` reads it with progress
+        if name != "<stdin>" and not args.quiet:
             from tqdm import tqdm
 
             progress = stack.enter_context(tqdm(total=total, unit="line", file=sys.stderr)).update
@@ -364,6 +369,45 @@ def _check_not_stdin(input: str | None, output: Path) -> None:
         return
     if same:
         raise UserError(f"{output}: is the input (standard input); writing it would destroy the input")
+
+
+# A DecodeConfig field and its value in a message, `lenpen=nan`: the flag that set it is `--lenpen nan`
+_DECODE_SETTING = re.compile(r"\b(beam|lenpen_kind|lenpen|max_len_a|max_len_b|min_len|n_best|early_stopping|"
+                             r"sample|temperature|top_k|top_p|seed)=(\S+?)(?=[,;)]?(?:\s|$))")
+
+
+def _as_flags(message: str) -> str:
+    """A decoding setting's problem in the words of the command line (`DecodeConfig: lenpen=nan must be...`
+    as `--lenpen nan must be...`): the README says a setting is named as the flag with its value."""
+
+    def flag(m: re.Match) -> str:
+        name = "--" + m[1].replace("_", "-")
+        return name if m[2] == "True" else f"{name} {m[2]}"  # sample=True: --sample
+
+    flagged = _DECODE_SETTING.sub(flag, message.removeprefix("DecodeConfig: "))
+    return flagged.replace("--sample (--sample)", "--sample")
+
+
+@contextlib.contextmanager
+def _settings_as_flags():
+    """Decoding settings named as flags, in an error raised inside and in aiayn.translate's warnings
+    (which then start `aiayn: warning:`, as the command's other messages start `aiayn:`)."""
+    import logging
+
+    class Flags(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return "aiayn: warning: " + _as_flags(record.getMessage())
+
+    handler = logging.StreamHandler(sys.stderr)  # the stderr of now: a test's captured one too
+    handler.setFormatter(Flags())
+    logger = logging.getLogger("aiayn.translate")
+    logger.addHandler(handler)
+    try:
+        yield
+    except ConfigError as e:
+        raise ConfigError(_as_flags(str(e))) from None
+    finally:
+        logger.removeHandler(handler)
 
 
 def _check_threads(threads: int | None) -> None:

@@ -304,6 +304,15 @@ class Translator:
         for this call (not once per batch). Batches are length-sorted, so which sample a text gets also
         depends on the other texts and on `max_tokens`; searches do not, except on int8 weights, whose
         activations are quantized with one scale per batch."""
+        return self._hypotheses(texts, max_tokens, progress, generator, options)
+
+    def _hypotheses(
+        self, texts: Iterable[str], max_tokens: int, progress: Callable[[int], None] | None,
+        generator: torch.Generator | None, options: dict[str, Any],
+        say_cut: Callable[[DecodeConfig, list[str], list[int]], None] | None = None,
+    ) -> list[list[Translation]]:
+        """`hypotheses`; `say_cut(config, texts, cut)` is told the indices of the texts that `min_len` cuts
+        (`cut_by_min_len`), in place of a warning each call: a stream says it once."""
         config = self.decode_config(**options)
         texts = text_list(texts)
         check_count("max_tokens", max_tokens)
@@ -314,7 +323,12 @@ class Translator:
         ids = self.source_ids(texts)  # checked before any batch: a stream's output stays whole up to here
         out: list[list[Translation]] = [[] for _ in texts]
         todo = [i for i, s in enumerate(ids) if s]
-        self._warn_min_len_past_limits(config, [texts[i] for i in todo], [len(ids[i]) for i in todo])
+        cut = [todo[j] for j in self.cut_by_min_len(config, [len(ids[i]) for i in todo])]
+        if cut and say_cut is not None:
+            say_cut(config, texts, cut)
+        elif cut:
+            first = texts[cut[0]][:40]
+            log.warning(cut_by_min_len_warning(config, f"{len(cut)} text(s), the first {first!r}"))
         rows = config.n_best if config.sample else config.beam
         for batch in length_sorted_batches([len(ids[i]) for i in todo], max_tokens, rows):
             chosen = [todo[j] for j in batch]
@@ -330,17 +344,14 @@ class Translator:
             progress(len(texts) - len(todo))  # the empty lines, done without the model
         return out
 
-    def _warn_min_len_past_limits(self, config: DecodeConfig, texts: list[str], lengths: list[int]) -> None:
-        """With max_len_a, the length limit is each sentence's own: `decode_config` cannot refuse a min_len
-        that leaves one no room for EOS, and every such output came out cut, without EOS, silently."""
+    def cut_by_min_len(self, config: DecodeConfig, lengths: list[int]) -> list[int]:
+        """Which of these source lengths leave `min_len` no room for EOS. With max_len_a, the length limit is
+        each sentence's own: `decode_config` cannot refuse such a min_len, and every such output came out
+        cut, without EOS, silently."""
         if not config.min_len or not config.max_len_a:
-            return
+            return []
         limits = config.max_lengths(lengths, self.model.config.max_len)
-        short = [t for t, limit in zip(texts, limits) if limit <= config.min_len]
-        if short:
-            log.warning("min_len=%d leaves no room for EOS in the length limit (%g x source length + %d) "
-                        "of %d text(s), the first %r: they end cut, without EOS", config.min_len,
-                        config.max_len_a, config.max_len_b, len(short), short[0][:40])
+        return [i for i, limit in enumerate(limits) if limit <= config.min_len]
 
     @contextmanager
     def _batch(self, chosen: list[int], **oom: Any) -> Iterator[None]:
@@ -585,6 +596,12 @@ def lines_text(n: int) -> str:
     return f"{n:,} line{'' if n == 1 else 's'}"
 
 
+def cut_by_min_len_warning(config: DecodeConfig, which: str) -> str:
+    """What to say of the texts `which` that `config.min_len` leaves no room for EOS."""
+    return (f"min_len={config.min_len} leaves no room for EOS in the length limit ({config.max_len_a:g} x "
+            f"source length + {config.max_len_b}) of {which}: they end cut, without EOS")
+
+
 def translate_stream(
     translator: Translator, src: BinaryIO, dst: TextIO, name: str, chunk: int = 10_000,
     max_tokens: int = 4096, progress: Callable[[int], None] | None = None, **options: Any,
@@ -608,9 +625,18 @@ def translate_stream(
     generator = sampling_generator(config, translator.device) if config.sample else None
     reproducible = config.sample and config.seed is not None  # batches must not follow a pipe's timing
     done = 0
+    said = False
+
+    def say_cut(config: DecodeConfig, lines: list[str], cut: list[int]) -> None:
+        nonlocal said  # once for the stream: every chunk of 6 lines in 2s had said it again
+        if not said:
+            first = f"{name} line {done + cut[0] + 1} ({lines[cut[0]][:40]!r})"
+            log.warning(cut_by_min_len_warning(config, f"{first} and any line as short"))
+        said = True
+
     for lines in read_utf8_lines(src, name, chunk, whole_chunks=reproducible):
         try:
-            translated = translator.hypotheses(lines, max_tokens, progress, generator, **options)
+            translated = translator._hypotheses(lines, max_tokens, progress, generator, options, say_cut)
         except TextError as e:  # a sentence too long, a batch out of memory: named by its line
             raise e.located(name, done) from None
         for i, hyps in enumerate(translated):

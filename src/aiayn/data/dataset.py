@@ -772,22 +772,16 @@ def _train_spm(
     lines: Iterable[str], prefix: Path, vocab_size: int, model_type: str,
     normalization: str = "nmt_nfkc", character_coverage: float = 1.0,
 ) -> Path:
-    """train_sentencepiece, with SentencePiece's refusals (RuntimeError) as a line naming the setting, and
-    what reading the lines raised (a UserError naming the file, Ctrl-C, MemoryError) raised as itself:
-    SentencePiece wraps it in a RuntimeError ("INTERNAL: KeyboardInterrupt: ..."), which Ctrl-C's exit
-    status 130 became a vocabulary error's 2."""
-    raised: list[BaseException] = []
+    """train_sentencepiece, with SentencePiece's refusals (RuntimeError) as a line naming the setting.
+    What reading the lines raises (a UserError naming the file, Ctrl-C, MemoryError) comes out as itself:
+    they are read here, and sent to SentencePiece's process (in its own, SentencePiece wrapped it in a
+    RuntimeError, "INTERNAL: KeyboardInterrupt: ...", which Ctrl-C's exit status 130 became a vocabulary
+    error's 2)."""
     try:
-        path = train_sentencepiece(_noting_errors(lines, raised), prefix, vocab_size, model_type,
+        return train_sentencepiece(lines, prefix, vocab_size, model_type,
                                    character_coverage=character_coverage, normalization=normalization)
     except RuntimeError as e:  # "INTERNAL: trainer_interface.cc(638) [check] Vocabulary size is smaller ..."
-        if raised:
-            raise raised[0] from None
         raise UserError(_refusal(str(e), vocab_size, character_coverage)) from None
-    if raised:  # in case a SentencePiece went on to train on the lines read before the error
-        path.unlink()
-        raise raised[0]
-    return path
 
 
 def _refusal(error: str, vocab_size: int, character_coverage: float) -> str:
@@ -824,18 +818,6 @@ def _too_many_characters(vocab_size: int, needed: int, character_coverage: float
         fix += f", or lower data.character_coverage ({MIN_CHARACTER_COVERAGE} at the lowest)"
     return (f"data.vocab_size={vocab_size}: the text has {needed - 4} distinct characters{covered}, too many "
             f"for the vocabulary and its 4 special pieces; {fix}")
-
-
-def _noting_errors(lines: Iterable[str], errors: list[BaseException]) -> Iterator[str]:
-    """`lines`; what one raises goes into `errors`, then on into SentencePiece, which stops reading at
-    once (stopping the lines instead, it trained on those read so far: minutes on WMT, after a Ctrl-C)."""
-    try:
-        yield from lines
-    except GeneratorExit:  # closed by its reader: no error
-        raise
-    except BaseException as e:  # KeyboardInterrupt and MemoryError too: each is raised as itself
-        errors.append(e)
-        raise
 
 
 ROUND_TRIP_SAMPLE = 2000  # lines per side checked after training a tokenizer

@@ -7,10 +7,15 @@ and with separate vocabularies a second one for the target side, `tgt_vocab`.
 
 from __future__ import annotations
 
-import io
+import contextlib
 import os
+import pickle
+import signal
+import subprocess
+import sys
+from itertools import islice
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import IO, Iterable, Sequence
 
 import sentencepiece as spm
 
@@ -188,37 +193,91 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
     return sp
 
 MAX_LINE_BYTES = 2**16  # longest line SentencePiece learns from; far past any data.max_len in tokens
+CHILD = Path(__file__).with_name("spm_child.py")  # the process SentencePiece trains in
+CHUNK_LINES = 10_000  # lines sent to it at a time
 
 
 def train_sentencepiece(
     lines: Iterable[str], prefix: str | Path, vocab_size: int, model_type: str = "bpe",
     character_coverage: float = 1.0, normalization: str = "nmt_nfkc",
 ) -> Path:
-    """Train a SentencePiece model on every one of `lines`; write `prefix`.model and return its path.
-    SentencePiece holds them all: a caller with more than SEED_SENTENCES samples them first, as
-    `train_tokenizer` does. SentencePiece's own sampling (input_sentence_size) draws from a generator no
-    seed reaches: two runs of one configuration trained different models.
-
-    Ids are fixed: pad=0, bos=1, eos=2, unk=3, so that batches pad with 0. `hard_vocab_limit=False`
-    lets a small corpus end with fewer pieces than asked instead of failing. `normalization` is the
-    rule the model applies to text (SentencePiece's `normalization_rule_name`): "nmt_nfkc", its
-    default, turns a zero-width non-joiner into a space; "nfkc" keeps it; "identity" changes nothing.
-    """
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type=model_type,
-        character_coverage=character_coverage, normalization_rule_name=normalization,
-        pad_id=0, bos_id=1, eos_id=2, unk_id=3,
-        hard_vocab_limit=False, input_sentence_size=0,  # 0: every line, no sample of SentencePiece's
-        max_sentence_length=MAX_LINE_BYTES,  # its default, 4,192, left longer lines out silently
-        num_threads=2, minloglevel=2,
-    )
+    """Train a SentencePiece model on every one of `lines` (`sentencepiece_model`); write `prefix`.model
+    and return its path."""
+    model = sentencepiece_model(lines, vocab_size, model_type, character_coverage, normalization)
     path = Path(f"{prefix}.model")
     tmp = temporary_path(path)  # a killed writer's is removed by the next run
     try:
-        tmp.write_bytes(model.getvalue())
+        tmp.write_bytes(model)
         os.replace(tmp, path)  # atomic: a kill mid-write never leaves a truncated model behind
     except OSError as e:  # a full disk or a read-only directory: one line, and no half-written model left
         tmp.unlink(missing_ok=True)
         raise UserError(f"{path}: cannot write the SentencePiece model ({e.strerror or e})") from None
     return path
+
+
+def sentencepiece_model(
+    lines: Iterable[str], vocab_size: int, model_type: str = "bpe", character_coverage: float = 1.0,
+    normalization: str = "nmt_nfkc",
+) -> bytes:
+    """The bytes of a SentencePiece model trained on every one of `lines`. SentencePiece holds them all: a
+    caller with more than SEED_SENTENCES samples them first, as `train_tokenizer` does. SentencePiece's own
+    sampling (input_sentence_size) draws from a generator no seed reaches: two runs of one configuration
+    trained different models.
+
+    Ids are fixed: pad=0, bos=1, eos=2, unk=3, so that batches pad with 0. `hard_vocab_limit=False`
+    lets a small corpus end with fewer pieces than asked instead of failing. `normalization` is the
+    rule the model applies to text (SentencePiece's `normalization_rule_name`): "nmt_nfkc", its
+    default, turns a zero-width non-joiner into a space; "nfkc" keeps it; "identity" changes nothing.
+
+    It trains in a child process (spm_child.py), fed `lines` as they are read: its C++ held off a Ctrl-C
+    here until it was done. Any exception here (KeyboardInterrupt, what reading `lines` raises, a CLI
+    command's SIGTERM) kills the child at once; SentencePiece's refusal is a RuntimeError with its
+    message, as its own call raised."""
+    options = {
+        "vocab_size": vocab_size, "model_type": model_type, "character_coverage": character_coverage,
+        "normalization_rule_name": normalization, "pad_id": 0, "bos_id": 1, "eos_id": 2, "unk_id": 3,
+        "hard_vocab_limit": False, "input_sentence_size": 0,  # 0: every line, no sample of SentencePiece's
+        "max_sentence_length": MAX_LINE_BYTES,  # its default, 4,192, left longer lines out silently
+        "num_threads": 2, "minloglevel": 2,
+    }
+    # -I: none of the user's site or PYTHON* variables; the child takes this process's sys.path instead.
+    # Its own session: a terminal's Ctrl-C reaches this process alone, which ends the child.
+    child = subprocess.Popen([sys.executable, "-I", str(CHILD)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        _send(child.stdin, lines, options)
+        reply = child.stdout.read()
+        child.wait()
+    finally:
+        if child.returncode is None:
+            child.kill()
+            child.wait()
+        for stream in (child.stdin, child.stdout):
+            with contextlib.suppress(OSError):  # a stdin the child stopped reading: its unsent rest
+                stream.close()
+    return _model_of(reply, child.returncode)
+
+
+def _send(stream: IO[bytes], lines: Iterable[str], options: dict) -> None:
+    """`lines` and what to do with them, to spm_child.py; the lines as they are read, so that neither
+    process holds them twice."""
+    try:
+        pickle.dump((sys.path, os.getpid(), options), stream)
+        it = iter(lines)
+        while chunk := list(islice(it, CHUNK_LINES)):
+            pickle.dump(chunk, stream)
+        pickle.dump(None, stream)  # the end: a child that reads no None trains nothing
+        stream.close()
+    except BrokenPipeError:  # it stopped reading: SentencePiece refused before the end, its reply says why
+        pass
+
+
+def _model_of(reply: bytes, status: int) -> bytes:
+    if not reply:  # killed (out of memory?), or a Python error of its own, printed above
+        how = f"killed by {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
+        raise UserError(f"SentencePiece's training failed: its process ended ({how})")
+    kind, value = pickle.loads(reply)
+    if kind == "refused":
+        raise RuntimeError(value)
+    return value
+

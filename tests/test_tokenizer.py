@@ -79,3 +79,28 @@ def test_the_model_is_sentencepieces_own_byte_for_byte():
 def test_sentencepieces_refusal_is_its_runtime_error():
     with pytest.raises(RuntimeError, match=r"Vocabulary size is smaller than required_chars\. 10 vs 31"):
         sentencepiece_model(["abcdefghijklmnopqrstuvwxyz"], 10)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="names flushed files through /proc")
+def test_the_model_is_on_disk_before_its_name(tmp_path, monkeypatch):
+    """spm.model was written and renamed into place unflushed: after a power loss the name could hold an
+    empty file, which every later run refused. Its bytes are flushed before the rename, the rename after."""
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def noted_fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    def noted_replace(src, dst):
+        events.append(("replace", Path(src), Path(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", noted_fsync)
+    monkeypatch.setattr(os, "replace", noted_replace)
+    path = train_sentencepiece(made_up_text(100), tmp_path / "spm", 100)
+    renames = [e for e in events if e[0] == "replace" and e[2] == path]
+    assert len(renames) == 1
+    at = events.index(renames[0])
+    assert ("fsync", renames[0][1]) in events[:at] and ("fsync", tmp_path) in events[at:]
+    assert spm.SentencePieceProcessor(model_file=str(path)).get_piece_size() == 100

@@ -801,17 +801,17 @@ def test_a_full_run_dir_is_one_line_before_training(tmp_path, capsys, monkeypatc
 # 5. A full disk: one line naming the file, no temporary file left.
 
 
-def full_disk_write(self, data):
-    """Path.write_bytes on a disk that fills up after 10 bytes."""
-    with open(self, "wb") as f:
-        f.write(data[:10])
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
-
-
 def test_a_full_disk_while_saving_the_tokenizer(tmp_path, monkeypatch):
     config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
-    monkeypatch.setattr(Path, "write_bytes", full_disk_write)
-    with pytest.raises(UserError, match=r"spm\.model: cannot write the SentencePiece model \(No space left"):
+    fsync = os.fsync
+
+    def full_disk_fsync(fd):  # what a disk that filled up says when the model's blocks are flushed
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).name.startswith(".spm.model."):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk_fsync)
+    with pytest.raises(UserError, match=r"spm\.model: cannot write \(No space left"):
         train(config)
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if "spm" in p.name) == []
 

@@ -20,7 +20,7 @@ from typing import IO, Iterable, Sequence
 import sentencepiece as spm
 
 from aiayn.errors import CorruptFile, UserError
-from aiayn.files import atomic_output, temporary_path
+from aiayn.files import atomic_output
 
 SHARED, SOURCE, TARGET = "spm.model", "source.spm", "target.spm"
 SEED_SENTENCES = 2_000_000  # sentences a model is trained on at most: of more, a seeded sample (dataset.py)
@@ -160,8 +160,7 @@ class Tokenizer:
         src, tgt = self.models()
         files = {"source": SHARED} if tgt is None else {"source": SOURCE, "target": TARGET}
         for name, data in zip(files.values(), (src, tgt)):
-            with atomic_output(directory / name, binary=True) as f:
-                f.write(data)
+            write_model(directory / name, data)
         specials = dict(pad=self.pad_id, bos=self.bos_id, eos=self.eos_id, unk=self.unk_id)
         description = {"files": files, "vocab": self.vocab, "specials": specials}
         if self.tgt_vocab is not self.vocab:
@@ -202,16 +201,9 @@ def train_sentencepiece(
     character_coverage: float = 1.0, normalization: str = "nmt_nfkc",
 ) -> Path:
     """Train a SentencePiece model on every one of `lines` (`sentencepiece_model`); write `prefix`.model
-    and return its path."""
-    model = sentencepiece_model(lines, vocab_size, model_type, character_coverage, normalization)
+    (`write_model`) and return its path."""
     path = Path(f"{prefix}.model")
-    tmp = temporary_path(path)  # a killed writer's is removed by the next run
-    try:
-        tmp.write_bytes(model)
-        os.replace(tmp, path)  # atomic: a kill mid-write never leaves a truncated model behind
-    except OSError as e:  # a full disk or a read-only directory: one line, and no half-written model left
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"{path}: cannot write the SentencePiece model ({e.strerror or e})") from None
+    write_model(path, sentencepiece_model(lines, vocab_size, model_type, character_coverage, normalization))
     return path
 
 
@@ -281,3 +273,11 @@ def _model_of(reply: bytes, status: int) -> bytes:
         raise RuntimeError(value)
     return value
 
+
+def write_model(path: Path, model: bytes) -> None:
+    """Write a SentencePiece model's bytes to `path` whole or not at all, and durably (`atomic_output`:
+    flushed to disk before and after the rename; renamed unflushed, a power loss could leave an empty
+    spm.model). An OSError is a UserError naming `path`; a killed writer's temporary is removed by the
+    next run."""
+    with atomic_output(path, binary=True) as f:
+        f.write(model)

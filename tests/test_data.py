@@ -28,7 +28,7 @@ from aiayn.data.dataset import (
     scan_parallel,
     train_tokenizer,
 )
-from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.data.tokenizer import Tokenizer, sentencepiece_model
 from aiayn.errors import UserError
 
 
@@ -160,7 +160,7 @@ def test_sentencepieces_other_refusals_are_one_line(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("INTERNAL: trainer_interface.cc(1) [check] it went\nwrong\n\nAt:\n  x.py(5): it\n")
 
-    monkeypatch.setattr(dataset, "train_sentencepiece", refuse)
+    monkeypatch.setattr(dataset, "sentencepiece_model", refuse)
     with pytest.raises(UserError) as e:
         train_tokenizer(ParallelText(["eins"], ["one"], 0), tmp_path, 40)
     assert str(e.value) == ("data.vocab_size=40: SentencePiece cannot train on this text "
@@ -170,9 +170,29 @@ def test_sentencepieces_other_refusals_are_one_line(tmp_path, monkeypatch):
 def test_a_text_of_no_character_sentencepiece_keeps_is_said_so(tmp_path):
     """Lines of U+FFFD alone: "data.vocab_size=300: SentencePiece cannot train on this text (RuntimeError)"
     blamed the vocabulary and dropped SentencePiece's reason (all_chars_count > 0)."""
-    with pytest.raises(UserError, match="^SentencePiece found no character to learn from: the training text "
-                                        "holds none it keeps"):
+    with pytest.raises(UserError, match="^source side: SentencePiece found no character to learn from: the "
+                                        "training text holds none it keeps"):
         train_tokenizer(ParallelText(["\ufffd"] * 50, ["\ufffd"] * 50, 0), tmp_path, 40, shared=False)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_side_sentencepiece_refuses_is_named_and_nothing_is_left(tmp_path, shared):
+    """With a vocabulary per side, "data.vocab_size=100: the text has 301 distinct characters..." said not
+    which, and the source's model, trained first, stayed as RUN/source.model: no name the cleanup knows,
+    and none a later run reads. Ctrl-C between the two trainings left it too."""
+    r = random.Random(0)
+    chinese = ["".join(r.choices([chr(0x4E00 + i) for i in range(300)], k=20)) for _ in range(400)]
+    src = write(tmp_path / "train.en", [f"sentence number {i} about a dog" for i in range(400)])
+    tgt = write(tmp_path / "train.zh", chinese)
+    with pytest.raises(UserError) as e:
+        train_tokenizer(scan_parallel(src, tgt), tmp_path / "run", 100, shared=shared)
+    side = "" if shared else f"target side ({tgt}): "
+    assert str(e.value).startswith(f"{side}data.vocab_size=100: the text has ")
+    assert list((tmp_path / "run").iterdir()) == []
+    interrupted = RaisingLines(chinese, 200, KeyboardInterrupt())  # once the source's model is trained
+    with pytest.raises(KeyboardInterrupt):
+        train_tokenizer(ParallelText(read_lines(src), interrupted, 0), tmp_path / "run", 100, shared=shared)
+    assert list((tmp_path / "run").iterdir()) == []
 
 
 def test_fewer_pieces_than_asked_are_said(tmp_path, corpus_files, caplog):
@@ -206,12 +226,12 @@ import hashlib, sys
 from aiayn.data import dataset
 dataset.SEED_SENTENCES = 300
 fed = []
-train_sentencepiece = dataset.train_sentencepiece
+sentencepiece_model = dataset.sentencepiece_model
 def counted(lines, *args, **kwargs):
     lines = list(lines)
     fed.append(len(lines))
-    return train_sentencepiece(lines, *args, **kwargs)
-dataset.train_sentencepiece = counted
+    return sentencepiece_model(lines, *args, **kwargs)
+dataset.sentencepiece_model = counted
 tokenizer = dataset.train_tokenizer(dataset.scan_parallel(sys.argv[1], sys.argv[2]), sys.argv[3], 200, seed=7)
 print(fed, hashlib.sha256(tokenizer.src_path.read_bytes()).hexdigest())
 """
@@ -234,9 +254,9 @@ def test_the_sample_is_its_size_of_the_same_lines_held_or_streamed(tmp_path, mon
 
     def counted(lines, *args, **kwargs):
         fed.append(list(lines))
-        return train_sentencepiece(fed[-1], *args, **kwargs)
+        return sentencepiece_model(fed[-1], *args, **kwargs)
 
-    monkeypatch.setattr(dataset, "train_sentencepiece", counted)
+    monkeypatch.setattr(dataset, "sentencepiece_model", counted)
     held = read_parallel(src, tgt)
     train_tokenizer(held, tmp_path / "held", 200, shared=shared, seed=7)
     train_tokenizer(scan_parallel(src, tgt), tmp_path / "files", 200, shared=shared, seed=7)

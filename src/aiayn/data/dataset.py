@@ -35,7 +35,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from aiayn.data.tokenizer import (
-    MAX_LINE_BYTES, MIN_CHARACTER_COVERAGE, SEED_SENTENCES, Tokenizer, train_sentencepiece,
+    MAX_LINE_BYTES, MIN_CHARACTER_COVERAGE, SEED_SENTENCES, SHARED, SOURCE, TARGET, Tokenizer,
+    sentencepiece_model, write_model,
 )
 from aiayn.errors import UserError
 from aiayn.files import atomic_output, fsync_dir, fsync_file, new_file_mode, require_file, temporary_path
@@ -715,17 +716,16 @@ def train_tokenizer(
                  "minutes", n, SEED_SENTENCES)
     if shared:  # chained, not text.src + text.tgt: no second list of every sentence
         lines = _sampled(chain(text.src, text.tgt), 2 * n, seed)
-        path = _train_spm(lines, directory / "spm", vocab_size, model_type, **settings)
-        tokenizer = Tokenizer(path)
+        write_model(directory / SHARED, _train_spm(lines, vocab_size, model_type, **settings))
+        tokenizer = Tokenizer(directory / SHARED)
     else:  # one seed: both models learn from the same pairs
-        src = _train_spm(_sampled(text.src, n, seed), directory / "source", vocab_size, model_type,
-                         **settings)
-        tgt = _train_spm(_sampled(text.tgt, n, seed), directory / "target", vocab_size, model_type,
-                         **settings)
-        # Tokenizer.save names them source.spm / target.spm; keep those names in the run directory too.
-        os.replace(src, directory / "source.spm")
-        os.replace(tgt, directory / "target.spm")
-        tokenizer = Tokenizer(directory / "source.spm", directory / "target.spm")
+        # Both trained before either is written: a refused target, or a kill between the two, left the
+        # source's model behind under a name no cleanup knew (source.model)
+        models = [_train_spm(_sampled(lines, n, seed), vocab_size, model_type, _side(side, lines), **settings)
+                  for side, lines in (("source", text.src), ("target", text.tgt))]
+        for name, model in zip((SOURCE, TARGET), models):  # Tokenizer.save's names
+            write_model(directory / name, model)
+        tokenizer = Tokenizer(directory / SOURCE, directory / TARGET)
     _warn_if_normalization_changes_text(tokenizer, text, normalization)
     _warn_if_fewer_pieces(tokenizer, vocab_size)
     return tokenizer
@@ -769,19 +769,24 @@ def _sample_flags(n: int, k: int, seed: int) -> Iterator[bool]:
 
 
 def _train_spm(
-    lines: Iterable[str], prefix: Path, vocab_size: int, model_type: str,
+    lines: Iterable[str], vocab_size: int, model_type: str, side: str = "",
     normalization: str = "nmt_nfkc", character_coverage: float = 1.0,
-) -> Path:
-    """train_sentencepiece, with SentencePiece's refusals (RuntimeError) as a line naming the setting.
-    What reading the lines raises (a UserError naming the file, Ctrl-C, MemoryError) comes out as itself:
-    they are read here, and sent to SentencePiece's process (in its own, SentencePiece wrapped it in a
-    RuntimeError, "INTERNAL: KeyboardInterrupt: ...", which Ctrl-C's exit status 130 became a vocabulary
-    error's 2)."""
+) -> bytes:
+    """sentencepiece_model, with SentencePiece's refusals (RuntimeError) as a line naming the setting and,
+    for one of two models, the `side` it is. What reading the lines raises (a UserError naming the file,
+    Ctrl-C, MemoryError) comes out as itself: they are read here, and sent to SentencePiece's process (in
+    its own, SentencePiece wrapped it in a RuntimeError, "INTERNAL: KeyboardInterrupt: ...", which Ctrl-C's
+    exit status 130 became a vocabulary error's 2)."""
     try:
-        return train_sentencepiece(lines, prefix, vocab_size, model_type,
-                                   character_coverage=character_coverage, normalization=normalization)
+        return sentencepiece_model(lines, vocab_size, model_type, character_coverage, normalization)
     except RuntimeError as e:  # "INTERNAL: trainer_interface.cc(638) [check] Vocabulary size is smaller ..."
-        raise UserError(_refusal(str(e), vocab_size, character_coverage)) from None
+        refusal = _refusal(str(e), vocab_size, character_coverage)
+        raise UserError(f"{side}: {refusal}" if side else refusal) from None
+
+
+def _side(side: str, lines: list[str] | KeptLines) -> str:
+    """"target side (train.en)": which model of two SentencePiece refused, and its file when streamed."""
+    return f"{side} side ({lines.path})" if isinstance(lines, KeptLines) else f"{side} side"
 
 
 def _refusal(error: str, vocab_size: int, character_coverage: float) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.data import dataset
+from aiayn.data import dataset, tokenizer
 from aiayn.data.dataset import (
     EncodedCorpus,
     load_encoded,
@@ -110,12 +110,14 @@ def test_a_tokenizer_streamed_from_the_files_is_the_one_trained_on_their_text(
 def test_a_tokenizer_trained_from_the_files_does_not_hold_their_text(tmp_path, monkeypatch, sampled):
     """read_parallel held the text as Python strings (0.44 GB per million WMT-length pairs): 1.75x the
     strings' bytes at the peak of training here. scan_parallel holds a byte per pair, and a block of
-    lines at a time while SentencePiece reads them. Scaled down: blocks of 64 KiB and a normalization
-    sample of 200 lines of 20,000 pairs, as 4 MiB and 2,000 are of millions. `sampled`: a model's sample
-    of 10,000 of the 40,000 lines, its flags drawn 4,096 at a time, holds no more."""
+    lines at a time while SentencePiece reads them. Scaled down: blocks of 64 KiB, chunks of 16 lines sent
+    to SentencePiece's process and a normalization sample of 200 lines of 20,000 pairs, as 4 MiB, 1,000
+    and 2,000 are of millions. `sampled`: a model's sample of 10,000 of the 40,000 lines, its flags drawn
+    4,096 at a time, holds no more."""
     src, tgt = made_up_corpus(tmp_path, 20_000)
     monkeypatch.setattr(dataset, "READ_BLOCK", 1 << 16)
     monkeypatch.setattr(dataset, "ROUND_TRIP_SAMPLE", 200)
+    monkeypatch.setattr(tokenizer, "CHUNK_LINES", 16)
     if sampled:
         monkeypatch.setattr(dataset, "SEED_SENTENCES", 10_000)
         monkeypatch.setattr(dataset, "SAMPLE_BLOCK", 4096)

@@ -84,7 +84,8 @@ def test_a_signal_to_the_ensemble_script_stops_its_members_too(monkeypatch):
     # killed by it, the members saved nothing (still preparing their data): it said each saved its update
     assert "saved its update" not in str(e.value) and "exit codes [-15, -15]" in str(e.value)
 
-    saving = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); time.sleep(60)"
+    saving = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); "
+              "time.sleep(60)")
     members = [subprocess.Popen([sys.executable, "-c", saving]) for _ in range(2)]
     time.sleep(1.0)  # their handlers in place
     threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
@@ -155,7 +156,8 @@ def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, 
     assert err.startswith("run.py: error: ") and "--partner train.seed=3" in err and err.count("\n") == 1
     assert run.main([*base, "--partner", "train.foo=1"]) == 2
     err = capsys.readouterr().err  # was named --set's, though no --set said it
-    assert err.startswith("run.py: error: --partner 'train.foo=1': unknown train key 'foo'") and "--set" not in err
+    assert err.startswith("run.py: error: --partner 'train.foo=1': unknown train key 'foo'")
+    assert "--set" not in err
     assert run.main([*base, "--partner", "train.log_every=7"]) == 2  # bookkeeping: the same weights
     capsys.readouterr()
     assert run.main([*base, "--partner", "data.normalization=nmt_nfkc"]) == 2  # the default written: compared

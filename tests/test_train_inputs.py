@@ -852,7 +852,8 @@ def test_settings_that_read_the_validation_set_need_one(tmp_path, setting):
     """They were silently ignored without one."""
     _, sets = tiny_config(tmp_path, tmp_path / "run")
     no_valid = [s for s in sets if not s.startswith("data.valid_")]
-    message = rf"^--set 'train\.{setting}': train\.{setting} needs a validation set \("  # the --set, not the file
+    # the --set, not the file
+    message = rf"^--set 'train\.{setting}': train\.{setting} needs a validation set \("
     with pytest.raises(ConfigError, match=message):
         load_config(None, no_valid + [f"train.{setting}"])
 

@@ -158,6 +158,12 @@ def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, 
     err = capsys.readouterr().err  # was named --set's, though no --set said it
     assert err.startswith("run.py: error: --partner 'train.foo=1': unknown train key 'foo'")
     assert "--set" not in err
+    # valid with the --set beside it (the check left --set out, and refused it), then named as --partner's
+    with pytest.raises(AssertionError, match="trained"):
+        run.main([*base, "--set", "data.max_len=64", "--partner", "train.max_tokens=100"])
+    assert run.main([*base, "--partner", "train.max_tokens=100"]) == 2
+    err = capsys.readouterr().err
+    assert "--partner 'train.max_tokens=100': data.max_len=128 does not fit" in err, err
     assert run.main([*base, "--partner", "train.log_every=7"]) == 2  # bookkeeping: the same weights
     capsys.readouterr()
     assert run.main([*base, "--partner", "data.normalization=nmt_nfkc"]) == 2  # the default written: compared

@@ -150,7 +150,7 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
         """What the members did with the signal: a training saves its update and exits 130 or 143; one
         still preparing its data had nothing to save (it was said to have saved)."""
         codes = stop_all()
-        saved = all(c in (128 + signal.SIGINT, 128 + signal.SIGTERM) for c in codes)
+        saved = all(c in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) for c in codes)  # 0: had finished
         what = ("each member saved its update; --resume continues" if saved else
                 f"exit codes {codes}: a member stopped before its first update had nothing to save; "
                 "--resume continues from each member's last checkpoint, or starts it again")
@@ -237,12 +237,13 @@ def member_configs(args: argparse.Namespace, config: RunConfig,
     if not args.ensemble:
         return [config], []
     overrides = member_overrides(args, Path(config.train.run_dir), config.train.threads)
-    if args.partner:  # merged into the member's --set below, a bad one was reported as --set's
-        try:
-            load_config(HERE / f"{args.pair}.toml", [*data_keys, *args.partner])
-        except ConfigError as e:
-            raise ConfigError(str(e).replace("--set", "--partner")) from None
-    members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m]) for m in overrides]
+    try:
+        members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m]) for m in overrides]
+    except ConfigError as e:  # the partner's overrides go in as --set items: a bad one was named --set's
+        message = str(e)
+        for item in args.partner or []:
+            message = message.replace(f"--set {item!r}", f"--partner {item!r}")
+        raise ConfigError(message) from None
     if not args.no_train:  # --no-train scores runs trained already, however they were configured
         check_members_differ(members)
     return members, overrides

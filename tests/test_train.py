@@ -262,6 +262,8 @@ def test_bad_inputs_give_one_line(tmp_path, capsys):
     assert code == 2 and "already holds checkpoints; pass --resume" in line
     code, line = run_cli(capsys, "train", *args, "--resume", "--set", "model.d_model=64")
     assert code == 2 and "checkpoint from an incompatible model (d_model=32, this run has 64)" in line
+    # what the saved None means, written out: the same model (refused as n_decoder_layers=None against 1)
+    assert run_cli(capsys, "train", *args, "--resume", "--set", "model.n_decoder_layers=1")[0] == 0
     code, line = run_cli(capsys, "train", *args, "--resume", "--set", "model.dropout=0.0")
     assert code == 2 and "(dropout=0.1, this run has 0.0); --resume keeps the model's settings; to train" in line
     for setting, message in (("train.seed=7", "trained with train.seed=1, resumed with 7; keep it"),

@@ -1486,7 +1486,10 @@ def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path):
     (b'[data]\ntrain_src = "a"\nvocab_size = 20\xff0\n', r"bad\.toml:3: invalid UTF-8 \(byte 0xff\)$"),
     ("[data]\nvocab_size = 200\n".encode("utf-16"),
      r"bad\.toml:1: invalid UTF-8 \(byte 0xff\); the file looks like UTF-16; convert it to UTF-8"),
-], ids=["bad-byte", "utf-16"])
+    # ASCII in UTF-16 without a byte order mark is valid UTF-8 with NULs: it was "not valid TOML (...)"
+    ("[data]\nvocab_size = 200\n".encode("utf-16-le"),
+     r"bad\.toml:1: NUL byte \(binary or corrupt input\?\); the file looks like UTF-16 without a byte order"),
+], ids=["bad-byte", "utf-16", "utf-16-no-bom"])
 def test_a_config_that_is_not_utf8_is_named_by_line(tmp_path, content, message):
     """It was "not valid TOML ('utf-8' codec can't decode byte 0xff in position 46: ...)", for UTF-16 too."""
     path = tmp_path / "bad.toml"
@@ -1660,3 +1663,12 @@ def test_another_label_smoothing_on_resume_starts_the_best_loss_again(finished_r
             "start again") in caplog.messages
     state = json.loads((run / "checkpoints" / "step_000006" / "trainer.json").read_text())["state"]
     assert state["best_step"] == 6 and state["best_valid"] > best["best_valid"]  # on the new smoothing
+
+
+def test_key_lines_count_newlines_only():
+    """str.splitlines also split at U+2028, U+2029 and U+0085, which TOML allows in comments and strings:
+    every later key was named a line too far down."""
+    from aiayn.train.config import key_lines
+
+    text = '[data]\n# a note \u2028 and \u0085 more\nname = "x\u2029y"\r\nvocab_size = 4\n[train]\nseed = 1\n'
+    assert key_lines(text) == {"data": 1, "data.name": 3, "data.vocab_size": 4, "train": 5, "train.seed": 6}

@@ -177,7 +177,11 @@ def _decode(path: Path, block: bytes, newlines_before: int, head: bytes) -> str:
 def decode_utf8(path: Path | str, data: bytes) -> str:
     """All of a small file's bytes `data` as text (a config), or the UserError `read_lines` gives: the line
     of the first invalid byte, and what the file looks like (UTF-16, gzip) if a known other format."""
-    return _decode(Path(path), data, 0, data[:HEAD_BYTES])
+    text = _decode(Path(path), data, 0, data[:HEAD_BYTES])
+    if (nul := text.find("\0")) >= 0:  # valid UTF-8, as ASCII in UTF-16 without a byte order mark is
+        line = text.count("\n", 0, nul) + 1
+        raise UserError(f"{path}:{line}: NUL byte (binary or corrupt input?){looks_like(data[:HEAD_BYTES])}")
+    return text
 
 
 def _split_lines(text: str) -> list[str]:

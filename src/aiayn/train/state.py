@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from aiayn.checkpoint import META, enclosing_checkpoint, load_into, load_weights, read_meta, save_checkpoint
-from aiayn.config import ModelConfig, to_dict
+from aiayn.config import ModelConfig, resolved_settings, to_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import CorruptFile, UserError
 from aiayn.train.distributed import Dist
@@ -399,13 +399,15 @@ def check_compatible(path: Path, config: ModelConfig) -> None:
     saved = read_meta(path).get("model", {})
     if not isinstance(saved, dict):
         raise CorruptFile(f"{path / 'meta.json'}: corrupt checkpoint metadata ('model' is not a table)")
-    for key, value in to_dict(config).items():
-        if saved.get(key) != value:
+    mine = resolved_settings(to_dict(config))  # n_decoder_layers=6 restates a 6-layer run's None
+    theirs = resolved_settings({key: saved.get(key) for key in mine})
+    for key, value in mine.items():
+        if theirs[key] != value:
             # dropout changes no weight, but a resumed run continues the same training, bit for bit
             how = ("; to train on with another, fine-tune from the checkpoint (train.init_from)"
                    if key == "dropout" else "")
             raise UserError(
-                f"{path}: checkpoint from an incompatible model ({key}={saved.get(key)!r}, "
+                f"{path}: checkpoint from an incompatible model ({key}={theirs[key]!r}, "
                 f"this run has {value!r}); --resume keeps the model's settings{how}"
             )
 

@@ -365,7 +365,8 @@ def key_lines(text: str) -> dict[str, int]:
     lines: dict[str, int] = {}
     table: list[str] | None = []  # None: in an array of tables ([[x]]), which no section is
     in_string = False  # inside a multi-line string, whose lines may look like keys
-    # "\n" only: splitlines also splits at U+2028, U+2029 and U+0085, which TOML allows in comments and strings
+    # "\n" only: splitlines also splits at U+2028, U+2029 and U+0085, which TOML allows in comments and
+    # strings
     for n, line in enumerate(text.split("\n"), 1):
         opens = (line.count('"""') + line.count("'''")) % 2 == 1  # starts or ends one
         if in_string:

@@ -1672,3 +1672,15 @@ def test_key_lines_count_newlines_only():
 
     text = '[data]\n# a note \u2028 and \u0085 more\nname = "x\u2029y"\r\nvocab_size = 4\n[train]\nseed = 1\n'
     assert key_lines(text) == {"data": 1, "data.name": 3, "data.vocab_size": 4, "train": 5, "train.seed": 6}
+
+
+def test_key_lines_find_multiline_strings_by_where_they_start():
+    """Counting triple quotes on a line took one in a comment or a one-line string for the start of a
+    multi-line string: the [data] after it was skipped and its keys went unplaced."""
+    from aiayn.train.config import key_lines
+
+    text = ('[train]\nrun_dir = "r" # """\nseed = 1\n[data]\nname = \'"""\'\nvocab_size = 4\n'
+            'notes = """\nmax_len = 9\n[model]\n"""\nmax_len = 1\nitems = [\n  \'\'\'\n[x]\n\'\'\', "b"]\nd = 2\n')
+    assert key_lines(text) == {"train": 1, "train.run_dir": 2, "train.seed": 3, "data": 4, "data.name": 5,
+                               "data.vocab_size": 6, "data.notes": 7, "data.max_len": 11, "data.items": 12,
+                               "data.d": 16}

@@ -364,15 +364,14 @@ def key_lines(text: str) -> dict[str, int]:
     "data.max_len"."""
     lines: dict[str, int] = {}
     table: list[str] | None = []  # None: in an array of tables ([[x]]), which no section is
-    in_string = False  # inside a multi-line string, whose lines may look like keys
+    closing = None  # the delimiter of the multi-line string the line is in, whose lines may look like keys
     # "\n" only: splitlines also splits at U+2028, U+2029 and U+0085, which TOML allows in comments and
     # strings
     for n, line in enumerate(text.split("\n"), 1):
-        opens = (line.count('"""') + line.count("'''")) % 2 == 1  # starts or ends one
-        if in_string:
-            in_string = not opens
+        if closing is not None:
+            closing = None if closing in line else closing
             continue
-        in_string = opens
+        closing = _opens_multiline_string(line)
         if line.lstrip().startswith("[["):
             table = None
         elif header := _TABLE_LINE.match(line):
@@ -385,6 +384,18 @@ def key_lines(text: str) -> dict[str, int]:
                 for inner in _INLINE_KEY.finditer(line, key.end()):
                     _record(lines, path + _names(inner[1]), n)
     return lines
+
+
+def _opens_multiline_string(line: str) -> str | None:
+    """The delimiter of a multi-line string that starts on `line` and goes on past it: a value or an
+    array's item that starts with three quotes. Three quotes elsewhere (in a comment, a one-line string)
+    counted as one, and the keys after them were placed in the wrong table, or not at all."""
+    key = _KEY_LINE.match(line)
+    value = (line[key.end():] if key else line).lstrip().lstrip("[").lstrip()
+    for delimiter in ('"""', "'''"):
+        if value.startswith(delimiter) and delimiter not in value[3:]:
+            return delimiter
+    return None
 
 
 def _names(path: str) -> list[str]:

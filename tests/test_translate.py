@@ -1049,14 +1049,15 @@ def test_min_len_past_a_sentences_own_limit_is_said(checkpoint, caplog):
 def test_min_len_past_a_lines_own_limit_is_said_once_per_stream_in_flags(checkpoint, monkeypatch, capsys):
     """`aiayn translate` said it once per chunk (3 times for 6 piped lines in chunks of 2), in the
     library's words (min_len=10) and without the `aiayn:` of its other messages."""
-    lines = ["the number 3", "", "odd", "the number 4", "the number 5 is odd", "7"]
+    lines = ["the number 3 beam=5", "", "odd", "the number 4", "the number 5 is odd", "7"]  # beam=5: the
+    # line as written, not in flags (it was shown as "--beam 5")
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines) + "\n").encode())))
     args = ["--min-len", "10", "--max-len-a", "0.5", "--max-len-b", "1", "--beam", "1", "--chunk", "2"]
     assert main(["translate", str(checkpoint), *args]) == 0
     out, err = capsys.readouterr()
     assert len(out.split("\n")) == 7
     assert err == ("aiayn: warning: --min-len 10 leaves no room for EOS in the length limit (0.5 x source "
-                   "length + 1) of <stdin> line 1 ('the number 3') and any line as short: they end cut, "
+                   "length + 1) of <stdin> line 1 ('the number 3 beam=5') and any line as short: they end cut, "
                    "without EOS\n")
 
 

@@ -396,7 +396,9 @@ def _settings_as_flags():
 
     class Flags(logging.Formatter):
         def format(self, record: logging.LogRecord) -> str:
-            return "aiayn: warning: " + _as_flags(record.getMessage())
+            # the format alone: its arguments are the user's text (a line, a file name), as written
+            return "aiayn: warning: " + (_as_flags(str(record.msg)) % record.args if record.args else
+                                         _as_flags(record.getMessage()))
 
     handler = logging.StreamHandler(sys.stderr)  # the stderr of now: a test's captured one too
     handler.setFormatter(Flags())

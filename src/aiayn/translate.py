@@ -328,7 +328,7 @@ class Translator:
             say_cut(config, texts, cut)
         elif cut:
             first = texts[cut[0]][:40]
-            log.warning(cut_by_min_len_warning(config, f"{len(cut)} text(s), the first {first!r}"))
+            log.warning(cut_by_min_len_warning(config), f"{len(cut)} text(s), the first {first!r}")
         rows = config.n_best if config.sample else config.beam
         for batch in length_sorted_batches([len(ids[i]) for i in todo], max_tokens, rows):
             chosen = [todo[j] for j in batch]
@@ -596,10 +596,12 @@ def lines_text(n: int) -> str:
     return f"{n:,} line{'' if n == 1 else 's'}"
 
 
-def cut_by_min_len_warning(config: DecodeConfig, which: str) -> str:
-    """What to say of the texts `which` that `config.min_len` leaves no room for EOS."""
+def cut_by_min_len_warning(config: DecodeConfig) -> str:
+    """What to say of the texts that `config.min_len` leaves no room for EOS: a logging format whose one
+    `%s` says which, an argument that the CLI's flag names (`min_len=3` as `--min-len 3`) leave as it is
+    (a line holding "beam=5" was shown as "--beam 5")."""
     return (f"min_len={config.min_len} leaves no room for EOS in the length limit ({config.max_len_a:g} x "
-            f"source length + {config.max_len_b}) of {which}: they end cut, without EOS")
+            f"source length + {config.max_len_b}) of %s: they end cut, without EOS")
 
 
 def translate_stream(
@@ -631,7 +633,7 @@ def translate_stream(
         nonlocal said  # once for the stream: every chunk of 6 lines in 2s had said it again
         if not said:
             first = f"{name} line {done + cut[0] + 1} ({lines[cut[0]][:40]!r})"
-            log.warning(cut_by_min_len_warning(config, f"{first} and any line as short"))
+            log.warning(cut_by_min_len_warning(config), f"{first} and any line as short")
         said = True
 
     for lines in read_utf8_lines(src, name, chunk, whole_chunks=reproducible):

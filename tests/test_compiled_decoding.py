@@ -175,7 +175,7 @@ def test_no_cxx_compiler_is_said_before_compiling(monkeypatch):
     from aiayn.decoding import compiled
 
     monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: False)
-    no_compiler = r"^--compile needs a C\+\+ compiler \(g\+\+, c\+\+ or clang\+\+\) on PATH"
+    no_compiler = r"^--compile needs the C\+\+ compiler torch.compile's CPU code is built with, "
     with pytest.raises(UserError, match=no_compiler):
         prepare_for_inference(tiny_model(), compile=True)
     with pytest.raises(UserError, match=no_compiler):  # before the checkpoint is read (it is not there)
@@ -203,3 +203,20 @@ def test_a_failed_compilation_is_one_line():
             prepare_for_inference(tiny_model(d_model=48, n_heads=4), compile=True)
     assert "\n" not in str(e.value) and "C++ compiler" in str(e.value)
     assert inductor.fx_graph_cache is not False and inductor.cpp.cxx != ("/nonexistent/c++",)
+
+
+def test_the_compiler_checked_is_the_one_inductor_runs(monkeypatch):
+    """Any of g++, c++ or clang++ on PATH passed the check; inductor runs $CXX or g++ alone, and failed at
+    the first compiled call with "No working C++ compiler found"."""
+    from aiayn.decoding import compiled
+
+    on_path = {"c++", "clang++"}
+    monkeypatch.setattr(compiled.shutil, "which",
+                        lambda name: f"/usr/bin/{name}" if name in on_path else None)
+    monkeypatch.setattr(compiled.sys, "platform", "linux")
+    monkeypatch.delenv("CXX", raising=False)
+    assert not compiled.has_cxx_compiler() and "g++" in compiled.missing_compiler("--compile")
+    monkeypatch.setenv("CXX", "clang++")
+    assert compiled.has_cxx_compiler()
+    monkeypatch.setenv("CXX", "icpx")
+    assert not compiled.has_cxx_compiler() and "icpx" in compiled.missing_compiler("--compile")

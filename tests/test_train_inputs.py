@@ -204,7 +204,7 @@ def test_compile_without_a_cxx_compiler_is_refused_before_any_work(finished_run,
 
     monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: False)
     config = with_train(finished_run[1], run_dir=str(tmp_path / "fresh"), compile=True)
-    with pytest.raises(ConfigError, match=r"^train.compile=true on a CPU needs a C\+\+ compiler"):
+    with pytest.raises(ConfigError, match=r"^train.compile=true on a CPU needs the C\+\+ compiler"):
         train(config)
     assert not (tmp_path / "fresh").exists()
 
@@ -1628,11 +1628,16 @@ def test_a_config_without_training_files_leaves_no_run_dir(tmp_path):
 
 
 def test_a_perplexity_past_the_cap_is_printed_as_a_bound():
-    from aiayn.train.loop import shown_ppl
+    from aiayn.train.metrics import shown_ppl
 
     assert shown_ppl(math.log(12.34), 2) == "12.34"
     assert shown_ppl(50.0, 1) == f"{math.exp(50):.1f}"
     assert shown_ppl(2e10, 1) == ">5.2e+21"  # exp(50) was printed as if it were the value
+
+    from aiayn.cli import _train_summary
+
+    diverged = {"step": 9, "valid_loss": 70.0, "valid_nll": 66.2, "valid_ppl": math.exp(50), "stop": "x"}
+    assert _train_summary(diverged) == "step 9: valid loss 70.0000, valid NLL 66.2000, valid ppl >5.2e+21 (x)"
 
 
 def test_train_gives_the_caller_its_thread_count_back(finished_run, tmp_path):

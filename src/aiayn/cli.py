@@ -135,10 +135,12 @@ def _train_summary(result: dict) -> str:
     trained nothing (which printed none): the step, the last validation, why it stopped, and the best
     checkpoint (the one pruning keeps), e.g. "step 250: valid loss 5.3537, valid NLL 5.0450, valid ppl
     155.24 (max_updates=250); best checkpoint runs/tiny/checkpoints/step_000240"."""
+    from aiayn.train.metrics import shown_ppl  # a bound past the cap (exp(50) was printed as the value)
+
     line = f"step {result['step']}"
     if all(k in result for k in ("valid_loss", "valid_nll", "valid_ppl")):
         line += (f": valid loss {result['valid_loss']:.4f}, valid NLL {result['valid_nll']:.4f}, "
-                 f"valid ppl {result['valid_ppl']:.2f}")
+                 f"valid ppl {shown_ppl(result['valid_nll'], 2)}")
     line += f" ({result['stop']})"
     if "best_checkpoint" in result:
         line += f"; best checkpoint {result['best_checkpoint']}"

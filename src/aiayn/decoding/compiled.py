@@ -23,7 +23,9 @@ count changed since, say) runs eagerly instead of compiling in the middle of a t
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import types
 
 import torch
@@ -33,9 +35,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from aiayn.model import KVCache, Transformer
 
 
+def cxx_compiler() -> str:
+    """The C++ compiler torch.compile's CPU backend (inductor) runs: $CXX, else g++ (clang++ on macOS), as
+    its `cpp.cxx` setting says; it tries no other (c++ on PATH passed a check for any of three, then the
+    first update failed with inductor's "No working C++ compiler found")."""
+    return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+
+
 def has_cxx_compiler() -> bool:
-    """Whether a C++ compiler is on PATH: torch.compile's CPU backend (inductor) compiles C++."""
-    return any(map(shutil.which, ("g++", "c++", "clang++")))
+    """Whether the compiler inductor runs (`cxx_compiler`) is there."""
+    return shutil.which(cxx_compiler()) is not None
+
+
+def missing_compiler(setting: str) -> str:
+    """What to say when `has_cxx_compiler` is false: `setting` needs it."""
+    return (f"{setting} needs the C++ compiler torch.compile's CPU code is built with, {cxx_compiler()} "
+            "($CXX, else g++; clang++ on macOS), on PATH: install it or set CXX")
 
 
 def check_cxx_compiler() -> None:
@@ -43,8 +58,7 @@ def check_cxx_compiler() -> None:
     from aiayn.errors import UserError
 
     if not has_cxx_compiler():
-        raise UserError("--compile needs a C++ compiler (g++, c++ or clang++) on PATH: torch.compile's CPU "
-                        "code is C++; install one, or leave out --compile")
+        raise UserError(missing_compiler("--compile") + ", or leave out --compile")
 
 
 def _decode(

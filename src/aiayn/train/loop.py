@@ -73,7 +73,7 @@ from aiayn.train import distributed
 from aiayn.train.config import TOKENIZER_SETTINGS, DataConfig, RunConfig, finetune_model_config
 from aiayn.train.distributed import Dist, SameOnEveryProcess
 from aiayn.train.loss import label_smoothed_nll
-from aiayn.train.metrics import PPL_CAP, MetricsLog, plot_metrics
+from aiayn.train.metrics import PPL_CAP, MetricsLog, plot_metrics, shown_ppl
 from aiayn.train.schedule import cooldown_factor, inverse_sqrt_lr
 from aiayn.train.state import (
     RunLock,
@@ -132,11 +132,11 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     if config.train.precision == "fp16" and d.device.type != "cuda":
         raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
     if config.train.compile and d.device.type == "cpu":  # inductor's CPU code is C++: a 180-line traceback
-        from aiayn.decoding.compiled import has_cxx_compiler  # at the first update, the data prepared
+        from aiayn.decoding.compiled import has_cxx_compiler, missing_compiler  # at the first update, the
 
-        if not has_cxx_compiler():
-            raise ConfigError("train.compile=true on a CPU needs a C++ compiler (g++ or clang++) on PATH; "
-                              "install one, or set train.compile=false")
+        if not has_cxx_compiler():  # data prepared
+            raise ConfigError(missing_compiler("train.compile=true on a CPU")
+                              + ", or set train.compile=false")
     if config.data.valid_src and config.train.bleu_every:  # ja and ko need MeCab: say so now, not after
         from aiayn.evaluate import bleu_metrics  # the tokenizer's training and the encoding
 
@@ -218,6 +218,8 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         if resume_from:
             log.info("resuming from %s (update %d, epoch %d)", resume_from, state.step, state.epoch + 1)
     net = torch.compile(model) if tc.compile else model
+    if tc.compile and d.is_main:  # else silence, with no terminal for a bar, until the first update's line
+        log.info("torch.compile: the first updates compile the model (minutes for `small` on a CPU)")
     net = DistributedDataParallel(net) if d.enabled else net  # outermost, so that no_sync is reachable
     autocast = torch.autocast(
         d.device.type,
@@ -576,11 +578,6 @@ def _log_window(
             f", {_clock(left)} left" if left is not None else "",
         )
     return line
-
-
-def shown_ppl(nll: float, digits: int) -> str:
-    """Perplexity as printed: past the cap, as a bound (exp(50) was printed as a diverged run's value)."""
-    return f"{math.exp(nll):.{digits}f}" if nll <= PPL_CAP else f">{math.exp(PPL_CAP):.1e}"
 
 
 def _time_left(state: TrainState, tc, n_updates: int) -> float | None:

@@ -18,6 +18,11 @@ from aiayn.files import atomic_output, check_file_output, directory_for
 log = logging.getLogger(__name__)
 PPL_CAP = 50  # nats: exp overflows past ~709; the perplexity logged, printed and drawn is exp of at most this
 
+
+def shown_ppl(nll: float, digits: int) -> str:
+    """Perplexity as printed: past the cap, as a bound (exp(50) was printed as a diverged run's value)."""
+    return f"{math.exp(nll):.{digits}f}" if nll <= PPL_CAP else f">{math.exp(PPL_CAP):.1e}"
+
 # The keys the picture draws; where a record has one, it must be a number.
 PLOTTED = ("step", "loss", "nll", "valid_loss", "valid_nll", "lr", "valid_bleu")
 MAX_STEP = 2**53  # a step past any run (and past float precision: matplotlib's ticks failed on 1e308)
@@ -247,7 +252,7 @@ def _draw(records: list[dict[str, Any]]):
     steps, nlls = _points(records, "valid_nll")
     if steps:
         nll, step = _best(min, nlls, steps)
-        ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {math.exp(min(nll, PPL_CAP)):.2f}) at {step}"
+        ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {shown_ppl(nll, 2)}) at {step}"
                           if not math.isnan(nll) else "valid NLL: not a number at every validation")
     lr_steps, lrs = _points(records, "lr")
     ax_lr.plot(lr_steps, lrs, "o-" if len(lr_steps) == 1 else "-", markersize=3)

@@ -1685,7 +1685,8 @@ def test_key_lines_find_multiline_strings_by_where_they_start():
     from aiayn.train.config import key_lines
 
     text = ('[train]\nrun_dir = "r" # """\nseed = 1\n[data]\nname = \'"""\'\nvocab_size = 4\n'
-            'notes = """\nmax_len = 9\n[model]\n"""\nmax_len = 1\nitems = [\n  \'\'\'\n[x]\n\'\'\', "b"]\nd = 2\n')
+            'notes = """\nmax_len = 9\n[model]\n"""\nmax_len = 1\n'
+            'items = [\n  \'\'\'\n[x]\n\'\'\', "b"]\nd = 2\n')
     assert key_lines(text) == {"train": 1, "train.run_dir": 2, "train.seed": 3, "data": 4, "data.name": 5,
                                "data.vocab_size": 6, "data.notes": 7, "data.max_len": 11, "data.items": 12,
                                "data.d": 16}

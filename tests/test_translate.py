@@ -1057,8 +1057,8 @@ def test_min_len_past_a_lines_own_limit_is_said_once_per_stream_in_flags(checkpo
     out, err = capsys.readouterr()
     assert len(out.split("\n")) == 7
     assert err == ("aiayn: warning: --min-len 10 leaves no room for EOS in the length limit (0.5 x source "
-                   "length + 1) of <stdin> line 1 ('the number 3 beam=5') and any line as short: they end cut, "
-                   "without EOS\n")
+                   "length + 1) of <stdin> line 1 ('the number 3 beam=5') and any line as short: they end "
+                   "cut, without EOS\n")
 
 
 def test_translate_stream_of_text_is_a_type_error_naming_the_fix(checkpoint):

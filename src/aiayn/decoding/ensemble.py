@@ -7,11 +7,11 @@ the mean instead weighted each member by 1 - P_m(pad) - P_m(EOS): a member sure 
 for less, by up to 2.2 nats on a demo sentence with min_len 8, and beams changed. fairseq also averages
 probabilities (without renormalizing); Marian adds weighted log-probabilities, and OpenNMT-py averages
 log-probabilities by default. Each member keeps its own encoder output and `KVCache`; the searches see
-an `Ensemble` through the same four calls they make of a `Transformer` (`encode`, `src_mask`,
-`new_cache`, `decode`), so greedy, beam search, sampling and forced decoding work unchanged. `decode`
-returns log-probabilities where a model returns logits, and `step_log_probs` leaves them as they are.
+an `Ensemble` through three calls they make of a `Transformer` (`encode`, `src_mask`, `new_cache`), and
+`step_log_probs` takes each member's step as it takes a single model's, then `mean`, so greedy, beam
+search, sampling and forced decoding work unchanged.
 
-Dimension key: M members, R rows, T new positions, V target vocabulary.
+Dimension key: M members, R rows, V target vocabulary.
 """
 
 from __future__ import annotations
@@ -89,16 +89,6 @@ class Ensemble(nn.Module):
     ) -> EnsembleCache:
         return EnsembleCache([m.new_cache(batch_size, max_len, dtype, beam_size) for m in self.members])
 
-    def decode(
-        self, tgt_in: Tensor, memory: Memories, src_mask: Tensor | None, cache: EnsembleCache,
-        forbid_eos: bool = False,
-    ) -> Tensor:
-        """(R, T) new target ids -> log of the mean of the members' probabilities, (R, T, V), float32,
-        each member's with padding (and with `forbid_eos`, EOS) removed before its softmax."""
-        banned = [self.config.pad_id] + ([self.config.eos_id] if forbid_eos else [])
-        log_probs = []
-        for m, mem, c in zip(self.members, memory.tensors, cache.caches):
-            logits_RTV = m.decode(tgt_in, mem, src_mask, c).float()
-            logits_RTV[..., banned] = float("-inf")
-            log_probs.append(torch.log_softmax(logits_RTV, dim=-1))
-        return torch.logsumexp(torch.stack(log_probs), dim=0) - math.log(len(self.members))  # (R, T, V)
+    def mean(self, log_probs_M: list[Tensor]) -> Tensor:
+        """The members' (R, V) log-probabilities of a step -> the log of the mean of their probabilities."""
+        return torch.logsumexp(torch.stack(log_probs_M), dim=0) - math.log(len(self.members))  # (R, V)

@@ -73,8 +73,10 @@ def step_log_probs(
     its scores and ranked beams otherwise than CTranslate2 and HuggingFace.
     """
     tgt_in = last_R[:, None]  # (R, 1)
-    if isinstance(model, Ensemble):  # masked in each member before the mean: masked here, it weighted them
-        return model.decode(tgt_in, memory, src_mask, cache, forbid_eos=produced < config.min_len)[:, -1]
+    if isinstance(model, Ensemble):  # each member's step masked as one model's, then the mean (masked after
+        # the mean, each member was weighted by 1 - P(pad) - P(EOS))
+        return model.mean([step_log_probs(m, last_R, mem, src_mask, c, produced, config)
+                           for m, mem, c in zip(model.members, memory.tensors, cache.caches)])
     step = getattr(model, "one_row_step", None)  # set by `aiayn.decoding.compiled.compile_one_row_step`
     decode = step if step is not None and step.applies(tgt_in, src_mask, cache) else model.decode
     logits_RV = decode(tgt_in, memory, src_mask, cache)[:, -1].float()  # (R, V)

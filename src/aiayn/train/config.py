@@ -313,19 +313,9 @@ def run_config(values: dict[str, Any], where: str = "", written: str = "",
     names unknown keys, `written` (by default `where`: "FILE with --set" when either may hold it) a value
     out of range or contradicting another. With `origins` ("data.max_len" -> "run.toml:3" or "--set
     'data.max_len=1'"), each such problem is named where the settings it names were written instead."""
-    unknown = sorted(set(values) - set(SECTIONS))
-    if unknown:
-        raise ConfigError(
-            f"unknown section(s){' in ' + where if where else ''}: {', '.join(unknown)}; "
-            "known: data, model, train"
-        )
-    for section in SECTIONS:  # `model = 3` or `data = "x"`: not a [section] table
-        if not isinstance(values.get(section, {}), dict):
-            raise ConfigError(_not_a_table(where or "config", section, values[section]))
+    if origins is None:  # a caller's dicts; `load_config` checked its file's, and `parse_override` --set's
+        _check_file(values, lambda name: where or "config")
     model = dict(values.get("model", {}))  # no preset: "base" (RunConfig.model_config), or init_from's shape
-    bad = sorted(set(model) - {"preset"} - set(ModelConfig.__dataclass_fields__))
-    if bad:
-        raise ConfigError(f"unknown model key(s){' in ' + where if where else ''}: {', '.join(bad)}")
     try:
         data = from_dict(DataConfig, _expand_home(values.get("data", {})), where)
         train = from_dict(TrainConfig, _expand_home(values.get("train", {})), where)

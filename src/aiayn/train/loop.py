@@ -131,10 +131,11 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
 def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     if config.train.precision == "fp16" and d.device.type != "cuda":
         raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
-    if config.train.compile and d.device.type == "cpu":  # inductor's CPU code is C++: a 180-line traceback
-        from aiayn.decoding.compiled import has_cxx_compiler, missing_compiler  # at the first update, the
+    if config.train.compile and d.device.type == "cpu":
+        from aiayn.decoding.compiled import has_cxx_compiler, missing_compiler
 
-        if not has_cxx_compiler():  # data prepared
+        if not has_cxx_compiler():  # inductor's CPU code is C++: a 180-line traceback at the first update,
+            # the data prepared
             raise ConfigError(missing_compiler("train.compile=true on a CPU")
                               + ", or set train.compile=false")
     if config.data.valid_src and config.train.bleu_every:  # ja and ko need MeCab: say so now, not after

@@ -52,8 +52,13 @@ def test_ctrl_c_stops_sentencepiece_training_at_once(tmp_path):
         sent.append(time.monotonic() + delay)
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
 
-    with pytest.raises(KeyboardInterrupt):
-        train_sentencepiece(then_ctrl_c(), tmp_path / "spm", 4000, "unigram")
+    # A background job (`pytest ... &` from a script) starts with SIGINT ignored: a Ctrl-C's handler here.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_sentencepiece(then_ctrl_c(), tmp_path / "spm", 4000, "unigram")
+    finally:
+        signal.signal(signal.SIGINT, before)
     stopped = time.monotonic() - sent[0]
     assert stopped < whole / 2, f"stopped {stopped:.2f} s after Ctrl-C; training takes {whole:.2f} s"
     assert list(tmp_path.iterdir()) == [] and children_running_spm() == []

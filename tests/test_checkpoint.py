@@ -652,6 +652,19 @@ def test_convert_and_export_refuse_a_runs_checkpoints_folder(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_link_to_a_runs_checkpoints_folder_is_that_folder(tmp_path, capsys):
+    """`--out cpl/x`, cpl a link to run/checkpoints, was accepted (only the path as written was looked at)
+    while `--out run/checkpoints/x` was refused."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000010").mkdir(parents=True)
+    (tmp_path / "cpl").symlink_to(run / "checkpoints")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    assert main(["plot", str(run), "-o", str(tmp_path / "cpl" / "c.png")]) == 2
+    assert capsys.readouterr().err.endswith(f"lies inside {run / 'checkpoints'}, which training owns (it "
+                                            "resumes from and prunes what is there); write it elsewhere\n")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000010"]
+
+
 def test_averaging_past_keep_last_says_the_old_best_is_mixed_in(tmp_path, tokenizer, caplog):
     """keep_last=2 keeps step 5 (the best validation) beside 35 and 40: `--last 3` averaged 5, 35 and 40
     without a word, as if they were three consecutive checkpoints."""

@@ -121,11 +121,12 @@ def training_owned(path: str | Path) -> tuple[str, Path] | None:
     """("is" or "lies inside", the folder) where `path` is or lies inside a training run's checkpoints/
     (one holding its step_N checkpoints, or beside its metrics.jsonl), else None. Training resumes from
     and prunes what is there: anything else written there is deleted, or read as a checkpoint."""
-    target = Path(os.path.abspath(path))  # `..` taken out as the kernel would
-    for place in (target, *target.parents):
-        run = place.parent
-        if place.name == "checkpoints" and ((run / "metrics.jsonl").is_file() or checkpoint_dirs(run)):
-            return ("is" if place == target else "lies inside"), place
+    # As written, then with links followed (`--out cpl/x`, cpl a link to a run's checkpoints/, wrote there).
+    for target in (Path(os.path.abspath(path)), Path(os.path.realpath(path))):
+        for place in (target, *target.parents):
+            run = place.parent
+            if place.name == "checkpoints" and ((run / "metrics.jsonl").is_file() or checkpoint_dirs(run)):
+                return ("is" if place == target else "lies inside"), place
     return None
 
 

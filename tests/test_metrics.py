@@ -99,6 +99,17 @@ def test_a_directory_named_with_its_slash_is_no_picture(log_path, tmp_path):
     assert not (tmp_path / "pics").exists()
 
 
+def test_an_existing_directory_is_no_picture_and_a_log_is_no_run(log_path, tmp_path, capsys):
+    """`-o pics` naming a directory said "cannot write (Is a directory)"; `plot run/metrics.jsonl` said
+    "run/metrics.jsonl/metrics.jsonl: no metrics log"."""
+    (tmp_path / "pics").mkdir()
+    with pytest.raises(UserError, match=re.escape(f"{tmp_path / 'pics'}: names a directory; give the")):
+        plot_metrics(log_path, tmp_path / "pics")
+    assert cli.main(["plot", str(log_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"aiayn: error: {log_path}: a file; give the run directory, the folder that holds metrics.jsonl"]
+
+
 @pytest.mark.parametrize("content, said", [
     (b"\x1f\x8b\x08\x00rest", "the file is gzip-compressed; decompress it first (gunzip)"),
     ('{"step": 1}\n'.encode("utf-16"), "the file is like UTF-16; convert it to UTF-8"),

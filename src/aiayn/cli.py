@@ -166,6 +166,8 @@ def cmd_plot(args: argparse.Namespace) -> None:
     from aiayn.train.metrics import plot_metrics
 
     run = Path(args.run_dir)
+    if run.is_file():  # `plot runs/x/metrics.jsonl` was told runs/x/metrics.jsonl/metrics.jsonl is missing
+        raise UserError(f"{run}: a file; give the run directory, the folder that holds metrics.jsonl")
     if args.output:  # training's keep_last deletes a checkpoint directory whole, a picture in it too
         _check_outside_checkpoints(Path(args.output))
     print(plot_metrics(run / "metrics.jsonl", args.output or run / "curves.png"))
@@ -175,13 +177,15 @@ def cmd_attention(args: argparse.Namespace) -> None:
     """Draw every layer's and head's attention for one sentence pair as PNGs and one HTML page."""
     from pathlib import Path
 
-    from aiayn.attention import check_out_dir, draw_attention, extract_attention
+    from aiayn.attention import check_out_dir, check_selection, draw_attention, extract_attention
     from aiayn.checkpoint import load_checkpoint
 
     _log_to_stderr()  # e.g. label characters that no installed font has
     check_out_dir(args.out)  # before loading and running the model, not after
     _check_outside_checkpoints(Path(args.out))  # the one read, too: as translate -o
     ck = load_checkpoint(args.checkpoint)
+    config = ck.model.config  # a layer or head the model lacks, said before its greedy translation runs
+    check_selection(args.layers, args.heads, max(config.n_layers, config.n_decoder_layers or 0), config.n_heads)
     maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt).select(args.layers, args.heads)
     files = draw_attention(maps, args.out, title=f"attention of {args.checkpoint}: {args.src}")
     for path in files.values():

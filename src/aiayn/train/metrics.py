@@ -173,7 +173,7 @@ def _check_numbers(record: dict[str, Any], where: str) -> None:
 def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     """Loss and NLL (train and validation) and the learning rate against the update number, as a
     PNG written atomically (the old picture stays if writing fails); a missing directory is made."""
-    if str(png_path).endswith(("/", os.sep)):  # Path drops the slash: `-o pics/` wrote a file named pics
+    if str(png_path).endswith(("/", os.sep)) or Path(png_path).is_dir():  # Path drops a slash: `-o pics/`
         raise UserError(f"{png_path}: names a directory; give the picture's file name, such as "
                         f"{Path(png_path) / 'curves.png'}")
     _check_png_output(Path(png_path), Path(jsonl_path))

@@ -386,6 +386,17 @@ def test_layers_and_heads_can_be_chosen_and_keep_their_numbers(tmp_path, tokeniz
     assert "invalid comma-separated list of positive integers value: '0'" in capsys.readouterr().err
 
 
+def test_a_layer_or_head_the_model_lacks_is_refused_before_it_translates(tmp_path, tokenizers, capsys,
+                                                                          monkeypatch):
+    """--heads 5 on a 4-head model was refused only after the greedy translation had run (seconds on a big
+    model): the counts are in the checkpoint's config."""
+    argv = _draw_args(tmp_path, tokenizers)
+    monkeypatch.setattr(attention, "extract_attention", lambda *a, **k: pytest.fail("the model ran"))
+    for flag, said in (("--heads", "head 9: choose heads from 1 to"), ("--layers", "layer 3: choose layers")):
+        assert main(argv + [flag, "3" if flag == "--layers" else "9", "--out", str(tmp_path / "maps")]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_the_page_says_which_target_the_decoder_read(tmp_path, tokenizers):
     _draw_args(tmp_path, tokenizers)
     ck = load_checkpoint(tmp_path / "ck")

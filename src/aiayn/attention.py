@@ -137,10 +137,7 @@ class AttentionMaps:
         if self.layers or self.heads:  # numbers would refer to positions in the selection
             raise ValueError("select() on maps that are already a selection")
         layers, heads = tuple(dict.fromkeys(layers)), tuple(dict.fromkeys(heads))  # 2,2 drew one map twice
-        n_layers = max(self.encoder.shape[0], self.decoder.shape[0])
-        for name, chosen, count in (("layer", layers, n_layers), ("head", heads, self.encoder.shape[1])):
-            if bad := [n for n in chosen if not 1 <= n <= count]:
-                raise UserError(f"{name} {bad[0]}: choose {name}s from 1 to {count}")
+        check_selection(layers, heads, max(self.encoder.shape[0], self.decoder.shape[0]), self.encoder.shape[1])
         kind_layers = {kind: tuple(n for n in layers if n <= self.weights(kind).shape[0]) for kind in KINDS}
 
         def pick(kind: str) -> Tensor:  # (L, H, R, C) -> (L', H', R, C)
@@ -159,6 +156,13 @@ class AttentionMaps:
             "decoder": (self.tgt_out_tokens, self.tgt_in_tokens),
             "cross": (self.tgt_out_tokens, self.src_tokens),
         }[kind]
+
+
+def check_selection(layers: Sequence[int], heads: Sequence[int], n_layers: int, n_heads: int) -> None:
+    """Layer and head numbers (1-based) that a model of `n_layers` (its deeper stack) and `n_heads` has."""
+    for name, chosen, count in (("layer", layers, n_layers), ("head", heads, n_heads)):
+        if bad := [n for n in chosen if not 1 <= n <= count]:
+            raise UserError(f"{name} {bad[0]}: choose {name}s from 1 to {count}")
 
 
 # Why refuse rather than shrink: a map needs about 0.22 inch (24 px at 110 dpi) per token for its 7-point

@@ -1,3 +1,4 @@
+import signal
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def ctrl_c_handled():
+    """Python's SIGINT handler (KeyboardInterrupt), for tests of a Ctrl-C: pytest started as a script's
+    background job (`pytest ... &`) inherits SIGINT ignored, and the signal those tests send never came."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 def tiny_model(**overrides) -> Transformer:

@@ -37,7 +37,7 @@ def children_running_spm() -> list[str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="lists processes through /proc")
-def test_ctrl_c_stops_sentencepiece_training_at_once(tmp_path):
+def test_ctrl_c_stops_sentencepiece_training_at_once(tmp_path, ctrl_c_handled):
     """SentencePieceTrainer.train is C++ that returns to Python only once done: a Ctrl-C during it, even a
     second one, waited for the end (13 s on Multi30k, minutes on WMT). Now its process is killed."""
     lines = made_up_text(5000)
@@ -52,13 +52,8 @@ def test_ctrl_c_stops_sentencepiece_training_at_once(tmp_path):
         sent.append(time.monotonic() + delay)
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
 
-    # A background job (`pytest ... &` from a script) starts with SIGINT ignored: a Ctrl-C's handler here.
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train_sentencepiece(then_ctrl_c(), tmp_path / "spm", 4000, "unigram")
-    finally:
-        signal.signal(signal.SIGINT, before)
+    with pytest.raises(KeyboardInterrupt):
+        train_sentencepiece(then_ctrl_c(), tmp_path / "spm", 4000, "unigram")
     stopped = time.monotonic() - sent[0]
     assert stopped < whole / 2, f"stopped {stopped:.2f} s after Ctrl-C; training takes {whole:.2f} s"
     assert list(tmp_path.iterdir()) == [] and children_running_spm() == []

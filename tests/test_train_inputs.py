@@ -352,7 +352,7 @@ def test_resuming_a_run_at_max_updates_trains_nothing(finished_run, tmp_path):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_the_update_it_stopped_at_and_resume_ends_where_an_unbroken_run_does(
-    finished_run, tmp_path, monkeypatch, capsys, signum
+    finished_run, tmp_path, monkeypatch, capsys, signum, ctrl_c_handled
 ):
     """SIGTERM (a scheduler's) or a first Ctrl-C at update 3 of 4, between the checkpoints at 2 and 4:
     update 3 is saved instead of lost, the exit status is the shell's for the signal, and --resume ends
@@ -450,7 +450,7 @@ def test_processes_agree_on_the_signal_and_its_status(monkeypatch):
     assert single.agreed(SimpleNamespace(enabled=False)) == "SIGINT"
 
 
-def test_process_0_alone_says_that_a_signal_stops_the_run(monkeypatch, caplog):
+def test_process_0_alone_says_that_a_signal_stops_the_run(monkeypatch, caplog, ctrl_c_handled):
     """Every process said "SIGTERM: stopping after this update" when a scheduler signalled the job (16
     lines for 16 GPUs); process 0 says it, also when the signal reached another process alone."""
     for announce in (True, False):  # process 0, another process

@@ -44,7 +44,9 @@ restored it).
     python benchmarks/decode.py --device cuda         # on a GPU (CT2 too if its wheel has CUDA)
     python benchmarks/decode.py --cells greedy-1 --engines "CT2 float32" --repeats 1   # a quick look
 
-Writes benchmarks/results/local/decode_DEVICE.{json,md} (ignored by git) unless --out names a prefix.
+Writes benchmarks/results/local/decode_DEVICE.{json,md} (ignored by git) unless --out names a prefix,
+and rewrites them after every cell: a worker that fails (a CTranslate2 wheel whose CUDA libraries do not
+load) ends the run in one line naming its engine and its error, and the cells measured before it stay.
 Without ctranslate2 (pip install -e '.[bench]') the CTranslate2 engines are skipped; transformers is
 needed, as the source of the weights.
 """
@@ -52,6 +54,7 @@ needed, as the source of the weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -59,7 +62,9 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -318,26 +323,46 @@ class LinearFloor:
         return best, kernels[best]
 
 
+FAILED = "failed"  # a worker's answer when its engine raised: (FAILED, the error's last line)
+
+
 def serve(conn, name: str, seed: int, device: str, ct2_paths: dict[str, str], threads: int) -> None:
-    """A worker process: build engine `name`, then run (batch, beam) requests, answering (seconds,
-    output ids), until None."""
-    run = make_engine(name, seed, device, ct2_paths, threads)
-    conn.send("ready")
-    while (request := conn.recv()) is not None:
-        if request == "memory":
-            conn.send(resident_mb())
-            continue
-        if request == "kernels":
-            conn.send(getattr(run, "chosen", {}))
-            continue
-        batch, beam = request
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        ids = run(batch, beam)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        conn.send((time.perf_counter() - start, ids))
+    """A worker process: build engine `name`, then answer requests (`answer`) until None. An engine that
+    raises is answered as (FAILED, its error's last line) and ends the worker with exit code 1: the parent
+    names the engine and that line (with the traceback, this process and the parent's EOFError each printed
+    one, and the parent stopped before its own line)."""
+    try:
+        run = make_engine(name, seed, device, ct2_paths, threads)
+        conn.send("ready")
+        while (request := conn.recv()) is not None:
+            conn.send(answer(run, request, device))
+    except Exception as e:  # noqa: BLE001  whatever the engine raises (a library not loaded, a bad request)
+        with contextlib.suppress(OSError):  # the parent may be gone already
+            conn.send((FAILED, last_line(e)))
+        raise SystemExit(1) from None
+
+
+def answer(run, request, device: str):
+    """A worker's answer: "memory" -> resident MB, "kernels" -> the Linear floor's kernel per row count,
+    (batch, beam) -> (seconds, output ids)."""
+    if request == "memory":
+        return resident_mb()
+    if request == "kernels":
+        return getattr(run, "chosen", {})
+    batch, beam = request
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    ids = run(batch, beam)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, ids
+
+
+def last_line(error: BaseException) -> str:
+    """`error` as the last line of its traceback says it ("RuntimeError: Library libcublas.so.12 is not
+    found or cannot be loaded"); a message of several lines by its last."""
+    return "".join(traceback.format_exception_only(type(error), error)).strip().splitlines()[-1]
 
 
 def resident_mb() -> float:
@@ -348,35 +373,64 @@ def resident_mb() -> float:
     return status_kib("VmRSS") * 1024 / 1e6
 
 
-class Engine:
-    """Parent side of one worker process: `engine(batch, beam)` -> (seconds, output ids)."""
+class WorkerFailed(Exception):
+    """A worker's engine failed or its process ended: "ENGINE (T threads) failed: why"."""
 
-    def __init__(self, name: str, *args):
+
+class Engine:
+    """Parent side of one worker process: `engine(batch, beam)` -> (seconds, output ids). Each call raises
+    `WorkerFailed` if the worker answers FAILED or ends without an answer."""
+
+    def __init__(self, name: str, seed: int, device: str, ct2_paths: dict[str, str], threads: int):
+        self.label = f"{name} ({threads} thread{'s' if threads > 1 else ''})"
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no OpenMP state shared
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, name, *args), daemon=True)
+        self.process = ctx.Process(target=serve, args=(child, name, seed, device, ct2_paths, threads),
+                                   daemon=True)
         self.process.start()
+        child.close()  # the worker's end held here too would keep its death from reading as EOF
+
+    def receive(self):
+        try:
+            reply = self.conn.recv()
+        except EOFError:  # ended without a word: killed (for memory?), or a crash inside native code
+            self.process.join(timeout=10)
+            raise WorkerFailed(f"{self.label} failed: its worker ended without an answer "
+                               f"(exit code {self.process.exitcode})") from None
+        if isinstance(reply, tuple) and reply[:1] == (FAILED,):
+            raise WorkerFailed(f"{self.label} failed: {reply[1]}")
+        return reply
+
+    def ask(self, request):
+        try:
+            self.conn.send(request)
+        except OSError:  # a worker that died since its last answer: EOF is what says how
+            pass
+        return self.receive()
 
     def wait_ready(self) -> None:
-        if self.conn.recv() != "ready":
-            raise SystemExit("a benchmark worker failed to start")
+        if (reply := self.receive()) != "ready":
+            raise WorkerFailed(f"{self.label} failed: its worker answered {reply!r}, not 'ready'")
 
     def __call__(self, batch: int, beam: int) -> tuple[float, list[list[int]] | None]:
-        self.conn.send((batch, beam))
-        return self.conn.recv()
+        return self.ask((batch, beam))
 
     def memory_mb(self) -> float:
-        self.conn.send("memory")
-        return self.conn.recv()
+        return self.ask("memory")
 
     def kernels(self) -> dict[int, str]:
         """The "Linear floor" worker's kernel per row count."""
-        self.conn.send("kernels")
-        return self.conn.recv()
+        return self.ask("kernels")
 
     def close(self) -> None:
-        self.conn.send(None)
-        self.process.join()
+        """End the worker: asked to stop if it still runs, terminated if it has not within 30 s."""
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(None)
+            self.process.join(timeout=30)
+        if self.process.is_alive():  # stuck: the run ends, not waits on it
+            self.process.terminate()
+            self.process.join()
 
 
 # The engines that compute what aiayn fp32 does in float32: their outputs are compared with its own.
@@ -535,50 +589,105 @@ def main(argv: list[str] | None = None) -> None:
     hf = build_hf(args.seed)
     diff = check_same_logits(hf, build_aiayn(hf), sources(args.seed)[:4])
     weights_mb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e6  # float32, tied once
+    names = chosen_engines(args)
+    ct2 = sys.modules.get("ctranslate2")  # imported by `engine_names` if it is installed
+    env.update(ctranslate2=ct2.__version__ if ct2 else None, threads=args.threads, device=args.device,
+               repeats=args.repeats, settle_s=args.settle, max_abs_logit_diff_vs_hf=diff,
+               processes="one per engine and thread count", float32_weights_mb=round(weights_mb),
+               command=command_line(__file__, argv))
+    record = Record(env, weights_mb)
+    with tempfile.TemporaryDirectory() as tmp:
+        ct2_paths = convert_ct2(hf, Path(tmp)) if "CT2 float32" in names else {}
+        del hf
+        runs = {f"{n}@{t}": Engine(n, args.seed, args.device, ct2_paths, t)
+                for t in args.threads for n in names}
+        try:
+            run_cells(runs, args, record)
+        except WorkerFailed as e:
+            raise SystemExit(stopped(args, record, e)) from None
+        finally:
+            for engine in runs.values():
+                engine.close()
+    print(write_results(args, record))
+    print(f"resident MB after the runs: {record.memory} (float32 weights: {weights_mb:.0f} MB)")
+
+
+def chosen_engines(args: argparse.Namespace) -> list[str]:
+    """`engine_names` here, cut to --engines (and the two the ratios are taken against)."""
     names = engine_names(args.device)
     if args.engines:
         unknown = sorted(set(args.engines) - set(names))
         if unknown:
             raise SystemExit(f"--engines: {', '.join(unknown)} not among those here: {', '.join(names)}")
         names = [n for n in names if n in args.engines or n in ("aiayn fp32", "HF Marian fp32")]
-    with tempfile.TemporaryDirectory() as tmp:
-        ct2_paths = convert_ct2(hf, Path(tmp)) if "CT2 float32" in names else {}
-        del hf
-        runs = {f"{n}@{t}": Engine(n, args.seed, args.device, ct2_paths, t) for t in args.threads for n in names}
-        for engine in runs.values():
-            engine.wait_ready()
-        speeds, agreed = measure(runs, args.repeats, args.settle, args.cells)
-        per_threads = by_threads(speeds, args.threads)
-        memory = {key: round(engine.memory_mb()) for key, engine in runs.items() if not key.startswith(FLOOR)}
-        floor_kernel = {t: runs[f"{FLOOR}@{t}"].kernels() for t in args.threads if f"{FLOOR}@{t}" in runs}
-        for engine in runs.values():
-            engine.close()
-    ct2 = sys.modules.get("ctranslate2")  # imported by `engine_names` if it is installed
-    env.update(ctranslate2=ct2.__version__ if ct2 else None, threads=args.threads, device=args.device,
-               repeats=args.repeats, settle_s=args.settle, max_abs_logit_diff_vs_hf=diff,
-               processes="one per engine and thread count", float32_weights_mb=round(weights_mb),
-               outputs_as_aiayn_fp32=agreed,
-               linear_floor_kernel_by_threads_and_rows=floor_kernel, load_average_after=load_average(),
-               command=command_line(__file__, argv))
+    return names
+
+
+@dataclass
+class Record:
+    """What a run has measured so far, written after every cell."""
+
+    env: dict  # `environment()` and the run's settings
+    weights_mb: float  # the float32 weights, tied embedding counted once
+    speeds: dict = field(default_factory=dict)  # {cell: {"engine@threads": tok/s}}
+    agreed: dict = field(default_factory=dict)  # {cell: {"engine@threads": share}}, `agreement`
+    memory: dict | None = None  # {"engine@threads": resident MB}, taken after the last cell
+    floor_kernel: dict = field(default_factory=dict)  # {threads: {rows: kernel}}
+    stopped: str | None = None  # why the run ended before every cell, if it did
+
+
+def run_cells(runs: dict[str, Engine], args: argparse.Namespace, record: Record) -> None:
+    """Every cell of --cells, the results written after each (as train_step.py does after each config):
+    a worker failing in a later cell leaves the earlier ones on disk. Then each worker's memory."""
+    for engine in runs.values():
+        engine.wait_ready()
+    for cell in args.cells:
+        speeds, agreed = measure(runs, args.repeats, args.settle, [cell])
+        record.speeds.update(speeds)
+        record.agreed.update(agreed)
+        write_results(args, record)
+    record.memory = {key: round(e.memory_mb()) for key, e in runs.items() if not key.startswith(FLOOR)}
+    record.floor_kernel = {t: runs[f"{FLOOR}@{t}"].kernels() for t in args.threads if f"{FLOOR}@{t}" in runs}
+
+
+def stopped(args: argparse.Namespace, record: Record, error: WorkerFailed) -> str:
+    """The one line a failed worker ends the run with; the cells measured before it are written again,
+    saying where the run stopped."""
+    record.stopped = str(error)
+    if not record.speeds:
+        return f"decode.py: {record.stopped}; no cell was measured, nothing written"
+    write_results(args, record)
+    return (f"decode.py: {record.stopped}; the {len(record.speeds)} cell(s) measured before it are in "
+            f"{with_suffix_added(args.out, '.{json,md}')}")
+
+
+def write_results(args: argparse.Namespace, record: Record) -> str:
+    """Write OUT.json and OUT.md from what `record` holds; returns the tables and verdicts."""
+    per_threads = by_threads(record.speeds, args.threads)
     sections = []
     if len(args.threads) > 1:
         best, count = at_best(per_threads)
         sections.append(("Each engine at its best thread count (in brackets)", table(best, count), best))
     sections += [(f"{t} thread{'s' if t > 1 else ''}", table(r), r) for t, r in per_threads.items()]
     text = "\n\n".join(f"## {title}\n\n{tab}\n\n{verdict(r)}" for title, tab, r in sections)
-    print(text)
-    print(f"resident MB after the runs: {memory} (float32 weights: {weights_mb:.0f} MB)")
-    out = args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"environment": env, "tokens_per_second_by_threads": per_threads, "resident_mb_after_runs": memory}
-    with_suffix_added(out, ".json").write_text(json.dumps(record, indent=2) + "\n")
-    with_suffix_added(out, ".md").write_text(
-        f"# Decoding speed, {args.device}\n\n`{env['command']}`\n\n{text}\n\n"
-        f"Share of sentences each float32 engine translated as aiayn fp32 did (per cell): {agreed}\n\n"
+    env = {**record.env, "outputs_as_aiayn_fp32": record.agreed,
+           "linear_floor_kernel_by_threads_and_rows": record.floor_kernel,
+           "load_average_after": load_average()}
+    if record.stopped:
+        env["stopped"] = record.stopped
+    memory = "not measured (taken after the last cell)" if record.memory is None else record.memory
+    saved = {"environment": env, "tokens_per_second_by_threads": per_threads,
+             "resident_mb_after_runs": memory}
+    with_suffix_added(args.out, ".json").write_text(json.dumps(saved, indent=2) + "\n")
+    stop = f"**Stopped: {record.stopped}.** Only the cells below were measured.\n\n" if record.stopped else ""
+    with_suffix_added(args.out, ".md").write_text(
+        f"# Decoding speed, {args.device}\n\n`{env['command']}`\n\n{stop}{text}\n\n"
+        f"Share of sentences each float32 engine translated as aiayn fp32 did (per cell): {record.agreed}\n\n"
         f"Resident memory of each engine's process (@ thread count) after the runs, MB (freed heap returned "
-        f"first; every process also holds the libraries it loaded; the float32 weights are {weights_mb:.0f} MB): "
-        f"{memory}\n\n"
+        f"first; every process also holds the libraries it loaded; the float32 weights are "
+        f"{record.weights_mb:.0f} MB): {memory}\n\n"
         f"Environment: `{json.dumps(env)}`\n")
+    return text
 
 
 def verdict(results: dict) -> str:

@@ -3,7 +3,9 @@ of its kernels computes x W^T."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import multiprocessing
 import os
 import sys
 
@@ -219,3 +221,75 @@ def test_one_row_benchmark_times_each_kernel_and_names_aiayns_pick(tmp_path, mon
     assert (tmp_path / "r.json").exists() and "| 2 |" in (tmp_path / "r.md").read_text()
     with pytest.raises(SystemExit):
         one_row.main(["--threads", "0,2"])
+
+
+def _scripted_worker(conn, name: str) -> None:
+    """A worker answering as `serve` does (nothing timed) that ends without a word, as a crashed process,
+    when CT2 float32 is asked for a batch of 16."""
+    conn.send("ready")
+    while (request := conn.recv()) is not None:
+        if request == "memory":
+            conn.send(100.0)
+            continue
+        batch, _ = request
+        if name == "CT2 float32" and batch == 16:
+            os._exit(1)
+        conn.send((0.01, [[5] * decode.NEW_TOKENS for _ in range(batch)]))
+
+
+class _ScriptedEngine(decode.Engine):
+    """`decode.Engine` on a forked `_scripted_worker`: the parent's side as it runs, the models left out."""
+
+    def __init__(self, name: str, seed: int, device: str, ct2_paths: dict, threads: int):
+        self.label = f"{name} ({threads} thread)"
+        ctx = multiprocessing.get_context("fork")  # the target needs no import in the child
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_scripted_worker, args=(child, name), daemon=True)
+        self.process.start()
+        child.close()
+
+
+def test_a_worker_dying_mid_run_ends_it_in_one_line_and_keeps_the_cells_before(tmp_path, monkeypatch):
+    """A CTranslate2 wheel whose CUDA libraries do not load killed its worker: the parent's EOFError came
+    as a second traceback, exit 1, and nothing was written although earlier cells had been measured."""
+    monkeypatch.setattr(decode, "Engine", _ScriptedEngine)
+    monkeypatch.setattr(decode, "build_hf", lambda seed: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(decode, "build_aiayn", lambda hf: None)
+    monkeypatch.setattr(decode, "check_same_logits", lambda hf, model, src: 0.0)
+    monkeypatch.setattr(decode, "convert_ct2", lambda hf, workdir: {})
+    engines = ["aiayn fp32", "HF Marian fp32", "CT2 float32"]
+    monkeypatch.setattr(decode, "engine_names", lambda device: engines)
+    out = tmp_path / "decode"
+    decode.main(["--cells", "greedy-1,beam4-1", "--repeats", "1", "--settle", "0", "--out", str(out)])
+    saved = json.loads(decode.with_suffix_added(out, ".json").read_text())  # a run that ends: as before
+    assert list(saved["tokens_per_second_by_threads"]["1"]) == ["greedy, batch 1", "beam 4, batch 1"]
+    assert saved["resident_mb_after_runs"] == {f"{e}@1": 100 for e in engines}
+    assert "stopped" not in saved["environment"]
+    with pytest.raises(SystemExit) as stopped:
+        decode.main(["--cells", "greedy-1,greedy-16,beam4-1", "--repeats", "1", "--settle", "0",
+                     "--out", str(out)])
+    message = str(stopped.value.code)
+    assert message.startswith("decode.py: CT2 float32 (1 thread) failed: its worker ended without an answer")
+    assert "the 1 cell(s) measured before it are in" in message and "\n" not in message
+    saved = json.loads(decode.with_suffix_added(out, ".json").read_text())
+    assert list(saved["tokens_per_second_by_threads"]["1"]) == ["greedy, batch 1"]
+    assert saved["environment"]["stopped"].startswith("CT2 float32 (1 thread) failed")
+    assert "**Stopped: CT2 float32 (1 thread) failed" in decode.with_suffix_added(out, ".md").read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ctranslate2") is None, reason="needs ctranslate2")
+def test_a_worker_whose_engine_raises_is_named_with_its_error_line(tmp_path, capfd):
+    """An engine that raises (here CTranslate2 on a model folder that is not there; on the GPU machine a
+    cuBLAS it could not load) is reported as its name and its error's last line, no traceback from either
+    process; so is a request that fails in a worker that started."""
+    engine = decode.Engine("CT2 float32", 0, "cpu", {"float32": str(tmp_path / "missing")}, 1)
+    with pytest.raises(decode.WorkerFailed, match=r"^CT2 float32 \(1 thread\) failed: RuntimeError: "):
+        engine.wait_ready()
+    engine.close()
+    floor = decode.Engine(decode.FLOOR, 0, "cpu", {}, 1)
+    floor.wait_ready()
+    with pytest.raises(decode.WorkerFailed, match=r"^Linear floor \(1 thread\) failed: RuntimeError: "):
+        floor(-1, 1)  # rows = -1: torch.randn raises for a negative dimension
+    floor.close()
+    assert engine.process.exitcode == floor.process.exitcode == 1
+    assert "Traceback" not in capfd.readouterr().err

@@ -8,10 +8,12 @@
 # curve), decoding against HuggingFace (and CTranslate2 where its CUDA libraries load), the demo on the
 # GPU, then aiayn compiled, then the whole default test suite (in parallel where pytest-xdist is). Every
 # step gets at most what is left of SECONDS (default 540), so the script ends in time and what it
-# measured so far is kept. Needs a Python with CUDA PyTorch,
-# transformers, sentencepiece, sacrebleu, safetensors, matplotlib, tqdm and pytest; the package runs from
-# src/ (nothing installed). Writes $OUT/log.txt and the benchmarks' reports.
-set -u
+# measured so far is kept; the suite gets all that is left. A step that fails or runs out of its time
+# does not stop the later ones, but the script then exits 1, its last line naming those steps (a step
+# skipped because no time is left is not a failure). Needs a Python with CUDA PyTorch, transformers,
+# sentencepiece, sacrebleu, safetensors, matplotlib, tqdm and pytest; the package runs from src/ (nothing
+# installed). Writes $OUT/log.txt and the benchmarks' reports.
+set -u -o pipefail  # pipefail: the status of the steps' block, not tee's 0
 OUT=${OUT:-benchmarks/results/local/gpu}
 budget=${1:-540}
 if ! [[ $budget =~ ^[0-9]+$ ]] || ((10#$budget < 10)); then
@@ -21,14 +23,19 @@ mkdir -p "$OUT" || { echo "gpu.sh: cannot make the folder OUT=$OUT" >&2; exit 2;
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 deadline=$((SECONDS + 10#$budget))
 
+failed=""  # the steps that exited non-zero (a timeout's 124 included), for the last line and the status
 run() {  # run CAP COMMAND...: COMMAND under min(CAP, seconds left), its status and time said, never fatal
-  local cap=$1 left=$((deadline - SECONDS)) began=$SECONDS
+  local cap=$1 left=$((deadline - SECONDS)) began=$SECONDS status
   shift
   ((left < cap)) && cap=$left
-  if ((cap < 10)); then echo "== skipped (time is up): $*"; return; fi
+  if ((cap < 10)); then echo "== skipped (time is up): $*"; return 0; fi
   echo "== $(date +%T) [${cap} s at most] $*"
-  timeout "$cap" "$@"
-  echo "== exit $? after $((SECONDS - began)) s"
+  timeout -k 5 "$cap" "$@"  # -k: a step that ignores SIGTERM is killed, not left to overrun SECONDS
+  status=$?
+  echo "== exit $status after $((SECONDS - began)) s"
+  local step="$*"
+  step=${step%%$'\n'*}  # its first line, 50 characters of it: a name for the last line, not the command
+  ((status == 0)) || failed+=" [${step:0:50}... exit $status]"
 }
 
 {
@@ -47,6 +54,10 @@ torch.cuda.get_device_name())"
   # the whole default suite where CUDA is present, each test's outcome on its own line as it ends (-v): a
   # suite cut off at its time limit still names its failures (-q named none before the end)
   parallel=$(python3 -c "import os, xdist; print('-n', max(1, (os.cpu_count() or 2) - 1))" 2>/dev/null)
-  run 240 python3 -m pytest -p no:cacheprovider -v $parallel --timeout 120 tests >"$OUT/suite.txt" 2>&1
+  # all the time left, less 15 s: timeout's 5 s grace before its kill, and the summary after it
+  run $((deadline - SECONDS - 15)) python3 -m pytest -p no:cacheprovider -v $parallel --timeout 120 tests \
+    >"$OUT/suite.txt" 2>&1
   grep -E "FAILED|ERROR|Timeout|[0-9]+ (passed|failed)|== (exit|skipped)" "$OUT/suite.txt" | tail -40
+  if [[ -n $failed ]]; then echo "gpu.sh: failed:$failed"; exit 1; fi
+  echo "gpu.sh: every step that ran exited 0"
 } 2>&1 | tee "$OUT/log.txt"

@@ -20,6 +20,8 @@ Method, GPU: torch.cuda.max_memory_allocated after reset_peak_memory_stats, minu
 
 A run that would pass the memory budget is not started: its peak is predicted from the largest n
 measured along the last measured log-log slope (2 for the explicit formula) and reported as predicted.
+Before a series has a measured n to extrapolate from, its peak is bounded from the shapes alone (the
+output, and for the explicit formula one n x n matrix) and reported as that: "at least", not predicted.
 
     python benchmarks/attention_memory.py                # CPU, n = 256 .. 8192, budget 4 GiB
     python benchmarks/attention_memory.py --quick        # n = 256, 512, 1024
@@ -76,7 +78,7 @@ class MemoryConfig:
     batch: int = 1  # B
     heads: int = 8  # H, the base model's
     head_dim: int = 64  # D = d_k = d_v
-    budget_gib: float = 4.0  # no run whose predicted peak exceeds this is started
+    budget_gib: float = 4.0  # no run whose predicted (or least) peak exceeds this is started
     device: str = "cpu"
 
 
@@ -176,12 +178,13 @@ def measure_in_subprocess(impl: str, n: int, mode: str, cfg: MemoryConfig) -> di
 
 
 def least_peak(impl: str, n: int, cfg: MemoryConfig) -> float:
-    """What a point needs at the least, from the shapes: q, k, v and the output (B, H, n, D) in float32,
-    and for the explicit formula its (B, H, n, n) scores. Bounds the first point of a series, which has no
-    measured one to extrapolate from: with --lengths 100000 the explicit form was started on ~300 GiB."""
-    tensors = 4 * cfg.batch * cfg.heads * n * cfg.head_dim
+    """The least peak a point can show, from the shapes: its output (B, H, n, D) in float32, and for the
+    explicit formula its (B, H, n, n) scores (the inputs exist before the baseline: not counted). Bounds
+    the first point of a series, which has no measured one to extrapolate from: with --lengths 100000 the
+    explicit form was started on ~300 GiB. A lower bound, never reported as a prediction."""
+    output = cfg.batch * cfg.heads * n * cfg.head_dim
     scores = cfg.batch * cfg.heads * n * n if impl == "explicit" else 0
-    return 4.0 * (tensors + scores)
+    return 4.0 * (output + scores)
 
 
 def predicted_peak(points: list[dict], n: int) -> float | None:
@@ -206,12 +209,13 @@ def run_all(cfg: MemoryConfig) -> dict[str, dict[str, list[dict]]]:
             for impl in IMPLS:
                 points = series[impl][mode]
                 guess = predicted_peak(points, n)
-                guess = least_peak(impl, n, cfg) if guess is None else guess
+                bound = guess is None  # nothing measured to extrapolate from: the shapes' lower bound
+                guess = least_peak(impl, n, cfg) if bound else guess
                 if guess > budget:
-                    points.append(
-                        {"impl": impl, "n": n, "mode": mode, "peak_bytes": int(guess), "measured": False}
-                    )
-                    log.info("%s %s n=%d: predicted %.0f MiB > budget, not run", impl, mode, n, guess / MIB)
+                    points.append({"impl": impl, "n": n, "mode": mode, "peak_bytes": int(guess),
+                                   "measured": False, **({"lower_bound": True} if bound else {})})
+                    log.info("%s %s n=%d: %s %.0f MiB > budget, not run", impl, mode, n,
+                             "at least" if bound else "predicted", guess / MIB)
                     continue
                 point = {**measure_in_subprocess(impl, n, mode, cfg), "measured": True}
                 points.append(point)
@@ -236,11 +240,32 @@ def growth_exponent(points: list[dict], min_n: int = 1024) -> float | None:
     return math.log(ok[-1]["peak_bytes"] / ok[0]["peak_bytes"]) / math.log(ok[-1]["n"] / ok[0]["n"])
 
 
+def estimate(point: dict) -> str:
+    """How a point's peak_bytes was found: "measured", "predicted" (extrapolated from measured points) or
+    "at least" (`least_peak`, from the shapes: a lower bound, not a prediction)."""
+    if point["measured"]:
+        return "measured"
+    return "at least" if point.get("lower_bound") else "predicted"  # no lower_bound key in older files
+
+
 def _mib(point: dict) -> str:
     if "peak_bytes" not in point:
         return f"failed ({point['error']})"
     text = f"{point['peak_bytes'] / MIB:,.1f}"
-    return text if point["measured"] else f"({text}, predicted)"
+    return {"measured": text, "predicted": f"({text}, predicted)",
+            "at least": f"(at least {text}, not run)"}[estimate(point)]
+
+
+def _ratio(s: dict, e: dict) -> str:
+    """explicit / SDPA. A lower bound over a measured figure bounds the ratio from below; over a
+    predicted one, or under anything, it is neither a bound nor a prediction: "-"."""
+    if "peak_bytes" not in s or "peak_bytes" not in e or s["peak_bytes"] <= 0 or estimate(s) == "at least":
+        return "-"
+    ratio = e["peak_bytes"] / s["peak_bytes"]
+    shown = f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"  # 0.9x, not "1x" when SDPA is larger
+    if estimate(e) == "at least":
+        return f"at least {shown}" if s["measured"] else "-"
+    return shown + ("" if s["measured"] and e["measured"] else " (predicted)")
 
 
 def memory_table(series: dict, cfg: MemoryConfig, mode: str) -> str:
@@ -249,14 +274,13 @@ def memory_table(series: dict, cfg: MemoryConfig, mode: str) -> str:
     for s, e in zip(series["sdpa"][mode], series["explicit"][mode]):
         n = s["n"]
         square = cfg.batch * cfg.heads * n * n * 4  # one float32 (B, H, n, n) matrix
-        row = [n, f"{cfg.batch * cfg.heads * n * cfg.head_dim * 4 / MIB:.1f}", _mib(s), _mib(e)]
-        both = "peak_bytes" in s and "peak_bytes" in e and s["peak_bytes"] > 0
-        predicted = " (predicted)" if both and not (s["measured"] and e["measured"]) else ""
-        ratio = e["peak_bytes"] / s["peak_bytes"] if both else 0.0
-        shown = f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"  # 0.9x, not "1x" when SDPA is larger
-        row.append(shown + predicted if both else "-")
-        row.append(f"{e['peak_bytes'] / square:.2f}" + ("" if e["measured"] else " (predicted)")
-                   if "peak_bytes" in e else "-")
+        row = [n, f"{cfg.batch * cfg.heads * n * cfg.head_dim * 4 / MIB:.1f}", _mib(s), _mib(e), _ratio(s, e)]
+        if "peak_bytes" in e:
+            squares = f"{e['peak_bytes'] / square:.2f}"
+            row.append({"measured": squares, "predicted": f"{squares} (predicted)",
+                        "at least": f"at least {squares}"}[estimate(e)])
+        else:
+            row.append("-")
         rows.append(row)
     header = [
         "n",
@@ -274,8 +298,13 @@ def first_over_budget(points: list[dict], budget: float) -> str:
     if not over:
         return "stays within the budget over the whole grid"
     p = over[0]
-    how = "measured" if p["measured"] else "predicted by the (n / n_last)^slope rule, not run"
-    return f"exceeds it first at n = {p['n']:,} ({p['peak_bytes'] / 2**30:.2f} GiB, {how})"
+    size = p["peak_bytes"] / 2**30
+    size = f"{size:.2f} GiB" if size >= 1 else f"{size * 1024:.1f} MiB"  # 0.00 GiB said nothing
+    how = {"measured": f"{size}, measured",
+           "predicted": f"{size}, predicted by the (n / n_last)^slope rule, not run",
+           "at least": f"at least {size}: the output and any n x n matrix, from the shapes; a lower bound, "
+                       "not run"}[estimate(p)]
+    return f"exceeds it first at n = {p['n']:,} ({how})"
 
 
 def markdown(result: dict, cfg: MemoryConfig) -> str:
@@ -347,14 +376,10 @@ def plot(series: dict, cfg: MemoryConfig, path: Path) -> None:
                 "o",
                 color=colors[impl],
             )
-            predicted = [p for p in pts if not p["measured"]]
-            ax.loglog(
-                [p["n"] for p in predicted],
-                [p["peak_bytes"] / MIB for p in predicted],
-                "o",
-                mfc="white",
-                color=colors[impl],
-            )
+            for kind, marker in (("predicted", "o"), ("at least", "^")):
+                shown = [p for p in pts if estimate(p) == kind]
+                ax.loglog([p["n"] for p in shown], [p["peak_bytes"] / MIB for p in shown], marker,
+                          mfc="white", color=colors[impl])
     ax.axhline(cfg.budget_gib * 1024, color="black", ls=":", label=f"budget {cfg.budget_gib} GiB")
     n0 = cfg.lengths[0]
     for power, name in ((1, "slope 1 (linear)"), (2, "slope 2 (quadratic)")):
@@ -372,7 +397,7 @@ def plot(series: dict, cfg: MemoryConfig, path: Path) -> None:
     ax.set_ylabel("peak memory growth, MiB")
     ax.set_title(
         f"Attention peak memory on {cfg.device}, B={cfg.batch} H={cfg.heads} D={cfg.head_dim} float32\n"
-        "filled = measured, hollow = predicted (over budget, not run)",
+        "filled = measured; hollow, over budget and not run: circle = predicted, triangle = at least",
         fontsize=10,
     )
     ax.grid(True, which="both", alpha=0.3)
@@ -382,13 +407,22 @@ def plot(series: dict, cfg: MemoryConfig, path: Path) -> None:
     plt.close(fig)
 
 
+def budget_gib(text: str) -> float:
+    """argparse type: GiB, more than 0 (a budget of 0 ran nothing and reported every figure as if
+    predicted)."""
+    value = at_least(0.0, float)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0: {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n = 256, 512, 1024 only")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
-    parser.add_argument("--budget-gib", type=at_least(0.0, float),
-                        help="largest predicted peak to run (default 4)")
+    parser.add_argument("--budget-gib", type=budget_gib,
+                        help="largest predicted peak to run, more than 0 (default 4)")
     parser.add_argument("--out", type=Path, default=LOCAL_RESULTS,
                         help="directory for the json, md and png (default benchmarks/results/local, "
                              "ignored by git)")

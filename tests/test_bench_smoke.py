@@ -155,7 +155,7 @@ def test_a_first_length_past_the_budget_is_not_started(monkeypatch):
                         lambda impl, n, mode, cfg: started.append((impl, mode)) or {"peak_bytes": 1})
     series = attention_memory.run_all(cfg)
     assert ("explicit", "forward") not in started and not series["explicit"]["forward"][0]["measured"]
-    assert ("sdpa", "forward") in started  # q, k, v and the output, 32 MiB, fit 51 MiB
+    assert ("sdpa", "forward") in started  # its output, 8 MiB, fits 51 MiB
 
 
 @pytest.mark.slow
@@ -288,3 +288,36 @@ def test_batch_fill_and_profile_step_say_bad_input_in_one_line(tmp_path, monkeyp
                         else find_spec(name, *a))
     with pytest.raises(SystemExit, match=r"^--system Marian needs transformers: pip install -e '\.\[bench"):
         profile_step.main(["--config", "tiny", "--system", "Marian"])
+
+
+def test_a_bound_from_the_shapes_is_reported_as_at_least_never_as_predicted(tmp_path, monkeypatch):
+    """With nothing measured in a series, the figure past the budget is `least_peak`, a lower bound from
+    the shapes; it was labelled "predicted by the (n / n_last)^slope rule" and "(..., predicted)"."""
+    def fake(impl, n, mode, cfg):
+        return {"impl": impl, "n": n, "mode": mode, "peak_bytes": 8 * n * n, "seconds": 0.0, "method": "fake"}
+
+    monkeypatch.setattr(attention_memory, "measure_in_subprocess", fake)
+    # 1 MiB: SDPA's output at n = 256 (0.5 MiB) fits and is run, its 2 MiB predicted at 512 not;
+    # explicit's n x n scores (2 MiB) do not fit at 256, with nothing measured to predict from
+    result = attention_memory.main(["--lengths", "256", "512", "--budget-gib", str(1 / 1024),
+                                    "--out", str(tmp_path)])
+    text = (tmp_path / "attention_memory_cpu.md").read_text()
+    growth = [line for line in text.splitlines() if line.startswith("- explicit")]
+    assert len(growth) == 2 and all("at least 2.5 MiB" in line and "predicted" not in line for line in growth)
+    rows = [line for line in text.splitlines() if line.startswith("| 256 |")]
+    assert rows and all("(at least 2.5, not run)" in row and "predicted" not in row for row in rows)
+    assert "| 256 | 0.5 | 0.5 | (at least 2.5, not run) | at least 5.0x | at least 1.25 |" in text
+    # a bound over a prediction: neither a bound nor a prediction
+    assert "| 512 | 1.0 | (2.0, predicted) | (at least 9.0, not run) | - | at least 1.12 |" in text
+    explicit = result["series"]["explicit"]["forward"]  # the json says which figures are bounds
+    assert [(p["measured"], p.get("lower_bound")) for p in explicit] == [(False, True)] * 2
+    assert explicit[0]["peak_bytes"] == attention_memory.least_peak("explicit", 256, attention_memory.QUICK)
+
+
+def test_a_budget_of_zero_is_refused(tmp_path, monkeypatch, capsys):
+    """--budget-gib 0 ran nothing and wrote every figure as a prediction."""
+    monkeypatch.setattr(attention_memory, "measure_in_subprocess", lambda *a: pytest.fail("measured"))
+    with pytest.raises(SystemExit) as stopped:
+        attention_memory.main(["--lengths", "256", "--budget-gib", "0", "--out", str(tmp_path)])
+    assert stopped.value.code == 2 and "--budget-gib: must be more than 0: '0'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -24,7 +24,7 @@ from aiayn.config import ConfigError
 from aiayn.data.batching import token_batches
 from aiayn.errors import UserError
 from aiayn.train import loop
-from aiayn.train.config import load_config
+from aiayn.train.config import run_config
 from aiayn.train.distributed import Dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +52,19 @@ def budgets(text: str) -> list[int]:
     return values
 
 
+def settings(args: argparse.Namespace, run_dir: str) -> dict[str, dict]:
+    """The run configuration a training run on --src/--tgt with --vocab-size would prepare its data with."""
+    return {"data": {"train_src": args.src, "train_tgt": args.tgt, "vocab_size": args.vocab_size},
+            "model": {"preset": "micro"}, "train": {"run_dir": run_dir, "device": "cpu"}}
+
+
+def flags(args: argparse.Namespace) -> dict[str, str]:
+    """Where each setting this script's options give was written: a value the configuration refuses is
+    named by its flag (through --set strings it was "--set 'data.vocab_size=0': ...", a flag not here)."""
+    return {"data.train_src": f"--src {args.src}", "data.train_tgt": f"--tgt {args.tgt}",
+            "data.vocab_size": f"--vocab-size {args.vocab_size}"}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--src", default=str(MULTI30K / "train.en"))
@@ -61,9 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:  # a missing corpus, a vocabulary or max_tokens the data refuses: one line, not a traceback
         with tempfile.TemporaryDirectory() as run_dir:
-            config = load_config(None, [f"data.train_src={args.src}", f"data.train_tgt={args.tgt}",
-                                        f"data.vocab_size={args.vocab_size}", "model.preset=micro",
-                                        f"train.run_dir={run_dir}", "train.device=cpu"])
+            config = run_config(settings(args, run_dir), origins=flags(args))
             data = loop.prepare_data(config, Path(run_dir), Dist(0, 1, 0, torch.device("cpu")))
             src, tgt = data.train.src_lengths(), data.train.tgt_lengths()
         rows = [(m, *fill(src, tgt, m)) for m in args.max_tokens]

@@ -321,3 +321,11 @@ def test_a_budget_of_zero_is_refused(tmp_path, monkeypatch, capsys):
         attention_memory.main(["--lengths", "256", "--budget-gib", "0", "--out", str(tmp_path)])
     assert stopped.value.code == 2 and "--budget-gib: must be more than 0: '0'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_batch_fill_names_its_own_flag_for_a_value_the_config_refuses(tmp_path):
+    """--vocab-size 0 was "batch_fill: --set 'data.vocab_size=0': ...": a --set flag the script lacks."""
+    batch_fill = _load("batch_fill")
+    corpus = ["--src", str(tmp_path / "none.en"), "--tgt", str(tmp_path / "none.de")]
+    with pytest.raises(SystemExit, match=r"^batch_fill: --vocab-size 0: data\.vocab_size=0 must be >= 8$"):
+        batch_fill.main(["--vocab-size", "0", *corpus])

@@ -3,7 +3,8 @@
     python benchmarks/profile_step.py --config base --precision bf16                 # aiayn, CPU
     python benchmarks/profile_step.py --device cuda --config base25k --system Marian --compile
 
-Prints the operators that take the most time (on a GPU: the time of the kernels each one launched
+Prints the command and the environment (hardware, versions, commit), as the other scripts record
+them, then the operators that take the most time (on a GPU: the time of the kernels each one launched
 itself), summed over the profiled steps and divided by their count: per-step milliseconds, to set beside
 train_step.py's table. --by-shape splits each operator by its input shapes.
 """
@@ -21,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_step  # noqa: E402
-from common import at_least, require_device  # noqa: E402
+from common import at_least, command_line, environment, require_device  # noqa: E402
 
 from aiayn.config import model_config  # noqa: E402
 from aiayn.memory import keep_freed_memory  # noqa: E402
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--system Marian needs transformers: pip install -e '.[bench]'")
     device = str(require_device(args.device))
     keep_freed_memory()  # as train_step.py and `aiayn train` do: large buffers are reused, not re-faulted
+    # what a figure quoted from this output needs beside it; before the steps, so the load is the machine's
+    print(f"command: {command_line(__file__, argv)}")
+    print(f"environment: {environment()}", flush=True)
     shape = train_step.SHAPES[args.config]
     c = model_config(shape["preset"], vocab_size=shape["vocab"])
     batch = tuple(x.to(device) for x in train_step.make_batch(shape, torch.Generator().manual_seed(0)))

@@ -329,3 +329,21 @@ def test_batch_fill_names_its_own_flag_for_a_value_the_config_refuses(tmp_path):
     corpus = ["--src", str(tmp_path / "none.en"), "--tgt", str(tmp_path / "none.de")]
     with pytest.raises(SystemExit, match=r"^batch_fill: --vocab-size 0: data\.vocab_size=0 must be >= 8$"):
         batch_fill.main(["--vocab-size", "0", *corpus])
+
+
+def test_profile_step_prints_the_environment_beside_its_figures(capsys):
+    """RESULTS.md quotes profile_step's output as figures; it printed the operator table alone, with no
+    hardware, versions or commit."""
+    profile_step = _load("profile_step")
+    threads = torch.get_num_threads()
+    try:
+        profile_step.main(["--config", "tiny", "--precision", "fp32", "--steps", "1", "--top", "3"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("command: python benchmarks/profile_step.py --config tiny --precision fp32 --steps 1 "
+                      "--top 3")
+    environment = out[1]
+    assert environment.startswith("environment: {") and f"'torch': '{torch.__version__}'" in environment
+    assert "'commit': " in environment and "'cpu': " in environment
+    assert "ms of CPU operator self time per step" in out[2]

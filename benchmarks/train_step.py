@@ -21,7 +21,9 @@ against the float32 one from the same initialisation on the same batches.
     python benchmarks/train_step.py --configs base --precisions bf16 --no-compile
     python benchmarks/train_step.py --device cuda --configs base,base25k --loss-steps 150   # on a GPU
 
-Writes benchmarks/results/local/train_step.{md,json} (ignored by git) unless --out names the markdown.
+Writes benchmarks/results/local/train_step.{md,json} (ignored by git) unless --out names the markdown;
+the json also keeps each configuration's shape, parameter count and FLOPs a step, so that every MFU can
+be recomputed from it.
 Without transformers (pip install -e '.[bench]') the Marian peer is skipped.
 """
 
@@ -434,7 +436,17 @@ def per_round_ratios(rows: list[dict], row: dict) -> list[float]:
     return [min(p["times_ms"][i] for p in peers) / t for i, t in enumerate(row["times_ms"])]
 
 
-def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, args, path: str) -> None:
+def config_record(info: dict) -> dict:
+    """What the json keeps of one configuration: its shape, aiayn's parameter count and the FLOPs of one
+    step (`model_flops`), so that each row's MFU can be recomputed from the json alone: flops_per_step /
+    (step_ms / 1000) / peaks[precision]."""
+    keys = ("preset", "vocab", "batch", "src_len", "tgt_len", "tokens", "parameters")
+    return {**{k: info[k] for k in keys}, "flops_per_step": info["flops"]}
+
+
+def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, args, path: str,
+                 configs: dict[str, dict] | None = None) -> None:
+    """The markdown report at `path` and the json beside it; `configs`: name -> `config_record`."""
     for r in rows:
         r["per_round_vs_fastest_peer"] = [round(x, 3) for x in per_round_ratios(rows, r)]
     table = markdown_table(
@@ -492,7 +504,8 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
     with open(path, "w") as f:
         f.write("\n".join(lines))
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
-        json.dump(dict(environment=env, peaks=peaks, rows=rows, loss_curve=curve, argv=args.argv), f, indent=1)
+        json.dump(dict(environment=env, peaks=peaks, configs=configs or {}, rows=rows, loss_curve=curve,
+                       argv=args.argv), f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -535,14 +548,15 @@ def main(argv: list[str] | None = None) -> None:
     peaks = {name: matmul_peak(torch.float32 if name == "fp32" else torch.bfloat16, args.device)
              for name in PRECISIONS}
     print("matmul peak GFLOP/s:", {k: round(v / 1e9) for k, v in peaks.items()}, flush=True)
-    rows = []
+    rows, configs = [], {}
     for name in args.configs:
         runs, info = time_config(name, args)
         rows += summarise(runs, info, peaks)
+        configs[name] = config_record(info)
         del runs
-        write_report(rows, peaks, None, env, args, out)  # partial results survive an interruption
+        write_report(rows, peaks, None, env, args, out, configs)  # partial results survive an interruption
     curve = loss_curve(args.loss_steps, device=args.device) if args.loss_steps else None
-    write_report(rows, peaks, curve, env, args, out)
+    write_report(rows, peaks, curve, env, args, out, configs)
     print(open(out).read())
 
 

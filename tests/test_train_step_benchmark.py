@@ -188,3 +188,28 @@ def test_thread_counts_and_repeated_choices():
         with pytest.raises(train_step.argparse.ArgumentTypeError):
             thread_counts(bad)
     assert comma_choices(["tiny", "small"])("tiny,tiny,small") == ["tiny", "small"]  # was timed twice
+
+
+def test_the_json_keeps_what_recomputes_each_rows_mfu(tmp_path, monkeypatch):
+    """time_config computed the parameter count and a step's FLOPs, but the json kept neither, nor the
+    shape: a row's MFU could not be recomputed from the file."""
+    monkeypatch.setattr(train_step, "matmul_peak", lambda dtype, device: 1e12)  # not what this test is about
+    out = tmp_path / "train_step.md"
+    threads = torch.get_num_threads()
+    try:
+        train_step.main(["--configs", "tiny", "--precisions", "fp32", "--steps", "1", "--warmup", "1",
+                         "--loss-steps", "0", "--no-compile", "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    saved = json.loads(out.with_suffix(".json").read_text())
+    shape = train_step.SHAPES["tiny"]
+    c = model_config(shape["preset"], vocab_size=shape["vocab"])
+    tiny = saved["configs"]["tiny"]
+    assert {k: tiny[k] for k in shape} == shape
+    assert tiny["parameters"] == sum(p.numel() for p in Transformer(c).parameters())
+    dims = shape["batch"], shape["src_len"], shape["tgt_len"]
+    assert tiny["flops_per_step"] == train_step.model_flops(c, *dims)
+    assert tiny["tokens"] == shape["batch"] * (shape["src_len"] + shape["tgt_len"])
+    for row in saved["rows"]:
+        recomputed = tiny["flops_per_step"] / (row["step_ms"] / 1000) / saved["peaks"][row["precision"]]
+        assert recomputed == pytest.approx(row["mfu"])

@@ -17,7 +17,7 @@ on a shared machine hurts all layers alike) and keeps the median of the rounds a
 crossover n* per d is where attention first becomes slower than the LSTM (or the conv), interpolated
 in log-log between the two grid points around it.
 
-    python benchmarks/layers.py            # the full CPU grid (about 5 minutes on 2 cores)
+    python benchmarks/layers.py            # the full CPU grid (about 3 minutes: RESULTS.md's 2-core VM)
     python benchmarks/layers.py --quick    # a small grid, seconds
     python benchmarks/layers.py --device cuda
 

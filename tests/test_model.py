@@ -122,6 +122,12 @@ def test_sinusoids_are_the_papers_formula():
     torch.testing.assert_close(sin_cos[:, 8:], pe[:, 1::2])
 
 
+def test_an_unknown_position_layout_is_refused():
+    """Any string but "interleaved" gave the sin_cos table, silently ("Interleaved" included)."""
+    with pytest.raises(ValueError, match="'Interleaved' is not one of interleaved, sin_cos"):
+        sinusoidal_positions(4, 4, "Interleaved")
+
+
 @pytest.mark.parametrize("preset,paper", [("base", 65e6), ("big", 213e6)])
 def test_parameter_counts_match_the_paper(preset, paper):
     model = Transformer(model_config(preset, vocab_size=37000))

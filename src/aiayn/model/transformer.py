@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.config import ModelConfig
+from aiayn.config import POSITIONS, ModelConfig
 from aiayn.model.attention import MultiHeadAttention, padding_mask
 from aiayn.model.dropout import Dropout
 from aiayn.model.kv_cache import KVCache
@@ -25,12 +25,14 @@ def sinusoidal_positions(max_len: int, d_model: int, layout: str = "interleaved"
     in a fixed permutation of the columns, but weights trained with one layout only work with it.
     (fairseq and tensor2tensor also use sin-then-cos, with frequencies 10000^(-i/(d/2 - 1)).)
     """
+    if layout not in POSITIONS:  # any other string fell into the sin_cos branch: wrong positions, silently
+        raise ValueError(f"positions layout {layout!r} is not one of {', '.join(POSITIONS)}")
     pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # (max_len, 1)
     inv_freq = torch.pow(10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (d/2,)
     angles = pos * inv_freq  # (max_len, d/2)
     if layout == "interleaved":
         pe = torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).flatten(1)  # (max_len, d)
-    else:
+    else:  # sin_cos
         pe = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)  # (max_len, d)
     return pe.float()
 

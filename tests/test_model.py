@@ -122,6 +122,18 @@ def test_sinusoids_are_the_papers_formula():
     torch.testing.assert_close(sin_cos[:, 8:], pe[:, 1::2])
 
 
+def test_position_tables_are_exact_in_the_models_dtype():
+    """The tables follow a cast: a float64 model kept float32-accurate positions (3e-8 off, so no float64
+    reference), and one cast to bfloat16 and back kept bfloat16's, unlike the same model saved and loaded."""
+    model = tiny_model().double()
+    pos, i, d = 17, 3, model.config.d_model
+    for pe in (model.src_embed.pe, model.tgt_embed.pe):
+        assert pe.dtype == torch.float64
+        assert abs(pe[pos, 2 * i].item() - math.sin(pos / 10000 ** (2 * i / d))) < 1e-12
+    round_trip = tiny_model().to(torch.bfloat16).float()
+    assert torch.equal(round_trip.src_embed.pe, tiny_model().src_embed.pe)
+
+
 def test_an_unknown_position_layout_is_refused():
     """Any string but "interleaved" gave the sin_cos table, silently ("Interleaved" included)."""
     with pytest.raises(ValueError, match="'Interleaved' is not one of interleaved, sin_cos"):

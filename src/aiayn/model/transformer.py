@@ -17,8 +17,10 @@ from aiayn.model.dropout import Dropout
 from aiayn.model.kv_cache import KVCache
 
 
-def sinusoidal_positions(max_len: int, d_model: int, layout: str = "interleaved") -> Tensor:
-    """(max_len, d_model) table of section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos.
+def sinusoidal_positions(max_len: int, d_model: int, layout: str = "interleaved",
+                         dtype: torch.dtype = torch.float32) -> Tensor:
+    """(max_len, d_model) table of section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos,
+    computed in float64 and rounded once to `dtype`.
 
     `interleaved` is the paper's layout (sin in even columns, cos in odd ones). `sin_cos` puts every sine
     first and every cosine after it, as Marian (and HuggingFace's MarianMT) does: the same frequencies
@@ -34,7 +36,7 @@ def sinusoidal_positions(max_len: int, d_model: int, layout: str = "interleaved"
         pe = torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).flatten(1)  # (max_len, d)
     else:  # sin_cos
         pe = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)  # (max_len, d)
-    return pe.float()
+    return pe.to(dtype)
 
 
 def target_positions(tgt_out: Tensor, pad_id: int) -> Tensor:
@@ -60,9 +62,11 @@ class Embeddings(nn.Module):
         self.embed = embed  # may be shared with the other stack and the output projection
         self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         # Nothing to compute on the meta device; the buffer's device is the default one, not the
-        # embedding's: accelerate's init_empty_weights puts parameters alone on meta
-        pe = torch.empty(config.max_len, config.d_model) if _building_on_meta() else \
-            sinusoidal_positions(config.max_len, config.d_model, config.positions)
+        # embedding's: accelerate's init_empty_weights puts parameters alone on meta. Its dtype is the
+        # embedding's: under torch.set_default_dtype(torch.float64) a float32 table was added to float64 ones
+        dtype = embed.weight.dtype
+        pe = torch.empty(config.max_len, config.d_model, dtype=dtype) if _building_on_meta() else \
+            sinusoidal_positions(config.max_len, config.d_model, config.positions, dtype)
         self.register_buffer("pe", pe, persistent=False)  # (max_len, d): a function, not a weight
         self.dropout = Dropout(config.dropout)
         self.config = config
@@ -70,8 +74,21 @@ class Embeddings(nn.Module):
     def reset_parameters(self) -> None:
         """Compute the position table again (after `to_empty` it is uninitialized memory). The token
         embedding is `embed`'s, initialized by `Transformer.reset_parameters`."""
-        pe = sinusoidal_positions(self.config.max_len, self.config.d_model, self.config.positions)
-        self.pe = pe.to(device=self.pe.device, dtype=self.pe.dtype)  # (max_len, d)
+        c = self.config
+        pe = sinusoidal_positions(c.max_len, c.d_model, c.positions, self.pe.dtype)
+        self.pe = pe.to(self.pe.device)  # (max_len, d)
+
+    def _apply(self, fn, recurse: bool = True):
+        """`nn.Module._apply` (behind `.to`, `.double()`, `.half()`), then, where the table's dtype
+        changed, the table computed again in the new one: cast, a float64 model kept float32-accurate
+        positions (3e-8 off), and `.to(torch.bfloat16).float()` kept them rounded to bfloat16 for good,
+        while the same model saved and loaded had exact ones (the table is not saved). Once per cast,
+        never per forward pass; not on the meta device, where nothing is computed."""
+        dtype = self.pe.dtype
+        super()._apply(fn, recurse)
+        if self.pe.dtype != dtype and not self.pe.is_meta:
+            self.reset_parameters()
+        return self
 
     def forward(self, tokens: Tensor, start: int = 0) -> Tensor:
         """(B, T) ids at positions start..start+T-1 -> (B, T, d)."""

@@ -140,6 +140,15 @@ def test_an_unknown_position_layout_is_refused():
         sinusoidal_positions(4, 4, "Interleaved")
 
 
+def test_parameter_count_is_every_distinct_weight_frozen_or_not():
+    """Its callers (`aiayn info`, a memory estimate, MFU) mean the model's size, frozen weights included."""
+    model = tiny_model()
+    embedding = model.src_embed.embed.weight  # shared by both stacks and the output projection
+    embedding.requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert model.num_parameters() == trainable + embedding.numel()
+
+
 @pytest.mark.parametrize("preset,paper", [("base", 65e6), ("big", 213e6)])
 def test_parameter_counts_match_the_paper(preset, paper):
     model = Transformer(model_config(preset, vocab_size=37000))

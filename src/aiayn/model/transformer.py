@@ -333,5 +333,7 @@ class Transformer(nn.Module):
                        beam_size)
 
     def num_parameters(self) -> int:
-        """Distinct trainable parameters (a shared embedding counted once)."""
+        """Distinct parameters, trainable or frozen (a shared embedding counted once): the model's size,
+        which `aiayn info`, the paper's Table 3 and a memory estimate all mean. Buffers (the position
+        tables, a logits bias) are not counted."""
         return sum(p.numel() for p in self.parameters())

@@ -155,7 +155,7 @@ class ScriptedModel:
     def src_mask(self, src):
         return (src != 0)[:, None, None, :]
 
-    def new_cache(self, batch_size, max_len, dtype=None, beam_size=1):
+    def new_cache(self, batch_size, max_len, *, beam_size=1):
         return KVCache(1, batch_size, 1, 1, max_len, beam_size=beam_size)
 
     def decode(self, tgt_in, memory, src_mask, cache):

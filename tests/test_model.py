@@ -383,6 +383,22 @@ def test_a_kv_cache_is_tied_to_its_memory_and_to_no_grad():
         model.decode(torch.tensor([[1]]), model.encode(a), None, model.new_cache(1, 8))
 
 
+def test_a_kv_cache_holds_the_models_dtype():
+    """A cache in another dtype failed inside SDPA ("Expected query, key, and value to have the same
+    dtype"), one made by hand as one from new_cache(dtype=...), which is gone: nothing used it."""
+    model, c = tiny_model(), tiny_model().config
+    with torch.no_grad():
+        memory = model.encode(padded_batch([3], 50))
+        for dtype in (torch.float64, torch.bfloat16):
+            hand_made = KVCache(c.decoder_layers, 1, c.n_heads, c.d_k, 8, dtype)
+            wrong = rf"^KVCache holds {dtype}, the model computes in torch.float32: make it with"
+            with pytest.raises(TypeError, match=wrong):
+                model.decode(torch.tensor([[1]]), memory, None, hand_made)
+        with pytest.raises(TypeError, match="dtype"):
+            model.new_cache(1, 8, dtype=torch.float64)
+        assert model.double().new_cache(1, 8).k.dtype == torch.float64
+
+
 def test_pad_and_eos_must_differ():
     """The search masks padding: with pad_id == eos_id no output could end (twenty tokens, no EOS)."""
     with pytest.raises(ConfigError, match=r"pad_id and eos_id are both 2: padding and the end of a sentence"):

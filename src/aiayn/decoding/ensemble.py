@@ -84,10 +84,8 @@ class Ensemble(nn.Module):
     def encode(self, src: Tensor) -> Memories:
         return Memories([m.encode(src) for m in self.members])
 
-    def new_cache(
-        self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, beam_size: int = 1
-    ) -> EnsembleCache:
-        return EnsembleCache([m.new_cache(batch_size, max_len, dtype, beam_size) for m in self.members])
+    def new_cache(self, batch_size: int, max_len: int, *, beam_size: int = 1) -> EnsembleCache:
+        return EnsembleCache([m.new_cache(batch_size, max_len, beam_size=beam_size) for m in self.members])
 
     def mean(self, log_probs_M: list[Tensor]) -> Tensor:
         """The members' (R, V) log-probabilities of a step -> the log of the mean of their probabilities."""

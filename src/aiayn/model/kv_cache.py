@@ -57,18 +57,22 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
-    def check_step(self, rows: int, memory: Tensor, shape: tuple[int, int, int]) -> None:
+    def check_step(self, rows: int, memory: Tensor, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
         """Before a decoding step of `rows` target rows over `memory` (B, S, d): the cache's rows, and the
         memory its cross-attention K/V were projected from on the first step (a later one was ignored: the
         step attended over the first memory's keys with the second's mask): the same values, not only the
         same shape, until sentences are selected (a search then passes the selected memory). `shape`: the
         model's (decoder layers, heads, head size), which a hand-made cache must have (fewer layers were an
-        IndexError, other heads a size mismatch)."""
+        IndexError, other heads a size mismatch); `dtype` the model's, which it must hold (another failed
+        inside SDPA: "Expected query, key, and value to have the same dtype")."""
         compiling = torch.compiler.is_compiling()  # the shape checks are traced into the graph's guards
         mine = (self.k.shape[0], self.k.shape[3], self.k.shape[4])
         if not compiling and mine != shape:  # dynamo's fake tensors fail on it
             raise ValueError(f"KVCache has (layers, heads, head size) {mine}, the model {shape}: make it "
                              "with the model's new_cache")
+        if self.k.dtype != dtype:
+            raise TypeError(f"KVCache holds {self.k.dtype}, the model computes in {dtype}: make it with the "
+                            "model's new_cache")
         if rows != self.k.shape[1]:
             raise ValueError(f"KVCache holds {self.k.shape[1]} rows; this step has {rows}")
         cross = self.cross[0][0] if self.cross[0] is not None else None  # layer 0's keys, (B, H, S, D)

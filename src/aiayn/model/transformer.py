@@ -290,7 +290,7 @@ class Transformer(nn.Module):
                              "(B, 1, 1, S), True where the source is a token (Transformer.src_mask)")
         if cache is not None:
             shape = (len(self.decoder), self.config.n_heads, self.config.d_k)
-            cache.check_step(tgt_in.shape[0], memory, shape)
+            cache.check_step(tgt_in.shape[0], memory, shape, self._cache_like().dtype)
         start = 0 if cache is None else cache.length
         x = self.tgt_embed(tgt_in, start)
         for i, layer in enumerate(self.decoder):
@@ -320,17 +320,22 @@ class Transformer(nn.Module):
         memory = self.encode(src)
         return self.decode(tgt_in, memory, self.src_mask(src), positions=positions)
 
-    def new_cache(
-        self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, beam_size: int = 1
-    ) -> KVCache:
-        """An empty `KVCache` for `batch_size` rows (sentences x `beam_size`), up to `max_len` positions.
+    def new_cache(self, batch_size: int, max_len: int, *, beam_size: int = 1) -> KVCache:
+        """An empty `KVCache` for `batch_size` rows (sentences x `beam_size`), up to `max_len` positions,
+        in the model's dtype and on its device.
 
-        With beams, `decode` takes `memory` and `src_mask` once per sentence, not once per row.
+        With beams, `decode` takes `memory` and `src_mask` once per sentence, not once per row. (No
+        `dtype` argument: attention takes queries, keys and values of one dtype, so a cache in another
+        failed inside SDPA; nothing passed one.)
         """
         c = self.config
-        p = self.tgt_embed.embed.weight  # an embedding: still a float tensor in an int8-quantized model
-        return KVCache(c.decoder_layers, batch_size, c.n_heads, c.d_k, max_len, dtype or p.dtype, p.device,
-                       beam_size)
+        p = self._cache_like()
+        return KVCache(c.decoder_layers, batch_size, c.n_heads, c.d_k, max_len, p.dtype, p.device, beam_size)
+
+    def _cache_like(self) -> Tensor:
+        """A weight in the dtype and on the device a `KVCache` must have: an embedding, still a float
+        tensor in an int8-quantized model."""
+        return self.tgt_embed.embed.weight
 
     def num_parameters(self) -> int:
         """Distinct parameters, trainable or frozen (a shared embedding counted once): the model's size,

@@ -383,6 +383,27 @@ def test_a_kv_cache_is_tied_to_its_memory_and_to_no_grad():
         model.decode(torch.tensor([[1]]), model.encode(a), None, model.new_cache(1, 8))
 
 
+def test_a_kv_cache_is_tied_to_its_source_mask():
+    """A mask on the first step and None on the next was accepted: the step attended to the padding."""
+    model = tiny_model()
+    src = padded_batch([4, 2], 50)
+    first = torch.tensor([[1], [1]])
+    with torch.no_grad():
+        memory, mask = model.encode(src), model.src_mask(src)
+        cache = model.new_cache(2, 8)
+        model.decode(first, memory, mask, cache)
+        model.decode(first, memory, model.src_mask(src), cache)  # the same mask, made again
+        other = mask.clone()
+        other[1, ..., 1] = False
+        for wrong in (None, other):
+            with pytest.raises(ValueError, match=r"^KVCache was filled with another src_mask: pass the same"):
+                model.decode(first, memory, wrong, cache)
+        unpadded = padded_batch([3, 3], 50)  # None means no padding: an all-True mask is the same
+        cache = model.new_cache(2, 8)
+        model.decode(first, model.encode(unpadded), None, cache)
+        model.decode(first, model.encode(unpadded), model.src_mask(unpadded), cache)
+
+
 def test_a_kv_cache_holds_the_models_dtype():
     """A cache in another dtype failed inside SDPA ("Expected query, key, and value to have the same
     dtype"), one made by hand as one from new_cache(dtype=...), which is gone: nothing used it."""

@@ -52,19 +52,22 @@ class KVCache:
         self.cross: list[tuple[Tensor, Tensor] | None] = [None] * n_layers  # (B, H, S, D) pairs
         self.spare: tuple[Tensor, Tensor] | None = None  # second K/V buffers for beam reordering
         self.memory: Tensor | None = None  # what the cross K/V were projected from, until rows change
+        self.src_mask: Tensor | None = None  # and the mask of that memory (None: no padding)
 
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
 
-    def check_step(self, rows: int, memory: Tensor, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    def check_step(self, rows: int, memory: Tensor, src_mask: Tensor | None, shape: tuple[int, int, int],
+                   dtype: torch.dtype) -> None:
         """Before a decoding step of `rows` target rows over `memory` (B, S, d): the cache's rows, and the
         memory its cross-attention K/V were projected from on the first step (a later one was ignored: the
         step attended over the first memory's keys with the second's mask): the same values, not only the
-        same shape, until sentences are selected (a search then passes the selected memory). `shape`: the
-        model's (decoder layers, heads, head size), which a hand-made cache must have (fewer layers were an
-        IndexError, other heads a size mismatch); `dtype` the model's, which it must hold (another failed
-        inside SDPA: "Expected query, key, and value to have the same dtype")."""
+        same shape, and the same `src_mask`, until sentences are selected (a search then passes the
+        selected memory and mask). `shape`: the model's (decoder layers, heads, head size), which a
+        hand-made cache must have (fewer layers were an IndexError, other heads a size mismatch); `dtype`
+        the model's, which it must hold (another failed inside SDPA: "Expected query, key, and value to
+        have the same dtype")."""
         compiling = torch.compiler.is_compiling()  # the shape checks are traced into the graph's guards
         mine = (self.k.shape[0], self.k.shape[3], self.k.shape[4])
         if not compiling and mine != shape:  # dynamo's fake tensors fail on it
@@ -82,14 +85,24 @@ class KVCache:
                              f"positions, not {sentences} x {src_len}: a new source needs a new cache")
         if compiling:
             return
-        if cross is not None and self.memory is not None and memory is not self.memory:
+        if cross is not None and self.memory is not None:
+            self._check_same_source(memory, src_mask)
+        self.memory, self.src_mask = memory, src_mask
+
+    def _check_same_source(self, memory: Tensor, src_mask: Tensor | None) -> None:
+        """The memory and mask of this step are the first step's. Compared by identity first: a search
+        passes the same tensors at every step, and comparing values reads them back from a GPU."""
+        if memory is not self.memory:
             # another tensor: a view, a copy or encode() again are the same source (on a GPU, encode()
             # again may differ in the last bits; NaN is NaN); other values are not
             if memory.shape != self.memory.shape or not torch.allclose(memory, self.memory, rtol=1e-4,
                                                                         atol=1e-5, equal_nan=True):
                 raise ValueError("KVCache was filled from another memory: pass the same memory at every "
                                  "step (a new source needs a new cache)")
-        self.memory = memory
+        if src_mask is not self.src_mask and not _same_mask(src_mask, self.src_mask):
+            # a mask on the first step and None on the next attended to the padding, silently
+            raise ValueError("KVCache was filled with another src_mask: pass the same mask at every step "
+                             "(None only where no source has padding)")
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store (B, H, T, D) new keys/values of `layer`; return all so far, (B, H, length + T, D).
@@ -214,3 +227,12 @@ class KVCache:
     def _select_cross(self, index: Tensor) -> None:
         self.cross = [None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))
                       for kv in self.cross]
+
+
+def _same_mask(a: Tensor | None, b: Tensor | None) -> bool:
+    """Whether two (B, 1, 1, S) source masks let attention see the same positions; None masks none."""
+    if a is b:
+        return True
+    if a is None or b is None:
+        return bool((b if a is None else a).all())  # type: ignore[union-attr]
+    return a.shape == b.shape and torch.equal(a, b)

@@ -290,7 +290,7 @@ class Transformer(nn.Module):
                              "(B, 1, 1, S), True where the source is a token (Transformer.src_mask)")
         if cache is not None:
             shape = (len(self.decoder), self.config.n_heads, self.config.d_k)
-            cache.check_step(tgt_in.shape[0], memory, shape, self._cache_like().dtype)
+            cache.check_step(tgt_in.shape[0], memory, src_mask, shape, self._cache_like().dtype)
         start = 0 if cache is None else cache.length
         x = self.tgt_embed(tgt_in, start)
         for i, layer in enumerate(self.decoder):

@@ -404,6 +404,30 @@ def test_a_kv_cache_is_tied_to_its_source_mask():
         model.decode(first, model.encode(unpadded), model.src_mask(unpadded), cache)
 
 
+def test_kv_cache_misuse_fails_where_it_happens():
+    """A beam cache's select of rows that are not all its rows failed only at the next step ("KVCache
+    holds 3 rows"); a cache made under inference_mode and stepped under no_grad with PyTorch's "Inplace
+    update to inference tensor outside InferenceMode"."""
+    model = tiny_model()
+    src = padded_batch([4, 2], 50)
+    with torch.no_grad():
+        beams = model.new_cache(4, 8, beam_size=2)
+        model.decode(torch.ones(4, 1, dtype=torch.long), model.encode(src), None, beams)
+        with pytest.raises(ValueError, match=r"^KVCache.select with beams reorders all 4 rows, not 3: drop"):
+            beams.select(torch.tensor([0, 1, 2]))
+        with pytest.raises(ValueError, match=r"^KVCache.select takes a \(rows,\) index, not one of shape"):
+            beams.select(torch.tensor([[0, 1, 2, 3]]))
+    with torch.inference_mode():
+        memory, cache = model.encode(src), model.new_cache(2, 8)
+        model.decode(torch.tensor([[1], [1]]), memory, None, cache)
+    with torch.no_grad():
+        made_under = r"^KVCache was made under torch.inference_mode\(\), whose tensors PyTorch updates only"
+        with pytest.raises(RuntimeError, match=made_under):
+            model.decode(torch.tensor([[1], [1]]), memory, None, cache)
+        with pytest.raises(RuntimeError, match=made_under):
+            cache.select(torch.tensor([1, 1]))
+
+
 def test_a_kv_cache_holds_the_models_dtype():
     """A cache in another dtype failed inside SDPA ("Expected query, key, and value to have the same
     dtype"), one made by hand as one from new_cache(dtype=...), which is gone: nothing used it."""

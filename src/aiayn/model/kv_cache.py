@@ -85,6 +85,7 @@ class KVCache:
                              f"positions, not {sentences} x {src_len}: a new source needs a new cache")
         if compiling:
             return
+        self._check_writable()
         if cross is not None and self.memory is not None:
             self._check_same_source(memory, src_mask)
         self.memory, self.src_mask = memory, src_mask
@@ -103,6 +104,13 @@ class KVCache:
             # a mask on the first step and None on the next attended to the padding, silently
             raise ValueError("KVCache was filled with another src_mask: pass the same mask at every step "
                              "(None only where no source has padding)")
+
+    def _check_writable(self) -> None:
+        """The buffers can be written here: PyTorch refuses in-place updates of tensors made under
+        torch.inference_mode() outside it ("Inplace update to inference tensor outside InferenceMode")."""
+        if self.k.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError("KVCache was made under torch.inference_mode(), whose tensors PyTorch updates "
+                               "only inside it: decode and select with it under torch.inference_mode() too")
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store (B, H, T, D) new keys/values of `layer`; return all so far, (B, H, length + T, D).
@@ -142,7 +150,17 @@ class KVCache:
     def select(self, index: Tensor) -> None:
         """Keep (and reorder) self-attention rows `index` (B'*K,): beam search reordering, or dropping
         finished rows. Cross-attention rows follow only without beams (K = 1, one row per sentence);
-        with beams they belong to sentences: use `keep_sentences`."""
+        with beams they belong to sentences, so `index` reorders all B*K rows (dropping sentences is
+        `keep_sentences`) and each row must take the past of a row of its own sentence (index[r] // K
+        == r // K): a row given another sentence's past would attend over its own sentence's source with
+        the other's target prefix. That is the caller's contract, not checked: checking it reads `index`
+        back from a GPU (a wait for the device at every beam step)."""
+        self._check_writable()
+        if index.dim() != 1:
+            raise ValueError(f"KVCache.select takes a (rows,) index, not one of shape {tuple(index.shape)}")
+        if self.beam_size > 1 and index.shape[0] != self.k.shape[1]:  # the next step failed on the rows
+            raise ValueError(f"KVCache.select with beams reorders all {self.k.shape[1]} rows, not "
+                             f"{index.shape[0]}: drop whole sentences with keep_sentences")
         if self.beam_size == 1:  # rows are sentences: the caller selects its memory alike and passes that
             self.memory = None
         if index.shape[0] == self.k.shape[1]:  # a reordering (each beam step)

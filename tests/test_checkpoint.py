@@ -51,6 +51,18 @@ def test_round_trip_is_exact(tmp_path, tokenizer):
     assert loaded.tokenizer.encode_src("the number 3") == tokenizer.encode_src("the number 3")
 
 
+def test_a_callers_meta_never_replaces_what_is_saved(tmp_path, tokenizer):
+    """`meta=loaded.meta` kept the loaded model's configuration: the new weights were saved under the old
+    one (dropout and max_len here), silently."""
+    save_checkpoint(tmp_path / "old", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer, {"step": 7})
+    old = load_checkpoint(tmp_path / "old")
+    new = tiny_model(vocab_size=tokenizer.src_vocab_size, dropout=0.2, max_len=64)
+    save_checkpoint(tmp_path / "new", new, tokenizer, meta={**old.meta, "format": "x", "tokenizer": {}})
+    loaded = load_checkpoint(tmp_path / "new")
+    assert loaded.model.config == new.config and loaded.meta["step"] == 7
+    assert loaded.meta["format"] == "aiayn-1" and loaded.tokenizer.same_as(tokenizer)
+
+
 def test_loading_skips_the_random_initialization_it_would_overwrite(tmp_path, tokenizer, monkeypatch):
     """A loaded model is built on the meta device and given memory (0.5 s of `base`'s initialization
     saved): no init function may touch a real tensor, and yet every weight and buffer, the position

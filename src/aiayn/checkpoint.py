@@ -31,6 +31,8 @@ from aiayn.model import Transformer
 
 FORMAT = "aiayn-1"
 WEIGHTS, META = "model.safetensors", "meta.json"
+# The meta.json entries save_checkpoint writes from what it saves; a caller's `meta` never sets them
+WRITTEN = ("format", "model", "tokenizer")
 
 
 @dataclass
@@ -99,13 +101,19 @@ def save_checkpoint(
     directory: str | Path, model: torch.nn.Module, tokenizer: Tokenizer, meta: dict[str, Any] | None = None,
     trainer_tensors: dict[str, torch.Tensor] | None = None, trainer_meta: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a self-contained checkpoint directory atomically; return its path."""
+    """Write a self-contained checkpoint directory atomically; return its path.
+
+    `meta` adds entries to meta.json, less those in `WRITTEN`, which describe what is saved: they are
+    dropped rather than refused, as `meta=checkpoint.meta` is the natural way to keep a loaded
+    checkpoint's provenance, and its "model" then replaced the model being saved (its weights were
+    saved under the old configuration: another dropout, max_len, ...)."""
     model = unwrap(model)
     directory = Path(directory)
+    extra = {k: v for k, v in (meta or {}).items() if k not in WRITTEN}
 
     def write(tmp: Path) -> None:
         save_file(state_dict_for_saving(model), str(tmp / WEIGHTS))
-        full = {"format": FORMAT, "model": to_dict(model.config), "tokenizer": tokenizer.save(tmp), **(meta or {})}
+        full = {"format": FORMAT, "model": to_dict(model.config), "tokenizer": tokenizer.save(tmp), **extra}
         (tmp / META).write_text(json.dumps(full, indent=2, ensure_ascii=False) + "\n")
         if trainer_tensors is not None:
             save_file({k: v.contiguous().cpu() for k, v in trainer_tensors.items()}, str(tmp / "trainer.safetensors"))

@@ -144,7 +144,8 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
             tensors[name].data = tensors[name].data.to(t.dtype)  # one Parameter, named once in `mean`)
     load_into(last.model, mean, paths[-1])
     # The newest member's meta, less what describes it alone: a signal's save is an average's no more
-    meta = {k: v for k, v in last.meta.items() if k not in ("format", "model", "tokenizer", "interrupted")}
+    # (save_checkpoint writes "format", "model" and "tokenizer" of its own)
+    meta = {k: v for k, v in last.meta.items() if k != "interrupted"}
     meta["averaged"] = [os.path.abspath(p) for p in paths]  # relative, they meant nothing from elsewhere
     saved = save_checkpoint(out, last.model, last.tokenizer, meta)
     log.info("averaged %d checkpoints into %s", len(paths), saved)  # after: a failed write is not reported

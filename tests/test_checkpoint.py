@@ -63,6 +63,24 @@ def test_a_callers_meta_never_replaces_what_is_saved(tmp_path, tokenizer):
     assert loaded.meta["format"] == "aiayn-1" and loaded.tokenizer.same_as(tokenizer)
 
 
+def test_a_model_packed_or_quantized_for_decoding_is_not_saved(tmp_path, tokenizer):
+    """The Translator's CPU packing keeps the Linear weights outside the state_dict: the file was saved
+    without them and refused only on loading. An int8 model's state_dict holds packed parameters: an
+    AttributeError traceback."""
+    from aiayn.decoding.cpu import pack_for_cpu, packing_available
+    from aiayn.translate import quantize_int8
+
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    prepared = [quantize_int8(model)] + ([pack_for_cpu(model)] if packing_available() else [])
+    for decoding in prepared:
+        refused = r"/ck: not saved: the model does not hold a Transformer's weights \(missing \[.*\); a model"
+        with pytest.raises(UserError, match=refused):
+            save_checkpoint(tmp_path / "ck", decoding, tokenizer)
+        assert not (tmp_path / "ck").exists()
+    with pytest.raises(TypeError, match=r"^save_checkpoint saves a Transformer, not a Linear$"):
+        save_checkpoint(tmp_path / "ck", torch.nn.Linear(2, 2), tokenizer)
+
+
 def test_loading_skips_the_random_initialization_it_would_overwrite(tmp_path, tokenizer, monkeypatch):
     """A loaded model is built on the meta device and given memory (0.5 s of `base`'s initialization
     saved): no init function may touch a real tensor, and yet every weight and buffer, the position

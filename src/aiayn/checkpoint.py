@@ -109,6 +109,7 @@ def save_checkpoint(
     saved under the old configuration: another dropout, max_len, ...)."""
     model = unwrap(model)
     directory = Path(directory)
+    check_savable(model, directory)
     extra = {k: v for k, v in (meta or {}).items() if k not in WRITTEN}
 
     def write(tmp: Path) -> None:
@@ -121,6 +122,26 @@ def save_checkpoint(
 
     write_atomically(directory, write)
     return directory
+
+
+def check_savable(model: torch.nn.Module, directory: Path) -> None:
+    """`model` holds the tensors of a `Transformer` of its config, by name: a model the `Translator` packed
+    for the CPU (`aiayn.decoding.cpu.PackedLinear`, its weights outside the state_dict) was saved without
+    its Linear weights and refused only on loading ("weights do not fit this model: missing ..."), and an
+    int8 one, whose state_dict holds packed parameters, failed with an AttributeError."""
+    if not isinstance(model, Transformer):
+        raise TypeError(f"save_checkpoint saves a Transformer, not a {type(model).__name__}")
+    with torch.device("meta"):  # names only
+        expected = set(Transformer(model.config).state_dict())
+    state = model.state_dict()
+    missing = sorted(expected - set(state))
+    odd = sorted(k for k, v in state.items() if k not in expected or not isinstance(v, torch.Tensor))
+    if missing or odd:
+        found = "; ".join(part for part in (f"missing {missing[:2]}" if missing else "",
+                                            f"unexpected {odd[:2]}" if odd else "") if part)
+        raise UserError(f"{directory}: not saved: the model does not hold a Transformer's weights ({found}); "
+                        "a model packed for the CPU or quantized to int8 for decoding (Translator.load) "
+                        "keeps them in another form: save the model load_checkpoint gives")
 
 
 def is_checkpoint(path: Path) -> bool:

@@ -81,6 +81,24 @@ def test_a_model_packed_or_quantized_for_decoding_is_not_saved(tmp_path, tokeniz
         save_checkpoint(tmp_path / "ck", torch.nn.Linear(2, 2), tokenizer)
 
 
+def test_what_loading_would_refuse_is_not_saved(tmp_path, tokenizer):
+    """A model whose embeddings do not fit the tokenizer, or with a NaN weight, was saved, and loading then
+    blamed the file ("not the tokenizer this model was trained with", "the file is damaged")."""
+    good = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    save_checkpoint(tmp_path / "ck", good, tokenizer, {"step": 1})
+    broken = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    with torch.no_grad():
+        broken.decoder[0].feed_forward.w_1.weight[0, 0] = float("nan")
+    pieces = tokenizer.src_vocab_size
+    other_vocabulary = rf"ck: not saved: the source tokenizer has {pieces} pieces but the model 50 embeddings"
+    nan = r"ck: not saved: 1 tensor\(s\) of the model hold NaN or infinite values \(decoder.0.feed_forward"
+    refusals = ((tiny_model(vocab_size=50), other_vocabulary), (broken, nan))
+    for model, message in refusals:
+        with pytest.raises(UserError, match=message):
+            save_checkpoint(tmp_path / "ck", model, tokenizer, {"step": 2})
+        assert load_checkpoint(tmp_path / "ck").meta["step"] == 1  # the checkpoint there is left as it was
+
+
 def test_loading_skips_the_random_initialization_it_would_overwrite(tmp_path, tokenizer, monkeypatch):
     """A loaded model is built on the meta device and given memory (0.5 s of `base`'s initialization
     saved): no init function may touch a real tensor, and yet every weight and buffer, the position

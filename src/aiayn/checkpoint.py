@@ -100,8 +100,14 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def save_checkpoint(
     directory: str | Path, model: torch.nn.Module, tokenizer: Tokenizer, meta: dict[str, Any] | None = None,
     trainer_tensors: dict[str, torch.Tensor] | None = None, trainer_meta: dict[str, Any] | None = None,
+    *, check_weights: bool = True,
 ) -> Path:
     """Write a self-contained checkpoint directory atomically; return its path.
+
+    Nothing is written that `load_checkpoint` would refuse and blame on the file ("not the tokenizer
+    this model was trained with", "the file is damaged"): a tokenizer that does not fit the model, or a
+    NaN or infinite weight, is a UserError first. `check_weights=False` skips the scan for the latter
+    where the caller has just made it (training, on the device, before every save).
 
     `meta` adds entries to meta.json, less those in `WRITTEN`, which describe what is saved: they are
     dropped rather than refused, as `meta=checkpoint.meta` is the natural way to keep a loaded
@@ -110,10 +116,18 @@ def save_checkpoint(
     model = unwrap(model)
     directory = Path(directory)
     check_savable(model, directory)
+    problem = vocabulary_problem(model.config, tokenizer)
+    if problem:
+        raise UserError(f"{directory}: not saved: {problem}")
+    weights = state_dict_for_saving(model)
+    broken = nonfinite(weights) if check_weights else []  # on the CPU copies: one pass, no device sync
+    if broken:
+        raise UserError(f"{directory}: not saved: {len(broken)} tensor(s) of the model hold NaN or infinite "
+                        f"values ({', '.join(broken[:3])})")
     extra = {k: v for k, v in (meta or {}).items() if k not in WRITTEN}
 
     def write(tmp: Path) -> None:
-        save_file(state_dict_for_saving(model), str(tmp / WEIGHTS))
+        save_file(weights, str(tmp / WEIGHTS))
         full = {"format": FORMAT, "model": to_dict(model.config), "tokenizer": tokenizer.save(tmp), **extra}
         (tmp / META).write_text(json.dumps(full, indent=2, ensure_ascii=False) + "\n")
         if trainer_tensors is not None:
@@ -251,13 +265,19 @@ def check_fits(model: Transformer, weights: dict[str, torch.Tensor], where: str 
 
 
 def check_finite(weights: dict[str, torch.Tensor], where: str | Path) -> None:
-    """Training never saves NaN or infinite weights (loop._check_finite_weights): such a file was damaged."""
-    broken = [k for k, t in weights.items()  # (meta tensors: shapes only, as `describe_checkpoint` reads)
-              if t.is_floating_point() and not t.is_meta
-              and not bool(torch.isfinite(t if t.element_size() > 1 else t.float()).all())]  # float8: none
+    """Nothing saves NaN or infinite weights (`save_checkpoint`; training stops first, in
+    loop._check_finite_weights): such a file was damaged."""
+    broken = nonfinite(weights)
     if broken:
         raise CorruptFile(f"{where}: {len(broken)} tensor(s) hold NaN or infinite values ({', '.join(broken[:3])}); "
                           "the file is damaged")
+
+
+def nonfinite(weights: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the float tensors holding a NaN or an infinity."""
+    return [k for k, t in weights.items()  # (meta tensors: shapes only, as `describe_checkpoint` reads)
+            if t.is_floating_point() and not t.is_meta
+            and not bool(torch.isfinite(t if t.element_size() > 1 else t.float()).all())]  # float8: none
 
 
 def tokenizer_description(meta: dict[str, Any], where: Path) -> dict[str, Any]:
@@ -283,34 +303,43 @@ def checkpoint_tokenizer(directory: Path, meta: dict[str, Any]) -> Tokenizer:
 
 
 def check_vocabulary(config: ModelConfig, tokenizer: Tokenizer, where: Path) -> None:
-    """The tokenizer's ids must fit the model's embeddings: a swapped spm.model with more pieces failed
-    in the embedding lookup, one with the same count translated garbage unnoticed (this cannot see that)."""
+    """The tokenizer's ids must fit the model's embeddings (`vocabulary_problem`), else a CorruptFile."""
+    problem = vocabulary_problem(config, tokenizer)
+    if problem:
+        raise CorruptFile(f"{where}: {problem}")
+
+
+def vocabulary_problem(config: ModelConfig, tokenizer: Tokenizer) -> str | None:
+    """Why the tokenizer's ids do not fit the model's embeddings, or None: a swapped spm.model with more
+    pieces failed in the embedding lookup, one with the same count translated garbage unnoticed (this
+    cannot see that)."""
     sizes = [("source", tokenizer.src_vocab_size, config.vocab_size),
              ("target", tokenizer.tgt_vocab_size, config.target_vocab_size)]
     for side, pieces, rows in sizes:
         # aiayn builds the model from its own SentencePiece model's size; a Marian vocab may be padded
         if pieces > rows or (tokenizer.vocab is None and pieces != rows):
-            raise CorruptFile(f"{where}: the {side} tokenizer has {pieces} pieces but the model {rows} "
-                              "embeddings: not the tokenizer this model was trained with")
+            return (f"the {side} tokenizer has {pieces} pieces but the model {rows} embeddings: not the "
+                    "tokenizer this model was trained with")
     for side, vocab in (("source", tokenizer.vocab), ("target", tokenizer.tgt_vocab)):
         # ids past the embeddings failed in their lookup (an IndexError traceback); a gap, in decoding an
         # id that no piece has (a KeyError). A vocabulary's ids are 0 .. n-1, each once.
         if vocab is not None and sorted(vocab.values()) != list(range(len(vocab))):
             wrong = sorted(set(vocab.values()) ^ set(range(len(vocab))))[:3]
-            raise CorruptFile(f"{where}: the {side} vocabulary's ids are not 0 to {len(vocab) - 1}, each once "
-                              f"(e.g. {', '.join(map(str, wrong)) or 'one twice'})")
+            return (f"the {side} vocabulary's ids are not 0 to {len(vocab) - 1}, each once "
+                    f"(e.g. {', '.join(map(str, wrong)) or 'one twice'})")
     specials = dict(pad=tokenizer.pad_id, bos=tokenizer.bos_id, eos=tokenizer.eos_id, unk=tokenizer.unk_id)
     bad = [f"{k}={v}" for k, v in specials.items() if not -1 <= v < config.target_vocab_size]
     if bad:
-        raise CorruptFile(f"{where}: special ids {', '.join(bad)} outside the model's "
-                          f"{config.target_vocab_size} target embeddings")
+        return (f"special ids {', '.join(bad)} outside the model's {config.target_vocab_size} target "
+                "embeddings")
     # The model masks config.pad_id and stops at config.eos_id; the tokenizer pads and ends sentences with
     # its own: another pad was attended (results changed with batching), -1 failed in the embedding
     pairs = (("pad", tokenizer.pad_id, config.pad_id), ("eos", tokenizer.eos_id, config.eos_id))
     for name, ours, model in pairs:
         if ours != model:
-            raise CorruptFile(f"{where}: the tokenizer's {name} id is {ours}, the model's {name}_id {model}: "
-                              "not the tokenizer this model was trained with")
+            return (f"the tokenizer's {name} id is {ours}, the model's {name}_id {model}: not the tokenizer "
+                    "this model was trained with")
+    return None
 
 
 def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu",

@@ -228,7 +228,9 @@ def save_training_checkpoint(
     if interrupted:  # saved on a signal, to resume from: `prune` lets it go once a newer one is saved
         meta["interrupted"] = True
     path = Path(run_dir) / "checkpoints" / step_dir_name(state.step)
-    return save_checkpoint(path, model, tokenizer, meta, {**tensors, **rngs}, trainer)
+    # The weights were checked for NaN on the device before every save (loop._check_finite_weights, which
+    # stops a diverged run with its own message): not scanned a second time on their CPU copies
+    return save_checkpoint(path, model, tokenizer, meta, {**tensors, **rngs}, trainer, check_weights=False)
 
 
 def restore(

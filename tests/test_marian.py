@@ -321,6 +321,43 @@ def test_config_field_missing_or_mistyped_is_one_line(tmp_path, capsys, field, v
     assert capsys.readouterr().err.splitlines() == [f"aiayn: error: {tmp_path / 'opus' / 'config.json'}: {problem}"]
 
 
+@pytest.mark.parametrize("changes,problem", [
+    ({"encoder_attention_heads": 3, "decoder_attention_heads": 3},
+     "d_model=8 is not divisible by encoder_attention_heads=3 and decoder_attention_heads=3"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings=0 must be positive"),
+    ({"eos_token_id": 9},
+     "pad_token_id and eos_token_id are both 9: padding and the end of a sentence need two ids"),
+    ({"encoder_layers": 0, "decoder_layers": -1},
+     "encoder_layers=0 must be positive; decoder_layers=-1 must be positive"),
+    ({"dropout": 1.5}, "dropout=1.5 is not in [0, 1)"),
+    # absent, decoder_start_token_id is pad_token_id: the one wrong value is named once, as the file has it
+    ({"pad_token_id": 12, "decoder_start_token_id": None}, "pad_token_id=12 is outside the vocabulary of 10"),
+    ({"share_encoder_decoder_embeddings": False, "decoder_vocab_size": 0},
+     "decoder_vocab_size=0 must be positive"),
+])
+def test_a_value_the_model_refuses_is_named_by_its_config_json_key(tmp_path, capsys, changes, problem):
+    """ModelConfig's problems named its own fields (`d_model=32 is not divisible by n_heads=5`, `max_len=0`,
+    `pad_id and eos_id`), which config.json does not have."""
+    from aiayn.cli import main
+
+    config = {k: v for k, v in {**TINY_CONFIG, **changes}.items() if v is not None}
+    (tmp_path / "opus").mkdir()
+    (tmp_path / "opus" / "config.json").write_text(json.dumps(config))
+    assert main(["convert", "--from", "marian", str(tmp_path / "opus"), str(tmp_path / "out")]) == 2
+    where = tmp_path / "opus" / "config.json"
+    assert capsys.readouterr().err.splitlines() == [f"aiayn: error: {where}: {problem}"]
+
+
+def test_every_model_field_has_its_config_json_keys():
+    """A ModelConfig field the import reads but `MARIAN_KEYS` lacks would be named as aiayn's in an error;
+    the fields it lacks are the ones the import fixes."""
+    from aiayn.config import ModelConfig
+    from aiayn.interop.marian import MARIAN_KEYS
+
+    fixed = {"norm_first", "positions", "final_logits_bias", "layer_norm_eps"}  # not read from config.json
+    assert set(MARIAN_KEYS) == set(ModelConfig.__dataclass_fields__) - fixed
+
+
 @pytest.fixture
 def opus_bin(build, tmp_path):
     """A copy of a converted variant's directory without model.safetensors: pytorch_model.bin is read."""

@@ -119,6 +119,35 @@ def _check_supported(hf: dict[str, Any], where: str) -> None:
                         where, name, hf[name])
 
 
+# The config.json keys each `ModelConfig` field is read from, as `model_config_from_marian` reads them:
+# two where Marian sets per stack what aiayn sets once. The fields it does not list are fixed.
+MARIAN_KEYS = {
+    "vocab_size": ("vocab_size",), "tgt_vocab_size": ("decoder_vocab_size",), "d_model": ("d_model",),
+    "n_heads": ("encoder_attention_heads", "decoder_attention_heads"),
+    "d_ff": ("encoder_ffn_dim", "decoder_ffn_dim"), "n_layers": ("encoder_layers",),
+    "n_decoder_layers": ("decoder_layers",), "dropout": ("dropout",), "activation": ("activation_function",),
+    "max_len": ("max_position_embeddings",), "share_embeddings": ("share_encoder_decoder_embeddings",),
+    "tie_output": ("tie_word_embeddings",), "scale_embedding": ("scale_embedding",),
+    "pad_id": ("pad_token_id",), "decoder_start_id": ("decoder_start_token_id",), "eos_id": ("eos_token_id",),
+}
+# A key that, absent, takes another's value: its problem is that key's (a pad id outside the vocabulary is
+# named once, as pad_token_id, not again as a decoder_start_token_id the file does not have)
+MARIAN_FALLBACKS = {"decoder_vocab_size": "vocab_size", "decoder_start_token_id": "pad_token_id"}
+# A field in a problem, with its value where it has one: `n_heads=5`, `pad_id and eos_id are both 59`
+_MODEL_FIELD = re.compile(rf"\b({'|'.join(MARIAN_KEYS)})\b(=[^\s,;)]+)?")
+
+
+def _in_marian_keys(problem: str, hf: dict[str, Any]) -> str:
+    """A `ModelConfig` problem in config.json's keys: `d_model=32 is not divisible by n_heads=5` as
+    `... by encoder_attention_heads=5 and decoder_attention_heads=5`."""
+
+    def keys(m: re.Match) -> str:
+        names = (MARIAN_FALLBACKS.get(k, k) if hf.get(k) is None else k for k in MARIAN_KEYS[m[1]])
+        return " and ".join(name + (m[2] or "") for name in names)
+
+    return _MODEL_FIELD.sub(keys, problem)
+
+
 def model_config_from_marian(hf: dict[str, Any], where: str) -> ModelConfig:
     """A MarianConfig (config.json as a dict) -> `ModelConfig`, or `UserError` naming what differs.
 
@@ -156,8 +185,9 @@ def model_config_from_marian(hf: dict[str, Any], where: str) -> ModelConfig:
     )
     try:
         return from_dict(ModelConfig, values, where=where)
-    except ConfigError as e:
-        raise UserError(f"{where}: {e}") from None
+    except ConfigError as e:  # "n_heads=5" is aiayn's name: the user's file says encoder_attention_heads
+        problems = dict.fromkeys(_in_marian_keys(problem, hf) for problem in e.problems)  # one for two
+        raise UserError(f"{where}: {'; '.join(problems)}") from None
 
 
 def _brief(e: Exception) -> str:

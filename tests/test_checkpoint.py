@@ -238,7 +238,8 @@ def test_damaged_weights_and_tokenizers_are_refused_in_one_line(tmp_path, tokeni
     bigger = train_sentencepiece(lines, tmp_path / "other", vocab_size=80)
     assert Tokenizer(bigger).src_vocab_size > tokenizer.src_vocab_size
     (ck / "spm.model").write_bytes(bigger.read_bytes())
-    with pytest.raises(UserError, match=r"the source tokenizer has \d+ pieces but the model 60 embeddings"):
+    with pytest.raises(UserError, match=rf"^{ck / 'spm.model'}: the source tokenizer has \d+ pieces but the "
+                                        r"model 60 embeddings: a damaged file, or not the tokenizer"):
         load_checkpoint(ck)
     (ck / "spm.model").write_bytes(b"")  # SentencePiece's ValueError was blamed on meta.json
     with pytest.raises(UserError, match=rf"^{ck / 'spm.model'}: empty, not a SentencePiece model$"):
@@ -254,6 +255,35 @@ def test_damaged_weights_and_tokenizers_are_refused_in_one_line(tmp_path, tokeni
             load_checkpoint(ck)
     write_meta(ck, tokenizer=meta["tokenizer"])
     assert load_checkpoint(ck).tokenizer.same_as(tokenizer)
+
+
+def pieces_only(model: Path, pieces: int) -> bytes:
+    """The first bytes of a SentencePiece model, up to the end of its first `pieces` pieces: the messages
+    (field 1, key byte 0x0A) that open the file, each here shorter than 128 bytes (a one-byte length)."""
+    data, at = model.read_bytes(), 0
+    for _ in range(pieces):
+        assert data[at] == 0x0A and data[at + 1] < 0x80
+        at += 2 + data[at + 1]
+    return data[:at]
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_truncated_sentencepiece_model_is_named_truncated(tmp_path, tokenizer, separate):
+    """A spm.model cut between two pieces parses, with fewer pieces: it was blamed on meta.json ("the source
+    tokenizer has 40 pieces but the model 60 embeddings"). With separate vocabularies, the side's file."""
+    tok = Tokenizer(tokenizer.src_path, tokenizer.src_path) if separate else tokenizer
+    model = tiny_model(vocab_size=60, tgt_vocab_size=60 if separate else None, share_embeddings=not separate)
+    ck = save_checkpoint(tmp_path / "ck", model, tok)
+    cut = ck / ("target.spm" if separate else "spm.model")
+    cut.write_bytes(pieces_only(cut, 40))
+    with pytest.raises(UserError, match=rf"^{cut}: truncated: it ends after 40 pieces, without the "
+                                        "normalization rules that follow them in every SentencePiece model$"):
+        load_checkpoint(ck)
+    if separate:  # a whole model of other pieces is named as the side's file too, not as meta.json
+        lines = [f"ein {w} und noch ein {w}" for w in ("Hund", "Baum", "Haus", "Zug", "Weg")] * 40
+        cut.write_bytes(train_sentencepiece(lines, tmp_path / "other", vocab_size=50).read_bytes())
+        with pytest.raises(UserError, match=rf"^{cut}: the target tokenizer has 50 pieces but the model 60"):
+            load_checkpoint(ck)
 
 
 FULL_DISK = [OSError(errno.ENOSPC, "No space left on device"),

@@ -303,23 +303,38 @@ def checkpoint_tokenizer(directory: Path, meta: dict[str, Any]) -> Tokenizer:
 
 
 def check_vocabulary(config: ModelConfig, tokenizer: Tokenizer, where: Path) -> None:
-    """The tokenizer's ids must fit the model's embeddings (`vocabulary_problem`), else a CorruptFile."""
+    """The tokenizer's ids must fit the model's embeddings (`vocabulary_problem`), else a CorruptFile naming
+    the file at fault: the side's SentencePiece model where its pieces do not match the embeddings (a
+    damaged or swapped file: it was blamed on meta.json), else `where`."""
+    mismatch = _size_mismatch(config, tokenizer)
+    if mismatch and mismatch[1] is not None:
+        raise CorruptFile(f"{mismatch[1]}: {mismatch[0]}: a damaged file, or not the tokenizer this model "
+                          "was trained with")
     problem = vocabulary_problem(config, tokenizer)
     if problem:
         raise CorruptFile(f"{where}: {problem}")
+
+
+def _size_mismatch(config: ModelConfig, tokenizer: Tokenizer) -> tuple[str, Path | None] | None:
+    """(how a side's piece count differs from the model's embeddings, the SentencePiece file they were
+    counted in, or None for a vocabulary's: Marian's, in meta.json), or None where they fit."""
+    sizes = [("source", tokenizer.src_vocab_size, config.vocab_size, tokenizer.src_path),
+             ("target", tokenizer.tgt_vocab_size, config.target_vocab_size, tokenizer.tgt_path)]
+    for side, pieces, rows, path in sizes:
+        # aiayn builds the model from its own SentencePiece model's size; a Marian vocab may be padded
+        if pieces > rows or (tokenizer.vocab is None and pieces != rows):
+            counted_in = None if tokenizer.vocab is not None else path or tokenizer.src_path  # shared: one
+            return f"the {side} tokenizer has {pieces} pieces but the model {rows} embeddings", counted_in
+    return None
 
 
 def vocabulary_problem(config: ModelConfig, tokenizer: Tokenizer) -> str | None:
     """Why the tokenizer's ids do not fit the model's embeddings, or None: a swapped spm.model with more
     pieces failed in the embedding lookup, one with the same count translated garbage unnoticed (this
     cannot see that)."""
-    sizes = [("source", tokenizer.src_vocab_size, config.vocab_size),
-             ("target", tokenizer.tgt_vocab_size, config.target_vocab_size)]
-    for side, pieces, rows in sizes:
-        # aiayn builds the model from its own SentencePiece model's size; a Marian vocab may be padded
-        if pieces > rows or (tokenizer.vocab is None and pieces != rows):
-            return (f"the {side} tokenizer has {pieces} pieces but the model {rows} embeddings: not the "
-                    "tokenizer this model was trained with")
+    mismatch = _size_mismatch(config, tokenizer)
+    if mismatch:
+        return f"{mismatch[0]}: not the tokenizer this model was trained with"
     for side, vocab in (("source", tokenizer.vocab), ("target", tokenizer.tgt_vocab)):
         # ids past the embeddings failed in their lookup (an IndexError traceback); a gap, in decoding an
         # id that no piece has (a KeyError). A vocabulary's ids are 0 .. n-1, each once.

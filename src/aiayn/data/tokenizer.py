@@ -189,7 +189,45 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     except RuntimeError as e:
         raise CorruptFile(f"{path}: not a SentencePiece model ({' '.join(str(e).split())})") from None
+    if NORMALIZER_SPEC not in _message_fields(proto):  # a file cut between two pieces parses: fewer pieces
+        raise CorruptFile(f"{path}: truncated: it ends after {sp.get_piece_size()} pieces, without the "
+                          "normalization rules that follow them in every SentencePiece model")
     return sp
+
+
+# ModelProto's field number of its normalization rules. SentencePiece writes them after the pieces (field 1)
+# and trainer_spec (2), always: a model without them was cut short.
+NORMALIZER_SPEC = 3
+
+
+def _message_fields(proto: bytes) -> set[int]:
+    """The field numbers of a protobuf message's own fields (not of messages inside them), read from the
+    wire format of a `proto` that parsed: each is a varint key (number << 3 | wire type), then its value."""
+    fields, at = set(), 0
+    while at < len(proto):
+        key, at = _varint(proto, at)
+        fields.add(key >> 3)
+        wire = key & 7
+        if wire == 0:  # a varint
+            at = _varint(proto, at)[1]
+        elif wire == 2:  # a length, then as many bytes: a string or a message
+            length, at = _varint(proto, at)
+            at += length
+        else:  # 1: 8 bytes, 5: 4 bytes (SentencePiece writes no group, 3 and 4)
+            at += 8 if wire == 1 else 4
+    return fields
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """The protobuf varint at `data[at]` (7 bits a byte, least significant first) and where the next
+    field begins."""
+    value = shift = 0
+    while True:
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if byte < 0x80:
+            return value, at
 
 MAX_LINE_BYTES = 2**16  # longest line SentencePiece learns from; far past any data.max_len in tokens
 CHILD = Path(__file__).with_name("spm_child.py")  # the process SentencePiece trains in

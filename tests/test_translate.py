@@ -988,6 +988,30 @@ def test_a_first_line_with_stray_crs_is_translated_when_more_lines_follow():
     assert list(read_utf8_lines(io.BytesIO(b"the number 5\r\r"), "in", 1)) == [["the number 5"]]  # no LF
 
 
+def test_a_cr_inside_a_line_is_warned_about_once_by_translate_score_and_evaluate(checkpoint, tmp_path,
+                                                                                monkeypatch, capsys):
+    """Training warned of a CR inside a line (another system's line end, running two sentences together);
+    evaluate said it without the `aiayn: warning:` of its other messages, translate and score not at all
+    (SentencePiece's nmt_nfkc reads the CR as a space: one sentence, silently). A file is read twice, checked
+    and then translated: said once."""
+    crs = tmp_path / "cr.txt"
+    crs.write_bytes(b"the number 3\ris odd\nthe number 4\r\nthe\rnumber\r5\n")  # the CRLF is a line end
+    (tmp_path / "ref.txt").write_text("the number 3 is odd\nthe number 4\nthe number 5\n")
+    tokenizer = Translator.load(checkpoint).tokenizer
+    assert tokenizer.encode_src("the number 3\ris odd") == tokenizer.encode_src("the number 3 is odd")
+    said = (f"aiayn: warning: {crs}:1: 3 CR(s) inside lines; lines end at LFs only, so where a CR ended a "
+            "line, two sentences are {} as one")
+    assert main(["translate", str(checkpoint), "-i", str(crs), "-q", *OPTIONS_ARGS]) == 0
+    assert capsys.readouterr().err.splitlines() == [said.format("translated")]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(crs.read_bytes())))
+    assert main(["translate", str(checkpoint), *OPTIONS_ARGS]) == 0
+    assert capsys.readouterr().err.splitlines() == [said.format("translated").replace(str(crs), "<stdin>")]
+    assert main(["score", str(checkpoint), "--src", str(tmp_path / "ref.txt"), "--tgt", str(crs), "-q"]) == 0
+    assert capsys.readouterr().err.splitlines()[:-1] == [said.format("scored")]  # then the summary
+    assert main(["evaluate", str(crs), str(tmp_path / "ref.txt")]) == 0
+    assert capsys.readouterr().err.splitlines() == [said.format("scored")]
+
+
 def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, capsys):
     run = tmp_path / "run"
     for step in ("step_999999", "step_1000000"):  # the newest by number, not by name

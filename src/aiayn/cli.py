@@ -321,8 +321,9 @@ def cmd_score(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_warnings_to_stderr("aiayn.translate"))
         streams = [_open_input(stack, path) for path in (args.src, args.tgt)]
-        counts = [_checked_line_count(stream, name) for stream, name in streams]  # None for a pipe
+        counts = [_checked_line_count(s, name, done="scored") for s, name in streams]  # None for a pipe
         if None not in counts and counts[0] != counts[1]:  # before the model loads and scores for nothing
             (_, src_name), (_, tgt_name) = streams
             raise UserError(f"{tgt_name}: {lines_text(counts[1])}, but {src_name} has "
@@ -332,7 +333,8 @@ def cmd_score(args: argparse.Namespace) -> None:
             dst = stack.enter_context(atomic_output(args.output))
         translator = Translator.load(args.checkpoint, args.device, dtype=args.dtype)
         for (stream, name), side in zip(streams, ("source", "target")):  # a too long line fails now, too
-            _checked_line_count(stream, name, lambda lines, side=side: translator.side_ids(lines, side))
+            _checked_line_count(stream, name, lambda lines, side=side: translator.side_ids(lines, side),
+                                "scored")
         progress = None
         if not args.quiet:
             from tqdm import tqdm
@@ -396,24 +398,33 @@ def _as_flags(message: str) -> str:
 
 @contextlib.contextmanager
 def _settings_as_flags():
-    """Decoding settings named as flags, in an error raised inside and in aiayn.translate's warnings
-    (which then start `aiayn: warning:`, as the command's other messages start `aiayn:`)."""
+    """Decoding settings named as flags, in an error raised inside and in aiayn.translate's warnings."""
+    with _warnings_to_stderr("aiayn.translate", reword=_as_flags):
+        try:
+            yield
+        except ConfigError as e:
+            raise ConfigError(_as_flags(str(e))) from None
+
+
+@contextlib.contextmanager
+def _warnings_to_stderr(logger_name: str, reword: Callable[[str], str] = str):
+    """The warnings of a library module, each a line that starts `aiayn: warning:`, as the command's
+    other messages start `aiayn:` (else Python printed the bare message), its format passed through
+    `reword` (translate: a decoding setting as its flag)."""
     import logging
 
-    class Flags(logging.Formatter):
+    class Prefixed(logging.Formatter):
         def format(self, record: logging.LogRecord) -> str:
             # the format alone: its arguments are the user's text (a line, a file name), as written
-            return "aiayn: warning: " + (_as_flags(str(record.msg)) % record.args if record.args else
-                                         _as_flags(record.getMessage()))
+            return "aiayn: warning: " + (reword(str(record.msg)) % record.args if record.args else
+                                         reword(record.getMessage()))
 
     handler = logging.StreamHandler(sys.stderr)  # the stderr of now: a test's captured one too
-    handler.setFormatter(Flags())
-    logger = logging.getLogger("aiayn.translate")
+    handler.setFormatter(Prefixed())
+    logger = logging.getLogger(logger_name)
     logger.addHandler(handler)
     try:
         yield
-    except ConfigError as e:
-        raise ConfigError(_as_flags(str(e))) from None
     finally:
         logger.removeHandler(handler)
 
@@ -435,19 +446,21 @@ def _check_streams(input: str | None, output: str | None, input_option: str = "-
         raise UserError(f"{output}: ends with '/', a folder's name; -o names the output file")
 
 
-def _checked_line_count(src, name: str, check: Callable[[list[str]], object] | None = None) -> int | None:
+def _checked_line_count(src, name: str, check: Callable[[list[str]], object] | None = None,
+                        done: str = "translated") -> int | None:
     """The lines of a regular file, counted and checked as translating reads them (UTF-8, no NUL, and
     `check`, which raises a `TextError` indexed in the lines it gets), then back to where it was: invalid
     UTF-8 or a too long sentence at line 3,001 is found before any line is translated, not after 3,000
     were and then thrown away. None for a pipe, a FIFO or `<(...)`, which can be read only once (a
-    progress bar without a total then)."""
+    progress bar without a total then). CRs inside lines are warned about here (`done`: what the command
+    does with the lines), before any line is translated, and not again as they are."""
     from aiayn.errors import TextError
     from aiayn.translate import is_regular_file, read_utf8_lines
 
     if not (is_regular_file(src) and src.seekable()):
         return None
     start, total = src.tell(), 0
-    for lines in read_utf8_lines(src, name, 10_000, whole_chunks=True):
+    for lines in read_utf8_lines(src, name, 10_000, whole_chunks=True, done=done):
         try:
             if check is not None:
                 check(lines)
@@ -464,9 +477,10 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
     from aiayn.evaluate import read_hypotheses, score_lines, unspaced_hint
 
-    hyps = read_hypotheses(args.hypotheses)  # once: standard input cannot be read twice
-    scores = score_lines(hyps, args.hypotheses, args.references, args.lang, args.tokenize,
-                         chrf_word_order=args.chrf_word_order, ter=args.ter, confidence=args.confidence)
+    with _warnings_to_stderr("aiayn.data.dataset"):  # the files' CRs inside lines
+        hyps = read_hypotheses(args.hypotheses)  # once: standard input cannot be read twice
+        scores = score_lines(hyps, args.hypotheses, args.references, args.lang, args.tokenize,
+                             chrf_word_order=args.chrf_word_order, ter=args.ter, confidence=args.confidence)
     note = unspaced_hint(hyps, args.lang, args.tokenize)
     if note:  # Chinese scored with 13a: BLEU near 0 however good the translation
         print(f"aiayn: note: {note}", file=sys.stderr)

@@ -233,7 +233,7 @@ def read_hypotheses(path: str | Path) -> list[str]:
     if str(path) == "-":
         if sys.stdin is None:  # started with stdin closed (`<&-`, some service managers)
             raise UserError("<stdin>: closed; give the translations as a file")
-        return read_lines("<stdin>", sys.stdin.buffer)
+        return read_lines("<stdin>", sys.stdin.buffer, done="scored")
     return read_once(path)
 
 
@@ -242,10 +242,10 @@ def read_once(path: str | Path) -> list[str]:
     if Path(path).is_fifo():
         try:
             with open(path, "rb") as f:
-                return read_lines(path, f)
+                return read_lines(path, f, done="scored")
         except OSError as e:
             raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
-    return read_lines(path)
+    return read_lines(path, done="scored")
 
 
 def score_lines(

@@ -47,11 +47,12 @@ CACHE_FORMAT = "aiayn-ids-2"  # 2: pairs that encode to no pieces are dropped (1
 TOKENIZER_INPUTS = "tokenizer_inputs.json"  # beside the run's SentencePiece model(s): what trained them
 
 
-def read_lines(path: str | Path, stream: BinaryIO | None = None) -> list[str]:
+def read_lines(path: str | Path, stream: BinaryIO | None = None, done: str = "read") -> list[str]:
     """The lines of a UTF-8 file, without line ends or a leading byte order mark; invalid UTF-8, a NUL
     byte or CR-only line ends are a UserError naming the file (and the bad line). With `stream` (standard
-    input), its lines, checked the same way and named `path` in errors."""
-    return list(chain.from_iterable(_line_blocks(Path(path), stream)))
+    input), its lines, checked the same way and named `path` in errors. CRs inside lines are warned about
+    once a file, saying what is `done` with the lines ("scored": see `inner_cr_warning`)."""
+    return list(chain.from_iterable(_line_blocks(Path(path), stream, done)))
 
 
 READ_BLOCK = 1 << 22  # bytes read at once (4 MiB): memory stays the lines kept, not 3x the file
@@ -70,7 +71,7 @@ SIGNATURES = (
 )
 
 
-def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[str]]:
+def _line_blocks(path: Path, stream: BinaryIO | None = None, done: str = "read") -> Iterator[list[str]]:
     """The lines of `path` (or of `stream`, named `path`), as `read_lines`, a block at a time. Invalid
     UTF-8 raises where it is; a NUL byte or CR-only line ends raise after the last block, so that the error
     is the one the whole file decoded at once gave (invalid UTF-8 anywhere before a NUL byte anywhere)."""
@@ -100,13 +101,21 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[list[st
         raise cr_only_error(path, newlines, lone_crs)
     if inner_crs and str(path) not in _CR_WARNED:  # fewer: a stray CR in a sentence, or another system's
         _CR_WARNED.add(str(path))  # line ends running lines together there; once, as a file is read often
-        log.warning("%s:%d: %d CR(s) inside lines; lines end at LFs only, so where a CR ended a line, two "
-                    "sentences are read as one", path, first_cr, inner_crs)
+        log.warning(inner_cr_warning(done), path, first_cr, inner_crs)
 
 
 def cr_only(text: bytes) -> bool:
     """Whether `text`, all of a file that holds no LF, has CR line ends: read as one line."""
     return b"\r" in text.rstrip(b"\r")
+
+
+def inner_cr_warning(done: str) -> str:
+    """The warning for CRs inside lines (a logging format of the file, the first such line and the count),
+    whose lines are `done`: "read" (training), "translated", "scored". What a CR becomes is not said: a
+    space to SentencePiece's nmt_nfkc (aiayn's default, OPUS-MT's), an unknown character to nfkc and
+    identity; either way, two sentences that a CR separated are one line."""
+    return ("%s:%d: %d CR(s) inside lines; lines end at LFs only, so where a CR ended a line, two sentences "
+            f"are {done} as one")
 
 
 INNER_CR = re.compile(rb"\r(?=[^\r\n])")  # a CR with text after it, in a line (CRs at its end are dropped)

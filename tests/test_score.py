@@ -2,6 +2,7 @@
 scored when it found them, and a float64 full forward pass of the model."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +133,27 @@ def test_the_cli_writes_one_score_per_line_and_the_perplexity(checkpoint, tmp_pa
     assert main([*argv, "--normalize", "-o", str(tmp_path / "out")]) == 0
     written = [float(x) for x in (tmp_path / "out").read_text().split()]
     assert written == pytest.approx([s.per_token for s in expected], abs=1e-6)
+
+
+def test_a_source_of_no_pieces_is_scored_0_by_n_best_and_not_by_score_as_the_readme_says(checkpoint, tmp_path,
+                                                                                         capsys):
+    """The README: a translation scores what `--n-best` reported for it, with exceptions. It left out a
+    source line of no pieces (empty, blank, a zero-width space): not searched, reported scored 0, while
+    `aiayn score` gives log P(EOS | a source of EOS alone)."""
+    src, tgt = tmp_path / "src.txt", tmp_path / "tgt.txt"
+    src.write_text("\n   \n\u200b\n", encoding="utf-8")
+    tgt.write_text("\n\n\n")
+    assert main(["translate", str(checkpoint), "-i", str(src), "-q", "--beam", "2", "--n-best", "2"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows == [f"{i} |||  ||| F0= 0.0000 ||| 0.0000" for i in (0, 0, 1, 1, 2, 2)]
+    assert main(["score", str(checkpoint), "--src", str(src), "--tgt", str(tgt), "-q"]) == 0
+    scores = [float(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(scores) == 3 and all(s < 0 for s in scores)
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8").split())
+    exceptions = readme.split("scores what `--n-best` reported for it")[1].split("`--normalize`")[0]
+    said = ("a line of none, empty, blank or only characters the tokenizer drops, is not searched, and "
+            "`--n-best` reports its empty rows scored 0 where `aiayn score` gives the log P of EOS")
+    assert said in exceptions
 
 
 def test_bad_pairs_are_one_line_naming_the_file(checkpoint, tmp_path, capsys):

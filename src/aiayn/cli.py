@@ -701,8 +701,9 @@ def add_translate_parser(sub) -> None:
                    "where SentencePiece splits TEXT otherwise, and the same TEXT may come twice; with "
                    "--min-len, as the search saw them, EOS forbidden), SCORE is "
                    "LOGP / lp(|Y|), the length-normalized score beam search ranks by (see --lenpen-kind; "
-                   "with --sample the rows are independent samples in the order drawn). An empty input line "
-                   "gets N-BEST empty rows scored 0")
+                   "with --sample the rows are independent samples in the order drawn). An input line of no "
+                   "pieces (empty, blank or only characters the tokenizer drops) is not searched: it gets "
+                   "N-BEST empty rows scored 0")
     p.add_argument("--sample", action="store_true", help="sample instead of searching (beam 1)")
     # None unless given: DecodeConfig refuses a sampling option without --sample rather than ignore it
     p.add_argument("--temperature", type=float,

@@ -639,10 +639,10 @@ def translate_stream(
     vocabulary, a very short length limit) in Marian's n-best format (Moses' four
     fields), `LINE ||| TEXT ||| F0= LOG_PROB ||| SCORE`: LINE counts from 0, LOG_PROB is the raw log
     P(TEXT | line) (`Translation.log_prob`), SCORE is LOG_PROB / lp(|Y|), what beam search ranked by.
-    An empty line gets `n_best` empty rows scored 0. With `sample`, one generator seeded once draws the
-    whole stream; with a `seed` too, a pipe is read in whole `chunk`-line blocks like a file, since
-    which line gets which draw depends on the batches (`Translator.hypotheses`). Returns the number of
-    lines read."""
+    A line of no pieces (`Translator.source_ids`) gets `n_best` empty rows scored 0. With `sample`, one
+    generator seeded once draws the whole stream; with a `seed` too, a pipe is read in whole `chunk`-line
+    blocks like a file, since which line gets which draw depends on the batches (`Translator.hypotheses`).
+    Returns the number of lines read."""
     config = translator.decode_config(**options)
     check_count("chunk", chunk)
     check_count("max_tokens", max_tokens)

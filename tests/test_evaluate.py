@@ -78,7 +78,7 @@ def test_a_chinese_target_is_scored_on_characters_with_lang_zh(tmp_path, capsys)
     assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "-l", "zh"]) == 0
     assert f"BLEU: {bleu.score:.2f}" in capsys.readouterr().out
     assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--tokenize", "nope"]) == 2
-    assert "tokenize='nope' is not one of sacreBLEU's: none, zh, 13a" in capsys.readouterr().err
+    assert "aiayn: error: --tokenize nope is not one of sacreBLEU's: none, zh, 13a" in capsys.readouterr().err
     if importlib.util.find_spec("MeCab") is None:  # sacreBLEU's ja tokenizer needs sacrebleu[ja]
         assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "-l", "ja"]) == 2
         err = capsys.readouterr().err
@@ -292,6 +292,22 @@ def test_corpus_scores_checks_confidence_and_ter_types():
             corpus_scores(["a b c"], [["a b c"]], confidence=confidence)
     with pytest.raises(TypeError, match=r"^ter='no' must be True or False$"):
         corpus_scores(["a b c"], [["a b c"]], ter="no")
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--tokenize", "nope"], "--tokenize nope is not one of sacreBLEU's: none, zh, 13a"),
+    (["--tokenize", "no pe"], "--tokenize 'no pe' is not one of sacreBLEU's"),
+    (["--confidence", "1"], "--confidence 1: give a whole number of bootstrap resamples, at least 2 (0: off"),
+    (["--confidence", "-3"], "--confidence -3: give a whole number of bootstrap resamples"),
+    (["--confidence", str(10**20)], f"--confidence {10**20}: out of memory for that many bootstrap"),
+])
+def test_the_cli_names_a_refused_setting_by_its_flag(tmp_path, capsys, args, said):
+    """`evaluate --confidence 1` said `confidence=1: ...` and `--tokenize foo` `tokenize='foo' ...`: the
+    library's parameters, where translate says `--lenpen nan`. The library keeps its names (above)."""
+    (tmp_path / "hyp").write_text("a b c\n")
+    assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "hyp"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiayn: error: {said}") and err.count("\n") == 1
 
 
 def test_confidence_on_a_few_lines_with_an_empty_hypothesis_is_scored():

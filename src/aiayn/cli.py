@@ -475,12 +475,17 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     """Print sacreBLEU BLEU, chrF and the lowercased BLEU of a translation file, with signatures."""
     import json
 
+    from aiayn.errors import SettingError
     from aiayn.evaluate import read_hypotheses, score_lines, unspaced_hint
 
     with _warnings_to_stderr("aiayn.data.dataset"):  # the files' CRs inside lines
         hyps = read_hypotheses(args.hypotheses)  # once: standard input cannot be read twice
-        scores = score_lines(hyps, args.hypotheses, args.references, args.lang, args.tokenize,
-                             chrf_word_order=args.chrf_word_order, ter=args.ter, confidence=args.confidence)
+        try:
+            scores = score_lines(hyps, args.hypotheses, args.references, args.lang, args.tokenize,
+                                 chrf_word_order=args.chrf_word_order, ter=args.ter,
+                                 confidence=args.confidence)
+        except SettingError as e:  # `confidence=1` names the library's parameter; the user typed a flag
+            raise UserError(e.as_flag()) from None
     note = unspaced_hint(hyps, args.lang, args.tokenize)
     if note:  # Chinese scored with 13a: BLEU near 0 however good the translation
         print(f"aiayn: note: {note}", file=sys.stderr)

@@ -23,6 +23,21 @@ class CorruptFile(UserError):
     from a failing disk (the project's own writes are atomic, so a kill never makes one)."""
 
 
+class SettingError(UserError):
+    """A value a library function's setting cannot take, said `NAME=VALUE` and the problem
+    (`confidence=1: give ...`); a command says it as the flag the user typed (`as_flag`)."""
+
+    def __init__(self, name: str, value: object, problem: str):
+        self.name, self.value, self.problem = name, value, problem  # problem: ": give ...", " is not ..."
+        super().__init__(f"{name}={value!r}{problem}")
+
+    def as_flag(self) -> str:
+        """The message with `--NAME VALUE` (quoted as a shell would need it) for `NAME=VALUE`."""
+        import shlex
+
+        return f"--{self.name.replace('_', '-')} {shlex.quote(str(self.value))}{self.problem}"
+
+
 class TextError(UserError):
     """A problem with one text of a list: `index` counts texts from 0, and the message names it as
     `where` (default "text N"), or as FILE:LINE once a stream has `located` it."""

@@ -22,7 +22,7 @@ from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 from aiayn.data.dataset import read_lines
-from aiayn.errors import UserError, str_list
+from aiayn.errors import SettingError, UserError, str_list
 
 LOWERCASE_LABEL = "BLEU-lc (lowercased, {}-tokenized: only for comparison with older papers, not comparable)"
 TOKENIZERS = tuple(BLEU.TOKENIZERS)  # sacreBLEU's: 13a, intl, zh, ja-mecab, ko-mecab, char, none, ...
@@ -115,7 +115,7 @@ def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLE
     the others) or the tokenizer `tokenize` names. A UserError for an unknown tokenizer, one whose
     packages are missing, or one whose model cannot be downloaded."""
     if tokenize is not None and tokenize not in TOKENIZERS:
-        raise UserError(f"tokenize={tokenize!r} is not one of sacreBLEU's: {', '.join(TOKENIZERS)}")
+        raise SettingError("tokenize", tokenize, f" is not one of sacreBLEU's: {', '.join(TOKENIZERS)}")
     lang = target_language(lang)
     if tokenize is None and lang in CHAR_LANGS:
         tokenize = "char"
@@ -175,8 +175,8 @@ def corpus_scores(
     if type(chrf_word_order) is not int or chrf_word_order not in (0, 1, 2):
         raise UserError(f"chrF's word order {chrf_word_order!r} is not 0, 1 or 2 (2 is chrF++)")
     if isinstance(confidence, bool) or not isinstance(confidence, int) or confidence < 0 or confidence == 1:
-        raise UserError(f"confidence={confidence!r}: give a whole number of bootstrap resamples, at least 2 "
-                        "(0: off)")  # 2.5 failed inside sacreBLEU
+        raise SettingError("confidence", confidence, ": give a whole number of bootstrap resamples, at "
+                           "least 2 (0: off)")  # 2.5 failed inside sacreBLEU
     if not isinstance(ter, bool):  # "no" is true
         raise TypeError(f"ter={ter!r} must be True or False")
     if chrf_word_order and (unspaced := UNSPACED.get(target_language(lang))):
@@ -186,8 +186,8 @@ def corpus_scores(
     bleu, lowercased = bleu_metrics(lang, tokenize)
     metrics = [(None, bleu), (None, _CHRF(word_order=chrf_word_order)),
                (LOWERCASE_LABEL.format(bleu.tokenizer_signature), lowercased)] + extra
-    too_many = UserError(f"confidence={confidence}: out of memory for that many bootstrap resamples of "
-                         f"{len(hypotheses)} lines; give fewer (sacreBLEU's default is 1,000)")
+    too_many = SettingError("confidence", confidence, ": out of memory for that many bootstrap resamples of "
+                            f"{len(hypotheses)} lines; give fewer (sacreBLEU's default is 1,000)")
     if confidence * len(hypotheses) * 8 > MAX_BOOTSTRAP_BYTES:
         raise too_many
     out = []

@@ -176,6 +176,10 @@ def test_tokenization_matches_marian_tokenizer(converted):
     ids = theirs(text_target=target)["input_ids"]  # target side: target.spm and the target vocabulary
     assert ck.tokenizer.encode_tgt(target) + [ck.tokenizer.eos_id] == ids
     assert ck.tokenizer.decode_tgt(ids) == theirs.decode(ids, skip_special_tokens=True) == target
+    # The README's one difference: a "</s>" written in a source is text here, the special token there
+    eos = ck.tokenizer.eos_id
+    text = "the number </s> 12"
+    assert ck.tokenizer.encode_src(text).count(eos) == 1 < theirs(text)["input_ids"].count(eos)
     # A decoder that starts from an ordinary piece (decoder_start_token_id=5): the converted tokenizer's
     # bos_id is that piece, and decoding dropped it everywhere in the text
     ordinary = copy.copy(ck.tokenizer)

@@ -949,9 +949,20 @@ def test_a_tokenizer_left_in_run_dir_must_be_one_data_trains(finished_run, tmp_p
         train(config)
 
 
-def test_a_data_max_len_past_the_models_names_both():
-    with pytest.raises(ConfigError, match="data.max_len=64 is longer than the model's max_len=32"):
-        load_config(None, ["model.preset=micro", "model.max_len=32", "data.max_len=64"])
+@pytest.mark.parametrize("written, item, message", [
+    ("[data]\nmax_len = 64", "model.max_len=32", "data.max_len=64 is longer than model.max_len=32"),
+    ("[model]\nd_model = 36", "model.n_heads=8", "model.d_model=36 is not divisible by model.n_heads=8"),
+    ("[train]\ncooldown = 0.5", "train.max_updates=0",
+     "train.cooldown needs a budget to end at: train.max_minutes, train.max_updates or train.max_epochs"),
+])
+def test_a_contradiction_names_both_places(tmp_path, written, item, message):
+    """Each setting a contradiction names is placed: "the model's max_len=32" and "n_heads=8" named no
+    setting, and the error blamed the file's line alone for a value --set had written."""
+    toml = tmp_path / "run.toml"
+    toml.write_text(written + "\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(toml))}:2 and --set {re.escape(repr(item))}: "
+                                          rf"{re.escape(message)}$"):
+        load_config(toml, [item])
 
 
 def test_validation_files_come_in_pairs():

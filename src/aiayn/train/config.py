@@ -37,6 +37,9 @@ TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id"
 # [data]'s settings that a tokenizer is trained with (`aiayn.data.dataset.tokenizer_settings`)
 TOKENIZER_SETTINGS = ("vocab_size", "spm_type", "shared_vocab", "normalization", "character_coverage")
 SECTIONS = ("data", "model", "train")
+# A [model] setting named in ModelConfig's problems ("n_heads=8"); the tokenizer's are not [model]'s to set
+MODEL_KEY = re.compile(r"(?<![.\w])({})(?==)".format(
+    "|".join(name for name in ModelConfig.__dataclass_fields__ if name not in TOKENIZER_FIELDS)))
 PRECISIONS = ("fp32", "bf16", "fp16")
 # train.seed's bound. torch takes seeds in [-2**63, 2**64 - 1], but `epoch_order` seeds its generator with
 # seed * 100_003 + epoch, so a seed must stay within 2**63 / 100_003 of 0: 2**46 is 7e13 (x 100_003 = 7.04e18).
@@ -149,7 +152,8 @@ class TrainConfig:
         if not 0.0 <= self.cooldown < 1.0:
             problems.append(f"train.cooldown={self.cooldown} is not in [0, 1)")
         if self.cooldown and not (self.max_minutes or self.max_updates or self.max_epochs):
-            problems.append("train.cooldown needs a budget to end at: max_minutes, max_updates or max_epochs")
+            problems.append("train.cooldown needs a budget to end at: train.max_minutes, "
+                            "train.max_updates or train.max_epochs")
         if not 0.0 <= self.label_smoothing < 1.0:
             problems.append(f"train.label_smoothing={self.label_smoothing} is not in [0, 1)")
         for name in ("adam_beta1", "adam_beta2"):  # torch.optim.Adam's bounds, checked before any data work
@@ -214,8 +218,9 @@ class RunConfig:
             # against the base preset, restating its d_model=36 was "not divisible by n_heads=8")
             model_len = self.model_config(vocab_size=64).max_len
             if self.data.max_len > model_len:
-                raise ConfigError(f"data.max_len={self.data.max_len} is longer than the model's "
-                                  f"max_len={model_len}")
+                raise ConfigError(
+                    f"data.max_len={self.data.max_len} is longer than model.max_len={model_len}"
+                )
         else:  # what does not depend on the checkpoint's shape, before run_dir is made
             self._check_finetune_keys()
         if self.model.get("final_logits_bias") is True and not self.train.init_from:
@@ -260,9 +265,9 @@ class RunConfig:
             raise ConfigError(f"model.preset={preset!r} is not one of {sorted(PRESETS)}")
         try:
             return model_config(preset, **values, **tokenizer_fields)
-        except ConfigError as e:  # "dropout=1.5 ..." named as [model] writes it, for `run_config` to place
-            raise ConfigError(*(f"model.{p}" if p.split("=")[0] in ModelConfig.__dataclass_fields__ else p
-                                for p in e.problems)) from None
+        except ConfigError as e:  # "dropout=1.5 ..." named as [model] writes it, for `run_config` to place;
+            # every setting a problem names ("d_model=36 is not divisible by n_heads=8" blamed d_model alone)
+            raise ConfigError(*(MODEL_KEY.sub(r"model.\1", p) for p in e.problems)) from None
 
     def to_dict(self) -> dict[str, Any]:
         data = to_dict(self.data)

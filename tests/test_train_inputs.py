@@ -1443,6 +1443,42 @@ def test_a_value_of_the_wrong_type_is_named_where_it_was_written(tmp_path, where
         load_config(path if where == "file" else None, sets)
 
 
+POINT = "TOML numbers need a digit on each side of the point"
+
+
+@pytest.mark.parametrize("item, message", [
+    ("train.lr_scale=.5", rf"'\.5' is a str, expected float \({POINT}: 0\.5\)"),
+    ("train.lr_scale=5.", rf"'5\.' is a str, expected float \({POINT}: 5\.0\)"),
+    ("model.dropout=-.1e-1", rf"'-\.1e-1' is a str, expected float \({POINT}: -0\.1e-1\)"),
+    ("train.compile=True", r"'True' is a str, expected bool \(TOML booleans are true and false\)"),
+    ("train.compile=yes", r"'yes' is a str, expected bool \(TOML booleans are true and false\)"),
+    ("train.max_tokens=5.", r"'5\.' is a str, expected int"),  # 5.0 is no int either: no hint
+    ("train.lr_scale=True", r"'True' is a str, expected float"),  # nor is true a float
+])
+def test_a_set_value_toml_refused_says_what_toml_wants(item, message):
+    """TOML refuses Python's .5 and True, which --set then read as strings: "'.5' is a str, expected
+    float" left the user to guess why a number was a string."""
+    with pytest.raises(ConfigError, match=rf"^--set {re.escape(repr(item))}: {message}$"):
+        load_config(None, [item])
+
+
+@pytest.mark.parametrize("line, message", [
+    ("lr_scale = .5", rf"Invalid value at column 12\); {POINT}: 0\.5"),
+    ("lr_scale = 5.  # half",
+     rf"Expected newline or end of document after a statement at column 13\); {POINT}: 5\.0"),
+    ("compile = True", r"Invalid value at column 11\); TOML booleans are true and false"),
+    ("compile = yes", r"Invalid value at column 11\)"),
+    ("seed = 1.5", r"Cannot overwrite a value at column 11\)"),  # a number TOML reads: no hint
+])
+def test_a_config_file_toml_refuses_is_named_by_line(tmp_path, line, message):
+    """tomllib's "not valid TOML (Invalid value (at line 3, column 12))" named the file without its line,
+    and said nothing of what a value Python would read wanted instead."""
+    toml = tmp_path / "bad.toml"
+    toml.write_text(f"[train]\nseed = 1\n{line}\n", encoding="utf-8")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(toml))}:3: not valid TOML \({message}$"):
+        load_config(toml)
+
+
 def test_separate_vocabularies_with_shared_embeddings(tmp_path):
     """model.share_embeddings with data.shared_vocab=false: false trains (it was a TypeError traceback, after
     the tokenizer was trained), true is refused before any data is read."""

@@ -454,7 +454,20 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     try:
         return tomllib.loads(text), key_lines(text)
     except tomllib.TOMLDecodeError as e:
-        raise UserError(f"{path}: not valid TOML ({e})") from None
+        raise UserError(_toml_error(path, text, str(e))) from None
+
+
+def _toml_error(path: Path, text: str, message: str) -> str:
+    """tomllib's `message` named by the file's line, with a hint where the value refused looks like a
+    number or a boolean written as another language writes it (`lr_scale = .5`: "Invalid value")."""
+    at = re.search(r" \(at line (\d+), column (\d+)\)$", message)
+    if at is None:  # "(at end of document)"
+        return f"{path}: not valid TOML ({message})"
+    line = text.split("\n")[int(at[1]) - 1]
+    key = _KEY_LINE.match(line)
+    hint = _value_hint(line[key.end():].partition("#")[0]) if key else None
+    return (f"{path}:{at[1]}: not valid TOML ({message[:at.start()]} at column {at[2]})"
+            + (f"; {hint}" if hint else ""))
 
 
 def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
@@ -518,8 +531,28 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     if _key_types(section)[key.strip()] is str and not isinstance(value, str):
         value = text.strip()  # run_dir=2024-05-01 or =123 is a name, not a TOML date or number
     if problem := _type_problem(section, key.strip(), value, f"--set {item!r}: "):
-        raise ConfigError(problem)
+        hint = _value_hint(text, _key_types(section)[key.strip()])
+        raise ConfigError(problem + (f" ({hint})" if hint else ""))
     return section, key.strip(), value
+
+
+# A number with a point but no digit on one side of it (.5, 5., -.5e3): Python reads it, TOML does not
+_POINTED = re.compile(r"([+-]?)(\d[\d_]*)?\.(\d[\d_]*)?([eE][+-]?\d+)?")
+
+
+def _value_hint(text: str, expected: Any = None) -> str | None:
+    """What TOML wants instead of `text`, a value it refused, where that looks like a number or a boolean
+    as Python or YAML writes them; with the type `expected`, only a hint whose value would be one."""
+    text = text.strip()
+    if (number := _POINTED.fullmatch(text)) and (number[2] is None) != (number[3] is None):
+        sign, whole, fraction, exponent = number.groups()
+        fixed = f"{sign}{whole or 0}.{fraction or 0}{exponent or ''}"
+        if expected is None or matches_type(tomllib.loads(f"v = {fixed}")["v"], expected):
+            return f"TOML numbers need a digit on each side of the point: {fixed}"
+    written_otherwise = text.lower() in ("true", "false") and text not in ("true", "false")  # True, FALSE
+    if (expected is None and written_otherwise) or expected is bool:  # or yes, on, 1 for a bool setting
+        return "TOML booleans are true and false"
+    return None
 
 
 def _type_problem(section: str, key: str, value: Any, where: str) -> str | None:

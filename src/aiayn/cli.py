@@ -134,7 +134,7 @@ def _train_summary(result: dict) -> str:
     """`aiayn train`'s one line on stdout, also for a run without a validation set or a resumed one that
     trained nothing (which printed none): the step, the last validation, why it stopped, and the best
     checkpoint (the one pruning keeps), e.g. "step 250: valid loss 5.3537, valid NLL 5.0450, valid ppl
-    155.24 (max_updates=250); best checkpoint runs/tiny/checkpoints/step_000240"."""
+    155.24 (max_updates=250); best checkpoint runs/tiny/checkpoints/step_000250"."""
     from aiayn.train.metrics import shown_ppl  # a bound past the cap (exp(50) was printed as the value)
 
     line = f"step {result['step']}"

@@ -48,6 +48,22 @@ def test_short_demo_through_the_cli(tmp_path, capsys):
     assert check_outputs(out, 12)[1] == refs
 
 
+def test_the_training_time_is_the_runs_own(tmp_path, capsys, monkeypatch):
+    """"N s of training" counted the tokenizer's training, the corpus' encoding and the model's building
+    (`--steps 1` reported 3 s): it is the time the run's checkpoint records, train.max_minutes's clock."""
+    import aiayn.demo
+
+    results = []
+    monkeypatch.setattr(aiayn.demo, "run_demo", lambda config: results.append(run_demo(config)) or results[0])
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--size", "tiny", "--steps", "2", "--train-pairs", "300",
+                 "--test-pairs", "4", "--beam", "1"]) == 0
+    last = max((out / "run" / "checkpoints").iterdir())
+    recorded = json.loads((last / "trainer.json").read_text())["state"]["seconds"]
+    assert results[0].train_seconds == recorded
+    assert f"(beam 1, 2 updates, {recorded:.0f} s of training)" in capsys.readouterr().out
+
+
 def test_config_errors():
     with pytest.raises(ConfigError, match="size"):
         DemoConfig(size="giant")

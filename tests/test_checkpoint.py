@@ -276,14 +276,29 @@ def test_a_truncated_sentencepiece_model_is_named_truncated(tmp_path, tokenizer,
     ck = save_checkpoint(tmp_path / "ck", model, tok)
     cut = ck / ("target.spm" if separate else "spm.model")
     cut.write_bytes(pieces_only(cut, 40))
-    with pytest.raises(UserError, match=rf"^{cut}: truncated: it ends after 40 pieces, without the "
-                                        "normalization rules that follow them in every SentencePiece model$"):
+    with pytest.raises(UserError, match=rf"^{cut}: truncated: it ends after 40 pieces, without the training "
+                                        "settings and normalization rules that follow them in a SentencePiece "
+                                        "model$"):
         load_checkpoint(ck)
     if separate:  # a whole model of other pieces is named as the side's file too, not as meta.json
         lines = [f"ein {w} und noch ein {w}" for w in ("Hund", "Baum", "Haus", "Zug", "Weg")] * 40
         cut.write_bytes(train_sentencepiece(lines, tmp_path / "other", vocab_size=50).read_bytes())
         with pytest.raises(UserError, match=rf"^{cut}: the target tokenizer has 50 pieces but the model 60"):
             load_checkpoint(ck)
+
+
+def test_a_sentencepiece_model_without_its_normalization_rules_is_not_called_truncated(tmp_path, tokenizer):
+    """One of the two fields after the pieces is enough: SentencePiece loads and encodes a model built without
+    normalizer_spec, which the truncation check first refused."""
+    data = tokenizer.src_path.read_bytes()
+    at = len(pieces_only(tokenizer.src_path, tokenizer.src_vocab_size))
+    assert data[at] == 0x12  # field 2 (trainer_spec), a length-delimited message, then field 3 (0x1A)
+    length, start = data[at + 1] & 0x7F, at + 2
+    if data[at + 1] >= 0x80:
+        length, start = length | data[at + 2] << 7, at + 3
+    assert data[start + length] == 0x1A
+    (tmp_path / "no_rules.model").write_bytes(data[:start + length])  # pieces and trainer_spec only
+    assert Tokenizer(tmp_path / "no_rules.model").encode_src("ein Hund") == tokenizer.encode_src("ein Hund")
 
 
 FULL_DISK = [OSError(errno.ENOSPC, "No space left on device"),

@@ -189,15 +189,16 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     except RuntimeError as e:
         raise CorruptFile(f"{path}: not a SentencePiece model ({' '.join(str(e).split())})") from None
-    if NORMALIZER_SPEC not in _message_fields(proto):  # a file cut between two pieces parses: fewer pieces
+    if not _message_fields(proto) & AFTER_PIECES:  # a file cut between two pieces parses: fewer pieces
         raise CorruptFile(f"{path}: truncated: it ends after {sp.get_piece_size()} pieces, without the "
-                          "normalization rules that follow them in every SentencePiece model")
+                          "training settings and normalization rules that follow them in a SentencePiece model")
     return sp
 
 
-# ModelProto's field number of its normalization rules. SentencePiece writes them after the pieces (field 1)
-# and trainer_spec (2), always: a model without them was cut short.
-NORMALIZER_SPEC = 3
+# ModelProto's field numbers of trainer_spec and normalizer_spec, which SentencePiece's training writes
+# after the pieces (field 1): a model with neither was cut short. (One alone loads and encodes: a model
+# built by hand may lack the other.)
+AFTER_PIECES = {2, 3}
 
 
 def _message_fields(proto: bytes) -> set[int]:

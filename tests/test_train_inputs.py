@@ -1232,6 +1232,10 @@ def test_hand_edited_training_metadata_of_the_wrong_type_is_named(finished_run, 
     (lambda t: t["state"].update(seconds=math.nan), r"\(seconds=nan is not a finite number, at least 0\)"),
     (lambda t: t["state"].update(best_valid=math.nan), r"\(best_valid=nan is not a finite number"),
     (lambda t: t["state"].update(best_step=99), r"\(best_step=99 is past step=4\)"),
+    (lambda t: t["state"].update(earlier_bests=[2, 99]),
+     r"\(earlier_bests=\[2, 99\] holds a step past step=4\)"),
+    (lambda t: t["state"].update(earlier_bests=[0]), r"\(earlier_bests=\[0\] is not a list of whole numbers"),
+    (lambda t: t["state"].update(earlier_bests=2), r"\(earlier_bests=2 is not a list\)"),
     (lambda t: t["param_groups"][0].update(betas="x"), r"\(param_groups betas='x', where this optimizer has"),
     (lambda t: t["param_groups"][0].update(eps=-1.0), r"\(param_groups eps=-1\.0, where"),
     (lambda t: t["param_groups"][0].pop("lr"), r"\(param_groups has no lr\)"),
@@ -1712,7 +1716,7 @@ def test_another_label_smoothing_on_resume_starts_the_best_loss_again(finished_r
     assert result["step"] == 8 and result["stop"] == "max_updates=8"  # not stopped at 6 by patience
     assert (f"the best validation loss so far ({best['best_valid']:.4f} at update {best['best_step']}) was "
             "smoothed with train.label_smoothing=0.1, not 0.5: the best loss and train.patience's count "
-            "start again") in caplog.messages
+            "start again") in caplog.text
     state = json.loads((run / "checkpoints" / "step_000006" / "trainer.json").read_text())["state"]
     assert state["best_step"] == 6 and state["best_valid"] > best["best_valid"]  # on the new smoothing
 
@@ -1737,3 +1741,33 @@ def test_key_lines_find_multiline_strings_by_where_they_start():
     assert key_lines(text) == {"train": 1, "train.run_dir": 2, "train.seed": 3, "data": 4, "data.name": 5,
                                "data.vocab_size": 6, "data.notes": 7, "data.max_len": 11, "data.items": 12,
                                "data.d": 16}
+
+
+@pytest.mark.parametrize("change", ["label_smoothing", "validation set"])
+def test_the_old_best_checkpoint_stays_when_the_best_starts_again(finished_run, tmp_path, caplog, change):
+    """Another label_smoothing or validation set on --resume starts the best loss again: the old best's
+    checkpoint was then deleted at the next save with keep_last's older ones, the warning saying nothing of
+    it, though the new criterion never measured it (a better model, by its NLL, went). It stays, outside
+    keep_last, also through later resumes, and the warning says so."""
+    config = copy_run(finished_run, tmp_path)
+    run = Path(config.train.run_dir)
+    old = json.loads((run / "checkpoints" / "step_000004" / "trainer.json").read_text())["state"]["best_step"]
+    if change == "validation set":
+        hard = write_corpus(tmp_path, 9, "hard")
+        config = replace(config, data=replace(config.data, valid_src=str(hard[0]), valid_tgt=str(hard[1])))
+    else:
+        config = with_train(config, label_smoothing=0.5)
+    with caplog.at_level(logging.WARNING):
+        train(with_train(config, max_updates=8, keep_last=1), resume=True)
+    old_checkpoint = run / "checkpoints" / f"step_{old:06d}"
+    assert old_checkpoint.is_dir()
+    assert (f"the best loss and train.patience's count start again, and that best's checkpoint "
+            f"{old_checkpoint} is kept besides the new best's, outside train.keep_last: training no longer "
+            "deletes it") in caplog.text
+    for until in (8, 10):  # and so does a later resume with the new settings
+        if until == 10:
+            train(with_train(config, max_updates=10, keep_last=1), resume=True)
+        state = json.loads((run / "checkpoints" / f"step_{until:06d}" / "trainer.json").read_text())["state"]
+        assert state["earlier_bests"] == [old] and state["best_step"] > 4
+        kept = {old, state["best_step"], until}
+        assert [p.name for p in checkpoint_dirs(run)] == [f"step_{s:06d}" for s in sorted(kept)]

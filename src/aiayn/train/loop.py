@@ -212,8 +212,8 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         return state
 
     state = _read_resumed(d, run_dir, resume_from, restored)
-    _same_validation(state, data, d)
-    _same_smoothing(state, trained, tc.label_smoothing, d)
+    _same_validation(state, data, run_dir, d)
+    _same_smoothing(state, trained, tc.label_smoothing, run_dir, d)
     if d.is_main:
         log.info("configuration:\n%s", _describe(config, model, data, d))
         if resume_from:
@@ -727,7 +727,7 @@ def _validate_and_save(
             run_dir, model, data.tokenizer, optimizer, scaler, state, config.to_dict(), result, rngs,
             interrupted=not validating,  # only a signal's save skips validation
         )
-        prune(run_dir, tc.keep_last, state.best_step)
+        prune(run_dir, tc.keep_last, state.best_step, state.earlier_bests)
         _draw_curves(metrics.path, run_dir / "curves.png")
         if "valid_loss" in result:
             log.info(
@@ -849,7 +849,7 @@ def _epoch_on_this_corpus(state: TrainState, n_updates: int, digest: str, resume
         state.epoch, state.cursor = state.epoch + 1, 0
 
 
-def _same_validation(state: TrainState, data: Data, d: Dist) -> None:
+def _same_validation(state: TrainState, data: Data, run_dir: Path, d: Dist) -> None:
     """best_valid and patience hold on the pairs they were measured on. Resumed on another validation set,
     a run compared its losses with the old set's best: no validation was better, patience stopped it, and
     `prune` kept the old best's checkpoint. Then they start again, and that is said."""
@@ -857,15 +857,13 @@ def _same_validation(state: TrainState, data: Data, d: Dist) -> None:
         return
     digest = data.valid.digest()
     if state.valid_digest not in ("", digest) and state.best_valid != math.inf:
-        if d.is_main:
-            log.warning("the validation pairs differ from those of the best validation loss so far (%.4f at "
-                        "update %d): the best loss and train.patience's count start again", state.best_valid,
-                        state.best_step)
-        state.best_valid, state.bad_validations, state.best_step = math.inf, 0, 0
+        _best_starts_again(state, "the validation pairs differ from those of the best validation loss so "
+                                  f"far ({state.best_valid:.4f} at update {state.best_step})", run_dir, d)
     state.valid_digest = digest
 
 
-def _same_smoothing(state: TrainState, trained: dict[str, Any] | None, smoothing: float, d: Dist) -> None:
+def _same_smoothing(state: TrainState, trained: dict[str, Any] | None, smoothing: float, run_dir: Path,
+                    d: Dist) -> None:
     """best_valid is a label-smoothed loss, whose scale moves with train.label_smoothing: resumed with
     more smoothing, a run compared its losses with a best of less, no validation was better, patience
     stopped it, and `prune` kept the old best's checkpoint (with less, any was better). Then, as on
@@ -874,10 +872,23 @@ def _same_smoothing(state: TrainState, trained: dict[str, Any] | None, smoothing
     saved = (trained or {}).get("label_smoothing")
     if saved is None or saved == smoothing or state.best_valid == math.inf:
         return
+    _best_starts_again(state, f"the best validation loss so far ({state.best_valid:.4f} at update "
+                              f"{state.best_step}) was smoothed with train.label_smoothing={saved!r}, not "
+                              f"{smoothing!r}", run_dir, d)
+
+
+def _best_starts_again(state: TrainState, why: str, run_dir: Path, d: Dist) -> None:
+    """The best loss and patience's count start again, said after `why`. The old best's checkpoint is kept
+    for good (`state.earlier_bests`): as the new best's at once, it went at the next save with keep_last's
+    older ones, unsaid, though the new criterion never measured it and it may well be the better model.
+    The same decision on every process; process 0 alone says it."""
+    old = run_dir / "checkpoints" / step_dir_name(state.best_step)
     if d.is_main:
-        log.warning("the best validation loss so far (%.4f at update %d) was smoothed with "
-                    "train.label_smoothing=%r, not %r: the best loss and train.patience's count start again",
-                    state.best_valid, state.best_step, saved, smoothing)
+        kept = (f", and that best's checkpoint {old} is kept besides the new best's, outside "
+                "train.keep_last: training no longer deletes it" if old.is_dir() else "")
+        log.warning("%s: the best loss and train.patience's count start again%s", why, kept)
+    if state.best_step:
+        state.earlier_bests.append(state.best_step)
     state.best_valid, state.bad_validations, state.best_step = math.inf, 0, 0
 
 

@@ -22,7 +22,8 @@ import random
 import re
 import shutil
 import socket
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterable
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,9 @@ class TrainState:
     epoch_updates: int = 0  # updates an epoch had (the corpus' batches): --resume on another corpus sees it
     train_digest: str = ""  # sha256 of the training pairs' ids the epoch's position counts in ("" unrecorded)
     valid_digest: str = ""  # sha256 of the validation pairs' ids best_valid was measured on ("" before any)
+    # The best_step of each earlier label_smoothing or validation set (a resume changed it, and the best
+    # started again): `prune` keeps them too, since no loss measured since compares with theirs
+    earlier_bests: list[int] = field(default_factory=list)
 
 
 def step_dir_name(step: int) -> str:
@@ -145,10 +149,12 @@ def check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
                         "is there); write it elsewhere")
 
 
-def prune(run_dir: str | Path, keep_last: int, best_step: int = 0) -> None:
+def prune(run_dir: str | Path, keep_last: int, best_step: int = 0, earlier_bests: Iterable[int] = ()) -> None:
     """Keep the newest `keep_last` checkpoints and that of update `best_step` (the best validation loss:
     a run stopped by `patience` ends `patience` validations after it, and keep_last <= patience deleted
-    it); clear what killed runs left half-written.
+    it), and those of `earlier_bests` (the best of an earlier label smoothing or validation set, whose
+    loss no later one compares with: deleted once the best started again, a better model could go
+    silently); clear what killed runs left half-written.
 
     A checkpoint saved on a signal (meta.json's "interrupted") is there to resume from: it never counts
     toward keep_last and goes once a newer one is saved, so that a run stopped and resumed keeps (and
@@ -162,7 +168,8 @@ def prune(run_dir: str | Path, keep_last: int, best_step: int = 0) -> None:
     found = checkpoint_dirs(run_dir)
     interrupted = [c for c in found if is_interrupted(c)]
     regular = [c for c in found if c not in interrupted]
-    old = [c for c in regular[:-keep_last] if c.name != step_dir_name(best_step)]
+    kept = {step_dir_name(step) for step in (best_step, *earlier_bests)}
+    old = [c for c in regular[:-keep_last] if c.name not in kept]
     for stale in old + [c for c in interrupted if c != found[-1]]:
         try:
             os.rename(stale, stale.with_name(f".{stale.name}.deleting"))
@@ -289,20 +296,22 @@ def _train_state(saved: Any, path: Path) -> TrainState:
     and range (a negative step shifted the schedule, a negative cursor trained on the wrong batches)."""
     if not isinstance(saved, dict):
         raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state ('state' is not a table)")
-    for field in fields(TrainState):
-        value = saved.get(field.name, field.default)
-        kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}[field.type]
-        if (isinstance(value, bool) and field.type != "bool") or not isinstance(value, kinds):
+    for f in fields(TrainState):
+        value = saved.get(f.name, f.default_factory() if f.default is MISSING else f.default)
+        kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list[int]": (list,)}
+        if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kinds[f.type]):
             what = {"int": "a whole number", "float": "a number", "bool": "true or false",
-                    "str": "a string"}[field.type]
-        elif field.type == "int" and not 0 <= value <= 2**53:  # past 2^53 the schedule's float math fails
+                    "str": "a string", "list[int]": "a list"}[f.type]
+        elif f.type == "int" and not 0 <= value <= 2**53:  # past 2^53 the schedule's float math fails
             what = "a whole number from 0 to 2^53"
-        elif field.type == "float" and (value < 0 or not (_finite(value) or (field.name == "best_valid"
-                                                                              and value == math.inf))):
+        elif f.type == "float" and (value < 0 or not (_finite(value) or (f.name == "best_valid"
+                                                                          and value == math.inf))):
             what = "a finite number, at least 0"
+        elif f.type == "list[int]" and not all(type(v) is int and 0 < v <= 2**53 for v in value):
+            what = "a list of whole numbers from 1 to 2^53"
         else:
             continue
-        raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state ({field.name}={value!r} is "
+        raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state ({f.name}={value!r} is "
                           f"not {what})")
     unknown = sorted(set(saved) - {f.name for f in fields(TrainState)})
     if unknown:  # a newer aiayn's field, or a hand's edit: a TypeError traceback
@@ -312,6 +321,9 @@ def _train_state(saved: Any, path: Path) -> TrainState:
     if state.best_step > state.step:
         raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state (best_step={state.best_step} is "
                           f"past step={state.step})")
+    if max(state.earlier_bests, default=0) > state.step:
+        raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state (earlier_bests="
+                          f"{state.earlier_bests} holds a step past step={state.step})")
     return state
 
 

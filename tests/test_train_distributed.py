@@ -91,6 +91,43 @@ def test_three_processes_resume_bit_for_bit(tmp_path):
     assert [k for k in unbroken if not torch.equal(unbroken[k], resumed[k])] == []
 
 
+@pytest.mark.slow  # four fresh Pythons importing torch
+def test_a_signal_to_one_process_during_a_validation_stops_every_process_with_one_checkpoint(tmp_path):
+    """SIGTERM to process 1 alone during update 3's validation: process 1 ends its share at its next batch,
+    process 0 finishes its own, and both drop the validation and save update 3 unvalidated, then stop,
+    without an update 4 and its checkpoint, and without waiting for each other in different places."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "model.dropout=0.0", "train.max_updates=6",
+                          "train.valid_every=3")
+    script = tmp_path / "signal_in_validation.py"
+    script.write_text(SIGNAL_IN_VALIDATION, encoding="utf-8")
+    proc = torchrun_train(sets, script=script)
+    assert proc.returncode != 0, proc.stderr[-3000:]  # torchrun reports a worker's signal stop as a failure
+    assert "SIGTERM in another process: stopping" in proc.stderr, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    assert [p.name for p in checkpoint_dirs(run)] == ["step_000003"], proc.stderr[-3000:]
+    assert '"interrupted": true' in (run / "checkpoints" / "step_000003" / "meta.json").read_text()
+    proc = torchrun_train(sets, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in checkpoint_dirs(run)] == ["step_000003", "step_000006"]  # 3 validated on resume
+    assert "interrupted" not in (run / "checkpoints" / "step_000003" / "meta.json").read_text()
+
+
+SIGNAL_IN_VALIDATION = """
+import os, signal, sys
+import aiayn.train.loop as loop
+real = loop.batch_loss
+sent = []
+def batch_loss(net, *args):
+    if not net.training and os.environ["RANK"] == "1" and not sent:  # a validation's batch, process 1's
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(net, *args)
+loop.batch_loss = batch_loss
+from aiayn.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def torchrun_train(
     sets: list[str], *options: str, script: Path | None = None, processes: int = 2
 ) -> subprocess.CompletedProcess:

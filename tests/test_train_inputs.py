@@ -1422,6 +1422,51 @@ def test_a_signal_when_a_validation_is_due_validates_on_resume(finished_run, tmp
     assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
 
 
+@pytest.mark.parametrize("during", ["validation", "BLEU", "save"])
+def test_a_signal_during_a_validation_or_a_save_stops_with_that_checkpoint(finished_run, tmp_path,
+                                                                          monkeypatch, during):
+    """SIGTERM during update 2's validation, its BLEU pass or its save was counted only after update 3,
+    which a second checkpoint then saved (a probe's step_000050, then step_000051). A pass ends at its next
+    batch and the update is saved unvalidated, as on a signal during the update (a scheduler's grace is
+    short); during the save, the run stops once it is written. --resume ends as the unbroken run does."""
+    from aiayn.train import bleu
+
+    d, config, _ = finished_run
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("spm.model", "tokenizer_inputs.json"):  # the same tokenizer as the unbroken run
+        shutil.copy(d / "run" / name, run / name)
+    config = with_train(config, run_dir=str(run), bleu_every=2 if during == "BLEU" else 0)
+    module, name = {"validation": (loop, "batch_loss"), "BLEU": (bleu, "generate"),
+                    "save": (loop, "_draw_curves")}[during]
+    real, calls = getattr(module, name), []
+
+    def signal_then_go_on(*args, **kwargs):
+        if during != "validation" or not args[0].training:  # a validation's batch: the model in eval mode
+            calls.append(1)
+            if len(calls) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, signal_then_go_on)
+    with pytest.raises(Stopped, match=r"^stopped by SIGTERM at update 2, saved in .*/step_000002; --resume"):
+        train(config)
+    assert [p.name for p in checkpoint_dirs(run)] == ["step_000002"] and len(calls) == 1  # no batch more
+    meta = json.loads((run / "checkpoints" / "step_000002" / "meta.json").read_text())
+    assert meta.get("interrupted", False) == (during != "save")  # a pass cut short: saved unvalidated
+    monkeypatch.setattr(module, name, real)
+    assert train(config, resume=True)["step"] == 4
+
+    def validations(path):  # the records of saves (training's log lines have a loss)
+        return [(r["step"], r.get("valid_loss")) for r in map(json.loads, path.read_text().splitlines())
+                if "loss" not in r]
+
+    assert validations(run / "metrics.jsonl") == validations(d / "run" / "metrics.jsonl")
+    resumed = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
+    unbroken = load_file(str(d / "run" / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
+
+
 def test_set_keeps_a_bare_value_of_a_string_key_as_written(tmp_path):
     """'bare words are strings': a run_dir of 2024-05-01 or 123 was a TOML date or integer, then refused."""
     for text in ("2024-05-01", "123", "inf", "true"):

@@ -7,6 +7,7 @@ cheaper; `aiayn translate` / `aiayn evaluate` give the reportable beam-search sc
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -29,9 +30,12 @@ def validation_bleu(
     max_tokens: int,
     device: torch.device,
     lang: str = "",
-) -> tuple[float, str]:
+    stop: Callable[[], bool] | None = None,
+) -> tuple[float, str] | None:
     """(BLEU, sacreBLEU signature) of greedy translations of `text.src` against `text.tgt`; BLEU's
-    tokenizer picked for target language `lang` as `aiayn evaluate -l` picks it."""
+    tokenizer picked for target language `lang` as `aiayn evaluate -l` picks it. None where `stop()` turns
+    true before the last batch (training's stop signal: the pass can take minutes, a scheduler's grace
+    is short)."""
     was_training = model.training
     model.eval()
     sources = [tokenizer.encode_src(s) for s in text.src]
@@ -39,6 +43,9 @@ def validation_bleu(
     lengths = [len(ids) for ids in sources]
     hypotheses = [""] * len(sources)
     for indices in token_batches(lengths, lengths, max_tokens):
+        if stop is not None and stop():
+            model.train(was_training)
+            return None
         src = right_pad([sources[i] for i in indices], tokenizer.pad_id)  # (B, S)
         for i, hyps in zip(indices, generate(model, src.to(device), DecodeConfig(beam=1))):
             hypotheses[i] = tokenizer.decode_tgt(hyps[0].tokens)

@@ -243,16 +243,17 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     )  # a terminal only: tokens/s, loss, ppl, lr, and time left
     start = time.monotonic()
     validated = {}
-    if state.validation_due:  # a signal's save skipped it: validate now, as the unbroken run did then
-        state.validation_due = False
-        validated = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast,
-                                       metrics)
-    # A resumed run may have reached its budget, or run out of patience, already: it trains no more.
-    stop = _stop_reason(state, tc, n_updates) or _patience_exhausted(state, tc)
-    if stop and d.is_main:
-        log.info("%s: already at update %d (%s); nothing to train", resume_from, state.step, stop)
     stopper = StopSignal(announce=d.is_main)
     with stopper.installed(), logging_redirect_tqdm():  # log lines above the bar, not glued onto it
+        if state.validation_due:  # a signal's save skipped it: validate now, as the unbroken run did then
+            state.validation_due = False
+            validated = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast,
+                                           metrics, stopper=stopper)
+        # A resumed run may have reached its budget, or run out of patience, already: it trains no more.
+        stop = _stop_reason(state, tc, n_updates) or _patience_exhausted(state, tc)
+        if stop and d.is_main:
+            log.info("%s: already at update %d (%s); nothing to train", resume_from, state.step, stop)
+        stop = stop or stopper.agreed(d)  # one during that validation: its checkpoint is the one to resume
         stop, last = _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast, metrics, bar,
                            n_updates, batch_tokens, stopper)
     bar.close()
@@ -347,12 +348,15 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 _check_unlogged(sums, state.step, d)
                 begun = time.monotonic()
                 last = _validate_and_save(  # on a signal only the save: a scheduler's grace is short
-                    net, model, optimizer, scaler, state, data, config, d, autocast, metrics, not signalled
+                    net, model, optimizer, scaler, state, data, config, d, autocast, metrics, not signalled,
+                    None if stop else stopper,  # at its budget a run ends as usual, validated
                 )
                 release_freed_memory()  # the free pages of a fragmented heap back to the kernel
                 saved_step = state.step
                 last_log += time.monotonic() - begun  # tokens/s counts training, not this validation
-                stop = stop or signalled or _patience_exhausted(state, tc)
+                # A signal during the validation or the save stops here, not after one more update and
+                # checkpoint: the one just saved is where --resume goes on
+                stop = stop or signalled or _patience_exhausted(state, tc) or stopper.agreed(d)
         if state.cursor >= n_updates:
             state.epoch, state.cursor = state.epoch + 1, 0
             if tc.max_epochs and state.epoch >= tc.max_epochs:
@@ -365,8 +369,10 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
 
 class StopSignal:
     """SIGTERM (what a scheduler or `docker stop` sends) or a first Ctrl-C: finish the current update, save a
-    checkpoint (without validating) and stop, instead of losing the updates since the last checkpoint. A
-    second Ctrl-C interrupts at once. Under torchrun the processes agree on it at every update."""
+    checkpoint (without validating) and stop, instead of losing the updates since the last checkpoint; one
+    during a validation ends it at its next batch, one during a save stops once it is written. A second
+    Ctrl-C interrupts at once. Under torchrun the processes agree on it at every update, and after each
+    validation and save."""
 
     def __init__(self, announce: bool = True) -> None:
         self.signum: int | None = None
@@ -668,18 +674,25 @@ def batch_loss(net: torch.nn.Module, batch: Batch, eps: float, autocast) -> tupl
 
 
 @torch.no_grad()
-def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> dict[str, float]:
-    """Smoothed loss and NLL per target token on the validation set (shared out over processes)."""
+def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float,
+             stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
+    """Smoothed loss and NLL per target token on the validation set (shared out over processes); None
+    where `stop()` turned true on any process before its share was done (training's stop signal: it
+    stops at its next batch, a host check; the shares' sum, a collective, is reached either way)."""
     was_training = model.training
     model.eval()
-    sums, tokens = _no_losses(d.device), 0.0
+    sums, tokens, cut = _no_losses(d.device), 0.0, False
     for indices in data.valid_batches[d.rank :: d.world_size]:
+        if stop is not None and (cut := stop()):
+            break
         batch = collate(data.valid, indices, data.tokenizer).to(d.device)
         loss, nll = batch_loss(model, batch, eps, autocast)
         sums = sums + torch.stack([loss, nll]).double()  # (2,), on the device: no sync per batch
         tokens += batch.n_tokens
     model.train(was_training)
-    loss, nll, tokens = distributed.all_reduce_sum([*sums.tolist(), tokens], d)
+    loss, nll, tokens, cut = distributed.all_reduce_sum([*sums.tolist(), tokens, float(cut)], d)
+    if cut:  # on any process: none uses the partial sums
+        return None
     if not tokens:  # prepare_data refuses an empty validation set; this keeps a division by zero out
         raise UserError("data.valid_src: the validation set has no target tokens")
     return {
@@ -690,28 +703,20 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float) -> d
 
 
 def _validate_and_save(
-    net, model, optimizer, scaler, state, data, config, d, autocast, metrics, validating: bool = True
+    net, model, optimizer, scaler, state, data, config, d, autocast, metrics, validating: bool = True,
+    stopper: StopSignal | None = None,
 ) -> dict[str, Any]:
     """Validation (if there is a validation set and `validating`), the patience count, a checkpoint and the
-    curves."""
+    curves. With `stopper`, a signal during the validation drops it: the update is saved unvalidated, as
+    on a signal during the update, and --resume validates first."""
     tc = config.train
     result: dict[str, Any] = {"step": state.step, "epoch": state.epoch + 1}
     if data.valid is not None and validating:
-        result.update(validate(model, data, d, autocast, tc.label_smoothing))
-        _check_finite("validation loss", result["valid_loss"], state.step)
-        if result["valid_loss"] < state.best_valid:
-            state.best_valid, state.bad_validations, state.best_step = result["valid_loss"], 0, state.step
-        else:
-            state.bad_validations += 1
+        measured = _measure(model, state, data, config, d, autocast, stopper)
+        state.validation_due = measured is None  # dropped on a signal: --resume makes it first
+        validating = measured is not None
+        result.update(measured or {})
     _check_finite_weights(model, state.step)  # also without a validation set: never save NaN weights
-    bleu_due = validating and tc.bleu_every and state.step % tc.bleu_every == 0
-    if bleu_due and data.valid_text is not None and d.is_main:
-        from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
-
-        result["valid_bleu"], result["bleu_signature"] = validation_bleu(
-            model, data.tokenizer, data.valid_text, config.data.max_len, tc.max_tokens, d.device, tc.bleu_lang
-        )
-        log.info("update %d: valid BLEU (greedy) %.2f", state.step, result["valid_bleu"])
     rngs = rng_states(d)  # collective: every process takes part
 
     def save() -> None:
@@ -744,6 +749,35 @@ def _validate_and_save(
     # Process 0 writes while the others wait (nobody runs ahead of a checkpoint being written); a failed
     # write (a full disk) reaches them as its one line, not as gloo's "connection reset" tracebacks.
     distributed.on_main(d, save)
+    return result
+
+
+def _measure(model, state, data, config, d, autocast, stopper: StopSignal | None) -> dict[str, Any] | None:
+    """The validation loss, BLEU on schedule, and with them the best loss and patience's count; None where
+    `stopper` got a signal before they ended, as every process then agrees: each pass stops at its next
+    batch (a scheduler's grace is short, and a BLEU pass can take minutes) and nothing is counted."""
+    tc = config.train
+    stop = None if stopper is None else (lambda: stopper.signum is not None)
+    result = validate(model, data, d, autocast, tc.label_smoothing, stop)
+    if result is not None:  # None on every process alike
+        _check_finite("validation loss", result["valid_loss"], state.step)
+    bleu_due = tc.bleu_every and state.step % tc.bleu_every == 0 and data.valid_text is not None
+    if result is not None and bleu_due and d.is_main:
+        from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
+
+        bleu = validation_bleu(model, data.tokenizer, data.valid_text, config.data.max_len, tc.max_tokens,
+                               d.device, tc.bleu_lang, stop)
+        if bleu is not None:
+            result["valid_bleu"], result["bleu_signature"] = bleu
+    # a collective, on every process, whose answer is every process': process 0 alone cut its BLEU pass
+    if (stopper is not None and stopper.agreed(d)) or result is None:
+        return None
+    if "valid_bleu" in result:
+        log.info("update %d: valid BLEU (greedy) %.2f", state.step, result["valid_bleu"])
+    if result["valid_loss"] < state.best_valid:
+        state.best_valid, state.bad_validations, state.best_step = result["valid_loss"], 0, state.step
+    else:
+        state.bad_validations += 1
     return result
 
 

@@ -424,6 +424,34 @@ def test_time_left_counts_down_the_first_budget_to_end():
     assert [loop._clock(s) for s in (70.0, 3599.6, 3725.0)] == ["1:10", "1:00:00", "1:02:05"]
 
 
+def test_a_validation_that_spends_the_time_budget_ends_the_run_there(tmp_path, monkeypatch):
+    """max_minutes was checked before each validation, and the validation's time counted only after the
+    next update: one that crossed the budget was followed by one more update, validation and checkpoint
+    (a probe's step_000100, then step_000101). The clock is read again before the save, which records
+    it, so the run stops with that checkpoint and a --resume from it trains nothing more."""
+    elapsed = [0.0]  # seconds of this invocation's training, as the test sets them
+    monkeypatch.setattr(loop, "_training_seconds", lambda before, start, tc, d: before + elapsed[0])
+    real_validate, calls = loop.validate, []
+
+    def slow_validation(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # update 4's: past the minute
+            elapsed[0] = 61.0
+        return real_validate(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "validate", slow_validation)
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_minutes=1", "train.valid_every=2")
+    result = train(config)
+    assert result["step"] == 4 and result["stop"] == "max_minutes=1" and "valid_loss" in result
+    run = tmp_path / "run"
+    assert [p.name for p in checkpoint_dirs(run)] == ["step_000002", "step_000004"]
+    saved = json.loads((run / "checkpoints" / "step_000004" / "trainer.json").read_text())["state"]
+    assert saved["seconds"] == 61.0  # the validation's time included
+    elapsed[0] = 0.0
+    again = train(config, resume=True)
+    assert again["step"] == 4 and again["stop"] == "max_minutes=1" and len(calls) == 2
+
+
 def test_processes_agree_on_the_signal_and_its_status(monkeypatch):
     """Under torchrun a process that got no signal stops with the others; two that got SIGINT were
     summed into a SIGTERM status before."""

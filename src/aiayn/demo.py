@@ -218,9 +218,9 @@ def _run_demo(config: DemoConfig) -> DemoResult:
 
 def training_seconds(checkpoint: Path) -> float:
     """The training time `checkpoint` records, on the clock train.max_minutes counts: from the first update
-    to the last, the validations and saves between them included. The demo's own clock counted the
-    tokenizer's training, the corpus' encoding and the model's building too: `--steps 1` reported "3 s of
-    training"."""
+    to the last, the validations and saves between them and its own validation included. The demo's own
+    clock counted the tokenizer's training, the corpus' encoding and the model's building too: `--steps 1`
+    reported "3 s of training"."""
     path = checkpoint / "trainer.json"
     try:
         return float(json.loads(path.read_text(encoding="utf-8"))["state"]["seconds"])

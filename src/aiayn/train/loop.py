@@ -242,20 +242,21 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         dynamic_ncols=True,
     )  # a terminal only: tokens/s, loss, ppl, lr, and time left
     start = time.monotonic()
+    clock = _training_clock(state.seconds, tc, d)
     validated = {}
     stopper = StopSignal(announce=d.is_main)
     with stopper.installed(), logging_redirect_tqdm():  # log lines above the bar, not glued onto it
         if state.validation_due:  # a signal's save skipped it: validate now, as the unbroken run did then
             state.validation_due = False
             validated = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast,
-                                           metrics, stopper=stopper)
+                                           metrics, stopper=stopper, clock=clock)
         # A resumed run may have reached its budget, or run out of patience, already: it trains no more.
         stop = _stop_reason(state, tc, n_updates) or _patience_exhausted(state, tc)
         if stop and d.is_main:
             log.info("%s: already at update %d (%s); nothing to train", resume_from, state.step, stop)
         stop = stop or stopper.agreed(d)  # one during that validation: its checkpoint is the one to resume
         stop, last = _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast, metrics, bar,
-                           n_updates, batch_tokens, stopper)
+                           n_updates, batch_tokens, stopper, clock)
     bar.close()
     if d.is_main:
         log.info("stopped (%s) after %d updates, %.1f min", stop, state.step, (time.monotonic() - start) / 60)
@@ -290,12 +291,11 @@ def _recorded_result(checkpoint: Path) -> dict[str, Any]:
 
 
 def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast, metrics, bar, n_updates,
-          batch_tokens, stopper) -> tuple[str, dict]:
+          batch_tokens, stopper, clock) -> tuple[str, dict]:
     """The updates until `stop`, validating and saving on schedule; (why it stopped, the last results)."""
     tc, tok = config.train, data.tokenizer
     per_update = d.world_size * tc.update_freq
-    start = last_log = time.monotonic()
-    seconds_before = state.seconds  # a resumed run goes on with its clock, so the budget spans resumes
+    last_log = time.monotonic()
     # Since the last log line: (smoothed loss, NLL) sums, kept on the device (reading them is a sync), and
     # target tokens.
     sums, tokens = _no_losses(d.device), 0.0
@@ -331,7 +331,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
             elif d.is_main:
                 log.warning("update %d skipped: fp16 gradients overflowed; loss scale lowered to %g",
                             state.step + 1, scaler.get_scale())
-            state.seconds = _training_seconds(seconds_before, start, tc, d)
+            state.seconds = clock()
             if applied and state.step % tc.log_every == 0:
                 window = [*sums.tolist(), tokens]  # the window's one sync: then its work is done, and timed
                 now = time.monotonic()
@@ -350,20 +350,23 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 last = _validate_and_save(  # on a signal only the save: a scheduler's grace is short
                     net, model, optimizer, scaler, state, data, config, d, autocast, metrics, not signalled,
                     None if stop else stopper,  # at its budget a run ends as usual, validated
+                    clock,
                 )
                 release_freed_memory()  # the free pages of a fragmented heap back to the kernel
                 saved_step = state.step
                 last_log += time.monotonic() - begun  # tokens/s counts training, not this validation
-                # A signal during the validation or the save stops here, not after one more update and
-                # checkpoint: the one just saved is where --resume goes on
-                stop = stop or signalled or _patience_exhausted(state, tc) or stopper.agreed(d)
+                # A signal during the validation or the save, or the time budget spent in them, stops here,
+                # not after one more update and checkpoint: the one just saved is where --resume goes on
+                stop = (stop or signalled or _patience_exhausted(state, tc) or stopper.agreed(d)
+                        or _stop_reason(state, tc, n_updates))
         if state.cursor >= n_updates:
             state.epoch, state.cursor = state.epoch + 1, 0
             if tc.max_epochs and state.epoch >= tc.max_epochs:
                 stop = stop or f"max_epochs={tc.max_epochs}"
     if saved_step != state.step:  # stopped at an epoch end between validations
         _check_unlogged(sums, state.step, d)
-        last = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics)
+        last = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics,
+                                  clock=clock)
     return stop, last
 
 
@@ -704,11 +707,12 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float,
 
 def _validate_and_save(
     net, model, optimizer, scaler, state, data, config, d, autocast, metrics, validating: bool = True,
-    stopper: StopSignal | None = None,
+    stopper: StopSignal | None = None, clock: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """Validation (if there is a validation set and `validating`), the patience count, a checkpoint and the
     curves. With `stopper`, a signal during the validation drops it: the update is saved unvalidated, as
-    on a signal during the update, and --resume validates first."""
+    on a signal during the update, and --resume validates first. With `clock`, the training time is read
+    again before the save (`_training_clock`)."""
     tc = config.train
     result: dict[str, Any] = {"step": state.step, "epoch": state.epoch + 1}
     if data.valid is not None and validating:
@@ -717,6 +721,8 @@ def _validate_and_save(
         validating = measured is not None
         result.update(measured or {})
     _check_finite_weights(model, state.step)  # also without a validation set: never save NaN weights
+    if clock is not None:  # the validation's time counted, in the checkpoint too: a budget it used up ends
+        state.seconds = clock()  # the run here, and a --resume from here trains nothing more, alike
     rngs = rng_states(d)  # collective: every process takes part
 
     def save() -> None:
@@ -818,6 +824,14 @@ def _check_finite_weights(model: Transformer, step: int) -> None:
     finite = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
     if not finite.item():
         _check_finite("a model weight", math.nan, step)
+
+
+def _training_clock(before: float, tc, d: Dist) -> Callable[[], float]:
+    """A clock of the training time for state.seconds: `before` (a resumed run's, so that max_minutes spans
+    resumes) plus the wall time from now, updates, validations and saves alike; each read of it a
+    collective with a time budget (`_training_seconds`)."""
+    start = time.monotonic()
+    return lambda: _training_seconds(before, start, tc, d)
 
 
 def _training_seconds(before: float, start: float, tc, d: Dist) -> float:

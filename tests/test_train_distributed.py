@@ -292,3 +292,35 @@ def test_a_damaged_checkpoint_to_resume_from_is_one_line_for_all_processes(tmp_p
     errors = [line for line in proc.stderr.splitlines() if line.startswith("aiayn: error:")]
     assert len(errors) == 1 and f"{weights}: corrupt weights" in errors[0], proc.stderr[-3000:]
     assert "to resume from step_000002 instead" in errors[0]
+
+
+BUFFERS = """
+import torch, torch.distributed as dist
+from aiayn.config import model_config
+from aiayn.model import Transformer
+from aiayn.train.loop import data_parallel
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = Transformer(model_config("micro", vocab_size=16))
+if dist.get_rank() == 1:
+    model.src_embed.pe.zero_()  # a buffer that differs: a broadcast from process 0 would overwrite it
+net = data_parallel(model)
+src = torch.randint(4, 16, (2, 5))
+net(src, src).sum().backward()
+print(f"rank {dist.get_rank()} pe zero: {bool((model.src_embed.pe == 0).all())}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # three fresh Pythons importing torch
+def test_ddp_broadcasts_no_buffers(tmp_path):
+    """DDP's default broadcast process 0's buffers (two position tables, a logits bias) before every forward
+    pass, a collective per micro-batch for tensors every process computes alike."""
+    script = tmp_path / "buffers.py"
+    script.write_text(BUFFERS, encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = sorted(proc.stdout.splitlines())
+    assert said == ["rank 0 pe zero: False", "rank 1 pe zero: True"], proc.stdout

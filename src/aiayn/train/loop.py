@@ -221,7 +221,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     net = torch.compile(model) if tc.compile else model
     if tc.compile and d.is_main:  # else silence, with no terminal for a bar, until the first update's line
         log.info("torch.compile: the first updates compile the model (minutes for `small` on a CPU)")
-    net = DistributedDataParallel(net) if d.enabled else net  # outermost, so that no_sync is reachable
+    net = data_parallel(net) if d.enabled else net  # outermost, so that no_sync is reachable
     autocast = torch.autocast(
         d.device.type,
         dtype=torch.float16 if tc.precision == "fp16" else torch.bfloat16,
@@ -278,6 +278,13 @@ def _result(last: dict[str, Any], state: TrainState, stop: str, resume_from: Pat
     if state.best_step:  # 0: no validation yet (or none since the best started again)
         result["best_checkpoint"] = str(run_dir / "checkpoints" / step_dir_name(state.best_step))
     return result
+
+
+def data_parallel(net: torch.nn.Module) -> DistributedDataParallel:
+    """`net` under DDP, whose buffers are not broadcast from process 0 before every forward pass (its
+    default): the position tables and a logits bias are the same in every process (computed from the
+    config, or read from one checkpoint), and broadcasting them was a collective per micro-batch."""
+    return DistributedDataParallel(net, broadcast_buffers=False)
 
 
 def _recorded_result(checkpoint: Path) -> dict[str, Any]:

@@ -322,7 +322,7 @@ def test_ddp_broadcasts_no_buffers(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
            tmp_path]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)]
     assert said == ["pe zero: False", "pe zero: True"]

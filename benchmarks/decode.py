@@ -45,8 +45,11 @@ restored it).
     python benchmarks/decode.py --cells greedy-1 --engines "CT2 float32" --repeats 1   # a quick look
 
 Writes benchmarks/results/local/decode_DEVICE.{json,md} (ignored by git) unless --out names a prefix,
-and rewrites them after every cell: a worker that fails (a CTranslate2 wheel whose CUDA libraries do not
-load) ends the run in one line naming its engine and its error, and the cells measured before it stay.
+and rewrites them after every cell. An engine whose worker fails (a CTranslate2 wheel whose CUDA libraries
+do not load: cuBLAS loads at the first translation, so no check beforehand sees it) is left out, at every
+thread count, from then on and from the cells before, with one line on stderr and its error in the results
+("failed_engines"); the others run on. If aiayn fp32 or HF Marian fp32 fails, the engines the ratios are
+taken against, the run ends in one line naming it and its error, and the cells measured before it stay.
 Without ctranslate2 (pip install -e '.[bench]') the CTranslate2 engines are skipped; transformers is
 needed, as the source of the weights.
 """
@@ -374,7 +377,12 @@ def resident_mb() -> float:
 
 
 class WorkerFailed(Exception):
-    """A worker's engine failed or its process ended: "ENGINE (T threads) failed: why"."""
+    """A worker's engine failed or its process ended: "ENGINE (T threads) failed: why". `engine` is the
+    `Engine` whose worker it was."""
+
+    def __init__(self, engine: Engine, message: str):
+        super().__init__(message)
+        self.engine = engine
 
 
 class Engine:
@@ -395,10 +403,10 @@ class Engine:
             reply = self.conn.recv()
         except EOFError:  # ended without a word: killed (for memory?), or a crash inside native code
             self.process.join(timeout=10)
-            raise WorkerFailed(f"{self.label} failed: its worker ended without an answer "
-                               f"(exit code {self.process.exitcode})") from None
+            raise WorkerFailed(self, f"{self.label} failed: its worker ended without an answer "
+                                     f"(exit code {self.process.exitcode})") from None
         if isinstance(reply, tuple) and reply[:1] == (FAILED,):
-            raise WorkerFailed(f"{self.label} failed: {reply[1]}")
+            raise WorkerFailed(self, f"{self.label} failed: {reply[1]}")
         return reply
 
     def ask(self, request):
@@ -410,7 +418,7 @@ class Engine:
 
     def wait_ready(self) -> None:
         if (reply := self.receive()) != "ready":
-            raise WorkerFailed(f"{self.label} failed: its worker answered {reply!r}, not 'ready'")
+            raise WorkerFailed(self, f"{self.label} failed: its worker answered {reply!r}, not 'ready'")
 
     def __call__(self, batch: int, beam: int) -> tuple[float, list[list[int]] | None]:
         return self.ask((batch, beam))
@@ -612,6 +620,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"resident MB after the runs: {record.memory} (float32 weights: {weights_mb:.0f} MB)")
 
 
+REFERENCES = ("aiayn fp32", "HF Marian fp32")  # the engines the ratios are taken against: always run
+
+
 def chosen_engines(args: argparse.Namespace) -> list[str]:
     """`engine_names` here, cut to --engines (and the two the ratios are taken against)."""
     names = engine_names(args.device)
@@ -619,7 +630,7 @@ def chosen_engines(args: argparse.Namespace) -> list[str]:
         unknown = sorted(set(args.engines) - set(names))
         if unknown:
             raise SystemExit(f"--engines: {', '.join(unknown)} not among those here: {', '.join(names)}")
-        names = [n for n in names if n in args.engines or n in ("aiayn fp32", "HF Marian fp32")]
+        names = [n for n in names if n in args.engines or n in REFERENCES]
     return names
 
 
@@ -633,21 +644,48 @@ class Record:
     agreed: dict = field(default_factory=dict)  # {cell: {"engine@threads": share}}, `agreement`
     memory: dict | None = None  # {"engine@threads": resident MB}, taken after the last cell
     floor_kernel: dict = field(default_factory=dict)  # {threads: {rows: kernel}}
+    failed: dict = field(default_factory=dict)  # {engine: its WorkerFailed's line}, those `left_out`
     stopped: str | None = None  # why the run ended before every cell, if it did
 
 
 def run_cells(runs: dict[str, Engine], args: argparse.Namespace, record: Record) -> None:
     """Every cell of --cells, the results written after each (as train_step.py does after each config):
-    a worker failing in a later cell leaves the earlier ones on disk. Then each worker's memory."""
-    for engine in runs.values():
-        engine.wait_ready()
+    a worker failing in a later cell leaves the earlier ones on disk. Then each worker's memory. An engine
+    other than `REFERENCES` that fails is left out (`left_out`) and the cell it failed in is run again
+    without it; a failure of one of `REFERENCES` is raised."""
+    for key, engine in list(runs.items()):
+        try:
+            if key in runs:  # not left out already, having failed at another thread count
+                engine.wait_ready()
+        except WorkerFailed as e:
+            left_out(runs, record, e)
     for cell in args.cells:
-        speeds, agreed = measure(runs, args.repeats, args.settle, [cell])
+        while True:
+            try:
+                speeds, agreed = measure(runs, args.repeats, args.settle, [cell])
+                break
+            except WorkerFailed as e:
+                left_out(runs, record, e)
         record.speeds.update(speeds)
         record.agreed.update(agreed)
         write_results(args, record)
     record.memory = {key: round(e.memory_mb()) for key, e in runs.items() if not key.startswith(FLOOR)}
     record.floor_kernel = {t: runs[f"{FLOOR}@{t}"].kernels() for t in args.threads if f"{FLOOR}@{t}" in runs}
+
+
+def left_out(runs: dict[str, Engine], record: Record, error: WorkerFailed) -> None:
+    """The engine whose worker raised `error` out of the run: its workers at every thread count closed and
+    taken from `runs`, its figures from the cells before dropped (every table then has the same columns),
+    its error recorded and said on stderr. Raises `error` if the engine is one of `REFERENCES`."""
+    name = next(key for key, engine in runs.items() if engine is error.engine).rsplit("@", 1)[0]
+    if name in REFERENCES:
+        raise error
+    for key in [key for key in runs if key.rsplit("@", 1)[0] == name]:  # "NAME@THREADS"
+        runs.pop(key).close()
+        for figures in (*record.speeds.values(), *record.agreed.values()):
+            figures.pop(key, None)
+    record.failed[name] = str(error)
+    print(f"decode.py: {error}; {name} is left out of this run", file=sys.stderr, flush=True)
 
 
 def stopped(args: argparse.Namespace, record: Record, error: WorkerFailed) -> str:
@@ -673,6 +711,8 @@ def write_results(args: argparse.Namespace, record: Record) -> str:
     env = {**record.env, "outputs_as_aiayn_fp32": record.agreed,
            "linear_floor_kernel_by_threads_and_rows": record.floor_kernel,
            "load_average_after": load_average()}
+    if record.failed:
+        env["failed_engines"] = record.failed
     if record.stopped:
         env["stopped"] = record.stopped
     memory = "not measured (taken after the last cell)" if record.memory is None else record.memory
@@ -680,6 +720,7 @@ def write_results(args: argparse.Namespace, record: Record) -> str:
              "resident_mb_after_runs": memory}
     with_suffix_added(args.out, ".json").write_text(json.dumps(saved, indent=2) + "\n")
     stop = f"**Stopped: {record.stopped}.** Only the cells below were measured.\n\n" if record.stopped else ""
+    stop += "".join(f"**Left out: {why}.**\n\n" for why in record.failed.values())
     with_suffix_added(args.out, ".md").write_text(
         f"# Decoding speed, {args.device}\n\n`{env['command']}`\n\n{stop}{text}\n\n"
         f"Share of sentences each float32 engine translated as aiayn fp32 did (per cell): {record.agreed}\n\n"

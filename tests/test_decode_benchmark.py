@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import sys
+from typing import ClassVar
 
 import pytest
 import torch
@@ -223,58 +224,103 @@ def test_one_row_benchmark_times_each_kernel_and_names_aiayns_pick(tmp_path, mon
         one_row.main(["--threads", "0,2"])
 
 
-def _scripted_worker(conn, name: str) -> None:
-    """A worker answering as `serve` does (nothing timed) that ends without a word, as a crashed process,
-    when CT2 float32 is asked for a batch of 16."""
+CUBLAS = "RuntimeError: Library libcublas.so.12 is not found or cannot be loaded"  # CT2's error on a GPU
+
+
+def _scripted_worker(conn, name: str, fails: dict[str, int]) -> None:
+    """A worker answering as `serve` does (nothing timed). An engine of `fails` ({engine: batch}) fails when
+    asked for that batch: at 16 it ends without a word, as a crashed process; at 1 it answers FAILED with
+    cuBLAS's error, as a CTranslate2 wheel whose CUDA libraries do not load does at its first translation."""
     conn.send("ready")
     while (request := conn.recv()) is not None:
         if request == "memory":
             conn.send(100.0)
             continue
         batch, _ = request
-        if name == "CT2 float32" and batch == 16:
+        if fails.get(name) == batch == 16:
             os._exit(1)
+        if fails.get(name) == batch == 1:
+            conn.send((decode.FAILED, CUBLAS))
+            raise SystemExit(1)
         conn.send((0.01, [[5] * decode.NEW_TOKENS for _ in range(batch)]))
 
 
 class _ScriptedEngine(decode.Engine):
     """`decode.Engine` on a forked `_scripted_worker`: the parent's side as it runs, the models left out."""
 
+    fails: ClassVar[dict[str, int]] = {}  # {engine: the batch it fails at}, `_scripted_worker`
+
     def __init__(self, name: str, seed: int, device: str, ct2_paths: dict, threads: int):
-        self.label = f"{name} ({threads} thread)"
+        self.label = f"{name} ({threads} thread{'s' if threads > 1 else ''})"
         ctx = multiprocessing.get_context("fork")  # the target needs no import in the child
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_scripted_worker, args=(child, name), daemon=True)
+        self.process = ctx.Process(target=_scripted_worker, args=(child, name, self.fails), daemon=True)
         self.process.start()
         child.close()
 
 
-def test_a_worker_dying_mid_run_ends_it_in_one_line_and_keeps_the_cells_before(tmp_path, monkeypatch):
-    """A CTranslate2 wheel whose CUDA libraries do not load killed its worker: the parent's EOFError came
-    as a second traceback, exit 1, and nothing was written although earlier cells had been measured."""
+def _scripted_main(monkeypatch, engines: list[str], fails: dict[str, int]):
+    """`decode.main` on `_ScriptedEngine`s of `engines`, those of `fails` failing (`_scripted_worker`)."""
     monkeypatch.setattr(decode, "Engine", _ScriptedEngine)
+    monkeypatch.setattr(_ScriptedEngine, "fails", fails)
     monkeypatch.setattr(decode, "build_hf", lambda seed: torch.nn.Linear(2, 2))
     monkeypatch.setattr(decode, "build_aiayn", lambda hf: None)
     monkeypatch.setattr(decode, "check_same_logits", lambda hf, model, src: 0.0)
     monkeypatch.setattr(decode, "convert_ct2", lambda hf, workdir: {})
-    engines = ["aiayn fp32", "HF Marian fp32", "CT2 float32"]
     monkeypatch.setattr(decode, "engine_names", lambda device: engines)
+    return decode.main
+
+
+def test_a_worker_dying_mid_run_ends_it_in_one_line_and_keeps_the_cells_before(tmp_path, monkeypatch):
+    """A worker that died: the parent's EOFError came as a second traceback, exit 1, and nothing was
+    written although earlier cells had been measured. HF Marian fp32 is one the ratios are taken against:
+    without it the run cannot go on."""
+    engines = ["aiayn fp32", "HF Marian fp32", "CT2 float32"]
+    main = _scripted_main(monkeypatch, engines, {"HF Marian fp32": 16})
     out = tmp_path / "decode"
-    decode.main(["--cells", "greedy-1,beam4-1", "--repeats", "1", "--settle", "0", "--out", str(out)])
+    main(["--cells", "greedy-1,beam4-1", "--repeats", "1", "--settle", "0", "--out", str(out)])
     saved = json.loads(decode.with_suffix_added(out, ".json").read_text())  # a run that ends: as before
     assert list(saved["tokens_per_second_by_threads"]["1"]) == ["greedy, batch 1", "beam 4, batch 1"]
     assert saved["resident_mb_after_runs"] == {f"{e}@1": 100 for e in engines}
-    assert "stopped" not in saved["environment"]
+    assert "stopped" not in saved["environment"] and "failed_engines" not in saved["environment"]
     with pytest.raises(SystemExit) as stopped:
-        decode.main(["--cells", "greedy-1,greedy-16,beam4-1", "--repeats", "1", "--settle", "0",
-                     "--out", str(out)])
+        main(["--cells", "greedy-1,greedy-16,beam4-1", "--repeats", "1", "--settle", "0", "--out", str(out)])
     message = str(stopped.value.code)
-    assert message.startswith("decode.py: CT2 float32 (1 thread) failed: its worker ended without an answer")
+    assert message.startswith("decode.py: HF Marian fp32 (1 thread) failed: its worker ended without an "
+                              "answer")
     assert "the 1 cell(s) measured before it are in" in message and "\n" not in message
     saved = json.loads(decode.with_suffix_added(out, ".json").read_text())
     assert list(saved["tokens_per_second_by_threads"]["1"]) == ["greedy, batch 1"]
-    assert saved["environment"]["stopped"].startswith("CT2 float32 (1 thread) failed")
-    assert "**Stopped: CT2 float32 (1 thread) failed" in decode.with_suffix_added(out, ".md").read_text()
+    assert saved["environment"]["stopped"].startswith("HF Marian fp32 (1 thread) failed")
+    assert "**Stopped: HF Marian fp32 (1 thread) failed" in decode.with_suffix_added(out, ".md").read_text()
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_a_failing_peer_is_left_out_and_the_run_goes_on(tmp_path, monkeypatch, capsys, batch):
+    """A CTranslate2 wheel whose CUDA libraries do not load fails at its first translation (cuBLAS loads on
+    first use), in the first cell's warm-up: the run ended with no cell measured and nothing written, so no
+    aiayn-vs-HF figure either. Now CT2 is left out at every thread count, its figures of earlier cells too
+    (batch 16: it fails in the second cell), and said so in one line and in the results."""
+    engines = ["aiayn fp32", "HF Marian fp32", "CT2 float32", "CT2 int8"]
+    main = _scripted_main(monkeypatch, engines, {"CT2 float32": batch})
+    out = tmp_path / "decode"
+    main(["--cells", "greedy-1,greedy-16", "--threads", "1,2", "--repeats", "1", "--settle", "0",
+          "--out", str(out)])
+    saved = json.loads(decode.with_suffix_added(out, ".json").read_text())
+    for threads in ("1", "2"):
+        cells = saved["tokens_per_second_by_threads"][threads]
+        assert list(cells) == ["greedy, batch 1", "greedy, batch 16"]
+        assert all(list(r) == ["aiayn fp32", "HF Marian fp32", "CT2 int8"] for r in cells.values())
+    assert set(saved["resident_mb_after_runs"]) == {f"{e}@{t}" for e in engines if e != "CT2 float32"
+                                                    for t in (1, 2)}
+    shares = saved["environment"]["outputs_as_aiayn_fp32"]
+    assert list(shares["greedy, batch 1"]) == ["HF Marian fp32@1", "HF Marian fp32@2"]
+    why = saved["environment"]["failed_engines"]["CT2 float32"]
+    assert why.startswith("CT2 float32 (") and "stopped" not in saved["environment"]
+    assert (why.endswith(CUBLAS) if batch == 1 else "ended without an answer" in why)
+    assert f"**Left out: {why}.**" in decode.with_suffix_added(out, ".md").read_text()
+    left_out = [line for line in capsys.readouterr().err.splitlines() if "left out" in line]
+    assert left_out == [f"decode.py: {why}; CT2 float32 is left out of this run"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ctranslate2") is None, reason="needs ctranslate2")

@@ -993,7 +993,7 @@ def test_a_cr_inside_a_line_is_warned_about_once_by_translate_score_and_evaluate
     """Training warned of a CR inside a line (another system's line end, running two sentences together);
     evaluate said it without the `aiayn: warning:` of its other messages, translate and score not at all
     (SentencePiece's nmt_nfkc reads the CR as a space: one sentence, silently). A file is read twice, checked
-    and then translated: said once."""
+    and then translated, or named on both sides: said once."""
     crs = tmp_path / "cr.txt"
     crs.write_bytes(b"the number 3\ris odd\nthe number 4\r\nthe\rnumber\r5\n")  # the CRLF is a line end
     (tmp_path / "ref.txt").write_text("the number 3 is odd\nthe number 4\nthe number 5\n")
@@ -1010,6 +1010,11 @@ def test_a_cr_inside_a_line_is_warned_about_once_by_translate_score_and_evaluate
     assert capsys.readouterr().err.splitlines()[:-1] == [said.format("scored")]  # then the summary
     assert main(["evaluate", str(crs), str(tmp_path / "ref.txt")]) == 0
     assert capsys.readouterr().err.splitlines() == [said.format("scored")]
+    # The same file on both sides: score said it twice (a stream each), evaluate once (a path)
+    assert main(["score", str(checkpoint), "--src", str(crs), "--tgt", str(crs), "-q"]) == 0
+    assert capsys.readouterr().err.splitlines()[:-1] == [said.format("scored")]
+    assert main(["evaluate", str(crs), str(crs)]) == 0
+    assert capsys.readouterr().err.splitlines()[:-1] == [said.format("scored")]  # then "against itself"
 
 
 def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, capsys):

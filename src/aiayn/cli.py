@@ -280,6 +280,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
                                  compile=args.compile)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_settings_as_flags())
+        stack.enter_context(_warnings_to_stderr("aiayn.data.dataset"))  # the input's CRs inside lines
         translator.decode_config(**options)  # what only the model can tell (--min-len), before any reading
         src, name = _open_input(stack, args.input)
         dst = sys.stdout
@@ -322,6 +323,7 @@ def cmd_score(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_warnings_to_stderr("aiayn.translate"))
+        stack.enter_context(_warnings_to_stderr("aiayn.data.dataset"))  # the inputs' CRs inside lines
         streams = [_open_input(stack, path) for path in (args.src, args.tgt)]
         counts = [_checked_line_count(s, name, done="scored") for s, name in streams]  # None for a pipe
         if None not in counts and counts[0] != counts[1]:  # before the model loads and scores for nothing
@@ -916,6 +918,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """Run one command; the exit status."""
+    # Each command warns of CRs inside lines once a file, as in a process of its own; a dataset module not
+    # loaded has warned of nothing (importing it would load torch)
+    if dataset := sys.modules.get("aiayn.data.dataset"):
+        dataset.forget_cr_warnings()
     try:
         closed = getattr(sys.stdout, "closed_at_start", False)  # translate and score: -o, or refused
         if closed and getattr(args, "command", None) not in ("translate", "score", "train"):

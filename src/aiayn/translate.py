@@ -21,7 +21,6 @@ import os
 import select
 import stat
 import warnings
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +32,10 @@ from aiayn.config import ConfigError, from_dict
 from aiayn.data.batching import right_pad
 from aiayn.data.dataset import (
     HEAD_BYTES,
-    INNER_CR,
+    InnerCRs,
     cr_only,
     cr_only_error,
     has_text,
-    inner_cr_warning,
     lone_cr_count,
     looks_like,
 )
@@ -463,12 +461,13 @@ def read_utf8_lines(
     byte sequence or a NUL byte is a `UserError` naming NAME:LINE. From a pipe, a list also ends where
     the input stalls, so that a slow writer gets each answer before it sends more; with `whole_chunks`
     it does not (every list but the last holds `chunk` lines), so that the lists do not depend on timing.
-    CRs inside lines are warned about at the end of the input, once a stream, as what is `done` with the
-    lines ("translated", "scored": `inner_cr_warning`), as training and evaluate warn."""
+    CRs inside lines are warned about at the end of the input, once a file (`InnerCRs.warn`: a file checked
+    and then translated, or scored on both sides, is said once), as what is `done` with the lines
+    ("translated", "scored"), as training and evaluate warn."""
     lines: list[str] = []
     head = b""  # the first bytes, which say what a file that is no UTF-8 text is (gzip, UTF-16)
     lone = 0  # CRs alone in the first line, while it is all there is
-    inner_crs = first_cr = 0  # CRs with text after them in a line, and the first line that has one
+    inner_crs = InnerCRs()
     for n, (raw, more) in enumerate(_raw_lines(stream), 1):
         head = raw[:HEAD_BYTES] if n == 1 else head
         try:
@@ -484,8 +483,7 @@ def read_utf8_lines(
             lone = lone_cr_count(raw) if n == 1 and raw.endswith(b"\n") and more else 0
         if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
             raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?){looks_like(head)}")
-        if b"\r" in raw and (crs := len(INNER_CR.findall(raw))):
-            inner_crs, first_cr = inner_crs + crs, first_cr or n
+        inner_crs.add(raw, n)
         lines.append(text.removeprefix("\ufeff") if n == 1 else text)  # a BOM, as training and evaluate drop it
         if (len(lines) >= chunk or not (more or whole_chunks)) and lone <= 1:
             for i in range(0, len(lines), chunk):  # two when the first line was held, with chunk 1
@@ -493,16 +491,9 @@ def read_utf8_lines(
             lines = []
     if lines and lone > 1:
         raise cr_only_error(name, 1, lone)
-    if inner_crs and stream not in _CR_WARNED:
-        _CR_WARNED.add(stream)
-        log.warning(inner_cr_warning(done), name, first_cr, inner_crs)
+    inner_crs.warn(name, stream, done)
     if lines:
         yield lines
-
-
-# Streams whose CRs inside lines were warned about: the CLI reads a file twice (checked before the model
-# loads, then translated), and said it twice
-_CR_WARNED: weakref.WeakSet[BinaryIO] = weakref.WeakSet()
 
 
 def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:

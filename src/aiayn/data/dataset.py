@@ -21,8 +21,10 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 import unicodedata
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 from dataclasses import dataclass
@@ -51,7 +53,7 @@ def read_lines(path: str | Path, stream: BinaryIO | None = None, done: str = "re
     """The lines of a UTF-8 file, without line ends or a leading byte order mark; invalid UTF-8, a NUL
     byte or CR-only line ends are a UserError naming the file (and the bad line). With `stream` (standard
     input), its lines, checked the same way and named `path` in errors. CRs inside lines are warned about
-    once a file, saying what is `done` with the lines ("scored": see `inner_cr_warning`)."""
+    once a file, saying what is `done` with the lines ("scored": see `InnerCRs.warn`)."""
     return list(chain.from_iterable(_line_blocks(Path(path), stream, done)))
 
 
@@ -77,17 +79,14 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None, done: str = "read")
     is the one the whole file decoded at once gave (invalid UTF-8 anywhere before a NUL byte anywhere)."""
     if stream is None:
         require_file(path)
-    newlines, lone_crs, nul, head, last, first_cr, inner_crs = 0, 0, None, b"", b"", 0, 0
+    newlines, lone_crs, nul, head, last, inner_crs = 0, 0, None, b"", b"", InnerCRs()
     for n, block in enumerate(_blocks(path, stream)):
         head = block[:HEAD_BYTES] if n == 0 else head
         text = _decode(path, block, newlines, head)
         if nul is None and (at := block.find(b"\0")) >= 0:  # valid UTF-8, but no text has it
             nul = newlines + block.count(b"\n", 0, at) + 1
-        lone = lone_cr_count(block)  # a block ends after an LF: no CRLF is cut
-        if lone and (first := INNER_CR.search(block)):  # (counted first: most blocks have no CR alone)
-            first_cr = first_cr or newlines + block.count(b"\n", 0, first.start()) + 1
-            inner_crs += len(INNER_CR.findall(block, first.start()))
-        lone_crs += lone
+        inner_crs.add(block, newlines + 1)
+        lone_crs += lone_cr_count(block)  # a block ends after an LF: no CRLF is cut
         newlines += block.count(b"\n")
         # Notepad's BOM would stay glued to the first word (a hypothesis scored 99.84 BLEU against itself);
         # SentencePiece drops it from training text anyway.
@@ -99,9 +98,8 @@ def _line_blocks(path: Path, stream: BinaryIO | None = None, done: str = "read")
         raise cr_only_error(path)
     if newlines and lone_crs > newlines:  # CR line ends, an LF at the end: read as one line, silently
         raise cr_only_error(path, newlines, lone_crs)
-    if inner_crs and str(path) not in _CR_WARNED:  # fewer: a stray CR in a sentence, or another system's
-        _CR_WARNED.add(str(path))  # line ends running lines together there; once, as a file is read often
-        log.warning(inner_cr_warning(done), path, first_cr, inner_crs)
+    # fewer CRs alone than LFs: a stray CR in a sentence, or another system's line ends running lines together
+    inner_crs.warn(path, path if stream is None else stream, done)
 
 
 def cr_only(text: bytes) -> bool:
@@ -109,17 +107,69 @@ def cr_only(text: bytes) -> bool:
     return b"\r" in text.rstrip(b"\r")
 
 
-def inner_cr_warning(done: str) -> str:
-    """The warning for CRs inside lines (a logging format of the file, the first such line and the count),
-    whose lines are `done`: "read" (training), "translated", "scored". What a CR becomes is not said: a
-    space to SentencePiece's nmt_nfkc (aiayn's default, OPUS-MT's), an unknown character to nfkc and
-    identity; either way, two sentences that a CR separated are one line."""
-    return ("%s:%d: %d CR(s) inside lines; lines end at LFs only, so where a CR ended a line, two sentences "
-            f"are {done} as one")
-
-
 INNER_CR = re.compile(rb"\r(?=[^\r\n])")  # a CR with text after it, in a line (CRs at its end are dropped)
-_CR_WARNED: set[str] = set()  # files whose inner CRs were warned about
+
+
+class InnerCRs:
+    """CRs inside lines (`INNER_CR`) counted over an input read in pieces, then warned about (`warn`) once
+    an input: the one count and warning of training, translate, score and evaluate."""
+
+    def __init__(self) -> None:
+        self.count = 0  # CRs with text after them in a line
+        self.first_line = 0  # the first line (from 1) that has one; 0 while none has
+
+    def add(self, text: bytes, line: int) -> None:
+        """Count the CRs inside the lines of `text`: whole lines of the input, the first of them `line`."""
+        if b"\r" in text and (first := INNER_CR.search(text)):  # memchr first: most text has no CR
+            self.first_line = self.first_line or line + text.count(b"\n", 0, first.start())
+            self.count += len(INNER_CR.findall(text, first.start()))
+
+    def warn(self, name: str | Path, source: Path | BinaryIO, done: str) -> None:
+        """Warn of the CRs counted, if any, in `source` (a file's path or the stream read), named `name`,
+        whose lines are `done`: "read" (training), "translated", "scored"; unless `source` was warned about
+        already (`_first_cr_warning`). What a CR becomes is not said: a space to SentencePiece's nmt_nfkc
+        (aiayn's default, OPUS-MT's), an unknown character to nfkc and identity; either way, two sentences
+        that a CR separated are one line."""
+        if self.count and _first_cr_warning(source):
+            log.warning("%s:%d: %d CR(s) inside lines; lines end at LFs only, so where a CR ended a line, "
+                        "two sentences are %s as one", name, self.first_line, self.count, done)
+
+
+# The inputs warned of CRs inside lines. A regular file counts once as it is, by (device, inode, size,
+# modification time), whatever path or stream read it: a file read twice (checked, then translated; read
+# again every epoch) or named twice (`aiayn score --src f --tgt f`, `aiayn evaluate f f`) is said once,
+# while one changed since (edited with a CR left, or another file written to the same path) is said again,
+# where a set of path strings kept a long-lived process silent about it for good. Any other stream (a pipe,
+# standard input, a BytesIO) is read once, so counts by identity (weakly held: no stream kept alive). The
+# CLI forgets both at each command (`forget_cr_warnings`): each command says it once a file, run in one
+# process or several.
+_CR_WARNED_FILES: set[tuple[int, int, int, int] | str] = set()
+_CR_WARNED_STREAMS: weakref.WeakSet[BinaryIO] = weakref.WeakSet()
+
+
+def _first_cr_warning(source: Path | BinaryIO) -> bool:
+    """Whether `source` has not been warned of CRs inside lines (see above), noting that it now is."""
+    try:
+        info = os.stat(source) if isinstance(source, Path) else os.fstat(source.fileno())
+    except (AttributeError, OSError, ValueError):  # gone since; no descriptor (BytesIO: UnsupportedOperation)
+        info = None
+    if info is not None and stat.S_ISREG(info.st_mode):
+        key: tuple[int, int, int, int] | str = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    elif isinstance(source, Path):
+        key = str(source)
+    else:
+        seen = source in _CR_WARNED_STREAMS
+        _CR_WARNED_STREAMS.add(source)
+        return not seen
+    seen = key in _CR_WARNED_FILES
+    _CR_WARNED_FILES.add(key)
+    return not seen
+
+
+def forget_cr_warnings() -> None:
+    """Warn of CRs inside lines again, of inputs warned about before: the start of a CLI command."""
+    _CR_WARNED_FILES.clear()
+    _CR_WARNED_STREAMS.clear()
 
 
 def lone_cr_count(text: bytes) -> int:

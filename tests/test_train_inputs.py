@@ -1450,13 +1450,14 @@ def test_a_signal_when_a_validation_is_due_validates_on_resume(finished_run, tmp
     assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
 
 
-@pytest.mark.parametrize("during", ["validation", "BLEU", "save"])
+@pytest.mark.parametrize("during", ["validation", "BLEU", "save", "after the passes"])
 def test_a_signal_during_a_validation_or_a_save_stops_with_that_checkpoint(finished_run, tmp_path,
                                                                           monkeypatch, during):
     """SIGTERM during update 2's validation, its BLEU pass or its save was counted only after update 3,
     which a second checkpoint then saved (a probe's step_000050, then step_000051). A pass ends at its next
     batch and the update is saved unvalidated, as on a signal during the update (a scheduler's grace is
-    short); during the save, the run stops once it is written. --resume ends as the unbroken run does."""
+    short); during the save, the run stops once it is written, as it does after passes that ended (their
+    results were dropped too, and --resume ran them again). --resume ends as the unbroken run does."""
     from aiayn.train import bleu
 
     d, config, _ = finished_run
@@ -1466,22 +1467,23 @@ def test_a_signal_during_a_validation_or_a_save_stops_with_that_checkpoint(finis
         shutil.copy(d / "run" / name, run / name)
     config = with_train(config, run_dir=str(run), bleu_every=2 if during == "BLEU" else 0)
     module, name = {"validation": (loop, "batch_loss"), "BLEU": (bleu, "generate"),
-                    "save": (loop, "_draw_curves")}[during]
+                    "save": (loop, "_draw_curves"), "after the passes": (loop, "validate")}[during]
     real, calls = getattr(module, name), []
 
     def signal_then_go_on(*args, **kwargs):
+        result = real(*args, **kwargs) if during == "after the passes" else None
         if during != "validation" or not args[0].training:  # a validation's batch: the model in eval mode
             calls.append(1)
             if len(calls) == 1:
                 os.kill(os.getpid(), signal.SIGTERM)
-        return real(*args, **kwargs)
+        return result if during == "after the passes" else real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, signal_then_go_on)
     with pytest.raises(Stopped, match=r"^stopped by SIGTERM at update 2, saved in .*/step_000002; --resume"):
         train(config)
     assert [p.name for p in checkpoint_dirs(run)] == ["step_000002"] and len(calls) == 1  # no batch more
     meta = json.loads((run / "checkpoints" / "step_000002" / "meta.json").read_text())
-    assert meta.get("interrupted", False) == (during != "save")  # a pass cut short: saved unvalidated
+    assert meta.get("interrupted", False) == (during in ("validation", "BLEU"))  # cut: saved unvalidated
     monkeypatch.setattr(module, name, real)
     assert train(config, resume=True)["step"] == 4
 

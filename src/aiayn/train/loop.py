@@ -768,23 +768,30 @@ def _validate_and_save(
 def _measure(model, state, data, config, d, autocast, stopper: StopSignal | None) -> dict[str, Any] | None:
     """The validation loss, BLEU on schedule, and with them the best loss and patience's count; None where
     `stopper` got a signal before they ended, as every process then agrees: each pass stops at its next
-    batch (a scheduler's grace is short, and a BLEU pass can take minutes) and nothing is counted."""
+    batch (a scheduler's grace is short, and a BLEU pass can take minutes) and nothing is counted. Passes
+    that ended are kept, whenever a signal came: the run then stops after saving them."""
     tc = config.train
     stop = None if stopper is None else (lambda: stopper.signum is not None)
     result = validate(model, data, d, autocast, tc.label_smoothing, stop)
     if result is not None:  # None on every process alike
         _check_finite("validation loss", result["valid_loss"], state.step)
     bleu_due = tc.bleu_every and state.step % tc.bleu_every == 0 and data.valid_text is not None
-    if result is not None and bleu_due and d.is_main:
-        from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
-
-        bleu = validation_bleu(model, data.tokenizer, data.valid_text, config.data.max_len, tc.max_tokens,
-                               d.device, tc.bleu_lang, stop)
-        if bleu is not None:
-            result["valid_bleu"], result["bleu_signature"] = bleu
-    # a collective, on every process, whose answer is every process': process 0 alone cut its BLEU pass
-    if (stopper is not None and stopper.agreed(d)) or result is None:
+    if result is None:
         return None
+    if bleu_due:
+        cut = False
+        if d.is_main:
+            from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
+
+            bleu = validation_bleu(model, data.tokenizer, data.valid_text, config.data.max_len, tc.max_tokens,
+                                   d.device, tc.bleu_lang, stop)
+            cut = bleu is None
+            if bleu is not None:
+                result["valid_bleu"], result["bleu_signature"] = bleu
+        if stopper is not None:  # process 0 alone ran it: every process learns whether it was cut
+            cut = distributed.all_reduce_sum([float(cut)], d)[0] > 0
+        if cut:
+            return None
     if "valid_bleu" in result:
         log.info("update %d: valid BLEU (greedy) %.2f", state.step, result["valid_bleu"])
     if result["valid_loss"] < state.best_valid:

@@ -1422,6 +1422,18 @@ def test_a_killed_save_leaves_nothing_the_next_run_keeps(finished_run, tmp_path,
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002", "step_000004", "step_000006"]
 
 
+def assert_ends_as_the_unbroken_run(run: Path, unbroken_run: Path) -> None:
+    """The same validations in metrics.jsonl, and the same weights at update 4, bit for bit."""
+    def validations(path):  # the records of saves (training's log lines have a loss)
+        return [(r["step"], r.get("valid_loss")) for r in map(json.loads, path.read_text().splitlines())
+                if "loss" not in r]
+
+    assert validations(run / "metrics.jsonl") == validations(unbroken_run / "metrics.jsonl")
+    resumed = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
+    unbroken = load_file(str(unbroken_run / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
+
+
 def test_resume_before_any_checkpoint_starts_from_the_beginning(tmp_path):
     """A run killed before its first save, restarted by a loop that always passes --resume."""
     config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2", "train.valid_every=2")
@@ -1439,15 +1451,7 @@ def test_a_signal_when_a_validation_is_due_validates_on_resume(finished_run, tmp
         train(config)
     monkeypatch.setattr(loop, "train_step", real_step)
     assert train(config, resume=True)["step"] == 4
-
-    def validations(path):  # the records of saves (training's log lines have a loss)
-        return [(r["step"], r.get("valid_loss")) for r in map(json.loads, path.read_text().splitlines())
-                if "loss" not in r]
-
-    assert validations(run / "metrics.jsonl") == validations(d / "run" / "metrics.jsonl")
-    resumed = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
-    unbroken = load_file(str(d / "run" / "checkpoints" / "step_000004" / "model.safetensors"))
-    assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
+    assert_ends_as_the_unbroken_run(run, d / "run")
 
 
 @pytest.mark.parametrize("during", ["validation", "BLEU", "save", "after the passes"])
@@ -1486,15 +1490,7 @@ def test_a_signal_during_a_validation_or_a_save_stops_with_that_checkpoint(finis
     assert meta.get("interrupted", False) == (during in ("validation", "BLEU"))  # cut: saved unvalidated
     monkeypatch.setattr(module, name, real)
     assert train(config, resume=True)["step"] == 4
-
-    def validations(path):  # the records of saves (training's log lines have a loss)
-        return [(r["step"], r.get("valid_loss")) for r in map(json.loads, path.read_text().splitlines())
-                if "loss" not in r]
-
-    assert validations(run / "metrics.jsonl") == validations(d / "run" / "metrics.jsonl")
-    resumed = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
-    unbroken = load_file(str(d / "run" / "checkpoints" / "step_000004" / "model.safetensors"))
-    assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
+    assert_ends_as_the_unbroken_run(run, d / "run")
 
 
 def test_set_keeps_a_bare_value_of_a_string_key_as_written(tmp_path):

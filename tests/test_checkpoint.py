@@ -277,8 +277,8 @@ def test_a_truncated_sentencepiece_model_is_named_truncated(tmp_path, tokenizer,
     cut = ck / ("target.spm" if separate else "spm.model")
     cut.write_bytes(pieces_only(cut, 40))
     with pytest.raises(UserError, match=rf"^{cut}: truncated: it ends after 40 pieces, without the training "
-                                        "settings and normalization rules that follow them in a SentencePiece "
-                                        "model$"):
+                                        "settings and normalization rules that follow them in a "
+                                        "SentencePiece model$"):
         load_checkpoint(ck)
     if separate:  # a whole model of other pieces is named as the side's file too, not as meta.json
         lines = [f"ein {w} und noch ein {w}" for w in ("Hund", "Baum", "Haus", "Zug", "Weg")] * 40

@@ -137,7 +137,8 @@ class AttentionMaps:
         if self.layers or self.heads:  # numbers would refer to positions in the selection
             raise ValueError("select() on maps that are already a selection")
         layers, heads = tuple(dict.fromkeys(layers)), tuple(dict.fromkeys(heads))  # 2,2 drew one map twice
-        check_selection(layers, heads, max(self.encoder.shape[0], self.decoder.shape[0]), self.encoder.shape[1])
+        n_layers = max(self.encoder.shape[0], self.decoder.shape[0])
+        check_selection(layers, heads, n_layers, self.encoder.shape[1])
         kind_layers = {kind: tuple(n for n in layers if n <= self.weights(kind).shape[0]) for kind in KINDS}
 
         def pick(kind: str) -> Tensor:  # (L, H, R, C) -> (L', H', R, C)

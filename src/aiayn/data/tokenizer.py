@@ -191,7 +191,8 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
         raise CorruptFile(f"{path}: not a SentencePiece model ({' '.join(str(e).split())})") from None
     if not _message_fields(proto) & AFTER_PIECES:  # a file cut between two pieces parses: fewer pieces
         raise CorruptFile(f"{path}: truncated: it ends after {sp.get_piece_size()} pieces, without the "
-                          "training settings and normalization rules that follow them in a SentencePiece model")
+                          "training settings and normalization rules that follow them in a SentencePiece "
+                          "model")
     return sp
 
 

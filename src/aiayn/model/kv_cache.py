@@ -65,10 +65,10 @@ class KVCache:
         step attended over the first memory's keys with the second's mask): the same values, not only the
         same shape, and the same `src_mask`, until sentences are selected (a search then passes the
         selected memory and mask). Pass the same tensors at every step: others, even equal ones made
-        again, are compared by value, which on a GPU waits for the device at every step. `shape`: the model's (decoder layers, heads, head size), which a
-        hand-made cache must have (fewer layers were an IndexError, other heads a size mismatch); `dtype`
-        the model's, which it must hold (another failed inside SDPA: "Expected query, key, and value to
-        have the same dtype")."""
+        again, are compared by value, which on a GPU waits for the device at every step. `shape`: the
+        model's (decoder layers, heads, head size), which a hand-made cache must have (fewer layers were an
+        IndexError, other heads a size mismatch); `dtype` the model's, which it must hold (another failed
+        inside SDPA: "Expected query, key, and value to have the same dtype")."""
         compiling = torch.compiler.is_compiling()  # the shape checks are traced into the graph's guards
         mine = (self.k.shape[0], self.k.shape[3], self.k.shape[4])
         if not compiling and mine != shape:  # dynamo's fake tensors fail on it

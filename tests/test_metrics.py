@@ -124,6 +124,17 @@ def test_a_log_that_is_no_text_log_is_one_line(tmp_path, content, said):
         read_metrics(path)
 
 
+def test_a_resume_that_validates_its_update_first_drops_that_updates_validation_record(log_path, caplog):
+    """A signal's save skipped update N's validation; a resume logged it, was killed while writing its
+    checkpoint, and the next resume, from the same interrupted checkpoint, logged it again: twice."""
+    step = VALID["step"]
+    with open(log_path, "ab") as f:
+        f.write(whole(VALID))
+    MetricsLog(log_path, start_step=step, revalidate=True)
+    assert read_metrics(log_path) == [r for r in TRAIN if r["step"] <= step]  # its training record stays
+    assert f"dropped 1 record(s) of update {step}'s validation (made again now) or past it" in caplog.text
+
+
 def test_resumed_log_keeps_a_record_that_lost_only_its_newline(log_path):
     with open(log_path, "ab") as f:
         f.write(json.dumps(VALID).encode())

@@ -229,7 +229,8 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     )
     if d.enabled and not tc.compile:  # compiled, a resume is close, not bit for bit, anyway
         _settle_buckets(net, model, data, d, autocast)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", state.step) if d.is_main else None
+    # validation_due: the resume validates its update first, so any record of that validation goes
+    metrics = MetricsLog(run_dir / "metrics.jsonl", state.step, state.validation_due) if d.is_main else None
     tgt_lengths = data.train.tgt_lengths()
     batch_tokens = [sum(tgt_lengths[i] for i in b) for b in data.train_batches]
     planned = [n for n in (tc.max_updates, tc.max_epochs * n_updates) if n]

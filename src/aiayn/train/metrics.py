@@ -36,17 +36,22 @@ class MetricsLog:
     past it, as TensorBoard's `purge_step` does: they are those of a run that went on after its last
     checkpoint (or, at 0, one killed before its first), whose updates the weights no longer hold. Kept,
     `plot` drew them beside the new run's: a 20-update run over the 2,000 of a killed one, a resume
-    from update 1,000 ending at 1,200 with the abandoned 1,201-1,250 after it."""
+    from update 1,000 ending at 1,200 with the abandoned 1,201-1,250 after it. `revalidate`: the run
+    validates `start_step` first (a signal's save skipped it), so that update's validation record, one a
+    killed resume wrote before its checkpoint, goes too: it was logged twice."""
 
-    def __init__(self, path: str | Path, start_step: int | None = None):
+    def __init__(self, path: str | Path, start_step: int | None = None, revalidate: bool = False):
         self.path = Path(path)
         with self._errors():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.is_file():
                 _end_with_whole_line(self.path)
-                if start_step is not None and (dropped := _drop_records_after(self.path, start_step)):
+                if start_step is not None and (dropped := _drop_records_after(self.path, start_step,
+                                                                              revalidate)):
                     which = "went on after its last checkpoint" if start_step else "stopped before its first"
-                    log.warning("%s: dropped %d record(s) past update %d, from a run that %s", self.path,
+                    past = ("of update %d's validation (made again now) or past it" if revalidate
+                            else "past update %d")
+                    log.warning("%s: dropped %d record(s) " + past + ", from a run that %s", self.path,
                                 dropped, start_step, which)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -85,24 +90,27 @@ def _end_with_whole_line(path: Path) -> None:
         os.fsync(f.fileno())  # before new records follow it
 
 
-def _drop_records_after(path: Path, step: int) -> int:
-    """Rewrite the log (atomically) without the records whose "step" is past `step`; how many went.
-    Lines that are no such record (another writer's, damaged ones) stay for `read_metrics` to judge."""
+def _drop_records_after(path: Path, step: int, revalidate: bool = False) -> int:
+    """Rewrite the log (atomically) without the records whose "step" is past `step`, and with `revalidate`
+    the validation records of `step` itself (training's records have a "loss"); how many went. Lines
+    that are no such record (another writer's, damaged ones) stay for `read_metrics` to judge."""
     lines = path.read_bytes().splitlines(keepends=True)
-    keep = [line for line in lines if not _past(line, step)]
+    keep = [line for line in lines if not _past(line, step, revalidate)]
     if len(keep) < len(lines):
         with atomic_output(path, binary=True) as f:
             f.write(b"".join(keep))
     return len(lines) - len(keep)
 
 
-def _past(line: bytes, step: int) -> bool:
+def _past(line: bytes, step: int, revalidate: bool) -> bool:
     try:
         record = json.loads(line)
     except (ValueError, RecursionError):  # JSON's errors, invalid UTF-8, a 4,300-digit number, nesting
         return False
     value = record.get("step") if isinstance(record, dict) else None
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > step
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    return value > step or (revalidate and value == step and "loss" not in record)
 
 
 def _parses_as_object(line: bytes) -> bool:

@@ -75,6 +75,17 @@ def run_cli(capsys, *argv) -> tuple[int, list[str]]:
     return code, capsys.readouterr().err.strip().splitlines()
 
 
+def test_a_checkpoint_prune_was_deleting_when_killed_goes_at_the_next_start(finished_run, tmp_path):
+    """prune hides an old checkpoint (.step_N.deleting) and then deletes it; a kill between the two left it
+    for good when the run was resumed after its last save: with nothing to train, it never pruned again."""
+    config = copy_run(finished_run, tmp_path)
+    hidden = tmp_path / "run" / "checkpoints" / ".step_000001.deleting"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step_000002", hidden)  # a full checkpoint's files
+    assert train(config, resume=True)["step"] == 4  # nothing to train
+    assert not hidden.exists()
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step_000002", "step_000004"]
+
+
 def test_a_resume_drops_the_log_of_an_abandoned_continuation(finished_run, tmp_path):
     """A continuation past update 4 killed before its next checkpoint logged updates 5 to 7; the resumed
     run ends at 6. Its curves held both runs' updates 5 and 6, and the dead run's 7 after its end."""

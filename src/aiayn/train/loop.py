@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -169,6 +170,11 @@ def _remove_leftovers(run_dir: Path) -> None:
     remove_abandoned(run_dir)  # also `aiayn average`'s, which may be another machine's: not `locked`
     for directory in (run_dir / "cache", checkpoints):
         remove_abandoned(directory, locked=True)
+    # Checkpoints `prune` hid to delete, a kill stopping it: it clears them after a save, which a finished
+    # run resumed with nothing to train never makes (a full checkpoint each, for good). Only a run holding
+    # this lock hides them, so none is being written.
+    for hidden in checkpoints.glob(".step_*.deleting"):
+        shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:

@@ -185,8 +185,7 @@ def cmd_attention(args: argparse.Namespace) -> None:
     _check_outside_checkpoints(Path(args.out))  # the one read, too: as translate -o
     ck = load_checkpoint(args.checkpoint)
     config = ck.model.config  # a layer or head the model lacks, said before its greedy translation runs
-    n_layers = max(config.n_layers, config.n_decoder_layers or 0)
-    check_selection(args.layers, args.heads, n_layers, config.n_heads)
+    check_selection(args.layers, args.heads, max(config.n_layers, config.decoder_layers), config.n_heads)
     maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt).select(args.layers, args.heads)
     files = draw_attention(maps, args.out, title=f"attention of {args.checkpoint}: {args.src}")
     for path in files.values():

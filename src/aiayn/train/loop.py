@@ -743,7 +743,8 @@ def _validate_and_save(
         run_dir = Path(tc.run_dir)
         # Logged before the checkpoint appears: a kill between the two left a checkpoint whose validation
         # was never logged (the resumed run starts after it). Logged and then not saved, the step is done
-        # again from the checkpoint before and logged again, and the curves keep a step's last record.
+        # again from the checkpoint before, whose resume drops the record (MetricsLog: the records past it,
+        # and that of a validation it makes first, as a signal's save at this step left it to).
         # Only what was measured: a signal's save (or any without a validation set) left {"step": 7,
         # "epoch": 1}, a record no unbroken run has; a validation the signal skipped, the resumed run logs.
         if set(result) - {"step", "epoch"}:
@@ -780,12 +781,10 @@ def _measure(model, state, data, config, d, autocast, stopper: StopSignal | None
     tc = config.train
     stop = None if stopper is None else (lambda: stopper.signum is not None)
     result = validate(model, data, d, autocast, tc.label_smoothing, stop)
-    if result is not None:  # None on every process alike
-        _check_finite("validation loss", result["valid_loss"], state.step)
-    bleu_due = tc.bleu_every and state.step % tc.bleu_every == 0 and data.valid_text is not None
-    if result is None:
+    if result is None:  # on every process alike
         return None
-    if bleu_due:
+    _check_finite("validation loss", result["valid_loss"], state.step)
+    if tc.bleu_every and state.step % tc.bleu_every == 0 and data.valid_text is not None:
         cut = False
         if d.is_main:
             from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
@@ -795,12 +794,11 @@ def _measure(model, state, data, config, d, autocast, stopper: StopSignal | None
             cut = bleu is None
             if bleu is not None:
                 result["valid_bleu"], result["bleu_signature"] = bleu
+                log.info("update %d: valid BLEU (greedy) %.2f", state.step, result["valid_bleu"])
         if stopper is not None:  # process 0 alone ran it: every process learns whether it was cut
             cut = distributed.all_reduce_sum([float(cut)], d)[0] > 0
         if cut:
             return None
-    if "valid_bleu" in result:
-        log.info("update %d: valid BLEU (greedy) %.2f", state.step, result["valid_bleu"])
     if result["valid_loss"] < state.best_valid:
         state.best_valid, state.bad_validations, state.best_step = result["valid_loss"], 0, state.step
     else:

@@ -309,7 +309,7 @@ def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_p
     d, config, _ = straight_run
     ck = load_checkpoint(checkpoint_dirs(d / "run")[-1])
     text = read_parallel(config.data.valid_src, config.data.valid_tgt)
-    score, signature = validation_bleu(ck.model, ck.tokenizer, text, 32, 64, torch.device("cpu"))
+    score, signature = validation_bleu(ck.model, ck.tokenizer, text, 64, torch.device("cpu"))
     one_by_one = []
     for sentence in text.src:  # unbatched: no padding can leak into the batched result
         src = torch.tensor([ck.tokenizer.encode_src(sentence)])
@@ -318,9 +318,39 @@ def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_p
     assert signature.startswith("nrefs:1|")
     # train.bleu_lang picks the tokenizer as `aiayn evaluate -l` does: Thai is scored on characters
     # (13a scored unspaced targets near 0 whatever the model did)
-    score, signature = validation_bleu(ck.model, ck.tokenizer, text, 32, 64, torch.device("cpu"), lang="th")
+    score, signature = validation_bleu(ck.model, ck.tokenizer, text, 64, torch.device("cpu"), lang="th")
     assert "tok:char" in signature
     assert score == pytest.approx(BLEU(tokenize="char").corpus_score(one_by_one, [text.tgt]).score)
+
+
+def test_validation_bleu_scores_the_pairs_the_loss_drops_whole(straight_run, monkeypatch, caplog):
+    """A validation source longer than data.max_len (dropped from the loss) was cut to data.max_len for
+    BLEU and scored against its whole reference, holding the curve below `aiayn evaluate`'s score; only a
+    source beyond the batch (train.max_tokens) or the model's positions is cut, and said."""
+    from aiayn.data.dataset import ParallelText, read_parallel
+    from aiayn.train import bleu as bleu_module
+
+    d, config, _ = straight_run
+    ck = load_checkpoint(checkpoint_dirs(d / "run")[-1])
+    text = read_parallel(config.data.valid_src, config.data.valid_tgt)
+    long = " ".join(text.src)
+    n = len(ck.tokenizer.encode_src(long))
+    assert config.data.max_len < n
+    seen: list[int] = []
+
+    def spy(model, src, options):
+        seen.append(src.shape[1])  # (B, S)
+        return generate(model, src, options)
+
+    generate = bleu_module.generate
+    monkeypatch.setattr(bleu_module, "generate", spy)
+    pairs = ParallelText([long, *text.src], [" ".join(text.tgt), *text.tgt], 0)
+    bleu_module.validation_bleu(ck.model, ck.tokenizer, pairs, n, torch.device("cpu"))
+    assert max(seen) == n and "cut to fit" not in caplog.text
+    seen.clear()
+    bleu_module.validation_bleu(ck.model, ck.tokenizer, pairs, n - 1, torch.device("cpu"))
+    assert max(seen) == n - 1
+    assert f"validation BLEU: 1 source(s) longer than {n - 1} pieces (train.max_tokens) cut to fit" in caplog.text
 
 
 def test_validation_bleus_unspaced_hint_looks_at_the_references(straight_run, monkeypatch, caplog):
@@ -333,10 +363,10 @@ def test_validation_bleus_unspaced_hint_looks_at_the_references(straight_run, mo
     ck = load_checkpoint(checkpoint_dirs(d / "run")[-1])
     text = read_parallel(config.data.valid_src, config.data.valid_tgt)
     monkeypatch.setattr(ck.tokenizer, "decode_tgt", lambda ids: "ichichichichichichichich")  # unspaced
-    validation_bleu(ck.model, ck.tokenizer, text, 32, 64, torch.device("cpu"))
+    validation_bleu(ck.model, ck.tokenizer, text, 64, torch.device("cpu"))
     assert "train.bleu_lang" not in caplog.text
     unspaced = ParallelText(text.src, ["我们今天在这里学习翻译模型" for _ in text.tgt], 0)
-    validation_bleu(ck.model, ck.tokenizer, unspaced, 32, 64, torch.device("cpu"))
+    validation_bleu(ck.model, ck.tokenizer, unspaced, 64, torch.device("cpu"))
     assert "for Chinese, Japanese, Korean or Thai set train.bleu_lang" in caplog.text
 
 

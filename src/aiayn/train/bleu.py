@@ -26,7 +26,6 @@ def validation_bleu(
     model: Transformer,
     tokenizer: Tokenizer,
     text: ParallelText,
-    max_len: int,
     max_tokens: int,
     device: torch.device,
     lang: str = "",
@@ -35,11 +34,20 @@ def validation_bleu(
     """(BLEU, sacreBLEU signature) of greedy translations of `text.src` against `text.tgt`; BLEU's
     tokenizer picked for target language `lang` as `aiayn evaluate -l` picks it. None where `stop()` turns
     true before the last batch (training's stop signal: the pass can take minutes, a scheduler's grace
-    is short)."""
+    is short).
+
+    Every pair is scored, those longer than data.max_len that the validation loss drops too, as `aiayn
+    evaluate` scores the set: cutting them at data.max_len held the curve below the score the checkpoint
+    gets. Only a source the model has no positions for, or longer than a batch (`max_tokens`), is cut
+    (where `aiayn translate` would refuse it), and said."""
     was_training = model.training
     model.eval()
+    limit = min(model.config.max_len, max_tokens)
     sources = [tokenizer.encode_src(s) for s in text.src]
-    sources = [ids if len(ids) <= max_len else ids[: max_len - 1] + [tokenizer.eos_id] for ids in sources]
+    if cut := sum(len(ids) > limit for ids in sources):
+        log.warning("validation BLEU: %d source(s) longer than %d pieces (%s) cut to fit", cut, limit,
+                    "model.max_len" if limit == model.config.max_len else "train.max_tokens")
+    sources = [ids if len(ids) <= limit else ids[: limit - 1] + [tokenizer.eos_id] for ids in sources]
     lengths = [len(ids) for ids in sources]
     hypotheses = [""] * len(sources)
     for indices in token_batches(lengths, lengths, max_tokens):

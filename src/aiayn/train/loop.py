@@ -789,8 +789,8 @@ def _measure(model, state, data, config, d, autocast, stopper: StopSignal | None
         if d.is_main:
             from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
 
-            bleu = validation_bleu(model, data.tokenizer, data.valid_text, config.data.max_len, tc.max_tokens,
-                                   d.device, tc.bleu_lang, stop)
+            bleu = validation_bleu(model, data.tokenizer, data.valid_text, tc.max_tokens, d.device,
+                                   tc.bleu_lang, stop)
             cut = bleu is None
             if bleu is not None:
                 result["valid_bleu"], result["bleu_signature"] = bleu
@@ -1112,9 +1112,8 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
         valid, too_long = valid.filter_length(dc.max_len)
         _require_pairs(dc.valid_src, "validation", len(valid), too_long, dc.max_len)
         if too_long and d.is_main:
-            log.warning(
-                "%s: %d validation pairs longer than max_len=%d dropped", dc.valid_src, too_long, dc.max_len
-            )
+            log.warning("%s: %d validation pairs longer than max_len=%d dropped%s", dc.valid_src, too_long,
+                        dc.max_len, " from the loss (BLEU scores every pair)" if config.train.bleu_every else "")
         valid_batches = token_batches(valid.src_lengths(), valid.tgt_lengths(), config.train.max_tokens)
     valid_text = (  # BLEU is scored by process 0
         read_parallel(dc.valid_src, dc.valid_tgt, report=False)

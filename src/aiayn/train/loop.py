@@ -11,6 +11,7 @@ torch.compile, DDP and autocast wrap the model at the edges; checkpoints see onl
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -290,7 +291,11 @@ def _result(last: dict[str, Any], state: TrainState, stop: str, resume_from: Pat
 def data_parallel(net: torch.nn.Module) -> DistributedDataParallel:
     """`net` under DDP, whose buffers are not broadcast from process 0 before every forward pass (its
     default): the position tables and a logits bias are the same in every process (computed from the
-    config, or read from one checkpoint), and broadcasting them was a collective per micro-batch."""
+    config, or read from one checkpoint), and broadcasting them was a collective per micro-batch. torch
+    2.13 renamed the switch `forward_sync_buffers` (the old name warns in every process); older ones know
+    only `broadcast_buffers`."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return DistributedDataParallel(net, forward_sync_buffers=False)
     return DistributedDataParallel(net, broadcast_buffers=False)
 
 

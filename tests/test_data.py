@@ -203,6 +203,12 @@ def test_fewer_pieces_than_asked_are_said(tmp_path, corpus_files, caplog):
     assert f"SentencePiece made {tok.src_vocab_size} pieces, fewer than data.vocab_size=5000" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="aiayn.data.dataset"):
+        tok = train_tokenizer(read_parallel(src, tgt), tmp_path / "apart", 5000, shared=False)
+    assert tok.src_vocab_size != tok.tgt_vocab_size  # each side named: sorted sizes named neither
+    assert (f"SentencePiece made {tok.src_vocab_size} source and {tok.tgt_vocab_size} target pieces, fewer "
+            "than data.vocab_size=5000") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="aiayn.data.dataset"):
         train_tokenizer(read_parallel(src, tgt), tmp_path / "fits", 40)
     assert "fewer than data.vocab_size" not in caplog.text
 
@@ -488,12 +494,24 @@ def test_lines_with_no_pieces_are_dropped_as_empty_pairs(tmp_path, corpus_files,
     assert dropped == 4 and len(corpus) == 2
     assert [corpus.source(i) for i in range(2)] == [tok.encode_src("der Hund"), tok.encode_src("schnell")]
     assert corpus.target(1) == tok.encode_tgt("the \u200bcat")
-    assert f"{a}, {b}: dropped 4 pair(s) of 6 with a side empty or of no pieces (2 empty in {a}, 1 empty in {b})" \
-        in caplog.messages
+    assert (f"{a}, {b}: dropped 4 pair(s) of 6 with a side empty or of no pieces (2 empty in {a}, 1 empty in "
+            f"{b}, 1 of no pieces in {a})") in caplog.messages
     assert load_encoded(a, b, tok, tmp_path / "cache")[1] == 4  # the same count from the cache
     write(b, ["\u200b"] * 6)
     with pytest.raises(UserError, match=r"v\.en: no line has text"):
         load_encoded(a, b, tok, tmp_path / "cache")
+    # A source whose every line is text of no pieces: the target's one empty line was blamed, "no pair has
+    # text on both sides (1 empty in v.en)"
+    write(a, ["\ufffd \ufffd"] * 5 + [""]), write(b, ["the dog", "the cat", "fast", "runs", "x", ""])
+    with pytest.raises(UserError) as e:
+        load_encoded(a, b, tok, tmp_path / "cache")
+    assert str(e.value) == (f"{a}: no line has pieces (1 empty or blank, 5 of text the tokenizer encodes to "
+                            "nothing, such as U+FFFD under nmt_nfkc)")
+    write(b, en)  # a line of the source whose target is blank is not encoded: no file can be blamed
+    with pytest.raises(UserError) as e:
+        load_encoded(a, b, tok, tmp_path / "cache")
+    assert str(e.value) == (f"{a}, {b}: no pair has pieces on both sides (1 empty in {a}, 1 empty in {b}, 4 of "
+                            f"no pieces in {a})")
 
 
 def test_cr_only_line_ends_are_named(tmp_path):

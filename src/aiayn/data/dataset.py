@@ -285,12 +285,17 @@ def _require_same_count(src_path: str | Path, n_src: int, tgt_path: str | Path, 
         )
 
 
-def _log_dropped(src_path: str | Path, tgt_path: str | Path, dropped: int, pairs: int, empty: tuple[int, int],
-                 report: bool = True, why: str = "an empty side") -> None:
-    """Log the pairs dropped (with `report`) and how many lines of each file were empty; refuse a corpus
-    that had nothing else, naming the file that is all empty when one is (the source was blamed for an
-    empty target)."""
-    counts = [f"{n} empty in {path}" for path, n in zip((src_path, tgt_path), empty) if n]
+def _log_dropped(
+    src_path: str | Path, tgt_path: str | Path, dropped: int, pairs: int, empty: tuple[int, int],
+    report: bool = True, why: str = "an empty side", no_pieces: tuple[int, int] = (0, 0),
+) -> None:
+    """Log the pairs dropped (with `report`) and how many lines of each file were empty, or had text of no
+    pieces (`no_pieces`, counted in the pairs encoded); refuse a corpus that had nothing else, naming the
+    file that has nothing when one has (the source was blamed for an empty target, the target's few empty
+    lines for a source whose every line encoded to nothing)."""
+    paths = (src_path, tgt_path)
+    counts = [f"{n} empty in {path}" for path, n in zip(paths, empty) if n]
+    counts += [f"{n} of no pieces in {path}" for path, n in zip(paths, no_pieces) if n]
     sides = f" ({', '.join(counts)})" if counts else ""
     if dropped and report:
         log.info("%s, %s: dropped %d pair(s) of %d with %s%s", src_path, tgt_path, dropped, pairs, why, sides)
@@ -298,10 +303,15 @@ def _log_dropped(src_path: str | Path, tgt_path: str | Path, dropped: int, pairs
         return
     if not pairs:  # no line at all: "all 0 are empty or blank" said it as a riddle
         raise UserError(f"{src_path}, {tgt_path}: both files are empty (no lines)")
-    for path, n in zip((src_path, tgt_path), empty):
+    for path, n, text_of_none in zip(paths, empty, no_pieces):
+        if n + text_of_none == pairs and text_of_none:  # distinct lines: empty ones, and encoded ones
+            blank = f"{n} empty or blank, " if n else ""
+            raise UserError(f"{path}: no line has pieces ({blank}{text_of_none} of text the tokenizer encodes "
+                            "to nothing, such as U+FFFD under nmt_nfkc)")
         if n == pairs:
             raise UserError(f"{path}: no line has text (all {pairs} are empty or blank)")
-    raise UserError(f"{src_path}, {tgt_path}: no pair has text on both sides{sides}")
+    has = "pieces" if any(no_pieces) else "text"
+    raise UserError(f"{src_path}, {tgt_path}: no pair has {has} on both sides{sides}")
 
 
 @dataclass
@@ -464,15 +474,16 @@ def cache_encoded(
         corpus, dropped = _read_cache(cache, key, (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size))
         if corpus is not None:
             log.info("%s: %d pairs from the cache%s", cache, len(corpus),
-                     f" ({dropped} empty pairs dropped)" if dropped else "")
+                     f" ({dropped} pairs with a side empty or of no pieces dropped)" if dropped else "")
             return corpus, dropped, (cache, key)
     if src_path.samefile(tgt_path):  # said once, when encoded; a copy model has its uses, so not an error
         log.warning("%s and %s are the same file: the model will learn to copy its input", src_path, tgt_path)
     files = scan_parallel(src_path, tgt_path, report=False)  # every error in the files before the encoding
-    corpus = _encode(files, tokenizer)
+    corpus, no_pieces = _encode(files, tokenizer)
     pairs = len(files.src) + files.dropped_empty
     dropped = pairs - len(corpus)  # empty pairs and those of text that encodes to no pieces
-    _log_dropped(src_path, tgt_path, dropped, pairs, files.empty_lines, why="a side empty or of no pieces")
+    _log_dropped(src_path, tgt_path, dropped, pairs, files.empty_lines, why="a side empty or of no pieces",
+                 no_pieces=no_pieces)
     _write_cache(cache, key, corpus, dropped, (src_path, tgt_path))
     _remove_stale_caches(cache, src_path, tgt_path)
     log.info("%s: encoded %d pairs, cached in %s", src_path, len(corpus), cache)
@@ -483,16 +494,21 @@ ENCODE_CHUNK = 20_000  # pairs encoded at once: their Python id lists (~40 bytes
 PROGRESS_SECONDS = 10.0  # between the progress lines of a long encode
 
 
-def _encode(files: ParallelFiles, tokenizer: Tokenizer) -> EncodedCorpus:
+def _encode(files: ParallelFiles, tokenizer: Tokenizer) -> tuple[EncodedCorpus, tuple[int, int]]:
     """Encode the kept pairs of two scanned files ENCODE_CHUNK at a time into int32 arrays, dropping those
-    that encode to no pieces: the whole corpus as Python strings and int lists took 15x the files' bytes."""
+    that encode to no pieces: the whole corpus as Python strings and int lists took 15x the files' bytes.
+    With it, how many source and target lines had text of no pieces."""
     # Per column, the chunks' arrays: source ids, source lengths, target ids, target lengths.
     columns = tuple([np.empty(0, dtype)] for dtype in (np.int32, np.int64, np.int32, np.int64))
+    no_pieces = np.zeros(2, dtype=np.int64)
     chunks = _pair_chunks(files, ENCODE_CHUNK)
     for src, tgt in _with_progress(chunks, files.src.path, len(files.src)):
-        for column, part in zip(columns, _encode_chunk(src, tgt, tokenizer)):
+        parts, none = _encode_chunk(src, tgt, tokenizer)
+        for column, part in zip(columns, parts):
             column.append(part)
-    return EncodedCorpus.from_lengths(*(np.concatenate(column) for column in columns))
+        no_pieces += none
+    corpus = EncodedCorpus.from_lengths(*(np.concatenate(column) for column in columns))
+    return corpus, (int(no_pieces[0]), int(no_pieces[1]))
 
 
 def _pair_chunks(files: ParallelFiles, size: int) -> Iterator[tuple[list[str], list[str]]]:
@@ -520,14 +536,19 @@ def _with_progress(
             last = now
 
 
-def _encode_chunk(src: list[str], tgt: list[str], tokenizer: Tokenizer) -> tuple[np.ndarray, ...]:
+def _encode_chunk(
+    src: list[str], tgt: list[str], tokenizer: Tokenizer
+) -> tuple[tuple[np.ndarray, ...], list[int]]:
     """(source ids, lengths, target ids, lengths) of the pairs that have pieces on both sides (the pairs
-    given have text on both: `has_text`)."""
+    given have text on both: `has_text`), and the [source, target] lines of text but no pieces."""
     threads = torch.get_num_threads()  # train.threads: 1 on a busy machine, not one per core
     x, y = tokenizer.encode_src_batch(src, threads), tokenizer.encode_tgt_batch(tgt, threads)
     # Text can still have no pieces: nmt_nfkc deletes U+FFFD (the replacement character) and U+2581
-    pieces = [len(a) > 1 and len(b) > 0 for a, b in zip(x, y)]  # a source's last id is its EOS
-    return *_flat(list(compress(x, pieces))), *_flat(list(compress(y, pieces)))
+    src_pieces = [len(a) > 1 for a in x]  # a source's last id is its EOS
+    tgt_pieces = [len(b) > 0 for b in y]
+    pieces = [a and b for a, b in zip(src_pieces, tgt_pieces)]
+    none = [src_pieces.count(False), tgt_pieces.count(False)]
+    return (*_flat(list(compress(x, pieces))), *_flat(list(compress(y, pieces)))), none
 
 
 def _write_cache(
@@ -790,18 +811,20 @@ def train_tokenizer(
             write_model(directory / name, model)
         tokenizer = Tokenizer(directory / SOURCE, directory / TARGET)
     _warn_if_normalization_changes_text(tokenizer, text, normalization)
-    _warn_if_fewer_pieces(tokenizer, vocab_size)
+    _warn_if_fewer_pieces(tokenizer, vocab_size, shared)
     return tokenizer
 
 
-def _warn_if_fewer_pieces(tokenizer: Tokenizer, vocab_size: int) -> None:
-    """SentencePiece stops early when the text has no more merges to make (hard_vocab_limit=False): say
-    so, since the run's configuration still shows the size asked for."""
-    sizes = {tokenizer.src_vocab_size, tokenizer.tgt_vocab_size}
-    if min(sizes) < vocab_size:
-        made = " and ".join(str(n) for n in sorted(sizes))
-        log.warning("SentencePiece made %s pieces, fewer than data.vocab_size=%d: the training text has no "
-                    "more to merge; the model's vocabulary is what was made", made, vocab_size)
+def _warn_if_fewer_pieces(tokenizer: Tokenizer, vocab_size: int, shared: bool) -> None:
+    """SentencePiece stops early when the text holds no more pieces (hard_vocab_limit=False): say so, since
+    the run's configuration still shows the size asked for; separate vocabularies by side (sorted sizes
+    left the reader to guess which was which)."""
+    src, tgt = tokenizer.src_vocab_size, tokenizer.tgt_vocab_size
+    if min(src, tgt) < vocab_size:
+        made = f"{src}" if shared else f"{src} source and {tgt} target"
+        log.warning("SentencePiece made %s pieces, fewer than data.vocab_size=%d: the training text holds no "
+                    "more (BPE: no more merges; unigram: no more substrings worth keeping); the model's "
+                    "vocabulary is what was made", made, vocab_size)
 
 
 LARGE_CORPUS = 100_000  # pairs: training a tokenizer on more takes long enough to say so

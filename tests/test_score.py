@@ -114,6 +114,9 @@ def test_an_ensemble_past_its_shortest_members_positions_and_out_of_memory_are_n
     with pytest.raises(OutOfMemory, match=r"^text 1: out of memory scoring a batch of 2 pair\(s\); use fewer "
                                           r"tokens per batch \(--max-tokens\)$"):  # it spoke of a beam
         Translator.load(checkpoint).score(["a", "b"], ["c", "d"])
+    with pytest.raises(OutOfMemory, match=r"^text 1: out of memory scoring a batch of 1 pair\(s\); the pair "
+                                          r"alone needs more memory$"):  # no batch is smaller
+        Translator.load(checkpoint).score(["a"], ["c"])
 
 
 def test_the_cli_writes_one_score_per_line_and_the_perplexity(checkpoint, tmp_path, capsys):

@@ -69,14 +69,16 @@ class OutOfMemory(TextError):
     def __init__(self, index: int, sentences: int, beam: int, where: str | None = None, samples: int = 0,
                  scoring: bool = False):
         self.sentences, self.beam = sentences, beam
+        # a batch of one sentence is as few tokens as a batch can hold: --max-tokens cannot help it
+        tokens = " or fewer tokens per batch (--max-tokens)" if sentences > 1 else ""
         if scoring:  # forced decoding has no beam
-            super().__init__(index, f"out of memory scoring a batch of {sentences} pair(s); use fewer tokens "
-                                    "per batch (--max-tokens)", where)
+            advice = "use fewer tokens per batch (--max-tokens)" if tokens else "the pair alone needs more memory"
+            super().__init__(index, f"out of memory scoring a batch of {sentences} pair(s); {advice}", where)
             return
         rows = f"{samples} samples each (--n-best)" if samples else f"beam {beam}"  # sampling's rows: n_best
         fewer = "fewer samples" if samples else "a smaller beam"
         super().__init__(index, f"out of memory decoding a batch of {sentences} sentence(s) at {rows}; "
-                                f"use {fewer} or fewer tokens per batch (--max-tokens)", where)
+                                f"use {fewer}{tokens}", where)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -510,8 +510,8 @@ def test_lines_with_no_pieces_are_dropped_as_empty_pairs(tmp_path, corpus_files,
     write(b, en)  # a line of the source whose target is blank is not encoded: no file can be blamed
     with pytest.raises(UserError) as e:
         load_encoded(a, b, tok, tmp_path / "cache")
-    assert str(e.value) == (f"{a}, {b}: no pair has pieces on both sides (1 empty in {a}, 1 empty in {b}, 4 of "
-                            f"no pieces in {a})")
+    assert str(e.value) == (f"{a}, {b}: no pair has pieces on both sides (1 empty in {a}, 1 empty in {b}, "
+                            f"4 of no pieces in {a})")
 
 
 def test_cr_only_line_ends_are_named(tmp_path):

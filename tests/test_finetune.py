@@ -138,6 +138,34 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
         train(load_config(None, settings(src, tgt, plain, tuned, "train.max_updates=2")), resume=True)
 
 
+def test_a_corpus_the_kept_tokenizer_cannot_write_is_warned_of(aiayn_checkpoint, tmp_path, caplog):
+    """A fine-tune keeps its checkpoint's tokenizer, trained on other text, and checked none of the new
+    corpus: Chinese through a German tokenizer trained on sentences of two <unk>s each, a joiner (ZWNJ)
+    the tokenizer turns into a space was learnt as a space, and nothing was said; training a tokenizer
+    warns of both."""
+    start, src, tgt = aiayn_checkpoint
+    zh, en = tmp_path / "zh.src", tmp_path / "zh.tgt"
+    zh.write_text("".join(f"我们今天{i}在这里学习\n" for i in range(40)), encoding="utf-8")
+    en.write_text(tgt.read_text(encoding="utf-8"), encoding="utf-8")
+    with caplog.at_level("WARNING"):
+        train(load_config(None, settings(zh, en, tmp_path / "run", start, "train.max_updates=1")))
+    unknown = [m for m in caplog.messages if "are <unk>" in m]
+    assert len(unknown) == 1 and unknown[0].startswith(f"{zh}: ") and "another language or script?" in unknown[0]
+    caplog.clear()
+    joined = tmp_path / "zwnj.de"
+    joined.write_text("".join(f"{line}\u200cja\n" for line in src.read_text(encoding="utf-8").splitlines()),
+                      encoding="utf-8")
+    with caplog.at_level("WARNING"):
+        train(load_config(None, settings(joined, tgt, tmp_path / "run2", start, "train.max_updates=1")))
+    said = [m for m in caplog.messages if "changes this training text" in m]
+    assert len(said) == 1 and "U+200C ZERO WIDTH NON-JOINER" in said[0], caplog.messages
+    assert "the model will learn to write it so" in said[0] and "train a new tokenizer" not in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # the corpus it was trained on: nothing to say
+        train(load_config(None, settings(src, tgt, tmp_path / "run3", start, "train.max_updates=1")))
+    assert not [m for m in caplog.messages if "<unk>" in m or "changes this training text" in m]
+
+
 @pytest.mark.parametrize("key", ["d_model=64", "preset=tiny"])
 def test_conflicting_model_key_is_a_config_error(aiayn_checkpoint, tmp_path, key):
     start, src, tgt = aiayn_checkpoint

@@ -72,7 +72,8 @@ class OutOfMemory(TextError):
         # a batch of one sentence is as few tokens as a batch can hold: --max-tokens cannot help it
         tokens = " or fewer tokens per batch (--max-tokens)" if sentences > 1 else ""
         if scoring:  # forced decoding has no beam
-            advice = "use fewer tokens per batch (--max-tokens)" if tokens else "the pair alone needs more memory"
+            alone = "the pair alone needs more memory"
+            advice = "use fewer tokens per batch (--max-tokens)" if tokens else alone
             super().__init__(index, f"out of memory scoring a batch of {sentences} pair(s); {advice}", where)
             return
         rows = f"{samples} samples each (--n-best)" if samples else f"beam {beam}"  # sampling's rows: n_best

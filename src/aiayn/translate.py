@@ -415,8 +415,8 @@ class Translator:
         `log_prob` when the tokenizer splits its text into the pieces the search chose (without `min_len`,
         which changes the probabilities the search sees; and not with `int8`, whose dynamic quantization
         scales the rows of each step together: a beam's K rows and a forced decoding's one differ, by
-        0.03 nats a sentence on average and 0.11 at most on a small demo model). Every pair is scored, an empty side too (then
-        EOS alone). `progress(n)` as in `hypotheses`."""
+        0.03 nats a sentence on average and 0.11 at most on a small demo model). Every pair is scored, an
+        empty side too (then EOS alone). `progress(n)` as in `hypotheses`."""
         sources, targets = text_list(sources), text_list(targets)
         check_count("max_tokens", max_tokens)
         if len(sources) != len(targets):

@@ -306,8 +306,8 @@ def _log_dropped(
     for path, n, text_of_none in zip(paths, empty, no_pieces):
         if n + text_of_none == pairs and text_of_none:  # distinct lines: empty ones, and encoded ones
             blank = f"{n} empty or blank, " if n else ""
-            raise UserError(f"{path}: no line has pieces ({blank}{text_of_none} of text the tokenizer encodes "
-                            "to nothing, such as U+FFFD under nmt_nfkc)")
+            raise UserError(f"{path}: no line has pieces ({blank}{text_of_none} of text the tokenizer "
+                            "encodes to nothing, such as U+FFFD under nmt_nfkc)")
         if n == pairs:
             raise UserError(f"{path}: no line has text (all {pairs} are empty or blank)")
     has = "pieces" if any(no_pieces) else "text"
@@ -461,11 +461,14 @@ def load_encoded(
 
 
 def cache_encoded(
-    src_path: str | Path, tgt_path: str | Path, tokenizer: Tokenizer, cache_dir: str | Path
+    src_path: str | Path, tgt_path: str | Path, tokenizer: Tokenizer, cache_dir: str | Path,
+    kept: bool = False,
 ) -> tuple[EncodedCorpus, int, tuple[Path, str]]:
     """`load_encoded`, and the (cache file, key) it read or wrote: what training's process 0 names to the
     others. The key is the one taken before encoding: taken again after, a file touched meanwhile named
-    a cache that was never written."""
+    a cache that was never written. Text encoded is checked for <unk> pieces (`_warn_if_unknown`), and
+    with `kept` (a tokenizer trained on other text: a fine-tuned or resumed run's) for what its
+    normalization rewrites, as training a tokenizer checks its own text."""
     src_path, tgt_path = Path(src_path), Path(tgt_path)
     for p in (src_path, tgt_path):
         require_file(p)
@@ -479,7 +482,10 @@ def cache_encoded(
     if src_path.samefile(tgt_path):  # said once, when encoded; a copy model has its uses, so not an error
         log.warning("%s and %s are the same file: the model will learn to copy its input", src_path, tgt_path)
     files = scan_parallel(src_path, tgt_path, report=False)  # every error in the files before the encoding
+    if kept:
+        _warn_if_normalization_changes_text(tokenizer, files, "", kept=True)
     corpus, no_pieces = _encode(files, tokenizer)
+    _warn_if_unknown(src_path, tgt_path, corpus, tokenizer.unk_id, kept)
     pairs = len(files.src) + files.dropped_empty
     dropped = pairs - len(corpus)  # empty pairs and those of text that encodes to no pieces
     _log_dropped(src_path, tgt_path, dropped, pairs, files.empty_lines, why="a side empty or of no pieces",
@@ -509,6 +515,22 @@ def _encode(files: ParallelFiles, tokenizer: Tokenizer) -> tuple[EncodedCorpus, 
         no_pieces += none
     corpus = EncodedCorpus.from_lengths(*(np.concatenate(column) for column in columns))
     return corpus, (int(no_pieces[0]), int(no_pieces[1]))
+
+
+UNKNOWN_TOLERANCE = 0.01  # share of a side's pieces that may be <unk> without a warning
+
+
+def _warn_if_unknown(src_path: Path, tgt_path: Path, corpus: EncodedCorpus, unk_id: int, kept: bool) -> None:
+    """Warn of a side whose pieces are more than UNKNOWN_TOLERANCE <unk>: characters the tokenizer has no
+    piece for, each run of them one unknown token. A fine-tune on another language or script trained on
+    sentences of a few such tokens, its loss looking healthy, and nothing said."""
+    for path, ids in ((src_path, corpus.src_ids), (tgt_path, corpus.tgt_ids)):
+        unknown = int((ids == unk_id).sum())
+        if unknown > UNKNOWN_TOLERANCE * len(ids):
+            why = ("the tokenizer kept (train.init_from's, or the resumed run's) was trained on other text: "
+                   "another language or script?" if kept else "data.character_coverage < 1 drops the rarest")
+            log.warning("%s: %d of its %d pieces (%.1f%%) are <unk>, characters the tokenizer has no piece "
+                        "for; %s", path, unknown, len(ids), 100 * unknown / len(ids), why)
 
 
 def _pair_chunks(files: ParallelFiles, size: int) -> Iterator[tuple[list[str], list[str]]]:
@@ -916,11 +938,12 @@ ROUND_TRIP_TOLERANCE = 0.01  # share of sampled lines the normalization may chan
 
 
 def _warn_if_normalization_changes_text(
-    tokenizer: Tokenizer, text: ParallelText | ParallelFiles, normalization: str
+    tokenizer: Tokenizer, text: ParallelText | ParallelFiles, normalization: str, kept: bool = False
 ) -> None:
     """Log one warning if the tokenizer's normalization changes more than 1% of a sample of either side's
     training text (whitespace aside: SentencePiece always collapses it), naming the first changed
-    character, an example line and the setting that keeps the text."""
+    character, an example line and the setting that keeps the text; of a tokenizer `kept` (trained on
+    other text, which no setting of this run changes), that the model learns the text as rewritten."""
     problems = []
     for side, lines, sp in (("source", text.src, tokenizer.src), ("target", text.tgt, tokenizer.tgt)):
         sample = _evenly_spaced(lines, ROUND_TRIP_SAMPLE)
@@ -952,6 +975,10 @@ def _warn_if_normalization_changes_text(
         fix += (" and train a new tokenizer (in a new train.run_dir, or delete this one's spm.model, or "
                 "source.spm and target.spm)")
     named = " + ".join(f"U+{ord(c):04X} {unicodedata.name(c, '(unnamed)')}" for c in chars)
+    if kept:  # a fine-tune's or a resumed run's: the checkpoint's, whatever [data] says
+        log.warning("the tokenizer kept (train.init_from's, or the resumed run's) changes this training text "
+                    "(%s), e.g. %s in %r: the model will learn to write it so", counts, named, example)
+        return
     log.warning(
         "data.normalization=%r changes the training text the model will learn to write (%s), e.g. "
         "%s in %r%s", normalization, counts, named, example, fix,

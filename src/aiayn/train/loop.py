@@ -1117,8 +1117,9 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
         valid, too_long = valid.filter_length(dc.max_len)
         _require_pairs(dc.valid_src, "validation", len(valid), too_long, dc.max_len)
         if too_long and d.is_main:
+            scored = " from the loss (BLEU scores every pair)" if config.train.bleu_every else ""
             log.warning("%s: %d validation pairs longer than max_len=%d dropped%s", dc.valid_src, too_long,
-                        dc.max_len, " from the loss (BLEU scores every pair)" if config.train.bleu_every else "")
+                        dc.max_len, scored)
         valid_batches = token_batches(valid.src_lengths(), valid.tgt_lengths(), config.train.max_tokens)
     valid_text = (  # BLEU is scored by process 0
         read_parallel(dc.valid_src, dc.valid_tgt, report=False)
@@ -1140,11 +1141,13 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
     """On process 0: the tokenizer and the caches, so that the other processes only read; the (path, key)
     of the training set's cache, then the validation set's if there is one."""
     dc = config.data
+    # a fine-tune's tokenizer, or a resumed run's, was trained on other text than a new corpus it encodes
+    kept = tokenizer is not None or bool(checkpoint_dirs(run_dir))
     tokenizer = tokenizer or _run_tokenizer(config, run_dir)
     caches = []
     for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):
-        if src:
-            _, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache")  # says what it dropped
+        if src:  # it says what it dropped
+            _, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache", kept=kept)
             caches.append((str(cache), key))
     return caches
 

@@ -7,6 +7,7 @@ after; the Marian case starts from a random `transformers.MarianMTModel` convert
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import re
 import shutil
 from pathlib import Path
@@ -125,6 +126,8 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
                                                                              "train.max_updates=9"]
     with pytest.raises(UserError, match=f"fine-tunes {start}; resume it with train.init_from={start}"):
         train(load_config(None, other), resume=True)
+    with pytest.raises(UserError, match=f"^{run_dir}: already holds checkpoints; pass --resume"):
+        train(load_config(None, sets))  # the fine-tune of `start` that is there: --resume is the way on
     meta_path = only_checkpoint(run_dir) / "meta.json"
     meta = json.loads(meta_path.read_text())
     meta["config"]["train"]["init_from"] = 123  # a hand's edit: a TypeError traceback
@@ -136,6 +139,10 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
                              + [f"train.run_dir={plain}", "train.max_updates=1"]))["step"] == 1
     with pytest.raises(UserError, match="was not fine-tuned from a checkpoint; resume it without train.init"):
         train(load_config(None, settings(src, tgt, plain, tuned, "train.max_updates=2")), resume=True)
+    # without --resume it said "pass --resume to continue", which led to the refusal above
+    with pytest.raises(UserError, match=rf"^{plain}: already holds the checkpoints of a run that did not "
+                                        rf"fine-tune {tuned}; set another train.run_dir$"):
+        train(load_config(None, settings(src, tgt, plain, tuned, "train.max_updates=2")))
 
 
 def test_a_corpus_the_kept_tokenizer_cannot_write_is_warned_of(aiayn_checkpoint, tmp_path, caplog):
@@ -150,7 +157,8 @@ def test_a_corpus_the_kept_tokenizer_cannot_write_is_warned_of(aiayn_checkpoint,
     with caplog.at_level("WARNING"):
         train(load_config(None, settings(zh, en, tmp_path / "run", start, "train.max_updates=1")))
     unknown = [m for m in caplog.messages if "are <unk>" in m]
-    assert len(unknown) == 1 and unknown[0].startswith(f"{zh}: ") and "another language or script?" in unknown[0]
+    assert len(unknown) == 1 and unknown[0].startswith(f"{zh}: ")
+    assert "another language or script?" in unknown[0]
     caplog.clear()
     joined = tmp_path / "zwnj.de"
     joined.write_text("".join(f"{line}\u200cja\n" for line in src.read_text(encoding="utf-8").splitlines()),
@@ -207,7 +215,8 @@ def test_an_equivalent_model_value_is_not_a_difference(aiayn_checkpoint, tmp_pat
     sets = settings(src, tgt, tmp_path / "run", start, "train.max_updates=1", "model.n_decoder_layers=1")
     assert train(load_config(None, sets))["step"] == 1
     # the resolved 1, not None
-    refusal = rf"^model.n_decoder_layers=2 differs from {re.escape(str(start))}'s 1;"
+    refusal = (rf"^--set 'model.n_decoder_layers=2': model.n_decoder_layers=2 differs from "
+               rf"{re.escape(str(start))}'s 1;")
     with pytest.raises(ConfigError, match=refusal):
         train(load_config(None, settings(src, tgt, tmp_path / "run2", start, "model.n_decoder_layers=2")))
 
@@ -222,8 +231,24 @@ def test_a_refusal_blames_what_was_written_not_the_checkpoints_settings(aiayn_ch
                              "model.share_embeddings=false"]))
     ck = only_checkpoint(tmp_path / "run")
     sets = settings(src, tgt, tmp_path / "run2", ck, "model.share_embeddings=true")
-    refusal = rf"^model.share_embeddings=True differs from {re.escape(str(ck))}'s False; with train.init_from"
+    # named where it was written, as load_config's own refusals are ("run.toml:3: ...")
+    refusal = (rf"^--set 'model.share_embeddings=true': model.share_embeddings=True differs from "
+               rf"{re.escape(str(ck))}'s False; with train.init_from")
     with pytest.raises(ConfigError, match=refusal + " only model.dropout may be set"):
+        train(load_config(None, sets))
+    assert not (tmp_path / "run2").exists()  # refused before it wrote anything: no empty run_dir left
+    toml = tmp_path / "tune.toml"
+    toml.write_text("[model]\ndropout = 0.2\nd_model = 64\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(toml))}:3: model.d_model=64 differs from"):
+        train(load_config(toml, settings(src, tgt, tmp_path / "run2", ck)))
+    short = tmp_path / "short"  # a model of 20 positions, fine-tuned by a config silent about data.max_len
+    tuned = load_checkpoint(ck)
+    model = Transformer(replace(tuned.model.config, max_len=20))
+    model.load_state_dict(tuned.model.state_dict(), strict=False)  # the position tables: 20 rows now
+    save_checkpoint(short, model, tuned.tokenizer)
+    sets = [s for s in settings(src, tgt, tmp_path / "run2", short) if not s.startswith("data.max_len")]
+    with pytest.raises(ConfigError, match=rf"^data.max_len=256 \(the default\) is longer than "
+                                          rf"{re.escape(str(short))}'s max_len=20; set data.max_len <= 20$"):
         train(load_config(None, sets))
 
 

@@ -208,6 +208,9 @@ class RunConfig:
     # fine-tuning a model whose checkpoint records no tokenizer settings (a converted Marian model, or a
     # fine-tune of one): [data]'s tokenizer settings describe nothing, and are left out of `to_dict`
     tokenizer_imported: bool = field(default=False, compare=False, repr=False)
+    # where each setting was written ("data.max_len" -> "run.toml:3", "--set 'data.max_len=1'"): what
+    # `load_config` read, for problems found later (`finetune_model_config`, against a checkpoint)
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_by_tokenizer = sorted(set(self.model) & set(TOKENIZER_FIELDS))
@@ -287,6 +290,10 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
     each of its keys but dropout, as [model] overrides it (the run's own config: preset micro, d_model 48),
     must then equal the checkpoint's too.
     """
+    def refused(setting: str, problem: str) -> ConfigError:  # named where it was written, as load_config's
+        where = config.origins.get(setting)
+        return ConfigError(f"{where}: {problem}" if where else problem)
+
     values = dict(config.model)
     preset = values.pop("preset", None)
     # compared as what they mean: n_decoder_layers=1 restates a 1-layer checkpoint's None
@@ -294,21 +301,20 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
     mine = resolved_settings({**asdict(saved), **values})
     for key, value in values.items():
         if key != "dropout" and mine[key] != theirs[key]:
-            raise ConfigError(
-                f"model.{key}={value!r} differs from {where}'s {theirs[key]!r}; with "
-                "train.init_from only model.dropout may be set"
-            )
+            raise refused(f"model.{key}", f"model.{key}={value!r} differs from {where}'s {theirs[key]!r}; "
+                          "with train.init_from only model.dropout may be set")
     if preset is not None:  # a known one (`RunConfig._check_finetune_keys`)
         differ = [f"{key}={value!r} (the checkpoint's: {theirs[key]!r})"  # keys [model] leaves to it
                   for key, value in PRESETS[preset].items()
                   if key != "dropout" and key not in values and theirs[key] != value]
         if differ:
-            raise ConfigError(f"model.preset={preset!r} has {', '.join(differ)}; with train.init_from the "
-                              f"model is {where}'s: remove the preset or name the checkpoint's")
+            raise refused("model.preset", f"model.preset={preset!r} has {', '.join(differ)}; with "
+                          f"train.init_from the model is {where}'s: remove the preset or name the "
+                          "checkpoint's")
     if config.data.max_len > saved.max_len:
-        raise ConfigError(
-            f"data.max_len={config.data.max_len} is longer than {where}'s max_len={saved.max_len}"
-        )
+        default = "" if "max_len" in config.data_given else " (the default)"
+        raise refused("data.max_len", f"data.max_len={config.data.max_len}{default} is longer than "
+                      f"{where}'s max_len={saved.max_len}; set data.max_len <= {saved.max_len}")
     return replace(saved, dropout=values.get("dropout", saved.dropout))
 
 
@@ -324,7 +330,7 @@ def run_config(values: dict[str, Any], where: str = "", written: str = "",
     try:
         data = from_dict(DataConfig, _expand_home(values.get("data", {})), where)
         train = from_dict(TrainConfig, _expand_home(values.get("train", {})), where)
-        return RunConfig(model, data, train, frozenset(values.get("data", {})), data)
+        return RunConfig(model, data, train, frozenset(values.get("data", {})), data, origins=origins or {})
     except ConfigError as e:  # a value out of range or contradicting another: name where it was written
         written = written or where
         if origins is not None:  # "FILE with --set" blamed --set for a file's max_len = 1

@@ -145,6 +145,8 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
 
         bleu_metrics(config.train.bleu_lang)
     run_dir = Path(config.train.run_dir)
+    made = not os.path.lexists(run_dir)  # by this run, below (process 0's view: the one that holds the lock)
+
     def check() -> None:  # on process 0, the others told (one line, not one a process)
         _check_data_files(config)  # before run_dir is made for nothing
         _check_run_dir(run_dir)
@@ -158,9 +160,14 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
 
     try:
         distributed.on_main(d, take_run_dir)
-        return _train_locked(config, resume, d)
+        result = _train_locked(config, resume, d)
+    except BaseException:
+        if made:  # refused before writing anything (a fine-tune's model settings): no empty run_dir left
+            lock.release_made()
+        raise
     finally:
         lock.release()
+    return result
 
 
 def _remove_leftovers(run_dir: Path) -> None:
@@ -182,7 +189,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     cap_kernel_caches()  # first: token batches make thousands of shapes, one cached oneDNN kernel each
     tc, run_dir = config.train, Path(config.train.run_dir)
     # chosen once, for all: a lagging listing on another machine could resume another step
-    resume_from = distributed.on_main(d, lambda: _checkpoint_to_resume(run_dir, resume))
+    resume_from = distributed.on_main(d, lambda: _checkpoint_to_resume(run_dir, resume, tc.init_from))
     # on every process, its refusal said once
     config = distributed.on_every(d, lambda: _with_checkpoint_tokenizer_settings(config, resume_from))
     trained = None  # the [train] the checkpoint resumed from was trained with
@@ -1074,11 +1081,15 @@ def _missing_files(checkpoint: Path) -> list[str]:
     return [n for n in names if not (checkpoint / n).is_file()]
 
 
-def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Path | None:
+def _checkpoint_to_resume(run_dir: Path, resume: bool, init_from: str = "") -> Path | None:
     found = checkpoint_dirs(run_dir)
     if resume and not found:  # killed before its first save: a restart loop passing --resume goes on
         log.info("%s: no checkpoint to resume from yet; starting from the beginning", run_dir)
         return None
+    if not resume and found and init_from and not _same_path(_fine_tuned_from(found[-1]), init_from):
+        # --resume, which the plain hint offered, was then refused: the run there fine-tunes no init_from
+        raise UserError(f"{run_dir}: already holds the checkpoints of a run that did not fine-tune "
+                        f"{init_from}; set another train.run_dir")
     if not resume and found:
         raise UserError(
             f"{run_dir}: already holds checkpoints; pass --resume to continue, or another run_dir"

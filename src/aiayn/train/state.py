@@ -86,6 +86,18 @@ class RunLock:
             self.file.close()  # closing releases the lock
             self.file = None
 
+    def release_made(self) -> None:
+        """Release the lock of a run that made its run directory and was refused or stopped before it
+        wrote anything there: the directory, holding the lock alone, goes too (refusals left an empty run
+        directory behind, which the next try's listing then had to explain). Unlinked while held: a run
+        that opens the path after that makes a new file, and the directory, no longer empty, stays."""
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                if [p.name for p in self.path.parent.iterdir()] == [LOCK]:
+                    self.path.unlink()
+                    self.path.parent.rmdir()
+        self.release()
+
 
 @dataclass
 class TrainState:
@@ -419,8 +431,8 @@ def check_compatible(path: Path, config: ModelConfig) -> None:
     for key, value in mine.items():
         if theirs[key] != value:
             # dropout changes no weight, but a resumed run continues the same training, bit for bit
-            how = ("; to train on with another, fine-tune from the checkpoint (train.init_from)"
-                   if key == "dropout" else "")
+            how = ("; to train on with another, fine-tune from the checkpoint (train.init_from) in another "
+                   "train.run_dir" if key == "dropout" else "")
             raise UserError(
                 f"{path}: checkpoint from an incompatible model ({key}={theirs[key]!r}, "
                 f"this run has {value!r}); --resume keeps the model's settings{how}"

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from aiayn.data import dataset
 from aiayn.data.dataset import (
     ParallelText,
+    cache_encoded,
     collate,
     encoded_cache,
     find_tokenizer,
@@ -512,6 +513,28 @@ def test_lines_with_no_pieces_are_dropped_as_empty_pairs(tmp_path, corpus_files,
         load_encoded(a, b, tok, tmp_path / "cache")
     assert str(e.value) == (f"{a}, {b}: no pair has pieces on both sides (1 empty in {a}, 1 empty in {b}, "
                             f"4 of no pieces in {a})")
+
+
+def test_text_the_tokenizer_has_no_pieces_for_is_warned_of(tmp_path, corpus_files, caplog):
+    """Characters a tokenizer lacks become <unk>, a run of them one piece: counted per side, EOS aside (a
+    line of nothing else is "▁ <unk>" and EOS: a third of its pieces were unknown in the first count)."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    de = ["我们", "der Hund 我们 läuft", "der Hund", "die Katze", "schnell"]
+    a, b = write(tmp_path / "v.de", de), write(tmp_path / "v.en", ["the dog"] * 5)
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        cache_encoded(a, b, tok, tmp_path / "cache")
+    ids = [tok.encode_src(line)[:-1] for line in de]  # without EOS
+    pieces, unknown = sum(map(len, ids)), sum(line.count(tok.unk_id) for line in ids)
+    assert unknown == 2 and unknown > 0.01 * pieces
+    assert caplog.messages == [
+        f"{a}: 2 of its {pieces} pieces ({100 * 2 / pieces:.1f}%, in 2 of 5 lines) are <unk>, characters the "
+        "tokenizer has no piece for; the tokenizer's training text (or the sample it learnt from) lacks them, "
+        "or data.character_coverage < 1 left them out"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        cache_encoded(src, tgt, tok, tmp_path / "cache")  # its own training text: no <unk>
+    assert caplog.messages == []
 
 
 def test_cr_only_line_ends_are_named(tmp_path):

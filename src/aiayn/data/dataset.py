@@ -517,20 +517,27 @@ def _encode(files: ParallelFiles, tokenizer: Tokenizer) -> tuple[EncodedCorpus, 
     return corpus, (int(no_pieces[0]), int(no_pieces[1]))
 
 
-UNKNOWN_TOLERANCE = 0.01  # share of a side's pieces that may be <unk> without a warning
+UNKNOWN_TOLERANCE = 0.01  # share of a side's pieces (EOS aside) that may be <unk> without a warning
 
 
 def _warn_if_unknown(src_path: Path, tgt_path: Path, corpus: EncodedCorpus, unk_id: int, kept: bool) -> None:
-    """Warn of a side whose pieces are more than UNKNOWN_TOLERANCE <unk>: characters the tokenizer has no
-    piece for, each run of them one unknown token. A fine-tune on another language or script trained on
-    sentences of a few such tokens, its loss looking healthy, and nothing said."""
-    for path, ids in ((src_path, corpus.src_ids), (tgt_path, corpus.tgt_ids)):
-        unknown = int((ids == unk_id).sum())
-        if unknown > UNKNOWN_TOLERANCE * len(ids):
-            why = ("the tokenizer kept (train.init_from's, or the resumed run's) was trained on other text: "
-                   "another language or script?" if kept else "data.character_coverage < 1 drops the rarest")
-            log.warning("%s: %d of its %d pieces (%.1f%%) are <unk>, characters the tokenizer has no piece "
-                        "for; %s", path, unknown, len(ids), 100 * unknown / len(ids), why)
+    """Warn of a side whose pieces (EOS aside) are more than UNKNOWN_TOLERANCE <unk>: characters the
+    tokenizer has no piece for, each run of them one unknown token (a line of nothing else is "▁ <unk>",
+    half its pieces). A fine-tune on another language or script trained on sentences of a few such tokens,
+    its loss looking healthy, and nothing said."""
+    for path, ids, offsets, eos in ((src_path, corpus.src_ids, corpus.src_offsets, 1),
+                                    (tgt_path, corpus.tgt_ids, corpus.tgt_offsets, 0)):
+        at = (ids == unk_id).nonzero().flatten()  # (unknown pieces,) positions in the flat ids
+        pieces = len(ids) - eos * (len(offsets) - 1)  # a source's last piece is its EOS
+        if len(at) <= UNKNOWN_TOLERANCE * pieces:
+            continue
+        lines = len(torch.searchsorted(offsets, at, right=True).unique())  # the sentences they are in
+        why = ("the tokenizer kept (train.init_from's, or the resumed run's) was trained on other text: "
+               "another language or script?" if kept else "the tokenizer's training text (or the sample it "
+               "learnt from) lacks them, or data.character_coverage < 1 left them out")
+        log.warning("%s: %d of its %d pieces (%.1f%%, in %d of %d lines) are <unk>, characters the tokenizer "
+                    "has no piece for; %s", path, len(at), pieces, 100 * len(at) / pieces, lines,
+                    len(offsets) - 1, why)
 
 
 def _pair_chunks(files: ParallelFiles, size: int) -> Iterator[tuple[list[str], list[str]]]:

@@ -724,8 +724,8 @@ def add_translate_parser(sub) -> None:
                    "the batches, so a pipe is then read in whole --chunk blocks, as a file is, rather than "
                    "answered whenever its input stalls: use --chunk 1 for an interactive filter")
     p.add_argument("--max-tokens", type=positive_int, default=4096,
-                   help="batch budget: padded source tokens x beam (sentences are sorted by length; "
-                        "default 4096)")
+                   help="batch budget: padded source tokens x beam, or x --n-best with --sample "
+                        "(sentences are sorted by length; default 4096)")
     p.add_argument("--chunk", type=positive_int, default=10_000,
                    help="lines read (and sorted) at a time (default 10000)")
     p.add_argument("--int8", action="store_true",

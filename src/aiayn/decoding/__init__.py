@@ -1,6 +1,7 @@
 """Decoding: greedy search, beam search and sampling over a `KVCache`, the length penalties, ensembles.
 
     from aiayn.decoding import DecodeConfig, generate
+    model.eval()  # one in training mode is refused: its dropout would make every search differ
     hyps = generate(model, src_ids, DecodeConfig(beam=4, lenpen=0.6))  # per sentence, n-best Hypothesis
 """
 

@@ -1,0 +1,45 @@
+"""Seconds and memory `token_batches` takes to cut a corpus of WMT14 En-De's size (4.5 M pairs) into
+batches of the paper's 25,000 tokens, as every process of a training run does once before its first update.
+
+The lengths are drawn uniformly from 5 to 80 pieces per side (a seeded generator), the corpus itself is not
+needed. The figure is this machine's: compare it with a run of an older commit (`git worktree`) here.
+
+    python benchmarks/batching.py                    # 4.5 M pairs, max_tokens 25000
+    python benchmarks/batching.py --pairs 1000000 --max-tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+from aiayn.data.batching import token_batches
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import command_line, environment, status_kib
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pairs", type=int, default=4_500_000)
+    p.add_argument("--max-tokens", type=int, default=25_000)
+    args = p.parse_args(argv)
+    print(command_line(__file__, argv))
+    print(f"environment: {environment()}")
+    rng = np.random.default_rng(0)
+    # as training passes them (EncodedCorpus.src_lengths: Python lists)
+    src, tgt = rng.integers(5, 81, args.pairs).tolist(), rng.integers(5, 81, args.pairs).tolist()
+    before = status_kib("VmRSS")
+    start = time.perf_counter()
+    batches = token_batches(src, tgt, args.max_tokens)
+    seconds = time.perf_counter() - start
+    print(f"{args.pairs:,} pairs, max_tokens {args.max_tokens}: {len(batches):,} batches in {seconds:.1f} s; "
+          f"peak resident memory {status_kib('VmHWM') / 1024:.0f} MiB ({before / 1024:.0f} MiB before)")
+
+
+if __name__ == "__main__":
+    main()

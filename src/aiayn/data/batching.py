@@ -31,8 +31,9 @@ def token_batches(src_lengths: Sequence[int], tgt_lengths: Sequence[int], max_to
     order = np.lexsort((src, tgt))  # by target, then source length; stable, so then by index
     longer = np.maximum(src, tgt)[order]  # (N,) each pair's longer side, in that order
     if len(order) and (too_long := np.flatnonzero(longer > max_tokens)).size:
-        i = int(order[too_long[0]])  # the first of the order, as the greedy pass meets it
-        raise UserError(f"pair {i + 1} has {int(longer[too_long[0]])} tokens, more than max_tokens={max_tokens}")
+        first = too_long[0]  # the first of the order, as the greedy pass met it
+        raise UserError(f"pair {int(order[first]) + 1} has {int(longer[first])} tokens, more than "
+                        f"max_tokens={max_tokens}")
     ids = order.tolist()
     batches: list[list[int]] = []
     start = longest = 0

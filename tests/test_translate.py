@@ -225,6 +225,21 @@ def test_running_out_of_memory_is_one_line_naming_the_batch(checkpoint, tmp_path
          "(--n-best); use fewer samples")]
 
 
+@pytest.mark.parametrize("batch, beam, samples, advice", [
+    (1, 1, 0, "the sentence alone needs more memory"),  # greedy, one sentence: nothing smaller to offer
+    (1, 1, 1, "the sentence alone needs more memory"),
+    (1, 4, 0, "use a smaller beam"),
+    (3, 1, 0, "use fewer tokens per batch (--max-tokens)"),
+    (3, 4, 0, "use a smaller beam or fewer tokens per batch (--max-tokens)"),
+    (3, 1, 5, "use fewer samples or fewer tokens per batch (--max-tokens)"),
+])
+def test_out_of_memory_advice_offers_only_what_can_shrink(batch, beam, samples, advice):
+    """A beam of 1, one sample or a batch of one sentence is already as small as it gets."""
+    from aiayn.errors import OutOfMemory
+
+    assert str(OutOfMemory(0, batch, beam, samples=samples)).endswith(f"; {advice}")
+
+
 def test_output_file_is_untouched_when_writing_fails(tmp_path, monkeypatch):
     """A full disk (os.fsync failing with ENOSPC) leaves the old file and no temporary; a `UserError`."""
     out = tmp_path / "out.txt"

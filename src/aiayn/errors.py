@@ -77,9 +77,11 @@ class OutOfMemory(TextError):
             super().__init__(index, f"out of memory scoring a batch of {sentences} pair(s); {advice}", where)
             return
         rows = f"{samples} samples each (--n-best)" if samples else f"beam {beam}"  # sampling's rows: n_best
-        fewer = "fewer samples" if samples else "a smaller beam"
+        fewer = [("fewer samples" if samples else "a smaller beam")] if max(samples, beam) > 1 else []
+        fewer += [tokens.removeprefix(" or ")] if tokens else []
+        advice = f"use {' or '.join(fewer)}" if fewer else "the sentence alone needs more memory"
         super().__init__(index, f"out of memory decoding a batch of {sentences} sentence(s) at {rows}; "
-                                f"use {fewer}{tokens}", where)
+                                f"{advice}", where)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

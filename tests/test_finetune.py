@@ -21,7 +21,7 @@ from aiayn.data.dataset import collate, load_encoded
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
 from aiayn.model import Transformer
-from aiayn.train.config import load_config
+from aiayn.train.config import finetune_model_config, load_config
 from aiayn.train.loop import train
 from aiayn.train.loss import label_smoothed_nll
 from aiayn.translate import Translator
@@ -250,6 +250,21 @@ def test_a_refusal_blames_what_was_written_not_the_checkpoints_settings(aiayn_ch
     with pytest.raises(ConfigError, match=rf"^data.max_len=256 \(the default\) is longer than "
                                           rf"{re.escape(str(short))}'s max_len=20; set data.max_len <= 20$"):
         train(load_config(None, sets))
+    # A config changed in Python since it was read names no place for a value not written there, and a
+    # value set, not defaulted, is not called the default
+    config = load_config(None, [*sets, "data.max_len=30"])
+    saved = load_checkpoint(short).model.config
+    with pytest.raises(ConfigError, match=r"^--set 'data.max_len=30': data.max_len=30 is longer"):
+        finetune_model_config(config, saved, short)
+    with pytest.raises(ConfigError, match=r"^data.max_len=40 is longer"):
+        finetune_model_config(replace(config, data=replace(config.data, max_len=40)), saved, short)
+    from aiayn.train.config import DataConfig, RunConfig, TrainConfig
+
+    plain = RunConfig(data=DataConfig(max_len=100), train=TrainConfig(init_from=str(short)))
+    with pytest.raises(ConfigError, match=r"^data.max_len=100 is longer"):
+        finetune_model_config(plain, saved, short)
+    with pytest.raises(ConfigError, match=r"^model.d_model=48 differs"):
+        finetune_model_config(replace(config, model={"d_model": 48}), saved, short)
 
 
 def test_dropout_may_be_set_and_missing_checkpoint_is_one_line(aiayn_checkpoint, tmp_path):

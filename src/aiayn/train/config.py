@@ -208,9 +208,9 @@ class RunConfig:
     # fine-tuning a model whose checkpoint records no tokenizer settings (a converted Marian model, or a
     # fine-tune of one): [data]'s tokenizer settings describe nothing, and are left out of `to_dict`
     tokenizer_imported: bool = field(default=False, compare=False, repr=False)
-    # where each setting was written ("data.max_len" -> "run.toml:3", "--set 'data.max_len=1'"): what
+    # where each setting was written, and its value there ("data.max_len" -> ("run.toml:3", 64)): what
     # `load_config` read, for problems found later (`finetune_model_config`, against a checkpoint)
-    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    origins: dict[str, tuple[str, Any]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_by_tokenizer = sorted(set(self.model) & set(TOKENIZER_FIELDS))
@@ -254,6 +254,12 @@ class RunConfig:
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ConfigError(f"model.dropout={dropout!r} is not in [0, 1)")
 
+    def written_at(self, setting: str, value: Any) -> str | None:
+        """Where `setting` ("data.max_len") was written, if it still has the `value` written there (a
+        config `dataclasses.replace`d since may not); None where not known."""
+        where, written = self.origins.get(setting, (None, None))
+        return where if where is not None and written == value else None
+
     def given_data_keys(self) -> frozenset[str] | None:
         """The [data] keys a file or --set wrote (fine-tuning adopts the checkpoint's tokenizer settings for
         the others and compares these: vocab_size=8000 written was taken as unset), or None where that is
@@ -290,9 +296,9 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
     each of its keys but dropout, as [model] overrides it (the run's own config: preset micro, d_model 48),
     must then equal the checkpoint's too.
     """
-    def refused(setting: str, problem: str) -> ConfigError:  # named where it was written, as load_config's
-        where = config.origins.get(setting)
-        return ConfigError(f"{where}: {problem}" if where else problem)
+    def refused(setting: str, value: Any, problem: str) -> ConfigError:  # named where written, as
+        place = config.written_at(setting, value)  # load_config's own refusals are
+        return ConfigError(f"{place}: {problem}" if place else problem)
 
     values = dict(config.model)
     preset = values.pop("preset", None)
@@ -301,20 +307,20 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
     mine = resolved_settings({**asdict(saved), **values})
     for key, value in values.items():
         if key != "dropout" and mine[key] != theirs[key]:
-            raise refused(f"model.{key}", f"model.{key}={value!r} differs from {where}'s {theirs[key]!r}; "
-                          "with train.init_from only model.dropout may be set")
+            raise refused(f"model.{key}", value, f"model.{key}={value!r} differs from {where}'s "
+                          f"{theirs[key]!r}; with train.init_from only model.dropout may be set")
     if preset is not None:  # a known one (`RunConfig._check_finetune_keys`)
         differ = [f"{key}={value!r} (the checkpoint's: {theirs[key]!r})"  # keys [model] leaves to it
                   for key, value in PRESETS[preset].items()
                   if key != "dropout" and key not in values and theirs[key] != value]
         if differ:
-            raise refused("model.preset", f"model.preset={preset!r} has {', '.join(differ)}; with "
+            raise refused("model.preset", preset, f"model.preset={preset!r} has {', '.join(differ)}; with "
                           f"train.init_from the model is {where}'s: remove the preset or name the "
                           "checkpoint's")
-    if config.data.max_len > saved.max_len:
-        default = "" if "max_len" in config.data_given else " (the default)"
-        raise refused("data.max_len", f"data.max_len={config.data.max_len}{default} is longer than "
-                      f"{where}'s max_len={saved.max_len}; set data.max_len <= {saved.max_len}")
+    if (max_len := config.data.max_len) > saved.max_len:
+        unset = config.written_at("data.max_len", max_len) is None and max_len == DataConfig.max_len
+        raise refused("data.max_len", max_len, f"data.max_len={max_len}{' (the default)' * unset} is longer "
+                      f"than {where}'s max_len={saved.max_len}; set data.max_len <= {saved.max_len}")
     return replace(saved, dropout=values.get("dropout", saved.dropout))
 
 
@@ -330,7 +336,9 @@ def run_config(values: dict[str, Any], where: str = "", written: str = "",
     try:
         data = from_dict(DataConfig, _expand_home(values.get("data", {})), where)
         train = from_dict(TrainConfig, _expand_home(values.get("train", {})), where)
-        return RunConfig(model, data, train, frozenset(values.get("data", {})), data, origins=origins or {})
+        placed = {name: (place, values[section][key])
+                  for name, place in (origins or {}).items() for section, key in [name.split(".", 1)]}
+        return RunConfig(model, data, train, frozenset(values.get("data", {})), data, origins=placed)
     except ConfigError as e:  # a value out of range or contradicting another: name where it was written
         written = written or where
         if origins is not None:  # "FILE with --set" blamed --set for a file's max_len = 1

@@ -527,10 +527,10 @@ def test_text_the_tokenizer_has_no_pieces_for_is_warned_of(tmp_path, corpus_file
     ids = [tok.encode_src(line)[:-1] for line in de]  # without EOS
     pieces, unknown = sum(map(len, ids)), sum(line.count(tok.unk_id) for line in ids)
     assert unknown == 2 and unknown > 0.01 * pieces
-    assert caplog.messages == [
+    assert caplog.messages == [(
         f"{a}: 2 of its {pieces} pieces ({100 * 2 / pieces:.1f}%, in 2 of 5 lines) are <unk>, characters the "
         "tokenizer has no piece for; the tokenizer's training text (or the sample it learnt from) lacks "
-        "them, or data.character_coverage < 1 left them out"]
+        "them, or data.character_coverage < 1 left them out")]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
         cache_encoded(src, tgt, tok, tmp_path / "cache")  # its own training text: no <unk>

@@ -1372,6 +1372,62 @@ def test_a_second_run_in_the_same_run_dir_is_refused(finished_run, tmp_path):
     assert train(with_train(config, max_updates=8), resume=True)["step"] == 8  # released when a run ends
 
 
+def test_a_resumed_run_checks_new_text_against_its_kept_tokenizer_and_not_its_own(finished_run, tmp_path,
+                                                                                  caplog, monkeypatch):
+    """--resume keeps the run's tokenizer: a new training corpus is checked against it as a fine-tune's is,
+    while its own text encoded again (the cache deleted) is not blamed on "other text"."""
+    from aiayn.data import dataset
+
+    config = copy_run(finished_run, tmp_path)
+    shutil.rmtree(Path(config.train.run_dir) / "cache")
+    kept = []
+    real = dataset._warn_if_unknown
+    monkeypatch.setattr(dataset, "_warn_if_unknown", lambda *a: kept.append(a[-1]) or real(*a))
+    assert train(with_train(config, max_updates=5), resume=True)["step"] == 5
+    assert kept == [False, False]  # training and validation text, encoded again: the tokenizer's own
+    src = Path(config.data.train_src)
+    joined = tmp_path / "joined.de"  # a ZWNJ, which nmt_nfkc makes a space, in every line
+    joined.write_text("".join(f"{line}\u200cein\n" for line in src.read_text(encoding="utf-8").splitlines()),
+                      encoding="utf-8")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        train(replace(with_train(config, max_updates=6), data=replace(config.data, train_src=str(joined))),
+              resume=True)
+    said = [m for m in caplog.messages if "tokenizer kept" in m]
+    assert len(said) == 1 and "changes this training text" in said[0] and "U+200C" in said[0]
+
+
+def test_a_refused_run_removes_the_run_dir_it_made_and_no_two_runs_hold_it(tmp_path, monkeypatch):
+    """A run refused before writing anything left its new run_dir holding .lock alone; removing it must
+    not let two runs hold the lock: one that opened the path just before the removal locked an unlinked
+    file, and a third run could lock the path's new one."""
+    from aiayn.train.state import RunLock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    first = RunLock(run_dir)
+    first.acquire()
+    opened_before = open(run_dir / ".lock", "a+", encoding="utf-8")  # noqa: SIM115 (a run opening it then)
+    first.release_made()
+    assert not run_dir.exists()
+    second = RunLock(run_dir)
+    opens = iter([opened_before])
+    real = second._open
+    monkeypatch.setattr(second, "_open", lambda: next(opens, None) or real())
+    second.acquire()  # the unlinked file first, then the path again: its directory made anew
+    try:
+        assert opened_before.closed and run_dir.is_dir()
+        with pytest.raises(UserError, match="another training run is writing there"):
+            RunLock(run_dir).acquire()
+    finally:
+        second.release()
+    kept = RunLock(run_dir)
+    kept.acquire()
+    (run_dir / "spm.model").write_bytes(b"")  # anything written: the directory stays
+    kept.release_made()
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "spm.model"]
+
+
 def test_a_lock_that_cannot_be_written_is_released_and_one_line(tmp_path, monkeypatch):
     """A full disk as the holder's line is written: the lock stayed held by the file object in the
     traceback, and a second try in the same process (a notebook) was refused as another run."""

@@ -1121,6 +1121,13 @@ def _read_tokenizer_inputs(directory: Path) -> dict | None:
     return saved
 
 
+def tokenizer_trained_on_other_files(directory: Path, inputs: dict) -> bool:
+    """Whether the directory's tokenizer was trained on other training files than `inputs` names (False
+    where no record says: a run directory older than the record)."""
+    saved = _read_tokenizer_inputs(directory)
+    return saved is not None and bool(_tokenizer_file_changes(saved, inputs))
+
+
 def _tokenizer_file_changes(saved: dict, inputs: dict) -> list[str]:
     """Each training file of `inputs` that is not the one `saved` records, named."""
     files = []

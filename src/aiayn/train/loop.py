@@ -63,6 +63,7 @@ from aiayn.data.dataset import (
     tokenizer_inputs,
     tokenizer_setting_changes,
     tokenizer_settings,
+    tokenizer_trained_on_other_files,
     train_tokenizer,
     write_tokenizer_inputs,
 )
@@ -1152,8 +1153,9 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
     """On process 0: the tokenizer and the caches, so that the other processes only read; the (path, key)
     of the training set's cache, then the validation set's if there is one."""
     dc = config.data
-    # a fine-tune's tokenizer, or a resumed run's, was trained on other text than a new corpus it encodes
-    kept = tokenizer is not None or bool(checkpoint_dirs(run_dir))
+    # a fine-tune's tokenizer, or that of a run resumed on other training files, learnt from other text
+    kept = tokenizer is not None or bool(checkpoint_dirs(run_dir)) and tokenizer_trained_on_other_files(
+        run_dir, tokenizer_inputs(dc.train_src, dc.train_tgt, _tokenizer_settings(config)))
     tokenizer = tokenizer or _run_tokenizer(config, run_dir)
     caches = []
     for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):

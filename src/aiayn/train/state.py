@@ -25,7 +25,7 @@ import socket
 from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -54,21 +54,25 @@ class RunLock:
         self.file = None
 
     def acquire(self) -> None:
-        try:
-            f = open(self.path, "a+", encoding="utf-8")
-        except OSError as e:
-            raise UserError(f"{self.path}: cannot open the run's lock ({e.strerror or e})") from None
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            f.seek(0)
-            holder = f.read().strip()
-            f.close()
-            if e.errno not in (errno.EAGAIN, errno.EACCES):  # a filesystem without locks: nothing to refuse
-                return
-            raise UserError(f"{self.path.parent}: another training run is writing there"
-                            f"{f' (process {holder})' if holder else ''}; wait for it to end, or set another "
-                            "train.run_dir") from None
+        for _ in range(3):  # a refused run removing its run_dir as this one opened the lock: once or twice
+            f = self._open()
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                f.seek(0)
+                holder = f.read().strip()
+                f.close()
+                if e.errno not in (errno.EAGAIN, errno.EACCES):  # a filesystem without locks: no refusal
+                    return
+                raise UserError(f"{self.path.parent}: another training run is writing there"
+                                f"{f' (process {holder})' if holder else ''}; wait for it to end, or set "
+                                "another train.run_dir") from None
+            if self._still_named(f):
+                break
+            f.close()  # locked a file `release_made` unlinked: another run could lock the path's new one
+        else:
+            raise UserError(f"{self.path}: the run's lock keeps being removed; is another program deleting "
+                            f"{self.path.parent}?")
         try:
             f.seek(0)
             f.truncate()
@@ -80,6 +84,25 @@ class RunLock:
                 f.close()
             raise UserError(f"{self.path}: cannot write the run's lock ({e.strerror or e})") from None
         self.file = f
+
+    def _open(self) -> IO[str]:
+        try:
+            return open(self.path, "a+", encoding="utf-8")
+        except FileNotFoundError:  # the directory too was removed by a run refused meanwhile: made again
+            with contextlib.suppress(OSError):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                return open(self.path, "a+", encoding="utf-8")
+            raise UserError(f"{self.path}: cannot open the run's lock (its directory is gone)") from None
+        except OSError as e:
+            raise UserError(f"{self.path}: cannot open the run's lock ({e.strerror or e})") from None
+
+    def _still_named(self, f: IO[str]) -> bool:
+        """Whether the file `f` locked is still the one at the lock's path."""
+        try:
+            here, there = os.fstat(f.fileno()), os.stat(self.path)
+        except OSError:
+            return False
+        return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
     def release(self) -> None:
         if self.file is not None:

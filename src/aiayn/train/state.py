@@ -113,7 +113,8 @@ class RunLock:
         """Release the lock of a run that made its run directory and was refused or stopped before it
         wrote anything there: the directory, holding the lock alone, goes too (refusals left an empty run
         directory behind, which the next try's listing then had to explain). Unlinked while held: a run
-        that opens the path after that makes a new file, and the directory, no longer empty, stays."""
+        that had opened it finds, once it holds it, that it is no longer at the path, and opens the path
+        again (`acquire`), making the directory anew if it is gone."""
         if self.file is not None:
             with contextlib.suppress(OSError):
                 if [p.name for p in self.path.parent.iterdir()] == [LOCK]:

@@ -26,6 +26,16 @@ def test_a_failed_member_stops_the_other_instead_of_orphaning_it():
     assert run.wait_all(ok, poll_s=0.05) == [0, 0]
 
 
+def test_a_failure_of_the_second_member_stops_the_first():
+    """wait_all polled with any(): it stopped at the first member, still running, and saw the second's
+    failure only once the first had ended (in the recipe, its whole 80 minutes of training)."""
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"])
+    failing = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    start = time.monotonic()
+    assert run.wait_all([slow, failing], poll_s=0.05) == [-15, 3]
+    assert time.monotonic() - start < 10
+
+
 def test_a_missing_data_folder_is_one_line(tmp_path, capsys):
     assert run.main(["--data", str(tmp_path / "nowhere"), "--set", f"train.run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err

@@ -161,9 +161,14 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
+        while True:
+            # each polled every round: any() stopped at the first still running, so the second member's
+            # failure went unseen until the first had trained its whole 80 minutes
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes):
                 stop_all()
+                break
+            if None not in codes:
                 break
             time.sleep(poll_s)
     except KeyboardInterrupt:  # the members, in the same process group, got the Ctrl-C too

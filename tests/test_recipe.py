@@ -183,6 +183,29 @@ def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, 
     assert not (tmp_path / "r").exists()
 
 
+def test_a_failed_member_is_named_with_its_run_directory(tmp_path, monkeypatch):
+    """It said only "an ensemble member failed: exit codes [-15, 2]": which one, and where, was for the
+    reader to find among two trainings' lines."""
+    popen = subprocess.Popen
+
+    def member(cmd, **kwargs):  # b fails at once, a would train on; other commands (git) run as they are
+        if "--train-only" not in cmd:
+            return popen(cmd, **kwargs)
+        fails = f"train.run_dir={tmp_path / 'r' / 'b'}" in cmd
+        code = "import sys; sys.exit(2)" if fails else "import time; time.sleep(20)"
+        return popen([sys.executable, "-c", code])
+
+    monkeypatch.setattr(run.subprocess, "Popen", member)
+    data = dog_data(tmp_path / "data")
+    with pytest.raises(SystemExit) as e:
+        run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"])
+    assert str(e.value.code) == (f"run.py: ensemble member b ({tmp_path / 'r' / 'b'}) failed "
+                                 "(exit 2; its error is above)")
+    assert run.member_failure([2, 1], ["x/a", "x/b"]) == (
+        "ensemble members a (x/a) and b (x/b) failed (exit 2, 1; their errors are above)")
+    assert run.member_failure([143, -15], ["x/a", "x/b"]).startswith("ensemble members a (x/a) and b (x/b)")
+
+
 def test_results_record_the_whole_training_and_a_run_that_trained_nothing_keeps_them(tmp_path):
     """train_s was the wall time around this invocation: a --resume after a stop recorded only its own
     part, and a --resume of a finished run (nothing to train) replaced results.json, 17.5 s with 2.5 s."""

@@ -123,8 +123,8 @@ def check_members_differ(configs: list[RunConfig]) -> None:
                         f"train.seed={configs[0].train.seed + 1}")
 
 
-def train_members(args: argparse.Namespace, members: list[list[str]]) -> None:
-    """Train the two --ensemble members, given their overrides, in parallel processes."""
+def train_members(args: argparse.Namespace, members: list[list[str]], run_dirs: list[str]) -> None:
+    """Train the two --ensemble members, given their overrides and run directories, in parallel processes."""
     procs = []
     for overrides in members:
         cmd = [sys.executable, __file__, "--data", args.data, "--pair", args.pair, "--train-only",
@@ -132,7 +132,19 @@ def train_members(args: argparse.Namespace, members: list[list[str]]) -> None:
         procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)]))
     codes = wait_all(procs)
     if any(codes):
-        raise SystemExit(f"an ensemble member failed: exit codes {codes}")
+        raise SystemExit(f"run.py: {member_failure(codes, run_dirs)}")
+
+
+def member_failure(codes: list[int], run_dirs: list[str]) -> str:
+    """Which member failed, and where: "exit codes [0, 2]" left the reader to find it among the lines of two
+    trainings. A member that wait_all stopped (SIGTERM) did not fail, unless every nonzero one was stopped."""
+    stopped = (-signal.SIGTERM, 128 + signal.SIGTERM)  # killed while preparing data, or saved and stopped
+    failed = [i for i, c in enumerate(codes) if c not in (0, *stopped)]
+    failed = failed or [i for i, c in enumerate(codes) if c]
+    names = " and ".join(f"{'ab'[i]} ({run_dirs[i]})" for i in failed)
+    exits = ", ".join(str(codes[i]) for i in failed)
+    whose = "its error is" if len(failed) == 1 else "their errors are"
+    return f"ensemble member{'s' * (len(failed) > 1)} {names} failed (exit {exits}; {whose} above)"
 
 
 def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
@@ -214,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     members, overrides = member_configs(args, config, data_keys)
     before = [so_far(m.train.run_dir) for m in members]
     if args.ensemble and not args.no_train:
-        train_members(args, overrides)
+        train_members(args, overrides, [m.train.run_dir for m in members])
     elif not args.no_train:
         train(config, resume=args.resume)
     if args.train_only:

@@ -118,6 +118,32 @@ def test_files_it_would_score_and_search_options_are_checked_before_training(tmp
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("bad", ["unequal", "utf8", "empty"])
+def test_each_scored_pair_of_files_is_read_and_checked_before_training(tmp_path, capsys, monkeypatch, bad):
+    """Only is_file() was checked: a val or test pair of unequal length, invalid UTF-8 or no lines failed
+    after the whole training and decoding, naming no file ("reference 1 has 38 lines but ...")."""
+    def trained(config, resume=False):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(run, "train", trained)
+    data = dog_data(tmp_path / "data")
+    for lang in ("en", "de"):
+        (data / f"test_2016_flickr.{lang}").write_text("ein Hund\n", encoding="utf-8")
+    broken = {"unequal": b"ein Hund\nzwei Hunde\n", "utf8": b"ein Hund\n\xff\n", "empty": b""}[bad]
+    (data / "test_2016_flickr.de").write_bytes(broken)
+    if bad == "empty":
+        (data / "test_2016_flickr.en").write_bytes(b"")
+    base = ["--data", str(data), "--set", f"train.run_dir={tmp_path / 'run'}"]
+    assert run.main([*base, "--test"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py: error: ") and err.count("\n") == 1
+    expected = {"unequal": f"test_2016_flickr.en has 1 lines but {data / 'test_2016_flickr.de'} has 2",
+                "utf8": "test_2016_flickr.de:2: invalid UTF-8", "empty": "test_2016_flickr.de are empty"}[bad]
+    assert expected in err, err
+    with pytest.raises(AssertionError, match="trained"):  # without --test, test's files are not read
+        run.main(base)
+
+
 def test_a_stopped_training_is_one_line_with_the_signals_status(tmp_path, capsys, monkeypatch):
     """It was a Stopped traceback, exit 1, advising a --resume the script did not have."""
     def stopped(config, resume=False):

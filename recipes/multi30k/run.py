@@ -91,11 +91,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def score(translator: Translator, data: Path, split: str, src: str, tgt: str, beam: int, lenpen: float) -> dict:
+def scored_pairs(data: Path, splits: list[str], src: str, tgt: str) -> dict[str, tuple[list[str], list[str]]]:
+    """Each split's (sources, references), read and checked before training: invalid UTF-8 (read_lines names
+    the file and line), sides of unequal length, or no lines failed only after the training and decoding,
+    naming no file ("reference 1 has 38 lines but the hypotheses have 40", "no hypotheses")."""
+    pairs = {}
+    for split in splits:
+        paths = [data / f"{split}.{lang}" for lang in (src, tgt)]
+        sources, refs = (read_lines(p, done="scored") for p in paths)
+        if len(sources) != len(refs):
+            raise UserError(f"{paths[0]} has {len(sources)} lines but {paths[1]} has {len(refs)}: "
+                            "a split's two sides pair line by line")
+        if not sources:
+            raise UserError(f"{paths[0]} and {paths[1]} are empty: nothing to score")
+        pairs[split] = sources, refs
+    return pairs
+
+
+def score(translator: Translator, split: str, sources: list[str], refs: list[str], beam: int,
+          lenpen: float) -> dict:
     start = time.monotonic()
-    hyps = translator.translate(read_lines(data / f"{split}.{src}"), beam=beam, lenpen=lenpen)
+    hyps = translator.translate(sources, beam=beam, lenpen=lenpen)
     seconds = time.monotonic() - start
-    scores = corpus_scores(hyps, [read_lines(data / f"{split}.{tgt}")])
+    scores = corpus_scores(hyps, [refs])
     return {"split": split, "decode_s": round(seconds, 1),
             "scores": [{"name": s.name, "score": round(s.score, 2), "signature": s.signature} for s in scores]}
 
@@ -222,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         for lang in (src, tgt):
             if not (data / f"{split}.{lang}").is_file():
                 raise UserError(f"{data / f'{split}.{lang}'}: file not found")
+    pairs = scored_pairs(data, splits, src, tgt)  # test_2016_flickr's files only with --test
     start = time.monotonic()
     members, overrides = member_configs(args, config, data_keys)
     before = [so_far(m.train.run_dir) for m in members]
@@ -241,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
                "environment": env,
                # what the checkpoints were trained with (with --no-train the options given here may differ)
                "configs": [read_meta(a).get("config") for a in averaged],
-               "results": [score(translator, data, s, src, tgt, beam, lenpen) for s in splits]}
+               "results": [score(translator, s, *pairs[s], beam, lenpen) for s in splits]}
     # The whole run: this invocation's wall time and the training earlier invocations did (--resume).
     results["total_s"] = round(time.monotonic() - start + max(s or 0.0 for _, s in before), 1)
     write_results(args, run_dir, results, trained=[u for u, _ in after] != [u for u, _ in before])

@@ -209,6 +209,26 @@ def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, 
     assert not (tmp_path / "r").exists()
 
 
+def test_ensemble_members_with_other_vocabularies_are_refused_before_training(tmp_path, capsys, monkeypatch):
+    """A partner with another tokenizer setting or training files was refused by the ensemble's check
+    of its members' vocabularies, after both trainings (80 minutes)."""
+    def trained(*args):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(run, "train_members", trained)
+    data = dog_data(tmp_path / "data")
+    base = ["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]
+    assert run.main([*base, "--partner", "data.vocab_size=300"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py: error: ") and err.count("\n") == 1
+    assert "data.vocab_size is 8000 for member a and 300 for member b" in err
+    other = data / "other.en"
+    other.write_text("ein Hund\n", encoding="utf-8")
+    assert run.main([*base, "--partner", f"data.train_src={other}"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.train_src is {str(data / 'train.en')!r} for member a and {str(other)!r} for member b" in err
+
+
 def test_a_failed_member_is_named_with_its_run_directory(tmp_path, monkeypatch):
     """It said only "an ensemble member failed: exit codes [-15, 2]": which one, and where, was for the
     reader to find among two trainings' lines."""

@@ -32,7 +32,7 @@ from aiayn.errors import Stopped, UserError
 from aiayn.evaluate import corpus_scores
 from aiayn.files import atomic_output
 from aiayn.train.average import average_last
-from aiayn.train.config import RunConfig, load_config
+from aiayn.train.config import TOKENIZER_SETTINGS, RunConfig, load_config
 from aiayn.train.loop import train
 from aiayn.train.state import checkpoint_dirs
 from aiayn.translate import Translator
@@ -132,6 +132,7 @@ BOOKKEEPING = ("run_dir", "threads", "log_every")
 def check_members_differ(configs: list[RunConfig]) -> None:
     """Two members of one configuration train one model twice, bit for bit: `--set train.seed=2` met
     en-de's partner `train.seed=2`, and the ensemble of two copies cost twice the training."""
+    check_members_share_vocabulary(configs)
     a, b = (c.to_dict() for c in configs)  # what meta.json records (asdict also compared what was written)
     for d in (a, b):
         d["train"] = {k: v for k, v in d["train"].items() if k not in BOOKKEEPING}
@@ -139,6 +140,20 @@ def check_members_differ(configs: list[RunConfig]) -> None:
         raise UserError("the two --ensemble members would train the same model (the partner's overrides set "
                         "nothing --set has not); make them differ, e.g. --partner "
                         f"train.seed={configs[0].train.seed + 1}")
+
+
+# [data] settings a tokenizer is trained from: the validation files and max_len do not change it
+VOCABULARY = ("train_src", "train_tgt", *TOKENIZER_SETTINGS)
+
+
+def check_members_share_vocabulary(configs: list[RunConfig]) -> None:
+    """An ensemble decodes with one vocabulary: a partner with another tokenizer setting or training files
+    (`--partner data.vocab_size=300`) was refused by Translator only after both trainings."""
+    for key in VOCABULARY:
+        a, b = (getattr(c.data, key) for c in configs)
+        if a != b:
+            raise UserError(f"the two --ensemble members would train different vocabularies: data.{key} is "
+                            f"{a!r} for member a and {b!r} for member b; an ensemble decodes with one")
 
 
 def train_members(args: argparse.Namespace, members: list[list[str]], run_dirs: list[str]) -> None:

@@ -229,6 +229,26 @@ def test_ensemble_members_with_other_vocabularies_are_refused_before_training(tm
     assert f"data.train_src is {str(data / 'train.en')!r} for member a and {str(other)!r} for member b" in err
 
 
+def test_a_single_run_and_an_ensemble_do_not_share_a_run_directory(tmp_path, capsys, monkeypatch):
+    """Both defaulted to runs/multi30k-PAIR: the ensemble's a/ and b/ went inside the single run's
+    directory, and each replaced the other's results.json."""
+    def trained(*args, **kwargs):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(run, "train", trained)
+    monkeypatch.setattr(run, "train_members", trained)
+    data = dog_data(tmp_path / "data")
+    (tmp_path / "single" / "checkpoints" / "step_000200").mkdir(parents=True)
+    (tmp_path / "ens" / "b" / "checkpoints" / "step_000200").mkdir(parents=True)
+    for run_dir, ensemble in (("single", ["--ensemble"]), ("ens", [])):
+        assert run.main(["--data", str(data), *ensemble, "--set", f"train.run_dir={tmp_path / run_dir}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"run.py: error: {tmp_path / run_dir} holds ") and err.count("\n") == 1
+        assert "--set train.run_dir=" in err
+    with pytest.raises(AssertionError, match="trained"):  # each in its own kind of directory
+        run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'ens'}"])
+
+
 def test_a_failed_member_is_named_with_its_run_directory(tmp_path, monkeypatch):
     """It said only "an ensemble member failed: exit codes [-15, 2]": which one, and where, was for the
     reader to find among two trainings' lines."""

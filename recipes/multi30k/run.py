@@ -256,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
             if not (data / f"{split}.{lang}").is_file():
                 raise UserError(f"{data / f'{split}.{lang}'}: file not found")
     pairs = scored_pairs(data, splits, src, tgt)  # test_2016_flickr's files only with --test
+    check_run_dir(run_dir, args.ensemble)
     start = time.monotonic()
     members, overrides = member_configs(args, config, data_keys)
     before = [so_far(m.train.run_dir) for m in members]
@@ -280,6 +281,18 @@ def run(args: argparse.Namespace) -> int:
     results["total_s"] = round(time.monotonic() - start + max(s or 0.0 for _, s in before), 1)
     write_results(args, run_dir, results, trained=[u for u, _ in after] != [u for u, _ in before])
     return 0
+
+
+def check_run_dir(run_dir: Path, ensemble: bool) -> None:
+    """A single run and an --ensemble share the default RUN_DIR (runs/multi30k-PAIR): the ensemble's a/ and
+    b/ went inside a single run's directory, and each replaced the other's results.json."""
+    hint = "; give this one another directory (--set train.run_dir=...)"
+    if ensemble and checkpoint_dirs(run_dir):
+        raise UserError(f"{run_dir} holds a single run's checkpoints, not --ensemble members{hint}")
+    members = [run_dir / m for m in "ab" if checkpoint_dirs(run_dir / m)]
+    if not ensemble and members:
+        raise UserError(f"{run_dir} holds --ensemble members ({members[0]}), not a single run{hint}, "
+                        "or add --ensemble")
 
 
 def member_configs(args: argparse.Namespace, config: RunConfig,

@@ -80,6 +80,21 @@ def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path):
     assert {"commit", "cpu", "torch", "date", "load_average"} <= set(scored["environment"])
 
 
+def test_a_val_only_scoring_keeps_the_test_scoring(tmp_path):
+    """`--no-train --test`, then `--no-train`, replaced results_scored.json: the test figures, scored
+    once per recipe change, were lost."""
+    data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")
+    for lang in ("en", "de"):
+        (data / f"test_2016_flickr.{lang}").write_text((data / f"val.{lang}").read_text())
+    assert run.main(["--data", str(data), *sets]) == 0
+    assert run.main(["--data", str(data), "--no-train", "--test", *sets]) == 0
+    assert run.main(["--data", str(data), "--no-train", *sets]) == 0
+    tested = json.loads((tmp_path / "run" / "results_scored_test.json").read_text())
+    scored = json.loads((tmp_path / "run" / "results_scored.json").read_text())
+    assert [r["split"] for r in tested["results"]] == ["val", "test_2016_flickr"]
+    assert [r["split"] for r in scored["results"]] == ["val"]
+
+
 def test_a_signal_to_the_ensemble_script_stops_its_members_too(monkeypatch):
     """SIGTERM to `run.py --ensemble` ended it (143) and left both member trainings running as orphans."""
     import os

@@ -8,8 +8,9 @@
 Validation scores are always printed (tune on them); `--test` also scores test_2016_flickr: do that
 once per recipe change. Prints cased detokenized sacreBLEU and the lowercased BLEU that the published
 Multi30k numbers use, both with signatures, and the time of every stage, and writes them to
-RUN_DIR/results.json (results_scored.json when it trained nothing: --no-train, a --resume of a finished
-run). A benchmark, not a test: it takes the recipe's 80 minutes plus decoding.
+RUN_DIR/results.json (when it trained nothing, --no-train or a --resume of a finished run:
+results_scored_test.json with --test, else results_scored.json). A benchmark, not a test: it takes the
+recipe's 80 minutes plus decoding.
 """
 
 from __future__ import annotations
@@ -330,9 +331,12 @@ def so_far(run_dir: str | Path) -> tuple[int, float | None]:
 
 def write_results(args: argparse.Namespace, run_dir: Path, results: dict, trained: bool) -> None:
     """results.json holds the figures of the invocation that trained the run; one that trained nothing
-    (--no-train, a --resume of a finished run) writes results_scored.json, instead of replacing them."""
+    (--no-train, a --resume of a finished run) writes results_scored.json, instead of replacing them, or
+    results_scored_test.json when it scored test: a later val-only --no-train replaced the once-only test
+    figures."""
     kept = args.no_train or (not trained and (run_dir / "results.json").exists())
-    path = run_dir / ("results_scored.json" if kept else "results.json")
+    scored = "results_scored_test.json" if args.test else "results_scored.json"
+    path = run_dir / (scored if kept else "results.json")
     run_dir.mkdir(parents=True, exist_ok=True)
     with atomic_output(path) as f:  # a failure half way through left the old figures cut short
         f.write(json.dumps(results, indent=2) + "\n")

@@ -175,6 +175,29 @@ def test_a_stopped_training_is_one_line_with_the_signals_status(tmp_path, capsys
     assert run.parse_args(["--data", "x", "--resume"]).resume is True  # what that line advises
 
 
+def test_a_ctrl_c_outside_training_is_one_line(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C while preparing data, averaging or decoding printed a 35-line KeyboardInterrupt traceback
+    (`aiayn` says "aiayn: interrupted" and exits 130)."""
+    def interrupted(config, resume=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "train", interrupted)
+    options = ["--data", str(dog_data(tmp_path / "data")), "--set", f"train.run_dir={tmp_path / 'run'}"]
+    try:
+        assert run.main(options) == 130
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt went through main: a traceback")
+    assert capsys.readouterr().err == "run.py: interrupted\n"
+    # an --ensemble member dies by the signal, as Python's own exit on a Ctrl-C: its script tells that
+    # (nothing saved) from the 130 of a training that saved its update
+    code = (f"import sys; sys.path.insert(0, {str(RECIPE)!r}); import run\n"
+            "def train(config, resume=False): raise KeyboardInterrupt\n"
+            f"run.train = train; sys.exit(run.main({[*options, '--train-only']!r}))")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert done.returncode == -2 and done.stderr.endswith("run.py: interrupted\n"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("options", [["--partner", "train.seed=3"], ["--no-train", "--resume"]])
 def test_contradictory_options_are_refused(capsys, options):
     """--partner without --ensemble, and --resume with --no-train, were silently ignored."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -225,9 +226,9 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.command = " ".join(["recipes/multi30k/run.py", *(sys.argv[1:] if argv is None else argv)])
     try:
-        args = parse_args(argv)
-        args.command = " ".join(["recipes/multi30k/run.py", *(sys.argv[1:] if argv is None else argv)])
         return run(args)
     except (UserError, ConfigError) as e:  # a wrong --data, a run directory that is not there: one line
         print(f"run.py: error: {e}", file=sys.stderr)
@@ -235,6 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as e:  # SIGTERM or Ctrl-C: the training saved its update (as `aiayn train` says it)
         print(f"run.py: {e}", file=sys.stderr)
         return e.exit_status
+    except KeyboardInterrupt:  # outside training (data preparation, averaging, decoding): was a traceback
+        return interrupted(member=args.train_only)
+
+
+def interrupted(member: bool) -> int:
+    """A Ctrl-C outside training, in one line as `aiayn` says it (130). An --ensemble member then dies by
+    SIGINT, as Python's exit on an uncaught Ctrl-C did: wait_all tells that (nothing saved) from the 130 of
+    a training that saved its update and stopped."""
+    print("run.py: interrupted", file=sys.stderr)
+    if member:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return 130
 
 
 def run(args: argparse.Namespace) -> int:

@@ -80,6 +80,14 @@ def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path):
     assert {"commit", "cpu", "torch", "date", "load_average"} <= set(scored["environment"])
 
 
+def test_decoding_shows_its_progress(tmp_path, capsys):
+    """Decoding val (and test) gave no sign of life for minutes."""
+    data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")
+    assert run.main(["--data", str(data), *sets]) == 0
+    err = capsys.readouterr().err
+    assert "translating val: " in err and "/10 [" in err  # its bar, of val's 10 sentences (tqdm's)
+
+
 def test_a_val_only_scoring_keeps_the_test_scoring(tmp_path):
     """`--no-train --test`, then `--no-train`, replaced results_scored.json: the test figures, scored
     once per recipe change, were lost."""

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from aiayn.checkpoint import read_meta
 from aiayn.cli import positive_int
 from aiayn.config import ConfigError
@@ -113,7 +115,9 @@ def scored_pairs(data: Path, splits: list[str], src: str, tgt: str) -> dict[str,
 def score(translator: Translator, split: str, sources: list[str], refs: list[str], beam: int,
           lenpen: float) -> dict:
     start = time.monotonic()
-    hyps = translator.translate(sources, beam=beam, lenpen=lenpen)
+    # a bar on stderr, as `aiayn demo` has for the same step: each split was minutes of silence
+    with tqdm(total=len(sources), desc=f"translating {split}", unit="sent", leave=False) as bar:
+        hyps = translator.translate(sources, beam=beam, lenpen=lenpen, progress=bar.update)
     seconds = time.monotonic() - start
     scores = corpus_scores(hyps, [refs])
     return {"split": split, "decode_s": round(seconds, 1),

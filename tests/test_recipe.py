@@ -103,6 +103,19 @@ def test_a_val_only_scoring_keeps_the_test_scoring(tmp_path):
     assert [r["split"] for r in scored["results"]] == ["val"]
 
 
+def test_a_checkpoint_of_the_other_direction_is_refused(tmp_path, capsys):
+    """`--no-train --pair de-en` on an en-de run scored it silently (BLEU 0.1), and with --test would
+    have spent the once-only test score."""
+    data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")
+    assert run.main(["--data", str(data), *sets]) == 0
+    capsys.readouterr()
+    assert run.main(["--data", str(data), "--no-train", "--pair", "de-en", *sets]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"run.py: error: {tmp_path / 'run' / 'average_last_2'}: trained from ")
+    assert err.endswith("the reverse of --pair de-en; give --pair en-de\n") and err.count("\n") == 1
+    assert not (tmp_path / "run" / "results_scored.json").exists()
+
+
 def test_a_signal_to_the_ensemble_script_stops_its_members_too(monkeypatch):
     """SIGTERM to `run.py --ensemble` ended it (143) and left both member trainings running as orphans."""
     import os

@@ -287,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     after = [so_far(m.train.run_dir) for m in members]
     averaged = [average_last(m.train.run_dir, args.average) for m in members]
+    for checkpoint in averaged:
+        check_direction(checkpoint, src, tgt)
     translator = Translator.load(averaged)
     seconds = [s for _, s in after]
     results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),
@@ -312,6 +314,18 @@ def check_run_dir(run_dir: Path, ensemble: bool) -> None:
     if not ensemble and members:
         raise UserError(f"{run_dir} holds --ensemble members ({members[0]}), not a single run{hint}, "
                         "or add --ensemble")
+
+
+def check_direction(checkpoint: Path, src: str, tgt: str) -> None:
+    """`--no-train --pair en-de` on a de-en run scored it silently (BLEU 0.1), perhaps spending the
+    once-only test score: a checkpoint whose training files go from .{tgt} to .{src} is refused."""
+    data = (read_meta(checkpoint).get("config") or {}).get("data") or {}
+    train_src, train_tgt = data.get("train_src"), data.get("train_tgt")
+    if not (isinstance(train_src, str) and isinstance(train_tgt, str)):
+        return  # not recorded (a converted checkpoint has no config): nothing to compare
+    if Path(train_src).suffix == f".{tgt}" and Path(train_tgt).suffix == f".{src}":
+        raise UserError(f"{checkpoint}: trained from {train_src} to {train_tgt}, the reverse of --pair "
+                        f"{src}-{tgt}; give --pair {tgt}-{src}")
 
 
 def member_configs(args: argparse.Namespace, config: RunConfig,

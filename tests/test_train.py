@@ -266,7 +266,7 @@ def test_bad_inputs_give_one_line(tmp_path, capsys):
     assert run_cli(capsys, "train", *args, "--resume", "--set", "model.n_decoder_layers=1")[0] == 0
     code, line = run_cli(capsys, "train", *args, "--resume", "--set", "model.dropout=0.0")
     assert code == 2 and "(dropout=0.1, this run has 0.0); --resume keeps the model's settings; to train" in line
-    assert line.endswith("fine-tune from the checkpoint (train.init_from) in another train.run_dir")  # not here
+    assert line.endswith("fine-tune from the checkpoint (train.init_from) in another train.run_dir")
     for setting, message in (("train.seed=7", "trained with train.seed=1, resumed with 7; keep it"),
                              ("data.max_len=20", "trained with data.max_len=32, resumed with 20; keep it")):
         # another batch order or other pairs: the saved position in the epoch would train some batches

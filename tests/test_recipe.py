@@ -80,12 +80,30 @@ def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path):
     assert {"commit", "cpu", "torch", "date", "load_average"} <= set(scored["environment"])
 
 
-def test_decoding_shows_its_progress(tmp_path, capsys):
-    """Decoding val (and test) gave no sign of life for minutes."""
+def test_decoding_shows_its_progress(tmp_path, monkeypatch):
+    """Decoding val (and test) gave no sign of life for minutes; the bar is left out where stderr is not a
+    terminal (disable=None), as training's is: a logged run kept its carriage returns."""
+    bars = []
+
+    class Bar:
+        def __init__(self, **options):
+            self.options, self.done = options, 0
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            self.done += n
+
+    monkeypatch.setattr(run, "tqdm", Bar)
     data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")
     assert run.main(["--data", str(data), *sets]) == 0
-    err = capsys.readouterr().err
-    assert "translating val: " in err and "/10 [" in err  # its bar, of val's 10 sentences (tqdm's)
+    assert [(b.options["desc"], b.options["total"], b.done, b.options["disable"]) for b in bars] == [
+        ("translating val", 10, 10, None)]  # val's 10 sentences, counted as decoded
 
 
 def test_a_val_only_scoring_keeps_the_test_scoring(tmp_path):
@@ -286,6 +304,10 @@ def test_ensemble_members_with_other_vocabularies_are_refused_before_training(tm
     assert run.main([*base, "--partner", f"data.train_src={other}"]) == 2
     err = capsys.readouterr().err
     assert f"data.train_src is {str(data / 'train.en')!r} for member a and {str(other)!r} for member b" in err
+    # a fine-tune keeps its checkpoint's tokenizer: equal [data] settings said nothing of it (reviewer)
+    assert run.main([*base, "--partner", f"train.init_from={tmp_path / 'other_run'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"train.init_from is '' for member a and {str(tmp_path / 'other_run')!r} for member b" in err
 
 
 def test_a_single_run_and_an_ensemble_do_not_share_a_run_directory(tmp_path, capsys, monkeypatch):
@@ -306,6 +328,13 @@ def test_a_single_run_and_an_ensemble_do_not_share_a_run_directory(tmp_path, cap
         assert "--set train.run_dir=" in err
     with pytest.raises(AssertionError, match="trained"):  # each in its own kind of directory
         run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'ens'}"])
+    # both kinds in one directory, as the shared default left them: "another directory" holds nothing to
+    # score or resume, so the members are to move (reviewer)
+    (tmp_path / "single" / "a" / "checkpoints" / "step_000200").mkdir(parents=True)
+    for ensemble in (["--ensemble"], []):
+        assert run.main(["--data", str(data), "--no-train", *ensemble,
+                         "--set", f"train.run_dir={tmp_path / 'single'}"]) == 2
+        assert "move the members into a directory of their own" in capsys.readouterr().err
 
 
 def test_a_failed_member_is_named_with_its_run_directory(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from aiayn.checkpoint import read_meta
+from aiayn.checkpoint import checkpoint_tokenizer, read_meta
 from aiayn.cli import positive_int
 from aiayn.config import ConfigError
 from aiayn.data.dataset import read_lines
@@ -116,7 +116,9 @@ def score(translator: Translator, split: str, sources: list[str], refs: list[str
           lenpen: float) -> dict:
     start = time.monotonic()
     # a bar on stderr, as `aiayn demo` has for the same step: each split was minutes of silence
-    with tqdm(total=len(sources), desc=f"translating {split}", unit="sent", leave=False) as bar:
+    # disable=None: no bar where stderr is not a terminal, as training's (a log kept its carriage returns)
+    with tqdm(total=len(sources), desc=f"translating {split}", unit="sent", leave=False,
+              disable=None) as bar:
         hyps = translator.translate(sources, beam=beam, lenpen=lenpen, progress=bar.update)
     seconds = time.monotonic() - start
     scores = corpus_scores(hyps, [refs])
@@ -154,12 +156,24 @@ VOCABULARY = ("train_src", "train_tgt", *TOKENIZER_SETTINGS)
 
 def check_members_share_vocabulary(configs: list[RunConfig]) -> None:
     """An ensemble decodes with one vocabulary: a partner with another tokenizer setting or training files
-    (`--partner data.vocab_size=300`) was refused by Translator only after both trainings."""
+    (`--partner data.vocab_size=300`), or fine-tuning a checkpoint (which keeps its own tokenizer) that the
+    other does not share, was refused by Translator only after both trainings."""
     for key in VOCABULARY:
         a, b = (getattr(c.data, key) for c in configs)
         if a != b:
             raise UserError(f"the two --ensemble members would train different vocabularies: data.{key} is "
                             f"{a!r} for member a and {b!r} for member b; an ensemble decodes with one")
+    starts = [c.train.init_from for c in configs]
+    if starts[0] != starts[1] and not (all(starts) and same_tokenizer(*starts)):
+        raise UserError(f"the two --ensemble members would have different vocabularies: train.init_from is "
+                        f"{starts[0]!r} for member a and {starts[1]!r} for member b (a fine-tune keeps its "
+                        "checkpoint's tokenizer); an ensemble decodes with one")
+
+
+def same_tokenizer(a: str, b: str) -> bool:
+    """Whether two checkpoints hold one tokenizer (two checkpoints of one run do)."""
+    first, second = (checkpoint_tokenizer(Path(c), read_meta(Path(c))) for c in (a, b))
+    return first.same_as(second)
 
 
 def train_members(args: argparse.Namespace, members: list[list[str]], run_dirs: list[str]) -> None:
@@ -308,9 +322,13 @@ def check_run_dir(run_dir: Path, ensemble: bool) -> None:
     """A single run and an --ensemble share the default RUN_DIR (runs/multi30k-PAIR): the ensemble's a/ and
     b/ went inside a single run's directory, and each replaced the other's results.json."""
     hint = "; give this one another directory (--set train.run_dir=...)"
+    members = [run_dir / m for m in "ab" if checkpoint_dirs(run_dir / m)]
+    if members and checkpoint_dirs(run_dir):  # both, as the shared default left them: neither can be named
+        raise UserError(f"{run_dir} holds a single run's checkpoints and --ensemble members "
+                        f"({', '.join(map(str, members))}); move the members into a directory of their own "
+                        "and give the --ensemble commands --set train.run_dir=THAT_DIRECTORY")
     if ensemble and checkpoint_dirs(run_dir):
         raise UserError(f"{run_dir} holds a single run's checkpoints, not --ensemble members{hint}")
-    members = [run_dir / m for m in "ab" if checkpoint_dirs(run_dir / m)]
     if not ensemble and members:
         raise UserError(f"{run_dir} holds --ensemble members ({members[0]}), not a single run{hint}, "
                         "or add --ensemble")

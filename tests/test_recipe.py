@@ -255,13 +255,19 @@ def dog_data(folder: Path) -> Path:
     return folder
 
 
+def never_trains(monkeypatch) -> None:
+    """Training fails the test: what is checked must be refused before it."""
+    def trained(*args, **kwargs):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(run, "train", trained)
+    monkeypatch.setattr(run, "train_members", trained)
+
+
 def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, capsys, monkeypatch):
     """`--ensemble --set train.seed=2` gave member b en-de's partner seed 2 as well: one model trained
     twice, bit for bit, and scored as an ensemble."""
-    def trained(*args):
-        raise AssertionError("trained")
-
-    monkeypatch.setattr(run, "train_members", trained)
+    never_trains(monkeypatch)
     data = dog_data(tmp_path / "data")
     base = ["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]
     assert run.main([*base, "--set", "train.seed=2"]) == 2
@@ -289,10 +295,7 @@ def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, 
 def test_ensemble_members_with_other_vocabularies_are_refused_before_training(tmp_path, capsys, monkeypatch):
     """A partner with another tokenizer setting or training files was refused by the ensemble's check
     of its members' vocabularies, after both trainings (80 minutes)."""
-    def trained(*args):
-        raise AssertionError("trained")
-
-    monkeypatch.setattr(run, "train_members", trained)
+    never_trains(monkeypatch)
     data = dog_data(tmp_path / "data")
     base = ["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]
     assert run.main([*base, "--partner", "data.vocab_size=300"]) == 2
@@ -313,11 +316,7 @@ def test_ensemble_members_with_other_vocabularies_are_refused_before_training(tm
 def test_a_single_run_and_an_ensemble_do_not_share_a_run_directory(tmp_path, capsys, monkeypatch):
     """Both defaulted to runs/multi30k-PAIR: the ensemble's a/ and b/ went inside the single run's
     directory, and each replaced the other's results.json."""
-    def trained(*args, **kwargs):
-        raise AssertionError("trained")
-
-    monkeypatch.setattr(run, "train", trained)
-    monkeypatch.setattr(run, "train_members", trained)
+    never_trains(monkeypatch)
     data = dog_data(tmp_path / "data")
     (tmp_path / "single" / "checkpoints" / "step_000200").mkdir(parents=True)
     (tmp_path / "ens" / "b" / "checkpoints" / "step_000200").mkdir(parents=True)

@@ -220,6 +220,31 @@ def test_compile_without_a_cxx_compiler_is_refused_before_any_work(finished_run,
     assert not (tmp_path / "fresh").exists()
 
 
+def test_a_compiler_that_cannot_build_is_refused_before_any_work(finished_run, tmp_path, monkeypatch):
+    """A g++ without Python's headers, a broken or empty $CXX: on PATH (or read as g++), so the check
+    passed, and the first update failed in a 190-line traceback after the tokenizer and the encoding."""
+    from aiayn.decoding import compiled
+
+    config = with_train(finished_run[1], run_dir=str(tmp_path / "fresh"), compile=True)
+    monkeypatch.setenv("CXX", "")  # inductor runs "" (Permission denied); it passed as g++
+    with pytest.raises(ConfigError, match=r"^train.compile=true on a CPU needs a C\+\+ compiler, and CXX is "
+                                          r"set but empty: unset it"):
+        train(config)
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: True)
+
+    def cannot_build(*args, **kwargs):
+        raise RuntimeError("C++ compile error\n\nCommand:\ng++ x.cpp\n\nOutput:\nx.cpp:1:10: fatal error: "
+                           "Python.h: No such file or directory\ncompilation terminated.")
+
+    monkeypatch.setattr(torch, "compile", cannot_build)
+    with pytest.raises(UserError, match=r"^train.compile=true: torch.compile failed here: C\+\+ compile "
+                                        r"error \(x.cpp:1:10: fatal error: Python.h: No such file or "
+                                        r"directory\); or set train.compile=false$"):
+        train(config)
+    assert not (tmp_path / "fresh").exists()
+
+
 def test_another_precision_on_resume_is_said(finished_run, tmp_path, caplog):
     config = with_train(copy_run(finished_run, tmp_path), max_updates=6, precision="bf16")
     with caplog.at_level(logging.INFO):

@@ -146,7 +146,7 @@ def inference_device(device: str | torch.device, int8: bool = False) -> torch.de
     if parsed.type == "cpu":
         return parsed
     if parsed.type != "cuda":  # meta, mps...: untested here, and meta has no weights to compute with
-        raise UserError(f"device {device!r}: translation runs on cpu or cuda only")
+        raise UserError(f"device {device!r}: aiayn decodes on cpu or cuda only")  # translate and score
     if int8:  # before the CUDA checks: the answer is the same on a machine with or without a GPU
         raise UserError(f"int8 (--int8) is a CPU path (torch.ao's dynamic quantization has no CUDA kernels): "
                         f"drop it on device {str(device)!r}, or use device cpu")

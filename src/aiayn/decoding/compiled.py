@@ -38,19 +38,42 @@ from aiayn.model import KVCache, Transformer
 def cxx_compiler() -> str:
     """The C++ compiler torch.compile's CPU backend (inductor) runs: $CXX, else g++ (clang++ on macOS), as
     its `cpp.cxx` setting says; it tries no other (c++ on PATH passed a check for any of three, then the
-    first update failed with inductor's "No working C++ compiler found")."""
-    return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    first update failed with inductor's "No working C++ compiler found"). An empty $CXX is "", as inductor
+    reads it (it ran "": Permission denied), not the default."""
+    return os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
 
 
 def has_cxx_compiler() -> bool:
     """Whether the compiler inductor runs (`cxx_compiler`) is there."""
-    return shutil.which(cxx_compiler()) is not None
+    return bool(cxx_compiler()) and shutil.which(cxx_compiler()) is not None
 
 
 def missing_compiler(setting: str) -> str:
     """What to say when `has_cxx_compiler` is false: `setting` needs it."""
+    if not cxx_compiler():
+        return (f"{setting} needs a C++ compiler, and CXX is set but empty: unset it (g++ is then used) or "
+                "name one")
     return (f"{setting} needs the C++ compiler torch.compile's CPU code is built with, {cxx_compiler()} "
             "($CXX, else g++; clang++ on macOS), on PATH: install it or set CXX")
+
+
+def check_compile_works(setting: str) -> None:
+    """torch.compile of a two-operation function, run once (seconds; cached by inductor after): a UserError
+    where it fails. A compiler that is there but cannot build inductor's code (no Python headers, a broken
+    $CXX, an unwritable cache) failed training's first update, after the tokenizer and the encoding, in a
+    190-line traceback."""
+    from aiayn.errors import UserError
+
+    if not has_cxx_compiler():
+        raise UserError(missing_compiler(setting))
+    try:
+        torch.compile(_twice_plus_one)(torch.ones(2))
+    except Exception as e:  # noqa: BLE001  dynamo and inductor raise many kinds, with pages of detail
+        raise UserError(f"{setting}: torch.compile failed here: {_first_words(e)[:300]}") from None
+
+
+def _twice_plus_one(x: Tensor) -> Tensor:
+    return x * 2 + 1
 
 
 def check_cxx_compiler() -> None:
@@ -141,6 +164,9 @@ def compile_one_row_step(model: Transformer) -> Transformer:
 
 def _first_words(error: Exception) -> str:
     """The first line of `error` that says something: "backend='inductor' raised:" is followed by its
-    reason, on the next line."""
+    reason, on the next line; a compiler's own first "error:" line after it ("C++ compile error" kept
+    back "fatal error: Python.h: No such file or directory")."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    words = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    reason = next((line for line in lines[1:] if "error:" in line and line not in words), None)
+    return f"{words} ({reason})" if reason else words

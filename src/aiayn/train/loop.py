@@ -135,12 +135,16 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     if config.train.precision == "fp16" and d.device.type != "cuda":
         raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
     if config.train.compile and d.device.type == "cpu":
-        from aiayn.decoding.compiled import has_cxx_compiler, missing_compiler
+        from aiayn.decoding.compiled import check_compile_works, has_cxx_compiler, missing_compiler
 
         if not has_cxx_compiler():  # inductor's CPU code is C++: a 180-line traceback at the first update,
             # the data prepared
             raise ConfigError(missing_compiler("train.compile=true on a CPU")
                               + ", or set train.compile=false")
+        try:  # one that is there but cannot build (no Python headers): the same traceback, the same place
+            check_compile_works("train.compile=true")
+        except UserError as e:
+            raise UserError(f"{e}; or set train.compile=false") from None
     if config.data.valid_src and config.train.bleu_every:  # ja and ko need MeCab: say so now, not after
         from aiayn.evaluate import bleu_metrics  # the tokenizer's training and the encoding
 

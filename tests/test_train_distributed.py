@@ -149,6 +149,19 @@ def torchrun_train(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # three fresh Pythons importing torch
+def test_validation_bleu_under_two_processes_goes_on_training(tmp_path):
+    """Process 0 alone holds the validation text and scores BLEU; the others skipped the pass, and with it
+    the count of whether it was cut, so process 0 waited in one collective and process 1 in another: the
+    job hung at the first BLEU pass before the last update (30 minutes, then gloo's timeout)."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=4", "train.valid_every=2",
+                          "train.bleu_every=2")
+    proc = torchrun_train(sets)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("valid BLEU (greedy)") == 2  # at updates 2 and 4, by process 0 alone
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step_000002", "step_000004"]
+
+
 @pytest.mark.slow  # three fresh Pythons importing torch: seconds when idle, far more on a busy machine
 def test_a_bad_corpus_only_rank_0_reads_is_one_line(tmp_path):
     """Rank 0 alone reads the corpus; rank 1 used to wait at a barrier and die with ~70 lines of gloo's

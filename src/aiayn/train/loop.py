@@ -801,7 +801,8 @@ def _measure(model, state, data, config, d, autocast, stopper: StopSignal | None
     if result is None:  # on every process alike
         return None
     _check_finite("validation loss", result["valid_loss"], state.step)
-    if tc.bleu_every and state.step % tc.bleu_every == 0 and data.valid_text is not None:
+    # every process enters (it counts whether the pass was cut); only process 0 holds the text and scores
+    if tc.bleu_every and state.step % tc.bleu_every == 0 and config.data.valid_src:
         cut = False
         if d.is_main:
             from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import tiny_config
 
+from aiayn.errors import UserError
 from aiayn.train.loop import train
 from aiayn.train.state import checkpoint_dirs
 
@@ -235,6 +236,49 @@ def test_torchrun_variables_that_are_not_torchruns_are_one_line(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "")  # set but empty: the default, as when unset
     assert distributed.setup("cpu").world_size == 1
+
+
+def test_a_gpu_only_a_later_process_lacks_is_said_by_it(monkeypatch):
+    """torchrun --nproc_per_node 2 on a 1-GPU machine: only local rank 1 finds no GPU of its own, and its
+    ConfigError was left to process 0 to say, which never met it: no line at all."""
+    from aiayn.config import ConfigError
+    from aiayn.train import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match=r"^LOCAL_RANK=1, but this machine has 1 GPU\(s\)") as e:
+        distributed._check_gpu("cuda", 1)
+    assert not isinstance(e.value, ConfigError)  # which the command line leaves to process 0
+
+
+@pytest.mark.parametrize("rank, said", [("0", True), ("1", False)])
+def test_a_config_file_every_process_reads_is_said_once(tmp_path, monkeypatch, capsys, rank, said):
+    """A config file missing or not valid TOML, read alike by every process of a torchrun job, was said by
+    each; so was a BLEU tokenizer whose packages are missing."""
+    from aiayn import cli
+
+    monkeypatch.setenv("RANK", rank)
+    assert cli.main(["train", "--config", str(tmp_path / "nofile.toml")]) == 2
+    assert ("nofile.toml: config file not found" in capsys.readouterr().err) == said
+    monkeypatch.setattr("aiayn.evaluate.bleu_metrics", lambda lang: (_ for _ in ()).throw(
+        UserError("sacreBLEU's ja tokenizer needs packages missing here")))
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.bleu_every=2", "train.bleu_lang=ja")
+    assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert ("ja tokenizer needs packages missing here" in capsys.readouterr().err) == said
+
+
+def test_each_process_draws_dropout_from_a_stream_of_its_own():
+    """Every process was seeded with train.seed: the same dropout masks over each batch's first rows."""
+    from aiayn.train.state import own_random_stream
+
+    draws = []
+    for rank in range(3):
+        torch.manual_seed(1)
+        own_random_stream(1, rank)
+        draws.append(torch.rand(8))
+    torch.manual_seed(1)
+    assert torch.equal(draws[0], torch.rand(8))  # process 0 (a run of one): train.seed's stream as it was
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
 
 
 SLOW_PREPARATION = """

@@ -121,10 +121,15 @@ def _log_to_stderr() -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     """Train with a TOML config and overrides; the same command runs under torchrun."""
     from aiayn.train.config import load_config
+    from aiayn.train.distributed import SameOnEveryProcess
     from aiayn.train.loop import train
 
     _log_to_stderr()
-    result = train(load_config(args.config, args.set), resume=args.resume)
+    try:
+        config = load_config(args.config, args.set)
+    except UserError as e:  # read alike by every process of a torchrun job: said once (it was said by each)
+        raise SameOnEveryProcess(str(e)) from None
+    result = train(config, resume=args.resume)
     # torchrun: rank 0 speaks; a closed stdout (pythonw, `>&-`) loses the summary, not days of training
     if os.environ.get("RANK", "0") == "0" and not getattr(sys.stdout, "closed_at_start", False):
         print(_train_summary(result))

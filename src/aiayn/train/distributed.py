@@ -97,8 +97,9 @@ def _check_gpu(device: str, local_rank: int) -> None:
     """One line instead of torch's AttributeError (no CUDA build) or invalid-ordinal error."""
     if not torch.cuda.is_available():
         raise ConfigError(f"train.device={device!r}, but PyTorch sees no CUDA GPU; use 'auto' or 'cpu'")
-    if local_rank >= torch.cuda.device_count():
-        raise ConfigError(
+    if local_rank >= torch.cuda.device_count():  # not on process 0, which the CLI leaves a ConfigError to:
+        # a UserError, said by each process it stops (nothing at all was said)
+        raise UserError(
             f"LOCAL_RANK={local_rank}, but this machine has {torch.cuda.device_count()} GPU(s); "
             "start at most that many processes per machine"
         )

@@ -82,6 +82,7 @@ from aiayn.train.state import (
     RunLock,
     TrainState,
     checkpoint_dirs,
+    own_random_stream,
     prune,
     restore,
     rng_states,
@@ -148,7 +149,10 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     if config.data.valid_src and config.train.bleu_every:  # ja and ko need MeCab: say so now, not after
         from aiayn.evaluate import bleu_metrics  # the tokenizer's training and the encoding
 
-        bleu_metrics(config.train.bleu_lang)
+        try:
+            bleu_metrics(config.train.bleu_lang)
+        except UserError as e:  # the same packages missing on every process: said once
+            raise SameOnEveryProcess(str(e)) from None
     run_dir = Path(config.train.run_dir)
     made = not os.path.lexists(run_dir)  # by this run, below (process 0's view: the one that holds the lock)
 
@@ -213,6 +217,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     # pairs) was kept until the first validation's trim
     tok = data.tokenizer
     model = (start_from.model if start_from else build_model(config, tok)).to(d.device)
+    own_random_stream(tc.seed, d.rank)  # after the model: built alike (DDP then copies process 0's anyway)
     optimizer = torch.optim.Adam(  # fused: one pass per tensor, 3x faster than the default on a CPU
         model.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps, fused=True
     )

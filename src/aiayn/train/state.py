@@ -276,6 +276,14 @@ def save_training_checkpoint(
     return save_checkpoint(path, model, tokenizer, meta, {**tensors, **rngs}, trainer, check_weights=False)
 
 
+def own_random_stream(seed: int, rank: int) -> None:
+    """Give process `rank` a random stream of its own for dropout: every process was seeded with `seed`, so
+    each drew the same masks over its batch's first rows. Process 0 keeps `seed`'s stream as it is (a run
+    of one process is as it was)."""
+    if rank:
+        torch.manual_seed(seed + 1_000_003 * rank)
+
+
 def restore(
     path: Path,
     model: torch.nn.Module,
@@ -302,6 +310,8 @@ def restore(
         torch.set_rng_state(tensors[f"rng.cpu.{rank}"])
         if d.device.type == "cuda" and f"rng.cuda.{rank}" in tensors:
             torch.cuda.set_rng_state(tensors[f"rng.cuda.{rank}"], d.device)
+        if rank != d.rank:  # saved by fewer processes: process 0's stream, made this process' own
+            own_random_stream(int(torch.randint(2**62, (1,))), d.rank)
         random.setstate(_as_tuple(trainer["python_rng"]))
         if scaler.is_enabled() and trainer.get("scaler"):
             scaler.load_state_dict(trainer["scaler"])

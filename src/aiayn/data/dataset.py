@@ -1062,22 +1062,22 @@ def write_tokenizer_inputs(directory: Path, inputs: dict) -> None:
         f.write(json.dumps(inputs, indent=1) + "\n")
 
 
-def check_tokenizer_inputs(directory: Path, inputs: dict, resumed: bool = False) -> None:
+def check_tokenizer_inputs(directory: Path, inputs: dict, resumed: bool = False) -> bool:
     """Refuse to reuse a run directory's tokenizer trained from other settings or files. A directory
     without the record (written before it existed) is accepted, as it always was.
 
     `resumed`: the run has checkpoints, trained with this tokenizer, so it stays. Other tokenizer
     settings are refused (they could not take effect); another corpus is what continuing training on new
-    data looks like, so it is only logged."""
+    data looks like, so it is only logged, and True returned: the tokenizer is kept for other text."""
     saved = _read_tokenizer_inputs(directory)
     if saved is None:
-        return
+        return False
     files = _tokenizer_file_changes(saved, inputs)
     if resumed:
         refuse_other_tokenizer_settings(directory, saved, inputs)
         for change in files:
             log.info("%s (--resume keeps the run's tokenizer)", change)
-        return
+        return bool(files)
     changed = tokenizer_setting_changes(saved, inputs) + files
     if changed:
         raise UserError(
@@ -1085,6 +1085,7 @@ def check_tokenizer_inputs(directory: Path, inputs: dict, resumed: bool = False)
             "delete the tokenizer (spm.model, or source.spm and target.spm) to train a new one, "
             "or use a new train.run_dir"
         )
+    return False
 
 
 def refuse_other_tokenizer_settings(where: Path, saved: dict, inputs: dict) -> None:
@@ -1119,13 +1120,6 @@ def _read_tokenizer_inputs(directory: Path) -> dict | None:
     if not isinstance(saved, dict):
         raise UserError(f"{path}: not a JSON object; {advice}")
     return saved
-
-
-def tokenizer_trained_on_other_files(directory: Path, inputs: dict) -> bool:
-    """Whether the directory's tokenizer was trained on other training files than `inputs` names (False
-    where no record says: a run directory older than the record)."""
-    saved = _read_tokenizer_inputs(directory)
-    return saved is not None and bool(_tokenizer_file_changes(saved, inputs))
 
 
 def _tokenizer_file_changes(saved: dict, inputs: dict) -> list[str]:

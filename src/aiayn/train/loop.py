@@ -63,7 +63,6 @@ from aiayn.data.dataset import (
     tokenizer_inputs,
     tokenizer_setting_changes,
     tokenizer_settings,
-    tokenizer_trained_on_other_files,
     train_tokenizer,
     write_tokenizer_inputs,
 )
@@ -1164,9 +1163,9 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
     of the training set's cache, then the validation set's if there is one."""
     dc = config.data
     # a fine-tune's tokenizer, or that of a run resumed on other training files, learnt from other text
-    kept = tokenizer is not None or bool(checkpoint_dirs(run_dir)) and tokenizer_trained_on_other_files(
-        run_dir, tokenizer_inputs(dc.train_src, dc.train_tgt, _tokenizer_settings(config)))
-    tokenizer = tokenizer or _run_tokenizer(config, run_dir)
+    kept = tokenizer is not None
+    if tokenizer is None:
+        tokenizer, kept = _run_tokenizer(config, run_dir)
     caches = []
     for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):
         if src:  # it says what it dropped
@@ -1257,8 +1256,9 @@ def _check_found_tokenizer(found: Tokenizer, dc: DataConfig, run_dir: Path) -> N
                         "target.spm) to train a new one, or use a new train.run_dir")
 
 
-def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
-    """The run directory's tokenizer: trained once on the training text, then reused if it fits."""
+def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool]:
+    """The run directory's tokenizer: trained once on the training text, then reused if it fits; and
+    whether it is kept for other text than it was trained on (a run resumed on other training files)."""
     dc = config.data
     try:
         found = find_tokenizer(run_dir)
@@ -1280,14 +1280,14 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
             raise UserError(f"{run_dir}: its tokenizer is not the one {latest.name} was trained with; put that "
                             f"checkpoint's back (the files in {latest}), or train in a new train.run_dir")
     if found is not None:  # resumed: the tokenizer of its checkpoints; else left by a first run that
-        check_tokenizer_inputs(run_dir, inputs, resumed=bool(saved))  # failed later
+        other_text = check_tokenizer_inputs(run_dir, inputs, resumed=bool(saved))  # failed later
         if not saved:  # its record (tokenizer_inputs.json) says what it was asked, not what the files hold
             _check_found_tokenizer(found, dc, run_dir)
         # as the training line says it: "(200 pieces, shared)" (this read "(200, shared pieces)")
         pieces = "" if found.shared else f" and {found.tgt_vocab_size}"
         log.info("%s: using the tokenizer there (%d%s pieces, %s)", run_dir, found.src_vocab_size, pieces,
                  "shared" if found.shared else "separate")
-        return found
+        return found, other_text
     # Checked, not reported: the encoding that follows says what it dropped, once.
     if dc.valid_src:  # a bad validation file fails now, not after minutes of tokenizer training
         read_parallel(dc.valid_src, dc.valid_tgt, report=False)
@@ -1303,7 +1303,7 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> Tokenizer:
     # The sample of a large corpus is drawn with train_tokenizer's fixed seed, not train.seed: runs of other
     # seeds on one corpus get one tokenizer, as an ensemble of them needs
     return train_tokenizer(text, run_dir, dc.vocab_size, dc.spm_type, dc.shared_vocab,
-                           dc.normalization, dc.character_coverage)
+                           dc.normalization, dc.character_coverage), False
 
 
 def _describe(config: RunConfig, model: Transformer, data: Data, d: Dist) -> str:

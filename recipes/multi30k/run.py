@@ -323,11 +323,12 @@ def check_run_dir(run_dir: Path, ensemble: bool) -> None:
     b/ went inside a single run's directory, and each replaced the other's results.json."""
     hint = "; give this one another directory (--set train.run_dir=...)"
     members = [run_dir / m for m in "ab" if checkpoint_dirs(run_dir / m)]
-    if members and checkpoint_dirs(run_dir):  # both, as the shared default left them: neither can be named
+    single = bool(checkpoint_dirs(run_dir))
+    if members and single:  # both, as the shared default left them: neither can be named
         raise UserError(f"{run_dir} holds a single run's checkpoints and --ensemble members "
                         f"({', '.join(map(str, members))}); move the members into a directory of their own "
                         "and give the --ensemble commands --set train.run_dir=THAT_DIRECTORY")
-    if ensemble and checkpoint_dirs(run_dir):
+    if ensemble and single:
         raise UserError(f"{run_dir} holds a single run's checkpoints, not --ensemble members{hint}")
     if not ensemble and members:
         raise UserError(f"{run_dir} holds --ensemble members ({members[0]}), not a single run{hint}, "

@@ -51,6 +51,27 @@ def test_round_trip_is_exact(tmp_path, tokenizer):
     assert loaded.tokenizer.encode_src("the number 3") == tokenizer.encode_src("the number 3")
 
 
+def test_save_replaces_an_earlier_checkpoint_only(tmp_path, tokenizer):
+    """`save_checkpoint("models", ...)` replaced a folder of the user's files: only the CLI's outputs were
+    checked. A checkpoint there is replaced (training re-saves a step), an empty folder filled."""
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    (tmp_path / "models" / "other").mkdir(parents=True)
+    (tmp_path / "models" / "b.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"models: holds files that are not an aiayn checkpoint; will not "
+                                        r"replace it \(delete it first"):
+        save_checkpoint(tmp_path / "models", model, tokenizer)
+    assert (tmp_path / "models" / "b.txt").read_text() == "mine" and (tmp_path / "models" / "other").is_dir()
+    (tmp_path / "empty").mkdir()
+    for step in (1, 2):
+        save_checkpoint(tmp_path / "empty", model, tokenizer, {"step": step})
+        assert load_checkpoint(tmp_path / "empty").meta["step"] == step
+    (tmp_path / "empty" / "eval.txt").write_text("mine")
+    with pytest.raises(UserError, match="holds eval.txt beside an aiayn checkpoint; replacing it would "
+                                        "delete them, so move them out first"):
+        save_checkpoint(tmp_path / "empty", model, tokenizer, {"step": 3})
+    assert load_checkpoint(tmp_path / "empty").meta["step"] == 2
+
+
 def test_a_callers_meta_never_replaces_what_is_saved(tmp_path, tokenizer):
     """`meta=loaded.meta` kept the loaded model's configuration: the new weights were saved under the old
     one (dropout and max_len here), silently."""

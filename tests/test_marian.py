@@ -512,6 +512,24 @@ def test_converted_is_said_only_once_written(tmp_path, monkeypatch, caplog):
     assert "converted" in caplog.text
 
 
+def test_convert_from_python_never_replaces_the_source_or_other_files(tmp_path):
+    """`convert_marian("models/opus", "models")` deleted `models`, the source and its sibling models with it:
+    only the CLI checked the output; the function is what a notebook calls."""
+    models = tmp_path / "models"
+    make_marian_dir(models / "opus", "swish", shared=True)
+    (models / "other").mkdir()
+    (models / "other" / "notes.txt").write_text("mine")
+    for out, force, problem in ((models, True, "contains the input"), (models / "opus", True, "is the input"),
+                                (models / "other", False, "already exists"),
+                                (models / "other", True, "holds files that are not an aiayn checkpoint")):
+        with pytest.raises(UserError, match=problem):
+            convert_marian(models / "opus", out, force=force)
+    assert (models / "other" / "notes.txt").read_text() == "mine" and (models / "opus" / "config.json").exists()
+    convert_marian(models / "opus", models / "ck")
+    convert_marian(models / "opus", models / "ck", force=True)  # an earlier checkpoint: replaced
+    assert load_checkpoint(models / "ck").meta["converted_from"]["format"] == "marian"
+
+
 MAX_NEW = 20
 
 

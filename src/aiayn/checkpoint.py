@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from aiayn.config import ConfigError, ModelConfig, from_dict, to_dict
 from aiayn.data.tokenizer import SHARED, SOURCE, TARGET, Tokenizer
 from aiayn.errors import CorruptFile, UserError, is_out_of_memory
-from aiayn.files import OutputKind, write_atomically
+from aiayn.files import OutputKind, check_replaceable, write_atomically
 from aiayn.model import Transformer
 
 FORMAT = "aiayn-1"
@@ -102,7 +102,8 @@ def save_checkpoint(
     trainer_tensors: dict[str, torch.Tensor] | None = None, trainer_meta: dict[str, Any] | None = None,
     *, check_weights: bool = True,
 ) -> Path:
-    """Write a self-contained checkpoint directory atomically; return its path.
+    """Write a self-contained checkpoint directory atomically; return its path. An existing `directory`
+    is replaced only if it is empty or a checkpoint with nothing else in it.
 
     Nothing is written that `load_checkpoint` would refuse and blame on the file ("not the tokenizer
     this model was trained with", "the file is damaged"): a tokenizer that does not fit the model, or a
@@ -116,6 +117,7 @@ def save_checkpoint(
     model = unwrap(model)
     directory = Path(directory)
     check_savable(model, directory)
+    check_replaceable(directory, CHECKPOINT_KIND)  # an earlier checkpoint (training re-saves a step), or none
     problem = vocabulary_problem(model.config, tokenizer)
     if problem:
         raise UserError(f"{directory}: not saved: {problem}")

@@ -220,15 +220,10 @@ def cmd_convert(args: argparse.Namespace) -> None:
     """Import another toolkit's model as an aiayn checkpoint (MarianMT / OPUS-MT)."""
     from pathlib import Path
 
-    from aiayn.checkpoint import CHECKPOINT_KIND
-    from aiayn.files import check_output
     from aiayn.interop.marian import convert_marian
 
     _log_to_stderr()
-    # before convert_marian's write replaces OUT; --force replaces an earlier checkpoint, nothing else
-    check_output(Path(args.out), [Path(args.source)], args.force, earlier=CHECKPOINT_KIND)
-    _check_outside_checkpoints(Path(args.out), may_be_one=True)
-    print(convert_marian(args.source, args.out))
+    print(convert_marian(args.source, args.out, force=args.force))  # --force: an earlier checkpoint only
 
 
 def cmd_export(args: argparse.Namespace) -> None:

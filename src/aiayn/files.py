@@ -134,16 +134,24 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     if here in ("is", "lies inside"):
         raise UserError(f"{out}: {'is' if here == 'is' else 'contains'} the current directory; will not "
                         "replace it")
-    if not (exists and earlier is not None and any(out.iterdir())):
+    if exists and earlier is not None:
+        check_replaceable(out, earlier, forced=True)
+
+
+def check_replaceable(out: Path, earlier: OutputKind, forced: bool = False) -> None:
+    """Refuse to replace the directory `out` unless it is empty or holds an earlier output of `earlier`'s
+    kind and nothing else (`check_output`'s last rule, and `save_checkpoint`'s own: a Python caller's
+    `save_checkpoint("models", ...)` replaced a folder of other models)."""
+    if not out.is_dir() or not any(out.iterdir()):
         return
     if not earlier.test(out):
-        raise UserError(f"{out}: holds files that are not {earlier.what}; will not replace it, even with "
-                        "--force (delete it first if it should go)")
+        raise UserError(f"{out}: holds files that are not {earlier.what}; will not replace it"
+                        f"{', even with --force' if forced else ''} (delete it first if it should go)")
     others = sorted(p.name for p in out.iterdir() if p.name not in earlier.names)
     if others:
         named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise UserError(f"{out}: holds {named} beside {earlier.what}; --force replaces the whole directory, "
-                        "so move them out first")
+        how = "--force replaces the whole directory" if forced else "replacing it would delete them"
+        raise UserError(f"{out}: holds {named} beside {earlier.what}; {how}, so move them out first")
 
 
 def check_file_output(out: str | Path, inputs: list[Path]) -> None:

@@ -31,11 +31,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from aiayn.checkpoint import is_checkpoint, model_from_weights, save_checkpoint
+from aiayn.checkpoint import CHECKPOINT_KIND, is_checkpoint, model_from_weights, save_checkpoint
 from aiayn.config import ConfigError, ModelConfig, from_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
+from aiayn.files import check_output
 from aiayn.model import sinusoidal_positions
+from aiayn.train.state import check_outside_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -491,11 +493,17 @@ def generation_defaults(directory: Path, hf: dict[str, Any]) -> dict[str, Any]:
     return {k: source[k] for k in keys if source.get(k) is not None}
 
 
-def convert_marian(directory: str | Path, out: str | Path) -> Path:
-    """Read a local MarianMT directory and write an aiayn checkpoint to `out`; return its path."""
+def convert_marian(directory: str | Path, out: str | Path, force: bool = False) -> Path:
+    """Read a local MarianMT directory and write an aiayn checkpoint to `out`; return its path.
+
+    An existing `out` is replaced only with `force`, and only if it is an earlier checkpoint with nothing
+    else in it; never the Marian directory, one holding it, or a checkpoint of a training run."""
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{directory}: {'not a directory' if directory.exists() else 'not found'}")
+    # before any work; Python callers too: convert_marian("models/opus", "models") replaced "models"
+    check_output(Path(out), [directory], force, earlier=CHECKPOINT_KIND)
+    check_outside_checkpoints(Path(out), may_be_one=True)
     if is_checkpoint(directory):  # "config.json: not found (is this a MarianMT directory?)"
         raise UserError(f"{directory}: an aiayn checkpoint already; translate, score or fine-tune it "
                         "as it is")

@@ -38,6 +38,7 @@ from aiayn.data.dataset import (
     write_tokenizer_inputs,
 )
 from aiayn.data.tokenizer import train_sentencepiece
+from aiayn.checkpoint import read_meta
 from aiayn.errors import CorruptFile, Stopped, UserError
 from aiayn.model import Transformer
 from aiayn.train import distributed, loop
@@ -1866,6 +1867,68 @@ def test_train_gives_the_caller_its_thread_count_back(finished_run, tmp_path):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_train_is_its_configs_run_under_the_callers_autocast_or_no_grad(finished_run, tmp_path):
+    """Called under the caller's `torch.autocast` (bf16), an fp32 run ran its backward in bf16 and trained
+    another model, recorded as fp32; under `no_grad` or `inference_mode` it failed at the first update, a
+    traceback after the data work."""
+    d, config, _ = finished_run
+    unbroken = read_meta(d / "run" / "checkpoints" / "step_000004")["metrics"]["valid_loss"]
+    for n, outer in enumerate((lambda: torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad,
+                               torch.inference_mode)):
+        with outer():
+            result = train(with_train(config, run_dir=str(tmp_path / f"run{n}")))
+        assert result["valid_loss"] == unbroken and torch.is_grad_enabled()
+
+
+def test_train_from_a_script_shows_its_progress_and_leaves_logging_as_it_was(finished_run, tmp_path):
+    """A script or notebook that set up no logging saw nothing until train() returned: the bar needs a
+    terminal, and Python drops INFO lines. Its lines now go to stderr for the run, as the CLI's do."""
+    import subprocess
+
+    config = copy_run(finished_run, tmp_path)
+    script = ("import logging, sys\n"
+              "from aiayn.train.config import load_config\n"
+              "from aiayn.train.loop import train\n"
+              f"train(load_config(None, {finished_run[2]!r} + ['train.run_dir={config.train.run_dir}', "
+              "'train.max_updates=6']), resume=True)\n"
+              "logger = logging.getLogger('aiayn')\n"
+              "print(logger.handlers, logger.level, logging.getLogger().handlers)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout == "[] 0 []\n"
+    lines = done.stderr.splitlines()
+    assert any(re.fullmatch(r"\d\d:\d\d:\d\d resuming from .*step_000004 \(update 4, epoch 1\)", x) for x in lines)
+    assert any(re.fullmatch(r"\d\d:\d\d:\d\d update 6: valid loss .*", x) for x in lines), lines
+
+
+def test_log_lines_above_the_bar_keep_the_callers_handlers(monkeypatch):
+    """tqdm's logging_redirect_tqdm swapped the console handler for one without its level: a console set
+    to WARNING showed every update's INFO line while the bar was up."""
+    import io
+
+    from tqdm import tqdm
+
+    from aiayn.train.progress import lines_above
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.WARNING)
+    logger = logging.getLogger("aiayn")  # where the CLI's basicConfig or a user's own handler would be
+    logger.addHandler(console)
+    bar = tqdm(total=3, file=terminal, disable=False)
+    try:
+        with lines_above(bar):
+            assert console.stream is not terminal
+            logger.info("update 2: loss 3.0")
+            logger.warning("curves.png not drawn")
+        assert console.stream is terminal and console in logger.handlers
+    finally:
+        bar.close()
+        logger.removeHandler(console)
+    shown = terminal.getvalue()
+    assert "curves.png not drawn\n" in shown and "update 2" not in shown
 
 
 def test_another_label_smoothing_on_resume_starts_the_best_loss_again(finished_run, tmp_path, caplog):

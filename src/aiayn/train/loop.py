@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from aiayn.checkpoint import (
     META,
@@ -76,6 +75,7 @@ from aiayn.train.config import TOKENIZER_SETTINGS, DataConfig, RunConfig, finetu
 from aiayn.train.distributed import Dist, SameOnEveryProcess
 from aiayn.train.loss import label_smoothed_nll
 from aiayn.train.metrics import PPL_CAP, MetricsLog, plot_metrics, shown_ppl
+from aiayn.train.progress import lines_above, shown_if_unconfigured
 from aiayn.train.schedule import cooldown_factor, inverse_sqrt_lr
 from aiayn.train.state import (
     RunLock,
@@ -114,14 +114,22 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     SIGTERM or a first Ctrl-C (a notebook's interrupt too) during the updates saves the update under way
     and raises `aiayn.errors.Stopped`; `resume=True` continues from there. The run seeds torch's and
     Python's global generators with train.seed (as fairseq does) and leaves them where it ended: two runs
-    at once in one process draw from the same generators, and neither is then its seed's run."""
+    at once in one process draw from the same generators, and neither is then its seed's run.
+
+    Progress (updates, validations, saves) goes through the `aiayn` logger: where nothing is set up to
+    show it (a script or notebook that configured no logging), to stderr for the run, as the command line
+    shows it. A caller's autocast, `no_grad` or `inference_mode` does not reach the run."""
     if not isinstance(config, RunConfig):  # a dict failed with an AttributeError deep inside
         raise TypeError(f"train() takes a RunConfig, not {type(config).__name__}: build one with "
                         "aiayn.train.config.load_config(path, overrides) or run_config(dict)")
     d = distributed.setup(config.train.device)
     threads = torch.get_num_threads()
     try:
-        return _train(config, resume, d)
+        # the caller's autocast ran the backward in bf16 under an fp32 run, and its no_grad or inference_mode
+        # failed at the first update after the data work: a run is its config's wherever it is called
+        with shown_if_unconfigured(d.is_main), torch.inference_mode(False), torch.enable_grad(), \
+                torch.autocast(d.device.type, enabled=False):
+            return _train(config, resume, d)
     except RuntimeError as e:
         if (lost := distributed.peer_lost(e, d)) is not None:
             raise lost from None
@@ -269,7 +277,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     clock = _training_clock(state.seconds, tc, d)
     validated = {}
     stopper = StopSignal(announce=d.is_main)
-    with stopper.installed(), logging_redirect_tqdm():  # log lines above the bar, not glued onto it
+    with stopper.installed(), lines_above(bar):
         if state.validation_due:  # a signal's save skipped it: validate now, as the unbroken run did then
             state.validation_due = False
             validated = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast,
@@ -322,7 +330,10 @@ def _recorded_result(checkpoint: Path) -> dict[str, Any]:
     if not isinstance(metrics, dict):
         return {}
     kept = ("epoch", "valid_loss", "valid_nll", "valid_ppl", "valid_bleu")
-    return {k: v for k, v in metrics.items() if k in kept and type(v) in (int, float)}
+    recorded = {k: v for k, v in metrics.items() if k in kept and type(v) in (int, float)}
+    if "valid_bleu" in recorded and isinstance(metrics.get("bleu_signature"), str):  # as the run answered
+        recorded["bleu_signature"] = metrics["bleu_signature"]
+    return recorded
 
 
 def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast, metrics, bar, n_updates,

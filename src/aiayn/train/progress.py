@@ -1,0 +1,75 @@
+"""How a run's progress reaches a person: log lines through the caller's logging, above the progress bar.
+
+The bar (a terminal only) shows tokens/s, loss, perplexity, learning rate and time left; the log lines
+(updates, validations, saves) go through the `aiayn` logger, so that a program's own logging set-up
+decides where they go. Neither may change that set-up for good, or behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+
+from tqdm import tqdm
+
+FORMAT = "%(asctime)s %(message)s"  # the command line's (`aiayn.cli._log_to_stderr`)
+
+
+@contextlib.contextmanager
+def shown_if_unconfigured(main: bool) -> Iterator[None]:
+    """With no logging set up for `aiayn` (a plain script or a notebook calling `train()`), its lines on
+    stderr for the block, as the command line shows them; the run was silent until it returned (the bar
+    needs a terminal, and Python drops INFO lines by default). Under torchrun, process 0 speaks."""
+    logger = logging.getLogger("aiayn")
+    if logger.hasHandlers():  # the caller's set-up (the CLI's, a notebook's basicConfig): theirs to decide
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if main else logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+class _AboveBars:
+    """A stream whose writes go through `tqdm.write`, which lifts the bars off the terminal first."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        tqdm.write(text, file=self.stream, end="")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+@contextlib.contextmanager
+def lines_above(bar: tqdm) -> Iterator[None]:
+    """Log lines written above the bar, not glued onto it: the console handlers of the `aiayn` logger and
+    its ancestors write through `tqdm.write` for the block, and are otherwise left as they are. tqdm's
+    `logging_redirect_tqdm` swapped them for handlers of its own with the formatter but not the level (a
+    console set to WARNING showed every INFO line) and added one where the caller had none."""
+    if bar.disable:
+        yield
+        return
+    swapped = []
+    logger: logging.Logger | None = logging.getLogger("aiayn")
+    while logger is not None:
+        for handler in logger.handlers:
+            # exactly StreamHandler: a FileHandler (a subclass) writes no terminal
+            if type(handler) is logging.StreamHandler and handler.stream in (sys.stderr, sys.stdout):
+                swapped.append((handler, handler.setStream(_AboveBars(handler.stream))))
+        logger = logger.parent if logger.propagate else None
+    try:
+        yield
+    finally:
+        for handler, stream in swapped:
+            handler.setStream(stream)

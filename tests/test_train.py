@@ -414,6 +414,9 @@ def test_bleu_every_logs_bleu(tmp_path):
         0.0 <= result["valid_bleu"] <= 100.0
         and "valid_bleu" in (tmp_path / "run" / "metrics.jsonl").read_text()
     )
+    # a resume with nothing left to train answers as the run did (its signature was left out)
+    again = train(config, resume=True)
+    assert again == result and again["bleu_signature"].startswith("nrefs:1|")
 
 
 def test_cooldown_takes_the_lr_linearly_to_zero_at_the_end_of_the_budget(tmp_path):

@@ -175,6 +175,12 @@ def test_a_leading_tilde_in_a_path_is_the_home_directory(tmp_path, monkeypatch):
     assert config.data.train_src == f"{home}/c/train.en" and config.data.train_tgt == f"{home}/c/train.de"
     assert config.train.run_dir == f"{home}/runs/a" and config.train.init_from == f"{home}/ckpt"
     assert config.data.valid_src == "a~b" and config.data.valid_tgt == home  # a leading ~ only
+    # the dataclasses themselves, as a notebook builds them: TrainConfig(run_dir="~/x") made ./~/x
+    made = (TrainConfig(run_dir="~/runs/b", init_from="~/ck"),
+            DataConfig(train_src="~/t.en", valid_src="~/v.en", valid_tgt="~x"))
+    assert (made[0].run_dir, made[0].init_from) == (f"{home}/runs/b", f"{home}/ck")
+    assert made[1].train_src == f"{home}/t.en" and made[1].valid_tgt == os.path.expanduser("~x")
+    assert with_train(config, run_dir="~/runs/c").train.run_dir == f"{home}/runs/c"
 
 
 @pytest.mark.parametrize("damaged", ["model.safetensors", "trainer.json", "meta.json", "spm.model"])

@@ -86,14 +86,18 @@ class DataConfig:
             problems.append("data.valid_src and data.valid_tgt go together: set both or neither")
         if problems:
             raise ConfigError(*problems)
-        _check_utf8_paths(self, "data", ("train_src", "train_tgt", "valid_src", "valid_tgt"))
+        _settle_paths(self, "data", ("train_src", "train_tgt", "valid_src", "valid_tgt"))
 
 
-def _check_utf8_paths(section: Any, name: str, fields: tuple[str, ...]) -> None:
-    """A path whose name is not UTF-8 (bytes Python keeps as surrogates) trained, then failed with a
-    UnicodeEncodeError traceback at the first checkpoint, whose meta.json records the paths: refused now."""
+def _settle_paths(section: Any, name: str, fields: tuple[str, ...]) -> None:
+    """Paths as a shell reads them: a leading ~ is the home directory. Neither TOML nor the shell
+    (`--set train.run_dir=~/runs/x`) expands it, nor Python (`TrainConfig(run_dir="~/x")` made a literal
+    `./~/x`), and a literal `~` directory in the working directory is one `rm -rf ~` away from the user's
+    home. A path whose name is not UTF-8 (bytes Python keeps as surrogates) trained, then failed with a
+    UnicodeEncodeError traceback at the first checkpoint, whose meta.json records the paths: refused."""
     for field_name in fields:
-        value = getattr(section, field_name)
+        value = os.path.expanduser(getattr(section, field_name))
+        object.__setattr__(section, field_name, value)  # frozen: settled once, as it is made
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
@@ -138,7 +142,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        _check_utf8_paths(self, "train", ("run_dir", "init_from"))
+        _settle_paths(self, "train", ("run_dir", "init_from"))
         problems = []
         if self.precision not in PRECISIONS:
             problems.append(f"train.precision={self.precision!r} is not one of {PRECISIONS}")
@@ -334,8 +338,8 @@ def run_config(values: dict[str, Any], where: str = "", written: str = "",
         _check_file(values, lambda name: where or "config")
     model = dict(values.get("model", {}))  # no preset: "base" (RunConfig.model_config), or init_from's shape
     try:
-        data = from_dict(DataConfig, _expand_home(values.get("data", {})), where)
-        train = from_dict(TrainConfig, _expand_home(values.get("train", {})), where)
+        data = from_dict(DataConfig, values.get("data", {}), where)
+        train = from_dict(TrainConfig, values.get("train", {}), where)
         placed = {name: (place, values[section][key])
                   for name, place in (origins or {}).items() for section, key in [name.split(".", 1)]}
         return RunConfig(model, data, train, frozenset(values.get("data", {})), data, origins=placed)
@@ -414,17 +418,6 @@ def _names(path: str) -> list[str]:
 def _record(lines: dict[str, int], path: list[str], n: int) -> None:
     for end in range(1, len(path) + 1):  # data.max_len = 1 also writes the table "data"
         lines.setdefault(".".join(path[:end]), n)
-
-
-# Keys that name files or directories: a leading ~ is the home directory, as in a shell. Neither TOML nor
-# the shell (`--set train.run_dir=~/runs/x`) expands it, and a literal `~` directory in the working
-# directory is one `rm -rf ~` away from the user's home.
-PATH_KEYS = ("train_src", "train_tgt", "valid_src", "valid_tgt", "run_dir", "init_from")
-
-
-def _expand_home(table: dict[str, Any]) -> dict[str, Any]:
-    return {key: os.path.expanduser(value) if key in PATH_KEYS and isinstance(value, str) else value
-            for key, value in table.items()}
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

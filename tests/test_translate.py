@@ -100,6 +100,22 @@ def test_sample_alone_means_beam_one_in_the_api(checkpoint):
         translator.translate(texts, sample=True, beam=4)
 
 
+def test_a_translator_over_a_training_model_says_it_turned_dropout_off(checkpoint, caplog):
+    """Translator(model, tokenizer) puts the caller's model in eval mode, as it must to translate: a check
+    in the middle of the caller's own training went on training without dropout, silently."""
+    loaded = Translator.load(checkpoint)
+    model = loaded.model.train()
+    with caplog.at_level("WARNING", logger="aiayn"):
+        Translator(model, loaded.tokenizer)
+    assert not model.training and caplog.messages == [
+        "Translator: the model was in training mode and is now in eval mode (no dropout); call model.train() "
+        "before training it further"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="aiayn"):
+        Translator(model, loaded.tokenizer)  # in eval mode already: nothing to say
+    assert caplog.messages == []
+
+
 def test_a_sampling_translator_searches_for_one_call(checkpoint):
     """A Translator sampling by default could not search for one call: sample=False was refused for the
     temperature and seed it had not given, a beam 4 for the sampling it had not asked for."""

@@ -236,6 +236,11 @@ class Translator:
     process, so a program that wants that calls it itself."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: DecodeConfig | None = None):
+        """Translate with `model` itself (no copy), in eval mode: a model in training mode is switched,
+        and said to be, since a training loop that goes on with it would go on without dropout."""
+        if model.training:  # a check in the middle of the caller's training: it switched silently
+            log.warning("Translator: the model was in training mode and is now in eval mode (no dropout); "
+                        "call model.train() before training it further")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config or DecodeConfig()  # defaults for every call; options override per call

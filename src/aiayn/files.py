@@ -129,7 +129,7 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     if exists and not out.is_dir():
         raise UserError(f"{out}: exists and is not a directory; will not replace it")
     if exists and not force:
-        raise UserError(f"{out}: already exists (pass --force to replace it)")
+        raise UserError(f"{out}: already exists (pass --force, force=True in Python, to replace it)")
     here = overlap(Path.cwd(), out) if exists else None  # "." was refused, "$PWD" was not
     if here in ("is", "lies inside"):
         raise UserError(f"{out}: {'is' if here == 'is' else 'contains'} the current directory; will not "

@@ -1113,7 +1113,8 @@ def _checkpoint_to_resume(run_dir: Path, resume: bool, init_from: str = "") -> P
                         f"{init_from}; set another train.run_dir")
     if not resume and found:
         raise UserError(
-            f"{run_dir}: already holds checkpoints; pass --resume to continue, or another run_dir"
+            f"{run_dir}: already holds checkpoints; pass --resume (resume=True in Python) to continue, "
+            "or another run_dir"
         )
     return found[-1] if resume else None
 

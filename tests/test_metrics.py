@@ -226,6 +226,43 @@ def test_plot_command_refuses_a_log_with_no_metrics(tmp_path, capsys, content):
     assert not (tmp_path / "c.png").exists()
 
 
+def test_plot_says_what_the_run_directory_is_when_it_holds_no_log(tmp_path, capsys):
+    """"RUN/metrics.jsonl: no metrics log" for a run that had trained but not yet logged (a SIGTERM before
+    train.log_every updates, a run just started) sent the user looking for another run directory."""
+    (tmp_path / "young" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "started").mkdir()
+    (tmp_path / "started" / ".lock").touch()
+    (tmp_path / "drawn" / "curves.png").mkdir(parents=True)
+    write_log(tmp_path / "drawn" / "metrics.jsonl", *map(whole, TRAIN))
+    cases = {"young": "no metrics logged yet (the first come after train.log_every updates)",
+             "started": "no metrics logged yet (the first come after train.log_every updates)",
+             "typo": "no such run directory",
+             "drawn/curves.png": "is a directory, not a picture; draw elsewhere with -o FILE.png"}
+    for name, problem in cases.items():
+        run = "drawn" if name == "drawn/curves.png" else name
+        assert cli.main(["plot", str(tmp_path / run)]) == 2
+        assert capsys.readouterr().err == f"aiayn: error: {tmp_path / name}: {problem}\n"
+    checkpoint = tmp_path / "young" / "checkpoints" / "step_000002"
+    checkpoint.mkdir()
+    for name in ("model.safetensors", "meta.json"):  # what makes a checkpoint to is_checkpoint
+        (checkpoint / name).touch()
+    assert cli.main(["plot", str(checkpoint)]) == 2
+    assert capsys.readouterr().err == (f"aiayn: error: {checkpoint}: a checkpoint; give its run directory, "
+                                       "the folder that holds metrics.jsonl\n")
+
+
+def test_a_tied_best_is_the_first_for_bleu_as_for_the_loss(tmp_path, monkeypatch):
+    from aiayn.train import metrics
+
+    drawn = []
+    real = metrics._draw
+    monkeypatch.setattr(metrics, "_draw", lambda records: drawn.append(real(records)) or drawn[-1])
+    tied = [whole({"step": s, "valid_loss": 2.0, "valid_nll": 1.5, "valid_bleu": 12.5}) for s in (10, 20)]
+    plot_metrics(write_log(tmp_path / "a.jsonl", *map(whole, TRAIN), *tied), tmp_path / "a.png")
+    titles = [axes.get_title() for axes in drawn[0].axes]
+    assert titles[2] == "best valid BLEU 12.50 at 10" and "at 10" in titles[0], titles
+
+
 def test_records_without_a_curves_keys_are_left_out_of_that_curve(tmp_path):
     """A train record without `nll` (the probe's) and a validation without a validation set."""
     path = write_log(

@@ -171,11 +171,29 @@ def cmd_plot(args: argparse.Namespace) -> None:
     from aiayn.train.metrics import plot_metrics
 
     run = Path(args.run_dir)
-    if run.is_file():  # `plot runs/x/metrics.jsonl` was told runs/x/metrics.jsonl/metrics.jsonl is missing
-        raise UserError(f"{run}: a file; give the run directory, the folder that holds metrics.jsonl")
+    _check_plottable(run)
     if args.output:  # training's keep_last deletes a checkpoint directory whole, a picture in it too
         _check_outside_checkpoints(Path(args.output))
+    elif (run / "curves.png").is_dir():  # "names a directory; give the picture's file name": none was given
+        raise UserError(f"{run / 'curves.png'}: is a directory, not a picture; draw elsewhere with -o FILE.png")
     print(plot_metrics(run / "metrics.jsonl", args.output or run / "curves.png"))
+
+
+def _check_plottable(run: Path) -> None:
+    """What RUN_DIR is when it holds no metrics.jsonl: "no metrics log" sent a user who had typed the right
+    run directory (one that had trained, but not yet logged) looking for the wrong one."""
+    from aiayn.checkpoint import is_checkpoint
+
+    if run.is_file():  # `plot runs/x/metrics.jsonl` was told runs/x/metrics.jsonl/metrics.jsonl is missing
+        raise UserError(f"{run}: a file; give the run directory, the folder that holds metrics.jsonl")
+    if (run / "metrics.jsonl").exists():
+        return
+    if not run.is_dir():
+        raise UserError(f"{run}: no such run directory")
+    if is_checkpoint(run):
+        raise UserError(f"{run}: a checkpoint; give its run directory, the folder that holds metrics.jsonl")
+    if any((run / name).exists() for name in (".lock", "cache", "checkpoints")):  # a run's, however young
+        raise UserError(f"{run}: no metrics logged yet (the first come after train.log_every updates)")
 
 
 def cmd_attention(args: argparse.Namespace) -> None:

@@ -230,7 +230,9 @@ def _best(pick, values: list[float], steps: list[int]) -> tuple[float, int]:
     """(value, step) of the best of `values` by `pick` (min or max), NaNs left out: a NaN compares as
     neither larger nor smaller, so a first NaN was taken as the best; (nan, first step) if all are."""
     real = [(v, s) for v, s in zip(values, steps) if not math.isnan(v)]
-    return pick(real, default=(math.nan, steps[0]))
+    # by value alone: min and max then keep the first of a tie (steps ascend); comparing (value, step)
+    # gave min the first update of a tied loss and max the last of a tied BLEU
+    return pick(real, key=lambda pair: pair[0], default=(math.nan, steps[0]))
 
 
 def _draw(records: list[dict[str, Any]]):

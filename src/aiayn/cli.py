@@ -555,13 +555,18 @@ class _Parser(argparse.ArgumentParser):
 
 class _Once(argparse.Action):
     """An option given at most once: a second `--config` silently replaced the first, where a user may
-    have meant both files to count."""
+    have meant both files to count (and `attention --checkpoint a --checkpoint b` drew b alone, where
+    translate would have taken both as an ensemble). `hint` says what to do instead."""
+
+    def __init__(self, *args, hint: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hint = hint
 
     def __call__(self, parser, namespace, values, option_string=None):
-        first = getattr(namespace, self.dest, None)
-        if first is not None:
-            parser.error(f"{option_string} given twice ({first}, {values}): one file; change its values with "
-                         "--set")
+        given = namespace.__dict__.setdefault("_given", {})  # not the value: an option may have a default
+        if self.dest in given:
+            parser.error(f"{option_string} given twice ({given[self.dest]}, {values}): {self.hint}")
+        given[self.dest] = values
         setattr(namespace, self.dest, values)
 
 
@@ -590,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("train", help="train on parallel text (also under torchrun --nproc_per_node N)")
-    p.add_argument("--config", type=path_arg, action=_Once,
+    p.add_argument("--config", type=path_arg, action=_Once, hint="one file; change its values with --set",
                    help="TOML file with [model], [data], [train] (see configs/)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set train.max_tokens=2048 (repeatable); "
@@ -617,15 +622,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("attention", help="draw a checkpoint's attention maps for one sentence (PNG + HTML)")
-    p.add_argument("--checkpoint", type=path_arg, required=True,
+    p.add_argument("--checkpoint", type=path_arg, required=True, action=_Once,
+                   hint="one model's attention a drawing; an ensemble has none of its own",
                    help="an aiayn checkpoint directory (trained or imported)")
-    p.add_argument("--src", required=True, help="source sentence")
-    p.add_argument("--tgt", help="target sentence to force (default: the model's greedy translation)")
+    one_pair = "one sentence pair a drawing"
+    p.add_argument("--src", required=True, action=_Once, hint=one_pair, help="source sentence")
+    p.add_argument("--tgt", action=_Once, hint=one_pair,
+                   help="target sentence to force (default: the model's greedy translation)")
     p.add_argument("--out", type=path_arg, default="attention", help="output folder (default ./attention)")
-    p.add_argument("--layers", type=number_list, default=(), metavar="N,N,...",
+    p.add_argument("--layers", type=number_list, default=(), metavar="N,N,...", action=_Once,
+                   hint="list them in one, e.g. --layers 1,6",
                    help="draw these layers only, e.g. 1,6 (default: all; maps of a big model's every layer and "
                    "head have tiny labels)")
-    p.add_argument("--heads", type=number_list, default=(), metavar="N,N,...",
+    p.add_argument("--heads", type=number_list, default=(), metavar="N,N,...", action=_Once,
+                   hint="list them in one, e.g. --heads 1,3",
                    help="draw these heads only, e.g. 3 (default: all)")
     p.set_defaults(func=cmd_attention)
 

@@ -252,6 +252,23 @@ def test_a_greedy_translation_cut_at_its_limit_is_not_counted_with_an_eos(tmp_pa
             extract_attention(ck.model, ck.tokenizer, "the number 7")
 
 
+def test_a_greedy_translation_cut_at_its_limit_is_said_so(tmp_path, tokenizers, monkeypatch, caplog):
+    """Drawn as "the model's greedy translation", with nothing said, it passed for the model's whole answer."""
+    from aiayn.decoding.search import Hypothesis
+
+    _draw_args(tmp_path, tokenizers)
+    ck = load_checkpoint(tmp_path / "ck")
+    cut = Hypothesis(tokens=[ck.tokenizer.eos_id + 1] * 5, score=0.0, log_prob=0.0)
+    monkeypatch.setattr(attention, "generate", lambda *a, **k: [[cut]])
+    with caplog.at_level("WARNING", logger="aiayn"):
+        maps = extract_attention(ck.model, ck.tokenizer, "the number 7")
+    assert maps.target == "greedy_cut" and len(maps.tgt_out_tokens) == 5 and "</s>" not in maps.tgt_out_tokens
+    assert caplog.messages == ["the greedy translation reached the length limit (5 tokens) without </s>: the "
+                               "maps show it cut there"]
+    page = attention.draw_attention(maps, tmp_path / "maps")["html"].read_text(encoding="utf-8")
+    assert "the model's greedy translation, cut at the length limit without reaching &lt;/s&gt;" in page
+
+
 def test_figure_stays_bounded_and_keeps_full_cells_when_small():
     assert attention.figure_layout(2, 2, 10, 10) == (attention.CELL_INCHES, 7.0)  # a short sentence: as before
     n = attention.MAX_TOKENS
@@ -417,7 +434,8 @@ def test_the_page_says_which_target_the_decoder_read(tmp_path, tokenizers):
     ck = load_checkpoint(tmp_path / "ck")
     given = extract_attention(ck.model, ck.tokenizer, "the number 7", "die Zahl 7")
     greedy = extract_attention(ck.model, ck.tokenizer, "the number 7")
-    assert (given.target, greedy.target) == ("given", "greedy")
+    assert given.target == "given"  # the untrained model's own can run to the limit: the page says so
+    assert greedy.target == ("greedy" if greedy.tgt_out_tokens[-1] == "</s>" else "greedy_cut")
     page = attention.draw_attention(greedy, tmp_path / "maps")["html"].read_text(encoding="utf-8")
     assert "the model's greedy translation" in page
 

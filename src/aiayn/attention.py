@@ -107,12 +107,14 @@ class AttentionMaps:
 
     src_tokens: list[str]  # source pieces and </s>: rows and columns of encoder, columns of cross
     tgt_in_tokens: list[str]  # decoder inputs (start token, then the target shifted right)
-    tgt_out_tokens: list[str]  # tokens the decoder predicts at each position, ending with </s>
+    tgt_out_tokens: list[str]  # tokens the decoder predicts at each position, ending with </s> (not when
+    # `target` is "greedy_cut": the greedy translation ran to the length limit without one)
     encoder: Tensor  # (L, H, S, S)
     decoder: Tensor  # (L, H, T, T)
     cross: Tensor  # (L, H, T, S)
     logits: Tensor  # (T, V) the model's output in the same forward pass
-    target: str = "given"  # what the decoder read: "given" (teacher-forced) or "greedy" (the model's own)
+    target: str = "given"  # what the decoder read: "given" (teacher-forced), "greedy" (the model's own)
+    # or "greedy_cut" (the model's own, cut at the length limit)
     layers: tuple[int, ...] = ()  # the 1-based layer numbers asked of `select`; () = all
     heads: tuple[int, ...] = ()  # the same for heads
     # after `select`: each stack's numbers of the layers held (those of `layers` the stack has)
@@ -226,9 +228,13 @@ def _extract(model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None
                             "own translation)")
         if len(tgt_ids) > model.config.max_len:  # the decoder reads start + all but EOS: as many
             raise SentenceTooLong(0, len(tgt_ids), model.config.max_len, "the target")
+    ended = tgt is not None or (bool(tgt_ids) and tgt_ids[-1] == tokenizer.eos_id)
     if tgt is None:  # a model that repeats itself: its own output can run to the length limit
         check_drawable(len(tgt_ids), "the greedy translation", max_tokens, " (give a target to draw instead)",
-                       eos=bool(tgt_ids) and tgt_ids[-1] == tokenizer.eos_id)
+                       eos=ended)
+        if not ended:  # drawn as if it were the model's whole answer, with nothing said
+            log.warning("the greedy translation reached the length limit (%d tokens) without </s>: the maps "
+                        "show it cut there", len(tgt_ids))
     else:
         check_drawable(len(tgt_ids), "the target", max_tokens)
     tgt_in = [model.config.decoder_start_id] + tgt_ids[:-1]
@@ -241,7 +247,7 @@ def _extract(model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None
         tgt_in_tokens=tokenizer.tgt_pieces(tgt_in),
         tgt_out_tokens=tokenizer.tgt_pieces(tgt_ids),
         logits=logits[0].cpu(),
-        target="given" if tgt is not None else "greedy",
+        target="given" if tgt is not None else "greedy" if ended else "greedy_cut",
         **stacked,
     )
 
@@ -341,6 +347,8 @@ def _render(maps: AttentionMaps, kind: str) -> bytes:
 TARGETS = {  # what the decoder read, said on the page: a greedy translation can differ from translate's beam 4
     "given": "the given target, teacher-forced",
     "greedy": "the model's greedy translation, which can differ from aiayn translate's beam search",
+    "greedy_cut": "the model's greedy translation, cut at the length limit without reaching </s>; it can "
+                  "differ from aiayn translate's beam search",
 }
 
 
@@ -352,7 +360,8 @@ def html_page(maps: AttentionMaps, pngs: dict[str, bytes], title: str) -> str:
         "<style>body{font-family:sans-serif;margin:2em}img{max-width:100%}code{background:#eee}</style>",
         f"</head><body><h1>{html.escape(title)}</h1>",
         f"<p>source pieces: <code>{html.escape(' '.join(maps.src_tokens))}</code></p>",
-        f"<p>target pieces: <code>{html.escape(' '.join(maps.tgt_out_tokens))}</code> ({TARGETS[maps.target]})</p>",
+        f"<p>target pieces: <code>{html.escape(' '.join(maps.tgt_out_tokens))}</code> "
+        f"({html.escape(TARGETS[maps.target], quote=False)})</p>",
     ]
     for kind in KINDS:
         parts.append(f"<h2>{html.escape(TITLES[kind])}</h2>")

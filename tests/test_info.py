@@ -46,7 +46,29 @@ def test_a_trained_checkpoint_is_described_as_loading_it_finds_it(tmp_path, toke
     assert lines[2] == f"parameters: {count:,} (bfloat16; {WEIGHTS} {size / 1e3:.0f} kB)"
     assert lines[3] == f"tokenizer: SentencePiece (spm.model), {tokenizer.src_vocab_size} pieces, both sides"
     assert lines[4] == "trained: update 300, epoch 2; valid_loss 1.5, valid_nll 1.25, valid_ppl 3.49"
-    assert lines[5] == "data: corpus.en -> corpus.de" and len(lines) == 6
+    # a checkpoint from before runs recorded their directory: the paths as given, said to be relative
+    assert lines[5] == "data: corpus.en -> corpus.de (relative to the directory training ran in)"
+    assert len(lines) == 6
+
+
+def test_training_data_is_named_where_it_is(tmp_path, tokenizer, capsys):
+    """`data: tr.de -> tr.en`, the paths as training was given them, meant nothing from another directory."""
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    data = {"train_src": "corpus.en", "train_tgt": "/data/corpus.de"}
+    save_checkpoint(tmp_path / "ck", model, tokenizer, {"step": 3, "workdir": "/home/u/mt",
+                                                        "config": {"data": data}})
+    assert "data: /home/u/mt/corpus.en -> /data/corpus.de" in info(capsys, tmp_path / "ck")[1]
+
+
+def test_a_run_records_the_directory_it_ran_in(tmp_path, monkeypatch):
+    from train_helpers import tiny_config
+
+    from aiayn.train.loop import train
+
+    monkeypatch.chdir(tmp_path)
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2", "train.valid_every=2")
+    train(config)
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "step_000002").meta["workdir"] == str(tmp_path)
 
 
 def test_an_average_does_not_show_its_newest_checkpoints_validation(tmp_path, tokenizer, capsys):

@@ -436,6 +436,12 @@ _SAFETENSORS_DTYPES = {
     "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
+def _trained_path(path: str, workdir: Any) -> str:
+    """A training file's path as the run was given it, made whole with the directory it ran in: `tr.de`
+    meant nothing to `aiayn info` run from another one."""
+    return os.path.join(workdir, path) if isinstance(workdir, str) and path else path
+
+
 def _provenance(meta: dict[str, Any]) -> list[str]:
     """Where a checkpoint came from, as its meta.json says: training (step, validation), an average, or
     a conversion."""
@@ -455,7 +461,9 @@ def _provenance(meta: dict[str, Any]) -> list[str]:
         lines.append(f"trained: update {meta['step']:,}{epoch}{scored}{interrupted}")
     data = config_section(meta, "data") or {}
     if isinstance(data.get("train_src"), str) and isinstance(data.get("train_tgt"), str):
-        lines.append(f"data: {data['train_src']} -> {data['train_tgt']}")
+        src, tgt = (_trained_path(data[side], meta.get("workdir")) for side in ("train_src", "train_tgt"))
+        older = not isinstance(meta.get("workdir"), str) and not (os.path.isabs(src) and os.path.isabs(tgt))
+        lines.append(f"data: {src} -> {tgt}" + (" (relative to the directory training ran in)" if older else ""))
     tuned_from = (config_section(meta, "train") or {}).get("init_from")
     if isinstance(tuned_from, str) and tuned_from:
         lines.append(f"fine-tuned from: {tuned_from}")

@@ -268,6 +268,8 @@ def save_training_checkpoint(
     }
     # The epoch counted from 1, as the progress line and metrics.jsonl count it (TrainState's is 0-based).
     meta = {"step": state.step, "epoch": state.epoch + 1, "config": config, "metrics": metrics}
+    with contextlib.suppress(OSError):  # where relative data paths are: `aiayn info` run elsewhere says them
+        meta["workdir"] = os.getcwd()
     if interrupted:  # saved on a signal, to resume from: `prune` lets it go once a newer one is saved
         meta["interrupted"] = True
     path = Path(run_dir) / "checkpoints" / step_dir_name(state.step)

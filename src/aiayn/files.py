@@ -184,6 +184,8 @@ def check_directory_path(path: Path) -> None:
     path under a file (its nearest existing ancestor is no directory). Creates nothing."""
     existing = next(p for p in (path, *path.absolute().parents) if p.exists() or p.is_symlink())  # "/" is
     if existing == path:  # "x: x is not a directory" said it twice
+        if path.is_symlink() and not path.exists():  # "exists", of a link to nothing, misled
+            raise UserError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist")
         if not existing.is_dir():
             raise UserError(f"{path}: exists and is not a directory")
     elif not existing.is_dir():

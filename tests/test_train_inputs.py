@@ -968,6 +968,19 @@ def test_an_unknown_set_key_is_blamed_on_set_not_the_file(tmp_path):
     assert load_config(path, ["train.max_updates=5"]).train.max_updates == 5
 
 
+@pytest.mark.parametrize("where", ["file", "set"])
+def test_an_unknown_model_key_lists_only_the_keys_that_may_be_set(tmp_path, where):
+    """--set listed vocab_size, pad_id and the other tokenizer fields as known, then refused each one as
+    coming from the tokenizer; the file's message left them out."""
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\nn_head = 4\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"unknown .*n_head.*known: ") as e:
+        load_config(path, []) if where == "file" else load_config(None, ["model.n_head=4"])
+    known = str(e.value).rpartition("known: ")[2].strip(")").split(", ")
+    assert "n_heads" in known and "preset" in known
+    assert not {"vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id"} & set(known)
+
+
 def test_zero_heads_is_a_config_error_not_a_division_by_zero():
     with pytest.raises(ConfigError, match="n_heads=0 must be positive"):
         model_config("micro", vocab_size=50, n_heads=0)

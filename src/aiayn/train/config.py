@@ -491,9 +491,8 @@ def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
         known = _key_types(section)
         unknown = [f"{place(f'{section}.{key}')}: unknown [{section}] key {key}" for key in table
                    if key not in known]
-        if unknown:  # [model]'s tokenizer fields are known, and refused with their own reason
-            settable = sorted(k for k in known if section != "model" or k not in TOKENIZER_FIELDS)
-            problems.append(f"{'; '.join(unknown)} (known: {', '.join(settable)})")
+        if unknown:
+            problems.append(f"{'; '.join(unknown)} (known: {', '.join(_settable(section))})")
         for key, value in table.items():
             written = f"{place(f'{section}.{key}')}: [{section}] {key} = "
             if key in known and (problem := _type_problem(section, key, value, written)):
@@ -513,12 +512,19 @@ def _key_types(section: str) -> dict[str, Any]:
     return {"preset": str, **types} if section == "model" else types
 
 
+def _settable(section: str) -> list[str]:
+    """The keys an unknown one's error lists: [model]'s tokenizer fields are known, but refused with their
+    own reason, so listing them offered settings that are then refused."""
+    return sorted(k for k in _key_types(section) if section != "model" or k not in TOKENIZER_FIELDS)
+
+
 def _check_override_key(item: str, section: str, key: str) -> None:
     """An unknown `--set` key is named as the command line's, not blamed on the TOML file."""
     if section not in SECTIONS:
         raise ConfigError(f"--set {item!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
-    if key not in (known := _key_types(section)):
-        raise ConfigError(f"--set {item!r}: unknown {section} key {key!r}; known: {', '.join(sorted(known))}")
+    if key not in _key_types(section):
+        raise ConfigError(f"--set {item!r}: unknown {section} key {key!r}; known: "
+                          f"{', '.join(_settable(section))}")
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:

@@ -957,6 +957,23 @@ def test_a_section_that_is_not_a_table_names_file_and_section(tmp_path, toml):
         load_config(path)
 
 
+@pytest.mark.parametrize("toml, message", [
+    ('preset = "big"\n[model]\n', "preset is outside any section; put it under [model]"),
+    ("max_len = 64\n[data]\n", "max_len is outside any section; put it under [data] or [model]"),
+    # [model]'s vocab_size is the tokenizer's, not the user's
+    ("vocab_size = 64\n", "vocab_size is outside any section; put it under [data]"),
+    ("max_tokenz = 64\n",
+     "max_tokenz is outside any section; no section has such a key (sections: data, model, train)"),
+    ("[pre]\nx = 1\n", "unknown section [pre] (known: data, model, train)"),
+])
+def test_a_key_before_any_section_is_said_to_be_outside_one(tmp_path, toml, message):
+    """It was "unknown section [preset]": TOML makes a key above the first header a top-level value."""
+    path = tmp_path / "top.toml"
+    path.write_text(toml, encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:1: {re.escape(message)}$"):
+        load_config(path)
+
+
 def test_an_unknown_set_key_is_blamed_on_set_not_the_file(tmp_path):
     path = tmp_path / "ok.toml"
     path.write_text("[train]\nmax_updates = 3\n", encoding="utf-8")

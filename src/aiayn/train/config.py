@@ -482,6 +482,9 @@ def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
     type, each named by `place` ("run.toml:6") as the file writes it: [data], not DataConfig."""
     problems = []
     for section, table in values.items():
+        if section not in SECTIONS and not isinstance(table, dict):  # `preset = "big"` above [model]
+            problems.append(_outside_sections(place(section), section))
+            continue
         if section not in SECTIONS:
             problems.append(f"{place(section)}: unknown section [{section}] (known: {', '.join(SECTIONS)})")
             continue
@@ -499,6 +502,15 @@ def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
                 problems.append(problem)
     if problems:
         raise ConfigError(*problems)
+
+
+def _outside_sections(where: str, key: str) -> str:
+    """A key written before any [section] header: TOML makes it a top-level value, which was refused as an
+    "unknown section [preset]". Where it is a setting's name, the section that holds it."""
+    homes = [f"[{section}]" for section in SECTIONS if key in _settable(section)]
+    fix = (f"put it under {' or '.join(homes)}" if homes
+           else f"no section has such a key (sections: {', '.join(SECTIONS)})")
+    return f"{where}: {key} is outside any section; {fix}"
 
 
 def _not_a_table(where: str, section: str, value: Any) -> str:

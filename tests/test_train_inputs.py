@@ -1672,7 +1672,7 @@ def test_a_set_value_toml_refused_says_what_toml_wants(item, message):
      rf"Expected newline or end of document after a statement at column 13\); {POINT}: 5\.0"),
     ("compile = True", r"Invalid value at column 11\); TOML booleans are true and false"),
     ("compile = yes", r"Invalid value at column 11\)"),
-    ("seed = 1.5", r"Cannot overwrite a value at column 11\)"),  # a number TOML reads: no hint
+    ("lr_scale = 1.5 x", r"Expected newline or end of document after a statement at column 16\)"),  # no hint
 ])
 def test_a_config_file_toml_refuses_is_named_by_line(tmp_path, line, message):
     """tomllib's "not valid TOML (Invalid value (at line 3, column 12))" named the file without its line,
@@ -1681,6 +1681,20 @@ def test_a_config_file_toml_refuses_is_named_by_line(tmp_path, line, message):
     toml.write_text(f"[train]\nseed = 1\n{line}\n", encoding="utf-8")
     with pytest.raises(UserError, match=rf"^{re.escape(str(toml))}:3: not valid TOML \({message}$"):
         load_config(toml)
+
+
+@pytest.mark.parametrize("toml, line, message", [
+    ("[train]\nwarmup = 10\nwarmup = 20\n", 3, "[train] warmup is set twice (first at line 2)"),
+    ("[train]\n'warmup' = 10\nseed = 2\nwarmup.x = 20\n", 4, "[train] warmup is set twice (first at line 2)"),
+    ('preset = "a"\npreset = "b"\n', 2, "preset is set twice (first at line 1)"),
+    ("[train]\nseed = 1\n[data]\n[train]\n", 4, "[train] is declared twice (first at line 1)"),
+])
+def test_a_key_or_table_written_twice_is_named_with_its_first_line(tmp_path, toml, line, message):
+    """It was "not valid TOML (Cannot overwrite a value at column 12)": the line, but not the key."""
+    path = tmp_path / "twice.toml"
+    path.write_text(toml, encoding="utf-8")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:{line}: {re.escape(message)}$"):
+        load_config(path)
 
 
 def test_separate_vocabularies_with_shared_embeddings(tmp_path):

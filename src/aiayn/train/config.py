@@ -15,7 +15,7 @@ import math
 import os
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -376,6 +376,15 @@ def key_lines(text: str) -> dict[str, int]:
     """The line (from 1) where each table and key of TOML `text` is first written, by dotted name: "data",
     "data.max_len"."""
     lines: dict[str, int] = {}
+    for path, n in _written(text):
+        for end in range(1, len(path) + 1):  # data.max_len = 1 also writes the table "data"
+            lines.setdefault(".".join(path[:end]), n)
+    return lines
+
+
+def _written(text: str) -> Iterator[tuple[list[str], int]]:
+    """Each table header and key of TOML `text` as it is written, by its full path (["data", "max_len"])
+    and its line (from 1)."""
     table: list[str] | None = []  # None: in an array of tables ([[x]]), which no section is
     closing = None  # the delimiter of the multi-line string the line is in, whose lines may look like keys
     # "\n" only: splitlines also splits at U+2028, U+2029 and U+0085, which TOML allows in comments and
@@ -389,14 +398,13 @@ def key_lines(text: str) -> dict[str, int]:
             table = None
         elif header := _TABLE_LINE.match(line):
             table = _names(header[1])
-            _record(lines, table, n)
+            yield table, n
         elif table is not None and (key := _KEY_LINE.match(line)):
             path = table + _names(key[1])
-            _record(lines, path, n)
+            yield path, n
             if line[key.end():].lstrip().startswith("{"):  # an inline table: its keys are on this line
                 for inner in _INLINE_KEY.finditer(line, key.end()):
-                    _record(lines, path + _names(inner[1]), n)
-    return lines
+                    yield path + _names(inner[1]), n
 
 
 def _opens_multiline_string(line: str) -> str | None:
@@ -415,9 +423,6 @@ def _names(path: str) -> list[str]:
     return [name.strip("\"'") for name in re.findall(_KEY, path)]
 
 
-def _record(lines: dict[str, int], path: list[str], n: int) -> None:
-    for end in range(1, len(path) + 1):  # data.max_len = 1 also writes the table "data"
-        lines.setdefault(".".join(path[:end]), n)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
@@ -465,16 +470,36 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
 
 
 def _toml_error(path: Path, text: str, message: str) -> str:
-    """tomllib's `message` named by the file's line, with a hint where the value refused looks like a
-    number or a boolean written as another language writes it (`lr_scale = .5`: "Invalid value")."""
+    """tomllib's `message` named by the file's line: a key or table written twice by its name, else with a
+    hint where the value refused looks like a number or a boolean written as another language writes it
+    (`lr_scale = .5`: "Invalid value")."""
     at = re.search(r" \(at line (\d+), column (\d+)\)$", message)
     if at is None:  # "(at end of document)"
         return f"{path}: not valid TOML ({message})"
-    line = text.split("\n")[int(at[1]) - 1]
+    n = int(at[1])
+    written = next((name for name, m in _written(text) if m == n), None)  # the line's table or key
+    if message.startswith(("Cannot overwrite a value", "Cannot declare")) and written:
+        if twice := _written_twice(text, n, written):  # tomllib names neither the key nor its first line
+            return f"{path}:{n}: {twice}"
+    line = text.split("\n")[n - 1]
     key = _KEY_LINE.match(line)
     hint = _value_hint(line[key.end():].partition("#")[0]) if key else None
-    return (f"{path}:{at[1]}: not valid TOML ({message[:at.start()]} at column {at[2]})"
+    return (f"{path}:{n}: not valid TOML ({message[:at.start()]} at column {at[2]})"
             + (f"; {hint}" if hint else ""))
+
+
+def _written_twice(text: str, n: int, written: list[str]) -> str | None:
+    """The table or key that line `n`, which writes `written`, writes again, and where it was first
+    written: the longest part of its path that an earlier line wrote (`warmup.x = 1` after `warmup = 1`)."""
+    first = key_lines(text)
+    for end in range(len(written), 0, -1):
+        if (before := first[".".join(written[:end])]) < n:
+            again = written[:end]
+            if _TABLE_LINE.match(text.split("\n")[n - 1]):
+                return f"[{'.'.join(again)}] is declared twice (first at line {before})"
+            name = f"[{again[0]}] {'.'.join(again[1:])}" if len(again) > 1 else again[0]
+            return f"{name} is set twice (first at line {before})"
+    return None
 
 
 def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:

@@ -1671,12 +1671,19 @@ def test_a_set_value_toml_refused_says_what_toml_wants(item, message):
     ("lr_scale = 5.  # half",
      rf"Expected newline or end of document after a statement at column 13\); {POINT}: 5\.0"),
     ("compile = True", r"Invalid value at column 11\); TOML booleans are true and false"),
-    ("compile = yes", r"Invalid value at column 11\)"),
-    ("lr_scale = 1.5 x", r"Expected newline or end of document after a statement at column 16\)"),  # no hint
+    ("compile = yes", r"Invalid value at column 11\); TOML booleans are true and false"),  # as --set's
+    ("warmup = 5.", r"Expected newline or end of document after a statement at column 11\)"),  # 5.0: no int
+    ("lr_scale = 1.5 x", r"Expected newline or end of document after a statement at column 16\)"),
+    ("precision = bf16", r'Invalid value at column 13\); TOML strings need quotes: precision = "bf16"'),
+    ("run_dir = runs/x  # mine",
+     r'Invalid value at column 11\); TOML strings need quotes: run_dir = "runs/x"'),
+    (r"run_dir = C:\runs", r"Invalid value at column 11\); TOML strings need quotes: run_dir = 'C:\\runs'"),
+    ("warmup = abc", r"Invalid value at column 10\)"),  # no string is a number
 ])
 def test_a_config_file_toml_refuses_is_named_by_line(tmp_path, line, message):
     """tomllib's "not valid TOML (Invalid value (at line 3, column 12))" named the file without its line,
-    and said nothing of what a value Python would read wanted instead."""
+    and said nothing of what a value Python would read, or a bare word --set takes as a string, wanted
+    instead."""
     toml = tmp_path / "bad.toml"
     toml.write_text(f"[train]\nseed = 1\n{line}\n", encoding="utf-8")
     with pytest.raises(UserError, match=rf"^{re.escape(str(toml))}:3: not valid TOML \({message}$"):

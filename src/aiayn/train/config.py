@@ -472,7 +472,7 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
 def _toml_error(path: Path, text: str, message: str) -> str:
     """tomllib's `message` named by the file's line: a key or table written twice by its name, else with a
     hint where the value refused looks like a number or a boolean written as another language writes it
-    (`lr_scale = .5`: "Invalid value")."""
+    (`lr_scale = .5`: "Invalid value"), or is a bare word that a string setting needs quoted."""
     at = re.search(r" \(at line (\d+), column (\d+)\)$", message)
     if at is None:  # "(at end of document)"
         return f"{path}: not valid TOML ({message})"
@@ -481,9 +481,7 @@ def _toml_error(path: Path, text: str, message: str) -> str:
     if message.startswith(("Cannot overwrite a value", "Cannot declare")) and written:
         if twice := _written_twice(text, n, written):  # tomllib names neither the key nor its first line
             return f"{path}:{n}: {twice}"
-    line = text.split("\n")[n - 1]
-    key = _KEY_LINE.match(line)
-    hint = _value_hint(line[key.end():].partition("#")[0]) if key else None
+    hint = _file_value_hint(text.split("\n")[n - 1], written)
     return (f"{path}:{n}: not valid TOML ({message[:at.start()]} at column {at[2]})"
             + (f"; {hint}" if hint else ""))
 
@@ -499,6 +497,24 @@ def _written_twice(text: str, n: int, written: list[str]) -> str | None:
                 return f"[{'.'.join(again)}] is declared twice (first at line {before})"
             name = f"[{again[0]}] {'.'.join(again[1:])}" if len(again) > 1 else again[0]
             return f"{name} is set twice (first at line {before})"
+    return None
+
+
+def _file_value_hint(line: str, written: list[str] | None) -> str | None:
+    """`_value_hint` for the value a config file's `line` writes to the setting `written` (["train",
+    "precision"]), and for a bare word where a string may go (an unknown setting's too), its quotes: --set
+    takes `train.precision=bf16` as it is, a file refused `precision = bf16` with no hint."""
+    key = _KEY_LINE.match(line)
+    if key is None:
+        return None
+    value = line[key.end():].partition("#")[0].strip()
+    known = written is not None and len(written) == 2 and written[0] in SECTIONS
+    expected = _key_types(written[0]).get(written[1]) if known else None
+    if hint := _value_hint(value, expected):
+        return hint
+    if expected in (None, str) and re.fullmatch(r"[^\s\"'\[\]{},=#]+", value):
+        quote = "'" if "\\" in value else '"'  # a Windows path: backslashes are escapes in "..."
+        return f"TOML strings need quotes: {line[:key.end()].strip()} {quote}{value}{quote}"
     return None
 
 

@@ -252,6 +252,55 @@ def test_a_compiler_that_cannot_build_is_refused_before_any_work(finished_run, t
     assert not (tmp_path / "fresh").exists()
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("precision", "fp16", "train.precision='fp16' needs a GPU (use 'bf16' on a CPU)"),
+    ("device", "cuda", "train.device='cuda', but PyTorch sees no CUDA GPU; use 'auto' or 'cpu'"),
+    ("compile", True, "train.compile=true on a CPU needs the C++ compiler"),
+])
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_setting_this_machine_refuses_is_named_where_it_was_written(tmp_path, monkeypatch, capsys,
+                                                                       key, value, message, rank):
+    """README: refused settings are "each named where it was written"; fp16 on a CPU, device = "cuda"
+    without a GPU and compile without a compiler named no file and no line. Under torchrun process 0
+    alone says them, as it does load_config's refusals."""
+    from aiayn.decoding import compiled
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: False)
+    monkeypatch.setenv("RANK", rank)
+    toml, written = tmp_path / "run.toml", json.dumps(value)  # "fp16", true: as TOML writes them
+    toml.write_text(f'[train]\nrun_dir = "{tmp_path / "run"}"\n{key} = {written}\n', encoding="utf-8")
+    assert cli.main(["train", "--config", str(toml)]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"aiayn: error: {toml}:3: {message}") if rank == "0" else said == ""
+    item = f"train.{key}={written.strip(chr(34))}"
+    with pytest.raises(ConfigError, match=rf"^--set {re.escape(repr(item))}: {re.escape(message)}"):
+        train(load_config(None, [f"train.run_dir={tmp_path / 'run'}", item]))
+    config = with_train(load_config(toml), max_updates=1)  # replaced since, but not this setting
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(toml))}:3: {re.escape(message)}"):
+        train(config)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(message)}"):  # a value no file or --set wrote
+        train(with_train(load_config(None, [f"train.run_dir={tmp_path / 'run'}"]), **{key: value}))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_compiler_that_cannot_build_is_named_with_where_compile_was_set(tmp_path, monkeypatch):
+    from aiayn.decoding import compiled
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: True)
+
+    def cannot_build(*args, **kwargs):
+        raise RuntimeError("C++ compile error")
+
+    monkeypatch.setattr(torch, "compile", cannot_build)
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[train]\nrun_dir = "{tmp_path / "run"}"\ncompile = true\n', encoding="utf-8")
+    message = "train.compile=true: torch.compile failed here: C++ compile error; or set train.compile=false"
+    with pytest.raises(UserError, match=rf"^{re.escape(str(toml))}:3: {re.escape(message)}$"):
+        train(load_config(toml))
+
+
 def test_another_precision_on_resume_is_said(finished_run, tmp_path, caplog):
     config = with_train(copy_run(finished_run, tmp_path), max_updates=6, precision="bf16")
     with caplog.at_level(logging.INFO):

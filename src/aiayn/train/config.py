@@ -264,6 +264,13 @@ class RunConfig:
         where, written = self.origins.get(setting, (None, None))
         return where if where is not None and written == value else None
 
+    def refusal(self, setting: str, value: Any, problem: str) -> ConfigError:
+        """A ConfigError for `problem` with `setting`, found after loading (against a checkpoint, the
+        machine), named where it was written if it still has the `value` written there, as `load_config`
+        names its own: run.toml:5: ..., or the --set item."""
+        place = self.written_at(setting, value)
+        return ConfigError(f"{place}: {problem}" if place else problem)
+
     def given_data_keys(self) -> frozenset[str] | None:
         """The [data] keys a file or --set wrote (fine-tuning adopts the checkpoint's tokenizer settings for
         the others and compares these: vocab_size=8000 written was taken as unset), or None where that is
@@ -300,10 +307,6 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
     each of its keys but dropout, as [model] overrides it (the run's own config: preset micro, d_model 48),
     must then equal the checkpoint's too.
     """
-    def refused(setting: str, value: Any, problem: str) -> ConfigError:  # named where written, as
-        place = config.written_at(setting, value)  # load_config's own refusals are
-        return ConfigError(f"{place}: {problem}" if place else problem)
-
     values = dict(config.model)
     preset = values.pop("preset", None)
     # compared as what they mean: n_decoder_layers=1 restates a 1-layer checkpoint's None
@@ -311,20 +314,21 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
     mine = resolved_settings({**asdict(saved), **values})
     for key, value in values.items():
         if key != "dropout" and mine[key] != theirs[key]:
-            raise refused(f"model.{key}", value, f"model.{key}={value!r} differs from {where}'s "
-                          f"{theirs[key]!r}; with train.init_from only model.dropout may be set")
+            raise config.refusal(f"model.{key}", value, f"model.{key}={value!r} differs from {where}'s "
+                                 f"{theirs[key]!r}; with train.init_from only model.dropout may be set")
     if preset is not None:  # a known one (`RunConfig._check_finetune_keys`)
         differ = [f"{key}={value!r} (the checkpoint's: {theirs[key]!r})"  # keys [model] leaves to it
                   for key, value in PRESETS[preset].items()
                   if key != "dropout" and key not in values and theirs[key] != value]
         if differ:
-            raise refused("model.preset", preset, f"model.preset={preset!r} has {', '.join(differ)}; with "
-                          f"train.init_from the model is {where}'s: remove the preset or name the "
-                          "checkpoint's")
+            raise config.refusal("model.preset", preset, f"model.preset={preset!r} has {', '.join(differ)}; "
+                                 f"with train.init_from the model is {where}'s: remove the preset or name "
+                                 "the checkpoint's")
     if (max_len := config.data.max_len) > saved.max_len:
         unset = config.written_at("data.max_len", max_len) is None and max_len == DataConfig.max_len
-        raise refused("data.max_len", max_len, f"data.max_len={max_len}{' (the default)' * unset} is longer "
-                      f"than {where}'s max_len={saved.max_len}; set data.max_len <= {saved.max_len}")
+        raise config.refusal("data.max_len", max_len, f"data.max_len={max_len}{' (the default)' * unset} is "
+                             f"longer than {where}'s max_len={saved.max_len}; set data.max_len <= "
+                             f"{saved.max_len}")
     return replace(saved, dropout=values.get("dropout", saved.dropout))
 
 

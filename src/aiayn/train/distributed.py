@@ -57,8 +57,9 @@ class Dist:
         return self.world_size > 1
 
 
-def setup(device: str = "auto") -> Dist:
-    """Join the torchrun job if there is one; choose this process' device."""
+def setup(device: str = "auto", written: str | None = None) -> Dist:
+    """Join the torchrun job if there is one; choose this process' device (train.device, `written` there:
+    "run.toml:4", named if it is refused)."""
     world_size, rank, local_rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     if world_size > 1 and not dist.is_initialized() and not os.environ.get("MASTER_ADDR"):
         # a WORLD_SIZE left in the environment: torch's ValueError traceback about env://
@@ -66,7 +67,7 @@ def setup(device: str = "auto") -> Dist:
                           "with torchrun, or unset WORLD_SIZE for one")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        _check_gpu(device, local_rank)
+        _check_gpu(device, local_rank, written)
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
@@ -93,10 +94,11 @@ def _env_int(name: str, default: int) -> int:
                           "it)") from None
 
 
-def _check_gpu(device: str, local_rank: int) -> None:
+def _check_gpu(device: str, local_rank: int, written: str | None = None) -> None:
     """One line instead of torch's AttributeError (no CUDA build) or invalid-ordinal error."""
     if not torch.cuda.is_available():
-        raise ConfigError(f"train.device={device!r}, but PyTorch sees no CUDA GPU; use 'auto' or 'cpu'")
+        raise ConfigError(f"{written + ': ' if written else ''}train.device={device!r}, but PyTorch sees no "
+                          "CUDA GPU; use 'auto' or 'cpu'")
     if local_rank >= torch.cuda.device_count():  # not on process 0, which the CLI leaves a ConfigError to:
         # a UserError, said by each process it stops (nothing at all was said)
         raise UserError(

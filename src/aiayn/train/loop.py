@@ -122,7 +122,7 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     if not isinstance(config, RunConfig):  # a dict failed with an AttributeError deep inside
         raise TypeError(f"train() takes a RunConfig, not {type(config).__name__}: build one with "
                         "aiayn.train.config.load_config(path, overrides) or run_config(dict)")
-    d = distributed.setup(config.train.device)
+    d = distributed.setup(config.train.device, config.written_at("train.device", config.train.device))
     threads = torch.get_num_threads()
     try:
         # the caller's autocast ran the backward in bf16 under an fp32 run, and its no_grad or inference_mode
@@ -140,19 +140,22 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
 
 
 def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
+    # settings refused on this machine, named where they were written as load_config's refusals are
     if config.train.precision == "fp16" and d.device.type != "cuda":
-        raise ConfigError("train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
+        raise config.refusal("train.precision", "fp16",
+                             "train.precision='fp16' needs a GPU (use 'bf16' on a CPU)")
     if config.train.compile and d.device.type == "cpu":
         from aiayn.decoding.compiled import check_compile_works, has_cxx_compiler, missing_compiler
 
         if not has_cxx_compiler():  # inductor's CPU code is C++: a 180-line traceback at the first update,
             # the data prepared
-            raise ConfigError(missing_compiler("train.compile=true on a CPU")
-                              + ", or set train.compile=false")
+            raise config.refusal("train.compile", True, missing_compiler("train.compile=true on a CPU")
+                                 + ", or set train.compile=false")
         try:  # one that is there but cannot build (no Python headers): the same traceback, the same place
             check_compile_works("train.compile=true")
         except UserError as e:
-            raise UserError(f"{e}; or set train.compile=false") from None
+            where = config.written_at("train.compile", True)
+            raise UserError(f"{where + ': ' if where else ''}{e}; or set train.compile=false") from None
     if config.data.valid_src and config.train.bleu_every:  # ja and ko need MeCab: say so now, not after
         from aiayn.evaluate import bleu_metrics  # the tokenizer's training and the encoding
 

@@ -482,9 +482,9 @@ def _toml_error(path: Path, text: str, message: str) -> str:
         return f"{path}: not valid TOML ({message})"
     n = int(at[1])
     written = next((name for name, m in _written(text) if m == n), None)  # the line's table or key
-    if message.startswith(("Cannot overwrite a value", "Cannot declare")) and written:
-        if twice := _written_twice(text, n, written):  # tomllib names neither the key nor its first line
-            return f"{path}:{n}: {twice}"
+    twice = message.startswith(("Cannot overwrite a value", "Cannot declare")) and written
+    if twice and (again := _written_twice(text, n, written)):  # tomllib names neither key nor first line
+        return f"{path}:{n}: {again}"
     hint = _file_value_hint(text.split("\n")[n - 1], written)
     return (f"{path}:{n}: not valid TOML ({message[:at.start()]} at column {at[2]})"
             + (f"; {hint}" if hint else ""))

@@ -427,8 +427,6 @@ def _names(path: str) -> list[str]:
     return [name.strip("\"'") for name in re.findall(_KEY, path)]
 
 
-
-
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read a TOML file (or start from defaults) and apply `section.key=value` overrides."""
     values: dict[str, dict[str, Any]] = {}

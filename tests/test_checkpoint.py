@@ -617,6 +617,21 @@ def test_metadata_nested_past_the_stack_is_corrupt_not_a_recursion_error(run):
         load_checkpoint(ck)
 
 
+def test_a_number_of_more_digits_than_python_reads_is_corrupt_metadata(run, tmp_path):
+    """A 5,001-digit integer is valid JSON, which int() refuses with a plain ValueError: a traceback from
+    info, translate, average and a resume alike (metrics.jsonl and trainer.json were already caught)."""
+    from aiayn.interop.marian import read_json
+
+    ck = run / "checkpoints" / "step_000003"
+    text = (ck / "meta.json").read_text()
+    (ck / "meta.json").write_text(text.replace('"step": 3', '"step": ' + "9" * 5001, 1))
+    with pytest.raises(UserError, match=r"meta\.json: corrupt checkpoint metadata \(Exceeds the limit"):
+        load_checkpoint(ck)
+    (tmp_path / "config.json").write_text('{"d_model": ' + "1" * 5001 + "}")
+    with pytest.raises(UserError, match=r"config\.json: not valid JSON \(Exceeds the limit"):
+        read_json(tmp_path / "config.json")
+
+
 def test_an_unreadable_meta_json_is_one_line(run, monkeypatch, capsys):
     """EACCES (for a user other than root) or EIO reading meta.json was a PermissionError traceback."""
     ck = run / "checkpoints" / "step_000003"

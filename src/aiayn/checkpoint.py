@@ -194,7 +194,8 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         raise UserError(f"{directory}: not an aiayn checkpoint (no {META}){hint}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # [[[...]]] past the stack
+    except (ValueError, RecursionError) as e:  # JSON's and UTF-8's errors, a 4,300-digit number (int()'s
+        # ValueError: a traceback), [[[...]]] past the stack
         raise CorruptFile(f"{path}: corrupt checkpoint metadata ({e})") from None
     except OSError as e:  # permissions, an I/O error: a PermissionError traceback
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None

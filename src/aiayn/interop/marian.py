@@ -64,7 +64,7 @@ def read_json(path: Path) -> dict[str, Any]:
         raise UserError(f"{path}: not found (is this a MarianMT directory?)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # [[[...]]] nested past the stack
+    except (ValueError, RecursionError) as e:  # JSON's and UTF-8's errors, a 4,300-digit number, nesting
         raise UserError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object")

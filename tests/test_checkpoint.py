@@ -632,6 +632,15 @@ def test_a_number_of_more_digits_than_python_reads_is_corrupt_metadata(run, tmp_
         read_json(tmp_path / "config.json")
 
 
+def test_metadata_with_a_lone_surrogate_is_saved_as_it_was_read(tmp_path, tokenizer):
+    """`"\\udcff"` is valid JSON, read as a lone surrogate, which UTF-8 cannot encode: `aiayn average` over a
+    meta.json holding one (a hand's edit, a path of another encoding) stopped with a UnicodeEncodeError."""
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    save_checkpoint(tmp_path / "ck", model, tokenizer, {"step": 1, "note": "/data/x\udcff.de", "de": "Straße"})
+    meta = load_checkpoint(tmp_path / "ck").meta
+    assert meta["note"] == "/data/x\udcff.de" and meta["de"] == "Straße"
+
+
 def test_an_unreadable_meta_json_is_one_line(run, monkeypatch, capsys):
     """EACCES (for a user other than root) or EIO reading meta.json was a PermissionError traceback."""
     ck = run / "checkpoints" / "step_000003"

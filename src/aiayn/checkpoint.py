@@ -131,7 +131,11 @@ def save_checkpoint(
     def write(tmp: Path) -> None:
         save_file(weights, str(tmp / WEIGHTS))
         full = {"format": FORMAT, "model": to_dict(model.config), "tokenizer": tokenizer.save(tmp), **extra}
-        (tmp / META).write_text(json.dumps(full, indent=2, ensure_ascii=False) + "\n")
+        try:
+            text = json.dumps(full, indent=2, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\udcff" in a meta.json an average copies) has no
+            text = json.dumps(full, indent=2).encode("ascii")  # UTF-8 (a traceback); JSON's escape keeps it
+        (tmp / META).write_bytes(text + b"\n")
         if trainer_tensors is not None:
             save_file({k: v.contiguous().cpu() for k, v in trainer_tensors.items()}, str(tmp / "trainer.safetensors"))
             (tmp / "trainer.json").write_text(json.dumps(trainer_meta or {}, indent=2) + "\n")

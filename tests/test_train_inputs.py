@@ -2037,6 +2037,35 @@ def test_log_lines_above_the_bar_keep_the_callers_handlers(monkeypatch):
     assert "curves.png not drawn\n" in shown and "update 2" not in shown
 
 
+def test_a_best_checkpoint_deleted_by_hand_is_said_and_never_named(finished_run, tmp_path, caplog, capsys):
+    """Deleted to free a full disk, the best's checkpoint was still named by the run's last line, a path
+    that was gone, with nothing said."""
+    config = copy_run(finished_run, tmp_path)
+    checkpoints = Path(config.train.run_dir) / "checkpoints"
+    trainer = json.loads((checkpoints / "step_000004" / "trainer.json").read_text())
+    trainer["state"].update(best_step=2, best_valid=0.5)  # as a run whose update 2 validated best
+    (checkpoints / "step_000004" / "trainer.json").write_text(json.dumps(trainer))
+    shutil.rmtree(checkpoints / "step_000002")
+    with caplog.at_level("WARNING", logger="aiayn"):
+        result = train(with_train(config, max_updates=6), resume=True)
+    assert result["step"] == 6 and "best_checkpoint" not in result
+    said = (f"{checkpoints / 'step_000002'}, the best validation loss so far (0.5000), is gone; train.patience "
+            "still counts from it, and the best checkpoint is named again once a validation beats it")
+    assert said in caplog.messages
+
+
+def test_a_checkpoint_named_for_another_update_is_not_resumed(finished_run, tmp_path):
+    """step_000006 holding update 2 (renamed, or a link to another run's): --resume went back to update 2
+    and pruned the newer checkpoints as older ones, at every resume."""
+    config = copy_run(finished_run, tmp_path)
+    checkpoints = Path(config.train.run_dir) / "checkpoints"
+    (checkpoints / "step_000002").rename(checkpoints / "step_000006")
+    with pytest.raises(CorruptFile, match=f"^{checkpoints / 'step_000006'}: holds update 2, not 6 as its name "
+                                          r"says \(renamed or linked in by hand\?\); to resume from step_000004"):
+        train(with_train(config, max_updates=8), resume=True)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000004", "step_000006"]
+
+
 def test_another_label_smoothing_on_resume_starts_the_best_loss_again(finished_run, tmp_path, caplog):
     """best_valid is a smoothed loss: resumed with more smoothing, every validation was worse than the old
     best by the smoothing alone, train.patience stopped the run and `prune` kept the old best's checkpoint."""

@@ -247,6 +247,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
 
     state = _read_resumed(d, run_dir, resume_from, restored)
     _same_validation(state, data, run_dir, d)
+    _best_still_there(state, run_dir, d)
     _same_smoothing(state, trained, tc.label_smoothing, run_dir, d)
     if d.is_main:
         log.info("configuration:\n%s", _describe(config, model, data, d))
@@ -310,8 +311,9 @@ def _result(last: dict[str, Any], state: TrainState, stop: str, resume_from: Pat
     if not last and resume_from is not None:
         last = _recorded_result(resume_from)
     result = {**last, "stop": stop, "step": state.step}
-    if state.best_step:  # 0: no validation yet (or none since the best started again)
-        result["best_checkpoint"] = str(run_dir / "checkpoints" / step_dir_name(state.best_step))
+    best = run_dir / "checkpoints" / step_dir_name(state.best_step)
+    if state.best_step and best.is_dir():  # 0: no validation yet (or none since the best started again)
+        result["best_checkpoint"] = str(best)
     return result
 
 
@@ -963,6 +965,17 @@ def _same_validation(state: TrainState, data: Data, run_dir: Path, d: Dist) -> N
         _best_starts_again(state, "the validation pairs differ from those of the best validation loss so "
                                   f"far ({state.best_valid:.4f} at update {state.best_step})", run_dir, d)
     state.valid_digest = digest
+
+
+def _best_still_there(state: TrainState, run_dir: Path, d: Dist) -> None:
+    """The best validation loss's checkpoint, deleted by hand (to free a full disk): the run went on
+    measuring patience against it and its answer named the missing directory. It is said; the best stays
+    the criterion (validation did not get better), and no answer names a checkpoint that is not there."""
+    best = run_dir / "checkpoints" / step_dir_name(state.best_step)
+    if state.best_step and d.is_main and not best.is_dir():
+        log.warning("%s, the best validation loss so far (%.4f), is gone; train.patience still counts from "
+                    "it, and the best checkpoint is named again once a validation beats it", best,
+                    state.best_valid)
 
 
 def _same_smoothing(state: TrainState, trained: dict[str, Any] | None, smoothing: float, run_dir: Path,

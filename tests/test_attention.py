@@ -201,14 +201,16 @@ def test_cli_draws_pngs_and_one_self_contained_page(tmp_path, tokenizers, capsys
      "--checkpoint given twice (a, b): one model's attention a drawing; an ensemble has none of its own"),
     (["--src", "x", "--src", "y"], "--src given twice (x, y): one sentence pair a drawing"),
     (["--tgt", "x", "--tgt", "y"], "--tgt given twice (x, y): one sentence pair a drawing"),
-    (["--layers", "1", "--layers", "2"], "--layers given twice ((1,), (2,)): list them in one, e.g. --layers 1,6"),
+    (["--layers", "1", "--layers", "2"],
+     "--layers given twice ((1,), (2,)): list them in one, e.g. --layers 1,6"),
 ])
 def test_an_option_given_twice_is_refused_not_replaced(capsys, twice, said):
     """`--checkpoint a --checkpoint b` drew b's attention alone, silently (translate takes both, as an
     ensemble); so did a second --src."""
     with pytest.raises(SystemExit) as e:
         main(["attention", *twice, "--checkpoint", "ck", "--src", "x"])  # refused at the second
-    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"aiayn attention: error: {said} (see aiayn attention --help)"
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert e.value.code == 2 and last == f"aiayn attention: error: {said} (see aiayn attention --help)"
 
 
 def _draw_args(tmp_path, tokenizers):
@@ -253,7 +255,8 @@ def test_a_greedy_translation_cut_at_its_limit_is_not_counted_with_an_eos(tmp_pa
 
 
 def test_a_greedy_translation_cut_at_its_limit_is_said_so(tmp_path, tokenizers, monkeypatch, caplog):
-    """Drawn as "the model's greedy translation", with nothing said, it passed for the model's whole answer."""
+    """Drawn as "the model's greedy translation", with nothing said, it passed for the model's whole
+    answer."""
     from aiayn.decoding.search import Hypothesis
 
     _draw_args(tmp_path, tokenizers)

@@ -636,7 +636,8 @@ def test_metadata_with_a_lone_surrogate_is_saved_as_it_was_read(tmp_path, tokeni
     """`"\\udcff"` is valid JSON, read as a lone surrogate, which UTF-8 cannot encode: `aiayn average` over a
     meta.json holding one (a hand's edit, a path of another encoding) stopped with a UnicodeEncodeError."""
     model = tiny_model(vocab_size=tokenizer.src_vocab_size)
-    save_checkpoint(tmp_path / "ck", model, tokenizer, {"step": 1, "note": "/data/x\udcff.de", "de": "Straße"})
+    meta = {"step": 1, "note": "/data/x\udcff.de", "de": "Straße"}
+    save_checkpoint(tmp_path / "ck", model, tokenizer, meta)
     meta = load_checkpoint(tmp_path / "ck").meta
     assert meta["note"] == "/data/x\udcff.de" and meta["de"] == "Straße"
 

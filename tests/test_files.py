@@ -173,8 +173,8 @@ def test_an_empty_path_is_a_usage_error(argv, capsys):
 def test_an_output_folder_that_is_a_dangling_link_is_said_to_be_one(tmp_path):
     """`attention --out dang`, a link to nothing, was told it "exists and is not a directory"."""
     (tmp_path / "dang").symlink_to(tmp_path / "gone")
-    with pytest.raises(files.UserError, match=f"^{tmp_path / 'dang'}: a symbolic link to {tmp_path / 'gone'}, "
-                                              "which does not exist$"):
+    said = f"^{tmp_path / 'dang'}: a symbolic link to {tmp_path / 'gone'}, which does not exist$"
+    with pytest.raises(files.UserError, match=said):
         files.check_directory_path(tmp_path / "dang")
     (tmp_path / "file").write_text("x")
     with pytest.raises(files.UserError, match="file: exists and is not a directory$"):

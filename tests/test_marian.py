@@ -524,7 +524,8 @@ def test_convert_from_python_never_replaces_the_source_or_other_files(tmp_path):
                                 (models / "other", True, "holds files that are not an aiayn checkpoint")):
         with pytest.raises(UserError, match=problem):
             convert_marian(models / "opus", out, force=force)
-    assert (models / "other" / "notes.txt").read_text() == "mine" and (models / "opus" / "config.json").exists()
+    assert (models / "other" / "notes.txt").read_text() == "mine"
+    assert (models / "opus" / "config.json").exists()
     convert_marian(models / "opus", models / "ck")
     convert_marian(models / "opus", models / "ck", force=True)  # an earlier checkpoint: replaced
     assert load_checkpoint(models / "ck").meta["converted_from"]["format"] == "marian"

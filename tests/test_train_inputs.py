@@ -2004,7 +2004,8 @@ def test_train_from_a_script_shows_its_progress_and_leaves_logging_as_it_was(fin
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout == "[] 0 []\n"
     lines = done.stderr.splitlines()
-    assert any(re.fullmatch(r"\d\d:\d\d:\d\d resuming from .*step_000004 \(update 4, epoch 1\)", x) for x in lines)
+    resumed = r"\d\d:\d\d:\d\d resuming from .*step_000004 \(update 4, epoch 1\)"
+    assert any(re.fullmatch(resumed, x) for x in lines)
     assert any(re.fullmatch(r"\d\d:\d\d:\d\d update 6: valid loss .*", x) for x in lines), lines
 
 
@@ -2049,8 +2050,9 @@ def test_a_best_checkpoint_deleted_by_hand_is_said_and_never_named(finished_run,
     with caplog.at_level("WARNING", logger="aiayn"):
         result = train(with_train(config, max_updates=6), resume=True)
     assert result["step"] == 6 and "best_checkpoint" not in result
-    said = (f"{checkpoints / 'step_000002'}, the best validation loss so far (0.5000), is gone; train.patience "
-            "still counts from it, and the best checkpoint is named again once a validation beats it")
+    said = (f"{checkpoints / 'step_000002'}, the best validation loss so far (0.5000), is gone; "
+            "train.patience still counts from it, and the best checkpoint is named again once a validation "
+            "beats it")
     assert said in caplog.messages
 
 
@@ -2060,8 +2062,9 @@ def test_a_checkpoint_named_for_another_update_is_not_resumed(finished_run, tmp_
     config = copy_run(finished_run, tmp_path)
     checkpoints = Path(config.train.run_dir) / "checkpoints"
     (checkpoints / "step_000002").rename(checkpoints / "step_000006")
-    with pytest.raises(CorruptFile, match=f"^{checkpoints / 'step_000006'}: holds update 2, not 6 as its name "
-                                          r"says \(renamed or linked in by hand\?\); to resume from step_000004"):
+    said = (f"^{checkpoints / 'step_000006'}: holds update 2, not 6 as its name says "
+            r"\(renamed or linked in by hand\?\); to resume from step_000004")
+    with pytest.raises(CorruptFile, match=said):
         train(with_train(config, max_updates=8), resume=True)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000004", "step_000006"]
 

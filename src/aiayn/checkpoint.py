@@ -468,7 +468,8 @@ def _provenance(meta: dict[str, Any]) -> list[str]:
     if isinstance(data.get("train_src"), str) and isinstance(data.get("train_tgt"), str):
         src, tgt = (_trained_path(data[side], meta.get("workdir")) for side in ("train_src", "train_tgt"))
         older = not isinstance(meta.get("workdir"), str) and not (os.path.isabs(src) and os.path.isabs(tgt))
-        lines.append(f"data: {src} -> {tgt}" + (" (relative to the directory training ran in)" if older else ""))
+        relative = " (relative to the directory training ran in)" if older else ""
+        lines.append(f"data: {src} -> {tgt}{relative}")
     tuned_from = (config_section(meta, "train") or {}).get("init_from")
     if isinstance(tuned_from, str) and tuned_from:
         lines.append(f"fine-tuned from: {tuned_from}")

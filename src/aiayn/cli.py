@@ -175,7 +175,8 @@ def cmd_plot(args: argparse.Namespace) -> None:
     if args.output:  # training's keep_last deletes a checkpoint directory whole, a picture in it too
         _check_outside_checkpoints(Path(args.output))
     elif (run / "curves.png").is_dir():  # "names a directory; give the picture's file name": none was given
-        raise UserError(f"{run / 'curves.png'}: is a directory, not a picture; draw elsewhere with -o FILE.png")
+        raise UserError(f"{run / 'curves.png'}: is a directory, not a picture; draw elsewhere with "
+                        "-o FILE.png")
     print(plot_metrics(run / "metrics.jsonl", args.output or run / "curves.png"))
 
 

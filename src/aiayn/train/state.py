@@ -305,8 +305,8 @@ def restore(
     named = STEP_DIR.match(path.name)  # a step_N that holds another update (renamed, or linked in): the run
     # resumed there and pruned the newer checkpoints as older, at every resume
     if named and int(named[1]) != saved.step:
-        raise CorruptFile(f"{path}: holds update {saved.step}, not {int(named[1])} as its name says (renamed or "
-                          "linked in by hand?)")
+        raise CorruptFile(f"{path}: holds update {saved.step}, not {int(named[1])} as its name says "
+                          "(renamed or linked in by hand?)")
     state_by_param = _adam_state(tensors, optimizer, path / "trainer.safetensors", saved.step)
     _check_param_groups(trainer.get("param_groups"), optimizer, path / "trainer.json")
     configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]

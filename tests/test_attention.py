@@ -266,8 +266,8 @@ def test_a_greedy_translation_cut_at_its_limit_is_said_so(tmp_path, tokenizers, 
     with caplog.at_level("WARNING", logger="aiayn"):
         maps = extract_attention(ck.model, ck.tokenizer, "the number 7")
     assert maps.target == "greedy_cut" and len(maps.tgt_out_tokens) == 5 and "</s>" not in maps.tgt_out_tokens
-    assert caplog.messages == ["the greedy translation reached the length limit (5 tokens) without </s>: the "
-                               "maps show it cut there"]
+    assert caplog.messages == [("the greedy translation reached the length limit (5 tokens) without </s>: "
+                                "the maps show it cut there")]
     page = attention.draw_attention(maps, tmp_path / "maps")["html"].read_text(encoding="utf-8")
     assert "the model's greedy translation, cut at the length limit without reaching &lt;/s&gt;" in page
 

@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from train_helpers import tiny_config, write_corpus
 
 from aiayn import cli
+from aiayn.checkpoint import read_meta
 from aiayn.config import ConfigError, model_config
 from aiayn.data.dataset import (
     EncodedCorpus,
@@ -38,7 +39,6 @@ from aiayn.data.dataset import (
     write_tokenizer_inputs,
 )
 from aiayn.data.tokenizer import train_sentencepiece
-from aiayn.checkpoint import read_meta
 from aiayn.errors import CorruptFile, Stopped, UserError
 from aiayn.model import Transformer
 from aiayn.train import distributed, loop

@@ -360,8 +360,8 @@ def html_page(maps: AttentionMaps, pngs: dict[str, bytes], title: str) -> str:
         "<style>body{font-family:sans-serif;margin:2em}img{max-width:100%}code{background:#eee}</style>",
         f"</head><body><h1>{html.escape(title)}</h1>",
         f"<p>source pieces: <code>{html.escape(' '.join(maps.src_tokens))}</code></p>",
-        f"<p>target pieces: <code>{html.escape(' '.join(maps.tgt_out_tokens))}</code> "
-        f"({html.escape(TARGETS[maps.target], quote=False)})</p>",
+        (f"<p>target pieces: <code>{html.escape(' '.join(maps.tgt_out_tokens))}</code> "
+         f"({html.escape(TARGETS[maps.target], quote=False)})</p>"),
     ]
     for kind in KINDS:
         parts.append(f"<h2>{html.escape(TITLES[kind])}</h2>")

@@ -13,10 +13,13 @@ import re
 import signal
 import sys
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from aiayn.config import MAX_THREADS, PRESETS, ConfigError, model_config
 from aiayn.errors import Stopped, UserError
+
+if TYPE_CHECKING:  # annotations only: each command imports what it uses, so the CLI starts fast
+    from pathlib import Path
 
 
 # CTranslate2's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES, 4.x), listed here so
@@ -237,8 +240,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     """Import another toolkit's model as an aiayn checkpoint (MarianMT / OPUS-MT)."""
-    from pathlib import Path
-
     from aiayn.interop.marian import convert_marian
 
     _log_to_stderr()

@@ -358,3 +358,21 @@ def test_chrf_word_ngrams_are_refused_for_unspaced_languages_and_must_be_whole_n
     for order in (2.0, True):  # 2.0 failed inside sacreBLEU; True signed itself nw:yes
         with pytest.raises(UserError, match=rf"^chrF's word order {order!r} is not 0, 1 or 2"):
             corpus_scores(["a b"], [["a b"]], chrf_word_order=order)
+
+
+def test_a_tokenizer_made_for_one_language_says_it_for_ter_and_chrf(tmp_path, capsys):
+    """--tokenize zh --ter scored plain TER, each unspaced line one word (100.00, asian:no), and --tokenize
+    zh or ja-mecab with --chrf-word-order 2 split Chinese or Japanese at spaces: -l zh did neither."""
+    hyp, ref = ["我喜欢吃苹果。", "今天天气很好。"], [["我爱吃苹果。", "今天天气非常好。"]]
+    by_lang = corpus_scores(hyp, ref, lang="zh", ter=True)[-1]
+    ter = corpus_scores(hyp, ref, tokenize="zh", ter=True)[-1]
+    assert (ter.score, ter.signature) == (by_lang.score, by_lang.signature) and "asian:yes" in ter.signature
+    assert 0 < ter.score < 50
+    for tokenize, name in (("zh", "Chinese"), ("ja-mecab", "Japanese")):  # refused before MeCab is needed
+        with pytest.raises(UserError, match=rf"^chrF's word n-grams \(word order 2\) .* which {name} text"):
+            corpus_scores(hyp, ref, tokenize=tokenize, chrf_word_order=2)
+    assert "asian:no" in corpus_scores(hyp, ref, lang="en", tokenize="zh", ter=True)[-1].signature  # -l wins
+    (tmp_path / "hyp").write_text("\n".join(hyp) + "\n", encoding="utf-8")
+    (tmp_path / "ref").write_text("\n".join(ref[0]) + "\n", encoding="utf-8")
+    assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--tokenize", "zh", "--ter"]) == 0
+    assert f"TER: {by_lang.score:.2f}" in capsys.readouterr().out

@@ -691,10 +691,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "13a, intl, zh, char, none, flores200 (downloads its model on first use), ...")
     p.add_argument("--chrf-word-order", type=int, default=0, choices=[0, 1, 2],
                    help="word n-grams in chrF: 2 is chrF++ (default 0, chrF); refused with -l zh, ja, th, "
-                        "lo, km, my, whose words no space separates")
+                        "lo, km, my (or --tokenize zh, ja-mecab), whose words no space separates")
     p.add_argument("--ter", action="store_true",
-                   help="also TER (translation edit rate; lower is better); with -l zh or ja each "
-                        "character is a word (sacreBLEU's asian support), and th, lo, km, my are refused")
+                   help="also TER (translation edit rate; lower is better); with -l zh or ja (or --tokenize "
+                        "zh, ja-mecab) each character is a word (sacreBLEU's asian support), and th, lo, km, "
+                        "my are refused")
     p.add_argument("--confidence", type=resamples, nargs="?", const=1000, default=0, metavar="N",
                    help="bootstrap resampling (sacreBLEU's, N resamples, default 1000): each score with its 95%% "
                    "confidence interval")

@@ -34,6 +34,9 @@ UNSPACED = {"zh": "Chinese", "ja": "Japanese", **CHAR_LANGS}  # whose words no s
 # ISO 639-2/3 codes of the languages whose tokenizer differs, so that -l tha or -l zho is not 13a unnoticed
 _ALIASES = {"zho": "zh", "chi": "zh", "cmn": "zh", "yue": "zh", "jpn": "ja", "kor": "ko",
             "tha": "th", "lao": "lo", "khm": "km", "mya": "my", "bur": "my"}
+# sacreBLEU's tokenizers made for one language: naming one says the language as -l does (--tokenize zh
+# --ter scored plain TER, a whole Chinese line one word, where -l zh splits its characters)
+TOKENIZER_LANGS = {"zh": "zh", "ja-mecab": "ja", "ko-mecab": "ko"}
 # LANG, LANG-REGION or LANG_REGION: a region in capitals (zh-CN, pt_BR) or digits (es-419), a script before it
 # (zh-Hant, zh-Hans-CN). A lowercase two-letter second part is what a pair looks like (en-zh, en-de): refused.
 _LANG_TAG = re.compile(r"(?P<lang>[A-Za-z]{2,3})(?:[-_][A-Za-z]{4})?(?:[-_](?P<region>[A-Z]{2}|[0-9]{3}))?")
@@ -156,9 +159,10 @@ def corpus_scores(
 ) -> list[Score]:
     """BLEU, chrF and the lowercased BLEU of `hypotheses`, then TER with `ter`, against one or more
     reference streams (`references[j][i]` is reference j of sentence i). `lang`, `tokenize`: BLEU's
-    tokenizer, as `bleu_metrics` picks it. `chrf_word_order=2` is chrF++ (Popovic, 2017). `confidence`:
-    that many bootstrap resamples (sacreBLEU's, 1,000 as its --confidence), each score with its 95%
-    interval, for telling whether two systems differ."""
+    tokenizer, as `bleu_metrics` picks it; without `lang`, a tokenizer made for one language (zh,
+    ja-mecab, ko-mecab: TOKENIZER_LANGS) gives TER and chrF that language. `chrf_word_order=2` is chrF++
+    (Popovic, 2017). `confidence`: that many bootstrap resamples (sacreBLEU's, 1,000 as its --confidence),
+    each score with its 95% interval, for telling whether two systems differ."""
     hypotheses = str_list(hypotheses, "hypotheses", "lines", "line")
     streams = enumerate(_streams(references))
     references = [str_list(r, f"references[{j}]", "lines", "line") for j, r in streams]
@@ -179,7 +183,8 @@ def corpus_scores(
                            "least 2 (0: off)")  # 2.5 failed inside sacreBLEU
     if not isinstance(ter, bool):  # "no" is true
         raise TypeError(f"ter={ter!r} must be True or False")
-    if chrf_word_order and (unspaced := UNSPACED.get(target_language(lang))):
+    lang = target_language(lang) or TOKENIZER_LANGS.get(tokenize, "")
+    if chrf_word_order and (unspaced := UNSPACED.get(lang)):
         raise UserError(f"chrF's word n-grams (word order {chrf_word_order}) are split at spaces, which "
                         f"{unspaced} text has few of: use chrF's characters alone (0)")
     extra = [(None, ter_metric(lang))] if ter else []

@@ -206,9 +206,9 @@ def test_a_note_suggests_lang_for_unspaced_text_scored_with_13a(tmp_path, capsys
     ref.write_text("我们明天去公园散步。\n他说这本书非常有意思。\n\n", encoding="utf-8")
     assert main(["evaluate", str(hyp), str(ref)]) == 0
     captured = capsys.readouterr()
-    note = "aiayn: note: BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Korean or "
+    note = "aiayn: note: BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Thai, Lao, "
     assert captured.err.startswith(note) and captured.err.count("\n") == 1 and "BLEU: 0.00" in captured.out
-    assert "Thai pass -l LANG (or --tokenize char)" in captured.err
+    assert "Khmer or Burmese pass -l LANG (or --tokenize char)" in captured.err
     for extra in (["-l", "zh"], ["--tokenize", "char"], ["--json"]):
         assert main(["evaluate", str(hyp), str(ref), *extra]) == 0
         assert ("note:" in capsys.readouterr().err) == (extra == ["--json"])  # stdout stays JSON
@@ -216,6 +216,23 @@ def test_a_note_suggests_lang_for_unspaced_text_scored_with_13a(tmp_path, capsys
     ref.write_text("The cat sat on a mat.\nShort.\n", encoding="utf-8")
     assert main(["evaluate", str(hyp), str(ref)]) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("lines, unspaced", [
+    (["achthunderteinundvierzigtausendfünfhundertzwölf", "Donaudampfschifffahrtsgesellschaft"], False),
+    (["Здравствуйте", "Достопримечательности"], False),  # Cyrillic, one word a line
+    (["대한민국헌법재판소", "국립중앙박물관에서"], False),  # Korean spaces its words: one a line is one word
+    (["我们今天去公园散步。", "他用iPhone拍照片了"], True),
+    (["วันนี้อากาศดีมาก", "ขอบคุณมากครับผม"], True),
+    (["今日はとても良い天気ですね", "ありがとうございました"], True),
+])
+def test_the_unspaced_note_looks_at_the_script(tmp_path, capsys, lines, unspaced):
+    """Word and character counts alone called single-word lines of German, a spaced language, unspaced:
+    the note said to pass -l for Chinese, Japanese, Korean or Thai."""
+    hyp = tmp_path / "hyp"
+    hyp.write_text("\n".join(lines * 25) + "\n", encoding="utf-8")
+    assert main(["evaluate", str(hyp), str(hyp)]) == 0
+    assert ("note: BLEU's 13a tokenizer found about 1 word per line" in capsys.readouterr().err) == unspaced
 
 
 def test_hypotheses_from_standard_input(tmp_path, capsys, monkeypatch):

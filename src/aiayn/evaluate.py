@@ -41,6 +41,13 @@ TOKENIZER_LANGS = {"zh": "zh", "ja-mecab": "ja", "ko-mecab": "ko"}
 # (zh-Hant, zh-Hans-CN). A lowercase two-letter second part is what a pair looks like (en-zh, en-de): refused.
 _LANG_TAG = re.compile(r"(?P<lang>[A-Za-z]{2,3})(?:[-_][A-Za-z]{4})?(?:[-_](?P<region>[A-Z]{2}|[0-9]{3}))?")
 HINT_WORDS, HINT_CHARS = 1.5, 8  # 13a words and characters per non-empty hypothesis line: unspaced text
+# Letters of the scripts written without spaces between words: Thai, Lao, Myanmar, Khmer, kana (halfwidth
+# too), Han. Not Hangul: Korean spaces its words. Counts alone called a file of one German compound a line
+# unspaced.
+_UNSPACED_LETTER = re.compile("[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u31f0-\u31ff"
+                              "\u3400-\u4dbf\u4e00-\u9fff\ua9e0-\ua9ff\uaa60-\uaa7f\uf900-\ufaff"
+                              "\uff66-\uff9f\U00020000-\U0003ffff]")
+UNSPACED_SHARE = 0.5  # of a text's letters in those scripts, from which it is unspaced text
 # Bytes of the (resamples, lines) index table sacreBLEU's bootstrap draws at once: past this no machine
 # holds it (numpy's OverflowError or "array is too big" otherwise, as tracebacks)
 MAX_BOOTSTRAP_BYTES = 2**50
@@ -94,22 +101,28 @@ def unspaced_hint(
     hypotheses: Sequence[str], lang: str = "", tokenize: str | None = None,
     advice: str = "pass -l LANG (or --tokenize char)",
 ) -> str | None:
-    """A note for when 13a was used (no `lang`, no `tokenize`) on what looks like unspaced text: on
-    average fewer than HINT_WORDS 13a words per non-empty line of more than HINT_CHARS characters, as
-    Chinese, Japanese or Thai gives (BLEU near 0 however good the translation). None when it does not
-    apply."""
+    """A note for when 13a was used (no `lang`, no `tokenize`) on unspaced text: mostly letters of the
+    scripts written without spaces (`mostly_unspaced`), and on average fewer than HINT_WORDS 13a words per
+    non-empty line of more than HINT_CHARS characters, as Chinese, Japanese or Thai gives (BLEU near 0
+    however good the translation). None when it does not apply."""
     if lang.strip() or tokenize is not None:
         return None
     lines = [line for line in hypotheses if line.strip()]
-    if not lines:
+    if not lines or not mostly_unspaced(lines):
         return None
     tokenize13a = Tokenizer13a()
     words = sum(len(tokenize13a(line).split()) for line in lines) / len(lines)
     chars = sum(len(line.strip()) for line in lines) / len(lines)
     if words >= HINT_WORDS or chars <= HINT_CHARS:
         return None
-    return f"BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Korean or Thai {advice}"
+    return (f"BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Thai, Lao, Khmer or "
+            f"Burmese {advice}")
 
+
+def mostly_unspaced(lines: Sequence[str]) -> bool:
+    """Whether at least UNSPACED_SHARE of the letters of `lines` are of a script written without spaces."""
+    letters = "".join(filter(str.isalpha, "".join(lines)))
+    return bool(letters) and len(_UNSPACED_LETTER.findall(letters)) >= UNSPACED_SHARE * len(letters)
 
 
 def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLEU]:

@@ -393,3 +393,24 @@ def test_a_tokenizer_made_for_one_language_says_it_for_ter_and_chrf(tmp_path, ca
     (tmp_path / "ref").write_text("\n".join(ref[0]) + "\n", encoding="utf-8")
     assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--tokenize", "zh", "--ter"]) == 0
     assert f"TER: {by_lang.score:.2f}" in capsys.readouterr().out
+
+
+def test_word_scores_of_unspaced_text_under_a_tokenizer_of_no_language_get_a_note(tmp_path, capsys):
+    """--tokenize char --ter on Chinese gave TER 100.00, each line one word, silently: char names no
+    language, and TER and chrF++ split words at spaces."""
+    hyp, ref = tmp_path / "hyp", tmp_path / "ref"
+    hyp.write_text("我喜欢吃苹果。\n今天天气很好。\n他去了北京大学学习。\n", encoding="utf-8")
+    ref.write_text("我爱吃苹果。\n今天天气非常好。\n他去北京大学学习了。\n", encoding="utf-8")
+    note = ("aiayn: note: TER splits words at spaces, which this text, mostly of scripts written without "
+            "them, has few of: pass -l LANG to score them as its language allows\n")
+    assert main(["evaluate", str(hyp), str(ref), "--tokenize", "char", "--ter"]) == 0
+    assert capsys.readouterr().err == note
+    assert main(["evaluate", str(hyp), str(ref), "--tokenize", "13a", "--ter", "--chrf-word-order", "1"]) == 0
+    assert "note: TER and chrF's word n-grams split words at spaces" in capsys.readouterr().err
+    for quiet in (["--tokenize", "char"], ["-l", "zh", "--tokenize", "char", "--ter"],
+                  ["--tokenize", "zh", "--ter"]):
+        assert main(["evaluate", str(hyp), str(ref), *quiet]) == 0
+        assert "note:" not in capsys.readouterr().err, quiet
+    hyp.write_text("The cat sat.\nA dog ran.\nPlease.\n", encoding="utf-8")
+    assert main(["evaluate", str(hyp), str(ref), "--tokenize", "char", "--ter"]) == 0
+    assert capsys.readouterr().err == ""

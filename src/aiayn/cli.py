@@ -508,8 +508,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
                                  confidence=args.confidence)
         except SettingError as e:  # `confidence=1` names the library's parameter; the user typed a flag
             raise UserError(e.as_flag()) from None
-    note = unspaced_hint(hyps, args.lang, args.tokenize)
-    if note:  # Chinese scored with 13a: BLEU near 0 however good the translation
+    note = unspaced_hint(hyps, args.lang, args.tokenize, ter=args.ter, chrf_word_order=args.chrf_word_order)
+    if note:  # Chinese scored with 13a: BLEU near 0 however good the translation; or TER of one word a line
         print(f"aiayn: note: {note}", file=sys.stderr)
     for ref in args.references:  # `evaluate test.de test.de`, a slip of the shell's history: 100, silently
         if _same_file(args.hypotheses, ref):
@@ -691,11 +691,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "13a, intl, zh, char, none, flores200 (downloads its model on first use), ...")
     p.add_argument("--chrf-word-order", type=int, default=0, choices=[0, 1, 2],
                    help="word n-grams in chrF: 2 is chrF++ (default 0, chrF); refused with -l zh, ja, th, "
-                        "lo, km, my (or --tokenize zh, ja-mecab), whose words no space separates")
+                        "lo, km, my (or --tokenize zh, ja-mecab), whose words no space separates (without "
+                        "either, such text gets a note)")
     p.add_argument("--ter", action="store_true",
                    help="also TER (translation edit rate; lower is better); with -l zh or ja (or --tokenize "
                         "zh, ja-mecab) each character is a word (sacreBLEU's asian support), and th, lo, km, "
-                        "my are refused")
+                        "my are refused (without either, such text gets a note)")
     p.add_argument("--confidence", type=resamples, nargs="?", const=1000, default=0, metavar="N",
                    help="bootstrap resampling (sacreBLEU's, N resamples, default 1000): each score with its 95%% "
                    "confidence interval")

@@ -99,24 +99,36 @@ def target_language(lang: str, option: str = "-l") -> str:
 
 def unspaced_hint(
     hypotheses: Sequence[str], lang: str = "", tokenize: str | None = None,
-    advice: str = "pass -l LANG (or --tokenize char)",
+    advice: str = "pass -l LANG (or --tokenize char)", ter: bool = False, chrf_word_order: int = 0,
 ) -> str | None:
-    """A note for when 13a was used (no `lang`, no `tokenize`) on unspaced text: mostly letters of the
-    scripts written without spaces (`mostly_unspaced`), and on average fewer than HINT_WORDS 13a words per
-    non-empty line of more than HINT_CHARS characters, as Chinese, Japanese or Thai gives (BLEU near 0
-    however good the translation). None when it does not apply."""
-    if lang.strip() or tokenize is not None:
+    """A note for unspaced text (mostly letters of the scripts written without spaces: `mostly_unspaced`)
+    scored with no language known (no `lang`, and no `tokenize` of TOKENIZER_LANGS). Where 13a was used (no
+    `tokenize`) and found on average fewer than HINT_WORDS words per non-empty line of more than HINT_CHARS
+    characters, as Chinese, Japanese or Thai gives: BLEU near 0 however good the translation. Else where
+    `ter` or `chrf_word_order` (as `corpus_scores` takes them) asks for scores of words split at spaces,
+    which -l would score as the language allows. None when it does not apply."""
+    if lang.strip() or tokenize in TOKENIZER_LANGS:
         return None
     lines = [line for line in hypotheses if line.strip()]
     if not lines or not mostly_unspaced(lines):
         return None
+    words = [name for name, asked in (("TER", ter), ("chrF's word n-grams", chrf_word_order)) if asked]
+    if tokenize is None and _looks_one_word(lines):
+        return (f"BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Thai, Lao, Khmer "
+                f"or Burmese {advice}")
+    if words:  # --tokenize char is BLEU's alone: TER scored each Chinese line as one word
+        return (f"{' and '.join(words)} split{'s' if words == ['TER'] else ''} words at spaces, which this "
+                "text, mostly of scripts written without them, has few of: pass -l LANG to score them as its "
+                "language allows")
+    return None
+
+
+def _looks_one_word(lines: Sequence[str]) -> bool:
+    """Whether 13a finds on average fewer than HINT_WORDS words in `lines` of more than HINT_CHARS."""
     tokenize13a = Tokenizer13a()
     words = sum(len(tokenize13a(line).split()) for line in lines) / len(lines)
     chars = sum(len(line.strip()) for line in lines) / len(lines)
-    if words >= HINT_WORDS or chars <= HINT_CHARS:
-        return None
-    return (f"BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Thai, Lao, Khmer or "
-            f"Burmese {advice}")
+    return words < HINT_WORDS and chars > HINT_CHARS
 
 
 def mostly_unspaced(lines: Sequence[str]) -> bool:

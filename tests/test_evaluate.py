@@ -414,3 +414,28 @@ def test_word_scores_of_unspaced_text_under_a_tokenizer_of_no_language_get_a_not
     hyp.write_text("The cat sat.\nA dog ran.\nPlease.\n", encoding="utf-8")
     assert main(["evaluate", str(hyp), str(ref), "--tokenize", "char", "--ter"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_tokenizer_other_than_the_languages_is_warned_about_once_in_aiayns_form(tmp_path, capsys):
+    """-l zh --tokenize 13a printed sacreBLEU's "Consider using the 'zh' or 'spm' tokenizer for Chinese."
+    twice (one per BLEU built, cased and lowercased), unprefixed, and sent offline users to spm."""
+    hyp = tmp_path / "hyp"
+    hyp.write_text("我喜欢吃苹果。\n今天天气很好。\n", encoding="utf-8")
+    ref = tmp_path / "ref"
+    ref.write_text("我爱吃苹果。\n今天天气非常好。\n", encoding="utf-8")
+    said = {
+        ("zh", "13a"): "BLEU of Chinese (zh) scored with the 13a tokenizer, where -l zh alone picks zh: it "
+                       "compares only with BLEU signed tok:13a",
+        ("ja", "char"): "BLEU of Japanese (ja) scored with the char tokenizer, where -l ja alone picks "
+                        "ja-mecab (pip install 'sacrebleu[ja]'): it compares only with BLEU signed tok:char",
+        ("th", "intl"): "BLEU of Thai (th) scored with the intl tokenizer, where -l th alone picks char: it "
+                        "compares only with BLEU signed tok:intl",
+    }
+    for (lang, tokenize), warning in said.items():
+        assert main(["evaluate", str(hyp), str(ref), "-l", lang, "--tokenize", tokenize, "--json"]) == 0
+        captured = capsys.readouterr()
+        assert captured.err == f"aiayn: warning: {warning}\n" and json.loads(captured.out)
+    for quiet in (["-l", "zh"], ["-l", "zh", "--tokenize", "zh"], ["-l", "th"],
+                  ["-l", "en", "--tokenize", "zh"], ["--tokenize", "char"]):
+        assert main(["evaluate", str(hyp), str(ref), *quiet]) == 0
+        assert capsys.readouterr().err == "", quiet

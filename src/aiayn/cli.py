@@ -500,7 +500,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     from aiayn.errors import SettingError
     from aiayn.evaluate import read_hypotheses, score_lines, unspaced_hint
 
-    with _warnings_to_stderr("aiayn.data.dataset"):  # the files' CRs inside lines
+    # the files' CRs inside lines; a --tokenize other than -l's
+    with _warnings_to_stderr("aiayn.data.dataset"), _warnings_to_stderr("aiayn.evaluate"):
         hyps = read_hypotheses(args.hypotheses)  # once: standard input cannot be read twice
         try:
             scores = score_lines(hyps, args.hypotheses, args.references, args.lang, args.tokenize,
@@ -688,7 +689,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "words; ja and ko need pip install 'sacrebleu[ja]' or 'sacrebleu[ko]'), th, lo, km and my "
                         "(Thai, Lao, Khmer, Burmese: no sacreBLEU tokenizer) its char one (tok:char)")
     p.add_argument("--tokenize", default=None, help="BLEU's tokenizer by name (default: 13a, or LANG's): "
-                   "13a, intl, zh, char, none, flores200 (downloads its model on first use), ...")
+                   "13a, intl, zh, char, none, flores200 (downloads its model on first use), ...; one other "
+                   "than LANG's, and not a SentencePiece one, gets a warning")
     p.add_argument("--chrf-word-order", type=int, default=0, choices=[0, 1, 2],
                    help="word n-grams in chrF: 2 is chrF++ (default 0, chrF); refused with -l zh, ja, th, "
                         "lo, km, my (or --tokenize zh, ja-mecab), whose words no space separates (without "

@@ -12,6 +12,7 @@ the score to report.
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from aiayn.data.dataset import read_lines
 from aiayn.errors import SettingError, UserError, str_list
 
+log = logging.getLogger(__name__)
+
 LOWERCASE_LABEL = "BLEU-lc (lowercased, {}-tokenized: only for comparison with older papers, not comparable)"
 TOKENIZERS = tuple(BLEU.TOKENIZERS)  # sacreBLEU's: 13a, intl, zh, ja-mecab, ko-mecab, char, none, ...
 DOWNLOADED = ("spm", "flores101", "flores200", "spBLEU-1K")  # fetch a SentencePiece model on first use
@@ -31,6 +34,11 @@ DOWNLOADED = ("spm", "flores101", "flores200", "spBLEU-1K")  # fetch a SentenceP
 # (13a would leave each line a few long "words" and score a correct translation near 0).
 CHAR_LANGS = {"th": "Thai", "lo": "Lao", "km": "Khmer", "my": "Burmese"}
 UNSPACED = {"zh": "Chinese", "ja": "Japanese", **CHAR_LANGS}  # whose words no space separates
+# The tokenizer -l picks for a language (13a for those not here), and its name: another named with it is
+# warned about once (sacreBLEU warned in each of BLEU's two constructions, unprefixed, and named spm,
+# which downloads its model)
+LANG_TOKENIZERS = {"zh": ("zh", "Chinese"), "ja": ("ja-mecab", "Japanese"), "ko": ("ko-mecab", "Korean"),
+                   **{lang: ("char", name) for lang, name in CHAR_LANGS.items()}}
 # ISO 639-2/3 codes of the languages whose tokenizer differs, so that -l tha or -l zho is not 13a unnoticed
 _ALIASES = {"zho": "zh", "chi": "zh", "cmn": "zh", "yue": "zh", "jpn": "ja", "kor": "ko",
             "tha": "th", "lao": "lo", "khm": "km", "mya": "my", "bur": "my"}
@@ -140,8 +148,9 @@ def mostly_unspaced(lines: Sequence[str]) -> bool:
 def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLEU]:
     """sacreBLEU's BLEU and lowercased BLEU for target language `lang` (see `target_language`; BLEU's
     tokenizer is picked from it: zh, ja-mecab, ko-mecab as sacreBLEU does, char for CHAR_LANGS, 13a for
-    the others) or the tokenizer `tokenize` names. A UserError for an unknown tokenizer, one whose
-    packages are missing, or one whose model cannot be downloaded."""
+    the others) or the tokenizer `tokenize` names, with a warning where that is not the one `lang` picks
+    (LANG_TOKENIZERS) nor a SentencePiece one. A UserError for an unknown tokenizer, one whose packages
+    are missing, or one whose model cannot be downloaded."""
     if tokenize is not None and tokenize not in TOKENIZERS:
         raise SettingError("tokenize", tokenize, f" is not one of sacreBLEU's: {', '.join(TOKENIZERS)}")
     lang = target_language(lang)
@@ -149,7 +158,8 @@ def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLE
         tokenize = "char"
     try:  # ja-mecab and ko-mecab need packages sacreBLEU does not install: a RuntimeError at construction
         sacre = "flores101" if tokenize == "spm" else tokenize  # same model and signature, no deprecation
-        bleu, lowercased = (BLEU(lowercase=lc, tokenize=sacre, trg_lang=lang) for lc in (False, True))
+        trg_lang = lang if tokenize is None else ""  # picks the tokenizer; given one, it only warns
+        bleu, lowercased = (BLEU(lowercase=lc, tokenize=sacre, trg_lang=trg_lang) for lc in (False, True))
     except (RuntimeError, ImportError) as e:  # ImportError: spm's sentencepiece
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         advice = next((line for line in lines if "pip install" in line), lines[0] if lines else "")
@@ -163,6 +173,12 @@ def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLE
             f"sacreBLEU's {tokenize} tokenizer downloads its SentencePiece model on first use, and the "
             f"download failed: {reason}"
         ) from None
+    own, name = LANG_TOKENIZERS.get(lang, (tokenize, ""))
+    if tokenize not in (None, own, *DOWNLOADED):  # SentencePiece's are made for any language
+        needs = f" (pip install 'sacrebleu[{lang}]')" if own.endswith("-mecab") else ""
+        log.warning("BLEU of %s (%s) scored with the %s tokenizer, where -l %s alone picks %s%s: it "
+                    "compares only with BLEU signed tok:%s", name, lang, tokenize, lang, own, needs,
+                    bleu.tokenizer_signature)
     return bleu, lowercased
 
 

@@ -439,3 +439,32 @@ def test_a_tokenizer_other_than_the_languages_is_warned_about_once_in_aiayns_for
                   ["-l", "en", "--tokenize", "zh"], ["--tokenize", "char"]):
         assert main(["evaluate", str(hyp), str(ref), *quiet]) == 0
         assert capsys.readouterr().err == "", quiet
+
+
+def test_standard_input_named_twice_is_refused_and_a_file_given_as_it_is_said_to_be_itself(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """`cat ref | aiayn evaluate - /dev/stdin`: the second read of the pipe was empty, said as "line counts
+    differ: /dev/stdin has 0 lines"; only a reference "-" was caught. /proc/self/fd/N names the pipe here
+    as /dev/stdin names fd 0."""
+    import sys
+
+    ref = tmp_path / "ref"
+    ref.write_text("a cat sat here\nthe dog ran\n", encoding="utf-8")
+    read_end, write_end = os.pipe()
+    os.write(write_end, ref.read_bytes())
+    os.close(write_end)
+    with open(read_end, encoding="utf-8") as pipe:
+        monkeypatch.setattr(sys, "stdin", pipe)
+        this = f"/proc/self/fd/{read_end}"
+        for argv, said in ((["-", this], f"{this}: standard input, which the translations (-) read already"),
+                           ([this, this], f"{this}: standard input, which the translations ({this}) read"),
+                           ([str(ref), this, this], f"{this}: standard input, which reference {this} read")):
+            assert main(["evaluate", *argv]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"aiayn: error: {said}") and err.count("\n") == 1, argv
+        assert err.endswith("read only once; give each reference as a file, or as <(command)\n")
+    with open(ref, encoding="utf-8") as redirected:  # `aiayn evaluate - ref < ref`: a file, read anew by name
+        monkeypatch.setattr(sys, "stdin", redirected)
+        assert main(["evaluate", "-", str(ref)]) == 0
+        note = f"aiayn: note: {ref} is the hypotheses' file itself: it is scored against itself\n"
+        assert capsys.readouterr().err == note

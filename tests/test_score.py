@@ -251,3 +251,22 @@ def test_the_cli_reads_standard_input_and_refuses_a_missing_output_folder_first(
     monkeypatch.setattr(sys, "stdin", None)  # started with stdin closed
     assert main([*argv[:2], "--src", "-", "--tgt", str(tmp_path / "src")]) == 2
     assert capsys.readouterr().err == "aiayn: error: <stdin>: closed; give an input file with --src FILE\n"
+
+
+def test_both_sides_from_standard_input_by_any_name_are_refused(checkpoint, tmp_path, capsys, monkeypatch):
+    """`cat f | aiayn score CK --src - --tgt /dev/stdin`: the second read of the pipe was empty, said as
+    "/dev/stdin: 0 lines, but <stdin> has 2 lines"; only `--src - --tgt -` was caught. /proc/self/fd/N
+    names the pipe here as /dev/stdin names fd 0."""
+    import os
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"the number 3\nthe number 4\n")
+    os.close(write_end)
+    with open(read_end, encoding="utf-8") as pipe:
+        monkeypatch.setattr(sys, "stdin", pipe)
+        this = f"/proc/self/fd/{read_end}"
+        for src, tgt in (("-", this), (this, this), (this, "-")):
+            assert main(["score", str(checkpoint), "--src", src, "--tgt", tgt, "-q"]) == 2
+            said = f"aiayn: error: --src {src} and --tgt {tgt} cannot both be standard input\n"
+            assert capsys.readouterr().err == said

@@ -325,13 +325,13 @@ def cmd_score(args: argparse.Namespace) -> None:
 
     import torch
 
-    from aiayn.files import atomic_output, check_file_output
+    from aiayn.files import atomic_output, check_file_output, reads_stdin_once
     from aiayn.memory import keep_freed_memory
     from aiayn.translate import Translator, lines_text, score_stream
 
     _check_threads(args.threads)
-    if args.src == "-" and args.tgt == "-":
-        raise UserError("--src and --tgt cannot both be standard input")
+    if reads_stdin_once(args.src) and reads_stdin_once(args.tgt):  # /dev/stdin's second read: 0 lines
+        raise UserError(f"--src {args.src} and --tgt {args.tgt} cannot both be standard input")
     reads = "-" if "-" in (args.src, args.tgt) else args.src  # standard input, or a file
     if args.output not in (None, "-"):
         check_file_output(args.output, [Path(p) for p in [*args.checkpoint, args.src, args.tgt] if p != "-"])
@@ -527,13 +527,12 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def _same_file(a: str, b: str) -> bool:
-    """Whether paths `a` and `b` name one file (a link or another spelling included); never for stdin."""
-    if "-" in (a, b):
-        return False
+    """Whether paths `a` and `b` name one file (a link or another spelling included); "-" names standard
+    input's (`evaluate - ref < ref`, `evaluate - /dev/stdin < ref`)."""
     try:
-        return os.path.samefile(a, b)
-    except (OSError, ValueError):  # one is missing (said by the scoring), or holds a NUL
-        return False
+        return os.path.samestat(*(os.fstat(sys.stdin.fileno()) if p == "-" else os.stat(p) for p in (a, b)))
+    except (OSError, ValueError, AttributeError):  # one is missing (said by the scoring), or holds a NUL;
+        return False  # stdin closed at start (None), or with no descriptor (a test's StringIO)
 
 
 class _Parser(argparse.ArgumentParser):

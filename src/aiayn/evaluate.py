@@ -24,6 +24,7 @@ from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 from aiayn.data.dataset import read_lines
 from aiayn.errors import SettingError, UserError, str_list
+from aiayn.files import reads_stdin_once
 
 log = logging.getLogger(__name__)
 
@@ -299,13 +300,14 @@ def score_lines(
     tokenize: str | None = None, **options: int | bool,
 ) -> list[Score]:
     """`corpus_scores` of translations already read (from `name`) against reference files."""
-    name = "<stdin>" if str(name) == "-" else name
-    if not hyps:
-        raise UserError(f"{name}: empty, nothing to score")
     references = _paths(references, "references")  # a generator is read once, for the names below too
     if any(str(r) == "-" for r in references):  # else "-: file not found"
         raise UserError("-: only the translations (HYP) may come from standard input; give each reference "
                         "as a file, or as <(command)")
+    _check_stdin_read_once(name, references)
+    name = "<stdin>" if str(name) == "-" else name
+    if not hyps:
+        raise UserError(f"{name}: empty, nothing to score")
     refs = [read_once(r) for r in references]
     for path, lines in zip(references, refs):
         if len(lines) != len(hyps):  # named at the first line the other file lacks, as training does
@@ -313,3 +315,14 @@ def score_lines(
             raise UserError(f"{longer}:{min(len(lines), len(hyps)) + 1}: line counts differ: "
                             f"{path} has {len(lines)} lines, {name} has {len(hyps)}")
     return corpus_scores(hyps, refs, lang, tokenize, **options)
+
+
+def _check_stdin_read_once(hypotheses: str | Path, references: list[str | Path]) -> None:
+    """A reference naming standard input (/dev/stdin) that the translations, or an earlier reference, read
+    already: a pipe read a second time is empty ("line counts differ: /dev/stdin has 0 lines")."""
+    reader = f"the translations ({hypotheses})" if reads_stdin_once(hypotheses) else None
+    for path in filter(reads_stdin_once, references):
+        if reader is not None:
+            raise UserError(f"{path}: standard input, which {reader} read already, and it can be read only "
+                            "once; give each reference as a file, or as <(command)")
+        reader = f"reference {path}"

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -77,6 +78,21 @@ def require_file(path: Path, kind: str = "text", pipe: bool = False) -> None:
         raise UserError(f"{path}: is a directory, not a {kind} file")
     if not (stat.S_ISREG(mode) or (pipe and stat.S_ISFIFO(mode))):  # a device: reading may block or never end
         raise UserError(f"{path}: not a regular file")
+
+
+def reads_stdin_once(path: str | Path) -> bool:
+    """Whether reading `path` reads standard input where it can be read only once: "-", or another name
+    (/dev/stdin, /proc/self/fd/0, a FIFO's path) of the pipe, FIFO or terminal it is. A regular file given
+    as standard input is read anew by any of its names."""
+    if str(path) == "-":
+        return True
+    if sys.stdin is None:  # started with it closed: fd 0 may be another file now
+        return False
+    try:
+        stdin = os.fstat(sys.stdin.fileno())
+        return not stat.S_ISREG(stdin.st_mode) and os.path.samestat(stdin, os.stat(path))
+    except (OSError, ValueError, AttributeError):  # no such file; no descriptor behind stdin (a notebook's,
+        return False  # a test's stand-in)
 
 
 def overlap(out: Path, other: Path) -> str | None:

@@ -546,6 +546,21 @@ def test_cr_only_line_ends_are_named(tmp_path):
     assert read_lines(write(tmp_path / "dos.de", [], raw=b"eins\r\nzwei\r\n")) == ["eins", "zwei"]
 
 
+def test_the_conversion_suggested_for_cr_line_ends_is_a_command_that_runs(tmp_path):
+    """It put the name into a shell command: `tr '\\r' '\\n' < <stdin> > <stdin>.lf` for standard input, and
+    a path with a space unquoted."""
+    import io
+
+    with pytest.raises(UserError) as e:
+        read_lines("<stdin>", io.BytesIO(b"eins\rzwei\r"))
+    assert str(e.value).endswith("so it reads as one line; convert it, e.g. pipe it through tr '\\r' '\\n' "
+                                 "before aiayn")
+    mac = write(tmp_path / "old mac.de", [], raw=b"eins\rzwei\r")
+    with pytest.raises(UserError) as e:
+        read_lines(mac)
+    assert str(e.value).endswith(f"convert it, e.g. tr '\\r' '\\n' < '{mac}' > '{mac}.lf'")
+
+
 @pytest.mark.parametrize("block", [1 << 22, 8])
 def test_cr_line_ends_with_a_last_lf_are_named(tmp_path, monkeypatch, block, caplog):
     """A classic Mac file that ends with an LF was one line, silently; a stray CR in an LF file is text."""

@@ -270,3 +270,19 @@ def test_both_sides_from_standard_input_by_any_name_are_refused(checkpoint, tmp_
             assert main(["score", str(checkpoint), "--src", src, "--tgt", tgt, "-q"]) == 2
             said = f"aiayn: error: --src {src} and --tgt {tgt} cannot both be standard input\n"
             assert capsys.readouterr().err == said
+
+
+def test_cr_line_ends_on_standard_input_are_told_a_conversion_that_runs(checkpoint, tmp_path, capsys,
+                                                                        monkeypatch):
+    """`printf 'A.\\rB.\\r' | aiayn score CK --src two --tgt -` suggested `tr '\\r' '\\n' < <stdin> >
+    <stdin>.lf`, which no shell can run."""
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    (tmp_path / "two").write_text("the number 3\nthe number 4\n")
+    monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=io.BytesIO(b"die Zahl 3\rdie Zahl 4\r")))
+    assert main(["score", str(checkpoint), "--src", str(tmp_path / "two"), "--tgt", "-", "-q"]) == 2
+    assert capsys.readouterr().err == (
+        "aiayn: error: <stdin>: CR line ends and no LF (a classic Mac OS file?), so it reads as one line; "
+        "convert it, e.g. pipe it through tr '\\r' '\\n' before aiayn\n")

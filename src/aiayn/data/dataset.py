@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import stat
 import time
 import unicodedata
@@ -179,11 +180,14 @@ def lone_cr_count(text: bytes) -> int:
 
 def cr_only_error(path: Path | str, lfs: int = 0, lone_crs: int = 0) -> UserError:
     """The error for a file of CR line ends: with no LF (`lfs` 0), or with more CRs alone (not before an
-    LF) than LFs."""
+    LF) than LFs. The way to convert it is a command that runs: standard input has no name to give tr."""
     ends = "no LF (a classic Mac OS file?), so it reads as one line"
     if lfs:
         ends = f"more CRs alone than LFs ({lone_crs} to {lfs}; a classic Mac OS file?), so lines run together"
-    return UserError(f"{path}: CR line ends and {ends}; convert it, e.g. tr '\\r' '\\n' < {path} > {path}.lf")
+    convert = f"tr '\\r' '\\n' < {shlex.quote(str(path))} > {shlex.quote(f'{path}.lf')}"
+    if str(path) == "<stdin>":
+        convert = "pipe it through tr '\\r' '\\n' before aiayn"
+    return UserError(f"{path}: CR line ends and {ends}; convert it, e.g. {convert}")
 
 
 HEAD_BYTES = 64  # of a file's start, which `looks_like` reads

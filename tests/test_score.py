@@ -286,3 +286,12 @@ def test_cr_line_ends_on_standard_input_are_told_a_conversion_that_runs(checkpoi
     assert capsys.readouterr().err == (
         "aiayn: error: <stdin>: CR line ends and no LF (a classic Mac OS file?), so it reads as one line; "
         "convert it, e.g. pipe it through tr '\\r' '\\n' before aiayn\n")
+
+
+def test_one_pair_is_said_in_the_singular(checkpoint, tmp_path, capsys):
+    """stderr said "1 pairs, 1 target tokens" of one pair whose target is empty (its EOS alone)."""
+    (tmp_path / "src").write_text("the number 3\n")
+    (tmp_path / "tgt").write_text("\n")
+    assert main(["score", str(checkpoint), "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"),
+                 "-q"]) == 0
+    assert capsys.readouterr().err.startswith("1 pair, 1 target token (EOS included): log P per token -")

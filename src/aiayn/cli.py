@@ -367,7 +367,9 @@ def cmd_score(args: argparse.Namespace) -> None:
         done = score_stream(translator, src, tgt, dst, (src_name, tgt_name), max_tokens=args.max_tokens,
                             normalize=args.normalize, progress=progress)
     if done.tokens:
-        print(f"{done.pairs:,} pairs, {done.tokens:,} target tokens (EOS included): log P per token "
+        pairs = f"{done.pairs:,} pair{'' if done.pairs == 1 else 's'}"
+        tokens = f"{done.tokens:,} target token{'' if done.tokens == 1 else 's'}"  # 1: an empty one's EOS
+        print(f"{pairs}, {tokens} (EOS included): log P per token "
               f"{done.log_prob / done.tokens:.4f}, perplexity {done.perplexity:.3f}", file=sys.stderr)
 
 

@@ -295,3 +295,40 @@ def test_one_pair_is_said_in_the_singular(checkpoint, tmp_path, capsys):
     assert main(["score", str(checkpoint), "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"),
                  "-q"]) == 0
     assert capsys.readouterr().err.startswith("1 pair, 1 target token (EOS included): log P per token -")
+
+
+def test_a_hypothesis_cut_at_the_length_limit_scores_its_eos_too_as_the_docs_say(checkpoint, tmp_path,
+                                                                                   capsys):
+    """A hypothesis the search cut at the length limit has no EOS, and --n-best reports its log P so;
+    score appends EOS to every target and adds its log P. The README's and --help's exceptions left it out."""
+    src = tmp_path / "src"
+    src.write_text("the number 3 is odd\n")
+    argv = ["--beam", "2", "--n-best", "2", "--max-len-a", "0", "--max-len-b", "3"]
+    assert main(["translate", str(checkpoint), "-i", str(src), "-q", *argv]) == 0
+    rows = [line.split(" ||| ") for line in capsys.readouterr().out.splitlines()]
+    (tmp_path / "tgt").write_text("".join(f"{text}\n" for _, text, _, _ in rows))
+    src.write_text("the number 3 is odd\n" * len(rows))
+    assert main(["score", str(checkpoint), "--src", str(src), "--tgt", str(tmp_path / "tgt"), "-q"]) == 0
+    scores = [float(x) for x in capsys.readouterr().out.split()]
+    translator = Translator.load(checkpoint)
+    tok, model = translator.tokenizer, translator.model
+    source = torch.tensor([tok.encode_src("the number 3 is odd")])
+    checked = 0
+    for (_, text, features, _), score in zip(rows, scores):
+        pieces = tok.encode_tgt(text)
+        if len(pieces) != 3 or tok.eos_id in pieces:  # not text that encodes back to the search's 3 pieces
+            continue
+        found = float(features.removeprefix("F0= "))
+        assert found == pytest.approx(force_decode(model, source, [pieces])[0], abs=1e-4)  # no EOS in it
+        assert score == pytest.approx(force_decode(model, source, [pieces + [tok.eos_id]])[0], abs=1e-4)
+        assert score < found - 0.01  # log P(EOS) added
+        checked += 1
+    assert checked
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8").split())
+    exceptions = readme.split("scores what `--n-best` reported for it")[1].split("`--normalize`")[0]
+    said = "when the search ended it with EOS: one cut at the length limit"
+    limits = "(`--max-len-a`, `--max-len-b`, the model's positions)"
+    assert f"{said} {limits} has none, and `aiayn score` adds its log P" in exceptions
+    with pytest.raises(SystemExit):
+        main(["score", "--help"])
+    assert f"{said} has none, and score adds its log P)" in " ".join(capsys.readouterr().out.split())

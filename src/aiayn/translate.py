@@ -417,11 +417,12 @@ class Translator:
         """log P(target | source) of each pair under the model (an ensemble: its members' mean
         probability at each step), the target's EOS included: forced decoding through the searches' own
         steps (`aiayn.decoding.score`), so a translation this translator found scores here its
-        `log_prob` when the tokenizer splits its text into the pieces the search chose (without `min_len`,
-        which changes the probabilities the search sees; and not with `int8`, whose dynamic quantization
-        scales the rows of each step together: a beam's K rows and a forced decoding's one differ, by
-        0.03 nats a sentence on average and 0.11 at most on a small demo model). Every pair is scored, an
-        empty side too (then EOS alone). `progress(n)` as in `hypotheses`."""
+        `log_prob` when the tokenizer splits its text into the pieces the search chose (when the search
+        ended it with EOS: one cut at the length limit has none, and the score adds its log P; without
+        `min_len`, which changes the probabilities the search sees; and not with `int8`, whose dynamic
+        quantization scales the rows of each step together: a beam's K rows and a forced decoding's one
+        differ, by 0.03 nats a sentence on average and 0.11 at most on a small demo model). Every pair is
+        scored, an empty side too (then EOS alone). `progress(n)` as in `hypotheses`."""
         sources, targets = text_list(sources), text_list(targets)
         check_count("max_tokens", max_tokens)
         if len(sources) != len(targets):

@@ -448,3 +448,33 @@ def test_pad_and_eos_must_differ():
     """The search masks padding: with pad_id == eos_id no output could end (twenty tokens, no EOS)."""
     with pytest.raises(ConfigError, match=r"pad_id and eos_id are both 2: padding and the end of a sentence"):
         model_config("micro", vocab_size=10, pad_id=2, eos_id=2)
+
+
+def test_the_models_dropout_is_found_as_torch_dropout():
+    """`isinstance(m, nn.Dropout)`, the usual way to find a model's dropout (Monte Carlo dropout, another p
+    for fine-tuning), found none of aiayn's and changed nothing, silently."""
+    model = tiny_model(dropout=0.3).eval()
+    found = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert len(found) == 2 * 2 + 3 * 2 + 2  # sublayers (2 per encoder, 3 per decoder layer), 2 embeddings
+    src, tgt = padded_batch([5, 3], 50), padded_batch([4, 4], 50)
+    with torch.no_grad():
+        assert torch.equal(model(src, tgt), model(src, tgt))
+        for m in found:  # Monte Carlo dropout: the model in eval mode, its dropout on
+            m.train()
+        assert not torch.equal(model(src, tgt), model(src, tgt))
+
+
+def test_attention_refuses_a_float_mask():
+    """SDPA adds a float mask to the scores: a 0/1 mask attended to the padding it meant to hide."""
+    attention = MultiHeadAttention(8, 2, True).eval()
+    x, mask = torch.randn(1, 3, 8), torch.tensor([[1.0, 1.0, 0.0]])[:, None, None, :]  # (B, 1, 1, S)
+    with pytest.raises(ValueError, match="mask is torch.float32: it is bool, True = attend"):
+        attention(x, mask=mask)
+    assert attention(x, mask=mask.bool()).shape == (1, 3, 8)
+
+
+@pytest.mark.parametrize("max_len, d_model", [(4, 5), (4, 0), (-1, 4)])
+def test_a_position_table_of_an_odd_width_is_refused(max_len, d_model):
+    """sinusoidal_positions(4, 5) was a (4, 6) table: a sine and a cosine per frequency need an even width."""
+    with pytest.raises(ValueError, match=r"d_model is an even number >= 2 .* and max_len >= 0"):
+        sinusoidal_positions(max_len, d_model)

@@ -172,6 +172,9 @@ class MultiHeadAttention(nn.Module):
         values to those of the past steps in slot `layer`, and encoder-decoder attention projects the
         memory once per sentence and reuses it on every later step.
         """
+        if mask is not None and mask.dtype != torch.bool:  # SDPA adds a float mask to the scores: a 0/1
+            # mask attended to padding, silently (Transformer.decode refuses one; a caller of this did not)
+            raise ValueError(f"mask is {mask.dtype}: it is bool, True = attend")
         if self.self_attention:
             b, t, _ = x.shape
             qkv = self.qkv_proj(x).view(b, t, 3, self.n_heads, -1)  # (B, T, 3, H, D)

@@ -57,12 +57,13 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     return x * keep_scale(x.shape, p, x.dtype, x.device)
 
 
-class Dropout(nn.Module):
-    """`nn.Dropout` through `dropout`: zero each element with probability p while training."""
+class Dropout(nn.Dropout):
+    """`nn.Dropout` through `dropout`: zero each element with probability p while training. A subclass,
+    so that code finding a model's dropout by `isinstance(m, nn.Dropout)` (Monte Carlo dropout, another
+    p for fine-tuning) finds these; as an `nn.Module` of its own it found none, silently."""
 
     def __init__(self, p: float):
-        super().__init__()
-        self.p = p
+        super().__init__(p)
 
     def forward(self, x: Tensor) -> Tensor:
         return dropout(x, self.p, self.training)

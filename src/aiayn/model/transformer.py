@@ -29,6 +29,9 @@ def sinusoidal_positions(max_len: int, d_model: int, layout: str = "interleaved"
     """
     if layout not in POSITIONS:  # any other string fell into the sin_cos branch: wrong positions, silently
         raise ValueError(f"positions layout {layout!r} is not one of {', '.join(POSITIONS)}")
+    if d_model < 2 or d_model % 2 or max_len < 0:  # an odd d_model gave a table of d_model + 1 columns
+        raise ValueError(f"sinusoidal_positions({max_len}, {d_model}): d_model is an even number >= 2 (a "
+                         "sine and a cosine per frequency) and max_len >= 0")
     pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # (max_len, 1)
     inv_freq = torch.pow(10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (d/2,)
     angles = pos * inv_freq  # (max_len, d/2)

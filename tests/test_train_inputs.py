@@ -1744,6 +1744,9 @@ def test_a_config_file_toml_refuses_is_named_by_line(tmp_path, line, message):
     ("[train]\n'warmup' = 10\nseed = 2\nwarmup.x = 20\n", 4, "[train] warmup is set twice (first at line 2)"),
     ('preset = "a"\npreset = "b"\n', 2, "preset is set twice (first at line 1)"),
     ("[train]\nseed = 1\n[data]\n[train]\n", 4, "[train] is declared twice (first at line 1)"),
+    # a table over a value: "[train.warmup] is declared twice (first at line 2)" named no table there
+    ("[train]\nwarmup = 1\n\n[train.warmup]\n", 4,
+     "[train.warmup]: [train] warmup is a value already (line 2), not a table"),
 ])
 def test_a_key_or_table_written_twice_is_named_with_its_first_line(tmp_path, toml, line, message):
     """It was "not valid TOML (Cannot overwrite a value at column 12)": the line, but not the key."""
@@ -2018,9 +2021,12 @@ def test_log_lines_above_the_bar_keep_the_callers_handlers(monkeypatch):
 
     from aiayn.train.progress import lines_above
 
+    class ColorHandler(logging.StreamHandler):  # as colorlog's is: a subclass, glued onto the bar when skipped
+        pass
+
     terminal = io.StringIO()
     monkeypatch.setattr(sys, "stderr", terminal)
-    console = logging.StreamHandler(sys.stderr)
+    console = ColorHandler(sys.stderr)
     console.setLevel(logging.WARNING)
     logger = logging.getLogger("aiayn")  # where the CLI's basicConfig or a user's own handler would be
     logger.addHandler(console)
@@ -2031,11 +2037,34 @@ def test_log_lines_above_the_bar_keep_the_callers_handlers(monkeypatch):
             logger.info("update 2: loss 3.0")
             logger.warning("curves.png not drawn")
         assert console.stream is terminal and console in logger.handlers
+        elsewhere = io.StringIO()
+        with lines_above(bar):
+            console.setStream(elsewhere)  # the caller's change while the bar is up: kept
+        assert console.stream is elsewhere
     finally:
         bar.close()
         logger.removeHandler(console)
     shown = terminal.getvalue()
     assert "curves.png not drawn\n" in shown and "update 2" not in shown
+    assert "\rcurves.png" in shown  # the bar lifted off its line first: not glued onto it
+
+
+def test_a_level_set_on_aiayns_logger_is_a_set_up_left_alone(monkeypatch):
+    """`logging.getLogger("aiayn").setLevel(logging.ERROR)` and no handler: train() showed INFO lines."""
+    from aiayn.train import progress
+
+    logger = logging.getLogger("aiayn")
+    monkeypatch.setattr(logger, "hasHandlers", lambda: False)  # as in a script: pytest's handlers are there
+    monkeypatch.setattr(logger, "level", logging.ERROR)
+    with progress.shown_if_unconfigured(True):
+        assert logger.handlers == [] and logger.level == logging.ERROR
+    monkeypatch.setattr(logger, "level", logging.NOTSET)
+    with progress.shown_if_unconfigured(True):
+        added = list(logger.handlers)
+        with progress.shown_if_unconfigured(True):  # another train() in another thread: the same one
+            assert logger.handlers == added and len(added) == 1
+        assert logger.handlers == added and logger.level == logging.INFO  # still held by the first
+    assert logger.handlers == [] and logger.level == logging.NOTSET
 
 
 def test_a_best_checkpoint_deleted_by_hand_is_said_and_never_named(finished_run, tmp_path, caplog, capsys):
@@ -2067,6 +2096,34 @@ def test_a_checkpoint_named_for_another_update_is_not_resumed(finished_run, tmp_
     with pytest.raises(CorruptFile, match=said):
         train(with_train(config, max_updates=8), resume=True)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000004", "step_000006"]
+
+
+def test_a_resave_of_a_step_replaces_it_whatever_it_holds(finished_run, tmp_path):
+    """A step saved on a signal is validated and saved again on resume: training's own directory, replaced
+    whole, as before save_checkpoint refused other callers' folders of the user's files."""
+    config = copy_run(finished_run, tmp_path)
+    step = Path(config.train.run_dir) / "checkpoints" / "step_000004"
+    trainer = json.loads((step / "trainer.json").read_text())
+    trainer["state"]["validation_due"] = True  # as a signal's save leaves it
+    (step / "trainer.json").write_text(json.dumps(trainer))
+    (step / ".DS_Store").write_text("a file browser's")
+    assert train(with_train(config, max_updates=6), resume=True)["step"] == 6
+    assert not (step / ".DS_Store").exists()
+
+
+def test_a_best_gone_and_started_again_is_said_once(finished_run, tmp_path, caplog):
+    """Another label smoothing starts the best again: "is gone; patience still counts from it" was said
+    too, just before "the best loss and train.patience's count start again"."""
+    config = copy_run(finished_run, tmp_path)
+    checkpoints = Path(config.train.run_dir) / "checkpoints"
+    trainer = json.loads((checkpoints / "step_000004" / "trainer.json").read_text())
+    trainer["state"].update(best_step=2, best_valid=0.5)
+    (checkpoints / "step_000004" / "trainer.json").write_text(json.dumps(trainer))
+    shutil.rmtree(checkpoints / "step_000002")
+    with caplog.at_level("WARNING", logger="aiayn"):
+        train(with_train(config, max_updates=6, label_smoothing=0.2), resume=True)
+    assert not any("is gone" in m for m in caplog.messages)
+    assert any("start again" in m for m in caplog.messages)
 
 
 def test_another_label_smoothing_on_resume_starts_the_best_loss_again(finished_run, tmp_path, caplog):

@@ -100,7 +100,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def save_checkpoint(
     directory: str | Path, model: torch.nn.Module, tokenizer: Tokenizer, meta: dict[str, Any] | None = None,
     trainer_tensors: dict[str, torch.Tensor] | None = None, trainer_meta: dict[str, Any] | None = None,
-    *, check_weights: bool = True,
+    *, check_weights: bool = True, owned: bool = False,
 ) -> Path:
     """Write a self-contained checkpoint directory atomically; return its path. An existing `directory`
     is replaced only if it is empty or a checkpoint with nothing else in it.
@@ -108,7 +108,8 @@ def save_checkpoint(
     Nothing is written that `load_checkpoint` would refuse and blame on the file ("not the tokenizer
     this model was trained with", "the file is damaged"): a tokenizer that does not fit the model, or a
     NaN or infinite weight, is a UserError first. `check_weights=False` skips the scan for the latter
-    where the caller has just made it (training, on the device, before every save).
+    where the caller has just made it (training, on the device, before every save). `owned`: `directory`
+    is the caller's own, replaced whatever it holds (training's step_N, which its checkpoints/ owns).
 
     `meta` adds entries to meta.json, less those in `WRITTEN`, which describe what is saved: they are
     dropped rather than refused, as `meta=checkpoint.meta` is the natural way to keep a loaded
@@ -117,7 +118,8 @@ def save_checkpoint(
     model = unwrap(model)
     directory = Path(directory)
     check_savable(model, directory)
-    check_replaceable(directory, CHECKPOINT_KIND)  # an earlier checkpoint (training re-saves a step), or none
+    if not owned:  # an earlier checkpoint, or none
+        check_replaceable(directory, CHECKPOINT_KIND)
     problem = vocabulary_problem(model.config, tokenizer)
     if problem:
         raise UserError(f"{directory}: not saved: {problem}")

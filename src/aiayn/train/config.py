@@ -492,12 +492,17 @@ def _written_twice(text: str, n: int, written: list[str]) -> str | None:
     """The table or key that line `n`, which writes `written`, writes again, and where it was first
     written: the longest part of its path that an earlier line wrote (`warmup.x = 1` after `warmup = 1`)."""
     first = key_lines(text)
+    lines = text.split("\n")
     for end in range(len(written), 0, -1):
         if (before := first[".".join(written[:end])]) < n:
             again = written[:end]
-            if _TABLE_LINE.match(text.split("\n")[n - 1]):
-                return f"[{'.'.join(again)}] is declared twice (first at line {before})"
             name = f"[{again[0]}] {'.'.join(again[1:])}" if len(again) > 1 else again[0]
+            # a value there (`warmup = 1`), not a table: "[train.warmup] is declared twice" named no table
+            value = not _TABLE_LINE.match(lines[before - 1]) and [again, before] in map(list, _written(text))
+            if _TABLE_LINE.match(lines[n - 1]):
+                if value:
+                    return f"[{'.'.join(again)}]: {name} is a value already (line {before}), not a table"
+                return f"[{'.'.join(again)}] is declared twice (first at line {before})"
             return f"{name} is set twice (first at line {before})"
     return None
 

@@ -247,8 +247,8 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
 
     state = _read_resumed(d, run_dir, resume_from, restored)
     _same_validation(state, data, run_dir, d)
-    _best_still_there(state, run_dir, d)
     _same_smoothing(state, trained, tc.label_smoothing, run_dir, d)
+    _best_still_there(state, run_dir, d)  # after those: a best that starts again is no longer "gone"
     if d.is_main:
         log.info("configuration:\n%s", _describe(config, model, data, d))
         if resume_from:

@@ -10,36 +10,52 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 
 from tqdm import tqdm
 
 FORMAT = "%(asctime)s %(message)s"  # the command line's (`aiayn.cli._log_to_stderr`)
+_shown_lock = threading.Lock()
+_shown: list[logging.Handler] = []  # the handler `shown_if_unconfigured` added, while any block holds it
+_holders = 0  # blocks that hold it: two train() calls in two threads share one, the last removes it
 
 
 @contextlib.contextmanager
 def shown_if_unconfigured(main: bool) -> Iterator[None]:
     """With no logging set up for `aiayn` (a plain script or a notebook calling `train()`), its lines on
     stderr for the block, as the command line shows them; the run was silent until it returned (the bar
-    needs a terminal, and Python drops INFO lines by default). Under torchrun, process 0 speaks."""
+    needs a terminal, and Python drops INFO lines by default). Under torchrun, process 0 speaks. A level
+    set on the `aiayn` logger, or its propagation turned off, is a set-up too, and left as it is."""
+    global _holders
     logger = logging.getLogger("aiayn")
-    if logger.hasHandlers():  # the caller's set-up (the CLI's, a notebook's basicConfig): theirs to decide
-        yield
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO if main else logging.WARNING)
+    with _shown_lock:
+        configured = logger.hasHandlers() or logger.level != logging.NOTSET or not logger.propagate
+        if configured and not _shown:  # the caller's (the CLI's, a notebook's basicConfig): theirs to decide
+            hold = False
+        else:
+            hold = True
+            _holders += 1
+            if not _shown:
+                handler = logging.StreamHandler(sys.stderr)
+                handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
+                logger.addHandler(handler)
+                logger.setLevel(logging.INFO if main else logging.WARNING)
+                _shown.append(handler)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        if hold:
+            with _shown_lock:
+                _holders -= 1
+                if _holders == 0:
+                    logger.removeHandler(_shown.pop())
+                    logger.setLevel(logging.NOTSET)  # as it was: unset, or this would not have added one
 
 
 class _AboveBars:
-    """A stream whose writes go through `tqdm.write`, which lifts the bars off the terminal first."""
+    """A stream whose writes go through `tqdm.write`, which lifts the bars off the terminal first; the
+    rest (isatty, encoding) is the stream's."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -49,6 +65,9 @@ class _AboveBars:
 
     def flush(self) -> None:
         self.stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 @contextlib.contextmanager
@@ -63,13 +82,14 @@ def lines_above(bar: tqdm) -> Iterator[None]:
     swapped = []
     logger: logging.Logger | None = logging.getLogger("aiayn")
     while logger is not None:
-        for handler in logger.handlers:
-            # exactly StreamHandler: a FileHandler (a subclass) writes no terminal
-            if type(handler) is logging.StreamHandler and handler.stream in (sys.stderr, sys.stdout):
-                swapped.append((handler, handler.setStream(_AboveBars(handler.stream))))
+        for handler in logger.handlers:  # a subclass too (colorlog's); a FileHandler's stream is no console
+            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.stdout):
+                above = _AboveBars(handler.stream)
+                swapped.append((handler, handler.setStream(above), above))
         logger = logger.parent if logger.propagate else None
     try:
         yield
     finally:
-        for handler, stream in swapped:
-            handler.setStream(stream)
+        for handler, stream, above in swapped:
+            if handler.stream is above:  # else the caller gave it another stream meanwhile: theirs
+                handler.setStream(stream)

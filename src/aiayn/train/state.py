@@ -275,7 +275,9 @@ def save_training_checkpoint(
     path = Path(run_dir) / "checkpoints" / step_dir_name(state.step)
     # The weights were checked for NaN on the device before every save (loop._check_finite_weights, which
     # stops a diverged run with its own message): not scanned a second time on their CPU copies
-    return save_checkpoint(path, model, tokenizer, meta, {**tensors, **rngs}, trainer, check_weights=False)
+    # owned: a re-save of a step (a signal's save, validated on resume) replaces it with a .DS_Store in it
+    return save_checkpoint(path, model, tokenizer, meta, {**tensors, **rngs}, trainer, check_weights=False,
+                           owned=True)
 
 
 def own_random_stream(seed: int, rank: int) -> None:

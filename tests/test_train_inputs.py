@@ -2021,7 +2021,7 @@ def test_log_lines_above_the_bar_keep_the_callers_handlers(monkeypatch):
 
     from aiayn.train.progress import lines_above
 
-    class ColorHandler(logging.StreamHandler):  # as colorlog's is: a subclass, glued onto the bar when skipped
+    class ColorHandler(logging.StreamHandler):  # as colorlog's is: a subclass (glued onto the bar, skipped)
         pass
 
     terminal = io.StringIO()

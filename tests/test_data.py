@@ -1017,3 +1017,11 @@ def test_a_cache_folder_that_is_a_file_or_a_directory_with_a_caches_name_is_one_
     (cache / f"{src.name}-{tgt.name}.0123456789abcdef.safetensors").mkdir(parents=True)  # IsADirectoryError
     corpus, _ = load_encoded(src, tgt, tok, cache)
     assert len(corpus) == 201
+
+
+@pytest.mark.parametrize("name", ["<stdin>", "/dev/stdin", "/dev/fd/63", "/proc/self/fd/0"])
+def test_cr_line_ends_of_a_stream_are_told_a_pipe_not_a_file(name):
+    """`tr '\\r' '\\n' < /dev/stdin > /dev/stdin.lf` cannot run: a stream has no place beside it."""
+    from aiayn.data.dataset import cr_only_error
+
+    assert str(cr_only_error(name)).endswith("convert it, e.g. pipe it through tr '\\r' '\\n' before aiayn")

@@ -416,6 +416,25 @@ def test_word_scores_of_unspaced_text_under_a_tokenizer_of_no_language_get_a_not
     assert capsys.readouterr().err == ""
 
 
+def test_the_one_word_note_with_ter_asks_for_the_language_alone(tmp_path, capsys):
+    """With --ter, "pass -l LANG (or --tokenize char)": char mends BLEU alone, TER stayed 100.00 and a second
+    note then said to pass -l."""
+    hyp = tmp_path / "hyp"
+    hyp.write_text("我喜欢吃苹果。\n今天天气很好。\n他去了北京大学学习。\n" * 3, encoding="utf-8")
+    assert main(["evaluate", str(hyp), str(hyp), "--ter"]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "aiayn: note: BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Thai, Lao, "
+        "Khmer or Burmese pass -l LANG (TER too)")
+
+
+def test_a_tokenizer_of_another_type_is_a_setting_error(tmp_path):
+    """tokenize=['zh'] from Python was a bare TypeError (unhashable type: 'list') in the language lookup."""
+    from aiayn.errors import SettingError
+
+    with pytest.raises(SettingError, match=r"tokenize=\['zh'\] is not one of sacreBLEU's"):
+        corpus_scores(["a b"], [["a b"]], tokenize=["zh"])
+
+
 def test_a_tokenizer_other_than_the_languages_is_warned_about_once_in_aiayns_form(tmp_path, capsys):
     """-l zh --tokenize 13a printed sacreBLEU's "Consider using the 'zh' or 'spm' tokenizer for Chinese."
     twice (one per BLEU built, cased and lowercased), unprefixed, and sent offline users to spm."""

@@ -113,6 +113,7 @@ def test_a_translator_over_a_training_model_says_it_turned_dropout_off(checkpoin
     caplog.clear()
     with caplog.at_level("WARNING", logger="aiayn"):
         Translator(model, loaded.tokenizer)  # in eval mode already: nothing to say
+        Translator.load([checkpoint, checkpoint])  # a new Ensemble is in training mode, its members not
     assert caplog.messages == []
 
 

@@ -116,15 +116,17 @@ def unspaced_hint(
     characters, as Chinese, Japanese or Thai gives: BLEU near 0 however good the translation. Else where
     `ter` or `chrf_word_order` (as `corpus_scores` takes them) asks for scores of words split at spaces,
     which -l would score as the language allows. None when it does not apply."""
-    if lang.strip() or tokenize in TOKENIZER_LANGS:
+    if lang.strip() or (isinstance(tokenize, str) and tokenize in TOKENIZER_LANGS):
         return None
     lines = [line for line in hypotheses if line.strip()]
     if not lines or not mostly_unspaced(lines):
         return None
     words = [name for name, asked in (("TER", ter), ("chrF's word n-grams", chrf_word_order)) if asked]
     if tokenize is None and _looks_one_word(lines):
+        if words:  # --tokenize char mends BLEU alone: TER stayed 100 and a second note said to pass -l
+            advice = "pass -l LANG"
         return (f"BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Thai, Lao, Khmer "
-                f"or Burmese {advice}")
+                f"or Burmese {advice}" + (f" ({' and '.join(words)} too)" if words else ""))
     if words:  # --tokenize char is BLEU's alone: TER scored each Chinese line as one word
         return (f"{' and '.join(words)} split{'s' if words == ['TER'] else ''} words at spaces, which this "
                 "text, mostly of scripts written without them, has few of: pass -l LANG to score them as its "
@@ -142,15 +144,18 @@ def _looks_one_word(lines: Sequence[str]) -> bool:
 
 def mostly_unspaced(lines: Sequence[str]) -> bool:
     """Whether at least UNSPACED_SHARE of the letters of `lines` are of a script written without spaces."""
-    letters = "".join(filter(str.isalpha, "".join(lines)))
-    return bool(letters) and len(_UNSPACED_LETTER.findall(letters)) >= UNSPACED_SHARE * len(letters)
+    letters = unspaced = 0
+    for line in lines:  # counted, not listed: findall made a string per character (80 bytes each)
+        letters += sum(map(str.isalpha, line))
+        unspaced += sum(1 for _ in _UNSPACED_LETTER.finditer(line))
+    return letters > 0 and unspaced >= UNSPACED_SHARE * letters
 
 
 def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLEU]:
     """sacreBLEU's BLEU and lowercased BLEU for target language `lang` (see `target_language`; BLEU's
     tokenizer is picked from it: zh, ja-mecab, ko-mecab as sacreBLEU does, char for CHAR_LANGS, 13a for
-    the others) or the tokenizer `tokenize` names, with a warning where that is not the one `lang` picks
-    (LANG_TOKENIZERS) nor a SentencePiece one. A UserError for an unknown tokenizer, one whose packages
+    the others) or the tokenizer `tokenize` names, with a warning where `lang` has a tokenizer of its own
+    (LANG_TOKENIZERS: zh, ja, ko, th, lo, km, my) and `tokenize` is neither it nor a SentencePiece one. A UserError for an unknown tokenizer, one whose packages
     are missing, or one whose model cannot be downloaded."""
     if tokenize is not None and tokenize not in TOKENIZERS:
         raise SettingError("tokenize", tokenize, f" is not one of sacreBLEU's: {', '.join(TOKENIZERS)}")
@@ -225,7 +230,7 @@ def corpus_scores(
                            "least 2 (0: off)")  # 2.5 failed inside sacreBLEU
     if not isinstance(ter, bool):  # "no" is true
         raise TypeError(f"ter={ter!r} must be True or False")
-    lang = target_language(lang) or TOKENIZER_LANGS.get(tokenize, "")
+    lang = target_language(lang) or (TOKENIZER_LANGS.get(tokenize, "") if isinstance(tokenize, str) else "")
     if chrf_word_order and (unspaced := UNSPACED.get(lang)):
         raise UserError(f"chrF's word n-grams (word order {chrf_word_order}) are split at spaces, which "
                         f"{unspaced} text has few of: use chrF's characters alone (0)")

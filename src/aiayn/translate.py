@@ -238,7 +238,9 @@ class Translator:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: DecodeConfig | None = None):
         """Translate with `model` itself (no copy), in eval mode: a model in training mode is switched,
         and said to be, since a training loop that goes on with it would go on without dropout."""
-        if model.training:  # a check in the middle of the caller's training: it switched silently
+        if any(m.training for m in model.modules() if isinstance(m, torch.nn.Dropout)):  # a check in the
+            # middle of the caller's training: switched silently (an Ensemble of members in eval mode, a
+            # new module in training mode itself, has nothing to switch)
             log.warning("Translator: the model was in training mode and is now in eval mode (no dropout); "
                         "call model.train() before training it further")
         self.model = model.eval()
@@ -283,7 +285,7 @@ class Translator:
         ckpts = [load_checkpoint(p, device, dtype) for p in paths]
         check_ensemble(paths, ckpts)
         models = [prepare_for_inference(ck.model, int8, compile, own=True) for ck in ckpts]  # fp32 packing
-        return cls(models[0] if len(models) == 1 else Ensemble(models), ckpts[0].tokenizer)
+        return cls(models[0] if len(models) == 1 else Ensemble(models).eval(), ckpts[0].tokenizer)
 
     def decode_config(self, **options: Any) -> DecodeConfig:
         """This translator's `DecodeConfig` with `options`, checked against the model too: a `min_len` past

@@ -690,8 +690,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "words; ja and ko need pip install 'sacrebleu[ja]' or 'sacrebleu[ko]'), th, lo, km and my "
                         "(Thai, Lao, Khmer, Burmese: no sacreBLEU tokenizer) its char one (tok:char)")
     p.add_argument("--tokenize", default=None, help="BLEU's tokenizer by name (default: 13a, or LANG's): "
-                   "13a, intl, zh, char, none, flores200 (downloads its model on first use), ...; with -l zh, "
-                   "ja, ko, th, lo, km or my, one other than LANG's (not a SentencePiece one) gets a warning")
+                   "13a, intl, zh, char, none, flores200 (downloads its model on first use), ...; with "
+                   "-l zh, ja, ko, th, lo, km or my, one other than LANG's (not a SentencePiece one) gets a "
+                   "warning")
     p.add_argument("--chrf-word-order", type=int, default=0, choices=[0, 1, 2],
                    help="word n-grams in chrF: 2 is chrF++ (default 0, chrF); refused with -l zh, ja, th, "
                         "lo, km, my (or --tokenize zh, ja-mecab), whose words no space separates (without "

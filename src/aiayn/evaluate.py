@@ -155,8 +155,9 @@ def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLE
     """sacreBLEU's BLEU and lowercased BLEU for target language `lang` (see `target_language`; BLEU's
     tokenizer is picked from it: zh, ja-mecab, ko-mecab as sacreBLEU does, char for CHAR_LANGS, 13a for
     the others) or the tokenizer `tokenize` names, with a warning where `lang` has a tokenizer of its own
-    (LANG_TOKENIZERS: zh, ja, ko, th, lo, km, my) and `tokenize` is neither it nor a SentencePiece one. A UserError for an unknown tokenizer, one whose packages
-    are missing, or one whose model cannot be downloaded."""
+    (LANG_TOKENIZERS: zh, ja, ko, th, lo, km, my) and `tokenize` is neither it nor a SentencePiece one.
+    A UserError for an unknown tokenizer, one whose packages are missing, or one whose model cannot be
+    downloaded."""
     if tokenize is not None and tokenize not in TOKENIZERS:
         raise SettingError("tokenize", tokenize, f" is not one of sacreBLEU's: {', '.join(TOKENIZERS)}")
     lang = target_language(lang)

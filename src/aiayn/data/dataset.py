@@ -186,7 +186,8 @@ def cr_only_error(path: Path | str, lfs: int = 0, lone_crs: int = 0) -> UserErro
         ends = f"more CRs alone than LFs ({lone_crs} to {lfs}; a classic Mac OS file?), so lines run together"
     convert = f"tr '\\r' '\\n' < {shlex.quote(str(path))} > {shlex.quote(f'{path}.lf')}"
     try:  # /dev/stdin, /dev/fd/63 of <(...): no file beside them to write the converted text to
-        named = not str(path).startswith(("<stdin>", "/dev/", "/proc/")) and stat.S_ISREG(os.stat(path).st_mode)
+        stream = str(path).startswith(("<stdin>", "/dev/", "/proc/"))
+        named = not stream and stat.S_ISREG(os.stat(path).st_mode)
     except (OSError, ValueError):  # a name given to this function alone (a test's): taken as a file's
         named = str(path) != "<stdin>"
     if not named:

@@ -420,7 +420,7 @@ def test_the_one_word_note_with_ter_asks_for_the_language_alone(tmp_path, capsys
     """With --ter, "pass -l LANG (or --tokenize char)": char mends BLEU alone, TER stayed 100.00 and a second
     note then said to pass -l."""
     hyp = tmp_path / "hyp"
-    hyp.write_text("我喜欢吃苹果。\n今天天气很好。\n他去了北京大学学习。\n" * 3, encoding="utf-8")
+    hyp.write_text("我们今天下午去北京大学图书馆看书。\n他昨天晚上在家里看了一部很好的电影。\n" * 3, encoding="utf-8")
     assert main(["evaluate", str(hyp), str(hyp), "--ter"]) == 0
     assert capsys.readouterr().err.splitlines()[0] == (
         "aiayn: note: BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Thai, Lao, "

@@ -108,8 +108,8 @@ def test_a_translator_over_a_training_model_says_it_turned_dropout_off(checkpoin
     with caplog.at_level("WARNING", logger="aiayn"):
         Translator(model, loaded.tokenizer)
     assert not model.training and caplog.messages == [
-        ("Translator: the model was in training mode and is now in eval mode (no dropout); call model.train() "
-         "before training it further")]
+        ("Translator: the model was in training mode and is now in eval mode (no dropout); call "
+         "model.train() before training it further")]
     caplog.clear()
     with caplog.at_level("WARNING", logger="aiayn"):
         Translator(model, loaded.tokenizer)  # in eval mode already: nothing to say

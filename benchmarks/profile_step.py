@@ -25,6 +25,8 @@ import train_step  # noqa: E402
 from common import at_least, command_line, environment, require_device  # noqa: E402
 
 from aiayn.config import model_config  # noqa: E402
+from aiayn.decoding.compiled import check_compile_works  # noqa: E402
+from aiayn.errors import UserError  # noqa: E402
 from aiayn.memory import keep_freed_memory  # noqa: E402
 
 
@@ -43,6 +45,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.system == "Marian" and importlib.util.find_spec("transformers") is None:  # an ImportError trace
         raise SystemExit("--system Marian needs transformers: pip install -e '.[bench]'")
     device = str(require_device(args.device))
+    # inductor builds C++ on a CPU: without a compiler that works, an 84-line traceback at the first step
+    if args.compile and torch.device(device).type == "cpu":
+        try:
+            check_compile_works("--compile on a CPU")
+        except UserError as e:
+            raise SystemExit(f"{e}; or leave out --compile") from None
     keep_freed_memory()  # as train_step.py and `aiayn train` do: large buffers are reused, not re-faulted
     # what a figure quoted from this output needs beside it; before the steps, so the load is the machine's
     print(f"command: {command_line(__file__, argv)}")

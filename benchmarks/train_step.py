@@ -24,7 +24,8 @@ against the float32 one from the same initialisation on the same batches.
 Writes benchmarks/results/local/train_step.{md,json} (ignored by git) unless --out names the markdown;
 the json also keeps each configuration's shape, parameter count and FLOPs a step, so that every MFU can
 be recomputed from it.
-Without transformers (pip install -e '.[bench]') the Marian peer is skipped.
+Without transformers (pip install -e '.[bench]') the Marian peer is skipped; on a CPU without a C++
+compiler that torch.compile can build with, the compiled rows are, each said in one line.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from common import (
 
 from aiayn.config import ModelConfig, model_config  # noqa: E402
 from aiayn.data.dataset import Batch  # noqa: E402
+from aiayn.decoding.compiled import check_compile_works  # noqa: E402
+from aiayn.errors import UserError  # noqa: E402
 from aiayn.memory import keep_freed_memory  # noqa: E402
 from aiayn.model import Transformer, sinusoidal_positions  # noqa: E402
 from aiayn.model.compile import compile_for_training  # noqa: E402
@@ -508,6 +511,20 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
                        argv=args.argv), f, indent=1)
 
 
+def compile_works(device: str) -> bool:
+    """Whether torch.compile can build the compiled rows on `device`; if not, one line on stderr says why.
+    On a CPU inductor builds C++: without a compiler that works the first compiled step was an 84-line
+    traceback, and the eager steps of the run were lost with it."""
+    if torch.device(device).type != "cpu":  # a GPU's kernels are Triton's
+        return True
+    try:
+        check_compile_works("torch.compile on a CPU")
+    except UserError as e:
+        print(f"skipping the compiled rows: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", type=comma_choices(list(SHAPES), allow_empty=True), default="small,base",
@@ -540,6 +557,8 @@ def main(argv: list[str] | None = None) -> None:
     if not out.endswith(".md"):  # the json goes beside it: --out r.json was replaced by the json
         p.error(f"--out {out}: name the markdown report, ending in .md (the json is written beside it)")
     check_out(Path(out), [Path(out).with_suffix(".json")])  # a directory in the way failed after the timing
+    if args.configs and not args.no_compile:
+        args.no_compile = not compile_works(args.device)
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -290,6 +290,16 @@ def test_batch_fill_and_profile_step_say_bad_input_in_one_line(tmp_path, monkeyp
         profile_step.main(["--config", "tiny", "--system", "Marian"])
 
 
+def test_profile_step_compile_without_a_compiler_is_refused_up_front(tmp_path, monkeypatch):
+    """--compile on a CPU without the C++ compiler inductor runs was an 84-line InductorError traceback at
+    the first warm-up step."""
+    profile_step = _load("profile_step")
+    monkeypatch.setenv("CXX", str(tmp_path / "nowhere" / "g++"))
+    with pytest.raises(SystemExit, match=r"^--compile on a CPU needs the C\+\+ compiler .*nowhere/g\+\+ .*"
+                                         r"install it or set CXX; or leave out --compile$"):
+        profile_step.main(["--config", "tiny", "--compile"])
+
+
 def test_a_bound_from_the_shapes_is_reported_as_at_least_never_as_predicted(tmp_path, monkeypatch):
     """With nothing measured in a series, the figure past the budget is `least_peak`, a lower bound from
     the shapes; it was labelled "predicted by the (n / n_last)^slope rule" and "(..., predicted)"."""

@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from aiayn.config import model_config
+from aiayn.errors import UserError
 from aiayn.model import Transformer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -128,6 +129,36 @@ def test_without_transformers_marian_is_skipped_and_results_go_to_the_local_fold
     rows = json.loads((tmp_path / "local" / "train_step.json").read_text())["rows"]
     assert [r["system"] for r in rows] == ["aiayn", "nn.Transformer"]
     assert all(r["fastest_peer"] == "nn.Transformer" for r in rows)
+
+
+def _broken_compiler(setting):
+    raise UserError(f"{setting}: torch.compile failed here: C++ compile error (fatal error: Python.h)")
+
+
+@pytest.mark.parametrize("compiler", ["missing", "broken"])
+def test_without_a_compiler_that_works_the_compiled_rows_are_skipped_in_one_line(
+        tmp_path, monkeypatch, capsys, compiler):
+    """No C++ compiler (or one that cannot build inductor's code, as without Python's headers): the first
+    compiled step was an 84-line InductorError traceback, and the eager rows already timed were lost."""
+    if compiler == "missing":
+        monkeypatch.setenv("CXX", str(tmp_path / "nowhere" / "g++"))
+    else:
+        monkeypatch.setattr(train_step, "check_compile_works", _broken_compiler)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # Marian aside: not what this test is about
+    monkeypatch.setattr(train_step, "matmul_peak", lambda dtype, device: 1e12)
+    out = tmp_path / "train_step.md"
+    threads = torch.get_num_threads()
+    try:
+        train_step.main(["--configs", "tiny", "--precisions", "fp32", "--steps", "1", "--warmup", "1",
+                         "--loss-steps", "0", "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["system"] for r in rows] == ["aiayn", "nn.Transformer"]
+    skipped = [line for line in capsys.readouterr().err.splitlines() if "compiled" in line]
+    why = "needs the C++ compiler" if compiler == "missing" else "torch.compile failed here: C++ compile error"
+    assert len(skipped) == 1 and skipped[0].startswith("skipping the compiled rows: torch.compile on a CPU")
+    assert why in skipped[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")

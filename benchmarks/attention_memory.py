@@ -28,7 +28,8 @@ output, and for the explicit formula one n x n matrix) and reported as that: "at
     python benchmarks/attention_memory.py --device cuda
 
 Writes benchmarks/results/local/attention_memory_{device}[_quick].{json,md,png} (ignored by git), or to
-the folder --out names (the committed figures: `--out benchmarks/results`).
+the folder --out names (the committed figures: `--out benchmarks/results`; over files git tracks, as
+those now are, only with --force).
 """
 
 from __future__ import annotations
@@ -426,6 +427,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=LOCAL_RESULTS,
                         help="directory for the json, md and png (default benchmarks/results/local, "
                              "ignored by git)")
+    parser.add_argument("--force", action="store_true",
+                        help="write over files git tracks (committed results)")
     parser.add_argument("--measure", nargs=3, metavar=("IMPL", "N", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)  # the parent's MemoryConfig, as json
     args = parser.parse_args(argv)
@@ -445,7 +448,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     cfg = MemoryConfig(**{**asdict(cfg), **{k: v for k, v in overrides.items() if v is not None}})
     stem = args.out / f"attention_memory_{torch.device(cfg.device).type}{'_quick' if args.quick else ''}"
-    check_out(stem, [with_suffix_added(stem, s) for s in (".json", ".md", ".png")])  # before the runs
+    # before the runs
+    check_out(stem, [with_suffix_added(stem, s) for s in (".json", ".md", ".png")], args.force)
     env = environment()  # before the runs: the load average is the machine's, not this run's
     series = run_all(cfg)
     result = {

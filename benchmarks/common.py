@@ -4,7 +4,8 @@ Every performance claim names its script, its command and this record. Keep this
 stable: other benchmark scripts import it.
 
 Scripts write to `LOCAL_RESULTS` (benchmarks/results/local/, ignored by git) unless `--out` names a
-place: the committed files in benchmarks/results/ change only when a command names them.
+place, and write over a file git tracks only with `--force` (`check_out`): the commands RESULTS.md quotes
+name the committed files, and run again they replaced the figures that page quotes.
 """
 
 from __future__ import annotations
@@ -163,13 +164,14 @@ def thread_counts(text: str) -> list[int]:
                                          f"{text!r}") from None
 
 
-def check_out(path: Path, also: list[Path] = ()) -> None:
+def check_out(path: Path, also: list[Path] = (), force: bool = False) -> None:
     """Exit with one line, before any measuring, if `path` (and the files `also` beside it) cannot be
-    written: a directory in the way, or a parent that cannot be made or written to. Makes the parent
-    directories."""
+    written: a directory in the way, or a parent that cannot be made or written to; or, unless `force`
+    (--force), if one of `also` is a committed result (`refuse_committed`). Makes the parent directories."""
     for target in [path, *also]:
         if target.is_dir():
             raise SystemExit(f"--out {path}: {target} is a directory")
+    refuse_committed(f"--out {path}", also, force)
     existing = next(p for p in path.absolute().parents if p.exists())  # "/" does
     if not existing.is_dir():
         raise SystemExit(f"--out {path}: {existing} is not a directory")
@@ -181,6 +183,27 @@ def check_out(path: Path, also: list[Path] = ()) -> None:
         tempfile.TemporaryFile(dir=path.parent).close()
     except OSError as e:
         raise SystemExit(f"--out {path}: {path.parent} is not writable ({e.strerror or e})") from None
+
+
+def refuse_committed(label: str, files: list[Path], force: bool) -> None:
+    """Exit with one line naming `label` (the option that chose `files`) if one of `files` is there and git
+    tracks it, unless `force`: a committed result is replaced only on purpose."""
+    if force:
+        return
+    for file in files:
+        if file.is_file() and tracked_by_git(file):
+            raise SystemExit(f"{label}: would write over {file}, which git tracks (a committed result): "
+                             "--out another place, or --force to replace it")
+
+
+def tracked_by_git(file: Path) -> bool:
+    """Whether git tracks `file` (False outside a checkout, or without git)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "--error-unmatch", "--", file.name], cwd=file.parent,
+                                capture_output=True)
+    except OSError:
+        return False
+    return listed.returncode == 0
 
 
 def command_line(script: str, argv: list[str] | None) -> str:

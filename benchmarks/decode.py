@@ -44,10 +44,11 @@ restored it).
     python benchmarks/decode.py --device cuda         # on a GPU (CT2 too if its wheel has CUDA)
     python benchmarks/decode.py --cells greedy-1 --engines "CT2 float32" --repeats 1   # a quick look
 
-Writes benchmarks/results/local/decode_DEVICE.{json,md} (ignored by git) unless --out names a prefix,
-and rewrites them after every cell. An engine whose worker fails (a CTranslate2 wheel whose CUDA libraries
-do not load: cuBLAS loads at the first translation, so no check beforehand sees it) is left out, at every
-thread count, from then on and from the cells before, with one line on stderr and its error in the results
+Writes benchmarks/results/local/decode_DEVICE.{json,md} (ignored by git) unless --out names a prefix
+(over a file git tracks, a committed result, only with --force), and rewrites them after every cell. An
+engine whose worker fails (a CTranslate2 wheel whose CUDA libraries do not load: cuBLAS loads at the first
+translation, so no check beforehand sees it) is left out, at every thread count, from then on and from the
+cells before, with one line on stderr and its error in the results
 ("failed_engines"); the others run on. If aiayn fp32 or HF Marian fp32 fails, the engines the ratios are
 taken against, the run ends in one line naming it and its error, and the cells measured before it stay.
 Without ctranslate2 (pip install -e '.[bench]') the CTranslate2 engines are skipped; transformers is
@@ -577,10 +578,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "the ratios are taken against (default every one available here)")
     parser.add_argument("--out", help="results prefix (default benchmarks/results/local/decode_DEVICE, "
                                       "ignored by git)")
+    parser.add_argument("--force", action="store_true",
+                        help="write over files git tracks (committed results)")
     args = parser.parse_args(argv)
     require_device(args.device)
     args.out = Path(args.out) if args.out else LOCAL_RESULTS / f"decode_{args.device}"
-    check_out(args.out, [with_suffix_added(args.out, s) for s in (".json", ".md")])  # before the timing
+    # before the timing
+    check_out(args.out, [with_suffix_added(args.out, s) for s in (".json", ".md")], args.force)
     if not -(2**63) <= args.seed < 2**63:  # torch.manual_seed's range
         parser.error(f"--seed {args.seed}: must be within [-2**63, 2**63)")
     return args

@@ -22,7 +22,8 @@ in log-log between the two grid points around it.
     python benchmarks/layers.py --device cuda
 
 Writes benchmarks/results/local/layers_{device}[_quick][_TAG].{json,md,png} (ignored by git), or to the
-folder --out names (the committed figures: `--out benchmarks/results`).
+folder --out names (the committed figures: `--out benchmarks/results`; over files git tracks, as those now
+are, only with --force).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from common import (
     environment,
     load_average,
     markdown_table,
+    refuse_committed,
     require_device,
     sync,
     threads,
@@ -505,8 +507,9 @@ def write_results(result: dict, cfg: GridConfig, stem: Path, json_too: bool = Tr
         with_suffix_added(stem, ".json").write_text(data)
 
 
-def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | None]:
-    """The grid, the output directory, the file stem (layers_{device}[_quick][_tag]), a json to replot."""
+def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | None, bool]:
+    """The grid, the output directory, the file stem (layers_{device}[_quick][_tag]), a json to replot,
+    --force."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small grid that runs in seconds")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -521,6 +524,8 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     parser.add_argument("--out", type=Path,
                         help="directory for the json, md and png (default benchmarks/results/local, "
                              "ignored by git; with --replot: beside the json)")
+    parser.add_argument("--force", action="store_true",
+                        help="write over files git tracks (committed results)")
     args = parser.parse_args(argv)
     require_device(args.device)
     for d in args.widths or ():  # MultiHeadAttention's heads must divide the width
@@ -540,16 +545,17 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     stem = f"layers_{torch.device(cfg.device).type}"
     stem += ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
     if args.replot is not None:
-        return cfg, args.out, stem, args.replot
+        return cfg, args.out, stem, args.replot, args.force
     out = args.out or LOCAL_RESULTS
     files = [with_suffix_added(out / stem, s) for s in (".json", ".md", ".png")]
-    check_out(out / stem, files)  # before the run, not after it
-    return cfg, out, stem, None
+    check_out(out / stem, files, args.force)  # before the run, not after it
+    return cfg, out, stem, None, args.force
 
 
-def replot(path: Path, out: Path | None = None) -> None:
+def replot(path: Path, out: Path | None = None, force: bool = False) -> None:
     """Redraw the markdown and the plot of a saved run from its json (the figures are not re-measured),
-    beside it or into the directory `out`."""
+    beside it or into the directory `out`; over files git tracks only with `force` (the committed runs'
+    own md and png, beside their json)."""
     try:
         result = json.loads(path.read_text())
     except (OSError, ValueError) as e:  # missing, a directory, not JSON, not UTF-8
@@ -564,16 +570,19 @@ def replot(path: Path, out: Path | None = None) -> None:
         raise SystemExit(f"--replot {path}: not a saved run of layers.py ({type(e).__name__}: {e})") from None
     result.update(times=times, crossovers=cross)
     stem = path.with_suffix("") if out is None else out / path.stem
+    files = [with_suffix_added(stem, s) for s in (".md", ".png")]
     if out is not None:
-        check_out(stem, [with_suffix_added(stem, s) for s in (".md", ".png")])
+        check_out(stem, files, force)
+    else:
+        refuse_committed(f"--replot {path}", files, force)
     write_results(result, cfg, stem, json_too=False)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the grid, write OUT/layers_{device}[_quick][_tag].{json,md,png}; returns what the json holds."""
-    cfg, out, name, saved = parse_args(argv)
+    cfg, out, name, saved, force = parse_args(argv)
     if saved is not None:
-        replot(saved, out)
+        replot(saved, out, force)
         return {}
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)

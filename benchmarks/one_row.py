@@ -20,7 +20,8 @@ column names the kernel `one_row_blocks` picks on this CPU at that thread count.
     python benchmarks/one_row.py                       # 1, 2, 4, ... and the core count
     python benchmarks/one_row.py --threads 1,2 --rounds 21
 
-Writes benchmarks/results/local/one_row_cpu.{json,md} (ignored by git), or the prefix --out names.
+Writes benchmarks/results/local/one_row_cpu.{json,md} (ignored by git), or the prefix --out names (over
+a file git tracks, a committed result, only with --force).
 """
 
 from __future__ import annotations
@@ -130,11 +131,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=at_least(1), default=11, help="timed rounds per thread count")
     p.add_argument("--out", type=Path, default=LOCAL_RESULTS / "one_row_cpu",
                    help="output prefix: PREFIX.json and PREFIX.md (default benchmarks/results/local/one_row_cpu)")
+    p.add_argument("--force", action="store_true",
+                   help="write over files git tracks (committed results)")
     args = p.parse_args(argv)
     if not torch.backends.mkl.is_available():
         raise SystemExit("this PyTorch build has no MKL: aiayn makes one-row products with oneDNN only")
     json_path, md_path = with_suffix_added(args.out, ".json"), with_suffix_added(args.out, ".md")
-    check_out(args.out, [json_path, md_path])  # before the runs
+    check_out(args.out, [json_path, md_path], args.force)  # before the runs
     env = environment()
     env["torch_threads"] = args.threads  # each measured at its own count, set by `measure`
     ms, choice = {}, {}

@@ -21,9 +21,9 @@ against the float32 one from the same initialisation on the same batches.
     python benchmarks/train_step.py --configs base --precisions bf16 --no-compile
     python benchmarks/train_step.py --device cuda --configs base,base25k --loss-steps 150   # on a GPU
 
-Writes benchmarks/results/local/train_step.{md,json} (ignored by git) unless --out names the markdown;
-the json also keeps each configuration's shape, parameter count and FLOPs a step, so that every MFU can
-be recomputed from it.
+Writes benchmarks/results/local/train_step.{md,json} (ignored by git) unless --out names the markdown
+(over a file git tracks, a committed result, only with --force); the json also keeps each configuration's
+shape, parameter count and FLOPs a step, so that every MFU can be recomputed from it.
 Without transformers (pip install -e '.[bench]') the Marian peer is skipped; on a CPU without a C++
 compiler that torch.compile can build with, the compiled rows are, each said in one line.
 """
@@ -543,6 +543,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N): where every system runs")
     p.add_argument("--out", default=None, help="markdown path, the json beside it "
                    "(default benchmarks/results/local/train_step.md, ignored by git)")
+    p.add_argument("--force", action="store_true",
+                   help="write over files git tracks (committed results)")
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     args.device = str(require_device(args.device))
@@ -556,7 +558,8 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or str(LOCAL_RESULTS / "train_step.md")
     if not out.endswith(".md"):  # the json goes beside it: --out r.json was replaced by the json
         p.error(f"--out {out}: name the markdown report, ending in .md (the json is written beside it)")
-    check_out(Path(out), [Path(out).with_suffix(".json")])  # a directory in the way failed after the timing
+    # a directory in the way failed after the timing
+    check_out(Path(out), [Path(out), Path(out).with_suffix(".json")], args.force)
     if args.configs and not args.no_compile:
         args.no_compile = not compile_works(args.device)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +185,63 @@ def test_outputs_default_to_a_folder_git_ignores():
     if ignored.returncode == 128:
         pytest.skip("not a git checkout")
     assert ignored.returncode == 0
+
+
+def _committed(folder: Path, files: dict[str, str]) -> Path:
+    """`folder` made a git checkout whose one commit holds `files` (name -> text), as benchmarks/results/
+    holds the committed results."""
+    if shutil.which("git") is None:
+        pytest.skip("no git here")
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", str(folder)]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "results"]):
+        subprocess.run([*git, *command], check=True, capture_output=True)
+    return folder
+
+
+COMMITTED = r": would write over .*, which git tracks \(a committed result\): --out another place, or --force"
+
+
+def test_a_replot_over_committed_results_needs_force(tmp_path):
+    """`--replot benchmarks/results/layers_cpu_d1024.json`, as RESULTS.md quoted it, rewrote the committed
+    md and png beside the json."""
+    layers.main(["--lengths", "8", "--widths", "16", "--batch", "1", "--cell-limit", "0",
+                 "--out", str(tmp_path / "run")])
+    repo = _committed(tmp_path / "results", {p.name: p.read_text(errors="replace")
+                                             for p in (tmp_path / "run").iterdir() if p.suffix != ".png"})
+    saved, md = repo / "layers_cpu.json", repo / "layers_cpu.md"
+    md.write_text("committed")
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com",
+                    "commit", "-qam", "edited"], check=True)
+    with pytest.raises(SystemExit, match=rf"^--replot {re.escape(str(saved))}{COMMITTED}"):
+        layers.main(["--replot", str(saved)])
+    assert md.read_text() == "committed" and not (repo / "layers_cpu.png").exists()
+    layers.main(["--replot", str(saved), "--out", str(tmp_path / "mine")])  # elsewhere: written
+    assert (tmp_path / "mine" / "layers_cpu.md").read_text().startswith("#")
+    layers.main(["--replot", str(saved), "--force"])
+    assert md.read_text() != "committed"
+
+
+@pytest.mark.parametrize("script, files, argv", [
+    ("train_step", ["train_step.md"], ["--configs", "tiny", "--out", "REPO/train_step.md"]),
+    ("train_step", ["train_step.json"], ["--configs", "tiny", "--out", "REPO/train_step.md"]),
+    ("decode", ["decode_cpu.json"], ["--out", "REPO/decode_cpu"]),
+    ("layers", ["layers_cpu.png"], ["--lengths", "8", "--out", "REPO"]),
+    ("attention_memory", ["attention_memory_cpu.md"], ["--lengths", "8", "--out", "REPO"]),
+    ("one_row", ["one_row_cpu.md"], ["--threads", "1", "--out", "REPO/one_row_cpu"]),
+])
+def test_a_run_over_committed_results_is_refused_before_measuring(tmp_path, monkeypatch, script, files, argv):
+    """RESULTS.md's commands name the committed files (`--out benchmarks/results/train_step_small_v2.md`):
+    run again, they replaced the figures the page quotes. Refused before any measuring, unless --force."""
+    repo = _committed(tmp_path / "results", {name: "committed" for name in files})
+    module = _load(script)
+    monkeypatch.setattr(module, "environment", lambda: pytest.fail("measuring began"))
+    argv = [a.replace("REPO", str(repo)) for a in argv]
+    with pytest.raises(SystemExit, match=rf"^--out {re.escape(argv[-1])}\S*{COMMITTED} to replace it$"):
+        module.main(argv)
+    assert sorted(p.name for p in repo.iterdir()) == sorted([".git", *files])
 
 
 def test_layers_with_one_length_per_width_writes_every_output(tmp_path):

@@ -57,16 +57,18 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str:
-    """The commit of the tree aiayn runs from, with `+dirty` if it has uncommitted changes, or new Python
-    or shell files (an untracked module, benchmark or script changes what runs; results files do not)."""
+    """The commit of the tree aiayn runs from, with `+dirty` if it has uncommitted changes outside
+    benchmarks/results/, or new Python or shell files (an untracked module, benchmark or script changes
+    what runs; results files, new or modified, do not)."""
     import aiayn  # the tree of the code that runs, not of this script: a script run from another clone
 
     here = os.path.dirname(os.path.abspath(aiayn.__file__))
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        changed = ["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
+                   ":(top,exclude)benchmarks/results/"]  # a results file rewritten there said "+dirty"
+        dirty = subprocess.run(changed, cwd=here, capture_output=True, text=True, check=True).stdout.strip()
         new = ["git", "ls-files", "--others", "--exclude-standard", "--", ":/*.py", ":/*.sh"]
         dirty += subprocess.run(new, cwd=here, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):

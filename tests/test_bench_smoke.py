@@ -194,6 +194,7 @@ def _committed(folder: Path, files: dict[str, str]) -> Path:
         pytest.skip("no git here")
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", str(folder)]
     for command in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "results"]):
@@ -242,6 +243,23 @@ def test_a_run_over_committed_results_is_refused_before_measuring(tmp_path, monk
     with pytest.raises(SystemExit, match=rf"^--out {re.escape(argv[-1])}\S*{COMMITTED} to replace it$"):
         module.main(argv)
     assert sorted(p.name for p in repo.iterdir()) == sorted([".git", *files])
+
+
+def test_results_files_rewritten_do_not_make_the_commit_dirty(tmp_path, monkeypatch):
+    """git_commit's docstring said results files do not count, but a modified committed one (a run's
+    figures written again) made every report say "+dirty"; a change to the code still does."""
+    import aiayn
+
+    git_commit = _load("common").git_commit
+    repo = _committed(tmp_path / "repo", {"src/aiayn/__init__.py": "", "benchmarks/results/r.md": "figures"})
+    monkeypatch.setattr(aiayn, "__file__", str(repo / "src" / "aiayn" / "__init__.py"))
+    clean = git_commit()
+    assert len(clean) >= 7 and "+" not in clean
+    (repo / "benchmarks" / "results" / "r.md").write_text("figures measured again")
+    (repo / "benchmarks" / "results" / "new.json").write_text("{}")
+    assert git_commit() == clean
+    (repo / "src" / "aiayn" / "__init__.py").write_text("x = 1")
+    assert git_commit() == clean + "+dirty"
 
 
 def test_layers_with_one_length_per_width_writes_every_output(tmp_path):

@@ -49,7 +49,8 @@ Writes benchmarks/results/local/decode_DEVICE.{json,md} (ignored by git) unless 
 engine whose worker fails (a CTranslate2 wheel whose CUDA libraries do not load: cuBLAS loads at the first
 translation, so no check beforehand sees it) is left out, at every thread count, from then on and from the
 cells before, with one line on stderr and its error in the results
-("failed_engines"); the others run on. If aiayn fp32 or HF Marian fp32 fails, the engines the ratios are
+("failed_engines"); the others run on. So are the CTranslate2 engines if CTranslate2's conversion of the
+model fails. If aiayn fp32 or HF Marian fp32 fails, the engines the ratios are
 taken against, the run ends in one line naming it and its error, and the cells measured before it stay.
 Without ctranslate2 (pip install -e '.[bench]') the CTranslate2 engines are skipped; transformers is
 needed, as the source of the weights.
@@ -609,7 +610,7 @@ def main(argv: list[str] | None = None) -> None:
                command=command_line(__file__, argv))
     record = Record(env, weights_mb)
     with tempfile.TemporaryDirectory() as tmp:
-        ct2_paths = convert_ct2(hf, Path(tmp)) if "CT2 float32" in names else {}
+        names, ct2_paths = converted(hf, Path(tmp), names, record)
         del hf
         runs = {f"{n}@{t}": Engine(n, args.seed, args.device, ct2_paths, t)
                 for t in args.threads for n in names}
@@ -625,6 +626,23 @@ def main(argv: list[str] | None = None) -> None:
 
 
 REFERENCES = ("aiayn fp32", "HF Marian fp32")  # the engines the ratios are taken against: always run
+
+
+def converted(hf, workdir: Path, names: list[str], record: Record) -> tuple[list[str], dict[str, str]]:
+    """`names`, and the CTranslate2 models (`convert_ct2`) for those of them that are CTranslate2's. A
+    conversion that fails leaves them out as a failing worker leaves its engine (`left_out`): in one line,
+    its error in the results, the others timed (it was a traceback, and no figure at all)."""
+    ct2 = [name for name in names if name.startswith("CT2 ")]
+    if not ct2:  # "CT2 int8" alone, without "CT2 float32", was not converted: its worker failed
+        return names, {}
+    try:
+        return names, convert_ct2(hf, workdir)
+    except Exception as e:  # noqa: BLE001  whatever the converter raises (a transformers it does not know)
+        why = f"CTranslate2's model conversion failed: {last_line(e)}"
+    record.failed.update({name: f"{name}: {why}" for name in ct2})
+    print(f"decode.py: {why}; {' and '.join(ct2)} {'are' if len(ct2) > 1 else 'is'} left out of this run",
+          file=sys.stderr, flush=True)
+    return [name for name in names if name not in ct2], {}
 
 
 def chosen_engines(args: argparse.Namespace) -> list[str]:

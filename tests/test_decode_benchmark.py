@@ -339,3 +339,36 @@ def test_a_worker_whose_engine_raises_is_named_with_its_error_line(tmp_path, cap
     floor.close()
     assert engine.process.exitcode == floor.process.exitcode == 1
     assert "Traceback" not in capfd.readouterr().err
+
+
+def _conversion_fails(hf, workdir):
+    raise ValueError("No conversion is registered for the model configuration MarianConfig")
+
+
+def test_a_failing_ctranslate2_conversion_leaves_its_engines_out_in_one_line(tmp_path, monkeypatch, capsys):
+    """CTranslate2's conversion of the model (in the parent process, before any worker starts) failing was
+    a traceback that ended the run: no aiayn or HF figure either."""
+    engines = ["aiayn fp32", "HF Marian fp32", "CT2 float32", "CT2 int8"]
+    main = _scripted_main(monkeypatch, engines, {})
+    monkeypatch.setattr(decode, "convert_ct2", _conversion_fails)
+    out = tmp_path / "decode"
+    main(["--cells", "greedy-1", "--repeats", "1", "--settle", "0", "--out", str(out)])
+    saved = json.loads(decode.with_suffix_added(out, ".json").read_text())
+    timed = saved["tokens_per_second_by_threads"]["1"]["greedy, batch 1"]
+    assert list(timed) == ["aiayn fp32", "HF Marian fp32"]
+    why = "CTranslate2's model conversion failed: ValueError: No conversion is registered for the model"
+    failed = saved["environment"]["failed_engines"]
+    assert list(failed) == ["CT2 float32", "CT2 int8"]
+    assert all(line.startswith(f"{name}: {why}") for name, line in failed.items())
+    said = [line for line in capsys.readouterr().err.splitlines() if "conversion" in line]
+    assert len(said) == 1 and said[0].startswith(f"decode.py: {why}")
+    assert said[0].endswith("; CT2 float32 and CT2 int8 are left out of this run")
+
+
+def test_ctranslate2_int8_alone_gets_its_model_converted(tmp_path, monkeypatch):
+    """--engines "CT2 int8" without "CT2 float32": nothing was converted, and its worker failed."""
+    converted = []
+    main = _scripted_main(monkeypatch, ["aiayn fp32", "HF Marian fp32", "CT2 int8"], {})
+    monkeypatch.setattr(decode, "convert_ct2", lambda hf, workdir: converted.append(workdir) or {})
+    main(["--cells", "greedy-1", "--repeats", "1", "--settle", "0", "--out", str(tmp_path / "decode")])
+    assert len(converted) == 1

@@ -10,14 +10,21 @@
 # step gets at most what is left of SECONDS (default 540), so the script ends in time and what it
 # measured so far is kept; the suite gets all that is left. A step that fails or runs out of its time
 # does not stop the later ones, but the script then exits 1, its last line naming those steps (a step
-# skipped because no time is left is not a failure). Needs a Python with CUDA PyTorch, transformers,
-# sentencepiece, sacrebleu, safetensors, matplotlib, tqdm and pytest; the package runs from src/ (nothing
-# installed). Writes $OUT/log.txt and the benchmarks' reports.
+# skipped because no time is left is not a failure). Needs a python3 with CUDA PyTorch, the package's
+# dependencies (sentencepiece, sacrebleu, safetensors, matplotlib, tqdm, numpy), transformers, pytest and
+# pytest-timeout (the last three are in the [test] extra; pyproject.toml's addopts pass --timeout, which
+# pytest refuses without that plugin, so its absence stops the script first, in one line); the package
+# runs from src/ (nothing installed). Writes $OUT/log.txt and the benchmarks' reports.
 set -u -o pipefail  # pipefail: the status of the steps' block, not tee's 0
 OUT=${OUT:-benchmarks/results/local/gpu}
 budget=${1:-540}
 if ! [[ $budget =~ ^[0-9]+$ ]] || ((10#$budget < 10)); then
   echo "gpu.sh: SECONDS must be a whole number of seconds, at least 10, not '$budget'" >&2; exit 2
+fi
+# without pytest-timeout every pytest step failed on "unrecognized arguments: --timeout=600", minutes in
+if ! python3 -c "import pytest, pytest_timeout" 2>/dev/null; then
+  echo "gpu.sh: the tests need pytest and pytest-timeout (pyproject.toml's addopts pass --timeout):" \
+    "pip install pytest pytest-timeout" >&2; exit 2
 fi
 mkdir -p "$OUT" || { echo "gpu.sh: cannot make the folder OUT=$OUT" >&2; exit 2; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

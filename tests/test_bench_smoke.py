@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -434,3 +435,19 @@ def test_profile_step_prints_the_environment_beside_its_figures(capsys):
     assert environment.startswith("environment: {") and f"'torch': '{torch.__version__}'" in environment
     assert "'commit': " in environment and "'cpu': " in environment
     assert "ms of CPU operator self time per step" in out[2]
+
+
+def test_gpu_script_without_pytest_timeout_stops_first_in_one_line(tmp_path):
+    """pyproject.toml's addopts pass --timeout, which pytest refuses without pytest-timeout: every test step
+    of gpu.sh failed, minutes into a lent machine, and its header named pytest alone."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "pytest_timeout.py").write_text("raise ImportError('hidden by the test')\n")
+    env = {**os.environ, "PYTHONPATH": str(hidden), "OUT": str(tmp_path / "out"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "10"], cwd=BENCHMARKS.parent, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == ["gpu.sh: the tests need pytest and pytest-timeout (pyproject.toml's "
+                                        "addopts pass --timeout): pip install pytest pytest-timeout"]
+    assert not (tmp_path / "out").exists()

@@ -77,12 +77,13 @@ def main(argv: list[str] | None = None) -> None:
             config = run_config(settings(args, run_dir), origins=flags(args))
             data = loop.prepare_data(config, Path(run_dir), Dist(0, 1, 0, torch.device("cpu")))
             src, tgt = data.train.src_lengths(), data.train.tgt_lengths()
+            pieces = data.tokenizer.tgt_vocab_size  # SentencePiece makes fewer than asked of a small corpus
         rows = [(m, *fill(src, tgt, m)) for m in args.max_tokens]
     except (UserError, ConfigError) as e:
         raise SystemExit(f"batch_fill: {e}") from None
     print(f"command: {command_line(__file__, argv)}")
     print(f"environment: {environment()}")
-    print(f"{args.src}, {args.tgt}: {len(src)} pairs, {args.vocab_size} pieces")
+    print(f"{args.src}, {args.tgt}: {len(src)} pairs, {pieces} pieces")
     print("| max_tokens | real target tokens a batch | real source tokens a batch | batches |")
     print("|---|---|---|---|")
     for max_tokens, share_tgt, share_src, n in rows:

@@ -411,6 +411,20 @@ def test_a_budget_of_zero_is_refused(tmp_path, monkeypatch, capsys):
     assert not any(tmp_path.iterdir())
 
 
+def test_batch_fill_prints_the_pieces_sentencepiece_made(tmp_path, capsys):
+    """--vocab-size 100000 on Multi30k printed "100000 pieces" where SentencePiece made 83,510."""
+    batch_fill = _load("batch_fill")
+    words = "the cat sat on a mat and ran to its house".split()
+    for name, shift in (("a.en", 0), ("a.de", 3)):
+        (tmp_path / name).write_text("".join(" ".join(words[(i + shift + j) % len(words)] for j in range(5))
+                                             + "\n" for i in range(40)))
+    batch_fill.main(["--src", str(tmp_path / "a.en"), "--tgt", str(tmp_path / "a.de"), "--vocab-size", "500",
+                     "--max-tokens", "64"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if " pairs, " in line)
+    pieces = int(line.split(" pairs, ")[1].removesuffix(" pieces"))
+    assert 11 < pieces < 500  # the words at least, far fewer than asked
+
+
 def test_batch_fill_names_its_own_flag_for_a_value_the_config_refuses(tmp_path):
     """--vocab-size 0 was "batch_fill: --set 'data.vocab_size=0': ...": a --set flag the script lacks."""
     batch_fill = _load("batch_fill")

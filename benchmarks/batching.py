@@ -18,15 +18,16 @@ import time
 import numpy as np
 
 from aiayn.data.batching import token_batches
+from aiayn.errors import UserError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import command_line, environment, status_kib
+from common import at_least, command_line, environment, status_kib
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", type=int, default=4_500_000)
-    p.add_argument("--max-tokens", type=int, default=25_000)
+    p.add_argument("--pairs", type=at_least(1), default=4_500_000)  # -1: a numpy ValueError traceback
+    p.add_argument("--max-tokens", type=at_least(1), default=25_000)
     args = p.parse_args(argv)
     print(command_line(__file__, argv))
     print(f"environment: {environment()}")
@@ -35,7 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     src, tgt = rng.integers(5, 81, args.pairs).tolist(), rng.integers(5, 81, args.pairs).tolist()
     before = status_kib("VmRSS")
     start = time.perf_counter()
-    batches = token_batches(src, tgt, args.max_tokens)
+    try:
+        batches = token_batches(src, tgt, args.max_tokens)
+    except UserError as e:  # a pair longer than --max-tokens: one line, as batch_fill.py says it
+        raise SystemExit(f"batching: {e} (the pairs drawn have 5 to 80 tokens a side)") from None
     seconds = time.perf_counter() - start
     print(f"{args.pairs:,} pairs, max_tokens {args.max_tokens}: {len(batches):,} batches in {seconds:.1f} s; "
           f"peak resident memory {status_kib('VmHWM') / 1024:.0f} MiB ({before / 1024:.0f} MiB before)")

@@ -425,6 +425,17 @@ def test_batch_fill_prints_the_pieces_sentencepiece_made(tmp_path, capsys):
     assert 11 < pieces < 500  # the words at least, far fewer than asked
 
 
+def test_batching_says_bad_input_in_one_line(capsys):
+    """--pairs -1 was numpy's ValueError traceback; a --max-tokens below a pair, aiayn's UserError's."""
+    batching = _load("batching")
+    with pytest.raises(SystemExit) as stopped:
+        batching.main(["--pairs", "-1"])
+    assert stopped.value.code == 2 and "argument --pairs: must be at least 1: '-1'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"^batching: pair \d+ has \d+ tokens, more than max_tokens=10 "
+                                         r"\(the pairs drawn have 5 to 80 tokens a side\)$"):
+        batching.main(["--pairs", "1000", "--max-tokens", "10"])
+
+
 def test_batch_fill_names_its_own_flag_for_a_value_the_config_refuses(tmp_path):
     """--vocab-size 0 was "batch_fill: --set 'data.vocab_size=0': ...": a --set flag the script lacks."""
     batch_fill = _load("batch_fill")

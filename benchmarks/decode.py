@@ -19,7 +19,7 @@ are cores): an aiayn greedy step on two threads went from 7.0 to 13.9 ms after o
 After the timing each worker reports its resident memory, freed heap returned to the system first:
 the engine's weights in whatever copies and layouts it keeps, plus the libraries every worker loads.
 
-On a CPU a sixth worker, "Linear floor", runs beside the engines: only the Linear products of the 32
+On a CPU one more worker, "Linear floor", runs beside the engines: only the Linear products of the 32
 decoder steps of each cell (`step_linear_shapes`, float32 weights of the `base` shape, each product with
 the fastest of the matmul kernels PyTorch ships here: MKL's sgemm on W or on W^T, MKL's packed GEMM,
 oneDNN's packed weights; W^T and its blocks on huge pages, as aiayn keeps them). Nothing else: no

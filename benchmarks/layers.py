@@ -246,8 +246,8 @@ def growth_exponent(lengths: list[int], seconds_: list[float]) -> float | None:
 def flop_parity(attention: str, peer: str, d: int, kernel: int) -> float:
     """n at which the two layers' forward multiply-adds per token are equal (0.0: attention never cheaper).
 
-    Per token: Q K^T and A V cost 2 n d each (the `sdpa` layer); `attention` adds 4 d^2 for its four
-    projections; the LSTM's four gates 8 d^2 (input and hidden matmuls); the conv 3 d^2 for k = 3.
+    Per token: Q K^T and A V cost n d each, 2 n d together (the `sdpa` layer); `attention` adds 4 d^2 for
+    its four projections; the LSTM's four gates 8 d^2 (input and hidden matmuls); the conv 3 d^2 for k = 3.
     """
     fixed = {"attention": 4 * d * d, "sdpa": 0}[attention]
     peer_cost = {"lstm": 8 * d * d, "conv": kernel * d * d}[peer]

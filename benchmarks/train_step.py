@@ -525,19 +525,43 @@ def compile_works(device: str) -> bool:
     return True
 
 
+DEFAULTS = dict(configs=["small", "base"], steps=5, warmup=2, loss_steps=150)
+QUICK = dict(configs=["small"], steps=3, warmup=1, loss_steps=40)  # --quick
+
+
+def settle(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`DEFAULTS`, or `QUICK` with --quick, for the options not given; a usage error for an option --quick
+    sets given beside it (it replaced them silently), for a contradiction, or for nothing to measure."""
+    given = [f"--{name.replace('_', '-')}" for name in QUICK if getattr(args, name) is not None]
+    if args.quick and given:
+        p.error(f"--quick sets --configs small, --steps 3, --warmup 1 and --loss-steps 40: give "
+                f"{' and '.join(given)}, or --quick, not both")
+    for name, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.no_compile and args.compile_peers:  # --compile-peers was ignored
+        p.error("--compile-peers times the peers under torch.compile, which --no-compile leaves out: "
+                "give one of them")
+    if not args.configs and not args.loss_steps:  # an empty report, exit 0
+        p.error("--configs '' and --loss-steps 0: nothing to measure")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", type=comma_choices(list(SHAPES), allow_empty=True), default="small,base",
-                   help="comma-separated: small, base, base25k (tiny: a smoke test; '': the loss curve only)")
+    # the four that --quick sets default to None: one given beside --quick is refused, even at its default
+    p.add_argument("--configs", type=comma_choices(list(SHAPES), allow_empty=True),
+                   help="comma-separated: small, base, base25k (default small,base; tiny: a smoke test; "
+                        "'': the loss curve only)")
     p.add_argument("--precisions", type=comma_choices(list(PRECISIONS)), default="fp32,bf16",
                    help="comma-separated: fp32, bf16")
-    p.add_argument("--steps", type=at_least(1), default=5, help="timed interleaved rounds (median reported)")
-    p.add_argument("--warmup", type=at_least(1), default=2, help="untimed steps per system before timing")
+    p.add_argument("--steps", type=at_least(1), help="timed interleaved rounds (median reported; default 5)")
+    p.add_argument("--warmup", type=at_least(1), help="untimed steps per system before timing (default 2)")
     p.add_argument("--no-compile", action="store_true", help="skip aiayn under torch.compile")
     p.add_argument("--compile-peers", action="store_true", help="also time the peers under torch.compile")
-    p.add_argument("--loss-steps", type=at_least(0), default=150,
-                   help="bf16 vs fp32 loss-curve steps (0: skip)")
-    p.add_argument("--quick", action="store_true", help="small only, 3 rounds, 1 warmup, 40 loss steps")
+    p.add_argument("--loss-steps", type=at_least(0),
+                   help="bf16 vs fp32 loss-curve steps (0: skip; default 150)")
+    p.add_argument("--quick", action="store_true", help="--configs small --steps 3 --warmup 1 --loss-steps 40 "
+                   "(none of those given with it)")
     p.add_argument("--threads", type=threads, default=None,
                    help="torch.set_num_threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N): where every system runs")
@@ -548,10 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     args.device = str(require_device(args.device))
-    if args.quick:  # its own settings: given ones were silently replaced
-        if (args.configs, args.steps, args.warmup) != (["small", "base"], 5, 2):
-            p.error("--quick sets --configs small, --steps 3 and --warmup 1: give those options or --quick")
-        args.configs, args.steps, args.warmup, args.loss_steps = ["small"], 3, 1, min(args.loss_steps, 40)
+    settle(p, args)
     args.systems = ["aiayn", "nn.Transformer"]
     if args.configs and peer_available("transformers", "the Marian peer"):
         args.systems.append("Marian")

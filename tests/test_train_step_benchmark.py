@@ -111,6 +111,35 @@ def test_bad_arguments_are_usage_errors(bad, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--quick", "--loss-steps", "100"], "give --loss-steps, or --quick, not both"),  # cut to 40 silently
+    (["--quick", "--loss-steps", "150"], "give --loss-steps, or --quick, not both"),  # given, if the default
+    (["--quick", "--configs", "small,base", "--warmup", "2"], "give --configs and --warmup, or --quick"),
+    (["--no-compile", "--compile-peers"], "which --no-compile leaves out"),  # --compile-peers was ignored
+    (["--configs", "", "--loss-steps", "0"], "nothing to measure"),  # the peaks, an empty report, exit 0
+])
+def test_options_it_would_ignore_or_that_leave_nothing_to_measure_are_refused(argv, message, tmp_path,
+                                                                               monkeypatch, capsys):
+    monkeypatch.setattr(train_step, "matmul_peak", lambda dtype, device: pytest.fail("measuring began"))
+    with pytest.raises(SystemExit) as stopped:
+        train_step.main([*argv, "--out", str(tmp_path / "train_step.md")])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_quick_or_the_defaults_fill_the_options_not_given():
+    def settled(**given):
+        args = train_step.argparse.Namespace(**{"configs": None, "steps": None, "warmup": None,
+                                                "loss_steps": None, "no_compile": False,
+                                                "compile_peers": False, "quick": False, **given})
+        train_step.settle(train_step.argparse.ArgumentParser(), args)
+        return args.configs, args.steps, args.warmup, args.loss_steps
+
+    assert settled() == (["small", "base"], 5, 2, 150)
+    assert settled(quick=True) == (["small"], 3, 1, 40)
+    assert settled(steps=7, loss_steps=0) == (["small", "base"], 7, 2, 0)
+
+
 def test_without_transformers_marian_is_skipped_and_results_go_to_the_local_folder(
         tmp_path, monkeypatch, capsys):
     """No transformers: one line says Marian is skipped, the other systems are timed and compared; no

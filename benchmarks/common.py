@@ -202,7 +202,7 @@ def tracked_by_git(file: Path) -> bool:
     """Whether git tracks `file` (False outside a checkout, or without git)."""
     try:
         listed = subprocess.run(["git", "ls-files", "--error-unmatch", "--", file.name], cwd=file.parent,
-                                capture_output=True)
+                                capture_output=True, check=False)
     except OSError:
         return False
     return listed.returncode == 0

@@ -525,8 +525,8 @@ def compile_works(device: str) -> bool:
     return True
 
 
-DEFAULTS = dict(configs=["small", "base"], steps=5, warmup=2, loss_steps=150)
-QUICK = dict(configs=["small"], steps=3, warmup=1, loss_steps=40)  # --quick
+DEFAULTS = {"configs": ["small", "base"], "steps": 5, "warmup": 2, "loss_steps": 150}
+QUICK = {"configs": ["small"], "steps": 3, "warmup": 1, "loss_steps": 40}  # --quick
 
 
 def settle(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

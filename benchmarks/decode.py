@@ -48,10 +48,10 @@ Writes benchmarks/results/local/decode_DEVICE.{json,md} (ignored by git) unless 
 (over a file git tracks, a committed result, only with --force), and rewrites them after every cell. An
 engine whose worker fails (a CTranslate2 wheel whose CUDA libraries do not load: cuBLAS loads at the first
 translation, so no check beforehand sees it) is left out, at every thread count, from then on and from the
-cells before, with one line on stderr and its error in the results
-("failed_engines"); the others run on. So are the CTranslate2 engines if CTranslate2's conversion of the
-model fails. If aiayn fp32 or HF Marian fp32 fails, the engines the ratios are
-taken against, the run ends in one line naming it and its error, and the cells measured before it stay.
+cells before, with one line on stderr and its error in the results ("failed_engines"); the others run on.
+CTranslate2's conversion of the model failing leaves its engines out the same way. If aiayn fp32 or HF
+Marian fp32 fails, the engines the ratios are taken against, the run ends in one line naming it and its
+error, and the cells measured before it stay.
 Without ctranslate2 (pip install -e '.[bench]') the CTranslate2 engines are skipped; transformers is
 needed, as the source of the weights.
 """
@@ -632,8 +632,8 @@ def converted(hf, workdir: Path, names: list[str], record: Record) -> tuple[list
     """`names`, and the CTranslate2 models (`convert_ct2`) for those of them that are CTranslate2's. A
     conversion that fails leaves them out as a failing worker leaves its engine (`left_out`): in one line,
     its error in the results, the others timed (it was a traceback, and no figure at all)."""
-    ct2 = [name for name in names if name.startswith("CT2 ")]
-    if not ct2:  # "CT2 int8" alone, without "CT2 float32", was not converted: its worker failed
+    ct2 = [name for name in names if name.startswith("CT2 ")]  # "CT2 int8" alone was not converted
+    if not ct2:
         return names, {}
     try:
         return names, convert_ct2(hf, workdir)

@@ -492,6 +492,8 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
         "measured matmul peak of that precision. `compile s` = first step minus a warm step.", "",
         table if rows else "(no timing in this run)", "", *speedups, "", *floors, "",
     ]
+    if skipped := getattr(args, "compile_skipped", None):  # the command line does not say it: no --no-compile
+        lines += [f"No compiled rows: torch.compile could not build here ({skipped}).", ""]
     if curve:
         lines += [
             f"## bf16 loss curve vs fp32 (aiayn small, {curve['steps']} steps, same init and batches)", "",
@@ -508,21 +510,22 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
         f.write("\n".join(lines))
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
         json.dump(dict(environment=env, peaks=peaks, configs=configs or {}, rows=rows, loss_curve=curve,
-                       argv=args.argv), f, indent=1)
+                       argv=args.argv, compiled_rows_skipped=getattr(args, "compile_skipped", None)), f,
+                  indent=1)
 
 
-def compile_works(device: str) -> bool:
-    """Whether torch.compile can build the compiled rows on `device`; if not, one line on stderr says why.
+def compile_problem(device: str) -> str | None:
+    """Why torch.compile cannot build the compiled rows on `device` (said on stderr in one line), or None.
     On a CPU inductor builds C++: without a compiler that works the first compiled step was an 84-line
     traceback, and the eager steps of the run were lost with it."""
     if torch.device(device).type != "cpu":  # a GPU's kernels are Triton's
-        return True
+        return None
     try:
         check_compile_works("torch.compile on a CPU")
     except UserError as e:
         print(f"skipping the compiled rows: {e}", file=sys.stderr)
-        return False
-    return True
+        return str(e)
+    return None
 
 
 DEFAULTS = {"configs": ["small", "base"], "steps": 5, "warmup": 2, "loss_steps": 150}
@@ -532,10 +535,11 @@ QUICK = {"configs": ["small"], "steps": 3, "warmup": 1, "loss_steps": 40}  # --q
 def settle(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`DEFAULTS`, or `QUICK` with --quick, for the options not given; a usage error for an option --quick
     sets given beside it (it replaced them silently), for a contradiction, or for nothing to measure."""
-    given = [f"--{name.replace('_', '-')}" for name in QUICK if getattr(args, name) is not None]
+    given = [f"--{name.replace('_', '-')}" for name in QUICK  # --loss-steps 0: the quick run, no curve
+             if getattr(args, name) is not None and not (name == "loss_steps" and args.loss_steps == 0)]
     if args.quick and given:
-        p.error(f"--quick sets --configs small, --steps 3, --warmup 1 and --loss-steps 40: give "
-                f"{' and '.join(given)}, or --quick, not both")
+        p.error(f"--quick sets --configs small, --steps 3, --warmup 1 and --loss-steps 40 (0 may go with "
+                f"it): give {' and '.join(given)}, or --quick, not both")
     for name, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -561,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loss-steps", type=at_least(0),
                    help="bf16 vs fp32 loss-curve steps (0: skip; default 150)")
     p.add_argument("--quick", action="store_true", help="--configs small --steps 3 --warmup 1 --loss-steps 40 "
-                   "(none of those given with it)")
+                   "(none of those given with it, but --loss-steps 0: no loss curve)")
     p.add_argument("--threads", type=threads, default=None,
                    help="torch.set_num_threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N): where every system runs")
@@ -581,13 +585,13 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--out {out}: name the markdown report, ending in .md (the json is written beside it)")
     # a directory in the way failed after the timing
     check_out(Path(out), [Path(out), Path(out).with_suffix(".json")], args.force)
-    if args.configs and not args.no_compile:
-        args.no_compile = not compile_works(args.device)
-
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
-    env = environment()
+    env = environment()  # the machine's load before the compiler check's C++ build, as before the run
+    if args.configs and not args.no_compile:
+        args.compile_skipped = compile_problem(args.device)  # in the report: no --no-compile says it
+        args.no_compile = args.compile_skipped is not None
     peaks = {name: matmul_peak(torch.float32 if name == "fp32" else torch.bfloat16, args.device)
              for name in PRECISIONS}
     print("matmul peak GFLOP/s:", {k: round(v / 1e9) for k, v in peaks.items()}, flush=True)

@@ -246,6 +246,16 @@ def test_a_run_over_committed_results_is_refused_before_measuring(tmp_path, monk
     assert sorted(p.name for p in repo.iterdir()) == sorted([".git", *files])
 
 
+def test_a_name_with_glob_characters_is_tracked_only_as_itself(tmp_path):
+    """`r[1].md` was read as a glob and matched a tracked r1.md: a new file refused as committed."""
+    tracked_by_git = _load("common").tracked_by_git
+    repo = _committed(tmp_path / "results", {"r1.md": "committed"})
+    (repo / "r[1].md").write_text("mine")
+    (repo / ":r.md").write_text("mine")  # a leading ":" was pathspec magic
+    assert tracked_by_git(repo / "r1.md")
+    assert not tracked_by_git(repo / "r[1].md") and not tracked_by_git(repo / ":r.md")
+
+
 def test_results_files_rewritten_do_not_make_the_commit_dirty(tmp_path, monkeypatch):
     """git_commit's docstring said results files do not count, but a modified committed one (a run's
     figures written again) made every report say "+dirty"; a change to the code still does."""

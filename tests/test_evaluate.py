@@ -427,6 +427,15 @@ def test_the_one_word_note_with_ter_asks_for_the_language_alone(tmp_path, capsys
         "Khmer or Burmese pass -l LANG (TER too)")
 
 
+def test_the_script_share_counts_letters_only():
+    """Thai digits and vowel signs are in Thai's range but are no letters: counted, "Visit วัดพระแก้ว today"
+    was mostly unspaced, and a share of the letters passed 1."""
+    from aiayn.evaluate import mostly_unspaced
+
+    assert not mostly_unspaced(["Visit วัดพระแก้ว today"] * 3) and not mostly_unspaced(["Hello world ๑๒๓๔๕๖"])
+    assert mostly_unspaced(["วัดพระแก้ว"]) and mostly_unspaced(["我们今天去北京 and"])
+
+
 def test_a_tokenizer_of_another_type_is_a_setting_error(tmp_path):
     """tokenize=['zh'] from Python was a bare TypeError (unhashable type: 'list') in the language lookup."""
     from aiayn.errors import SettingError

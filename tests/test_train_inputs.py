@@ -2049,15 +2049,18 @@ def test_log_lines_above_the_bar_keep_the_callers_handlers(monkeypatch):
     assert "\rcurves.png" in shown  # the bar lifted off its line first: not glued onto it
 
 
-def test_a_level_set_on_aiayns_logger_is_a_set_up_left_alone(monkeypatch):
-    """`logging.getLogger("aiayn").setLevel(logging.ERROR)` and no handler: train() showed INFO lines."""
+def test_a_level_set_on_aiayns_logger_is_kept_and_its_lines_shown(monkeypatch):
+    """`logging.getLogger("aiayn").setLevel(...)` with no handler: a level of the caller's (INFO, the usual
+    way to ask for the lines; ERROR) is kept, and the lines it lets through are shown."""
     from aiayn.train import progress
 
     logger = logging.getLogger("aiayn")
     monkeypatch.setattr(logger, "hasHandlers", lambda: False)  # as in a script: pytest's handlers are there
-    monkeypatch.setattr(logger, "level", logging.ERROR)
-    with progress.shown_if_unconfigured(True):
-        assert logger.handlers == [] and logger.level == logging.ERROR
+    for level in (logging.INFO, logging.ERROR):
+        monkeypatch.setattr(logger, "level", level)
+        with progress.shown_if_unconfigured(False):  # a process other than 0 would be set to WARNING
+            assert len(logger.handlers) == 1 and logger.level == level
+        assert logger.handlers == [] and logger.level == level
     monkeypatch.setattr(logger, "level", logging.NOTSET)
     with progress.shown_if_unconfigured(True):
         added = list(logger.handlers)

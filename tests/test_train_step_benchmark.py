@@ -137,6 +137,7 @@ def test_quick_or_the_defaults_fill_the_options_not_given():
 
     assert settled() == (["small", "base"], 5, 2, 150)
     assert settled(quick=True) == (["small"], 3, 1, 40)
+    assert settled(quick=True, loss_steps=0) == (["small"], 3, 1, 0)  # the quick timing without the curve
     assert settled(steps=7, loss_steps=0) == (["small", "base"], 7, 2, 0)
 
 
@@ -188,6 +189,9 @@ def test_without_a_compiler_that_works_the_compiled_rows_are_skipped_in_one_line
     why = "needs the C++ compiler" if compiler == "missing" else "torch.compile failed here: C++ compile error"
     assert len(skipped) == 1 and skipped[0].startswith("skipping the compiled rows: torch.compile on a CPU")
     assert why in skipped[0]
+    # and in the results, whose command line (no --no-compile) does not say it
+    assert why in json.loads(out.with_suffix(".json").read_text())["compiled_rows_skipped"]
+    assert "No compiled rows: torch.compile could not build here" in out.read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")

@@ -114,7 +114,12 @@ def test_a_translator_over_a_training_model_says_it_turned_dropout_off(checkpoin
     with caplog.at_level("WARNING", logger="aiayn"):
         Translator(model, loaded.tokenizer)  # in eval mode already: nothing to say
         Translator.load([checkpoint, checkpoint])  # a new Ensemble is in training mode, its members not
+        for m in model.modules():  # Monte Carlo dropout: the model in eval mode, its dropout on
+            if isinstance(m, torch.nn.Dropout):
+                m.train()
+        Translator(model, loaded.tokenizer)
     assert caplog.messages == []
+    assert all(m.training for m in model.modules() if isinstance(m, torch.nn.Dropout))  # kept: generate does
 
 
 def test_a_sampling_translator_searches_for_one_call(checkpoint):

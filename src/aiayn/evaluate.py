@@ -147,7 +147,8 @@ def mostly_unspaced(lines: Sequence[str]) -> bool:
     letters = unspaced = 0
     for line in lines:  # counted, not listed: findall made a string per character (80 bytes each)
         letters += sum(map(str.isalpha, line))
-        unspaced += sum(1 for _ in _UNSPACED_LETTER.finditer(line))
+        # letters only: vowel signs and digits of those scripts are in their ranges (the share passed 1)
+        unspaced += sum(1 for m in _UNSPACED_LETTER.finditer(line) if m.group().isalpha())
     return letters > 0 and unspaced >= UNSPACED_SHARE * letters
 
 

@@ -238,12 +238,15 @@ class Translator:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: DecodeConfig | None = None):
         """Translate with `model` itself (no copy), in eval mode: a model in training mode is switched,
         and said to be, since a training loop that goes on with it would go on without dropout."""
-        if any(m.training for m in model.modules() if isinstance(m, torch.nn.Dropout)):  # a check in the
-            # middle of the caller's training: switched silently (an Ensemble of members in eval mode, a
-            # new module in training mode itself, has nothing to switch)
+        members = model.members if isinstance(model, Ensemble) else [model]  # a new Ensemble is in training
+        # mode, its members not; Monte Carlo dropout (the model in eval mode, its Dropout on) is no training
+        if any(m.training for m in members):  # a check in the middle of the caller's training: switched
+            # silently
             log.warning("Translator: the model was in training mode and is now in eval mode (no dropout); "
                         "call model.train() before training it further")
-        self.model = model.eval()
+            model.eval()
+        model.training = False  # an Ensemble's own flag; dropout switched on by hand stays (as in generate)
+        self.model = model
         self.tokenizer = tokenizer
         self.config = config or DecodeConfig()  # defaults for every call; options override per call
         self.device = next(model.parameters()).device

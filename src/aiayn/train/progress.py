@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 FORMAT = "%(asctime)s %(message)s"  # the command line's (`aiayn.cli._log_to_stderr`)
 _shown_lock = threading.Lock()
-_shown: list[logging.Handler] = []  # the handler `shown_if_unconfigured` added, while any block holds it
+_shown: list[tuple[logging.Handler, int]] = []  # the handler added and the level before, while held
 _holders = 0  # blocks that hold it: two train() calls in two threads share one, the last removes it
 
 
@@ -26,12 +26,11 @@ def shown_if_unconfigured(main: bool) -> Iterator[None]:
     """With no logging set up for `aiayn` (a plain script or a notebook calling `train()`), its lines on
     stderr for the block, as the command line shows them; the run was silent until it returned (the bar
     needs a terminal, and Python drops INFO lines by default). Under torchrun, process 0 speaks. A level
-    set on the `aiayn` logger, or its propagation turned off, is a set-up too, and left as it is."""
+    the caller set on the `aiayn` logger (`setLevel(logging.INFO)` with no handler) is kept."""
     global _holders
     logger = logging.getLogger("aiayn")
     with _shown_lock:
-        configured = logger.hasHandlers() or logger.level != logging.NOTSET or not logger.propagate
-        if configured and not _shown:  # the caller's (the CLI's, a notebook's basicConfig): theirs to decide
+        if logger.hasHandlers() and not _shown:  # the caller's (the CLI's, a notebook's basicConfig)
             hold = False
         else:
             hold = True
@@ -40,8 +39,9 @@ def shown_if_unconfigured(main: bool) -> Iterator[None]:
                 handler = logging.StreamHandler(sys.stderr)
                 handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
                 logger.addHandler(handler)
-                logger.setLevel(logging.INFO if main else logging.WARNING)
-                _shown.append(handler)
+                _shown.append((handler, logger.level))
+                if logger.level == logging.NOTSET:
+                    logger.setLevel(logging.INFO if main else logging.WARNING)
     try:
         yield
     finally:
@@ -49,8 +49,9 @@ def shown_if_unconfigured(main: bool) -> Iterator[None]:
             with _shown_lock:
                 _holders -= 1
                 if _holders == 0:
-                    logger.removeHandler(_shown.pop())
-                    logger.setLevel(logging.NOTSET)  # as it was: unset, or this would not have added one
+                    handler, level = _shown.pop()
+                    logger.removeHandler(handler)
+                    logger.setLevel(level)
 
 
 class _AboveBars:

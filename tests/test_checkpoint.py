@@ -453,6 +453,9 @@ def test_average_never_writes_inside_another_checkpoint(run, tmp_path, capsys):
     assert capsys.readouterr().err == f"aiayn: error: {other / 'avg'}: lies inside the checkpoint {other}; " \
                                       "write it elsewhere\n"
     assert tree(other) == before
+    with pytest.raises(UserError, match="lies inside the checkpoint"):  # from Python too (the CLI alone was)
+        average_last(run, 2, other / "avg")
+    assert tree(other) == before
     assert main(["average", str(run), "--last", "2", "-o", str(tmp_path / "avg")]) == 0  # replaced with --force:
     assert main(["average", str(run), "--last", "2", "-o", str(tmp_path / "avg"), "--force"]) == 0  # is one
 

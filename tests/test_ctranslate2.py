@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -122,6 +124,19 @@ def test_scores_match(exported):
         logp = logits.index_fill(1, torch.tensor([ck.model.config.pad_id]), float("-inf")).log_softmax(-1)
         ours = logp.gather(1, torch.tensor(target + [tok.eos_id])[:, None]).squeeze(1)  # tokens, then EOS
         torch.testing.assert_close(torch.tensor(result.log_probs), ours, atol=1e-4, rtol=0)
+
+
+def test_an_export_from_python_is_never_written_inside_a_checkpoint(tmp_path, spm_models):
+    """Only the CLI refused it: from Python an export went inside a run's checkpoint, and training's
+    keep_last deleted it with that checkpoint, silently."""
+    tokenizer = Tokenizer(spm_models[0])
+    step = tmp_path / "run" / "checkpoints" / "step_000600"
+    save_checkpoint(step, random_model(tokenizer), tokenizer)
+    for out, said in ((step / "ct2", f"lies inside the checkpoint {step}"),
+                      (step.parent / "ct2", "which training owns")):
+        with pytest.raises(UserError, match=re.escape(said)):
+            export_ctranslate2(step, out)
+    assert sorted(p.name for p in step.parent.iterdir()) == ["step_000600"]
 
 
 def test_existing_output_is_not_replaced(tmp_path, spm_models):

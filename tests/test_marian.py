@@ -528,6 +528,17 @@ def test_convert_from_python_never_replaces_the_source_or_other_files(tmp_path):
     assert (models / "opus" / "config.json").exists()
     convert_marian(models / "opus", models / "ck")
     convert_marian(models / "opus", models / "ck", force=True)  # an earlier checkpoint: replaced
+    convert_marian(models / "opus", models / "opus" / "aiayn")  # new, inside: deletes nothing
+    with pytest.raises(UserError, match="lies inside the input .*opus; writing it would delete part of the "
+                                        "input$"):  # "would delete the input": it deletes what is inside it
+        convert_marian(models / "opus", models / "opus" / "aiayn", force=True)
+    odd = models / "opus\udcff"  # a name that is not UTF-8: its weights were "corrupt weights"; an output
+    for source, out in ((models / "opus", models / "ck\udcff"), (odd, models / "ck2")):  # so named was
+        if source == odd:  # written, then refused by every command that loads it
+            (models / "opus").rename(odd)
+        with pytest.raises(UserError, match="a path that is not valid UTF-8, which safetensors cannot open"):
+            convert_marian(source, out)
+    assert not (models / "ck\udcff").exists() and not (models / "ck2").exists()
     assert load_checkpoint(models / "ck").meta["converted_from"]["format"] == "marian"
 
 

@@ -137,8 +137,9 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     refused += [(p, ("is", "contains")) for p in enclosing or []]
     for other, relations in refused:
         relation = overlap(out, Path(other))
-        if relation in relations:
-            raise UserError(f"{out}: {relation} the input {other}; writing it would delete the input")
+        if relation in relations:  # inside: replacing it deletes part of the input's folder
+            whole = "part of the input" if relation == "lies inside" else "the input"
+            raise UserError(f"{out}: {relation} the input {other}; writing it would delete {whole}")
     if exists and out.is_symlink():  # replacing it would put a directory where the link was
         advice = " (name the directory it points to)" if out.is_dir() else ""
         raise UserError(f"{out}: is a symbolic link; will not replace it{advice}")

@@ -28,6 +28,7 @@ from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
 from aiayn.files import OutputKind, check_output, write_atomically
 from aiayn.model import Transformer
+from aiayn.train.state import check_outside_checkpoints
 
 # exp(-1e4) is 0 in float32, so pad drops out of the softmax exactly as aiayn's searches mask it; the
 # value stays finite in float16 (whose largest is 65504), should the model be exported as float16.
@@ -167,6 +168,7 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     """
     out = Path(out)
     check_output(out, [Path(checkpoint)], force, earlier=CT2_KIND)
+    check_outside_checkpoints(out)  # Python callers too: training's keep_last deleted one written inside
     for parent in Path(os.path.abspath(out)).parents:  # a later --force of that model was then refused
         if _is_ct2_model(parent):
             raise UserError(f"{out}: lies inside the CTranslate2 model {parent}; export beside it")

@@ -504,6 +504,12 @@ def convert_marian(directory: str | Path, out: str | Path, force: bool = False) 
     # before any work; Python callers too: convert_marian("models/opus", "models") replaced "models"
     check_output(Path(out), [directory], force, earlier=CHECKPOINT_KIND)
     check_outside_checkpoints(Path(out), may_be_one=True)
+    for path in (directory, Path(out)):  # the source's weights read as "corrupt weights"; an output so
+        try:  # named was written, then refused by every command that loads it
+            str(path).encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"{path}: a path that is not valid UTF-8, which safetensors cannot open; "
+                            "rename it") from None
     if is_checkpoint(directory):  # "config.json: not found (is this a MarianMT directory?)"
         raise UserError(f"{directory}: an aiayn checkpoint already; translate, score or fine-tune it "
                         "as it is")

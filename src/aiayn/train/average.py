@@ -26,7 +26,7 @@ from aiayn.checkpoint import (
 from aiayn.config import resolved_settings
 from aiayn.errors import UserError
 from aiayn.files import check_output, overlap
-from aiayn.train.state import checkpoint_dirs, is_interrupted
+from aiayn.train.state import check_outside_checkpoints, checkpoint_dirs, is_interrupted
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
         raise UserError("no checkpoints to average")
     paths = [Path(p) for p in paths]  # strings failed at `directory / META`
     check_output(out, list(paths), force, earlier=CHECKPOINT_KIND)
+    check_outside_checkpoints(Path(out), may_be_one=True)  # Python callers too: keep_last deleted it there
     metas = [read_meta(p) for p in paths]
     check_same_model(paths, metas)
     check_same_tokenizer(paths, metas)

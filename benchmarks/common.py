@@ -201,9 +201,10 @@ def refuse_committed(label: str, files: list[Path], force: bool) -> None:
 def tracked_by_git(file: Path) -> bool:
     """Whether git tracks `file` (False outside a checkout, or without git)."""
     try:
-        # literal: r[1].md was read as a glob (matching a tracked r1.md), a leading ":" as pathspec magic
-        listed = subprocess.run(["git", "ls-files", "--error-unmatch", "--", f":(literal){file.name}"],
-                                cwd=file.parent, capture_output=True, check=False)
+        # literal: r[1].md was read as a glob (matching a tracked r1.md), a leading ":" as pathspec magic;
+        # the option, not ":(literal)", which GIT_LITERAL_PATHSPECS=1 reads as part of the name
+        command = ["git", "--literal-pathspecs", "ls-files", "--error-unmatch", "--", file.name]
+        listed = subprocess.run(command, cwd=file.parent, capture_output=True, check=False)
     except OSError:
         return False
     return listed.returncode == 0

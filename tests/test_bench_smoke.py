@@ -254,6 +254,11 @@ def test_a_name_with_glob_characters_is_tracked_only_as_itself(tmp_path):
     (repo / ":r.md").write_text("mine")  # a leading ":" was pathspec magic
     assert tracked_by_git(repo / "r1.md")
     assert not tracked_by_git(repo / "r[1].md") and not tracked_by_git(repo / ":r.md")
+    os.environ["GIT_LITERAL_PATHSPECS"] = "1"  # ":(literal)r1.md" was then a name of its own: nothing tracked
+    try:
+        assert tracked_by_git(repo / "r1.md")
+    finally:
+        del os.environ["GIT_LITERAL_PATHSPECS"]
 
 
 def test_results_files_rewritten_do_not_make_the_commit_dirty(tmp_path, monkeypatch):

@@ -458,6 +458,9 @@ def test_average_never_writes_inside_another_checkpoint(run, tmp_path, capsys):
     assert tree(other) == before
     assert main(["average", str(run), "--last", "2", "-o", str(tmp_path / "avg")]) == 0  # replaced with --force:
     assert main(["average", str(run), "--last", "2", "-o", str(tmp_path / "avg"), "--force"]) == 0  # is one
+    (other / "avg").mkdir()  # there already: said as such, not "already exists (pass --force ...)"
+    with pytest.raises(UserError, match="lies inside the checkpoint"):
+        average_last(run, 2, other / "avg")
 
 
 def test_existing_outputs_need_force_and_must_be_directories(run, tmp_path, capsys):

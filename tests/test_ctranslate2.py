@@ -137,6 +137,10 @@ def test_an_export_from_python_is_never_written_inside_a_checkpoint(tmp_path, sp
         with pytest.raises(UserError, match=re.escape(said)):
             export_ctranslate2(step, out)
     assert sorted(p.name for p in step.parent.iterdir()) == ["step_000600"]
+    (step.parent / "ct2").mkdir()  # there already: said as such, not "already exists (pass --force ...)"
+    for force in (False, True):
+        with pytest.raises(UserError, match="which training owns"):
+            export_ctranslate2(step, step.parent / "ct2", force=force)
 
 
 def test_existing_output_is_not_replaced(tmp_path, spm_models):
@@ -194,8 +198,9 @@ def test_export_never_writes_over_its_checkpoint(tmp_path, spm_models):
     tokenizer = Tokenizer(spm_models[0])
     save_checkpoint(tmp_path / "run" / "ck", random_model(tokenizer), tokenizer)
     before = files(tmp_path)
-    for out, problem in (("run/ck", "is the input"), ("run", "contains the input")):
-        with pytest.raises(UserError, match=f"{out}: {problem} .*would delete the input"):
+    for out, problem in (("run/ck", "is the checkpoint .*; write it elsewhere"),
+                         ("run", "contains the input .*would delete the input")):
+        with pytest.raises(UserError, match=f"{out}: {problem}"):
             export_ctranslate2(tmp_path / "run" / "ck", tmp_path / out, force=True)
     assert files(tmp_path) == before
     from aiayn.cli import main

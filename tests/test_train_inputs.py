@@ -2061,6 +2061,13 @@ def test_a_level_set_on_aiayns_logger_is_kept_and_its_lines_shown(monkeypatch):
         with progress.shown_if_unconfigured(False):  # a process other than 0 would be set to WARNING
             assert len(logger.handlers) == 1 and logger.level == level
         assert logger.handlers == [] and logger.level == level
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    with progress.shown_if_unconfigured(False):  # under torchrun, process 0 alone says INFO lines
+        assert logger.handlers[0].level == logging.WARNING
+    monkeypatch.setattr(logger, "propagate", False)  # turned off to quiet the lines: left so
+    with progress.shown_if_unconfigured(True):
+        assert logger.handlers == []
+    monkeypatch.setattr(logger, "propagate", True)
     monkeypatch.setattr(logger, "level", logging.NOTSET)
     with progress.shown_if_unconfigured(True):
         added = list(logger.handlers)

@@ -18,7 +18,7 @@ import torch
 
 from aiayn.cli import main
 from aiayn.config import ConfigError
-from aiayn.decoding import DecodeConfig, generate, length_penalty
+from aiayn.decoding import DecodeConfig, Ensemble, generate, length_penalty
 from aiayn.errors import SentenceTooLong, UserError
 from aiayn.files import _stream_only, atomic_output
 from aiayn.translate import (
@@ -113,13 +113,19 @@ def test_a_translator_over_a_training_model_says_it_turned_dropout_off(checkpoin
     caplog.clear()
     with caplog.at_level("WARNING", logger="aiayn"):
         Translator(model, loaded.tokenizer)  # in eval mode already: nothing to say
-        Translator.load([checkpoint, checkpoint])  # a new Ensemble is in training mode, its members not
+        Translator.load([checkpoint, checkpoint])
         for m in model.modules():  # Monte Carlo dropout: the model in eval mode, its dropout on
             if isinstance(m, torch.nn.Dropout):
                 m.train()
         Translator(model, loaded.tokenizer)
     assert caplog.messages == []
     assert all(m.training for m in model.modules() if isinstance(m, torch.nn.Dropout))  # kept: generate does
+    for int8 in (False, True):  # packed or quantized: the new modules in eval mode too
+        assert not any(m.training for m in Translator.load(checkpoint, int8=int8).model.modules())
+    members = [Translator.load(checkpoint).model for _ in range(2)]
+    with caplog.at_level("WARNING", logger="aiayn"):
+        Translator(Ensemble(members), loaded.tokenizer)  # a new Ensemble is in training mode, its members not
+    assert caplog.messages == []
 
 
 def test_a_sampling_translator_searches_for_one_call(checkpoint):

@@ -185,6 +185,7 @@ def quantize_int8(model: Transformer, in_place: bool = False) -> Transformer:
     with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated for torchao, still works
         warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
         quantized = quantize(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=in_place)
+    quantized.eval()  # for decoding only: its new modules start in training mode
     fold_logits_bias(quantized)  # on the copy, unless in place
     return pack_int8_for_amx(quantized)
 

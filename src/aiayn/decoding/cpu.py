@@ -214,11 +214,12 @@ def huge_page_weights(products: Sequence[OneRowProduct]) -> None:
 def replace_modules(
     model: nn.Module, match: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]
 ) -> None:
-    """Swap every submodule `m` of `model` for which `match(m)` holds for `make(m)`, in place."""
+    """Swap every submodule `m` of `model` for which `match(m)` holds for `make(m)`, in place, in `m`'s mode
+    (a new module is in training mode: a packed model read as training to `Translator`'s check)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if match(child):
-                setattr(parent, name, make(child))
+                setattr(parent, name, make(child).train(child.training))
 
 
 def fold_logits_bias(model: nn.Module) -> None:

@@ -167,8 +167,8 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     replaces an existing `out`, but never the checkpoint itself or a directory holding it.
     """
     out = Path(out)
+    check_outside_checkpoints(out)  # first (--force cannot mend it); Python callers too: keep_last deleted it
     check_output(out, [Path(checkpoint)], force, earlier=CT2_KIND)
-    check_outside_checkpoints(out)  # Python callers too: training's keep_last deleted one written inside
     for parent in Path(os.path.abspath(out)).parents:  # a later --force of that model was then refused
         if _is_ct2_model(parent):
             raise UserError(f"{out}: lies inside the CTranslate2 model {parent}; export beside it")

@@ -131,8 +131,8 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     if not paths:
         raise UserError("no checkpoints to average")
     paths = [Path(p) for p in paths]  # strings failed at `directory / META`
-    check_output(out, list(paths), force, earlier=CHECKPOINT_KIND)
-    check_outside_checkpoints(Path(out), may_be_one=True)  # Python callers too: keep_last deleted it there
+    check_outside_checkpoints(Path(out), may_be_one=True)  # first (--force cannot mend it); Python callers
+    check_output(out, list(paths), force, earlier=CHECKPOINT_KIND)  # too: keep_last deleted it there
     metas = [read_meta(p) for p in paths]
     check_same_model(paths, metas)
     check_same_tokenizer(paths, metas)
@@ -235,6 +235,8 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
         raise UserError(f"average the last {k!r} checkpoints: give a whole number >= 1")
     if not run_dir.is_dir():  # was "no checkpoints found", as if it were a run that had saved none
         raise UserError(f"{run_dir}: {'is not a directory' if run_dir.exists() else 'no such run directory'}")
+    if out is not None:  # before the listing and its warnings, and "already exists": --force cannot mend it
+        check_outside_checkpoints(Path(out), may_be_one=True)
     for attempt in range(PRUNED_RETRIES + 1):
         found = _regular(checkpoint_dirs(run_dir), log_skipped=attempt == 0)
         if not found:

@@ -26,11 +26,13 @@ def shown_if_unconfigured(main: bool) -> Iterator[None]:
     """With no logging set up for `aiayn` (a plain script or a notebook calling `train()`), its lines on
     stderr for the block, as the command line shows them; the run was silent until it returned (the bar
     needs a terminal, and Python drops INFO lines by default). Under torchrun, process 0 speaks. A level
-    the caller set on the `aiayn` logger (`setLevel(logging.INFO)` with no handler) is kept."""
+    the caller set on the `aiayn` logger (`setLevel(logging.INFO)` with no handler) is kept; propagation
+    turned off is a set-up, left as it is."""
     global _holders
     logger = logging.getLogger("aiayn")
     with _shown_lock:
-        if logger.hasHandlers() and not _shown:  # the caller's (the CLI's, a notebook's basicConfig)
+        # the caller's set-up (the CLI's, a notebook's basicConfig), or propagation turned off to quiet it
+        if (logger.hasHandlers() or not logger.propagate) and not _shown:
             hold = False
         else:
             hold = True
@@ -38,6 +40,7 @@ def shown_if_unconfigured(main: bool) -> Iterator[None]:
             if not _shown:
                 handler = logging.StreamHandler(sys.stderr)
                 handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
+                handler.setLevel(logging.NOTSET if main else logging.WARNING)  # whatever the logger's level
                 logger.addHandler(handler)
                 _shown.append((handler, logger.level))
                 if logger.level == logging.NOTSET:

@@ -331,4 +331,6 @@ def test_a_hypothesis_cut_at_the_length_limit_scores_its_eos_too_as_the_docs_say
     assert f"{said} {limits} has none, and `aiayn score` adds its log P" in exceptions
     with pytest.raises(SystemExit):
         main(["score", "--help"])
-    assert f"{said} has none, and score adds its log P)" in " ".join(capsys.readouterr().out.split())
+    shown = " ".join(capsys.readouterr().out.split())  # and the README's other exceptions, as it lists them
+    assert f"{said} has none, and score adds its log P; without --min-len" in shown
+    assert "when the source line has pieces" in shown and "source line has pieces" in exceptions

@@ -781,7 +781,9 @@ def add_score_parser(sub) -> None:
                        "source), the sum of the target tokens' log-probabilities, its EOS included (as "
                        "`translate --n-best` scores what it finds, where SentencePiece splits it as the "
                        "search did, and when the search ended it with EOS: one cut at the length limit has "
-                       "none, and score adds its log P), one number per line; the perplexity of "
+                       "none, and score adds its log P; without --min-len, which renormalizes the early "
+                       "steps; and when the source line has pieces: --n-best reports an empty one's rows "
+                       "scored 0), one number per line; the perplexity of "
                        "the whole on stderr. For reranking n-best lists, filtering a corpus, or a test set's "
                        "perplexity.")
     p.add_argument("checkpoint", type=path_arg, metavar="CKPT", nargs="+",

@@ -444,6 +444,19 @@ def test_average_never_writes_over_the_run(run, out, monkeypatch):
     assert tree(run) == before
 
 
+@pytest.mark.parametrize("where", ["checkpoints", "checkpoints/avg"])
+def test_average_never_writes_into_its_own_runs_checkpoints(run, where):
+    """Training resumes from and prunes what its checkpoints/ holds: an average there is refused, with or
+    without --force, before any checkpoint is listed."""
+    before = tree(run / "checkpoints")
+    relation = "is" if where == "checkpoints" else "lies inside"
+    said = f"{run / where}: {relation} {run / 'checkpoints'}, which training owns (it resumes from and prunes"
+    for force in (False, True):
+        with pytest.raises(UserError, match=re.escape(said)):
+            average_last(run, 2, run / where, force=force)
+    assert tree(run / "checkpoints") == before
+
+
 def test_average_never_writes_inside_another_checkpoint(run, tmp_path, capsys):
     """Another run's checkpoint: its keep_last deletes the directory whole, the average with it."""
     other = tmp_path / "other" / "checkpoints" / "step_000009"

@@ -43,9 +43,9 @@ LANG_TOKENIZERS = {"zh": ("zh", "Chinese"), "ja": ("ja-mecab", "Japanese"), "ko"
 # ISO 639-2/3 codes of the languages whose tokenizer differs, so that -l tha or -l zho is not 13a unnoticed
 _ALIASES = {"zho": "zh", "chi": "zh", "cmn": "zh", "yue": "zh", "jpn": "ja", "kor": "ko",
             "tha": "th", "lao": "lo", "khm": "km", "mya": "my", "bur": "my"}
-# sacreBLEU's tokenizers made for one language: naming one says the language as -l does (--tokenize zh
-# --ter scored plain TER, a whole Chinese line one word, where -l zh splits its characters)
-TOKENIZER_LANGS = {"zh": "zh", "ja-mecab": "ja", "ko-mecab": "ko"}
+# sacreBLEU's tokenizers made for one language (char is not): naming one says the language as -l does
+# (--tokenize zh --ter scored plain TER, a whole Chinese line one word, where -l zh splits its characters)
+TOKENIZER_LANGS = {tok: lang for lang, (tok, _) in LANG_TOKENIZERS.items() if tok != "char"}
 # LANG, LANG-REGION or LANG_REGION: a region in capitals (zh-CN, pt_BR) or digits (es-419), a script before it
 # (zh-Hant, zh-Hans-CN). A lowercase two-letter second part is what a pair looks like (en-zh, en-de): refused.
 _LANG_TAG = re.compile(r"(?P<lang>[A-Za-z]{2,3})(?:[-_][A-Za-z]{4})?(?:[-_](?P<region>[A-Z]{2}|[0-9]{3}))?")
@@ -116,7 +116,7 @@ def unspaced_hint(
     characters, as Chinese, Japanese or Thai gives: BLEU near 0 however good the translation. Else where
     `ter` or `chrf_word_order` (as `corpus_scores` takes them) asks for scores of words split at spaces,
     which -l would score as the language allows. None when it does not apply."""
-    if lang.strip() or (isinstance(tokenize, str) and tokenize in TOKENIZER_LANGS):
+    if lang.strip() or tokenizer_language(tokenize):
         return None
     lines = [line for line in hypotheses if line.strip()]
     if not lines or not mostly_unspaced(lines):
@@ -132,6 +132,12 @@ def unspaced_hint(
                 "text, mostly of scripts written without them, has few of: pass -l LANG to score them as its "
                 "language allows")
     return None
+
+
+def tokenizer_language(tokenize: object) -> str:
+    """The language a tokenizer of TOKENIZER_LANGS is made for, else "" (any other value: a list, from
+    Python, is `bleu_metrics`' SettingError to say, not an unhashable-type TypeError here)."""
+    return TOKENIZER_LANGS.get(tokenize, "") if isinstance(tokenize, str) else ""
 
 
 def _looks_one_word(lines: Sequence[str]) -> bool:
@@ -232,7 +238,7 @@ def corpus_scores(
                            "least 2 (0: off)")  # 2.5 failed inside sacreBLEU
     if not isinstance(ter, bool):  # "no" is true
         raise TypeError(f"ter={ter!r} must be True or False")
-    lang = target_language(lang) or (TOKENIZER_LANGS.get(tokenize, "") if isinstance(tokenize, str) else "")
+    lang = target_language(lang) or tokenizer_language(tokenize)
     if chrf_word_order and (unspaced := UNSPACED.get(lang)):
         raise UserError(f"chrF's word n-grams (word order {chrf_word_order}) are split at spaces, which "
                         f"{unspaced} text has few of: use chrF's characters alone (0)")

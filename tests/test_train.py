@@ -87,6 +87,50 @@ def test_resume_is_bit_identical(straight_run, tmp_path):
     assert_identical(a, b)  # Adam moments and RNG states too
 
 
+def test_a_bf16_resume_is_bit_identical(straight_run, tmp_path):
+    """In bf16 every update after the first ran with the first update's bf16 copies of the weights (train()
+    holds an autocast context, where autocast keeps its casts): a resume, casting the saved weights anew,
+    trained another model, and the checkpoints were never the weights validated."""
+    d, config, _ = straight_run
+    bf16 = with_train(config, precision="bf16", max_updates=6)
+    for name in ("straight", "broken"):
+        (tmp_path / name).mkdir()
+        shutil.copy(d / "run" / "spm.model", tmp_path / name / "spm.model")
+    train(with_train(bf16, run_dir=str(tmp_path / "straight")))
+    train(with_train(bf16, run_dir=str(tmp_path / "broken"), max_updates=3))
+    train(with_train(bf16, run_dir=str(tmp_path / "broken")), resume=True)
+    assert checkpoint_dirs(tmp_path / "broken")[-1].name == "step_000006"
+    assert_identical(weights(tmp_path / "broken"), weights(tmp_path / "straight"))
+
+
+def test_batch_loss_computes_with_the_weights_as_they_are_now_under_any_autocast():
+    """batch_loss under bf16 autocast nested in another autocast context (train() holds a disabled one):
+    after an in-place change of the weights, as Adam's, it computes with the new weights, not with the
+    bf16 copies autocast cached at the previous call (which it keeps until its outermost context ends)."""
+    from copy import deepcopy
+    from types import SimpleNamespace
+
+    from aiayn.config import model_config
+    from aiayn.data.dataset import EncodedCorpus, collate
+    from aiayn.model import Transformer
+    from aiayn.train import loop
+
+    torch.manual_seed(0)
+    model = Transformer(model_config("micro", vocab_size=20, pad_id=0, decoder_start_id=1, eos_id=2))
+    corpus = EncodedCorpus.from_lists([[5, 6, 2], [7, 8, 9, 2]], [[8, 3], [9, 10, 11]])
+    batch = collate(corpus, [0, 1], SimpleNamespace(pad_id=0, bos_id=1, eos_id=2))
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.autocast("cpu", enabled=False):
+        before, _ = loop.batch_loss(model, batch, 0.1, bf16)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        after, _ = loop.batch_loss(model, batch, 0.1, bf16)
+    fresh, _ = loop.batch_loss(deepcopy(model), batch, 0.1, bf16)  # no outer context: casts anew
+    assert not torch.equal(before, fresh)
+    assert torch.equal(after, fresh)
+
+
 def test_adam_settings_changed_at_resume_are_used_and_said(straight_run, tmp_path, caplog):
     """--resume with another train.adam_beta2 or adam_eps: the checkpoint's param_groups had put the old
     ones back silently while meta.json recorded the new. The run's configuration now holds, as on a fresh

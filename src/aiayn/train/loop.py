@@ -724,6 +724,10 @@ def batch_loss(net: torch.nn.Module, batch: Batch, eps: float, autocast) -> tupl
     selected by the indices `collate` found on the host: nothing here waits for a GPU."""
     with autocast:
         logits = net(batch.src, batch.tgt_in, batch.positions)  # (N, V), N = real target tokens
+    # Autocast keeps its bf16/fp16 copies of the weights until the outermost autocast ends, and train()
+    # runs inside one (disabled, to keep a caller's out): without this, every update after the first
+    # computed with the first update's copies, and the weights saved were never the ones validated.
+    torch.clear_autocast_cache()
     return label_smoothed_nll(logits, batch.targets, eps, ignore_index=None)
 
 

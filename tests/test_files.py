@@ -42,35 +42,104 @@ def age(path: Path, seconds: float) -> None:
     os.utime(path, (then, then))
 
 
-def test_a_killed_writers_temporaries_are_named_and_removed(tmp_path, monkeypatch):
+def temporary(directory: Path, target: str, writer: str, random: str = "") -> Path:
+    """Where `writer` ("PID-MACHINE-START" as `files._writer` gives it; an older aiayn's "PID") writes
+    `target` in `directory`: a fixed name, or tempfile's with 8 `random` characters."""
+    return directory / f".{target}.aiayn-{writer}.{random + '.' if random else ''}tmp"
+
+
+OTHER_MACHINE = "0123abcd"  # another machine's or container's `_machine`, as on a shared folder
+
+
+def test_a_killed_writers_temporaries_are_named_and_removed(tmp_path):
     proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], timeout=120)
     assert proc.returncode == -signal.SIGKILL
     left = sorted(p.name for p in tmp_path.iterdir())
     assert len(left) == 2 and all(TEMPORARY.fullmatch(n) for n in left), left  # nothing in place, both named
-    assert {re.sub(r"\.aiayn-[0-9]+\..*", "", n) for n in left} == {".translation.txt", ".step_000008"}
-    assert remove_abandoned(tmp_path) == []  # within a minute of its last write: perhaps another machine's
-    monkeypatch.setattr(files, "DEAD_WRITER_SECONDS", 0.0)
-    assert sorted(p.name for p in remove_abandoned(tmp_path)) == left
+    assert {re.sub(r"\.aiayn-.*", "", n) for n in left} == {".translation.txt", ".step_000008"}
+    assert sorted(p.name for p in remove_abandoned(tmp_path)) == left  # this machine's: its writer is gone
     assert list(tmp_path.iterdir()) == []
 
 
-def test_only_abandoned_temporaries_go(tmp_path):
-    live = tmp_path / f".model.safetensors.aiayn-{os.getpid()}.tmp"  # this process writes it
-    dead = tmp_path / f".model.safetensors.aiayn-{dead_pid()}.tmp"
-    stale = tmp_path / f".spm.model.aiayn-{os.getpid()}.abcd1234.tmp"  # a live pid (reused?) silent for hours
-    busy_dir = tmp_path / f".step_000004.aiayn-{dead_pid()}.k2j4h5g6.tmp"  # a file inside it changes
+def test_a_temporary_goes_only_once_its_writer_is_known_to_be_gone(tmp_path):
+    """A live writer's temporary stays however long it sits unchanged (translate writes one at each chunk's
+    end: an hour's silence had it deleted, all its work lost); another machine's or container's, whose
+    process cannot be looked for here, stays for a week unchanged."""
+    me = files._writer()
+    live = temporary(tmp_path, "model.safetensors", me)
+    dead = temporary(tmp_path, "model.safetensors", files._writer(dead_pid()))
+    earlier = f"{os.getpid()}-{files._machine()}-{files._started(os.getpid()) - 1}"  # its id's last owner
+    reused = temporary(tmp_path, "spm.model", earlier, "abcd1234")
+    foreign = temporary(tmp_path, "out.txt", f"{dead_pid()}-{OTHER_MACHINE}-12345", "k2j4h5g6")
+    older = temporary(tmp_path, "out.txt", str(dead_pid()))  # an older aiayn's: no machine named
+    busy_dir = temporary(tmp_path, "step_000004", f"{dead_pid()}-{OTHER_MACHINE}-12345", "q9w8e7r6")
     user = [tmp_path / ".model.safetensors.tmp", tmp_path / "notes.123.tmp", tmp_path / ".bashrc",
             tmp_path / f".x.{dead_pid()}.tmp"]
-    for p in (live, dead, stale, *user):
+    for p in (live, dead, reused, foreign, older, *user):
         p.write_text("x")
     busy_dir.mkdir()
     (busy_dir / "weights").write_text("x")
-    for p in (live, dead, stale, busy_dir, *user):
-        age(p, 7200 if p in (stale, *user) or p == busy_dir else 120)
-    assert sorted(remove_abandoned(tmp_path)) == sorted([dead, stale])
-    assert all(p.exists() for p in (live, busy_dir, *user))
-    age(busy_dir / "weights", 120)  # its writer stopped writing
-    assert remove_abandoned(tmp_path) == [busy_dir]
+    for p in (live, foreign, older):
+        age(p, 7200)
+    assert sorted(remove_abandoned(tmp_path)) == sorted([dead, reused])
+    week = files.UNCHECKABLE_SECONDS
+    for p in (live, foreign, older, busy_dir, *user):
+        age(p, week + 60)
+    assert sorted(remove_abandoned(tmp_path)) == sorted([foreign, older])
+    assert all(p.exists() for p in (live, busy_dir, *user))  # a file inside it changed just now
+    age(busy_dir / "weights", week + 60)
+    assert remove_abandoned(tmp_path) == [busy_dir] and live.exists()
+
+
+def test_a_live_writers_temporary_outlives_a_write_beside_it(tmp_path):
+    """`aiayn translate -o res/a.txt` between two chunks for over an hour: another command writing into
+    res/ deleted its temporary, and it failed at the end with all its work lost."""
+    from aiayn.files import atomic_output
+
+    with atomic_output(tmp_path / "a.txt") as a:
+        a.write("A's translation\n")
+        (tmp,) = tmp_path.iterdir()
+        age(tmp, 7200)
+        with atomic_output(tmp_path / "b.txt") as b:
+            b.write("B's\n")
+        assert tmp.exists()
+    assert (tmp_path / "a.txt").read_text() == "A's translation\n"
+
+
+IN_A_CONTAINER = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+WAITING_WRITER = r"""
+import sys
+from pathlib import Path
+from aiayn.files import atomic_output
+with atomic_output(Path(sys.argv[1])) as f:
+    f.write("A's translation\n")
+    print("writing", flush=True)
+    sys.stdin.readline()  # a chunk being translated
+"""
+
+
+def test_another_containers_live_writer_keeps_its_temporary(tmp_path):
+    """Two containers (PID namespaces) sharing a folder: one's pid means nothing in the other, whose write
+    beside it deleted its temporary as a dead process's."""
+    if shutil.which("unshare") is None or subprocess.run([*IN_A_CONTAINER, "true"], check=False).returncode:
+        pytest.skip("no unshare into a new PID namespace here")
+    command = [*IN_A_CONTAINER, sys.executable, "-c", WAITING_WRITER, str(tmp_path / "a.txt")]
+    writer = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "writing\n"
+        (tmp,) = tmp_path.iterdir()
+        assert TEMPORARY.fullmatch(tmp.name)["machine"] != files._machine()
+        age(tmp, 7200)
+        from aiayn.files import atomic_output
+
+        with atomic_output(tmp_path / "b.txt") as b:
+            b.write("B's\n")
+        assert tmp.exists()
+        writer.communicate("\n", timeout=60)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert writer.returncode == 0 and (tmp_path / "a.txt").read_text() == "A's translation\n"
 
 
 def test_a_directory_that_cannot_be_listed_is_no_error(tmp_path):
@@ -83,22 +152,25 @@ def test_a_process_group_id_is_no_writer(pid):
 
 
 def test_a_lock_holder_removes_a_dead_writers_temporary_at_once(tmp_path):
-    """In its own directory (a run's checkpoints/ and cache/) no other machine writes: no waiting. Nor
-    does the lock holder itself yet: a temporary of its own pid is a killed predecessor's (a container's
-    training process has the same pid every run)."""
-    dead = tmp_path / f".model.safetensors.aiayn-{dead_pid()}.tmp"
-    mine = tmp_path / f".spm.model.aiayn-{os.getpid()}.tmp"
-    live = tmp_path / f".spm.model.aiayn-{os.getppid()}.tmp"
-    for p in (dead, mine, live):
+    """In its own directory (a run's checkpoints/ and cache/) no one else writes: not another machine or
+    container (a restarted one's namespace is new), nor the lock holder itself yet: a temporary of its own
+    pid is a killed predecessor's (where a process's start cannot be read)."""
+    dead = temporary(tmp_path, "model.safetensors", files._writer(dead_pid()))
+    mine = temporary(tmp_path, "spm.model", f"{os.getpid()}-{files._machine()}-0")
+    foreign = temporary(tmp_path, "spm.model", f"{os.getppid()}-{OTHER_MACHINE}-0")
+    live = temporary(tmp_path, "spm.model", files._writer(os.getppid()))
+    for p in (dead, mine, foreign, live):
         p.write_text("x")
-    assert remove_abandoned(tmp_path) == []
-    assert sorted(remove_abandoned(tmp_path, locked=True)) == sorted([dead, mine]) and live.exists()
+    assert remove_abandoned(tmp_path) == [dead]
+    assert sorted(remove_abandoned(tmp_path, locked=True)) == sorted([mine, foreign]) and live.exists()
 
 
 def test_a_temporary_is_told_by_its_tag_and_pid():
     """8 random digits after the pid are not the pid; another program's hidden temporaries are not ours."""
     assert TEMPORARY.fullmatch(".step_000004.aiayn-4242.12345678.tmp")["pid"] == "4242"
     assert TEMPORARY.fullmatch(".a.2024.b.aiayn-17.tmp")["pid"] == "17"
+    named = TEMPORARY.fullmatch(".a.2024.b.aiayn-17-0123abcd-99.12345678.tmp")
+    assert (named["pid"], named["machine"], named["start"]) == ("17", "0123abcd", "99")
     assert TEMPORARY.fullmatch(".x.123456789.tmp") is None  # Go's os.CreateTemp(".x.*.tmp")
     assert TEMPORARY.fullmatch(".model.safetensors.4242.tmp") is None
 
@@ -139,7 +211,8 @@ def test_the_next_write_removes_a_killed_writers_leftover_beside_it(tmp_path):
     hundreds of MB) that only a training run ever swept, and only in its run directory."""
     from aiayn.files import atomic_output
 
-    leftovers = [tmp_path / f".avg.aiayn-{dead_pid()}.zkmv1wbo.tmp", tmp_path / f".out.txt.aiayn-{dead_pid()}.tmp"]
+    leftovers = [temporary(tmp_path, "avg", files._writer(dead_pid()), "zkmv1wbo"),
+                 temporary(tmp_path, "out.txt", files._writer(dead_pid()))]
     leftovers[0].mkdir()
     (leftovers[0] / "model.safetensors").write_text("x")
     leftovers[1].write_text("x")

@@ -401,22 +401,25 @@ def test_a_latest_checkpoint_missing_a_file_names_the_one_to_resume_from(finishe
 
 def test_resuming_removes_what_a_killed_run_was_writing(finished_run, tmp_path):
     """A run killed while encoding its corpus or writing its tokenizer leaves a hidden temporary named by
-    its process; the next run removes it (a cache's is hundreds of MB), and keeps a live writer's."""
+    its process; the next run removes it (a cache's is hundreds of MB), and keeps a live writer's however
+    long it sits unchanged."""
     import subprocess
     import sys
     import time
+
+    from aiayn.files import _writer
 
     config = copy_run(finished_run, tmp_path)
     run = Path(config.train.run_dir)
     exited = subprocess.Popen([sys.executable, "-c", "pass"])
     exited.wait()
-    dead = exited.pid
+    dead, parent = _writer(exited.pid), _writer(os.getppid())
     killed = [run / "cache" / f".train.de-train.en.0123456789abcdef.safetensors.aiayn-{dead}.tmp",
               run / f".spm.model.aiayn-{dead}.tmp"]
-    live = run / "cache" / f".valid.de-valid.en.0123456789abcdef.safetensors.aiayn-{os.getppid()}.tmp"
+    live = run / "cache" / f".valid.de-valid.en.0123456789abcdef.safetensors.aiayn-{parent}.tmp"
     for p in (*killed, live):
         p.write_bytes(b"half")
-        os.utime(p, (time.time() - 120, time.time() - 120))
+        os.utime(p, (time.time() - 7200, time.time() - 7200))  # the live one between two writes
     assert train(with_train(config, max_updates=6), resume=True)["step"] == 6
     assert not any(p.exists() for p in killed) and live.exists()  # the parent process: alive
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import re
 import shutil
+import socket
 import stat
 import sys
 import tempfile
@@ -381,18 +383,17 @@ def new_file_mode() -> int:
     return 0o666 & ~_umask()
 
 
-# A temporary unchanged this long belongs to no live writer: one writes it continuously and renames it
-# once complete, in seconds (minutes for hundreds of MB), never pausing for an hour.
-ABANDONED_SECONDS = 3600.0
-# A temporary named by a process (`pid` in its name) that no longer runs is abandoned once it has been left
-# alone this long: the pid may be another machine's, whose writer shares the directory (a network filesystem).
-DEAD_WRITER_SECONDS = 60.0
+# A temporary whose writer cannot be checked from here (another machine's or container's on a shared folder,
+# or an older aiayn's, which named no machine) goes only once unchanged this long. A live writer adds to it
+# at least once a chunk (translate's 10,000 lines: minutes, hours on a slow CPU), never pausing for a week;
+# and once a killed writer's machine or container restarts, nothing else would ever tell its leftovers gone.
+UNCHECKABLE_SECONDS = 7 * 24 * 3600.0
 
 
 def temporary_prefix(target: Path) -> str:
     """The start of the name of a temporary that becomes `target` when renamed: hidden, and naming its
-    writer's process, so that `remove_abandoned` can tell a killed writer's leftovers."""
-    return f".{Path(target).name}.aiayn-{os.getpid()}."
+    writer (`_writer`), so that `remove_abandoned` can tell a killed writer's leftovers."""
+    return f".{Path(target).name}.aiayn-{_writer()}."
 
 
 def temporary_path(target: Path) -> Path:
@@ -404,26 +405,66 @@ def temporary_path(target: Path) -> Path:
 # What `temporary_prefix` starts: a file or directory of tempfile's (8 random characters, then .tmp), or
 # a fixed name of one writer's (".tmp" alone). Tagged, so that no other program's temporaries match (Go's
 # os.CreateTemp(".x.*.tmp") makes ".x.123456789.tmp"); the name before the tag is the shortest that fits,
-# so that 8 random digits are never read as the pid.
-TEMPORARY = re.compile(r"\..+?\.aiayn-(?P<pid>[0-9]+)\.(?:[a-z0-9_]{8}\.)?tmp")
+# so that 8 random digits are never read as the pid. An older aiayn's names hold the pid alone.
+TEMPORARY = re.compile(r"\..+?\.aiayn-(?P<pid>[0-9]+)(?:-(?P<machine>[0-9a-f]{8})-(?P<start>[0-9]+))?"
+                       r"\.(?:[a-z0-9_]{8}\.)?tmp")
+
+
+def _writer(pid: int | None = None) -> str:
+    """Who writes a temporary, for its name: "PID-MACHINE-START", the process's id (this one's by default),
+    the `_machine` where that id names it, and when it started (`_started`: a later process given the same
+    id is another)."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}-{_machine()}-{_started(pid)}"
+
+
+def _machine() -> str:
+    """8 hex digits for where a process id names one process: this machine (its host name), this boot of it
+    (/proc's boot_id: a reboot reuses ids), this PID namespace (a container's ids count from 1 again) and
+    the time namespace `_started` counts in. Another machine's or container's temporary on a shared folder
+    (NFS, a Docker volume) never matches, so its writer is never looked for among this one's processes."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid", "/proc/self/ns/time"):
+        try:
+            parts.append(os.readlink(path) if "/ns/" in path else Path(path).read_text().strip())
+        except OSError:  # not Linux, or a kernel before time namespaces (5.6)
+            parts.append("")
+    return hashlib.sha256("\n".join(parts).encode(errors="surrogateescape")).hexdigest()[:8]
+
+
+def _started(pid: int) -> int:
+    """When process `pid` started, in clock ticks after boot (/proc/PID/stat's 22nd field); 0 where that
+    cannot be read (not Linux, another user's process under hidepid) or where /proc shows another PID
+    namespace than this process's (its PID there may be another process)."""
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return 0
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read()
+        return int(fields[fields.rindex(b")") + 2:].split()[19])  # after the name, which may hold spaces
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def remove_abandoned(directory: Path, locked: bool = False) -> list[Path]:
     """Delete aiayn's temporaries in `directory` (files, or directories and what they hold: names that
-    fullmatch TEMPORARY) that no live process is writing: a SIGKILL leaves them, and nothing else would
-    ever remove them. One goes when the process its name holds runs no more here (and, unless the caller
-    holds the directory's lock (`locked`), has been left alone DEAD_WRITER_SECONDS, as the pid may be
-    another machine's); any goes when nothing in it changed for ABANDONED_SECONDS. Logged; a failure to
-    list or delete is ignored, as leftovers are no reason to stop the caller."""
+    fullmatch TEMPORARY) whose writer is gone: a SIGKILL leaves them, and nothing else would ever remove
+    them. One written here (on this machine, in this PID namespace: `_machine`) goes once its process runs
+    no more or another runs under its id (a later start); a live writer's stays however long it sits
+    unchanged, as translate's does between chunks. One whose writer cannot be checked from here (another
+    machine's or container's, or an older aiayn's) goes once nothing in it changed for UNCHECKABLE_SECONDS,
+    or at once where the caller holds the directory's lock (`locked`: a run's checkpoints/ and cache/, which
+    no one else writes), as does one of the caller's own pid there. Logged; a failure to list or delete is
+    ignored, as leftovers are no reason to stop the caller."""
     try:
         entries = list(directory.iterdir())
     except OSError:
         return []
-    now = time.time()
+    now, here = time.time(), _machine()
     removed = []
     for path in entries:
         match = TEMPORARY.fullmatch(path.name)
-        if match is None or not _abandoned(path, int(match["pid"]), now, locked):
+        if match is None or not _abandoned(path, match, here, now, locked):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
@@ -436,15 +477,19 @@ def remove_abandoned(directory: Path, locked: bool = False) -> list[Path]:
     return removed
 
 
-def _abandoned(path: Path, pid: int, now: float, locked: bool) -> bool:
+def _abandoned(path: Path, match: re.Match, here: str, now: float, locked: bool) -> bool:
+    pid = int(match["pid"])
+    if match["machine"] == here:  # its pid is one of this machine's processes, or was
+        start, started = int(match["start"]), _started(pid)  # 0 where unknown: the pid alone tells then
+        reused = 0 not in (start, started) and start != started  # the writer's id given to a later process
+        # Under the lock the caller writes nothing yet: its own pid is a killed predecessor's
+        return not _running(pid) or reused or (locked and pid == os.getpid())
+    if locked:  # no one else writes there: a restarted container (a new namespace) finds its own leftovers
+        return True
     try:
-        idle = now - _last_change(path)
+        return now - _last_change(path) > UNCHECKABLE_SECONDS
     except OSError:  # gone meanwhile: its writer renamed it into place
         return False
-    # Under the lock the caller writes nothing yet: its own pid (a container's, the same every run) is a
-    # killed predecessor's
-    dead = (locked and pid == os.getpid()) or not _running(pid)
-    return idle > ABANDONED_SECONDS or (dead and (locked or idle > DEAD_WRITER_SECONDS))
 
 
 def _last_change(path: Path) -> float:

@@ -175,6 +175,21 @@ def test_a_temporary_is_told_by_its_tag_and_pid():
     assert TEMPORARY.fullmatch(".model.safetensors.4242.tmp") is None
 
 
+@pytest.mark.parametrize("name", ["a" * 251 + ".txt", "ü" * 125 + ".txt"])
+def test_an_output_of_the_longest_name_gets_a_temporary(tmp_path, name):
+    """The temporary's name adds some 40 bytes to the output's: one of over 220 was 'File name too long'.
+    Cut to fit, at a whole character (safetensors opens no name that is not UTF-8), it is still aiayn's."""
+    from aiayn.files import atomic_output, temporary_path
+
+    with atomic_output(tmp_path / name) as f:
+        f.write("ok\n")
+    directory = name[:-6]  # room for its ".NAME.old" while it is replaced
+    write_atomically(tmp_path / directory, lambda tmp: (tmp / "a").write_text("x"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, directory])
+    tmp = temporary_path(tmp_path / name).name
+    assert len(os.fsencode(tmp)) <= 255 and TEMPORARY.fullmatch(tmp) and tmp.encode().decode() == tmp
+
+
 def test_a_directory_left_moved_aside_is_put_back(tmp_path):
     """A kill between the two renames of a replacement left only '.out.old' (and the new one's temporary):
     the next write, or `recover_replaced`, puts the old one back; beside a complete one it is deleted."""

@@ -388,12 +388,19 @@ def new_file_mode() -> int:
 # at least once a chunk (translate's 10,000 lines: minutes, hours on a slow CPU), never pausing for a week;
 # and once a killed writer's machine or container restarts, nothing else would ever tell its leftovers gone.
 UNCHECKABLE_SECONDS = 7 * 24 * 3600.0
+NAME_MAX = 255  # bytes in a file name (ext4, XFS, btrfs, NFS, APFS)
 
 
 def temporary_prefix(target: Path) -> str:
     """The start of the name of a temporary that becomes `target` when renamed: hidden, and naming its
-    writer (`_writer`), so that `remove_abandoned` can tell a killed writer's leftovers."""
-    return f".{Path(target).name}.aiayn-{_writer()}."
+    writer (`_writer`), so that `remove_abandoned` can tell a killed writer's leftovers. `target`'s name is
+    cut to leave room for the rest (a name of 230 bytes made one too long to create)."""
+    tag = f".aiayn-{_writer()}."
+    room = NAME_MAX - len(os.fsencode(tag)) - len(".") - len("12345678.tmp")  # tempfile's random part
+    name = Path(target).name
+    while len(os.fsencode(name)) > room:  # whole characters: a UTF-8 name stays UTF-8 (safetensors needs it)
+        name = name[:-1]
+    return f".{name}{tag}"
 
 
 def temporary_path(target: Path) -> Path:

@@ -432,7 +432,8 @@ def encoded_cache(src_path: Path, tgt_path: Path, tokenizer: Tokenizer, cache_di
 
 
 CACHE_NAME_BYTES = 80  # at most, of each file's name in its cache's name: two names of 134 characters made
-# one longer than a file name can be (255 bytes), with room left for `temporary_path`'s 40 or so more
+# one longer than a file name can be (255 bytes), with room left for `temporary_path`'s 40 or so more (so
+# that it cuts no cache's name: two caches' temporaries would share one)
 
 
 def _cache_stem(src_path: Path, tgt_path: Path) -> str:

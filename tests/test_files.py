@@ -190,6 +190,29 @@ def test_an_output_of_the_longest_name_gets_a_temporary(tmp_path, name):
     assert len(os.fsencode(tmp)) <= 255 and TEMPORARY.fullmatch(tmp) and tmp.encode().decode() == tmp
 
 
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_a_temporary_deleted_by_another_program_is_said_to_be(tmp_path, kind):
+    """The rename then failed with a bare 'No such file or directory', which blamed nothing."""
+    from aiayn.errors import UserError
+    from aiayn.files import atomic_output
+
+    def delete_temporaries():
+        for p in tmp_path.iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+    deleted = (r"another program deleted its temporary \.out\.aiayn-[0-9a-f-]+\.[a-z0-9_]{8}\.tmp "
+               "before it was complete")
+    failed = "cannot write" if kind == "file" else "could not write checkpoint"
+    with pytest.raises(UserError, match=rf"^{re.escape(str(tmp_path / 'out'))}: {failed} \({deleted}\)$"):
+        if kind == "file":
+            with atomic_output(tmp_path / "out") as f:
+                f.write("x")
+                delete_temporaries()
+        else:
+            write_atomically(tmp_path / "out", lambda tmp: delete_temporaries())
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_directory_left_moved_aside_is_put_back(tmp_path):
     """A kill between the two renames of a replacement left only '.out.old' (and the new one's temporary):
     the next write, or `recover_replaced`, puts the old one back; beside a complete one it is deleted."""

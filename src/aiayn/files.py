@@ -324,13 +324,16 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
                 os.chmod(f, mode)
                 fsync_file(f)
         _rename_into_place(tmp, directory)
+        tmp = None  # in place: not to be removed, nor missed
         fsync_dir(directory.parent)
     except BaseException as e:
+        gone = _deleted_meanwhile(tmp, e)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(made)
         if isinstance(e, (OSError, SafetensorError)):
             reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+            reason = gone or reason
             raise UserError(f"{directory}: could not write {what} ({reason})") from None
         if isinstance(e, UserError) and tmp is not None and str(tmp) in str(e):
             # a file written inside through `atomic_output` (the tokenizer's) named the temporary, gone now
@@ -362,14 +365,24 @@ def atomic_output(path: str | Path, binary: bool = False) -> Iterator[IO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+        tmp = None  # in place: not to be removed, nor missed
         fsync_dir(target.parent)  # the rename too, as `write_atomically` does
     except BaseException as e:
+        gone = _deleted_meanwhile(tmp, e)
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
-            raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
+            raise UserError(f"{path}: cannot write ({gone or e.strerror or e})") from None
         raise
+
+
+def _deleted_meanwhile(tmp: str | Path | None, e: BaseException) -> str | None:
+    """Why writing failed if another program deleted the temporary `tmp` meanwhile: the rename then said only
+    "No such file or directory", which named nothing of it."""
+    if tmp is None or not isinstance(e, (OSError, SafetensorError)) or os.path.lexists(tmp):
+        return None
+    return f"another program deleted its temporary {Path(tmp).name} before it was complete"
 
 
 def _stream_only(path: Path) -> bool:

@@ -215,3 +215,17 @@ def test_out_inside_a_checkpoint_or_a_runs_checkpoints_is_refused_before_the_cor
         assert main(argv) == 2
         assert capsys.readouterr().err.strip() == f"aiayn: error: {out}: {problem}; write it elsewhere"
         assert not out.exists()
+
+
+def test_a_tilde_in_out_is_the_home_directory_throughout(tmp_path, capsys, monkeypatch):
+    """`--out=~/x` (no shell expands ~ after =): the corpus went to a literal ./~/x/data and training,
+    which expands ~, looked in $HOME/x/data: 'file not found', or an earlier demo's corpus trained on."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--out=~/x", "--size", "tiny", "--steps", "2", "--train-pairs", "300",
+                 "--test-pairs", "4", "--beam", "1"]) == 0
+    out = tmp_path / "home" / "x"
+    check_outputs(out, 4)
+    assert f"checkpoint: {out / 'run' / 'checkpoints'}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # no directory named ~
+    assert DemoConfig(out="~/y").out == str(tmp_path / "home" / "y")  # from Python too

@@ -292,6 +292,22 @@ def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, 
     assert not (tmp_path / "r").exists()
 
 
+def test_a_tilde_in_data_is_the_home_directory(tmp_path, monkeypatch):
+    """`--data=~/m30` (no shell expands ~ after =) was refused: "~/m30/train.en: file not found"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    data = dog_data(tmp_path / "m30")
+    configs = []
+
+    def trained(config, resume):
+        configs.append(config)
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(run, "train", trained)
+    with pytest.raises(AssertionError, match="trained"):  # its files were found
+        run.main(["--data=~/m30", "--set", f"train.run_dir={tmp_path / 'r'}"])
+    assert configs[0].data.train_src == str(data / "train.en")
+
+
 def test_ensemble_members_with_other_vocabularies_are_refused_before_training(tmp_path, capsys, monkeypatch):
     """A partner with another tokenizer setting or training files was refused by the ensemble's check
     of its members' vocabularies, after both trainings (80 minutes)."""

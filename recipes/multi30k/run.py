@@ -273,7 +273,9 @@ def run(args: argparse.Namespace) -> int:
     """Train (unless --no-train), average, translate val (and test), score; the results file."""
     env = environment()  # before the work: the load average at the start
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    data = Path(args.data)
+    # `--data=~/m30` comes unexpanded: its files were looked for in ./~/m30 (not found), though the
+    # config expands the [data] paths made from it (train/config.py:_settle_paths)
+    data = Path(args.data).expanduser()
     src, tgt = args.pair.split("-")
     data_keys = [f"data.train_src={data / f'train.{src}'}", f"data.train_tgt={data / f'train.{tgt}'}",
                  f"data.valid_src={data / f'val.{src}'}", f"data.valid_tgt={data / f'val.{tgt}'}"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,9 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        # `--out=~/x` and a quoted '~/x' come unexpanded: the corpus went to ./~/x/data while training,
+        # which expands its paths (train/config.py:_settle_paths), read ~/x/data. One path throughout.
+        object.__setattr__(self, "out", os.path.expanduser(self.out))  # frozen: settled once, as it is made
         if self.size not in SIZES:
             raise ConfigError(f"demo size {self.size!r} is not one of {sorted(SIZES)}")
         if self.steps < 1 or self.n_test < 1 or self.n_valid < 1 or self.threads < 1:

@@ -229,3 +229,14 @@ def test_a_tilde_in_out_is_the_home_directory_throughout(tmp_path, capsys, monke
     assert f"checkpoint: {out / 'run' / 'checkpoints'}" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # no directory named ~
     assert DemoConfig(out="~/y").out == str(tmp_path / "home" / "y")  # from Python too
+
+
+def test_an_out_not_utf8_is_refused_before_the_corpus(tmp_path, capsys):
+    """`--out $'bad\\xff'` was refused only after the 40,000-pair corpus was written there, and named
+    data.train_src, not --out."""
+    out = f"{tmp_path}/bad\udcff"  # the byte 0xff as Python keeps it from the command line
+    assert main(["demo", "--out", out, "--size", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == (f"aiayn: error: demo --out '{tmp_path}/bad\\xff': the name is not "
+                                        "UTF-8, which the checkpoints record it in; rename it"), err
+    assert not any(tmp_path.iterdir())

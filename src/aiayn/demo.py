@@ -106,6 +106,12 @@ class DemoConfig:
             problems.append(f"--beam {self.beam}: {e}")
         if not self.out:  # Path("") is the current directory, not ./demo
             problems.append("--out is empty: give a folder name (default ./demo)")
+        try:  # the checkpoints record the corpus' paths: refused after the corpus, as data.train_src's
+            self.out.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = self.out.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            problems.append(f"--out '{shown}': the name is not UTF-8, which the checkpoints record it in; "
+                            "rename it")
         vocabulary = SIZES[self.size]["vocab_size"]
         if self.beam > vocabulary:  # ran out of memory after the training, and the run then blocked a rerun
             problems.append(f"--beam {self.beam} is more than the {vocabulary} pieces of the demo's "

@@ -240,3 +240,17 @@ def test_an_out_not_utf8_is_refused_before_the_corpus(tmp_path, capsys):
     assert len(err) == 1 and err[0] == (f"aiayn: error: demo --out '{tmp_path}/bad\\xff': the name is not "
                                         "UTF-8, which the checkpoints record it in; rename it"), err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_translation_bar_is_shown_on_a_terminal_only(tmp_path, monkeypatch):
+    """`aiayn demo 2>log` filled the log with the bar's carriage-return frames; disable=None leaves it out
+    where stderr is not a terminal, as training's bar and run.py's."""
+    from tqdm import tqdm
+
+    import aiayn.demo
+
+    options = []
+    monkeypatch.setattr(aiayn.demo, "tqdm", lambda **kwargs: options.append(kwargs) or tqdm(**kwargs))
+    run_demo(DemoConfig(out=str(tmp_path / "d"), size="tiny", steps=2, n_train=300, n_test=3, beam=1))
+    assert [(o["desc"], o["total"], o.get("disable", "not given")) for o in options] == [
+        ("translating held-out sentences", 3, None)]

@@ -177,7 +177,9 @@ def translate(checkpoint: Path, sources: list[str], beam: int, device: str = "cp
     from aiayn.translate import Translator
 
     translator = Translator.load(checkpoint, device)
-    with tqdm(total=len(sources), desc="translating held-out sentences", unit="sent", leave=False) as bar:
+    # disable=None: no bar where stderr is not a terminal, as training's (`2>log` kept its carriage returns)
+    with tqdm(total=len(sources), desc="translating held-out sentences", unit="sent", leave=False,
+              disable=None) as bar:
         # early_stopping=False: this model is so sure of itself that three of the four beams are junk,
         # and fairseq's rule (stop once K hypotheses ended) ended searches on four junk hypotheses
         # before the right one, 7 tokens long, finished: 98.8% exact match instead of 100%.

@@ -292,6 +292,51 @@ def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, 
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("partner", [
+    ["model.activation=\"relu\""], ["model.n_heads=4"], ["model.norm_first=false"],
+    ["model.n_decoder_layers=3"], ["train.keep_last=2"], ["train.valid_every=7"],
+    ["train.bleu_every=5", "train.bleu_lang=de"],
+])
+def test_a_partner_restating_the_recipe_or_changing_bookkeeping_is_refused(tmp_path, capsys, monkeypatch,
+                                                                           partner):
+    """Each trained two members equal bit for bit (80 minutes each): the check compared [model] as written
+    (a default or the `small` preset's value restated differed) and took these train keys for changes."""
+    never_trains(monkeypatch)
+    data = dog_data(tmp_path / "data")
+    base = ["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]
+    assert run.main([*base, *(a for p in partner for a in ("--partner", p))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py: error: the two --ensemble members would train the same model"), err
+
+
+def test_validation_steps_differ_where_patience_counts_them(tmp_path, monkeypatch):
+    never_trains(monkeypatch)
+    data = dog_data(tmp_path / "data")
+    with pytest.raises(AssertionError, match="trained"):  # patience may stop them at other updates
+        run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}",
+                  "--set", "train.patience=3", "--partner", "train.valid_every=7"])
+
+
+def test_fine_tuning_members_are_compared_as_the_checkpoints_model(tmp_path, capsys, monkeypatch):
+    """With train.init_from the model is the checkpoint's and [model] may restate it: compared so, and a
+    [model] the checkpoint refuses is said before training, as the partner's."""
+    from conftest import numbers_checkpoint
+
+    never_trains(monkeypatch)
+    ck = numbers_checkpoint(tmp_path, d_model=256, n_heads=4, d_ff=1024, n_layers=3)  # the recipe's `small`
+    data = dog_data(tmp_path / "data")
+    base = ["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}", "--set",
+            f"train.init_from={ck}"]
+    assert run.main([*base, "--partner", "model.n_decoder_layers=3"]) == 2  # the checkpoint's
+    assert "would train the same model" in capsys.readouterr().err
+    assert run.main([*base, "--partner", "model.n_heads=2"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"run.py: error: --partner 'model.n_heads=2': model.n_heads=2 differs from {ck}'s 4; with "
+                   "train.init_from only model.dropout may be set\n")
+    with pytest.raises(AssertionError, match="trained"):
+        run.main([*base, "--partner", "model.dropout=0.1"])
+
+
 def test_a_tilde_in_data_is_the_home_directory(tmp_path, monkeypatch):
     """`--data=~/m30` (no shell expands ~ after =) was refused: "~/m30/train.en: file not found"."""
     monkeypatch.setenv("HOME", str(tmp_path))

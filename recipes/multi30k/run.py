@@ -23,20 +23,22 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
-from aiayn.checkpoint import checkpoint_tokenizer, read_meta
+from aiayn.checkpoint import checkpoint_tokenizer, meta_model_config, read_meta
 from aiayn.cli import positive_int
-from aiayn.config import ConfigError
+from aiayn.config import ConfigError, resolved_settings
 from aiayn.data.dataset import read_lines
 from aiayn.decoding import DecodeConfig
 from aiayn.errors import Stopped, UserError
 from aiayn.evaluate import corpus_scores
 from aiayn.files import atomic_output
 from aiayn.train.average import average_last
-from aiayn.train.config import TOKENIZER_SETTINGS, RunConfig, load_config
+from aiayn.train.config import TOKENIZER_SETTINGS, RunConfig, finetune_model_config, load_config
 from aiayn.train.loop import train
 from aiayn.train.state import checkpoint_dirs
 from aiayn.translate import Translator
@@ -133,21 +135,45 @@ def member_overrides(args: argparse.Namespace, run_dir: Path, threads: int) -> l
     return [[*args.set, *m, f"train.threads={max(1, threads // 2)}"] for m in members]
 
 
-# Train keys that leave the trained weights as they are: where they go, the threads, metrics.jsonl's lines.
-BOOKKEEPING = ("run_dir", "threads", "log_every")
+# Train keys that leave every update's weights as they are (measured: a micro model with dropout, its last
+# checkpoint equal bit for bit): where they go, the threads, metrics.jsonl's lines, the checkpoints kept,
+# BLEU's tokenizer. Two members apart in these alone train one model twice, however each is averaged.
+BOOKKEEPING = ("run_dir", "threads", "log_every", "keep_last", "bleu_lang")
+# Which updates validate and save: bookkeeping too, unless train.patience counts the validations
+VALIDATION = ("valid_every", "bleu_every")
 
 
 def check_members_differ(configs: list[RunConfig]) -> None:
     """Two members of one configuration train one model twice, bit for bit: `--set train.seed=2` met
-    en-de's partner `train.seed=2`, and the ensemble of two copies cost twice the training."""
+    en-de's partner `train.seed=2`, `--partner model.n_heads=4` restated the `small` preset's, and the
+    ensemble of two copies cost twice the training. Compared as trained, not as written."""
     check_members_share_vocabulary(configs)
-    a, b = (c.to_dict() for c in configs)  # what meta.json records (asdict also compared what was written)
-    for d in (a, b):
-        d["train"] = {k: v for k, v in d["train"].items() if k not in BOOKKEEPING}
-    if a == b:
-        raise UserError("the two --ensemble members would train the same model (the partner's overrides set "
-                        "nothing --set has not); make them differ, e.g. --partner "
+    if trained_as(configs[0]) == trained_as(configs[1]):
+        raise UserError("the two --ensemble members would train the same model (the partner's overrides "
+                        "restate --set, the recipe or the defaults, or set only what leaves the weights "
+                        "alone, as train.keep_last); make them differ, e.g. --partner "
                         f"train.seed={configs[0].train.seed + 1}")
+
+
+def trained_as(config: RunConfig) -> dict[str, Any]:
+    """What decides a member's weights: its model as training builds it, [data], [train] less bookkeeping."""
+    settings = config.to_dict()  # every [data] and [train] field; [model] only as written
+    settings["model"] = built_model(config)
+    left_out = BOOKKEEPING if config.train.patience else BOOKKEEPING + VALIDATION
+    settings["train"] = {k: v for k, v in settings["train"].items() if k not in left_out}
+    return settings
+
+
+def built_model(config: RunConfig) -> dict[str, Any]:
+    """The model `build_model` makes of `config`, but for the tokenizer's sizes and ids, which the members
+    share (`check_members_share_vocabulary`)."""
+    if config.train.init_from:  # the checkpoint's model, with [model]'s dropout
+        path = Path(config.train.init_from)
+        return asdict(finetune_model_config(config, meta_model_config(path, read_meta(path)), path))
+    # as build_model: separate vocabularies share no embedding matrix unless [model] says so
+    unshared = not config.data.shared_vocab and "share_embeddings" not in config.model
+    model = config.model_config(vocab_size=64, **({"share_embeddings": False} if unshared else {}))
+    return resolved_settings(asdict(model))  # n_decoder_layers=3 restates 3 layers' None
 
 
 # [data] settings a tokenizer is trained from: the validation files and max_len do not change it
@@ -357,13 +383,13 @@ def member_configs(args: argparse.Namespace, config: RunConfig,
     overrides = member_overrides(args, Path(config.train.run_dir), config.train.threads)
     try:
         members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m]) for m in overrides]
-    except ConfigError as e:  # the partner's overrides go in as --set items: a bad one was named --set's
-        message = str(e)
+        if not args.no_train:  # --no-train scores runs trained already, however they were configured
+            check_members_differ(members)  # a fine-tune's [model] is refused there, by its --set item
+    except (ConfigError, UserError) as e:  # the partner's overrides go in as --set items: a bad one was
+        message = str(e)  # named --set's
         for item in args.partner or []:
             message = message.replace(f"--set {item!r}", f"--partner {item!r}")
-        raise ConfigError(message) from None
-    if not args.no_train:  # --no-train scores runs trained already, however they were configured
-        check_members_differ(members)
+        raise UserError(message) from None
     return members, overrides
 
 

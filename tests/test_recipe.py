@@ -420,6 +420,26 @@ def test_a_failed_member_is_named_with_its_run_directory(tmp_path, monkeypatch):
     assert run.member_failure([143, -15], ["x/a", "x/b"]).startswith("ensemble members a (x/a) and b (x/b)")
 
 
+def test_a_partner_item_the_member_refuses_is_named_as_the_partners(tmp_path, capfd, monkeypatch):
+    """Member b gets the partner's items as --set items: a refusal on this machine (`--partner
+    train.device=cuda` on a CPU) named `--set 'train.device=cuda'`, which no --set said."""
+    popen = subprocess.Popen
+
+    def member(cmd, **kwargs):  # b runs, a waits to be stopped
+        if f"train.run_dir={tmp_path / 'r' / 'a'}" in cmd:
+            return popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        return popen(cmd, **kwargs)
+
+    monkeypatch.setattr(run.subprocess, "Popen", member)
+    data = dog_data(tmp_path / "data")
+    with pytest.raises(SystemExit, match="member b"):  # fp16 needs a GPU: refused on every machine on a CPU
+        run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}",
+                  "--partner", "train.device=cpu", "--partner", "train.precision=fp16"])
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        "run.py: error: --partner 'train.precision=fp16': train.precision='fp16' needs a GPU (use 'bf16' on "
+        "a CPU)")
+
+
 def test_results_record_the_whole_training_and_a_run_that_trained_nothing_keeps_them(tmp_path):
     """train_s was the wall time around this invocation: a --resume after a stop recorded only its own
     part, and a --resume of a finished run (nothing to train) replaced results.json, 17.5 s with 2.5 s."""

@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)  # one --ensemble member
     args = p.parse_args(argv)
     # Each was silently ignored: a model trained without the partner asked for, scores of no resumed run.
-    if args.partner and not args.ensemble:
+    # (A member's --partner only names, in its errors, the --set items that came from --partner.)
+    if args.partner and not (args.ensemble or args.train_only):
         p.error("--partner sets the second --ensemble member's overrides; add --ensemble, or use --set")
     if args.no_train and args.resume:
         p.error("--no-train scores the checkpoints as they are and --resume trains on: give one of them")
@@ -205,10 +206,13 @@ def same_tokenizer(a: str, b: str) -> bool:
 def train_members(args: argparse.Namespace, members: list[list[str]], run_dirs: list[str]) -> None:
     """Train the two --ensemble members, given their overrides and run directories, in parallel processes."""
     procs = []
-    for overrides in members:
+    for overrides, partner in zip(members, [[], args.partner or []]):
         cmd = [sys.executable, __file__, "--data", args.data, "--pair", args.pair, "--train-only",
                *(["--resume"] if args.resume else [])]
-        procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)]))
+        # b's --partner items, so that its errors name them so (its refusals of train.device=cuda on a
+        # CPU machine, or of a fine-tune's model, were --set's): they come as --set items too
+        named = [a for item in partner for a in ("--partner", item)]
+        procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)] + named))
     codes = wait_all(procs)
     if any(codes):
         raise SystemExit(f"run.py: {member_failure(codes, run_dirs)}")
@@ -275,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except (UserError, ConfigError) as e:  # a wrong --data, a run directory that is not there: one line
-        print(f"run.py: error: {e}", file=sys.stderr)
+        message = as_partner(str(e), args.partner) if args.train_only else str(e)  # member b: train_members
+        print(f"run.py: error: {message}", file=sys.stderr)
         return 2
     except Stopped as e:  # SIGTERM or Ctrl-C: the training saved its update (as `aiayn train` says it)
         print(f"run.py: {e}", file=sys.stderr)
@@ -385,12 +390,17 @@ def member_configs(args: argparse.Namespace, config: RunConfig,
         members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m]) for m in overrides]
         if not args.no_train:  # --no-train scores runs trained already, however they were configured
             check_members_differ(members)  # a fine-tune's [model] is refused there, by its --set item
-    except (ConfigError, UserError) as e:  # the partner's overrides go in as --set items: a bad one was
-        message = str(e)  # named --set's
-        for item in args.partner or []:
-            message = message.replace(f"--set {item!r}", f"--partner {item!r}")
-        raise UserError(message) from None
+    except (ConfigError, UserError) as e:
+        raise UserError(as_partner(str(e), args.partner)) from None
     return members, overrides
+
+
+def as_partner(message: str, partner: list[str] | None) -> str:
+    """`message` with the --partner items named as such: they go in as --set items, and a bad one was
+    named --set's."""
+    for item in partner or []:
+        message = message.replace(f"--set {item!r}", f"--partner {item!r}")
+    return message
 
 
 def so_far(run_dir: str | Path) -> tuple[int, float | None]:

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from safetensors.torch import load_file
 
 from aiayn.cli import main
 from aiayn.config import ConfigError
-from aiayn.demo import MARKER, DemoConfig, check_out, run_demo
+from aiayn.demo import MARKER, DemoConfig, check_out, run_config, run_demo
 from aiayn.demo_corpus import CorpusConfig
 from aiayn.errors import UserError
 
@@ -254,3 +255,17 @@ def test_the_translation_bar_is_shown_on_a_terminal_only(tmp_path, monkeypatch):
     run_demo(DemoConfig(out=str(tmp_path / "d"), size="tiny", steps=2, n_train=300, n_test=3, beam=1))
     assert [(o["desc"], o["total"], o.get("disable", "not given")) for o in options] == [
         ("translating held-out sentences", 3, None)]
+
+
+def test_the_readme_says_what_the_last_update_of_the_cooldown_runs_at(tmp_path):
+    """The README said the lr falls 'to zero over the last quarter of the updates': each update takes its
+    rate from the budget used before it, so the last runs at 1/(0.25 x updates) of the schedule."""
+    from aiayn.train.schedule import cooldown_factor
+
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8").split())
+    assert "so the last of 1,200 updates runs at 1/300 of the schedule's, not at zero" in readme
+    config = DemoConfig()
+    paths = {f"{s}_{side}": tmp_path / f"{s}.{side}" for s in ("train", "valid") for side in ("src", "tgt")}
+    train = run_config(config, paths, tmp_path / "run").train
+    assert config.steps == train.max_updates == 1200
+    assert cooldown_factor((config.steps - 1) / config.steps, train.cooldown) == pytest.approx(1 / 300)

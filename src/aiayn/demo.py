@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 # Model and batch sizes by name. "small" is the default: 100% exact match after 1,200 updates, about
 # 2 minutes of one CPU core. "tiny" exists for tests: seconds at their few updates, about half a minute at
-# the default 1,200 (low accuracy).
+# the default 1,200 (seed 1: 494/500 = 98.8% exact match, 35 s of training on a busy 2-core machine).
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(model=dict(preset="micro", d_model=32, n_heads=2, d_ff=64, n_layers=1),
                  vocab_size=300, max_tokens=1024, warmup=50, lr_scale=0.3),
@@ -163,7 +163,8 @@ def run_config(config: DemoConfig, paths: dict[str, Path], run_dir: Path):
                       warmup=size["warmup"], lr_scale=size["lr_scale"], label_smoothing=0.1,
                       max_updates=config.steps, max_minutes=config.minutes, device=config.device,
                       threads=config.threads, valid_every=max(1, config.steps // 4), keep_last=2,
-                      # the lr falls linearly to 0 over the last quarter: validation NLL at update 1,200
+                      # the lr falls linearly toward 0 over the last quarter of the updates or minutes,
+                      # whichever end first (README): validation NLL at update 1,200
                       # 0.112 for seeds 1, 2 and 3 (0.119, 0.116, 0.111 without), where a rounding change
                       # of the loss had moved seed 1's held-out exact match from 100% to 98.6% (with
                       # fairseq's attention initialization since c28395b: 0.113, 0.112, 0.111)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import tiny_config
+from train_helpers import in_job, tiny_config
 
 from aiayn.errors import UserError
 from aiayn.train.loop import train
@@ -236,6 +236,18 @@ def test_torchrun_variables_that_are_not_torchruns_are_one_line(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "")  # set but empty: the default, as when unset
     assert distributed.setup("cpu").world_size == 1
+    # a RANK left over made a process 1 in a job of one: no process 0 wrote, and every error went unsaid
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match="^LOCAL_RANK=1 is set, but WORLD_SIZE=1: start many processes with "
+                                          "torchrun, or unset LOCAL_RANK for one$"):
+        distributed.setup("cpu")
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match="^RANK=1 is set, but WORLD_SIZE is not: start many processes"):
+        distributed.setup("cpu")
+    monkeypatch.setenv("RANK", "0")
+    assert distributed.setup("cpu").rank == 0
 
 
 def test_a_gpu_only_a_later_process_lacks_is_said_by_it(monkeypatch):
@@ -257,7 +269,7 @@ def test_a_config_file_every_process_reads_is_said_once(tmp_path, monkeypatch, c
     each; so was a BLEU tokenizer whose packages are missing."""
     from aiayn import cli
 
-    monkeypatch.setenv("RANK", rank)
+    in_job(monkeypatch, rank)
     assert cli.main(["train", "--config", str(tmp_path / "nofile.toml")]) == 2
     assert ("nofile.toml: config file not found" in capsys.readouterr().err) == said
     monkeypatch.setattr("aiayn.evaluate.bleu_metrics", lambda lang: (_ for _ in ()).throw(
@@ -265,6 +277,25 @@ def test_a_config_file_every_process_reads_is_said_once(tmp_path, monkeypatch, c
     _, sets = tiny_config(tmp_path, tmp_path / "run", "train.bleu_every=2", "train.bleu_lang=ja")
     assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
     assert ("ja tokenizer needs packages missing here" in capsys.readouterr().err) == said
+
+
+def test_a_rank_outside_a_torchrun_job_silences_nothing(tmp_path, monkeypatch, capsys):
+    """A RANK left in the environment made every command take itself for a torchrun job's process 1 and
+    leave its errors to a process 0 that did not exist: exit 2 and no line, for train and translate alike."""
+    from aiayn import cli
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["train", "--config", str(tmp_path / "nofile.toml")]) == 2
+    assert "nofile.toml: config file not found" in capsys.readouterr().err
+    _, sets = tiny_config(tmp_path, tmp_path / "run")
+    assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert capsys.readouterr().err == ("aiayn: error: RANK=1 is set, but WORLD_SIZE is not: start many "
+                                       "processes with torchrun, or unset RANK for one\n")
+    assert not (tmp_path / "run").exists()
+    in_job(monkeypatch, "1")  # only train runs under torchrun: another command there says its own errors
+    assert cli.main(["translate", str(tmp_path / "nockpt"), "--beam", "0"]) == 2
+    assert capsys.readouterr().err == "aiayn: error: --beam 0 must be at least 1\n"
 
 
 def test_each_process_draws_dropout_from_a_stream_of_its_own():

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from train_helpers import tiny_config, write_corpus
+from train_helpers import in_job, tiny_config, write_corpus
 
 from aiayn import cli
 from aiayn.checkpoint import read_meta
@@ -267,10 +267,11 @@ def test_a_setting_this_machine_refuses_is_named_where_it_was_written(tmp_path, 
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: False)
-    monkeypatch.setenv("RANK", rank)
-    toml, written = tmp_path / "run.toml", json.dumps(value)  # "fp16", true: as TOML writes them
-    toml.write_text(f'[train]\nrun_dir = "{tmp_path / "run"}"\n{key} = {written}\n', encoding="utf-8")
-    assert cli.main(["train", "--config", str(toml)]) == 2
+    with monkeypatch.context() as job:
+        in_job(job, rank)
+        toml, written = tmp_path / "run.toml", json.dumps(value)  # "fp16", true: as TOML writes them
+        toml.write_text(f'[train]\nrun_dir = "{tmp_path / "run"}"\n{key} = {written}\n', encoding="utf-8")
+        assert cli.main(["train", "--config", str(toml)]) == 2
     said = capsys.readouterr().err
     assert said.startswith(f"aiayn: error: {toml}:3: {message}") if rank == "0" else said == ""
     item = f"train.{key}={written.strip(chr(34))}"
@@ -1828,14 +1829,14 @@ def test_a_config_that_is_not_utf8_is_named_by_line(tmp_path, content, message):
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
 def test_a_refusal_every_process_reaches_is_printed_by_process_0_only(rank, printed, monkeypatch, capsys):
     """Under torchrun an unknown --set key or a resume refusal was printed once per process."""
-    monkeypatch.setenv("RANK", rank)
+    in_job(monkeypatch, rank)
     assert cli.main(["train", "--set", "train.bogus=1"]) == 2
     assert ("unknown train key 'bogus'" in capsys.readouterr().err) == printed
 
     def failing(error: Exception):
         def run(args):
             raise error
-        return argparse.Namespace(func=run)
+        return argparse.Namespace(command="train", func=run)
 
     assert cli._run(failing(distributed.SameOnEveryProcess("ck: saved by 2 process(es) x ..."))) == 2
     assert ("saved by 2 process(es)" in capsys.readouterr().err) == printed

@@ -1,7 +1,11 @@
 """Tiny parallel corpora and configs for the training tests."""
 
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
+from aiayn.train import distributed
 from aiayn.train.config import load_config
 
 DE = ["ein", "Hund", "läuft", "über", "die", "Wiese", "zwei", "Katzen", "schlafen", "im", "Haus"]
@@ -47,3 +51,19 @@ def tiny_config(data_dir: Path, run_dir: Path, *extra: str):
         "train.device=cpu",
     ]
     return load_config(None, sets + list(extra)), sets + list(extra)
+
+
+def in_job(monkeypatch, rank: str) -> None:
+    """The environment torchrun gives process `rank` of 2, and a `setup` that checks and chooses the device
+    as there but joins no job (it would wait for the other process)."""
+    alone = distributed.setup
+
+    def setup(*args):
+        with pytest.MonkeyPatch.context() as m:
+            m.delenv("RANK")
+            m.delenv("WORLD_SIZE")
+            return replace(alone(*args), rank=int(rank), world_size=2)
+
+    for name, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "setup", setup)

@@ -111,13 +111,26 @@ def _info_preset(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _log_to_stderr() -> None:
-    import logging
-    import os
+def _job_rank(command: str | None) -> int | None:
+    """This process's rank in a torchrun job, None outside one. Only `train` runs in one: a RANK left in
+    the environment silenced every command's errors, and without torchrun's WORLD_SIZE and MASTER_ADDR it
+    is no job's (train refuses it, in a line this process must say)."""
+    if command != "train" or not os.environ.get("MASTER_ADDR"):
+        return None
+    try:
+        world_size, rank = int(os.environ.get("WORLD_SIZE") or 1), int(os.environ.get("RANK") or 0)
+    except ValueError:  # train refuses it, in one line
+        return None
+    return rank if world_size > 1 else None
 
-    rank = os.environ.get("RANK")
-    fmt = f"%(asctime)s {'[rank ' + rank + '] ' if rank else ''}%(message)s"
-    level = logging.INFO if rank in (None, "0") else logging.WARNING  # under torchrun, rank 0 speaks
+
+def _log_to_stderr(rank: int | None = None) -> None:
+    """Log lines to stderr; under torchrun (`rank` in the job) tagged with the process, and rank 0's alone
+    below WARNING."""
+    import logging
+
+    fmt = f"%(asctime)s {'' if rank is None else f'[rank {rank}] '}%(message)s"
+    level = logging.INFO if not rank else logging.WARNING
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stderr)
 
 
@@ -127,14 +140,15 @@ def cmd_train(args: argparse.Namespace) -> None:
     from aiayn.train.distributed import SameOnEveryProcess
     from aiayn.train.loop import train
 
-    _log_to_stderr()
+    rank = _job_rank("train")
+    _log_to_stderr(rank)
     try:
         config = load_config(args.config, args.set)
     except UserError as e:  # read alike by every process of a torchrun job: said once (it was said by each)
         raise SameOnEveryProcess(str(e)) from None
     result = train(config, resume=args.resume)
     # torchrun: rank 0 speaks; a closed stdout (pythonw, `>&-`) loses the summary, not days of training
-    if os.environ.get("RANK", "0") == "0" and not getattr(sys.stdout, "closed_at_start", False):
+    if not rank and not getattr(sys.stdout, "closed_at_start", False):
         print(_train_summary(result))
 
 
@@ -952,6 +966,7 @@ def _run(args: argparse.Namespace) -> int:
     """Run one command; the exit status."""
     # Each command warns of CRs inside lines once a file, as in a process of its own; a dataset module not
     # loaded has warned of nothing (importing it would load torch)
+    later = bool(_job_rank(getattr(args, "command", None)))  # a torchrun job's process other than 0
     if dataset := sys.modules.get("aiayn.data.dataset"):
         dataset.forget_cr_warnings()
     try:
@@ -964,7 +979,7 @@ def _run(args: argparse.Namespace) -> int:
             sys.stdout.flush()  # a full disk shows here, while the error can still be one line
     except (UserError, ConfigError) as e:
         repeated = False
-        if os.environ.get("RANK", "0") != "0":  # under torchrun (torch is loaded: the import is free)
+        if later:  # (torch is loaded: the import is free)
             from aiayn.train.distributed import FailedOnMain, SameOnEveryProcess
 
             # process 0 prints these: one line, not one per process (a configuration is the same on each)
@@ -973,15 +988,15 @@ def _run(args: argparse.Namespace) -> int:
             print(f"aiayn: error: {e}", file=sys.stderr)
         return 2
     except Stopped as e:  # a training run that saved on SIGTERM or Ctrl-C
-        if os.environ.get("RANK", "0") == "0":
+        if not later:
             print(f"aiayn: {e}", file=sys.stderr)
         return e.exit_status
     except KeyboardInterrupt:
-        if os.environ.get("RANK", "0") == "0":  # a terminal's Ctrl-C reaches every process of a torchrun job
+        if not later:  # a terminal's Ctrl-C reaches every process of a torchrun job
             print("aiayn: interrupted", file=sys.stderr)
         return 130
     except Terminated as e:
-        if os.environ.get("RANK", "0") == "0":  # torchrun's launcher sends it to every process it stops
+        if not later:  # torchrun's launcher sends it to every process it stops
             print(f"aiayn: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
         return 128 + e.signum  # what a shell reports for a process killed by the signal
     except BrokenPipeError:  # the reader went away (`aiayn translate ... | head`): stop quietly, as cat does

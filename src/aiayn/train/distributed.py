@@ -65,6 +65,14 @@ def setup(device: str = "auto", written: str | None = None) -> Dist:
         # a WORLD_SIZE left in the environment: torch's ValueError traceback about env://
         raise ConfigError(f"WORLD_SIZE={world_size} is set, but MASTER_ADDR is not: start many processes "
                           "with torchrun, or unset WORLD_SIZE for one")
+    if world_size < 1:
+        raise ConfigError(f"environment variable WORLD_SIZE={world_size} is below 1 (torchrun sets it)")
+    size = f"WORLD_SIZE={world_size}" if os.environ.get("WORLD_SIZE", "").strip() else "WORLD_SIZE is not"
+    for name, value in (("RANK", rank), ("LOCAL_RANK", local_rank)):
+        if not 0 <= value < world_size:  # a RANK left in the environment made a process 1 in a job of one,
+            # which left every write to a process 0 that did not exist (exit 2, or a TypeError, no line)
+            raise ConfigError(f"{name}={value} is set, but {size}: start many processes with torchrun, or "
+                              f"unset {name} for one")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         _check_gpu(device, local_rank, written)

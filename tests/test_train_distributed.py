@@ -195,11 +195,27 @@ def test_a_failed_checkpoint_write_on_rank_0_is_one_line(tmp_path):
     assert not rank_tracebacks, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a disk that is always full")
+def test_a_failed_log_write_on_rank_0_is_one_line(tmp_path):
+    """Rank 0 alone writes metrics.jsonl, outside any collective: its full disk was its one line, then
+    process 1's "another process of this job stopped (... Connection closed by peer ...)"."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2", "train.log_every=1")
+    (tmp_path / "run").mkdir()
+    log = tmp_path / "run" / "metrics.jsonl"
+    log.symlink_to("/dev/full")
+    proc = torchrun_train(sets)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("aiayn: error:")]
+    assert errors == [f"aiayn: error: {log}: cannot write the training log (No space left on device)"], \
+        proc.stderr[-3000:]
+
+
 def test_a_collective_failing_because_a_peer_died_is_one_line():
     """Rank 0 printed gloo's 36-line traceback ("Read error ...: Connection reset by peer") when another
     process was killed; now one line that says what happened and how to go on. Other errors, and the same
     message in a job of one process, pass through untouched."""
-    from aiayn.train.distributed import Dist, peer_lost
+    from aiayn.train.distributed import Dist, SameOnEveryProcess, peer_lost
 
     two, one = (Dist(0, n, 0, torch.device("cpu")) for n in (2, 1))
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:29500: "
@@ -217,6 +233,12 @@ def test_a_collective_failing_because_a_peer_died_is_one_line():
                            "1800000ms for recv operation to complete\nException raised from ...")
     assert str(peer_lost(timeout, two)).startswith("process 0: the other processes did not answer within 30 "
                                                    "minutes ([../third_party/gloo/gloo/transport/tcp/")
+    # said once a machine, by its first process: the command line leaves a SameOnEveryProcess unsaid on the
+    # others, which followed process 0's own error with a second line, gloo's "closed by peer"
+    later, first_of_machine_2 = Dist(1, 2, 1, torch.device("cpu")), Dist(8, 16, 0, torch.device("cpu"))
+    assert isinstance(peer_lost(gloo, later), SameOnEveryProcess)
+    assert type(peer_lost(gloo, first_of_machine_2)) is UserError and type(lost) is UserError
+    assert type(peer_lost(timeout, later)) is UserError  # what each process waited for, said by each
 
 
 def test_torchrun_variables_that_are_not_torchruns_are_one_line(monkeypatch):

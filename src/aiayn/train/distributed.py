@@ -141,7 +141,8 @@ _TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms")  # gloo's "Timed out waiti
 
 def peer_lost(e: BaseException, d: Dist) -> UserError | None:
     """A one-line error for a collective that failed because another process stopped, or None: rank 0
-    printed gloo's 36-line traceback when a peer was killed, before torchrun stopped it."""
+    printed gloo's 36-line traceback when a peer was killed, before torchrun stopped it. A stop is said
+    once a machine (a `SameOnEveryProcess` on its later processes); a timeout, by every process."""
     if not (d.enabled and isinstance(e, RuntimeError) and _PEER_GONE.search(str(e))):
         return None
     line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
@@ -152,13 +153,17 @@ def peer_lost(e: BaseException, d: Dist) -> UserError | None:
         return UserError(f"process {d.rank}: the other processes did not answer within {within} ({line}); "
                          "one of them is stuck or far slower, and --resume continues from the last "
                          "checkpoint")
-    return UserError(f"process {d.rank}: another process of this job stopped ({line}); its own error or "
-                     "torchrun's log says why, and --resume continues from the last checkpoint")
+    # Said by each machine's first process alone: the others' lines repeated it, and followed a process 0's
+    # own one-line error (metrics.jsonl on a full disk) with a misleading second, gloo's "closed by peer"
+    lost = SameOnEveryProcess if d.local_rank else UserError
+    return lost(f"process {d.rank}: another process of this job stopped ({line}); its own error or "
+                "torchrun's log says why, and --resume continues from the last checkpoint")
 
 
 class SameOnEveryProcess(UserError):
     """A refusal that every process reaches from the same inputs (a resumed run's settings against its
-    checkpoint): process 0 prints it, the command line on the others does not."""
+    checkpoint): process 0 prints it, the command line on the others does not. Also a lost process as a
+    machine's later processes find it (`peer_lost`): its first says it."""
 
 
 class FailedOnMain(UserError):

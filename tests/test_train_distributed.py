@@ -359,6 +359,33 @@ def test_the_others_wait_for_process_0s_preparation_past_the_groups_timeout(tmp_
     assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step_000002"]
 
 
+SLOW_BLEU = """
+import datetime, sys, time
+import aiayn.train.bleu as bleu
+import aiayn.train.distributed as distributed
+distributed.GROUP_TIMEOUT = datetime.timedelta(seconds=5)  # 30 minutes in a real job
+score = bleu.validation_bleu
+bleu.validation_bleu = lambda *a, **k: (time.sleep(12), score(*a, **k))[1]  # a big validation set's pass
+from aiayn.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # three fresh Pythons importing torch, and a 12 s wait
+def test_the_others_wait_for_process_0s_bleu_past_the_groups_timeout(tmp_path):
+    """Process 0 alone decodes the validation set for BLEU. The others waited under the group's 30 minutes
+    ("the other processes did not answer"): a pass over a large validation set on CPUs stopped the job,
+    and lost that update's checkpoint; they now wait as for the data's preparation."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2", "train.valid_every=2",
+                          "train.bleu_every=2")
+    script = tmp_path / "slow_bleu.py"
+    script.write_text(SLOW_BLEU, encoding="utf-8")
+    proc = torchrun_train(sets, script=script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("valid BLEU (greedy)") == 1
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step_000002"]
+
+
 OTHER_CORPUS_ON_RANK_1 = """
 import os, sys
 if os.environ["RANK"] == "1":  # this process's machine has its own copy of the corpus, and it differs

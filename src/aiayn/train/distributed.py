@@ -33,9 +33,10 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 # How long the others wait for process 0's data preparation (`on_main(..., long=True)`): the tokenizer's
 # training and the corpus's encoding. Under GROUP_TIMEOUT they gave up while process 0 encoded a large
 # corpus (the paper's 36M EN-FR pairs, twice as long as Multi30k's: past half an hour at the README's 43 s
-# a million Multi30k pairs), and a rerun began it again. A process 0 that fails or dies ends the wait at
-# once (its message, or gloo's reset connection), so only a process 0 stuck for a day is waited for that
-# long. Its other work (a checkpoint's save) keeps GROUP_TIMEOUT: a stalled disk stops the job.
+# a million Multi30k pairs), and a rerun began it again. Also its validation BLEU, a greedy decoding of the
+# whole validation set. A process 0 that fails or dies ends the wait at once (its message, or gloo's reset
+# connection), so only a process 0 stuck for a day is waited for that long. Its other work (a checkpoint's
+# save) keeps GROUP_TIMEOUT: a stalled disk stops the job.
 MAIN_WORK_TIMEOUT = datetime.timedelta(hours=24)
 
 
@@ -174,7 +175,7 @@ class FailedOnMain(UserError):
 def on_main(d: Dist, work: Callable[[], T], long: bool = False) -> T:
     """Run `work` on process 0 while the others wait, and give every process its result (plain data:
     it is pickled across); if it fails, every process fails with its message. `long`: the others wait up
-    to MAIN_WORK_TIMEOUT (data preparation), else GROUP_TIMEOUT.
+    to MAIN_WORK_TIMEOUT (data preparation, validation BLEU), else GROUP_TIMEOUT.
 
     A bare barrier left the others waiting for a process that had exited with a one-line error: gloo
     then failed them with "Connection reset by peer", some 70 lines of traceback around that line.

@@ -825,22 +825,22 @@ def _measure(model, state, data, config, d, autocast, stopper: StopSignal | None
     if result is None:  # on every process alike
         return None
     _check_finite("validation loss", result["valid_loss"], state.step)
-    # every process enters (it counts whether the pass was cut); only process 0 holds the text and scores
     if tc.bleu_every and state.step % tc.bleu_every == 0 and config.data.valid_src:
-        cut = False
-        if d.is_main:
+        def score() -> tuple[float, str] | None:
             from aiayn.train.bleu import validation_bleu  # the decoding package, only when asked for
 
-            bleu = validation_bleu(model, data.tokenizer, data.valid_text, tc.max_tokens, d.device,
+            return validation_bleu(model, data.tokenizer, data.valid_text, tc.max_tokens, d.device,
                                    tc.bleu_lang, stop)
-            cut = bleu is None
-            if bleu is not None:
-                result["valid_bleu"], result["bleu_signature"] = bleu
-                log.info("update %d: valid BLEU (greedy) %.2f", state.step, result["valid_bleu"])
-        if stopper is not None:  # process 0 alone ran it: every process learns whether it was cut
-            cut = distributed.all_reduce_sum([float(cut)], d)[0] > 0
-        if cut:
+
+        # Process 0 alone holds the text and scores; the others wait as for the data's preparation, and
+        # learn whether the pass was cut. Under GROUP_TIMEOUT they gave up on a pass past 30 minutes (a big
+        # validation set on CPUs), and the job stopped without that checkpoint.
+        bleu = distributed.on_main(d, score, long=True)
+        if bleu is None:
             return None
+        result["valid_bleu"], result["bleu_signature"] = bleu
+        if d.is_main:
+            log.info("update %d: valid BLEU (greedy) %.2f", state.step, result["valid_bleu"])
     if result["valid_loss"] < state.best_valid:
         state.best_valid, state.bad_validations, state.best_step = result["valid_loss"], 0, state.step
     else:

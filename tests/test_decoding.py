@@ -371,6 +371,27 @@ def test_decode_config_refuses_values_a_search_cannot_use(settings, message):
         DecodeConfig(**settings)
 
 
+@pytest.mark.parametrize("seed", [2**32, 2**32 + 1, 2**40 + 1, 2**64 - 1, -1, -(2**63)])
+def test_a_seed_the_cpu_generator_cannot_tell_apart_is_refused(seed):
+    """torch's CPU generator keeps a seed's low 32 bits: these were accepted, and drew what seed
+    `seed % 2**32` draws (1 and 2**32 + 1 the same samples), while CUDA's generator drew others."""
+    with pytest.raises(ConfigError, match=rf"^DecodeConfig: seed={seed} must be between 0 and 2\*\*32 - 1 "
+                                          r"\(4,294,967,295\), the seeds PyTorch's CPU generator tells apart$"):
+        DecodeConfig(seed=seed, **SAMPLING)
+
+
+def test_the_seeds_accepted_draw_apart():
+    """The extremes accepted reach the generator as they are, and each draws its own samples."""
+    model = tiny_model()
+    src = padded_batch([5, 3, 6], 50)
+    drawn = set()
+    for seed in (0, 1, 2**31, 2**32 - 1):
+        config = DecodeConfig(seed=seed, temperature=3.0, n_best=4, max_len_b=8, **SAMPLING)
+        assert sampling_generator(config, torch.device("cpu")).initial_seed() == seed
+        drawn.add(str([[h.tokens for h in s] for s in generate(model, src, config)]))
+    assert len(drawn) == 4
+
+
 def test_decode_config_bounds_still_decode_with_finite_scores():
     """The extreme values accepted give finite scores and probabilities, and a huge max_len_a is capped."""
     model = tiny_model()
@@ -379,10 +400,10 @@ def test_decode_config_bounds_still_decode_with_finite_scores():
         assert all(0 < length_penalty(n, lenpen, kind) < math.inf for n in (1, 2, 10**6))
         hyps = generate(model, src, DecodeConfig(beam=2, n_best=2, lenpen=lenpen, lenpen_kind=kind, max_len_b=5))
         assert all(math.isfinite(h.score) for s in hyps for h in s)
-    cold = DecodeConfig(temperature=1e-3, seed=2**64 - 1, max_len_b=5, **SAMPLING)
+    cold = DecodeConfig(temperature=1e-3, seed=2**32 - 1, max_len_b=5, **SAMPLING)
     assert [s[0].tokens for s in generate(model, src, cold)] == [s[0].tokens for s in generate(model, src,
                                                                  DecodeConfig(beam=1, max_len_b=5))]
-    generate(model, src, DecodeConfig(seed=-(2**63), max_len_b=5, **SAMPLING))  # torch's lowest seed
+    generate(model, src, DecodeConfig(seed=0, max_len_b=5, **SAMPLING))  # the lowest seed
     hot = DecodeConfig(temperature=3.4028234663852886e38, seed=1, max_len_b=5, **SAMPLING)  # float32's largest
     assert all(math.isfinite(s[0].score) for s in generate(model, src, hot))
     assert DecodeConfig(max_len_a=1e308).max_lengths([1, 2, 3], 40) == [40, 40, 40]  # a * n = inf before int

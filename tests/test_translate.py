@@ -480,6 +480,8 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
              (["--max-len-a", "0", "--max-len-b", "0"], "allow no output token"),
              (["--temperature", "0.5"], "--temperature 0.5 needs --sample"),
              (["--seed", "3"], "--seed 3 needs --sample"),
+             (["--sample", "--seed", "4294967297"],  # drew seed 1's samples on a CPU
+              "error: --seed 4294967297 must be between 0 and 2**32 - 1 (4,294,967,295), the seeds"),
              (["--temperature", "1"], "--temperature 1.0 needs --sample"),  # its default: it was ignored
              (["--top-k", "0"], "--top-k 0 needs --sample"), (["--top-p", "1"], "--top-p 1.0 needs --sample"),
              (["--sample", "--beam", "1", "--temperature", "1e-50"], "error: --temperature 1e-50 must"),

@@ -763,7 +763,8 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--seed", type=int,
                    help="with --sample: seeds one generator for the whole input, so that the same input, options "
                    "(--chunk and --max-tokens included) and device give the same output; repeated lines still "
-                   "get independent samples (default: a random seed). Which line gets which draw depends on "
+                   "get independent samples (default: a random seed). From 0 to 2**32 - 1, the seeds "
+                   "PyTorch's CPU generator tells apart. Which line gets which draw depends on "
                    "the batches, so a pipe is then read in whole --chunk blocks, as a file is, rather than "
                    "answered whenever its input stalls: use --chunk 1 for an interactive filter")
     p.add_argument("--max-tokens", type=positive_int, default=4096,

@@ -12,6 +12,9 @@ MAX_ROWS = 2**31 - 1  # beam or n_best past it overflowed a tensor's size: a C++
 MAX_LENPEN = 10.0  # |alpha| above this could overflow lp(|Y|): see DecodeConfig.search_problems
 MIN_TEMPERATURE = 1e-3  # lower is greedy search but for near-ties: see DecodeConfig.sampling_problems
 MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: past it T is inf in float32 and -inf / T NaN
+# seed's bound: torch takes [-2**63, 2**64 - 1], but its CPU generator (mt19937) keeps a seed's low 32 bits,
+# so seeds 1 and 2**32 + 1 drew the same samples there (CUDA's Philox kept them apart: one seed, two meanings)
+MAX_CPU_SEED = 2**32 - 1
 # The fields only sampling reads, at their defaults: a search must have them so (see sampling_problems)
 SAMPLING_ONLY = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None}
 
@@ -35,7 +38,8 @@ class DecodeConfig:
     temperature: float = 1.0  # divides the logits before sampling; at least MIN_TEMPERATURE
     top_k: int = 0  # sample among the k most likely tokens; 0: all
     top_p: float = 1.0  # sample among the smallest set with probability >= p (nucleus); 1: all
-    seed: int | None = None  # seeds the sampling generator once per translate call or stream; None: random
+    seed: int | None = None  # seeds the sampling generator once per translate call or stream; 0 to
+    # MAX_CPU_SEED; None: random
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -91,8 +95,9 @@ class DecodeConfig:
             problems.append(f"top_k={self.top_k} must not be negative")
         if not 0 < self.top_p <= 1:  # NaN fails this comparison too
             problems.append(f"top_p={self.top_p} must be in (0, 1]")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            problems.append(f"seed={self.seed} must be within torch's 64-bit range [-2**63, 2**64 - 1]")
+        if self.seed is not None and not 0 <= self.seed <= MAX_CPU_SEED:
+            problems.append(f"seed={self.seed} must be between 0 and 2**32 - 1 ({MAX_CPU_SEED:,}), the seeds "
+                            "PyTorch's CPU generator tells apart")
         if not self.sample:  # a search would silently ignore them
             for name, default in SAMPLING_ONLY.items():
                 if getattr(self, name) != default:

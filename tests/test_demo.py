@@ -86,6 +86,15 @@ def test_a_bad_option_fails_in_one_line_before_anything_is_written(tmp_path, cap
     assert not out.exists()
 
 
+def test_demo_seeds_are_those_the_cpu_generator_tells_apart():
+    """--seed 2**32 + 1 was accepted (train.seed's range) and initialized and ordered the batches as seed
+    1 does on a CPU; the range is translate --seed's."""
+    assert DemoConfig(seed=0).seed == 0 and DemoConfig(seed=2**32 - 1).seed == 2**32 - 1
+    for seed in (-1, 2**32, 2**32 + 1):
+        with pytest.raises(ConfigError, match=rf"^demo --seed {seed} must be between 0 and 2\*\*32 - 1 "):
+            DemoConfig(seed=seed)
+
+
 def test_the_held_out_limit_is_what_the_corpus_can_make():
     """~1.22 million meanings, a tenth of them held out, 300 of those for validation."""
     assert CorpusConfig().max_held_out == 121_900

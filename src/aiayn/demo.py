@@ -25,11 +25,10 @@ from tqdm import tqdm
 from aiayn.attention import draw_attention, extract_attention
 from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
-from aiayn.decoding.options import DecodeConfig
+from aiayn.decoding.options import MAX_CPU_SEED, DecodeConfig
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
 from aiayn.errors import CorruptFile, Stopped, UserError
 from aiayn.files import atomic_output, check_directory_path
-from aiayn.train.config import MAX_SEED
 from aiayn.train.state import check_outside_checkpoints, checkpoint_dirs
 
 log = logging.getLogger(__name__)
@@ -55,7 +54,7 @@ class DemoConfig:
     """What `run_demo` does."""
 
     out: str = "demo"  # folder for the corpus, the run (checkpoints, curves), translations and maps
-    seed: int = 1  # corpus, initialization and batch order
+    seed: int = 1  # corpus, initialization and batch order; 0 to MAX_CPU_SEED
     size: str = "small"  # a key of SIZES
     steps: int = 1200  # training updates (the demo stops earlier if `minutes` run out); seed 1 gives 100%
     # exact match from 900 on
@@ -89,8 +88,9 @@ class DemoConfig:
         problems = []
         if not (math.isfinite(self.minutes) and self.minutes >= 0):
             problems.append(f"--minutes {self.minutes} must be a finite number >= 0 (0 = no limit)")
-        if not -MAX_SEED <= self.seed <= MAX_SEED:  # train.seed's range
-            problems.append(f"--seed {self.seed} must be between -2**46 and 2**46 ({MAX_SEED:,})")
+        if not 0 <= self.seed <= MAX_CPU_SEED:  # as translate's: the CPU's generator keeps 32 bits of it
+            problems.append(f"--seed {self.seed} must be between 0 and 2**32 - 1 ({MAX_CPU_SEED:,}), the seeds "
+                            "PyTorch's CPU generator tells apart")
         if not 1 <= self.n_train <= MAX_TRAIN_PAIRS:
             problems.append(f"--train-pairs {self.n_train} must be between 1 and {MAX_TRAIN_PAIRS:,}")
         if self.device not in ("cpu", "cuda"):

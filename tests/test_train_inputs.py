@@ -1318,6 +1318,25 @@ def test_the_extreme_seeds_train_config_accepts_can_order_batches(seed):
     assert sorted(epoch_order(5, seed, 10**6)) == list(range(5))
 
 
+def test_a_seed_the_cpu_generator_cuts_to_32_bits_is_said(tmp_path, caplog):
+    """train.seed=2**32 + 1 trains on a CPU what train.seed=1 trains (torch keeps a seed's low 32 bits),
+    silently; accepted still, since runs trained with it must resume as they began, but said."""
+    weights = {}
+    for seed in (1, 2**32 + 1):
+        config, _ = tiny_config(tmp_path, tmp_path / str(seed), "train.max_updates=2", f"train.seed={seed}")
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            train(config)
+        weights[seed] = load_file(checkpoint_dirs(tmp_path / str(seed))[-1] / "model.safetensors")
+        said = [m for m in caplog.messages if "low 32 bits" in m]
+        assert said == ([] if seed == 1 else [(
+            "train.seed=4294967297: PyTorch's CPU generator keeps a seed's low 32 bits, so this run is initialized, "
+            "its batches ordered and (on a CPU) its dropout drawn as with train.seed=1; a seed from 0 to "
+            "2**32 - 1 is a run of its own")])
+    assert weights[1].keys() == weights[2**32 + 1].keys()
+    assert all(torch.equal(weights[1][k], weights[2**32 + 1][k]) for k in weights[1])
+
+
 @pytest.mark.parametrize("seed", [-(2**46) - 1, 2**46 + 1, 10**29])
 def test_train_config_refuses_a_seed_batch_order_cannot_take(seed):
     with pytest.raises(ConfigError, match=r"train\.seed"):

@@ -43,6 +43,8 @@ MODEL_KEY = re.compile(r"(?<![.\w])({})(?==)".format(
 PRECISIONS = ("fp32", "bf16", "fp16")
 # train.seed's bound. torch takes seeds in [-2**63, 2**64 - 1], but `epoch_order` seeds its generator with
 # seed * 100_003 + epoch, so a seed must stay within 2**63 / 100_003 of 0: 2**46 is 7e13 (x 100_003 = 7.04e18).
+# The CPU's generator keeps a seed's low 32 bits (1 and 2**32 + 1 train alike there): `train` warns of a seed
+# outside 0 to 2**32 - 1 rather than refuse it, since runs trained with one must resume as they began.
 MAX_SEED = 2**46
 
 MAX_VOCAB = 2**24  # data.vocab_size's bound (SentencePiece reads a 32-bit integer; 16.7 M is past any use)
@@ -111,7 +113,7 @@ class TrainConfig:
     """The paper's recipe (section 5) and the loop's bookkeeping."""
 
     run_dir: str = "runs/default"  # checkpoints, tokenizer, cache, metrics.jsonl, curves.png
-    seed: int = 1  # model initialization, dropout and batch order
+    seed: int = 1  # model initialization, dropout and batch order (0 to 2**32 - 1: see MAX_SEED)
     max_tokens: int = 4096  # padded tokens per batch and side, per process
     update_freq: int = 1  # batches accumulated per update; tokens/update ~ max_tokens*update_freq*processes
     lr_scale: float = 1.0  # multiplies the paper's schedule

@@ -66,6 +66,7 @@ from aiayn.data.dataset import (
     write_tokenizer_inputs,
 )
 from aiayn.data.tokenizer import Tokenizer
+from aiayn.decoding.options import MAX_CPU_SEED
 from aiayn.errors import CorruptFile, Stopped, UserError
 from aiayn.files import recover_replaced, remove_abandoned, require_file
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
@@ -253,6 +254,10 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         log.info("configuration:\n%s", _describe(config, model, data, d))
         if resume_from:
             log.info("resuming from %s (update %d, epoch %d)", resume_from, state.step, state.epoch + 1)
+        if not 0 <= tc.seed <= MAX_CPU_SEED:  # said, not refused: runs trained with one resume as they began
+            log.warning("train.seed=%d: PyTorch's CPU generator keeps a seed's low 32 bits, so this run is "
+                        "initialized, its batches ordered and (on a CPU) its dropout drawn as with train.seed=%d; "
+                        "a seed from 0 to 2**32 - 1 is a run of its own", tc.seed, tc.seed % 2**32)
     net = torch.compile(model) if tc.compile else model
     if tc.compile and d.is_main:  # else silence, with no terminal for a bar, until the first update's line
         log.info("torch.compile: the first updates compile the model (minutes for `small` on a CPU)")

@@ -126,6 +126,40 @@ def test_compile_is_refused_where_it_does_not_apply(tmp_path):
     assert main(["translate", str(ck), "--compile", "--int8"]) == 2
 
 
+def test_translate_compile_says_it_compiles_before_it_does(tmp_path, capsys, monkeypatch):
+    """translate --compile was silent for its 10-40 s of compiling (26 s on a demo checkpoint): a note on
+    stderr comes first, -q or not (-q drops the progress bar); a refused --compile is still one line."""
+    import logging
+
+    from aiayn.decoding import compiled
+
+    said_by_then = []
+
+    class Step:  # the compilation, stubbed: what was said when it would begin
+        def __init__(self, model):
+            pass
+
+        def warm_up(self):
+            said_by_then.append(capsys.readouterr().err)
+
+        def applies(self, *args):
+            return False
+
+    monkeypatch.setattr(compiled, "OneRowStep", Step)
+    monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: True)
+    lines = [f"word {i} and {i + 1}" for i in range(200)]
+    tokenizer = Tokenizer(train_sentencepiece(lines, tmp_path / "spm", vocab_size=40))
+    ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    src = tmp_path / "in.txt"
+    src.write_text("word 3\n", encoding="utf-8")
+    note = "aiayn: note: torch.compile: compiling the decoder step of one sentence before translating (10-40 s)\n"
+    assert main(["translate", str(ck), "-i", str(src), "-q", "--compile", "--beam", "1", "--max-len-b", "3"]) == 0
+    assert said_by_then == [note] and capsys.readouterr().err == ""
+    assert logging.getLogger("aiayn.decoding.compiled").level == logging.NOTSET  # the CLI's level undone
+    assert main(["translate", str(ck), "-i", str(src), "--compile", "--int8"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and said_by_then == [note]
+
+
 def test_torch_compile_refusing_is_one_line(monkeypatch):
     """torch.compile itself raising (it refuses Python versions newer than it knows) is one line too."""
     def refuse(*args, **kwargs):

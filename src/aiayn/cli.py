@@ -303,8 +303,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
     keep_freed_memory()  # each batch re-allocates the same logits, caches and encoder states
     if args.threads:
         torch.set_num_threads(args.threads)
-    translator = Translator.load(args.checkpoint, args.device, int8=args.int8, dtype=args.dtype,
-                                 compile=args.compile)
+    with _warnings_to_stderr("aiayn.decoding.compiled", notes=True):  # --compile says why 10-40 s pass
+        translator = Translator.load(args.checkpoint, args.device, int8=args.int8, dtype=args.dtype,
+                                     compile=args.compile)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_settings_as_flags())
         stack.enter_context(_warnings_to_stderr("aiayn.data.dataset"))  # the input's CRs inside lines
@@ -438,26 +439,32 @@ def _settings_as_flags():
 
 
 @contextlib.contextmanager
-def _warnings_to_stderr(logger_name: str, reword: Callable[[str], str] = str):
+def _warnings_to_stderr(logger_name: str, reword: Callable[[str], str] = str, notes: bool = False):
     """The warnings of a library module, each a line that starts `aiayn: warning:`, as the command's
     other messages start `aiayn:` (else Python printed the bare message), its format passed through
-    `reword` (translate: a decoding setting as its flag)."""
+    `reword` (translate: a decoding setting as its flag); with `notes` its INFO lines too, each
+    `aiayn: note:`."""
     import logging
 
     class Prefixed(logging.Formatter):
         def format(self, record: logging.LogRecord) -> str:
+            kind = "warning" if record.levelno >= logging.WARNING else "note"
             # the format alone: its arguments are the user's text (a line, a file name), as written
-            return "aiayn: warning: " + (reword(str(record.msg)) % record.args if record.args else
+            return f"aiayn: {kind}: " + (reword(str(record.msg)) % record.args if record.args else
                                          reword(record.getMessage()))
 
     handler = logging.StreamHandler(sys.stderr)  # the stderr of now: a test's captured one too
     handler.setFormatter(Prefixed())
     logger = logging.getLogger(logger_name)
+    level = logger.level
+    if notes and not logger.isEnabledFor(logging.INFO):  # else INFO stops at the logger, before any handler
+        logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     try:
         yield
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _check_threads(threads: int | None) -> None:
@@ -784,7 +791,7 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
     p.add_argument("--compile", action="store_true",
                    help="compile the decoder step of one sentence with torch.compile before translating "
-                   "(10-40 s; float32 on a CPU, needs a C++ compiler): greedy search or sampling of one line "
+                   "(10-40 s, said on stderr first, -q or not; float32 on a CPU, needs a C++ compiler): greedy search or sampling of one line "
                    "at a time, as an interactive filter with --chunk 1 decodes, runs about 10%% faster; "
                    "batches of several lines and beam search decode as without it")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

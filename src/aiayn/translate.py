@@ -261,8 +261,9 @@ class Translator:
         with the same tokenizer, decoded as an ensemble (their probabilities averaged).
 
         `compile` (one float32 model on the CPU) compiles the decoder step of one sentence with
-        torch.compile while loading (10-40 s): greedy search or sampling of one text at a time, a
-        service's requests, then runs about 10% faster (`aiayn.decoding.compiled`). Batches of several
+        torch.compile while loading (10-40 s, said first on the `aiayn.decoding.compiled` logger, INFO):
+        greedy search or sampling of one text at a time, a service's requests, then runs about 10% faster
+        (`aiayn.decoding.compiled`). Batches of several
         texts, and beam search, decode as without it, and so does everything after a
         `torch.set_num_threads` to another count than the loading's (nothing compiles after loading).
 

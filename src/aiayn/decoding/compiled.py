@@ -23,6 +23,7 @@ count changed since, say) runs eagerly instead of compiling in the middle of a t
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -33,6 +34,8 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aiayn.model import KVCache, Transformer
+
+log = logging.getLogger(__name__)
 
 
 def cxx_compiler() -> str:
@@ -148,11 +151,14 @@ class OneRowStep:
 
 def compile_one_row_step(model: Transformer) -> Transformer:
     """`model` with its one-row decoder steps compiled (`OneRowStep`, attribute `one_row_step`),
-    compiled now; a `UserError` if torch.compile cannot run here (it needs a C++ compiler)."""
+    compiled now, said first on this module's logger (INFO); a `UserError` if torch.compile cannot run
+    here (it needs a C++ compiler)."""
     from aiayn.errors import UserError
 
     if next(model.parameters()).device.type == "cpu":
         check_cxx_compiler()
+    # else silence for as long: `translate --compile -i FILE` showed its progress bar only after 26 s
+    log.info("torch.compile: compiling the decoder step of one sentence before translating (10-40 s)")
     try:
         step = OneRowStep(model)
         step.warm_up()

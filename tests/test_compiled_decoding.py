@@ -152,8 +152,10 @@ def test_translate_compile_says_it_compiles_before_it_does(tmp_path, capsys, mon
     ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
     src = tmp_path / "in.txt"
     src.write_text("word 3\n", encoding="utf-8")
-    note = "aiayn: note: torch.compile: compiling the decoder step of one sentence before translating (10-40 s)\n"
-    assert main(["translate", str(ck), "-i", str(src), "-q", "--compile", "--beam", "1", "--max-len-b", "3"]) == 0
+    note = ("aiayn: note: torch.compile: compiling the decoder step of one sentence before translating "
+            "(10-40 s)\n")
+    args = ["-i", str(src), "-q", "--compile", "--beam", "1", "--max-len-b", "3"]
+    assert main(["translate", str(ck), *args]) == 0
     assert said_by_then == [note] and capsys.readouterr().err == ""
     assert logging.getLogger("aiayn.decoding.compiled").level == logging.NOTSET  # the CLI's level undone
     assert main(["translate", str(ck), "-i", str(src), "--compile", "--int8"]) == 2

@@ -375,8 +375,9 @@ def test_decode_config_refuses_values_a_search_cannot_use(settings, message):
 def test_a_seed_the_cpu_generator_cannot_tell_apart_is_refused(seed):
     """torch's CPU generator keeps a seed's low 32 bits: these were accepted, and drew what seed
     `seed % 2**32` draws (1 and 2**32 + 1 the same samples), while CUDA's generator drew others."""
-    with pytest.raises(ConfigError, match=rf"^DecodeConfig: seed={seed} must be between 0 and 2\*\*32 - 1 "
-                                          r"\(4,294,967,295\), the seeds PyTorch's CPU generator tells apart$"):
+    refusal = (rf"^DecodeConfig: seed={seed} must be between 0 and 2\*\*32 - 1 \(4,294,967,295\), the seeds "
+               r"PyTorch's CPU generator tells apart$")
+    with pytest.raises(ConfigError, match=refusal):
         DecodeConfig(seed=seed, **SAMPLING)
 
 

@@ -1330,9 +1330,9 @@ def test_a_seed_the_cpu_generator_cuts_to_32_bits_is_said(tmp_path, caplog):
         weights[seed] = load_file(checkpoint_dirs(tmp_path / str(seed))[-1] / "model.safetensors")
         said = [m for m in caplog.messages if "low 32 bits" in m]
         assert said == ([] if seed == 1 else [(
-            "train.seed=4294967297: PyTorch's CPU generator keeps a seed's low 32 bits, so this run is initialized, "
-            "its batches ordered and (on a CPU) its dropout drawn as with train.seed=1; a seed from 0 to "
-            "2**32 - 1 is a run of its own")])
+            "train.seed=4294967297: PyTorch's CPU generator keeps a seed's low 32 bits, so this run is "
+            "initialized, its batches ordered and (on a CPU) its dropout drawn as with train.seed=1; a seed "
+            "from 0 to 2**32 - 1 is a run of its own")])
     assert weights[1].keys() == weights[2**32 + 1].keys()
     assert all(torch.equal(weights[1][k], weights[2**32 + 1][k]) for k in weights[1])
 

@@ -791,9 +791,10 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
     p.add_argument("--compile", action="store_true",
                    help="compile the decoder step of one sentence with torch.compile before translating "
-                   "(10-40 s, said on stderr first, -q or not; float32 on a CPU, needs a C++ compiler): greedy search or sampling of one line "
-                   "at a time, as an interactive filter with --chunk 1 decodes, runs about 10%% faster; "
-                   "batches of several lines and beam search decode as without it")
+                   "(10-40 s, said on stderr first, -q or not; float32 on a CPU, needs a C++ compiler): "
+                   "greedy search or sampling of one line at a time, as an interactive filter with --chunk 1 "
+                   "decodes, runs about 10%% faster; batches of several lines and beam search decode as "
+                   "without it")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_translate)
 

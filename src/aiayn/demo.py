@@ -89,8 +89,8 @@ class DemoConfig:
         if not (math.isfinite(self.minutes) and self.minutes >= 0):
             problems.append(f"--minutes {self.minutes} must be a finite number >= 0 (0 = no limit)")
         if not 0 <= self.seed <= MAX_CPU_SEED:  # as translate's: the CPU's generator keeps 32 bits of it
-            problems.append(f"--seed {self.seed} must be between 0 and 2**32 - 1 ({MAX_CPU_SEED:,}), the seeds "
-                            "PyTorch's CPU generator tells apart")
+            problems.append(f"--seed {self.seed} must be between 0 and 2**32 - 1 ({MAX_CPU_SEED:,}), the "
+                            "seeds PyTorch's CPU generator tells apart")
         if not 1 <= self.n_train <= MAX_TRAIN_PAIRS:
             problems.append(f"--train-pairs {self.n_train} must be between 1 and {MAX_TRAIN_PAIRS:,}")
         if self.device not in ("cpu", "cuda"):

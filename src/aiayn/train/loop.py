@@ -256,8 +256,9 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
             log.info("resuming from %s (update %d, epoch %d)", resume_from, state.step, state.epoch + 1)
         if not 0 <= tc.seed <= MAX_CPU_SEED:  # said, not refused: runs trained with one resume as they began
             log.warning("train.seed=%d: PyTorch's CPU generator keeps a seed's low 32 bits, so this run is "
-                        "initialized, its batches ordered and (on a CPU) its dropout drawn as with train.seed=%d; "
-                        "a seed from 0 to 2**32 - 1 is a run of its own", tc.seed, tc.seed % 2**32)
+                        "initialized, its batches ordered and (on a CPU) its dropout drawn as with "
+                        "train.seed=%d; a seed from 0 to 2**32 - 1 is a run of its own",
+                        tc.seed, tc.seed % 2**32)
     net = torch.compile(model) if tc.compile else model
     if tc.compile and d.is_main:  # else silence, with no terminal for a bar, until the first update's line
         log.info("torch.compile: the first updates compile the model (minutes for `small` on a CPU)")

@@ -149,6 +149,27 @@ def test_a_sampling_translator_searches_for_one_call(checkpoint):
                                                              top_k=5, n_best=3, top_p=0.5)  # still sampling
 
 
+def test_a_searching_translator_narrows_or_samples_for_one_call(checkpoint):
+    """The other way round: a Translator searching with beam 5, n_best 5 and early stopping could not search
+    with beam 2 ("n_best=5 must be between 1 and beam=2") nor sample or search greedily ("early_stopping=True
+    needs beam > 1, not 1") for one call, refused for settings the call had not given."""
+    loaded = Translator.load(checkpoint)
+    config = DecodeConfig(beam=5, n_best=5, early_stopping=True)
+    searching = Translator(loaded.model, loaded.tokenizer, config)
+    texts = ["the number 12 is even", "the number 7"]
+    cases = [({"beam": 2}, {"beam": 2, "n_best": 2, "early_stopping": True}), ({"beam": 1}, {"beam": 1}),
+             ({"sample": True, "seed": 1}, {"beam": 1, "n_best": 5, "sample": True, "seed": 1}),  # 5 samples
+             ({"beam": 3, "n_best": 2}, {"beam": 3, "n_best": 2, "early_stopping": True})]
+    for options, expected in cases:
+        assert searching.decode_config(**options) == DecodeConfig(**expected), options
+        assert searching.hypotheses(texts, **options) == loaded.hypotheses(texts, **expected), options
+    assert decode_config(DecodeConfig(beam=5, n_best=5), beam=2) == DecodeConfig(beam=2, n_best=2)
+    with pytest.raises(ConfigError, match="n_best=3 must be between 1 and beam=2"):  # the call's own
+        searching.translate(texts, beam=2, n_best=3)
+    with pytest.raises(ConfigError, match="early_stopping=True needs beam > 1, not 1"):
+        searching.translate(texts, sample=True, early_stopping=True)
+
+
 def test_length_sorted_batches_respect_the_budget():
     lengths = [5, 1, 9, 3, 3, 20]
     batches = list(length_sorted_batches(lengths, max_tokens=12, rows_per_sentence=2))

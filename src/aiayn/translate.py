@@ -89,19 +89,25 @@ def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeCon
     `sample=True` without a `beam` means beam 1, as `--sample` does: sampling has no beam, and the
     default beam 4 would make it a contradiction (an explicit beam other than 1 still is). Likewise a
     sampling `base` and `sample=False`, or a beam above 1 without `sample`, mean a search: the sampling
-    fields the call did not give go back to their defaults (a search refuses them), and an inherited
-    number of samples `n_best` is capped at the beam."""
+    fields the call did not give go back to their defaults (a search refuses them). Settings of `base`
+    that the call did not give give way to those it did, whichever way it turns: a search's `n_best`
+    is capped at the beam (a sampling base's number of samples, a wider base search's hypotheses), and
+    `early_stopping` is dropped at beam 1 (greedy search or sampling: no beam to stop). A contradiction
+    among the call's own options is still refused."""
     base = base or DecodeConfig()
     if options.get("sample") is True and "beam" not in options:
         options["beam"] = 1
     beam = options.get("beam", base.beam)
     wider = isinstance(beam, int) and beam > 1 and "sample" not in options
+    inherited: dict[str, Any] = {}
     if base.sample and (options.get("sample") is False or wider):
         inherited = {"sample": False, **SAMPLING_ONLY}
-        if isinstance(beam, int) and not isinstance(beam, bool):
+    if isinstance(beam, int) and not isinstance(beam, bool):  # else from_dict names the wrong type
+        if not options.get("sample", inherited.get("sample", base.sample)):  # samples are not bounded by beam
             inherited["n_best"] = max(1, min(base.n_best, beam))
-        options = {**inherited, **options}
-    return from_dict(DecodeConfig, {**dataclasses.asdict(base), **options})
+        if beam == 1:
+            inherited["early_stopping"] = False
+    return from_dict(DecodeConfig, {**dataclasses.asdict(base), **inherited, **options})
 
 
 def text_list(texts: Iterable[str]) -> list[str]:

@@ -365,6 +365,7 @@ SAMPLING = {"sample": True, "beam": 1}
     ({"beam": 0}, r"DecodeConfig: beam=0 must be at least 1$"),  # not also "n_best=1 must be ... beam=0"
     ({"beam": 2**63}, r"beam=9223372036854775808 is more than 2147483647 rows"),  # torch: Overflow when ...
     ({"n_best": 10**20, **SAMPLING}, r"n_best=100000000000000000000 is more than 2147483647 rows"),
+    ({"n_best": 0, **SAMPLING}, r"DecodeConfig: n_best=0 must be at least 1$"),  # not "between 1 and beam=1"
 ])
 def test_decode_config_refuses_values_a_search_cannot_use(settings, message):
     with pytest.raises(ConfigError, match=message):

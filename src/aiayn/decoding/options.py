@@ -71,7 +71,9 @@ class DecodeConfig:
         if self.max_len_a == 0 and self.min_len > self.max_len_b:
             problems.append(f"min_len={self.min_len} is more than the max_len_b={self.max_len_b} tokens that "
                             f"max_len_a={self.max_len_a} allows")
-        if self.n_best < 1 or (not self.sample and self.n_best > self.beam >= 1):  # beam 0: said once above
+        if self.sample and self.n_best < 1:  # samples: as many as asked, whatever the beam (1)
+            problems.append(f"n_best={self.n_best} must be at least 1")
+        elif not self.sample and (self.n_best < 1 or self.n_best > self.beam >= 1):  # beam 0: said once above
             problems.append(f"n_best={self.n_best} must be between 1 and beam={self.beam}")
         for name in ("beam", "n_best"):
             if getattr(self, name) > MAX_ROWS:

@@ -2,6 +2,7 @@
 hand-computed scores (fairseq's test_sequence_generator pattern), exhaustive enumeration, the length
 penalty formulas, and the invariants beam 1 == greedy and batch == each sentence alone."""
 
+import dataclasses
 import itertools
 import math
 from types import SimpleNamespace
@@ -225,6 +226,24 @@ def test_wide_beam_finds_the_exhaustive_best(alpha, kind):
     narrow = DecodeConfig(beam=2, lenpen=alpha, lenpen_kind=kind, max_len_a=0, max_len_b=3,
                           early_stopping=True)
     assert beam_search(model, src[None], narrow)[0][0].tokens != best  # so the search problem is not trivial
+
+
+@pytest.mark.parametrize("vocab, limit, beam", [(4, 1, 4), (4, 3, 16), (5, 2, 16), (8, 1, 8),  # fewer
+                                                 (4, 30, 16), (50, 1, 8), (5, 1, 4)])  # all n_best
+def test_n_best_falls_short_only_where_fewer_outputs_fit_the_length_limit(vocab, limit, beam):
+    """The outputs of at most `limit` tokens over `vocab` ids (padding never one, EOS ending one early) are
+    sum(m**i for i <= limit), m = vocab - 2; a sentence gets fewer than n_best hypotheses exactly when
+    that is less than n_best: a tiny vocabulary alone (4 ids, 30 tokens) or a one-token limit alone (50
+    ids) gives them all, which translate_stream's docstring said it did not."""
+    torch.manual_seed(0)
+    model = tiny_model(vocab_size=vocab)
+    src = padded_batch([4, 6], vocab)  # (B, S)
+    possible = sum((vocab - 2) ** i for i in range(limit + 1))
+    for early_stopping in (False, True):
+        config = DecodeConfig(beam=beam, n_best=beam, max_len_a=0.0, max_len_b=limit)
+        hyps = generate(model, src, dataclasses.replace(config, early_stopping=early_stopping))
+        assert [len(h) for h in hyps] == [min(beam, possible)] * 2
+        assert all(len({tuple(h.tokens) for h in s}) == len(s) for s in hyps)  # each a different output
 
 
 def test_beam_one_equals_greedy():

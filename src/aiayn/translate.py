@@ -647,9 +647,10 @@ def translate_stream(
     interactive filter: each line is answered as soon as it is read); from a pipe, also what arrived
     before the input stalled, except with `sample` and a `seed`.
 
-    With `n_best` > 1 every line gets `n_best` rows (fewer only if the search ended with fewer: a tiny
-    vocabulary, a very short length limit) in Marian's n-best format (Moses' four
-    fields), `LINE ||| TEXT ||| F0= LOG_PROB ||| SCORE`: LINE counts from 0, LOG_PROB is the raw log
+    With `n_best` > 1 every line gets `n_best` rows (fewer only where fewer outputs fit its length limit:
+    a vocabulary of a few pieces under a limit of a token or two, e.g. 3 outputs for 4 ids, padding and
+    EOS among them, and 1 token) in Marian's n-best format (Moses' four fields),
+    `LINE ||| TEXT ||| F0= LOG_PROB ||| SCORE`: LINE counts from 0, LOG_PROB is the raw log
     P(TEXT | line) (`Translation.log_prob`), SCORE is LOG_PROB / lp(|Y|), what beam search ranked by.
     A line of no pieces (`Translator.source_ids`) gets `n_best` empty rows scored 0. With `sample`, one
     generator seeded once draws the whole stream; with a `seed` too, a pipe is read in whole `chunk`-line

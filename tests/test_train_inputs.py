@@ -1812,6 +1812,13 @@ def test_a_model_too_large_for_memory_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"\[model\]: not enough memory for the model \(d_model=32"):
         train(config)
 
+    def bad_alloc(config):  # C++'s, as a CPU kernel's own buffer fails under `ulimit -v`: a traceback
+        raise RuntimeError("std::bad_alloc")
+
+    monkeypatch.setattr(loop, "Transformer", bad_alloc)
+    with pytest.raises(UserError, match=r"\[model\]: not enough memory for the model \(d_model=32"):
+        train(config)
+
 
 def test_lines_longer_than_sentencepieces_default_still_train_the_tokenizer(tmp_path):
     """SentencePiece skips lines over its max_sentence_length (4,192 bytes by default) when it trains: a

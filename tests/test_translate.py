@@ -274,6 +274,35 @@ def test_running_out_of_memory_is_one_line_naming_the_batch(checkpoint, tmp_path
          "(--n-best); use fewer samples")]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS caps the address space on Linux")
+def test_a_kernels_bad_alloc_is_out_of_memory_too(checkpoint, tmp_path, capsys, monkeypatch):
+    """Under `ulimit -v`, beam search's topk (a CPU kernel's own buffer) fails with C++'s std::bad_alloc,
+    a RuntimeError other than the allocator's: `translate --beam 50000` was a traceback, exit 1."""
+    code = ("import resource, torch; from aiayn.errors import is_out_of_memory\n"
+            "x = torch.randn(1, 60_000_000)  # 240 MB; topk's buffer for it takes about 1 GB more\n"
+            "size = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
+            "hard = resource.getrlimit(resource.RLIMIT_AS)[1]\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (size + (300 << 20), hard))\n"
+            "try:\n    x.topk(1000, dim=1)\nexcept RuntimeError as e:\n"
+            "    print(type(e).__name__, str(e).strip(), is_out_of_memory(e))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout == "RuntimeError std::bad_alloc True\n", run.stderr
+
+    def bad_alloc(*args, **kwargs):
+        raise RuntimeError("std::bad_alloc")
+
+    monkeypatch.setattr("aiayn.translate.generate", bad_alloc)
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3\n", encoding="utf-8")
+    assert main(["translate", str(checkpoint), "-i", str(src), "-q", "--beam", "50"]) == 2
+    assert capsys.readouterr().err == (f"aiayn: error: {src}:1: out of memory decoding a batch of 1 "
+                                       "sentence(s) at beam 50; use a smaller beam\n")
+    monkeypatch.setattr("aiayn.translate.force_decode", bad_alloc)  # score's batches: the same
+    assert main(["score", str(checkpoint), "--src", str(src), "--tgt", str(src), "-q"]) == 2
+    assert capsys.readouterr().err == (f"aiayn: error: {src}:1: out of memory scoring a batch of 1 pair(s); "
+                                       "the pair alone needs more memory\n")
+
+
 @pytest.mark.parametrize("batch, beam, samples, advice", [
     (1, 1, 0, "the sentence alone needs more memory"),  # greedy, one sentence: nothing smaller to offer
     (1, 1, 1, "the sentence alone needs more memory"),

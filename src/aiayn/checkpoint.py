@@ -79,7 +79,7 @@ def model_from_weights(config: ModelConfig, weights: dict[str, torch.Tensor], wh
     check_fits(model, weights, where)
     try:
         model = model.to_empty(device=device)
-    except RuntimeError as e:
+    except (RuntimeError, MemoryError) as e:
         if not is_out_of_memory(e):
             raise
         raise UserError(f"{where}: out of memory for its {model.num_parameters():,}-parameter model") from None

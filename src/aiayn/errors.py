@@ -85,11 +85,15 @@ class OutOfMemory(TextError):
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """An allocation that failed: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError."""
+    """An allocation that failed: CUDA's OutOfMemoryError, the CPU allocator's RuntimeError, C++'s
+    std::bad_alloc as torch passes it on (a CPU kernel's own buffers: beam search's topk under `ulimit -v`
+    was a traceback), or Python's MemoryError."""
     import torch
 
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and any(
+        words in str(error) for words in ("can't allocate memory", "std::bad_alloc"))
 
 
 def str_list(items: Iterable[str], name: str, plural: str, singular: str) -> list[str]:

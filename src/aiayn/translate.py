@@ -387,7 +387,7 @@ class Translator:
         try:
             with torch.autocast(self.device.type, enabled=False):
                 yield
-        except RuntimeError as e:
+        except (RuntimeError, MemoryError) as e:
             if not is_out_of_memory(e):
                 raise
             raise OutOfMemory(min(chosen), len(chosen), **oom) from None

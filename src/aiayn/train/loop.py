@@ -67,7 +67,7 @@ from aiayn.data.dataset import (
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.options import MAX_CPU_SEED
-from aiayn.errors import CorruptFile, Stopped, UserError
+from aiayn.errors import CorruptFile, Stopped, UserError, is_out_of_memory
 from aiayn.files import recover_replaced, remove_abandoned, require_file
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
@@ -503,7 +503,7 @@ def build_model(config: RunConfig, tok: Tokenizer) -> Transformer:
     try:
         return Transformer(model_config)
     except (RuntimeError, MemoryError) as e:  # a [model] far too large: the allocator's traceback before
-        if "memory" not in str(e).lower() and not isinstance(e, MemoryError):
+        if not (is_out_of_memory(e) or "memory" in str(e).lower()):
             raise
         m = model_config
         raise UserError(f"[model]: not enough memory for the model (d_model={m.d_model}, d_ff={m.d_ff}, "

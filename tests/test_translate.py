@@ -523,6 +523,36 @@ def test_lines_of_a_pipe_keep_their_numbers_and_an_unended_last_line():
         list(read_utf8_lines(src, "in.txt", chunk=2))
 
 
+def test_a_read_error_is_one_line_naming_the_input(checkpoint, tmp_path, capsys):
+    """An I/O error while reading (a failing disk; /proc/self/mem, which opens but cannot be read) was an
+    OSError traceback from readline: only opening an input was caught. A file and a pipe alike."""
+    eio = OSError(errno.EIO, os.strerror(errno.EIO))
+
+    class FailingFile(io.BytesIO):  # no descriptor: read by readline, as a regular file is
+        def readline(self, size=-1):
+            if self.tell():
+                raise eio
+            return super().readline(size)
+
+    class FailingPipe(io.BufferedReader):  # a pipe's descriptor: read by read1, as it arrives
+        def read1(self, size=-1):
+            raise eio
+
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    for stream in (FailingFile(b"one\ntwo\n"), FailingPipe(io.FileIO(read_end, "rb"))):
+        with stream, pytest.raises(UserError, match=r"^in\.txt: cannot read \(Input/output error\)$"):
+            list(read_utf8_lines(stream, "in.txt", chunk=1))
+    if not os.path.exists("/proc/self/mem"):
+        return
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3\n", encoding="utf-8")
+    for args in (["translate", str(checkpoint), "-i", "/proc/self/mem", "-q"],
+                 ["score", str(checkpoint), "--src", str(src), "--tgt", "/proc/self/mem", "-q"]):
+        assert main(args) == 2
+        assert capsys.readouterr().err == "aiayn: error: /proc/self/mem: cannot read (Input/output error)\n"
+
+
 def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, capsys):
     src = tmp_path / "in.txt"
     src.write_text("the number 3\n", encoding="utf-8")

@@ -489,7 +489,7 @@ def read_utf8_lines(
     head = b""  # the first bytes, which say what a file that is no UTF-8 text is (gzip, UTF-16)
     lone = 0  # CRs alone in the first line, while it is all there is
     inner_crs = InnerCRs()
-    for n, (raw, more) in enumerate(_raw_lines(stream), 1):
+    for n, (raw, more) in enumerate(_raw_lines(stream, name), 1):
         head = raw[:HEAD_BYTES] if n == 1 else head
         try:
             text = raw.decode("utf-8").rstrip("\r\n")
@@ -517,30 +517,34 @@ def read_utf8_lines(
         yield lines
 
 
-def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:
+def _raw_lines(stream: BinaryIO, name: str) -> Iterator[tuple[bytes, bool]]:
     """(line, whether more input is ready now) for each line of `stream`. A regular file is always
     ready. A pipe, FIFO or terminal is read as it arrives (`read1`: what is there, waiting only when
     nothing is): before, 10,000 lines were awaited, so `producer | aiayn translate` answered a slow
-    producer only at its end."""
-    fd = _pipe_fd(stream)
-    if fd is None:
-        for raw in iter(stream.readline, b""):
-            yield raw, True
-        return
-    pending: list[bytes] = []  # the line under way, joined once it ends (joined and split again for each
-    # block, a 40 MB line took 13 s)
-    while block := stream.read1(1 << 16):
-        *complete, tail = block.split(b"\n")
-        if complete:
-            complete[0], pending = b"".join([*pending, complete[0]]), []
-        for i, line in enumerate(complete, 1):
-            yield line + b"\n", i < len(complete) or _ready(fd)
-        pending.append(tail)
-        if b"\0" in tail:  # no text has one; a binary stream (/dev/zero) may never end the line: say so now
-            yield b"".join(pending), True
-            pending = []
-    if rest := b"".join(pending):
-        yield rest, True
+    producer only at its end. A read that fails (an I/O error) is a UserError naming `name`, as opening
+    it is: `-i /proc/self/mem` was a traceback."""
+    try:
+        fd = _pipe_fd(stream)
+        if fd is None:
+            for raw in iter(stream.readline, b""):
+                yield raw, True
+            return
+        pending: list[bytes] = []  # the line under way, joined once it ends (joined and split again for
+        # each block, a 40 MB line took 13 s)
+        while block := stream.read1(1 << 16):
+            *complete, tail = block.split(b"\n")
+            if complete:
+                complete[0], pending = b"".join([*pending, complete[0]]), []
+            for i, line in enumerate(complete, 1):
+                yield line + b"\n", i < len(complete) or _ready(fd)
+            pending.append(tail)
+            if b"\0" in tail:  # no text has one; a binary stream (/dev/zero) may never end the line: say so
+                yield b"".join(pending), True
+                pending = []
+        if rest := b"".join(pending):
+            yield rest, True
+    except OSError as e:
+        raise UserError(f"{name}: cannot read ({e.strerror or e})") from None
 
 
 def is_regular_file(stream: BinaryIO) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import sentencepiece as spm
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
@@ -1100,6 +1102,59 @@ def test_a_tokenizer_left_in_run_dir_must_be_one_data_trains(finished_run, tmp_p
     sets = finished_run[2]
     config = load_config(None, [*sets, f"train.run_dir={run}", setting])
     with pytest.raises(UserError, match=f"^{run}: its tokenizer has {problem}; delete it"):
+        train(config)
+
+
+def user_spm(path: Path, lines: Path, **ids: int) -> None:
+    """A SentencePiece model trained as a user would, with SentencePiece's default special ids (unk=0,
+    bos=1, eos=2, no pad) but for `ids`, written to `path`."""
+    model = io.BytesIO()
+    text = lines.read_text(encoding="utf-8").splitlines()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model, vocab_size=40,
+                                   hard_vocab_limit=False, minloglevel=2, **ids)
+    path.write_bytes(model.getvalue())
+
+
+@pytest.mark.parametrize("ids, missing", [
+    ({}, "pad piece (pad_id=-1)"),  # SentencePiece's defaults
+    ({"pad_id": 3, "bos_id": -1}, "bos piece (bos_id=-1)"),
+    ({"pad_id": 3, "eos_id": -1}, "eos piece (eos_id=-1)"),
+])
+def test_a_tokenizer_left_in_run_dir_without_a_special_piece_is_refused_first(tmp_path, ids, missing):
+    """It was used ("using the tokenizer there"), the corpus encoded and cached, then the model's
+    configuration refused "pad_id=-1 is outside the vocabulary of 40", naming neither file nor fix."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run")
+    run = Path(config.train.run_dir)
+    run.mkdir()
+    user_spm(run / "spm.model", Path(config.data.train_src), **ids)
+    with pytest.raises(UserError, match=f"^{re.escape(str(run / 'spm.model'))}: the SentencePiece model has "
+                                        f"no {re.escape(missing)}; aiayn needs pad, bos and eos pieces"):
+        train(config)
+    assert not (run / "cache").exists()  # refused before any encoding
+
+
+def test_a_tokenizer_left_in_run_dir_may_have_its_own_special_ids(tmp_path, caplog):
+    """Any ids will do, as long as the pieces exist: pad=3 beside SentencePiece's unk=0 trains."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
+    run = Path(config.train.run_dir)
+    run.mkdir()
+    user_spm(run / "spm.model", Path(config.data.train_src), pad_id=3)
+    with caplog.at_level(logging.INFO):
+        assert train(config)["step"] == 1
+    assert any("using the tokenizer there" in m for m in caplog.messages)
+
+
+def test_separate_tokenizers_left_in_run_dir_must_share_their_special_ids(tmp_path):
+    """The ids come from target.spm: a source.spm with pad=3, unk=0 beside aiayn's pad=0, unk=3 had its
+    sources padded with its <unk> id, and their unknown pieces read as padding, silently."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "data.shared_vocab=false", "train.max_updates=1")
+    run = Path(config.train.run_dir)
+    run.mkdir()
+    user_spm(run / "source.spm", Path(config.data.train_src), pad_id=3)
+    user_spm(run / "target.spm", Path(config.data.train_tgt), pad_id=0, bos_id=1, eos_id=2, unk_id=3)
+    said = (f"{run / 'source.spm'}: special ids other than {run / 'target.spm'}'s "
+            "(pad_id=3, not 0; unk_id=0, not 3); aiayn takes both sides' from target.spm")
+    with pytest.raises(UserError, match=f"^{re.escape(said)}"):
         train(config)
 
 

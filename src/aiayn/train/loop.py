@@ -1292,6 +1292,35 @@ def _check_found_tokenizer(found: Tokenizer, dc: DataConfig, run_dir: Path) -> N
     if problem:
         raise UserError(f"{run_dir}: its tokenizer has {problem}; delete it (spm.model, or source.spm and "
                         "target.spm) to train a new one, or use a new train.run_dir")
+    _check_special_pieces(found)
+
+
+def _check_special_pieces(found: Tokenizer) -> None:
+    """A SentencePiece model made elsewhere must have the pieces aiayn's batches use: pad, bos (the
+    decoder's start) and eos. SentencePiece's defaults leave pad out (pad_id=-1): such a model was
+    accepted, the corpus encoded and cached, and the model's configuration refused it after ("pad_id=-1
+    is outside the vocabulary"). Any free ids will do. With two models, the ids come from target.spm
+    (`Tokenizer`), so source.spm must give pad, eos and unk the same ones: its sentences are padded and
+    ended with them, and their unknown pieces counted by them."""
+    path, sp = (found.src_path, found.src) if found.shared else (found.tgt_path, found.tgt)
+    ids = {"pad": sp.pad_id(), "bos": sp.bos_id(), "eos": sp.eos_id()}
+    if missing := [name for name, i in ids.items() if i < 0]:
+        raise UserError(
+            f"{path}: the SentencePiece model has no {' or '.join(missing)} piece "
+            f"({', '.join(f'{name}_id=-1' for name in missing)}); aiayn needs pad, bos and eos pieces: train "
+            "it with an id for each (SentencePiece leaves pad out unless given one: e.g. --pad_id=3 beside "
+            "its default unk_id=0 bos_id=1 eos_id=2), or delete it to train a new one"
+        )
+    if found.shared:
+        return
+    src = {"pad": found.src.pad_id(), "eos": found.src.eos_id(), "unk": found.src.unk_id()}
+    tgt = {"pad": ids["pad"], "eos": ids["eos"], "unk": sp.unk_id()}
+    if other := [f"{name}_id={src[name]}, not {tgt[name]}" for name in src if src[name] != tgt[name]]:
+        raise UserError(
+            f"{found.src_path}: special ids other than {path}'s ({'; '.join(other)}); aiayn takes both "
+            f"sides' from {path.name}: train both models with the same pad_id, eos_id and unk_id, or delete "
+            "them to train new ones"
+        )
 
 
 def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool]:

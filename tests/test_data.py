@@ -906,6 +906,54 @@ def test_a_decomposed_letter_is_named_whole_and_only_identity_is_advised(tmp_pat
     assert '"nfkc"' not in record.message
 
 
+@pytest.mark.parametrize("normalization", ["nmt_nfkc_cf", "nfkc_cf"])
+def test_the_case_folding_asked_for_is_not_warned_about(tmp_path, caplog, normalization):
+    """Every cased line was "changed" (300 of 300, e.g. U+005A LATIN CAPITAL LETTER Z), with the advice to
+    give up the folding. SentencePiece folds one character to one: ẞ to ß, and ß and İ kept, where
+    str.casefold writes ss and i + U+0307."""
+    odd = ["Die STRASSE und die Straße", "ẞ İstanbul ΣΑΣ ᾈ"] * 10
+    text = ParallelText(sentences(100, "de") + odd, sentences(100, "en") + odd, 0)
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        tok = train_tokenizer(text, tmp_path, 60, normalization=normalization)
+    assert tok.src.normalize("ẞ İ ß").replace("\u2581", " ").strip() == "ß İ ß"  # no ss, no i + U+0307
+    assert caplog.records == []
+
+
+def test_a_case_folding_rule_is_advised_one_that_keeps_the_folding(tmp_path, caplog):
+    """nmt_nfkc_cf rewrites the ZWNJ as nmt_nfkc does: nfkc_cf keeps it, and the case folding asked for."""
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        train_tokenizer(persian_text(), tmp_path, 60, normalization="nmt_nfkc_cf")
+    [record] = caplog.records
+    assert "U+200C ZERO WIDTH NON-JOINER" in record.message
+    assert 'set data.normalization = "nfkc_cf" and train a new tokenizer' in record.message
+    assert '"nfkc"' not in record.message and "identity" not in record.message
+
+
+@pytest.mark.parametrize("normalization", ["nmt_nfkc_cf", "nfkc_cf"])
+def test_what_no_case_folding_rule_keeps_is_said(tmp_path, caplog, normalization):
+    """ＩＢＭ is folded to ibm by NFKC, which every rule that folds case applies: only "identity" keeps it.
+    The character named is the text's, not its folding (U+FF49 FULLWIDTH LATIN SMALL LETTER I)."""
+    text = ParallelText([f"{s} ＩＢＭ" for s in sentences(100, "de")], sentences(100, "en"), 0)
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        train_tokenizer(text, tmp_path, 40, normalization=normalization)
+    [record] = caplog.records
+    assert "U+FF29 FULLWIDTH LATIN CAPITAL LETTER I in " in record.message
+    assert ('no rule that folds case keeps it: set data.normalization = "identity" (which keeps case too) '
+            "and train a new tokenizer") in record.message
+
+
+def test_a_kept_tokenizer_that_folds_case_is_not_warned_about_case(tmp_path, caplog):
+    """A fine-tune's or a resumed run's nmt_nfkc_cf tokenizer: its new text is folded as asked."""
+    text = ParallelText(sentences(100, "de"), sentences(100, "en"), 0)
+    tok = train_tokenizer(text, tmp_path / "tok", 40, normalization="nmt_nfkc_cf")
+    src, tgt = tmp_path / "new.de", tmp_path / "new.en"
+    src.write_text("\n".join(line.upper() for line in text.src) + "\n", encoding="utf-8")
+    tgt.write_text("\n".join(line.title() for line in text.tgt) + "\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        cache_encoded(src, tgt, tok, tmp_path / "cache", kept=True)
+    assert caplog.records == []
+
+
 @pytest.mark.parametrize("normalization", ["nmt_nfkc", "nfkc", "identity"])
 def test_whitespace_alone_is_not_warned_about(tmp_path, caplog, normalization):
     """SentencePiece collapses spaces whatever the rule, and a no-break space or a tab is whitespace too."""

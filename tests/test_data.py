@@ -196,6 +196,32 @@ def test_a_side_sentencepiece_refuses_is_named_and_nothing_is_left(tmp_path, sha
     assert list((tmp_path / "run").iterdir()) == []
 
 
+def test_separate_vocabularies_too_small_for_both_sides_are_said_at_once(tmp_path):
+    """The source's refusal alone was said ("raise data.vocab_size to at least 28"); raised to that, the
+    source was trained again and the target refused for more (305), one SentencePiece training a try."""
+    r = random.Random(0)
+    chinese = ["".join(r.choices([chr(0x4E00 + i) for i in range(300)], k=20)) for _ in range(400)]
+    english = [f"sentence number {i} about a dog" for i in range(400)]
+    src, tgt = write(tmp_path / "train.en", english), write(tmp_path / "train.zh", chinese)
+    with pytest.raises(UserError) as e:
+        train_tokenizer(scan_parallel(src, tgt), tmp_path / "run", 20, shared=False)
+    said = re.fullmatch(rf"source side \({re.escape(str(src))}\) and target side \({re.escape(str(tgt))}\): "
+                        r"data.vocab_size=20: the texts have (\d+) and (\d+) distinct characters, too many for "
+                        r"the vocabulary and its 4 special pieces; raise data.vocab_size to at least (\d+), or "
+                        r"lower data.character_coverage \(0.9995 is usual for Chinese and Japanese\)",
+                        str(e.value))
+    assert said, str(e.value)
+    source, target, needed = map(int, said.groups())
+    assert source < target and needed == target + 4
+    assert list((tmp_path / "run").iterdir()) == []
+    enough = source + 4  # for the English
+    swapped = f"^source side \\({re.escape(str(tgt))}\\): data.vocab_size={enough}: the text has {target} "
+    with pytest.raises(UserError, match=swapped):  # the target fits: the source's refusal, as before
+        train_tokenizer(scan_parallel(tgt, src), tmp_path / "run", enough, shared=False)
+    tok = train_tokenizer(scan_parallel(src, tgt), tmp_path / "run", needed, shared=False)  # enough for both
+    assert tok.tgt_vocab_size == needed
+
+
 def test_fewer_pieces_than_asked_are_said(tmp_path, corpus_files, caplog):
     _, src, tgt = corpus_files
     with caplog.at_level("WARNING", logger="aiayn.data.dataset"):

@@ -843,16 +843,33 @@ def train_tokenizer(
         write_model(directory / SHARED, _train_spm(lines, vocab_size, model_type, **settings))
         tokenizer = Tokenizer(directory / SHARED)
     else:  # one seed: both models learn from the same pairs
-        # Both trained before either is written: a refused target, or a kill between the two, left the
-        # source's model behind under a name no cleanup knew (source.model)
-        models = [_train_spm(_sampled(lines, n, seed), vocab_size, model_type, _side(side, lines), **settings)
-                  for side, lines in (("source", text.src), ("target", text.tgt))]
+        models = _side_models(text, n, seed, vocab_size, model_type, settings)
         for name, model in zip((SOURCE, TARGET), models):  # Tokenizer.save's names
             write_model(directory / name, model)
         tokenizer = Tokenizer(directory / SOURCE, directory / TARGET)
     _warn_if_normalization_changes_text(tokenizer, text, normalization)
     _warn_if_fewer_pieces(tokenizer, vocab_size, shared)
     return tokenizer
+
+
+def _side_models(
+    text: ParallelText | ParallelFiles, n: int, seed: int, vocab_size: int, model_type: str, settings: dict,
+) -> tuple[bytes, bytes]:
+    """The source's model and the target's, both trained before either is written: a refused target, or a
+    kill between the two, left the source's model behind under a name no cleanup knew (source.model). A
+    source refused for more characters than data.vocab_size holds is said with what the target needs too,
+    counted without training it: raised to the source's size alone, the next run trained the source
+    again, only for the target to be refused with a larger one."""
+    src_side, tgt_side = _side("source", text.src), _side("target", text.tgt)
+    try:
+        src = _train_spm(_sampled(text.src, n, seed), vocab_size, model_type, src_side, **settings)
+    except _TooManyCharacters as e:
+        tgt = _characters_needed(_sampled(text.tgt, n, seed), model_type, **settings)
+        if tgt is None or tgt <= vocab_size:  # the target fits: the source's size is the one to say
+            raise
+        both = _too_many_characters(vocab_size, [e.needed, tgt], settings["character_coverage"])
+        raise UserError(f"{src_side} and {tgt_side}: {both}") from None
+    return src, _train_spm(_sampled(text.tgt, n, seed), vocab_size, model_type, tgt_side, **settings)
 
 
 def _warn_if_fewer_pieces(tokenizer: Tokenizer, vocab_size: int, shared: bool) -> None:
@@ -907,7 +924,41 @@ def _train_spm(
         return sentencepiece_model(lines, vocab_size, model_type, character_coverage, normalization)
     except RuntimeError as e:  # "INTERNAL: trainer_interface.cc(638) [check] Vocabulary size is smaller ..."
         refusal = _refusal(str(e), vocab_size, character_coverage)
-        raise UserError(f"{side}: {refusal}" if side else refusal) from None
+        message = f"{side}: {refusal}" if side else refusal
+        if (needed := _required_chars(str(e))) is not None:
+            raise _TooManyCharacters(message, needed) from None
+        raise UserError(message) from None
+
+
+class _TooManyCharacters(UserError):
+    """SentencePiece's refusal of a vocabulary smaller than the text's characters and the special pieces,
+    `needed` pieces in all."""
+
+    def __init__(self, message: str, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+
+
+SPECIAL_PIECES = 4  # pad, bos, eos and unk, in every vocabulary aiayn trains
+
+
+def _characters_needed(
+    lines: Iterable[str], model_type: str, normalization: str, character_coverage: float
+) -> int | None:
+    """The least data.vocab_size `lines` take (the characters SentencePiece keeps, and the special pieces),
+    counted by SentencePiece without training: asked for the special pieces alone, it refuses once it has
+    counted the characters, before any merge. None where it refuses for another reason."""
+    try:
+        sentencepiece_model(lines, SPECIAL_PIECES, model_type, character_coverage, normalization)
+    except RuntimeError as e:
+        return _required_chars(str(e))
+    return None  # a text of one character takes 5
+
+
+def _required_chars(error: str) -> int | None:
+    """The vocabulary size SentencePiece's RuntimeError `error` says the text needs, if it is that refusal."""
+    chars = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", error)
+    return int(chars.group(1)) if chars else None
 
 
 def _side(side: str, lines: list[str] | KeptLines) -> str:
@@ -918,9 +969,8 @@ def _side(side: str, lines: list[str] | KeptLines) -> str:
 def _refusal(error: str, vocab_size: int, character_coverage: float) -> str:
     """One line for SentencePiece's RuntimeError `error`, naming the setting that fixes it."""
     reason = " ".join(error.rsplit("] ", 1)[-1].split()) or "RuntimeError"  # after the C++ check, one line
-    chars = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason)
-    if chars:  # SentencePiece's own advice names its --character_coverage flag, which aiayn does not have
-        return _too_many_characters(vocab_size, int(chars.group(1)), character_coverage)
+    if needed := _required_chars(error):  # SentencePiece's advice names --character_coverage, not aiayn's
+        return _too_many_characters(vocab_size, [needed], character_coverage)
     if "sentences_.empty()" in error or not reason:  # every line skipped: none to learn from
         return (f"SentencePiece found no line to learn from: every line of the training text is empty "
                 f"or longer than {MAX_LINE_BYTES:,} bytes")
@@ -936,19 +986,21 @@ def _refusal(error: str, vocab_size: int, character_coverage: float) -> str:
 USUAL_CJK_COVERAGE = 0.9995  # SentencePiece's advice for Chinese and Japanese
 
 
-def _too_many_characters(vocab_size: int, needed: int, character_coverage: float) -> str:
+def _too_many_characters(vocab_size: int, needed: list[int], character_coverage: float) -> str:
     """SentencePiece's "Vocabulary size is smaller than required_chars" as advice that can be taken: the
     coverage lowered only where the configuration allows it (0.9995 was advised at 0.9995, and lowering
-    it at 0.98, which data.character_coverage refuses to go below). `needed`: the characters kept, plus
-    pad, bos, eos and unk."""
+    it at 0.98, which data.character_coverage refuses to go below). `needed`: of each text refused (one, or
+    a source and a target), the characters kept, plus the special pieces."""
     covered = "" if character_coverage == 1.0 else f" at data.character_coverage={character_coverage}"
-    fix = f"raise data.vocab_size to at least {needed}"
+    counts = " and ".join(str(n - SPECIAL_PIECES) for n in needed)
+    has = f"the texts have {counts}" if len(needed) > 1 else f"the text has {counts}"
+    fix = f"raise data.vocab_size to at least {max(needed)}"
     if character_coverage > USUAL_CJK_COVERAGE:
         fix += f", or lower data.character_coverage ({USUAL_CJK_COVERAGE} is usual for Chinese and Japanese)"
     elif character_coverage > MIN_CHARACTER_COVERAGE:
         fix += f", or lower data.character_coverage ({MIN_CHARACTER_COVERAGE} at the lowest)"
-    return (f"data.vocab_size={vocab_size}: the text has {needed - 4} distinct characters{covered}, too many "
-            f"for the vocabulary and its 4 special pieces; {fix}")
+    return (f"data.vocab_size={vocab_size}: {has} distinct characters{covered}, too many for the vocabulary "
+            f"and its {SPECIAL_PIECES} special pieces; {fix}")
 
 
 ROUND_TRIP_SAMPLE = 2000  # lines per side checked after training a tokenizer

@@ -824,6 +824,49 @@ def test_a_new_cache_removes_the_stale_ones_of_the_same_files(tmp_path, corpus_f
     assert second != first and set(cache.iterdir()) == {others, second} | unrelated
 
 
+def test_a_corpus_reached_through_a_repointed_symlink_replaces_its_old_cache(tmp_path, corpus_files, caplog):
+    """The cache recorded the files the symlink resolved to: pointed at a new corpus, the old one's cache
+    stayed, where the README says a new encoding of the same files replaces their old one."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    for version, n in (("v1", 200), ("v2", 150)):
+        (tmp_path / version).mkdir()
+        write(tmp_path / version / "train.de", read_lines(src)[:n])
+        write(tmp_path / version / "train.en", read_lines(tgt)[:n])
+    current, cache = tmp_path / "current", tmp_path / "cache"
+    current.symlink_to("v1")
+    a, b = current / "train.de", current / "train.en"
+    load_encoded(a, b, tok, cache)
+    [first] = cache.iterdir()
+    current.unlink()
+    current.symlink_to("v2")
+    with caplog.at_level(logging.INFO, logger="aiayn.data.dataset"):
+        corpus, _ = load_encoded(a, b, tok, cache)
+    [second] = cache.iterdir()
+    assert second != first and len(corpus) == 150
+    assert f"{first}: removed, an earlier encoding of {a}" in caplog.messages
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="aiayn.data.dataset"):
+        again, _ = load_encoded(a, b, tok, cache)  # unchanged: read from the cache, which stays
+    assert f"{second}: 150 pairs from the cache" in caplog.messages and list(cache.iterdir()) == [second]
+
+
+def test_a_cache_that_recorded_the_resolved_files_is_still_replaced(tmp_path, corpus_files, monkeypatch):
+    """Caches written before the names were recorded hold the files the names resolved to."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    (tmp_path / "link").symlink_to(src.parent)
+    a, b, cache = tmp_path / "link" / src.name, tmp_path / "link" / tgt.name, tmp_path / "cache"
+    with monkeypatch.context() as m:
+        m.setattr(dataset, "_path_text", lambda path: str(path.resolve()))  # as aiayn wrote them
+        load_encoded(a, b, tok, cache)
+    [first] = cache.iterdir()
+    other = train_tokenizer(read_parallel(src, tgt), tmp_path / "other", 30)  # another key
+    load_encoded(a, b, other, cache)
+    [second] = cache.iterdir()
+    assert second != first
+
+
 @pytest.mark.parametrize("stem", ["a" * 251, "ä" * 125], ids=["ascii", "two-byte"])
 def test_files_of_the_longest_names_have_a_cache(tmp_path, corpus_files, stem):
     """The cache's name held both files' names whole: two legal names of 134 characters failed with

@@ -624,24 +624,27 @@ def _write_cache(
 
 
 def _remove_stale_caches(kept: Path, src_path: Path, tgt_path: Path) -> None:
-    """Delete the caches of earlier versions of these files (another mtime or size) or of an earlier
-    tokenizer beside `kept`: hundreds of MB each, never read again. Only files with a cache's name for
-    these file names go, and of those only caches of the same paths or of an older CACHE_FORMAT (which
-    no key matches any more): a cache of other files of the same names (valid/de.txt beside
-    train/de.txt, in one run) stays."""
+    """Delete the caches of earlier versions of these files (another mtime or size, or another file a
+    symlink now points at) or of an earlier tokenizer beside `kept`: hundreds of MB each, never read
+    again. Only files with a cache's name for these file names go, and of those only caches of the same
+    paths or of an older CACHE_FORMAT (which no key matches any more): a cache of other files of the
+    same names (valid/de.txt beside train/de.txt, in one run) stays. The same paths are the names given,
+    not the files they resolve to: a symlink repointed to a new corpus left the old one's cache."""
     name = re.compile(re.escape(f"{_cache_stem(src_path, tgt_path)}.") + r"[0-9a-f]{16}\.safetensors")
-    ours = (_path_text(src_path), _path_text(tgt_path))
+    named = (_path_text(src_path), _path_text(tgt_path))
+    resolved = (_path_text(src_path.resolve()), _path_text(tgt_path.resolve()))  # what caches recorded before
     for old in kept.parent.iterdir():
         if (old.name != kept.name and name.fullmatch(old.name) and old.is_file()  # a directory: not ours
-                and _cache_files(old) in (ours, None)):
+                and _cache_files(old) in (named, resolved, None)):
             old.unlink(missing_ok=True)
             log.info("%s: removed, an earlier encoding of %s", old, src_path)
 
 
 def _path_text(path: Path) -> str:
-    """`path`, resolved, as text that UTF-8 can hold (a cache's metadata): a byte of a name that is not
-    UTF-8 written as \\xff, where the name itself failed to be written."""
-    return os.fsencode(path.resolve()).decode("utf-8", "backslashreplace")
+    """`path` made absolute, its symlinks not followed (the name given, which a symlink repointed keeps),
+    as text that UTF-8 can hold (a cache's metadata): a byte of a name that is not UTF-8 written as \\xff,
+    where the name itself failed to be written."""
+    return os.fsencode(os.path.abspath(path)).decode("utf-8", "backslashreplace")
 
 
 def _cache_files(path: Path) -> tuple[str, str] | None:

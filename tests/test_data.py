@@ -205,11 +205,11 @@ def test_separate_vocabularies_too_small_for_both_sides_are_said_at_once(tmp_pat
     src, tgt = write(tmp_path / "train.en", english), write(tmp_path / "train.zh", chinese)
     with pytest.raises(UserError) as e:
         train_tokenizer(scan_parallel(src, tgt), tmp_path / "run", 20, shared=False)
-    said = re.fullmatch(rf"source side \({re.escape(str(src))}\) and target side \({re.escape(str(tgt))}\): "
-                        r"data.vocab_size=20: the texts have (\d+) and (\d+) distinct characters, too many for "
-                        r"the vocabulary and its 4 special pieces; raise data.vocab_size to at least (\d+), or "
-                        r"lower data.character_coverage \(0.9995 is usual for Chinese and Japanese\)",
-                        str(e.value))
+    sides = f"source side ({src}) and target side ({tgt}): data.vocab_size=20: "
+    rest = (r"the texts have (\d+) and (\d+) distinct characters, too many for the vocabulary and its 4 "
+            r"special pieces; raise data.vocab_size to at least (\d+), or lower data.character_coverage "
+            r"\(0.9995 is usual for Chinese and Japanese\)")
+    said = re.fullmatch(re.escape(sides) + rest, str(e.value))
     assert said, str(e.value)
     source, target, needed = map(int, said.groups())
     assert source < target and needed == target + 4
@@ -847,7 +847,7 @@ def test_a_corpus_reached_through_a_repointed_symlink_replaces_its_old_cache(tmp
     assert f"{first}: removed, an earlier encoding of {a}" in caplog.messages
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="aiayn.data.dataset"):
-        again, _ = load_encoded(a, b, tok, cache)  # unchanged: read from the cache, which stays
+        load_encoded(a, b, tok, cache)  # unchanged: read from the cache, which stays
     assert f"{second}: 150 pairs from the cache" in caplog.messages and list(cache.iterdir()) == [second]
 
 

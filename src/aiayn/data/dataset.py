@@ -1066,7 +1066,8 @@ def _normalization_fix(normalization: str, nfkc_changes: bool) -> str:
     if normalization in ("nmt_nfkc_cf", "nfkc_cf"):
         if normalization == "nmt_nfkc_cf" and not nfkc_changes:
             return '; set data.normalization = "nfkc_cf"'
-        return '; no rule that folds case keeps it: set data.normalization = "identity" (which keeps case too)'
+        return ('; no rule that folds case keeps it: set data.normalization = "identity" '
+                "(which keeps case too)")
     nfkc = '; set data.normalization = "nfkc" (or "identity")'
     return {"nfkc": identity, "identity": ""}.get(normalization, identity if nfkc_changes else nfkc)
 

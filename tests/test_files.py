@@ -213,6 +213,24 @@ def test_a_temporary_deleted_by_another_program_is_said_to_be(tmp_path, kind):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_checkpoint_temporary_deleted_before_a_file_written_into_it_is_said_to_be(tmp_path):
+    """The tokenizer writes its file into the checkpoint's temporary through atomic_output: the temporary
+    deleted first, its 'out/spm.model: cannot write (No such file or directory)' blamed nothing."""
+    from aiayn.errors import UserError
+    from aiayn.files import atomic_output
+
+    def write(tmp):
+        shutil.rmtree(tmp)
+        with atomic_output(tmp / "spm.model", binary=True) as f:
+            f.write(b"x")
+
+    deleted = r"another program deleted its temporary \.out\.aiayn-[0-9a-f-]+\.[a-z0-9_]{8}\.tmp"
+    with pytest.raises(UserError, match=rf"^{re.escape(str(tmp_path / 'out'))}: could not write checkpoint "
+                                        rf"\({deleted} before it was complete\)$"):
+        write_atomically(tmp_path / "out", write)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_directory_left_moved_aside_is_put_back(tmp_path):
     """A kill between the two renames of a replacement left only '.out.old' (and the new one's temporary):
     the next write, or `recover_replaced`, puts the old one back; beside a complete one it is deleted."""

@@ -331,7 +331,7 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(made)
-        if isinstance(e, (OSError, SafetensorError)):
+        if isinstance(e, (OSError, SafetensorError)) or gone:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
             reason = gone or reason
             raise UserError(f"{directory}: could not write {what} ({reason})") from None
@@ -379,8 +379,9 @@ def atomic_output(path: str | Path, binary: bool = False) -> Iterator[IO]:
 
 def _deleted_meanwhile(tmp: str | Path | None, e: BaseException) -> str | None:
     """Why writing failed if another program deleted the temporary `tmp` meanwhile: the rename then said only
-    "No such file or directory", which named nothing of it."""
-    if tmp is None or not isinstance(e, (OSError, SafetensorError)) or os.path.lexists(tmp):
+    "No such file or directory", which named nothing of it (a UserError: a file written into a deleted
+    checkpoint's temporary through `atomic_output`, the tokenizer's)."""
+    if tmp is None or not isinstance(e, (OSError, SafetensorError, UserError)) or os.path.lexists(tmp):
         return None
     return f"another program deleted its temporary {Path(tmp).name} before it was complete"
 

@@ -121,7 +121,7 @@ def _job_rank(command: str | None) -> int | None:
         world_size, rank = int(os.environ.get("WORLD_SIZE") or 1), int(os.environ.get("RANK") or 0)
     except ValueError:  # train refuses it, in one line
         return None
-    return rank if world_size > 1 else None
+    return rank if world_size > 1 and 0 <= rank < world_size else None  # else setup refuses it: said here
 
 
 def _log_to_stderr(rank: int | None = None) -> None:

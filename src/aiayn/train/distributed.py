@@ -72,8 +72,9 @@ def setup(device: str = "auto", written: str | None = None) -> Dist:
     for name, value in (("RANK", rank), ("LOCAL_RANK", local_rank)):
         if not 0 <= value < world_size:  # a RANK left in the environment made a process 1 in a job of one,
             # which left every write to a process 0 that did not exist (exit 2, or a TypeError, no line)
-            raise ConfigError(f"{name}={value} is set, but {size}: start many processes with torchrun, or "
-                              f"unset {name} for one")
+            fix = (f"it must be from 0 to {world_size - 1} (torchrun sets both)" if world_size > 1 else
+                   f"start many processes with torchrun, or unset {name} for one")
+            raise ConfigError(f"{name}={value} is set, but {size}: {fix}")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         _check_gpu(device, local_rank, written)

@@ -4,6 +4,7 @@ import errno
 import gzip
 import logging
 import os
+import pickle
 import random
 import re
 import subprocess
@@ -216,8 +217,10 @@ def test_separate_vocabularies_too_small_for_both_sides_are_said_at_once(tmp_pat
     assert list((tmp_path / "run").iterdir()) == []
     enough = source + 4  # for the English
     swapped = f"^source side \\({re.escape(str(tgt))}\\): data.vocab_size={enough}: the text has {target} "
-    with pytest.raises(UserError, match=swapped):  # the target fits: the source's refusal, as before
+    with pytest.raises(UserError, match=swapped) as e:  # the target fits: the source's refusal, as before
         train_tokenizer(scan_parallel(tgt, src), tmp_path / "run", enough, shared=False)
+    sent = pickle.loads(pickle.dumps(e.value))  # as a process pool sends it back (it broke the pool)
+    assert isinstance(sent, UserError) and str(sent) == str(e.value)
     tok = train_tokenizer(scan_parallel(src, tgt), tmp_path / "run", needed, shared=False)  # enough for both
     assert tok.tgt_vocab_size == needed
 

@@ -937,9 +937,12 @@ class _TooManyCharacters(UserError):
     """SentencePiece's refusal of a vocabulary smaller than the text's characters and the special pieces,
     `needed` pieces in all."""
 
-    def __init__(self, message: str, needed: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, needed: int = 0) -> None:  # a default: type(e)(message) rewords one
+        super().__init__(message, needed)  # both in args: pickled whole (a process pool sends it back)
         self.needed = needed
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 SPECIAL_PIECES = 4  # pad, bos, eos and unk, in every vocabulary aiayn trains

@@ -250,6 +250,8 @@ def test_an_out_not_utf8_is_refused_before_the_corpus(tmp_path, capsys):
     assert len(err) == 1 and err[0] == (f"aiayn: error: demo --out '{tmp_path}/bad\\xff': the name is not "
                                         "UTF-8, which the checkpoints record it in; rename it"), err
     assert not any(tmp_path.iterdir())
+    with pytest.raises(ConfigError, match=r"^demo --out 'x\\ud800': the name is not UTF-8"):
+        DemoConfig(out="x\ud800")  # from Python, a lone surrogate, which no byte is: was a traceback
 
 
 def test_the_translation_bar_is_shown_on_a_terminal_only(tmp_path, monkeypatch):

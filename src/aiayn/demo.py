@@ -109,7 +109,10 @@ class DemoConfig:
         try:  # the checkpoints record the corpus' paths: refused after the corpus, as data.train_src's
             self.out.encode("utf-8")
         except UnicodeEncodeError:
-            shown = self.out.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            try:  # a name's bytes, as the command line gives them (surrogateescape)
+                shown = self.out.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            except UnicodeEncodeError:  # a lone surrogate from Python, which no byte is: as its code
+                shown = self.out.encode("utf-8", "backslashreplace").decode("utf-8")
             problems.append(f"--out '{shown}': the name is not UTF-8, which the checkpoints record it in; "
                             "rename it")
         vocabulary = SIZES[self.size]["vocab_size"]

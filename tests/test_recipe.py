@@ -337,6 +337,28 @@ def test_fine_tuning_members_are_compared_as_the_checkpoints_model(tmp_path, cap
         run.main([*base, "--partner", "model.dropout=0.1"])
 
 
+def test_a_resumed_fine_tuning_ensemble_needs_no_init_from(tmp_path, capsys, monkeypatch):
+    """The training loop reads a resumed fine-tune's model from the member's own checkpoint, but the
+    members' comparison read train.init_from's: once it was deleted, --resume was refused ("ck: not an
+    aiayn checkpoint (no meta.json)")."""
+    import shutil
+
+    from conftest import numbers_checkpoint
+
+    never_trains(monkeypatch)
+    ck = numbers_checkpoint(tmp_path, d_model=256, n_heads=4, d_ff=1024, n_layers=3)  # the recipe's `small`
+    for member in "ab":  # as each member's first invocation saved it
+        shutil.copytree(ck, tmp_path / "r" / member / "checkpoints" / "step_000200")
+    shutil.rmtree(ck)
+    options = ["--data", str(dog_data(tmp_path / "data")), "--ensemble", "--set", f"train.init_from={ck}",
+               "--partner", "train.seed=3"]
+    with pytest.raises(AssertionError, match="trained"):
+        run.main([*options, "--resume", "--set", f"train.run_dir={tmp_path / 'r'}"])
+    # members with nothing saved yet start from init_from: its absence is said before training
+    assert run.main([*options, "--resume", "--set", f"train.run_dir={tmp_path / 'new'}"]) == 2
+    assert f"{ck}: not an aiayn checkpoint" in capsys.readouterr().err
+
+
 def test_a_tilde_in_data_is_the_home_directory(tmp_path, monkeypatch):
     """`--data=~/m30` (no shell expands ~ after =) was refused: "~/m30/train.en: file not found"."""
     monkeypatch.setenv("HOME", str(tmp_path))

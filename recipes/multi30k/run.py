@@ -145,33 +145,44 @@ BOOKKEEPING = ("run_dir", "threads", "log_every", "keep_last", "bleu_lang")
 VALIDATION = ("valid_every", "bleu_every")
 
 
-def check_members_differ(configs: list[RunConfig]) -> None:
+def check_members_differ(configs: list[RunConfig], resume: bool) -> None:
     """Two members of one configuration train one model twice, bit for bit: `--set train.seed=2` met
     en-de's partner `train.seed=2`, `--partner model.n_heads=4` restated the `small` preset's, and the
     ensemble of two copies cost twice the training. Compared as trained, not as written."""
-    check_members_share_vocabulary(configs)
-    if trained_as(configs[0]) == trained_as(configs[1]):
+    checkpoints = [start_checkpoint(c, resume) for c in configs]
+    check_members_share_vocabulary(configs, checkpoints)
+    if trained_as(configs[0], checkpoints[0]) == trained_as(configs[1], checkpoints[1]):
         raise UserError("the two --ensemble members would train the same model (the partner's overrides "
                         "restate --set, the recipe or the defaults, or set only what leaves the weights "
                         "alone, as train.keep_last); make them differ, e.g. --partner "
                         f"train.seed={configs[0].train.seed + 1}")
 
 
-def trained_as(config: RunConfig) -> dict[str, Any]:
-    """What decides a member's weights: its model as training builds it, [data], [train] less bookkeeping."""
+def start_checkpoint(config: RunConfig, resume: bool) -> Path | None:
+    """The checkpoint a fine-tuning member's model and tokenizer come from: train.init_from's, or on --resume
+    the member's newest, as the training loop reads them (`initial_checkpoint`): init_from was needed for the
+    first invocation alone, and a --resume after it was deleted was refused ("not an aiayn checkpoint")."""
+    if not config.train.init_from:
+        return None
+    newest = checkpoint_dirs(config.train.run_dir)[-1:] if resume else []
+    return newest[0] if newest else Path(config.train.init_from)
+
+
+def trained_as(config: RunConfig, start: Path | None) -> dict[str, Any]:
+    """What decides a member's weights: its model as training builds it (from `start`, a fine-tune's
+    checkpoint), [data], [train] less bookkeeping."""
     settings = config.to_dict()  # every [data] and [train] field; [model] only as written
-    settings["model"] = built_model(config)
+    settings["model"] = built_model(config, start)
     left_out = BOOKKEEPING if config.train.patience else BOOKKEEPING + VALIDATION
     settings["train"] = {k: v for k, v in settings["train"].items() if k not in left_out}
     return settings
 
 
-def built_model(config: RunConfig) -> dict[str, Any]:
-    """The model `build_model` makes of `config`, but for the tokenizer's sizes and ids, which the members
-    share (`check_members_share_vocabulary`)."""
-    if config.train.init_from:  # the checkpoint's model, with [model]'s dropout
-        path = Path(config.train.init_from)
-        return asdict(finetune_model_config(config, meta_model_config(path, read_meta(path)), path))
+def built_model(config: RunConfig, start: Path | None) -> dict[str, Any]:
+    """The model `build_model` makes of `config`, or of a fine-tune's `start` checkpoint, but for the
+    tokenizer's sizes and ids, which the members share (`check_members_share_vocabulary`)."""
+    if start:  # the checkpoint's model, with [model]'s dropout
+        return asdict(finetune_model_config(config, meta_model_config(start, read_meta(start)), start))
     # as build_model: separate vocabularies share no embedding matrix unless [model] says so
     unshared = not config.data.shared_vocab and "share_embeddings" not in config.model
     model = config.model_config(vocab_size=64, **({"share_embeddings": False} if unshared else {}))
@@ -182,25 +193,26 @@ def built_model(config: RunConfig) -> dict[str, Any]:
 VOCABULARY = ("train_src", "train_tgt", *TOKENIZER_SETTINGS)
 
 
-def check_members_share_vocabulary(configs: list[RunConfig]) -> None:
+def check_members_share_vocabulary(configs: list[RunConfig], checkpoints: list[Path | None]) -> None:
     """An ensemble decodes with one vocabulary: a partner with another tokenizer setting or training files
     (`--partner data.vocab_size=300`), or fine-tuning a checkpoint (which keeps its own tokenizer) that the
-    other does not share, was refused by Translator only after both trainings."""
+    other does not share, was refused by Translator only after both trainings. `checkpoints`: where each
+    member's tokenizer is read (`start_checkpoint`)."""
     for key in VOCABULARY:
         a, b = (getattr(c.data, key) for c in configs)
         if a != b:
             raise UserError(f"the two --ensemble members would train different vocabularies: data.{key} is "
                             f"{a!r} for member a and {b!r} for member b; an ensemble decodes with one")
     starts = [c.train.init_from for c in configs]
-    if starts[0] != starts[1] and not (all(starts) and same_tokenizer(*starts)):
+    if starts[0] != starts[1] and not (all(starts) and same_tokenizer(*checkpoints)):
         raise UserError(f"the two --ensemble members would have different vocabularies: train.init_from is "
                         f"{starts[0]!r} for member a and {starts[1]!r} for member b (a fine-tune keeps its "
                         "checkpoint's tokenizer); an ensemble decodes with one")
 
 
-def same_tokenizer(a: str, b: str) -> bool:
+def same_tokenizer(a: Path, b: Path) -> bool:
     """Whether two checkpoints hold one tokenizer (two checkpoints of one run do)."""
-    first, second = (checkpoint_tokenizer(Path(c), read_meta(Path(c))) for c in (a, b))
+    first, second = (checkpoint_tokenizer(c, read_meta(c)) for c in (a, b))
     return first.same_as(second)
 
 
@@ -390,7 +402,8 @@ def member_configs(args: argparse.Namespace, config: RunConfig,
     try:
         members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m]) for m in overrides]
         if not args.no_train:  # --no-train scores runs trained already, however they were configured
-            check_members_differ(members)  # a fine-tune's [model] is refused there, by its --set item
+            # a fine-tune's [model] is refused there, by its --set item
+            check_members_differ(members, args.resume)
     except (ConfigError, UserError) as e:
         raise UserError(as_partner(str(e), args.partner)) from None
     return members, overrides

@@ -359,6 +359,38 @@ def test_a_resumed_fine_tuning_ensemble_needs_no_init_from(tmp_path, capsys, mon
     assert f"{ck}: not an aiayn checkpoint" in capsys.readouterr().err
 
 
+def test_the_pairs_own_partner_items_are_not_named_as_set_items(tmp_path, capsys, monkeypatch):
+    """With no --partner, member b gets the pair's PARTNER as --set items: a fine-tune's checkpoint refusing
+    de-en's `model.d_model=128` was said as "--set 'model.d_model=128'", which nobody wrote."""
+    from conftest import numbers_checkpoint
+
+    train_members = run.train_members
+    never_trains(monkeypatch)
+    ck = numbers_checkpoint(tmp_path, d_model=256, n_heads=4, d_ff=1024, n_layers=3)  # the recipe's `small`
+    data = dog_data(tmp_path / "data")
+    base = ["--data", str(data), "--pair", "de-en", "--set", f"train.run_dir={tmp_path / 'r'}"]
+    assert run.main([*base, "--ensemble", "--set", f"train.init_from={ck}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py: error: the de-en recipe's partner item 'model.d_model=128' (replace it "
+                          "with --partner): model.d_model=128 differs from "), err
+
+    def refused(config, resume=False):  # as the member's training refuses an item (initial_checkpoint)
+        raise config.refusal("model.d_model", config.model["d_model"], "refused")
+
+    monkeypatch.setattr(run, "train", refused)
+    member = [*base, "--train-only", "--set", "model.d_model=128"]
+    assert run.main([*member, "--recipe-partner"]) == 2  # member b, as train_members starts it
+    assert capsys.readouterr().err == ("run.py: error: the de-en recipe's partner item 'model.d_model=128' "
+                                       "(replace it with --partner): refused\n")
+    assert run.main(member) == 2  # member a: its --set items are --set's
+    assert capsys.readouterr().err == "run.py: error: --set 'model.d_model=128': refused\n"
+    commands = []  # train_members starts b so, and a not
+    monkeypatch.setattr(run.subprocess, "Popen", commands.append)
+    monkeypatch.setattr(run, "wait_all", lambda procs: [0, 0])
+    train_members(run.parse_args([*base, "--ensemble"]), [["train.seed=1"], ["train.seed=2"]], ["a", "b"])
+    assert ["--recipe-partner" in command for command in commands] == [False, True]
+
+
 def test_a_tilde_in_data_is_the_home_directory(tmp_path, monkeypatch):
     """`--data=~/m30` (no shell expands ~ after =) was refused: "~/m30/train.en: file not found"."""
     monkeypatch.setenv("HOME", str(tmp_path))

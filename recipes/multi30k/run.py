@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the second --ensemble member's overrides, replacing the pair's PARTNER "
                    "(e.g. --partner train.seed=3 --partner model.dropout=0.2)")
     p.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)  # one --ensemble member
+    # member b of an --ensemble given no --partner: its --set items hold the pair's PARTNER (`as_partner`)
+    p.add_argument("--recipe-partner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     # Each was silently ignored: a model trained without the partner asked for, scores of no resumed run.
     # (A member's --partner only names, in its errors, the --set items that came from --partner.)
@@ -219,12 +221,13 @@ def same_tokenizer(a: Path, b: Path) -> bool:
 def train_members(args: argparse.Namespace, members: list[list[str]], run_dirs: list[str]) -> None:
     """Train the two --ensemble members, given their overrides and run directories, in parallel processes."""
     procs = []
-    for overrides, partner in zip(members, [[], args.partner or []]):
+    # b's --partner items, or word that it has the pair's PARTNER, so that its errors name them so (its
+    # refusals of train.device=cuda on a CPU machine, or of a fine-tune's model, were --set's): they come
+    # as --set items too
+    partner = [a for item in args.partner or [] for a in ("--partner", item)] or ["--recipe-partner"]
+    for overrides, named in zip(members, [[], partner]):
         cmd = [sys.executable, __file__, "--data", args.data, "--pair", args.pair, "--train-only",
                *(["--resume"] if args.resume else [])]
-        # b's --partner items, so that its errors name them so (its refusals of train.device=cuda on a
-        # CPU machine, or of a fine-tune's model, were --set's): they come as --set items too
-        named = [a for item in partner for a in ("--partner", item)]
         procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)] + named))
     codes = wait_all(procs)
     if any(codes):
@@ -292,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except (UserError, ConfigError) as e:  # a wrong --data, a run directory that is not there: one line
-        message = as_partner(str(e), args.partner) if args.train_only else str(e)  # member b: train_members
+        message = as_partner(str(e), args) if args.train_only else str(e)  # member b: train_members
         print(f"run.py: error: {message}", file=sys.stderr)
         return 2
     except Stopped as e:  # SIGTERM or Ctrl-C: the training saved its update (as `aiayn train` says it)
@@ -405,15 +408,23 @@ def member_configs(args: argparse.Namespace, config: RunConfig,
             # a fine-tune's [model] is refused there, by its --set item
             check_members_differ(members, args.resume)
     except (ConfigError, UserError) as e:
-        raise UserError(as_partner(str(e), args.partner)) from None
+        raise UserError(as_partner(str(e), args)) from None
     return members, overrides
 
 
-def as_partner(message: str, partner: list[str] | None) -> str:
-    """`message` with the --partner items named as such: they go in as --set items, and a bad one was
-    named --set's."""
-    for item in partner or []:
-        message = message.replace(f"--set {item!r}", f"--partner {item!r}")
+def as_partner(message: str, args: argparse.Namespace) -> str:
+    """`message` with member b's partner items named as such: they go in as --set items, and a bad one was
+    named --set's, the pair's PARTNER too, which no option wrote (de-en's `model.d_model=128` refused by a
+    fine-tune's checkpoint)."""
+    if args.partner:
+        names = {item: f"--partner {item!r}" for item in args.partner}
+    elif args.ensemble or args.recipe_partner:
+        names = {item: f"the {args.pair} recipe's partner item {item!r} (replace it with --partner)"
+                 for item in PARTNER[args.pair]}
+    else:  # member a
+        names = {}
+    for item, name in names.items():
+        message = message.replace(f"--set {item!r}", name)
     return message
 
 

@@ -304,17 +304,22 @@ def test_a_partner_restating_the_recipe_or_changing_bookkeeping_is_refused(tmp_p
     never_trains(monkeypatch)
     data = dog_data(tmp_path / "data")
     base = ["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]
+    # a budget of updates, not the recipe's minutes, which count the validations' time
+    base += ["--set", "train.max_minutes=0", "--set", "train.max_updates=9000"]
     assert run.main([*base, *(a for p in partner for a in ("--partner", p))]) == 2
     err = capsys.readouterr().err
     assert err.startswith("run.py: error: the two --ensemble members would train the same model"), err
 
 
-def test_validation_steps_differ_where_patience_counts_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("counted", [["train.patience=3"], []])
+def test_validation_steps_differ_where_patience_or_the_minutes_count_them(tmp_path, monkeypatch, counted):
+    """Patience may stop the members at other updates; the recipe's max_minutes (80) counts the time of
+    validation and BLEU, so another valid_every trains other updates, cooldown's lr falling on others."""
     never_trains(monkeypatch)
     data = dog_data(tmp_path / "data")
-    with pytest.raises(AssertionError, match="trained"):  # patience may stop them at other updates
+    with pytest.raises(AssertionError, match="trained"):
         run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}",
-                  "--set", "train.patience=3", "--partner", "train.valid_every=7"])
+                  *(a for c in counted for a in ("--set", c)), "--partner", "train.valid_every=7"])
 
 
 def test_fine_tuning_members_are_compared_as_the_checkpoints_model(tmp_path, capsys, monkeypatch):

@@ -143,7 +143,8 @@ def member_overrides(args: argparse.Namespace, run_dir: Path, threads: int) -> l
 # checkpoint equal bit for bit): where they go, the threads, metrics.jsonl's lines, the checkpoints kept,
 # BLEU's tokenizer. Two members apart in these alone train one model twice, however each is averaged.
 BOOKKEEPING = ("run_dir", "threads", "log_every", "keep_last", "bleu_lang")
-# Which updates validate and save: bookkeeping too, unless train.patience counts the validations
+# Which updates validate and save: bookkeeping too, unless train.patience counts the validations or
+# train.max_minutes their time (the recipe's 80: fewer updates, and cooldown's lr falls on other ones)
 VALIDATION = ("valid_every", "bleu_every")
 
 
@@ -175,7 +176,8 @@ def trained_as(config: RunConfig, start: Path | None) -> dict[str, Any]:
     checkpoint), [data], [train] less bookkeeping."""
     settings = config.to_dict()  # every [data] and [train] field; [model] only as written
     settings["model"] = built_model(config, start)
-    left_out = BOOKKEEPING if config.train.patience else BOOKKEEPING + VALIDATION
+    counted = config.train.patience or config.train.max_minutes
+    left_out = BOOKKEEPING if counted else BOOKKEEPING + VALIDATION
     settings["train"] = {k: v for k, v in settings["train"].items() if k not in left_out}
     return settings
 

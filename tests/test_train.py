@@ -368,6 +368,33 @@ def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_p
     assert score == pytest.approx(BLEU(tokenize="char").corpus_score(one_by_one, [text.tgt]).score)
 
 
+@pytest.mark.parametrize("normalization", ["nmt_nfkc", "nmt_nfkc_cf"])
+def test_validation_bleu_of_a_tokenizer_that_folds_case_is_lowercased(tmp_path, monkeypatch, normalization):
+    """A tokenizer that folds case makes a model that writes lowercase alone: scored against the cased
+    references, a perfect model's validation BLEU on Multi30k German was 25.8, with nothing saying why."""
+    from types import SimpleNamespace
+
+    from aiayn.config import model_config
+    from aiayn.data.dataset import ParallelText, train_tokenizer
+    from aiayn.model import Transformer
+    from aiayn.train import bleu as bleu_module
+
+    lines = [f"Ein Hund läuft über die Wiese Nummer {i} im Park von Berlin" for i in range(60)]
+    tok = train_tokenizer(ParallelText(lines, lines, 0), tmp_path, 120, normalization=normalization)
+    model = Transformer(model_config("micro", vocab_size=tok.tgt_vocab_size, pad_id=tok.pad_id,
+                                     decoder_start_id=tok.bos_id, eos_id=tok.eos_id))
+
+    def perfect(model, src, config):  # the source's own pieces: the reference as the tokenizer keeps it
+        return [[SimpleNamespace(tokens=[t for t in row.tolist() if t not in (tok.pad_id, tok.eos_id)])]
+                for row in src]
+
+    monkeypatch.setattr(bleu_module, "generate", perfect)
+    score, signature = bleu_module.validation_bleu(model, tok, ParallelText(lines, lines, 0), 256,
+                                                   torch.device("cpu"))
+    assert score == pytest.approx(100.0)
+    assert ("|case:lc|" in signature) == (normalization == "nmt_nfkc_cf")
+
+
 def test_validation_bleu_scores_the_pairs_the_loss_drops_whole(straight_run, monkeypatch, caplog):
     """A validation source longer than data.max_len (dropped from the loss) was cut to data.max_len for
     BLEU and scored against its whole reference, holding the curve below `aiayn evaluate`'s score; only a

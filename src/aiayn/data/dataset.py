@@ -1026,7 +1026,7 @@ def _warn_if_normalization_changes_text(
         sample = _evenly_spaced(lines, ROUND_TRIP_SAMPLE)
         k = len(sample)
         changed, first = 0, None
-        folds = _folds_case(sp)
+        folds = folds_case(sp)
         for line in sample:
             raw = _spaced(line)
             want = _simple_casefold(raw) if folds else raw  # character for character: `raw`'s positions
@@ -1075,7 +1075,7 @@ def _normalization_fix(normalization: str, nfkc_changes: bool) -> str:
     return {"nfkc": identity, "identity": ""}.get(normalization, identity if nfkc_changes else nfkc)
 
 
-def _folds_case(sp: spm.SentencePieceProcessor) -> bool:
+def folds_case(sp: spm.SentencePieceProcessor) -> bool:
     """Whether a model's normalization folds case ("nmt_nfkc_cf", "nfkc_cf"): asked, not read, since its
     rule's name is in the model's protobuf, which SentencePiece's Python API does not expose."""
     return _spaced(sp.normalize("A")) == "a"

@@ -183,6 +183,11 @@ def test_errors_name_the_file(tmp_path, tokenizer):
     (tmp_path / "ck" / "model.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(UserError, match="model.safetensors: corrupt weights"):
         load_checkpoint(tmp_path / "ck")
+    if Path("/proc/self/mem").exists():  # a file that cannot be mapped (a FUSE mount) is not corrupt
+        (tmp_path / "ck" / "model.safetensors").unlink()
+        (tmp_path / "ck" / "model.safetensors").symlink_to("/proc/self/mem")
+        with pytest.raises(UserError, match=r"model.safetensors: cannot read \(No such device\)$"):
+            load_checkpoint(tmp_path / "ck")
     save_checkpoint(tmp_path / "ck", model, tokenizer)  # replacing an existing one
     meta = json.loads((tmp_path / "ck" / "meta.json").read_text())
     meta["model"]["d_model"] = 64

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,7 +224,17 @@ def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))  # safetensors: plain tensors, never unpickles code
     except (SafetensorError, OSError, ValueError) as e:
-        raise CorruptFile(f"{path}: corrupt weights ({e})") from None
+        raise _weights_error(path, e) from None
+
+
+def _weights_error(path: Path, e: Exception) -> CorruptFile:
+    """safetensors' failure to read `path`: a file it could not read or map (safetensors reports the OS's
+    error as "No such device (os error 19)") is not called corrupt, as meta.json's or spm.model's is not."""
+    text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    os_error = re.fullmatch(r"(.*) \(os error \d+\)", text)
+    if isinstance(e, OSError) or os_error:
+        return CorruptFile(f"{path}: cannot read ({os_error.group(1) if os_error else text})")
+    return CorruptFile(f"{path}: corrupt weights ({e})")
 
 
 def weights_path(directory: str | Path) -> Path:
@@ -433,7 +444,7 @@ def _stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
                                       dtype=_SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8))
                     for name, part in slices.items()}
     except (SafetensorError, OSError, ValueError) as e:
-        raise CorruptFile(f"{path}: corrupt weights ({e})") from None
+        raise _weights_error(path, e) from None
 
 
 # safetensors' dtype names (its header's); one not listed is named to `check_fits` as uint8, not a float

@@ -262,6 +262,49 @@ def test_an_output_directory_needs_a_name_of_its_own(tmp_path, monkeypatch, name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
 
 
+@pytest.mark.parametrize("name", ["b" * 251, "c" * 256])
+def test_an_output_directory_whose_name_leaves_no_room_to_replace_it_is_refused_first(tmp_path, name):
+    """A valid name of 251 to 255 bytes failed after the work ('could not write checkpoint (File name too
+    long)': its .NAME.old did not fit), and one of 256 was an OSError traceback from exists()."""
+    from aiayn.errors import UserError
+    from aiayn.files import check_output
+
+    refusal = rf"an output directory's name of {len(name)} bytes is too long \(at most 250"
+    with pytest.raises(UserError, match=refusal):
+        check_output(tmp_path / name, [], force=False)
+    with pytest.raises(UserError, match=refusal):
+        write_atomically(tmp_path / name, lambda tmp: (tmp / "a").write_text("x"))
+    write_atomically(tmp_path / name[:250], lambda tmp: (tmp / "a").write_text("x"))
+    write_atomically(tmp_path / name[:250], lambda tmp: (tmp / "a").write_text("y"))  # replaced: fits
+    assert (tmp_path / name[:250] / "a").read_text() == "y"
+
+
+def test_an_output_a_killed_writer_left_moved_aside_is_refused_as_any_existing_one(tmp_path):
+    """Put back from .out.old by the write itself, after the guard had found no output: replaced without
+    --force. The guard puts it back first and refuses it as any other."""
+    from aiayn.errors import UserError
+    from aiayn.files import check_output
+
+    write_atomically(tmp_path / "out", lambda tmp: (tmp / "a").write_text("old"))
+    os.rename(tmp_path / "out", tmp_path / ".out.old")
+    with pytest.raises(UserError, match="already exists"):
+        check_output(tmp_path / "out", [], force=False)
+    assert (tmp_path / "out" / "a").read_text() == "old"
+
+
+def test_a_file_name_too_long_is_one_line_in_every_command(tmp_path, capsys):
+    """exists() and is_dir() let ENAMETOOLONG through: translate -o, plot -o, info with a name of 256
+    bytes were OSError tracebacks."""
+    from aiayn.cli import main
+
+    long = tmp_path / ("f" * 256)
+    for argv in (["info", str(long)], ["plot", str(tmp_path), "-o", f"{long}.png"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err  # the path whose check failed (plot: the .png/meta.json it looked for)
+        assert err.startswith(f"aiayn: error: {long}") and err.endswith(": file name too long\n")
+        assert err.count("\n") == 1
+
+
 def test_the_next_write_removes_a_killed_writers_leftover_beside_it(tmp_path):
     """A killed `average -o`, `export` or `translate -o` left its hidden temporary (for a big model,
     hundreds of MB) that only a training run ever swept, and only in its run directory."""

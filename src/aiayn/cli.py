@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import re
 import signal
@@ -1013,6 +1014,11 @@ def _run(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # the reader went away (`aiayn translate ... | head`): stop quietly, as cat does
         _to_devnull(sys.stdout)
         return 141  # 128 + SIGPIPE, what a shell reports for a filter killed by it
+    except OSError as e:  # a path's check (exists(), is_dir()) lets ENAMETOOLONG through: a traceback
+        if e.errno != errno.ENAMETOOLONG or not e.filename:
+            raise
+        print(f"aiayn: error: {os.fsdecode(e.filename)}: file name too long", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -131,6 +131,7 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     """
     out = Path(out)
     _check_named(out)
+    _recover_replaced(out)  # an output a killed writer left as .NAME.old is back, and judged as any other
     ancestor = next(p for p in out.absolute().parents if p.exists() or p.is_symlink())  # "/" is
     if not ancestor.is_dir():  # OUT under a file: a NotADirectoryError once the work was done
         raise UserError(f"{out}: {ancestor} is not a directory")
@@ -196,6 +197,9 @@ def _check_named(directory: Path) -> None:
     if directory.name in ("", ".."):
         raise UserError(f"{str(directory) or repr('')}: names no directory of its own (the current one or a "
                         "parent); give the output a new name")
+    if (n := len(os.fsencode(directory.name))) > NAME_MAX - len("..old"):  # `_old`'s name must fit too
+        raise UserError(f"{directory}: an output directory's name of {n} bytes is too long (at most "
+                        f"{NAME_MAX - len('..old')}: a replaced one is moved aside as .NAME.old for a moment)")
 
 
 def check_directory_path(path: Path) -> None:

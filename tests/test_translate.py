@@ -566,7 +566,8 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
              (["--top-k", "0"], "--top-k 0 needs --sample"), (["--top-p", "1"], "--top-p 1.0 needs --sample"),
              (["--sample", "--beam", "1", "--temperature", "1e-50"], "error: --temperature 1e-50 must"),
              (["--n-best", "3", "--beam", "2"], "error: --n-best 3 must be between 1 and --beam 2"),
-             (["--sample", "--n-best", "0"], "error: --n-best 0 must be at least 1\n"),  # samples: no beam bound
+             # samples: no bound from the beam
+             (["--sample", "--n-best", "0"], "error: --n-best 0 must be at least 1\n"),
              (["--sample", "--beam", "2"], "error: --sample needs --beam 1, not 2"),
              (["--device", "foo"], "device 'foo' is not a device name"),
              (["--device", "meta"], "device 'meta': aiayn decodes on cpu or cuda only"),

@@ -753,8 +753,8 @@ def add_translate_parser(sub) -> None:
                    "live hypothesis can beat them (tensor2tensor, the paper's code). Beam > 1 only")
     p.add_argument("--n-best", type=int, default=1,
                    help="hypotheses per line; above 1, each input line gets N-BEST output lines (fewer "
-                   "only where fewer outputs fit its length limit: a vocabulary of a few pieces under a limit "
-                   "of a token or two) in "
+                   "only where fewer outputs fit its length limit: a vocabulary of a few pieces under a "
+                   "limit of a token or two) in "
                    "Marian's n-best format, `LINE ||| TEXT ||| F0= LOGP ||| SCORE`: LINE counts from 0, LOGP "
                    "is log P(TEXT | line) (the sum of its tokens' log-probabilities, EOS included when "
                    "produced, for the pieces the search chose: `aiayn score` of TEXT gives another number "

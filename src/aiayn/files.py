@@ -199,7 +199,8 @@ def _check_named(directory: Path) -> None:
                         "parent); give the output a new name")
     if (n := len(os.fsencode(directory.name))) > NAME_MAX - len("..old"):  # `_old`'s name must fit too
         raise UserError(f"{directory}: an output directory's name of {n} bytes is too long (at most "
-                        f"{NAME_MAX - len('..old')}: a replaced one is moved aside as .NAME.old for a moment)")
+                        f"{NAME_MAX - len('..old')}: a replaced one is moved aside as .NAME.old for a "
+                        "moment)")
 
 
 def check_directory_path(path: Path) -> None:

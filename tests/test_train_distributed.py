@@ -315,12 +315,15 @@ def test_a_rank_outside_a_torchrun_job_silences_nothing(tmp_path, monkeypatch, c
     assert capsys.readouterr().err == ("aiayn: error: RANK=1 is set, but WORLD_SIZE is not: start many "
                                        "processes with torchrun, or unset RANK for one\n")
     assert not (tmp_path / "run").exists()
-    for rank in ("2", "-1"):  # in a job's environment, but of no rank of it: said by the process itself
-        for name, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
-            monkeypatch.setenv(name, value)
+    for name, rank in (("RANK", "2"), ("RANK", "-1"), ("LOCAL_RANK", "5")):  # in a job's environment, but
+        # of no rank of it: said by the process itself
+        for variable, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2"),
+                                ("MASTER_ADDR", "127.0.0.1"), (name, rank)):
+            monkeypatch.setenv(variable, value)
         assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
-        assert capsys.readouterr().err == (f"aiayn: error: RANK={rank} is set, but WORLD_SIZE=2: it must be "
+        assert capsys.readouterr().err == (f"aiayn: error: {name}={rank} is set, but WORLD_SIZE=2: it must be "
                                            "from 0 to 1 (torchrun sets both)\n")
+    monkeypatch.delenv("LOCAL_RANK")
     in_job(monkeypatch, "1")  # only train runs under torchrun: another command there says its own errors
     assert cli.main(["translate", str(tmp_path / "nockpt"), "--beam", "0"]) == 2
     assert capsys.readouterr().err == "aiayn: error: --beam 0 must be at least 1\n"

@@ -120,9 +120,12 @@ def _job_rank(command: str | None) -> int | None:
         return None
     try:
         world_size, rank = int(os.environ.get("WORLD_SIZE") or 1), int(os.environ.get("RANK") or 0)
+        local_rank = int(os.environ.get("LOCAL_RANK") or 0)
     except ValueError:  # train refuses it, in one line
         return None
-    return rank if world_size > 1 and 0 <= rank < world_size else None  # else setup refuses it: said here
+    if world_size < 2 or not (0 <= rank < world_size and 0 <= local_rank < world_size):
+        return None  # setup refuses a rank outside the job: said by this process
+    return rank
 
 
 def _log_to_stderr(rank: int | None = None) -> None:

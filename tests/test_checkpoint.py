@@ -19,7 +19,7 @@ import aiayn.files
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
-from aiayn.errors import UserError
+from aiayn.errors import CorruptFile, UserError
 from aiayn.train.average import average_last
 from conftest import padded_batch, tiny_model
 
@@ -186,8 +186,9 @@ def test_errors_name_the_file(tmp_path, tokenizer):
     if Path("/proc/self/mem").exists():  # a file that cannot be mapped (a FUSE mount) is not corrupt
         (tmp_path / "ck" / "model.safetensors").unlink()
         (tmp_path / "ck" / "model.safetensors").symlink_to("/proc/self/mem")
-        with pytest.raises(UserError, match=r"model.safetensors: cannot read \(No such device\)$"):
+        with pytest.raises(UserError, match=r"model.safetensors: cannot read \(No such device\)$") as e:
             load_checkpoint(tmp_path / "ck")
+        assert not isinstance(e.value, CorruptFile)  # for which --resume advises an earlier checkpoint
     save_checkpoint(tmp_path / "ck", model, tokenizer)  # replacing an existing one
     meta = json.loads((tmp_path / "ck" / "meta.json").read_text())
     meta["model"]["d_model"] = 64

@@ -227,13 +227,14 @@ def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
         raise _weights_error(path, e) from None
 
 
-def _weights_error(path: Path, e: Exception) -> CorruptFile:
+def _weights_error(path: Path, e: Exception) -> UserError:
     """safetensors' failure to read `path`: a file it could not read or map (safetensors reports the OS's
-    error as "No such device (os error 19)") is not called corrupt, as meta.json's or spm.model's is not."""
+    error as "No such device (os error 19)") is not called corrupt, as meta.json's or spm.model's is not,
+    nor a CorruptFile, for which --resume advises an earlier checkpoint (on the same mount)."""
     text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     os_error = re.fullmatch(r"(.*) \(os error \d+\)", text)
     if isinstance(e, OSError) or os_error:
-        return CorruptFile(f"{path}: cannot read ({os_error.group(1) if os_error else text})")
+        return UserError(f"{path}: cannot read ({os_error.group(1) if os_error else text})")
     return CorruptFile(f"{path}: corrupt weights ({e})")
 
 

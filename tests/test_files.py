@@ -279,7 +279,7 @@ def test_an_output_directory_whose_name_leaves_no_room_to_replace_it_is_refused_
     assert (tmp_path / name[:250] / "a").read_text() == "y"
 
 
-def test_an_output_a_killed_writer_left_moved_aside_is_refused_as_any_existing_one(tmp_path):
+def test_an_output_a_killed_writer_left_moved_aside_is_refused_as_any_existing_one(tmp_path, monkeypatch):
     """Put back from .out.old by the write itself, after the guard had found no output: replaced without
     --force. The guard puts it back first and refuses it as any other."""
     from aiayn.errors import UserError
@@ -287,6 +287,14 @@ def test_an_output_a_killed_writer_left_moved_aside_is_refused_as_any_existing_o
 
     write_atomically(tmp_path / "out", lambda tmp: (tmp / "a").write_text("old"))
     os.rename(tmp_path / "out", tmp_path / ".out.old")
+
+    def refused(*args):  # a read-only parent: a PermissionError traceback
+        raise PermissionError(1, "Operation not permitted")
+
+    with monkeypatch.context() as m:
+        m.setattr(files.os, "rename", refused)
+        with pytest.raises(UserError, match=r"out: cannot put back \.out\.old, a killed writer's \(Operation"):
+            check_output(tmp_path / "out", [], force=False)
     with pytest.raises(UserError, match="already exists"):
         check_output(tmp_path / "out", [], force=False)
     assert (tmp_path / "out" / "a").read_text() == "old"

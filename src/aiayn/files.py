@@ -131,7 +131,11 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     """
     out = Path(out)
     _check_named(out)
-    _recover_replaced(out)  # an output a killed writer left as .NAME.old is back, and judged as any other
+    try:  # an output a killed writer left as .NAME.old is back, and judged as any other
+        _recover_replaced(out)
+    except OSError as e:  # a read-only parent: the write would fail the same way
+        raise UserError(f"{out}: cannot put back {_old(out).name}, a killed writer's ({e.strerror or e})"
+                        ) from None
     ancestor = next(p for p in out.absolute().parents if p.exists() or p.is_symlink())  # "/" is
     if not ancestor.is_dir():  # OUT under a file: a NotADirectoryError once the work was done
         raise UserError(f"{out}: {ancestor} is not a directory")

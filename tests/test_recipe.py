@@ -389,6 +389,12 @@ def test_the_pairs_own_partner_items_are_not_named_as_set_items(tmp_path, capsys
                                        "(replace it with --partner): refused\n")
     assert run.main(member) == 2  # member a: its --set items are --set's
     assert capsys.readouterr().err == "run.py: error: --set 'model.d_model=128': refused\n"
+    # the user's own --set of the same item is --set's, in member b too (it holds the item twice)
+    assert run.main([*member, "--set", "model.d_model=128", "--recipe-partner"]) == 2
+    assert capsys.readouterr().err == "run.py: error: --set 'model.d_model=128': refused\n"
+    assert run.main([*base, "--ensemble", "--set", f"train.init_from={ck}", "--set", "model.d_model=128"]) == 2
+    assert capsys.readouterr().err.startswith("run.py: error: --set 'model.d_model=128': model.d_model=128 "
+                                              "differs from ")
     commands = []  # train_members starts b so, and a not
     monkeypatch.setattr(run.subprocess, "Popen", commands.append)
     monkeypatch.setattr(run, "wait_all", lambda procs: [0, 0])

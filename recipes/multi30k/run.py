@@ -421,8 +421,11 @@ def as_partner(message: str, args: argparse.Namespace) -> str:
     if args.partner:
         names = {item: f"--partner {item!r}" for item in args.partner}
     elif args.ensemble or args.recipe_partner:
+        # an item the user wrote with --set too is --set's (member a refuses it as well); member b holds the
+        # pair's items among its --set items once more
+        given = args.set or []
         names = {item: f"the {args.pair} recipe's partner item {item!r} (replace it with --partner)"
-                 for item in PARTNER[args.pair]}
+                 for item in PARTNER[args.pair] if given.count(item) <= int(args.recipe_partner)}
     else:  # member a
         names = {}
     for item, name in names.items():

@@ -1073,6 +1073,9 @@ def test_a_path_whose_name_is_not_utf8_is_refused_up_front(key):
     sets = [f"{key}={name}"] + (["data.valid_src=v.de"] if key == "data.valid_tgt" else [])
     with pytest.raises(ConfigError, match=re.escape(f"{key}='/tmp/tr\\xff.de': the name is not UTF-8")):
         load_config(None, sets)
+    lone = [f"{key}=/tmp/tr\ud800.de"] + sets[1:]  # from Python, a surrogate no byte is: was a traceback
+    with pytest.raises(ConfigError, match=re.escape(f"{key}='/tmp/tr\\ud800.de': the name is not UTF-8")):
+        load_config(None, lone)
 
 
 @pytest.mark.parametrize("key", ["data.train_src", "train.run_dir"])

@@ -27,7 +27,7 @@ from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
 from aiayn.decoding.options import MAX_CPU_SEED, DecodeConfig
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
-from aiayn.errors import CorruptFile, Stopped, UserError
+from aiayn.errors import CorruptFile, Stopped, UserError, non_utf8_name
 from aiayn.files import atomic_output, check_directory_path
 from aiayn.train.state import check_outside_checkpoints, checkpoint_dirs
 
@@ -106,13 +106,8 @@ class DemoConfig:
             problems.append(f"--beam {self.beam}: {e}")
         if not self.out:  # Path("") is the current directory, not ./demo
             problems.append("--out is empty: give a folder name (default ./demo)")
-        try:  # the checkpoints record the corpus' paths: refused after the corpus, as data.train_src's
-            self.out.encode("utf-8")
-        except UnicodeEncodeError:
-            try:  # a name's bytes, as the command line gives them (surrogateescape)
-                shown = self.out.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            except UnicodeEncodeError:  # a lone surrogate from Python, which no byte is: as its code
-                shown = self.out.encode("utf-8", "backslashreplace").decode("utf-8")
+        # the checkpoints record the corpus' paths: refused after the corpus, as data.train_src's
+        if (shown := non_utf8_name(self.out)) is not None:
             problems.append(f"--out '{shown}': the name is not UTF-8, which the checkpoints record it in; "
                             "rename it")
         vocabulary = SIZES[self.size]["vocab_size"]

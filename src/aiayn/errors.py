@@ -118,3 +118,18 @@ def check_unicode(text: str, where: str) -> None:
     except UnicodeEncodeError as e:
         raise UserError(f"{where}: not valid Unicode (a lone surrogate, {text[e.start]!r}, at character "
                         f"{e.start + 1}; undecodable bytes?)") from None
+
+
+def non_utf8_name(name: str) -> str | None:
+    """`name` as a message shows it if UTF-8 cannot hold it, else None: its bytes as the command line gave
+    them (`surrogateescape`: \\xff), or a lone surrogate that no byte is (from Python: \\ud800) as its code
+    (encoding it for the message was a UnicodeEncodeError of its own)."""
+    try:
+        name.encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -30,7 +30,7 @@ from aiayn.config import (
     resolved_settings, to_dict,
 )
 from aiayn.data.tokenizer import MIN_CHARACTER_COVERAGE
-from aiayn.errors import UserError
+from aiayn.errors import UserError, non_utf8_name
 from aiayn.files import require_file
 
 TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
@@ -100,12 +100,9 @@ def _settle_paths(section: Any, name: str, fields: tuple[str, ...]) -> None:
     for field_name in fields:
         value = os.path.expanduser(getattr(section, field_name))
         object.__setattr__(section, field_name, value)  # frozen: settled once, as it is made
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        if (shown := non_utf8_name(value)) is not None:
             raise ConfigError(f"{name}.{field_name}='{shown}': the name is not UTF-8, which the checkpoints "
-                              "record it in; rename it") from None
+                              "record it in; rename it")
 
 
 @dataclass(frozen=True)

@@ -247,12 +247,17 @@ def weights_path(directory: str | Path) -> Path:
         what = "is not a file" if path.exists() else "is missing"
         what = "is a link that leads to no file" if path.is_symlink() and not path.exists() else what  # or loops
         raise UserError(f"{directory}: checkpoint has no {WEIGHTS} ({path} {what})")
+    check_safetensors_path(path)
+    return path
+
+
+def check_safetensors_path(path: Path) -> None:
+    """A path that is not valid UTF-8 is a UserError: safetensors opens none ("corrupt weights")."""
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:
         raise UserError(f"{path}: a path that is not valid UTF-8, which safetensors cannot open; "
                         "rename it") from None
-    return path
 
 
 def _castable(stored: torch.dtype, wanted: torch.dtype) -> bool:

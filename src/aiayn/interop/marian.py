@@ -31,7 +31,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from aiayn.checkpoint import CHECKPOINT_KIND, is_checkpoint, model_from_weights, save_checkpoint
+from aiayn.checkpoint import (
+    CHECKPOINT_KIND,
+    check_safetensors_path,
+    is_checkpoint,
+    model_from_weights,
+    save_checkpoint,
+)
 from aiayn.config import ConfigError, ModelConfig, from_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
@@ -505,11 +511,7 @@ def convert_marian(directory: str | Path, out: str | Path, force: bool = False) 
     check_output(Path(out), [directory], force, earlier=CHECKPOINT_KIND)
     check_outside_checkpoints(Path(out), may_be_one=True)
     for path in (directory, Path(out)):  # the source's weights read as "corrupt weights"; an output so
-        try:  # named was written, then refused by every command that loads it
-            str(path).encode("utf-8")
-        except UnicodeEncodeError:
-            raise UserError(f"{path}: a path that is not valid UTF-8, which safetensors cannot open; "
-                            "rename it") from None
+        check_safetensors_path(path)  # named was written, then refused by every command that loads it
     if is_checkpoint(directory):  # "config.json: not found (is this a MarianMT directory?)"
         raise UserError(f"{directory}: an aiayn checkpoint already; translate, score or fine-tune it "
                         "as it is")

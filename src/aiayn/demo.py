@@ -25,7 +25,7 @@ from tqdm import tqdm
 from aiayn.attention import draw_attention, extract_attention
 from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
-from aiayn.decoding.options import MAX_CPU_SEED, DecodeConfig
+from aiayn.decoding.options import MAX_CPU_SEED, DecodeConfig, cpu_seed_problem
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
 from aiayn.errors import CorruptFile, Stopped, UserError, non_utf8_name
 from aiayn.files import atomic_output, check_directory_path
@@ -88,9 +88,8 @@ class DemoConfig:
         problems = []
         if not (math.isfinite(self.minutes) and self.minutes >= 0):
             problems.append(f"--minutes {self.minutes} must be a finite number >= 0 (0 = no limit)")
-        if not 0 <= self.seed <= MAX_CPU_SEED:  # as translate's: the CPU's generator keeps 32 bits of it
-            problems.append(f"--seed {self.seed} must be between 0 and 2**32 - 1 ({MAX_CPU_SEED:,}), the "
-                            "seeds PyTorch's CPU generator tells apart")
+        if problem := cpu_seed_problem(f"--seed {self.seed}", self.seed):  # as translate's
+            problems.append(problem)
         if not 1 <= self.n_train <= MAX_TRAIN_PAIRS:
             problems.append(f"--train-pairs {self.n_train} must be between 1 and {MAX_TRAIN_PAIRS:,}")
         if self.device not in ("cpu", "cuda"):

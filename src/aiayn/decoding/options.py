@@ -15,6 +15,14 @@ MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: past it T is inf i
 # seed's bound: torch takes [-2**63, 2**64 - 1], but its CPU generator (mt19937) keeps a seed's low 32 bits,
 # so seeds 1 and 2**32 + 1 drew the same samples there (CUDA's Philox kept them apart: one seed, two meanings)
 MAX_CPU_SEED = 2**32 - 1
+
+
+def cpu_seed_problem(named: str, seed: int) -> str | None:
+    """Why `seed` (`named` so in the message: "seed=5", "--seed 5") is no seed of its own, or None."""
+    if 0 <= seed <= MAX_CPU_SEED:
+        return None
+    return (f"{named} must be between 0 and 2**32 - 1 ({MAX_CPU_SEED:,}), the seeds PyTorch's CPU generator "
+            "tells apart")
 # The fields only sampling reads, at their defaults: a search must have them so (see sampling_problems)
 SAMPLING_ONLY = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None}
 
@@ -97,9 +105,8 @@ class DecodeConfig:
             problems.append(f"top_k={self.top_k} must not be negative")
         if not 0 < self.top_p <= 1:  # NaN fails this comparison too
             problems.append(f"top_p={self.top_p} must be in (0, 1]")
-        if self.seed is not None and not 0 <= self.seed <= MAX_CPU_SEED:
-            problems.append(f"seed={self.seed} must be between 0 and 2**32 - 1 ({MAX_CPU_SEED:,}), the seeds "
-                            "PyTorch's CPU generator tells apart")
+        if self.seed is not None and (problem := cpu_seed_problem(f"seed={self.seed}", self.seed)):
+            problems.append(problem)
         if not self.sample:  # a search would silently ignore them
             for name, default in SAMPLING_ONLY.items():
                 if getattr(self, name) != default:

@@ -110,7 +110,8 @@ class TrainConfig:
     """The paper's recipe (section 5) and the loop's bookkeeping."""
 
     run_dir: str = "runs/default"  # checkpoints, tokenizer, cache, metrics.jsonl, curves.png
-    seed: int = 1  # model initialization, dropout and batch order (own ones from 0 to 2**32 - 1: MAX_SEED)
+    seed: int = 1  # model initialization, dropout and batch order (up to ±MAX_SEED; runs of their own only
+    # from 0 to 2**32 - 1, decoding.options.MAX_CPU_SEED: the rest is warned of)
     max_tokens: int = 4096  # padded tokens per batch and side, per process
     update_freq: int = 1  # batches accumulated per update; tokens/update ~ max_tokens*update_freq*processes
     lr_scale: float = 1.0  # multiplies the paper's schedule

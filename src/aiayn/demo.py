@@ -25,7 +25,7 @@ from tqdm import tqdm
 from aiayn.attention import draw_attention, extract_attention
 from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
-from aiayn.decoding.options import MAX_CPU_SEED, DecodeConfig, cpu_seed_problem
+from aiayn.decoding.options import DecodeConfig, cpu_seed_problem
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
 from aiayn.errors import CorruptFile, Stopped, UserError, non_utf8_name
 from aiayn.files import atomic_output, check_directory_path
@@ -54,7 +54,7 @@ class DemoConfig:
     """What `run_demo` does."""
 
     out: str = "demo"  # folder for the corpus, the run (checkpoints, curves), translations and maps
-    seed: int = 1  # corpus, initialization and batch order; 0 to MAX_CPU_SEED
+    seed: int = 1  # corpus, initialization and batch order; 0 to 2**32 - 1 (cpu_seed_problem)
     size: str = "small"  # a key of SIZES
     steps: int = 1200  # training updates (the demo stops earlier if `minutes` run out); seed 1 gives 100%
     # exact match from 900 on

@@ -827,3 +827,38 @@ def test_a_set_value_holding_a_line_break_is_refused():
         with pytest.raises(ConfigError, match=r"one value per --set \(the value holds a line break\)"):
             load_config(None, [item])
     assert load_config(None, ["train.run_dir=a b=c"]).train.run_dir == "a b=c"
+
+
+@pytest.mark.parametrize("where, error", [
+    ("update", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")),
+    ("validation", RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
+                                "allocate memory: you tried to allocate 8589934592 bytes")),
+])
+def test_running_out_of_memory_in_training_is_one_line_naming_the_setting(tmp_path, capsys, monkeypatch,
+                                                                         where, error):
+    """A batch too large for the device was CUDA's (or the CPU allocator's) traceback: now one line naming
+    train.max_tokens and the checkpoint a --resume goes on from (with the same max_tokens), exit 2. The
+    fifth forward is update 5 of a run that saved at update 4 (valid_every=4), or the validation of
+    update 4 after its four updates."""
+    from aiayn.train import loop
+
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=8")
+    real_loss, calls = loop.batch_loss, []
+
+    def failing(net, batch, eps, autocast):
+        calls.append(net.training)
+        forwards = sum(calls) if where == "update" else len(calls)
+        if forwards == 5 and net.training == (where == "update"):
+            raise error
+        return real_loss(net, batch, eps, autocast)
+
+    monkeypatch.setattr(loop, "batch_loss", failing)
+    code, line = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    doing = "update 5" if where == "update" else "the validation at update 4"
+    sized = f"aiayn: error: out of memory in {doing} (batches of up to train.max_tokens=64 tokens a side)"
+    keep = "train.update_freq to keep the tokens of an update"
+    saved = tmp_path / "run" / "checkpoints" / "step_000004"
+    assert code == 2
+    assert line == (f"{sized}: --resume goes on from {saved} where more memory is free, or train anew with a "
+                    f"lower train.max_tokens (a resume keeps it) and a higher {keep}" if where == "update"
+                    else f"{sized}: lower train.max_tokens, and raise {keep}")  # nothing saved before it

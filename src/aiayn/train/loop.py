@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -368,18 +368,11 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
             batches = [collate(data.train, data.train_batches[b], tok).to(d.device) for b in mine]
             lr = inverse_sqrt_lr(state.step + 1, model.config.d_model, tc.warmup, tc.lr_scale)
             lr *= cooldown_factor(_budget_used(state, tc, n_updates), tc.cooldown)
-            step_sums, step_tokens, applied = train_step(
-                net,
-                optimizer,
-                scaler,
-                batches,
-                group_tokens,
-                lr,
-                tc.label_smoothing,
-                tc.clip_norm,
-                d,
-                autocast,
-            )
+            with _memory_said(f"update {state.step + 1}", tc):
+                step_sums, step_tokens, applied = train_step(
+                    net, optimizer, scaler, batches, group_tokens, lr, tc.label_smoothing, tc.clip_norm, d,
+                    autocast,
+                )
             state.cursor += 1  # the batches are used up either way, as fairseq's are
             if applied:  # a skipped update's loss may be the overflow itself (inf): kept out of the log
                 state.step += 1
@@ -777,7 +770,8 @@ def _validate_and_save(
     tc = config.train
     result: dict[str, Any] = {"step": state.step, "epoch": state.epoch + 1}
     if data.valid is not None and validating:
-        measured = _measure(model, state, data, config, d, autocast, stopper)
+        with _memory_said(f"the validation at update {state.step}", tc):
+            measured = _measure(model, state, data, config, d, autocast, stopper)
         state.validation_due = measured is None  # dropped on a signal: --resume makes it first
         validating = measured is not None
         result.update(measured or {})
@@ -852,6 +846,26 @@ def _measure(model, state, data, config, d, autocast, stopper: StopSignal | None
     else:
         state.bad_validations += 1
     return result
+
+
+@contextmanager
+def _memory_said(doing: str, tc) -> Iterator[None]:
+    """An allocation failing in `doing` as one line naming the setting that sizes it, where it was an
+    out-of-memory traceback (CUDA's, or the CPU allocator's). Both the updates' batches and the
+    validation's (loss and BLEU) hold up to train.max_tokens tokens a side. A --resume must keep
+    max_tokens (`_check_same_batches`): it helps only where the memory was taken by something else."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:
+        if not is_out_of_memory(e):
+            raise
+        sized = f"out of memory in {doing} (batches of up to train.max_tokens={tc.max_tokens} tokens a side)"
+        keep = "train.update_freq to keep the tokens of an update"
+        if saved := checkpoint_dirs(tc.run_dir):
+            raise UserError(f"{sized}: --resume goes on from {saved[-1]} where more memory is free, or "
+                            f"train anew with a lower train.max_tokens (a resume keeps it) and a higher "
+                            f"{keep}") from None
+        raise UserError(f"{sized}: lower train.max_tokens, and raise {keep}") from None
 
 
 def _draw_curves(log_path: Path, png: Path) -> None:

@@ -256,3 +256,21 @@ def test_the_compiler_checked_is_the_one_inductor_runs(monkeypatch):
     assert compiled.has_cxx_compiler()
     monkeypatch.setenv("CXX", "icpx")
     assert not compiled.has_cxx_compiler() and "icpx" in compiled.missing_compiler("--compile")
+
+
+def test_translate_compile_is_refused_with_beam_search(tmp_path, capsys, monkeypatch):
+    """--compile at beam 4 (translate's default) spent its 10-40 s compiling a step that beam search never
+    takes: refused before the checkpoint loads, naming the beam and how it was set."""
+    from aiayn.decoding import compiled
+
+    monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: True)
+    missing = str(tmp_path / "no-checkpoint")  # refused before it is looked for
+    assert main(["translate", missing, "--compile"]) == 2
+    assert capsys.readouterr().err == (
+        "aiayn: error: --compile compiles the step of greedy search and sampling; beam search (beam 4, the "
+        "default) decodes as without it: add --beam 1 or --sample, or drop --compile\n")
+    assert main(["translate", missing, "--compile", "--beam", "5"]) == 2
+    assert "beam search (--beam 5) decodes as without it" in capsys.readouterr().err
+    for ok in (["--beam", "1"], ["--sample"]):  # these go on to load the checkpoint, which is not there
+        assert main(["translate", missing, "--compile", *ok]) == 2
+        assert "no-checkpoint" in capsys.readouterr().err

@@ -294,7 +294,11 @@ def cmd_translate(args: argparse.Namespace) -> None:
             raise UserError(f"--{name.replace('_', '-')} {given[name]} needs --sample (a search ignores it)")
     options.update({k: v for k, v in given.items() if v is not None})
     with _settings_as_flags():
-        decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading or reading
+        chosen = decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading
+    if args.compile and chosen.beam > 1:  # else 10-40 s of compiling for a step beam search never takes
+        beam = f"--beam {chosen.beam}" if args.beam is not None else f"beam {chosen.beam}, the default"
+        raise UserError(f"--compile compiles the step of greedy search and sampling; beam search ({beam}) "
+                        "decodes as without it: add --beam 1 or --sample, or drop --compile")
     _check_streams(args.input, args.output)  # before the model loads and translates for nothing
     if args.output not in (None, "-"):  # never over the input or a checkpoint's file
         from pathlib import Path
@@ -797,9 +801,9 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decoder step of one sentence with torch.compile before translating "
                    "(10-40 s, said on stderr first, -q or not; float32 on a CPU, needs a C++ compiler): "
-                   "greedy search or sampling of one line at a time, as an interactive filter with --chunk 1 "
-                   "decodes, runs about 10%% faster; batches of several lines and beam search decode as "
-                   "without it")
+                   "greedy search (--beam 1) or sampling of one line at a time, as an interactive filter "
+                   "with --chunk 1 decodes, runs about 10%% faster; batches of several lines decode as "
+                   "without it, and beam search, which it would not speed up, refuses it")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_translate)
 

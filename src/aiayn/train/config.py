@@ -125,7 +125,8 @@ class TrainConfig:
     max_epochs: int = 0  # stop after this many epochs (0 = no limit)
     max_minutes: float = 0.0  # stop after this much training wall time, resumed runs included (0 = no limit)
     cooldown: float = 0.0  # over this last fraction of the budget (max_minutes, max_updates or max_epochs,
-    # whichever ends first) the lr falls linearly to 0; 0 = the paper's schedule to the end
+    # whichever ends first) the lr falls linearly toward 0 (under max_updates=N the last update runs at
+    # 1/(cooldown x N) of the schedule); 0 = the paper's schedule to the end
     patience: int = 0  # stop after this many validations without a better loss (0 = never)
     valid_every: int = 1000  # validate and checkpoint every this many updates (and at the end)
     keep_last: int = 5  # checkpoints kept (the paper averages the last 5 for base, 20 for big)

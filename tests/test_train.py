@@ -862,3 +862,19 @@ def test_running_out_of_memory_in_training_is_one_line_naming_the_setting(tmp_pa
     assert line == (f"{sized}: --resume goes on from {saved} where more memory is free, or train anew with a "
                     f"lower train.max_tokens (a resume keeps it) and a higher {keep}" if where == "update"
                     else f"{sized}: lower train.max_tokens, and raise {keep}")  # nothing saved before it
+
+
+def test_the_last_updates_before_the_budget_ends_are_logged(tmp_path):
+    """A run of 7 updates logging every 2 wrote its training loss at 2, 4 and 6 only: update 7's loss
+    was nowhere, and the curve ended short of the run. Its window, however short, is logged at the end:
+    the same loss as a run logging every update gives for update 7 alone."""
+    records = {}
+    for every in (1, 2):
+        config, _ = tiny_config(tmp_path, tmp_path / f"run{every}", "train.max_updates=7",
+                                f"train.log_every={every}")
+        train(config)
+        lines = (tmp_path / f"run{every}" / "metrics.jsonl").read_text().splitlines()
+        records[every] = [r for r in map(json.loads, lines) if "loss" in r]
+    assert [r["step"] for r in records[2]] == [2, 4, 6, 7]
+    last = [{k: r[k] for k in ("step", "loss", "nll", "lr")} for r in (records[1][-1], records[2][-1])]
+    assert last[0] == last[1]

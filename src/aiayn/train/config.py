@@ -130,7 +130,7 @@ class TrainConfig:
     patience: int = 0  # stop after this many validations without a better loss (0 = never)
     valid_every: int = 1000  # validate and checkpoint every this many updates (and at the end)
     keep_last: int = 5  # checkpoints kept (the paper averages the last 5 for base, 20 for big)
-    log_every: int = 50  # updates between lines of metrics.jsonl
+    log_every: int = 50  # updates between lines of metrics.jsonl (and a shorter last one at the budget's end)
     precision: str = "fp32"  # "fp32", "bf16" (autocast, CPU or GPU) or "fp16" (GPU, dynamic loss scaling)
     device: str = "auto"  # "auto" (CUDA if present), "cpu" or "cuda"
     compile: bool = False  # torch.compile the model (the checkpoint keeps plain names)

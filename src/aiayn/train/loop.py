@@ -382,13 +382,15 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 log.warning("update %d skipped: fp16 gradients overflowed; loss scale lowered to %g",
                             state.step + 1, scaler.get_scale())
             state.seconds = clock()
-            if applied and state.step % tc.log_every == 0:
+            stop = _stop_reason(state, tc, n_updates)
+            # At the budget's end, the last window too, however short: the curve ran up to log_every - 1
+            # updates short of the run, and the loss of its last updates was nowhere
+            if applied and (state.step % tc.log_every == 0 or stop):
                 window = [*sums.tolist(), tokens]  # the window's one sync: then its work is done, and timed
                 now = time.monotonic()
                 left = _time_left(state, tc, n_updates)
                 last = _log_window(window, state, lr, now - last_log, state.seconds, d, bar, metrics, left)
                 sums, tokens, last_log = _no_losses(d.device), 0.0, now
-            stop = _stop_reason(state, tc, n_updates)
             signalled = None if stop else stopper.agreed(d)  # a run at its budget ends as usual
             due = state.step % tc.valid_every == 0 or bool(tc.bleu_every and state.step % tc.bleu_every == 0)
             if state.step == saved_step:  # only skipped updates since the last save: nothing new to save

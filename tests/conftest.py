@@ -32,6 +32,20 @@ def ctrl_c_handled():
     signal.signal(signal.SIGINT, before)
 
 
+@pytest.fixture
+def hangup_caught():
+    """SIGHUP raising an AssertionError where the code under test does not handle it, for tests of a closed
+    terminal: its default action killed the whole test session, and pytest started by `nohup` inherits it
+    ignored (which training keeps), so the signal those tests send never came."""
+
+    def unhandled(signum, frame):
+        raise AssertionError("SIGHUP reached no handler of the code under test")
+
+    before = signal.signal(signal.SIGHUP, unhandled)
+    yield unhandled
+    signal.signal(signal.SIGHUP, before)
+
+
 def tiny_model(**overrides) -> Transformer:
     """A 2+2-layer model, small enough for exhaustive checks; dropout off unless asked for."""
     config = model_config("tiny", **{"vocab_size": 50, "d_model": 32, "d_ff": 64, "dropout": 0.0, **overrides})

@@ -448,14 +448,16 @@ def test_resuming_a_run_at_max_updates_trains_nothing(finished_run, tmp_path):
     assert all(torch.equal(after[k], before[k]) for k in after)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_saves_the_update_it_stopped_at_and_resume_ends_where_an_unbroken_run_does(
-    finished_run, tmp_path, monkeypatch, capsys, signum, ctrl_c_handled
+    finished_run, tmp_path, monkeypatch, capsys, signum, ctrl_c_handled, hangup_caught
 ):
-    """SIGTERM (a scheduler's) or a first Ctrl-C at update 3 of 4, between the checkpoints at 2 and 4:
-    update 3 is saved instead of lost, the exit status is the shell's for the signal, and --resume ends
-    at update 4 with the weights of the run that was never stopped."""
+    """SIGTERM (a scheduler's), SIGHUP (a closed terminal: it killed the run, nothing saved) or a first
+    Ctrl-C at update 3 of 4, between the checkpoints at 2 and 4: update 3 is saved instead of lost, the
+    exit status is the shell's for the signal, and --resume ends at update 4 with the weights of the run
+    that was never stopped."""
     d, config, sets = finished_run
+    before = signal.getsignal(signum)
     run = tmp_path / "run"
     run.mkdir()
     for name in ("spm.model", "tokenizer_inputs.json"):  # the same tokenizer as the unbroken run
@@ -477,7 +479,7 @@ def test_a_signal_saves_the_update_it_stopped_at_and_resume_ends_where_an_unbrok
     assert err[-1] == f"aiayn: stopped by {signal.Signals(signum).name} at update 3, saved in {run}/checkpoints/" \
                       "step_000003; --resume continues from there"
     assert [p.name for p in checkpoint_dirs(run)] == ["step_000002", "step_000003"]
-    assert signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler)  # handlers given back
+    assert signal.getsignal(signum) == before  # handlers given back
     monkeypatch.setattr(loop, "train_step", real_step)
     assert train(with_train(config, run_dir=str(run)), resume=True)["step"] == 4
     resumed = load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors"))
@@ -552,10 +554,13 @@ def test_a_validation_that_spends_the_time_budget_ends_the_run_there(tmp_path, m
 
 def test_processes_agree_on_the_signal_and_its_status(monkeypatch):
     """Under torchrun a process that got no signal stops with the others; two that got SIGINT were
-    summed into a SIGTERM status before."""
+    summed into a SIGTERM status before. Where processes got different signals, a SIGTERM wins, then a
+    SIGHUP. The sums: the processes that got SIGTERM, SIGHUP, SIGINT."""
     d = SimpleNamespace(enabled=True)
-    for others, expected in [([0.0, 0.0], None), ([2.0, 0.0], "SIGINT"), ([1.0, 0.0], "SIGINT"),
-                             ([1.0, 1.0], "SIGTERM"), ([0.0, 3.0], "SIGTERM")]:
+    cases = [([0.0, 0.0, 0.0], None), ([0.0, 0.0, 2.0], "SIGINT"), ([0.0, 0.0, 1.0], "SIGINT"),
+             ([1.0, 0.0, 1.0], "SIGTERM"), ([3.0, 0.0, 0.0], "SIGTERM"), ([0.0, 2.0, 0.0], "SIGHUP"),
+             ([0.0, 1.0, 1.0], "SIGHUP"), ([1.0, 1.0, 0.0], "SIGTERM")]
+    for others, expected in cases:
         monkeypatch.setattr(distributed, "all_reduce_sum", lambda values, d, others=others: others)
         stopper = loop.StopSignal()
         assert stopper.agreed(d) == expected
@@ -564,7 +569,7 @@ def test_processes_agree_on_the_signal_and_its_status(monkeypatch):
 
     def signal_arrives(values, d):
         late.signum = signal.SIGTERM
-        return [0.0, 0.0]
+        return [0.0, 0.0, 0.0]
 
     monkeypatch.setattr(distributed, "all_reduce_sum", signal_arrives)
     assert late.agreed(d) is None  # it said "SIGTERM" and stopped this process alone: a deadlock
@@ -585,7 +590,7 @@ def test_process_0_alone_says_that_a_signal_stops_the_run(monkeypatch, caplog, c
             signal.raise_signal(signal.SIGTERM)
         assert ("SIGTERM: stopping after this update" in caplog.text) == announce
         assert ("(a Ctrl-C: at once)" in caplog.text) == announce  # not "again": there was no first
-    monkeypatch.setattr(distributed, "all_reduce_sum", lambda values, d: [0.0, 1.0])  # another's SIGTERM
+    monkeypatch.setattr(distributed, "all_reduce_sum", lambda values, d: [1.0, 0.0, 0.0])  # another's SIGTERM
     for announce in (True, False):
         caplog.clear()
         assert loop.StopSignal(announce=announce).agreed(SimpleNamespace(enabled=True)) == "SIGTERM"
@@ -612,6 +617,23 @@ def test_a_signal_the_process_ignores_stays_ignored_during_training(caplog):
         assert "stopping after this update" in caplog.text and "Ctrl-C" not in caplog.text
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_run_started_by_nohup_trains_on_when_its_terminal_closes(caplog, hangup_caught):
+    """A closed terminal's SIGHUP is handled as SIGTERM is (a save, then a stop), except where the process
+    started with it ignored (`nohup aiayn train ...`): as an ignored SIGINT, it stays ignored."""
+    stopper = loop.StopSignal()
+    with stopper.installed():
+        assert signal.getsignal(signal.SIGHUP) not in (hangup_caught, signal.SIG_IGN)
+        signal.raise_signal(signal.SIGHUP)
+    assert stopper.signum == signal.SIGHUP and signal.getsignal(signal.SIGHUP) is hangup_caught
+    assert "SIGHUP: stopping after this update, with a checkpoint" in caplog.text
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    stopper = loop.StopSignal()
+    with stopper.installed():
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        signal.raise_signal(signal.SIGHUP)
+    assert stopper.signum is None and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 
 
 def test_the_tokenizer_settings_are_those_a_tokenizer_is_trained_with():

@@ -939,7 +939,8 @@ class Terminated(BaseException):
     """SIGTERM or SIGHUP (`timeout`, a closed terminal, a job scheduler) outside training, raised as Ctrl-C
     raises KeyboardInterrupt: an output being written is removed on the way out (`atomic_output`), not
     left behind as a hidden temporary file. A BaseException, as KeyboardInterrupt, so that no `except
-    Exception` takes it for an error. Training handles these signals itself (it saves, then stops)."""
+    Exception` takes it for an error. Training handles these signals itself: during its updates it saves,
+    then stops (`aiayn.train.loop.StopSignal`)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)

@@ -112,10 +112,11 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     in its checkpoint; "best_checkpoint", the path of the best validation loss's, once there is one. The
     training loss is in metrics.jsonl.
 
-    SIGTERM or a first Ctrl-C (a notebook's interrupt too) during the updates saves the update under way
-    and raises `aiayn.errors.Stopped`; `resume=True` continues from there. The run seeds torch's and
-    Python's global generators with train.seed (as fairseq does) and leaves them where it ended: two runs
-    at once in one process draw from the same generators, and neither is then its seed's run.
+    SIGTERM, SIGHUP (a closed terminal) or a first Ctrl-C (a notebook's interrupt too) during the updates
+    saves the update under way and raises `aiayn.errors.Stopped`; `resume=True` continues from there. The
+    run seeds torch's and Python's global generators with train.seed (as fairseq does) and leaves them
+    where it ended: two runs at once in one process draw from the same generators, and neither is then its
+    seed's run.
 
     Progress (updates, validations, saves) goes through the `aiayn` logger: where nothing is set up to
     show it (a script or notebook that configured no logging), to stderr for the run, as the command line
@@ -302,7 +303,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     bar.close()
     if d.is_main:
         log.info("stopped (%s) after %d updates, %.1f min", stop, state.step, (time.monotonic() - start) / 60)
-    if stop in (signal.SIGINT.name, signal.SIGTERM.name):  # the agreed signal, not the latest: a SIGTERM
+    if stop in [s.name for s in STOP_SIGNALS]:  # the agreed signal, not the latest: a SIGTERM
         # during the save changed one process' and that one exited 0
         raise Stopped(f"stopped by {stop} at update {state.step}, saved in {checkpoint_dirs(run_dir)[-1]}; "
                       "--resume continues from there", signal.Signals[stop])
@@ -422,12 +423,17 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
     return stop, last
 
 
+# The signals that stop a run with a checkpoint, in the order that picks one status for all processes where
+# they got different ones: a scheduler's, a closed terminal's (or a lost SSH connection's), a Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
 class StopSignal:
-    """SIGTERM (what a scheduler or `docker stop` sends) or a first Ctrl-C: finish the current update, save a
-    checkpoint (without validating) and stop, instead of losing the updates since the last checkpoint; one
-    during a validation ends it at its next batch, one during a save stops once it is written. A second
-    Ctrl-C interrupts at once. Under torchrun the processes agree on it at every update, and after each
-    validation and save."""
+    """SIGTERM (what a scheduler or `docker stop` sends), SIGHUP (a closed terminal, a lost SSH connection)
+    or a first Ctrl-C: finish the current update, save a checkpoint (without validating) and stop, instead
+    of losing the updates since the last checkpoint; one during a validation ends it at its next batch, one
+    during a save stops once it is written. A second Ctrl-C interrupts at once. Under torchrun the
+    processes agree on it at every update, and after each validation and save."""
 
     def __init__(self, announce: bool = True) -> None:
         self.signum: int | None = None
@@ -438,11 +444,12 @@ class StopSignal:
         """The handlers for the duration of the block (signal handlers live in the main thread only). A
         signal the process was started ignoring stays ignored: a background job of a script (`aiayn train
         &` in a non-interactive shell) inherits SIGINT ignored, and a Ctrl-C meant for the script stopped
-        its training, though not its data preparation."""
+        its training, though not its data preparation; one started by `nohup` has SIGHUP ignored, and
+        trains on when its terminal closes."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         previous = {s: h for s, h in handlers.items() if h != signal.SIG_IGN}
 
         def handle(signum: int, frame) -> None:
@@ -451,10 +458,10 @@ class StopSignal:
             again = self.signum is not None  # torchrun's launcher turns a second SIGINT into a SIGTERM
             self.signum = signum
             if self.announce and not again:
-                # SIGTERM's had no first Ctrl-C, and a process that ignores SIGINT has none at all
-                again = {signal.SIGINT: " (Ctrl-C again: at once)", signal.SIGTERM: " (a Ctrl-C: at once)"}
+                # a SIGTERM or SIGHUP had no first Ctrl-C, and a process that ignores SIGINT has none at all
+                again = " (Ctrl-C again: at once)" if signum == signal.SIGINT else " (a Ctrl-C: at once)"
                 log.warning("%s: stopping after this update, with a checkpoint%s",
-                            signal.Signals(signum).name, again[signum] if signal.SIGINT in previous else "")
+                            signal.Signals(signum).name, again if signal.SIGINT in previous else "")
 
         for s in previous:
             signal.signal(s, handle)
@@ -473,12 +480,12 @@ class StopSignal:
         mine = self.signum
         if not d.enabled:
             return None if mine is None else signal.Signals(mine).name
-        sigint, sigterm = distributed.all_reduce_sum(
-            [float(mine == signal.SIGINT), float(mine == signal.SIGTERM)], d)
-        if not (sigint or sigterm):
+        got = distributed.all_reduce_sum([float(mine == s) for s in STOP_SIGNALS], d)  # processes per signal
+        if not any(got):
             return None
-        self.signum = signal.SIGTERM if sigterm else signal.SIGINT  # one status for all (SIGINT and SIGTERM
-        name = signal.Signals(self.signum).name  # on two processes: SIGTERM, a scheduler's)
+        # one status for all, the first in STOP_SIGNALS (SIGINT and SIGTERM on two processes: SIGTERM)
+        self.signum = next(s for s, n in zip(STOP_SIGNALS, got) if n)
+        name = signal.Signals(self.signum).name
         if self.announce and mine is None:  # sent to another process alone
             log.warning("%s in another process: stopping after this update, with a checkpoint", name)
         return name

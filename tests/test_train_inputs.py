@@ -552,6 +552,20 @@ def test_a_validation_that_spends_the_time_budget_ends_the_run_there(tmp_path, m
     assert again["step"] == 4 and again["stop"] == "max_minutes=1" and len(calls) == 2
 
 
+def test_the_last_line_says_the_runs_training_time_and_a_resumed_sessions(tmp_path, monkeypatch, caplog):
+    """"stopped (max_minutes=0.2) after 242 updates, 0.1 min": the run's updates beside this invocation's
+    minutes, read as 242 updates in 6 s. It says the run's training time, which max_minutes and
+    metrics.jsonl's elapsed_s count, and a resumed run's own minutes beside it."""
+    monkeypatch.setattr(loop, "_training_seconds", lambda before, start, tc, d: before + 30.0)  # 30 s each
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2", "train.valid_every=2")
+    with caplog.at_level("INFO", logger="aiayn"):
+        train(config)
+        assert caplog.messages[-1] == "stopped (max_updates=2) after 2 updates, 0.5 min of training"
+        train(with_train(config, max_updates=4), resume=True)
+    assert caplog.messages[-1] == ("stopped (max_updates=4) after 4 updates, 1.0 min of training "
+                                   "(0.5 min in this session)")
+
+
 def test_processes_agree_on_the_signal_and_its_status(monkeypatch):
     """Under torchrun a process that got no signal stops with the others; two that got SIGINT were
     summed into a SIGTERM status before. Where processes got different signals, a SIGTERM wins, then a

@@ -284,8 +284,8 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         unit="upd",
         dynamic_ncols=True,
     )  # a terminal only: tokens/s, loss, ppl, lr, and time left
-    start = time.monotonic()
-    clock = _training_clock(state.seconds, tc, d)
+    before = state.seconds  # a resumed run's training time so far
+    clock = _training_clock(before, tc, d)
     validated = {}
     stopper = StopSignal(announce=d.is_main)
     with stopper.installed(), lines_above(bar):
@@ -301,8 +301,10 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         stop, last = _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast, metrics, bar,
                            n_updates, batch_tokens, stopper, clock)
     bar.close()
-    if d.is_main:
-        log.info("stopped (%s) after %d updates, %.1f min", stop, state.step, (time.monotonic() - start) / 60)
+    if d.is_main:  # the run's training time, as max_minutes and metrics.jsonl's elapsed_s count it
+        session = f" ({(state.seconds - before) / 60:.1f} min in this session)" if resume_from else ""
+        log.info("stopped (%s) after %d updates, %.1f min of training%s", stop, state.step, state.seconds / 60,
+                 session)
     if stop in [s.name for s in STOP_SIGNALS]:  # the agreed signal, not the latest: a SIGTERM
         # during the save changed one process' and that one exited 0
         raise Stopped(f"stopped by {stop} at update {state.step}, saved in {checkpoint_dirs(run_dir)[-1]}; "

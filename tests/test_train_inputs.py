@@ -524,6 +524,25 @@ def test_time_left_counts_down_the_first_budget_to_end():
     assert [loop._clock(s) for s in (70.0, 3599.6, 3725.0)] == ["1:10", "1:00:00", "1:02:05"]
 
 
+def test_the_bar_shows_one_time_left_the_one_that_knows_max_minutes(tmp_path, monkeypatch):
+    """On a terminal tqdm's own time left ("[00:01<00:06"), which counts max_updates and max_epochs alone,
+    stood beside the postfix's left=, which knows max_minutes too: where the minutes end first they said
+    two times. The bar keeps left= alone, and tqdm's count, elapsed time and rate."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=4", "train.max_minutes=10")
+    train(config)
+    shown = terminal.getvalue()
+    assert re.search(r"\| 4/4 \[\d\d:\d\d, [^]]*upd[^]]*left=0:00", shown), shown  # upd/s, or s/upd
+    assert not re.search(r"\[\d\d:\d\d<", shown), shown
+
+
 def test_a_validation_that_spends_the_time_budget_ends_the_run_there(tmp_path, monkeypatch):
     """max_minutes was checked before each validation, and the validation's time counted only after the
     next update: one that crossed the budget was followed by one more update, validation and checkpoint

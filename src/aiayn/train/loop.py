@@ -93,6 +93,9 @@ from aiayn.train.state import (
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# tqdm's default bar without its time left ("<00:06"): that counts max_updates and max_epochs alone, and
+# contradicted the postfix's left= (`_time_left`), which knows max_minutes too, where the minutes end first
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"
 
 
 @dataclass
@@ -283,6 +286,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         disable=not d.is_main or None,
         unit="upd",
         dynamic_ncols=True,
+        bar_format=BAR_FORMAT if planned else None,  # without a total, tqdm's own shows no time left
     )  # a terminal only: tokens/s, loss, ppl, lr, and time left
     before = state.seconds  # a resumed run's training time so far
     clock = _training_clock(before, tc, d)
@@ -653,7 +657,8 @@ def _log_window(
 
 def _time_left(state: TrainState, tc, n_updates: int) -> float | None:
     """Seconds of training left before the first budget (minutes, updates, epochs) ends, at the pace so far;
-    None without a budget. (The bar's own estimate knows only updates and epochs.)"""
+    None without a budget. (tqdm's own estimate, which `BAR_FORMAT` leaves out, knows only updates and
+    epochs.)"""
     used = _budget_used(state, tc, n_updates)
     if not 0.0 < used < 1.0:
         return None if used == 0.0 else 0.0

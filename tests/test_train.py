@@ -368,6 +368,33 @@ def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_p
     assert score == pytest.approx(BLEU(tokenize="char").corpus_score(one_by_one, [text.tgt]).score)
 
 
+def test_validation_bleu_shows_its_progress_on_a_terminal_only(straight_run, monkeypatch):
+    """A BLEU pass over a real validation set takes minutes, and the bar above it stood still meanwhile:
+    on a terminal a bar of its own counts the sentences, and is gone once the pass ends; a log file gets
+    none of its frames."""
+    import io
+
+    from aiayn.data.dataset import read_parallel
+    from aiayn.train.bleu import validation_bleu
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    d, config, _ = straight_run
+    ck = load_checkpoint(checkpoint_dirs(d / "run")[-1])
+    text = read_parallel(config.data.valid_src, config.data.valid_tgt)
+    for stream in (Terminal(), io.StringIO()):
+        monkeypatch.setattr(sys, "stderr", stream)
+        validation_bleu(ck.model, ck.tokenizer, text, 64, torch.device("cpu"))
+        shown = stream.getvalue()
+        if isinstance(stream, Terminal):
+            assert "validation BLEU: 100%" in shown and f"{len(text.src)}/{len(text.src)}" in shown, shown
+            assert shown.endswith("\r"), shown  # cleared (leave=False): the training bar's line is free again
+        else:
+            assert shown == ""
+
+
 @pytest.mark.parametrize("normalization", ["nmt_nfkc", "nmt_nfkc_cf"])
 def test_validation_bleu_of_a_tokenizer_that_folds_case_is_lowercased(tmp_path, monkeypatch, normalization):
     """A tokenizer that folds case makes a model that writes lowercase alone: scored against the cased

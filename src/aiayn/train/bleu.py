@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+from tqdm import tqdm
 
 from aiayn.data.batching import right_pad, token_batches
 from aiayn.data.dataset import ParallelText, folds_case
@@ -40,7 +41,10 @@ def validation_bleu(
     evaluate` scores the set: cutting them at data.max_len held the curve below the score the checkpoint
     gets. Only a source the model has no positions for, or longer than a batch (`max_tokens`), is cut
     (where `aiayn translate` would refuse it), and said. A target tokenizer that folds case
-    (data.normalization "nmt_nfkc_cf", "nfkc_cf") is scored lowercased, as its signature says."""
+    (data.normalization "nmt_nfkc_cf", "nfkc_cf") is scored lowercased, as its signature says.
+
+    On a terminal a bar counts the sentences (a pass over a real validation set takes minutes, and was
+    silent), and goes when the pass ends."""
     was_training = model.training
     model.eval()
     limit = min(model.config.max_len, max_tokens)
@@ -51,13 +55,16 @@ def validation_bleu(
     sources = [ids if len(ids) <= limit else ids[: limit - 1] + [tokenizer.eos_id] for ids in sources]
     lengths = [len(ids) for ids in sources]
     hypotheses = [""] * len(sources)
-    for indices in token_batches(lengths, lengths, max_tokens):
-        if stop is not None and stop():
-            model.train(was_training)
-            return None
-        src = right_pad([sources[i] for i in indices], tokenizer.pad_id)  # (B, S)
-        for i, hyps in zip(indices, generate(model, src.to(device), DecodeConfig(beam=1))):
-            hypotheses[i] = tokenizer.decode_tgt(hyps[0].tokens)
+    # disable=None: no bar where stderr is not a terminal (a log file), as training's
+    with tqdm(total=len(sources), desc="validation BLEU", unit="sent", leave=False, disable=None) as bar:
+        for indices in token_batches(lengths, lengths, max_tokens):
+            if stop is not None and stop():
+                model.train(was_training)
+                return None
+            src = right_pad([sources[i] for i in indices], tokenizer.pad_id)  # (B, S)
+            for i, hyps in zip(indices, generate(model, src.to(device), DecodeConfig(beam=1))):
+                hypotheses[i] = tokenizer.decode_tgt(hyps[0].tokens)
+            bar.update(len(indices))
     model.train(was_training)
     bleu, lowercased = bleu_metrics(lang)
     if folds_case(tokenizer.tgt):  # the model writes lowercase alone: cased references held the curve down

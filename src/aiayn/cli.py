@@ -1007,7 +1007,7 @@ def _run(args: argparse.Namespace) -> int:
         if not repeated:
             print(f"aiayn: error: {e}", file=sys.stderr)
         return 2
-    except Stopped as e:  # a training run that saved on SIGTERM or Ctrl-C
+    except Stopped as e:  # a training run that saved on SIGTERM, SIGHUP or Ctrl-C
         if not later:
             print(f"aiayn: {e}", file=sys.stderr)
         return e.exit_status

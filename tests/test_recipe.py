@@ -1,6 +1,7 @@
 """recipes/multi30k/run.py: the end-to-end recipe script, at a toy size (its real run takes 82 minutes)."""
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -155,6 +156,25 @@ def test_a_signal_to_the_ensemble_script_stops_its_members_too(monkeypatch):
     threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
     with pytest.raises(run.Stopped, match="SIGTERM: each member saved its update; --resume continues"):
         run.wait_all(members, poll_s=0.05)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this system")
+def test_a_closed_terminal_stops_the_ensemble_script_as_sigterm_does(hangup_caught):
+    """A closed terminal sends SIGHUP to run.py and its members: the members save and exit 129, and
+    run.py died by the signal without a word; it now waits for them and says so."""
+    import os
+    import threading
+
+    saving = ("import signal, sys, time; signal.signal(signal.SIGHUP, lambda *a: sys.exit(129)); "
+              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(129)); time.sleep(60)")
+    members = [subprocess.Popen([sys.executable, "-c", saving]) for _ in range(2)]
+    time.sleep(1.0)  # their handlers in place
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGHUP)).start()
+    with pytest.raises(run.Stopped, match="SIGHUP: each member saved its update; --resume continues") as e:
+        run.wait_all(members, poll_s=0.05)
+    assert e.value.exit_status == 129 and [p.returncode for p in members] == [129, 129]
+    # a member that saved on SIGHUP did not fail: the other one did
+    assert run.member_failure([129, 2], ["ra", "rb"]).startswith("ensemble member b (rb) failed (exit 2;")
 
 
 def test_files_it_would_score_and_search_options_are_checked_before_training(tmp_path, capsys):

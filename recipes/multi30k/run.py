@@ -240,6 +240,8 @@ def member_failure(codes: list[int], run_dirs: list[str]) -> str:
     """Which member failed, and where: "exit codes [0, 2]" left the reader to find it among the lines of two
     trainings. A member that wait_all stopped (SIGTERM) did not fail, unless every nonzero one was stopped."""
     stopped = (-signal.SIGTERM, 128 + signal.SIGTERM)  # killed while preparing data, or saved and stopped
+    if hangup := getattr(signal, "SIGHUP", None):  # a closed terminal's, which every member got
+        stopped += (-hangup, 128 + hangup)
     failed = [i for i, c in enumerate(codes) if c not in (0, *stopped)]
     failed = failed or [i for i, c in enumerate(codes) if c]
     names = " and ".join(f"{'ab'[i]} ({run_dirs[i]})" for i in failed)
@@ -260,10 +262,10 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
         return [p.wait() for p in procs]
 
     def stopped(signum: int) -> Stopped:
-        """What the members did with the signal: a training saves its update and exits 130 or 143; one
-        still preparing its data had nothing to save (it was said to have saved)."""
+        """What the members did with the signal: a training saves its update and exits 130, 143 or 129
+        (SIGHUP); one still preparing its data had nothing to save (it was said to have saved)."""
         codes = stop_all()
-        saved = all(c in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) for c in codes)  # 0: had finished
+        saved = all(c in (0, *(128 + s for s in handled)) for c in codes)  # 0: had finished
         what = ("each member saved its update; --resume continues" if saved else
                 f"exit codes {codes}: a member stopped before its first update had nothing to save; "
                 "--resume continues from each member's last checkpoint, or starts it again")
@@ -272,7 +274,11 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
     def on_sigterm(signum, frame):
         raise stopped(signum)
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    # a closed terminal sends SIGHUP to the members, which save, and to this script, which died without a
+    # word: it now waits for them and says so, as for SIGTERM
+    handled = [signal.SIGINT, signal.SIGTERM, *filter(None, [getattr(signal, "SIGHUP", None)])]
+    previous = {s: signal.signal(s, on_sigterm) for s in handled[1:]
+                if signal.getsignal(s) != signal.SIG_IGN}  # nohup's SIGHUP stays ignored, as the members'
     try:
         while True:
             # each polled every round: any() stopped at the first still running, so the second member's
@@ -287,7 +293,8 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
     except KeyboardInterrupt:  # the members, in the same process group, got the Ctrl-C too
         raise stopped(signal.SIGINT) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return [p.returncode for p in procs]
 
 

@@ -430,8 +430,9 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
 
 
 # The signals that stop a run with a checkpoint, in the order that picks one status for all processes where
-# they got different ones: a scheduler's, a closed terminal's (or a lost SSH connection's), a Ctrl-C
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+# they got different ones: a scheduler's, a closed terminal's (or a lost SSH connection's), a Ctrl-C.
+# Windows has no SIGHUP.
+STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None), signal.SIGINT) if s)
 
 
 class StopSignal:

@@ -81,6 +81,41 @@ def test_only_the_recording_threads_calls_are_recorded():
     assert all(m.recorder is None for mods in attention_modules(model).values() for m in mods)
 
 
+def test_nested_recordings_each_get_every_call_made_while_open(tokenizers):
+    """`extract_attention` inside a recording: its record replaced the outer's, which missed every later
+    call and raised an AttributeError on exit (the inner's exit had removed the recorders)."""
+    tokenizer = tokenizers[0]
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    src, tgt = padded_batch([5, 3], 50), padded_batch([4, 4], 50)
+    with record_attention(model) as outer, torch.no_grad():
+        model(src, tgt)
+        maps = extract_attention(model, tokenizer, "the number 12", "die Zahl 12")
+        with record_attention(model) as inner:
+            model(src, tgt)
+        model(src, tgt)
+    assert maps.encoder.shape[0] == model.config.n_layers
+    assert all(len(layer) == 1 for kind in inner.values() for layer in kind)
+    assert all(len(layer) == 4 for kind in outer.values() for layer in kind)  # extract's forward too
+    assert torch.equal(outer["cross"][0][2], inner["cross"][0][0])
+    assert all(m.recorder is None for mods in attention_modules(model).values() for m in mods)
+
+
+@pytest.mark.parametrize("closed_first", [0, 1])
+def test_recordings_closed_in_either_order_keep_their_own_records(closed_first):
+    """Generators may close them out of order; each record is found by identity: two empty ones are equal."""
+    model = tiny_model()
+    src, tgt = padded_batch([5, 3], 50), padded_batch([4, 4], 50)
+    recordings = [record_attention(model), record_attention(model)]
+    records = [r.__enter__() for r in recordings]
+    recordings[closed_first].__exit__(None, None, None)
+    with torch.no_grad():
+        model(src, tgt)
+    recordings[1 - closed_first].__exit__(None, None, None)
+    assert all(layer == [] for kind in records[closed_first].values() for layer in kind)
+    assert all(len(layer) == 1 for kind in records[1 - closed_first].values() for layer in kind)
+    assert all(m.recorder is None for mods in attention_modules(model).values() for m in mods)
+
+
 def test_a_translators_packed_or_int8_model_is_drawn(tmp_path, tokenizers):
     """Its output projection is packed for oneDNN (or quantized): no `.weight` tensor to find the device."""
     from aiayn.translate import Translator

@@ -62,7 +62,8 @@ def record_attention(model: Transformer) -> Iterator[dict[str, list[list[Tensor]
     One forward pass appends one tensor to every list; incremental decoding appends one per step.
     Under beam search the shapes follow the search's layout instead: self-attention rows are the live
     beams, and cross-attention, which a sentence's beams share, folds its K beams into the query axis,
-    (B, H, K x T, S). The recorders are switched off again on exit, even after an error.
+    (B, H, K x T, S). Recordings may nest (`extract_attention` inside one): each gets every call made
+    while it is open. The recorders are switched off again on exit, even after an error.
     """
     modules = attention_modules(model)
     records = {kind: [[] for _ in mods] for kind, mods in modules.items()}
@@ -72,14 +73,14 @@ def record_attention(model: Transformer) -> Iterator[dict[str, list[list[Tensor]
             for module, record in zip(mods, records[kind]):
                 if module.recorder is None:
                     module.recorder = _Recorders()
-                module.recorder.by_thread[thread] = record
+                module.recorder.by_thread.setdefault(thread, []).append(record)
     try:
         yield records
     finally:
         with _RECORDING:
-            for mods in modules.values():
-                for module in mods:
-                    del module.recorder.by_thread[thread]
+            for kind, mods in modules.items():
+                for module, record in zip(mods, records[kind]):
+                    module.recorder.remove(thread, record)
                     if not module.recorder.by_thread:
                         module.recorder = None
 
@@ -88,17 +89,27 @@ _RECORDING = threading.Lock()  # around installing and removing recorders, which
 
 
 class _Recorders:
-    """A module's records, one per recording thread, each getting that thread's calls alone: a
+    """A module's open records by recording thread, each getting that thread's calls alone: a
     `Translator`'s model may be translating, or drawn, in another thread meanwhile, whose calls landed in
-    the one record (wrong maps, silently), and whose recorder replaced and then removed this one's."""
+    the one record (wrong maps, silently), and whose recorder replaced and then removed this one's.
+    A thread's recordings may nest, so it has a list of them, and every call goes to each: with one
+    record per thread the inner one replaced the outer's, which missed the calls from then on and
+    raised on its own exit."""
 
     def __init__(self) -> None:
-        self.by_thread: dict[int, list[Tensor]] = {}
+        self.by_thread: dict[int, list[list[Tensor]]] = {}
 
     def append(self, weights: Tensor) -> None:
-        record = self.by_thread.get(threading.get_ident())
-        if record is not None:
+        for record in self.by_thread.get(threading.get_ident(), ()):
             record.append(weights)
+
+    def remove(self, thread: int, record: list[Tensor]) -> None:
+        """Close `thread`'s `record`, found by identity: records of equal contents are other recordings'
+        (and comparing lists of tensors raises), and a generator may close them out of order."""
+        records = self.by_thread[thread]
+        del records[next(i for i, r in enumerate(records) if r is record)]
+        if not records:
+            del self.by_thread[thread]
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ One attention path: `torch.nn.functional.scaled_dot_product_attention`. Without 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aiayn.model.kv_cache import KVCache
+
+if TYPE_CHECKING:  # annotations only: aiayn.attention imports the model
+    from aiayn.attention import _Recorders
 
 
 def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
@@ -136,7 +140,7 @@ class MultiHeadAttention(nn.Module):
             self.q_proj = nn.Linear(d_model, d_model)  # W^Q
             self.kv_proj = nn.Linear(d_model, 2 * d_model)  # [W^K; W^V]
         self.out_proj = nn.Linear(d_model, d_model)  # W^O
-        self.recorder: list[Tensor] | None = None  # set by `record_attention` to inspect weights
+        self.recorder: _Recorders | None = None  # set by `record_attention` to inspect weights
 
     def reset_parameters(self) -> None:
         """W^Q, W^K and W^V each Xavier-uniform as its own d x d matrix with gain 1/sqrt(2), W^O with gain 1,

@@ -77,6 +77,28 @@ def test_the_update_axis_has_whole_numbers_only(steps):
         assert len(ticks) and all(float(t).is_integer() for t in ticks), ticks
 
 
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("records", [
+    # max_updates=6, valid_every=bleu_every=6, log_every=1: the BLEU panel's one point read 5.68, 5.76, ...
+    [{"step": s, "loss": 1.0, "nll": 1.0, "lr": 1e-4} for s in range(1, 7)] + [{"step": 6, "valid_bleu": 1.0}],
+    [{"step": s, "loss": 1.0, "lr": 1e-4 if s == 3 else NAN} for s in range(1, 7)],  # one finite lr: 2.84, ...
+    [{"step": s, "loss": 1.0} for s in range(1, 7)],  # no lr: an empty panel read -0.060, -0.045, ...
+])
+def test_each_panels_update_axis_is_labelled_with_whole_numbers(records):
+    """The narrow-range guard looked at the updates of all records together, not at those of each panel."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from aiayn.train.metrics import _draw
+
+    fig = _draw(records)
+    FigureCanvasAgg(fig).draw()
+    for ax in fig.axes:
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_visible()]
+        assert labels and all(re.fullmatch(r"\d+", label) for label in labels), labels
+
+
 def test_panels_without_numbers_say_so():
     """A log without lr records drew bare axes (-0.04 to 0.04); one of NaNs, blank panels titled "best
     valid NLL nan"."""

@@ -239,7 +239,6 @@ def _draw(records: list[dict[str, Any]]):
     """The curves' figure, made without pyplot: `matplotlib.use("Agg")` switched a notebook's backend
     (inline plots) for the rest of its session, and pyplot keeps every figure until it is closed."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
 
     bleu_steps, bleus = _points(records, "valid_bleu")  # with train.bleu_every: a third panel
     fig = Figure(figsize=(16 if bleu_steps else 11, 4))
@@ -282,12 +281,28 @@ def _draw(records: list[dict[str, Any]]):
         ax_bleu.set_title(f"best valid BLEU {best:.2f} at {at}")
         ax_bleu.grid(alpha=0.3)
     steps = [r["step"] for r in records if "step" in r]
-    for ax in axes:  # updates are whole: a short run's ticks were 0.96, 0.98, ... or 1.25, 1.5, ...
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if steps and max(steps) - min(steps) < 2:  # under two updates apart: no two whole ticks to show
-            ax.set_xlim(min(steps) - 1, max(steps) + 1)
+    for ax in axes:
+        _whole_updates(ax, steps)
     fig.tight_layout()
     return fig
+
+
+def _whole_updates(ax, run_steps: list) -> None:
+    """Tick a panel's update axis at whole updates: a short run's ticks were 0.96, 0.98, ... or 1.25, 1.5.
+    The span is that of the points the panel draws (matplotlib leaves out one that is not finite): the
+    run's, 1 to 6, beside a BLEU panel of update 6 alone, ticked it 5.68, 5.76, ... A panel with no point
+    (its text says so) spans the run's updates, not matplotlib's -0.06 to 0.06."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    drawn = [x for line in ax.lines for x, y in zip(line.get_xdata(), line.get_ydata()) if math.isfinite(y)]
+    steps = drawn or run_steps
+    if not steps:
+        return
+    if max(steps) - min(steps) < 2:  # under two updates apart: no two whole ticks to show
+        ax.set_xlim(min(steps) - 1, max(steps) + 1)
+    elif not drawn:
+        ax.set_xlim(min(steps), max(steps))
 
 
 def _write_png(data: bytes, path: Path) -> None:

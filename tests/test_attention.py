@@ -329,6 +329,25 @@ def test_an_unusable_out_is_one_line(tmp_path, tokenizers, capsys, monkeypatch, 
     assert (tmp_path / "file").read_text() == "mine" and not list(tmp_path.glob("attention*"))
 
 
+@pytest.mark.parametrize("name", ["map.png", "maps/Map.PDF", "a.svg", "page.html", "m.htm", "m.jpg", "m.jpeg"])
+def test_an_out_named_as_a_file_is_refused_before_a_folder_of_that_name_is_made(tmp_path, tokenizers,
+                                                                                capsys, name):
+    """`--out map.png` made a folder map.png/ of the maps, silently."""
+    argv = _draw_args(tmp_path, tokenizers)
+    out = tmp_path / name
+    assert main(argv + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"aiayn: error: {out}: names a file; --out (out_dir in Python) is the folder that gets "
+                   f"attention_*.png and attention.html, such as {out.with_suffix('')}\n")
+    assert not out.exists() and not (tmp_path / "maps").exists()
+
+
+def test_an_existing_folder_with_a_files_suffix_is_an_out_as_any(tmp_path):
+    (tmp_path / "maps.png").mkdir()  # made on purpose, or by an earlier version: the user's choice
+    assert attention.check_out_dir(tmp_path / "maps.png") == tmp_path / "maps.png"
+    assert attention.check_out_dir(tmp_path / "maps.v2") == tmp_path / "maps.v2"
+
+
 def test_an_empty_out_is_refused_by_the_library_too():
     with pytest.raises(UserError, match="^the output folder name is empty$"):  # "" is the current directory
         attention.check_out_dir("")

@@ -386,13 +386,21 @@ def html_page(maps: AttentionMaps, pngs: dict[str, bytes], title: str) -> str:
     return "\n".join(parts)
 
 
+# Suffixes of a file's name: `--out map.png` (no such folder yet) made a folder map.png/ of the maps
+FILE_SUFFIXES = (".png", ".pdf", ".svg", ".html", ".htm", ".jpg", ".jpeg")
+
+
 def check_out_dir(out_dir: str | Path) -> Path:
     """Refuse an output folder that cannot be one, before any work: an empty name (it would mean the
-    current directory), an existing non-directory, or a path under a file. Creates nothing."""
+    current directory), an existing non-directory, a path under a file, or a new name that ends in a
+    picture's or page's suffix (`FILE_SUFFIXES`), which was meant as a file. Creates nothing."""
     if str(out_dir) == "":
         raise UserError("the output folder name is empty")
     out_dir = Path(out_dir)
     check_directory_path(out_dir)
+    if out_dir.suffix.lower() in FILE_SUFFIXES and not out_dir.exists():
+        raise UserError(f"{out_dir}: names a file; --out (out_dir in Python) is the folder that gets "
+                        f"attention_*.png and attention.html, such as {out_dir.with_suffix('')}")
     return out_dir
 
 

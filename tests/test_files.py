@@ -359,3 +359,19 @@ def test_an_output_folder_that_is_a_dangling_link_is_said_to_be_one(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(files.UserError, match="file: exists and is not a directory$"):
         files.check_directory_path(tmp_path / "file")
+
+
+def test_an_output_under_a_dangling_link_names_the_link(tmp_path):
+    """`plot -o dang/c.png`, `attention --out dang/x`, `average -o dang/x`: "dang is not a directory" sent
+    users to look for a file that is not there; the output's own link was said right already."""
+    (tmp_path / "dang").symlink_to(tmp_path / "gone")
+    said = f"{tmp_path / 'dang'} is a symbolic link to {tmp_path / 'gone'}, which does not exist"
+    for out in (tmp_path / "dang" / "x", tmp_path / "dang" / "sub" / "x"):
+        message = f"^{re.escape(str(out))}: {re.escape(said)}$"
+        with pytest.raises(files.UserError, match=message):
+            files.check_directory_path(out)
+        with pytest.raises(files.UserError, match=message):
+            files.check_output(out, [], force=False)
+        with pytest.raises(files.UserError, match=message), files.directory_for(out.parent, out):
+            pass
+    assert not (tmp_path / "gone").exists()

@@ -349,6 +349,18 @@ def test_plot_under_a_regular_file_is_one_line_and_leaves_nothing(log_path, tmp_
     assert blocker.read_text() == "not a directory"
 
 
+def test_plot_under_a_dangling_link_names_the_link(log_path, tmp_path, capsys):
+    """`plot RUN -o brok/c.png` said "brok is not a directory"; `attention` said what brok is."""
+    from aiayn.cli import main
+
+    (tmp_path / "brok").symlink_to(tmp_path / "gone")
+    png = tmp_path / "brok" / "c.png"
+    assert main(["plot", str(tmp_path), "-o", str(png)]) == 2
+    assert capsys.readouterr().err == (f"aiayn: error: {png}: {tmp_path / 'brok'} is a symbolic link to "
+                                       f"{tmp_path / 'gone'}, which does not exist\n")
+    assert not (tmp_path / "gone").exists()
+
+
 def test_full_disk_keeps_the_old_png(log_path, tmp_path, monkeypatch):
     png = tmp_path / "curves.png"
     plot_metrics(log_path, png)

@@ -138,7 +138,7 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
                         ) from None
     ancestor = next(p for p in out.absolute().parents if p.exists() or p.is_symlink())  # "/" is
     if not ancestor.is_dir():  # OUT under a file: a NotADirectoryError once the work was done
-        raise UserError(f"{out}: {ancestor} is not a directory")
+        raise UserError(f"{out}: {_no_directory(ancestor)}")
     exists = out.exists() or out.is_symlink()
     refused = [(p, ("is", "contains", "lies inside") if exists else ("is", "contains")) for p in inputs]
     refused += [(p, ("is", "contains")) for p in enclosing or []]
@@ -217,7 +217,15 @@ def check_directory_path(path: Path) -> None:
         if not existing.is_dir():
             raise UserError(f"{path}: exists and is not a directory")
     elif not existing.is_dir():
-        raise UserError(f"{path}: {existing} is not a directory")
+        raise UserError(f"{path}: {_no_directory(existing)}")
+
+
+def _no_directory(path: Path) -> str:
+    """Why `path`, which is there but no directory, cannot hold an output: a link to nothing was said to be
+    "not a directory", which sent users to look at a file that is not there."""
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+    return f"{path} is not a directory"
 
 
 @contextlib.contextmanager
@@ -243,7 +251,7 @@ def _make_parents(parent: Path) -> list[Path]:
     missing = []
     while not parent.is_dir() and parent != parent.parent:
         if parent.exists() or parent.is_symlink():  # mkdir would say "File exists", which misleads
-            raise NotADirectoryError(errno.ENOTDIR, f"{parent} is not a directory")
+            raise NotADirectoryError(errno.ENOTDIR, _no_directory(parent))
         missing.append(parent)
         parent = parent.parent
     made: list[Path] = []

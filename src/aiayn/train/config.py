@@ -96,13 +96,34 @@ def _settle_paths(section: Any, name: str, fields: tuple[str, ...]) -> None:
     (`--set train.run_dir=~/runs/x`) expands it, nor Python (`TrainConfig(run_dir="~/x")` made a literal
     `./~/x`), and a literal `~` directory in the working directory is one `rm -rf ~` away from the user's
     home. A path whose name is not UTF-8 (bytes Python keeps as surrogates) trained, then failed with a
-    UnicodeEncodeError traceback at the first checkpoint, whose meta.json records the paths: refused."""
+    UnicodeEncodeError traceback at the first checkpoint, whose meta.json records the paths: refused. So is
+    one with a control character (`_control_character`)."""
     for field_name in fields:
         value = os.path.expanduser(getattr(section, field_name))
         object.__setattr__(section, field_name, value)  # frozen: settled once, as it is made
         if (shown := non_utf8_name(value)) is not None:
             raise ConfigError(f"{name}.{field_name}='{shown}': the name is not UTF-8, which the checkpoints "
                               "record it in; rename it")
+        if problem := _control_character(value):
+            raise ConfigError(f"{name}.{field_name}={value!r} {problem}")
+
+
+# The control characters a TOML basic string ("...") makes of a backslash escape
+_ESCAPED = {"\b": "a backspace (\\b)", "\t": "a tab (\\t)", "\n": "a line feed (\\n)", "\f": "a form feed (\\f)",
+            "\r": "a carriage return (\\r)"}
+
+
+def _control_character(value: str) -> str | None:
+    """What is wrong with a path that holds a control character (C0 or DEL), else None. Mostly a TOML
+    escape nobody meant: `run_dir = "C:\\runs\\new"` (a Windows habit) or --set 'train.run_dir="a\\nb"'
+    trained into a directory whose name held CR and LF, which split the log's and the result's lines."""
+    found = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+    if found is None:
+        return None
+    if found not in _ESCAPED:
+        return f"holds the control character U+{ord(found):04X}, which no path should have"
+    return (f"holds {_ESCAPED[found]}, which no path should have; TOML reads a backslash in \"...\" as an "
+            "escape: write the path in '...', which keeps backslashes, or with /")
 
 
 @dataclass(frozen=True)

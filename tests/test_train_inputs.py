@@ -328,8 +328,34 @@ def test_other_optimisation_settings_on_resume_are_said_one_line_each(finished_r
         assert train(config, resume=True)["step"] == 5
     trained, checkpoint = finished_run[1].train, tmp_path / "run" / "checkpoints" / "step_000004"
     said = [m for m in caplog.messages if m.startswith(f"{checkpoint}: trained with")]
+    changes["max_updates"] = 5  # the cooldown's lr follows it (below)
     assert said == [f"{checkpoint}: trained with train.{key}={getattr(trained, key)!r}, resumed with "
                     f"{value!r}" for key, value in changes.items()]
+
+
+def test_another_budget_on_resume_is_said_where_a_cooldown_makes_the_lr_follow_it(finished_run, tmp_path,
+                                                                                   caplog):
+    """With train.cooldown, the lr is a fraction of the budget left: another max_updates on --resume moved
+    it (12 times higher in the probe) with no line, where another lr_scale or warmup was said."""
+    config = copy_run(finished_run, tmp_path)
+    checkpoints = Path(config.train.run_dir) / "checkpoints"
+
+    def said(resumed_from: int, **changes) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            train(with_train(config, **changes), resume=True)
+        return [m.partition(": trained with ")[2] for m in caplog.messages
+                if m.startswith(f"{checkpoints / f'step_{resumed_from:06d}'}: trained with")]
+
+    assert said(4, max_updates=5) == []  # no cooldown: the budget moves no lr
+    assert said(5, max_updates=6, max_epochs=50, cooldown=0.5) == [
+        "train.cooldown=0.0, resumed with 0.5", "train.max_updates=5, resumed with 6",
+        "train.max_epochs=0, resumed with 50"]
+    assert said(6, max_updates=7, max_epochs=50, cooldown=0.5) == ["train.max_updates=6, resumed with 7"]
+    # a cooldown trained with and dropped: the lr it had at update 7 is gone
+    assert said(7, max_updates=8, max_minutes=60.0) == [
+        "train.cooldown=0.5, resumed with 0.0", "train.max_updates=7, resumed with 8",
+        "train.max_epochs=50, resumed with 0", "train.max_minutes=0.0, resumed with 60.0"]
 
 
 def test_the_result_line_names_the_best_checkpoint_also_when_a_resume_trains_nothing(finished_run, tmp_path,

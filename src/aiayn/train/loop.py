@@ -1246,14 +1246,19 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
 # Settings --resume may change, each said in the log (Adam's own are said by `state.restore`): the updates
 # from there are computed otherwise, and a log that said nothing left no trace of why the curves bent
 RESUME_CHANGES = ("precision", "compile", "lr_scale", "warmup", "cooldown", "label_smoothing", "clip_norm")
+# With a cooldown, the budgets too: its lr is a fraction of the budget left (`_budget_used`), so another
+# max_updates on --resume moved the lr (12 times higher, once) unsaid
+BUDGETS = ("max_updates", "max_epochs", "max_minutes")
 
 
 def _say_changed_settings(checkpoint: Path, trained: dict[str, Any] | None, config: RunConfig,
                           d: Dist) -> None:
     """Another train.precision or compile (rounding otherwise: a compiled run resumes close to, not bit
     for bit as, an unbroken one), learning-rate schedule, label smoothing or clipping on --resume is
-    allowed, and said, one line each."""
-    for key in RESUME_CHANGES:
+    allowed, and said, one line each; so is another budget where a cooldown, trained or resumed with,
+    makes the lr depend on it."""
+    cooled = (trained or {}).get("cooldown") or config.train.cooldown
+    for key in RESUME_CHANGES + (BUDGETS if cooled else ()):
         saved, now = (trained or {}).get(key), getattr(config.train, key)
         if saved is not None and saved != now and d.is_main:
             log.info("%s: trained with train.%s=%r, resumed with %r", checkpoint, key, saved, now)

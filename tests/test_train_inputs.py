@@ -1159,8 +1159,8 @@ def test_a_path_whose_name_is_not_utf8_is_refused_up_front(key):
         load_config(None, lone)
 
 
-ESCAPE_HINT = ("TOML reads a backslash in \"...\" as an escape: write the path in '...', which keeps backslashes, "
-               "or with /")
+ESCAPE_HINT = ("TOML reads a backslash in \"...\" as an escape: write the path in '...', which keeps "
+               "backslashes, or with /")
 
 
 @pytest.mark.parametrize("key", ["data.train_src", "data.valid_tgt", "train.run_dir", "train.init_from"])

@@ -63,7 +63,8 @@ class DataConfig:
     max_len: int = 256  # pairs with a side longer than this many tokens (with EOS) are dropped
     normalization: str = "nmt_nfkc"  # SentencePiece's rule for the text: "nmt_nfkc" (SentencePiece's and
     # Marian's default: NFKC, and the zero-width non-joiner U+200C becomes a space), "nfkc" (keeps ZWNJ),
-    # "nmt_nfkc_cf" / "nfkc_cf" (also case-folded) or "identity" (keeps the text exactly)
+    # "nmt_nfkc_cf" / "nfkc_cf" (also case-folded) or "identity" (keeps every character; SentencePiece still
+    # writes a run of spaces as one, and drops those at the ends of a line)
     character_coverage: float = 1.0  # share of the characters the vocabulary covers, 0.98 to 1;
     # SentencePiece recommends 0.9995 for Chinese and Japanese (rarer characters become <unk>)
 
@@ -109,8 +110,8 @@ def _settle_paths(section: Any, name: str, fields: tuple[str, ...]) -> None:
 
 
 # The control characters a TOML basic string ("...") makes of a backslash escape
-_ESCAPED = {"\b": "a backspace (\\b)", "\t": "a tab (\\t)", "\n": "a line feed (\\n)", "\f": "a form feed (\\f)",
-            "\r": "a carriage return (\\r)"}
+_ESCAPED = {"\b": "a backspace (\\b)", "\t": "a tab (\\t)", "\n": "a line feed (\\n)",
+            "\f": "a form feed (\\f)", "\r": "a carriage return (\\r)"}
 
 
 def _control_character(value: str) -> str | None:

@@ -104,3 +104,13 @@ def test_the_model_is_on_disk_before_its_name(tmp_path, monkeypatch):
     at = events.index(renames[0])
     assert ("fsync", renames[0][1]) in events[:at] and ("fsync", tmp_path) in events[at:]
     assert spm.SentencePieceProcessor(model_file=str(path)).get_piece_size() == 100
+
+
+def test_identity_keeps_every_character_but_not_every_space():
+    """DataConfig.normalization's comment, configs/tiny.toml and this module said "identity" keeps the text
+    exactly (or changes nothing); SentencePiece's rule keeps every character, but writes a run of spaces as
+    one and drops those at the ends of a line, as the README says."""
+    text = "ab\u200cc ｆi  de"  # a ZWNJ and a fullwidth f, which nmt_nfkc turns into a space and an f
+    model = spm.SentencePieceProcessor(model_proto=sentencepiece_model(made_up_text(300) + [text] * 5, 200,
+                                                                       normalization="identity"))
+    assert model.decode(model.encode(f"  {text}   ")) == "ab\u200cc ｆi de"

@@ -259,7 +259,9 @@ def sentencepiece_model(
     Ids are fixed: pad=0, bos=1, eos=2, unk=3, so that batches pad with 0. `hard_vocab_limit=False`
     lets a small corpus end with fewer pieces than asked instead of failing. `normalization` is the
     rule the model applies to text (SentencePiece's `normalization_rule_name`): "nmt_nfkc", its
-    default, turns a zero-width non-joiner into a space; "nfkc" keeps it; "identity" changes nothing.
+    default, turns a zero-width non-joiner into a space; "nfkc" keeps it; "identity" keeps every
+    character, though SentencePiece still writes a run of spaces as one and drops those at the ends of a
+    line.
 
     It trains in a child process (spm_child.py), fed `lines` as they are read: its C++ held off a Ctrl-C
     here until it was done. Any exception here (KeyboardInterrupt, what reading `lines` raises, a CLI

@@ -1931,6 +1931,29 @@ def test_a_config_file_toml_refuses_is_named_by_line(tmp_path, line, message):
 
 
 @pytest.mark.parametrize("toml, line, message", [
+    ("[train]\nkeep_last = [1,\n", 2,
+     "Invalid value at the end of the file); the array that line 2 opens is never closed"),
+    ("[train]\nkeep_last = [\n  1,\n  2,\n\n# more\n", 6,
+     "Invalid value at the end of the file); the array that line 2 opens is never closed"),
+    ('[train]\nrun_dir = """runs/x\nseed = 2\n', 3,
+     "Unterminated string at the end of the file); the multi-line string that line 2 opens is never closed"),
+    ("[model]\npreset = 'micro'\n[train]\nseed = {a = 1,", 4,
+     ("Invalid initial character for a key part at the end of the file); the inline table that line 4 opens "
+      "is never closed")),
+    ("[train]\nwarmup = [1]\nseed =", 3, "Invalid value at the end of the file)"),  # nothing left open
+    ("[train]\nseed = 1\n[data", 3, "Expected ']' at the end of a table declaration at the end of the file)"),
+])
+def test_toml_that_ends_too_soon_is_named_by_its_last_line_and_what_is_left_open(tmp_path, toml, line,
+                                                                                    message):
+    """tomllib says "(at end of document)" for these, and they were "bad.toml: not valid TOML (Invalid value
+    (at end of document))": no line, and nothing of the array left open lines before."""
+    path = tmp_path / "bad.toml"
+    path.write_text(toml, encoding="utf-8")
+    with pytest.raises(UserError, match=rf"^{re.escape(f'{path}:{line}: not valid TOML ({message}')}$"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("toml, line, message", [
     ("[train]\nwarmup = 10\nwarmup = 20\n", 3, "[train] warmup is set twice (first at line 2)"),
     ("[train]\n'warmup' = 10\nseed = 2\nwarmup.x = 20\n", 4, "[train] warmup is set twice (first at line 2)"),
     ('preset = "a"\npreset = "b"\n', 2, "preset is set twice (first at line 1)"),

@@ -500,7 +500,7 @@ def _toml_error(path: Path, text: str, message: str) -> str:
     (`lr_scale = .5`: "Invalid value"), or is a bare word that a string setting needs quoted."""
     at = re.search(r" \(at line (\d+), column (\d+)\)$", message)
     if at is None:  # "(at end of document)"
-        return f"{path}: not valid TOML ({message})"
+        return _toml_error_at_end(path, text, message)
     n = int(at[1])
     written = next((name for name, m in _written(text) if m == n), None)  # the line's table or key
     twice = message.startswith(("Cannot overwrite a value", "Cannot declare")) and written
@@ -509,6 +509,31 @@ def _toml_error(path: Path, text: str, message: str) -> str:
     hint = _file_value_hint(text.split("\n")[n - 1], written)
     return (f"{path}:{n}: not valid TOML ({message[:at.start()]} at column {at[2]})"
             + (f"; {hint}" if hint else ""))
+
+
+def _toml_error_at_end(path: Path, text: str, message: str) -> str:
+    """tomllib's `message` "... (at end of document)" named by the file's last line, and by the line that
+    opened an array, an inline table or a multi-line string never closed: `keep_last = [1,` and a newline
+    was "not valid TOML (Invalid value (at end of document))", with no line at all."""
+    lines = text.removesuffix("\n").split("\n")
+    problem = message.removesuffix(" (at end of document)")
+    said = f"{path}:{len(lines)}: not valid TOML ({problem} at the end of the file)"
+    # The unfinished statement starts at the last line before which the file is valid TOML (the check is
+    # tomllib's own, not a second parser's; a config file is short)
+    start = next(n for n in range(len(lines), 0, -1) if _valid_toml("\n".join(lines[:n - 1])))
+    key = _KEY_LINE.match(lines[start - 1])
+    value = lines[start - 1][key.end():].lstrip() if key else ""
+    openers = {'"""': "multi-line string", "'''": "multi-line string", "[": "array", "{": "inline table"}
+    kind = next((kind for opener, kind in openers.items() if value.startswith(opener)), None)
+    return f"{said}; the {kind} that line {start} opens is never closed" if kind else said
+
+
+def _valid_toml(text: str) -> bool:
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    return True
 
 
 def _written_twice(text: str, n: int, written: list[str]) -> str | None:

@@ -99,10 +99,21 @@ def test_a_checkpoint_named_like_a_preset_is_the_checkpoint(tmp_path, tokenizer,
     (["small", "--preset", "base"],
      "info: give a preset or a checkpoint, not both ('small' and --preset base)"),
     (["nowhere/ck"], "nowhere/ck: checkpoint not found"),
+    # were "ModelConfig: eos_id=2 is outside the vocabulary of 2" and "vocab_size=... is more than ...":
+    # no flag named
+    (["small", "--vocab-size", "2"],
+     "info: --vocab-size 2 is not in 3 to 2,147,483,647 (ids 0 to 2 are pad, BOS and EOS)"),
+    (["--vocab-size", "2147483648"],
+     "info: --vocab-size 2147483648 is not in 3 to 2,147,483,647 (ids 0 to 2 are pad, BOS and EOS)"),
 ])
 def test_wrong_arguments_are_one_line(capsys, args, message):
     code, lines, err = info(capsys, *args)
     assert code == 2 and not lines and err == f"aiayn: error: {message}"
+
+
+def test_the_smallest_vocab_size_holds_the_special_ids(capsys):
+    code, lines, _ = info(capsys, "micro", "--vocab-size", "3")
+    assert code == 0 and "vocab_size=3," in lines[0] and lines[-1] == "parameters: 21,472"
 
 
 def test_vocab_size_is_refused_for_a_checkpoint(tmp_path, tokenizer, capsys):

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO
 
-from aiayn.config import MAX_THREADS, PRESETS, ConfigError, model_config
+from aiayn.config import MAX_IDS, MAX_THREADS, PRESETS, ConfigError, ModelConfig, model_config
 from aiayn.errors import Stopped, UserError
 
 if TYPE_CHECKING:  # annotations only: each command imports what it uses, so the CLI starts fast
@@ -80,7 +80,14 @@ def cmd_info(args: argparse.Namespace) -> None:
 
         print("\n".join(describe_checkpoint(args.what)))
         return
-    config = model_config(preset, vocab_size=args.vocab_size or 37000)
+    vocab_size = args.vocab_size or 37000
+    # a preset has ModelConfig's special ids, aiayn's tokenizers' (pad 0, BOS 1, EOS 2): --vocab-size 2 was
+    # "ModelConfig: eos_id=2 is outside the vocabulary of 2", which named no flag
+    fewest = max(ModelConfig.pad_id, ModelConfig.decoder_start_id, ModelConfig.eos_id) + 1
+    if not fewest <= vocab_size <= MAX_IDS:
+        raise UserError(f"info: --vocab-size {vocab_size} is not in {fewest} to {MAX_IDS:,} (ids 0 to "
+                        f"{fewest - 1} are pad, BOS and EOS)")
+    config = model_config(preset, vocab_size=vocab_size)
     print(config)
     with torch.device("meta"):  # shapes only: a billion-word vocabulary would allocate 128 GB, or OOM-kill
         model = Transformer(config)
@@ -617,7 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "its model, parameters, tokenizer and where it came from (training, average, "
                         "conversion)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="the same as naming the preset")
-    p.add_argument("--vocab-size", type=positive_int, help="a preset's shared vocabulary (default 37000)")
+    p.add_argument("--vocab-size", type=positive_int,
+                   help="a preset's shared vocabulary (default 37000; at least 3: pad, BOS and EOS)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("train", help="train on parallel text (also under torchrun --nproc_per_node N)")

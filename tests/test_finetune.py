@@ -112,7 +112,8 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
     assert train(load_config(None, third))["step"] == 1
     recorded = load_checkpoint(only_checkpoint(tmp_path / "run3")).meta["config"]["data"]
     assert (recorded["vocab_size"], recorded["character_coverage"]) == (40, 0.9995)
-    with pytest.raises(UserError, match=r"\(data.vocab_size was 40, now 100\)"):  # a value set: refused
+    # a value set: refused, named where it was written (it named the checkpoint alone)
+    with pytest.raises(UserError, match=r"^--set 'data.vocab_size=100': .*\(data.vocab_size was 40, now 100"):
         train(load_config(None, third + ["train.run_dir=" + str(tmp_path / "run4"), "data.vocab_size=100"]))
     with pytest.raises(UserError, match=r"\(data.vocab_size was 40, now 8000\)"):  # set to the default: too
         train(load_config(None, third + ["train.run_dir=" + str(tmp_path / "run4"), "data.vocab_size=8000"]))

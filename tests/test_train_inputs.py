@@ -1431,6 +1431,22 @@ def test_resume_refuses_other_tokenizer_settings_and_names_another_corpus(finish
     assert "other.de is not the" in caplog.text and "(--resume keeps the run's tokenizer)" in caplog.text
 
 
+def test_a_tokenizer_setting_resume_refuses_is_named_where_it_was_written(finished_run, tmp_path):
+    """It named the checkpoint and the setting, not the --set item or the file's line that wrote it, as a
+    [model] setting that a checkpoint refuses is named."""
+    run = copy_run(finished_run, tmp_path).train.run_dir
+    sets = [s for s in finished_run[2] if not s.startswith("train.run_dir=")] + [f"train.run_dir={run}"]
+    checkpoint = Path(run) / "checkpoints" / "step_000004"
+    keeps = f"{checkpoint}: --resume keeps the tokenizer its checkpoints were trained with"
+    with pytest.raises(UserError, match=re.escape(f"--set 'data.vocab_size=50': {keeps} (data.vocab_size was "
+                                                  "40, now 50); drop the change")):
+        train(load_config(None, [*sets, "data.vocab_size=50"]), resume=True)
+    toml = tmp_path / "run.toml"
+    toml.write_text("[data]\nmax_len = 32\nspm_type = 'unigram'\n", encoding="utf-8")
+    with pytest.raises(UserError, match=f"^{re.escape(f'{toml}:3: {keeps}')} \\(data.spm_type was"):
+        train(load_config(toml, sets), resume=True)
+
+
 def test_a_record_from_before_normalization_was_recorded_is_read_as_the_defaults(finished_run, tmp_path):
     """tokenizer_inputs.json written before data.normalization and data.character_coverage existed lacks
     them: the tokenizer was trained with the defaults, so a default config reuses it and resumes, and a

@@ -1194,12 +1194,13 @@ def check_tokenizer_inputs(directory: Path, inputs: dict, resumed: bool = False)
     return False
 
 
-def refuse_other_tokenizer_settings(where: Path, saved: dict, inputs: dict) -> None:
+def refuse_other_tokenizer_settings(where: Path, saved: dict, inputs: dict, written: str = "") -> None:
     """--resume keeps the tokenizer its checkpoints were trained with: a setting other than the one `saved`
-    records (the run dir's record, or a checkpoint's data configuration) could not take effect."""
+    records (the run dir's record, or a checkpoint's data configuration) could not take effect. `written`:
+    where the settings were written, the refusal's start ("run.toml:9: ")."""
     settings = tokenizer_setting_changes(saved, inputs)
     if settings:
-        raise UserError(f"{where}: --resume keeps the tokenizer its checkpoints were trained with "
+        raise UserError(f"{written}{where}: --resume keeps the tokenizer its checkpoints were trained with "
                         f"({'; '.join(settings)}); drop the change, or use a new train.run_dir")
 
 

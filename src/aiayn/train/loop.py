@@ -582,8 +582,18 @@ def _refuse_tokenizer_settings(config: RunConfig, meta: dict, path: Path) -> Non
     if saved is None or "vocab_size" not in saved:  # see `_with_checkpoint_tokenizer_settings`
         return
     if changes := tokenizer_setting_changes(saved, _tokenizer_settings(config)):
-        raise UserError(f"{path}: train.init_from keeps this checkpoint's tokenizer ({'; '.join(changes)}); "
-                        "drop the change")
+        raise UserError(f"{_tokenizer_written_at(config, saved)}{path}: train.init_from keeps this "
+                        f"checkpoint's tokenizer ({'; '.join(changes)}); drop the change")
+
+
+def _tokenizer_written_at(config: RunConfig, saved: dict) -> str:
+    """A refusal's start naming where [data]'s tokenizer settings other than `saved`'s were written (the
+    file's line, the --set item), as `RunConfig.refusal` names a [model] setting's; "" where no file or
+    --set wrote them (a default, or the setting replaced since)."""
+    places = dict.fromkeys(place for key, value in _tokenizer_settings(config).items()
+                           if tokenizer_setting_changes(saved, {key: value})
+                           and (place := config.written_at(f"data.{key}", value)) is not None)
+    return f"{' and '.join(places)}: " if places else ""
 
 
 def _tokenizer_settings(config: RunConfig) -> dict:
@@ -1375,7 +1385,7 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool]:
         meta = read_meta(latest)
         trained_with = checkpoint_tokenizer(latest, meta)
         if (data := config_section(meta, "data")) is not None:  # what they were trained with, if recorded
-            refuse_other_tokenizer_settings(latest, data, inputs)
+            refuse_other_tokenizer_settings(latest, data, inputs, _tokenizer_written_at(config, data))
         if found is None:  # only checkpoints/ was copied here: put its tokenizer back, train none
             trained_with.save(run_dir)
             found = find_tokenizer(run_dir)

@@ -390,7 +390,7 @@ def test_failed_rename_puts_the_old_checkpoint_back(tmp_path, tokenizer, monkeyp
     before, real = tree(tmp_path), os.rename
 
     def rename(src, dst):  # the old one moves aside; the new one cannot follow
-        if Path(src).name.startswith(".ck.") and not str(src).endswith(".old"):
+        if Path(src).name.startswith(".ck.") and not str(src).endswith(".aiayn-old"):
             raise OSError(errno.EIO, "Input/output error")
         real(src, dst)
 

@@ -183,7 +183,7 @@ def test_an_output_of_the_longest_name_gets_a_temporary(tmp_path, name):
 
     with atomic_output(tmp_path / name) as f:
         f.write("ok\n")
-    directory = name[:-6]  # room for its ".NAME.old" while it is replaced
+    directory = name[:-11]  # room for its ".NAME.aiayn-old" while it is replaced
     write_atomically(tmp_path / directory, lambda tmp: (tmp / "a").write_text("x"))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, directory])
     tmp = temporary_path(tmp_path / name).name
@@ -231,20 +231,43 @@ def test_a_checkpoint_temporary_deleted_before_a_file_written_into_it_is_said_to
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_directory_left_moved_aside_is_put_back(tmp_path):
-    """A kill between the two renames of a replacement left only '.out.old' (and the new one's temporary):
-    the next write, or `recover_replaced`, puts the old one back; beside a complete one it is deleted."""
+@pytest.mark.parametrize("aside", [".out.aiayn-old", ".out.old"])
+def test_a_directory_left_moved_aside_is_put_back(tmp_path, aside):
+    """A kill between the two renames of a replacement left only '.out.aiayn-old' (and the new one's
+    temporary): the next write, or `recover_replaced`, puts the old one back; beside a complete one it is
+    deleted. `recover_replaced`, for a run's checkpoints/ alone, recovers an older aiayn's '.out.old' too."""
     out = tmp_path / "out"
     write_atomically(out, lambda tmp: (tmp / "a").write_text("old"))
-    os.rename(out, tmp_path / ".out.old")
+    os.rename(out, tmp_path / aside)
     files.recover_replaced(tmp_path)
-    assert (out / "a").read_text() == "old" and not (tmp_path / ".out.old").exists()
-    os.rename(out, tmp_path / ".out.old")
-    write_atomically(out, lambda tmp: (tmp / "a").write_text("new"))
-    assert (out / "a").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    shutil.copytree(out, tmp_path / ".out.old")
+    assert (out / "a").read_text() == "old" and not (tmp_path / aside).exists()
+    shutil.copytree(out, tmp_path / aside)
     files.recover_replaced(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    if aside == ".out.aiayn-old":
+        os.rename(out, tmp_path / aside)
+        write_atomically(out, lambda tmp: (tmp / "a").write_text("new"))
+        assert (out / "a").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_users_own_dot_old_directory_beside_an_output_is_never_touched(tmp_path):
+    """aiayn moved a replaced output aside as '.NAME.old' and put back or deleted any directory of that
+    name: a user's backup `mv ct2 .ct2.old` was renamed back over the output (then 'already exists', and
+    --force replaced the backup), and a '.ct2.old' beside an existing ct2 was deleted, even by a refusal."""
+    from aiayn.errors import UserError
+    from aiayn.files import check_output
+
+    out, backup = tmp_path / "out", tmp_path / ".out.old"
+    backup.mkdir()
+    (backup / "notes.txt").write_text("precious")
+    check_output(out, [], force=False)  # no output: the backup is not one
+    write_atomically(out, lambda tmp: (tmp / "a").write_text("new"))
+    with pytest.raises(UserError, match="already exists"):
+        check_output(out, [], force=False)
+    check_output(out, [], force=True)
+    write_atomically(out, lambda tmp: (tmp / "a").write_text("newer"))
+    assert (out / "a").read_text() == "newer" and (backup / "notes.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.old", "out"]
 
 
 @pytest.mark.parametrize("name", [".", "", "sub/.."])
@@ -262,38 +285,39 @@ def test_an_output_directory_needs_a_name_of_its_own(tmp_path, monkeypatch, name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
 
 
-@pytest.mark.parametrize("name", ["b" * 251, "c" * 256])
+@pytest.mark.parametrize("name", ["b" * 245, "c" * 256])
 def test_an_output_directory_whose_name_leaves_no_room_to_replace_it_is_refused_first(tmp_path, name):
-    """A valid name of 251 to 255 bytes failed after the work ('could not write checkpoint (File name too
-    long)': its .NAME.old did not fit), and one of 256 was an OSError traceback from exists()."""
+    """A valid name of 245 to 255 bytes failed after the work ('could not write checkpoint (File name too
+    long)': its .NAME.aiayn-old did not fit), and one of 256 was an OSError traceback from exists()."""
     from aiayn.errors import UserError
     from aiayn.files import check_output
 
-    refusal = rf"an output directory's name of {len(name)} bytes is too long \(at most 250"
+    refusal = (rf"an output directory's name of {len(name)} bytes is too long \(at most 244: a replaced one "
+               r"is moved aside as \.NAME\.aiayn-old for a moment\)$")
     with pytest.raises(UserError, match=refusal):
         check_output(tmp_path / name, [], force=False)
     with pytest.raises(UserError, match=refusal):
         write_atomically(tmp_path / name, lambda tmp: (tmp / "a").write_text("x"))
-    write_atomically(tmp_path / name[:250], lambda tmp: (tmp / "a").write_text("x"))
-    write_atomically(tmp_path / name[:250], lambda tmp: (tmp / "a").write_text("y"))  # replaced: fits
-    assert (tmp_path / name[:250] / "a").read_text() == "y"
+    write_atomically(tmp_path / name[:244], lambda tmp: (tmp / "a").write_text("x"))
+    write_atomically(tmp_path / name[:244], lambda tmp: (tmp / "a").write_text("y"))  # replaced: fits
+    assert (tmp_path / name[:244] / "a").read_text() == "y"
 
 
 def test_an_output_a_killed_writer_left_moved_aside_is_refused_as_any_existing_one(tmp_path, monkeypatch):
-    """Put back from .out.old by the write itself, after the guard had found no output: replaced without
+    """Put back from .out.aiayn-old by the write itself, after the guard had found no output: replaced without
     --force. The guard puts it back first and refuses it as any other."""
     from aiayn.errors import UserError
     from aiayn.files import check_output
 
     write_atomically(tmp_path / "out", lambda tmp: (tmp / "a").write_text("old"))
-    os.rename(tmp_path / "out", tmp_path / ".out.old")
+    os.rename(tmp_path / "out", tmp_path / ".out.aiayn-old")
 
     def refused(*args):  # a read-only parent: a PermissionError traceback
         raise PermissionError(1, "Operation not permitted")
 
     with monkeypatch.context() as m:
         m.setattr(files.os, "rename", refused)
-        with pytest.raises(UserError, match=r"out: cannot put back \.out\.old, a killed writer's \(Operation"):
+        with pytest.raises(UserError, match=r"out: cannot put back \.out\.aiayn-old, a killed writer's \(Op"):
             check_output(tmp_path / "out", [], force=False)
     with pytest.raises(UserError, match="already exists"):
         check_output(tmp_path / "out", [], force=False)

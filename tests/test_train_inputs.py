@@ -1789,7 +1789,7 @@ def test_a_lock_whose_line_fills_the_disk_is_one_line_and_left_no_file(tmp_path,
 def test_a_killed_save_leaves_nothing_the_next_run_keeps(finished_run, tmp_path, caplog):
     """A kill mid-save left a checkpoint-sized temporary that only a successful save removed: on a nearly
     full disk no save succeeded again. A kill between the two renames of a re-save left the checkpoint
-    only as '.step_N.old', out of sight of --resume."""
+    only as '.step_N.aiayn-old' (an older aiayn's '.step_N.old'), out of sight of --resume."""
     import subprocess
     import sys
 
@@ -1800,6 +1800,7 @@ def test_a_killed_save_leaves_nothing_the_next_run_keeps(finished_run, tmp_path,
     half = checkpoints / f".step_000006.aiayn-{exited.pid}.k2j4h5g6.tmp"  # just now: no waiting for it to age
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"half")
+    os.rename(checkpoints / "step_000002", checkpoints / ".step_000002.aiayn-old")
     os.rename(checkpoints / "step_000004", checkpoints / ".step_000004.old")
     with caplog.at_level(logging.INFO, logger="aiayn"):
         assert train(with_train(config, max_updates=6), resume=True)["step"] == 6

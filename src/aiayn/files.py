@@ -131,7 +131,7 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     """
     out = Path(out)
     _check_named(out)
-    try:  # an output a killed writer left as .NAME.old is back, and judged as any other
+    try:  # an output a killed writer left moved aside is back, and judged as any other
         _recover_replaced(out)
     except OSError as e:  # a read-only parent: the write would fail the same way
         raise UserError(f"{out}: cannot put back {_old(out).name}, a killed writer's ({e.strerror or e})"
@@ -201,10 +201,10 @@ def _check_named(directory: Path) -> None:
     if directory.name in ("", ".."):
         raise UserError(f"{str(directory) or repr('')}: names no directory of its own (the current one or a "
                         "parent); give the output a new name")
-    if (n := len(os.fsencode(directory.name))) > NAME_MAX - len("..old"):  # `_old`'s name must fit too
+    room = NAME_MAX - len(f".{MOVED_ASIDE}")  # `_old`'s name must fit too
+    if (n := len(os.fsencode(directory.name))) > room:
         raise UserError(f"{directory}: an output directory's name of {n} bytes is too long (at most "
-                        f"{NAME_MAX - len('..old')}: a replaced one is moved aside as .NAME.old for a "
-                        "moment)")
+                        f"{room}: a replaced one is moved aside as .NAME{MOVED_ASIDE} for a moment)")
 
 
 def check_directory_path(path: Path) -> None:
@@ -271,15 +271,22 @@ def _remove_empty(made: list[Path]) -> None:
             p.rmdir()
 
 
-def _old(directory: Path) -> Path:
+# The name a replaced directory has for a moment: aiayn's own, as no user's backup is named (".NAME.old" was,
+# and was put back over the output or deleted). An older aiayn's ".NAME.old" is recovered in a training
+# run's checkpoints/ alone, where users put nothing; convert, average and export never touch it.
+MOVED_ASIDE = ".aiayn-old"
+MOVED_ASIDE_BEFORE = ".old"
+
+
+def _old(directory: Path, suffix: str = MOVED_ASIDE) -> Path:
     """Where `_rename_into_place` moves the directory it replaces, for a moment."""
-    return directory.with_name(f".{directory.name}.old")
+    return directory.with_name(f".{directory.name}{suffix}")
 
 
-def _recover_replaced(directory: Path) -> None:
-    """A kill between `_rename_into_place`'s two renames left `directory` only as its `.old` copy: put it
-    back (the next write replaces it properly); beside a `directory` it is a leftover, deleted."""
-    old = _old(directory)
+def _recover_replaced(directory: Path, suffix: str = MOVED_ASIDE) -> None:
+    """A kill between `_rename_into_place`'s two renames left `directory` only as its moved-aside copy: put
+    it back (the next write replaces it properly); beside a `directory` it is a leftover, deleted."""
+    old = _old(directory, suffix)
     if not old.is_dir() or old.is_symlink():
         return
     if directory.exists() or directory.is_symlink():
@@ -290,11 +297,13 @@ def _recover_replaced(directory: Path) -> None:
 
 
 def recover_replaced(parent: Path) -> None:
-    """`_recover_replaced` for every directory in `parent` that a kill left moved aside."""
+    """`_recover_replaced` for every directory in `parent`, a training run's checkpoints/, that a kill left
+    moved aside, an older aiayn's `.NAME.old` too."""
     with contextlib.suppress(OSError):
-        for old in parent.iterdir():
-            if old.name.startswith(".") and old.name.endswith(".old") and len(old.name) > 5:
-                _recover_replaced(parent / old.name[1:-4])
+        for name in [entry.name for entry in parent.iterdir()]:  # listed first: recovering renames
+            for suffix in (MOVED_ASIDE, MOVED_ASIDE_BEFORE):  # ".x.aiayn-old" does not end in ".old"
+                if name.startswith(".") and name.endswith(suffix) and len(name) > len(suffix) + 1:
+                    _recover_replaced(parent / name[1:-len(suffix)], suffix)
 
 
 def _rename_into_place(tmp: Path, directory: Path) -> None:

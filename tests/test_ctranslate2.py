@@ -170,6 +170,29 @@ def test_existing_output_is_not_replaced(tmp_path, spm_models):
         export_ctranslate2(tmp_path / "ck", tmp_path / "link", force=True)
 
 
+def test_export_says_it_put_back_a_killed_exports_output_and_leaves_a_users_dot_old(tmp_path, spm_models):
+    """export set up no logging, so it never said what convert says (an output put back where a killed
+    writer left it moved aside); and it took a user's '.ct2.old' backup for that, put back over ct2."""
+    import subprocess
+    import sys
+
+    tokenizer = Tokenizer(spm_models[0])
+    save_checkpoint(tmp_path / "ck", random_model(tokenizer), tokenizer)
+    command = [sys.executable, "-m", "aiayn", "export", "--to", "ctranslate2", "ck", "ct2"]
+    first = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert first.returncode == 0 and first.stderr == "", first.stderr  # no notes where there is nothing to say
+    (tmp_path / "ct2").rename(tmp_path / ".ct2.aiayn-old")  # a kill between the renames of a --force
+    (tmp_path / ".ct2.old").mkdir()
+    (tmp_path / ".ct2.old" / "notes.txt").write_text("precious")
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    note = r"\d\d:\d\d:\d\d ct2: put back, where a killed writer had left it as \.ct2\.aiayn-old\n"
+    error = r"aiayn: error: ct2: already exists \(pass --force, force=True in Python, to replace it\)\n"
+    assert re.fullmatch(note + error, proc.stderr), proc.stderr
+    assert (tmp_path / ".ct2.old" / "notes.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ct2.old", "ck", "ct2"]
+
+
 def files(root) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 

@@ -273,6 +273,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         from aiayn.interop.ct2 import export_ctranslate2
     except ImportError as e:
         raise UserError(f"export --to ctranslate2 needs the ctranslate2 package: pip install 'aiayn[interop]' ({e})")
+    _log_to_stderr()  # the notes convert gives: an earlier export put back, a killed one's temporary removed
     print(export_ctranslate2(args.checkpoint, args.out, args.quantization, args.force))  # outside checkpoints
 
 

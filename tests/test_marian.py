@@ -422,6 +422,26 @@ def test_bin_that_is_not_a_state_dict_is_named(opus_bin, capsys, content, proble
     assert convert_error(opus_bin, capsys).startswith(f"aiayn: error: {path}: {problem}")
 
 
+@pytest.mark.parametrize("content, problem", [
+    (b"<!DOCTYPE html><html><body>404 Not Found</body></html>\n", "it starts b'<!DOCTYPE html><html><bo'"),
+    (b"hello\n", r"it starts b'hello\n'"),  # 'h' is a pickle opcode: a KeyError, not a refusal
+    (b"", "empty"),
+    ("safetensors", "a safetensors file: name it model.safetensors"),
+])
+def test_a_bin_that_is_no_pickle_is_not_called_unsafe(opus_bin, capsys, content, problem):
+    """An HTML error page saved as pytorch_model.bin (any bytes no pickle holds, a safetensors file) was
+    'refused: not plain tensors; weights are never loaded with code execution': unsafe, where it is simply
+    no weights file; the refusal is for a pickle that asks for code (`test_pickle_with_code_is_refused...`)."""
+    from safetensors.torch import save_file
+
+    path = opus_bin / "pytorch_model.bin"
+    if content == "safetensors":
+        save_file({"model.shared.weight": torch.zeros(2)}, str(path))
+    else:
+        path.write_bytes(content)
+    assert convert_error(opus_bin, capsys) == f"aiayn: error: {path}: not a PyTorch weights file ({problem})"
+
+
 def test_missing_weight_names_the_weights_file(build, opus_bin, capsys):
     weights = build(VARIANTS[0])[0].state_dict()
     del weights["model.encoder.layers.0.fc1.weight"]

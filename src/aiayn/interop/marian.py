@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import pickletools
 import re
 import warnings
 from pathlib import Path
@@ -214,14 +215,55 @@ def _load_pickled_weights(path: Path) -> dict[str, Tensor]:
         with warnings.catch_warnings():  # torch notes raw pickles' protocol; it refuses them below anyway
             warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
             weights = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # what the weights-only unpickler raises for anything not allowed
-        named = re.search(r"GLOBAL (\S+)", str(e))
-        asks = f" (the pickle asks for {named.group(1)})" if named else ""
-        raise UserError(f"{path}: refused: not plain tensors{asks}; "
-                        f"weights are never loaded with code execution") from None
     except Exception as e:  # noqa: BLE001 - torch raises many types for a truncated or foreign file
-        raise UserError(f"{path}: not a PyTorch weights file ({_brief(e)})") from None
+        head = _head(path)
+        if _refused_pickle(e) and not _is_safetensors(head):
+            named = re.search(r"GLOBAL (\S+)", str(e))
+            asks = f" (the pickle asks for {named.group(1)})" if named else ""
+            raise UserError(f"{path}: refused: not plain tensors{asks}; "
+                            f"weights are never loaded with code execution") from None
+        raise UserError(f"{path}: not a PyTorch weights file ({_foreign(head) or _brief(e)})") from None
     return _plain_tensors(weights, path)
+
+
+# The bytes that are pickle opcodes: the weights-only unpickler's "Unsupported operand N" for another is
+# a file that is no pickle (an HTML error page saved as pytorch_model.bin), not one it refuses
+PICKLE_OPCODES = frozenset(op.code.encode("latin-1")[0] for op in pickletools.opcodes)
+
+
+def _refused_pickle(e: Exception) -> bool:
+    """Whether torch's weights-only unpickler refused a pickle (a global it does not allow: code; an opcode
+    it does not take), rather than met bytes that no pickle holds."""
+    if not isinstance(e, pickle.UnpicklingError):
+        return False
+    operand = re.search(r"Unsupported operand (\d+)", str(e))
+    return operand is None or int(operand.group(1)) in PICKLE_OPCODES
+
+
+def _head(path: Path) -> bytes | None:
+    """The first bytes of `path`, to tell what it is; None where it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(64)
+    except OSError:
+        return None
+
+
+def _is_safetensors(head: bytes | None) -> bool:
+    """Whether `head` starts a safetensors file: its JSON header's length (8 bytes, little-endian, at most
+    safetensors' 100 MB), then the header, whose first byte the unpickler took for an opcode."""
+    return head is not None and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= 100_000_000
+
+
+def _foreign(head: bytes | None) -> str | None:
+    """What a file that starts `head` is, where it is no PyTorch file at all (neither a zip archive nor a
+    pickle, which starts 0x80 as torch writes it); None for one that is, but damaged (torch's error says),
+    or that could not be read."""
+    if _is_safetensors(head):  # first: its length's first byte may be 0x80
+        return "a safetensors file: name it model.safetensors"
+    if head is None or head.startswith((b"PK\x03\x04", b"\x80")):
+        return None
+    return f"it starts {head[:24]!r}" if head else "empty"
 
 
 def _plain_tensors(weights: Any, path: Path) -> dict[str, Tensor]:

@@ -478,6 +478,36 @@ def test_shard_index_names_only_files_beside_it(opus_bin, capsys, shard, problem
         + (f" {opus_bin}" if "outside" in problem else ""))
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"4d7a" * 16 + b"\nsize 1048576\n"
+
+
+@pytest.mark.parametrize("stand_in", ["link", "lfs"])
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "vocab.json", "target_vocab.json",
+                                  "source.spm", "target.spm", "model.safetensors", "pytorch_model.bin",
+                                  "model-00001-of-00001.safetensors", "generation_config.json"])
+def test_a_link_to_nothing_or_a_git_lfs_pointer_is_said_as_such(build, tmp_path, capsys, name, stand_in):
+    """A partial download in the HuggingFace cache (each file a link into blobs/) was 'no model.safetensors
+    or pytorch_model.bin', 'vocab.json: not found (is this a MarianMT directory?)', its tokenizer_config.json
+    skipped as absent; a clone without git-lfs 'not valid JSON', 'not a SentencePiece model', or
+    pytorch_model.bin's 'refused: not plain tensors', which called the file unsafe."""
+    opus = tmp_path / "opus"
+    shutil.copytree(build(VARIANTS[1])[2], opus)  # separate vocabularies: target_vocab.json too
+    if name.endswith(("bin", "-of-00001.safetensors")):  # read where there is no model.safetensors
+        (opus / "model.safetensors").unlink()
+    if name.startswith("model-"):
+        index = {"weight_map": {"model.shared.weight": name}}
+        (opus / "model.safetensors.index.json").write_text(json.dumps(index))
+    path = opus / name
+    path.unlink(missing_ok=True)
+    if stand_in == "link":
+        path.symlink_to(tmp_path / "blobs" / "4d7a")
+        problem = f"a symbolic link to {tmp_path / 'blobs' / '4d7a'}, which does not exist"
+    else:
+        path.write_bytes(LFS_POINTER)
+        problem = "a Git LFS pointer, not the file itself (run `git lfs pull`)"
+    assert convert_error(opus, capsys) == f"aiayn: error: {path}: {problem}"
+
+
 def test_cli_convert(tmp_path, capsys):
     from aiayn.cli import main
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import pickletools
 import re
@@ -64,7 +65,35 @@ FIXED_FIELDS = {
 TRAINING_ONLY = ("attention_dropout", "activation_dropout", "encoder_layerdrop", "decoder_layerdrop")
 
 
+# How a Git LFS pointer file starts: what a clone without git-lfs holds in place of each large file
+LFS_POINTER = b"version https://git-lfs.github.com/spec/v1"
+
+
+def _check_stand_in(path: Path) -> None:
+    """Refuse what stands in for one of the model's files: a symbolic link to nothing (a partial download
+    in the HuggingFace cache, whose files are links into blobs/; it was said to be missing) or a Git LFS
+    pointer (it was 'not valid JSON', or pytorch_model.bin's 'refused: not plain tensors')."""
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist")
+    if not path.is_file():  # missing, a directory, a FIFO (which reading may block on): the reader says
+        return
+    try:
+        with open(path, "rb") as f:
+            pointer = f.read(len(LFS_POINTER)) == LFS_POINTER
+    except OSError:  # the reader says why
+        return
+    if pointer:
+        raise UserError(f"{path}: a Git LFS pointer, not the file itself (run `git lfs pull`)")
+
+
+def _there(path: Path) -> bool:
+    """Whether an optional file of the model is there: a link to nothing counts, for `read_json` to say so
+    (taken for absent, a partial download's tokenizer_config.json silently changed the special tokens)."""
+    return path.is_file() or path.is_symlink()
+
+
 def read_json(path: Path) -> dict[str, Any]:
+    _check_stand_in(path)
     if path.is_dir():
         raise UserError(f"{path}: is a directory, not a file")
     if not path.is_file():
@@ -293,6 +322,10 @@ def load_marian_weights(directory: Path) -> tuple[dict[str, Tensor], Path]:
     file they were read from (the index for shards), for error messages."""
     single, index, legacy = (directory / n for n in
                              ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
+    for path in (single, index, legacy):  # up to the one read: `git lfs pull --include` may fetch it alone
+        _check_stand_in(path)
+        if path.is_file():
+            break
     if single.is_file():
         source, files = single, [single]
     elif index.is_file():
@@ -304,6 +337,7 @@ def load_marian_weights(directory: Path) -> tuple[dict[str, Tensor], Path]:
             raise UserError(f"{index}: weight_map names a file outside {directory}")
         source, files = index, [directory / name for name in names]
         for f in files:
+            _check_stand_in(f)
             if not f.is_file():
                 raise UserError(f"{index}: names the shard {f.name}, which is missing")
     elif legacy.is_file():
@@ -492,7 +526,7 @@ def _separate_vocabs(directory: Path, settings: dict[str, Any], config: ModelCon
     vocabularies, as transformers' converter writes them) or a target_vocab.json beside vocab.json."""
     if "separate_vocabs" in settings:
         return _field(settings, "separate_vocabs", bool, str(directory / "tokenizer_config.json"))
-    return not config.share_embeddings or (directory / "target_vocab.json").is_file()
+    return not config.share_embeddings or _there(directory / "target_vocab.json")
 
 
 def marian_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
@@ -503,7 +537,7 @@ def marian_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
     start token (pad), which `decode_tgt` drops like a pad.
     """
     settings_path = directory / "tokenizer_config.json"
-    settings = read_json(settings_path) if settings_path.is_file() else {}
+    settings = read_json(settings_path) if _there(settings_path) else {}
     vocab_path = directory / "vocab.json"
     vocab = _read_vocab(vocab_path)
     tgt_path = directory / "target_vocab.json"
@@ -522,6 +556,8 @@ def marian_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
             raise UserError(f"{directory / 'config.json'}: {field}={getattr(config, f'{key}_id')} but the "
                             f"vocabulary gives the {key} token id {specials[key]}")
     specials["bos"] = config.decoder_start_id
+    for spm_model in ("source.spm", "target.spm"):  # a stand-in was "not found", "not a SentencePiece model"
+        _check_stand_in(directory / spm_model)
     sides = ((vocab_path, vocab, config.vocab_size, "vocabulary"),
              (tgt_path, tgt_vocab, config.target_vocab_size, "target vocabulary"))
     for path, v, size, side in sides:
@@ -536,7 +572,7 @@ def marian_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
 def generation_defaults(directory: Path, hf: dict[str, Any]) -> dict[str, Any]:
     """The model's own decoding settings (beam size, length limit, banned tokens), kept for reference."""
     path = directory / "generation_config.json"
-    source = read_json(path) if path.is_file() else hf
+    source = read_json(path) if _there(path) else hf
     keys = ("num_beams", "max_length", "length_penalty", "bad_words_ids", "forced_eos_token_id")
     return {k: source[k] for k in keys if source.get(k) is not None}
 

@@ -55,7 +55,7 @@ def test_two_gloo_processes_match_one_with_accumulation(tmp_path):
     # back before any process picks the checkpoint to resume from (rank 1 took step 3, rank 0 step 6,
     # and the job hung)
     checkpoints = two_run / "checkpoints"
-    os.rename(checkpoints / "step_000006", checkpoints / ".step_000006.old")
+    os.rename(checkpoints / "step_000006", checkpoints / ".step_000006.aiayn-old")
     slow = tmp_path / "slow_recovery.py"  # process 0 takes its time: the others must wait for it
     slow.write_text(SLOW_RECOVERY, encoding="utf-8")
     proc = torchrun_train([*sets, "train.max_updates=9"], "--resume", script=slow)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,13 +180,16 @@ def test_export_says_it_put_back_a_killed_exports_output_and_leaves_a_users_dot_
 
     tokenizer = Tokenizer(spm_models[0])
     save_checkpoint(tmp_path / "ck", random_model(tokenizer), tokenizer)
+    import aiayn
+
     command = [sys.executable, "-m", "aiayn", "export", "--to", "ctranslate2", "ck", "ct2"]
-    first = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
+    env = {**os.environ, "PYTHONPATH": str(Path(aiayn.__file__).parents[1])}  # this aiayn, not another
+    first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
     assert first.returncode == 0 and first.stderr == "", first.stderr  # no notes where there is nothing to say
     (tmp_path / "ct2").rename(tmp_path / ".ct2.aiayn-old")  # a kill between the renames of a --force
     (tmp_path / ".ct2.old").mkdir()
     (tmp_path / ".ct2.old" / "notes.txt").write_text("precious")
-    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 2
     note = r"\d\d:\d\d:\d\d ct2: put back, where a killed writer had left it as \.ct2\.aiayn-old\n"
     error = r"aiayn: error: ct2: already exists \(pass --force, force=True in Python, to replace it\)\n"

@@ -341,6 +341,31 @@ def test_confidence_on_a_few_lines_with_an_empty_hypothesis_is_scored():
     assert bleu.ci is not None
 
 
+def test_ter_confidence_on_a_few_lines_with_an_empty_reference_is_sacrebleus_interval(tmp_path, capsys):
+    """sacreBLEU 2.6's TER gave a plain 100.0 or 0.0 for a resample whose references were all empty and
+    float32 otherwise: `evaluate --ter --confidence` on a small set with an empty reference line was the
+    TypeError traceback chrF's was. Where sacreBLEU does not crash the interval is its own."""
+    from sacrebleu.metrics import TER
+
+    hyps = ["Ein Mann fährt ein Fahrrad.", "Zwei Hunde spielen im Schnee.", ""]
+    refs = [["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", ""]]
+    with pytest.raises(TypeError, match="coerce"):  # sacreBLEU's own, as long as it has the bug
+        TER().corpus_score(hyps, refs, n_bootstrap=1000)
+    ter = corpus_scores(hyps, refs, ter=True, confidence=1000)[-1]
+    assert ter.score == pytest.approx(100 / 9) and type(ter.ci) is float and 0 < ter.ci <= 50
+    for n in (2, 60):  # no empty reference: sacreBLEU's fixed seed draws the same resamples
+        hyps = [f"Zwei Hunde spielen {i} im {'Schnee' if i % 3 else 'Park'}." for i in range(n)]
+        refs = [[f"Zwei Hunde spielen {i} im Schnee." for i in range(n)]]
+        theirs = TER().corpus_score(hyps, refs, n_bootstrap=1000)
+        ter = corpus_scores(hyps, refs, ter=True, confidence=1000)[-1]
+        assert (ter.score, ter.ci) == (pytest.approx(theirs.score), pytest.approx(float(theirs._ci)))
+        assert theirs._ci > 0
+    (tmp_path / "hyp").write_text("Ein Mann fährt ein Fahrrad.\nZwei Hunde spielen im Schnee.\n\n")
+    (tmp_path / "ref").write_text("Ein Mann fährt Fahrrad.\nZwei Hunde spielen im Schnee.\n\n")
+    assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--ter", "--confidence"]) == 0
+    assert "TER: 11.11 (95% CI +/- " in capsys.readouterr().out
+
+
 def test_resamples_past_any_memory_are_refused_before_numpy_sees_them():
     """numpy raised OverflowError for 1e20 resamples and ValueError ("array is too big") for 1e16 of
     200 lines, both tracebacks; MemoryError alone was caught."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from sacrebleu.metrics import BLEU, CHRF, TER
+from sacrebleu.metrics.ter import TERScore
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 from aiayn.data.dataset import read_lines
@@ -69,6 +70,17 @@ class _CHRF(CHRF):
 
     def _compute_f_score(self, statistics: list[int]) -> float:
         return float(super()._compute_f_score(statistics))
+
+
+class _TER(TER):
+    """sacreBLEU's TER, its score a Python float. sacreBLEU 2.6 returns 100.0 or 0.0 where a resample's
+    references are all empty (no words to divide by) and a numpy float32 elsewhere: the mix `_CHRF` avoids
+    crashed `--ter --confidence` on a few lines with empty references."""
+
+    def _compute_score_from_stats(self, stats: list[float]) -> TERScore:
+        result = super()._compute_score_from_stats(stats)
+        result.score = float(result.score)
+        return result
 
 
 @dataclass(frozen=True)
@@ -205,7 +217,7 @@ def ter_metric(lang: str = "") -> TER:
     if lang in CHAR_LANGS:
         raise UserError(f"TER counts word edits, and sacreBLEU cannot split {CHAR_LANGS[lang]} text into "
                         "words: score it with BLEU (on characters, as -l gives) and chrF")
-    return TER(normalized=True, asian_support=True) if lang in ("zh", "ja") else TER()
+    return _TER(normalized=True, asian_support=True) if lang in ("zh", "ja") else _TER()
 
 
 def corpus_scores(

@@ -494,6 +494,29 @@ def test_a_tokenizer_other_than_the_languages_is_warned_about_once_in_aiayns_for
         assert capsys.readouterr().err == "", quiet
 
 
+def test_hypotheses_that_look_tokenized_are_warned_about_once_in_aiayns_form(tmp_path, capsys, caplog):
+    """100 hypotheses ending in " ." printed sacreBLEU's three unprefixed lines twice (BLEU and BLEU-lc),
+    advising its `force` parameter, which aiayn has no setting for. Validation BLEU during training scores
+    through `bleu_metrics` too, and gets no word from sacreBLEU either."""
+    from aiayn.evaluate import bleu_metrics
+
+    refs = [f"Ein Hund läuft über die Wiese Nummer {i}." for i in range(150)]
+    (tmp_path / "ref").write_text("\n".join(refs) + "\n")
+    for tokenized in (100, 99):
+        hyps = [line[:-1] + " ." if i < tokenized else line for i, line in enumerate(refs)]
+        (tmp_path / "hyp").write_text("\n".join(hyps) + "\n")
+        assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--json"]) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)[0]["score"] > 0
+        assert captured.err == ("aiayn: warning: 100 of the 150 hypotheses end in a tokenized period (' .'): "
+                                "they look tokenized, which may lower the scores; detokenize them first (the "
+                                "scores are for detokenized text)\n" if tokenized == 100 else "")
+    tokenized = [line[:-1] + " ." for line in refs]
+    for bleu in bleu_metrics():
+        assert bleu.corpus_score(tokenized, [refs]).score > 0
+    assert not [r for r in caplog.records if r.name.startswith("sacrebleu")]
+
+
 def test_standard_input_named_twice_is_refused_and_a_file_given_as_it_is_said_to_be_itself(tmp_path, capsys,
                                                                                           monkeypatch):
     """`cat ref | aiayn evaluate - /dev/stdin`: the second read of the pipe was empty, said as "line counts

@@ -58,6 +58,10 @@ _UNSPACED_LETTER = re.compile("[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u
                               "\u3400-\u4dbf\u4e00-\u9fff\ua9e0-\ua9ff\uaa60-\uaa7f\uf900-\ufaff"
                               "\uff66-\uff9f\U00020000-\U0003ffff]")
 UNSPACED_SHARE = 0.5  # of a text's letters in those scripts, from which it is unspaced text
+# Hypotheses ending in a tokenized period (" .") from which they look tokenized: sacreBLEU's count. Its own
+# warning is off (BLEU's force): three unprefixed lines, from each of BLEU's two scorings, advised `force`,
+# which aiayn has no setting for; `corpus_scores` says it once
+TOKENIZED_PERIODS = 100
 # Bytes of the (resamples, lines) index table sacreBLEU's bootstrap draws at once: past this no machine
 # holds it (numpy's OverflowError or "array is too big" otherwise, as tracebacks)
 MAX_BOOTSTRAP_BYTES = 2**50
@@ -185,7 +189,8 @@ def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLE
     try:  # ja-mecab and ko-mecab need packages sacreBLEU does not install: a RuntimeError at construction
         sacre = "flores101" if tokenize == "spm" else tokenize  # same model and signature, no deprecation
         trg_lang = lang if tokenize is None else ""  # picks the tokenizer; given one, it only warns
-        bleu, lowercased = (BLEU(lowercase=lc, tokenize=sacre, trg_lang=trg_lang) for lc in (False, True))
+        bleu, lowercased = (BLEU(lowercase=lc, force=True, tokenize=sacre, trg_lang=trg_lang)
+                            for lc in (False, True))
     except (RuntimeError, ImportError) as e:  # ImportError: spm's sentencepiece
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         advice = next((line for line in lines if "pip install" in line), lines[0] if lines else "")
@@ -229,7 +234,8 @@ def corpus_scores(
     tokenizer, as `bleu_metrics` picks it; without `lang`, a tokenizer made for one language (zh,
     ja-mecab, ko-mecab: TOKENIZER_LANGS) gives TER and chrF that language. `chrf_word_order=2` is chrF++
     (Popovic, 2017). `confidence`: that many bootstrap resamples (sacreBLEU's, 1,000 as its --confidence),
-    each score with its 95% interval, for telling whether two systems differ."""
+    each score with its 95% interval, for telling whether two systems differ. Hypotheses that look
+    tokenized (TOKENIZED_PERIODS lines or more ending in " .") get a warning."""
     hypotheses = str_list(hypotheses, "hypotheses", "lines", "line")
     streams = enumerate(_streams(references))
     references = [str_list(r, f"references[{j}]", "lines", "line") for j, r in streams]
@@ -262,6 +268,7 @@ def corpus_scores(
                             f"{len(hypotheses)} lines; give fewer (sacreBLEU's default is 1,000)")
     if confidence * len(hypotheses) * 8 > MAX_BOOTSTRAP_BYTES:
         raise too_many
+    _warn_if_tokenized(hypotheses)
     out = []
     for label, metric in metrics:
         try:
@@ -273,6 +280,15 @@ def corpus_scores(
         ci = None if ci is None else float(ci)  # sacreBLEU's is a numpy float32, which json cannot write
         out.append(Score(label or result.name, result.score, str(metric.get_signature()), str(result), ci))
     return out
+
+
+def _warn_if_tokenized(hypotheses: Sequence[str]) -> None:
+    """A warning where TOKENIZED_PERIODS or more of `hypotheses` end in " .", as tokenized text does."""
+    periods = sum(line.endswith(" .") for line in hypotheses)
+    if periods >= TOKENIZED_PERIODS:
+        log.warning("%s of the %s hypotheses end in a tokenized period (' .'): they look tokenized, which "
+                    "may lower the scores; detokenize them first (the scores are for detokenized text)",
+                    f"{periods:,}", f"{len(hypotheses):,}")
 
 
 def _streams(references: Sequence[Sequence[str]]) -> list:

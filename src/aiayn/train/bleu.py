@@ -72,4 +72,6 @@ def validation_bleu(
     # the references show the language; an early model's hypotheses (a few words repeated) looked unspaced
     if (note := unspaced_hint(text.tgt, lang, advice="set train.bleu_lang")) is not None:
         log.warning("validation BLEU: %s", note)  # else a flat curve near 0 for Chinese or Japanese
+    # nothing said of hypotheses ending in " ." (bleu_metrics' BLEU has sacreBLEU's block off): they are
+    # the model's own detokenized output, and an early model's " ." is no detokenizer forgotten
     return bleu.corpus_score(hypotheses, [text.tgt]).score, str(bleu.get_signature())

@@ -159,13 +159,30 @@ def test_a_source_of_no_pieces_is_scored_0_by_n_best_and_not_by_score_as_the_rea
     assert said in exceptions
 
 
-def test_bad_pairs_are_one_line_naming_the_file(checkpoint, tmp_path, capsys):
+def test_bad_pairs_are_one_line_naming_the_file(checkpoint, tmp_path, capsys, monkeypatch):
+    """Line counts that differ are named at the first line the shorter file lacks, as evaluate and training
+    name them ("tgt: 1 line, but src has 2 lines" had no line), before loading or, from a pipe, where the
+    stream ends; -o keeps what it held."""
+    import os
+    import sys
+
     (tmp_path / "src").write_text("the number 3\nthe number 4\n")
     (tmp_path / "tgt").write_text("die Zahl 3\n")
+    (tmp_path / "out").write_text("kept\n")
     argv = ["score", str(checkpoint), "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"), "-q"]
-    assert main(argv) == 2
     tgt, src = tmp_path / "tgt", tmp_path / "src"
-    assert capsys.readouterr().err == f"aiayn: error: {tgt}: 1 line, but {src} has 2 lines\n"
+    assert main([*argv, "-o", str(tmp_path / "out")]) == 2
+    err = f"aiayn: error: {src}:2: line counts differ: {src} has 2 lines, {tgt} has 1\n"
+    assert capsys.readouterr().err == err
+    assert (tmp_path / "out").read_text() == "kept\n"
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"die Zahl 3\ndie Zahl 4\nmehr\n")
+    os.close(write_end)
+    with open(read_end, encoding="utf-8") as pipe:
+        monkeypatch.setattr(sys, "stdin", pipe)
+        assert main([*argv[:4], "--tgt", "-", "-q", "-o", str(tmp_path / "out")]) == 2
+    err = f"aiayn: error: <stdin>:3: line counts differ: {src} has 2 lines, <stdin> has 3\n"
+    assert capsys.readouterr().err == err and (tmp_path / "out").read_text() == "kept\n"
     (tmp_path / "tgt").write_text("die Zahl 3\n" + "die Zahl 4 " * 30 + "\n")  # past max_len=40
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -216,7 +233,7 @@ def test_a_stream_is_scored_chunk_by_chunk_as_a_whole(checkpoint):
     assert [float(x) for x in out.getvalue().split()] == pytest.approx([s.log_prob for s in whole], abs=1e-5)
     assert (done.pairs, done.tokens) == (7, sum(s.tokens for s in whole))
     assert done.perplexity == pytest.approx(math.exp(-sum(s.log_prob for s in whole) / done.tokens))
-    with pytest.raises(UserError, match=r"^t: 5 lines, but s has 7 lines$"):  # found where one stream ends
+    with pytest.raises(UserError, match=r"^s:6: line counts differ: s has 7 lines, t has 5$"):  # where t ends
         score_stream(translator, *streams(sources, targets[:5]), io.StringIO(), ("s", "t"), chunk=2)
     long = targets[:5] + ["die Zahl 4 " * 30] + targets[6:]
     with pytest.raises(UserError, match=r"^t:6: \d+ tokens \(with EOS\), more than the 40 positions"):

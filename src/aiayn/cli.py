@@ -351,7 +351,8 @@ def cmd_score(args: argparse.Namespace) -> None:
 
     from aiayn.files import atomic_output, check_file_output, reads_stdin_once
     from aiayn.memory import keep_freed_memory
-    from aiayn.translate import Translator, lines_text, score_stream
+    from aiayn.data.dataset import require_same_count
+    from aiayn.translate import Translator, score_stream
 
     _check_threads(args.threads)
     if reads_stdin_once(args.src) and reads_stdin_once(args.tgt):  # /dev/stdin's second read: 0 lines
@@ -370,10 +371,9 @@ def cmd_score(args: argparse.Namespace) -> None:
         stack.enter_context(_warnings_to_stderr("aiayn.data.dataset"))  # the inputs' CRs inside lines
         streams = [_open_input(stack, path) for path in (args.src, args.tgt)]
         counts = [_checked_line_count(s, name, done="scored") for s, name in streams]  # None for a pipe
-        if None not in counts and counts[0] != counts[1]:  # before the model loads and scores for nothing
+        if None not in counts:  # before the model loads and scores for nothing
             (_, src_name), (_, tgt_name) = streams
-            raise UserError(f"{tgt_name}: {lines_text(counts[1])}, but {src_name} has "
-                            f"{lines_text(counts[0])}")
+            require_same_count(src_name, counts[0], tgt_name, counts[1])
         dst = sys.stdout  # a missing folder for -o fails now, not after the scoring
         if args.output not in (None, "-"):
             dst = stack.enter_context(atomic_output(args.output))

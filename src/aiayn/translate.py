@@ -38,6 +38,7 @@ from aiayn.data.dataset import (
     has_text,
     lone_cr_count,
     looks_like,
+    require_same_count,
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
@@ -594,7 +595,8 @@ def score_stream(
     """Write log P(target | source) of each line pair of two binary streams to `dst`, one number per
     line (`normalize`: per target token), `chunk` pairs at a time: memory stays one chunk's, whatever the
     corpus (read whole, a 400,000-pair file took 670 MB). Streams of different lengths are a UserError
-    naming both counts; a line past the model's positions names its file and line."""
+    naming the longer at the first line the other lacks, and both counts; a line past the model's positions
+    names its file and line."""
     check_count("chunk", chunk)
     for stream, name in zip((src, tgt), names):
         _require_binary(stream, name, "score_stream")
@@ -606,8 +608,7 @@ def score_stream(
         if len(sources) != len(targets):  # one stream ended first: count both to the end
             counts = [pairs + len(part) + sum(map(len, rest))
                       for part, rest in zip((sources, targets), pieces)]
-            raise UserError(f"{names[1]}: {lines_text(counts[1])}, but {names[0]} has "
-                            f"{lines_text(counts[0])}")
+            require_same_count(names[0], counts[0], names[1], counts[1])
         try:
             scored = translator.score(sources, targets, max_tokens, progress)
         except TextError as e:  # a sentence too long, a batch out of memory: named by its file and line
@@ -628,11 +629,6 @@ def _require_binary(stream: Any, name: str, reader: str) -> None:
     if isinstance(stream, io.TextIOBase):
         raise TypeError(f"{name}: {reader} reads bytes (its UTF-8 is checked line by line); give a "
                         "binary stream, e.g. open(path, 'rb') or sys.stdin.buffer")
-
-
-def lines_text(n: int) -> str:
-    """ "1 line", "2 lines", "10,000 lines": for messages."""
-    return f"{n:,} line{'' if n == 1 else 's'}"
 
 
 def cut_by_min_len_warning(config: DecodeConfig) -> str:

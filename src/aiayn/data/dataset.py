@@ -286,7 +286,8 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path, report: bool = Tru
     return ParallelText(list(files.src), list(files.tgt), files.dropped_empty)
 
 
-def _require_same_count(src_path: str | Path, n_src: int, tgt_path: str | Path, n_tgt: int) -> None:
+def require_same_count(src_path: str | Path, n_src: int, tgt_path: str | Path, n_tgt: int) -> None:
+    """A UserError where a source file's line count is not its target file's (training's, score's)."""
     if n_src != n_tgt:  # named at the first line the other file lacks
         longer = src_path if n_src > n_tgt else tgt_path
         raise UserError(
@@ -809,7 +810,7 @@ def scan_parallel(src_path: str | Path, tgt_path: str | Path, report: bool = Tru
     logged) and refused if all are, as it does, in one pass over each file; what is held is a byte per
     pair, not the text."""
     src_text, tgt_text = _has_text_per_line(src_path), _has_text_per_line(tgt_path)
-    _require_same_count(src_path, len(src_text), tgt_path, len(tgt_text))
+    require_same_count(src_path, len(src_text), tgt_path, len(tgt_text))
     keep = src_text & tgt_text
     dropped = len(keep) - int(keep.sum())
     empty = (len(keep) - int(src_text.sum()), len(keep) - int(tgt_text.sum()))

@@ -193,6 +193,35 @@ def test_bad_pairs_are_one_line_naming_the_file(checkpoint, tmp_path, capsys, mo
         Translator.load(checkpoint).score(["a", "b"], ["c", "d " * 60])
 
 
+def test_empty_input_is_refused_as_evaluate_refuses_it(checkpoint, tmp_path, capsys, monkeypatch):
+    """Two empty files exited 0 with no output and no perplexity on stderr, which the README says it
+    always gets; evaluate says "e0: empty, nothing to score". Files are refused before the model loads;
+    a pipe, once read; -o keeps what it held."""
+    import io
+    import os
+    import sys
+
+    from aiayn.translate import score_stream
+
+    (tmp_path / "e0").write_bytes(b"")
+    (tmp_path / "out").write_text("kept\n")
+    e0 = str(tmp_path / "e0")
+    argv = ["score", str(checkpoint), "--src", e0, "--tgt", e0, "-q", "-o", str(tmp_path / "out")]
+    with monkeypatch.context() as patched:
+        patched.setattr(Translator, "load", lambda *a, **k: pytest.fail("loaded for an empty input"))
+        assert main(argv) == 2
+    assert capsys.readouterr().err == f"aiayn: error: {e0}: empty, nothing to score\n"
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    with open(read_end, encoding="utf-8") as pipe:
+        monkeypatch.setattr(sys, "stdin", pipe)
+        assert main([*argv[:4], "--tgt", "-", *argv[6:]]) == 2
+    assert capsys.readouterr().err == f"aiayn: error: {e0}: empty, nothing to score\n"
+    assert (tmp_path / "out").read_text() == "kept\n"
+    with pytest.raises(UserError, match=r"^s: empty, nothing to score$"):
+        score_stream(Translator.load(checkpoint), io.BytesIO(), io.BytesIO(), io.StringIO(), ("s", "t"))
+
+
 def test_a_too_long_line_late_in_a_file_fails_before_anything_is_scored(checkpoint, tmp_path, capsys,
                                                                          monkeypatch):
     """Line 10,031 past the model's positions was found after the 10,000 pairs before it were scored, and

@@ -374,6 +374,8 @@ def cmd_score(args: argparse.Namespace) -> None:
         if None not in counts:  # before the model loads and scores for nothing
             (_, src_name), (_, tgt_name) = streams
             require_same_count(src_name, counts[0], tgt_name, counts[1])
+            if counts[0] == 0:  # score_stream refuses it too (a pipe): before the model loads
+                raise UserError(f"{src_name}: empty, nothing to score")
         dst = sys.stdout  # a missing folder for -o fails now, not after the scoring
         if args.output not in (None, "-"):
             dst = stack.enter_context(atomic_output(args.output))
@@ -390,11 +392,10 @@ def cmd_score(args: argparse.Namespace) -> None:
         (src, src_name), (tgt, tgt_name) = streams
         done = score_stream(translator, src, tgt, dst, (src_name, tgt_name), max_tokens=args.max_tokens,
                             normalize=args.normalize, progress=progress)
-    if done.tokens:
-        pairs = f"{done.pairs:,} pair{'' if done.pairs == 1 else 's'}"
-        tokens = f"{done.tokens:,} target token{'' if done.tokens == 1 else 's'}"  # 1: an empty one's EOS
-        print(f"{pairs}, {tokens} (EOS included): log P per token "
-              f"{done.log_prob / done.tokens:.4f}, perplexity {done.perplexity:.3f}", file=sys.stderr)
+    pairs = f"{done.pairs:,} pair{'' if done.pairs == 1 else 's'}"  # at least 1: score_stream refuses none
+    tokens = f"{done.tokens:,} target token{'' if done.tokens == 1 else 's'}"  # 1: an empty one's EOS
+    print(f"{pairs}, {tokens} (EOS included): log P per token "
+          f"{done.log_prob / done.tokens:.4f}, perplexity {done.perplexity:.3f}", file=sys.stderr)
 
 
 def _open_input(stack: contextlib.ExitStack, path: str | None) -> tuple[BinaryIO, str]:

@@ -595,8 +595,8 @@ def score_stream(
     """Write log P(target | source) of each line pair of two binary streams to `dst`, one number per
     line (`normalize`: per target token), `chunk` pairs at a time: memory stays one chunk's, whatever the
     corpus (read whole, a 400,000-pair file took 670 MB). Streams of different lengths are a UserError
-    naming the longer at the first line the other lacks, and both counts; a line past the model's positions
-    names its file and line."""
+    naming the longer at the first line the other lacks, and both counts, and empty ones one naming the
+    source (no pair to score); a line past the model's positions names its file and line."""
     check_count("chunk", chunk)
     for stream, name in zip((src, tgt), names):
         _require_binary(stream, name, "score_stream")
@@ -620,6 +620,8 @@ def score_stream(
         pairs += len(scored)
         tokens += sum(one.tokens for one in scored)
         total += sum(one.log_prob for one in scored)
+    if not pairs:  # as evaluate refuses an empty file: exit 0 with no output said nothing was wrong
+        raise UserError(f"{names[0]}: empty, nothing to score")
     return ScoredStream(pairs, tokens, total)
 
 

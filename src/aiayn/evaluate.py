@@ -354,7 +354,7 @@ def score_lines(
         if len(lines) != len(hyps):  # named at the first line the other file lacks, as training does
             longer = path if len(lines) > len(hyps) else name
             raise UserError(f"{longer}:{min(len(lines), len(hyps)) + 1}: line counts differ: "
-                            f"{path} has {len(lines)} lines, {name} has {len(hyps)}")
+                            f"{path} has {len(lines)} line{'s' * (len(lines) != 1)}, {name} has {len(hyps)}")
     return corpus_scores(hyps, refs, lang, tokenize, **options)
 
 

@@ -292,7 +292,7 @@ def require_same_count(src_path: str | Path, n_src: int, tgt_path: str | Path, n
         longer = src_path if n_src > n_tgt else tgt_path
         raise UserError(
             f"{longer}:{min(n_src, n_tgt) + 1}: line counts differ: "
-            f"{src_path} has {n_src} lines, {tgt_path} has {n_tgt}"
+            f"{src_path} has {n_src} line{'s' * (n_src != 1)}, {tgt_path} has {n_tgt}"
         )
 
 

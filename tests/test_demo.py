@@ -280,3 +280,13 @@ def test_the_readme_says_what_the_last_update_of_the_cooldown_runs_at(tmp_path):
     train = run_config(config, paths, tmp_path / "run").train
     assert config.steps == train.max_updates == 1200
     assert cooldown_factor((config.steps - 1) / config.steps, train.cooldown) == pytest.approx(1 / 300)
+
+
+def test_an_out_with_a_control_character_is_refused_before_the_corpus(tmp_path, capsys):
+    """demo --out $'de\nmo' wrote the 40,000-pair corpus, then was refused as data.train_src with TOML's
+    advice, naming a setting the user never wrote: now --out itself, before any work."""
+    out = tmp_path / "de\nmo"
+    assert main(["demo", "--out", str(out), "--steps", "1"]) == 2
+    said = f"aiayn: error: demo --out {str(out)!r} holds a line feed (\\n), which no path should have\n"
+    assert capsys.readouterr().err == said
+    assert not out.exists()

@@ -27,7 +27,7 @@ from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
 from aiayn.decoding.options import DecodeConfig, cpu_seed_problem
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
-from aiayn.errors import CorruptFile, Stopped, UserError, non_utf8_name
+from aiayn.errors import CorruptFile, Stopped, UserError, control_character, non_utf8_name
 from aiayn.files import atomic_output, check_directory_path
 from aiayn.train.state import check_outside_checkpoints, checkpoint_dirs
 
@@ -109,6 +109,8 @@ class DemoConfig:
         if (shown := non_utf8_name(self.out)) is not None:
             problems.append(f"--out '{shown}': the name is not UTF-8, which the checkpoints record it in; "
                             "rename it")
+        elif (found := control_character(self.out)) is not None:  # else refused as data.train_src, later
+            problems.append(f"--out {self.out!r} holds {found}, which no path should have")
         vocabulary = SIZES[self.size]["vocab_size"]
         if self.beam > vocabulary:  # ran out of memory after the training, and the run then blocked a rerun
             problems.append(f"--beam {self.beam} is more than the {vocabulary} pieces of the demo's "

@@ -133,3 +133,17 @@ def non_utf8_name(name: str) -> str | None:
         return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:
         return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# The control characters a TOML basic string ("...") makes of a backslash escape, as a message names them
+ESCAPED_CONTROLS = {"\b": "a backspace (\\b)", "\t": "a tab (\\t)", "\n": "a line feed (\\n)",
+                    "\f": "a form feed (\\f)", "\r": "a carriage return (\\r)"}
+
+
+def control_character(name: str) -> str | None:
+    """The first control character (C0 or DEL) in `name` as a message names it ("a line feed (\\n)",
+    "the control character U+0001"), else None: a path holding one split the log's and the result's lines."""
+    found = next((c for c in name if ord(c) < 32 or ord(c) == 127), None)
+    if found is None:
+        return None
+    return ESCAPED_CONTROLS.get(found, f"the control character U+{ord(found):04X}")

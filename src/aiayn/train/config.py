@@ -30,7 +30,7 @@ from aiayn.config import (
     resolved_settings, to_dict,
 )
 from aiayn.data.tokenizer import MIN_CHARACTER_COVERAGE
-from aiayn.errors import UserError, non_utf8_name
+from aiayn.errors import ESCAPED_CONTROLS, UserError, control_character, non_utf8_name
 from aiayn.files import require_file
 
 TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
@@ -109,22 +109,16 @@ def _settle_paths(section: Any, name: str, fields: tuple[str, ...]) -> None:
             raise ConfigError(f"{name}.{field_name}={value!r} {problem}")
 
 
-# The control characters a TOML basic string ("...") makes of a backslash escape
-_ESCAPED = {"\b": "a backspace (\\b)", "\t": "a tab (\\t)", "\n": "a line feed (\\n)",
-            "\f": "a form feed (\\f)", "\r": "a carriage return (\\r)"}
-
-
 def _control_character(value: str) -> str | None:
     """What is wrong with a path that holds a control character (C0 or DEL), else None. Mostly a TOML
     escape nobody meant: `run_dir = "C:\\runs\\new"` (a Windows habit) or --set 'train.run_dir="a\\nb"'
-    trained into a directory whose name held CR and LF, which split the log's and the result's lines."""
-    found = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
-    if found is None:
+    trained into a directory whose name held CR and LF, which split the log's and the result's lines. The
+    advice is for a path written in "...": said as such, since a literal tab in '...' holds one too."""
+    if (found := control_character(value)) is None:
         return None
-    if found not in _ESCAPED:
-        return f"holds the control character U+{ord(found):04X}, which no path should have"
-    return (f"holds {_ESCAPED[found]}, which no path should have; TOML reads a backslash in \"...\" as an "
-            "escape: write the path in '...', which keeps backslashes, or with /")
+    escape = ("; in TOML's \"...\" a backslash starts an escape: write such a path in '...', which keeps "
+              "backslashes, or with /" if found in ESCAPED_CONTROLS.values() else "")
+    return f"holds {found}, which no path should have{escape}"
 
 
 @dataclass(frozen=True)
@@ -515,7 +509,8 @@ def _toml_error_at_end(path: Path, text: str, message: str) -> str:
     """tomllib's `message` "... (at end of document)" named by the file's last line, and by the line that
     opened an array, an inline table or a multi-line string never closed: `keep_last = [1,` and a newline
     was "not valid TOML (Invalid value (at end of document))", with no line at all."""
-    lines = text.removesuffix("\n").split("\n")
+    lines = [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")]  # CRLF too: a prefix
+    # ending in a bare CR is no TOML, and every line then looked like the one left open
     problem = message.removesuffix(" (at end of document)")
     said = f"{path}:{len(lines)}: not valid TOML ({problem} at the end of the file)"
     # The unfinished statement starts at the last line before which the file is valid TOML (the check is

@@ -925,3 +925,24 @@ def test_the_last_updates_before_the_budget_ends_are_logged(tmp_path):
     assert [r["step"] for r in records[2]] == [2, 4, 6, 7]
     last = [{k: r[k] for k in ("step", "loss", "nll", "lr")} for r in (records[1][-1], records[2][-1])]
     assert last[0] == last[1]
+
+
+def test_the_last_window_is_logged_where_the_validation_spends_the_budget(tmp_path, monkeypatch):
+    """A run whose validation at update 3 used up max_minutes stopped there with update 3's loss nowhere
+    (log_every=2): the update's own check saw budget left. The window is logged after that validation."""
+    from aiayn.train import loop
+
+    spent = [0.0]
+    monkeypatch.setattr(loop, "_training_seconds", lambda before, start, tc, d: before + spent[0])
+    real_validate = loop.validate
+
+    def slow_validation(*args, **kwargs):
+        spent[0] = 61.0  # the first validation (update 3) spends the minute
+        return real_validate(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "validate", slow_validation)
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_minutes=1", "train.valid_every=3",
+                            "train.log_every=2")
+    assert train(config)["stop"] == "max_minutes=1"
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "loss" in r) for r in records] == [(2, True), (3, False), (3, True)]

@@ -365,6 +365,16 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
     sums, tokens = _no_losses(d.device), 0.0
     last = {}
     saved_step = state.step
+
+    def log_window() -> dict[str, Any]:
+        nonlocal sums, tokens, last_log
+        window = [*sums.tolist(), tokens]  # the window's one sync: then its work is done, and timed
+        now = time.monotonic()
+        left = _time_left(state, tc, n_updates)
+        line = _log_window(window, state, lr, now - last_log, state.seconds, d, bar, metrics, left)
+        sums, tokens, last_log = _no_losses(d.device), 0.0, now
+        return line
+
     while not stop:
         order = epoch_order(len(data.train_batches), tc.seed, state.epoch)
         while state.cursor < n_updates and not stop:
@@ -393,11 +403,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
             # At the budget's end, the last window too, however short: the curve ran up to log_every - 1
             # updates short of the run, and the loss of its last updates was nowhere
             if applied and (state.step % tc.log_every == 0 or stop):
-                window = [*sums.tolist(), tokens]  # the window's one sync: then its work is done, and timed
-                now = time.monotonic()
-                left = _time_left(state, tc, n_updates)
-                last = _log_window(window, state, lr, now - last_log, state.seconds, d, bar, metrics, left)
-                sums, tokens, last_log = _no_losses(d.device), 0.0, now
+                last = log_window()
             signalled = None if stop else stopper.agreed(d)  # a run at its budget ends as usual
             due = state.step % tc.valid_every == 0 or bool(tc.bleu_every and state.step % tc.bleu_every == 0)
             if state.step == saved_step:  # only skipped updates since the last save: nothing new to save
@@ -418,6 +424,8 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 # not after one more update and checkpoint: the one just saved is where --resume goes on
                 stop = (stop or signalled or _patience_exhausted(state, tc) or stopper.agreed(d)
                         or _stop_reason(state, tc, n_updates))
+                if stop and tokens and stop not in [s.name for s in STOP_SIGNALS]:  # patience, or the budget
+                    log_window()  # spent in the validation: the window the update's own check left open
         if state.cursor >= n_updates:
             state.epoch, state.cursor = state.epoch + 1, 0
             if tc.max_epochs and state.epoch >= tc.max_epochs:

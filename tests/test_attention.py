@@ -343,6 +343,7 @@ def test_an_out_named_as_a_file_is_refused_before_a_folder_of_that_name_is_made(
 
 
 def test_an_existing_folder_with_a_files_suffix_is_an_out_as_any(tmp_path):
+    assert attention.check_out_dir(f"{tmp_path / 'maps.png'}/") == tmp_path / "maps.png"  # a folder by its /
     (tmp_path / "maps.png").mkdir()  # made on purpose, or by an earlier version: the user's choice
     assert attention.check_out_dir(tmp_path / "maps.png") == tmp_path / "maps.png"
     assert attention.check_out_dir(tmp_path / "maps.v2") == tmp_path / "maps.v2"

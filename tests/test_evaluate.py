@@ -544,3 +544,10 @@ def test_standard_input_named_twice_is_refused_and_a_file_given_as_it_is_said_to
         assert main(["evaluate", "-", str(ref)]) == 0
         note = f"aiayn: note: {ref} is the hypotheses' file itself: it is scored against itself\n"
         assert capsys.readouterr().err == note
+
+
+def test_a_reference_of_another_length_is_refused_in_words_that_count_right():
+    with pytest.raises(UserError, match="^reference 1 has 1 line but the hypotheses have 2$"):  # "1 lines"
+        corpus_scores(["a", "b"], [["a"]])
+    with pytest.raises(UserError, match="^reference 2 has 3 lines but the hypotheses have 2$"):
+        corpus_scores(["a", "b"], [["a", "b"], ["a", "b", "c"]])

@@ -399,3 +399,14 @@ def test_an_output_under_a_dangling_link_names_the_link(tmp_path):
         with pytest.raises(files.UserError, match=message), files.directory_for(out.parent, out):
             pass
     assert not (tmp_path / "gone").exists()
+    # a loop was "a symbolic link to loop, which does not exist"; a chain named its first link, which exists
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "mid").symlink_to(tmp_path / "nowhere" / "x")
+    (tmp_path / "chain").symlink_to(tmp_path / "mid")
+    for link, said in (("loop", "a loop of symbolic links"),
+                       ("chain", f"a symbolic link to {tmp_path / 'nowhere' / 'x'}, which does not exist")):
+        out = tmp_path / link / "x"
+        with pytest.raises(files.UserError, match=f"^{re.escape(f'{out}: {tmp_path / link} is {said}')}$"):
+            files.check_output(out, [], force=False)
+        with pytest.raises(files.UserError, match=f"^{re.escape(f'{tmp_path / link}: {said}')}$"):
+            files.check_directory_path(tmp_path / link)

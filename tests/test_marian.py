@@ -425,6 +425,10 @@ def test_bin_that_is_not_a_state_dict_is_named(opus_bin, capsys, content, proble
 @pytest.mark.parametrize("content, problem", [
     (b"<!DOCTYPE html><html><body>404 Not Found</body></html>\n", "it starts b'<!DOCTYPE html><html><bo'"),
     (b"hello\n", r"it starts b'hello\n'"),  # 'h' is a pickle opcode: a KeyError, not a refusal
+    # HuggingFace's 401 page: "I" is INT, an opcode the weights-only unpickler refused ("Unsupported
+    # operand 73"), and the file was called unsafe; so were "cannot ..." (it asked for "annot")
+    (b"Invalid username or password.", "it starts b'Invalid username or pass'"),
+    (b"cannot find the file\n", r"it starts b'cannot find the file\n'"),
     (b"", "empty"),
     ("safetensors", "a safetensors file: name it model.safetensors"),
 ])

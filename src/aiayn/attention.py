@@ -396,9 +396,10 @@ def check_out_dir(out_dir: str | Path) -> Path:
     picture's or page's suffix (`FILE_SUFFIXES`), which was meant as a file. Creates nothing."""
     if str(out_dir) == "":
         raise UserError("the output folder name is empty")
+    folder = str(out_dir).endswith(("/", os.sep))  # `maps.png/`: a folder by its slash, which Path drops
     out_dir = Path(out_dir)
     check_directory_path(out_dir)
-    if out_dir.suffix.lower() in FILE_SUFFIXES and not out_dir.exists():
+    if out_dir.suffix.lower() in FILE_SUFFIXES and not out_dir.exists() and not folder:
         raise UserError(f"{out_dir}: names a file; --out (out_dir in Python) is the folder that gets "
                         f"attention_*.png and attention.html, such as {out_dir.with_suffix('')}")
     return out_dir

@@ -246,7 +246,8 @@ def corpus_scores(
     for j, refs in enumerate(references):
         if len(refs) != len(hypotheses):
             raise UserError(
-                f"reference {j + 1} has {len(refs)} lines but the hypotheses have {len(hypotheses)}"
+                f"reference {j + 1} has {len(refs)} line{'s' * (len(refs) != 1)} but the hypotheses have "
+                f"{len(hypotheses)}"
             )
     # sacreBLEU takes 0-2 (0: chrF, 2: chrF++); 2.0 failed inside it, True signed itself nw:yes
     if type(chrf_word_order) is not int or chrf_word_order not in (0, 1, 2):

@@ -46,6 +46,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def broken_link(path: Path) -> str | None:
+    """Where the symbolic link `path` leads, said for a message, if it leads to nothing, else None: "a
+    symbolic link to X, which does not exist", X the name at the end of a chain of links (the first link's
+    target may be a link itself), or "a loop of symbolic links" (it said "a link to loop, which does not
+    exist" of `ln -s loop loop`)."""
+    if not path.is_symlink() or path.exists():
+        return None
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a loop of symbolic links"
+    return f"a symbolic link to {os.path.realpath(path)}, which does not exist"
+
+
 def resolved(path: Path) -> Path:
     """`path.resolve()`, with a symlink loop on the way a one-line `UserError`: Python before 3.13 raised a
     RuntimeError for it, which no OSError handler caught, and 3.13 resolves it quietly (a write would
@@ -213,7 +228,7 @@ def check_directory_path(path: Path) -> None:
     existing = next(p for p in (path, *path.absolute().parents) if p.exists() or p.is_symlink())  # "/" is
     if existing == path:  # "x: x is not a directory" said it twice
         if path.is_symlink() and not path.exists():  # "exists", of a link to nothing, misled
-            raise UserError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist")
+            raise UserError(f"{path}: {broken_link(path)}")
         if not existing.is_dir():
             raise UserError(f"{path}: exists and is not a directory")
     elif not existing.is_dir():
@@ -224,7 +239,7 @@ def _no_directory(path: Path) -> str:
     """Why `path`, which is there but no directory, cannot hold an output: a link to nothing was said to be
     "not a directory", which sent users to look at a file that is not there."""
     if path.is_symlink() and not path.exists():
-        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+        return f"{path} is {broken_link(path)}"
     return f"{path} is not a directory"
 
 

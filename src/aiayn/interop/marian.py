@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
-import pickletools
 import re
 import warnings
 from pathlib import Path
@@ -43,7 +41,7 @@ from aiayn.checkpoint import (
 from aiayn.config import ConfigError, ModelConfig, from_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
-from aiayn.files import check_output
+from aiayn.files import broken_link, check_output
 from aiayn.model import sinusoidal_positions
 from aiayn.train.state import check_outside_checkpoints
 
@@ -73,8 +71,8 @@ def _check_stand_in(path: Path) -> None:
     """Refuse what stands in for one of the model's files: a symbolic link to nothing (a partial download
     in the HuggingFace cache, whose files are links into blobs/; it was said to be missing) or a Git LFS
     pointer (it was 'not valid JSON', or pytorch_model.bin's 'refused: not plain tensors')."""
-    if path.is_symlink() and not path.exists():
-        raise UserError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist")
+    if (link := broken_link(path)) is not None:
+        raise UserError(f"{path}: {link}")
     if not path.is_file():  # missing, a directory, a FIFO (which reading may block on): the reader says
         return
     try:
@@ -246,7 +244,7 @@ def _load_pickled_weights(path: Path) -> dict[str, Tensor]:
             weights = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a truncated or foreign file
         head = _head(path)
-        if _refused_pickle(e) and not _is_safetensors(head):
+        if _refused_pickle(e, head):
             named = re.search(r"GLOBAL (\S+)", str(e))
             asks = f" (the pickle asks for {named.group(1)})" if named else ""
             raise UserError(f"{path}: refused: not plain tensors{asks}; "
@@ -255,18 +253,16 @@ def _load_pickled_weights(path: Path) -> dict[str, Tensor]:
     return _plain_tensors(weights, path)
 
 
-# The bytes that are pickle opcodes: the weights-only unpickler's "Unsupported operand N" for another is
-# a file that is no pickle (an HTML error page saved as pytorch_model.bin), not one it refuses
-PICKLE_OPCODES = frozenset(op.code.encode("latin-1")[0] for op in pickletools.opcodes)
-
-
-def _refused_pickle(e: Exception) -> bool:
+def _refused_pickle(e: Exception, head: bytes | None) -> bool:
     """Whether torch's weights-only unpickler refused a pickle (a global it does not allow: code; an opcode
-    it does not take), rather than met bytes that no pickle holds."""
-    if not isinstance(e, pickle.UnpicklingError):
+    it does not take) rather than met a file that is none: torch writes a zip archive or a pickle that
+    starts 0x80 (protocol 2 and up), and a pickle of any protocol that asks for code names a global.
+    Text (a server's "Invalid username or password.") starts with letters that are opcodes too: "I" is
+    INT, and the unpickler refused it as "Unsupported operand 73", which called the file unsafe."""
+    if not isinstance(e, pickle.UnpicklingError) or _is_safetensors(head):
         return False
-    operand = re.search(r"Unsupported operand (\d+)", str(e))
-    return operand is None or int(operand.group(1)) in PICKLE_OPCODES
+    asks = re.search(r"GLOBAL ([A-Za-z_][\w.]*)\.[A-Za-z_]\w*\b", str(e))
+    return asks is not None or (head is not None and head.startswith((b"\x80", b"PK\x03\x04")))
 
 
 def _head(path: Path) -> bytes | None:

@@ -805,7 +805,9 @@ def add_translate_parser(sub) -> None:
                    "with it")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the weights' and activations' type: bfloat16 is faster on GPUs and on CPUs with AMX "
-                   "(a few translations in a hundred differ from float32's); float16 on GPUs only")
+                   "(a few translations in a hundred differ from float32's, and, as with --int8, a line's "
+                   "translation can depend on the lines batched with it: PyTorch's attention rounds it "
+                   "otherwise beside a longer line's padding); float16 on GPUs only")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
     p.add_argument("--compile", action="store_true",
@@ -825,7 +827,9 @@ def add_score_parser(sub) -> None:
                        "`translate --n-best` scores what it finds, where SentencePiece splits it as the "
                        "search did, and when the search ended it with EOS: one cut at the length limit has "
                        "none, and score adds its log P; without --min-len, which renormalizes the early "
-                       "steps; and when the source line has pieces: --n-best reports an empty one's rows "
+                       "steps; in float32: --dtype bfloat16 and float16 round a line by the padding of the "
+                       "lines batched with it, which score batches otherwise than the search; and when the "
+                       "source line has pieces: --n-best reports an empty one's rows "
                        "scored 0), one number per line; the perplexity of "
                        "the whole on stderr. For reranking n-best lists, filtering a corpus, or a test set's "
                        "perplexity.")

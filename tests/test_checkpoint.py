@@ -211,6 +211,20 @@ def test_errors_name_the_file(tmp_path, tokenizer):
         load_checkpoint(tmp_path / "ck")
 
 
+def test_a_saved_shared_model_that_names_its_target_vocabulary_still_loads_as_one(tmp_path, tokenizer):
+    """ModelConfig took tgt_vocab_size == vocab_size with share_embeddings=True as one shared vocabulary
+    (one matrix) and now refuses it: a checkpoint saved so through the API loads as the model it was."""
+    model = tiny_model(vocab_size=60)
+    ck = save_checkpoint(tmp_path / "ck", model, tokenizer)
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["model"]["tgt_vocab_size"] = 60
+    (ck / "meta.json").write_text(json.dumps(meta))
+    loaded = load_checkpoint(ck).model
+    assert loaded.config == model.config and loaded.src_embed.embed.weight is loaded.tgt_embed.embed.weight
+    src, tgt = padded_batch([4], 60), padded_batch([3], 60)
+    torch.testing.assert_close(loaded(src, tgt), model(src, tgt), rtol=0, atol=0)
+
+
 def tree(root: Path) -> dict[str, bytes]:
     """Every file under `root` (hidden ones too) and its bytes: what must survive a refused or failed write."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

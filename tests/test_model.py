@@ -190,6 +190,18 @@ def test_embeddings_are_shared_and_scaled():
     assert separate(padded_batch([3], 50), padded_batch([2], 40)).shape == (1, 2, 40)
 
 
+def test_a_target_vocabulary_of_its_own_is_not_shared_even_of_the_same_size():
+    """tgt_vocab_size None is one vocabulary; a given one is the target's own. With share_embeddings=True
+    (the default), one the size of the source's had the two tied silently, where one more was refused."""
+    for size in (50, 51):
+        with pytest.raises(ConfigError, match=rf"^ModelConfig: share_embeddings=True needs one vocabulary, "
+                           rf"but vocab_size=50 and tgt_vocab_size={size} are two: leave tgt_vocab_size None "
+                           r"to share one, or set share_embeddings=False$"):
+            model_config("tiny", vocab_size=50, tgt_vocab_size=size)
+    two = tiny_model(tgt_vocab_size=50, share_embeddings=False)
+    assert two.src_embed.embed.weight is not two.tgt_embed.embed.weight
+
+
 def test_attention_refuses_heads_that_do_not_divide_the_width():
     """MultiHeadAttention(129, 2) was built, then failed at the first forward with a reshape error."""
     from aiayn.model import MultiHeadAttention

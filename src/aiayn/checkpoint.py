@@ -408,8 +408,12 @@ def meta_model_config(directory: Path, meta: dict[str, Any]) -> ModelConfig:
     """The `ModelConfig` a checkpoint's meta.json records, checked; else one line naming the file."""
     if not isinstance(meta.get("model"), dict):  # a string was read key by key: "unknown keys c, i, m"
         raise CorruptFile(f"{directory / META}: corrupt checkpoint metadata ('model' is not a table)")
+    values = dict(meta["model"])
+    if values.get("share_embeddings", True) and values.get("tgt_vocab_size") == values.get("vocab_size"):
+        # ModelConfig once took this as one shared vocabulary (and built one matrix); it now refuses it
+        values["tgt_vocab_size"] = None
     try:
-        return from_dict(ModelConfig, meta["model"], where=str(directory / META))
+        return from_dict(ModelConfig, values, where=str(directory / META))
     except (ConfigError, KeyError, TypeError) as e:
         raise UserError(f"{directory / META}: bad model configuration ({e})") from None
 

@@ -54,7 +54,7 @@ class ModelConfig:
     positions: str = "interleaved"  # interleaved: PE(2i)=sin, PE(2i+1)=cos (paper); sin_cos: all sines
     # then all cosines, with the paper's frequencies (Marian), needed to load Marian's weights
     max_len: int = 1024  # longest sequence the sinusoid table covers
-    share_embeddings: bool = True  # with a shared vocabulary: one matrix for source, target embeddings
+    share_embeddings: bool = True  # one matrix for source, target embeddings: needs tgt_vocab_size None
     tie_output: bool = True  # pre-softmax projection shares the target embedding matrix (section 3.4)
     scale_embedding: bool = True  # multiply embeddings by sqrt(d_model) (section 3.4)
     final_logits_bias: bool = False  # a bias on the logits (Marian); the paper has none
@@ -96,10 +96,14 @@ class ModelConfig:
             problems.append(f"dropout={self.dropout} is not in [0, 1)")
         if not (math.isfinite(self.layer_norm_eps) and self.layer_norm_eps > 0):  # else NaN after some updates
             problems.append(f"layer_norm_eps={self.layer_norm_eps} must be a finite number > 0")
-        if self.share_embeddings and self.tgt_vocab_size not in (None, self.vocab_size):
+        # A given tgt_vocab_size is the target's own vocabulary, even of vocab_size's size: sharing one
+        # matrix between two vocabularies tied unrelated pieces silently (meta_model_config still reads
+        # such a saved config, as the one vocabulary it was built with)
+        if self.share_embeddings and self.tgt_vocab_size is not None:
             problems.append(
-                f"share_embeddings=True needs one vocabulary, but vocab_size={self.vocab_size} "
-                f"and tgt_vocab_size={self.tgt_vocab_size}"
+                f"share_embeddings=True needs one vocabulary, but vocab_size={self.vocab_size} and "
+                f"tgt_vocab_size={self.tgt_vocab_size} are two: leave tgt_vocab_size None to share one, "
+                "or set share_embeddings=False"
             )
         size = min(self.vocab_size, self.target_vocab_size)  # ids 0..size-1 on both sides
         for name in ("pad_id", "decoder_start_id", "eos_id"):

@@ -94,6 +94,18 @@ def test_texts_score_as_their_pieces_alone_in_float64_and_every_pair_is_scored(c
         translator.score(SOURCES, targets[:3])
 
 
+def test_a_side_that_is_no_list_of_strings_is_named(checkpoint):
+    """`score(["a"], "b")` said "texts must be a list of strings", naming neither the targets nor the
+    sources: each side is named as its argument, and a text in it by its side."""
+    translator = Translator.load(checkpoint)
+    with pytest.raises(TypeError, match=r"^targets must be a list of strings, not one str: pass \[target\]$"):
+        translator.score(["a"], "b")
+    with pytest.raises(TypeError, match=r"^sources\[1\] is int, not str$"):
+        translator.score(["a", 3], ["b", "c"])
+    with pytest.raises(UserError, match=r"^target 2: not valid Unicode"):
+        translator.score(["a", "b"], ["b", "c\udcff"])
+
+
 def test_an_ensemble_past_its_shortest_members_positions_and_out_of_memory_are_named(checkpoint, tmp_path,
                                                                                     monkeypatch):
     from aiayn.checkpoint import load_checkpoint

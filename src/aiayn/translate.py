@@ -111,11 +111,13 @@ def decode_config(base: DecodeConfig | None = None, **options: Any) -> DecodeCon
     return from_dict(DecodeConfig, {**dataclasses.asdict(base), **inherited, **options})
 
 
-def text_list(texts: Iterable[str]) -> list[str]:
-    """`texts` as a list (a generator is read once), each item checked to be a str that UTF-8 can encode."""
-    texts = str_list(texts, "texts", "strings", "text")
+def text_list(texts: Iterable[str], name: str = "texts") -> list[str]:
+    """`texts` as a list (a generator is read once), each item checked to be a str that UTF-8 can encode;
+    errors name the argument `name` ("targets": "targets[0] is int", "target 1: not valid Unicode")."""
+    one = name.removesuffix("s")
+    texts = str_list(texts, name, "strings", one)
     for i, text in enumerate(texts):
-        check_unicode(text, f"text {i + 1}")
+        check_unicode(text, f"{one} {i + 1}")
     return texts
 
 
@@ -443,7 +445,7 @@ class Translator:
         `hypotheses` says, and `score` batches otherwise than the search: up to 0.049 nats apart on a
         tiny demo model at beam 4, against 4e-6 in float32). Every pair is scored, an empty side too (then
         EOS alone). `progress(n)` as in `hypotheses`."""
-        sources, targets = text_list(sources), text_list(targets)
+        sources, targets = text_list(sources, "sources"), text_list(targets, "targets")
         check_count("max_tokens", max_tokens)
         if len(sources) != len(targets):
             raise ValueError(f"{len(sources)} sources but {len(targets)} targets")

@@ -439,6 +439,20 @@ def test_a_checkpoint_loads_straight_into_another_dtype(run):
             assert torch.equal(tensor, cast[name]), name
 
 
+def test_a_dtype_is_taken_by_its_name_too(run):
+    """load_checkpoint(dtype="bfloat16"), the name `Translator.load` takes, failed with "Invalid device
+    string: 'bfloat16'" (`Module.to` reads a str as a device); what names no floating dtype is said so."""
+    ck = run / "checkpoints" / "step_000003"
+    narrow = load_checkpoint(ck, dtype="bfloat16").model
+    assert {p.dtype for p in narrow.state_dict().values()} == {torch.bfloat16}
+    for bad in ("bf16", torch.int8):
+        with pytest.raises(ValueError, match=rf"^dtype {re.escape(repr(bad))} is not a floating-point torch "
+                           r"dtype or the name of one \(float32, bfloat16, float16, \.\.\.\)$"):
+            load_checkpoint(ck, dtype=bad)
+    with pytest.raises(TypeError, match=r"^dtype must be a torch dtype or its name, not int \(16\)$"):
+        load_checkpoint(ck, dtype=16)
+
+
 def test_a_checkpoint_that_cannot_be_pruned_is_a_warning(run, monkeypatch, caplog):
     """Pruning runs right after a save that holds everything: a failed rename (a full disk's directory
     block, EIO) ended a healthy run with a traceback."""

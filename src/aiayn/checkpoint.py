@@ -65,9 +65,23 @@ def _untied_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def weights_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """`dtype`, a floating-point torch dtype or its name ("bfloat16", as `Translator.load` takes it): a
+    name went on to `Module.to` as a device ("Invalid device string: 'bfloat16'")."""
+    if not isinstance(dtype, (str, torch.dtype)):
+        raise TypeError(f"dtype must be a torch dtype or its name, not {type(dtype).__name__} ({dtype!r})")
+    parsed = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(parsed, torch.dtype) or not parsed.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype or the name of one "
+                         "(float32, bfloat16, float16, ...)")
+    return parsed
+
+
 def model_from_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: str | Path,
-                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
-    """A `Transformer` of `config` on `device` in `dtype` holding `weights` (checked by `load_into`'s rules).
+                       device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32
+                       ) -> Transformer:
+    """A `Transformer` of `config` on `device` in `dtype` (`weights_dtype`) holding `weights` (checked by
+    `load_into`'s rules).
 
     Built on the meta device and checked against the weights there, then given memory: a damaged d_ff
     in a meta.json asked for a terabyte first (a RuntimeError traceback), not a line naming the file.
@@ -75,6 +89,7 @@ def model_from_weights(config: ModelConfig, weights: dict[str, torch.Tensor], wh
     thread, 2 s for `big`). `Transformer.to_empty` computes the position tables and ties the output
     projection again. Another `dtype` is given memory as such: a float32 model cast afterwards held both
     copies at once."""
+    dtype = weights_dtype(dtype)
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
     check_fits(model, weights, where)
@@ -384,8 +399,10 @@ def vocabulary_problem(config: ModelConfig, tokenizer: Tokenizer) -> str | None:
 
 
 def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Model (eval mode, in `dtype`), tokenizer and metadata of a checkpoint directory."""
+                    dtype: str | torch.dtype = torch.float32) -> Checkpoint:
+    """Model (eval mode, in `dtype`: a floating-point torch dtype or its name, "bfloat16"), tokenizer and
+    metadata of a checkpoint directory."""
+    dtype = weights_dtype(dtype)  # before any reading
     directory, meta, config = _checkpoint_meta(directory)
     model = model_from_weights(config, load_weights(directory), directory / WEIGHTS, device, dtype)
     tokenizer = checkpoint_tokenizer(directory, meta)

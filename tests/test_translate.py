@@ -1167,6 +1167,10 @@ def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, cap
     assert main(["translate", str(run)]) == 2
     assert f"no meta.json); a run directory: name one of its checkpoints, e.g. {run}/checkpoints/step_1000000" in (
         capsys.readouterr().err)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(run))}/checkpoints: not an aiayn checkpoint \(no "
+                       r"meta.json\); a run's checkpoints folder: name one of its checkpoints, e.g. "
+                       rf"{re.escape(str(run))}/checkpoints/step_1000000$"):
+        Translator.load(run / "checkpoints")  # its checkpoints/ folder itself had no hint
     assert main(["translate", str(checkpoint / "meta.json")]) == 2
     assert "meta.json: is a file, not a checkpoint directory" in capsys.readouterr().err
 

@@ -208,8 +208,12 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         from aiayn.train.state import checkpoint_dirs  # here only: the training package imports this one
 
+        here = Path(directory)
         found = checkpoint_dirs(directory)  # a run directory: its checkpoints are inside
-        hint = f"; a run directory: name one of its checkpoints, e.g. {found[-1]}" if found else ""
+        what = "a run directory"
+        if not found and here.name == "checkpoints":  # the run's checkpoints/ itself, as run1/checkpoints
+            found, what = checkpoint_dirs(here.parent), "a run's checkpoints folder"
+        hint = f"; {what}: name one of its checkpoints, e.g. {found[-1]}" if found else ""
         if not found and (Path(directory) / "config.json").is_file() and any(
                 (Path(directory) / name).is_file() for name in ("source.spm", "vocab.json")):
             hint = "; a MarianMT (OPUS-MT) directory: import it with aiayn convert --from marian"

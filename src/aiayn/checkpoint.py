@@ -214,8 +214,8 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         if not found and here.name == "checkpoints":  # the run's checkpoints/ itself, as run1/checkpoints
             found, what = checkpoint_dirs(here.parent), "a run's checkpoints folder"
         hint = f"; {what}: name one of its checkpoints, e.g. {found[-1]}" if found else ""
-        if not found and (Path(directory) / "config.json").is_file() and any(
-                (Path(directory) / name).is_file() for name in ("source.spm", "vocab.json")):
+        if not found and (here / "config.json").is_file() and any(
+                (here / name).is_file() for name in ("source.spm", "vocab.json")):
             hint = "; a MarianMT (OPUS-MT) directory: import it with aiayn convert --from marian"
         raise UserError(f"{directory}: not an aiayn checkpoint (no {META}){hint}")
     try:

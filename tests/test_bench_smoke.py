@@ -491,3 +491,13 @@ def test_gpu_script_without_pytest_timeout_stops_first_in_one_line(tmp_path):
     assert done.stderr.splitlines() == [("gpu.sh: the tests need pytest and pytest-timeout (pyproject.toml's "
                                          "addopts pass --timeout): pip install pytest pytest-timeout")]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["layers_cpu", "layers_cpu_d1024"])
+def test_committed_layer_reports_are_what_replot_writes_from_their_json(name, tmp_path, monkeypatch):
+    """The committed md said "slope 0.85 over the last four lengths" of a run with three: written by an
+    older layers.py, its text no longer what the code says of its json."""
+    monkeypatch.setattr(layers, "plot", lambda *a: None)  # the text is the subject, not the picture
+    committed = BENCHMARKS / "results" / f"{name}.md"
+    layers.main(["--replot", str(committed.with_suffix(".json")), "--out", str(tmp_path)])
+    assert (tmp_path / f"{name}.md").read_text() == committed.read_text()

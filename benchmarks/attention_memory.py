@@ -22,6 +22,8 @@ A run that would pass the memory budget is not started: its peak is predicted fr
 measured along the last measured log-log slope (2 for the explicit formula) and reported as predicted.
 Before a series has a measured n to extrapolate from, its peak is bounded from the shapes alone (the
 output, and for the explicit formula one n x n matrix) and reported as that: "at least", not predicted.
+A figure whose process fails (killed for memory, say) or runs past 10 minutes is reported as failed, in
+one line and in the results, and the run goes on.
 
     python benchmarks/attention_memory.py                # CPU, n = 256 .. 8192, budget 4 GiB
     python benchmarks/attention_memory.py --quick        # n = 256, 512, 1024
@@ -69,6 +71,7 @@ log = logging.getLogger("benchmarks.attention_memory")
 IMPLS = ("sdpa", "explicit")
 MODES = ("forward", "train")  # train = forward + backward
 MIB = 2**20
+CHILD_TIMEOUT_S = 600  # one figure's process at most (swapping, say): then a failed point
 
 
 @dataclass(frozen=True)
@@ -169,9 +172,13 @@ def measure(impl: str, n: int, mode: str, cfg: MemoryConfig) -> dict:
 
 
 def measure_in_subprocess(impl: str, n: int, mode: str, cfg: MemoryConfig) -> dict:
-    """`measure` in a fresh interpreter: a clean heap and a clean peak for every figure."""
+    """`measure` in a fresh interpreter: a clean heap and a clean peak for every figure. A child that
+    fails or runs past `CHILD_TIMEOUT_S` gives a failed point, and the run goes on."""
     cmd = [sys.executable, __file__, "--measure", impl, str(n), mode, "--config", json.dumps(asdict(cfg))]
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    try:
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # killed by run(); uncaught, it lost every point measured before
+        return {"impl": impl, "n": n, "mode": mode, "error": f"timed out after {CHILD_TIMEOUT_S:g} s"}
     if done.returncode != 0:  # e.g. killed by the kernel for memory (-9): say so, keep going
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {"impl": impl, "n": n, "mode": mode, "error": f"exit {done.returncode}: {tail}"}

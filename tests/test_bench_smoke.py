@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -501,3 +502,32 @@ def test_committed_layer_reports_are_what_replot_writes_from_their_json(name, tm
     committed = BENCHMARKS / "results" / f"{name}.md"
     layers.main(["--replot", str(committed.with_suffix(".json")), "--out", str(tmp_path)])
     assert (tmp_path / f"{name}.md").read_text() == committed.read_text()
+
+
+def test_a_point_that_times_out_is_failed_and_the_run_keeps_the_others(tmp_path, monkeypatch, caplog):
+    """subprocess.run's TimeoutExpired went uncaught: a traceback, and no file held the points measured
+    before it (they are written after the whole grid)."""
+    monkeypatch.setattr(attention_memory, "CHILD_TIMEOUT_S", 0.01)  # a real child, killed before its import
+    point = attention_memory.measure_in_subprocess("sdpa", 16, "forward", attention_memory.QUICK)
+    assert point == {"impl": "sdpa", "n": 16, "mode": "forward", "error": "timed out after 0.01 s"}
+
+    def run(cmd, timeout, **kwargs):  # n = 32 times out; the others answer as a child does
+        impl, n, mode = cmd[cmd.index("--measure") + 1:][:3]
+        if n == "32":
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        line = json.dumps({"impl": impl, "n": int(n), "mode": mode, "peak_bytes": 2**20, "seconds": 0.0,
+                           "method": "fake"})
+        return subprocess.CompletedProcess(cmd, 0, stdout=line + "\n", stderr="")
+
+    monkeypatch.setattr(attention_memory, "subprocess",  # this script's subprocess alone: git runs in common
+                        types.SimpleNamespace(run=run, TimeoutExpired=subprocess.TimeoutExpired))
+    caplog.set_level("INFO", logger="benchmarks.attention_memory")
+    result = attention_memory.main(["--lengths", "16", "32", "64", "--out", str(tmp_path)])
+    for series in result["series"].values():
+        for points in series.values():
+            assert [p.get("error") for p in points] == [None, "timed out after 0.01 s", None]
+            assert points[0]["peak_bytes"] == points[2]["peak_bytes"] == 2**20
+    assert caplog.messages.count("sdpa forward n=32: timed out after 0.01 s") == 1
+    assert "| 32 | 0.1 | failed (timed out after 0.01 s) | failed (timed out after 0.01 s) | - | - |" in (
+        tmp_path / "attention_memory_cpu.md").read_text()
+    assert json.loads((tmp_path / "attention_memory_cpu.json").read_text())["series"] == result["series"]

@@ -133,19 +133,27 @@ def test_attention_memory_sees_the_n_by_n_matrix_and_flash_does_not_build_it():
     assert 0 < sdpa["peak_bytes"] < square
 
 
-def test_predicted_peak_follows_the_last_slope():
+@pytest.mark.parametrize("impl", ["sdpa", "explicit"])
+def test_predicted_peak_follows_the_last_slope(impl):
     points = [
         {"n": 256, "peak_bytes": 100, "measured": True},
         {"n": 512, "peak_bytes": 400, "measured": True},
     ]
-    assert attention_memory.predicted_peak(points, 1024) == pytest.approx(1600)  # slope 2
-    assert attention_memory.predicted_peak(points[:1], 1024) == pytest.approx(1600)  # one point: assume 2
+    assert attention_memory.predicted_peak(impl, points, 1024) == pytest.approx(1600)  # slope 2
     linear = [
         {"n": 256, "peak_bytes": 100, "measured": True},
         {"n": 512, "peak_bytes": 200, "measured": True},
     ]
-    assert attention_memory.predicted_peak(linear, 1024) == pytest.approx(400)
-    assert attention_memory.predicted_peak([], 1024) is None
+    assert attention_memory.predicted_peak(impl, linear, 1024) == pytest.approx(400)
+    assert attention_memory.predicted_peak(impl, [], 1024) is None
+
+
+def test_one_point_is_extrapolated_along_the_slope_of_its_formulas_memory():
+    """One point measured, SDPA was extrapolated as n^2 too: `--lengths 256 30000 --budget-gib 0.5` left
+    out its n = 30,000 as "predicted 15289 MiB > budget", where it measures 61 MiB."""
+    point = [{"n": 256, "peak_bytes": 2**19, "measured": True}]  # SDPA forward's 0.5 MiB here
+    assert attention_memory.predicted_peak("sdpa", point, 30000) == pytest.approx(2**19 * 30000 / 256)
+    assert attention_memory.predicted_peak("explicit", point, 1024) == pytest.approx(2**19 * 16)
 
 
 def test_a_first_length_past_the_budget_is_not_started(monkeypatch):
@@ -401,9 +409,9 @@ def test_a_bound_from_the_shapes_is_reported_as_at_least_never_as_predicted(tmp_
         return {"impl": impl, "n": n, "mode": mode, "peak_bytes": 8 * n * n, "seconds": 0.0, "method": "fake"}
 
     monkeypatch.setattr(attention_memory, "measure_in_subprocess", fake)
-    # 1 MiB: SDPA's output at n = 256 (0.5 MiB) fits and is run, its 2 MiB predicted at 512 not;
-    # explicit's n x n scores (2 MiB) do not fit at 256, with nothing measured to predict from
-    result = attention_memory.main(["--lengths", "256", "512", "--budget-gib", str(1 / 1024),
+    # 0.75 MiB: SDPA's output at n = 256 (0.5 MiB) fits and is run, its 1 MiB predicted at 512 (slope 1)
+    # not; explicit's n x n scores (2 MiB) do not fit at 256, with nothing measured to predict from
+    result = attention_memory.main(["--lengths", "256", "512", "--budget-gib", str(0.75 / 1024),
                                     "--out", str(tmp_path)])
     text = (tmp_path / "attention_memory_cpu.md").read_text()
     growth = [line for line in text.splitlines() if line.startswith("- explicit")]
@@ -412,7 +420,7 @@ def test_a_bound_from_the_shapes_is_reported_as_at_least_never_as_predicted(tmp_
     assert rows and all("(at least 2.5, not run)" in row and "predicted" not in row for row in rows)
     assert "| 256 | 0.5 | 0.5 | (at least 2.5, not run) | at least 5.0x | at least 1.25 |" in text
     # a bound over a prediction: neither a bound nor a prediction
-    assert "| 512 | 1.0 | (2.0, predicted) | (at least 9.0, not run) | - | at least 1.12 |" in text
+    assert "| 512 | 1.0 | (1.0, predicted) | (at least 9.0, not run) | - | at least 1.12 |" in text
     explicit = result["series"]["explicit"]["forward"]  # the json says which figures are bounds
     assert [(p["measured"], p.get("lower_bound")) for p in explicit] == [(False, True)] * 2
     assert explicit[0]["peak_bytes"] == attention_memory.least_peak("explicit", 256, attention_memory.QUICK)

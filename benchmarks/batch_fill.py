@@ -3,7 +3,7 @@
 `max_tokens` caps each side's padded tokens (its longest sentence times the pairs), as fairseq's
 `--max-tokens` does; the paper's batches held "approximately 25000 source tokens and 25000 target tokens".
 This prepares the corpus as a training run does (a SentencePiece model and the encoded cache in a scratch
-run directory), cuts it with `token_batches` for each `max_tokens`, and reports the real tokens per batch
+run directory, its progress on stderr as training's), cuts it with `token_batches` for each `max_tokens`, and reports the real tokens per batch
 as a share of `max_tokens`, for one process (with several, each cuts its own share the same way).
 
     python benchmarks/batch_fill.py                                    # Multi30k en-de in ../shared/data
@@ -13,6 +13,7 @@ as a share of `max_tokens`, for one process (with several, each cuts its own sha
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import tempfile
@@ -91,4 +92,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # stderr, as `aiayn train` logs (cli._log_to_stderr): the tokenizer's training and "encoded N of M
+    # pairs", minutes on a WMT-size corpus, were dropped, and the run said nothing until its table
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr)
     main()

@@ -449,6 +449,24 @@ def test_batch_fill_prints_the_pieces_sentencepiece_made(tmp_path, capsys):
     assert 11 < pieces < 500  # the words at least, far fewer than asked
 
 
+def test_batch_fill_shows_the_data_preparations_progress_on_stderr(tmp_path):
+    """The script set up no logging: the tokenizer's training and "encoded N pairs", minutes on a WMT-size
+    corpus, went nowhere, and a run said nothing until its table."""
+    import aiayn
+
+    for name in ("a.en", "a.de"):
+        (tmp_path / name).write_text("".join(f"the cat {i} sat on the mat {i}\n" for i in range(40)))
+    env = {**os.environ, "PYTHONPATH": str(Path(aiayn.__file__).parents[1])}  # this aiayn, not another
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "batch_fill.py"), "--src", str(tmp_path / "a.en"),
+                           "--tgt", str(tmp_path / "a.de"), "--vocab-size", "100", "--max-tokens", "64"],
+                          env=env, capture_output=True, text=True, timeout=120, check=True)
+    said = done.stderr.splitlines()
+    timed = r"\d\d:\d\d:\d\d "  # aiayn train's form: the time, then the library's message
+    assert any(re.fullmatch(timed + r"training a \w+ SentencePiece model .* on 40 pairs", s) for s in said)
+    assert any(re.search(r"a\.en: encoded 40 pairs", line) for line in said)
+    assert "| max_tokens |" in done.stdout and "encoded" not in done.stdout
+
+
 def test_batching_says_bad_input_in_one_line(capsys):
     """--pairs -1 was numpy's ValueError traceback; a --max-tokens below a pair, aiayn's UserError's."""
     batching = _load("batching")

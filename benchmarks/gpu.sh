@@ -13,8 +13,9 @@
 # skipped because no time is left is not a failure). Needs a python3 with CUDA PyTorch, the package's
 # dependencies (sentencepiece, sacrebleu, safetensors, matplotlib, tqdm, numpy), transformers, pytest and
 # pytest-timeout (the last three are in the [test] extra; pyproject.toml's addopts pass --timeout, which
-# pytest refuses without that plugin, so its absence stops the script first, in one line); the package
-# runs from src/ (nothing installed). Writes $OUT/log.txt and the benchmarks' reports.
+# pytest refuses without that plugin, so its absence stops the script first, in one line), and a CUDA
+# device that torch sees (without one it stops at once, in one line); the package runs from src/ (nothing
+# installed). Writes $OUT/log.txt and the benchmarks' reports.
 set -u -o pipefail  # pipefail: the status of the steps' block, not tee's 0
 OUT=${OUT:-benchmarks/results/local/gpu}
 budget=${1:-540}
@@ -25,6 +26,12 @@ fi
 if ! python3 -c "import pytest, pytest_timeout" 2>/dev/null; then
   echo "gpu.sh: the tests need pytest and pytest-timeout (pyproject.toml's addopts pass --timeout):" \
     "pip install pytest pytest-timeout" >&2; exit 2
+fi
+# without CUDA every step failed in turn (nvidia-smi, a traceback, each --device cuda), then the CPU suite
+# ran for all the time left
+if ! python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  echo "gpu.sh: no CUDA device here (python3 -c 'import torch; assert torch.cuda.is_available()' fails):" \
+    "run it on a machine with one" >&2; exit 2
 fi
 mkdir -p "$OUT" || { echo "gpu.sh: cannot make the folder OUT=$OUT" >&2; exit 2; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -557,3 +557,18 @@ def test_a_point_that_times_out_is_failed_and_the_run_keeps_the_others(tmp_path,
     assert "| 32 | 0.1 | failed (timed out after 0.01 s) | failed (timed out after 0.01 s) | - | - |" in (
         tmp_path / "attention_memory_cpu.md").read_text()
     assert json.loads((tmp_path / "attention_memory_cpu.json").read_text())["series"] == result["series"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+def test_gpu_script_without_cuda_stops_at_once_in_one_line(tmp_path):
+    """Without CUDA nvidia-smi failed, a 15-line traceback followed, every --device cuda step failed, and
+    the CPU test suite ran for all the time left."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # 10 s, the least: were the check gone, each step would be skipped for want of time, the suite too
+    done = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "10"], cwd=BENCHMARKS.parent, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [("gpu.sh: no CUDA device here (python3 -c 'import torch; assert "
+                                         "torch.cuda.is_available()' fails): run it on a machine with one")]
+    assert not (tmp_path / "out").exists()

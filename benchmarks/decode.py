@@ -3,12 +3,13 @@
 The `base` shape (d_model 512, 8 heads, d_ff 2048, 6+6 layers, vocabulary 32,000) with random weights,
 built once as a HuggingFace `MarianMTModel` and carried into aiayn through `aiayn.interop.marian` and
 into CTranslate2 through CTranslate2's own `TransformersConverter` (float32 and int8): three runtimes,
-one set of weights, checked to give the same logits before anything is timed. Every source has 24
-tokens (its EOS included) and every output exactly 32 new tokens (EOS forbidden until then: aiayn's
-`min_len`, HuggingFace's `min_new_tokens`, CTranslate2's `min_decoding_length`; each output's length
-is checked), and the record says on what share of sentences each float32 engine's output equals aiayn
-fp32's. Cells: greedy and beam 4, batch 1 and 16. Tokens/s counts output tokens of the returned
-hypotheses (batch x 32), the encoder included.
+one set of weights. aiayn's logits are checked against HuggingFace's (within 1e-3, the largest
+difference recorded) before anything is timed; CTranslate2's are not (its workers return ids), its
+outputs are compared instead. Every source has 24 tokens (its EOS included) and every output exactly 32
+new tokens (EOS forbidden until then: aiayn's `min_len`, HuggingFace's `min_new_tokens`, CTranslate2's
+`min_decoding_length`; each output's length is checked), and the record says on what share of
+sentences each float32 engine's output equals aiayn fp32's. Cells: greedy and beam 4, batch 1 and 16.
+Tokens/s counts output tokens of the returned hypotheses (batch x 32), the encoder included.
 
 The engines of one cell run interleaved, repeat after repeat, with the same thread count, and the
 median is reported: on a shared machine the ratios between engines of one run are what carries over.

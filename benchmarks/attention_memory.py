@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = MemoryConfig(**{**asdict(cfg), **{k: v for k, v in overrides.items() if v is not None}})
     stem = args.out / f"attention_memory_{torch.device(cfg.device).type}{'_quick' if args.quick else ''}"
     # before the runs
-    check_out(stem, [with_suffix_added(stem, s) for s in (".json", ".md", ".png")], args.force)
+    check_out(stem, [with_suffix_added(stem, s) for s in (".json", ".md", ".png")], args.force, args.out)
     env = environment()  # before the runs: the load average is the machine's, not this run's
     series = run_all(cfg)
     result = {

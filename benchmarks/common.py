@@ -166,36 +166,40 @@ def thread_counts(text: str) -> list[int]:
                                          f"{text!r}") from None
 
 
-def check_out(path: Path, also: list[Path] = (), force: bool = False) -> None:
+def check_out(path: Path, also: list[Path] = (), force: bool = False, out: Path | None = None) -> None:
     """Exit with one line, before any measuring, if `path` (and the files `also` beside it) cannot be
     written: a directory in the way, or a parent that cannot be made or written to; or, unless `force`
-    (--force), if one of `also` is a committed result (`refuse_committed`). Makes the parent directories."""
+    (--force), if one of `also` is a committed result (`refuse_committed`). Makes the parent directories.
+    The line names `--out OUT`, the folder a script's --out names where `path` is a file stem in it, else
+    `--out PATH`: what the user typed, not a stem they never did."""
+    label = f"--out {path if out is None else out}"
     for target in [path, *also]:
         if target.is_dir():
-            raise SystemExit(f"--out {path}: {target} is a directory")
-    refuse_committed(f"--out {path}", also, force)
+            raise SystemExit(f"{label}: {target} is a directory")
+    refuse_committed(label, also, force)
     existing = next(p for p in path.absolute().parents if p.exists())  # "/" does
     if not existing.is_dir():
-        raise SystemExit(f"--out {path}: {existing} is not a directory")
+        raise SystemExit(f"{label}: {existing} is not a directory")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise SystemExit(f"--out {path}: cannot make {path.parent} ({e.strerror or e})") from None
+        raise SystemExit(f"{label}: cannot make {path.parent} ({e.strerror or e})") from None
     try:  # a file made and removed: os.access says yes to root everywhere (/sys, a read-only mount)
         tempfile.TemporaryFile(dir=path.parent).close()
     except OSError as e:
-        raise SystemExit(f"--out {path}: {path.parent} is not writable ({e.strerror or e})") from None
+        raise SystemExit(f"{label}: {path.parent} is not writable ({e.strerror or e})") from None
 
 
 def refuse_committed(label: str, files: list[Path], force: bool) -> None:
-    """Exit with one line naming `label` (the option that chose `files`) if one of `files` is there and git
-    tracks it, unless `force`: a committed result is replaced only on purpose."""
+    """Exit with one line naming `label` (the option that chose `files`) and every one of `files` that is
+    there and git tracks, unless `force`: a committed result is replaced only on purpose."""
     if force:
         return
-    for file in files:
-        if file.is_file() and tracked_by_git(file):
-            raise SystemExit(f"{label}: would write over {file}, which git tracks (a committed result): "
-                             "--out another place, or --force to replace it")
+    if tracked := [str(file) for file in files if file.is_file() and tracked_by_git(file)]:
+        names = tracked[0] if len(tracked) == 1 else f"{', '.join(tracked[:-1])} and {tracked[-1]}"
+        what = "a committed result" if len(tracked) == 1 else "committed results"
+        raise SystemExit(f"{label}: would write over {names}, which git tracks ({what}): "
+                         "--out another place, or --force to replace it")
 
 
 def tracked_by_git(file: Path) -> bool:

@@ -548,7 +548,7 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
         return cfg, args.out, stem, args.replot, args.force
     out = args.out or LOCAL_RESULTS
     files = [with_suffix_added(out / stem, s) for s in (".json", ".md", ".png")]
-    check_out(out / stem, files, args.force)  # before the run, not after it
+    check_out(out / stem, files, args.force, out)  # before the run, not after it
     return cfg, out, stem, None, args.force
 
 
@@ -572,7 +572,7 @@ def replot(path: Path, out: Path | None = None, force: bool = False) -> None:
     stem = path.with_suffix("") if out is None else out / path.stem
     files = [with_suffix_added(stem, s) for s in (".md", ".png")]
     if out is not None:
-        check_out(stem, files, force)
+        check_out(stem, files, force, out)
     else:
         refuse_committed(f"--replot {path}", files, force)
     write_results(result, cfg, stem, json_too=False)

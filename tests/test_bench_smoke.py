@@ -250,9 +250,23 @@ def test_a_run_over_committed_results_is_refused_before_measuring(tmp_path, monk
     module = _load(script)
     monkeypatch.setattr(module, "environment", lambda: pytest.fail("measuring began"))
     argv = [a.replace("REPO", str(repo)) for a in argv]
-    with pytest.raises(SystemExit, match=rf"^--out {re.escape(argv[-1])}\S*{COMMITTED} to replace it$"):
+    with pytest.raises(SystemExit, match=rf"^--out {re.escape(argv[-1])}{COMMITTED} to replace it$"):
         module.main(argv)
     assert sorted(p.name for p in repo.iterdir()) == sorted([".git", *files])
+
+
+@pytest.mark.parametrize("script", [layers, attention_memory])
+def test_a_folder_out_is_named_as_typed_with_every_file_it_would_replace(script, tmp_path, monkeypatch):
+    """`layers.py --out benchmarks/results` said "--out benchmarks/results/layers_cpu: would write over
+    benchmarks/results/layers_cpu.json", a stem the user never typed, and one file of the three."""
+    stem = "layers_cpu" if script is layers else "attention_memory_cpu"
+    repo = _committed(tmp_path / "results", {f"{stem}.{s}": "committed" for s in ("json", "md", "png")})
+    monkeypatch.setattr(script, "environment", lambda: pytest.fail("measuring began"))
+    with pytest.raises(SystemExit) as stopped:
+        script.main(["--lengths", "8", "--out", str(repo)])
+    assert stopped.value.code == (f"--out {repo}: would write over {repo / stem}.json, {repo / stem}.md and "
+                                  f"{repo / stem}.png, which git tracks (committed results): --out another "
+                                  "place, or --force to replace it")
 
 
 def test_a_name_with_glob_characters_is_tracked_only_as_itself(tmp_path):

@@ -103,6 +103,8 @@ FLOOR = "Linear floor"
 COMPILED = "aiayn fp32 compiled"  # `Translator.load(compile=True)`: one-row steps compiled, the rest as fp32
 EOS, UNK, PAD = 0, 1, VOCAB - 1  # Marian's layout: </s> 0, <unk> 1, <pad> last (CTranslate2 drops its row)
 CELLS = [("greedy", 1, 1), ("greedy", 1, 16), ("beam 4", 4, 1), ("beam 4", 4, 16)]
+# every engine `engine_names` may time, for --engines to be checked before any work
+ENGINES = ("aiayn fp32", COMPILED, "HF Marian fp32", "aiayn int8", FLOOR, "CT2 float32", "CT2 int8")
 
 
 def marian_config():
@@ -460,6 +462,15 @@ def agreement(outputs: dict[str, list[list[int]] | None]) -> dict[str, float]:
     return shares
 
 
+def engine_list(text: str) -> list[str]:
+    """argparse type: "CT2 float32, CT2 int8" -> those of ENGINES. An empty name, of `--engines ""` or a
+    stray comma, is refused here: it was "--engines:  not among those here", after the model was built."""
+    chosen = [e.strip() for e in text.split(",")]
+    if unknown := [repr(e) for e in chosen if e not in ENGINES]:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not among {', '.join(ENGINES)}")
+    return chosen
+
+
 def cell_names(text: str) -> list[tuple[str, int, int]]:
     """argparse type: "greedy-1,beam4-16" -> those of CELLS (the search without its space, then the batch)."""
     known = {f"{name.replace(' ', '')}-{batch}": cell for cell in CELLS for name, _, batch in [cell]}
@@ -575,9 +586,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "OpenMP threads have stopped (default 0.5)")
     parser.add_argument("--cells", type=cell_names, default=CELLS,
                         help="a comma list of greedy-1, greedy-16, beam4-1, beam4-16 (default all)")
-    parser.add_argument("--engines", type=lambda text: [e.strip() for e in text.split(",")],
+    parser.add_argument("--engines", type=engine_list,
                         help="a comma list of engines to time besides aiayn fp32 and HF Marian fp32, which "
-                             "the ratios are taken against (default every one available here)")
+                             "the ratios are taken against (default every one available here): "
+                             + ", ".join(ENGINES))
     parser.add_argument("--out", help="results prefix (default benchmarks/results/local/decode_DEVICE, "
                                       "ignored by git)")
     parser.add_argument("--force", action="store_true",
@@ -598,12 +610,12 @@ def main(argv: list[str] | None = None) -> None:
         import transformers  # noqa: F401  HuggingFace's model is where every engine's weights come from
     except ImportError:
         raise SystemExit("decode.py needs transformers: pip install -e '.[bench]'") from None
+    names = chosen_engines(args)  # an engine not here (CT2 without ctranslate2): said before any work
     torch.set_num_threads(args.threads[0])  # the workers set theirs; this keeps the recorded environment true
     env = environment()  # before the timing: the load average is the machine's, not this run's
     hf = build_hf(args.seed)
     diff = check_same_logits(hf, build_aiayn(hf), sources(args.seed)[:4])
     weights_mb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e6  # float32, tied once
-    names = chosen_engines(args)
     ct2 = sys.modules.get("ctranslate2")  # imported by `engine_names` if it is installed
     env.update(ctranslate2=ct2.__version__ if ct2 else None, threads=args.threads, device=args.device,
                repeats=args.repeats, settle_s=args.settle, max_abs_logit_diff_vs_hf=diff,

@@ -175,6 +175,32 @@ def test_cells_are_chosen_by_name_in_the_tables_order(capsys):
     assert "greedy-2: not among greedy-1, greedy-16, beam4-1, beam4-16" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, said", [
+    ("", ("argument --engines: '': not among aiayn fp32, aiayn fp32 compiled, HF Marian fp32, aiayn int8, "
+          "Linear floor, CT2 float32, CT2 int8")),
+    ("CT2 float32,", "argument --engines: '': not among"),  # a stray comma
+    ("CT2 float32, CT2 fp16", "argument --engines: 'CT2 fp16': not among"),
+])
+def test_engines_are_checked_when_the_arguments_are_read(text, said, capsys):
+    """`--engines ""` was refused as "--engines:  not among those here", an empty name, after ~10 s of
+    building the HuggingFace model."""
+    with pytest.raises(SystemExit) as stopped:
+        decode.parse_args(["--engines", text])
+    assert stopped.value.code == 2 and said in capsys.readouterr().err
+    chosen = decode.parse_args(["--engines", "CT2 float32, Linear floor"]).engines
+    assert chosen == ["CT2 float32", "Linear floor"]
+
+
+def test_an_engine_not_here_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """A known engine this machine lacks (CTranslate2's without ctranslate2) was refused after the model was
+    built."""
+    main = _scripted_main(monkeypatch, ["aiayn fp32", "HF Marian fp32"], {})
+    monkeypatch.setattr(decode, "build_hf", lambda seed: pytest.fail("the model was built"))
+    with pytest.raises(SystemExit, match=r"^--engines: CT2 int8 not among those here: aiayn fp32, HF Marian "
+                                         r"fp32$"):
+        main(["--engines", "CT2 int8", "--out", str(tmp_path / "decode")])
+
+
 @pytest.mark.slow
 def test_one_cell_runs_end_to_end_and_compares_the_outputs(tmp_path):
     """The whole benchmark takes many minutes: one cell, two engines, one repeat, to see it run as written

@@ -29,6 +29,10 @@ if ! python3 -c "import pytest, pytest_timeout" 2>/dev/null; then
 fi
 # without CUDA every step failed in turn (nvidia-smi, a traceback, each --device cuda), then the CPU suite
 # ran for all the time left
+# a torch that cannot be imported (its CUDA libraries missing) says why, not "no CUDA device"
+if ! imported=$(python3 -c "import torch" 2>&1); then
+  echo "gpu.sh: python3 cannot import torch: $(printf '%s\n' "$imported" | tail -n 1)" >&2; exit 2
+fi
 if ! python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   echo "gpu.sh: no CUDA device here (python3 -c 'import torch; assert torch.cuda.is_available()' fails):" \
     "run it on a machine with one" >&2; exit 2

@@ -573,6 +573,23 @@ def test_a_point_that_times_out_is_failed_and_the_run_keeps_the_others(tmp_path,
     assert json.loads((tmp_path / "attention_memory_cpu.json").read_text())["series"] == result["series"]
 
 
+def test_gpu_script_says_why_torch_cannot_be_imported(tmp_path):
+    """A torch that fails to import (its CUDA libraries missing) was said to be "no CUDA device here", its
+    own error thrown away."""
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    failing = 'raise ImportError("libcudart.so.13: cannot open shared object file")\n'
+    (fake / "__init__.py").write_text(failing)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHONPATH": str(tmp_path / "fake"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "10"], cwd=BENCHMARKS.parent, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == ["gpu.sh: python3 cannot import torch: ImportError: libcudart.so.13: "
+                                        "cannot open shared object file"]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
 def test_gpu_script_without_cuda_stops_at_once_in_one_line(tmp_path):
     """Without CUDA nvidia-smi failed, a 15-line traceback followed, every --device cuda step failed, and

@@ -429,6 +429,7 @@ def test_bin_that_is_not_a_state_dict_is_named(opus_bin, capsys, content, proble
     # operand 73"), and the file was called unsafe; so were "cannot ..." (it asked for "annot")
     (b"Invalid username or password.", "it starts b'Invalid username or pass'"),
     (b"cannot find the file\n", r"it starts b'cannot find the file\n'"),
+    (b"config.json not found\nfoo\n", r"it starts b'config.json not found\nfo'"),  # "asks for onfig.json"
     (b"", "empty"),
     ("safetensors", "a safetensors file: name it model.safetensors"),
 ])

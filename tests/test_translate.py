@@ -1160,7 +1160,7 @@ def test_a_cr_inside_a_line_is_warned_about_once_by_translate_score_and_evaluate
     assert capsys.readouterr().err.splitlines()[:-1] == [said.format("scored")]  # then "against itself"
 
 
-def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, capsys):
+def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     for step in ("step_999999", "step_1000000"):  # the newest by number, not by name
         shutil.copytree(checkpoint, run / "checkpoints" / step)
@@ -1171,6 +1171,10 @@ def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, cap
                        r"meta.json\); a run's checkpoints folder: name one of its checkpoints, e.g. "
                        rf"{re.escape(str(run))}/checkpoints/step_1000000$"):
         Translator.load(run / "checkpoints")  # its checkpoints/ folder itself had no hint
+    monkeypatch.chdir(run / "checkpoints")  # "." inside it: a name of "", which the hint missed
+    with pytest.raises(UserError, match=r"^\.: not an aiayn checkpoint \(no meta.json\); a run's checkpoints "
+                       r"folder: name one of its checkpoints, e.g. \.\./checkpoints/step_1000000$"):
+        Translator.load(".")
     assert main(["translate", str(checkpoint / "meta.json")]) == 2
     assert "meta.json: is a file, not a checkpoint directory" in capsys.readouterr().err
 

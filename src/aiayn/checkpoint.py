@@ -71,10 +71,13 @@ def weights_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if not isinstance(dtype, (str, torch.dtype)):
         raise TypeError(f"dtype must be a torch dtype or its name, not {type(dtype).__name__} ({dtype!r})")
     parsed = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(parsed, torch.dtype) or not parsed.is_floating_point:
-        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype or the name of one "
-                         "(float32, bfloat16, float16, ...)")
+    if parsed not in WEIGHT_DTYPES:  # float8's kernels are missing: it loaded, then failed to translate
+        raise ValueError(f"dtype {dtype!r} is not one a model computes in: float32, float64, bfloat16 or "
+                         "float16, as a torch dtype or by name")
     return parsed
+
+
+WEIGHT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def model_from_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: str | Path,
@@ -211,8 +214,10 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         here = Path(directory)
         found = checkpoint_dirs(directory)  # a run directory: its checkpoints are inside
         what = "a run directory"
-        if not found and here.name == "checkpoints":  # the run's checkpoints/ itself, as run1/checkpoints
-            found, what = checkpoint_dirs(here.parent), "a run's checkpoints folder"
+        # the run's checkpoints/ itself, as run1/checkpoints, or "." inside it (whose name is "")
+        if not found and Path(os.path.abspath(directory)).name == "checkpoints":
+            run = here.parent if here.name not in ("", "..") else here / ".."
+            found, what = checkpoint_dirs(run), "a run's checkpoints folder"
         hint = f"; {what}: name one of its checkpoints, e.g. {found[-1]}" if found else ""
         if not found and (here / "config.json").is_file() and any(
                 (here / name).is_file() for name in ("source.spm", "vocab.json")):

@@ -261,7 +261,8 @@ def _refused_pickle(e: Exception, head: bytes | None) -> bool:
     INT, and the unpickler refused it as "Unsupported operand 73", which called the file unsafe."""
     if not isinstance(e, pickle.UnpicklingError) or _is_safetensors(head):
         return False
-    asks = re.search(r"GLOBAL ([A-Za-z_][\w.]*)\.[A-Za-z_]\w*\b", str(e))
+    # the whole name, as torch ends it: "config.json not found" began "GLOBAL onfig.json not found.foo was"
+    asks = re.search(r"GLOBAL [A-Za-z_][\w.]*\.[A-Za-z_]\w* (was not|whose module)", str(e))
     return asks is not None or (head is not None and head.startswith((b"\x80", b"PK\x03\x04")))
 
 

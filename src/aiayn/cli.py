@@ -680,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", help="model size: tiny, small (default) or medium")
     p.add_argument("--steps", type=positive_int,
                    help="training updates (default 1200: enough for >= 99%% exact match with --size small)")
-    p.add_argument("--minutes", type=float, help="stop training after this long (default: no limit)")
+    p.add_argument("--minutes", type=float, help="stop training after this long (default 0: no limit)")
     p.add_argument("--seed", type=int,
                    help="corpus, initialization and batch order, 0 to 2**32 - 1 (default 1)")
     p.add_argument("--beam", type=int, help="beam size for the held-out translations (default 4, the paper's)")

@@ -329,7 +329,8 @@ def test_an_unusable_out_is_one_line(tmp_path, tokenizers, capsys, monkeypatch, 
     assert (tmp_path / "file").read_text() == "mine" and not list(tmp_path.glob("attention*"))
 
 
-@pytest.mark.parametrize("name", ["map.png", "maps/Map.PDF", "a.svg", "page.html", "m.htm", "m.jpg", "m.jpeg"])
+@pytest.mark.parametrize("name", ["map.png", "maps/Map.PDF", "a.svg", "page.html", "m.htm", "m.jpg",
+                                  "m.jpeg"])
 def test_an_out_named_as_a_file_is_refused_before_a_folder_of_that_name_is_made(tmp_path, tokenizers,
                                                                                 capsys, name):
     """`--out map.png` made a folder map.png/ of the maps, silently."""

@@ -585,8 +585,8 @@ def test_gpu_script_says_why_torch_cannot_be_imported(tmp_path):
     done = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "10"], cwd=BENCHMARKS.parent, env=env,
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.splitlines() == ["gpu.sh: python3 cannot import torch: ImportError: libcudart.so.13: "
-                                        "cannot open shared object file"]
+    said = "gpu.sh: python3 cannot import torch: ImportError: libcudart.so.13: cannot open shared object file"
+    assert done.stderr.splitlines() == [said]
     assert not (tmp_path / "out").exists()
 
 

@@ -185,7 +185,7 @@ def test_export_says_it_put_back_a_killed_exports_output_and_leaves_a_users_dot_
     command = [sys.executable, "-m", "aiayn", "export", "--to", "ctranslate2", "ck", "ct2"]
     env = {**os.environ, "PYTHONPATH": str(Path(aiayn.__file__).parents[1])}  # this aiayn, not another
     first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
-    assert first.returncode == 0 and first.stderr == "", first.stderr  # no notes where there is nothing to say
+    assert first.returncode == 0 and first.stderr == "", first.stderr  # no notes: nothing to say
     (tmp_path / "ct2").rename(tmp_path / ".ct2.aiayn-old")  # a kill between the renames of a --force
     (tmp_path / ".ct2.old").mkdir()
     (tmp_path / ".ct2.old" / "notes.txt").write_text("precious")

@@ -436,7 +436,8 @@ def test_bin_that_is_not_a_state_dict_is_named(opus_bin, capsys, content, proble
 def test_a_bin_that_is_no_pickle_is_not_called_unsafe(opus_bin, capsys, content, problem):
     """An HTML error page saved as pytorch_model.bin (any bytes no pickle holds, a safetensors file) was
     'refused: not plain tensors; weights are never loaded with code execution': unsafe, where it is simply
-    no weights file; the refusal is for a pickle that asks for code (`test_pickle_with_code_is_refused...`)."""
+    no weights file; the refusal is for a pickle that asks for code
+    (`test_pickle_with_code_is_refused...`)."""
     from safetensors.torch import save_file
 
     path = opus_bin / "pytorch_model.bin"

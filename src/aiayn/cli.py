@@ -349,9 +349,9 @@ def cmd_score(args: argparse.Namespace) -> None:
 
     import torch
 
+    from aiayn.data.dataset import require_same_count
     from aiayn.files import atomic_output, check_file_output, reads_stdin_once
     from aiayn.memory import keep_freed_memory
-    from aiayn.data.dataset import require_same_count
     from aiayn.translate import Translator, score_stream
 
     _check_threads(args.threads)

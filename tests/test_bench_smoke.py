@@ -518,16 +518,22 @@ def test_profile_step_prints_the_environment_beside_its_figures(capsys):
     assert "ms of CPU operator self time per step" in out[2]
 
 
+def run_gpu_script(tmp_path, **env) -> subprocess.CompletedProcess:
+    """gpu.sh with a 10 s budget (the least: were its up-front checks gone, each step would be skipped for
+    want of time, the suite too), this interpreter's python3 first on PATH, OUT under `tmp_path`."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **env}
+    return subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "10"], cwd=BENCHMARKS.parent, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
 def test_gpu_script_without_pytest_timeout_stops_first_in_one_line(tmp_path):
     """pyproject.toml's addopts pass --timeout, which pytest refuses without pytest-timeout: every test step
     of gpu.sh failed, minutes into a lent machine, and its header named pytest alone."""
     hidden = tmp_path / "hidden"
     hidden.mkdir()
     (hidden / "pytest_timeout.py").write_text("raise ImportError('hidden by the test')\n")
-    env = {**os.environ, "PYTHONPATH": str(hidden), "OUT": str(tmp_path / "out"),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "10"], cwd=BENCHMARKS.parent, env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = run_gpu_script(tmp_path, PYTHONPATH=str(hidden))
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines() == [("gpu.sh: the tests need pytest and pytest-timeout (pyproject.toml's "
                                          "addopts pass --timeout): pip install pytest pytest-timeout")]
@@ -580,10 +586,7 @@ def test_gpu_script_says_why_torch_cannot_be_imported(tmp_path):
     fake.mkdir(parents=True)
     failing = 'raise ImportError("libcudart.so.13: cannot open shared object file")\n'
     (fake / "__init__.py").write_text(failing)
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHONPATH": str(tmp_path / "fake"),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "10"], cwd=BENCHMARKS.parent, env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = run_gpu_script(tmp_path, PYTHONPATH=str(tmp_path / "fake"))
     assert done.returncode == 2 and done.stdout == ""
     said = "gpu.sh: python3 cannot import torch: ImportError: libcudart.so.13: cannot open shared object file"
     assert done.stderr.splitlines() == [said]
@@ -594,11 +597,7 @@ def test_gpu_script_says_why_torch_cannot_be_imported(tmp_path):
 def test_gpu_script_without_cuda_stops_at_once_in_one_line(tmp_path):
     """Without CUDA nvidia-smi failed, a 15-line traceback followed, every --device cuda step failed, and
     the CPU test suite ran for all the time left."""
-    env = {**os.environ, "OUT": str(tmp_path / "out"),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    # 10 s, the least: were the check gone, each step would be skipped for want of time, the suite too
-    done = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "10"], cwd=BENCHMARKS.parent, env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = run_gpu_script(tmp_path)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines() == [("gpu.sh: no CUDA device here (python3 -c 'import torch; assert "
                                          "torch.cuda.is_available()' fails): run it on a machine with one")]

@@ -23,7 +23,7 @@ from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.metrics.ter import TERScore
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
-from aiayn.data.dataset import read_lines
+from aiayn.data.dataset import read_lines, require_same_count
 from aiayn.errors import SettingError, UserError, str_list
 from aiayn.files import reads_stdin_once
 
@@ -352,10 +352,7 @@ def score_lines(
         raise UserError(f"{name}: empty, nothing to score")
     refs = [read_once(r) for r in references]
     for path, lines in zip(references, refs):
-        if len(lines) != len(hyps):  # named at the first line the other file lacks, as training does
-            longer = path if len(lines) > len(hyps) else name
-            raise UserError(f"{longer}:{min(len(lines), len(hyps)) + 1}: line counts differ: "
-                            f"{path} has {len(lines)} line{'s' * (len(lines) != 1)}, {name} has {len(hyps)}")
+        require_same_count(path, len(lines), name, len(hyps))  # as training and score name it
     return corpus_scores(hyps, refs, lang, tokenize, **options)
 
 

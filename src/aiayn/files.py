@@ -227,8 +227,8 @@ def check_directory_path(path: Path) -> None:
     path under a file (its nearest existing ancestor is no directory). Creates nothing."""
     existing = next(p for p in (path, *path.absolute().parents) if p.exists() or p.is_symlink())  # "/" is
     if existing == path:  # "x: x is not a directory" said it twice
-        if path.is_symlink() and not path.exists():  # "exists", of a link to nothing, misled
-            raise UserError(f"{path}: {broken_link(path)}")
+        if (link := broken_link(path)) is not None:  # "exists", of a link to nothing, misled
+            raise UserError(f"{path}: {link}")
         if not existing.is_dir():
             raise UserError(f"{path}: exists and is not a directory")
     elif not existing.is_dir():
@@ -238,9 +238,7 @@ def check_directory_path(path: Path) -> None:
 def _no_directory(path: Path) -> str:
     """Why `path`, which is there but no directory, cannot hold an output: a link to nothing was said to be
     "not a directory", which sent users to look at a file that is not there."""
-    if path.is_symlink() and not path.exists():
-        return f"{path} is {broken_link(path)}"
-    return f"{path} is not a directory"
+    return f"{path} is {broken_link(path) or 'not a directory'}"
 
 
 @contextlib.contextmanager

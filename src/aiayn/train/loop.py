@@ -309,7 +309,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         session = f" ({(state.seconds - before) / 60:.1f} min in this session)" if resume_from else ""
         log.info("stopped (%s) after %d updates, %.1f min of training%s", stop, state.step,
                  state.seconds / 60, session)
-    if stop in [s.name for s in STOP_SIGNALS]:  # the agreed signal, not the latest: a SIGTERM
+    if stop in STOPPED_BY:  # the agreed signal, not the latest: a SIGTERM
         # during the save changed one process' and that one exited 0
         raise Stopped(f"stopped by {stop} at update {state.step}, saved in {checkpoint_dirs(run_dir)[-1]}; "
                       "--resume continues from there", signal.Signals[stop])
@@ -424,7 +424,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 # not after one more update and checkpoint: the one just saved is where --resume goes on
                 stop = (stop or signalled or _patience_exhausted(state, tc) or stopper.agreed(d)
                         or _stop_reason(state, tc, n_updates))
-                if stop and tokens and stop not in [s.name for s in STOP_SIGNALS]:  # patience, or the budget
+                if stop and tokens and stop not in STOPPED_BY:  # patience, or the budget
                     log_window()  # spent in the validation: the window the update's own check left open
         if state.cursor >= n_updates:
             state.epoch, state.cursor = state.epoch + 1, 0
@@ -441,6 +441,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
 # they got different ones: a scheduler's, a closed terminal's (or a lost SSH connection's), a Ctrl-C.
 # Windows has no SIGHUP.
 STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None), signal.SIGINT) if s)
+STOPPED_BY = frozenset(s.name for s in STOP_SIGNALS)  # a run's stop reason where a signal stopped it
 
 
 class StopSignal:

@@ -961,6 +961,21 @@ def test_a_compatibility_form_only_identity_keeps_is_advised_so(tmp_path, caplog
     assert '"nfkc"' not in record.message
 
 
+@pytest.mark.parametrize("other_side", [False, True])
+def test_the_advice_covers_every_changed_line_not_the_example_alone(tmp_path, caplog, other_side):
+    """A ZWNJ in the first changed line and ＩＢＭ in later ones (or on the other side): "nfkc" was
+    advised from the example alone, and the run that followed it warned again, advising "identity"."""
+    text = persian_text(100)
+    ibm = [f"{line} ＩＢＭ" if i % 4 == 3 else line for i, line in enumerate(text.tgt if other_side else text.src)]
+    text = ParallelText(text.src, ibm, 0) if other_side else ParallelText(ibm, text.tgt, 0)
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        train_tokenizer(text, tmp_path, 60)
+    [record] = caplog.records
+    assert "U+200C ZERO WIDTH NON-JOINER" in record.message  # the example: the first changed line's
+    assert 'set data.normalization = "identity" and train a new tokenizer' in record.message
+    assert '"nfkc"' not in record.message
+
+
 @pytest.mark.parametrize("word, named", [
     ("cafe\u0301", "U+0065 LATIN SMALL LETTER E + U+0301 COMBINING ACUTE ACCENT"),
     ("\u1112\u1161\u11ab", "U+1112 HANGUL CHOSEONG HIEUH + U+1161 HANGUL JUNGSEONG A + U+11AB HANGUL "

@@ -1022,11 +1022,11 @@ def _warn_if_normalization_changes_text(
     it, "nmt_nfkc_cf" and "nfkc_cf": what was asked), naming the first changed character, an example
     line and the setting that keeps the text; of a tokenizer `kept` (trained on other text, which no
     setting of this run changes), that the model learns the text as rewritten."""
-    problems = []
+    problems, nfkc_changes = [], False
     for side, lines, sp in (("source", text.src, tokenizer.src), ("target", text.tgt, tokenizer.tgt)):
         sample = _evenly_spaced(lines, ROUND_TRIP_SAMPLE)
         k = len(sample)
-        changed, first = 0, None
+        changed, first, nfkc = 0, None, False
         folds = folds_case(sp)
         for line in sample:
             raw = _spaced(line)
@@ -1035,8 +1035,13 @@ def _warn_if_normalization_changes_text(
             if got != want:
                 changed += 1
                 first = first or (raw, want, got)
+                nfkc = nfkc or _spaced(unicodedata.normalize("NFKC", raw)) != raw
         if changed > ROUND_TRIP_TOLERANCE * k:
             problems.append((side, changed, k, first))
+            # the advice covers every changed line of each side warned about, not the example's alone: a
+            # ZWNJ first and a fullwidth letter later (or on the other side) advised "nfkc", whose run
+            # warned again and advised "identity", a second tokenizer trained
+            nfkc_changes = nfkc_changes or nfkc
     if not problems:
         return
     counts = "; ".join(f"{changed} of {k} sampled {side} lines" for side, changed, k, _ in problems)
@@ -1044,7 +1049,7 @@ def _warn_if_normalization_changes_text(
     at = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
     chars = _cluster(raw, at) if at < len(raw) else got[at]  # the text's own character, not its folding
     example = raw[max(0, at - 30) : at + 30]
-    fix = _normalization_fix(normalization, _spaced(unicodedata.normalize("NFKC", raw)) != raw)
+    fix = _normalization_fix(normalization, nfkc_changes)
     if fix:
         fix += (" and train a new tokenizer (in a new train.run_dir, or delete this one's spm.model, or "
                 "source.spm and target.spm)")

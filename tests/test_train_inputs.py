@@ -665,6 +665,29 @@ def test_process_0_alone_says_that_a_signal_stops_the_run(monkeypatch, caplog, c
     assert own.agreed(SimpleNamespace(enabled=True)) == "SIGTERM" and "in another process" not in caplog.text
 
 
+@pytest.mark.parametrize("launched", [False, True])
+def test_a_second_ctrl_c_under_torchrun_stops_at_once(monkeypatch, caplog, ctrl_c_handled, launched):
+    """torchrun's launcher passes a Ctrl-C on as SIGINT and a second one as SIGTERM, which only set the stop
+    again: a validation or BLEU pass ran on to the launcher's SIGKILL, though "at once" was announced.
+    Outside torchrun a SIGTERM after a Ctrl-C is a scheduler's, and goes on with the stop under way."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    if launched:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    stopper = loop.StopSignal()
+    with stopper.installed():
+        signal.raise_signal(signal.SIGINT)
+        assert stopper.signum == signal.SIGINT and "(Ctrl-C again: at once)" in caplog.text
+        if launched:
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGTERM)
+        else:
+            signal.raise_signal(signal.SIGTERM)
+    if not launched:
+        assert stopper.signum == signal.SIGTERM
+    with stopper.installed(), pytest.raises(KeyboardInterrupt):  # a Ctrl-C after a SIGTERM, as before
+        signal.raise_signal(signal.SIGINT)
+
+
 def test_a_signal_the_process_ignores_stays_ignored_during_training(caplog):
     """A background job of a script (`aiayn train ... &`) starts with SIGINT ignored: the loop's handler
     made a Ctrl-C meant for the script stop the training, which ignored it while preparing the data."""

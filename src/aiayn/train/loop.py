@@ -448,8 +448,9 @@ class StopSignal:
     """SIGTERM (what a scheduler or `docker stop` sends), SIGHUP (a closed terminal, a lost SSH connection)
     or a first Ctrl-C: finish the current update, save a checkpoint (without validating) and stop, instead
     of losing the updates since the last checkpoint; one during a validation ends it at its next batch, one
-    during a save stops once it is written. A second Ctrl-C interrupts at once. Under torchrun the
-    processes agree on it at every update, and after each validation and save."""
+    during a save stops once it is written. A second Ctrl-C interrupts at once (under torchrun too, whose
+    launcher passes it on as SIGTERM). Under torchrun the processes agree on it at every update, and after
+    each validation and save."""
 
     def __init__(self, announce: bool = True) -> None:
         self.signum: int | None = None
@@ -468,10 +469,16 @@ class StopSignal:
         handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         previous = {s: h for s, h in handlers.items() if h != signal.SIG_IGN}
 
+        # torchrun's launcher takes a terminal's Ctrl-C (its processes run in sessions of their own), passes
+        # the first on as SIGINT and a second one as SIGTERM: that SIGTERM only set the stop again, and a
+        # long validation or BLEU pass ran on until the launcher's SIGKILL, though "at once" was announced
+        launched = "TORCHELASTIC_RUN_ID" in os.environ
+
         def handle(signum: int, frame) -> None:
-            if self.signum is not None and signum == signal.SIGINT:
+            first = self.signum
+            if first is not None and (signum == signal.SIGINT or launched and first == signal.SIGINT):
                 raise KeyboardInterrupt  # the second Ctrl-C
-            again = self.signum is not None  # torchrun's launcher turns a second SIGINT into a SIGTERM
+            again = first is not None  # a second signal other than a Ctrl-C: the stop already under way
             self.signum = signum
             if self.announce and not again:
                 # a SIGTERM or SIGHUP had no first Ctrl-C, and a process that ignores SIGINT has none at all

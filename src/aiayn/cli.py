@@ -120,10 +120,11 @@ def _info_preset(args: argparse.Namespace) -> str | None:
 
 
 def _job_rank(command: str | None) -> int | None:
-    """This process's rank in a torchrun job, None outside one. Only `train` runs in one: a RANK left in
-    the environment silenced every command's errors, and without torchrun's WORLD_SIZE and MASTER_ADDR it
-    is no job's (train refuses it, in a line this process must say)."""
-    if command != "train" or not os.environ.get("MASTER_ADDR"):
+    """This process's rank in a torchrun job, None outside one. Only `train` runs in one (`demo` refuses
+    to, in one line): a RANK left in the environment silenced every command's errors, and without
+    torchrun's WORLD_SIZE and MASTER_ADDR it is no job's (train refuses it, in a line this process must
+    say)."""
+    if command not in ("train", "demo") or not os.environ.get("MASTER_ADDR"):
         return None
     try:
         world_size, rank = int(os.environ.get("WORLD_SIZE") or 1), int(os.environ.get("RANK") or 0)
@@ -244,6 +245,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
     """Train a small Transformer on built-in English -> German numbers and dates, then test it."""
     from aiayn.demo import DemoConfig, run_demo
 
+    if _job_rank("demo") is not None:  # each process made the corpus, translated and drew into one --out
+        from aiayn.train.distributed import SameOnEveryProcess
+
+        job = os.environ["WORLD_SIZE"]
+        raise SameOnEveryProcess(f"demo runs in one process, not in a torchrun job of {job}: run `aiayn demo` "
+                                 "alone (`torchrun ... -m aiayn train` trains in several)")
     _log_to_stderr()
     given = dict(out=args.out, seed=args.seed, size=args.size, steps=args.steps, minutes=args.minutes,
                  n_train=args.train_pairs, n_test=args.test_pairs, beam=args.beam, device=args.device)
@@ -1026,7 +1033,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"aiayn: {e}", file=sys.stderr)
         return e.exit_status
     except KeyboardInterrupt:
-        if not later:  # a terminal's Ctrl-C reaches every process of a torchrun job
+        if not later:  # torchrun's launcher passes a terminal's Ctrl-C on to every process of its job
             print("aiayn: interrupted", file=sys.stderr)
         return 130
     except Terminated as e:

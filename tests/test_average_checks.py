@@ -3,6 +3,7 @@
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,7 +215,7 @@ def test_whole_number_tensors_must_agree_and_are_kept():
             average_state_dicts([{"n": a}, {"n": b}])
 
 
-def test_a_checkpoints_folder_or_a_checkpoint_given_as_the_run_says_so(tmp_path, tokenizers):
+def test_a_checkpoints_folder_or_a_checkpoint_given_as_the_run_says_so(tmp_path, tokenizers, monkeypatch):
     first, _ = tokenizers
     ckpts = tmp_path / "run" / "checkpoints"
     one = save(ckpts / "step_000001", first, step=1)
@@ -223,6 +224,10 @@ def test_a_checkpoints_folder_or_a_checkpoint_given_as_the_run_says_so(tmp_path,
         average_last(ckpts, 2)
     with pytest.raises(UserError, match="it is a checkpoint: give the run directory whose last checkpoints"):
         average_last(one, 2)
+    monkeypatch.chdir(ckpts)  # `aiayn average .` there: "no checkpoints found", no hint
+    with pytest.raises(UserError, match=r"^\.: no checkpoints found \(it is a run's checkpoints folder: give "
+                                        r"the run directory, \.\.\)"):
+        average_last(Path("."), 2)
 
 
 def test_the_running_mean_is_the_float64_mean_in_each_dtype_and_holds_one_state_at_a_time():

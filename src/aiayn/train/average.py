@@ -178,8 +178,10 @@ def _wrong_directory_hint(directory: Path) -> str:
     """What to give instead, when `directory` is a run's checkpoints folder or a checkpoint itself."""
     if is_checkpoint(directory):
         return " (it is a checkpoint: give the run directory whose last checkpoints to average)"
-    if directory.name == "checkpoints" and checkpoint_dirs(directory.parent):
-        return f" (it is a run's checkpoints folder: give the run directory, {directory.parent})"
+    # "." inside the run's checkpoints/ (whose name is "") too, as `read_meta`'s hint
+    run = directory.parent if directory.name not in ("", "..") else directory / ".."
+    if Path(os.path.abspath(directory)).name == "checkpoints" and checkpoint_dirs(run):
+        return f" (it is a run's checkpoints folder: give the run directory, {run})"
     return ""
 
 

@@ -1050,7 +1050,7 @@ def test_output_never_replaces_the_input_or_a_checkpoint_file(checkpoint, tmp_pa
     assert src.read_text(encoding="utf-8") == "the number 3\n"
     assert (checkpoint / "model.safetensors").read_bytes() == weights
     assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(checkpoint / "new.txt"), "-q"]) == 2
-    err = capsys.readouterr().err  # a new file destroys nothing there (it said so), but training may delete it
+    err = capsys.readouterr().err  # a new file destroys nothing there (it said so); training may delete it
     assert "new.txt: lies inside the input" in err and "write it elsewhere" in err and "destroy" not in err
     assert not (checkpoint / "new.txt").exists()
     assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(tmp_path / "out.txt"), "-q"]) == 0

@@ -114,7 +114,8 @@ class DecodeConfig:
         return problems
 
     def max_lengths(self, src_lengths: list[int], limit: int) -> list[int]:
-        """Per sentence: at most a * src_len + b output tokens, and never past `limit` positions."""
+        """Per sentence: at most a * src_len + b output tokens (rounded down, as fairseq's int(); at least 1,
+        which a > 0 with a short source and b <= 0 may go below), and never past `limit` positions."""
         # min before int: a huge max_len_a makes a * n infinite, which int() refuses; b capped at the limit
         # first (a * n >= 0, so the result is the same): an int past 1e308 could not become a float
         b = min(self.max_len_b, limit)

@@ -330,6 +330,34 @@ def test_both_sides_from_standard_input_by_any_name_are_refused(checkpoint, tmp_
             assert capsys.readouterr().err == said
 
 
+def test_standard_output_appending_to_an_input_is_refused_before_loading(checkpoint, tmp_path):
+    """`score CKPT --src e --tgt f >> f` appended its scores to f, read them as targets and blamed the
+    data ("line counts differ"); `--src - < e >> e` too: refused as cat refuses it, before the model loads
+    (a missing checkpoint is not reached), the input unchanged."""
+    import os
+    import subprocess
+    import sys
+
+    import aiayn
+
+    src, tgt = tmp_path / "src", tmp_path / "tgt"
+    src.write_text("the number 3\nthe number 4\n", encoding="utf-8")
+    tgt.write_text("die Zahl 3\ndie Zahl 4\n", encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(Path(aiayn.__file__).parents[1])}  # this aiayn, not another
+    said = "input file is output file (standard output writes to it); write the results elsewhere"
+    for ckpt, args, stdin, appended_to, name in [
+            (checkpoint, ["--src", str(src), "--tgt", str(tgt)], os.devnull, tgt, tgt),
+            (tmp_path / "missing", ["--src", str(src), "--tgt", str(tgt)], os.devnull, tgt, tgt),
+            (checkpoint, ["--src", "-", "--tgt", str(tgt)], src, src, "<stdin>")]:
+        before = appended_to.read_text(encoding="utf-8")
+        with open(stdin, "rb") as read, open(appended_to, "ab") as out:
+            command = [sys.executable, "-m", "aiayn", "score", str(ckpt), "-q", "--threads", "1", *args]
+            done = subprocess.run(command, stdin=read, stdout=out, stderr=subprocess.PIPE, text=True,
+                                  timeout=60, env=env)
+        assert (done.returncode, done.stderr) == (2, f"aiayn: error: {name}: {said}\n"), args
+        assert appended_to.read_text(encoding="utf-8") == before
+
+
 def test_cr_line_ends_on_standard_input_are_told_a_conversion_that_runs(checkpoint, tmp_path, capsys,
                                                                         monkeypatch):
     """`printf 'A.\\rB.\\r' | aiayn score CK --src two --tgt -` suggested `tr '\\r' '\\n' < <stdin> >

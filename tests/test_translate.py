@@ -1073,6 +1073,41 @@ def test_output_never_replaces_a_file_given_as_standard_input(checkpoint, tmp_pa
     assert src.read_text(encoding="utf-8") == "the number 3\n"
 
 
+def test_standard_output_appending_to_an_input_is_refused_before_loading(checkpoint, tmp_path):
+    """`translate CKPT -i f >> f` (`< f >> f`, `-o /dev/stdout >> f`, with --chunk 2 too) read its own
+    translations back and appended them again, forever, growing f: refused as cat refuses it, before the
+    model loads (a missing checkpoint is not reached), f unchanged; another file appended to is written."""
+    import aiayn
+
+    src = tmp_path / "in.txt"
+    text = "the number 3\nthe number 4\n"
+    src.write_text(text, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(Path(aiayn.__file__).parents[1])}  # this aiayn, not another
+
+    def run(args, appended_to, stdin=os.devnull, ckpt=checkpoint):
+        with open(stdin, "rb") as read, open(appended_to, "ab") as out:  # `< stdin >> appended_to`
+            command = [sys.executable, "-m", "aiayn", "translate", str(ckpt), "-q", "--threads", "1", *args]
+            return subprocess.run(command, stdin=read, stdout=out, stderr=subprocess.PIPE, text=True,
+                                  timeout=60, env=env)
+
+    said = "input file is output file ({} writes to it); write the results elsewhere"
+    for args, stdin, name, where in [(["-i", str(src)], os.devnull, src, "standard output"),
+                                     (["-i", str(src), "--chunk", "2"], os.devnull, src, "standard output"),
+                                     ([], src, "<stdin>", "standard output"),
+                                     (["-o", "-", "--chunk", "2"], src, "<stdin>", "standard output"),
+                                     (["-i", str(src), "-o", "/dev/stdout"], os.devnull, src, "/dev/stdout")]:
+        done = run(args, src, stdin)
+        assert (done.returncode, done.stderr) == (2, f"aiayn: error: {name}: {said.format(where)}\n"), args
+        assert src.read_text(encoding="utf-8") == text, args
+    done = run(["-i", str(src)], src, ckpt=tmp_path / "missing")
+    assert (done.returncode, done.stderr) == (2, f"aiayn: error: {src}: {said.format('standard output')}\n")
+    other = tmp_path / "out.txt"
+    other.write_text("earlier\n", encoding="utf-8")
+    done = run(["-i", str(src)], other)
+    assert done.returncode == 0, done.stderr
+    assert len(other.read_text(encoding="utf-8").splitlines()) == 3
+
+
 def test_blank_is_what_training_calls_blank_whatever_the_normalization(checkpoint, monkeypatch):
     """With data.normalization=identity a zero-width space or a \\x01 is a piece of its own: such lines were
     translated (made up) though training drops them as blank; and a file's leading BOM is dropped."""

@@ -290,7 +290,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
     import torch
 
-    from aiayn.files import atomic_output
+    from aiayn.files import atomic_output, check_not_read_back
     from aiayn.memory import keep_freed_memory
     from aiayn.translate import Translator, decode_config, translate_stream
 
@@ -315,6 +315,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
         raise UserError(f"--compile compiles the step of greedy search and sampling; beam search ({beam}) "
                         "decodes as without it: add --beam 1 or --sample, or drop --compile")
     _check_streams(args.input, args.output)  # before the model loads and translates for nothing
+    check_not_read_back([args.input], args.output)
     if args.output not in (None, "-"):  # never over the input or a checkpoint's file
         from pathlib import Path
 
@@ -357,7 +358,7 @@ def cmd_score(args: argparse.Namespace) -> None:
     import torch
 
     from aiayn.data.dataset import require_same_count
-    from aiayn.files import atomic_output, check_file_output, reads_stdin_once
+    from aiayn.files import atomic_output, check_file_output, check_not_read_back, reads_stdin_once
     from aiayn.memory import keep_freed_memory
     from aiayn.translate import Translator, score_stream
 
@@ -365,6 +366,7 @@ def cmd_score(args: argparse.Namespace) -> None:
     if reads_stdin_once(args.src) and reads_stdin_once(args.tgt):  # /dev/stdin's second read: 0 lines
         raise UserError(f"--src {args.src} and --tgt {args.tgt} cannot both be standard input")
     reads = "-" if "-" in (args.src, args.tgt) else args.src  # standard input, or a file
+    check_not_read_back([args.src, args.tgt], args.output)
     if args.output not in (None, "-"):
         check_file_output(args.output, [Path(p) for p in [*args.checkpoint, args.src, args.tgt] if p != "-"])
         _check_not_stdin(reads, Path(args.output))

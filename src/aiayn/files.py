@@ -213,6 +213,35 @@ def check_file_output(out: str | Path, inputs: list[Path]) -> None:
                             "would destroy the input")
 
 
+def check_not_read_back(inputs: list[str | None], out: str | None) -> None:
+    """Refuse, before any work, writing to standard output (`out` None or "-", or a descriptor's name such
+    as /dev/stdout, which `check_file_output` lets through) when it is a regular file among `inputs` (None
+    or "-": standard input), as cat refuses "input file is output file": `translate CKPT -i f >> f` read
+    its own translations back and appended them again, forever; `score --src e --tgt f >> f` read its
+    scores as targets and blamed the line counts. A terminal or a pipe may be both."""
+    stdout = out in (None, "-")
+    if not stdout and not _stream_only(Path(out)):
+        return
+    written = _identity(sys.stdout if stdout else out)
+    if written is None or not stat.S_ISREG(written.st_mode):
+        return
+    for path in inputs:
+        stdin = path in (None, "-")
+        if (read := _identity(sys.stdin if stdin else path)) and os.path.samestat(read, written):
+            where = "standard output" if stdout else out
+            raise UserError(f"{'<stdin>' if stdin else path}: input file is output file ({where} writes to "
+                            "it); write the results elsewhere")
+
+
+def _identity(file) -> os.stat_result | None:
+    """The stat of a path or of an open stream's descriptor; None for a missing file, or a stream without
+    a descriptor (closed at start, a notebook's, a test's stand-in)."""
+    try:
+        return os.stat(file) if isinstance(file, str) else os.fstat(file.fileno())
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _check_named(directory: Path) -> None:
     """An output directory must have a name of its own: "." or "" (the current directory) and "x/.." would
     be replaced by renaming a sibling over them, which cannot be done (it was a ValueError traceback)."""

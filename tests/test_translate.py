@@ -770,7 +770,8 @@ def test_sigterm_removes_the_output_being_written(checkpoint, tmp_path):
     proc = _cli(["translate", str(checkpoint), "--threads", "1", "-q", "--chunk", "50", "-i", str(src), "-o",
                  str(out)], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not any(p.suffix == ".tmp" for p in tmp_path.iterdir()):  # translating into the temporary file
+    # translating into the temporary file: some chunks written (it is made empty before the model loads)
+    while not any(p.suffix == ".tmp" and p.stat().st_size for p in tmp_path.iterdir()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
@@ -1106,6 +1107,26 @@ def test_standard_output_appending_to_an_input_is_refused_before_loading(checkpo
     done = run(["-i", str(src)], other)
     assert done.returncode == 0, done.stderr
     assert len(other.read_text(encoding="utf-8").splitlines()) == 3
+
+
+def test_a_missing_input_or_output_folder_fails_before_the_model_loads(checkpoint, tmp_path, capsys,
+                                                                        monkeypatch):
+    """`-o nodir/out.txt` (or `-i missing.txt`) was said only once the model had loaded, after --compile's
+    10-40 s too; score already failed first."""
+    src = tmp_path / "in.txt"
+    src.write_text("the number 3\n", encoding="utf-8")
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded before the input or output was found unusable")
+
+    monkeypatch.setattr(Translator, "load", never)
+    for args, said in [(["-i", str(src), "-o", str(tmp_path / "nodir" / "out.txt")],
+                        f"{tmp_path / 'nodir' / 'out.txt'}: cannot write (No such file or directory)"),
+                       (["-i", str(tmp_path / "missing.txt")],
+                        f"{tmp_path / 'missing.txt'}: cannot read (No such file or directory)")]:
+        assert main(["translate", str(checkpoint), "-q", *args]) == 2
+        assert capsys.readouterr().err == f"aiayn: error: {said}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
 
 
 def test_blank_is_what_training_calls_blank_whatever_the_normalization(checkpoint, monkeypatch):

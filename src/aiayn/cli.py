@@ -327,17 +327,18 @@ def cmd_translate(args: argparse.Namespace) -> None:
     keep_freed_memory()  # each batch re-allocates the same logits, caches and encoder states
     if args.threads:
         torch.set_num_threads(args.threads)
-    with _warnings_to_stderr("aiayn.decoding.compiled", notes=True):  # --compile says why 10-40 s pass
-        translator = Translator.load(args.checkpoint, args.device, int8=args.int8, dtype=args.dtype,
-                                     compile=args.compile)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_settings_as_flags())
-        stack.enter_context(_warnings_to_stderr("aiayn.data.dataset"))  # the input's CRs inside lines
-        translator.decode_config(**options)  # what only the model can tell (--min-len), before any reading
+        # a missing input or folder for -o fails now, not after the loading (and --compile's 10-40 s)
         src, name = _open_input(stack, args.input)
         dst = sys.stdout
         if args.output not in (None, "-"):  # complete or untouched: a failed run leaves no half file
             dst = stack.enter_context(atomic_output(args.output))
+        with _warnings_to_stderr("aiayn.decoding.compiled", notes=True):  # --compile says why 10-40 s pass
+            translator = Translator.load(args.checkpoint, args.device, int8=args.int8, dtype=args.dtype,
+                                         compile=args.compile)
+        stack.enter_context(_settings_as_flags())
+        stack.enter_context(_warnings_to_stderr("aiayn.data.dataset"))  # the input's CRs inside lines
+        translator.decode_config(**options)  # what only the model can tell (--min-len), before any reading
         # a regular file: a bad line fails now, not chunks later; a too long one too
         total = _checked_line_count(src, name, translator.source_ids)
         progress = None

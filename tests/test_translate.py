@@ -430,6 +430,41 @@ def test_seeded_sampling_is_reproducible_and_never_reseeded_per_batch(checkpoint
     assert len(set(first)) > 1 and translator.translate(texts, **options) == first
 
 
+def test_a_terminal_is_read_a_line_at_a_time_whatever_chunk_says(checkpoint, tmp_path, capsys, monkeypatch):
+    """Typed lines must each be answered, so standard input on a terminal is read as with --chunk 1, its
+    seeded samples those of --chunk 1, not of the --chunk given: --chunk's and --seed's help and the README
+    said --chunk counted (the same input and options give the same output) and never said this."""
+    import pty
+
+    data = "".join(f"the number {i}{' is even' * (i % 3)}\n" for i in range(10))
+    src = tmp_path / "in.txt"
+    src.write_text(data, encoding="utf-8")
+    outputs = {}
+    for chunk in ("1", "3"):
+        assert main(["translate", str(checkpoint), "-i", str(src), "--chunk", chunk, *SAMPLE]) == 0
+        outputs[chunk] = capsys.readouterr().out
+    assert outputs["1"] != outputs["3"]  # else the test tells nothing
+    controller, terminal = pty.openpty()
+    os.write(controller, data.encode() + b"\x04")  # Ctrl-D at a line's start: the end of the input
+    with open(terminal, "rb", buffering=0) as raw, io.TextIOWrapper(io.BufferedReader(raw)) as typed:
+        monkeypatch.setattr(sys, "stdin", typed)
+        assert main(["translate", str(checkpoint), "--chunk", "3", *SAMPLE]) == 0
+    os.close(controller)
+    assert capsys.readouterr().out == outputs["1"]
+    with pytest.raises(SystemExit):
+        main(["translate", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert ("--chunk CHUNK lines read (and sorted) at a time (default 10000); standard input (no -i, or "
+            "-i -) that is a terminal is read one line at a time whatever --chunk says, so that each typed "
+            "line is answered") in shown
+    assert ("(--chunk and --max-tokens included; standard input from a terminal is read as with --chunk 1, "
+            "see --chunk) and device give the same output") in shown
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8").split())
+    assert ("Standard input (no `-i`, or `-i -`) that is a terminal is read one line at a time whatever "
+            "`--chunk` says, so that each typed line is answered: typed lines get the samples of `--chunk 1`"
+            ) in readme
+
+
 class Trickle:
     """A pipe read a few bytes at a time: with `_ready` saying 'not ready', the input of a writer that
     stalls after every line, whatever the machine's timing."""

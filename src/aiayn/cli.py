@@ -800,7 +800,8 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--top-p", type=float, help="with --sample: nucleus sampling mass (default 1: all)")
     p.add_argument("--seed", type=int,
                    help="with --sample: seeds one generator for the whole input, so that the same input, options "
-                   "(--chunk and --max-tokens included) and device give the same output; repeated lines still "
+                   "(--chunk and --max-tokens included; standard input from a terminal is read as with "
+                   "--chunk 1, see --chunk) and device give the same output; repeated lines still "
                    "get independent samples (default: a random seed). From 0 to 2**32 - 1, the seeds "
                    "PyTorch's CPU generator tells apart. Which line gets which draw depends on "
                    "the batches, so a pipe is then read in whole --chunk blocks, as a file is, rather than "
@@ -809,7 +810,9 @@ def add_translate_parser(sub) -> None:
                    help="batch budget: padded source tokens x beam, or x --n-best with --sample "
                         "(sentences are sorted by length; default 4096)")
     p.add_argument("--chunk", type=positive_int, default=10_000,
-                   help="lines read (and sorted) at a time (default 10000)")
+                   help="lines read (and sorted) at a time (default 10000); standard input (no -i, or -i -) "
+                   "that is a terminal is read one line at a time whatever --chunk says, so that each typed "
+                   "line is answered")
     p.add_argument("--int8", action="store_true",
                    help="dynamic int8 quantization of the linear layers (CPU); one activation scale per "
                    "batch, so a line's translation can depend on the lines batched "

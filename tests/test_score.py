@@ -115,8 +115,9 @@ def test_an_ensemble_past_its_shortest_members_positions_and_out_of_memory_are_n
     narrow = tiny_model(vocab_size=ck.tokenizer.src_vocab_size, max_len=20)
     short = save_checkpoint(tmp_path / "short", narrow, ck.tokenizer)
     ensemble = Translator.load([checkpoint, short])
-    with pytest.raises(SentenceTooLong, match=r"^text 1 \(target\): \d+ tokens \(with EOS\), more than the "
-                                              r"20 positions of the ensemble's shortest model$"):
+    with pytest.raises(SentenceTooLong, match=r"^text 1 \(target\): \d+ tokens \(with the EOS scoring "
+                                              r"appends, which needs a position too\), more than the 20 "
+                                              r"positions of the ensemble's shortest model$"):
         ensemble.score(["a"], ["die Zahl 4 " * 10])
 
     def no_memory(*args, **kwargs):
@@ -277,7 +278,8 @@ def test_a_stream_is_scored_chunk_by_chunk_as_a_whole(checkpoint):
     with pytest.raises(UserError, match=r"^s:6: line counts differ: s has 7 lines, t has 5$"):  # where t ends
         score_stream(translator, *streams(sources, targets[:5]), io.StringIO(), ("s", "t"), chunk=2)
     long = targets[:5] + ["die Zahl 4 " * 30] + targets[6:]
-    with pytest.raises(UserError, match=r"^t:6: \d+ tokens \(with EOS\), more than the 40 positions"):
+    with pytest.raises(UserError, match=r"^t:6: \d+ tokens \(with the EOS scoring appends, which needs a "
+                                        r"position too\), more than the 40 positions"):
         score_stream(translator, *streams(sources, long), io.StringIO(), ("s", "t"), chunk=2)
 
 
@@ -412,14 +414,44 @@ def test_a_hypothesis_cut_at_the_length_limit_scores_its_eos_too_as_the_docs_say
     assert checked
     readme = " ".join((Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8").split())
     exceptions = readme.split("scores what `--n-best` reported for it")[1].split("`--normalize`")[0]
-    said = "when the search ended it with EOS: one cut at the length limit"
-    limits = "(`--max-len-a`, `--max-len-b`, the model's positions)"
-    assert f"{said} {limits} has none, and `aiayn score` adds its log P" in exceptions
+    said = "when the search ended it with EOS: one cut at the"
+    limits = "limit of `--max-len-a` and `--max-len-b`"
+    assert f"{said} length {limits} has none, and `aiayn score` adds its log P" in exceptions
     with pytest.raises(SystemExit):
         main(["score", "--help"])
     shown = " ".join(capsys.readouterr().out.split())  # and the README's other exceptions, as it lists them
-    assert f"{said} has none, and score adds its log P; without --min-len" in shown
+    assert f"{said} limit of --max-len-a and --max-len-b has none, and score adds its log P" in shown
     assert "when the source line has pieces" in shown and "source line has pieces" in exceptions
+
+
+def test_a_translation_cut_at_the_models_positions_cannot_be_scored_as_the_docs_say(checkpoint, tmp_path,
+                                                                                     capsys):
+    """A hypothesis cut at the model's positions fills them all, so the EOS score appends has none: score
+    refuses the line, where the README, --help and `Translator.score` said it added the EOS's log P as it
+    does for a cut at --max-len-a and --max-len-b; the refusal says the EOS needs a position too."""
+    translator = Translator.load(checkpoint)
+    limit = translator.model.config.max_len  # 40
+    sources = ["die Zahl 7", "the number 3 is odd", "the number 12"]
+    found = translator.hypotheses(sources, beam=1, max_len_a=0.0, max_len_b=1000)
+    filled = [s for s, [h] in zip(sources, found)
+              if len(h.tokens) == limit and translator.tokenizer.encode_tgt(h.text) == h.tokens]
+    assert filled  # a random model runs on: its greedy search is cut at the positions, no EOS
+    src, tgt = tmp_path / "src", tmp_path / "tgt"
+    src.write_text(f"{filled[0]}\n", encoding="utf-8")
+    argv = ["--beam", "1", "--max-len-a", "0", "--max-len-b", "1000", "-q"]
+    assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(tgt), *argv]) == 0
+    assert main(["score", str(checkpoint), "--src", str(src), "--tgt", str(tgt), "-q"]) == 2
+    assert capsys.readouterr().err == (
+        f"aiayn: error: {tgt}:1: {limit + 1} tokens (with the EOS scoring appends, which needs a position "
+        f"too), more than the {limit} positions of this model\n")
+    said = ("one cut at the model's positions, which it fills, cannot be scored, its EOS having no position "
+            "left")
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8").split())
+    assert f"{said} (the line is refused)" in readme
+    assert f"{said} (a `SentenceTooLong`)" in " ".join(Translator.score.__doc__.split())
+    with pytest.raises(SystemExit):
+        main(["score", "--help"])
+    assert f"{said};" in " ".join(capsys.readouterr().out.split())
 
 
 def test_the_exceptions_name_bfloat16_whose_rounding_depends_on_the_batch(capsys):

@@ -839,14 +839,15 @@ def add_score_parser(sub) -> None:
                        description="Score each line pair of SRC and TGT under the model: log P(target | "
                        "source), the sum of the target tokens' log-probabilities, its EOS included (as "
                        "`translate --n-best` scores what it finds, where SentencePiece splits it as the "
-                       "search did, and when the search ended it with EOS: one cut at the length limit has "
-                       "none, and score adds its log P; without --min-len, which renormalizes the early "
-                       "steps; in float32: --dtype bfloat16 and float16 round a line by the padding of the "
-                       "lines batched with it, which score batches otherwise than the search; and when the "
-                       "source line has pieces: --n-best reports an empty one's rows "
-                       "scored 0), one number per line; the perplexity of "
-                       "the whole on stderr. For reranking n-best lists, filtering a corpus, or a test set's "
-                       "perplexity.")
+                       "search did, and when the search ended it with EOS: one cut at the limit of "
+                       "--max-len-a and --max-len-b has none, and score adds its log P, but one cut at the "
+                       "model's positions, which it fills, cannot be scored, its EOS having no position "
+                       "left; without --min-len, which renormalizes the early steps; in float32: --dtype "
+                       "bfloat16 and float16 round a line by the padding of the lines batched with it, which "
+                       "score batches otherwise than the search; and when the source line has pieces: "
+                       "--n-best reports an empty one's rows scored 0), one number per line; the perplexity "
+                       "of the whole on stderr. For reranking n-best lists, filtering a corpus, or a test "
+                       "set's perplexity.")
     p.add_argument("checkpoint", type=path_arg, metavar="CKPT", nargs="+",
                    help="checkpoint directory; several with one vocabulary score as an ensemble (their "
                    "probabilities averaged at every step)")

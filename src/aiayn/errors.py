@@ -59,7 +59,9 @@ class SentenceTooLong(TextError):
     def __init__(self, index: int, tokens: int, limit: int, where: str | None = None,
                  model: str = "this model", side: str = "source"):
         self.tokens, self.limit, self.side = tokens, limit, side  # side: which text of a pair (scoring)
-        super().__init__(index, f"{tokens} tokens (with EOS), more than the {limit} positions of {model}",
+        # a translation cut at the model's positions fills them: the EOS scoring appends is the one too many
+        eos = "EOS" if side == "source" else "the EOS scoring appends, which needs a position too"
+        super().__init__(index, f"{tokens} tokens (with {eos}), more than the {limit} positions of {model}",
                          where)
 
 

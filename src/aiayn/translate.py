@@ -433,18 +433,19 @@ class Translator:
         self, sources: Iterable[str], targets: Iterable[str], max_tokens: int = 4096,
         progress: Callable[[int], None] | None = None,
     ) -> list[Scored]:
-        """log P(target | source) of each pair under the model (an ensemble: its members' mean
-        probability at each step), the target's EOS included: forced decoding through the searches' own
-        steps (`aiayn.decoding.score`), so a translation this translator found scores here its
-        `log_prob` when the tokenizer splits its text into the pieces the search chose (when the search
-        ended it with EOS: one cut at the length limit has none, and the score adds its log P; without
-        `min_len`, which changes the probabilities the search sees; and not with `int8`, whose dynamic
-        quantization scales the rows of each step together: a beam's K rows and a forced decoding's one
-        differ, by 0.03 nats a sentence on average and 0.11 at most on a small demo model; nor in
-        bfloat16 or float16, which round a text by the padding of the texts batched with it, as
-        `hypotheses` says, and `score` batches otherwise than the search: up to 0.049 nats apart on a
-        tiny demo model at beam 4, against 4e-6 in float32). Every pair is scored, an empty side too (then
-        EOS alone). `progress(n)` as in `hypotheses`."""
+        """log P(target | source) of each pair under the model (an ensemble: its members' mean probability at
+        each step), the target's EOS included: forced decoding through the searches' own steps
+        (`aiayn.decoding.score`), so a translation this translator found scores here its `log_prob` when the
+        tokenizer splits its text into the pieces the search chose (when the search ended it with EOS: one cut
+        at the limit of `max_len_a` and `max_len_b` has none, and the score adds its log P, but one cut at the
+        model's positions, which it fills, cannot be scored, its EOS having no position left (a
+        `SentenceTooLong`); without `min_len`, which changes the probabilities the search sees; and not with
+        `int8`, whose dynamic quantization scales the rows of each step together: a beam's K rows and a forced
+        decoding's one differ, by 0.03 nats a sentence on average and 0.11 at most on a small demo model; nor
+        in bfloat16 or float16, which round a text by the padding of the texts batched with it, as
+        `hypotheses` says, and `score` batches otherwise than the search: up to 0.049 nats apart on a tiny
+        demo model at beam 4, against 4e-6 in float32). Every pair is scored, an empty side too (then EOS
+        alone). `progress(n)` as in `hypotheses`."""
         sources, targets = text_list(sources, "sources"), text_list(targets, "targets")
         check_count("max_tokens", max_tokens)
         if len(sources) != len(targets):

@@ -1,6 +1,7 @@
 """recipes/multi30k/run.py: the end-to-end recipe script, at a toy size (its real run takes 82 minutes)."""
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -71,13 +72,15 @@ def tiny_run(run_dir: Path, updates: int = 2) -> list[str]:
 
 def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path):
     """--no-train scored the trained model but recorded the options given to it (another preset here)."""
-    data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")
+    run_dir = tmp_path / "the run"  # a space: the command was joined with " ", and could not be re-run
+    data, sets = numbers_data(tmp_path / "data"), tiny_run(run_dir)
     assert run.main(["--data", str(data), *sets]) == 0
-    assert run.main(["--data", str(data), "--no-train", *sets, "--set", "model.preset=base"]) == 0
-    trained = json.loads((tmp_path / "run" / "results.json").read_text())
-    scored = json.loads((tmp_path / "run" / "results_scored.json").read_text())
+    options = ["--data", str(data), "--no-train", *sets, "--set", "model.preset=base"]
+    assert run.main(options) == 0
+    trained = json.loads((run_dir / "results.json").read_text())
+    scored = json.loads((run_dir / "results_scored.json").read_text())
     assert scored["configs"] == trained["configs"] and trained["configs"][0]["model"]["preset"] == "micro"
-    assert scored["command"].endswith("--set model.preset=base") and "--no-train" in scored["command"]
+    assert shlex.split(scored["command"]) == ["recipes/multi30k/run.py", *options]
     assert {"commit", "cpu", "torch", "date", "load_average"} <= set(scored["environment"])
 
 

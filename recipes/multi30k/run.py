@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -300,7 +301,8 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.command = " ".join(["recipes/multi30k/run.py", *(sys.argv[1:] if argv is None else argv)])
+    # quoted as a shell needs it: " ".join made `--set "train.run_dir=/x/with space"` two arguments
+    args.command = shlex.join(["recipes/multi30k/run.py", *(sys.argv[1:] if argv is None else argv)])
     try:
         return run(args)
     except (UserError, ConfigError) as e:  # a wrong --data, a run directory that is not there: one line

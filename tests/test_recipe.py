@@ -191,7 +191,8 @@ def test_files_it_would_score_and_search_options_are_checked_before_training(tmp
     assert run.main([*base, "--test"]) == 2
     assert "test_2016_flickr.en: file not found" in capsys.readouterr().err
     assert run.main([*base, "--lenpen", "20"]) == 2
-    assert "lenpen=20.0" in capsys.readouterr().err
+    # the option, as aiayn translate names it: it said "DecodeConfig: lenpen=20.0 must be", a class
+    assert capsys.readouterr().err == "run.py: error: --lenpen 20.0 must be a number between -10.0 and 10.0\n"
     assert not (tmp_path / "run").exists()
 
 

@@ -31,7 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from aiayn.checkpoint import checkpoint_tokenizer, meta_model_config, read_meta
-from aiayn.cli import positive_int
+from aiayn.cli import _settings_as_flags, positive_int
 from aiayn.config import ConfigError, resolved_settings
 from aiayn.data.dataset import read_lines
 from aiayn.decoding import DecodeConfig
@@ -342,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
 
     beam, lenpen = SEARCH[args.pair]
     beam, lenpen = beam if args.beam is None else args.beam, lenpen if args.lenpen is None else args.lenpen
-    DecodeConfig(beam=beam, lenpen=lenpen)  # a bad --lenpen failed after the whole training
+    with _settings_as_flags():  # said as the option, as aiayn translate says it, not as DecodeConfig's field
+        DecodeConfig(beam=beam, lenpen=lenpen)  # a bad --lenpen failed after the whole training
     splits = ["val", "test_2016_flickr"] if args.test else ["val"]
     for split in (splits if args.no_train else ["train", *splits]):  # before training, not after it
         for lang in (src, tgt):

@@ -131,11 +131,14 @@ def test_a_checkpoint_of_the_other_direction_is_refused(tmp_path, capsys):
     data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")
     assert run.main(["--data", str(data), *sets]) == 0
     capsys.readouterr()
+    averaged = tmp_path / "run" / "average_last_2"
+    averaged.rename(tmp_path / "kept")  # refused before averaging: it rewrote the run's average_last_2
     assert run.main(["--data", str(data), "--no-train", "--pair", "de-en", *sets]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"run.py: error: {tmp_path / 'run' / 'average_last_2'}: trained from ")
+    newest = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert err.startswith(f"run.py: error: {newest}: trained from ")
     assert err.endswith("the reverse of --pair de-en; give --pair en-de\n") and err.count("\n") == 1
-    assert not (tmp_path / "run" / "results_scored.json").exists()
+    assert not (tmp_path / "run" / "results_scored.json").exists() and not averaged.exists()
 
 
 def test_a_signal_to_the_ensemble_script_stops_its_members_too(monkeypatch):

@@ -361,9 +361,10 @@ def run(args: argparse.Namespace) -> int:
     if args.train_only:
         return 0
     after = [so_far(m.train.run_dir) for m in members]
+    for m in members:  # before averaging, which rewrote a refused run's average_last_N
+        for newest in checkpoint_dirs(m.train.run_dir)[-1:]:  # none: average_last says so
+            check_direction(newest, src, tgt)
     averaged = [average_last(m.train.run_dir, args.average) for m in members]
-    for checkpoint in averaged:
-        check_direction(checkpoint, src, tgt)
     translator = Translator.load(averaged)
     seconds = [s for _, s in after]
     results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),

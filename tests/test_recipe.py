@@ -1,6 +1,7 @@
 """recipes/multi30k/run.py: the end-to-end recipe script, at a toy size (its real run takes 82 minutes)."""
 
 import json
+import re
 import shlex
 import signal
 import subprocess
@@ -223,6 +224,34 @@ def test_each_scored_pair_of_files_is_read_and_checked_before_training(tmp_path,
     assert expected in err, err
     with pytest.raises(AssertionError, match="trained"):  # without --test, test's files are not read
         run.main(base)
+
+
+def test_a_line_too_long_for_the_model_is_named_by_file_and_line_before_any_decoding(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A test line of more pieces than the model's positions failed after val's decoding, as "run.py: error:
+    text 2: ...", naming no file; its length needs the tokenizer, so it is found after training."""
+    data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")
+    (data / "test_2016_flickr.en").write_text("the number 1 is odd\n" + "the number 3 " * 20 + "\n")
+    (data / "test_2016_flickr.de").write_text("die Zahl 1 ist ungerade\ndie Zahl 3\n")
+    decoded, translate = [], run.Translator.translate
+    monkeypatch.setattr(run.Translator, "translate",
+                        lambda self, texts, **kw: decoded.append(texts) or translate(self, texts, **kw))
+    short = ["--set", "model.max_len=16", "--set", "data.max_len=16"]
+    assert run.main(["--data", str(data), "--test", *sets, *short]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"run.py: error: {re.escape(str(data / 'test_2016_flickr.en'))}:2: \d+ tokens "
+                        r"\(with EOS\), more than the 16 positions of this model\n", err), err
+    assert decoded == []  # not even val
+
+
+def test_a_decoding_error_names_the_file_and_line():
+    """Out of memory at a batch's first text (a TextError) was named "text 5" too."""
+    class Translator:
+        def translate(self, texts, **options):
+            raise run.TextError(4, "out of memory decoding a batch of 2 sentence(s) at beam 4")
+
+    with pytest.raises(run.UserError, match=r"^data/val.en:5: out of memory decoding a batch"):
+        run.score(Translator(), Path("data/val.en"), "val", ["a"] * 6, ["b"] * 6, beam=4, lenpen=1.0)
 
 
 def test_a_stopped_training_is_one_line_with_the_signals_status(tmp_path, capsys, monkeypatch):

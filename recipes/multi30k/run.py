@@ -24,6 +24,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ from aiayn.cli import _settings_as_flags, positive_int
 from aiayn.config import ConfigError, resolved_settings
 from aiayn.data.dataset import read_lines
 from aiayn.decoding import DecodeConfig
-from aiayn.errors import Stopped, UserError
+from aiayn.errors import Stopped, TextError, UserError
 from aiayn.evaluate import corpus_scores
 from aiayn.files import atomic_output
 from aiayn.train.average import average_last
@@ -119,13 +121,33 @@ def scored_pairs(data: Path, splits: list[str], src: str, tgt: str) -> dict[str,
     return pairs
 
 
-def score(translator: Translator, split: str, sources: list[str], refs: list[str], beam: int,
+@contextmanager
+def lines_of(path: Path) -> Iterator[None]:
+    """A problem with one line of `path` named FILE:LINE, as `aiayn translate` names it: it was "text 61:
+    11201 tokens (with EOS), more than the 1024 positions of this model", naming no file."""
+    try:
+        yield
+    except TextError as e:  # a line too long for the model, or out of memory at a batch's first line
+        raise e.located(str(path), 0) from None
+
+
+def check_lengths(translator: Translator, data: Path, src: str, pairs: dict[str, tuple[list[str], list[str]]]
+                  ) -> None:
+    """Every split's sources against the model's positions before any is decoded: test's too long line failed
+    after val's decoding. Not before training: the pieces are the tokenizer's, which training makes."""
+    for split, (sources, _) in pairs.items():
+        with lines_of(data / f"{split}.{src}"):
+            translator.source_ids(sources)
+
+
+def score(translator: Translator, path: Path, split: str, sources: list[str], refs: list[str], beam: int,
           lenpen: float) -> dict:
+    """Translate the sources read from `path` and score them against the references."""
     start = time.monotonic()
     # a bar on stderr, as `aiayn demo` has for the same step: each split was minutes of silence
     # disable=None: no bar where stderr is not a terminal, as training's (a log kept its carriage returns)
-    with tqdm(total=len(sources), desc=f"translating {split}", unit="sent", leave=False,
-              disable=None) as bar:
+    with lines_of(path), tqdm(total=len(sources), desc=f"translating {split}", unit="sent", leave=False,
+                              disable=None) as bar:
         hyps = translator.translate(sources, beam=beam, lenpen=lenpen, progress=bar.update)
     seconds = time.monotonic() - start
     scores = corpus_scores(hyps, [refs])
@@ -366,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
             check_direction(newest, src, tgt)
     averaged = [average_last(m.train.run_dir, args.average) for m in members]
     translator = Translator.load(averaged)
+    check_lengths(translator, data, src, pairs)
     seconds = [s for _, s in after]
     results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),
                "updates": [u for u, _ in after], "checkpoints": [str(a) for a in averaged],
@@ -373,7 +396,8 @@ def run(args: argparse.Namespace) -> int:
                "environment": env,
                # what the checkpoints were trained with (with --no-train the options given here may differ)
                "configs": [read_meta(a).get("config") for a in averaged],
-               "results": [score(translator, s, *pairs[s], beam, lenpen) for s in splits]}
+               "results": [score(translator, data / f"{s}.{src}", s, *pairs[s], beam, lenpen)
+                           for s in splits]}
     # The whole run: this invocation's wall time and the training earlier invocations did (--resume).
     results["total_s"] = round(time.monotonic() - start + max(s or 0.0 for _, s in before), 1)
     write_results(args, run_dir, results, trained=[u for u, _ in after] != [u for u, _ in before])

@@ -293,6 +293,17 @@ def test_a_ctrl_c_outside_training_is_one_line(tmp_path, capsys, monkeypatch):
     assert "Traceback" not in done.stderr
 
 
+def test_a_sigterm_while_averaging_or_decoding_is_one_line(tmp_path):
+    """It exited 143 without a word; `aiayn translate` says "aiayn: stopped by SIGTERM" (same status)."""
+    options = ["--data", str(dog_data(tmp_path / "data")), "--set", f"train.run_dir={tmp_path / 'run'}"]
+    code = (f"import os, signal, sys; sys.path.insert(0, {str(RECIPE)!r}); import run\n"
+            "run.train = lambda config, resume=False: None\n"
+            "run.average_last = lambda *args: os.kill(os.getpid(), signal.SIGTERM)\n"
+            f"sys.exit(run.main({options!r}))")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert (done.returncode, done.stderr) == (128 + signal.SIGTERM, "run.py: stopped by SIGTERM\n")
+
+
 @pytest.mark.parametrize("options", [["--partner", "train.seed=3"], ["--no-train", "--resume"]])
 def test_contradictory_options_are_refused(capsys, options):
     """--partner without --ensemble, and --resume with --no-train, were silently ignored."""

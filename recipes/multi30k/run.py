@@ -33,7 +33,7 @@ from typing import Any
 from tqdm import tqdm
 
 from aiayn.checkpoint import checkpoint_tokenizer, meta_model_config, read_meta
-from aiayn.cli import _settings_as_flags, positive_int
+from aiayn.cli import Terminated, _settings_as_flags, _signals_raise, positive_int
 from aiayn.config import ConfigError, resolved_settings
 from aiayn.data.dataset import read_lines
 from aiayn.decoding import DecodeConfig
@@ -336,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_status
     except KeyboardInterrupt:  # outside training (data preparation, averaging, decoding): was a traceback
         return interrupted(member=args.train_only)
+    except Terminated as e:  # averaging or decoding: it exited 143 without a word
+        print(f"run.py: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum  # as a shell reports a process the signal killed, as aiayn's
 
 
 def interrupted(member: bool) -> int:
@@ -382,26 +385,39 @@ def run(args: argparse.Namespace) -> int:
         train(config, resume=args.resume)
     if args.train_only:
         return 0
-    after = [so_far(m.train.run_dir) for m in members]
-    for m in members:  # before averaging, which rewrote a refused run's average_last_N
+    # SIGTERM and SIGHUP stop in one line from here on, as in aiayn's commands (training handles its own)
+    with _signals_raise():
+        after = [so_far(m.train.run_dir) for m in members]
+        averaged = average_checked(members, args.average, src, tgt)
+        seconds = [s for _, s in after]
+        results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),
+                   "updates": [u for u, _ in after], "checkpoints": [str(a) for a in averaged],
+                   "beam": beam, "lenpen": lenpen, "command": args.command,
+                   "environment": env,
+                   # what the checkpoints were trained with, whatever options a --no-train was given
+                   "configs": [read_meta(a).get("config") for a in averaged],
+                   "results": decoded(averaged, data, src, pairs, beam, lenpen)}
+        # The whole run: this invocation's wall time and the training earlier invocations did (--resume).
+        results["total_s"] = round(time.monotonic() - start + max(s or 0.0 for _, s in before), 1)
+        write_results(args, run_dir, results, trained=[u for u, _ in after] != [u for u, _ in before])
+    return 0
+
+
+def average_checked(members: list[RunConfig], last: int, src: str, tgt: str) -> list[Path]:
+    """Each run's `last` checkpoints averaged, once its newest is checked for the direction: averaging first
+    rewrote a refused run's average_last_N."""
+    for m in members:
         for newest in checkpoint_dirs(m.train.run_dir)[-1:]:  # none: average_last says so
             check_direction(newest, src, tgt)
-    averaged = [average_last(m.train.run_dir, args.average) for m in members]
+    return [average_last(m.train.run_dir, last) for m in members]
+
+
+def decoded(averaged: list[Path], data: Path, src: str, pairs: dict[str, tuple[list[str], list[str]]],
+            beam: int, lenpen: float) -> list[dict]:
+    """Each split of `pairs` translated by the averaged checkpoints (an ensemble of several) and scored."""
     translator = Translator.load(averaged)
     check_lengths(translator, data, src, pairs)
-    seconds = [s for _, s in after]
-    results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),
-               "updates": [u for u, _ in after], "checkpoints": [str(a) for a in averaged],
-               "beam": beam, "lenpen": lenpen, "command": args.command,
-               "environment": env,
-               # what the checkpoints were trained with (with --no-train the options given here may differ)
-               "configs": [read_meta(a).get("config") for a in averaged],
-               "results": [score(translator, data / f"{s}.{src}", s, *pairs[s], beam, lenpen)
-                           for s in splits]}
-    # The whole run: this invocation's wall time and the training earlier invocations did (--resume).
-    results["total_s"] = round(time.monotonic() - start + max(s or 0.0 for _, s in before), 1)
-    write_results(args, run_dir, results, trained=[u for u, _ in after] != [u for u, _ in before])
-    return 0
+    return [score(translator, data / f"{s}.{src}", s, *pairs[s], beam, lenpen) for s in pairs]
 
 
 def check_run_dir(run_dir: Path, ensemble: bool) -> None:

@@ -981,9 +981,10 @@ def _terminate(signum: int, frame) -> None:
 
 
 @contextlib.contextmanager
-def _signals_raise(command: str):
+def _signals_raise(command: str = ""):
     """SIGTERM and SIGHUP raise `Terminated` while a command other than training runs, where they still
-    have their default action (not in a thread or under a caller's own handler)."""
+    have their default action (not in a thread or under a caller's own handler). No `command`: a caller's
+    own work that is no training (recipes/multi30k/run.py's averaging and decoding)."""
     installed = {}
     if command not in ("train", "demo"):
         for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):

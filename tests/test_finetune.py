@@ -268,6 +268,21 @@ def test_a_refusal_blames_what_was_written_not_the_checkpoints_settings(aiayn_ch
         finetune_model_config(replace(config, model={"d_model": 48}), saved, short)
 
 
+def test_tokenizer_settings_a_checkpoint_cannot_take_are_each_named_where_written(aiayn_checkpoint, tmp_path):
+    """A checkpoint that records no tokenizer settings (imported, or saved by hand) refused the first [data]
+    tokenizer key alone, naming neither the file's line nor the --set item that wrote it."""
+    start, src, tgt = aiayn_checkpoint
+    toml = tmp_path / "tune.toml"
+    toml.write_text('[data]\nvocab_size = 120\nspm_type = "bpe"\n', encoding="utf-8")
+    sets = settings(src, tgt, tmp_path / "run", start, "data.shared_vocab=true")
+    with pytest.raises(UserError) as e:
+        train(load_config(toml, sets))
+    assert str(e.value) == (
+        f"{toml}:2 and {toml}:3 and --set 'data.shared_vocab=true': {start}: records no tokenizer settings "
+        "(imported, or saved outside training), and its tokenizer is kept: data.vocab_size, data.spm_type, "
+        "data.shared_vocab cannot be set (drop them)")
+
+
 def test_dropout_may_be_set_and_missing_checkpoint_is_one_line(aiayn_checkpoint, tmp_path):
     start, src, tgt = aiayn_checkpoint
     sets = settings(src, tgt, tmp_path / "run", start, "train.max_updates=1", "model.dropout=0.3",

@@ -580,9 +580,13 @@ def _with_checkpoint_tokenizer_settings(config: RunConfig, resume_from: Path | N
         return config
     defaults, given = DataConfig(), config.given_data_keys() or frozenset()
     if "vocab_size" not in saved:  # a converted Marian model, one saved by hand, or a fine-tune of either
-        if set_here := sorted(set(given) & set(TOKENIZER_SETTINGS)):  # was taken, ignored and recorded
-            raise UserError(f"{source}: records no tokenizer settings (imported, or saved outside training), "
-                            f"and its tokenizer is kept: data.{set_here[0]} cannot be set (drop it)")
+        if set_here := [k for k in TOKENIZER_SETTINGS if k in given]:  # was taken, ignored and recorded
+            # each named, and where it was written, as `_refuse_tokenizer_settings` does: the first alone
+            # was, naming neither the file's line nor the --set item
+            names, them = ", ".join(f"data.{k}" for k in set_here), "it" if len(set_here) == 1 else "them"
+            raise UserError(f"{_written_at(config, set_here)}{source}: records no tokenizer settings "
+                            "(imported, or saved outside training), and its tokenizer is kept: "
+                            f"{names} cannot be set (drop {them})")
         return replace(config, tokenizer_imported=True)
     adopted = {k: saved[k] for k in _tokenizer_settings(config)
                if k in saved and type(saved[k]) is type(getattr(defaults, k))  # a hand's edit: compared later
@@ -603,12 +607,17 @@ def _refuse_tokenizer_settings(config: RunConfig, meta: dict, path: Path) -> Non
 
 
 def _tokenizer_written_at(config: RunConfig, saved: dict) -> str:
-    """A refusal's start naming where [data]'s tokenizer settings other than `saved`'s were written (the
-    file's line, the --set item), as `RunConfig.refusal` names a [model] setting's; "" where no file or
-    --set wrote them (a default, or the setting replaced since)."""
-    places = dict.fromkeys(place for key, value in _tokenizer_settings(config).items()
-                           if tokenizer_setting_changes(saved, {key: value})
-                           and (place := config.written_at(f"data.{key}", value)) is not None)
+    """A refusal's start naming where [data]'s tokenizer settings other than `saved`'s were written."""
+    return _written_at(config, [key for key, value in _tokenizer_settings(config).items()
+                                if tokenizer_setting_changes(saved, {key: value})])
+
+
+def _written_at(config: RunConfig, keys: list[str]) -> str:
+    """A refusal's start naming where these [data] settings were written (the file's line, the --set item),
+    as `RunConfig.refusal` names a [model] setting's; "" where no file or --set wrote them (a default, or
+    the setting replaced since)."""
+    written = (config.written_at(f"data.{key}", getattr(config.data, key)) for key in keys)
+    places = dict.fromkeys(place for place in written if place is not None)
     return f"{' and '.join(places)}: " if places else ""
 
 

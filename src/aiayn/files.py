@@ -206,8 +206,7 @@ def check_file_output(out: str | Path, inputs: list[Path]) -> None:
             continue
         inside = other.is_dir() and overlap(out, other) == "lies inside"
         if inside and not out.exists():  # a new file destroys nothing there, but training may delete it whole
-            raise UserError(f"{out}: lies inside the input {other}; write it elsewhere (no output is written "
-                            "inside a checkpoint)")
+            raise UserError(f"{out}: lies inside the input {other}; write it elsewhere")
         if inside or (not other.is_dir() and out.exists() and os.path.samefile(out, other)):
             raise UserError(f"{out}: {'lies inside' if inside else 'is'} the input {other}; writing it "
                             "would destroy the input")

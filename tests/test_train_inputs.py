@@ -686,6 +686,11 @@ def test_a_second_ctrl_c_under_torchrun_stops_at_once(monkeypatch, caplog, ctrl_
         assert stopper.signum == signal.SIGTERM
     with stopper.installed(), pytest.raises(KeyboardInterrupt):  # a Ctrl-C after a SIGTERM, as before
         signal.raise_signal(signal.SIGINT)
+    caplog.clear()  # a first SIGTERM: torchrun would pass a Ctrl-C on as SIGTERM, not at once, so none offered
+    with loop.StopSignal().installed():
+        signal.raise_signal(signal.SIGTERM)
+    assert "SIGTERM: stopping after this update" in caplog.text
+    assert ("(a Ctrl-C: at once)" in caplog.text) == (not launched)
 
 
 def test_a_signal_the_process_ignores_stays_ignored_during_training(caplog):

@@ -449,8 +449,9 @@ class StopSignal:
     or a first Ctrl-C: finish the current update, save a checkpoint (without validating) and stop, instead
     of losing the updates since the last checkpoint; one during a validation ends it at its next batch, one
     during a save stops once it is written. A second Ctrl-C interrupts at once (under torchrun too, whose
-    launcher passes it on as SIGTERM). Under torchrun the processes agree on it at every update, and after
-    each validation and save."""
+    launcher passes it on as SIGTERM; after a first SIGTERM or SIGHUP it passes a Ctrl-C on as SIGTERM as
+    well, which cannot be told from a scheduler's second one, so none is offered). Under torchrun the
+    processes agree on it at every update, and after each validation and save."""
 
     def __init__(self, announce: bool = True) -> None:
         self.signum: int | None = None
@@ -483,8 +484,10 @@ class StopSignal:
             if self.announce and not again:
                 # a SIGTERM or SIGHUP had no first Ctrl-C, and a process that ignores SIGINT has none at all
                 again = " (Ctrl-C again: at once)" if signum == signal.SIGINT else " (a Ctrl-C: at once)"
+                # torchrun passes any signal after the first on as SIGTERM: a Ctrl-C after a SIGTERM too
+                offered = signal.SIGINT in previous and not (launched and signum != signal.SIGINT)
                 log.warning("%s: stopping after this update, with a checkpoint%s",
-                            signal.Signals(signum).name, again if signal.SIGINT in previous else "")
+                            signal.Signals(signum).name, again if offered else "")
 
         for s in previous:
             signal.signal(s, handle)

@@ -86,19 +86,20 @@ def test_a_bad_option_fails_in_one_line_before_anything_is_written(tmp_path, cap
     assert not out.exists()
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_torchrun_job_is_refused_in_one_line(tmp_path, capsys, monkeypatch, rank):
+@pytest.mark.parametrize("rank, local_rank", [(0, 0), (1, 1), (2, 0)])
+def test_a_torchrun_job_is_refused_in_one_line(tmp_path, capsys, monkeypatch, rank, local_rank):
     """`torchrun --nproc_per_node 2 -m aiayn demo`: both processes made the corpus in one --out, trained as
-    a job of two (twice the batch), translated and drew into the same files, and printed every line twice."""
-    job = {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    a job of two (twice the batch), translated and drew into the same files, and printed every line twice.
+    Said once a machine: by its first process (another machine's log had no word of it)."""
+    job = {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "4", "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
     for name, value in job.items():
         monkeypatch.setenv(name, value)
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--size", "tiny"]) == 2
     err = capsys.readouterr().err
-    said = "aiayn: error: demo runs in one process, not in a torchrun job of 2: run `aiayn demo` alone"
-    assert err.startswith(said) if rank == 0 else err == ""  # process 0 says it
-    assert len(err.splitlines()) == (rank == 0) and not out.exists()
+    said = "aiayn: error: demo runs in one process, not in a torchrun job of 4: run `aiayn demo` alone"
+    assert err.startswith(said) if local_rank == 0 else err == ""  # each machine's process 0 says it
+    assert len(err.splitlines()) == (local_rank == 0) and not out.exists()
 
 
 def test_demo_seeds_are_those_the_cpu_generator_tells_apart():

@@ -249,8 +249,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
         from aiayn.train.distributed import SameOnEveryProcess
 
         job = os.environ["WORLD_SIZE"]
-        raise SameOnEveryProcess(f"demo runs in one process, not in a torchrun job of {job}: run `aiayn demo` "
-                                 "alone (`torchrun ... -m aiayn train` trains in several)")
+        said = SameOnEveryProcess if os.environ.get("LOCAL_RANK", "0") != "0" else UserError  # once a machine
+        raise said(f"demo runs in one process, not in a torchrun job of {job}: run `aiayn demo` alone "
+                   "(`torchrun ... -m aiayn train` trains in several)")
     _log_to_stderr()
     given = dict(out=args.out, seed=args.seed, size=args.size, steps=args.steps, minutes=args.minutes,
                  n_train=args.train_pairs, n_test=args.test_pairs, beam=args.beam, device=args.device)

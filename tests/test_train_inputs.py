@@ -686,7 +686,7 @@ def test_a_second_ctrl_c_under_torchrun_stops_at_once(monkeypatch, caplog, ctrl_
         assert stopper.signum == signal.SIGTERM
     with stopper.installed(), pytest.raises(KeyboardInterrupt):  # a Ctrl-C after a SIGTERM, as before
         signal.raise_signal(signal.SIGINT)
-    caplog.clear()  # a first SIGTERM: torchrun would pass a Ctrl-C on as SIGTERM, not at once, so none offered
+    caplog.clear()  # a first SIGTERM: torchrun passes a Ctrl-C on as SIGTERM, not at once: none offered
     with loop.StopSignal().installed():
         signal.raise_signal(signal.SIGTERM)
     assert "SIGTERM: stopping after this update" in caplog.text

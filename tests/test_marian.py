@@ -411,15 +411,21 @@ def test_pickle_with_code_is_refused_in_one_line(opus_bin, capsys, container):
     ([torch.zeros(2)], "holds type list, expected a dict of name -> tensor"),
     ({"model.shared.weight": 3}, "model.shared.weight is of type int, expected a tensor"),
     ({0: torch.zeros(2)}, "key 0 is of type int, expected a string"),
-    (b"PK\x03\x04 cut short", "not a PyTorch weights file ("),
+    (b"PK\x03\x04 cut short", "damaged or cut short ("),
+    ("cut", "damaged or cut short ("),  # a real torch.save file cut short: a download interrupted
 ])
 def test_bin_that_is_not_a_state_dict_is_named(opus_bin, capsys, content, problem):
     path = opus_bin / "pytorch_model.bin"
-    if isinstance(content, bytes):
+    if content == "cut":
+        torch.save({"model.shared.weight": torch.zeros(1000)}, path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif isinstance(content, bytes):
         path.write_bytes(content)
     else:
         torch.save(content, path)
-    assert convert_error(opus_bin, capsys).startswith(f"aiayn: error: {path}: {problem}")
+    err = convert_error(opus_bin, capsys)
+    assert err.startswith(f"aiayn: error: {path}: {problem}")
+    assert err.endswith("; download it again") == problem.startswith("damaged")
 
 
 @pytest.mark.parametrize("content, problem", [

@@ -249,7 +249,11 @@ def _load_pickled_weights(path: Path) -> dict[str, Tensor]:
             asks = f" (the pickle asks for {named.group(1)})" if named else ""
             raise UserError(f"{path}: refused: not plain tensors{asks}; "
                             f"weights are never loaded with code execution") from None
-        raise UserError(f"{path}: not a PyTorch weights file ({_foreign(head) or _brief(e)})") from None
+        if foreign := _foreign(head):
+            raise UserError(f"{path}: not a PyTorch weights file ({foreign})") from None
+        # a zip archive or a pickle as torch writes them, damaged: most often a download cut short, which
+        # "not a PyTorch weights file (OSError: [Errno 22] Invalid argument)" did not suggest
+        raise UserError(f"{path}: damaged or cut short ({_brief(e)}); download it again") from None
     return _plain_tensors(weights, path)
 
 

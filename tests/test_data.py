@@ -966,7 +966,8 @@ def test_the_advice_covers_every_changed_line_not_the_example_alone(tmp_path, ca
     """A ZWNJ in the first changed line and ＩＢＭ in later ones (or on the other side): "nfkc" was
     advised from the example alone, and the run that followed it warned again, advising "identity"."""
     text = persian_text(100)
-    ibm = [f"{line} ＩＢＭ" if i % 4 == 3 else line for i, line in enumerate(text.tgt if other_side else text.src)]
+    side = text.tgt if other_side else text.src
+    ibm = [f"{line} ＩＢＭ" if i % 4 == 3 else line for i, line in enumerate(side)]
     text = ParallelText(text.src, ibm, 0) if other_side else ParallelText(ibm, text.tgt, 0)
     with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
         train_tokenizer(text, tmp_path, 60)

@@ -210,7 +210,7 @@ def _check_png_output(png: Path, log: Path) -> None:
             raise UserError(f"{png}: cannot read ({e.strerror or e})") from None
         if head not in (PNG_SIGNATURE, b""):
             raise UserError(f"{png}: exists and is not a PNG picture; will not replace it")
-    if png.suffix and png.suffix.lower() != ".png":  # x.pdf got PNG bytes
+    if png.suffix.lower() != ".png":  # x.pdf got PNG bytes; `-o bdir` (a folder meant) a file named bdir
         raise UserError(f"{png}: the curves are drawn as a PNG picture; name the file .png")
 
 

@@ -407,7 +407,7 @@ def test_plot_replaces_a_picture_but_never_its_log_or_another_file(tmp_path, cap
     assert cli.main(["plot", str(tmp_path), "-o", str(tmp_path / "curves.pdf")]) == 2  # got PNG bytes
     assert "curves.pdf: the curves are drawn as a PNG picture; name the file .png" in capsys.readouterr().err
     assert not (tmp_path / "curves.pdf").exists()
-    assert cli.main(["plot", str(tmp_path), "-o", str(tmp_path / "bdir")]) == 2  # a folder meant: a PNG named bdir
+    assert cli.main(["plot", str(tmp_path), "-o", str(tmp_path / "bdir")]) == 2  # a folder meant: a file
     assert "bdir: the curves are drawn as a PNG picture; name the file .png" in capsys.readouterr().err
     assert not (tmp_path / "bdir").exists()
     for _ in range(2):  # a new picture, then the same one drawn again over it

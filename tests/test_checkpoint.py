@@ -773,6 +773,18 @@ def test_a_vocabulary_whose_ids_are_not_0_to_n_is_corrupt(run, tokenizer, ids, e
         load_checkpoint(ck)
 
 
+def test_a_vocabulary_of_fewer_pieces_than_the_embeddings_is_refused(run, tokenizer):
+    """A vocabulary cut by hand (ids 0..9 of 60 rows) passed every check: translate then decoded an id
+    without a piece (a KeyError traceback) and score printed garbage. convert keeps exactly the model's ids."""
+    ck = run / "checkpoints" / "step_000003"
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["tokenizer"]["vocab"] = {tokenizer.src.id_to_piece(i): i for i in range(10)}
+    (ck / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"the source tokenizer has 10 pieces but the model 60 embeddings: not "
+                                        r"the tokenizer this model was trained with"):
+        load_checkpoint(ck)
+
+
 def test_a_model_in_meta_json_that_the_weights_do_not_fit_is_named_before_memory_is_asked(run, monkeypatch):
     """A damaged d_ff of 16,777,216 asked for a terabyte before the weights were looked at: a RuntimeError
     traceback. The weights' shapes are compared with meta.json's model on the meta device first."""

@@ -775,13 +775,14 @@ def test_a_vocabulary_whose_ids_are_not_0_to_n_is_corrupt(run, tokenizer, ids, e
 
 def test_a_vocabulary_of_fewer_pieces_than_the_embeddings_is_refused(run, tokenizer):
     """A vocabulary cut by hand (ids 0..9 of 60 rows) passed every check: translate then decoded an id
-    without a piece (a KeyError traceback) and score printed garbage. convert keeps exactly the model's ids."""
+    without a piece (a KeyError traceback) and score printed garbage. convert keeps exactly the model's
+    ids."""
     ck = run / "checkpoints" / "step_000003"
     meta = json.loads((ck / "meta.json").read_text())
     meta["tokenizer"]["vocab"] = {tokenizer.src.id_to_piece(i): i for i in range(10)}
     (ck / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(UserError, match=r"the source tokenizer has 10 pieces but the model 60 embeddings: not "
-                                        r"the tokenizer this model was trained with"):
+    with pytest.raises(UserError, match=r"the source tokenizer has 10 pieces but the model 60 embeddings: "
+                                        r"not the tokenizer this model was trained with"):
         load_checkpoint(ck)
 
 

@@ -368,11 +368,8 @@ def check_vocabulary(config: ModelConfig, tokenizer: Tokenizer, where: Path) -> 
 def _size_mismatch(config: ModelConfig, tokenizer: Tokenizer) -> tuple[str, Path | None] | None:
     """(how a side's piece count differs from the model's embeddings, the SentencePiece file they were
     counted in, or None for a vocabulary's: Marian's, in meta.json), or None where they fit."""
-    tgt_pieces = tokenizer.tgt_vocab_size
-    if tokenizer.vocab is not None and tokenizer.tgt_vocab is None:  # Marian's one vocabulary for both sides
-        tgt_pieces = len(tokenizer.vocab)  # (target.spm holds the target language's pieces alone)
     sizes = [("source", tokenizer.src_vocab_size, config.vocab_size, tokenizer.src_path),
-             ("target", tgt_pieces, config.target_vocab_size, tokenizer.tgt_path)]
+             ("target", tokenizer.tgt_vocab_size, config.target_vocab_size, tokenizer.tgt_path)]
     for side, pieces, rows, path in sizes:
         # aiayn builds the model from its own SentencePiece model's size, and convert from a vocabulary of
         # exactly its ids: fewer pieces than rows (a vocabulary cut by hand) decoded an id without a piece,

@@ -209,14 +209,13 @@ def enclosing_checkpoint(path: str | Path, itself: bool = True) -> tuple[str, Pa
 def read_meta(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / META
     if not path.is_file():
-        from aiayn.train.state import checkpoint_dirs  # here only: the training package imports this one
+        # here only: the training package imports this one
+        from aiayn.train.state import checkpoint_dirs, run_of_checkpoints_folder
 
         here = Path(directory)
         found = checkpoint_dirs(directory)  # a run directory: its checkpoints are inside
         what = "a run directory"
-        # the run's checkpoints/ itself, as run1/checkpoints, or "." inside it (whose name is "")
-        if not found and Path(os.path.abspath(directory)).name == "checkpoints":
-            run = here.parent if here.name not in ("", "..") else here / ".."
+        if not found and (run := run_of_checkpoints_folder(directory)) is not None:  # the run's checkpoints/
             found, what = checkpoint_dirs(run), "a run's checkpoints folder"
         hint = f"; {what}: name one of its checkpoints, e.g. {found[-1]}" if found else ""
         if not found and (here / "config.json").is_file() and any(

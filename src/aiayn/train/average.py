@@ -26,7 +26,12 @@ from aiayn.checkpoint import (
 from aiayn.config import resolved_settings
 from aiayn.errors import UserError
 from aiayn.files import check_output, overlap
-from aiayn.train.state import check_outside_checkpoints, checkpoint_dirs, is_interrupted
+from aiayn.train.state import (
+    check_outside_checkpoints,
+    checkpoint_dirs,
+    is_interrupted,
+    run_of_checkpoints_folder,
+)
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +183,7 @@ def _wrong_directory_hint(directory: Path) -> str:
     """What to give instead, when `directory` is a run's checkpoints folder or a checkpoint itself."""
     if is_checkpoint(directory):
         return " (it is a checkpoint: give the run directory whose last checkpoints to average)"
-    # "." inside the run's checkpoints/ (whose name is "") too, as `read_meta`'s hint
-    run = directory.parent if directory.name not in ("", "..") else directory / ".."
-    if Path(os.path.abspath(directory)).name == "checkpoints" and checkpoint_dirs(run):
+    if (run := run_of_checkpoints_folder(directory)) is not None and checkpoint_dirs(run):  # "." inside too
         return f" (it is a run's checkpoints folder: give the run directory, {run})"
     return ""
 

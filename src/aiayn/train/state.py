@@ -157,6 +157,15 @@ def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def run_of_checkpoints_folder(directory: str | Path) -> Path | None:
+    """The run directory whose checkpoints/ `directory` is, by its name (`run1/checkpoints`, or "." inside
+    it, whose name is ""), else None; whether it holds checkpoints is `checkpoint_dirs`' to say."""
+    if Path(os.path.abspath(directory)).name != "checkpoints":
+        return None
+    here = Path(directory)
+    return here.parent if here.name not in ("", "..") else here / ".."
+
+
 def training_owned(path: str | Path) -> tuple[str, Path] | None:
     """("is" or "lies inside", the folder) where `path` is or lies inside a training run's checkpoints/
     (one holding its step_N checkpoints, or beside its metrics.jsonl), else None. Training resumes from

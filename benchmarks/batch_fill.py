@@ -3,8 +3,9 @@
 `max_tokens` caps each side's padded tokens (its longest sentence times the pairs), as fairseq's
 `--max-tokens` does; the paper's batches held "approximately 25000 source tokens and 25000 target tokens".
 This prepares the corpus as a training run does (a SentencePiece model and the encoded cache in a scratch
-run directory, its progress on stderr as training's), cuts it with `token_batches` for each `max_tokens`, and reports the real tokens per batch
-as a share of `max_tokens`, for one process (with several, each cuts its own share the same way).
+run directory, its progress on stderr as training's), cuts it with `token_batches` for each `max_tokens`,
+and reports the real tokens per batch as a share of `max_tokens`, for one process (with several, each cuts
+its own share the same way).
 
     python benchmarks/batch_fill.py                                    # Multi30k en-de in ../shared/data
     python benchmarks/batch_fill.py --src a.en --tgt a.de --max-tokens 4096,25000 --vocab-size 32000

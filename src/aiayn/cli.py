@@ -773,8 +773,8 @@ def add_translate_parser(sub) -> None:
                    "EOS "
                    "(as tensor2tensor and fairseq do); a hypothesis cut at the maximum length has no EOS")
     p.add_argument("--max-len-a", type=float, default=1.0,
-                   help="at most a*src_len+b output tokens, rounded down, and at least 1 (default 1); src_len "
-                   "counts the source's EOS")
+                   help="at most a*src_len+b output tokens, rounded down, and at least 1 (default 1); "
+                   "src_len counts the source's EOS")
     p.add_argument("--max-len-b", type=int, default=50, help="(default 50: the paper's src_len + 50)")
     p.add_argument("--min-len", type=int, default=0, help="forbid EOS before this many output tokens")
     p.add_argument("--early-stopping", action="store_true",

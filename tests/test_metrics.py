@@ -275,6 +275,21 @@ def test_plot_says_what_the_run_directory_is_when_it_holds_no_log(tmp_path, caps
                                        "the folder that holds metrics.jsonl\n")
 
 
+def test_plot_names_the_run_directory_of_a_demo_folder_or_a_checkpoints_folder(tmp_path, capsys, monkeypatch):
+    """`plot demo` (the demo prints demo/run/curves.png) and `plot run/checkpoints` said "no metrics log"."""
+    run = tmp_path / "demo" / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    write_log(run / "metrics.jsonl", *map(whole, TRAIN))
+    for given in (tmp_path / "demo", run / "checkpoints"):
+        assert cli.main(["plot", str(given)]) == 2
+        expected = f"aiayn: error: {given}: no metrics.jsonl here; the run directory is {run}\n"
+        assert capsys.readouterr().err == expected
+    monkeypatch.chdir(run / "checkpoints")
+    assert cli.main(["plot", "."]) == 2
+    assert capsys.readouterr().err == "aiayn: error: .: no metrics.jsonl here; the run directory is ..\n"
+    assert cli.main(["plot", ".."]) == 0 and (run / "curves.png").is_file()
+
+
 def test_a_tied_best_is_the_first_for_bleu_as_for_the_loss(tmp_path, monkeypatch):
     from aiayn.train import metrics
 

@@ -274,7 +274,8 @@ def test_a_long_sentence_is_refused_before_the_model_runs(tmp_path, tokenizers, 
 
 
 def test_a_greedy_translation_cut_at_its_limit_is_not_counted_with_an_eos(tmp_path, tokenizers, monkeypatch):
-    """A model that repeats itself runs to the length limit, with no EOS: "(with EOS)" was said anyway."""
+    """A model that repeats itself runs to the length limit, with no EOS: "(with EOS)" was said anyway, and
+    draw_attention called it "the target"."""
     from aiayn.decoding.search import Hypothesis
 
     _draw_args(tmp_path, tokenizers)
@@ -287,6 +288,9 @@ def test_a_greedy_translation_cut_at_its_limit_is_not_counted_with_an_eos(tmp_pa
         monkeypatch.setattr(attention, "generate", lambda *a, hyp=hyp, **k: [[hyp]])
         with pytest.raises(UserError, match=re.escape(said)):
             extract_attention(ck.model, ck.tokenizer, "the number 7")
+        maps = extract_attention(ck.model, ck.tokenizer, "the number 7", max_tokens=None)  # the Python API's
+        with pytest.raises(UserError, match=re.escape(said)):  # draw said "the target: 105 tokens (with EOS)"
+            attention.draw_attention(maps, tmp_path / "maps")
 
 
 def test_a_greedy_translation_cut_at_its_limit_is_said_so(tmp_path, tokenizers, monkeypatch, caplog):

@@ -415,7 +415,11 @@ def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "atten
     """
     out_dir = check_out_dir(out_dir)
     check_drawable(len(maps.src_tokens), "the source")  # maps extracted with max_tokens=None
-    check_drawable(len(maps.tgt_out_tokens), "the target")
+    if maps.target == "given":
+        check_drawable(len(maps.tgt_out_tokens), "the target")
+    else:  # as extract_attention says it, not "the target: N tokens (with EOS)" of one cut without EOS
+        check_drawable(len(maps.tgt_out_tokens), "the greedy translation", hint=" (give a target to draw "
+                       "instead)", eos=maps.target == "greedy")
     drawn = [kind for kind in KINDS if maps.weights(kind).shape[0]]  # a stack without the chosen layers: none
     rendered = {}
     for kind in drawn:  # seconds each for a base-sized grid: say what is being drawn

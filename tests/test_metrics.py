@@ -103,7 +103,7 @@ def test_each_panels_update_axis_is_labelled_with_whole_numbers(records):
 
 def test_panels_without_numbers_say_so():
     """A log without lr records drew bare axes (-0.04 to 0.04); one of NaNs, blank panels titled "best
-    valid NLL nan"."""
+    valid NLL nan" (and "best valid BLEU nan")."""
     from aiayn.train.metrics import _draw
 
     nan = float("nan")
@@ -112,6 +112,8 @@ def test_panels_without_numbers_say_so():
     assert [t.get_text() for t in loss.texts] == ["no loss logged (or none finite)"]
     assert [t.get_text() for t in lr.texts] == ["no learning rate logged (or none finite)"]
     assert loss.get_title() == "valid NLL: not a number at every validation"
+    bleu = _draw([{"step": 2, "valid_nll": 1.5, "valid_bleu": nan}]).axes[2]  # titled "best valid BLEU nan"
+    assert bleu.get_title() == "valid BLEU: not a number at every validation"
     fig = _draw([{"step": 1, "loss": 2.0, "nll": 1.0, "lr": 1e-4}])
     assert not fig.axes[0].texts and not fig.axes[1].texts
 

@@ -278,7 +278,8 @@ def _draw(records: list[dict[str, Any]]):
         ax_bleu.set_xlabel("update")
         ax_bleu.set_ylabel("valid BLEU (greedy, sacreBLEU)")
         best, at = _best(max, bleus, bleu_steps)
-        ax_bleu.set_title(f"best valid BLEU {best:.2f} at {at}")
+        ax_bleu.set_title(f"best valid BLEU {best:.2f} at {at}" if not math.isnan(best)
+                          else "valid BLEU: not a number at every validation")
         ax_bleu.grid(alpha=0.3)
     steps = [r["step"] for r in records if "step" in r]
     for ax in axes:

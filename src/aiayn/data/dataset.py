@@ -1030,7 +1030,7 @@ def _warn_if_normalization_changes_text(
         folds = folds_case(sp)
         for line in sample:
             raw = _spaced(line)
-            want = _simple_casefold(raw) if folds else raw  # character for character: `raw`'s positions
+            want = simple_casefold(raw) if folds else raw  # character for character: `raw`'s positions
             got = _spaced(sp.normalize(line))
             if got != want:
                 changed += 1
@@ -1087,7 +1087,7 @@ def folds_case(sp: spm.SentencePieceProcessor) -> bool:
     return _spaced(sp.normalize("A")) == "a"
 
 
-def _simple_casefold(text: str) -> str:
+def simple_casefold(text: str) -> str:
     """`text` case-folded as SentencePiece's *_cf rules fold it: Unicode's simple folding, one character
     for one (ẞ to ß, ß kept), where str.casefold's full folding writes ß as ss and İ as i + U+0307. Checked
     against SentencePiece 0.2 for every character its rules keep otherwise."""

@@ -292,6 +292,25 @@ def test_plot_names_the_run_directory_of_a_demo_folder_or_a_checkpoints_folder(t
     assert cli.main(["plot", ".."]) == 0 and (run / "curves.png").is_file()
 
 
+def test_bleu_of_another_signature_is_a_line_of_its_own_and_the_best_its_own():
+    """A --resume with another train.bleu_lang joined 13a BLEU 4.5 and char BLEU 21.3 in one line, titled
+    with the best of both scales."""
+    from aiayn.train.metrics import _draw
+
+    sig = "nrefs:1|case:mixed|eff:no|tok:{}|smooth:exp|version:2.6.0"
+    records = [{"step": 80, "valid_bleu": 2.0, "bleu_signature": sig.format("13a")},
+               {"step": 160, "valid_bleu": 4.5, "bleu_signature": sig.format("13a")},
+               {"step": 240, "valid_bleu": 21.3, "bleu_signature": sig.format("char")},
+               {"step": 320, "valid_bleu": 19.0}]  # no signature (a hand's edit): the series before it's
+    bleu = _draw(records).axes[2]
+    assert [(list(line.get_xdata()), line.get_label()) for line in bleu.lines] == [
+        ([80, 160], "tok:13a"), ([240, 320], "tok:char")]
+    assert bleu.get_title() == "best valid BLEU 21.30 at 240 (tok:char)"
+    assert [t.get_text() for t in bleu.get_legend().get_texts()] == ["tok:13a", "tok:char"]
+    one = _draw(records[:2]).axes[2]  # one scale: one line, no legend, the title as before
+    assert len(one.lines) == 1 and one.get_legend() is None and one.get_title() == "best valid BLEU 4.50 at 160"
+
+
 def test_a_tied_best_is_the_first_for_bleu_as_for_the_loss(tmp_path, monkeypatch):
     from aiayn.train import metrics
 

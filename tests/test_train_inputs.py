@@ -333,6 +333,19 @@ def test_other_optimisation_settings_on_resume_are_said_one_line_each(finished_r
                     f"{value!r}" for key, value in changes.items()]
 
 
+def test_another_bleu_lang_on_resume_is_said_where_bleu_is_scored(finished_run, tmp_path, caplog):
+    """Another train.bleu_lang on --resume (as the training note advises for Chinese) put char BLEU after
+    13a BLEU in one series, unsaid."""
+    config = copy_run(finished_run, tmp_path)
+    for step, bleu_lang, said in ((5, "th", []),  # BLEU scored after the resume only: no series to break
+                                  (6, "th", []), (7, "", ["trained with train.bleu_lang='th', resumed with ''"])):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert train(with_train(config, max_updates=step, bleu_every=1, bleu_lang=bleu_lang),
+                         resume=True)["step"] == step
+        assert [m.split(": ", 1)[1] for m in caplog.messages if ": trained with" in m] == said
+
+
 def test_another_budget_on_resume_is_said_where_a_cooldown_makes_the_lr_follow_it(finished_run, tmp_path,
                                                                                    caplog):
     """With train.cooldown, the lr is a fraction of the budget left: another max_updates on --resume moved

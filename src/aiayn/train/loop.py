@@ -1294,9 +1294,11 @@ def _say_changed_settings(checkpoint: Path, trained: dict[str, Any] | None, conf
     """Another train.precision or compile (rounding otherwise: a compiled run resumes close to, not bit
     for bit as, an unbroken one), learning-rate schedule, label smoothing or clipping on --resume is
     allowed, and said, one line each; so is another budget where a cooldown, trained or resumed with,
-    makes the lr depend on it."""
+    makes the lr depend on it, and another train.bleu_lang where BLEU is scored."""
     cooled = (trained or {}).get("cooldown") or config.train.cooldown
-    for key in RESUME_CHANGES + (BUDGETS if cooled else ()):
+    # another bleu_lang scores on another scale (13a, then char): said, as `plot` draws it apart
+    scored = ("bleu_lang",) if config.train.bleu_every and (trained or {}).get("bleu_every") else ()
+    for key in RESUME_CHANGES + (BUDGETS if cooled else ()) + scored:
         saved, now = (trained or {}).get(key), getattr(config.train, key)
         if saved is not None and saved != now and d.is_main:
             log.info("%s: trained with train.%s=%r, resumed with %r", checkpoint, key, saved, now)

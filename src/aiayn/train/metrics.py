@@ -226,6 +226,29 @@ def _points(records: list[dict[str, Any]], key: str) -> tuple[list, list]:
     return steps, [latest[s] for s in steps]
 
 
+def _bleu_series(records: list[dict[str, Any]]) -> list[tuple[str, list, list]]:
+    """(sacreBLEU signature, steps, values) of the validation BLEU, a series each time the signature
+    changes: a --resume with another train.bleu_lang scores on another scale (13a BLEU 4.5, then char
+    BLEU 21.3), which one line joined and one best compared. A record without a signature (a hand's
+    edit) goes on the series before it."""
+    steps, values = _points(records, "valid_bleu")
+    signatures = dict(zip(*_points(records, "bleu_signature")))
+    series: list[tuple[str, list, list]] = []
+    for step, value in zip(steps, values):
+        signature = signatures.get(step, series[-1][0] if series else "")
+        if not series or series[-1][0] != signature:
+            series.append((signature, [], []))
+        series[-1][1].append(step)
+        series[-1][2].append(value)
+    return series
+
+
+def _signature_label(signature: str, all_signatures: set[str]) -> str:
+    """The fields of `signature` that not every one of `all_signatures` shares (tok:13a, tok:char)."""
+    shared = set.intersection(*(set(s.split("|")) for s in all_signatures))
+    return "|".join(f for f in signature.split("|") if f not in shared) or "(no signature)"
+
+
 def _best(pick, values: list[float], steps: list[int]) -> tuple[float, int]:
     """(value, step) of the best of `values` by `pick` (min or max), NaNs left out: a NaN compares as
     neither larger nor smaller, so a first NaN was taken as the best; (nan, first step) if all are."""
@@ -240,9 +263,9 @@ def _draw(records: list[dict[str, Any]]):
     (inline plots) for the rest of its session, and pyplot keeps every figure until it is closed."""
     from matplotlib.figure import Figure
 
-    bleu_steps, bleus = _points(records, "valid_bleu")  # with train.bleu_every: a third panel
-    fig = Figure(figsize=(16 if bleu_steps else 11, 4))
-    axes = fig.subplots(1, 3 if bleu_steps else 2)
+    bleu_series = _bleu_series(records)  # with train.bleu_every: a third panel
+    fig = Figure(figsize=(16 if bleu_series else 11, 4))
+    axes = fig.subplots(1, 3 if bleu_series else 2)
     ax_loss, ax_lr = axes[0], axes[1]
     for key, label, style in (
         ("loss", "train loss (smoothed)", "-"),
@@ -272,20 +295,34 @@ def _draw(records: list[dict[str, Any]]):
     ax_lr.set_xlabel("update")
     ax_lr.set_ylabel("learning rate")
     ax_lr.grid(alpha=0.3)
-    if bleu_steps:
-        ax_bleu = axes[2]
-        ax_bleu.plot(bleu_steps, bleus, "o-", markersize=3)
-        ax_bleu.set_xlabel("update")
-        ax_bleu.set_ylabel("valid BLEU (greedy, sacreBLEU)")
-        best, at = _best(max, bleus, bleu_steps)
-        ax_bleu.set_title(f"best valid BLEU {best:.2f} at {at}" if not math.isnan(best)
-                          else "valid BLEU: not a number at every validation")
-        ax_bleu.grid(alpha=0.3)
+    if bleu_series:
+        _draw_bleu(axes[2], bleu_series)
     steps = [r["step"] for r in records if "step" in r]
     for ax in axes:
         _whole_updates(ax, steps)
     fig.tight_layout()
     return fig
+
+
+def _draw_bleu(ax, series: list[tuple[str, list, list]]) -> None:
+    """One line per signature's series, labelled where there are several; the best of the last
+    signature's, the scale the run scores on now."""
+    signatures = {signature for signature, _, _ in series}
+    for signature, steps, values in series:
+        label = _signature_label(signature, signatures) if len(signatures) > 1 else None
+        ax.plot(steps, values, "o-", markersize=3, label=label)
+    if len(signatures) > 1:
+        ax.legend()
+    ax.set_xlabel("update")
+    ax.set_ylabel("valid BLEU (greedy, sacreBLEU)")
+    last = series[-1][0]
+    steps = [step for signature, s, _ in series if signature == last for step in s]
+    values = [value for signature, _, v in series if signature == last for value in v]
+    best, at = _best(max, values, steps)
+    where = f" ({_signature_label(last, signatures)})" if len(signatures) > 1 else ""
+    ax.set_title(f"best valid BLEU {best:.2f} at {at}{where}" if not math.isnan(best)
+                 else "valid BLEU: not a number at every validation")
+    ax.grid(alpha=0.3)
 
 
 def _whole_updates(ax, run_steps: list) -> None:

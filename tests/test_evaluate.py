@@ -206,7 +206,8 @@ def test_a_note_suggests_lang_for_unspaced_text_scored_with_13a(tmp_path, capsys
     ref.write_text("我们明天去公园散步。\n他说这本书非常有意思。\n\n", encoding="utf-8")
     assert main(["evaluate", str(hyp), str(ref)]) == 0
     captured = capsys.readouterr()
-    note = "aiayn: note: BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Thai, Lao, "
+    note = ("aiayn: note: BLEU's 13a tokenizer found words of 10 characters on average: for Chinese, Japanese, "
+            "Thai, Lao, ")
     assert captured.err.startswith(note) and captured.err.count("\n") == 1 and "BLEU: 0.00" in captured.out
     assert "Khmer or Burmese pass -l LANG (or --tokenize char)" in captured.err
     for extra in (["-l", "zh"], ["--tokenize", "char"], ["--json"]):
@@ -225,6 +226,9 @@ def test_a_note_suggests_lang_for_unspaced_text_scored_with_13a(tmp_path, capsys
     (["我们今天去公园散步。", "他用iPhone拍照片了"], True),
     (["วันนี้อากาศดีมาก", "ขอบคุณมากครับผม"], True),
     (["今日はとても良い天気ですね", "ありがとうございました"], True),
+    # Thai spaces clauses, not words: two 13a words a line, of 20 characters (no note, BLEU 0.00)
+    (["ฉันไปตลาดเมื่อวานนี้ และซื้อผลไม้มากมาย", "วันนี้อากาศดีมาก เราจึงไปเดินเล่นที่สวน"], True),
+    (["我们 今天 去 公园 散步 。", "他 说 这 本 书 很 有 意思 。"], False),  # segmented: 13a scores its words
 ])
 def test_the_unspaced_note_looks_at_the_script(tmp_path, capsys, lines, unspaced):
     """Word and character counts alone called single-word lines of German, a spaced language, unspaced:
@@ -232,7 +236,7 @@ def test_the_unspaced_note_looks_at_the_script(tmp_path, capsys, lines, unspaced
     hyp = tmp_path / "hyp"
     hyp.write_text("\n".join(lines * 25) + "\n", encoding="utf-8")
     assert main(["evaluate", str(hyp), str(hyp)]) == 0
-    assert ("note: BLEU's 13a tokenizer found about 1 word per line" in capsys.readouterr().err) == unspaced
+    assert ("note: BLEU's 13a tokenizer found words of" in capsys.readouterr().err) == unspaced
 
 
 def test_hypotheses_from_standard_input(tmp_path, capsys, monkeypatch):
@@ -422,12 +426,13 @@ def test_a_tokenizer_made_for_one_language_says_it_for_ter_and_chrf(tmp_path, ca
 
 def test_word_scores_of_unspaced_text_under_a_tokenizer_of_no_language_get_a_note(tmp_path, capsys):
     """--tokenize char --ter on Chinese gave TER 100.00, each line one word, silently: char names no
-    language, and TER and chrF++ split words at spaces."""
+    language, and TER and chrF++ split words at spaces. The note named -l for TER of Thai too."""
     hyp, ref = tmp_path / "hyp", tmp_path / "ref"
     hyp.write_text("我喜欢吃苹果。\n今天天气很好。\n他去了北京大学学习。\n", encoding="utf-8")
     ref.write_text("我爱吃苹果。\n今天天气非常好。\n他去北京大学学习了。\n", encoding="utf-8")
     note = ("aiayn: note: TER splits words at spaces, which this text, mostly of scripts written without "
-            "them, has few of: pass -l LANG to score them as its language allows\n")
+            "them, has few of: pass -l LANG to score them as its language allows (TER: -l zh or ja; it has none "
+            "for Thai, Lao, Khmer or Burmese)\n")  # which `-l th --ter` refuses: the note sent Thai there
     assert main(["evaluate", str(hyp), str(ref), "--tokenize", "char", "--ter"]) == 0
     assert capsys.readouterr().err == note
     assert main(["evaluate", str(hyp), str(ref), "--tokenize", "13a", "--ter", "--chrf-word-order", "1"]) == 0
@@ -448,8 +453,8 @@ def test_the_one_word_note_with_ter_asks_for_the_language_alone(tmp_path, capsys
     hyp.write_text("我们今天下午去北京大学图书馆看书。\n他昨天晚上在家里看了一部很好的电影。\n" * 3, encoding="utf-8")
     assert main(["evaluate", str(hyp), str(hyp), "--ter"]) == 0
     assert capsys.readouterr().err.splitlines()[0] == (
-        "aiayn: note: BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Thai, Lao, "
-        "Khmer or Burmese pass -l LANG (TER too)")
+        "aiayn: note: BLEU's 13a tokenizer found words of 18 characters on average: for Chinese, Japanese, "
+        "Thai, Lao, Khmer or Burmese pass -l LANG (TER too)")
 
 
 def test_the_script_share_counts_letters_only():

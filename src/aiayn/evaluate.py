@@ -50,7 +50,9 @@ TOKENIZER_LANGS = {tok: lang for lang, (tok, _) in LANG_TOKENIZERS.items() if to
 # LANG, LANG-REGION or LANG_REGION: a region in capitals (zh-CN, pt_BR) or digits (es-419), a script before it
 # (zh-Hant, zh-Hans-CN). A lowercase two-letter second part is what a pair looks like (en-zh, en-de): refused.
 _LANG_TAG = re.compile(r"(?P<lang>[A-Za-z]{2,3})(?:[-_][A-Za-z]{4})?(?:[-_](?P<region>[A-Z]{2}|[0-9]{3}))?")
-HINT_WORDS, HINT_CHARS = 1.5, 8  # 13a words and characters per non-empty hypothesis line: unspaced text
+# 13a "words" of more characters than this on average: unspaced text left unsplit (a line of Chinese, or
+# Thai, whose spaces part clauses, not words); segmented text averages 2-5
+HINT_WORD_CHARS = 8
 # Letters of the scripts written without spaces between words: Thai, Lao, Myanmar, Khmer, kana (halfwidth
 # too), Han. Not Hangul: Korean spaces its words. Counts alone called a file of one German compound a line
 # unspaced.
@@ -128,8 +130,8 @@ def unspaced_hint(
 ) -> str | None:
     """A note for unspaced text (mostly letters of the scripts written without spaces: `mostly_unspaced`)
     scored with no language known (no `lang`, and no `tokenize` of TOKENIZER_LANGS). Where 13a was used (no
-    `tokenize`) and found on average fewer than HINT_WORDS words per non-empty line of more than HINT_CHARS
-    characters, as Chinese, Japanese or Thai gives: BLEU near 0 however good the translation. Else where
+    `tokenize`) and found words of more than HINT_WORD_CHARS characters on average, as Chinese, Japanese or
+    Thai gives (Thai's spaces part clauses): BLEU near 0 however good the translation. Else where
     `ter` or `chrf_word_order` (as `corpus_scores` takes them) asks for scores of words split at spaces,
     which -l would score as the language allows. None when it does not apply."""
     if lang.strip() or tokenizer_language(tokenize):
@@ -138,15 +140,16 @@ def unspaced_hint(
     if not lines or not mostly_unspaced(lines):
         return None
     words = [name for name, asked in (("TER", ter), ("chrF's word n-grams", chrf_word_order)) if asked]
-    if tokenize is None and _looks_one_word(lines):
+    if tokenize is None and (chars := _word_chars(lines)) > HINT_WORD_CHARS:
         if words:  # --tokenize char mends BLEU alone: TER stayed 100 and a second note said to pass -l
             advice = "pass -l LANG"
-        return (f"BLEU's 13a tokenizer found about 1 word per line: for Chinese, Japanese, Thai, Lao, Khmer "
-                f"or Burmese {advice}" + (f" ({' and '.join(words)} too)" if words else ""))
+        return (f"BLEU's 13a tokenizer found words of {chars:.0f} characters on average: for Chinese, Japanese, "
+                f"Thai, Lao, Khmer or Burmese {advice}" + (f" ({' and '.join(words)} too)" if words else ""))
     if words:  # --tokenize char is BLEU's alone: TER scored each Chinese line as one word
         return (f"{' and '.join(words)} split{'s' if words == ['TER'] else ''} words at spaces, which this "
                 "text, mostly of scripts written without them, has few of: pass -l LANG to score them as its "
-                "language allows")
+                "language allows" + (" (TER: -l zh or ja; it has none for Thai, Lao, Khmer or Burmese)"
+                                     if ter else ""))
     return None
 
 
@@ -156,12 +159,12 @@ def tokenizer_language(tokenize: object) -> str:
     return TOKENIZER_LANGS.get(tokenize, "") if isinstance(tokenize, str) else ""
 
 
-def _looks_one_word(lines: Sequence[str]) -> bool:
-    """Whether 13a finds on average fewer than HINT_WORDS words in `lines` of more than HINT_CHARS."""
+def _word_chars(lines: Sequence[str]) -> float:
+    """The average characters of the words 13a finds in `lines`. Words a line alone missed Thai, whose
+    lines of two clauses are two 13a words of 20 characters (BLEU 0.00, and no note)."""
     tokenize13a = Tokenizer13a()
-    words = sum(len(tokenize13a(line).split()) for line in lines) / len(lines)
-    chars = sum(len(line.strip()) for line in lines) / len(lines)
-    return words < HINT_WORDS and chars > HINT_CHARS
+    words = [word for line in lines for word in tokenize13a(line).split()]
+    return sum(map(len, words)) / max(len(words), 1)
 
 
 def mostly_unspaced(lines: Sequence[str]) -> bool:

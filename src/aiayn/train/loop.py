@@ -1245,7 +1245,7 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
         valid, too_long = valid.filter_length(dc.max_len)
         _require_pairs(dc.valid_src, "validation", len(valid), too_long, dc.max_len)
         if too_long and d.is_main:
-            scored = " from the loss (BLEU scores every pair)" if config.train.bleu_every else ""
+            scored = " from the loss (BLEU scores them too)" if config.train.bleu_every else ""
             log.warning("%s: %d validation pairs longer than max_len=%d dropped%s", dc.valid_src, too_long,
                         dc.max_len, scored)
         valid_batches = token_batches(valid.src_lengths(), valid.tgt_lengths(), config.train.max_tokens)

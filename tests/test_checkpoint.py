@@ -414,6 +414,23 @@ def test_failed_rename_puts_the_old_checkpoint_back(tmp_path, tokenizer, monkeyp
     assert tree(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["ck"]
 
 
+def test_save_keeps_a_training_state_and_writes_inside_no_checkpoint(tmp_path, tokenizer):
+    """Resaving a loaded step_N in place (`meta=ck.meta`, after a cast, say) deleted its trainer.json and
+    trainer.safetensors, so --resume from it failed; a save inside a checkpoint made that one unsavable."""
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    step = save_checkpoint(tmp_path / "step_000002", model, tokenizer, {"step": 2},
+                           {"adam.exp_avg": torch.zeros(2)}, {"step": 2}, owned=True)  # as training saves
+    ck = load_checkpoint(step)
+    with pytest.raises(UserError, match="holds trainer.json, trainer.safetensors beside an aiayn checkpoint; "
+                                        "replacing it would delete them, so move them out first"):
+        save_checkpoint(step, ck.model, ck.tokenizer, meta=ck.meta)
+    assert sorted(p.name for p in step.iterdir() if p.name.startswith("trainer"))[0] == "trainer.json"
+    with pytest.raises(UserError, match=re.escape(f"{step / 'inner'}: lies inside the checkpoint {step}; "
+                                                  "save it elsewhere")):
+        save_checkpoint(step / "inner", ck.model, ck.tokenizer)
+    assert not (step / "inner").exists()
+
+
 @pytest.fixture
 def run(tmp_path, tokenizer):
     """A run directory with three checkpoints of one tiny model (different weights) and a metrics file."""

@@ -122,7 +122,8 @@ def save_checkpoint(
     *, check_weights: bool = True, owned: bool = False,
 ) -> Path:
     """Write a self-contained checkpoint directory atomically; return its path. An existing `directory`
-    is replaced only if it is empty or a checkpoint with nothing else in it.
+    is replaced only if it is empty or a checkpoint with nothing else in it (no training state: resaving a
+    run's step_N dropped what --resume needs); none is written inside another checkpoint.
 
     Nothing is written that `load_checkpoint` would refuse and blame on the file ("not the tokenizer
     this model was trained with", "the file is damaged"): a tokenizer that does not fit the model, or a
@@ -138,6 +139,8 @@ def save_checkpoint(
     directory = Path(directory)
     check_savable(model, directory)
     if not owned:  # an earlier checkpoint, or none
+        if (inside := enclosing_checkpoint(directory, itself=False)) is not None:  # then unsavable over
+            raise UserError(f"{directory}: lies inside the checkpoint {inside[1]}; save it elsewhere")
         check_replaceable(directory, CHECKPOINT_KIND)
     problem = vocabulary_problem(model.config, tokenizer)
     if problem:
@@ -191,8 +194,10 @@ def is_checkpoint(path: Path) -> bool:
 
 
 # What `--force` may replace (convert, average): a checkpoint directory with no file of anyone else's.
-CHECKPOINT_KIND = OutputKind("an aiayn checkpoint", is_checkpoint, frozenset(
-    {WEIGHTS, META, "trainer.safetensors", "trainer.json", SHARED, SOURCE, TARGET}))
+# What save_checkpoint, average and convert replace: not a training state (trainer.*), which resaving a
+# step_N in place dropped, with what --resume needs
+CHECKPOINT_KIND = OutputKind("an aiayn checkpoint", is_checkpoint, frozenset({WEIGHTS, META, SHARED, SOURCE,
+                                                                            TARGET}))
 
 
 def enclosing_checkpoint(path: str | Path, itself: bool = True) -> tuple[str, Path] | None:

@@ -497,6 +497,9 @@ def test_plot_output_inside_a_checkpoint_is_refused(tmp_path, capsys):
             f"lies inside {ck.parent}, which training owns (it resumes from and prunes what is there); "
             "write it elsewhere")
     assert not (ck.parent / "c.png").exists() and not (ck.parent / "step_000099").exists()
+    with pytest.raises(UserError, match="which training owns"):  # plot_metrics from Python drew there
+        plot_metrics(tmp_path / "metrics.jsonl", ck.parent / "c.png")
+    assert not (ck.parent / "c.png").exists()
     assert cli.main(["plot", str(tmp_path), "-o", str(ck / ".." / ".." / "c.png")]) == 0
     assert (tmp_path / "c.png").is_file()
 

@@ -392,13 +392,18 @@ FILE_SUFFIXES = (".png", ".pdf", ".svg", ".html", ".htm", ".jpg", ".jpeg")
 
 def check_out_dir(out_dir: str | Path) -> Path:
     """Refuse an output folder that cannot be one, before any work: an empty name (it would mean the
-    current directory), an existing non-directory, a path under a file, or a new name that ends in a
-    picture's or page's suffix (`FILE_SUFFIXES`), which was meant as a file. Creates nothing."""
+    current directory), an existing non-directory, a path under a file, a new name that ends in a
+    picture's or page's suffix (`FILE_SUFFIXES`), which was meant as a file, or a folder that is or lies
+    inside a checkpoint or a run's checkpoints/ (training's keep_last deletes those whole). Creates
+    nothing."""
+    from aiayn.train.state import check_outside_checkpoints
+
     if str(out_dir) == "":
         raise UserError("the output folder name is empty")
     folder = str(out_dir).endswith(("/", os.sep))  # `maps.png/`: a folder by its slash, which Path drops
     out_dir = Path(out_dir)
     check_directory_path(out_dir)
+    check_outside_checkpoints(out_dir)  # the one read, too: as translate -o (Python callers too)
     if out_dir.suffix.lower() in FILE_SUFFIXES and not out_dir.exists() and not folder:
         raise UserError(f"{out_dir}: names a file; --out (out_dir in Python) is the folder that gets "
                         f"attention_*.png and attention.html, such as {out_dir.with_suffix('')}")

@@ -197,9 +197,7 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
     run = Path(args.run_dir)
     _check_plottable(run)
-    if args.output:  # training's keep_last deletes a checkpoint directory whole, a picture in it too
-        _check_outside_checkpoints(Path(args.output))
-    elif (run / "curves.png").is_dir():  # "names a directory; give the picture's file name": none was given
+    if not args.output and (run / "curves.png").is_dir():  # "names a directory; give the picture's file name": none was given
         raise UserError(f"{run / 'curves.png'}: is a directory, not a picture; draw elsewhere with "
                         "-o FILE.png")
     print(plot_metrics(run / "metrics.jsonl", args.output or run / "curves.png"))
@@ -229,14 +227,11 @@ def _check_plottable(run: Path) -> None:
 
 def cmd_attention(args: argparse.Namespace) -> None:
     """Draw every layer's and head's attention for one sentence pair as PNGs and one HTML page."""
-    from pathlib import Path
-
     from aiayn.attention import check_out_dir, check_selection, draw_attention, extract_attention
     from aiayn.checkpoint import load_checkpoint
 
     _log_to_stderr()  # e.g. label characters that no installed font has
     check_out_dir(args.out)  # before loading and running the model, not after
-    _check_outside_checkpoints(Path(args.out))  # the one read, too: as translate -o
     ck = load_checkpoint(args.checkpoint)
     config = ck.model.config  # a layer or head the model lacks, said before its greedy translation runs
     check_selection(args.layers, args.heads, max(config.n_layers, config.decoder_layers), config.n_heads)

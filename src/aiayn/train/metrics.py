@@ -200,7 +200,11 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def _check_png_output(png: Path, log: Path) -> None:
     """Replace an earlier picture, never anything else: `-o` naming the log, a checkpoint's weights or any
-    other file (a slip of the shell's completion) lost it to a PNG."""
+    other file (a slip of the shell's completion) lost it to a PNG. Nor draw inside a checkpoint or a
+    run's checkpoints/: training's keep_last deletes those whole (Python callers too)."""
+    from aiayn.train.state import check_outside_checkpoints
+
+    check_outside_checkpoints(png)
     check_file_output(png, [log])
     if png.is_file():
         try:

@@ -143,6 +143,20 @@ def test_a_translator_over_a_training_model_says_it_turned_dropout_off(checkpoin
     assert caplog.messages == []
 
 
+def test_a_translator_refuses_a_tokenizer_that_does_not_fit_its_model(checkpoint):
+    """Translator(model, tokenizer) took any pair, as load_checkpoint does not: a tokenizer with more pieces
+    than the model's embeddings failed in their lookup (an IndexError traceback), and one with another EOS
+    id ended sentences with an id the model does not stop at, silently."""
+    loaded = Translator.load(checkpoint)
+    pieces = loaded.tokenizer.src_vocab_size
+    with pytest.raises(UserError, match=rf"^Translator: the source tokenizer has {pieces} pieces but the model "
+                                        r"40 embeddings: not the tokenizer this model was trained with$"):
+        Translator(tiny_model(vocab_size=40), loaded.tokenizer)
+    with pytest.raises(UserError, match=r"^Translator: the tokenizer's eos id is 2, the model's eos_id 3: "):
+        Translator(tiny_model(vocab_size=pieces, eos_id=3), loaded.tokenizer)
+    Translator(tiny_model(vocab_size=pieces), loaded.tokenizer)  # one that fits
+
+
 def test_a_sampling_translator_searches_for_one_call(checkpoint):
     """A Translator sampling by default could not search for one call: sample=False was refused for the
     temperature and seed it had not given, a beam 4 for the sampling it had not asked for."""

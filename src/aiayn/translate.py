@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, S
 import torch
 
 from aiayn.config import ConfigError, from_dict
+from aiayn.checkpoint import vocabulary_problem
 from aiayn.data.batching import right_pad
 from aiayn.data.dataset import (
     HEAD_BYTES,
@@ -247,7 +248,12 @@ class Translator:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: DecodeConfig | None = None):
         """Translate with `model` itself (no copy), in eval mode: a model in training mode is switched,
-        and said to be, since a training loop that goes on with it would go on without dropout."""
+        and said to be, since a training loop that goes on with it would go on without dropout. A
+        `tokenizer` whose ids do not fit the model (`aiayn.checkpoint.vocabulary_problem`) is a UserError."""
+        problem = vocabulary_problem(model.config, tokenizer)
+        if problem:  # more pieces than embeddings failed in their lookup (an IndexError); another pad or EOS
+            # id padded and stopped with ids the model does not mask or stop at, silently
+            raise UserError(f"Translator: {problem}")
         members = model.members if isinstance(model, Ensemble) else [model]  # a new Ensemble is in training
         # mode, its members not; Monte Carlo dropout (the model in eval mode, its Dropout on) is no training
         if any(m.training for m in members):  # a check in the middle of the caller's training: switched

@@ -470,6 +470,22 @@ def test_a_dtype_is_taken_by_its_name_too(run):
         load_checkpoint(ck, dtype=16)
 
 
+def test_a_device_that_cannot_hold_the_model_is_one_line(run, tmp_path):
+    """load_checkpoint(device=...) passed the name straight to torch: "cuda" on a CPU-only torch was an
+    AssertionError, a misspelt name torch's list of 20 device types, "meta" a model without weights (after
+    40 warnings). Each is now the line Translator.load says, before any reading."""
+    ck = run / "checkpoints" / "step_000003"
+    with pytest.raises(UserError, match=r"^device 'bogus' is not a device name: cpu, cuda, cuda:1, \.\.\.$"):
+        load_checkpoint(ck, device="bogus")
+    for where in (ck, tmp_path / "nowhere"):  # the device first: not "checkpoint not found"
+        with pytest.raises(UserError, match=r"^device 'meta': aiayn runs models on cpu or cuda only$"):
+            load_checkpoint(where, device="meta")
+    beyond = f"cuda:{torch.cuda.device_count()}"  # one past the last; cuda:0 on a machine without CUDA
+    with pytest.raises(UserError, match=rf"^device '{beyond}': (no CUDA device is available|this machine has)"):
+        load_checkpoint(ck, device=beyond)
+    assert load_checkpoint(ck, device=torch.device("cpu")).model.generator.weight.device.type == "cpu"
+
+
 def test_a_checkpoint_that_cannot_be_pruned_is_a_warning(run, monkeypatch, caplog):
     """Pruning runs right after a save that holds everything: a failed rename (a full disk's directory
     block, EIO) ended a healthy run with a traceback."""

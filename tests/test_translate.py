@@ -634,7 +634,7 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
              (["--sample", "--n-best", "0"], "error: --n-best 0 must be at least 1\n"),
              (["--sample", "--beam", "2"], "error: --sample needs --beam 1, not 2"),
              (["--device", "foo"], "device 'foo' is not a device name"),
-             (["--device", "meta"], "device 'meta': aiayn decodes on cpu or cuda only"),
+             (["--device", "meta"], "device 'meta': aiayn runs models on cpu or cuda only"),
              (["--early-stopping", "--beam", "1"], "--early-stopping needs beam > 1, not 1"),
              (["--early-stopping", "--sample"], "--early-stopping needs beam > 1, not 1"),
              (["--lenpen", "1", "--lenpen-kind", "none"], "--lenpen 1.0 has no effect with --lenpen-kind"),

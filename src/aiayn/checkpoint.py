@@ -80,6 +80,30 @@ def weights_dtype(dtype: str | torch.dtype) -> torch.dtype:
 WEIGHT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+def inference_device(device: str | torch.device, int8: bool = False) -> torch.device:
+    """`device` parsed, for a model to run on (`load_checkpoint`, `Translator.load`): the CPU or a CUDA
+    device this machine has (the CPU only with `int8`); anything else is a UserError."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"device {device!r} is not a device name: cpu, cuda, cuda:1, ...") from None
+    if parsed.type == "cpu":
+        return parsed
+    if parsed.type != "cuda":  # meta, mps...: untested here, and meta has no weights to compute with
+        raise UserError(f"device {device!r}: aiayn runs models on cpu or cuda only")
+    if int8:  # before the CUDA checks: the answer is the same on a machine with or without a GPU
+        raise UserError(f"int8 (--int8) is a CPU path (torch.ao's dynamic quantization has no CUDA kernels): "
+                        f"drop it on device {str(device)!r}, or use device cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        build = "" if torch.backends.cuda.is_built() else " (this PyTorch is built without CUDA)"
+        raise UserError(f"device {device!r}: no CUDA device is available{build}")
+    if (parsed.index or 0) >= count:
+        raise UserError(f"device {device!r}: this machine has {count} CUDA device(s), "
+                        f"cuda:0 to cuda:{count - 1}")
+    return parsed
+
+
 def model_from_weights(config: ModelConfig, weights: dict[str, torch.Tensor], where: str | Path,
                        device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32
                        ) -> Transformer:
@@ -415,9 +439,12 @@ def vocabulary_problem(config: ModelConfig, tokenizer: Tokenizer) -> str | None:
 
 def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu",
                     dtype: str | torch.dtype = torch.float32) -> Checkpoint:
-    """Model (eval mode, in `dtype`: a floating-point torch dtype or its name, "bfloat16"), tokenizer and
-    metadata of a checkpoint directory."""
-    dtype = weights_dtype(dtype)  # before any reading
+    """Model (eval mode, on `device`: the CPU or a CUDA device this machine has, `inference_device`; in
+    `dtype`: a floating-point torch dtype or its name, "bfloat16"), tokenizer and metadata of a checkpoint
+    directory."""
+    # before any reading: CUDA on a CPU-only torch was an AssertionError, "meta" a model without weights
+    device = inference_device(device)
+    dtype = weights_dtype(dtype)
     directory, meta, config = _checkpoint_meta(directory)
     model = model_from_weights(config, load_weights(directory), directory / WEIGHTS, device, dtype)
     tokenizer = checkpoint_tokenizer(directory, meta)

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, S
 
 import torch
 
+from aiayn.checkpoint import inference_device, vocabulary_problem
 from aiayn.config import ConfigError, from_dict
-from aiayn.checkpoint import vocabulary_problem
 from aiayn.data.batching import right_pad
 from aiayn.data.dataset import (
     HEAD_BYTES,
@@ -143,29 +143,6 @@ def inference_dtype(dtype: str | torch.dtype, device: torch.device, int8: bool =
         raise UserError(f"int8 (--int8) quantizes float32 weights; drop it or dtype {dtype!r}")
     if parsed == torch.float16 and device.type == "cpu":  # most CPUs emulate it, many times slower
         raise UserError("dtype float16 is for GPUs; on a CPU use bfloat16 (fast with AVX-512 BF16 or AMX)")
-    return parsed
-
-
-def inference_device(device: str | torch.device, int8: bool = False) -> torch.device:
-    """`device` parsed: the CPU or a CUDA device this machine has (the CPU only with `int8`); anything
-    else is a UserError."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise UserError(f"device {device!r} is not a device name: cpu, cuda, cuda:1, ...") from None
-    if parsed.type == "cpu":
-        return parsed
-    if parsed.type != "cuda":  # meta, mps...: untested here, and meta has no weights to compute with
-        raise UserError(f"device {device!r}: aiayn decodes on cpu or cuda only")  # translate and score
-    if int8:  # before the CUDA checks: the answer is the same on a machine with or without a GPU
-        raise UserError(f"int8 (--int8) is a CPU path (torch.ao's dynamic quantization has no CUDA kernels): "
-                        f"drop it on device {str(device)!r}, or use device cpu")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        build = "" if torch.backends.cuda.is_built() else " (this PyTorch is built without CUDA)"
-        raise UserError(f"device {device!r}: no CUDA device is available{build}")
-    if (parsed.index or 0) >= count:
-        raise UserError(f"device {device!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     return parsed
 
 

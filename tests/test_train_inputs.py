@@ -520,7 +520,7 @@ def test_a_signal_saves_the_update_it_stopped_at_and_resume_ends_where_an_unbrok
     code, err = run_cli(capsys, "train", *args)
     assert code == 128 + signum
     assert err[-1] == f"aiayn: stopped by {signal.Signals(signum).name} at update 3, saved in {run}/checkpoints/" \
-                      "step_000003; --resume continues from there"
+                      "step_000003; --resume (resume=True in Python) continues from there"
     assert [p.name for p in checkpoint_dirs(run)] == ["step_000002", "step_000003"]
     assert signal.getsignal(signum) == before  # handlers given back
     monkeypatch.setattr(loop, "train_step", real_step)

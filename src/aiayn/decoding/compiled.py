@@ -84,7 +84,7 @@ def check_cxx_compiler() -> None:
     from aiayn.errors import UserError
 
     if not has_cxx_compiler():
-        raise UserError(missing_compiler("--compile") + ", or leave out --compile")
+        raise UserError(missing_compiler("compile (--compile)") + ", or decode without compiling")
 
 
 def _decode(
@@ -163,7 +163,7 @@ def compile_one_row_step(model: Transformer) -> Transformer:
         step = OneRowStep(model)
         step.warm_up()
     except Exception as e:  # noqa: BLE001  dynamo and inductor raise many kinds, with pages of detail
-        raise UserError(f"--compile: torch.compile failed here: {_first_words(e)[:300]}") from None
+        raise UserError(f"compile (--compile): torch.compile failed here: {_first_words(e)[:300]}") from None
     model.one_row_step = step
     return model
 

@@ -312,7 +312,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     if stop in STOPPED_BY:  # the agreed signal, not the latest: a SIGTERM
         # during the save changed one process' and that one exited 0
         raise Stopped(f"stopped by {stop} at update {state.step}, saved in {checkpoint_dirs(run_dir)[-1]}; "
-                      "--resume continues from there", signal.Signals[stop])
+                      "--resume (resume=True in Python) continues from there", signal.Signals[stop])
     return _result(last or validated, state, stop, resume_from, run_dir)
 
 

@@ -480,6 +480,10 @@ def test_searches_and_scoring_refuse_dropout_and_bad_batches():
             generate(model, torch.tensor([5, 6, 2]), DecodeConfig(beam=beam))
     with pytest.raises(ValueError, match=r"^generator is used only with sample=True$"):  # it was ignored
         generate(model, src, DecodeConfig(), torch.Generator())
+    for config in (None, {"beam": 4}):  # an AttributeError: "'NoneType' object has no attribute 'sample'"
+        refusal = rf"^generate\(\) takes a DecodeConfig, not {type(config).__name__}: build one with "
+        with pytest.raises(TypeError, match=refusal):
+            generate(model, src, config)
 
 
 # --- the two-pass top-k ------------------------------------------------------------------------------

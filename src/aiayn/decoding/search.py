@@ -124,6 +124,9 @@ def generate(
     from aiayn.decoding.beam import beam_search
     from aiayn.decoding.greedy import greedy_search
 
+    if not isinstance(config, DecodeConfig):  # None or a dict: "'NoneType' object has no attribute 'sample'"
+        raise TypeError(f"generate() takes a DecodeConfig, not {type(config).__name__}: build one with "
+                        "DecodeConfig(beam=4, ...), or aiayn.translate.decode_config(**options)")
     if generator is not None and not config.sample:
         raise ValueError("generator is used only with sample=True")
     if config.sample:

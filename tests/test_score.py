@@ -10,6 +10,7 @@ from conftest import numbers_checkpoint, padded_batch, tiny_model
 
 from aiayn.checkpoint import save_checkpoint
 from aiayn.cli import main
+from aiayn.data.batching import right_pad
 from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.score import force_decode
 from aiayn.errors import SentenceTooLong, UserError
@@ -65,6 +66,11 @@ def test_a_batch_scores_as_each_pair_alone():
     assert force_decode(model, src, targets) == pytest.approx(alone, abs=1e-5)
     with pytest.raises(ValueError, match="empty one"):
         force_decode(model, src, [[5, 2], [], [2]])
+    # a tensor of rows failed in `all` ("Boolean value of Tensor ... is ambiguous"); its padding is not EOS
+    refusal = r"^targets holds a Tensor: force_decode takes one list of token ids per source, each ending"
+    for rows in (right_pad(targets, 0), [torch.tensor(t) for t in targets]):
+        with pytest.raises(TypeError, match=refusal):
+            force_decode(model, src, rows)
 
 
 @pytest.fixture(scope="module")

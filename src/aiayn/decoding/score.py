@@ -25,6 +25,12 @@ def force_decode(model: Transformer, src: Tensor, targets: list[list[int]]) -> l
     each with EOS to score a whole translation): the sum of its tokens' log-probabilities. Rows whose
     target ended stay in the batch, fed EOS, and add nothing more."""
     check_inference(model, src)
+    # a (B, T) tensor's rows failed in `all` ("Boolean value of Tensor ... is ambiguous"); converted, its
+    # padding would be scored as tokens: only lists say where each target ends
+    odd = next((t for t in targets if not isinstance(t, (list, tuple))), None)
+    if odd is not None:
+        raise TypeError(f"targets holds a {type(odd).__name__}: force_decode takes one list of token ids per "
+                        "source, each ending with EOS (a tensor's rows: row[:length].tolist())")
     b = src.shape[0]
     if len(targets) != b or not all(targets):
         raise ValueError(f"{len(targets)} targets for {b} sources, or an empty one (end each with EOS)")

@@ -16,6 +16,7 @@ from aiayn.attention import attention_modules, extract_attention, record_attenti
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
+from aiayn.decoding import Ensemble
 from aiayn.errors import UserError
 from aiayn.model.attention import merge_heads, split_heads
 from conftest import padded_batch, tiny_model
@@ -143,6 +144,9 @@ def test_extracting_leaves_the_model_in_its_mode_and_names_a_wrong_type(tokenize
     model.eval()
     extract_attention(model, tokenizer, "the number 12 is even")
     assert not model.training
+    ensemble = Ensemble([model, model]).eval()  # a Translator of several checkpoints holds one
+    with pytest.raises(TypeError, match=r"^attention maps are of one model, not an Ensemble: pass a member"):
+        extract_attention(ensemble, tokenizer, "the number 12 is even")  # 'Ensemble' has no 'tgt_embed'
 
 
 def test_logits_unchanged_and_weights_are_those_the_output_used():

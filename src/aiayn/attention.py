@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from aiayn.data.tokenizer import Tokenizer
+from aiayn.decoding.ensemble import Ensemble
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.search import generate
 from aiayn.errors import SentenceTooLong, UserError, check_unicode
@@ -202,6 +203,9 @@ def extract_attention(
     for side, text, allowed in (("src", src, str), ("tgt", tgt, (str, type(None)))):
         if not isinstance(text, allowed):  # bytes or a list: an AttributeError from deep inside
             raise TypeError(f"{side} is {type(text).__name__}: one sentence, as a str")
+    if isinstance(model, Ensemble):  # an AttributeError: 'Ensemble' object has no attribute 'tgt_embed'
+        raise TypeError("attention maps are of one model, not an Ensemble: pass a member of it "
+                        "(model.members[i])")
     training = model.training
     model.eval()
     try:

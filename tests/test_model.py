@@ -210,6 +210,15 @@ def test_attention_refuses_heads_that_do_not_divide_the_width():
         MultiHeadAttention(129, 2, self_attention=True)
 
 
+def test_encoder_decoder_attention_without_memory_says_so():
+    """MultiHeadAttention(..., self_attention=False)(x) failed in linear(): "argument 'input' (position 1)
+    must be Tensor, not NoneType"."""
+    from aiayn.model import MultiHeadAttention
+
+    with pytest.raises(TypeError, match=r"^encoder-decoder attention \(self_attention=False\) reads memory"):
+        MultiHeadAttention(32, 4, self_attention=False)(torch.randn(1, 3, 32))
+
+
 def test_config_errors_name_the_problem():
     with pytest.raises(ConfigError, match="n_heads"):
         ModelConfig(vocab_size=10, d_model=30, n_heads=4)

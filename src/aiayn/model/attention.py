@@ -193,6 +193,9 @@ class MultiHeadAttention(nn.Module):
         else:
             q = split_heads(self.q_proj(x), self.n_heads)  # (B, H, T, D)
             if cache is None:
+                if memory is None:  # a TypeError inside linear(); a None test is all it costs per call
+                    raise TypeError("encoder-decoder attention (self_attention=False) reads memory: pass the "
+                                    "encoder output (B, S, d_model)")
                 k, v = self.project_kv(memory)  # (B, H, S, D) each
             else:
                 k, v = cache.cross_kv(layer, lambda: self.project_kv(memory))

@@ -948,3 +948,16 @@ def test_the_last_window_is_logged_where_the_validation_spends_the_budget(tmp_pa
     assert train(config)["stop"] == "max_minutes=1"
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], "loss" in r) for r in records] == [(2, True), (3, False), (3, True)]
+
+
+def test_the_docs_say_training_changes_malloc_for_the_process_and_how_to_keep_it(monkeypatch):
+    """train() leaves glibc's malloc keeping freed memory after it returns (mallopt holds for the whole
+    process); its docstring listed its other global effects, not this one nor AIAYN_SYSTEM_MALLOC=1."""
+    from aiayn import memory
+
+    doc = " ".join(train.__doc__.split())
+    assert "for the whole process and after it returns (`aiayn.memory.keep_freed_memory`" in doc
+    assert "AIAYN_SYSTEM_MALLOC=1 in the environment before the process first does so leaves malloc" in doc
+    monkeypatch.setattr(memory, "_done", False)  # a process that has not changed malloc yet
+    monkeypatch.setenv("AIAYN_SYSTEM_MALLOC", "1")
+    assert memory.keep_freed_memory() is False  # the opt-out the docstring names

@@ -119,7 +119,11 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     saves the update under way and raises `aiayn.errors.Stopped`; `resume=True` continues from there. The
     run seeds torch's and Python's global generators with train.seed (as fairseq does) and leaves them
     where it ended: two runs at once in one process draw from the same generators, and neither is then its
-    seed's run.
+    seed's run. On Linux with glibc it makes malloc keep freed memory for reuse, for the whole process and
+    after it returns (`aiayn.memory.keep_freed_memory`: mallopt turns mmap off and raises the trim
+    threshold); AIAYN_SYSTEM_MALLOC=1 in the environment before the process first does so leaves malloc as
+    it is. It caps oneDNN's kernel caches too (`aiayn.memory.cap_kernel_caches`: two environment variables,
+    which subprocesses inherit).
 
     Progress (updates, validations, saves) goes through the `aiayn` logger: where nothing is set up to
     show it (a script or notebook that configured no logging), to stderr for the run, as the command line

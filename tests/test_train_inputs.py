@@ -862,6 +862,32 @@ def test_resume_refuses_another_update_shape(finished_run, tmp_path, change):
     assert train(with_train(config, max_updates=5), resume=True)["step"] == 5
 
 
+@pytest.mark.parametrize("items, message", [
+    (["train.seed=7"], "--set 'train.seed=7': {ck}: trained with train.seed=1, resumed with 7; keep it"),
+    (["data.max_len=20"], "--set 'data.max_len=20': {ck}: trained with data.max_len=32, resumed with 20"),
+    (["train.max_tokens=128", "train.update_freq=2"], ("--set 'train.update_freq=2' and --set "
+     "'train.max_tokens=128': {ck}: saved by 1 process(es) x train.update_freq=1 batches of")),
+    (["model.d_ff=128"], "--set 'model.d_ff=128': {ck}: checkpoint from an incompatible model (d_ff=64, "),
+    (["model.preset=tiny"], ("--set 'model.preset=tiny': {ck}: checkpoint from an incompatible model "
+     "(d_model=32, this run has 128)")),
+])
+def test_resume_refusals_name_where_the_change_was_written(finished_run, tmp_path, monkeypatch, items,
+                                                          message):
+    """As a changed data.vocab_size's did: these said only the checkpoint, not which --set item or line
+    to drop. The model's came after the tokenizer and the caches were read (here: refused before)."""
+    d, _, sets = finished_run
+    shutil.copytree(d / "run", tmp_path / "run")
+    config = load_config(None, sets + [f"train.run_dir={tmp_path / 'run'}", "train.max_updates=6", *items])
+
+    def no_data_work(*args):
+        raise AssertionError("the data was prepared before the refusal")
+
+    monkeypatch.setattr(loop, "prepare_data", no_data_work)
+    with pytest.raises(UserError) as refused:
+        train(config, resume=True)
+    assert str(refused.value).startswith(message.format(ck=checkpoint_dirs(tmp_path / "run")[-1]))
+
+
 # 3. A validation set with every pair too long fails before training.
 
 

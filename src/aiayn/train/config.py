@@ -281,6 +281,18 @@ class RunConfig:
         where, written = self.origins.get(setting, (None, None))
         return where if where is not None and written == value else None
 
+    def written_where(self, *settings: str) -> str:
+        """A refusal's start naming where `settings` ("train.seed") were written, each if it still has the
+        value written there: "run.toml:5: ", "run.toml:5 and --set 'train.seed=2': "; "" where none was
+        (defaults, or settings replaced since)."""
+        written = (self.written_at(setting, self._value(setting)) for setting in settings)
+        places = dict.fromkeys(place for place in written if place is not None)
+        return f"{' and '.join(places)}: " if places else ""
+
+    def _value(self, setting: str) -> Any:
+        section, key = setting.split(".", 1)
+        return self.model.get(key) if section == "model" else getattr(getattr(self, section), key)
+
     def refusal(self, setting: str, value: Any, problem: str) -> ConfigError:
         """A ConfigError for `problem` with `setting`, found after loading (against a checkpoint, the
         machine), named where it was written if it still has the `value` written there, as `load_config`

@@ -45,7 +45,7 @@ from aiayn.checkpoint import (
     read_meta,
     state_dict_for_saving,
 )
-from aiayn.config import ConfigError
+from aiayn.config import PRESETS, ConfigError
 from aiayn.data.batching import epoch_order, token_batches, update_batches, updates_in_epoch
 from aiayn.data.dataset import (
     Batch,
@@ -72,7 +72,9 @@ from aiayn.files import recover_replaced, remove_abandoned, require_file
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.train import distributed
-from aiayn.train.config import TOKENIZER_SETTINGS, DataConfig, RunConfig, finetune_model_config
+from aiayn.train.config import (
+    TOKENIZER_FIELDS, TOKENIZER_SETTINGS, DataConfig, RunConfig, finetune_model_config,
+)
 from aiayn.train.distributed import Dist, SameOnEveryProcess
 from aiayn.train.loss import label_smoothed_nll
 from aiayn.train.metrics import PPL_CAP, MetricsLog, plot_metrics, shown_ppl
@@ -81,6 +83,7 @@ from aiayn.train.schedule import cooldown_factor, inverse_sqrt_lr
 from aiayn.train.state import (
     RunLock,
     TrainState,
+    check_compatible,
     checkpoint_dirs,
     own_random_stream,
     prune,
@@ -590,10 +593,10 @@ def _with_checkpoint_tokenizer_settings(config: RunConfig, resume_from: Path | N
         if set_here := [k for k in TOKENIZER_SETTINGS if k in given]:  # was taken, ignored and recorded
             # each named, and where it was written, as `_refuse_tokenizer_settings` does: the first alone
             # was, naming neither the file's line nor the --set item
-            names, them = ", ".join(f"data.{k}" for k in set_here), "it" if len(set_here) == 1 else "them"
-            raise UserError(f"{_written_at(config, set_here)}{source}: records no tokenizer settings "
+            settings, them = [f"data.{k}" for k in set_here], "it" if len(set_here) == 1 else "them"
+            raise UserError(f"{config.written_where(*settings)}{source}: records no tokenizer settings "
                             "(imported, or saved outside training), and its tokenizer is kept: "
-                            f"{names} cannot be set (drop {them})")
+                            f"{', '.join(settings)} cannot be set (drop {them})")
         return replace(config, tokenizer_imported=True)
     adopted = {k: saved[k] for k in _tokenizer_settings(config)
                if k in saved and type(saved[k]) is type(getattr(defaults, k))  # a hand's edit: compared later
@@ -615,17 +618,8 @@ def _refuse_tokenizer_settings(config: RunConfig, meta: dict, path: Path) -> Non
 
 def _tokenizer_written_at(config: RunConfig, saved: dict) -> str:
     """A refusal's start naming where [data]'s tokenizer settings other than `saved`'s were written."""
-    return _written_at(config, [key for key, value in _tokenizer_settings(config).items()
-                                if tokenizer_setting_changes(saved, {key: value})])
-
-
-def _written_at(config: RunConfig, keys: list[str]) -> str:
-    """A refusal's start naming where these [data] settings were written (the file's line, the --set item),
-    as `RunConfig.refusal` names a [model] setting's; "" where no file or --set wrote them (a default, or
-    the setting replaced since)."""
-    written = (config.written_at(f"data.{key}", getattr(config.data, key)) for key in keys)
-    places = dict.fromkeys(place for place in written if place is not None)
-    return f"{' and '.join(places)}: " if places else ""
+    return config.written_where(*(f"data.{key}" for key, value in _tokenizer_settings(config).items()
+                                  if tokenizer_setting_changes(saved, {key: value})))
 
 
 def _tokenizer_settings(config: RunConfig) -> dict:
@@ -1310,12 +1304,37 @@ def _say_changed_settings(checkpoint: Path, trained: dict[str, Any] | None, conf
 
 def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> dict[str, Any] | None:
     """--resume's configuration against the one `checkpoint`'s meta.json records (read once): another
-    precision, schedule, smoothing or clipping said, other batches refused. Returns that [train]."""
+    precision, schedule, smoothing or clipping said, other batches or another model refused. Returns
+    that [train]."""
     meta = read_meta(checkpoint)
     trained, data = config_section(meta, "train"), config_section(meta, "data")
     _say_changed_settings(checkpoint, trained, config, d)
     _check_same_batches(checkpoint, trained, data, config, d)
+    # A fine-tune's model is the checkpoint's (`finetune_model_config` compares [model]); one resumed
+    # without its init_from is refused by `initial_checkpoint`, saying which
+    if not (config.train.init_from or (trained or {}).get("init_from")):
+        _check_same_model(checkpoint, meta.get("model"), config)
     return trained
+
+
+def _check_same_model(checkpoint: Path, saved: Any, config: RunConfig) -> None:
+    """[model] against the model `checkpoint` was trained with (`saved`, as its meta.json records it), before
+    the data work, named where the setting that differs was written (its own line, or the preset's): the
+    weights refused it after the tokenizer and the caches were read, naming neither. Its tokenizer's
+    fields are the checkpoint's, whose tokenizer a resumed run takes; a damaged meta.json is `restore`'s
+    to name."""
+    if not isinstance(saved, dict):
+        return
+    shared = saved.get("tgt_vocab_size") is None or "share_embeddings" in config.model  # as `build_model`
+    try:
+        mine = config.model_config(**{key: saved.get(key) for key in TOKENIZER_FIELDS},
+                                   **({} if shared else {"share_embeddings": False}))
+    except ConfigError:  # the saved ids are no model's (a hand's edit)
+        return
+    preset = config.model.get("preset", "base")
+    places = {key: config.written_where(f"model.{key}" if key in config.model else "model.preset")
+              for key in mine.__dataclass_fields__ if key in config.model or key in PRESETS[preset]}
+    check_compatible(checkpoint, mine, places)
 
 
 def _check_same_batches(checkpoint: Path, trained: dict[str, Any] | None, data: dict[str, Any] | None,
@@ -1336,9 +1355,10 @@ def _check_same_batches(checkpoint: Path, trained: dict[str, Any] | None, data: 
                               "whole number)")
     for name, saved_value, value in (("train.seed", (trained or {}).get("seed"), tc.seed),
                                      ("data.max_len", (data or {}).get("max_len"), config.data.max_len)):
-        if saved_value is not None and saved_value != value:
-            raise SameOnEveryProcess(f"{checkpoint}: trained with {name}={saved_value}, resumed with {value}; "
-                                     "keep it, or the epoch's position would point at other batches")
+        if saved_value is not None and saved_value != value:  # named where written, as data.vocab_size is
+            raise SameOnEveryProcess(f"{config.written_where(name)}{checkpoint}: trained with "
+                                     f"{name}={saved_value}, resumed with {value}; keep it, or the epoch's "
+                                     "position would point at other batches")
     tensors = checkpoint / "trainer.safetensors"
     if not isinstance(trained, dict) or not tensors.is_file():
         return  # restore() names what is missing
@@ -1347,13 +1367,17 @@ def _check_same_batches(checkpoint: Path, trained: dict[str, Any] | None, data: 
             processes = sum(1 for k in f.keys() if k.startswith("rng.cpu."))
     except Exception:  # a damaged file: restore() says so in its own words
         return
-    saved = (processes * (trained.get("update_freq") or 1), trained.get("max_tokens") or tc.max_tokens)
+    update_freq = trained.get("update_freq") or 1
+    saved = (processes * update_freq, trained.get("max_tokens") or tc.max_tokens)
     if processes and saved != (d.world_size * tc.update_freq, tc.max_tokens):
+        # named where written, as a changed data.vocab_size is; another number of processes is the command's
+        changed = [f"train.{key}" for key, before in (("update_freq", update_freq), ("max_tokens", saved[1]))
+                   if before != getattr(tc, key)]
         raise SameOnEveryProcess(
-            f"{checkpoint}: saved by {processes} process(es) x train.update_freq={trained.get('update_freq', 1)} "
-            f"batches of train.max_tokens={saved[1]}, resumed with {d.world_size} x {tc.update_freq} of "
-            f"{tc.max_tokens}; keep processes x update_freq and max_tokens as they were, or the epoch's "
-            "position would point at other batches"
+            f"{config.written_where(*changed)}{checkpoint}: saved by {processes} process(es) x "
+            f"train.update_freq={trained.get('update_freq', 1)} batches of train.max_tokens={saved[1]}, "
+            f"resumed with {d.world_size} x {tc.update_freq} of {tc.max_tokens}; keep processes x "
+            "update_freq and max_tokens as they were, or the epoch's position would point at other batches"
         )
 
 

@@ -22,7 +22,7 @@ import random
 import re
 import shutil
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
@@ -473,8 +473,9 @@ def _finite(value: float) -> bool:
         return False
 
 
-def check_compatible(path: Path, config: ModelConfig) -> None:
-    """A checkpoint of another model gives one line naming the first difference."""
+def check_compatible(path: Path, config: ModelConfig, places: Mapping[str, str] | None = None) -> None:
+    """A checkpoint of another model gives one line naming the first difference, after where the run's
+    value was written if `places` (a setting's name -> "run.toml:4: ") says."""
     saved = read_meta(path).get("model", {})
     if not isinstance(saved, dict):
         raise CorruptFile(f"{path / 'meta.json'}: corrupt checkpoint metadata ('model' is not a table)")
@@ -485,8 +486,9 @@ def check_compatible(path: Path, config: ModelConfig) -> None:
             # dropout changes no weight, but a resumed run continues the same training, bit for bit
             how = ("; to train on with another, fine-tune from the checkpoint (train.init_from) in another "
                    "train.run_dir" if key == "dropout" else "")
+            place = (places or {}).get(key, "")
             raise UserError(
-                f"{path}: checkpoint from an incompatible model ({key}={theirs[key]!r}, "
+                f"{place}{path}: checkpoint from an incompatible model ({key}={theirs[key]!r}, "
                 f"this run has {value!r}); --resume keeps the model's settings{how}"
             )
 

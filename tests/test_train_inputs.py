@@ -44,7 +44,7 @@ from aiayn.data.tokenizer import train_sentencepiece
 from aiayn.errors import CorruptFile, Stopped, UserError
 from aiayn.model import Transformer
 from aiayn.train import distributed, loop
-from aiayn.train.config import DataConfig, TrainConfig, load_config, with_train
+from aiayn.train.config import DataConfig, TrainConfig, load_config, run_config, with_train
 from aiayn.train.loop import Data, _check_finite_weights, train, validate
 from aiayn.train.state import checkpoint_dirs, prune
 
@@ -1181,6 +1181,21 @@ def test_a_key_before_any_section_is_said_to_be_outside_one(tmp_path, toml, mess
     path.write_text(toml, encoding="utf-8")
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:1: {re.escape(message)}$"):
         load_config(path)
+
+
+def test_data_and_train_problems_are_said_together(tmp_path):
+    """[data]'s were said alone, and [train]'s only once they were mended: a second run to find them."""
+    path = tmp_path / "m1.toml"
+    path.write_text("[train]\nwarmup = 0\nmax_tokens = 0\n[data]\nmax_len = 1\nvocab_size = 2\n",
+                    encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (f"{path}:6: data.vocab_size=2 must be >= 8; {path}:5: data.max_len=1 must be "
+                            f">= 2; {path}:3: train.max_tokens=0 must be >= 1; {path}:2: train.warmup=0 "
+                            "must be >= 1")
+    both = r"^config: data.max_len=1 must be >= 2; train.warmup=0 must be >= 1$"
+    with pytest.raises(ConfigError, match=both):
+        run_config({"data": {"max_len": 1}, "train": {"warmup": 0}}, "config")
 
 
 def test_an_unknown_set_key_is_blamed_on_set_not_the_file(tmp_path):

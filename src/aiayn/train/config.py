@@ -371,8 +371,7 @@ def run_config(values: dict[str, Any], where: str = "", written: str = "",
         _check_file(values, lambda name: where or "config")
     model = dict(values.get("model", {}))  # no preset: "base" (RunConfig.model_config), or init_from's shape
     try:
-        data = from_dict(DataConfig, values.get("data", {}), where)
-        train = from_dict(TrainConfig, values.get("train", {}), where)
+        data, train = _sections(values, where)
         placed = {name: (place, values[section][key])
                   for name, place in (origins or {}).items() for section, key in [name.split(".", 1)]}
         return RunConfig(model, data, train, frozenset(values.get("data", {})), data, origins=placed)
@@ -383,6 +382,20 @@ def run_config(values: dict[str, Any], where: str = "", written: str = "",
         if not written or f" in {where}" in str(e) or str(e).startswith(f"{written}:"):  # named already
             raise
         raise ConfigError(f"{written}: {e}") from None
+
+
+def _sections(values: dict[str, Any], where: str) -> tuple[DataConfig, TrainConfig]:
+    """[data] and [train], the problems of both in one error: [data]'s alone were said, and [train]'s
+    only once those were mended."""
+    built, problems = [], []
+    for name, cls in (("data", DataConfig), ("train", TrainConfig)):
+        try:
+            built.append(from_dict(cls, values.get(name, {}), where))
+        except ConfigError as e:
+            problems += e.problems
+    if problems:
+        raise ConfigError(*problems)
+    return built[0], built[1]
 
 
 SETTING = re.compile(r"\b(?:data|model|train)\.\w+")  # a setting named in a problem: data.max_len

@@ -1375,6 +1375,21 @@ def test_a_contradiction_names_both_places(tmp_path, written, item, message):
         load_config(toml, [item])
 
 
+@pytest.mark.parametrize("written, message", [
+    ("[model]\nmax_len = 5", "{toml}:2: data.max_len=256 (the default) is longer than model.max_len=5"),
+    ("[data]\nmax_len = 2000", "{toml}:2: data.max_len=2000 is longer than model.max_len=1024 (the default)"),
+    ("[train]\nmax_tokens = 100",
+     "{toml}:2: data.max_len=256 (the default) does not fit in train.max_tokens=100"),
+])
+def test_a_contradiction_with_a_default_says_it_is_one(tmp_path, written, message):
+    """Placed at the line of the setting written, it read as if the user had written the default too."""
+    toml = tmp_path / "run.toml"
+    toml.write_text(written + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(toml)
+    assert str(e.value) == message.format(toml=toml)
+
+
 def test_validation_files_come_in_pairs():
     with pytest.raises(ConfigError, match="data.valid_src and data.valid_tgt"):
         DataConfig(valid_src="v.de")

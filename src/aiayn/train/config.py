@@ -242,9 +242,8 @@ class RunConfig:
             # against the base preset, restating its d_model=36 was "not divisible by n_heads=8")
             model_len = self.model_config(vocab_size=64).max_len
             if self.data.max_len > model_len:
-                raise ConfigError(
-                    f"data.max_len={self.data.max_len} is longer than model.max_len={model_len}"
-                )
+                raise ConfigError(f"{self.shown('data.max_len', self.data.max_len)} is longer than "
+                                  f"{self.shown('model.max_len', model_len)}")
         else:  # what does not depend on the checkpoint's shape, before run_dir is made
             self._check_finetune_keys()
         if self.model.get("final_logits_bias") is True and not self.train.init_from:
@@ -258,9 +257,8 @@ class RunConfig:
             raise ConfigError("model.share_embeddings=true needs one vocabulary, but data.shared_vocab=false "
                               "trains one per side")
         if self.data.max_len > self.train.max_tokens:
-            raise ConfigError(
-                f"data.max_len={self.data.max_len} does not fit in train.max_tokens={self.train.max_tokens}"
-            )
+            raise ConfigError(f"{self.shown('data.max_len', self.data.max_len)} does not fit in "
+                              f"{self.shown('train.max_tokens', self.train.max_tokens)}")
         for name in ("patience", "bleu_every"):  # they read the validation set: without one, silently nothing
             if getattr(self.train, name) and not self.data.valid_src:
                 raise ConfigError(f"train.{name}={getattr(self.train, name)} needs a validation set "
@@ -292,6 +290,15 @@ class RunConfig:
     def _value(self, setting: str) -> Any:
         section, key = setting.split(".", 1)
         return self.model.get(key) if section == "model" else getattr(getattr(self, section), key)
+
+    def shown(self, setting: str, value: Any) -> str:
+        """`setting=value` for a problem, "(the default)" after it where no file or --set wrote it: the
+        problem is placed at the line of the other setting it names, which blamed the user for this one
+        too ("run.toml:2: data.max_len=256 is longer than model.max_len=5", [data] never written)."""
+        section, key = setting.split(".", 1)
+        cls = {"data": DataConfig, "train": TrainConfig, "model": ModelConfig}[section]
+        unset = self.written_at(setting, value) is None and value == cls.__dataclass_fields__[key].default
+        return f"{setting}={value}{' (the default)' * unset}"
 
     def refusal(self, setting: str, value: Any, problem: str) -> ConfigError:
         """A ConfigError for `problem` with `setting`, found after loading (against a checkpoint, the
@@ -354,10 +361,8 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
                                  f"with train.init_from the model is {where}'s: remove the preset or name "
                                  "the checkpoint's")
     if (max_len := config.data.max_len) > saved.max_len:
-        unset = config.written_at("data.max_len", max_len) is None and max_len == DataConfig.max_len
-        raise config.refusal("data.max_len", max_len, f"data.max_len={max_len}{' (the default)' * unset} is "
-                             f"longer than {where}'s max_len={saved.max_len}; set data.max_len <= "
-                             f"{saved.max_len}")
+        raise config.refusal("data.max_len", max_len, f"{config.shown('data.max_len', max_len)} is longer "
+                             f"than {where}'s max_len={saved.max_len}; set data.max_len <= {saved.max_len}")
     return replace(saved, dropout=values.get("dropout", saved.dropout))
 
 

@@ -1198,6 +1198,23 @@ def test_data_and_train_problems_are_said_together(tmp_path):
         run_config({"data": {"max_len": 1}, "train": {"warmup": 0}}, "config")
 
 
+def test_a_key_in_another_section_names_the_section_that_has_it(tmp_path):
+    """"unknown [train] key max_len (known: ...)" said nothing of [data] and [model], which have it, as a
+    key above every section is told where to go."""
+    path = tmp_path / "k.toml"
+    path.write_text("[data]\nmax_len = 1\n[train]\nmax_len = 5\nvocab_size = 9\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (f"{path}:4: unknown [train] key max_len (put it under [data] or [model]); "
+                            f"{path}:5: unknown [train] key vocab_size (put it under [data])")
+    path.write_text("[train]\nmax_len = 5\nmax_tokenz = 9\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r":3: unknown \[train\] key max_tokenz \(known: adam_beta1, "):
+        load_config(path)  # a typo: the keys [train] has
+    with pytest.raises(ConfigError, match=r"^--set 'train.max_len=5': unknown train key 'max_len'; did you "
+                                          r"mean data.max_len or model.max_len\?$"):
+        load_config(None, ["train.max_len=5"])
+
+
 def test_an_unknown_set_key_is_blamed_on_set_not_the_file(tmp_path):
     path = tmp_path / "ok.toml"
     path.write_text("[train]\nmax_updates = 3\n", encoding="utf-8")

@@ -613,10 +613,8 @@ def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
             problems.append(_not_a_table(place(section), section, table))
             continue
         known = _key_types(section)
-        unknown = [f"{place(f'{section}.{key}')}: unknown [{section}] key {key}" for key in table
-                   if key not in known]
-        if unknown:
-            problems.append(f"{'; '.join(unknown)} (known: {', '.join(_settable(section))})")
+        if unknown := [key for key in table if key not in known]:
+            problems.append(_unknown_keys(section, unknown, place))
         for key, value in table.items():
             written = f"{place(f'{section}.{key}')}: [{section}] {key} = "
             if key in known and (problem := _type_problem(section, key, value, written)):
@@ -625,10 +623,28 @@ def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
         raise ConfigError(*problems)
 
 
+def _unknown_keys(section: str, keys: list[str], place: Callable[[str], str]) -> str:
+    """Unknown keys of a file's [section], each named with its line and, where another section has such a
+    setting, that section (`[train] max_len` said nothing of [data]'s); the known keys listed for the
+    rest."""
+    said = []
+    for key in keys:
+        homes = _homes(key, section)
+        said.append(f"{place(f'{section}.{key}')}: unknown [{section}] key {key}"
+                    + (f" (put it under {' or '.join(homes)})" if homes else ""))
+    homeless = any(not _homes(key, section) for key in keys)
+    return "; ".join(said) + (f" (known: {', '.join(_settable(section))})" if homeless else "")
+
+
+def _homes(key: str, other_than: str = "") -> list[str]:
+    """The sections other than `other_than` that have a setting named `key`, as a file writes them."""
+    return [f"[{section}]" for section in SECTIONS if section != other_than and key in _settable(section)]
+
+
 def _outside_sections(where: str, key: str) -> str:
     """A key written before any [section] header: TOML makes it a top-level value, which was refused as an
     "unknown section [preset]". Where it is a setting's name, the section that holds it."""
-    homes = [f"[{section}]" for section in SECTIONS if key in _settable(section)]
+    homes = _homes(key)
     fix = (f"put it under {' or '.join(homes)}" if homes
            else f"no section has such a key (sections: {', '.join(SECTIONS)})")
     return f"{where}: {key} is outside any section; {fix}"
@@ -656,6 +672,9 @@ def _check_override_key(item: str, section: str, key: str) -> None:
     if section not in SECTIONS:
         raise ConfigError(f"--set {item!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
     if key not in _key_types(section):
+        if homes := _homes(key, section):  # as a file's [train] max_len: a setting of another section
+            meant = " or ".join(f"{home.strip('[]')}.{key}" for home in homes)
+            raise ConfigError(f"--set {item!r}: unknown {section} key {key!r}; did you mean {meant}?")
         raise ConfigError(f"--set {item!r}: unknown {section} key {key!r}; known: "
                           f"{', '.join(_settable(section))}")
 

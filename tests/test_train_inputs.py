@@ -2010,11 +2010,18 @@ def test_set_keeps_a_bare_value_of_a_string_key_as_written(tmp_path):
     ("file", "[train]\nmax_tokens = \"256\"\n", [],
      r"bad\.toml:2: \[train\] max_tokens = '256' is a str, expected int$"),
     ("file", "[data]\nvocab_size = 200\n[train]\nrun_dir = 5\n", [],
-     r"bad\.toml:4: \[train\] run_dir = 5 is an int, expected str$"),  # was "a int"
+     r'bad\.toml:4: \[train\] run_dir = 5 is an int, expected str; TOML strings need quotes: run_dir = "5"$'),
+    # TOML's own writing, not Python's datetime.date(2024, 1, 1); quoted, a name, as --set takes it
+    ("file", "[train]\nrun_dir = 2024-01-01\n", [],
+     r'bad\.toml:2: \[train\] run_dir = 2024-01-01 is a date, expected str; TOML strings need quotes: '
+     r'run_dir = "2024-01-01"$'),
+    ("file", "[train]\nwarmup = 2024-01-01 10:00:00\nrun_dir = 1.5\n", [],
+     r"bad\.toml:2: \[train\] warmup = 2024-01-01T10:00:00 is a datetime, expected int; .*bad\.toml:3: "
+     r"\[train\] run_dir = 1\.5 is a float, expected str$"),  # a float may be written otherwise: no hint
     ("file", "data.vocab_size = '200'\n", [], r"bad\.toml:1: \[data\] vocab_size = '200' is a str"),
     ("file", "data = { max_len = 2, vocab_size = '2' }\n", [], r"bad\.toml:1: \[data\] vocab_size = '2'"),
     ("set", "", ["train.max_tokens=abc"], r"--set 'train\.max_tokens=abc': 'abc' is a str, expected int"),
-    ("set", "", ["model.dropout=true"], r"--set 'model\.dropout=true': True is a bool, expected float"),
+    ("set", "", ["model.dropout=true"], r"--set 'model\.dropout=true': true is a bool, expected float"),
 ])
 def test_a_value_of_the_wrong_type_is_named_where_it_was_written(tmp_path, where, content, sets, message):
     """The message named the dataclass field (TrainConfig.max_tokens), not the file or the --set item."""

@@ -11,6 +11,7 @@ Every key is checked: an unknown one or a wrong type raises `ConfigError` naming
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import re
@@ -618,7 +619,7 @@ def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
         for key, value in table.items():
             written = f"{place(f'{section}.{key}')}: [{section}] {key} = "
             if key in known and (problem := _type_problem(section, key, value, written)):
-                problems.append(problem)
+                problems.append(problem + _quotes_needed(key, value, known[key]))
     if problems:
         raise ConfigError(*problems)
 
@@ -639,6 +640,14 @@ def _unknown_keys(section: str, keys: list[str], place: Callable[[str], str]) ->
 def _homes(key: str, other_than: str = "") -> list[str]:
     """The sections other than `other_than` that have a setting named `key`, as a file writes them."""
     return [f"[{section}]" for section in SECTIONS if section != other_than and key in _settable(section)]
+
+
+def _quotes_needed(key: str, value: Any, expected: Any) -> str:
+    """The quotes a file's number, date or boolean needs where a string setting goes: --set takes
+    `run_dir=2024-05-01` as a name (`parse_override`), a file a date, which was refused with no hint."""
+    if expected is not str or not isinstance(value, (int, datetime.date, datetime.time)):  # bool: an int
+        return ""
+    return f'; TOML strings need quotes: {key} = "{_toml_value(value)}"'
 
 
 def _outside_sections(where: str, key: str) -> str:
@@ -728,7 +737,17 @@ def _type_problem(section: str, key: str, value: Any, where: str) -> str | None:
         return None
     expected = getattr(hint, "__name__", str(hint))
     kind = type(value).__name__
-    return f"{where}{value!r} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, expected {expected}"
+    return f"{where}{_toml_value(value)} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, expected {expected}"
+
+
+def _toml_value(value: Any) -> str:
+    """`value` as TOML writes it where Python's repr differs: `datetime.date(2024, 1, 1)` and `True` read
+    as Python in an error about a TOML file's `2024-01-01` and `true`."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (datetime.date, datetime.time)):  # a datetime is a date
+        return value.isoformat()
+    return repr(value)  # a string in '...' and a list of numbers are TOML's too
 
 
 def with_train(config: RunConfig, **changes: Any) -> RunConfig:

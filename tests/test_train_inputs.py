@@ -2006,6 +2006,16 @@ def test_set_keeps_a_bare_value_of_a_string_key_as_written(tmp_path):
     assert load_config(None, ["train.max_tokens=2048"]).train.max_tokens == 2048  # a number stays one
 
 
+def test_set_drops_a_comment_after_a_bare_word_as_after_a_number():
+    """TOML dropped `# c` after `warmup=20`, but `run_dir=runs/x # c` trained into 'runs/x # c'."""
+    assert load_config(None, ["train.warmup=20 # c"]).train.warmup == 20
+    for text, name in (("runs/x # c", "runs/x"), ("123\t# c", "123"), ("runs/exp#3", "runs/exp#3"),
+                       ('"a # b"', "a # b")):
+        assert load_config(None, [f"train.run_dir={text}"]).train.run_dir == name
+    with pytest.raises(ConfigError, match=r"\(TOML numbers need a digit on each side of the point: 0\.5\)$"):
+        load_config(None, ["train.lr_scale=.5  # half"])
+
+
 @pytest.mark.parametrize("where, content, sets, message", [
     ("file", "[train]\nmax_tokens = \"256\"\n", [],
      r"bad\.toml:2: \[train\] max_tokens = '256' is a str, expected int$"),

@@ -689,7 +689,8 @@ def _check_override_key(item: str, section: str, key: str) -> None:
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
-    """`train.max_tokens=2048` -> ("train", "max_tokens", 2048). Values are TOML; bare words are strings."""
+    """`train.max_tokens=2048` -> ("train", "max_tokens", 2048). Values are TOML; bare words are strings;
+    a comment after either (` # ...`, after a space) is dropped."""
     name, eq, text = item.partition("=")
     section, dot, key = name.strip().partition(".")
     if not eq or not dot or not key:
@@ -698,14 +699,17 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     if "\n" in text.strip() or "\r" in text.strip():  # "2048\ntrain.seed=3": TOML read the second line as
         # another key and dropped it; a bare word kept it, and named a run_dir across two lines
         raise ConfigError(f"--set {item!r}: one value per --set (the value holds a line break)")
+    # as TOML drops a comment after a value (warmup=20 # c: 20), so after a bare word: run_dir=runs/x # c
+    # trained into 'runs/x # c'. A '#' within a word (runs/exp#3) is the name's.
+    bare = re.sub(r"\s+#.*", "", text.strip())
     try:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
     except tomllib.TOMLDecodeError:
-        value = text.strip()  # a path or other bare word
+        value = bare  # a path or other bare word
     if _key_types(section)[key.strip()] is str and not isinstance(value, str):
-        value = text.strip()  # run_dir=2024-05-01 or =123 is a name, not a TOML date or number
+        value = bare  # run_dir=2024-05-01 or =123 is a name, not a TOML date or number
     if problem := _type_problem(section, key.strip(), value, f"--set {item!r}: "):
-        hint = _value_hint(text, _key_types(section)[key.strip()])
+        hint = _value_hint(bare, _key_types(section)[key.strip()])
         raise ConfigError(problem + (f" ({hint})" if hint else ""))
     return section, key.strip(), value
 

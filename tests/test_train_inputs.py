@@ -985,6 +985,26 @@ def test_a_config_path_that_is_not_a_readable_file_is_one_line_saying_what_it_is
     writer.join()
 
 
+def test_config_paths_and_line_ends_that_said_the_wrong_thing(tmp_path, monkeypatch):
+    """A dangling link and '-' were "config file not found"; CR-only line ends, tomllib's "Expected
+    newline ... at column 8"; an array of tables ([[train]]) was named without its line."""
+    monkeypatch.chdir(tmp_path)
+    Path("link.toml").symlink_to("gone.toml")
+    with pytest.raises(UserError, match=r"^link\.toml: a symbolic link to gone\.toml, which does not exist$"):
+        load_config("link.toml")
+    with pytest.raises(UserError, match=r"^-: --config does not read standard input as '-'; name a file "):
+        load_config("-")
+    Path("mac.toml").write_bytes(b"[train]\rwarmup = 1\r")
+    with pytest.raises(UserError, match=r"^mac\.toml: CR line ends and no LF \(a classic Mac OS file\?\)"):
+        load_config("mac.toml")
+    Path("array.toml").write_text("[model]\n[[train]]\nwarmup = 1\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"^array\.toml:2: train = \[\{'warmup': 1\}\] is not a table; "):
+        load_config("array.toml")
+    Path("array.toml").write_text("[train]\n[[foo]]\n", encoding="utf-8")  # a section, not a value
+    with pytest.raises(ConfigError, match=r"^array\.toml:2: unknown section \[foo\] \(known: "):
+        load_config("array.toml")
+
+
 def test_dropped_empty_pairs_are_reported_once(tmp_path, caplog):
     """The tokenizer's scan, the early validation check and the encoding each said it (three lines)."""
     config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")

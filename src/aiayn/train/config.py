@@ -420,6 +420,7 @@ def _placed(problem: str, origins: dict[str, str], fallback: str) -> str:
 _KEY = r"""[A-Za-z0-9_-]+|"[^"\n]*"|'[^'\n]*'"""
 _PATH = rf"(?:{_KEY})(?:\s*\.\s*(?:{_KEY}))*"
 _TABLE_LINE = re.compile(rf"\s*\[\s*({_PATH})\s*\]")
+_ARRAY_LINE = re.compile(rf"\s*\[\[\s*({_PATH})\s*\]\]")
 _KEY_LINE = re.compile(rf"\s*({_PATH})\s*=")
 _INLINE_KEY = re.compile(rf"[{{,]\s*({_PATH})\s*=")
 
@@ -428,15 +429,15 @@ def key_lines(text: str) -> dict[str, int]:
     """The line (from 1) where each table and key of TOML `text` is first written, by dotted name: "data",
     "data.max_len"."""
     lines: dict[str, int] = {}
-    for path, n in _written(text):
+    for path, n in _written(text, arrays=True):  # [[train]]'s line too: "train = [...] is not a table"
         for end in range(1, len(path) + 1):  # data.max_len = 1 also writes the table "data"
             lines.setdefault(".".join(path[:end]), n)
     return lines
 
 
-def _written(text: str) -> Iterator[tuple[list[str], int]]:
+def _written(text: str, arrays: bool = False) -> Iterator[tuple[list[str], int]]:
     """Each table header and key of TOML `text` as it is written, by its full path (["data", "max_len"])
-    and its line (from 1)."""
+    and its line (from 1); with `arrays`, the headers of arrays of tables ([[train]]) too."""
     table: list[str] | None = []  # None: in an array of tables ([[x]]), which no section is
     closing = None  # the delimiter of the multi-line string the line is in, whose lines may look like keys
     # "\n" only: splitlines also splits at U+2028, U+2029 and U+0085, which TOML allows in comments and
@@ -448,6 +449,8 @@ def _written(text: str) -> Iterator[tuple[list[str], int]]:
         closing = _opens_multiline_string(line)
         if line.lstrip().startswith("[["):
             table = None
+            if arrays and (header := _ARRAY_LINE.match(line)):
+                yield _names(header[1]), n
         elif header := _TABLE_LINE.match(line):
             table = _names(header[1])
             yield table, n
@@ -503,12 +506,16 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
 
 def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """A config file's tables, and the line of each table and key (`key_lines`)."""
+    if str(path) == "-" and not os.path.lexists(path):  # as translate's input: it was "file not found"
+        raise UserError("-: --config does not read standard input as '-'; name a file (or /dev/stdin, to "
+                        "pipe one)")
     require_file(path, "config", pipe=True)
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
-    from aiayn.data.dataset import decode_utf8  # here: it imports torch, which demo's MAX_SEED need not
+    # here: it imports torch, which demo's MAX_SEED need not
+    from aiayn.data.dataset import cr_only_error, decode_utf8, lone_cr_count
 
     # invalid UTF-8 named by line, as a corpus' is, and a UTF-16 file as one (it was "not valid TOML
     # ('utf-8' codec can't decode byte 0xff in position 0)"); a UTF-8 BOM (Windows editors) is skipped
@@ -516,6 +523,9 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     try:
         return tomllib.loads(text), key_lines(text)
     except tomllib.TOMLDecodeError as e:
+        lfs, lone_crs = raw.count(b"\n"), lone_cr_count(raw)
+        if lone_crs > lfs:  # classic Mac line ends: tomllib's "Expected newline ... at column 8" of line 1
+            raise cr_only_error(path, lfs, lone_crs) from None
         raise UserError(_toml_error(path, text, str(e))) from None
 
 
@@ -604,7 +614,10 @@ def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
     type, each named by `place` ("run.toml:6") as the file writes it: [data], not DataConfig."""
     problems = []
     for section, table in values.items():
-        if section not in SECTIONS and not isinstance(table, dict):  # `preset = "big"` above [model]
+        # a table, or an array of them ([[foo]]), not a value: `preset = "big"` above [model]
+        tables = isinstance(table, dict) or (isinstance(table, list) and bool(table)
+                                             and all(isinstance(t, dict) for t in table))
+        if section not in SECTIONS and not tables:
             problems.append(_outside_sections(place(section), section))
             continue
         if section not in SECTIONS:

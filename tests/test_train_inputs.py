@@ -2043,11 +2043,11 @@ def test_set_drops_a_comment_after_a_bare_word_as_after_a_number():
      r'bad\.toml:4: \[train\] run_dir = 5 is an int, expected str; TOML strings need quotes: run_dir = "5"$'),
     # TOML's own writing, not Python's datetime.date(2024, 1, 1); quoted, a name, as --set takes it
     ("file", "[train]\nrun_dir = 2024-01-01\n", [],
-     r'bad\.toml:2: \[train\] run_dir = 2024-01-01 is a date, expected str; TOML strings need quotes: '
-     r'run_dir = "2024-01-01"$'),
+     (r'bad\.toml:2: \[train\] run_dir = 2024-01-01 is a date, expected str; TOML strings need quotes: '
+      r'run_dir = "2024-01-01"$')),
     ("file", "[train]\nwarmup = 2024-01-01 10:00:00\nrun_dir = 1.5\n", [],
-     r"bad\.toml:2: \[train\] warmup = 2024-01-01T10:00:00 is a datetime, expected int; .*bad\.toml:3: "
-     r"\[train\] run_dir = 1\.5 is a float, expected str$"),  # a float may be written otherwise: no hint
+     (r"bad\.toml:2: \[train\] warmup = 2024-01-01T10:00:00 is a datetime, expected int; .*bad\.toml:3: "
+      r"\[train\] run_dir = 1\.5 is a float, expected str$")),  # a float may be written otherwise: no hint
     ("file", "data.vocab_size = '200'\n", [], r"bad\.toml:1: \[data\] vocab_size = '200' is a str"),
     ("file", "data = { max_len = 2, vocab_size = '2' }\n", [], r"bad\.toml:1: \[data\] vocab_size = '2'"),
     ("set", "", ["train.max_tokens=abc"], r"--set 'train\.max_tokens=abc': 'abc' is a str, expected int"),

@@ -662,15 +662,18 @@ def test_greedy_is_token_identical_to_generate(build, variant):
 @pytest.mark.parametrize("variant", [SEARCH_VARIANTS[0]] + [pytest.param(*v.values, id=v.id, marks=pytest.mark.slow)
                                      for v in SEARCH_VARIANTS[1:]])
 @pytest.mark.parametrize("beam,alpha", [(4, 1.0), pytest.param(3, 0.6, marks=pytest.mark.slow)])
-def test_beam_is_token_identical_to_generate(build, variant, beam, alpha):
+@pytest.mark.parametrize("theirs_stop,ours_stop", [(True, True), ("never", False)])
+def test_beam_is_token_identical_to_generate(build, variant, beam, alpha, theirs_stop, ours_stop):
     """The same search: |Y|^alpha ('power', HuggingFace's formula, |Y| counting EOS, not the start
     token), the best 2K candidates per step, and a sentence stops once K hypotheses ended
-    (`early_stopping=True`; HuggingFace's False is a different heuristic bound, see the report)."""
+    (`early_stopping=True` on both sides) or once none can beat them (HuggingFace's "never", aiayn's
+    default, as the README says; HuggingFace's own default, False, is a heuristic bound that differs)."""
     hf, ck, _ = build(variant)
     src = search_batch(ck)
     theirs, their_scores = hf_search(hf, src, ck.tokenizer.pad_id, num_beams=beam, length_penalty=alpha,
-                                     early_stopping=True)
-    ours, our_scores = aiayn_search(ck, src, beam=beam, lenpen=alpha, lenpen_kind="power", early_stopping=True)
+                                     early_stopping=theirs_stop)
+    ours, our_scores = aiayn_search(ck, src, beam=beam, lenpen=alpha, lenpen_kind="power",
+                                    early_stopping=ours_stop)
     assert ours == theirs
     torch.testing.assert_close(our_scores, their_scores, atol=1e-4, rtol=0)
     if variant == VARIANTS[0]:  # seeded so that the beam finds something greedy search does not

@@ -778,8 +778,9 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--max-len-b", type=int, default=50, help="(default 50: the paper's src_len + 50)")
     p.add_argument("--min-len", type=int, default=0, help="forbid EOS before this many output tokens")
     p.add_argument("--early-stopping", action="store_true",
-                   help="stop a sentence once BEAM hypotheses ended (fairseq, HuggingFace); default: once no "
-                   "live hypothesis can beat them (tensor2tensor, the paper's code). Beam > 1 only")
+                   help="stop a sentence once BEAM hypotheses ended (fairseq; HuggingFace's early_stopping=True); "
+                   "default: once no live hypothesis can beat them (tensor2tensor, the paper's code; "
+                   "HuggingFace's early_stopping=\"never\"). Beam > 1 only")
     p.add_argument("--n-best", type=int, default=1,
                    help="hypotheses per line; above 1, each input line gets N-BEST output lines (fewer "
                    "only where fewer outputs fit its length limit: a vocabulary of a few pieces under a "

@@ -38,9 +38,10 @@ class DecodeConfig:
     max_len_b: int = 50
     min_len: int = 0  # EOS is forbidden until this many tokens were produced (benchmarks force lengths)
     n_best: int = 1  # hypotheses returned per sentence (<= beam; with sampling: independent samples)
-    early_stopping: bool = False  # beam > 1 only. False: tensor2tensor's rule (the paper's code): stop once
-    # no live hypothesis can beat the `beam`-th finished one, bounding its score by log P / lp(max length).
-    # True: fairseq's and HuggingFace's rule, stop once `beam` hypotheses ended: faster, but a confident
+    early_stopping: bool = False  # beam > 1 only. False: tensor2tensor's rule (the paper's code), stop once
+    # no live hypothesis can beat the `beam`-th finished one, bounding its score by log P / lp(max length)
+    # (HuggingFace's early_stopping="never"; its default, False, bounds by the current length, a heuristic).
+    # True: fairseq's rule (HuggingFace's True), stop once `beam` hypotheses ended: faster, but a confident
     # model's junk beams can end first (the demo measured 98.8% exact match against 100% with False)
     sample: bool = False  # sample from the model instead of searching (beam must be 1)
     temperature: float = 1.0  # divides the logits before sampling; at least MIN_TEMPERATURE

@@ -581,8 +581,8 @@ def generation_defaults(directory: Path, hf: dict[str, Any]) -> dict[str, Any]:
 def convert_marian(directory: str | Path, out: str | Path, force: bool = False) -> Path:
     """Read a local MarianMT directory and write an aiayn checkpoint to `out`; return its path.
 
-    An existing `out` is replaced only with `force`, and only if it is an earlier checkpoint with nothing
-    else in it; never the Marian directory, one holding it, or a checkpoint of a training run."""
+    An existing `out` is replaced only with `force`, and only if it is empty or an earlier checkpoint with
+    nothing else in it; never the Marian directory, one holding it, or a checkpoint of a training run."""
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{directory}: {'not a directory' if directory.exists() else 'not found'}")

@@ -518,7 +518,8 @@ def test_a_source_of_no_pieces_and_a_directory_in_the_way_are_refused(tmp_path, 
         assert "the checkpoint" in capsys.readouterr().err and not (tmp_path / "ck" / "maps").exists()
     ck = load_checkpoint(tmp_path / "ck")
     maps = extract_attention(ck.model, ck.tokenizer, "the number 7", "die Zahl 7")
-    with pytest.raises(UserError, match="lies inside the checkpoint"):  # draw_attention from Python drew there
+    # draw_attention from Python drew there
+    with pytest.raises(UserError, match="lies inside the checkpoint"):
         attention.draw_attention(maps, tmp_path / "ck" / "maps")
     assert not (tmp_path / "ck" / "maps").exists()
     (tmp_path / "maps" / "attention_cross.png").mkdir(parents=True)

@@ -424,7 +424,8 @@ def test_save_keeps_a_training_state_and_writes_inside_no_checkpoint(tmp_path, t
     with pytest.raises(UserError, match="holds trainer.json, trainer.safetensors beside an aiayn checkpoint; "
                                         "replacing it would delete them, so move them out first"):
         save_checkpoint(step, ck.model, ck.tokenizer, meta=ck.meta)
-    assert sorted(p.name for p in step.iterdir() if p.name.startswith("trainer"))[0] == "trainer.json"
+    assert {p.name for p in step.iterdir() if p.name.startswith("trainer")} == {"trainer.json",
+                                                                              "trainer.safetensors"}
     with pytest.raises(UserError, match=re.escape(f"{step / 'inner'}: lies inside the checkpoint {step}; "
                                                   "save it elsewhere")):
         save_checkpoint(step / "inner", ck.model, ck.tokenizer)
@@ -481,7 +482,8 @@ def test_a_device_that_cannot_hold_the_model_is_one_line(run, tmp_path):
         with pytest.raises(UserError, match=r"^device 'meta': aiayn runs models on cpu or cuda only$"):
             load_checkpoint(where, device="meta")
     beyond = f"cuda:{torch.cuda.device_count()}"  # one past the last; cuda:0 on a machine without CUDA
-    with pytest.raises(UserError, match=rf"^device '{beyond}': (no CUDA device is available|this machine has)"):
+    refused = rf"^device '{beyond}': (no CUDA device is available|this machine has)"
+    with pytest.raises(UserError, match=refused):
         load_checkpoint(ck, device=beyond)
     assert load_checkpoint(ck, device=torch.device("cpu")).model.generator.weight.device.type == "cpu"
 

@@ -206,8 +206,8 @@ def test_a_note_suggests_lang_for_unspaced_text_scored_with_13a(tmp_path, capsys
     ref.write_text("我们明天去公园散步。\n他说这本书非常有意思。\n\n", encoding="utf-8")
     assert main(["evaluate", str(hyp), str(ref)]) == 0
     captured = capsys.readouterr()
-    note = ("aiayn: note: BLEU's 13a tokenizer found words of 10 characters on average: for Chinese, Japanese, "
-            "Thai, Lao, ")
+    note = ("aiayn: note: BLEU's 13a tokenizer found words of 10 characters on average: for Chinese, "
+            "Japanese, Thai, Lao, ")
     assert captured.err.startswith(note) and captured.err.count("\n") == 1 and "BLEU: 0.00" in captured.out
     assert "Khmer or Burmese pass -l LANG (or --tokenize char)" in captured.err
     for extra in (["-l", "zh"], ["--tokenize", "char"], ["--json"]):
@@ -431,8 +431,8 @@ def test_word_scores_of_unspaced_text_under_a_tokenizer_of_no_language_get_a_not
     hyp.write_text("我喜欢吃苹果。\n今天天气很好。\n他去了北京大学学习。\n", encoding="utf-8")
     ref.write_text("我爱吃苹果。\n今天天气非常好。\n他去北京大学学习了。\n", encoding="utf-8")
     note = ("aiayn: note: TER splits words at spaces, which this text, mostly of scripts written without "
-            "them, has few of: pass -l LANG to score them as its language allows (TER: -l zh or ja; it has none "
-            "for Thai, Lao, Khmer or Burmese)\n")  # which `-l th --ter` refuses: the note sent Thai there
+            "them, has few of: pass -l LANG to score them as its language allows (TER: -l zh or ja; it has "
+            "none for Thai, Lao, Khmer or Burmese)\n")  # `-l th --ter` is refused: the note sent Thai there
     assert main(["evaluate", str(hyp), str(ref), "--tokenize", "char", "--ter"]) == 0
     assert capsys.readouterr().err == note
     assert main(["evaluate", str(hyp), str(ref), "--tokenize", "13a", "--ter", "--chrf-word-order", "1"]) == 0

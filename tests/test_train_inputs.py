@@ -337,8 +337,9 @@ def test_another_bleu_lang_on_resume_is_said_where_bleu_is_scored(finished_run, 
     """Another train.bleu_lang on --resume (as the training note advises for Chinese) put char BLEU after
     13a BLEU in one series, unsaid."""
     config = copy_run(finished_run, tmp_path)
+    changed = ["trained with train.bleu_lang='th', resumed with ''"]
     for step, bleu_lang, said in ((5, "th", []),  # BLEU scored after the resume only: no series to break
-                                  (6, "th", []), (7, "", ["trained with train.bleu_lang='th', resumed with ''"])):
+                                  (6, "th", []), (7, "", changed)):
         caplog.clear()
         with caplog.at_level(logging.INFO):
             assert train(with_train(config, max_updates=step, bleu_every=1, bleu_lang=bleu_lang),

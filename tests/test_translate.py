@@ -149,8 +149,9 @@ def test_a_translator_refuses_a_tokenizer_that_does_not_fit_its_model(checkpoint
     id ended sentences with an id the model does not stop at, silently."""
     loaded = Translator.load(checkpoint)
     pieces = loaded.tokenizer.src_vocab_size
-    with pytest.raises(UserError, match=rf"^Translator: the source tokenizer has {pieces} pieces but the model "
-                                        r"40 embeddings: not the tokenizer this model was trained with$"):
+    refused = (rf"^Translator: the source tokenizer has {pieces} pieces but the model 40 embeddings: not the "
+               r"tokenizer this model was trained with$")
+    with pytest.raises(UserError, match=refused):
         Translator(tiny_model(vocab_size=40), loaded.tokenizer)
     with pytest.raises(UserError, match=r"^Translator: the tokenizer's eos id is 2, the model's eos_id 3: "):
         Translator(tiny_model(vocab_size=pieces, eos_id=3), loaded.tokenizer)

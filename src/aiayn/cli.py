@@ -197,7 +197,8 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
     run = Path(args.run_dir)
     _check_plottable(run)
-    if not args.output and (run / "curves.png").is_dir():  # "names a directory; give the picture's file name": none was given
+    # "names a directory; give the picture's file name": none was given
+    if not args.output and (run / "curves.png").is_dir():
         raise UserError(f"{run / 'curves.png'}: is a directory, not a picture; draw elsewhere with "
                         "-o FILE.png")
     print(plot_metrics(run / "metrics.jsonl", args.output or run / "curves.png"))
@@ -778,8 +779,9 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--max-len-b", type=int, default=50, help="(default 50: the paper's src_len + 50)")
     p.add_argument("--min-len", type=int, default=0, help="forbid EOS before this many output tokens")
     p.add_argument("--early-stopping", action="store_true",
-                   help="stop a sentence once BEAM hypotheses ended (fairseq; HuggingFace's early_stopping=True); "
-                   "default: once no live hypothesis can beat them (tensor2tensor, the paper's code; "
+                   help="stop a sentence once BEAM hypotheses ended (fairseq; HuggingFace's "
+                   "early_stopping=True); default: once no live hypothesis can beat them (tensor2tensor, the "
+                   "paper's code; "
                    "HuggingFace's early_stopping=\"never\"). Beam > 1 only")
     p.add_argument("--n-best", type=int, default=1,
                    help="hypotheses per line; above 1, each input line gets N-BEST output lines (fewer "

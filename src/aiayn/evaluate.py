@@ -143,8 +143,9 @@ def unspaced_hint(
     if tokenize is None and (chars := _word_chars(lines)) > HINT_WORD_CHARS:
         if words:  # --tokenize char mends BLEU alone: TER stayed 100 and a second note said to pass -l
             advice = "pass -l LANG"
-        return (f"BLEU's 13a tokenizer found words of {chars:.0f} characters on average: for Chinese, Japanese, "
-                f"Thai, Lao, Khmer or Burmese {advice}" + (f" ({' and '.join(words)} too)" if words else ""))
+        return (f"BLEU's 13a tokenizer found words of {chars:.0f} characters on average: for Chinese, "
+                f"Japanese, Thai, Lao, Khmer or Burmese {advice}"
+                + (f" ({' and '.join(words)} too)" if words else ""))
     if words:  # --tokenize char is BLEU's alone: TER scored each Chinese line as one word
         return (f"{' and '.join(words)} split{'s' if words == ['TER'] else ''} words at spaces, which this "
                 "text, mostly of scripts written without them, has few of: pass -l LANG to score them as its "

@@ -40,8 +40,9 @@ def validation_bleu(
     Every pair of `text` is scored, those longer than data.max_len that the validation loss drops too, as
     `aiayn evaluate` scores the set: cutting them at data.max_len held the curve below the score the
     checkpoint gets. (Training's `text` holds the pairs with text on both sides: one with an empty side,
-    which `aiayn evaluate` would score, is dropped as from the loss, and counted.) Only a source the model has no positions for, or longer than a batch (`max_tokens`), is cut
-    (where `aiayn translate` would refuse it), and said. A target tokenizer that folds case
+    which `aiayn evaluate` would score, is dropped as from the loss, and counted.) Only a source the model
+    has no positions for, or longer than a batch (`max_tokens`), is cut (where `aiayn translate` would
+    refuse it), and said. A target tokenizer that folds case
     (data.normalization "nmt_nfkc_cf", "nfkc_cf") is scored lowercased, as its signature says, against
     references case-folded as it folds them.
 

@@ -206,7 +206,7 @@ def test_a_note_suggests_lang_for_unspaced_text_scored_with_13a(tmp_path, capsys
     ref.write_text("我们明天去公园散步。\n他说这本书非常有意思。\n\n", encoding="utf-8")
     assert main(["evaluate", str(hyp), str(ref)]) == 0
     captured = capsys.readouterr()
-    note = ("aiayn: note: BLEU's 13a tokenizer found words of 10 characters on average: for Chinese, "
+    note = ("aiayn: note: BLEU's 13a tokenizer found words of 10.0 characters on average: for Chinese, "
             "Japanese, Thai, Lao, ")
     assert captured.err.startswith(note) and captured.err.count("\n") == 1 and "BLEU: 0.00" in captured.out
     assert "Khmer or Burmese pass -l LANG (or --tokenize char)" in captured.err
@@ -431,12 +431,13 @@ def test_word_scores_of_unspaced_text_under_a_tokenizer_of_no_language_get_a_not
     hyp.write_text("我喜欢吃苹果。\n今天天气很好。\n他去了北京大学学习。\n", encoding="utf-8")
     ref.write_text("我爱吃苹果。\n今天天气非常好。\n他去北京大学学习了。\n", encoding="utf-8")
     note = ("aiayn: note: TER splits words at spaces, which this text, mostly of scripts written without "
-            "them, has few of: pass -l LANG to score them as its language allows (TER: -l zh or ja; it has "
-            "none for Thai, Lao, Khmer or Burmese)\n")  # `-l th --ter` is refused: the note sent Thai there
+            "them, has few of: pass -l zh or ja to score it as the language allows (sacreBLEU's TER has none "
+            "for Thai, Lao, Khmer or Burmese)")  # `-l th --ter` is refused: the note sent Thai there
     assert main(["evaluate", str(hyp), str(ref), "--tokenize", "char", "--ter"]) == 0
-    assert capsys.readouterr().err == note
+    assert capsys.readouterr().err == note + "\n"
     assert main(["evaluate", str(hyp), str(ref), "--tokenize", "13a", "--ter", "--chrf-word-order", "1"]) == 0
-    assert "note: TER and chrF's word n-grams split words at spaces" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"{note}; chrF's word n-grams split words at spaces, which this text "
+                                       "has few of: leave out --chrf-word-order\n")  # -l refuses them
     for quiet in (["--tokenize", "char"], ["-l", "zh", "--tokenize", "char", "--ter"],
                   ["--tokenize", "zh", "--ter"]):
         assert main(["evaluate", str(hyp), str(ref), *quiet]) == 0
@@ -448,13 +449,19 @@ def test_word_scores_of_unspaced_text_under_a_tokenizer_of_no_language_get_a_not
 
 def test_the_one_word_note_with_ter_asks_for_the_language_alone(tmp_path, capsys):
     """With --ter, "pass -l LANG (or --tokenize char)": char mends BLEU alone, TER stayed 100.00 and a second
-    note then said to pass -l."""
+    note then said to pass -l. -l mends TER of Chinese and Japanese alone, and refuses chrF's word n-grams:
+    the note said "(TER too)" and "(chrF's word n-grams too)" of Thai, whose `-l th` refuses both."""
     hyp = tmp_path / "hyp"
     hyp.write_text("我们今天下午去北京大学图书馆看书。\n他昨天晚上在家里看了一部很好的电影。\n" * 3, encoding="utf-8")
-    assert main(["evaluate", str(hyp), str(hyp), "--ter"]) == 0
-    assert capsys.readouterr().err.splitlines()[0] == (
-        "aiayn: note: BLEU's 13a tokenizer found words of 18 characters on average: for Chinese, Japanese, "
-        "Thai, Lao, Khmer or Burmese pass -l LANG (TER too)")
+    bleu = ("aiayn: note: BLEU's 13a tokenizer found words of 17.5 characters on average: for Chinese, "
+            "Japanese, Thai, Lao, Khmer or Burmese pass -l LANG")
+    ter = " (TER too, for Chinese or Japanese: sacreBLEU's TER has none for Thai, Lao, Khmer or Burmese)"
+    chrf = ("; chrF's word n-grams split words at spaces, which this text, mostly of scripts written without "
+            "them, has few of: leave out --chrf-word-order")
+    for options, said in ((["--ter"], bleu + ter), (["--chrf-word-order", "2"], bleu + chrf),
+                          (["--ter", "--chrf-word-order", "1"], bleu + ter + chrf)):
+        assert main(["evaluate", str(hyp), str(hyp), *options]) == 0
+        assert capsys.readouterr().err.splitlines()[0] == said
 
 
 def test_the_script_share_counts_letters_only():

@@ -139,19 +139,22 @@ def unspaced_hint(
     lines = [line for line in hypotheses if line.strip()]
     if not lines or not mostly_unspaced(lines):
         return None
-    words = [name for name, asked in (("TER", ter), ("chrF's word n-grams", chrf_word_order)) if asked]
+    # -l mends TER for Chinese and Japanese alone, and refuses chrF's word n-grams for every such language
+    ter_too = " (TER too, for Chinese or Japanese: sacreBLEU's TER has none for Thai, Lao, Khmer or Burmese)"
+    chrf = ("chrF's word n-grams split words at spaces, which this text, mostly of scripts written without "
+            "them, has few of: leave out --chrf-word-order") if chrf_word_order else ""
     if tokenize is None and (chars := _word_chars(lines)) > HINT_WORD_CHARS:
-        if words:  # --tokenize char mends BLEU alone: TER stayed 100 and a second note said to pass -l
+        if ter or chrf:  # --tokenize char mends BLEU alone: TER stayed 100 and a second note said to pass -l
             advice = "pass -l LANG"
-        return (f"BLEU's 13a tokenizer found words of {chars:.0f} characters on average: for Chinese, "
-                f"Japanese, Thai, Lao, Khmer or Burmese {advice}"
-                + (f" ({' and '.join(words)} too)" if words else ""))
-    if words:  # --tokenize char is BLEU's alone: TER scored each Chinese line as one word
-        return (f"{' and '.join(words)} split{'s' if words == ['TER'] else ''} words at spaces, which this "
-                "text, mostly of scripts written without them, has few of: pass -l LANG to score them as its "
-                "language allows" + (" (TER: -l zh or ja; it has none for Thai, Lao, Khmer or Burmese)"
-                                     if ter else ""))
-    return None
+        return "; ".join(filter(None, [
+            f"BLEU's 13a tokenizer found words of {chars:.1f} characters on average: for Chinese, Japanese, "
+            f"Thai, Lao, Khmer or Burmese {advice}" + (ter_too if ter else ""), chrf]))
+    if ter:  # --tokenize char is BLEU's alone: TER scored each Chinese line as one word
+        chrf = chrf and "; " + chrf.replace(", mostly of scripts written without them,", "")
+        return ("TER splits words at spaces, which this text, mostly of scripts written without them, has few "
+                "of: pass -l zh or ja to score it as the language allows (sacreBLEU's TER has none for Thai, "
+                "Lao, Khmer or Burmese)" + chrf)
+    return chrf or None
 
 
 def tokenizer_language(tokenize: object) -> str:
@@ -164,8 +167,11 @@ def _word_chars(lines: Sequence[str]) -> float:
     """The average characters of the words 13a finds in `lines`. Words a line alone missed Thai, whose
     lines of two clauses are two 13a words of 20 characters (BLEU 0.00, and no note)."""
     tokenize13a = Tokenizer13a()
-    words = [word for line in lines for word in tokenize13a(line).split()]
-    return sum(map(len, words)) / max(len(words), 1)
+    words = chars = 0
+    for line in lines:  # counted, not listed: a list of every word of a large file took 100 MB and more
+        split = tokenize13a(line).split()
+        words, chars = words + len(split), chars + sum(map(len, split))
+    return chars / max(words, 1)
 
 
 def mostly_unspaced(lines: Sequence[str]) -> bool:

@@ -491,6 +491,9 @@ def test_plot_output_inside_a_checkpoint_is_refused(tmp_path, capsys):
     assert cli.main(["plot", str(tmp_path), "-o", str(ck / "c.png")]) == 2
     assert capsys.readouterr().err.strip().endswith(f"lies inside the checkpoint {ck}; write it elsewhere")
     assert not (ck / "c.png").exists()
+    for folder in (ck, ck.parent):  # "names a directory; give the picture's file name, such as ck/curves.png"
+        assert cli.main(["plot", str(tmp_path), "-o", str(folder)]) == 2
+        assert "curves.png" not in capsys.readouterr().err
     # nor anywhere in the run's checkpoints/: a step_N there is pruned, or read as a checkpoint
     for inside in (ck / ".." / "c.png", ck.parent / "step_000099" / "c.png"):
         assert cli.main(["plot", str(tmp_path), "-o", str(inside)]) == 2

@@ -180,7 +180,14 @@ def _check_numbers(record: dict[str, Any], where: str) -> None:
 
 def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
     """Loss and NLL (train and validation) and the learning rate against the update number, as a
-    PNG written atomically (the old picture stays if writing fails); a missing directory is made."""
+    PNG written atomically (the old picture stays if writing fails); a missing directory is made. Never
+    inside a checkpoint or a run's checkpoints/: training's keep_last deletes those whole (Python callers
+    too)."""
+    from aiayn.train.state import check_outside_checkpoints
+
+    # first: "names a directory; give the picture's file name, such as ck/curves.png" of a checkpoint
+    # offered a place refused next
+    check_outside_checkpoints(Path(png_path))
     if str(png_path).endswith(("/", os.sep)) or Path(png_path).is_dir():  # Path drops a slash: `-o pics/`
         raise UserError(f"{png_path}: names a directory; give the picture's file name, such as "
                         f"{Path(png_path) / 'curves.png'}")
@@ -200,11 +207,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def _check_png_output(png: Path, log: Path) -> None:
     """Replace an earlier picture, never anything else: `-o` naming the log, a checkpoint's weights or any
-    other file (a slip of the shell's completion) lost it to a PNG. Nor draw inside a checkpoint or a
-    run's checkpoints/: training's keep_last deletes those whole (Python callers too)."""
-    from aiayn.train.state import check_outside_checkpoints
-
-    check_outside_checkpoints(png)
+    other file (a slip of the shell's completion) lost it to a PNG."""
     check_file_output(png, [log])
     if png.is_file():
         try:

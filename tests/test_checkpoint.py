@@ -421,8 +421,9 @@ def test_save_keeps_a_training_state_and_writes_inside_no_checkpoint(tmp_path, t
     step = save_checkpoint(tmp_path / "step_000002", model, tokenizer, {"step": 2},
                            {"adam.exp_avg": torch.zeros(2)}, {"step": 2}, owned=True)  # as training saves
     ck = load_checkpoint(step)
-    with pytest.raises(UserError, match="holds trainer.json, trainer.safetensors beside an aiayn checkpoint; "
-                                        "replacing it would delete them, so move them out first"):
+    with pytest.raises(UserError, match=re.escape(f"{step}: a training checkpoint, whose state (trainer.json, "
+                                                  "trainer.safetensors) resuming needs; saving over it would "
+                                                  "delete that, so save elsewhere")):
         save_checkpoint(step, ck.model, ck.tokenizer, meta=ck.meta)
     assert {p.name for p in step.iterdir() if p.name.startswith("trainer")} == {"trainer.json",
                                                                               "trainer.safetensors"}
@@ -574,6 +575,9 @@ def test_existing_outputs_need_force_and_must_be_directories(run, tmp_path, caps
     for out in ("empty", "empty"):  # an empty directory, then the checkpoint written there the first time
         assert main(["average", str(run), "-o", str(tmp_path / out), "--force"]) == 0
         assert load_checkpoint(tmp_path / out).meta["step"] == 3
+    (tmp_path / "empty" / "trainer.json").write_text("{}")  # a copied training checkpoint is one too:
+    assert main(["average", str(run), "-o", str(tmp_path / "empty"), "--force"]) == 0  # save_checkpoint's
+    assert not (tmp_path / "empty" / "trainer.json").exists()  # refusal of a resave in place refused it
     # a checkpoint with the user's files beside it: --force deleted them with the checkpoint it replaced
     for name in ("NOTES.txt", "eval", "b", "c"):
         (tmp_path / "empty" / name).write_text("mine")

@@ -561,7 +561,7 @@ def test_converted_is_said_only_once_written(tmp_path, monkeypatch, caplog):
 
     make_marian_dir(tmp_path / "opus", "swish", shared=True)
 
-    def full_disk(out, *args):
+    def full_disk(out, *args, **kwargs):
         raise UserError(f"{out}: could not write checkpoint (No space left on device)")
 
     monkeypatch.setattr(marian, "save_checkpoint", full_disk)

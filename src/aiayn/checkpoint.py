@@ -153,7 +153,8 @@ def save_checkpoint(
     this model was trained with", "the file is damaged"): a tokenizer that does not fit the model, or a
     NaN or infinite weight, is a UserError first. `check_weights=False` skips the scan for the latter
     where the caller has just made it (training, on the device, before every save). `owned`: `directory`
-    is the caller's own, replaced whatever it holds (training's step_N, which its checkpoints/ owns).
+    is the caller's own, replaced whatever it holds (training's step_N, which its checkpoints/ owns; the
+    output `average` and `convert` checked with `files.check_output`, which --force replaces).
 
     `meta` adds entries to meta.json, less those in `WRITTEN`, which describe what is saved: they are
     dropped rather than refused, as `meta=checkpoint.meta` is the natural way to keep a loaded
@@ -165,6 +166,9 @@ def save_checkpoint(
     if not owned:  # an earlier checkpoint, or none
         if (inside := enclosing_checkpoint(directory, itself=False)) is not None:  # then unsavable over
             raise UserError(f"{directory}: lies inside the checkpoint {inside[1]}; save it elsewhere")
+        if any((directory / name).exists() for name in TRAINER_FILES):  # resaving a loaded step_N in place
+            raise UserError(f"{directory}: a training checkpoint, whose state ({', '.join(TRAINER_FILES)}) "
+                            "resuming needs; saving over it would delete that, so save elsewhere")
         check_replaceable(directory, CHECKPOINT_KIND)
     problem = vocabulary_problem(model.config, tokenizer)
     if problem:
@@ -218,10 +222,9 @@ def is_checkpoint(path: Path) -> bool:
 
 
 # What `--force` may replace (convert, average): a checkpoint directory with no file of anyone else's.
-# What save_checkpoint, average and convert replace: not a training state (trainer.*), which resaving a
-# step_N in place dropped, with what --resume needs
-CHECKPOINT_KIND = OutputKind("an aiayn checkpoint", is_checkpoint, frozenset({WEIGHTS, META, SHARED, SOURCE,
-                                                                            TARGET}))
+TRAINER_FILES = ("trainer.json", "trainer.safetensors")  # a training checkpoint's state, for --resume
+CHECKPOINT_KIND = OutputKind("an aiayn checkpoint", is_checkpoint, frozenset(
+    {WEIGHTS, META, *TRAINER_FILES, SHARED, SOURCE, TARGET}))
 
 
 def enclosing_checkpoint(path: str | Path, itself: bool = True) -> tuple[str, Path] | None:

@@ -307,6 +307,9 @@ def test_bleu_of_another_signature_is_a_line_of_its_own_and_the_best_its_own():
         ([80, 160], "tok:13a"), ([240, 320], "tok:char")]
     assert bleu.get_title() == "best valid BLEU 21.30 at 240 (tok:char)"
     assert [t.get_text() for t in bleu.get_legend().get_texts()] == ["tok:13a", "tok:char"]
+    upgraded = [{**records[0], "bleu_signature": sig.format("13a").replace("2.6.0", "2.5.1")}, records[1],
+                {"step": 200, "valid_bleu": 5.0, "bleu_signature": None}]  # no text: as if missing
+    assert len(_draw(upgraded).axes[2].lines) == 1  # another sacreBLEU version alone is the same scale
     one = _draw(records[:2]).axes[2]  # one scale: one line, no legend, the title as before
     assert len(one.lines) == 1 and one.get_legend() is None
     assert one.get_title() == "best valid BLEU 4.50 at 160"

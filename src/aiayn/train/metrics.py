@@ -236,10 +236,11 @@ def _points(records: list[dict[str, Any]], key: str) -> tuple[list, list]:
 def _bleu_series(records: list[dict[str, Any]]) -> list[tuple[str, list, list]]:
     """(sacreBLEU signature, steps, values) of the validation BLEU, a series each time the signature
     changes: a --resume with another train.bleu_lang scores on another scale (13a BLEU 4.5, then char
-    BLEU 21.3), which one line joined and one best compared. A record without a signature (a hand's
-    edit) goes on the series before it."""
+    BLEU 21.3), which one line joined and one best compared; another sacreBLEU version alone does not. A
+    record without a signature, or with one that is no text (a hand's edit), goes on the series before it."""
     steps, values = _points(records, "valid_bleu")
-    signatures = dict(zip(*_points(records, "bleu_signature")))
+    signatures = {step: _without_version(signature)
+                  for step, signature in zip(*_points(records, "bleu_signature")) if isinstance(signature, str)}
     series: list[tuple[str, list, list]] = []
     for step, value in zip(steps, values):
         signature = signatures.get(step, series[-1][0] if series else "")
@@ -248,6 +249,11 @@ def _bleu_series(records: list[dict[str, Any]]) -> list[tuple[str, list, list]]:
         series[-1][1].append(step)
         series[-1][2].append(value)
     return series
+
+
+def _without_version(signature: str) -> str:
+    """A sacreBLEU signature less its version field: an upgrade scores on the same scale."""
+    return "|".join(f for f in signature.split("|") if not f.startswith("version:"))
 
 
 def _signature_label(signature: str, all_signatures: set[str]) -> str:

@@ -991,9 +991,12 @@ def test_config_paths_and_line_ends_that_said_the_wrong_thing(tmp_path, monkeypa
     newline ... at column 8"; an array of tables ([[train]]) was named without its line."""
     monkeypatch.chdir(tmp_path)
     Path("link.toml").symlink_to("gone.toml")
-    with pytest.raises(UserError, match=r"^link\.toml: a symbolic link to gone\.toml, which does not exist$"):
-        load_config("link.toml")
-    with pytest.raises(UserError, match=r"^-: --config does not read standard input as '-'; name a file "):
+    Path("chain.toml").symlink_to("link.toml")  # the end of the chain named, not link.toml, which exists
+    for link in ("link.toml", "chain.toml"):
+        gone = re.escape(str(tmp_path / "gone.toml"))
+        with pytest.raises(UserError, match=rf"^{link}: a symbolic link to {gone}, which does not exist$"):
+            load_config(link)
+    with pytest.raises(UserError, match=r"^-: a config file is not read from standard input as '-'; name a "):
         load_config("-")
     Path("mac.toml").write_bytes(b"[train]\rwarmup = 1\r")
     with pytest.raises(UserError, match=r"^mac\.toml: CR line ends and no LF \(a classic Mac OS file\?\)"):

@@ -86,8 +86,8 @@ def require_file(path: Path, kind: str = "text", pipe: bool = False) -> None:
     try:
         mode = path.stat().st_mode
     except (FileNotFoundError, NotADirectoryError):
-        if os.path.islink(path):  # "not found" sent the user looking for a file that is there, as a link
-            raise UserError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist") from None
+        if said := broken_link(path):  # "not found" sent the user looking for a file that is there, as a link
+            raise UserError(f"{path}: {said}") from None
         raise UserError(f"{path}: {'' if kind == 'text' else kind + ' '}file not found") from None
     except OSError as e:  # a name too long (is_dir() let its error through: a traceback), a link loop
         raise UserError(f"{path}: {(e.strerror or str(e)).lower()}") from None

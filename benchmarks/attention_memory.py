@@ -140,12 +140,15 @@ def cpu_peak_bytes(impl: str, mode: str, q: Tensor, k: Tensor, v: Tensor, grad: 
 
 
 def cuda_peak_bytes(impl: str, mode: str, q: Tensor, k: Tensor, v: Tensor, grad: Tensor) -> tuple[int, str]:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+    """Peak allocation growth of one run on the inputs' GPU, named in every call: without a device they
+    read the current one's counters, cuda:0's, and a run on cuda:1 showed peaks near 0."""
+    device = q.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
     run_once(impl, mode, q, k, v, grad)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before, "torch.cuda.max_memory_allocated"
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before, "torch.cuda.max_memory_allocated"
 
 
 def measure(impl: str, n: int, mode: str, cfg: MemoryConfig) -> dict:
@@ -430,7 +433,7 @@ def budget_gib(text: str) -> float:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n = 256, 512, 1024 only")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
     parser.add_argument("--budget-gib", type=budget_gib,
                         help="largest predicted peak to run, more than 0 (default 4)")
@@ -460,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict:
     stem = args.out / f"attention_memory_{torch.device(cfg.device).type}{'_quick' if args.quick else ''}"
     # before the runs
     check_out(stem, [with_suffix_added(stem, s) for s in (".json", ".md", ".png")], args.force, args.out)
-    env = environment()  # before the runs: the load average is the machine's, not this run's
+    env = environment(cfg.device)  # before the runs: the load average is the machine's, not this run's
     series = run_all(cfg)
     result = {
         "command": command_line(__file__, argv),

@@ -76,8 +76,9 @@ def git_commit() -> str:
     return rev + ("+dirty" if dirty else "")
 
 
-def environment() -> dict:
-    """Hardware, library versions, commit and date: what a reader needs to compare a figure."""
+def environment(device: torch.device | str = "cpu") -> dict:
+    """Hardware, library versions, commit and date: what a reader needs to compare a figure. "gpu" names
+    `device` when it is a CUDA one (else the current CUDA device): a run on cuda:1 named device 0."""
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git_commit(),
@@ -94,7 +95,7 @@ def environment() -> dict:
     except ImportError:
         env["transformers"] = None
     if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu"] = torch.cuda.get_device_name(device if torch.device(device).type == "cuda" else None)
         env["cuda"], env["cudnn"] = torch.version.cuda, torch.backends.cudnn.version()
     env["load_average"] = load_average()
     return env
@@ -251,9 +252,10 @@ def status_kib(field: str) -> int:
 
 
 def sync(device: torch.device | str = "cpu") -> None:
-    """Wait for queued GPU work so that a wall-clock time covers it (a no-op on CPU)."""
+    """Wait for `device`'s queued GPU work so that a wall-clock time covers it (a no-op on CPU). The device
+    named: torch.cuda.synchronize() waits for the current one, cuda:0, and a run on cuda:1 timed launches."""
     if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def timeit(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, device: str = "cpu") -> float:

@@ -45,7 +45,7 @@ restored it).
     python benchmarks/decode.py --device cuda         # on a GPU (CT2 too if its wheel has CUDA)
     python benchmarks/decode.py --cells greedy-1 --engines "CT2 float32" --repeats 1   # a quick look
 
-Writes benchmarks/results/local/decode_DEVICE.{json,md} (ignored by git) unless --out names a prefix
+Writes benchmarks/results/local/decode_{cpu,cuda}.{json,md} (ignored by git) unless --out names a prefix
 (over a file git tracks, a committed result, only with --force), and rewrites them after every cell. An
 engine whose worker fails (a CTranslate2 wheel whose CUDA libraries do not load: cuBLAS loads at the first
 translation, so no check beforehand sees it) is left out, at every thread count, from then on and from the
@@ -86,6 +86,7 @@ from common import (  # noqa: E402
     check_out,
     require_device,
     status_kib,
+    sync,
     thread_counts,
     with_suffix_added,
 )
@@ -233,9 +234,9 @@ def make_engine(name: str, seed: int, device: str, ct2_paths: dict[str, str], th
         return lambda b, k: run_aiayn(model, src[:b], k)
     import ctranslate2
 
-    compute = name.removeprefix("CT2 ")
-    translator = ctranslate2.Translator(ct2_paths[compute], device=device, compute_type=compute,
-                                        intra_threads=threads, inter_threads=1)
+    compute, where = name.removeprefix("CT2 "), torch.device(device)
+    translator = ctranslate2.Translator(ct2_paths[compute], device=where.type, device_index=where.index or 0,
+                                        compute_type=compute, intra_threads=threads, inter_threads=1)
     tokens = [[f"t{i}" for i in row[:-1].tolist()] + ["</s>"] for row in src]
     ids = _Vocabulary().get_vocab()
     return lambda b, k: run_ct2(translator, tokens[:b], k, ids)
@@ -358,12 +359,10 @@ def answer(run, request, device: str):
     if request == "kernels":
         return getattr(run, "chosen", {})
     batch, beam = request
-    if device == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     ids = run(batch, beam)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     return time.perf_counter() - start, ids
 
 
@@ -556,8 +555,10 @@ def table(results: dict, threads: dict | None = None) -> str:
 def engine_names(device: str) -> list[str]:
     """The engines to time on `device`: CTranslate2's only where its package (and, on a GPU, its CUDA)
     is there, with one line on stderr when they are skipped."""
-    names = ["aiayn fp32", "HF Marian fp32"] + (["aiayn int8", FLOOR] if device == "cpu" else [])
-    if device == "cpu":
+    where = torch.device(device)
+    on_cpu = where.type == "cpu"
+    names = ["aiayn fp32", "HF Marian fp32"] + (["aiayn int8", FLOOR] if on_cpu else [])
+    if on_cpu:
         if has_cxx_compiler():
             names.insert(1, COMPILED)
         else:
@@ -566,10 +567,11 @@ def engine_names(device: str) -> list[str]:
         return names
     import ctranslate2
 
-    if device == "cpu" or ctranslate2.get_cuda_device_count() > 0:
+    if on_cpu or ctranslate2.get_cuda_device_count() > (where.index or 0):
         names += ["CT2 float32", "CT2 int8"]
     else:
-        print(f"CTranslate2 {ctranslate2.__version__} has no CUDA device here: not timed", file=sys.stderr)
+        print(f"CTranslate2 {ctranslate2.__version__} has no CUDA device {where.index or 0} here: not timed",
+              file=sys.stderr)
     return names
 
 
@@ -579,7 +581,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="CPU threads for every engine (default 1); a comma list such as 1,2 times every "
                              "engine at each count and also compares each engine at its best count")
     parser.add_argument("--repeats", type=at_least(1), default=3)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--settle", type=at_least(0.0, float), default=0.5,
                         help="idle seconds before each timed run, so that the previous engine's spinning "
@@ -590,13 +592,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a comma list of engines to time besides aiayn fp32 and HF Marian fp32, which "
                              "the ratios are taken against (default every one available here): "
                              + ", ".join(ENGINES))
-    parser.add_argument("--out", help="results prefix (default benchmarks/results/local/decode_DEVICE, "
-                                      "ignored by git)")
+    parser.add_argument("--out", help="results prefix (default benchmarks/results/local/decode_cpu or "
+                                      "decode_cuda, ignored by git)")
     parser.add_argument("--force", action="store_true",
                         help="write over files git tracks (committed results)")
     args = parser.parse_args(argv)
-    require_device(args.device)
-    args.out = Path(args.out) if args.out else LOCAL_RESULTS / f"decode_{args.device}"
+    args.device = str(require_device(args.device))
+    args.out = Path(args.out) if args.out else LOCAL_RESULTS / f"decode_{torch.device(args.device).type}"
     # before the timing
     check_out(args.out, [with_suffix_added(args.out, s) for s in (".json", ".md")], args.force)
     if not -(2**63) <= args.seed < 2**63:  # torch.manual_seed's range
@@ -612,7 +614,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("decode.py needs transformers: pip install -e '.[bench]'") from None
     names = chosen_engines(args)  # an engine not here (CT2 without ctranslate2): said before any work
     torch.set_num_threads(args.threads[0])  # the workers set theirs; this keeps the recorded environment true
-    env = environment()  # before the timing: the load average is the machine's, not this run's
+    env = environment(args.device)  # before the timing: the load average is the machine's, not this run's
     hf = build_hf(args.seed)
     diff = check_same_logits(hf, build_aiayn(hf), sources(args.seed)[:4])
     weights_mb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e6  # float32, tied once

@@ -512,7 +512,7 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     --force."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small grid that runs in seconds")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
     parser.add_argument("--widths", type=at_least(1), nargs="+", help="override the widths d")
     parser.add_argument("--batch", type=at_least(1), help="override the batch size B")
@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)
-    env = environment()  # before the timing: the load average is the machine's, not this run's
+    env = environment(cfg.device)  # before the timing: the load average is the machine's, not this run's
     times = run_grid(cfg)
     for cells in times.values():
         for cell in cells.values():

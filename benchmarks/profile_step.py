@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--system", choices=["aiayn", "nn.Transformer", "Marian"], default="aiayn")
     p.add_argument("--compile", action="store_true", help="aiayn through compile_for_training, a peer "
                    "through torch.compile")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     p.add_argument("--steps", type=at_least(1), default=3, help="profiled steps, after 3 warm-up steps")
     p.add_argument("--top", type=at_least(1), default=25, help="rows printed")
     p.add_argument("--by-shape", action="store_true", help="one row per operator and input shapes")
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()  # as train_step.py and `aiayn train` do: large buffers are reused, not re-faulted
     # what a figure quoted from this output needs beside it; before the steps, so the load is the machine's
     print(f"command: {command_line(__file__, argv)}")
-    print(f"environment: {environment()}", flush=True)
+    print(f"environment: {environment(device)}", flush=True)
     shape = train_step.SHAPES[args.config]
     c = model_config(shape["preset"], vocab_size=shape["vocab"])
     batch = tuple(x.to(device) for x in train_step.make_batch(shape, torch.Generator().manual_seed(0)))

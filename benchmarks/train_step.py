@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
-    env = environment()  # the machine's load before the compiler check's C++ build, as before the run
+    env = environment(args.device)  # the machine's load before the compiler check's C++ build, as before the run
     if args.configs and not args.no_compile:
         args.compile_skipped = compile_problem(args.device)  # in the report: no --no-compile says it
         args.no_compile = args.compile_skipped is not None

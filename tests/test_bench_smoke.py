@@ -330,6 +330,35 @@ def test_cuda_without_a_device_is_refused_up_front(script, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_cuda_n_is_synchronised_measured_and_named_as_itself(monkeypatch):
+    """--device cuda:1 passes require_device, but torch.cuda.synchronize(), the memory counters and the
+    GPU's name without a device took the current one, cuda:0: the timers (train_step's matmul peak,
+    layers' cells) timed kernel launches, attention_memory read cuda:0's peaks, the report named GPU 0.
+    Every call is recorded here with the device it was given (no GPU needed)."""
+    common = _load("common")
+    calls = []
+
+    def record(name):
+        def call(device=None):
+            calls.append((name, str(device)))
+            return 0 if name != "get_device_name" else "GPU"
+        return call
+
+    for name in ("synchronize", "reset_peak_memory_stats", "memory_allocated", "max_memory_allocated",
+                 "get_device_name"):
+        monkeypatch.setattr(torch.cuda, name, record(name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention_memory, "run_once", lambda *args: None)
+    common.timeit(lambda: None, repeats=2, warmup=1, device="cuda:1")  # train_step.matmul_peak's timer
+    layers.seconds(lambda: None, torch.device("cuda:1"))
+    q = types.SimpleNamespace(device=torch.device("cuda:1"))  # a tensor on cuda:1, as far as it looks
+    attention_memory.cuda_peak_bytes("sdpa", "forward", q, q, q, q)
+    common.environment("cuda:1")
+    assert {name for name, _ in calls} == {"synchronize", "reset_peak_memory_stats", "memory_allocated",
+                                           "max_memory_allocated", "get_device_name"}
+    assert [call for call in calls if call[1] != "cuda:1"] == []
+
+
 def test_attention_memory_writes_its_default_folder(tmp_path, monkeypatch):
     """No --out: md, png and json land in LOCAL_RESULTS (here a temporary one); figures faked."""
     def fake(impl, n, mode, cfg):

@@ -151,6 +151,34 @@ def test_cuda_without_a_device_is_refused_up_front():
         decode.parse_args(["--device", "cuda"])
 
 
+def test_a_cuda_device_by_number_is_taken_as_the_other_scripts_take_it(monkeypatch, tmp_path):
+    """train_step.py, layers.py and attention_memory.py take --device cuda:N; decode.py refused even
+    cuda:0 ("invalid choice"). Taken, it is synchronised, and CTranslate2 runs, on that device (no GPU
+    needed: the CUDA calls are recorded); the files are named by the device's type, not decode_cuda:1."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(decode, "LOCAL_RESULTS", tmp_path)
+    args = decode.parse_args(["--device", "cuda:1"])
+    assert args.device == "cuda:1" and args.out == tmp_path / "decode_cuda"
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(str(device)))
+    assert decode.answer(lambda batch, beam: [[5]], (1, 1), "cuda:1")[1] == [[5]]
+    assert synced == ["cuda:1", "cuda:1"]
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    made = {}
+    monkeypatch.setattr(ctranslate2, "Translator", lambda path, **options: made.update(options))
+    monkeypatch.setattr(decode, "keep_freed_memory", lambda: None)
+    threads = torch.get_num_threads()
+    try:
+        decode.make_engine("CT2 float32", 0, "cuda:1", {"float32": str(tmp_path)}, threads)
+    finally:
+        torch.set_num_threads(threads)
+    assert made["device"] == "cuda" and made["device_index"] == 1
+    monkeypatch.setattr(ctranslate2, "get_cuda_device_count", lambda: 1)  # only cuda:0 for CTranslate2
+    assert "CT2 float32" not in decode.engine_names("cuda:1")
+    monkeypatch.setattr(ctranslate2, "get_cuda_device_count", lambda: 2)
+    assert "CT2 float32" in decode.engine_names("cuda:1")
+
+
 def test_output_defaults_to_the_local_results_folder():
     assert decode.parse_args([]).out == decode.LOCAL_RESULTS / "decode_cpu"
     assert decode.LOCAL_RESULTS.name == "local" and decode.LOCAL_RESULTS.parent.name == "results"
@@ -159,7 +187,7 @@ def test_output_defaults_to_the_local_results_folder():
 @pytest.mark.parametrize("bad, message", [
     (["--settle", "inf"], "must be finite"),  # an OverflowError in time.sleep after the models were built
     (["--seed", str(10**23)], "must be within"),  # an overflow traceback
-    (["--device", "meta"], "invalid choice: 'meta'"),
+    (["--device", "meta"], "the benchmarks run on cpu or cuda"),
 ])
 def test_values_it_cannot_use_are_refused_up_front(bad, message, capsys):
     with pytest.raises(SystemExit) as stopped:

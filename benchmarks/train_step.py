@@ -411,7 +411,7 @@ def loss_curve(steps: int, seed: int = 0, device: str = "cpu") -> dict:
         src = torch.randint(3, 200, (shape["batch"], shape["src_len"]), generator=gen)  # 200 words in use
         tgt = torch.cat([torch.full((shape["batch"], 1), BOS), src.flip(1)], dim=1)
         batches.append(tuple(x.to(device) for x in (src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous())))
-    curves = {}
+    curves, every = {}, max(1, steps // 10)
     for precision in ("fp32", "bf16"):
         torch.manual_seed(seed)
         model = Transformer(c).to(device).train()
@@ -419,7 +419,12 @@ def loss_curve(steps: int, seed: int = 0, device: str = "cpu") -> dict:
         # The loss `aiayn train` minimizes, not the peers' F.cross_entropy.
         step = make_step(model, aiayn_loss(model), PRECISIONS[precision], opt)
         torch.manual_seed(seed + 2)  # the same dropout masks in both runs (all devices' generators)
-        curves[precision] = [step(*b) for b in batches]
+        curves[precision] = []
+        for i, batch in enumerate(batches, 1):
+            curves[precision].append(step(*batch))
+            if i % every == 0 or i == steps:  # 2 x 150 steps were ~100 s without a word, on a CPU
+                print(f"[loss curve] {precision} step {i}/{steps}: loss {curves[precision][-1]:.4f}",
+                      flush=True)
     diffs = [abs(a - b) for a, b in zip(curves["fp32"], curves["bf16"])]
     rel = [d / a for d, a in zip(diffs, curves["fp32"])]
     return dict(steps=steps, fp32=curves["fp32"], bf16=curves["bf16"], max_abs_diff=max(diffs),

@@ -452,11 +452,9 @@ def config_record(info: dict) -> dict:
     return {**{k: info[k] for k in keys}, "flops_per_step": info["flops"]}
 
 
-def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, args, path: str,
-                 configs: dict[str, dict] | None = None) -> None:
-    """The markdown report at `path` and the json beside it; `configs`: name -> `config_record`."""
-    for r in rows:
-        r["per_round_vs_fastest_peer"] = [round(x, 3) for x in per_round_ratios(rows, r)]
+def timing_lines(rows: list[dict], peaks: dict, args) -> list[str]:
+    """The report's timed part: the matmul peak, what the columns mean, the table, bf16's speed-ups and
+    the Linear floors."""
     table = markdown_table(
         ["config", "precision", "system", "ms/step", "tokens/s", "x fastest peer",
          "per round: median [min, max]", "MFU", "compile s"],
@@ -470,47 +468,68 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
     for cfg in dict.fromkeys(r["config"] for r in rows):
         for compiled in ("aiayn", "aiayn (compiled)"):
             t = {r["precision"]: r["step_ms"] for r in rows if r["config"] == cfg and r["system"] == compiled}
-            rounds = {r["precision"]: r["times_ms"] for r in rows if r["config"] == cfg and r["system"] == compiled}
+            rounds = {r["precision"]: r["times_ms"] for r in rows
+                      if r["config"] == cfg and r["system"] == compiled}
             if "fp32" in t and "bf16" in t:
                 q = [a / b for a, b in zip(rounds["fp32"], rounds["bf16"])]
                 speedups.append(f"- {cfg}, {compiled}: bf16 is {t['fp32'] / t['bf16']:.2f}x fp32 (ratio of "
-                                f"medians; per round: median {statistics.median(q):.2f} [{min(q):.2f}, {max(q):.2f}])")
+                                f"medians; per round: median {statistics.median(q):.2f} [{min(q):.2f}, "
+                                f"{max(q):.2f}])")
     floors = [f"- {r['config']} {r['precision']}: the Linear products alone (forward, input and weight "
               f"gradients, `torch.mm`, nothing else) take {r['linear_floor_ms']:.0f} ms, so no step can be "
               f"more than {r['peer_over_floor']:.2f}x the fastest peer ({r['fastest_peer']}) here; aiayn "
               f"spends {r['step_ms'] - r['linear_floor_ms']:.0f} ms outside them" + _floor_caveat(r)
               for r in rows if r["system"] == "aiayn" and "linear_floor_ms" in r]
+    shapes = "; ".join(f"{k} = preset {v['preset']}, vocab {v['vocab']}, batch {v['batch']} pairs of "
+                       f"{v['src_len']} + {v['tgt_len']} tokens"
+                       for k, v in SHAPES.items() if k in args.configs)
+    return [
+        (f"Measured matmul peak ({peak_size(args.device)}^3 torch.matmul on {args.device}): "
+         f"fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s."), "",
+        ("Step = forward, label-smoothed CE (0.1), backward, fused Adam (`zero_grad(set_to_none=True)`); "
+         f"shapes: {shapes}. tokens/s counts source + target tokens. Median of the interleaved rounds. "
+         "`x fastest peer` = fastest peer's time / this time, at the same precision (compiled rows against "
+         "compiled peers when they were measured, else against the eager peers, named in brackets). MFU = "
+         "model FLOPs (`model_flops`: 6 x matmul weights x positions + 12 x B x d x Tq x Tk per attention) "
+         "/ time / measured matmul peak of that precision. `compile s` = first step minus a warm step."), "",
+        table, "", *speedups, "", *floors, "",
+    ]
+
+
+def curve_lines(curve: dict) -> list[str]:
+    """The report's loss-curve section: the largest gap, and the losses of ten steps across the run, the
+    last one among them."""
+    shown = sorted({*range(0, curve["steps"], max(1, curve["steps"] // 10)), curve["steps"] - 1})
+    return [
+        f"## bf16 loss curve vs fp32 (aiayn small, {curve['steps']} steps, same init and batches)", "",
+        (f"max |loss_bf16 - loss_fp32| = {curve['max_abs_diff']:.4f}, max relative = "
+         f"{100 * curve['max_rel_diff']:.2f}%; final loss fp32 {curve['final_fp32']:.4f}, "
+         f"bf16 {curve['final_bf16']:.4f}"), "",
+        markdown_table(["step", "fp32", "bf16", "abs diff"], [
+            [i + 1, f"{curve['fp32'][i]:.4f}", f"{curve['bf16'][i]:.4f}",
+             f"{abs(curve['fp32'][i] - curve['bf16'][i]):.4f}"] for i in shown]),
+        "",
+    ]
+
+
+def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, args, path: str,
+                 configs: dict[str, dict] | None = None) -> None:
+    """The markdown report at `path` and the json beside it; `configs`: name -> `config_record`. With no
+    rows (`--configs ''`), no peak and no timing part: it read "shapes: . tokens/s counts ..." and
+    explained the columns of a table that was not there."""
+    for r in rows:
+        r["per_round_vs_fastest_peer"] = [round(x, 3) for x in per_round_ratios(rows, r)]
     lines = [
         "# Training step: aiayn vs torch.nn.Transformer vs MarianMT", "",
         f"Command: `{command_line(__file__, args.argv)}`", "",
         "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
-        f"Measured matmul peak ({peak_size(args.device)}^3 torch.matmul on {args.device}): "
-        f"fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
-        f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s.", "",
-        "Step = forward, label-smoothed CE (0.1), backward, fused Adam (`zero_grad(set_to_none=True)`); "
-        "shapes: " + "; ".join(f"{k} = preset {v['preset']}, vocab {v['vocab']}, batch {v['batch']} pairs of "
-                               f"{v['src_len']} + {v['tgt_len']} tokens" for k, v in SHAPES.items()
-                               if k in args.configs) + ". tokens/s counts source + target tokens. Median of the interleaved rounds. `x fastest peer` = "
-        "fastest peer's time / this time, at the same precision (compiled rows against compiled peers "
-        "when they were measured, else against the eager peers, named in brackets). MFU = model FLOPs "
-        "(`model_flops`: 6 x matmul weights x positions + 12 x B x d x Tq x Tk per attention) / time / "
-        "measured matmul peak of that precision. `compile s` = first step minus a warm step.", "",
-        table if rows else "(no timing in this run)", "", *speedups, "", *floors, "",
+        *(timing_lines(rows, peaks, args) if rows
+          else ["No step timed in this run (`--configs ''`): the bf16 loss curve alone.", ""]),
     ]
     if skipped := getattr(args, "compile_skipped", None):  # the command line does not say it: no --no-compile
         lines += [f"No compiled rows: torch.compile could not build here ({skipped}).", ""]
     if curve:
-        lines += [
-            f"## bf16 loss curve vs fp32 (aiayn small, {curve['steps']} steps, same init and batches)", "",
-            f"max |loss_bf16 - loss_fp32| = {curve['max_abs_diff']:.4f}, max relative = "
-            f"{100 * curve['max_rel_diff']:.2f}%; final loss fp32 {curve['final_fp32']:.4f}, "
-            f"bf16 {curve['final_bf16']:.4f}", "",
-            markdown_table(["step", "fp32", "bf16", "abs diff"], [
-                [i + 1, f"{curve['fp32'][i]:.4f}", f"{curve['bf16'][i]:.4f}",
-                 f"{abs(curve['fp32'][i] - curve['bf16'][i]):.4f}"]
-                for i in sorted({*range(0, curve["steps"], max(1, curve["steps"] // 10)), curve["steps"] - 1})]),
-            "",
-        ]
+        lines += curve_lines(curve)
     with open(path, "w") as f:
         f.write("\n".join(lines))
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
@@ -597,9 +616,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.configs and not args.no_compile:
         args.compile_skipped = compile_problem(args.device)  # in the report: no --no-compile says it
         args.no_compile = args.compile_skipped is not None
+    # the MFU's denominators: nothing to measure for the loss curve alone
     peaks = {name: matmul_peak(torch.float32 if name == "fp32" else torch.bfloat16, args.device)
-             for name in PRECISIONS}
-    print("matmul peak GFLOP/s:", {k: round(v / 1e9) for k, v in peaks.items()}, flush=True)
+             for name in PRECISIONS} if args.configs else {}
+    if peaks:
+        print("matmul peak GFLOP/s:", {k: round(v / 1e9) for k, v in peaks.items()}, flush=True)
     rows, configs = [], {}
     for name in args.configs:
         runs, info = time_config(name, args)

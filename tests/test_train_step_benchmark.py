@@ -113,6 +113,25 @@ def test_the_loss_curve_says_how_far_it_has_got(tmp_path, monkeypatch, capsys):
         round(x, 4) for x in saved["fp32"] + saved["bf16"]]
 
 
+def test_the_loss_curve_alone_measures_and_reports_no_timing(tmp_path, monkeypatch, capsys):
+    """--configs '': the report read "shapes: . tokens/s counts source + target tokens", explained the
+    columns of a table that was not there and quoted a matmul peak that was measured (and printed) for
+    nothing."""
+    monkeypatch.setattr(train_step, "matmul_peak", lambda dtype, device: pytest.fail("a peak for nothing"))
+    curve = dict(steps=2, fp32=[2.0, 1.0], bf16=[2.0, 1.1], max_abs_diff=0.1, max_rel_diff=0.1,
+                 final_fp32=1.0, final_bf16=1.1)
+    monkeypatch.setattr(train_step, "loss_curve", lambda steps, device: curve)
+    out = tmp_path / "loss.md"
+    train_step.main(["--configs", "", "--loss-steps", "2", "--out", str(out)])
+    text = out.read_text()
+    assert "No step timed in this run (`--configs ''`): the bf16 loss curve alone." in text
+    for timing in ("shapes:", "tokens/s", "MFU", "matmul peak", "no timing"):
+        assert timing not in text
+    assert "## bf16 loss curve vs fp32 (aiayn small, 2 steps" in text
+    assert "matmul peak" not in capsys.readouterr().out
+    assert json.loads(out.with_suffix(".json").read_text())["peaks"] == {}
+
+
 @pytest.mark.parametrize("bad", [["--steps", "0"], ["--warmup", "0"], ["--loss-steps", "-1"],
                                  ["--precisions", "fp16"], ["--configs", "tny"], ["--precisions", ""],
                                  ["--threads", "3000000000"],  # torch's OverflowError traceback

@@ -432,7 +432,8 @@ def budget_gib(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="n = 256, 512, 1024 only")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"--lengths {' '.join(map(str, QUICK.lengths))} (not given with it)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
     parser.add_argument("--budget-gib", type=budget_gib,
@@ -452,6 +453,9 @@ def main(argv: list[str] | None = None) -> dict:
         impl, n, mode = args.measure
         print(json.dumps(measure(impl, int(n), mode, cfg)))
         return {}
+    if args.quick and args.lengths:  # they replaced the quick lengths without a word, in files named _quick
+        parser.error(f"--quick sets --lengths {' '.join(map(str, QUICK.lengths))}: give --lengths, or "
+                     "--quick, not both")
     require_device(args.device)
     cfg = QUICK if args.quick else MemoryConfig()
     overrides = {

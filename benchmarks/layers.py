@@ -511,7 +511,10 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     """The grid, the output directory, the file stem (layers_{device}[_quick][_tag]), a json to replot,
     --force."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small grid that runs in seconds")
+    quick = (f"--lengths {' '.join(map(str, QUICK.lengths))} --widths {' '.join(map(str, QUICK.widths))} "
+             f"--batch {QUICK.batch}")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a small grid that runs in seconds: {quick} (none of those given with it)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
     parser.add_argument("--widths", type=at_least(1), nargs="+", help="override the widths d")
@@ -527,6 +530,9 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     parser.add_argument("--force", action="store_true",
                         help="write over files git tracks (committed results)")
     args = parser.parse_args(argv)
+    quick_set = [f"--{name}" for name in ("lengths", "widths", "batch") if getattr(args, name) is not None]
+    if args.quick and quick_set:  # they replaced the quick grid without a word, in files named _quick
+        parser.error(f"--quick sets {quick}: give {' and '.join(quick_set)}, or --quick, not both")
     require_device(args.device)
     for d in args.widths or ():  # MultiHeadAttention's heads must divide the width
         if d % n_heads(d, 64):

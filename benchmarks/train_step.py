@@ -558,12 +558,20 @@ QUICK = {"configs": ["small"], "steps": 3, "warmup": 1, "loss_steps": 40}  # --q
 
 def settle(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`DEFAULTS`, or `QUICK` with --quick, for the options not given; a usage error for an option --quick
-    sets given beside it (it replaced them silently), for a contradiction, or for nothing to measure."""
+    sets given beside it (it replaced them silently), for an option of the timing given with --configs ''
+    (it was ignored silently), for a contradiction, or for nothing to measure."""
     given = [f"--{name.replace('_', '-')}" for name in QUICK  # --loss-steps 0: the quick run, no curve
              if getattr(args, name) is not None and not (name == "loss_steps" and args.loss_steps == 0)]
     if args.quick and given:
         p.error(f"--quick sets --configs small, --steps 3, --warmup 1 and --loss-steps 40 (0 may go with "
                 f"it): give {' and '.join(given)}, or --quick, not both")
+    timing = [option for option, value in (("--precisions", args.precisions), ("--steps", args.steps),
+                                           ("--warmup", args.warmup), ("--no-compile", args.no_compile),
+                                           ("--compile-peers", args.compile_peers)) if value]
+    if args.configs == [] and timing:  # [] only as given: the default is None until filled in below
+        p.error(f"--configs '' times no step (the loss curve alone): {' and '.join(timing)} would be "
+                f"ignored; give a configuration, or leave {'it' if len(timing) == 1 else 'them'} out")
+    args.precisions = args.precisions or list(PRECISIONS)
     for name, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -576,12 +584,13 @@ def settle(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # the four that --quick sets default to None: one given beside --quick is refused, even at its default
+    # the four that --quick sets, and --precisions, default to None: one given beside --quick (or a timing
+    # option beside --configs '') is refused, even at its default
     p.add_argument("--configs", type=comma_choices(list(SHAPES), allow_empty=True),
                    help="comma-separated: small, base, base25k (default small,base; tiny: a smoke test; "
                         "'': the loss curve only)")
-    p.add_argument("--precisions", type=comma_choices(list(PRECISIONS)), default="fp32,bf16",
-                   help="comma-separated: fp32, bf16")
+    p.add_argument("--precisions", type=comma_choices(list(PRECISIONS)),
+                   help="comma-separated: fp32, bf16 (default both)")
     p.add_argument("--steps", type=at_least(1), help="timed interleaved rounds (median reported; default 5)")
     p.add_argument("--warmup", type=at_least(1), help="untimed steps per system before timing (default 2)")
     p.add_argument("--no-compile", action="store_true", help="skip aiayn under torch.compile")

@@ -322,6 +322,22 @@ def test_bad_arguments_stop_before_any_work(script, bad, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("script, given, message", [
+    (layers, ["--lengths", "8"], "--quick sets --lengths 16 64 256 --widths 16 64 128 --batch 2: give "
+                                 "--lengths, or --quick, not both"),
+    (layers, ["--widths", "16", "--batch", "1"], "give --widths and --batch, or --quick, not both"),
+    (attention_memory, ["--lengths", "8"], "--quick sets --lengths 256 512 1024: give --lengths, or --quick, "
+                                           "not both"),
+])
+def test_quick_with_an_option_it_sets_is_refused(script, given, message, tmp_path, capsys):
+    """--quick --lengths 8 replaced the quick grid's lengths without a word, in files still named _quick;
+    train_step.py refuses the same (its wording)."""
+    with pytest.raises(SystemExit) as stopped:
+        script.main(["--quick", *given, "--out", str(tmp_path)])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
 @pytest.mark.parametrize("script", [layers, attention_memory])
 def test_cuda_without_a_device_is_refused_up_front(script, tmp_path):

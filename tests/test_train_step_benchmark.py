@@ -149,6 +149,12 @@ def test_bad_arguments_are_usage_errors(bad, tmp_path):
     (["--quick", "--configs", "small,base", "--warmup", "2"], "give --configs and --warmup, or --quick"),
     (["--no-compile", "--compile-peers"], "which --no-compile leaves out"),  # --compile-peers was ignored
     (["--configs", "", "--loss-steps", "0"], "nothing to measure"),  # the peaks, an empty report, exit 0
+    # the timing's options were ignored without a word beside the loss curve alone
+    (["--configs", "", "--precisions", "bf16"], "--configs '' times no step (the loss curve alone): "
+                                                "--precisions would be ignored; give a configuration, or "
+                                                "leave it out"),
+    (["--configs", "", "--steps", "5", "--warmup", "2", "--no-compile", "--compile-peers"],
+     "--steps and --warmup and --no-compile and --compile-peers would be ignored"),
 ])
 def test_options_it_would_ignore_or_that_leave_nothing_to_measure_are_refused(argv, message, tmp_path,
                                                                                monkeypatch, capsys):
@@ -163,11 +169,14 @@ def test_quick_or_the_defaults_fill_the_options_not_given():
     def settled(**given):
         args = train_step.argparse.Namespace(**{"configs": None, "steps": None, "warmup": None,
                                                 "loss_steps": None, "no_compile": False,
-                                                "compile_peers": False, "quick": False, **given})
+                                                "compile_peers": False, "quick": False, "precisions": None,
+                                                **given})
         train_step.settle(train_step.argparse.ArgumentParser(), args)
+        assert args.precisions == given.get("precisions", ["fp32", "bf16"])
         return args.configs, args.steps, args.warmup, args.loss_steps
 
     assert settled() == (["small", "base"], 5, 2, 150)
+    assert settled(precisions=["bf16"]) == (["small", "base"], 5, 2, 150)
     assert settled(quick=True) == (["small"], 3, 1, 40)
     assert settled(quick=True, loss_steps=0) == (["small"], 3, 1, 0)  # the quick timing without the curve
     assert settled(steps=7, loss_steps=0) == (["small", "base"], 7, 2, 0)

@@ -179,6 +179,14 @@ def _floor_caveat(row: dict) -> str:
             "too much; run again on a quiet machine)")
 
 
+def _mfu_caveat(row: dict) -> str:
+    """MFU divides by a matmul peak measured once, before the rounds: over 100% that peak read lower than
+    the step's own matmuls ran (the machine busier, or its clock lower, while the probe ran, or the probe's
+    shape slower here than the model's), so the figure is no utilisation (aiayn fp32 `base` read 121.8% in
+    train_step_base_v2), and the report says so."""
+    return " (NOT meaningful: over 100%)" if row["mfu"] > 1.0 else ""
+
+
 def make_step(model: nn.Module, forward: Callable, dtype: torch.dtype | None,
               opt: torch.optim.Optimizer | None = None) -> Callable:
     """A closure doing one training step on a batch; returns the loss as a float."""
@@ -461,9 +469,15 @@ def timing_lines(rows: list[dict], peaks: dict, args) -> list[str]:
         [[r["config"], r["precision"], r["system"], f"{r['step_ms']:.0f}", f"{r['tokens_per_s']:.0f}",
           f"{r['vs_fastest_peer']:.2f} ({r['fastest_peer']})",
           f"{statistics.median(q):.2f} [{min(q):.2f}, {max(q):.2f}]" if (q := r["per_round_vs_fastest_peer"])
-          else "", f"{100 * r['mfu']:.1f}%", "" if r["compile_s"] is None else f"{r['compile_s']:.0f}"]
+          else "", f"{100 * r['mfu']:.1f}%" + _mfu_caveat(r), "" if r["compile_s"] is None
+          else f"{r['compile_s']:.0f}"]
          for r in rows],
     )
+    over = [] if not any(map(_mfu_caveat, rows)) else [
+        ("MFU over 100% is NOT meaningful in this run: the matmul peak, measured once before the rounds, "
+         "read lower than the step's own matmuls ran (the machine busier, or its clock lower, while the "
+         f"{peak_size(args.device)}^3 probe ran, or that shape slower here than the model's), so those "
+         "figures are no utilisation; the ratios between systems, timed in the same rounds, stand."), ""]
     speedups = []
     for cfg in dict.fromkeys(r["config"] for r in rows):
         for compiled in ("aiayn", "aiayn (compiled)"):
@@ -492,7 +506,7 @@ def timing_lines(rows: list[dict], peaks: dict, args) -> list[str]:
          "compiled peers when they were measured, else against the eager peers, named in brackets). MFU = "
          "model FLOPs (`model_flops`: 6 x matmul weights x positions + 12 x B x d x Tq x Tk per attention) "
          "/ time / measured matmul peak of that precision. `compile s` = first step minus a warm step."), "",
-        table, "", *speedups, "", *floors, "",
+        table, "", *over, *speedups, "", *floors, "",
     ]
 
 

@@ -323,11 +323,11 @@ def test_bad_arguments_stop_before_any_work(script, bad, tmp_path):
 
 
 @pytest.mark.parametrize("script, given, message", [
-    (layers, ["--lengths", "8"], "--quick sets --lengths 16 64 256 --widths 16 64 128 --batch 2: give "
-                                 "--lengths, or --quick, not both"),
+    (layers, ["--lengths", "8"], ("--quick sets --lengths 16 64 256 --widths 16 64 128 --batch 2: give "
+                                  "--lengths, or --quick, not both")),
     (layers, ["--widths", "16", "--batch", "1"], "give --widths and --batch, or --quick, not both"),
-    (attention_memory, ["--lengths", "8"], "--quick sets --lengths 256 512 1024: give --lengths, or --quick, "
-                                           "not both"),
+    (attention_memory, ["--lengths", "8"], ("--quick sets --lengths 256 512 1024: give --lengths, or "
+                                            "--quick, not both")),
 ])
 def test_quick_with_an_option_it_sets_is_refused(script, given, message, tmp_path, capsys):
     """--quick --lengths 8 replaced the quick grid's lengths without a word, in files still named _quick;

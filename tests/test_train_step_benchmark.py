@@ -118,8 +118,8 @@ def test_the_loss_curve_alone_measures_and_reports_no_timing(tmp_path, monkeypat
     columns of a table that was not there and quoted a matmul peak that was measured (and printed) for
     nothing."""
     monkeypatch.setattr(train_step, "matmul_peak", lambda dtype, device: pytest.fail("a peak for nothing"))
-    curve = dict(steps=2, fp32=[2.0, 1.0], bf16=[2.0, 1.1], max_abs_diff=0.1, max_rel_diff=0.1,
-                 final_fp32=1.0, final_bf16=1.1)
+    curve = {"steps": 2, "fp32": [2.0, 1.0], "bf16": [2.0, 1.1], "max_abs_diff": 0.1, "max_rel_diff": 0.1,
+             "final_fp32": 1.0, "final_bf16": 1.1}
     monkeypatch.setattr(train_step, "loss_curve", lambda steps, device: curve)
     out = tmp_path / "loss.md"
     train_step.main(["--configs", "", "--loss-steps", "2", "--out", str(out)])
@@ -150,9 +150,9 @@ def test_bad_arguments_are_usage_errors(bad, tmp_path):
     (["--no-compile", "--compile-peers"], "which --no-compile leaves out"),  # --compile-peers was ignored
     (["--configs", "", "--loss-steps", "0"], "nothing to measure"),  # the peaks, an empty report, exit 0
     # the timing's options were ignored without a word beside the loss curve alone
-    (["--configs", "", "--precisions", "bf16"], "--configs '' times no step (the loss curve alone): "
-                                                "--precisions would be ignored; give a configuration, or "
-                                                "leave it out"),
+    (["--configs", "", "--precisions", "bf16"], ("--configs '' times no step (the loss curve alone): "
+                                                 "--precisions would be ignored; give a configuration, or "
+                                                 "leave it out")),
     (["--configs", "", "--steps", "5", "--warmup", "2", "--no-compile", "--compile-peers"],
      "--steps and --warmup and --no-compile and --compile-peers would be ignored"),
 ])
@@ -283,6 +283,27 @@ def test_a_floor_above_a_measured_step_is_said_to_bound_nothing():
         {"linear_floor_ms": 2357.0, "step_ms": 638.0, "peer_over_floor": 0.30})
     quiet = {"linear_floor_ms": 300.0, "step_ms": 400.0, "peer_over_floor": 1.5}
     assert train_step._floor_caveat(quiet) == ""
+
+
+def test_an_mfu_over_100_percent_is_said_to_mean_nothing(tmp_path):
+    """MFU divides by a matmul peak measured once, before the rounds: train_step_base_v2 printed aiayn fp32
+    at 121.8% and Marian at 122.1% with no word, where the Linear floor has `_floor_caveat`."""
+    def run(system, precision, seconds):
+        return train_step.Run(system, precision, False, step=None, first_s=seconds, times=[seconds])
+
+    info = {"config": "tiny", "tokens": 1000, "flops": 1e9, "linear_floor_s": {"fp32": 0.5, "bf16": 0.5}}
+    peaks = {"fp32": 1e9, "bf16": 1e10}  # fp32 steps of 0.8 s: 125%; bf16 steps of 1 s: 10%
+    rows = train_step.summarise([run("aiayn", "fp32", 0.8), run("Marian", "fp32", 0.8),
+                                 run("aiayn", "bf16", 1.0), run("Marian", "bf16", 1.0)], info, peaks)
+    args = train_step.argparse.Namespace(argv=[], configs=["tiny"], device="cpu")
+    out = tmp_path / "r.md"
+    train_step.write_report(rows, peaks, None, {}, args, str(out))
+    cells = [line.split(" | ")[7] for line in out.read_text().splitlines() if line.startswith("| tiny |")]
+    assert cells == ["125.0% (NOT meaningful: over 100%)"] * 2 + ["10.0%"] * 2
+    assert ("MFU over 100% is NOT meaningful in this run: the matmul peak, measured once before the rounds, "
+            "read lower than the step's own matmuls ran") in out.read_text()
+    train_step.write_report(rows[2:], peaks, None, {}, args, str(out))  # bf16 alone: nothing to say
+    assert "NOT meaningful" not in out.read_text()
 
 
 def test_thread_counts_and_repeated_choices():

@@ -527,11 +527,16 @@ def test_batch_fill_shows_the_data_preparations_progress_on_stderr(tmp_path):
 
 
 def test_batching_says_bad_input_in_one_line(capsys):
-    """--pairs -1 was numpy's ValueError traceback; a --max-tokens below a pair, aiayn's UserError's."""
+    """--pairs -1 was numpy's ValueError traceback, 99999999999999 its _ArrayMemoryError's; a --max-tokens
+    below a pair, aiayn's UserError's."""
     batching = _load("batching")
     with pytest.raises(SystemExit) as stopped:
         batching.main(["--pairs", "-1"])
     assert stopped.value.code == 2 and "argument --pairs: must be at least 1: '-1'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # numpy's _ArrayMemoryError traceback
+        batching.main(["--pairs", "99999999999999"])
+    assert stopped.value.code == 2
+    assert "argument --pairs: must be at most 90,000,000: '99999999999999'" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"^batching: pair \d+ has \d+ tokens, more than max_tokens=10 "
                                          r"\(the pairs drawn have 5 to 80 tokens a side\)$"):
         batching.main(["--pairs", "1000", "--max-tokens", "10"])

@@ -55,20 +55,31 @@ def test_the_floor_makes_the_linear_products_that_torch_counts():
 
 def test_peers_have_the_same_shapes():
     """nn.Transformer and Marian get our matmul weights: the same count of parameters in Linear layers
-    (biases and the tied embedding aside, where their layouts differ)."""
+    (biases and the tied embedding aside, where their layouts differ); and the same count of trainable
+    parameters in all, so that every system has one embedding, shared by both sides and tied to the output
+    (the Linear count alone passed a Marian with untied, unshared embeddings: 1,117,696 against 989,696).
+    Marian's one extra: its sinusoidal position tables, kept as frozen parameters."""
     c = model_config("tiny", vocab_size=500)
+    systems = {name: train_step.build(name, c) for name in ("aiayn", "nn.Transformer", "Marian")}
 
     def linear_weights(m):
         return sum(x.weight.numel() for x in m.modules() if isinstance(x, torch.nn.Linear)
                    and x.weight.shape[0] != c.vocab_size)  # the tied output projection aside
 
     def mha_weights(m):  # nn.MultiheadAttention keeps Q, K, V in one in_proj_weight
-        return sum(x.in_proj_weight.numel() for x in m.modules() if isinstance(x, torch.nn.MultiheadAttention))
+        return sum(x.in_proj_weight.numel() for x in m.modules()
+                   if isinstance(x, torch.nn.MultiheadAttention))
 
-    ours = linear_weights(Transformer(c))
-    assert linear_weights(train_step.build("nn.Transformer", c)) + mha_weights(
-        train_step.build("nn.Transformer", c)) == ours
-    assert linear_weights(train_step.build("Marian", c)) == ours
+    ours = linear_weights(systems["aiayn"])
+    assert linear_weights(systems["nn.Transformer"]) + mha_weights(systems["nn.Transformer"]) == ours
+    assert linear_weights(systems["Marian"]) == ours
+    trainable = {name: sum(p.numel() for p in m.parameters() if p.requires_grad)
+                 for name, m in systems.items()}
+    assert trainable == dict.fromkeys(systems, sum(p.numel() for p in systems["aiayn"].parameters()))
+    frozen = {name: [n for n, p in m.named_parameters() if not p.requires_grad]
+              for name, m in systems.items()}
+    assert frozen == {"aiayn": [], "nn.Transformer": [], "Marian": [
+        "model.model.encoder.embed_positions.weight", "model.model.decoder.embed_positions.weight"]}
 
 
 def test_peers_drop_out_where_the_paper_does():

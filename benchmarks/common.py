@@ -5,7 +5,8 @@ stable: other benchmark scripts import it.
 
 Scripts write to `LOCAL_RESULTS` (benchmarks/results/local/, ignored by git) unless `--out` names a
 place, and write over a file git tracks only with `--force` (`check_out`): the commands RESULTS.md quotes
-name the committed files, and run again they replaced the figures that page quotes.
+name the committed files, and run again they replaced the figures that page quotes. (profile_step.py,
+batch_fill.py and batching.py write no files: they print.)
 """
 
 from __future__ import annotations

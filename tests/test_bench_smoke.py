@@ -550,6 +550,20 @@ def test_batch_fill_names_its_own_flag_for_a_value_the_config_refuses(tmp_path):
         batch_fill.main(["--vocab-size", "0", *corpus])
 
 
+def test_the_docs_name_every_script_that_prints_and_writes_no_file():
+    """RESULTS.md said profile_step.py and batch_fill.py print to the terminal (batching.py does too), and
+    the README that the scripts write to benchmarks/results/local/ unless --out: those three have none."""
+    printing = sorted(p.name for p in BENCHMARKS.glob("*.py")
+                      if p.name != "common.py" and '"--out"' not in p.read_text())
+    assert printing == ["batch_fill.py", "batching.py", "profile_step.py"]
+    results = " ".join((BENCHMARKS / "RESULTS.md").read_text().split())
+    readme = " ".join((BENCHMARKS.parent / "README.md").read_text().split())
+    said = {"RESULTS.md": results.split(" print to the terminal")[0].rsplit("(", 1)[-1],
+            "README.md": readme.split(" have no `--out`")[0].rsplit(";", 1)[-1]}
+    assert {doc: [name for name in printing if f"`{name}`" not in text] for doc, text in said.items()} == {
+        "RESULTS.md": [], "README.md": []}
+
+
 def test_profile_step_prints_the_environment_beside_its_figures(capsys):
     """RESULTS.md quotes profile_step's output as figures; it printed the operator table alone, with no
     hardware, versions or commit."""

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import tempfile
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -41,6 +42,31 @@ def fill(src: list[int], tgt: list[int], max_tokens: int) -> tuple[float, float,
     real_tgt = sum(tgt) / len(batches)
     real_src = sum(src) / len(batches)
     return real_tgt / max_tokens, real_src / max_tokens, len(batches)
+
+
+def too_small(data: loop.Data, max_tokens: int, src_path: str, tgt_path: str) -> UserError:
+    """The error for a `max_tokens` below the corpus' longest pair, naming that pair's line and size (its
+    longer side, as `token_batches` counts it): token_batches' own, "pair 246 has 10 tokens", named no
+    file, and a pair by its place among those kept, not its line."""
+    sizes = [max(a, b) for a, b in zip(data.train.src_lengths(), data.train.tgt_lengths())]
+    index = max(range(len(sizes)), key=sizes.__getitem__)
+    line = file_line(data, index, src_path, tgt_path)
+    return UserError(f"--max-tokens {max_tokens}: the longest pair, line {line} of {src_path} and {tgt_path}, "
+                     f"has {sizes[index]} tokens a side (with EOS); give at least {sizes[index]}")
+
+
+def file_line(data: loop.Data, index: int, src_path: str, tgt_path: str) -> int:
+    """The line (from 1) of pair `index` (from 0) of the prepared corpus: the pairs dropped before it (a side
+    empty or of no pieces, longer than data.max_len) put it further down, so the lines from index + 1 on are
+    encoded until one gives its ids."""
+    want, tokenizer = (data.train.source(index), data.train.target(index)), data.tokenizer
+    # as read_lines reads them (the files are checked already): a BOM dropped, lines ended by LF alone
+    with (open(src_path, encoding="utf-8-sig", newline="\n") as s,
+          open(tgt_path, encoding="utf-8-sig", newline="\n") as t):
+        for line, (a, b) in enumerate(islice(zip(s, t), index, None), index + 1):
+            if (tokenizer.encode_src(a.rstrip("\r\n")), tokenizer.encode_tgt(b.rstrip("\r\n"))) == want:
+                return line
+    raise AssertionError(f"pair {index} of the corpus is in no line of {src_path}, {tgt_path}")
 
 
 def budgets(text: str) -> list[int]:
@@ -80,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
             data = loop.prepare_data(config, Path(run_dir), Dist(0, 1, 0, torch.device("cpu")))
             src, tgt = data.train.src_lengths(), data.train.tgt_lengths()
             pieces = data.tokenizer.tgt_vocab_size  # SentencePiece makes fewer than asked of a small corpus
+            if min(args.max_tokens) < max(max(src), max(tgt)):
+                raise too_small(data, min(args.max_tokens), args.src, args.tgt)
         rows = [(m, *fill(src, tgt, m)) for m in args.max_tokens]
     except (UserError, ConfigError) as e:
         raise SystemExit(f"batch_fill: {e}") from None

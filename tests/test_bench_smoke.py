@@ -508,6 +508,25 @@ def test_batch_fill_prints_the_pieces_sentencepiece_made(tmp_path, capsys):
     assert 11 < pieces < 500  # the words at least, far fewer than asked
 
 
+def test_batch_fill_names_the_longest_pairs_line_for_a_max_tokens_below_it(tmp_path):
+    """--max-tokens 5 said "batch_fill: pair 246 has 10 tokens, more than max_tokens=5": no file, and the
+    pair numbered among those kept (pairs with an empty side, or longer than data.max_len, dropped
+    before it), the shortest of those too long. Now the longest pair, by its line, and what would do."""
+    batch_fill = _load("batch_fill")
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "ran", "to", "its", "house"]
+    for name, shift in (("a.en", 0), ("a.de", 3)):
+        lines = [" ".join(words[(i + shift + j) % len(words)] for j in range(5)) for i in range(40)]
+        lines[2 if name == "a.en" else 6] = ""  # two pairs dropped for an empty side
+        lines[9] = " ".join(words * 30)  # 330 words: dropped as longer than data.max_len
+        lines[29] = " ".join(words)  # line 30: the longest pair kept
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    src, tgt = tmp_path / "a.en", tmp_path / "a.de"
+    said = (rf"^batch_fill: --max-tokens 5: the longest pair, line 30 of {re.escape(str(src))} and "
+            rf"{re.escape(str(tgt))}, has (\d+) tokens a side \(with EOS\); give at least \1$")
+    with pytest.raises(SystemExit, match=said):
+        batch_fill.main(["--src", str(src), "--tgt", str(tgt), "--vocab-size", "100", "--max-tokens", "64,5"])
+
+
 def test_batch_fill_shows_the_data_preparations_progress_on_stderr(tmp_path):
     """The script set up no logging: the tokenizer's training and "encoded N pairs", minutes on a WMT-size
     corpus, went nowhere, and a run said nothing until its table."""

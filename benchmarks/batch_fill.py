@@ -51,8 +51,8 @@ def too_small(data: loop.Data, max_tokens: int, src_path: str, tgt_path: str) ->
     sizes = [max(a, b) for a, b in zip(data.train.src_lengths(), data.train.tgt_lengths())]
     index = max(range(len(sizes)), key=sizes.__getitem__)
     line = file_line(data, index, src_path, tgt_path)
-    return UserError(f"--max-tokens {max_tokens}: the longest pair, line {line} of {src_path} and {tgt_path}, "
-                     f"has {sizes[index]} tokens a side (with EOS); give at least {sizes[index]}")
+    return UserError(f"--max-tokens {max_tokens}: the longest pair, line {line} of {src_path} and "
+                     f"{tgt_path}, has {sizes[index]} tokens a side (with EOS); give at least {sizes[index]}")
 
 
 def file_line(data: loop.Data, index: int, src_path: str, tgt_path: str) -> int:

@@ -603,6 +603,24 @@ def test_existing_outputs_need_force_and_must_be_directories(run, tmp_path, caps
     assert (here / "notes.txt").read_text() == "mine"
 
 
+def test_files_that_come_into_the_output_while_averaging_are_kept(run, tmp_path, monkeypatch):
+    """Checked before the work and again at the write: a fix that skipped the second check replaced the
+    notes a user put into the new folder while the weights were averaged."""
+    from aiayn.train import average
+
+    out, real = tmp_path / "avg", average.mean_weights
+
+    def slow_mean(paths):
+        out.mkdir()
+        (out / "NOTES.txt").write_text("mine")
+        return real(paths)
+
+    monkeypatch.setattr(average, "mean_weights", slow_mean)
+    with pytest.raises(UserError, match="holds files that are not an aiayn checkpoint"):
+        average.average_checkpoints(sorted((run / "checkpoints").iterdir()), out)
+    assert (out / "NOTES.txt").read_text() == "mine"
+
+
 def test_default_output_replaces_an_earlier_average_only(run, tokenizer):
     first = average_last(run, 10)
     assert first == run / "average_last_3"  # named after what it holds: there are only 3

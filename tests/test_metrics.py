@@ -494,6 +494,9 @@ def test_plot_output_inside_a_checkpoint_is_refused(tmp_path, capsys):
     assert cli.main(["plot", str(tmp_path), "-o", str(ck / "c.png")]) == 2
     assert capsys.readouterr().err.strip().endswith(f"lies inside the checkpoint {ck}; write it elsewhere")
     assert not (ck / "c.png").exists()
+    long = tmp_path / ("a" * 300 + ".png")  # was "LONG.png/meta.json: file name too long": no such name given
+    assert cli.main(["plot", str(tmp_path), "-o", str(long)]) == 2
+    assert capsys.readouterr().err.startswith(f"aiayn: error: {long}: ")
     for folder in (ck, ck.parent):  # "names a directory; give the picture's file name, such as ck/curves.png"
         assert cli.main(["plot", str(tmp_path), "-o", str(folder)]) == 2
         assert "curves.png" not in capsys.readouterr().err

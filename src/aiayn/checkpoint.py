@@ -143,7 +143,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def save_checkpoint(
     directory: str | Path, model: torch.nn.Module, tokenizer: Tokenizer, meta: dict[str, Any] | None = None,
     trainer_tensors: dict[str, torch.Tensor] | None = None, trainer_meta: dict[str, Any] | None = None,
-    *, check_weights: bool = True, owned: bool = False,
+    *, check_weights: bool = True, owned: bool = False, replace_training_state: bool = False,
 ) -> Path:
     """Write a self-contained checkpoint directory atomically; return its path. An existing `directory`
     is replaced only if it is empty or a checkpoint with nothing else in it (no training state: resaving a
@@ -153,8 +153,9 @@ def save_checkpoint(
     this model was trained with", "the file is damaged"): a tokenizer that does not fit the model, or a
     NaN or infinite weight, is a UserError first. `check_weights=False` skips the scan for the latter
     where the caller has just made it (training, on the device, before every save). `owned`: `directory`
-    is the caller's own, replaced whatever it holds (training's step_N, which its checkpoints/ owns; the
-    output `average` and `convert` checked with `files.check_output`, which --force replaces).
+    is the caller's own, replaced whatever it holds (training's step_N, which its checkpoints/ owns).
+    `replace_training_state`: a training checkpoint may be replaced (`average` and `convert` with --force,
+    which replaces one whole); else one is refused.
 
     `meta` adds entries to meta.json, less those in `WRITTEN`, which describe what is saved: they are
     dropped rather than refused, as `meta=checkpoint.meta` is the natural way to keep a loaded
@@ -166,7 +167,8 @@ def save_checkpoint(
     if not owned:  # an earlier checkpoint, or none
         if (inside := enclosing_checkpoint(directory, itself=False)) is not None:  # then unsavable over
             raise UserError(f"{directory}: lies inside the checkpoint {inside[1]}; save it elsewhere")
-        if any((directory / name).exists() for name in TRAINER_FILES):  # resaving a loaded step_N in place
+        trainer = not replace_training_state and any((directory / name).exists() for name in TRAINER_FILES)
+        if trainer:  # resaving a loaded step_N in place
             raise UserError(f"{directory}: a training checkpoint, whose state ({', '.join(TRAINER_FILES)}) "
                             "resuming needs; saving over it would delete that, so save elsewhere")
         check_replaceable(directory, CHECKPOINT_KIND)
@@ -217,8 +219,12 @@ def check_savable(model: torch.nn.Module, directory: Path) -> None:
 
 
 def is_checkpoint(path: Path) -> bool:
-    """Whether `path` is a checkpoint directory: its weights and meta.json."""
-    return (path / META).is_file() and (path / WEIGHTS).is_file()
+    """Whether `path` is a checkpoint directory: its weights and meta.json. A name the system cannot look
+    up (too long) is none: the error was said of PATH/meta.json, a file the user never named."""
+    try:
+        return (path / META).is_file() and (path / WEIGHTS).is_file()
+    except OSError:
+        return False
 
 
 # What `--force` may replace (convert, average): a checkpoint directory with no file of anyone else's.

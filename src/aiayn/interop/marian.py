@@ -602,6 +602,6 @@ def convert_marian(directory: str | Path, out: str | Path, force: bool = False) 
     model = model_from_weights(config, weights, source)
     meta = {"converted_from": {"format": "marian", "path": str(directory.resolve())},
             "marian_generation": generation_defaults(directory, hf)}
-    saved = save_checkpoint(out, model.eval(), tokenizer, meta, owned=True)  # checked above, as average's
+    saved = save_checkpoint(out, model.eval(), tokenizer, meta, replace_training_state=force)  # as average
     log.info("converted %s: %s parameters", directory, f"{model.num_parameters():,}")  # once it is written
     return saved

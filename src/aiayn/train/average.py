@@ -153,9 +153,9 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     # (save_checkpoint writes "format", "model" and "tokenizer" of its own)
     meta = {k: v for k, v in last.meta.items() if k != "interrupted"}
     meta["averaged"] = [os.path.abspath(p) for p in paths]  # relative, they meant nothing from elsewhere
-    # owned: checked above, where --force replaces a training checkpoint too (save_checkpoint's own rule
-    # refuses one, for a Python caller's resave in place)
-    saved = save_checkpoint(out, last.model, last.tokenizer, meta, owned=True)
+    # --force replaces a training checkpoint too (save_checkpoint refuses one, for a resave in place); the
+    # rest is checked again at the write (files may have come in the minutes this took)
+    saved = save_checkpoint(out, last.model, last.tokenizer, meta, replace_training_state=force)
     log.info("averaged %d checkpoints into %s", len(paths), saved)  # after: a failed write is not reported
     return saved
 

@@ -514,7 +514,8 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     quick = (f"--lengths {' '.join(map(str, QUICK.lengths))} --widths {' '.join(map(str, QUICK.widths))} "
              f"--batch {QUICK.batch}")
     parser.add_argument("--quick", action="store_true",
-                        help=f"a small grid that runs in seconds: {quick} (none of those given with it)")
+                        help=f"a small grid that runs in seconds: {quick} (none of those given with it), "
+                        f"{QUICK.repeats} timed rounds a cell")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
     parser.add_argument("--widths", type=at_least(1), nargs="+", help="override the widths d")

@@ -23,7 +23,6 @@ from aiayn.errors import UserError
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import at_least, command_line, environment, status_kib
 
-
 # 20x WMT14 En-De's pairs, 2.5x En-Fr's 36 M: about 7 GiB at the ~88 bytes a pair RESULTS.md measured
 MAX_PAIRS = 90_000_000
 

@@ -635,7 +635,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
-    env = environment(args.device)  # the machine's load before the compiler check's C++ build, as before the run
+    # the machine's load before the compiler check's C++ build, as before the run
+    env = environment(args.device)
     if args.configs and not args.no_compile:
         args.compile_skipped = compile_problem(args.device)  # in the report: no --no-compile says it
         args.no_compile = args.compile_skipped is not None

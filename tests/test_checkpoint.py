@@ -421,9 +421,9 @@ def test_save_keeps_a_training_state_and_writes_inside_no_checkpoint(tmp_path, t
     step = save_checkpoint(tmp_path / "step_000002", model, tokenizer, {"step": 2},
                            {"adam.exp_avg": torch.zeros(2)}, {"step": 2}, owned=True)  # as training saves
     ck = load_checkpoint(step)
-    with pytest.raises(UserError, match=re.escape(f"{step}: a training checkpoint, whose state (trainer.json, "
-                                                  "trainer.safetensors) resuming needs; saving over it would "
-                                                  "delete that, so save elsewhere")):
+    refused = (f"{step}: a training checkpoint, whose state (trainer.json, trainer.safetensors) resuming "
+               "needs; saving over it would delete that, so save elsewhere")
+    with pytest.raises(UserError, match=re.escape(refused)):
         save_checkpoint(step, ck.model, ck.tokenizer, meta=ck.meta)
     assert {p.name for p in step.iterdir() if p.name.startswith("trainer")} == {"trainer.json",
                                                                               "trainer.safetensors"}

@@ -151,9 +151,9 @@ def unspaced_hint(
             f"Thai, Lao, Khmer or Burmese {advice}" + (ter_too if ter else ""), chrf]))
     if ter:  # --tokenize char is BLEU's alone: TER scored each Chinese line as one word
         chrf = chrf and "; " + chrf.replace(", mostly of scripts written without them,", "")
-        return ("TER splits words at spaces, which this text, mostly of scripts written without them, has few "
-                "of: pass -l zh or ja to score it as the language allows (sacreBLEU's TER has none for Thai, "
-                "Lao, Khmer or Burmese)" + chrf)
+        return ("TER splits words at spaces, which this text, mostly of scripts written without them, has "
+                "few of: pass -l zh or ja to score it as the language allows (sacreBLEU's TER has none for "
+                "Thai, Lao, Khmer or Burmese)" + chrf)
     return chrf or None
 
 

@@ -507,8 +507,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
 def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """A config file's tables, and the line of each table and key (`key_lines`)."""
     if str(path) == "-" and not os.path.lexists(path):  # as translate's input: it was "file not found"
-        raise UserError("-: a config file is not read from standard input as '-'; name a file (or /dev/stdin, "
-                        "to pipe one)")
+        raise UserError("-: a config file is not read from standard input as '-'; name a file (or "
+                        "/dev/stdin, to pipe one)")
     require_file(path, "config", pipe=True)
     try:
         raw = path.read_bytes()

@@ -240,7 +240,8 @@ def _bleu_series(records: list[dict[str, Any]]) -> list[tuple[str, list, list]]:
     record without a signature, or with one that is no text (a hand's edit), goes on the series before it."""
     steps, values = _points(records, "valid_bleu")
     signatures = {step: _without_version(signature)
-                  for step, signature in zip(*_points(records, "bleu_signature")) if isinstance(signature, str)}
+                  for step, signature in zip(*_points(records, "bleu_signature"))
+                  if isinstance(signature, str)}
     series: list[tuple[str, list, list]] = []
     for step, value in zip(steps, values):
         signature = signatures.get(step, series[-1][0] if series else "")

@@ -368,6 +368,22 @@ def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_p
     assert score == pytest.approx(BLEU(tokenize="char").corpus_score(one_by_one, [text.tgt]).score)
 
 
+def test_validation_shows_its_progress_on_a_terminal(tmp_path, monkeypatch):
+    """The validation loss over a large set took minutes on a CPU with the training bar standing still
+    and nothing said, as if hung: a bar of its own counts the batches and is cleared after."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2", "train.valid_every=2")
+    train(config)
+    shown = sys.stderr.getvalue()
+    assert "\rvalidation: " in shown and "batch" in shown.split("\rvalidation: ", 1)[1], shown[-400:]
+
+
 def test_validation_bleu_shows_its_progress_on_a_terminal_only(straight_run, monkeypatch):
     """A BLEU pass over a real validation set takes minutes, and the bar above it stood still meanwhile:
     on a terminal a bar of its own counts the sentences, and is gone once the pass ends; a log file gets

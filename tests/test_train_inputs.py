@@ -124,7 +124,8 @@ def test_a_diverging_run_stops_before_saving_and_keeps_its_checkpoints(finished_
     before = {p.name: load_file(str(p / "model.safetensors")) for p in checkpoint_dirs(run)}
     sets = finished_run[2] + ["train.max_updates=12", "train.keep_last=2", "train.lr_scale=1e30", *extra]
     diverging = with_train(load_config(None, sets), run_dir=str(run))
-    with pytest.raises(UserError, match=rf"update \d+: {caught_by} is (nan|inf); training diverged"):
+    with pytest.raises(UserError, match=rf"update \d+: {caught_by} is (nan|inf); training diverged and "
+                                        r"stopped before saving \(no checkpoint holds its weights\)"):
         train(diverging, resume=True)
     assert sorted(before) == [p.name for p in checkpoint_dirs(run)] == ["step_000002", "step_000004"]
     latest = load_file(str(checkpoint_dirs(run)[-1] / "model.safetensors"))

@@ -788,11 +788,16 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float,
              stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
     """Smoothed loss and NLL per target token on the validation set (shared out over processes); None
     where `stop()` turned true on any process before its share was done (training's stop signal: it
-    stops at its next batch, a host check; the shares' sum, a collective, is reached either way)."""
+    stops at its next batch, a host check; the shares' sum, a collective, is reached either way).
+
+    On a terminal, process 0's bar counts its batches and goes when the pass ends: a large validation set
+    on a CPU took minutes with the training bar standing still, as if hung (the BLEU pass has one too)."""
     was_training = model.training
     model.eval()
     sums, tokens, cut = _no_losses(d.device), 0.0, False
-    for indices in data.valid_batches[d.rank :: d.world_size]:
+    share = data.valid_batches[d.rank :: d.world_size]
+    for indices in tqdm(share, desc="validation", unit="batch", leave=False, file=sys.stderr,
+                        disable=not d.is_main or None):
         if stop is not None and (cut := stop()):
             break
         batch = collate(data.valid, indices, data.tokenizer).to(d.device)
@@ -936,8 +941,8 @@ def _check_finite(what: str, value: float, step: int) -> None:
     Checked on numbers already on the CPU (the log window, validation), so it adds no device sync."""
     if not math.isfinite(value):  # a value summed over the processes: all stop, process 0 says so
         raise SameOnEveryProcess(
-            f"update {step}: {what} is {value}; training diverged and stopped before saving, so the "
-            "checkpoints are intact; lower train.lr_scale, or --resume from a checkpoint with finite weights"
+            f"update {step}: {what} is {value}; training diverged and stopped before saving (no checkpoint "
+            "holds its weights): lower train.lr_scale, and --resume from the last checkpoint if one was saved"
         )
 
 

@@ -2605,3 +2605,18 @@ def test_the_old_best_checkpoint_stays_when_the_best_starts_again(finished_run, 
         assert state["earlier_bests"] == [old] and state["best_step"] > 4
         kept = {old, state["best_step"], until}
         assert [p.name for p in checkpoint_dirs(run)] == [f"step_{s:06d}" for s in sorted(kept)]
+
+
+def test_curves_drawn_at_a_stop_after_a_validation_hold_the_last_window(tmp_path, monkeypatch):
+    """Patience or the time budget spent in a validation off the log_every grid logs the last window after
+    the save, which had drawn curves.png: the picture stopped an update or more short of metrics.jsonl."""
+    from aiayn.train.metrics import plot_metrics, read_metrics
+
+    monkeypatch.setattr(loop, "_patience_exhausted", lambda state, tc: "patience" if state.step >= 3 else "")
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=10", "train.valid_every=3",
+                            "train.log_every=2")
+    assert train(config)["step"] == 3
+    run = tmp_path / "run"
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [2, 3]
+    redrawn = plot_metrics(run / "metrics.jsonl", tmp_path / "c.png")
+    assert (run / "curves.png").read_bytes() == redrawn.read_bytes()

@@ -433,6 +433,8 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                         or _stop_reason(state, tc, n_updates))
                 if stop and tokens and stop not in STOPPED_BY:  # patience, or the budget
                     log_window()  # spent in the validation: the window the update's own check left open
+                    if metrics is not None:  # logged after the save's curves.png: drawn again, with it
+                        _draw_curves(metrics.path, Path(tc.run_dir) / "curves.png")
         if state.cursor >= n_updates:
             state.epoch, state.cursor = state.epoch + 1, 0
             if tc.max_epochs and state.epoch >= tc.max_epochs:

@@ -2621,3 +2621,17 @@ def test_curves_drawn_at_a_stop_after_a_validation_hold_the_last_window(tmp_path
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [2, 3]
     redrawn = plot_metrics(run / "metrics.jsonl", tmp_path / "c.png")
     assert (run / "curves.png").read_bytes() == redrawn.read_bytes()
+
+
+def test_the_bar_total_is_where_max_epochs_ends_the_run():
+    """The bar's total was max_epochs x this corpus' epoch: after a --resume on another corpus (30 updates
+    done on one of 24 an epoch, then 13 an epoch) it read 30/52 and ran on to 56/?, where the run stopped."""
+    from aiayn.train.state import TrainState
+
+    tc = SimpleNamespace(max_epochs=4)
+    assert loop._epochs_end(TrainState(), tc, 13) == 52
+    # as _epoch_on_this_corpus leaves it: update 30, the next epoch (the third) from its first update
+    assert loop._epochs_end(TrainState(step=30, epoch=2, cursor=0), tc, 13) == 56
+    assert loop._epochs_end(TrainState(step=30, epoch=1, cursor=6), tc, 24) == 4 * 24  # the same corpus
+    assert loop._epochs_end(TrainState(step=50, epoch=5, cursor=0), tc, 13) == 50  # max_epochs lowered
+    assert loop._epochs_end(TrainState(step=9), SimpleNamespace(max_epochs=0), 13) == 0

@@ -285,7 +285,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     metrics = MetricsLog(run_dir / "metrics.jsonl", state.step, state.validation_due) if d.is_main else None
     tgt_lengths = data.train.tgt_lengths()
     batch_tokens = [sum(tgt_lengths[i] for i in b) for b in data.train_batches]
-    planned = [n for n in (tc.max_updates, tc.max_epochs * n_updates) if n]
+    planned = [n for n in (tc.max_updates, _epochs_end(state, tc, n_updates)) if n]
     bar = tqdm(
         total=min(planned) if planned else None,
         initial=state.step,
@@ -692,6 +692,16 @@ def _log_window(
             f", {_clock(left)} left" if left is not None else "",
         )
     return line
+
+
+def _epochs_end(state: TrainState, tc, n_updates: int) -> int:
+    """The update at which max_epochs ends the run (0 without it): the updates done and those left of this
+    corpus' epochs. max_epochs x n_updates ran past its total after a --resume on another corpus (whose
+    epochs were of another length) or after skipped fp16 updates."""
+    if not tc.max_epochs:
+        return 0
+    left = (tc.max_epochs - state.epoch) * n_updates - state.cursor
+    return state.step + max(left, 0)
 
 
 def _time_left(state: TrainState, tc, n_updates: int) -> float | None:

@@ -45,7 +45,7 @@ from aiayn.checkpoint import (
     read_meta,
     state_dict_for_saving,
 )
-from aiayn.config import PRESETS, ConfigError
+from aiayn.config import PRESETS, ConfigError, ModelConfig
 from aiayn.data.batching import epoch_order, token_batches, update_batches, updates_in_epoch
 from aiayn.data.dataset import (
     Batch,
@@ -528,14 +528,9 @@ class StopSignal:
 
 def build_model(config: RunConfig, tok: Tokenizer) -> Transformer:
     """The configured Transformer with the tokenizer's vocabulary sizes and special ids."""
-    model_config = config.model_config(
-        vocab_size=tok.src_vocab_size,
-        tgt_vocab_size=None if tok.shared else tok.tgt_vocab_size,
-        pad_id=tok.pad_id,
-        decoder_start_id=tok.bos_id,
-        eos_id=tok.eos_id,
-        # separate vocabularies cannot share one matrix; [model] may say so itself
-        **({} if tok.shared or "share_embeddings" in config.model else {"share_embeddings": False}),
+    model_config = vocabulary_model_config(
+        config, vocab_size=tok.src_vocab_size, tgt_vocab_size=None if tok.shared else tok.tgt_vocab_size,
+        pad_id=tok.pad_id, decoder_start_id=tok.bos_id, eos_id=tok.eos_id,
     )
     try:
         return Transformer(model_config)
@@ -545,6 +540,13 @@ def build_model(config: RunConfig, tok: Tokenizer) -> Transformer:
         m = model_config
         raise UserError(f"[model]: not enough memory for the model (d_model={m.d_model}, d_ff={m.d_ff}, "
                         f"{m.n_layers}+{m.decoder_layers} layers, vocabulary {m.vocab_size:,})") from None
+
+
+def vocabulary_model_config(config: RunConfig, **vocabulary: Any) -> ModelConfig:
+    """[model] with a vocabulary's `TOKENIZER_FIELDS` (sizes and special ids): one with a target size of
+    its own (separate vocabularies) cannot share one matrix, unless [model] says so itself (refused)."""
+    shared = vocabulary.get("tgt_vocab_size") is None or "share_embeddings" in config.model
+    return config.model_config(**vocabulary, **({} if shared else {"share_embeddings": False}))
 
 
 def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoint | None:
@@ -1342,10 +1344,8 @@ def _check_same_model(checkpoint: Path, saved: Any, config: RunConfig) -> None:
     to name."""
     if not isinstance(saved, dict):
         return
-    shared = saved.get("tgt_vocab_size") is None or "share_embeddings" in config.model  # as `build_model`
     try:
-        mine = config.model_config(**{key: saved.get(key) for key in TOKENIZER_FIELDS},
-                                   **({} if shared else {"share_embeddings": False}))
+        mine = vocabulary_model_config(config, **{key: saved.get(key) for key in TOKENIZER_FIELDS})
     except ConfigError:  # the saved ids are no model's (a hand's edit)
         return
     preset = config.model.get("preset", "base")

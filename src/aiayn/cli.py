@@ -781,8 +781,7 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--early-stopping", action="store_true",
                    help="stop a sentence once BEAM hypotheses ended (fairseq; HuggingFace's "
                    "early_stopping=True); default: once no live hypothesis can beat them (tensor2tensor, the "
-                   "paper's code; "
-                   "HuggingFace's early_stopping=\"never\"). Beam > 1 only")
+                   "paper's code; HuggingFace's early_stopping=\"never\"). Beam > 1 only")
     p.add_argument("--n-best", type=int, default=1,
                    help="hypotheses per line; above 1, each input line gets N-BEST output lines (fewer "
                    "only where fewer outputs fit its length limit: a vocabulary of a few pieces under a "

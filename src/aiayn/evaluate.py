@@ -141,20 +141,24 @@ def unspaced_hint(
         return None
     # -l mends TER for Chinese and Japanese alone, and refuses chrF's word n-grams for every such language
     ter_too = " (TER too, for Chinese or Japanese: sacreBLEU's TER has none for Thai, Lao, Khmer or Burmese)"
-    chrf = ("chrF's word n-grams split words at spaces, which this text, mostly of scripts written without "
-            "them, has few of: leave out --chrf-word-order") if chrf_word_order else ""
+    unspaced = ", mostly of scripts written without them,"  # said once a note
+
+    def chrf(text: str) -> list[str]:
+        said = f"chrF's word n-grams split words at spaces, which this text{text} has few of: leave out "
+        return [said + "--chrf-word-order"] if chrf_word_order else []
+
     if tokenize is None and (chars := _word_chars(lines)) > HINT_WORD_CHARS:
-        if ter or chrf:  # --tokenize char mends BLEU alone: TER stayed 100 and a second note said to pass -l
-            advice = "pass -l LANG"
-        return "; ".join(filter(None, [
-            f"BLEU's 13a tokenizer found words of {chars:.1f} characters on average: for Chinese, Japanese, "
-            f"Thai, Lao, Khmer or Burmese {advice}" + (ter_too if ter else ""), chrf]))
+        if ter or chrf_word_order:  # --tokenize char mends BLEU alone: TER stayed 100 and a second note
+            advice = "pass -l LANG"  # said to pass -l
+        bleu = (f"BLEU's 13a tokenizer found words of {chars:.1f} characters on average: for Chinese, "
+                f"Japanese, Thai, Lao, Khmer or Burmese {advice}" + (ter_too if ter else ""))
+        return "; ".join([bleu, *chrf(unspaced)])
     if ter:  # --tokenize char is BLEU's alone: TER scored each Chinese line as one word
-        chrf = chrf and "; " + chrf.replace(", mostly of scripts written without them,", "")
-        return ("TER splits words at spaces, which this text, mostly of scripts written without them, has "
-                "few of: pass -l zh or ja to score it as the language allows (sacreBLEU's TER has none for "
-                "Thai, Lao, Khmer or Burmese)" + chrf)
-    return chrf or None
+        ter_note = (f"TER splits words at spaces, which this text{unspaced} has few of: pass -l zh or ja to "
+                    "score it as the language allows (sacreBLEU's TER has none for Thai, Lao, Khmer or "
+                    "Burmese)")
+        return "; ".join([ter_note, *chrf("")])
+    return "; ".join(chrf(unspaced)) or None
 
 
 def tokenizer_language(tokenize: object) -> str:

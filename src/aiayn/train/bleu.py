@@ -42,9 +42,8 @@ def validation_bleu(
     checkpoint gets. (Training's `text` holds the pairs with text on both sides: one with an empty side,
     which `aiayn evaluate` would score, is dropped as from the loss, and counted.) Only a source the model
     has no positions for, or longer than a batch (`max_tokens`), is cut (where `aiayn translate` would
-    refuse it), and said. A target tokenizer that folds case
-    (data.normalization "nmt_nfkc_cf", "nfkc_cf") is scored lowercased, as its signature says, against
-    references case-folded as it folds them.
+    refuse it), and said. A target tokenizer that folds case (data.normalization "nmt_nfkc_cf", "nfkc_cf")
+    is scored lowercased, as its signature says, against references case-folded as it folds them.
 
     On a terminal a bar counts the sentences (a pass over a real validation set takes minutes, and was
     silent), and goes when the pass ends."""

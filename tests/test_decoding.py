@@ -432,6 +432,8 @@ def test_decode_config_bounds_still_decode_with_finite_scores():
     for a in (0.0, 0.5):  # a float of b overflowed: "OverflowError: int too large to convert to float"
         assert DecodeConfig(max_len_a=a, max_len_b=10**309).max_lengths([1, 3], 40) == [40, 40]
     assert DecodeConfig(max_len_a=0.5, max_len_b=39).max_lengths([1, 3, 4], 40) == [39, 40, 40]  # as before
+    # 0.29 * 100 is 28.999999999999996 in floats: int() of it gave 28 tokens where --help promises 29
+    assert DecodeConfig(max_len_a=0.29, max_len_b=0).max_lengths([100, 200], 1024) == [29, 58]
 
 
 def test_one_generator_draws_on_across_batches():

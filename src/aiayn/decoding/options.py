@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from decimal import Decimal
 
 from aiayn.config import ConfigError, check_types
 from aiayn.decoding.length_penalty import KINDS
@@ -115,9 +116,9 @@ class DecodeConfig:
         return problems
 
     def max_lengths(self, src_lengths: list[int], limit: int) -> list[int]:
-        """Per sentence: at most a * src_len + b output tokens (rounded down, as fairseq's int(); at least 1,
-        which a > 0 with a short source and b <= 0 may go below), and never past `limit` positions."""
-        # min before int: a huge max_len_a makes a * n infinite, which int() refuses; b capped at the limit
-        # first (a * n >= 0, so the result is the same): an int past 1e308 could not become a float
-        b = min(self.max_len_b, limit)
-        return [max(1, int(min(limit, self.max_len_a * n + b))) for n in src_lengths]
+        """Per sentence: at most a * src_len + b output tokens (rounded down; at least 1, which a > 0 with a
+        short source and b <= 0 may go below), and never past `limit` positions."""
+        # a as written, in decimal: in floats 0.29 * 100 is 28.999999999999996, which int() made 28 (fairseq's
+        # int() does); b capped at the limit first (a * n >= 0, so the result is the same): a huge b is cheap
+        a, b = Decimal(repr(float(self.max_len_a))), min(self.max_len_b, limit)
+        return [max(1, int(min(limit, a * n + b))) for n in src_lengths]

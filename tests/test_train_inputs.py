@@ -906,6 +906,22 @@ def test_a_validation_set_longer_than_max_len_fails_before_training(tmp_path):
     assert checkpoint_dirs(tmp_path / "run") == []
 
 
+def test_one_file_as_both_sides_of_the_validation_pair_is_said_as_validation(tmp_path, caplog):
+    """A typo (valid_tgt=va.de for va.en) was said as of the training pair: "the model will learn to copy
+    its input", which it does not; what it does is make every validation measure copying."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run")
+    config = replace(config, data=replace(config.data, valid_tgt=config.data.valid_src))
+    (tmp_path / "run").mkdir()
+    with caplog.at_level(logging.WARNING):
+        loop.prepare_data(config, tmp_path / "run", distributed.Dist(0, 1, 0, torch.device("cpu")))
+    valid = config.data.valid_src
+    assert [m for m in caplog.messages if "same file" in m] == [
+        f"{valid} and {valid} are the same file: the model trains as usual, but validation (its loss, the "
+        "best checkpoint, train.patience, BLEU) measures copying the input; check data.valid_src and "
+        "data.valid_tgt"
+    ]
+
+
 def test_a_bad_validation_file_fails_before_the_tokenizer_is_trained(tmp_path):
     """A missing line in the validation target is found before the (on real data, minutes-long)
     SentencePiece training, which leaves its model in the run directory."""

@@ -472,15 +472,25 @@ def load_encoded(
     return corpus, dropped
 
 
+# What a pair of one file on both sides does, by set: a validation pair's (a typo, va.de for va.en) left
+# training as it was, and was said as the training pair's
+SAME_FILE = {
+    "training": "the model will learn to copy its input",
+    "validation": "the model trains as usual, but validation (its loss, the best checkpoint, train.patience, "
+                  "BLEU) measures copying the input; check data.valid_src and data.valid_tgt",
+}
+
+
 def cache_encoded(
     src_path: str | Path, tgt_path: str | Path, tokenizer: Tokenizer, cache_dir: str | Path,
-    kept: bool = False,
+    kept: bool = False, kind: str = "training",
 ) -> tuple[EncodedCorpus, int, tuple[Path, str]]:
     """`load_encoded`, and the (cache file, key) it read or wrote: what training's process 0 names to the
     others. The key is the one taken before encoding: taken again after, a file touched meanwhile named
     a cache that was never written. Text encoded is checked for <unk> pieces (`_warn_if_unknown`), and
     with `kept` (a tokenizer trained on other text: a fine-tuned or resumed run's) for what its
-    normalization rewrites, as training a tokenizer checks its own text."""
+    normalization rewrites, as training a tokenizer checks its own text. `kind`: the set the files are,
+    "training" or "validation", for the warnings to say what their problem does there."""
     src_path, tgt_path = Path(src_path), Path(tgt_path)
     for p in (src_path, tgt_path):
         require_file(p)
@@ -492,7 +502,7 @@ def cache_encoded(
                      f" ({dropped} pairs with a side empty or of no pieces dropped)" if dropped else "")
             return corpus, dropped, (cache, key)
     if src_path.samefile(tgt_path):  # said once, when encoded; a copy model has its uses, so not an error
-        log.warning("%s and %s are the same file: the model will learn to copy its input", src_path, tgt_path)
+        log.warning("%s and %s are the same file: %s", src_path, tgt_path, SAME_FILE[kind])
     files = scan_parallel(src_path, tgt_path, report=False)  # every error in the files before the encoding
     if kept:
         _warn_if_normalization_changes_text(tokenizer, files, "", kept=True)

@@ -1291,9 +1291,10 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
     if tokenizer is None:
         tokenizer, kept = _run_tokenizer(config, run_dir)
     caches = []
-    for src, tgt in ((dc.train_src, dc.train_tgt), (dc.valid_src, dc.valid_tgt)):
+    pairs = ((dc.train_src, dc.train_tgt, "training"), (dc.valid_src, dc.valid_tgt, "validation"))
+    for src, tgt, kind in pairs:
         if src:  # it says what it dropped
-            _, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache", kept=kept)
+            _, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache", kept=kept, kind=kind)
             caches.append((str(cache), key))
     return caches
 

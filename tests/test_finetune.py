@@ -175,6 +175,26 @@ def test_a_corpus_the_kept_tokenizer_cannot_write_is_warned_of(aiayn_checkpoint,
     assert not [m for m in caplog.messages if "<unk>" in m or "changes this training text" in m]
 
 
+def test_what_the_kept_tokenizer_rewrites_is_said_of_each_file_as_its_set(aiayn_checkpoint, tmp_path, caplog):
+    """The warning came once a pair, the training pair's and the validation pair's alike, naming no file
+    and saying of both "the model will learn to write it so": of validation text it never learns from."""
+    start, src, tgt = aiayn_checkpoint
+    wide = {"train": tmp_path / "wide.de", "valid": tmp_path / "wide_valid.de"}
+    for path in wide.values():  # a fullwidth letter a line, which nmt_nfkc writes as ASCII
+        lines = src.read_text(encoding="utf-8").splitlines()
+        path.write_text("".join(f"{line} \uff45in\n" for line in lines), encoding="utf-8")
+    sets = settings(wide["train"], tgt, tmp_path / "run", start, "train.max_updates=1",
+                    f"data.valid_src={wide['valid']}", f"data.valid_tgt={tgt}")
+    with caplog.at_level("WARNING"):
+        train(load_config(None, sets))
+    said = [m for m in caplog.messages if m.startswith("the tokenizer kept")]
+    assert len(said) == 2, caplog.messages
+    assert f"this training text (40 of 40 sampled source lines of {wide['train']}), e.g. U+FF45" in said[0]
+    assert said[0].endswith(": the model will learn to write it so")
+    assert f"this validation text (40 of 40 sampled source lines of {wide['valid']}), e.g. U+FF45" in said[1]
+    assert said[1].endswith(": the model trains as usual, but is validated on it as rewritten")
+
+
 @pytest.mark.parametrize("key", ["d_model=64", "preset=tiny"])
 def test_conflicting_model_key_is_a_config_error(aiayn_checkpoint, tmp_path, key):
     start, src, tgt = aiayn_checkpoint

@@ -505,7 +505,7 @@ def cache_encoded(
         log.warning("%s and %s are the same file: %s", src_path, tgt_path, SAME_FILE[kind])
     files = scan_parallel(src_path, tgt_path, report=False)  # every error in the files before the encoding
     if kept:
-        _warn_if_normalization_changes_text(tokenizer, files, "", kept=True)
+        _warn_if_normalization_changes_text(tokenizer, files, "", kept=True, kind=kind)
     corpus, no_pieces = _encode(files, tokenizer)
     _warn_if_unknown(src_path, tgt_path, corpus, tokenizer.unk_id, kept)
     pairs = len(files.src) + files.dropped_empty
@@ -1024,14 +1024,24 @@ ROUND_TRIP_SAMPLE = 2000  # lines per side checked after training a tokenizer
 ROUND_TRIP_TOLERANCE = 0.01  # share of sampled lines the normalization may change without a warning
 
 
+# What a kept tokenizer's rewriting does to each set's text ("training" or "validation"). The validation's
+# was said as the training's, "the model will learn to write it so", of text it never learns from.
+KEPT_REWRITES = {
+    "training": "the model will learn to write it so",
+    "validation": "the model trains as usual, but is validated on it as rewritten",
+}
+
+
 def _warn_if_normalization_changes_text(
-    tokenizer: Tokenizer, text: ParallelText | ParallelFiles, normalization: str, kept: bool = False
+    tokenizer: Tokenizer, text: ParallelText | ParallelFiles, normalization: str, kept: bool = False,
+    kind: str = "training",
 ) -> None:
     """Log one warning if the tokenizer's normalization changes more than 1% of a sample of either side's
     training text (whitespace aside: SentencePiece always collapses it; case aside where the rule folds
     it, "nmt_nfkc_cf" and "nfkc_cf": what was asked), naming the first changed character, an example
-    line and the setting that keeps the text; of a tokenizer `kept` (trained on other text, which no
-    setting of this run changes), that the model learns the text as rewritten."""
+    line, the file where the text is streamed from one, and the setting that keeps the text; of a
+    tokenizer `kept` (trained on other text, which no setting of this run changes), what the rewriting does
+    to the `kind` of text it is (`KEPT_REWRITES`)."""
     problems, nfkc_changes = [], False
     for side, lines, sp in (("source", text.src, tokenizer.src), ("target", text.tgt, tokenizer.tgt)):
         sample = _evenly_spaced(lines, ROUND_TRIP_SAMPLE)
@@ -1047,15 +1057,17 @@ def _warn_if_normalization_changes_text(
                 first = first or (raw, want, got)
                 nfkc = nfkc or _spaced(unicodedata.normalize("NFKC", raw)) != raw
         if changed > ROUND_TRIP_TOLERANCE * k:
-            problems.append((side, changed, k, first))
+            # streamed: the file named (a fine-tune warned of its training and validation pairs alike)
+            of = f" of {lines.path}" if isinstance(lines, KeptLines) else ""
+            problems.append((side, changed, k, of, first))
             # the advice covers every changed line of each side warned about, not the example's alone: a
             # ZWNJ first and a fullwidth letter later (or on the other side) advised "nfkc", whose run
             # warned again and advised "identity", a second tokenizer trained
             nfkc_changes = nfkc_changes or nfkc
     if not problems:
         return
-    counts = "; ".join(f"{changed} of {k} sampled {side} lines" for side, changed, k, _ in problems)
-    raw, want, got = problems[0][3]
+    counts = "; ".join(f"{changed} of {k} sampled {side} lines{of}" for side, changed, k, of, _ in problems)
+    raw, want, got = problems[0][-1]
     at = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
     chars = _cluster(raw, at) if at < len(raw) else got[at]  # the text's own character, not its folding
     example = raw[max(0, at - 30) : at + 30]
@@ -1065,8 +1077,8 @@ def _warn_if_normalization_changes_text(
                 "source.spm and target.spm)")
     named = " + ".join(f"U+{ord(c):04X} {unicodedata.name(c, '(unnamed)')}" for c in chars)
     if kept:  # a fine-tune's or a resumed run's: the checkpoint's, whatever [data] says
-        log.warning("the tokenizer kept (train.init_from's, or the resumed run's) changes this training text "
-                    "(%s), e.g. %s in %r: the model will learn to write it so", counts, named, example)
+        log.warning("the tokenizer kept (train.init_from's, or the resumed run's) changes this %s text (%s), "
+                    "e.g. %s in %r: %s", kind, counts, named, example, KEPT_REWRITES[kind])
         return
     log.warning(
         "data.normalization=%r changes the training text the model will learn to write (%s), e.g. "

@@ -2048,6 +2048,25 @@ def test_set_keeps_a_bare_value_of_a_string_key_as_written(tmp_path):
     assert load_config(None, ["train.max_tokens=2048"]).train.max_tokens == 2048  # a number stays one
 
 
+@pytest.mark.parametrize("item, value", [
+    ('train.run_dir=["a"]', "['a'] is a list"),
+    ('data.train_src=["x", "y"]', "['x', 'y'] is a list"),
+    ("train.run_dir={ a = 1 }", "{'a': 1} is a dict"),
+])
+def test_set_refuses_an_array_or_table_for_a_string_key_as_a_file_does(tmp_path, item, value):
+    """Only numbers, booleans and dates are taken as written: run_dir=["a"] trained into a directory named
+    ["a"], and train_src=["x","y"] was '["x","y"]: file not found', where a file's array is a type error."""
+    refused = rf"^--set {re.escape(repr(item))}: {re.escape(value)}, expected str$"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(None, [item])
+    section, key = item.split("=")[0].split(".")
+    path = tmp_path / "run.toml"
+    path.write_text(f"[{section}]\n{key} = {item.split('=', 1)[1]}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:2: \[{section}\] {key} = "
+                                          rf"{re.escape(value)}, expected str$"):
+        load_config(path)
+
+
 def test_set_drops_a_comment_after_a_bare_word_as_after_a_number():
     """TOML dropped `# c` after `warmup=20`, but `run_dir=runs/x # c` trained into 'runs/x # c'."""
     assert load_config(None, ["train.warmup=20 # c"]).train.warmup == 20

@@ -702,8 +702,9 @@ def _check_override_key(item: str, section: str, key: str) -> None:
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
-    """`train.max_tokens=2048` -> ("train", "max_tokens", 2048). Values are TOML; bare words are strings;
-    a comment after either (` # ...`, after a space) is dropped."""
+    """`train.max_tokens=2048` -> ("train", "max_tokens", 2048). Values are TOML; bare words are strings,
+    and so is a number, boolean or date where a string goes (run_dir=2024-05-01 is a name); an array or
+    table there is refused, as a file's is; a comment after a value (` # ...`, after a space) is dropped."""
     name, eq, text = item.partition("=")
     section, dot, key = name.strip().partition(".")
     if not eq or not dot or not key:
@@ -719,8 +720,10 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = bare  # a path or other bare word
-    if _key_types(section)[key.strip()] is str and not isinstance(value, str):
-        value = bare  # run_dir=2024-05-01 or =123 is a name, not a TOML date or number
+    # run_dir=2024-05-01 or =123 is a name, not a TOML date or number; an array or table stays one, refused
+    # as a file's: run_dir=["a"] trained into a directory named ["a"], train_src=["x","y"] was not found
+    if _key_types(section)[key.strip()] is str and not isinstance(value, (str, list, dict)):
+        value = bare
     if problem := _type_problem(section, key.strip(), value, f"--set {item!r}: "):
         hint = _value_hint(bare, _key_types(section)[key.strip()])
         raise ConfigError(problem + (f" ({hint})" if hint else ""))

@@ -2390,6 +2390,31 @@ def test_a_config_without_training_files_leaves_no_run_dir(tmp_path):
         assert not (tmp_path / "run").exists()
 
 
+def test_a_data_file_not_found_is_named_with_its_setting_and_where_relative_paths_are_read(
+    tmp_path, capsys, monkeypatch
+):
+    """`cd /tmp; aiayn train --config .../configs/tiny.toml` said only "../shared/data/multi30k/train.de:
+    file not found", though the config file's directory holds it: named now with the setting and its line
+    (or --set item), as other settings' problems are, and, for a relative path, where it was looked for."""
+    project = tmp_path / "project"
+    project.mkdir()
+    write_corpus(project)  # project/train.de, project/train.en
+    toml = project / "run.toml"
+    toml.write_text('[data]\ntrain_src = "train.de"\ntrain_tgt = "train.en"\n', encoding="utf-8")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, err = run_cli(capsys, "train", "--config", str(toml))
+    assert code == 2 and err == [f"aiayn: error: {toml}:2: data.train_src=train.de: file not found (a "
+                                 f"relative path is read from the current directory, {elsewhere})"]
+    item = f"data.train_tgt={project / 'nope.en'}"  # absolute: no word of the current directory
+    found = f"data.train_src={project / 'train.de'}"
+    code, err = run_cli(capsys, "train", "--config", str(toml), "--set", found, "--set", item)
+    assert code == 2 and err == [f"aiayn: error: --set {item!r}: {item}: file not found"]
+    monkeypatch.chdir(project)
+    loop._check_data_files(load_config(toml))  # from the config's directory: found
+
+
 def test_a_perplexity_past_the_cap_is_printed_as_a_bound():
     from aiayn.train.metrics import shown_ppl
 

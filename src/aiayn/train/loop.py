@@ -1110,9 +1110,21 @@ def _check_data_files(config: RunConfig) -> None:
     dc = config.data
     if not dc.train_src or not dc.train_tgt:
         raise ConfigError("data.train_src and data.train_tgt must name the training files")
-    for path in (dc.train_src, dc.train_tgt, dc.valid_src, dc.valid_tgt):
-        if path:
-            require_file(Path(path))
+    for name in ("train_src", "train_tgt", "valid_src", "valid_tgt"):
+        if path := getattr(dc, name):
+            _require_data_file(config, f"data.{name}", path)
+
+
+def _require_data_file(config: RunConfig, setting: str, path: str) -> None:
+    """`require_file`, its refusal named with the setting and where it was written, as other settings'
+    problems are. Of a relative path not found, where it was looked for: from a config in another
+    directory ("cd /tmp; aiayn train --config ~/aiayn/configs/tiny.toml"), a bare "file not found"."""
+    try:
+        require_file(Path(path))
+    except UserError as e:
+        relative = not os.path.isabs(path) and not os.path.lexists(path)  # a broken link is there
+        looked = f" (a relative path is read from the current directory, {os.getcwd()})" if relative else ""
+        raise UserError(f"{config.written_where(setting)}{setting}={e}{looked}") from None
 
 
 def _check_run_dir(run_dir: Path) -> None:

@@ -901,7 +901,8 @@ def test_a_validation_set_longer_than_max_len_fails_before_training(tmp_path):
     config, _ = tiny_config(
         tmp_path, tmp_path / "run", "train.max_updates=2", f"data.valid_src={long_src}", f"data.valid_tgt={long_tgt}"
     )
-    with pytest.raises(UserError, match=r"long\.de: all 1 validation pairs are longer than data\.max_len=32"):
+    with pytest.raises(UserError, match=r"long\.de, .*long\.en: all 1 validation pairs are longer than "
+                                        r"data\.max_len=32"):
         train(config)
     assert checkpoint_dirs(tmp_path / "run") == []
 
@@ -920,6 +921,23 @@ def test_one_file_as_both_sides_of_the_validation_pair_is_said_as_validation(tmp
         "best checkpoint, train.patience, BLEU) measures copying the input; check data.valid_src and "
         "data.valid_tgt"
     ]
+
+
+def test_the_pairs_longer_than_max_len_are_said_of_both_files(tmp_path, caplog):
+    """Either side may be the long one: "train.de: 59 training pairs; 1 longer than max_len=64 dropped"
+    named the source file of a pair whose target was too long."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "data.max_len=64")  # the toy pairs fit, at 40 pieces
+    dc = config.data
+    for path in (dc.train_tgt, dc.valid_tgt):  # a long target on the first line of each set
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines[0] = "a dog runs across the meadow " * 12
+        Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "run").mkdir()
+    with caplog.at_level(logging.INFO):
+        loop.prepare_data(config, tmp_path / "run", distributed.Dist(0, 1, 0, torch.device("cpu")))
+    said = caplog.messages
+    assert f"{dc.train_src}, {dc.train_tgt}: 59 training pairs; 1 longer than max_len=64 dropped" in said
+    assert f"{dc.valid_src}, {dc.valid_tgt}: 1 validation pairs longer than max_len=64 dropped" in said
 
 
 def test_a_bad_validation_file_fails_before_the_tokenizer_is_trained(tmp_path):

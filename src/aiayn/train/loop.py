@@ -1258,24 +1258,22 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
         raise UserError(f"{run_dir}: no tokenizer; with several machines, put run_dir on a shared filesystem")
     train = read_encoded(Path(caches[0][0]), caches[0][1], tokenizer)
     train, too_long = train.filter_length(dc.max_len)
-    _require_pairs(dc.train_src, "training", len(train), too_long, dc.max_len)
+    # the pair named: its target may be the long side ("tr.ja: ... 1 longer" blamed the source file)
+    pair = f"{dc.train_src}, {dc.train_tgt}"
+    _require_pairs(pair, "training", len(train), too_long, dc.max_len)
     if d.is_main:
-        log.info(
-            "%s: %d training pairs; %d longer than max_len=%d dropped",
-            dc.train_src,
-            len(train),
-            too_long,
-            dc.max_len,
-        )
+        log.info("%s: %d training pairs; %d longer than max_len=%d dropped", pair, len(train), too_long,
+                 dc.max_len)
     batches = token_batches(train.src_lengths(), train.tgt_lengths(), config.train.max_tokens)
     valid, valid_batches = None, []
     if dc.valid_src:
         valid = read_encoded(Path(caches[1][0]), caches[1][1], tokenizer)
         valid, too_long = valid.filter_length(dc.max_len)
-        _require_pairs(dc.valid_src, "validation", len(valid), too_long, dc.max_len)
+        pair = f"{dc.valid_src}, {dc.valid_tgt}"
+        _require_pairs(pair, "validation", len(valid), too_long, dc.max_len)
         if too_long and d.is_main:
             scored = " from the loss (BLEU scores them too)" if config.train.bleu_every else ""
-            log.warning("%s: %d validation pairs longer than max_len=%d dropped%s", dc.valid_src, too_long,
+            log.warning("%s: %d validation pairs longer than max_len=%d dropped%s", pair, too_long,
                         dc.max_len, scored)
         valid_batches = token_batches(valid.src_lengths(), valid.tgt_lengths(), config.train.max_tokens)
     valid_text = (  # BLEU is scored by process 0
@@ -1285,11 +1283,12 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     return Data(tokenizer, train, batches, valid, valid_batches, valid_text)
 
 
-def _require_pairs(path: str, kind: str, kept: int, too_long: int, max_len: int) -> None:
-    """Before training, not at the first validation: a set whose every pair is too long is empty."""
+def _require_pairs(pair: str, kind: str, kept: int, too_long: int, max_len: int) -> None:
+    """Before training, not at the first validation: a set whose every pair is too long is empty. `pair`:
+    its files ("train.de, train.en")."""
     if not kept:  # every process reads process 0's pairs: process 0 says so
         raise SameOnEveryProcess(
-            f"{path}: all {too_long} {kind} pairs are longer than data.max_len={max_len} tokens; "
+            f"{pair}: all {too_long} {kind} pairs are longer than data.max_len={max_len} tokens; "
             "raise data.max_len (and model.max_len) or use shorter sentences"
         )
 

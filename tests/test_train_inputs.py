@@ -916,11 +916,10 @@ def test_one_file_as_both_sides_of_the_validation_pair_is_said_as_validation(tmp
     with caplog.at_level(logging.WARNING):
         loop.prepare_data(config, tmp_path / "run", distributed.Dist(0, 1, 0, torch.device("cpu")))
     valid = config.data.valid_src
-    assert [m for m in caplog.messages if "same file" in m] == [
-        f"{valid} and {valid} are the same file: the model trains as usual, but validation (its loss, the "
-        "best checkpoint, train.patience, BLEU) measures copying the input; check data.valid_src and "
-        "data.valid_tgt"
-    ]
+    said = (f"{valid} and {valid} are the same file: the model trains as usual, but validation (its loss, "
+            "the best checkpoint, train.patience, BLEU) measures copying the input; check data.valid_src and "
+            "data.valid_tgt")
+    assert [m for m in caplog.messages if "same file" in m] == [said]
 
 
 def test_the_pairs_longer_than_max_len_are_said_of_both_files(tmp_path, caplog):
@@ -2423,8 +2422,9 @@ def test_a_data_file_not_found_is_named_with_its_setting_and_where_relative_path
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     code, err = run_cli(capsys, "train", "--config", str(toml))
-    assert code == 2 and err == [f"aiayn: error: {toml}:2: data.train_src=train.de: file not found (a "
-                                 f"relative path is read from the current directory, {elsewhere})"]
+    said = (f"aiayn: error: {toml}:2: data.train_src=train.de: file not found (a relative path is read from "
+            f"the current directory, {elsewhere})")
+    assert code == 2 and err == [said]
     item = f"data.train_tgt={project / 'nope.en'}"  # absolute: no word of the current directory
     found = f"data.train_src={project / 'train.de'}"
     code, err = run_cli(capsys, "train", "--config", str(toml), "--set", found, "--set", item)

@@ -230,6 +230,18 @@ def test_a_checkpoints_folder_or_a_checkpoint_given_as_the_run_says_so(tmp_path,
         average_last(Path("."), 2)
 
 
+def test_a_demo_folder_given_as_the_run_names_its_run_as_plot_does(tmp_path, tokenizers, capsys):
+    """`aiayn average demo` said only "demo: no checkpoints found"; `plot demo` named demo/run."""
+    first, _ = tokenizers
+    demo = tmp_path / "demo"
+    save(demo / "run" / "checkpoints" / "step_000001", first, step=1)
+    capsys.readouterr()
+    assert main(["average", str(demo)]) == 2
+    assert capsys.readouterr().err == (f"aiayn: error: {demo}: no checkpoints found (the run directory is "
+                                       f"{demo / 'run'})\n")
+    assert main(["average", str(demo / "run")]) == 0 and (demo / "run" / "average_last_1").is_dir()
+
+
 def test_the_running_mean_is_the_float64_mean_in_each_dtype_and_holds_one_state_at_a_time():
     """average read every checkpoint before adding any (20 of `big`: 17 GB); the running sum must give
     the float64 mean of a list, for float32, bfloat16, float64 and complex tensors alike."""

@@ -208,7 +208,7 @@ def _check_plottable(run: Path) -> None:
     """What RUN_DIR is when it holds no metrics.jsonl: "no metrics log" sent a user who had typed the right
     run directory (one that had trained, but not yet logged) looking for the wrong one."""
     from aiayn.checkpoint import is_checkpoint
-    from aiayn.train.state import run_of_checkpoints_folder
+    from aiayn.train.state import runs_meant
 
     if run.is_file():  # `plot runs/x/metrics.jsonl` was told runs/x/metrics.jsonl/metrics.jsonl is missing
         raise UserError(f"{run}: a file; give the run directory, the folder that holds metrics.jsonl")
@@ -219,8 +219,8 @@ def _check_plottable(run: Path) -> None:
     if is_checkpoint(run):
         raise UserError(f"{run}: a checkpoint; give its run directory, the folder that holds metrics.jsonl")
     # `plot demo` (the demo prints demo/run/curves.png) and `plot run1/checkpoints` said "no metrics log"
-    for inner in (run / "run", run_of_checkpoints_folder(run)):
-        if inner is not None and (inner / "metrics.jsonl").is_file():
+    for inner in runs_meant(run):
+        if (inner / "metrics.jsonl").is_file():
             raise UserError(f"{run}: no metrics.jsonl here; the run directory is {inner}")
     if any((run / name).exists() for name in (".lock", "cache", "checkpoints")):  # a run's, however young
         raise UserError(f"{run}: no metrics logged yet (the first come after train.log_every updates)")

@@ -31,6 +31,7 @@ from aiayn.train.state import (
     checkpoint_dirs,
     is_interrupted,
     run_of_checkpoints_folder,
+    runs_meant,
 )
 
 log = logging.getLogger(__name__)
@@ -182,12 +183,16 @@ def check_same_model(paths: list[Path], metas: list[dict]) -> None:
 
 
 def _wrong_directory_hint(directory: Path) -> str:
-    """What to give instead, when `directory` is a run's checkpoints folder or a checkpoint itself."""
+    """What to give instead, when `directory` is a checkpoint itself, a run's checkpoints folder or a folder
+    holding a run (`average demo` said only "no checkpoints found": the demo's run is demo/run)."""
     if is_checkpoint(directory):
         return " (it is a checkpoint: give the run directory whose last checkpoints to average)"
-    if (run := run_of_checkpoints_folder(directory)) is not None and checkpoint_dirs(run):  # "." inside too
+    run = next((run for run in runs_meant(directory) if checkpoint_dirs(run)), None)  # "." inside too
+    if run is None:
+        return ""
+    if run == run_of_checkpoints_folder(directory):
         return f" (it is a run's checkpoints folder: give the run directory, {run})"
-    return ""
+    return f" (the run directory is {run})"  # as `plot demo` says it
 
 
 def is_average(directory: Path) -> bool:

@@ -166,6 +166,15 @@ def run_of_checkpoints_folder(directory: str | Path) -> Path | None:
     return here.parent if here.name not in ("", "..") else here / ".."
 
 
+def runs_meant(directory: str | Path) -> list[Path]:
+    """The run directories that a user who gave `directory`, no run directory itself, may have meant: its
+    `run/` (a demo's --out folder, `demo`, whose run is demo/run) and the run whose checkpoints/ it is
+    (`run_of_checkpoints_folder`); whether one is a run is the caller's to say (`plot` and `average`
+    look for different files)."""
+    here = Path(directory)
+    return [run for run in (here / "run", run_of_checkpoints_folder(here)) if run is not None]
+
+
 def training_owned(path: str | Path) -> tuple[str, Path] | None:
     """("is" or "lies inside", the folder) where `path` is or lies inside a training run's checkpoints/
     (one holding its step_N checkpoints, or beside its metrics.jsonl), else None. Training resumes from

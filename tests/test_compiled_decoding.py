@@ -111,7 +111,7 @@ def test_compile_is_refused_where_it_does_not_apply(tmp_path):
     int8 = r"^compile \(--compile\) decodes float32 weights, not int8 \(--int8\)"
     with pytest.raises(UserError, match=int8):
         prepare_for_inference(model, int8=True, compile=True)
-    with pytest.raises(UserError, match=r"not dtype bfloat16: drop one$"):
+    with pytest.raises(UserError, match=r"not dtype bfloat16 \(--dtype bfloat16\): drop one$"):
         prepare_for_inference(tiny_model().bfloat16(), compile=True)
     lines = [f"word {i} and {i + 1}" for i in range(200)]
     tokenizer = Tokenizer(train_sentencepiece(lines, tmp_path / "spm", vocab_size=40))
@@ -119,7 +119,8 @@ def test_compile_is_refused_where_it_does_not_apply(tmp_path):
     with pytest.raises(UserError, match="decodes one model: drop it to decode an ensemble"):
         Translator.load([ck, ck], compile=True)
     for dtype in ("bfloat16", "float16"):  # float16's advice on a CPU, bfloat16, would be refused too
-        with pytest.raises(UserError, match=f"decodes float32 weights, not dtype {dtype}: drop one"):
+        refused = f"decodes float32 weights, not dtype {dtype} \\(--dtype {dtype}\\): drop one"
+        with pytest.raises(UserError, match=refused):
             Translator.load(ck, dtype=dtype, compile=True)
     with pytest.raises(TypeError, match="compile must be True or False, not str"):
         Translator.load(ck, compile="yes")

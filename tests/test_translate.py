@@ -640,6 +640,9 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
              (["--early-stopping", "--sample"], "--early-stopping needs beam > 1, not 1"),
              (["--lenpen", "1", "--lenpen-kind", "none"], "--lenpen 1.0 has no effect with --lenpen-kind"),
              (["--int8", "--device", "cuda"], "int8 (--int8) is a CPU path"),
+             # it said "drop it or dtype 'bfloat16'", naming no flag
+             (["--int8", "--dtype", "bfloat16"],
+              "int8 (--int8) quantizes float32 weights, not dtype bfloat16 (--dtype bfloat16): drop one\n"),
              (["--threads", "100000"], "--threads 100000 is more than 1,024"),  # a segfault, exit 139
              (["--sample", "--temperature", "1e39"],
               "--temperature 1e+39 must be a number in")]  # NaN: a traceback
@@ -1080,7 +1083,8 @@ def test_bfloat16_translation_runs_in_bfloat16_and_stays_close_to_float32(checkp
 def test_dtypes_that_cannot_run_are_one_line(checkpoint):
     with pytest.raises(UserError, match=r"^dtype float16 is for GPUs; on a CPU use bfloat16"):
         Translator.load(checkpoint, dtype="float16")
-    with pytest.raises(UserError, match=r"^int8 \(--int8\) quantizes float32 weights"):
+    with pytest.raises(UserError, match=r"^int8 \(--int8\) quantizes float32 weights, not dtype bfloat16 "
+                                        r"\(--dtype bfloat16\): drop one$"):  # was "torch.bfloat16"
         Translator.load(checkpoint, int8=True, dtype=torch.bfloat16)
     with pytest.raises(UserError, match=r"^dtype 'half': choose one of float32, bfloat16, float16"):
         Translator.load(checkpoint, dtype="half")

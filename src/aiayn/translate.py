@@ -133,6 +133,14 @@ def check_count(name: str, value: Any) -> None:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _dtype_refused(dtype: str | torch.dtype) -> str:
+    """A dtype that int8 or compile cannot take, as the library and `--dtype` name it: "dtype bfloat16
+    (--dtype bfloat16)" for "bfloat16" and torch.bfloat16 alike (the int8 refusal said "dtype 'bfloat16'",
+    naming no flag, and "torch.bfloat16")."""
+    name = next((n for n, d in DTYPES.items() if d == dtype), dtype)
+    return f"dtype {name} (--dtype {name})"
+
+
 def inference_dtype(dtype: str | torch.dtype, device: torch.device, int8: bool = False) -> torch.dtype:
     """The weights' dtype for decoding: float32 (the default), bfloat16, or float16 on a GPU; a name or
     a torch dtype. Anything else, or a combination that cannot run, is a UserError."""
@@ -140,7 +148,7 @@ def inference_dtype(dtype: str | torch.dtype, device: torch.device, int8: bool =
     if parsed not in DTYPES.values():
         raise UserError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if int8 and parsed != torch.float32:
-        raise UserError(f"int8 (--int8) quantizes float32 weights; drop it or dtype {dtype!r}")
+        raise UserError(f"int8 (--int8) quantizes float32 weights, not {_dtype_refused(dtype)}: drop one")
     if parsed == torch.float16 and device.type == "cpu":  # most CPUs emulate it, many times slower
         raise UserError("dtype float16 is for GPUs; on a CPU use bfloat16 (fast with AVX-512 BF16 or AMX)")
     return parsed
@@ -185,9 +193,8 @@ def check_compile(device: torch.device, dtype: str | torch.dtype, int8: bool, mo
                         "drop one")
     if int8:
         raise UserError("compile (--compile) decodes float32 weights, not int8 (--int8): drop one")
-    name = next((n for n, d in DTYPES.items() if d == dtype), dtype)  # a torch dtype: --dtype's name
-    if name != "float32":
-        raise UserError(f"compile (--compile) decodes float32 weights, not dtype {name}: drop one")
+    if dtype not in ("float32", torch.float32):
+        raise UserError(f"compile (--compile) decodes float32 weights, not {_dtype_refused(dtype)}: drop one")
     if models > 1:
         raise UserError("compile (--compile) decodes one model: drop it to decode an ensemble")
     check_cxx_compiler()  # before the checkpoint loads, not after

@@ -2407,6 +2407,22 @@ def test_a_config_without_training_files_leaves_no_run_dir(tmp_path):
         assert not (tmp_path / "run").exists()
 
 
+def test_train_without_a_config_or_training_files_says_how_to_give_them(tmp_path, capsys, monkeypatch):
+    """`aiayn train` with no arguments named the settings alone, never --config; with a config file, its
+    settings are the file's to mend, and the refusal is train's own."""
+    monkeypatch.chdir(tmp_path)
+    said = ("aiayn: error: data.train_src and data.train_tgt must name the training files (give --config FILE, "
+            "a TOML file such as configs/tiny.toml, or --set data.train_src=FILE --set data.train_tgt=FILE)\n")
+    for args in ([], ["--set", "data.train_src=tr.de"]):
+        assert cli.main(["train", *args]) == 2
+        assert capsys.readouterr().err == said
+    (tmp_path / "run.toml").write_text("[train]\nmax_updates = 5\n", encoding="utf-8")
+    assert cli.main(["train", "--config", "run.toml"]) == 2
+    assert capsys.readouterr().err == ("aiayn: error: data.train_src and data.train_tgt must name the "
+                                       "training files\n")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_data_file_not_found_is_named_with_its_setting_and_where_relative_paths_are_read(
     tmp_path, capsys, monkeypatch
 ):

@@ -895,6 +895,29 @@ def test_version_and_a_pytorch_without_dynamic_quantization(monkeypatch, capsys)
         quantize_int8(tiny_model())
 
 
+def test_help_says_what_aiayn_is_and_what_every_argument_is(capsys):
+    """`aiayn --help` described the program as its module docstring does, for developers ("argparse
+    subcommands, each one library call"); average's and plot's run_dir and export's --to had no help."""
+    import argparse
+
+    from aiayn.cli import build_parser
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text(encoding="utf-8")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert re.search(r'^description = "(.*)"$', pyproject, re.M)[1] in shown and "argparse" not in shown
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        for action in command._actions:
+            assert action.help, f"aiayn {name} {action.option_strings or action.metavar or action.dest}"
+    for name in ("average", "plot"):  # -o's help names RUN_DIR
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        usage = capsys.readouterr().out.splitlines()[0]
+        assert usage.endswith(" RUN_DIR") and "run_dir" not in usage
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_model_given_away_is_prepared_in_place_with_the_same_function(int8):
     """`Translator.load` owns the model it loaded: packing or quantizing a copy held two at once (a

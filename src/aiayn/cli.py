@@ -632,8 +632,13 @@ def _version() -> str:
         return "(not installed)"
 
 
+# `aiayn --help`'s first line, for users (pyproject.toml's description); the module docstring is developers'
+DESCRIPTION = ("The Transformer of 'Attention Is All You Need': train, translate, score and inspect, from a "
+               "laptop CPU to many GPUs")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="aiayn", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="aiayn", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"aiayn {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -659,7 +664,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("average", help="average the last K checkpoints of a run")
-    p.add_argument("run_dir", type=path_arg)
+    p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR",
+                   help="a training run's directory (its train.run_dir), whose checkpoints/ holds the "
+                   "checkpoints")
     p.add_argument("--last", type=positive_int, default=5,
                    help="how many (default 5; the paper: 5 for base, 20 for big)")
     p.add_argument("-o", "--output", type=path_arg,
@@ -670,7 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_average)
 
     p = sub.add_parser("plot", help="draw a run's training curves as a PNG")
-    p.add_argument("run_dir", type=path_arg)
+    p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR",
+                   help="a training run's directory (its train.run_dir), which holds metrics.jsonl")
     p.add_argument("-o", "--output", type=path_arg, help="PNG path (default RUN_DIR/curves.png)")
     p.set_defaults(func=cmd_plot)
 
@@ -718,7 +726,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("export", help="write an aiayn checkpoint for another runtime (CTranslate2)")
-    p.add_argument("--to", dest="target_format", required=True, choices=["ctranslate2"])
+    p.add_argument("--to", dest="target_format", required=True, choices=["ctranslate2"],
+                   help="the format of OUT: ctranslate2 = a CTranslate2 model directory")
     p.add_argument("checkpoint", type=path_arg, metavar="CKPT",
                    help="an aiayn checkpoint directory (trained or imported)")
     p.add_argument("out", type=path_arg, metavar="OUT", help="output model directory")

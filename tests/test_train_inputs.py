@@ -2411,8 +2411,9 @@ def test_train_without_a_config_or_training_files_says_how_to_give_them(tmp_path
     """`aiayn train` with no arguments named the settings alone, never --config; with a config file, its
     settings are the file's to mend, and the refusal is train's own."""
     monkeypatch.chdir(tmp_path)
-    said = ("aiayn: error: data.train_src and data.train_tgt must name the training files (give --config FILE, "
-            "a TOML file such as configs/tiny.toml, or --set data.train_src=FILE --set data.train_tgt=FILE)\n")
+    said = ("aiayn: error: data.train_src and data.train_tgt must name the training files (give --config "
+            "FILE, a TOML file such as configs/tiny.toml, or --set data.train_src=FILE --set "
+            "data.train_tgt=FILE)\n")
     for args in ([], ["--set", "data.train_src=tr.de"]):
         assert cli.main(["train", *args]) == 2
         assert capsys.readouterr().err == said

@@ -159,9 +159,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     except UserError as e:  # read alike by every process of a torchrun job: said once (it was said by each)
         raise SameOnEveryProcess(str(e)) from None
     if args.config is None and not (config.data.train_src and config.data.train_tgt):
-        # train's own refusal names the settings alone: `aiayn train` with no arguments never heard of --config
-        raise ConfigError("data.train_src and data.train_tgt must name the training files (give --config FILE, "
-                          "a TOML file such as configs/tiny.toml, or --set data.train_src=FILE "
+        # train's own refusal names the settings alone: `aiayn train` with no arguments never said --config
+        raise ConfigError("data.train_src and data.train_tgt must name the training files (give --config "
+                          "FILE, a TOML file such as configs/tiny.toml, or --set data.train_src=FILE "
                           "--set data.train_tgt=FILE)")
     result = train(config, resume=args.resume)
     # torchrun: rank 0 speaks; a closed stdout (pythonw, `>&-`) loses the summary, not days of training

@@ -784,6 +784,16 @@ def test_cli_streams_that_cannot_be_used_are_one_line(checkpoint, tmp_path, caps
     assert (run_.returncode, run_.stderr) == (2, f"aiayn: error: {tmp_path}: is a directory; -o names the output file\n")
 
 
+def test_an_error_naming_a_file_is_one_line_with_the_name_as_typed(checkpoint, tmp_path, capsys):
+    """A file name with a line feed split the error line in two ("aiayn: error: nl" and "name.en:2: ..."),
+    and one with a byte that is no UTF-8 was shown as Python's surrogate \\udcff, not as the byte typed."""
+    for name, shown in (("nl\nname.en", "nl\\nname.en"), ("bad\udcff.en", "bad\\xff.en")):
+        src = tmp_path / name
+        src.write_bytes(b"the number 3\nbad \xff\n")
+        assert main(["translate", str(checkpoint), "-i", str(src)]) == 2
+        assert capsys.readouterr().err == f"aiayn: error: {tmp_path}/{shown}:2: invalid UTF-8 (byte 0xff)\n"
+
+
 def _cli(args, **popen):
     code = "import sys; from aiayn.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen([sys.executable, "-c", code, *args], **popen)

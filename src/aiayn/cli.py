@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO
 
 from aiayn.config import MAX_IDS, MAX_THREADS, PRESETS, ConfigError, ModelConfig, model_config
-from aiayn.errors import Stopped, UserError
+from aiayn.errors import Stopped, UserError, non_utf8_name
 
 if TYPE_CHECKING:  # annotations only: each command imports what it uses, so the CLI starts fast
     from pathlib import Path
@@ -1029,6 +1029,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr = stderr
 
 
+def _one_line(message: str) -> str:
+    """An error as one line, a file name in it as typed: its control characters escaped (-i $'a\\nb.en' split
+    the line in two) and its undecodable bytes as \\xff (shown as the surrogate \\udcff)."""
+    message = non_utf8_name(message) or message
+    return "".join(c if c == "\t" or " " <= c != "\x7f" else repr(c)[1:-1] for c in message)
+
+
 def _run(args: argparse.Namespace) -> int:
     """Run one command; the exit status."""
     # Each command warns of CRs inside lines once a file, as in a process of its own; a dataset module not
@@ -1052,7 +1059,7 @@ def _run(args: argparse.Namespace) -> int:
             # process 0 prints these: one line, not one per process (a configuration is the same on each)
             repeated = isinstance(e, (FailedOnMain, SameOnEveryProcess, ConfigError))
         if not repeated:
-            print(f"aiayn: error: {e}", file=sys.stderr)
+            print(f"aiayn: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except Stopped as e:  # a training run that saved on SIGTERM, SIGHUP or Ctrl-C
         if not later:

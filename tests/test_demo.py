@@ -86,6 +86,17 @@ def test_a_bad_option_fails_in_one_line_before_anything_is_written(tmp_path, cap
     assert not out.exists()
 
 
+@pytest.mark.parametrize("option, value, said", [
+    ("--beam", "0", "--beam 0 must be at least 1"),  # as translate says it
+    ("--size", "huge", "--size 'huge' is not tiny, small or medium"),
+])
+def test_a_bad_option_is_said_as_the_option(tmp_path, capsys, option, value, said):
+    """'demo --beam 0: DecodeConfig: beam=0 must be at least 1' named an internal class and field, and
+    "demo size 'huge' is not one of [...]" no option."""
+    assert main(["demo", "--out", str(tmp_path / "d"), option, value]) == 2
+    assert capsys.readouterr().err == f"aiayn: error: demo {said}\n"
+
+
 @pytest.mark.parametrize("rank, local_rank", [(0, 0), (1, 1), (2, 0)])
 def test_a_torchrun_job_is_refused_in_one_line(tmp_path, capsys, monkeypatch, rank, local_rank):
     """`torchrun --nproc_per_node 2 -m aiayn demo`: both processes made the corpus in one --out, trained as

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from aiayn.attention import draw_attention, extract_attention
 from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
-from aiayn.decoding.options import DecodeConfig, cpu_seed_problem
+from aiayn.decoding.options import cpu_seed_problem
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
 from aiayn.errors import CorruptFile, Stopped, UserError, control_character, non_utf8_name
 from aiayn.files import atomic_output, check_directory_path
@@ -74,8 +74,6 @@ class DemoConfig:
         # `--out=~/x` and a quoted '~/x' come unexpanded: the corpus went to ./~/x/data while training,
         # which expands its paths (train/config.py:_settle_paths), read ~/x/data. One path throughout.
         object.__setattr__(self, "out", os.path.expanduser(self.out))  # frozen: settled once, as it is made
-        if self.size not in SIZES:
-            raise ConfigError(f"demo size {self.size!r} is not one of {sorted(SIZES)}")
         if self.steps < 1 or self.n_test < 1 or self.n_valid < 1 or self.threads < 1:
             raise ConfigError("demo steps, n_test, n_valid and threads must be at least 1")
         problems = self._option_problems()
@@ -86,6 +84,8 @@ class DemoConfig:
         """Each value a command-line option sets, checked now: training takes minutes, and a bad beam
         or seed failed only after it (or after the corpus was written), naming no option."""
         problems = []
+        if self.size not in SIZES:  # as --help lists them
+            problems.append(f"--size {self.size!r} is not tiny, small or medium")
         if not (math.isfinite(self.minutes) and self.minutes >= 0):
             problems.append(f"--minutes {self.minutes} must be a finite number >= 0 (0 = no limit)")
         if problem := cpu_seed_problem(f"--seed {self.seed}", self.seed):  # as translate's
@@ -99,10 +99,6 @@ class DemoConfig:
         held_out = CorpusConfig().max_held_out - self.n_valid  # the validation pairs are held out too
         if self.n_test > held_out:
             problems.append(f"--test-pairs {self.n_test} is more than this task can hold out ({held_out:,})")
-        try:
-            DecodeConfig(beam=self.beam, early_stopping=False)  # what `translate` searches with
-        except ConfigError as e:
-            problems.append(f"--beam {self.beam}: {e}")
         if not self.out:  # Path("") is the current directory, not ./demo
             problems.append("--out is empty: give a folder name (default ./demo)")
         # the checkpoints record the corpus' paths: refused after the corpus, as data.train_src's
@@ -111,8 +107,12 @@ class DemoConfig:
                             "rename it")
         elif (found := control_character(self.out)) is not None:  # else refused as data.train_src, later
             problems.append(f"--out {self.out!r} holds {found}, which no path should have")
-        vocabulary = SIZES[self.size]["vocab_size"]
-        if self.beam > vocabulary:  # ran out of memory after the training, and the run then blocked a rerun
+        # In translate's words: DecodeConfig's ("DecodeConfig: beam=0 ...") named no option. It takes any
+        # beam from 1 to the vocabulary's size with `translate`'s early_stopping=False.
+        vocabulary = SIZES[self.size]["vocab_size"] if self.size in SIZES else math.inf
+        if self.beam < 1:
+            problems.append(f"--beam {self.beam} must be at least 1")
+        elif self.beam > vocabulary:  # ran out of memory after the training, and the run then blocked a rerun
             problems.append(f"--beam {self.beam} is more than the {vocabulary} pieces of the demo's "
                             "vocabulary")
         return problems

@@ -221,7 +221,7 @@ def test_a_demo_stopped_by_a_signal_names_what_it_left(tmp_path, monkeypatch):
         raise Stopped("stopped by SIGINT at update 3, saved in x; --resume continues from there", 2)
 
     monkeypatch.setattr(loop, "train", stopped)
-    with pytest.raises(Stopped, match="demo stopped during training") as e:
+    with pytest.raises(Stopped, match="demo stopped by SIGINT during training") as e:
         run_demo(DemoConfig(out=str(tmp_path / "d"), size="tiny", steps=5, n_train=300, n_test=5))
     assert "--resume" not in str(e.value) and e.value.exit_status == 130
     assert "checkpoint" not in str(e.value)  # none saved: none named
@@ -236,6 +236,37 @@ def test_a_demo_stopped_by_a_signal_names_what_it_left(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "train", saved_one)
     with pytest.raises(Stopped, match=r"its checkpoint .*d2/run/checkpoints/step_000003 can translate"):
         run_demo(DemoConfig(out=str(tmp_path / "d2"), size="tiny", steps=5, n_train=300, n_test=5))
+
+
+def test_a_signal_at_the_last_update_stops_the_demo_after_its_training(tmp_path, capsys, monkeypatch):
+    """Training ends as usual at its budget, validated and saved, whatever came during its last update:
+    the demo went on translating every test pair and drawing the maps (80 s with --test-pairs 3000), and
+    exited 0, the signal taken and then ignored."""
+    import os
+    import signal
+
+    from aiayn.train import loop
+
+    real_step, calls = loop.train_step, []
+
+    def step_then_signal(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the last update
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", step_then_signal)
+    out = tmp_path / "d"
+    argv = ["demo", "--out", str(out), "--size", "tiny", "--steps", "2", "--train-pairs", "300",
+            "--test-pairs", "4", "--beam", "1"]
+    assert main(argv) == 128 + signal.SIGTERM
+    captured = capsys.readouterr()
+    ck = out / "run" / "checkpoints" / "step_000002"
+    assert captured.err.splitlines()[-1] == (
+        f"aiayn: demo stopped by SIGTERM after training; its checkpoint {ck} can translate (`aiayn "
+        f"translate`); to run the demo again, delete {out / 'run'} or choose another --out")
+    assert captured.out == "" and not (out / "test.hyp.de").exists() and not (out / "attention").exists()
+    assert "valid_loss" in json.loads((ck / "meta.json").read_text())["metrics"]  # ended as usual: validated
 
 
 def test_out_inside_a_checkpoint_or_a_runs_checkpoints_is_refused_before_the_corpus(tmp_path, capsys):

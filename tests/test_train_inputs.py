@@ -774,9 +774,14 @@ def signalled_run(finished_run, tmp_path, monkeypatch, at_update: int):
 
 def test_a_signal_at_the_last_update_ends_the_run_as_usual(finished_run, tmp_path, monkeypatch):
     """The run is at its budget anyway: it validates its last checkpoint and returns (exit 0), instead of
-    saving it unvalidated and saying that --resume continues."""
-    result = train(signalled_run(finished_run, tmp_path, monkeypatch, at_update=4))
+    saving it unvalidated and saying that --resume continues. The answer names the signal, for a caller
+    with more to do than the training (`aiayn demo` translated for minutes after it, and exited 0)."""
+    config = signalled_run(finished_run, tmp_path, monkeypatch, at_update=4)
+    result = train(config)
     assert result["stop"] == "max_updates=4" and result["step"] == 4 and "valid_loss" in result
+    assert result["signal"] == "SIGTERM"
+    again = train(with_train(config, max_updates=5), resume=True)  # no signal this time: none named
+    assert again["step"] == 5 and "signal" not in again
 
 
 def test_a_signals_save_writes_no_empty_record_and_the_curves_still_draw(finished_run, tmp_path, monkeypatch,

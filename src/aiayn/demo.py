@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,10 +208,9 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     try:
         result = train(run_config(config, paths, run_dir))
     except Stopped as e:  # the trainer's message says --resume, which the demo does not have
-        saved = checkpoint_dirs(run_dir)  # `aiayn translate RUN_DIR` is refused: name the checkpoint
-        where = f"its checkpoint {saved[-1]} can translate (`aiayn translate`); " if saved else ""
-        raise Stopped(f"demo stopped during training; {where}to run the demo again, delete {run_dir} or "
-                      "choose another --out", e.exit_status - 128) from None
+        raise stopped(signal.Signals(e.exit_status - 128), "during", run_dir) from None
+    if "signal" in result:  # training ended as usual, at its budget: the translating is what may not run
+        raise stopped(signal.Signals[result["signal"]], "after", run_dir)
     ck = load_checkpoint(checkpoint_dirs(run_dir)[-1])
     seconds = training_seconds(ck.path)
     log.info("trained %d updates in %.0f s; translating %d held-out sentences (beam %d)", result["step"],
@@ -226,6 +226,14 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     examples = [(s, t, h) for (s, t), h in zip(test_pairs, hyps)][: config.examples]
     return DemoResult(correct / len(test_pairs), correct, len(test_pairs), examples, ck.path, files, seconds,
                       result["step"])
+
+
+def stopped(sig: signal.Signals, when: str, run_dir: Path) -> Stopped:
+    """The demo stopped by `sig` `when` ("during", "after") its training, what it left said."""
+    saved = checkpoint_dirs(run_dir)  # `aiayn translate RUN_DIR` is refused: name the checkpoint
+    where = f"its checkpoint {saved[-1]} can translate (`aiayn translate`); " if saved else ""
+    return Stopped(f"demo stopped by {sig.name} {when} training; {where}to run the demo again, delete "
+                   f"{run_dir} or choose another --out", sig)
 
 
 def training_seconds(checkpoint: Path) -> float:

@@ -119,7 +119,9 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     training loss is in metrics.jsonl.
 
     SIGTERM, SIGHUP (a closed terminal) or a first Ctrl-C (a notebook's interrupt too) during the updates
-    saves the update under way and raises `aiayn.errors.Stopped`; `resume=True` continues from there. The
+    saves the update under way and raises `aiayn.errors.Stopped`; `resume=True` continues from there. One
+    during the last update (the budget reached) or the validation and save after it ends the run as usual,
+    and the answer names it: "signal", e.g. "SIGTERM", for a caller with more to do to stop there. The
     run seeds torch's and Python's global generators with train.seed (as fairseq does) and leaves them
     where it ended: two runs at once in one process draw from the same generators, and neither is then its
     seed's run. On Linux with glibc it makes malloc keep freed memory for reuse, for the whole process and
@@ -320,7 +322,10 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
         # during the save changed one process' and that one exited 0
         raise Stopped(f"stopped by {stop} at update {state.step}, saved in {checkpoint_dirs(run_dir)[-1]}; "
                       "--resume (resume=True in Python) continues from there", signal.Signals[stop])
-    return _result(last or validated, state, stop, resume_from, run_dir)
+    result = _result(last or validated, state, stop, resume_from, run_dir)
+    if stopper.signum is not None:  # one at the budget's end, which the run ended as usual: the caller's
+        result["signal"] = signal.Signals(stopper.signum).name  # to act on (`aiayn demo` stops there)
+    return result
 
 
 def _result(last: dict[str, Any], state: TrainState, stop: str, resume_from: Path | None,

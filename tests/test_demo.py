@@ -2,6 +2,9 @@
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -243,7 +246,6 @@ def test_a_signal_at_the_last_update_stops_the_demo_after_its_training(tmp_path,
     the demo went on translating every test pair and drawing the maps (80 s with --test-pairs 3000), and
     exited 0, the signal taken and then ignored."""
     import os
-    import signal
 
     from aiayn.train import loop
 
@@ -267,6 +269,25 @@ def test_a_signal_at_the_last_update_stops_the_demo_after_its_training(tmp_path,
         f"translate`); to run the demo again, delete {out / 'run'} or choose another --out")
     assert captured.out == "" and not (out / "test.hyp.de").exists() and not (out / "attention").exists()
     assert "valid_loss" in json.loads((ck / "meta.json").read_text())["metrics"]  # ended as usual: validated
+
+
+@pytest.mark.parametrize("phase, name", [("write_corpus", "SIGHUP"), ("translate", "SIGTERM")])
+def test_a_signal_outside_training_is_said_as_for_every_command(tmp_path, phase, name):
+    """SIGTERM or SIGHUP while the demo wrote its corpus, trained its tokenizer, translated or drew killed
+    it without a word (exit 143), where every other command says 'aiayn: stopped by SIGTERM'. A process of
+    its own: the old default action killed the test session."""
+    code = ("import os, signal, sys\nimport aiayn.demo as demo\nfrom aiayn.cli import main\n"
+            f"real = demo.{phase}\n"
+            f"def signalled(*args, **kwargs):\n    os.kill(os.getpid(), signal.{name})\n"
+            "    return real(*args, **kwargs)\n"
+            f"demo.{phase} = signalled\nsys.exit(main(sys.argv[1:]))\n")
+    out = tmp_path / "d"
+    run = subprocess.run([sys.executable, "-c", code, "demo", "--out", str(out), "--size", "tiny", "--steps",
+                          "2", "--train-pairs", "300", "--test-pairs", "4", "--beam", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 128 + getattr(signal, name), run.stderr
+    assert run.stderr.splitlines()[-1] == f"aiayn: stopped by {name}" and run.stdout == ""
+    assert not (out / "test.hyp.de").exists()
 
 
 def test_out_inside_a_checkpoint_or_a_runs_checkpoints_is_refused_before_the_corpus(tmp_path, capsys):
@@ -324,6 +345,20 @@ def test_the_translation_bar_is_shown_on_a_terminal_only(tmp_path, monkeypatch):
     run_demo(DemoConfig(out=str(tmp_path / "d"), size="tiny", steps=2, n_train=300, n_test=3, beam=1))
     assert [(o["desc"], o["total"], o.get("disable", "not given")) for o in options] == [
         ("translating held-out sentences", 3, None)]
+
+
+def test_translating_off_a_terminal_says_its_progress(tmp_path, monkeypatch, caplog):
+    """Where stderr is no terminal the bar is not shown, and translating a large --test-pairs (a minute
+    for 3000) went without a word: a line every PROGRESS_SECONDS, as training's data preparation gives."""
+    import logging
+
+    import aiayn.data.dataset
+
+    monkeypatch.setattr(aiayn.data.dataset, "PROGRESS_SECONDS", 0.0)  # a line a batch
+    caplog.set_level(logging.INFO, logger="aiayn")
+    run_demo(DemoConfig(out=str(tmp_path / "d"), size="tiny", steps=2, n_train=300, n_test=3, beam=1))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("translated ")]
+    assert lines and lines[-1].startswith("translated 3 of 3 held-out sentences (100%, "), lines
 
 
 def test_the_readme_says_what_the_last_update_of_the_cooldown_runs_at(tmp_path):

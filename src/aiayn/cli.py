@@ -1001,9 +1001,11 @@ def _terminate(signum: int, frame) -> None:
 def _signals_raise(command: str = ""):
     """SIGTERM and SIGHUP raise `Terminated` while a command other than training runs, where they still
     have their default action (not in a thread or under a caller's own handler). No `command`: a caller's
-    own work that is no training (recipes/multi30k/run.py's averaging and decoding)."""
+    own work that is no training (recipes/multi30k/run.py's averaging and decoding). The demo's too: its
+    training's own handlers take over for the updates (a save, then `Stopped`), and give them back after;
+    without these it was killed silently while making its corpus or translating."""
     installed = {}
-    if command not in ("train", "demo"):
+    if command != "train":
         for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
             with contextlib.suppress(TypeError, ValueError):  # no such signal here, or not the main thread
                 if signal.getsignal(sig) == signal.SIG_DFL:

@@ -1,8 +1,10 @@
 """`aiayn demo` end to end: corpus files, the real training path, beam search, scores, curves, attention."""
 
 import json
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -169,18 +171,50 @@ def test_out_under_a_regular_file_is_one_line(tmp_path, capsys, under):
     assert (tmp_path / "afile").read_text(encoding="utf-8") == "x"
 
 
-def test_only_checkpoints_or_a_tokenizer_make_an_earlier_run(tmp_path):
-    """An empty run directory, left by a run that failed at once, must not block the rerun. (Without the
+def test_only_checkpoints_make_an_earlier_run(tmp_path, capsys):
+    """An empty run directory, left by a run that failed at once, must not block the rerun; nor a tokenizer
+    without checkpoints, left by a demo stopped before its first (a SIGTERM while it encoded): it was
+    refused as 'holds an earlier demo run' though nothing was trained, and with another --seed training
+    would have refused that tokenizer as trained for other data, naming train.run_dir. (Without the
     demo's data marker a run/ holding anything is the user's: "no demo wrote it".)"""
     (tmp_path / "run").mkdir()
     check_out(tmp_path)
     (tmp_path / "run" / "spm.model").write_bytes(b"")
     with pytest.raises(UserError, match="run: exists and no demo wrote it"):
         check_out(tmp_path)
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / MARKER).write_text("")
-    with pytest.raises(UserError, match="earlier demo run"):
-        check_out(tmp_path)
+    out = tmp_path / "d"
+    argv = ["demo", "--out", str(out), "--size", "tiny", "--steps", "2", "--train-pairs", "300",
+            "--test-pairs", "4", "--beam", "1"]
+    assert main(argv) == 0
+    assert main(argv) == 2 and "holds an earlier demo run" in capsys.readouterr().err  # checkpoints
+    shutil.rmtree(out / "run" / "checkpoints")  # as stopped before its first: the tokenizer is left
+    assert (out / "run" / "spm.model").is_file()
+    assert main([*argv, "--seed", "2"]) == 0, capsys.readouterr().err
+    check_outputs(out, 4)
+
+
+def test_a_demo_writing_in_out_keeps_another_out(tmp_path, capsys):
+    """Two demos into one --out both passed the checks and both wrote data/: one then failed in training
+    ('set another train.run_dir', no option of the demo's), the other's test.hyp.de no longer in line
+    with data/test.en. Or the second was told to delete the first one's live run/ as an earlier one."""
+    from aiayn.train.state import RunLock
+
+    out, theirs = tmp_path / "d", "the first demo's"
+    (out / "run").mkdir(parents=True)
+    (out / "run" / "spm.model").write_text(theirs)
+    (out / "data").mkdir()
+    (out / "data" / MARKER).touch()
+    (out / "data" / "train.en").write_text(theirs)
+    held = RunLock(out / "data")  # as another process holding it: flock is per open file
+    held.acquire()
+    try:
+        assert main(["demo", "--out", str(out), "--size", "tiny", "--steps", "2"]) == 2
+    finally:
+        held.release()
+    assert capsys.readouterr().err == (f"aiayn: error: {out}: another demo is writing there (process "
+                                       f"{os.getpid()} on {socket.gethostname()}); wait for it to end, or "
+                                       "choose another --out\n")
+    assert (out / "data" / "train.en").read_text() == (out / "run" / "spm.model").read_text() == theirs
 
 
 @pytest.mark.slow
@@ -245,8 +279,6 @@ def test_a_signal_at_the_last_update_stops_the_demo_after_its_training(tmp_path,
     """Training ends as usual at its budget, validated and saved, whatever came during its last update:
     the demo went on translating every test pair and drawing the maps (80 s with --test-pairs 3000), and
     exited 0, the signal taken and then ignored."""
-    import os
-
     from aiayn.train import loop
 
     real_step, calls = loop.train_step, []

@@ -32,7 +32,7 @@ from aiayn.decoding.options import cpu_seed_problem
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
 from aiayn.errors import CorruptFile, Stopped, UserError, control_character, non_utf8_name
 from aiayn.files import atomic_output, check_directory_path
-from aiayn.train.state import check_outside_checkpoints, checkpoint_dirs
+from aiayn.train.state import LOCK, RunBusy, RunLock, check_outside_checkpoints, checkpoint_dirs
 
 log = logging.getLogger(__name__)
 
@@ -212,12 +212,15 @@ def progress_lines(total: int, every: float) -> Callable[[int], None]:
 
 def run_demo(config: DemoConfig) -> DemoResult:
     """Corpus, training, evaluation, attention maps; see the module docstring."""
+    check_out(Path(config.out))
+    lock = lock_out(Path(config.out))
     threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     try:
         return _run_demo(config)
     finally:
         torch.set_num_threads(threads)  # the caller's setting, e.g. a test session's
+        lock.release()
 
 
 def _run_demo(config: DemoConfig) -> DemoResult:
@@ -225,7 +228,7 @@ def _run_demo(config: DemoConfig) -> DemoResult:
 
     out = Path(config.out)
     run_dir = out / "run"
-    check_out(out)
+    check_earlier_run(run_dir)  # under the lock: a live demo's run is no earlier one
     test_pairs, paths = write_corpus(config, out / "data")
     try:
         result = train(run_config(config, paths, run_dir))
@@ -280,23 +283,51 @@ def check_out(out: Path) -> None:
             kind = "directory" if want_dir else "file"
             raise UserError(f"{path}: is {'not ' if want_dir else ''}a directory; the demo writes a {kind} there")
     data = out / "data"
-    if data.is_dir() and any(data.iterdir()) and not (data / MARKER).exists():
+    if data.is_dir() and any(p.name != LOCK for p in data.iterdir()) and not (data / MARKER).exists():
         raise UserError(f"{data}: holds files that no demo wrote (it has no {MARKER}); choose another --out")
     if not (data / MARKER).exists():  # no demo wrote here: the translations, maps and run are the user's
         for path in (out / "test.hyp.de", out / "attention", out / "run"):
             if path.is_file() or (path.is_dir() and any(path.iterdir())):
                 raise UserError(f"{path}: exists and no demo wrote it ({data} has no {MARKER}); "
                                 "choose another --out")
-    if earlier_run(out / "run"):  # its tokenizer and checkpoints would be picked up, not replaced
-        run = out / "run"
-        raise UserError(f"{run}: holds an earlier demo run; delete {run} or choose another --out")
 
 
-def earlier_run(run_dir: Path) -> bool:
-    """Whether `run_dir` holds what training would reuse: checkpoints or a tokenizer (a run that failed
-    before those, e.g. on a bad option, leaves an empty directory that must not block a rerun)."""
-    names = ("checkpoints", "spm.model", "source.spm", "target.spm")
-    return any((run_dir / name).exists() for name in names)
+def lock_out(out: Path) -> RunLock:
+    """`out` for this demo alone, until it ends (OUT/data/.lock): two demos into one --out both passed
+    `check_out`, both wrote data/, and one failed in training ("set another train.run_dir", no option of
+    the demo's), the other's test.hyp.de no longer in line with data/test.en; or the second was told to
+    delete the first one's live run/ as an earlier run."""
+    data = out / "data"
+    try:
+        data.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{data}: cannot write the corpus ({e.strerror or e})") from None
+    lock = RunLock(data)
+    try:
+        lock.acquire()
+    except RunBusy as e:
+        holder = f" (process {e.holder})" if e.holder else ""
+        raise UserError(f"{out}: another demo is writing there{holder}; wait for it to end, or choose "
+                        "another --out") from None
+    return lock
+
+
+def check_earlier_run(run_dir: Path) -> None:
+    """Refuse a `run_dir` whose checkpoints training would refuse to train over. A demo stopped before its
+    first checkpoint left nothing trained, but maybe a tokenizer, which training would reuse, or refuse as
+    "trained for other data" (another --seed, --size or --train-pairs) naming train.run_dir: it goes."""
+    if checkpoint_dirs(run_dir):
+        raise UserError(f"{run_dir}: holds an earlier demo run; delete {run_dir} or choose another --out")
+    left = [run_dir / name for name in ("spm.model", "source.spm", "target.spm", "tokenizer_inputs.json")
+            if (run_dir / name).exists()]
+    for path in left:
+        try:
+            path.unlink()
+        except OSError as e:
+            raise UserError(f"{path}: cannot delete the tokenizer a stopped demo left "
+                            f"({e.strerror or e})") from None
+    if left:
+        log.info("%s: no checkpoint there; the tokenizer a stopped demo left is trained again", run_dir)
 
 
 def pick_example(pairs: list[tuple[str, str]]) -> tuple[str, str]:

@@ -44,6 +44,15 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 LOCK = ".lock"  # in the run directory: held by the one training run that writes there
 
 
+class RunBusy(UserError):
+    """Another process holds a `RunLock`; `holder` is what its lock says of it ("12 on host": its pid and
+    machine; "" if nothing), for a caller's own words."""
+
+    def __init__(self, message: str, holder: str):
+        super().__init__(message)
+        self.holder = holder
+
+
 class RunLock:
     """The run directory for one training run at a time (process 0's; `flock`, which also holds on NFS):
     two runs in one directory deleted each other's checkpoints as they were written and interleaved their
@@ -64,9 +73,9 @@ class RunLock:
                 f.close()
                 if e.errno not in (errno.EAGAIN, errno.EACCES):  # a filesystem without locks: no refusal
                     return
-                raise UserError(f"{self.path.parent}: another training run is writing there"
-                                f"{f' (process {holder})' if holder else ''}; wait for it to end, or set "
-                                "another train.run_dir") from None
+                raise RunBusy(f"{self.path.parent}: another training run is writing there"
+                              f"{f' (process {holder})' if holder else ''}; wait for it to end, or set "
+                              "another train.run_dir", holder) from None
             if self._still_named(f):
                 break
             f.close()  # locked a file `release_made` unlinked: another run could lock the path's new one

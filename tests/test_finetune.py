@@ -168,7 +168,8 @@ def test_a_corpus_the_kept_tokenizer_cannot_write_is_warned_of(aiayn_checkpoint,
         train(load_config(None, settings(joined, tgt, tmp_path / "run2", start, "train.max_updates=1")))
     said = [m for m in caplog.messages if "changes this training text" in m]
     assert len(said) == 1 and "U+200C ZERO WIDTH NON-JOINER" in said[0], caplog.messages
-    assert "the model will learn to write it so" in said[0] and "train a new tokenizer" not in said[0]
+    # a source the model reads, as it will read what it translates (was "will learn to write it so")
+    assert said[0].endswith(": the model will read it so") and "train a new tokenizer" not in said[0]
     caplog.clear()
     with caplog.at_level("WARNING"):  # the corpus it was trained on: nothing to say
         train(load_config(None, settings(src, tgt, tmp_path / "run3", start, "train.max_updates=1")))
@@ -190,7 +191,7 @@ def test_what_the_kept_tokenizer_rewrites_is_said_of_each_file_as_its_set(aiayn_
     said = [m for m in caplog.messages if m.startswith("the tokenizer kept")]
     assert len(said) == 2, caplog.messages
     assert f"this training text (40 of 40 sampled source lines of {wide['train']}), e.g. U+FF45" in said[0]
-    assert said[0].endswith(": the model will learn to write it so")
+    assert said[0].endswith(": the model will read it so")  # a source side: the model does not write it
     assert f"this validation text (40 of 40 sampled source lines of {wide['valid']}), e.g. U+FF45" in said[1]
     assert said[1].endswith(": the model trains as usual, but is validated on it as rewritten")
 

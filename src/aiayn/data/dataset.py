@@ -1025,9 +1025,10 @@ ROUND_TRIP_TOLERANCE = 0.01  # share of sampled lines the normalization may chan
 
 
 # What a kept tokenizer's rewriting does to each set's text ("training" or "validation"). The validation's
-# was said as the training's, "the model will learn to write it so", of text it never learns from.
+# was said as the training's, "the model will learn to write it so", of text it never learns from. {does}:
+# what the model does with the text (`_what_the_model_does`).
 KEPT_REWRITES = {
-    "training": "the model will learn to write it so",
+    "training": "the model will {does} it so",
     "validation": "the model trains as usual, but is validated on it as rewritten",
 }
 
@@ -1076,14 +1077,21 @@ def _warn_if_normalization_changes_text(
         fix += (" and train a new tokenizer (in a new train.run_dir, or delete this one's spm.model, or "
                 "source.spm and target.spm)")
     named = " + ".join(f"U+{ord(c):04X} {unicodedata.name(c, '(unnamed)')}" for c in chars)
+    does = _what_the_model_does(side for side, *_ in problems)
     if kept:  # a fine-tune's or a resumed run's: the checkpoint's, whatever [data] says
         log.warning("the tokenizer kept (train.init_from's, or the resumed run's) changes this %s text (%s), "
-                    "e.g. %s in %r: %s", kind, counts, named, example, KEPT_REWRITES[kind])
+                    "e.g. %s in %r: %s", kind, counts, named, example, KEPT_REWRITES[kind].format(does=does))
         return
     log.warning(
-        "data.normalization=%r changes the training text the model will learn to write (%s), e.g. "
-        "%s in %r%s", normalization, counts, named, example, fix,
+        "data.normalization=%r changes the training text the model will %s (%s), e.g. %s in %r%s",
+        normalization, does, counts, named, example, fix,
     )
+
+
+def _what_the_model_does(sides: Iterable[str]) -> str:
+    """What the model does with text of these `sides` rewritten: the target's it learns to write; the
+    source's alone it reads, as it will read the text it translates (was said as "learn to write")."""
+    return "learn to write" if "target" in sides else "read"
 
 
 def _normalization_fix(normalization: str, nfkc_changes: bool) -> str:

@@ -1311,6 +1311,10 @@ def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, cap
     assert main(["translate", str(run)]) == 2
     assert f"no meta.json); a run directory: name one of its checkpoints, e.g. {run}/checkpoints/step_1000000" in (
         capsys.readouterr().err)
+    assert main(["translate", str(tmp_path)]) == 2  # a demo's --out folder, whose run is run/: no hint was
+    assert capsys.readouterr().err == (f"aiayn: error: {tmp_path}: not an aiayn checkpoint (no meta.json); "
+                                       f"its run is {run}: name one of its checkpoints, e.g. "
+                                       f"{run}/checkpoints/step_1000000\n")
     with pytest.raises(UserError, match=rf"^{re.escape(str(run))}/checkpoints: not an aiayn checkpoint \(no "
                        r"meta.json\); a run's checkpoints folder: name one of its checkpoints, e.g. "
                        rf"{re.escape(str(run))}/checkpoints/step_1000000$"):

@@ -248,13 +248,16 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / META
     if not path.is_file():
         # here only: the training package imports this one
-        from aiayn.train.state import checkpoint_dirs, run_of_checkpoints_folder
+        from aiayn.train.state import checkpoint_dirs, run_of_checkpoints_folder, runs_meant
 
         here = Path(directory)
         found = checkpoint_dirs(directory)  # a run directory: its checkpoints are inside
         what = "a run directory"
-        if not found and (run := run_of_checkpoints_folder(directory)) is not None:  # the run's checkpoints/
-            found, what = checkpoint_dirs(run), "a run's checkpoints folder"
+        for run in runs_meant(here) if not found else ():  # a demo's --out (its run/), a run's checkpoints/
+            if found := checkpoint_dirs(run):
+                mine = run == run_of_checkpoints_folder(here)
+                what = "a run's checkpoints folder" if mine else f"its run is {run}"
+                break
         hint = f"; {what}: name one of its checkpoints, e.g. {found[-1]}" if found else ""
         if not found and (here / "config.json").is_file() and any(
                 (here / name).is_file() for name in ("source.spm", "vocab.json")):

@@ -667,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR",
                    help="a training run's directory (its train.run_dir), whose checkpoints/ holds the "
                    "checkpoints")
-    p.add_argument("--last", type=positive_int, default=5,
+    p.add_argument("--last", type=positive_int, default=5, metavar="K",
                    help="how many (default 5; the paper: 5 for base, 20 for big)")
     p.add_argument("-o", "--output", type=path_arg,
                    help="output checkpoint directory (default RUN_DIR/average_last_N, N the "

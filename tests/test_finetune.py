@@ -403,3 +403,33 @@ def test_a_relative_init_from_is_recorded_absolute_and_resumes_from_another_dire
     monkeypatch.chdir(tmp_path)
     resumed = train(load_config(None, settings(src, tgt, run_dir, start, "train.max_updates=3")), resume=True)
     assert resumed["step"] == 3
+
+
+def test_a_moved_project_resumes_its_fine_tune_with_init_from_at_the_same_place(aiayn_checkpoint, tmp_path,
+                                                                               monkeypatch):
+    """init_from is recorded absolute: a project moved or copied whole (the run and the checkpoint it
+    fine-tunes), resumed with the command it was started with, was refused ("this run fine-tunes
+    /old/...; resume it with train.init_from=/old/..."). The checkpoint at the same place relative to
+    the run directory is the one it fine-tuned; another is still refused."""
+    start, src, tgt = aiayn_checkpoint
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(start, old / "runs" / "start")
+    monkeypatch.chdir(old)
+
+    def tune(init_from: str, run_dir: str = "runs/tune", updates: int = 3) -> list[str]:
+        return settings(src, tgt, Path(run_dir), Path(init_from), f"train.max_updates={updates}")
+
+    train(load_config(None, tune("runs/start", updates=2)))
+    shutil.copytree(old, new)
+    shutil.rmtree(old)
+    monkeypatch.chdir(new)
+    with pytest.raises(UserError, match="^runs/tune: already holds checkpoints; pass --resume"):
+        train(load_config(None, tune("runs/start")))  # said "a run that did not fine-tune runs/start"
+    shutil.copytree(new / "runs" / "start", new / "runs" / "other")
+    with pytest.raises(UserError, match=f"fine-tunes {old / 'runs' / 'start'}; resume it with"):
+        train(load_config(None, tune("runs/other")), resume=True)
+    (new / "sub").mkdir()
+    monkeypatch.chdir(new / "sub")  # the same place relative to the run, written from elsewhere
+    assert train(load_config(None, tune("../runs/start", "../runs/tune")), resume=True)["step"] == 3
+    tuned = load_checkpoint(only_checkpoint(new / "runs" / "tune"))
+    assert tuned.meta["config"]["train"]["init_from"] == str(new / "runs" / "start")

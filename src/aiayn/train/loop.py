@@ -561,7 +561,7 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
     config, saved there), so the init_from directory is needed only for the first invocation.
     """
     tuned_from = _fine_tuned_from(resume_from) if resume_from else None
-    if resume_from and not _same_path(tuned_from, config.train.init_from):
+    if resume_from and not _same_init_from(resume_from, tuned_from, config.train.init_from):
         # no init_from: the model built from [model] failed to load with a less helpful mismatch; another
         # one was ignored (the run goes on from its own checkpoint) and saved as where the run started
         if tuned_from:
@@ -637,14 +637,33 @@ def _tokenizer_settings(config: RunConfig) -> dict:
                               dc.character_coverage)
 
 
-def _same_path(saved: str | None, given: str) -> bool:
-    """Whether train.init_from `given` names the checkpoint `saved` (as written, or the same directory)."""
+def _same_init_from(checkpoint: Path, saved: str | None, given: str) -> bool:
+    """Whether train.init_from `given` names `saved`, the one the run that saved `checkpoint` fine-tuned (or
+    both are empty): as written, the same directory, or, in a copy or move of the run with it, the one at
+    the same place relative to the run directory. Recorded absolute, `saved` names the old place, where a
+    copied project's own checkpoint was refused; a resume never reads init_from again, and another
+    checkpoint beside the run, or the same name from elsewhere, is still refused."""
     if not saved or not given:
         return not saved and not given
     try:
-        return saved == given or Path(saved).resolve() == Path(given).resolve()
+        if saved == given or Path(saved).resolve() == Path(given).resolve():
+            return True
     except (OSError, RuntimeError):  # a symlink loop
         return False
+    if not os.path.isabs(saved) or (trained_in := _recorded_run_dir(checkpoint)) is None:
+        return False  # recorded as written (before aiayn recorded it absolute): compared as written alone
+    here = os.path.abspath(checkpoint.parent.parent)  # RUN/checkpoints/step_N
+    return os.path.relpath(saved, trained_in) == os.path.relpath(os.path.abspath(given), here)
+
+
+def _recorded_run_dir(checkpoint: Path) -> str | None:
+    """The absolute run directory that saved `checkpoint`, as its meta.json records it (the directory it
+    ran in, and train.run_dir as written there), or None where it does not."""
+    meta = read_meta(checkpoint)
+    workdir, run_dir = meta.get("workdir"), (config_section(meta, "train") or {}).get("run_dir")
+    if not isinstance(workdir, str) or not isinstance(run_dir, str) or not os.path.isabs(workdir):
+        return None
+    return os.path.join(workdir, run_dir)
 
 
 def _fine_tuned_from(checkpoint: Path) -> str | None:
@@ -1236,7 +1255,8 @@ def _checkpoint_to_resume(run_dir: Path, resume: bool, init_from: str = "") -> P
     if resume and not found:  # killed before its first save: a restart loop passing --resume goes on
         log.info("%s: no checkpoint to resume from yet; starting from the beginning", run_dir)
         return None
-    if not resume and found and init_from and not _same_path(_fine_tuned_from(found[-1]), init_from):
+    if not resume and found and init_from and not _same_init_from(found[-1], _fine_tuned_from(found[-1]),
+                                                                  init_from):
         # --resume, which the plain hint offered, was then refused: the run there fine-tunes no init_from
         raise UserError(f"{run_dir}: already holds the checkpoints of a run that did not fine-tune "
                         f"{init_from}; set another train.run_dir")

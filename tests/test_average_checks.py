@@ -158,6 +158,26 @@ def test_a_checkpoint_saved_on_a_signal_is_left_out_of_the_last_k(tmp_path, toke
     assert json.loads((alone / "meta.json").read_text())["averaged"] == [str(signal)]
 
 
+def test_a_checkpoint_a_killed_save_left_moved_aside_is_named_not_skipped(tmp_path, tokenizers):
+    """A kill between the two renames of a re-save left step_N only as .step_N.aiayn-old, out of the
+    listing until the run's next `aiayn train` puts it back: --last 2 averaged the two before it, silently."""
+    first, _ = tokenizers
+    ckpts = tmp_path / "run" / "checkpoints"
+    for step in (10, 20, 30):
+        save(ckpts / f"step_{step:06d}", first, step=step)
+    (ckpts / "step_000030").rename(ckpts / ".step_000030.aiayn-old")
+    with pytest.raises(UserError) as e:
+        average_last(tmp_path / "run", 2)
+    assert str(e.value) == (
+        f"{ckpts / 'step_000030'}: checkpoint not found: a save killed as it replaced it left it as "
+        ".step_000030.aiayn-old; rename that back to step_000030 (`aiayn train --resume` of its run does so "
+        "itself); average the run's last checkpoints once it is back")
+    assert not (tmp_path / "run" / "average_last_2").exists()
+    assert (ckpts / ".step_000030.aiayn-old").is_dir()  # left for the run to put back
+    save(ckpts / "step_000030", first, step=30)  # beside a complete one it is a leftover: nothing missing
+    assert average_last(tmp_path / "run", 2).name == "average_last_2"
+
+
 def test_paths_as_strings_average_and_are_recorded_absolute(tmp_path, tokenizers, monkeypatch):
     """Strings failed at `directory / META` (a TypeError); the relative paths recorded in "averaged"
     meant nothing from another directory (`aiayn info`)."""

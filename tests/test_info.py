@@ -111,6 +111,25 @@ def test_wrong_arguments_are_one_line(capsys, args, message):
     assert code == 2 and not lines and err == f"aiayn: error: {message}"
 
 
+def test_a_checkpoint_a_killed_save_left_moved_aside_is_named_there(tmp_path, tokenizer, capsys):
+    """A kill between the two renames of a re-save left step_N only as .step_N.aiayn-old, until the run's
+    next `aiayn train` puts it back: info and translate said "checkpoint not found", no more."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    path = save(checkpoints / "step_000060", tokenizer)
+    path.rename(checkpoints / ".step_000060.aiayn-old")
+    aside = ("checkpoint not found: a save killed as it replaced it left it as .step_000060.aiayn-old; "
+             "rename that back to step_000060 (`aiayn train --resume` of its run does so itself)")
+    for command in ("info", "translate"):
+        assert main([command, str(path)]) == 2
+        assert capsys.readouterr().err == f"aiayn: error: {path}: {aside}\n"
+    with pytest.raises(UserError, match=f"^{path}: checkpoint not found: a save killed"):
+        average_checkpoints([path, path], tmp_path / "avg")  # meta.json read first
+    other = save(tmp_path / "out", tokenizer)  # an output of average or convert: no training run there
+    other.rename(tmp_path / ".out.aiayn-old")
+    assert info(capsys, other)[2] == (f"aiayn: error: {other}: checkpoint not found: a save killed as it "
+                                      "replaced it left it as .out.aiayn-old; rename that back to out")
+
+
 def test_the_smallest_vocab_size_holds_the_special_ids(capsys):
     code, lines, _ = info(capsys, "micro", "--vocab-size", "3")
     assert code == 0 and "vocab_size=3," in lines[0] and lines[-1] == "parameters: 21,472"

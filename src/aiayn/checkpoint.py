@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from aiayn.config import ConfigError, ModelConfig, from_dict, to_dict
 from aiayn.data.tokenizer import SHARED, SOURCE, TARGET, Tokenizer
 from aiayn.errors import CorruptFile, UserError, is_out_of_memory
-from aiayn.files import OutputKind, check_replaceable, write_atomically
+from aiayn.files import OutputKind, check_replaceable, moved_aside, write_atomically
 from aiayn.model import Transformer
 
 FORMAT = "aiayn-1"
@@ -246,6 +246,8 @@ def enclosing_checkpoint(path: str | Path, itself: bool = True) -> tuple[str, Pa
 
 def read_meta(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / META
+    if not path.is_file() and moved_aside(Path(directory)) is not None:
+        raise UserError(f"{directory}: {not_found(Path(directory))}")
     if not path.is_file():
         # here only: the training package imports this one
         from aiayn.train.state import checkpoint_dirs, run_of_checkpoints_folder, runs_meant
@@ -469,10 +471,22 @@ def _checkpoint_meta(directory: str | Path) -> tuple[Path, dict[str, Any], Model
     is missing or wrong."""
     directory = Path(directory)
     if not directory.is_dir():
-        what = "is a file, not a checkpoint directory" if directory.exists() else "checkpoint not found"
+        what = "is a file, not a checkpoint directory" if directory.exists() else not_found(directory)
         raise UserError(f"{directory}: {what}")
     meta = read_meta(directory)
     return directory, meta, meta_model_config(directory, meta)
+
+
+def not_found(directory: Path) -> str:
+    """What a missing checkpoint is: "checkpoint not found", or where a save killed as it replaced the
+    checkpoint left it (`files.moved_aside`), and how to put it back: it was simply not found, until the
+    next write of it."""
+    if (old := moved_aside(directory)) is None:
+        return "checkpoint not found"
+    trained = directory.parent.name == "checkpoints"  # a training run's: its start puts them back
+    itself = " (`aiayn train --resume` of its run does so itself)" if trained else ""
+    return (f"checkpoint not found: a save killed as it replaced it left it as {old.name}; rename that back "
+            f"to {directory.name}{itself}")
 
 
 def meta_model_config(directory: Path, meta: dict[str, Any]) -> ModelConfig:

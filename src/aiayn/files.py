@@ -342,6 +342,17 @@ def _recover_replaced(directory: Path, suffix: str = MOVED_ASIDE) -> None:
         log.info("%s: put back, where a killed writer had left it as %s", directory, old.name)
 
 
+def moved_aside(directory: Path) -> Path | None:
+    """Where a writer killed between `_rename_into_place`'s two renames left `directory`, which is then
+    missing, else None. Readers name it and leave it: the next write of `directory` (a training run's
+    start, for its checkpoints) puts it back, and a reader that renamed would be a second writer."""
+    old = _old(directory)
+    try:
+        return None if os.path.lexists(directory) or old.is_symlink() or not old.is_dir() else old
+    except (OSError, ValueError):  # a name too long, a NUL: nothing there
+        return None
+
+
 def recover_replaced(parent: Path) -> None:
     """`_recover_replaced` for every directory in `parent`, a training run's checkpoints/, that a kill left
     moved aside, an older aiayn's `.NAME.old` too."""

@@ -20,13 +20,15 @@ from aiayn.checkpoint import (
     load_into,
     load_weights,
     meta_model_config,
+    not_found,
     read_meta,
     save_checkpoint,
 )
 from aiayn.config import resolved_settings
 from aiayn.errors import UserError
-from aiayn.files import check_output, overlap
+from aiayn.files import MOVED_ASIDE, check_output, moved_aside, overlap
 from aiayn.train.state import (
+    STEP_DIR,
     check_outside_checkpoints,
     checkpoint_dirs,
     is_interrupted,
@@ -231,6 +233,19 @@ def _regular(found: list[Path], log_skipped: bool) -> list[Path]:
     return regular
 
 
+def _refuse_moved_aside(run_dir: Path) -> None:
+    """A checkpoint that a save killed as it replaced it left moved aside (`files.moved_aside`) is not
+    listed: the last k were silently others. Named, not put back: a training run starting in `run_dir`
+    meanwhile would have been refused its lock (one run at a time, `state.RunLock`), and it puts the
+    checkpoint back itself."""
+    root = run_dir / "checkpoints"
+    for old in sorted(root.glob(f".step_*{MOVED_ASIDE}")):
+        checkpoint = root / old.name[1:-len(MOVED_ASIDE)]
+        if STEP_DIR.match(checkpoint.name) and moved_aside(checkpoint) is not None:
+            raise UserError(f"{checkpoint}: {not_found(checkpoint)}; average the run's last checkpoints once "
+                            "it is back")
+
+
 PRUNED_RETRIES = 3  # a run training in run_dir may prune a listed checkpoint before it is read
 
 
@@ -249,6 +264,7 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
         raise UserError(f"{run_dir}: {'is not a directory' if run_dir.exists() else 'no such run directory'}")
     if out is not None:  # before the listing and its warnings, and "already exists": --force cannot mend it
         check_outside_checkpoints(Path(out), may_be_one=True)
+    _refuse_moved_aside(run_dir)
     for attempt in range(PRUNED_RETRIES + 1):
         found = _regular(checkpoint_dirs(run_dir), log_skipped=attempt == 0)
         if not found:

@@ -1602,10 +1602,12 @@ def test_resume_refuses_other_tokenizer_settings_and_names_another_corpus(finish
     effect, so it is refused (it was silently ignored, the printed config saying otherwise); another
     corpus is continued training on new data, so it trains, saying so."""
     config = copy_run(finished_run, tmp_path)
-    for change, message in [(dict(vocab_size=50), "data.vocab_size was 40, now 50"),
-                            (dict(spm_type="unigram"), "data.spm_type was 'bpe', now 'unigram'")]:
+    for change, message in [(dict(vocab_size=50),
+                             "data.vocab_size was 40, now 50\\); set data.vocab_size=40"),
+                            (dict(spm_type="unigram"),
+                             "data.spm_type was 'bpe', now 'unigram'\\); set data.spm_type=\"bpe\"")]:
         with pytest.raises(UserError, match=f"--resume keeps the tokenizer its checkpoints were trained with "
-                                            f"\\({message}\\); drop the change"):
+                                            f"\\({message}, or use a new train.run_dir$"):
             train(replace(config, data=replace(config.data, **change)), resume=True)
     other_src, other_tgt = write_corpus(tmp_path, 40, "other")
     moved = replace(config, data=replace(config.data, train_src=str(other_src),
@@ -1623,8 +1625,14 @@ def test_a_tokenizer_setting_resume_refuses_is_named_where_it_was_written(finish
     checkpoint = Path(run) / "checkpoints" / "step_000004"
     keeps = f"{checkpoint}: --resume keeps the tokenizer its checkpoints were trained with"
     with pytest.raises(UserError, match=re.escape(f"--set 'data.vocab_size=50': {keeps} (data.vocab_size was "
-                                                  "40, now 50); drop the change")):
+                                                  "40, now 50); set data.vocab_size=40, or use a new")):
         train(load_config(None, [*sets, "data.vocab_size=50"]), resume=True)
+    # left out, it is the default: "drop the change" had no change to drop, and said of one, it left the
+    # default, refused again
+    with pytest.raises(UserError) as e:
+        train(load_config(None, [s for s in sets if not s.startswith("data.vocab_size=")]), resume=True)
+    assert str(e.value) == (f"{keeps} (data.vocab_size was 40, now the default 8000); set "
+                            "data.vocab_size=40, or use a new train.run_dir")
     toml = tmp_path / "run.toml"
     toml.write_text("[data]\nmax_len = 32\nspm_type = 'unigram'\n", encoding="utf-8")
     with pytest.raises(UserError, match=f"^{re.escape(f'{toml}:3: {keeps}')} \\(data.spm_type was"):

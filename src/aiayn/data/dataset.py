@@ -1230,24 +1230,38 @@ def check_tokenizer_inputs(directory: Path, inputs: dict, resumed: bool = False)
     return False
 
 
-def refuse_other_tokenizer_settings(where: Path, saved: dict, inputs: dict, written: str = "") -> None:
+def refuse_other_tokenizer_settings(where: Path, saved: dict, inputs: dict, written: str = "",
+                                    defaults: Iterable[str] = ()) -> None:
     """--resume keeps the tokenizer its checkpoints were trained with: a setting other than the one `saved`
     records (the run dir's record, or a checkpoint's data configuration) could not take effect. `written`:
-    where the settings were written, the refusal's start ("run.toml:9: ")."""
-    settings = tokenizer_setting_changes(saved, inputs)
+    where the settings were written, the refusal's start ("run.toml:9: "); `defaults`: those written
+    nowhere, left at their default, said so. The remedy is the trained value: "drop the change" was said
+    of a default, and of a change dropped the default was refused again."""
+    settings = tokenizer_setting_changes(saved, inputs, defaults)
     if settings:
+        trained = " and ".join(f"data.{key}={json.dumps(_trained_value(saved, key))}"
+                               for key in _changed_settings(saved, inputs))
         raise UserError(f"{written}{where}: --resume keeps the tokenizer its checkpoints were trained with "
-                        f"({'; '.join(settings)}); drop the change, or use a new train.run_dir")
+                        f"({'; '.join(settings)}); set {trained}, or use a new train.run_dir")
 
 
-def tokenizer_setting_changes(saved: dict, inputs: dict) -> list[str]:
-    """Each tokenizer setting of `inputs` (`tokenizer_inputs`) that differs from `saved`, named; a setting
-    `saved` lacks was recorded before aiayn had it, so it had its default (TOKENIZER_DEFAULTS)."""
-    return [
-        f"data.{key} was {saved.get(key, TOKENIZER_DEFAULTS.get(key))!r}, now {value!r}"
-        for key, value in inputs.items()
-        if not key.startswith("train_") and saved.get(key, TOKENIZER_DEFAULTS.get(key)) != value
-    ]
+def tokenizer_setting_changes(saved: dict, inputs: dict, defaults: Iterable[str] = ()) -> list[str]:
+    """Each tokenizer setting of `inputs` (`tokenizer_inputs`) that differs from `saved`, named; those of
+    `defaults` said to be the default ("now the default 8000")."""
+    return [f"data.{key} was {_trained_value(saved, key)!r}, now {'the default ' * (key in defaults)}"
+            f"{inputs[key]!r}" for key in _changed_settings(saved, inputs)]
+
+
+def _changed_settings(saved: dict, inputs: dict) -> list[str]:
+    """The tokenizer settings of `inputs` whose value is not the one `saved` records."""
+    return [key for key, value in inputs.items()
+            if not key.startswith("train_") and _trained_value(saved, key) != value]
+
+
+def _trained_value(saved: dict, key: str) -> object:
+    """A tokenizer setting as `saved` records it; one it lacks was recorded before aiayn had it, so it had
+    its default (TOKENIZER_DEFAULTS)."""
+    return saved.get(key, TOKENIZER_DEFAULTS.get(key))
 
 
 def _read_tokenizer_inputs(directory: Path) -> dict | None:

@@ -631,6 +631,13 @@ def _tokenizer_written_at(config: RunConfig, saved: dict) -> str:
                                   if tokenizer_setting_changes(saved, {key: value})))
 
 
+def _left_at_defaults(config: RunConfig) -> list[str]:
+    """[data]'s tokenizer settings written nowhere, at their defaults."""
+    defaults = DataConfig()
+    return [key for key in TOKENIZER_SETTINGS if getattr(config.data, key) == getattr(defaults, key)
+            and config.written_at(f"data.{key}", getattr(config.data, key)) is None]
+
+
 def _tokenizer_settings(config: RunConfig) -> dict:
     dc = config.data
     return tokenizer_settings(dc.vocab_size, dc.spm_type, dc.shared_vocab, dc.normalization,
@@ -1497,7 +1504,8 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool]:
         meta = read_meta(latest)
         trained_with = checkpoint_tokenizer(latest, meta)
         if (data := config_section(meta, "data")) is not None:  # what they were trained with, if recorded
-            refuse_other_tokenizer_settings(latest, data, inputs, _tokenizer_written_at(config, data))
+            refuse_other_tokenizer_settings(latest, data, inputs, _tokenizer_written_at(config, data),
+                                            _left_at_defaults(config))
         if found is None:  # only checkpoints/ was copied here: put its tokenizer back, train none
             trained_with.save(run_dir)
             found = find_tokenizer(run_dir)

@@ -316,6 +316,29 @@ def test_dropout_may_be_set_and_missing_checkpoint_is_one_line(aiayn_checkpoint,
     assert "\n" not in str(e.value)
 
 
+def test_an_init_from_refused_is_named_where_it_was_written(aiayn_checkpoint, tmp_path, monkeypatch):
+    """"runs/ref/checkpoints/step_000015: checkpoint not found" named neither the setting nor where it was
+    written, as a data file's refusal does."""
+    start, src, tgt = aiayn_checkpoint
+    monkeypatch.chdir(tmp_path)
+    toml = tmp_path / "tune.toml"
+    toml.write_text('[train]\ninit_from = "runs/step_000015"\n', encoding="utf-8")
+    sets = [s for s in settings(src, tgt, tmp_path / "run", start) if not s.startswith("train.init_from=")]
+    with pytest.raises(UserError) as e:
+        train(load_config(toml, sets))
+    assert str(e.value) == (f"{toml}:2: train.init_from=runs/step_000015: checkpoint not found (a relative "
+                            f"path is read from the current directory, {tmp_path})")
+    with pytest.raises(UserError) as e:
+        train(load_config(None, settings(src, tgt, tmp_path / "run", src)))
+    assert str(e.value) == (f"--set 'train.init_from={src}': train.init_from={src}: is a file, not a "
+                            "checkpoint directory")
+    (start / "meta.json").write_text("{", encoding="utf-8")  # a file inside names itself
+    with pytest.raises(UserError, match=re.escape(f"--set 'train.init_from={start}': {start / 'meta.json'}: "
+                                                  "corrupt checkpoint metadata")):
+        train(load_config(None, settings(src, tgt, tmp_path / "run", start)))
+    assert not (tmp_path / "run").exists()
+
+
 def test_finetune_converted_marian(tmp_path, caplog):
     pytest.importorskip("transformers")
     from test_marian import SRC_LINES, TGT_LINES, make_marian_dir, source_batch

@@ -572,7 +572,7 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
     if not config.train.init_from:
         return None
     path = resume_from or Path(config.train.init_from)
-    ck = load_checkpoint(path)
+    ck = load_checkpoint(path) if resume_from else _load_init_from(config)
     tuned = finetune_model_config(config, ck.model.config, path)  # a new model: dropout may have changed
     model = model_from_weights(tuned, state_dict_for_saving(ck.model), path)
     # resumed too: the run's own checkpoint records the settings it adopted (another vocab_size was
@@ -582,6 +582,16 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
         step = ck.meta.get("step")  # none in a converted model, or one saved outside training
         log.info("fine-tuning %s%s", path, f" (update {step} of its run)" if step is not None else "")
     return Checkpoint(model.train(), ck.tokenizer, ck.meta, path)
+
+
+def _load_init_from(config: RunConfig) -> Checkpoint:
+    """train.init_from's checkpoint; a refusal of it named with the setting and where it was written, as a
+    data file's is (`_placed_path`): "runs/x/step_000015: checkpoint not found" said neither."""
+    path = config.train.init_from
+    try:
+        return load_checkpoint(path)
+    except UserError as e:
+        raise UserError(_placed_path(config, "train.init_from", path, str(e))) from None
 
 
 def _with_checkpoint_tokenizer_settings(config: RunConfig, resume_from: Path | None) -> RunConfig:
@@ -1153,9 +1163,18 @@ def _require_data_file(config: RunConfig, setting: str, path: str) -> None:
     try:
         require_file(Path(path))
     except UserError as e:
-        relative = not os.path.isabs(path) and not os.path.lexists(path)  # a broken link is there
-        looked = f" (a relative path is read from the current directory, {os.getcwd()})" if relative else ""
-        raise UserError(f"{config.written_where(setting)}{setting}={e}{looked}") from None
+        raise UserError(_placed_path(config, setting, path, str(e))) from None
+
+
+def _placed_path(config: RunConfig, setting: str, path: str, problem: str) -> str:
+    """`problem` with the path that `setting` names, after where it was written; one of the path itself
+    ("PATH: file not found") as `setting`=PATH, and of a relative path not found, the directory it was
+    looked for in."""
+    if not problem.startswith(f"{Path(path)}: "):  # a file inside (a checkpoint's meta.json) names itself
+        return f"{config.written_where(setting)}{problem}"
+    relative = not os.path.isabs(path) and not os.path.lexists(path)  # a broken link is there
+    looked = f" (a relative path is read from the current directory, {os.getcwd()})" if relative else ""
+    return f"{config.written_where(setting)}{setting}={problem}{looked}"
 
 
 def _check_run_dir(run_dir: Path) -> None:

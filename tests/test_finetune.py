@@ -339,6 +339,25 @@ def test_an_init_from_refused_is_named_where_it_was_written(aiayn_checkpoint, tm
     assert not (tmp_path / "run").exists()
 
 
+def test_a_fine_tune_resumed_with_another_dropout_is_refused_before_the_data_work(aiayn_checkpoint, tmp_path,
+                                                                                  caplog):
+    """[model] was compared on --resume for runs that fine-tune nothing alone: a fine-tune's other dropout
+    was refused by `restore`, after the data work, naming neither the setting nor where it was written."""
+    start, src, tgt = aiayn_checkpoint
+    run_dir = tmp_path / "run"
+    sets = settings(src, tgt, run_dir, start, "model.dropout=0.2", "train.max_updates=1")
+    train(load_config(None, sets))
+    checkpoint = only_checkpoint(run_dir)
+    with caplog.at_level("INFO", logger="aiayn"), pytest.raises(UserError) as e:
+        train(load_config(None, [*sets, "model.dropout=0.3", "train.max_updates=2"]), resume=True)
+    assert str(e.value) == (f"--set 'model.dropout=0.3': {checkpoint}: checkpoint from an incompatible model "
+                            "(dropout=0.2, this run has 0.3); --resume keeps the model's settings; to train "
+                            "on with another, fine-tune from the checkpoint (train.init_from) in another "
+                            "train.run_dir")
+    assert "training pairs" not in caplog.text
+    assert train(load_config(None, [*sets, "train.max_updates=2"]), resume=True)["step"] == 2
+
+
 def test_finetune_converted_marian(tmp_path, caplog):
     pytest.importorskip("transformers")
     from test_marian import SRC_LINES, TGT_LINES, make_marian_dir, source_batch

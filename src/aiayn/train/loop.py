@@ -41,6 +41,7 @@ from aiayn.checkpoint import (
     config_section,
     enclosing_checkpoint,
     load_checkpoint,
+    meta_model_config,
     model_from_weights,
     read_meta,
     state_dict_for_saving,
@@ -1392,11 +1393,26 @@ def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> dict[
     trained, data = config_section(meta, "train"), config_section(meta, "data")
     _say_changed_settings(checkpoint, trained, config, d)
     _check_same_batches(checkpoint, trained, data, config, d)
-    # A fine-tune's model is the checkpoint's (`finetune_model_config` compares [model]); one resumed
-    # without its init_from is refused by `initial_checkpoint`, saying which
-    if not (config.train.init_from or (trained or {}).get("init_from")):
+    # One resumed without its init_from, or a run that fine-tuned none resumed with one, is refused by
+    # `initial_checkpoint`, saying which
+    tuned = config.train.init_from, (trained or {}).get("init_from")
+    if all(tuned):
+        _check_same_finetune_model(checkpoint, meta, config)
+    elif not any(tuned):
         _check_same_model(checkpoint, meta.get("model"), config)
     return trained
+
+
+def _check_same_finetune_model(checkpoint: Path, meta: dict[str, Any], config: RunConfig) -> None:
+    """A resumed fine-tune's model is its own checkpoint's with [model]'s dropout (`finetune_model_config`,
+    which refuses any other [model] key): another dropout than it trained with was refused by `restore`,
+    after the data work, naming neither the setting nor where it was written."""
+    try:
+        saved = meta_model_config(checkpoint, meta)
+    except UserError:  # damaged: `initial_checkpoint` names it
+        return
+    tuned = finetune_model_config(config, saved, checkpoint)
+    check_compatible(checkpoint, tuned, {"dropout": config.written_where("model.dropout")})
 
 
 def _check_same_model(checkpoint: Path, saved: Any, config: RunConfig) -> None:

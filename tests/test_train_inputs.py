@@ -312,6 +312,36 @@ def test_another_precision_on_resume_is_said(finished_run, tmp_path, caplog):
     assert "step_000004: trained with train.precision='fp32', resumed with 'bf16'" in caplog.text
 
 
+def test_another_number_of_cpu_threads_on_resume_is_said(finished_run, tmp_path, caplog):
+    """Another count sums in another order, which changes the weights as another precision does, unsaid:
+    train.threads, or its 0 (the machine's count) on a machine with other cores. Compared as counted where
+    the checkpoint records the count, else as set."""
+    config = copy_run(finished_run, tmp_path)
+    checkpoints = Path(config.train.run_dir) / "checkpoints"
+    before = torch.get_num_threads()
+
+    def said(updates: int, threads: int) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            result = train(with_train(config, max_updates=updates, threads=threads), resume=True)
+        assert result["step"] == updates
+        return [m.partition(": ")[2] for m in caplog.messages if "threads" in m and "resumed" in m]
+
+    try:
+        torch.set_num_threads(2)  # the count train.threads=0 takes
+        assert said(5, 2) == ["CPU threads trained with 1, resumed with 2 (train.threads=2)"]
+        assert said(6, 0) == []  # 2 threads either way
+        torch.set_num_threads(3)
+        assert said(7, 0) == ["CPU threads trained with 2, resumed with 3 (train.threads=0)"]
+        meta_path = checkpoints / "step_000007" / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["threads"]  # saved before aiayn recorded the count
+        meta_path.write_text(json.dumps(meta))
+        assert said(8, 1) == ["trained with train.threads=0, resumed with 1"]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_tokenizer_found_is_logged_with_its_pieces(finished_run, tmp_path, caplog):
     config = with_train(copy_run(finished_run, tmp_path), max_updates=5)
     with caplog.at_level(logging.INFO):

@@ -1362,8 +1362,9 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
     return caches
 
 
-# Settings --resume may change, each said in the log (Adam's own are said by `state.restore`): the updates
-# from there are computed otherwise, and a log that said nothing left no trace of why the curves bent
+# Settings --resume may change, each said in the log (Adam's own are said by `state.restore`, the number of
+# CPU threads by `_say_other_threads`): the updates from there are computed otherwise, and a log that said
+# nothing left no trace of why the curves bent
 RESUME_CHANGES = ("precision", "compile", "lr_scale", "warmup", "cooldown", "label_smoothing", "clip_norm")
 # With a cooldown, the budgets too: its lr is a fraction of the budget left (`_budget_used`), so another
 # max_updates on --resume moved the lr (12 times higher, once) unsaid
@@ -1385,6 +1386,23 @@ def _say_changed_settings(checkpoint: Path, trained: dict[str, Any] | None, conf
             log.info("%s: trained with train.%s=%r, resumed with %r", checkpoint, key, saved, now)
 
 
+def _say_other_threads(checkpoint: Path, meta: dict[str, Any], trained: dict[str, Any] | None, threads: int,
+                       d: Dist) -> None:
+    """Another number of CPU threads on --resume sums in another order (the weights then differ from an
+    unbroken run's, as with another precision): said, with the counts where the checkpoint records the
+    one it trained with (train.threads=0 is the machine's own, another on another machine); else another
+    train.threads. On a GPU the threads sum nothing of the model's."""
+    if d.device.type != "cpu" or not d.is_main:
+        return
+    setting, count = (trained or {}).get("threads"), meta.get("threads")
+    now = threads or torch.get_num_threads()  # set after this check: the machine's, or the caller's
+    if type(count) is int and count != now:
+        log.info("%s: CPU threads trained with %d, resumed with %d (train.threads=%d)", checkpoint, count,
+                 now, threads)
+    elif type(count) is not int and setting is not None and setting != threads:
+        log.info("%s: trained with train.threads=%r, resumed with %r", checkpoint, setting, threads)
+
+
 def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> dict[str, Any] | None:
     """--resume's configuration against the one `checkpoint`'s meta.json records (read once): another
     precision, schedule, smoothing or clipping said, other batches or another model refused. Returns
@@ -1392,6 +1410,7 @@ def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> dict[
     meta = read_meta(checkpoint)
     trained, data = config_section(meta, "train"), config_section(meta, "data")
     _say_changed_settings(checkpoint, trained, config, d)
+    _say_other_threads(checkpoint, meta, trained, config.train.threads, d)
     _check_same_batches(checkpoint, trained, data, config, d)
     # One resumed without its init_from, or a run that fine-tuned none resumed with one, is refused by
     # `initial_checkpoint`, saying which

@@ -297,6 +297,9 @@ def save_training_checkpoint(
     meta = {"step": state.step, "epoch": state.epoch + 1, "config": config, "metrics": metrics}
     with contextlib.suppress(OSError):  # where relative data paths are: `aiayn info` run elsewhere says them
         meta["workdir"] = os.getcwd()
+    # process 0's CPU threads, as counted (train.threads=0 is the machine's count): another sums in another
+    # order, which --resume says (`loop._say_other_threads`)
+    meta["threads"] = torch.get_num_threads()
     if interrupted:  # saved on a signal, to resume from: `prune` lets it go once a newer one is saved
         meta["interrupted"] = True
     path = Path(run_dir) / "checkpoints" / step_dir_name(state.step)

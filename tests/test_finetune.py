@@ -358,6 +358,20 @@ def test_a_fine_tune_resumed_with_another_dropout_is_refused_before_the_data_wor
     assert train(load_config(None, [*sets, "train.max_updates=2"]), resume=True)["step"] == 2
 
 
+def test_fine_tuning_an_average_says_what_it_averages(aiayn_checkpoint, tmp_path, caplog):
+    """An average keeps its newest checkpoint's step: "fine-tuning avg (update 7 of its run)" said so of
+    the mean of two."""
+    from aiayn.train.average import average_checkpoints
+
+    start, src, tgt = aiayn_checkpoint
+    shutil.copytree(start, tmp_path / "copy")
+    average = average_checkpoints([start, tmp_path / "copy"], tmp_path / "avg")
+    with caplog.at_level("INFO", logger="aiayn"):
+        train(load_config(None, settings(src, tgt, tmp_path / "run", average, "train.max_updates=1")))
+    said = f"fine-tuning {average} (the average of 2 checkpoints, {start}, {tmp_path / 'copy'})\n"
+    assert said in caplog.text
+
+
 def test_finetune_converted_marian(tmp_path, caplog):
     pytest.importorskip("transformers")
     from test_marian import SRC_LINES, TGT_LINES, make_marian_dir, source_batch

@@ -555,6 +555,15 @@ def _trained_path(path: str, workdir: Any) -> str:
     return os.path.join(workdir, path) if isinstance(workdir, str) and path else path
 
 
+def averaged_from(meta: dict[str, Any]) -> str | None:
+    """The checkpoints an average was made of, as its meta.json names them ("2 checkpoints, A, B"); None
+    for one that is no average."""
+    averaged = meta.get("averaged")
+    if not isinstance(averaged, list):
+        return None
+    return f"{len(averaged)} checkpoints, {', '.join(map(str, averaged))}"
+
+
 def _provenance(meta: dict[str, Any]) -> list[str]:
     """Where a checkpoint came from, as its meta.json says: training (step, validation), an average, or
     a conversion."""
@@ -582,8 +591,7 @@ def _provenance(meta: dict[str, Any]) -> list[str]:
     if isinstance(tuned_from, str) and tuned_from:
         lines.append(f"fine-tuned from: {tuned_from}")
     if averaged is not None:
-        lines.append(f"averaged: {len(averaged)} checkpoints, {', '.join(map(str, averaged))} "
-                     "(not validated as an average)")
+        lines.append(f"averaged: {averaged_from(meta)} (not validated as an average)")
     source = meta.get("converted_from")
     if isinstance(source, dict):
         lines.append(f"converted from: {source.get('format')} {source.get('path')}")

@@ -37,6 +37,7 @@ from aiayn.checkpoint import (
     META,
     WEIGHTS,
     Checkpoint,
+    averaged_from,
     checkpoint_tokenizer,
     config_section,
     enclosing_checkpoint,
@@ -580,9 +581,17 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
     # trained with, and saved into meta.json for a tokenizer that does not have it)
     _refuse_tokenizer_settings(config, ck.meta, path)
     if not resume_from:
-        step = ck.meta.get("step")  # none in a converted model, or one saved outside training
-        log.info("fine-tuning %s%s", path, f" (update {step} of its run)" if step is not None else "")
+        log.info("fine-tuning %s%s", path, _origin(ck.meta))
     return Checkpoint(model.train(), ck.tokenizer, ck.meta, path)
+
+
+def _origin(meta: dict[str, Any]) -> str:
+    """What train.init_from's checkpoint is, for the log, as `aiayn info` says it: an average of its run's
+    last checkpoints keeps the newest's step, and was said to be that update alone."""
+    if (averaged := averaged_from(meta)) is not None:
+        return f" (the average of {averaged})"
+    step = meta.get("step")  # none in a converted model, or one saved outside training
+    return f" (update {step} of its run)" if step is not None else ""
 
 
 def _load_init_from(config: RunConfig) -> Checkpoint:

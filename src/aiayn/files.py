@@ -346,10 +346,10 @@ def moved_aside(directory: Path) -> Path | None:
     """Where a writer killed between `_rename_into_place`'s two renames left `directory`, which is then
     missing, else None. Readers name it and leave it: the next write of `directory` (a training run's
     start, for its checkpoints) puts it back, and a reader that renamed would be a second writer."""
-    old = _old(directory)
     try:
+        old = _old(directory)
         return None if os.path.lexists(directory) or old.is_symlink() or not old.is_dir() else old
-    except (OSError, ValueError):  # a name too long, a NUL: nothing there
+    except (OSError, ValueError):  # a name too long, a NUL, "." (no name): nothing there
         return None
 
 

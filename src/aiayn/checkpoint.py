@@ -478,9 +478,9 @@ def _checkpoint_meta(directory: str | Path) -> tuple[Path, dict[str, Any], Model
 
 
 def not_found(directory: Path) -> str:
-    """What a missing checkpoint is: "checkpoint not found", or where a save killed as it replaced the
-    checkpoint left it (`files.moved_aside`), and how to put it back: it was simply not found, until the
-    next write of it."""
+    """Why `directory` is no checkpoint: "checkpoint not found", and where a save killed as it replaced
+    it left it moved aside (`files.moved_aside`), that and how to put it back: "not found" alone sent the
+    user looking for a checkpoint that is there under another name."""
     if (old := moved_aside(directory)) is None:
         return "checkpoint not found"
     trained = directory.parent.name == "checkpoints"  # a training run's: its start puts them back

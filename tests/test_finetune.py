@@ -328,6 +328,19 @@ def test_an_init_from_refused_is_named_where_it_was_written(aiayn_checkpoint, tm
         train(load_config(toml, sets))
     assert str(e.value) == (f"{toml}:2: train.init_from=runs/step_000015: checkpoint not found (a relative "
                             f"path is read from the current directory, {tmp_path})")
+    shutil.copytree(start, tmp_path / "runs" / ".step_000015.aiayn-old")  # a killed save's: it is found
+    with pytest.raises(UserError) as e:
+        train(load_config(toml, sets))
+    assert str(e.value).startswith(f"{toml}:2: train.init_from=runs/step_000015: checkpoint not found: a save")
+    assert "relative path" not in str(e.value)  # said as if the path were wrong
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()  # the current directory deleted: a FileNotFoundError traceback from the hint's getcwd
+    with pytest.raises(UserError) as e:
+        train(load_config(None, ["data.train_src=x.de", "data.train_tgt=x.en", f"train.run_dir={tmp_path}/r"]))
+    assert str(e.value) == "--set 'data.train_src=x.de': data.train_src=x.de: file not found"
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError) as e:
         train(load_config(None, settings(src, tgt, tmp_path / "run", src)))
     assert str(e.value) == (f"--set 'train.init_from={src}': train.init_from={src}: is a file, not a "
@@ -482,7 +495,9 @@ def test_a_moved_project_resumes_its_fine_tune_with_init_from_at_the_same_place(
     with pytest.raises(UserError, match="^runs/tune: already holds checkpoints; pass --resume"):
         train(load_config(None, tune("runs/start")))  # said "a run that did not fine-tune runs/start"
     shutil.copytree(new / "runs" / "start", new / "runs" / "other")
-    with pytest.raises(UserError, match=f"fine-tunes {old / 'runs' / 'start'}; resume it with"):
+    # the init_from to resume with is the one here: the old place, deleted, was advised
+    with pytest.raises(UserError, match=f"fine-tunes {old / 'runs' / 'start'}; resume it with "
+                                        "train.init_from=runs/start$"):
         train(load_config(None, tune("runs/other")), resume=True)
     (new / "sub").mkdir()
     monkeypatch.chdir(new / "sub")  # the same place relative to the run, written from elsewhere

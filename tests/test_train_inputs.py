@@ -338,6 +338,11 @@ def test_another_number_of_cpu_threads_on_resume_is_said(finished_run, tmp_path,
         del meta["threads"]  # saved before aiayn recorded the count
         meta_path.write_text(json.dumps(meta))
         assert said(8, 1) == ["trained with train.threads=0, resumed with 1"]
+        meta_path = checkpoints / "step_000008" / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        meta["threads"] = None  # trained on a GPU: was said as "CPU threads trained with 16", not the device
+        meta_path.write_text(json.dumps(meta))
+        assert said(9, 2) == []
     finally:
         torch.set_num_threads(before)
 

@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,7 +70,7 @@ from aiayn.data.dataset import (
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.options import MAX_CPU_SEED
 from aiayn.errors import CorruptFile, Stopped, UserError, is_out_of_memory
-from aiayn.files import recover_replaced, remove_abandoned, require_file
+from aiayn.files import moved_aside, recover_replaced, remove_abandoned, require_file
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 from aiayn.train import distributed
@@ -568,7 +568,7 @@ def initial_checkpoint(config: RunConfig, resume_from: Path | None) -> Checkpoin
         # one was ignored (the run goes on from its own checkpoint) and saved as where the run started
         if tuned_from:
             raise UserError(f"{resume_from}: this run fine-tunes {tuned_from}; "
-                            f"resume it with train.init_from={tuned_from}")
+                            f"resume it with train.init_from={_init_from_here(resume_from, tuned_from)}")
         raise UserError(f"{resume_from}: this run was not fine-tuned from a checkpoint; resume it without "
                         "train.init_from")
     if not config.train.init_from:
@@ -681,6 +681,17 @@ def _same_init_from(checkpoint: Path, saved: str | None, given: str) -> bool:
         return False  # recorded as written (before aiayn recorded it absolute): compared as written alone
     here = os.path.abspath(checkpoint.parent.parent)  # RUN/checkpoints/step_N
     return os.path.relpath(saved, trained_in) == os.path.relpath(os.path.abspath(given), here)
+
+
+def _init_from_here(checkpoint: Path, saved: str) -> str:
+    """The train.init_from to resume with: `saved`, as recorded, or where the run was moved or copied with it
+    and `saved` is gone, the one at the same place relative to the run directory (which `_same_init_from`
+    takes): the old place, deleted, was advised."""
+    if os.path.lexists(saved) or not os.path.isabs(saved):
+        return saved
+    if (trained_in := _recorded_run_dir(checkpoint)) is None:
+        return saved
+    return os.path.normpath(os.path.join(checkpoint.parent.parent, os.path.relpath(saved, trained_in)))
 
 
 def _recorded_run_dir(checkpoint: Path) -> str | None:
@@ -1182,8 +1193,11 @@ def _placed_path(config: RunConfig, setting: str, path: str, problem: str) -> st
     looked for in."""
     if not problem.startswith(f"{Path(path)}: "):  # a file inside (a checkpoint's meta.json) names itself
         return f"{config.written_where(setting)}{problem}"
-    relative = not os.path.isabs(path) and not os.path.lexists(path)  # a broken link is there
-    looked = f" (a relative path is read from the current directory, {os.getcwd()})" if relative else ""
+    # not there: a broken link is, and a checkpoint a killed save moved aside is found (its error says so)
+    relative = not os.path.isabs(path) and not os.path.lexists(path) and moved_aside(Path(path)) is None
+    looked = ""
+    with suppress(OSError):  # a current directory deleted: the refusal without the hint
+        looked = f" (a relative path is read from the current directory, {os.getcwd()})" if relative else ""
     return f"{config.written_where(setting)}{setting}={problem}{looked}"
 
 
@@ -1405,10 +1419,11 @@ def _say_other_threads(checkpoint: Path, meta: dict[str, Any], trained: dict[str
         return
     setting, count = (trained or {}).get("threads"), meta.get("threads")
     now = threads or torch.get_num_threads()  # set after this check: the machine's, or the caller's
-    if type(count) is int and count != now:
-        log.info("%s: CPU threads trained with %d, resumed with %d (train.threads=%d)", checkpoint, count,
-                 now, threads)
-    elif type(count) is not int and setting is not None and setting != threads:
+    if "threads" in meta:  # counted, or None: trained on a GPU, which another device's change is not said of
+        if type(count) is int and count != now:
+            log.info("%s: CPU threads trained with %d, resumed with %d (train.threads=%d)", checkpoint, count,
+                     now, threads)
+    elif setting is not None and setting != threads:  # saved before the count was recorded
         log.info("%s: trained with train.threads=%r, resumed with %r", checkpoint, setting, threads)
 
 

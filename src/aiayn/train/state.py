@@ -298,8 +298,9 @@ def save_training_checkpoint(
     with contextlib.suppress(OSError):  # where relative data paths are: `aiayn info` run elsewhere says them
         meta["workdir"] = os.getcwd()
     # process 0's CPU threads, as counted (train.threads=0 is the machine's count): another sums in another
-    # order, which --resume says (`loop._say_other_threads`)
-    meta["threads"] = torch.get_num_threads()
+    # order, which --resume says (`loop._say_other_threads`); None on a GPU, whose sums they do not make
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    meta["threads"] = torch.get_num_threads() if on_cpu else None
     if interrupted:  # saved on a signal, to resume from: `prune` lets it go once a newer one is saved
         meta["interrupted"] = True
     path = Path(run_dir) / "checkpoints" / step_dir_name(state.step)

@@ -297,11 +297,22 @@ def test_a_sigterm_while_averaging_or_decoding_is_one_line(tmp_path):
     """It exited 143 without a word; `aiayn translate` says "aiayn: stopped by SIGTERM" (same status)."""
     options = ["--data", str(dog_data(tmp_path / "data")), "--set", f"train.run_dir={tmp_path / 'run'}"]
     code = (f"import os, signal, sys; sys.path.insert(0, {str(RECIPE)!r}); import run\n"
-            "run.train = lambda config, resume=False: None\n"
+            "run.train = lambda config, resume=False: {'step': 1}\n"
             "run.average_last = lambda *args: os.kill(os.getpid(), signal.SIGTERM)\n"
             f"sys.exit(run.main({options!r}))")
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert (done.returncode, done.stderr) == (128 + signal.SIGTERM, "run.py: stopped by SIGTERM\n")
+
+
+def test_a_signal_at_the_last_update_stops_before_averaging(tmp_path, capsys, monkeypatch):
+    """Training ends as usual on a signal at its budget's last update, and says so ("signal"): the script
+    went on averaging and decoding (minutes of beam search after a scheduler's SIGTERM), then exit 0."""
+    monkeypatch.setattr(run, "train", lambda config, resume=False: {"step": 2, "signal": "SIGTERM"})
+    monkeypatch.setattr(run, "average_checked", lambda *args: pytest.fail("averaged after the signal"))
+    options = ["--data", str(dog_data(tmp_path / "data")), "--set", f"train.run_dir={tmp_path / 'run'}"]
+    assert run.main(options) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == ("run.py: stopped by SIGTERM after the training, saved; --resume averages "
+                                       "and decodes\n")
 
 
 @pytest.mark.parametrize("options", [["--partner", "train.seed=3"], ["--no-train", "--resume"]])

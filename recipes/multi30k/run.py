@@ -382,7 +382,11 @@ def run(args: argparse.Namespace) -> int:
     if args.ensemble and not args.no_train:
         train_members(args, overrides, [m.train.run_dir for m in members])
     elif not args.no_train:
-        train(config, resume=args.resume)
+        # a signal at the budget's last update ends the training as usual, saved: the averaging and the
+        # decoding after it are what must not run (they did, minutes of beam search, then exit 0)
+        if name := train(config, resume=args.resume).get("signal"):
+            raise Stopped(f"stopped by {name} after the training, saved; --resume averages and decodes",
+                          signal.Signals[name])
     if args.train_only:
         return 0
     # SIGTERM and SIGHUP stop in one line from here on, as in aiayn's commands (training handles its own)

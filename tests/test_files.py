@@ -335,6 +335,9 @@ def test_a_file_name_too_long_is_one_line_in_every_command(tmp_path, capsys):
         err = capsys.readouterr().err  # the path whose check failed (plot: the .png/meta.json it looked for)
         assert err.startswith(f"aiayn: error: {long}") and err.endswith(": file name too long\n")
         assert err.count("\n") == 1
+    split = tmp_path / ("f" * 256 + "\nb\udcff")  # its line feed split the line; its byte shown as \udcff
+    assert main(["info", str(split)]) == 2
+    assert capsys.readouterr().err == f"aiayn: error: {tmp_path}/{'f' * 256}\\nb\\xff: file name too long\n"
 
 
 def test_the_next_write_removes_a_killed_writers_leftover_beside_it(tmp_path):

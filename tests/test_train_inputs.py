@@ -2121,10 +2121,12 @@ def test_set_keeps_a_bare_value_of_a_string_key_as_written(tmp_path):
 def test_set_refuses_an_array_or_table_for_a_string_key_as_a_file_does(tmp_path, item, value):
     """Only numbers, booleans and dates are taken as written: run_dir=["a"] trained into a directory named
     ["a"], and train_src=["x","y"] was '["x","y"]: file not found', where a file's array is a type error."""
-    refused = rf"^--set {re.escape(repr(item))}: {re.escape(value)}, expected str$"
-    with pytest.raises(ConfigError, match=refused):
-        load_config(None, [item])
     section, key = item.split("=")[0].split(".")
+    quoted = f"{section}.{key}='{item.split('=', 1)[1]}'"  # how to give such a name (run_dir=[1]), said
+    refused = rf"^--set {re.escape(repr(item))}: {re.escape(value)}, expected str \(a name is a TOML string: "
+    with pytest.raises(ConfigError, match=refused + rf"{re.escape(quoted)}\)$"):
+        load_config(None, [item])
+    assert getattr(getattr(load_config(None, [quoted]), section), key) == item.split("=", 1)[1]  # as advised
     path = tmp_path / "run.toml"
     path.write_text(f"[{section}]\n{key} = {item.split('=', 1)[1]}\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:2: \[{section}\] {key} = "
@@ -2494,6 +2496,9 @@ def test_a_data_file_not_found_is_named_with_its_setting_and_where_relative_path
     found = f"data.train_src={project / 'train.de'}"
     code, err = run_cli(capsys, "train", "--config", str(toml), "--set", found, "--set", item)
     assert code == 2 and err == [f"aiayn: error: --set {item!r}: {item}: file not found"]
+    code, err = run_cli(capsys, "train", "--config", str(toml), "--set", found, "--set", "data.train_tgt=./no/")
+    assert err == [f"aiayn: error: --set 'data.train_tgt=./no/': data.train_tgt=./no/: file not found (a relative "
+                   f"path is read from the current directory, {elsewhere})"]  # as written: it said "=no"
     monkeypatch.chdir(project)
     loop._check_data_files(load_config(toml))  # from the config's directory: found
 

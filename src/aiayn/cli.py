@@ -1081,7 +1081,7 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as e:  # a path's check (exists(), is_dir()) lets ENAMETOOLONG through: a traceback
         if e.errno != errno.ENAMETOOLONG or not e.filename:
             raise
-        print(f"aiayn: error: {os.fsdecode(e.filename)}: file name too long", file=sys.stderr)
+        print(f"aiayn: error: {_one_line(os.fsdecode(e.filename))}: file name too long", file=sys.stderr)
         return 2
     return 0
 

@@ -1198,7 +1198,8 @@ def _placed_path(config: RunConfig, setting: str, path: str, problem: str) -> st
     looked = ""
     with suppress(OSError):  # a current directory deleted: the refusal without the hint
         looked = f" (a relative path is read from the current directory, {os.getcwd()})" if relative else ""
-    return f"{config.written_where(setting)}{setting}={problem}{looked}"
+    # the path as written (./nodir/ was said as nodir), then the problem
+    return f"{config.written_where(setting)}{setting}={path}{problem[len(str(Path(path))):]}{looked}"
 
 
 def _check_run_dir(run_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """recipes/multi30k/run.py: the end-to-end recipe script, at a toy size (its real run takes 82 minutes)."""
 
 import json
+import logging
 import re
 import shlex
 import signal
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "multi30k"
 sys.path.insert(0, str(RECIPE))
@@ -92,7 +94,7 @@ def test_decoding_shows_its_progress(tmp_path, monkeypatch):
 
     class Bar:
         def __init__(self, **options):
-            self.options, self.done = options, 0
+            self.options, self.done, self.disable = options, 0, False  # a terminal's: a bar shown
             bars.append(self)
 
         def __enter__(self):
@@ -184,6 +186,36 @@ def test_a_closed_terminal_stops_the_ensemble_script_as_sigterm_does(hangup_caug
     assert run.member_failure([129, 2], ["ra", "rb"]).startswith("ensemble member b (rb) failed (exit 2;")
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this system")
+def test_a_second_signal_while_the_members_stop_is_taken_as_the_first(hangup_caught):
+    """A closed terminal sends SIGHUP twice (the kernel's, the shell's): the second ran stop_all again
+    inside the first one's p.wait(), which then waited for ever on the lock the first held; and the members,
+    stopping on SIGHUP, were sent SIGTERM on top and said they were stopped by it."""
+    import os
+    import threading
+
+    def timed_out(signum, frame):
+        raise TimeoutError("wait_all hung")
+
+    saving = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); "
+              "signal.signal(signal.SIGHUP, lambda *a: (time.sleep(1.5), sys.exit(129))); time.sleep(60)")
+    members = [subprocess.Popen([sys.executable, "-c", saving]) for _ in range(2)]
+    time.sleep(1.0)  # their handlers in place
+    for delay in (0.3, 0.32):
+        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGHUP)).start()
+    before = signal.signal(signal.SIGALRM, timed_out)
+    signal.alarm(20)
+    try:
+        with pytest.raises(run.Stopped, match="SIGHUP: each member saved its update") as e:
+            run.wait_all(members, poll_s=0.05)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+        for p in members:
+            p.kill()
+    assert e.value.exit_status == 129 and [p.returncode for p in members] == [129, 129]
+
+
 def test_files_it_would_score_and_search_options_are_checked_before_training(tmp_path, capsys):
     """A missing test file, or --lenpen 20, failed after the whole training (80 minutes in the recipe)."""
     data = tmp_path / "data"
@@ -242,6 +274,22 @@ def test_a_line_too_long_for_the_model_is_named_by_file_and_line_before_any_deco
     assert re.fullmatch(rf"run.py: error: {re.escape(str(data / 'test_2016_flickr.en'))}:2: \d+ tokens "
                         r"\(with EOS\), more than the 16 positions of this model\n", err), err
     assert decoded == []  # not even val
+
+
+def test_decoding_off_a_terminal_says_its_progress(monkeypatch, caplog):
+    """Where stderr is no terminal tqdm shows no bar, and each split decoded for a minute without a word
+    (the demo's translating says its progress there; the recipe's did not)."""
+    class Translator:
+        def translate(self, texts, progress, **options):
+            for _ in texts:
+                progress(1)
+            return list(texts)
+
+    monkeypatch.setattr(run, "PROGRESS_SECONDS", 0.0)  # a line a sentence
+    with caplog.at_level(logging.INFO):
+        run.score(Translator(), Path("data/val.en"), "val", ["a"] * 3, ["a"] * 3, beam=4, lenpen=1.0)
+    said = [m for m in caplog.messages if m.startswith("translated ")]
+    assert said and said[-1].startswith("translated 3 of 3 val sentences (100%, "), caplog.messages
 
 
 def test_a_decoding_error_names_the_file_and_line():
@@ -374,6 +422,7 @@ def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, 
     ["model.activation=\"relu\""], ["model.n_heads=4"], ["model.norm_first=false"],
     ["model.n_decoder_layers=3"], ["train.keep_last=2"], ["train.valid_every=7"],
     ["train.bleu_every=5", "train.bleu_lang=de"],
+    [f"train.device={'cuda' if torch.cuda.is_available() else 'cpu'}"],  # the device "auto" takes here
 ])
 def test_a_partner_restating_the_recipe_or_changing_bookkeeping_is_refused(tmp_path, capsys, monkeypatch,
                                                                            partner):

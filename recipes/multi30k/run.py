@@ -30,12 +30,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from aiayn.checkpoint import checkpoint_tokenizer, meta_model_config, read_meta
 from aiayn.cli import Terminated, _settings_as_flags, _signals_raise, positive_int
 from aiayn.config import ConfigError, resolved_settings
-from aiayn.data.dataset import read_lines
+from aiayn.data.dataset import PROGRESS_SECONDS, read_lines
 from aiayn.decoding import DecodeConfig
 from aiayn.errors import Stopped, TextError, UserError
 from aiayn.evaluate import corpus_scores
@@ -44,7 +45,7 @@ from aiayn.train.average import average_last
 from aiayn.train.config import TOKENIZER_SETTINGS, RunConfig, finetune_model_config, load_config
 from aiayn.train.loop import train
 from aiayn.train.state import checkpoint_dirs
-from aiayn.translate import Translator
+from aiayn.translate import Translator, progress_lines
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = HERE.parent.parent / "benchmarks"
@@ -145,10 +146,12 @@ def score(translator: Translator, path: Path, split: str, sources: list[str], re
     """Translate the sources read from `path` and score them against the references."""
     start = time.monotonic()
     # a bar on stderr, as `aiayn demo` has for the same step: each split was minutes of silence
-    # disable=None: no bar where stderr is not a terminal, as training's (a log kept its carriage returns)
+    # disable=None: no bar where stderr is not a terminal, as training's (a log kept its carriage returns);
+    # there a line every PROGRESS_SECONDS, as the demo's (`2>log` had a minute of silence a split)
     with lines_of(path), tqdm(total=len(sources), desc=f"translating {split}", unit="sent", leave=False,
                               disable=None) as bar:
-        hyps = translator.translate(sources, beam=beam, lenpen=lenpen, progress=bar.update)
+        progress = progress_lines(len(sources), PROGRESS_SECONDS, split) if bar.disable else bar.update
+        hyps = translator.translate(sources, beam=beam, lenpen=lenpen, progress=progress)
     seconds = time.monotonic() - start
     scores = corpus_scores(hyps, [refs])
     return {"split": split, "decode_s": round(seconds, 1),
@@ -202,6 +205,9 @@ def trained_as(config: RunConfig, start: Path | None) -> dict[str, Any]:
     counted = config.train.patience or config.train.max_minutes
     left_out = BOOKKEEPING if counted else BOOKKEEPING + VALIDATION
     settings["train"] = {k: v for k, v in settings["train"].items() if k not in left_out}
+    if settings["train"].get("device") == "auto":  # the device it takes: `--partner train.device=cpu` on a
+        # CPU machine trained the same model twice
+        settings["train"]["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     return settings
 
 
@@ -278,24 +284,32 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
     SIGTERM (a training saves its update and stops) and are waited for, instead of training on as orphans
     after this script has exited; a signal then stops this script as `Stopped`."""
 
-    def stop_all() -> list[int]:
+    def stop_all(signum: int = signal.SIGTERM) -> list[int]:
         for p in procs:
             if p.poll() is None:
-                p.terminate()
+                # the signal stopping them (on SIGHUP they said "stopped by SIGTERM", this one's), but a Ctrl-C
+                # as SIGTERM: a second Ctrl-C interrupts a training at once, without its save
+                p.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
         return [p.wait() for p in procs]
 
     def stopped(signum: int) -> Stopped:
         """What the members did with the signal: a training saves its update and exits 130, 143 or 129
         (SIGHUP); one still preparing its data had nothing to save (it was said to have saved)."""
-        codes = stop_all()
+        codes = stop_all(signum)
         saved = all(c in (0, *(128 + s for s in handled)) for c in codes)  # 0: had finished
         what = ("each member saved its update; --resume continues" if saved else
                 f"exit codes {codes}: a member stopped before its first update had nothing to save; "
                 "--resume continues from each member's last checkpoint, or starts it again")
         return Stopped(f"stopped by {signal.Signals(signum).name}: {what}", signum)
 
+    stopping = []
+
     def on_sigterm(signum, frame):
-        raise stopped(signum)
+        # once: a second signal while the members stop (a closed terminal sends SIGHUP twice: the kernel's
+        # and the shell's) ran stop_all again inside the first's p.wait(), on the lock that one held: a hang
+        if not stopping:
+            stopping.append(signum)
+            raise stopped(signum)
 
     # a closed terminal sends SIGHUP to the members, which save, and to this script, which died without a
     # word: it now waits for them and says so, as for SIGTERM
@@ -381,12 +395,11 @@ def run(args: argparse.Namespace) -> int:
     before = [so_far(m.train.run_dir) for m in members]
     if args.ensemble and not args.no_train:
         train_members(args, overrides, [m.train.run_dir for m in members])
-    elif not args.no_train:
-        # a signal at the budget's last update ends the training as usual, saved: the averaging and the
-        # decoding after it are what must not run (they did, minutes of beam search, then exit 0)
-        if name := train(config, resume=args.resume).get("signal"):
-            raise Stopped(f"stopped by {name} after the training, saved; --resume averages and decodes",
-                          signal.Signals[name])
+    # a signal at the budget's last update ends the training as usual, saved: the averaging and the decoding
+    # after it are what must not run (they did, minutes of beam search, then exit 0)
+    elif not args.no_train and (name := train(config, resume=args.resume).get("signal")):
+        raise Stopped(f"stopped by {name} after the training, saved; --resume averages and decodes",
+                      signal.Signals[name])
     if args.train_only:
         return 0
     # SIGTERM and SIGHUP stop in one line from here on, as in aiayn's commands (training handles its own)

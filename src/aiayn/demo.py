@@ -16,8 +16,6 @@ import logging
 import math
 import os
 import signal
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,7 +176,7 @@ def run_config(config: DemoConfig, paths: dict[str, Path], run_dir: Path):
 def translate(checkpoint: Path, sources: list[str], beam: int, device: str = "cpu") -> list[str]:
     """Beam-search translations of `sources`, in order, through the library's `Translator`."""
     from aiayn.data.dataset import PROGRESS_SECONDS
-    from aiayn.translate import Translator
+    from aiayn.translate import Translator, progress_lines
 
     translator = Translator.load(checkpoint, device)
     # disable=None: no bar where stderr is not a terminal, as training's (`2>log` kept its carriage returns);
@@ -186,28 +184,12 @@ def translate(checkpoint: Path, sources: list[str], beam: int, device: str = "cp
     # the minutes of a large --test-pairs
     with tqdm(total=len(sources), desc="translating held-out sentences", unit="sent", leave=False,
               disable=None) as bar:
-        progress = progress_lines(len(sources), PROGRESS_SECONDS) if bar.disable else bar.update
+        progress = progress_lines(len(sources), PROGRESS_SECONDS, "held-out") if bar.disable else bar.update
         # early_stopping=False: this model is so sure of itself that three of the four beams are junk,
         # and fairseq's rule (stop once K hypotheses ended) ended searches on four junk hypotheses
         # before the right one, 7 tokens long, finished: 98.8% exact match instead of 100%.
         hyps = translator.hypotheses(sources, progress=progress, beam=beam, early_stopping=False)
     return [h[0].text if h else "" for h in hyps]
-
-
-def progress_lines(total: int, every: float) -> Callable[[int], None]:
-    """A `progress(n)` for `total` sentences that logs how many are translated, at most every `every` s."""
-    start = last = time.monotonic()
-    done = 0
-
-    def progress(n: int) -> None:
-        nonlocal done, last
-        done, now = done + n, time.monotonic()
-        if now - last >= every:
-            log.info("translated %d of %d held-out sentences (%.0f%%, %.0f sentences/s)", done, total,
-                     100 * done / total, done / max(now - start, 1e-9))
-            last = now
-
-    return progress
 
 
 def run_demo(config: DemoConfig) -> DemoResult:

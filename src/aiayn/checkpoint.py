@@ -246,9 +246,9 @@ def enclosing_checkpoint(path: str | Path, itself: bool = True) -> tuple[str, Pa
 
 def read_meta(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / META
-    if not path.is_file() and moved_aside(Path(directory)) is not None:
-        raise UserError(f"{directory}: {not_found(Path(directory))}")
     if not path.is_file():
+        if moved_aside(Path(directory)) is not None:
+            raise UserError(f"{directory}: {not_found(Path(directory))}")
         # here only: the training package imports this one
         from aiayn.train.state import checkpoint_dirs, run_of_checkpoints_folder, runs_meant
 

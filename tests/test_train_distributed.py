@@ -285,13 +285,16 @@ def test_a_gpu_only_a_later_process_lacks_is_said_by_it(monkeypatch):
     assert not isinstance(e.value, ConfigError)  # which the command line leaves to process 0
 
 
-@pytest.mark.parametrize("rank, said", [("0", True), ("1", False)])
-def test_a_config_file_every_process_reads_is_said_once(tmp_path, monkeypatch, capsys, rank, said):
+@pytest.mark.parametrize("rank, local_rank, said", [("0", "0", True), ("1", "1", False), ("1", "0", True)])
+def test_a_config_file_every_process_reads_is_said_once_a_machine(tmp_path, monkeypatch, capsys, rank,
+                                                                  local_rank, said):
     """A config file missing or not valid TOML, read alike by every process of a torchrun job, was said by
-    each; so was a BLEU tokenizer whose packages are missing."""
+    each; so was a BLEU tokenizer whose packages are missing. Then by process 0 alone: a second machine's
+    own missing file (process 1 there, LOCAL_RANK 0) was said nowhere, its torchrun showing its processes'
+    output alone."""
     from aiayn import cli
 
-    in_job(monkeypatch, rank)
+    in_job(monkeypatch, rank, local_rank)
     assert cli.main(["train", "--config", str(tmp_path / "nofile.toml")]) == 2
     assert ("nofile.toml: config file not found" in capsys.readouterr().err) == said
     monkeypatch.setattr("aiayn.evaluate.bleu_metrics", lambda lang: (_ for _ in ()).throw(
@@ -299,6 +302,36 @@ def test_a_config_file_every_process_reads_is_said_once(tmp_path, monkeypatch, c
     _, sets = tiny_config(tmp_path, tmp_path / "run", "train.bleu_every=2", "train.bleu_lang=ja")
     assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
     assert ("ja tokenizer needs packages missing here" in capsys.readouterr().err) == said
+
+
+BLEU_MISSING_ON_RANK_1 = """
+import os, sys
+if os.environ["RANK"] == "1":  # this process's machine lacks a package sacreBLEU's tokenizer needs
+    import aiayn.evaluate
+    from aiayn.errors import UserError
+    def bleu_metrics(lang):
+        raise UserError(f"train.bleu_lang={lang!r} needs a package missing on this machine")
+    aiayn.evaluate.bleu_metrics = bleu_metrics
+from aiayn.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # three fresh Pythons importing torch
+def test_bleu_packages_missing_on_one_process_alone_are_said(tmp_path):
+    """Each process checks sacreBLEU's tokenizer; its refusal was taken as the same on every process and
+    left to process 0, which met none: MeCab missing on another machine (for bleu_lang ja) was never said,
+    process 0 saying only that another process had stopped."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2", "train.bleu_every=2",
+                          "train.bleu_lang=de")  # (ja needs MeCab, which this machine may lack too)
+    script = tmp_path / "bleu_missing.py"
+    script.write_text(BLEU_MISSING_ON_RANK_1, encoding="utf-8")
+    proc = torchrun_train(sets, script=script)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("aiayn: error:")]
+    assert errors == ["aiayn: error: process 1: train.bleu_lang='de' needs a package missing on this "
+                      "machine"], proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_rank_outside_a_torchrun_job_silences_nothing(tmp_path, monkeypatch, capsys):

@@ -2355,10 +2355,11 @@ def test_a_logits_bias_that_training_would_never_change_is_refused():
 @pytest.mark.parametrize("rank, failures, raised", [
     (0, ["damaged", "damaged"], ("CorruptFile", "damaged")),  # process 0 prints its own
     (1, ["damaged", "damaged"], ("SameOnEveryProcess", "damaged")),  # the others stay quiet
-    (1, ["damaged", None], ("SameOnEveryProcess", "damaged")),
+    # named: another machine's first process says it too, where it did not fail
+    (1, ["damaged", None], ("SameOnEveryProcess", "process 0: damaged")),
     (1, ["damaged", "other"], ("CorruptFile", "other")),  # a failure of its own: printed
     (0, [None, "unreadable here"], ("UserError", "process 1: unreadable here")),  # named by process 0
-    (1, [None, "unreadable here"], ("SameOnEveryProcess", "unreadable here")),
+    (1, [None, "unreadable here"], ("SameOnEveryProcess", "process 1: unreadable here")),  # and the others
 ])
 def test_a_checkpoint_every_process_reads_fails_with_one_line_for_all(monkeypatch, rank, failures, raised):
     """A damaged checkpoint to resume from was one line per process under torchrun (16 on two machines of

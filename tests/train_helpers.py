@@ -53,17 +53,23 @@ def tiny_config(data_dir: Path, run_dir: Path, *extra: str):
     return load_config(None, sets + list(extra)), sets + list(extra)
 
 
-def in_job(monkeypatch, rank: str) -> None:
-    """The environment torchrun gives process `rank` of 2, and a `setup` that checks and chooses the device
-    as there but joins no job (it would wait for the other process)."""
-    alone = distributed.setup
+def in_job(monkeypatch, rank: str, local_rank: str | None = None) -> None:
+    """The environment torchrun gives process `rank` of 2 (on one machine, or with `local_rank` "0" the first
+    of a second machine), and a `setup` that checks and chooses the device as there but joins no job (it
+    would wait for the other process): a gather then finds the other process holding what this one does."""
+    alone, local_rank = distributed.setup, rank if local_rank is None else local_rank
 
     def setup(*args):
         with pytest.MonkeyPatch.context() as m:
-            m.delenv("RANK", raising=False)  # raising=False: in_job twice wraps this setup in another
-            m.delenv("WORLD_SIZE", raising=False)
-            return replace(alone(*args), rank=int(rank), world_size=2)
+            for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # raising=False: in_job twice wraps this setup
+                m.delenv(name, raising=False)  # in another
+            return replace(alone(*args), rank=int(rank), world_size=2, local_rank=int(local_rank))
 
-    for name, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
+    def gather_alike(gathered: list, mine: object, group: object = None) -> None:
+        gathered[:] = [mine] * len(gathered)
+
+    for name, value in (("RANK", rank), ("LOCAL_RANK", local_rank),
+                        ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(distributed, "setup", setup)
+    monkeypatch.setattr(distributed.dist, "all_gather_object", gather_alike)

@@ -156,7 +156,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     _log_to_stderr(rank)
     try:
         config = load_config(args.config, args.set)
-    except UserError as e:  # read alike by every process of a torchrun job: said once (it was said by each)
+    except UserError as e:  # read alike by every process of a machine: said once there (it was said by each)
         raise SameOnEveryProcess(str(e)) from None
     if args.config is None and not (config.data.train_src and config.data.train_tgt):
         # train's own refusal names the settings alone: `aiayn train` with no arguments never said --config
@@ -1043,6 +1043,9 @@ def _run(args: argparse.Namespace) -> int:
     # Each command warns of CRs inside lines once a file, as in a process of its own; a dataset module not
     # loaded has warned of nothing (importing it would load torch)
     later = bool(_job_rank(getattr(args, "command", None)))  # a torchrun job's process other than 0
+    # other than its machine's first (LOCAL_RANK 0; _job_rank read it): each machine's torchrun shows its own
+    # processes' output alone, so another machine's missing config file went unsaid when process 0 alone spoke
+    later_on_machine = later and int(os.environ.get("LOCAL_RANK") or 0) != 0
     if dataset := sys.modules.get("aiayn.data.dataset"):
         dataset.forget_cr_warnings()
     try:
@@ -1055,10 +1058,11 @@ def _run(args: argparse.Namespace) -> int:
             sys.stdout.flush()  # a full disk shows here, while the error can still be one line
     except (UserError, ConfigError) as e:
         repeated = False
-        if later:  # (torch is loaded: the import is free)
+        if later_on_machine:  # (torch is loaded: the import is free)
             from aiayn.train.distributed import FailedOnMain, SameOnEveryProcess
 
-            # process 0 prints these: one line, not one per process (a configuration is the same on each)
+            # each machine's first process prints these: one line a machine, not one a process (a
+            # configuration is read alike by the processes of a machine)
             repeated = isinstance(e, (FailedOnMain, SameOnEveryProcess, ConfigError))
         if not repeated:
             print(f"aiayn: error: {_one_line(str(e))}", file=sys.stderr)

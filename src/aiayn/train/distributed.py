@@ -163,14 +163,15 @@ def peer_lost(e: BaseException, d: Dist) -> UserError | None:
 
 
 class SameOnEveryProcess(UserError):
-    """A refusal that every process reaches from the same inputs (a resumed run's settings against its
-    checkpoint): process 0 prints it, the command line on the others does not. Also a lost process as a
-    machine's later processes find it (`peer_lost`): its first says it."""
+    """A refusal that every process of a machine reaches from the same inputs (a resumed run's settings
+    against its checkpoint, the machine's config file): the command line prints it on each machine's first
+    process (LOCAL_RANK 0) alone, one line a machine, since each machine's torchrun shows its own processes'
+    output. Also a lost process as a machine's later processes find it (`peer_lost`)."""
 
 
 class FailedOnMain(UserError):
-    """Process 0's failure in `on_main`, raised on the other processes; process 0 reports it itself,
-    so the command line prints it there only."""
+    """Process 0's failure in `on_main`, raised on the other processes; process 0 reports it itself, and
+    the command line prints it on each other machine's first process alone (see `SameOnEveryProcess`)."""
 
 
 def on_main(d: Dist, work: Callable[[], T], long: bool = False) -> T:
@@ -200,9 +201,9 @@ def on_main(d: Dist, work: Callable[[], T], long: bool = False) -> T:
 
 def on_every(d: Dist, work: Callable[[], T]) -> T:
     """Run `work` on every process (reading the same files: a resumed checkpoint); if it fails anywhere,
-    every process fails, and the command line prints the error once: process 0's, or that of the first
-    process that failed alone, named. A damaged checkpoint was one line per process, 16 on two machines
-    of eight GPUs."""
+    every process fails, and the command line prints the error once a machine: process 0's, or that of the
+    first process that failed alone, named. A damaged checkpoint was one line per process, 16 on two
+    machines of eight GPUs."""
     failure, error = None, None
     try:
         result = work()
@@ -213,13 +214,13 @@ def on_every(d: Dist, work: Callable[[], T]) -> T:
         failures = [None] * d.world_size
         dist.all_gather_object(failures, failure, group=d.host_group)
     if failures[0] is not None:  # process 0 prints its own; the others, where theirs is the same, not
-        if d.is_main or failure != failures[0]:
-            raise error if error is not None else SameOnEveryProcess(failures[0])
+        if d.is_main or failure != failures[0]:  # (another machine, where it did not fail, names process 0)
+            raise error if error is not None else SameOnEveryProcess(f"process 0: {failures[0]}")
         raise SameOnEveryProcess(failure)
     if (rank := next((r for r, f in enumerate(failures) if f is not None), None)) is not None:
         if d.is_main:
             raise UserError(f"process {rank}: {failures[rank]}")
-        raise SameOnEveryProcess(failures[rank])  # process 0 names it
+        raise SameOnEveryProcess(f"process {rank}: {failures[rank]}")  # named, on every machine that says it
     return result
 
 

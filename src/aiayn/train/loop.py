@@ -175,10 +175,9 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     if config.data.valid_src and config.train.bleu_every:  # ja and ko need MeCab: say so now, not after
         from aiayn.evaluate import bleu_metrics  # the tokenizer's training and the encoding
 
-        try:
-            bleu_metrics(config.train.bleu_lang)
-        except UserError as e:  # the same packages missing on every process: said once
-            raise SameOnEveryProcess(str(e)) from None
+        # on every process, said once: process 0's failure, or another's named (packages are a machine's,
+        # and MeCab missing on a second machine alone was taken as the same everywhere and never said)
+        distributed.on_every(d, lambda: bleu_metrics(config.train.bleu_lang))
     run_dir = Path(config.train.run_dir)
     made = not os.path.lexists(run_dir)  # by this run, below (process 0's view: the one that holds the lock)
 

@@ -1,9 +1,13 @@
 """The same command under torchrun: 2 gloo processes end where 1 process over the same global batches ends."""
 
+import datetime
+import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -255,6 +259,16 @@ def test_torchrun_variables_that_are_not_torchruns_are_one_line(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "abc")
     with pytest.raises(ConfigError, match="environment variable WORLD_SIZE='abc' is not a whole number"):
         distributed.setup("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # a ValueError traceback without the port
+    with pytest.raises(ConfigError, match="^MASTER_ADDR is set, but MASTER_PORT is not: start many processes "
+                                          "with torchrun, or unset WORLD_SIZE for one$"):
+        distributed.setup("cpu")
+    monkeypatch.setenv("MASTER_PORT", "70000")
+    with pytest.raises(ConfigError, match="^MASTER_ADDR is set, but MASTER_PORT=70000 is no port: "):
+        distributed.setup("cpu")
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("MASTER_PORT")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "")  # set but empty: the default, as when unset
     assert distributed.setup("cpu").world_size == 1
@@ -332,6 +346,94 @@ def test_bleu_packages_missing_on_one_process_alone_are_said(tmp_path):
     assert errors == ["aiayn: error: process 1: train.bleu_lang='de' needs a package missing on this "
                       "machine"], proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_job_whose_other_processes_never_join_is_said_and_given_up(tmp_path, monkeypatch, capsys, caplog):
+    """A WORLD_SIZE, RANK and MASTER_ADDR left in the environment (or another machine's process failing
+    before it joined) left process 0 in init_process_group, silent for the group's 30 minutes, then a
+    40-line DistStoreError traceback: now a line after JOIN_NOTICE_S, and after JOIN_TIMEOUT one error
+    naming the address and who came. A process other than 0 waited as long to reach a store nobody served."""
+    from aiayn import cli
+    from aiayn.train import distributed
+
+    monkeypatch.setattr(distributed, "JOIN_TIMEOUT", datetime.timedelta(seconds=1.5))  # 5 minutes in a job
+    monkeypatch.setattr(distributed, "JOIN_NOTICE_S", 0.5)
+    monkeypatch.setattr(distributed, "GROUP_TIMEOUT", datetime.timedelta(seconds=2))  # which bounded it
+    port = free_port()
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not started by torchrun
+    _, sets = tiny_config(tmp_path, tmp_path / "run")
+    with caplog.at_level(logging.WARNING, "aiayn"):
+        assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert capsys.readouterr().err == (
+        f"aiayn: error: process 0: 1 of the job's 2 processes joined at 127.0.0.1:{port} within 1.5 s; the "
+        "others did not start, or failed before joining (each machine's torchrun log says why); torchrun did "
+        "not start this process: to train in one, unset WORLD_SIZE, RANK and MASTER_ADDR\n")
+    assert f"waiting for the job's other processes at 127.0.0.1:{port}: 1 of 2 joined" in caplog.text
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # not its machine's first: the error is its own, said all the same
+    assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert capsys.readouterr().err.startswith(f"aiayn: error: process 1: cannot reach the job's store at "
+                                              f"127.0.0.1:{port} (")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serving(port: int, seconds: float = 120) -> None:
+    """Wait until something listens on `port` of this machine."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+SHORT_JOIN = """
+import datetime, sys
+import aiayn.train.distributed as distributed
+distributed.JOIN_TIMEOUT = datetime.timedelta(seconds=8)  # 5 minutes in a real job
+distributed.JOIN_NOTICE_S = 2
+from aiayn.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # two launchers, two fresh Pythons importing torch, and an 8 s wait
+def test_a_machine_that_fails_before_joining_is_said_on_both_machines(tmp_path):
+    """Two machines (two torchruns meeting through c10d, here on one), the second with no config file: its
+    error went unsaid, its one process not being process 0, and the first waited in init_process_group
+    for the group's 30 minutes, then printed a 40-line DistStoreError."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
+    script = tmp_path / "short_join.py"
+    script.write_text(SHORT_JOIN, encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    port = free_port()
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", "two"]
+    first = subprocess.Popen([*launch, str(script), "train", *[a for s in sets for a in ("--set", s)]],
+                             env=env, stderr=subprocess.PIPE, text=True)
+    serving(port)  # the first machine's launcher holds the rendezvous, as HOST0's does: torchrun's own
+    # traceback where the launcher holding it is the one that exits
+    second = subprocess.Popen([*launch, str(script), "train", "--config", str(tmp_path / "nofile.toml")],
+                              env=env, stderr=subprocess.PIPE, text=True)
+    said = [proc.communicate(timeout=300)[1] for proc in (first, second)]
+    assert first.returncode != 0 and second.returncode != 0
+    errors = [[line for line in err.splitlines() if line.startswith("aiayn: error:")] for err in said]
+    assert errors[1] == [f"aiayn: error: {tmp_path / 'nofile.toml'}: config file not found"], said[1][-3000:]
+    assert len(errors[0]) == 1 and errors[0][0].startswith(
+        "aiayn: error: process 0: 1 of the job's 2 processes joined at "), said[0][-3000:]
+    assert "within 8 s; the others did not start, or failed before joining" in errors[0][0]
+    assert "[rank 0] waiting for the job's other processes at " in said[0]
+    assert "Traceback" not in said[0].split("aiayn: error:")[0]  # torch's, before torchrun's own
 
 
 def test_a_rank_outside_a_torchrun_job_silences_nothing(tmp_path, monkeypatch, capsys):

@@ -13,8 +13,10 @@ waits for the update's queued work, so the host could not prepare the next batch
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from aiayn.errors import UserError
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 # How long a process waits in a collective before it takes the others as stuck, and gives up.
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 # How long the others wait for process 0's data preparation (`on_main(..., long=True)`): the tokenizer's
@@ -38,6 +42,13 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 # connection), so only a process 0 stuck for a day is waited for that long. Its other work (a checkpoint's
 # save) keeps GROUP_TIMEOUT: a stalled disk stops the job.
 MAIN_WORK_TIMEOUT = datetime.timedelta(hours=24)
+# How long a process waits for the job's others to join (`_join`): to start, read their configuration and
+# reach `setup`. torchrun starts a machine's processes once every machine's launcher has met the others, so
+# this is their start-up: seconds, a minute or two for a cold import of torch from a network filesystem. A
+# process that failed before joining (a missing --config on another machine) or a WORLD_SIZE left in the
+# environment never comes, and the wait was GROUP_TIMEOUT's, silent, then a 40-line DistStoreError.
+JOIN_TIMEOUT = datetime.timedelta(minutes=5)
+JOIN_NOTICE_S = 20.0  # seconds of waiting to join before a machine's first process says so
 
 
 @dataclass(frozen=True)
@@ -85,11 +96,78 @@ def setup(device: str = "auto", written: str | None = None) -> Dist:
     host_group = main_group = None
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend, timeout=GROUP_TIMEOUT)
+        _join(backend, rank, world_size, local_rank)
         if backend == "nccl":  # every process calls new_group, as it must
             host_group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
         main_group = dist.new_group(backend="gloo", timeout=MAIN_WORK_TIMEOUT)
     return Dist(rank, world_size, local_rank, dev, host_group, main_group)
+
+
+def _join(backend: str, rank: int, world_size: int, local_rank: int) -> None:
+    """init_process_group once every process of the job has come, counted on the job's store: a wait is
+    said after JOIN_NOTICE_S, and given up after JOIN_TIMEOUT in one line naming what it waited for."""
+    start = time.monotonic()
+    store, address = _store(rank, world_size, local_rank)
+    # torchrun's launcher keeps its store across restarts (--max-restarts): each counts anew
+    key = f"aiayn/joined/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    joined, said = store.add(key, 1), False
+    while joined < world_size:
+        waited = time.monotonic() - start
+        if waited >= JOIN_TIMEOUT.total_seconds():
+            lost = SameOnEveryProcess if local_rank else UserError  # said once a machine, as peer_lost's
+            raise lost(f"process {rank}: {joined} of the job's {world_size} processes joined at {address} "
+                       f"within {_duration(JOIN_TIMEOUT.total_seconds())}; the others did not start, or "
+                       f"failed before joining (each machine's torchrun log says why){_outside_torchrun()}")
+        if waited >= JOIN_NOTICE_S and not said and not local_rank:
+            log.warning("waiting for the job's other processes at %s: %d of %d joined (waiting up to %s)",
+                        address, joined, world_size, _duration(JOIN_TIMEOUT.total_seconds()))
+            said = True
+        time.sleep(0.1)
+        joined = store.add(key, 0)
+    store.set_timeout(GROUP_TIMEOUT)  # for the groups' own exchanges over it, as init_process_group sets it
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
+
+
+def _store(rank: int, world_size: int, local_rank: int) -> tuple[Any, str]:
+    """The job's store and its address: torchrun's launcher serves one, else process 0 does, as torch's
+    env:// rendezvous makes them, but without its server's wait in C++ for the others (`_join` waits)."""
+    host, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
+    if not 0 < port < 65536:  # torch's ValueError traceback
+        given = os.environ.get("MASTER_PORT", "").strip()
+        wrong = f"MASTER_PORT={port} is no port" if given else "MASTER_PORT is not"
+        raise ConfigError(f"MASTER_ADDR is set, but {wrong}: start many processes with torchrun, or unset "
+                          "WORLD_SIZE for one")
+    address = f"{host}:{port}"
+    serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    # a client waits in C++ for the server to listen (a process 0 started by hand, later): said meanwhile
+    notice = threading.Timer(JOIN_NOTICE_S, log.warning, ("waiting for the job's process 0 at %s", address))
+    notice.daemon = True
+    if not serve and not local_rank:
+        notice.start()
+    try:
+        return dist.TCPStore(host, port, world_size, serve, timeout=JOIN_TIMEOUT, wait_for_workers=False,
+                             multi_tenant=True), address
+    except dist.DistError as e:  # a port in use; no process 0 there
+        line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        role = "serve" if serve else "reach"
+        raise UserError(f"process {rank}: cannot {role} the job's store at {address} ({line})"
+                        f"{_outside_torchrun()}") from None
+    finally:
+        notice.cancel()
+
+
+def _outside_torchrun() -> str:
+    """A hint where no torchrun started this process: its WORLD_SIZE may be left in the environment."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return ""
+    return "; torchrun did not start this process: to train in one, unset WORLD_SIZE, RANK and MASTER_ADDR"
+
+
+def _duration(seconds: float) -> str:
+    """`seconds` as a message says them: "8 s", "30 minutes", "24 hours"."""
+    if seconds >= 7200:
+        return f"{seconds / 3600:g} hours"
+    return f"{seconds:g} s" if seconds < 60 else f"{seconds / 60:g} minutes"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -149,9 +227,7 @@ def peer_lost(e: BaseException, d: Dist) -> UserError | None:
         return None
     line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
     if waited := _TIMED_OUT.search(str(e)):  # gloo's timeout runs through gloo/transport too: nobody stopped
-        seconds = int(waited[1]) / 1000
-        within = f"{seconds:g} s" if seconds < 60 else f"{seconds / 60:g} minutes"
-        within = f"{seconds / 3600:g} hours" if seconds >= 7200 else within
+        within = _duration(int(waited[1]) / 1000)
         return UserError(f"process {d.rank}: the other processes did not answer within {within} ({line}); "
                          "one of them is stuck or far slower, and --resume continues from the last "
                          "checkpoint")

@@ -436,6 +436,72 @@ def test_a_machine_that_fails_before_joining_is_said_on_both_machines(tmp_path):
     assert "Traceback" not in said[0].split("aiayn: error:")[0]  # torch's, before torchrun's own
 
 
+def test_processes_given_different_settings_are_refused_naming_them(tmp_path, monkeypatch, capsys):
+    """Each machine reads its own config file and command line, and nothing compared them: one machine's
+    train.lr_scale trained replicas that drifted apart (exit 0), its valid_every aborted in gloo, its
+    max_updates left the others waiting, its run_dir read another tokenizer. The data files' paths may
+    differ (process 0 alone reads them), not whether a validation set is given."""
+    from aiayn import cli
+    from aiayn.train import distributed
+    from aiayn.train.loop import _shared_settings
+
+    def job_with(*other: str, host: str = "vm0") -> int:  # process 1 of 2 was given `other` settings
+        theirs, _ = tiny_config(tmp_path / "theirs", tmp_path / "run", *other)
+
+        def gather(gathered: list, mine: tuple, group: object = None) -> None:
+            gathered[:] = [mine, (_shared_settings(theirs), host)]
+
+        monkeypatch.setattr(distributed.dist, "all_gather_object", gather)
+        return cli.main(["train", *[a for s in sets for a in ("--set", s)]])
+
+    (tmp_path / "theirs").mkdir()
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
+    fix = ("give every machine the same --config file and --set items (the data files' paths alone may "
+           "differ: process 0 alone reads them)")
+    for rank, said in (("0", True), ("1", False)):
+        in_job(monkeypatch, rank)
+        monkeypatch.setattr("socket.gethostname", lambda: "vm0")
+        assert job_with("train.max_updates=1", "train.lr_scale=2.0", host="vm1") == 2
+        assert capsys.readouterr().err == ("aiayn: error: the job's processes were given different settings: "
+                                           "train.lr_scale=1.0 in process 0, 2.0 in process 1 on vm1; "
+                                           f"{fix}\n" if said else "")
+    in_job(monkeypatch, "0")
+    assert job_with("train.max_updates=1", "data.valid_src=", "data.valid_tgt=", "model.dropout=0.2") == 2
+    assert capsys.readouterr().err == (
+        "aiayn: error: the job's processes were given different settings: model.dropout=0.1 in process 0, "
+        "0.2 in process 1; data.valid_src=(a file) in process 0, '' in process 1; data.valid_tgt=(a file) in "
+        f"process 0, '' in process 1; {fix}\n")
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    here, _ = tiny_config(tmp_path, tmp_path / "run")
+    elsewhere, _ = tiny_config(tmp_path / "theirs", tmp_path / "run")  # another copy of the corpus
+    assert here.data != elsewhere.data and _shared_settings(here) == _shared_settings(elsewhere)
+
+
+OTHER_SETTING_ON_RANK_1 = """
+import os, sys
+if os.environ["RANK"] == "1":  # this process's machine was given another --set
+    sys.argv += ["--set", "train.lr_scale=2.0"]
+from aiayn.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # three fresh Pythons importing torch
+def test_a_setting_given_to_one_process_alone_is_refused_once(tmp_path):
+    """Process 1's train.lr_scale=2.0 trained to the end (exit 0), its replica apart from process 0's."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
+    script = tmp_path / "other_setting.py"
+    script.write_text(OTHER_SETTING_ON_RANK_1, encoding="utf-8")
+    proc = torchrun_train(sets, script=script)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("aiayn: error:")]
+    assert errors == ["aiayn: error: the job's processes were given different settings: train.lr_scale=1.0 "
+                      "in process 0, 2.0 in process 1; give every machine the same --config file and --set "
+                      "items (the data files' paths alone may differ: process 0 alone reads them)"], \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_rank_outside_a_torchrun_job_silences_nothing(tmp_path, monkeypatch, capsys):
     """A RANK left in the environment made every command take itself for a torchrun job's process 1 and
     leave its errors to a process 0 that did not exist: exit 2 and no line, for train and translate alike."""

@@ -16,6 +16,7 @@ import datetime
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -298,6 +299,30 @@ def on_every(d: Dist, work: Callable[[], T]) -> T:
             raise UserError(f"process {rank}: {failures[rank]}")
         raise SameOnEveryProcess(f"process {rank}: {failures[rank]}")  # named, on every machine that says it
     return result
+
+
+def check_same(d: Dist, settings: dict[str, str], fix: str) -> None:
+    """Refuse, on every process, a job whose processes hold other `settings` (name -> value as a message
+    shows it): one line naming each that differs, with process 0's value and the first other, by process
+    and, where the job spans machines, by machine; `fix` ends it. Every process gathers the same, so the
+    command line says it once a machine."""
+    if not d.enabled:
+        return
+    gathered: list = [None] * d.world_size
+    dist.all_gather_object(gathered, (settings, socket.gethostname()), group=d.host_group)
+    several = len({host for _, host in gathered}) > 1
+    differ = []
+    for name in dict.fromkeys(name for held, _ in gathered for name in held):  # each once, in order
+        values = [held.get(name, "unset") for held, _ in gathered]
+        others = [rank for rank, value in enumerate(values) if value != values[0]]
+        if others:
+            rank, more = others[0], len(others) - 1
+            where = f"process {rank}{f' on {gathered[rank][1]}' if several else ''}"
+            differ.append(f"{name}={values[0]} in process 0, {values[rank]} in {where}"
+                          + (f" (and {more} more)" if more else ""))
+    if differ:
+        said = SameOnEveryProcess if d.rank else UserError
+        raise said(f"the job's processes were given different settings: {'; '.join(differ)}; {fix}")
 
 
 def all_reduce_sum(values: list[float], d: Dist) -> list[float]:

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -156,6 +156,10 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
 
 
 def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
+    # each machine reads its own config file and command line: one machine's train.lr_scale trained replicas
+    # that drifted apart unsaid, its valid_every aborted in gloo, its max_updates left the others waiting
+    distributed.check_same(d, _shared_settings(config), "give every machine the same --config file and "
+                           "--set items (the data files' paths alone may differ: process 0 alone reads them)")
     # settings refused on this machine, named where they were written as load_config's refusals are
     if config.train.precision == "fp16" and d.device.type != "cuda":
         raise config.refusal("train.precision", "fp16",
@@ -202,6 +206,29 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     finally:
         lock.release()
     return result
+
+
+def _shared_settings(config: RunConfig) -> dict[str, str]:
+    """The settings every process of a job must share, as a refusal shows them: aiayn's version, [model]
+    as written, and [data] and [train] (train.threads too: a norm summed in another order moves a replica
+    apart; run_dir as written, each machine's working directory unknown), but the data files' paths, which
+    process 0 alone reads (the others train on its encoding: each machine may keep its copy elsewhere),
+    compared by whether they are given (the others' validation follows process 0's)."""
+    from aiayn import __version__
+
+    shown = {"aiayn.__version__": repr(__version__)}
+    shown |= {f"model.{key}": _shown(value) for key, value in config.model.items()}
+    for section in ("data", "train"):
+        for key, value in asdict(getattr(config, section)).items():
+            name = f"{section}.{key}"
+            given = name in ("data.train_src", "data.train_tgt", "data.valid_src", "data.valid_tgt")
+            shown[name] = ("(a file)" if value else "''") if given else _shown(value)
+    return shown
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as TOML writes it: true, 0.5, 'runs/x'."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _remove_leftovers(run_dir: Path) -> None:

@@ -343,8 +343,8 @@ def test_bleu_packages_missing_on_one_process_alone_are_said(tmp_path):
     proc = torchrun_train(sets, script=script)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("aiayn: error:")]
-    assert errors == ["aiayn: error: process 1: train.bleu_lang='de' needs a package missing on this "
-                      "machine"], proc.stderr[-3000:]
+    refusal = "aiayn: error: process 1: train.bleu_lang='de' needs a package missing on this machine"
+    assert errors == [refusal], proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()
 
 
@@ -495,10 +495,10 @@ def test_a_setting_given_to_one_process_alone_is_refused_once(tmp_path):
     proc = torchrun_train(sets, script=script)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("aiayn: error:")]
-    assert errors == ["aiayn: error: the job's processes were given different settings: train.lr_scale=1.0 "
-                      "in process 0, 2.0 in process 1; give every machine the same --config file and --set "
-                      "items (the data files' paths alone may differ: process 0 alone reads them)"], \
-        proc.stderr[-3000:]
+    refusal = ("aiayn: error: the job's processes were given different settings: train.lr_scale=1.0 in "
+               "process 0, 2.0 in process 1; give every machine the same --config file and --set items (the "
+               "data files' paths alone may differ: process 0 alone reads them)")
+    assert errors == [refusal], proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()
 
 

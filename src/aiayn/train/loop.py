@@ -213,7 +213,8 @@ def _shared_settings(config: RunConfig) -> dict[str, str]:
     as written, and [data] and [train] (train.threads too: a norm summed in another order moves a replica
     apart; run_dir as written, each machine's working directory unknown), but the data files' paths, which
     process 0 alone reads (the others train on its encoding: each machine may keep its copy elsewhere),
-    compared by whether they are given (the others' validation follows process 0's)."""
+    compared by whether they are given (a validation set given to some processes alone left the others
+    in other collectives)."""
     from aiayn import __version__
 
     shown = {"aiayn.__version__": repr(__version__)}

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -186,34 +187,58 @@ def test_a_closed_terminal_stops_the_ensemble_script_as_sigterm_does(hangup_caug
     assert run.member_failure([129, 2], ["ra", "rb"]).startswith("ensemble member b (rb) failed (exit 2;")
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this system")
-def test_a_second_signal_while_the_members_stop_is_taken_as_the_first(hangup_caught):
-    """A closed terminal sends SIGHUP twice (the kernel's, the shell's): the second ran stop_all again
-    inside the first one's p.wait(), which then waited for ever on the lock the first held; and the members,
-    stopping on SIGHUP, were sent SIGTERM on top and said they were stopped by it."""
-    import os
-    import threading
+def members_that_signal_back(codes: list[int | None]) -> list[subprocess.Popen]:
+    """Members whose SIGTERM or SIGHUP handler sends that signal to their parent, the test, (a second
+    signal, certain to come while the parent waits for them to stop), then exit 128 + it after 1 s; a code
+    exits at once with it (a member that failed). Started when their handlers are in place."""
+    back = ("import os, signal, sys, time\n"
+            "def stop(signum, frame):\n"
+            "    os.kill(os.getppid(), signum)\n"
+            "    time.sleep(1.0)\n"
+            "    sys.exit(128 + signum)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            "signal.signal(signal.SIGHUP, stop)\n"
+            "print('ready', flush=True)\n"
+            "sys.exit(int(sys.argv[1])) if len(sys.argv) > 1 else time.sleep(60)\n")
+    members = [subprocess.Popen([sys.executable, "-c", back, *([] if c is None else [str(c)])],
+                                stdout=subprocess.PIPE, text=True) for c in codes]
+    for p in members:
+        assert p.stdout.readline() == "ready\n"
+    return members
 
+
+@contextmanager
+def watchdog(seconds: int):
+    """A hang as a TimeoutError, not a test session waiting for ever."""
     def timed_out(signum, frame):
         raise TimeoutError("wait_all hung")
 
-    saving = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); "
-              "signal.signal(signal.SIGHUP, lambda *a: (time.sleep(1.5), sys.exit(129))); time.sleep(60)")
-    members = [subprocess.Popen([sys.executable, "-c", saving]) for _ in range(2)]
-    time.sleep(1.0)  # their handlers in place
-    for delay in (0.3, 0.32):
-        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGHUP)).start()
     before = signal.signal(signal.SIGALRM, timed_out)
-    signal.alarm(20)
+    signal.alarm(seconds)
     try:
-        with pytest.raises(run.Stopped, match="SIGHUP: each member saved its update") as e:
-            run.wait_all(members, poll_s=0.05)
+        yield
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, before)
-        for p in members:
-            p.kill()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this system")
+def test_a_second_signal_while_the_members_stop_is_taken_as_the_first(hangup_caught):
+    """A closed terminal sends SIGHUP twice (the kernel's, the shell's): the second ran stop_all again
+    inside the first one's p.wait(), which then waited for ever on the lock the first held; so did a signal
+    while a failed member's partner stopped. The members, stopping on SIGHUP, were sent SIGTERM on top and
+    said they were stopped by it."""
+    import os
+    import threading
+
+    members = members_that_signal_back([None, None])
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGHUP)).start()
+    with watchdog(20), pytest.raises(run.Stopped, match="SIGHUP: each member saved its update") as e:
+        run.wait_all(members, poll_s=0.05)
     assert e.value.exit_status == 129 and [p.returncode for p in members] == [129, 129]
+    members = members_that_signal_back([1, None])  # the first failed: its partner is stopped, and signals
+    with watchdog(20):
+        assert run.wait_all(members, poll_s=0.05) == [1, 143]
 
 
 def test_files_it_would_score_and_search_options_are_checked_before_training(tmp_path, capsys):

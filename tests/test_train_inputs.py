@@ -2127,6 +2127,9 @@ def test_set_refuses_an_array_or_table_for_a_string_key_as_a_file_does(tmp_path,
     with pytest.raises(ConfigError, match=refused + rf"{re.escape(quoted)}\)$"):
         load_config(None, [item])
     assert getattr(getattr(load_config(None, [quoted]), section), key) == item.split("=", 1)[1]  # as advised
+    with pytest.raises(ConfigError, match=r"^--set 'model.d_model=\[512\]': \[512\] is a list, expected "
+                                          r"int$"):  # no name: a string is advised for strings alone
+        load_config(None, ["model.d_model=[512]"])
     path = tmp_path / "run.toml"
     path.write_text(f"[{section}]\n{key} = {item.split('=', 1)[1]}\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:2: \[{section}\] {key} = "

@@ -280,9 +280,10 @@ def member_failure(codes: list[int], run_dirs: list[str]) -> str:
 
 
 def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
-    """Every process' exit code. Once one fails, or this script gets SIGTERM or Ctrl-C, the others get
-    SIGTERM (a training saves its update and stops) and are waited for, instead of training on as orphans
-    after this script has exited; a signal then stops this script as `Stopped`."""
+    """Every process' exit code. Once one fails, or this script gets SIGTERM, SIGHUP or Ctrl-C, the others
+    get that signal (a Ctrl-C as SIGTERM; a failure's SIGTERM: a training saves its update and stops) and
+    are waited for, instead of training on as orphans after this script has exited; a signal then stops
+    this script as `Stopped`. Signals after the first are taken as the first's."""
 
     def stop_all(signum: int = signal.SIGTERM) -> list[int]:
         for p in procs:
@@ -302,14 +303,17 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
                 "--resume continues from each member's last checkpoint, or starts it again")
         return Stopped(f"stopped by {signal.Signals(signum).name}: {what}", signum)
 
-    stopping = []
+    class Signalled(BaseException):
+        """A signal, raised out of the loop: the members are waited for outside the handler."""
+
+    stopping = []  # the stop under way, once one is: a signal after it is taken as its own
 
     def on_sigterm(signum, frame):
-        # once: a second signal while the members stop (a closed terminal sends SIGHUP twice: the kernel's
-        # and the shell's) ran stop_all again inside the first's p.wait(), on the lock that one held: a hang
+        # never waits: a second signal (a closed terminal sends SIGHUP twice: the kernel's and the shell's)
+        # during the first stop's p.wait() ran stop_all inside it, on the lock that p.wait() held: a hang
         if not stopping:
             stopping.append(signum)
-            raise stopped(signum)
+            raise Signalled(signum)
 
     # a closed terminal sends SIGHUP to the members, which save, and to this script, which died without a
     # word: it now waits for them and says so, as for SIGTERM
@@ -322,13 +326,17 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
             # failure went unseen until the first had trained its whole 80 minutes
             codes = [p.poll() for p in procs]
             if any(c not in (None, 0) for c in codes):
+                stopping.append(None)
                 stop_all()
                 break
             if None not in codes:
                 break
             time.sleep(poll_s)
     except KeyboardInterrupt:  # the members, in the same process group, got the Ctrl-C too
+        stopping.append(signal.SIGINT)
         raise stopped(signal.SIGINT) from None
+    except Signalled as e:
+        raise stopped(e.args[0]) from None
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -726,7 +726,8 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         value = bare
     if problem := _type_problem(section, key.strip(), value, f"--set {item!r}: "):
         hint = _value_hint(bare, _key_types(section)[key.strip()])
-        if isinstance(value, (list, dict)) and "'" not in bare:  # run_dir=[1] meant as a name, maybe
+        # run_dir=[1] meant as a name, maybe (not d_model=[512]: a string is no number either)
+        if _key_types(section)[key.strip()] is str and isinstance(value, (list, dict)) and "'" not in bare:
             hint = f"a name is a TOML string: {section}.{key.strip()}='{bare}'"
         raise ConfigError(problem + (f" ({hint})" if hint else ""))
     return section, key.strip(), value

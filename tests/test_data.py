@@ -975,8 +975,8 @@ def test_the_advice_covers_every_changed_line_not_the_example_alone(tmp_path, ca
     assert "U+200C ZERO WIDTH NON-JOINER" in record.message  # the example: the first changed line's
     # the target's rewriting the model learns to write; the source's alone it reads (said as "write")
     does = "learn to write" if other_side else "read"
-    assert record.message.startswith(f"data.normalization='nmt_nfkc' changes the training text the model will "
-                                     f"{does} (")
+    assert record.message.startswith("data.normalization='nmt_nfkc' changes the training text the model "
+                                     f"will {does} (")
     assert 'set data.normalization = "identity" and train a new tokenizer' in record.message
     assert '"nfkc"' not in record.message
 

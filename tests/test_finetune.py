@@ -331,14 +331,16 @@ def test_an_init_from_refused_is_named_where_it_was_written(aiayn_checkpoint, tm
     shutil.copytree(start, tmp_path / "runs" / ".step_000015.aiayn-old")  # a killed save's: it is found
     with pytest.raises(UserError) as e:
         train(load_config(toml, sets))
-    assert str(e.value).startswith(f"{toml}:2: train.init_from=runs/step_000015: checkpoint not found: a save")
+    assert str(e.value).startswith(f"{toml}:2: train.init_from=runs/step_000015: checkpoint not found: a "
+                                   "save")
     assert "relative path" not in str(e.value)  # said as if the path were wrong
     gone = tmp_path / "gone"
     gone.mkdir()
     monkeypatch.chdir(gone)
     gone.rmdir()  # the current directory deleted: a FileNotFoundError traceback from the hint's getcwd
     with pytest.raises(UserError) as e:
-        train(load_config(None, ["data.train_src=x.de", "data.train_tgt=x.en", f"train.run_dir={tmp_path}/r"]))
+        train(load_config(None, ["data.train_src=x.de", "data.train_tgt=x.en",
+                                 f"train.run_dir={tmp_path}/r"]))
     assert str(e.value) == "--set 'data.train_src=x.de': data.train_src=x.de: file not found"
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError) as e:

@@ -384,8 +384,8 @@ def test_a_signal_at_the_last_update_stops_before_averaging(tmp_path, capsys, mo
     monkeypatch.setattr(run, "average_checked", lambda *args: pytest.fail("averaged after the signal"))
     options = ["--data", str(dog_data(tmp_path / "data")), "--set", f"train.run_dir={tmp_path / 'run'}"]
     assert run.main(options) == 128 + signal.SIGTERM
-    assert capsys.readouterr().err == ("run.py: stopped by SIGTERM after the training, saved; --resume averages "
-                                       "and decodes\n")
+    assert capsys.readouterr().err == ("run.py: stopped by SIGTERM after the training, saved; --resume "
+                                       "averages and decodes\n")
 
 
 @pytest.mark.parametrize("options", [["--partner", "train.seed=3"], ["--no-train", "--resume"]])

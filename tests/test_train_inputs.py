@@ -2502,8 +2502,9 @@ def test_a_data_file_not_found_is_named_with_its_setting_and_where_relative_path
     assert code == 2 and err == [f"aiayn: error: --set {item!r}: {item}: file not found"]
     code, err = run_cli(capsys, "train", "--config", str(toml), "--set", found, "--set",
                         "data.train_tgt=./no/")
-    assert err == [f"aiayn: error: --set 'data.train_tgt=./no/': data.train_tgt=./no/: file not found (a "
-                   f"relative path is read from the current directory, {elsewhere})"]  # as written: was "=no"
+    said = (f"aiayn: error: --set 'data.train_tgt=./no/': data.train_tgt=./no/: file not found (a relative "
+            f"path is read from the current directory, {elsewhere})")
+    assert err == [said]  # the path as written: it was said as "=no"
     monkeypatch.chdir(project)
     loop._check_data_files(load_config(toml))  # from the config's directory: found
 

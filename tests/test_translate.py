@@ -916,7 +916,8 @@ def test_help_says_what_aiayn_is_and_what_every_argument_is(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    assert re.search(r'^description = "(.*)"$', pyproject, re.M)[1] in shown and "argparse" not in shown
+    description = re.search(r'^description = "(.*)"$', pyproject, re.MULTILINE)[1]
+    assert description in shown and "argparse" not in shown
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     for name, command in commands.items():
         for action in command._actions:

@@ -288,8 +288,8 @@ def wait_all(procs: list[subprocess.Popen], poll_s: float = 1.0) -> list[int]:
     def stop_all(signum: int = signal.SIGTERM) -> list[int]:
         for p in procs:
             if p.poll() is None:
-                # the signal stopping them (on SIGHUP they said "stopped by SIGTERM", this one's), but a Ctrl-C
-                # as SIGTERM: a second Ctrl-C interrupts a training at once, without its save
+                # the signal stopping them (on SIGHUP they said "stopped by SIGTERM", this one's), but a
+                # Ctrl-C as SIGTERM: a second Ctrl-C interrupts a training at once, without its save
                 p.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
         return [p.wait() for p in procs]
 

@@ -37,6 +37,7 @@ from aiayn.files import require_file
 TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
 # [data]'s settings that a tokenizer is trained with (`aiayn.data.dataset.tokenizer_settings`)
 TOKENIZER_SETTINGS = ("vocab_size", "spm_type", "shared_vocab", "normalization", "character_coverage")
+DATA_FILES = ("train_src", "train_tgt", "valid_src", "valid_tgt")  # [data]'s paths of the corpus' files
 SECTIONS = ("data", "model", "train")
 # A [model] setting named in ModelConfig's problems ("n_heads=8"); the tokenizer's are not [model]'s to set
 MODEL_KEY = re.compile(r"(?<![.\w])({})(?==)".format(
@@ -90,7 +91,7 @@ class DataConfig:
             problems.append("data.valid_src and data.valid_tgt go together: set both or neither")
         if problems:
             raise ConfigError(*problems)
-        _settle_paths(self, "data", ("train_src", "train_tgt", "valid_src", "valid_tgt"))
+        _settle_paths(self, "data", DATA_FILES)
 
 
 def _settle_paths(section: Any, name: str, fields: tuple[str, ...]) -> None:
@@ -660,7 +661,7 @@ def _quotes_needed(key: str, value: Any, expected: Any) -> str:
     `run_dir=2024-05-01` as a name (`parse_override`), a file a date, which was refused with no hint."""
     if expected is not str or not isinstance(value, (int, datetime.date, datetime.time)):  # bool: an int
         return ""
-    return f'; TOML strings need quotes: {key} = "{_toml_value(value)}"'
+    return f'; TOML strings need quotes: {key} = "{toml_value(value)}"'
 
 
 def _outside_sections(where: str, key: str) -> str:
@@ -709,7 +710,9 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     section, dot, key = name.strip().partition(".")
     if not eq or not dot or not key:
         raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.max_tokens=2048")
-    _check_override_key(item, section, key.strip())
+    key = key.strip()
+    _check_override_key(item, section, key)
+    expected = _key_types(section)[key]
     if "\n" in text.strip() or "\r" in text.strip():  # "2048\ntrain.seed=3": TOML read the second line as
         # another key and dropped it; a bare word kept it, and named a run_dir across two lines
         raise ConfigError(f"--set {item!r}: one value per --set (the value holds a line break)")
@@ -722,15 +725,15 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         value = bare  # a path or other bare word
     # run_dir=2024-05-01 or =123 is a name, not a TOML date or number; an array or table stays one, refused
     # as a file's: run_dir=["a"] trained into a directory named ["a"], train_src=["x","y"] was not found
-    if _key_types(section)[key.strip()] is str and not isinstance(value, (str, list, dict)):
+    if expected is str and not isinstance(value, (str, list, dict)):
         value = bare
-    if problem := _type_problem(section, key.strip(), value, f"--set {item!r}: "):
-        hint = _value_hint(bare, _key_types(section)[key.strip()])
+    if problem := _type_problem(section, key, value, f"--set {item!r}: "):
+        hint = _value_hint(bare, expected)
         # run_dir=[1] meant as a name, maybe (not d_model=[512]: a string is no number either)
-        if _key_types(section)[key.strip()] is str and isinstance(value, (list, dict)) and "'" not in bare:
-            hint = f"a name is a TOML string: {section}.{key.strip()}='{bare}'"
+        if expected is str and isinstance(value, (list, dict)) and "'" not in bare:
+            hint = f"a name is a TOML string: {section}.{key}='{bare}'"
         raise ConfigError(problem + (f" ({hint})" if hint else ""))
-    return section, key.strip(), value
+    return section, key, value
 
 
 # A number with a point but no digit on one side of it (.5, 5., -.5e3): Python reads it, TOML does not
@@ -760,10 +763,10 @@ def _type_problem(section: str, key: str, value: Any, where: str) -> str | None:
         return None
     expected = getattr(hint, "__name__", str(hint))
     kind = type(value).__name__
-    return f"{where}{_toml_value(value)} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, expected {expected}"
+    return f"{where}{toml_value(value)} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, expected {expected}"
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     """`value` as TOML writes it where Python's repr differs: `datetime.date(2024, 1, 1)` and `True` read
     as Python in an error about a TOML file's `2024-01-01` and `true`."""
     if isinstance(value, bool):

@@ -75,7 +75,13 @@ from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_mem
 from aiayn.model import Transformer
 from aiayn.train import distributed
 from aiayn.train.config import (
-    TOKENIZER_FIELDS, TOKENIZER_SETTINGS, DataConfig, RunConfig, finetune_model_config,
+    DATA_FILES,
+    TOKENIZER_FIELDS,
+    TOKENIZER_SETTINGS,
+    DataConfig,
+    RunConfig,
+    finetune_model_config,
+    toml_value,
 )
 from aiayn.train.distributed import Dist, SameOnEveryProcess
 from aiayn.train.loss import label_smoothed_nll
@@ -218,18 +224,12 @@ def _shared_settings(config: RunConfig) -> dict[str, str]:
     from aiayn import __version__
 
     shown = {"aiayn.__version__": repr(__version__)}
-    shown |= {f"model.{key}": _shown(value) for key, value in config.model.items()}
+    shown |= {f"model.{key}": toml_value(value) for key, value in config.model.items()}
     for section in ("data", "train"):
         for key, value in asdict(getattr(config, section)).items():
-            name = f"{section}.{key}"
-            given = name in ("data.train_src", "data.train_tgt", "data.valid_src", "data.valid_tgt")
-            shown[name] = ("(a file)" if value else "''") if given else _shown(value)
+            given = section == "data" and key in DATA_FILES
+            shown[f"{section}.{key}"] = ("(a file)" if value else "''") if given else toml_value(value)
     return shown
-
-
-def _shown(value: Any) -> str:
-    """A setting's value as TOML writes it: true, 0.5, 'runs/x'."""
-    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _remove_leftovers(run_dir: Path) -> None:
@@ -704,20 +704,23 @@ def _same_init_from(checkpoint: Path, saved: str | None, given: str) -> bool:
             return True
     except (OSError, RuntimeError):  # a symlink loop
         return False
-    if not os.path.isabs(saved) or (trained_in := _recorded_run_dir(checkpoint)) is None:
-        return False  # recorded as written (before aiayn recorded it absolute): compared as written alone
-    here = os.path.abspath(checkpoint.parent.parent)  # RUN/checkpoints/step_N
-    return os.path.relpath(saved, trained_in) == os.path.relpath(os.path.abspath(given), here)
+    moved = _moved_with_run(checkpoint, saved)
+    return moved is not None and os.path.abspath(moved) == os.path.abspath(given)
 
 
 def _init_from_here(checkpoint: Path, saved: str) -> str:
     """The train.init_from to resume with: `saved`, as recorded, or where the run was moved or copied with it
     and `saved` is gone, the one at the same place relative to the run directory (which `_same_init_from`
     takes): the old place, deleted, was advised."""
-    if os.path.lexists(saved) or not os.path.isabs(saved):
-        return saved
-    if (trained_in := _recorded_run_dir(checkpoint)) is None:
-        return saved
+    return saved if os.path.lexists(saved) else _moved_with_run(checkpoint, saved) or saved
+
+
+def _moved_with_run(checkpoint: Path, saved: str) -> str | None:
+    """`saved`, the init_from the run that saved `checkpoint` recorded, at the same place relative to where
+    that run's directory is now (RUN/checkpoints/step_N); None where it was recorded as written (before
+    aiayn recorded it absolute) or meta.json does not say where the run was."""
+    if not os.path.isabs(saved) or (trained_in := _recorded_run_dir(checkpoint)) is None:
+        return None
     return os.path.normpath(os.path.join(checkpoint.parent.parent, os.path.relpath(saved, trained_in)))
 
 
@@ -1199,7 +1202,7 @@ def _check_data_files(config: RunConfig) -> None:
     dc = config.data
     if not dc.train_src or not dc.train_tgt:
         raise ConfigError("data.train_src and data.train_tgt must name the training files")
-    for name in ("train_src", "train_tgt", "valid_src", "valid_tgt"):
+    for name in DATA_FILES:
         if path := getattr(dc, name):
             _require_data_file(config, f"data.{name}", path)
 

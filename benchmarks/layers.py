@@ -516,7 +516,7 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     parser.add_argument("--quick", action="store_true",
                         help=f"a small grid that runs in seconds: {quick} (none of those given with it), "
                         f"{QUICK.repeats} timed rounds a cell")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    parser.add_argument("--device", help="cpu or cuda (cuda:N); default cpu")
     parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
     parser.add_argument("--widths", type=at_least(1), nargs="+", help="override the widths d")
     parser.add_argument("--batch", type=at_least(1), help="override the batch size B")
@@ -524,13 +524,23 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     parser.add_argument("--cell-limit", type=at_least(0.0, float),
                         help="stop a width after a round this long (default 6 s)")
     parser.add_argument("--tag", help="add _TAG to the file names (a run beside the default one)")
-    parser.add_argument("--replot", type=Path, metavar="JSON", help="redraw the md and png of a saved run")
+    parser.add_argument("--replot", type=Path, metavar="JSON",
+                        help="redraw the md and png of a saved run, under its own name and grid (so with "
+                             "--out and --force alone)")
     parser.add_argument("--out", type=Path,
                         help="directory for the json, md and png (default benchmarks/results/local, "
                              "ignored by git; with --replot: beside the json)")
     parser.add_argument("--force", action="store_true",
                         help="write over files git tracks (committed results)")
     args = parser.parse_args(argv)
+    grid_set = ["--quick"] * args.quick + [
+        f"--{name.replace('_', '-')}" for name in ("device", "lengths", "widths", "batch", "threads",
+                                                  "cell_limit", "tag")
+        if getattr(args, name) is not None]  # --cell-limit 0 is given, though falsy
+    if args.replot is not None and grid_set:  # the saved run's grid and name are redrawn, never these
+        parser.error(f"--replot redraws a saved run as it was measured: give {' and '.join(grid_set)}, "
+                     "or --replot, not both")
+    args.device = args.device or "cpu"
     quick_set = [f"--{name}" for name in ("lengths", "widths", "batch") if getattr(args, name) is not None]
     if args.quick and quick_set:  # they replaced the quick grid without a word, in files named _quick
         parser.error(f"--quick sets {quick}: give {' and '.join(quick_set)}, or --quick, not both")

@@ -426,6 +426,20 @@ def test_replot_writes_where_out_says_and_a_tag_keeps_its_dots(tmp_path, capsys)
     assert "--widths 129: not divisible by its 2 heads" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given", [["--tag", "b8"], ["--widths", "16"], ["--lengths", "8"], ["--batch", "1"],
+                                   ["--threads", "2"], ["--cell-limit", "0"], ["--device", "cpu"], ["--quick"]])
+def test_replot_refuses_the_grid_options_it_would_ignore(given, tmp_path, capsys):
+    """--replot redraws the saved run under its own name and grid: --tag b8 (or --widths 16, ...) was
+    silently ignored, exit 0, and the md and png were written under the saved name."""
+    saved = tmp_path / "layers_cpu.json"
+    shutil.copy(BENCHMARKS / "results" / "layers_cpu.json", saved)
+    with pytest.raises(SystemExit) as stopped:
+        layers.main(["--replot", str(saved), *given, "--out", str(tmp_path / "again")])
+    assert stopped.value.code == 2
+    assert f"give {given[0]}, or --replot, not both" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layers_cpu.json"]
+
+
 def test_batch_fill_counts_real_tokens_against_max_tokens():
     """Pairs of 4 + 4 tokens fill batches of 8 padded tokens exactly; a 2-token pair among 4-token ones
     pads its batch: 6 real tokens of 8, and the last batch, half empty, counts as a batch."""

@@ -552,7 +552,7 @@ def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | No
     cfg = QUICK if args.quick else GridConfig()
     overrides = {
         "lengths": args.lengths and tuple(sorted(set(args.lengths))),  # the sweep stops at the first slow n
-        "widths": args.widths and tuple(args.widths),
+        "widths": args.widths and tuple(sorted(set(args.widths))),  # a width given twice is timed once
         "batch": args.batch,
         "threads": args.threads,
         "device": args.device,

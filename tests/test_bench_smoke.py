@@ -440,6 +440,12 @@ def test_replot_refuses_the_grid_options_it_would_ignore(given, tmp_path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["layers_cpu.json"]
 
 
+def test_a_width_given_twice_is_timed_once(tmp_path):
+    """--widths 16 16 timed width 16 twice, the second overwriting the first; --lengths was deduplicated."""
+    cfg = layers.parse_args(["--widths", "64", "16", "16", "--out", str(tmp_path)])[0]
+    assert cfg.widths == (16, 64)
+
+
 def test_batch_fill_counts_real_tokens_against_max_tokens():
     """Pairs of 4 + 4 tokens fill batches of 8 padded tokens exactly; a 2-token pair among 4-token ones
     pads its batch: 6 real tokens of 8, and the last batch, half empty, counts as a batch."""

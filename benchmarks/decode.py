@@ -599,11 +599,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.device = str(require_device(args.device))
     args.out = Path(args.out) if args.out else LOCAL_RESULTS / f"decode_{torch.device(args.device).type}"
-    # before the timing
-    check_out(args.out, [with_suffix_added(args.out, s) for s in (".json", ".md")], args.force)
     if not -(2**63) <= args.seed < 2**63:  # torch.manual_seed's range
         parser.error(f"--seed {args.seed}: must be within [-2**63, 2**63)")
-    return args
+    return args  # --out is checked, and its folders made, in `main` once nothing else can refuse the run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -613,6 +611,8 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         raise SystemExit("decode.py needs transformers: pip install -e '.[bench]'") from None
     names = chosen_engines(args)  # an engine not here (CT2 without ctranslate2): said before any work
+    # last of the checks, as it makes --out's folders (a refused run left them), and before the timing
+    check_out(args.out, [with_suffix_added(args.out, s) for s in (".json", ".md")], args.force)
     torch.set_num_threads(args.threads[0])  # the workers set theirs; this keeps the recorded environment true
     env = environment(args.device)  # before the timing: the load average is the machine's, not this run's
     hf = build_hf(args.seed)

@@ -229,6 +229,21 @@ def test_an_engine_not_here_is_refused_before_the_model_is_built(tmp_path, monke
         main(["--engines", "CT2 int8", "--out", str(tmp_path / "decode")])
 
 
+@pytest.mark.parametrize("refused", ["seed", "transformers", "engine"])
+def test_a_refused_run_makes_no_output_folder(refused, tmp_path, monkeypatch):
+    """--out's folders were made before --seed 99999999999999999999, a missing transformers or an engine
+    not here refused the run, and were left behind."""
+    main = _scripted_main(monkeypatch, ["aiayn fp32", "HF Marian fp32"], {})
+    monkeypatch.setattr(decode, "build_hf", lambda seed: pytest.fail("the model was built"))
+    argv = {"seed": ["--seed", str(10**20)], "transformers": [], "engine": ["--engines", "CT2 int8"]}[refused]
+    if refused == "transformers":
+        monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` then fails
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--out", str(tmp_path / "new" / "decode")])
+    assert stopped.value.code != 0
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.slow
 def test_one_cell_runs_end_to_end_and_compares_the_outputs(tmp_path):
     """The whole benchmark takes many minutes: one cell, two engines, one repeat, to see it run as written
@@ -242,12 +257,14 @@ def test_one_cell_runs_end_to_end_and_compares_the_outputs(tmp_path):
     assert record["environment"]["outputs_as_aiayn_fp32"] == {"greedy, batch 1": {"HF Marian fp32@1": 1.0}}
 
 
-def test_an_output_prefix_keeps_its_dots_and_is_checked_before_timing(tmp_path):
+def test_an_output_prefix_keeps_its_dots_and_is_checked_before_timing(tmp_path, monkeypatch):
     """--out D/decode_v1.5 wrote decode_v1.{json,md} (over another run's); --out FILE/x failed after the
     run."""
     (tmp_path / "FILE").write_text("mine")
+    main = _scripted_main(monkeypatch, ["aiayn fp32", "HF Marian fp32"], {})
+    monkeypatch.setattr(decode, "build_hf", lambda seed: pytest.fail("the model was built"))
     with pytest.raises(SystemExit, match="is not a directory"):
-        decode.parse_args(["--out", str(tmp_path / "FILE" / "x")])
+        main(["--out", str(tmp_path / "FILE" / "x")])
     out = decode.parse_args(["--out", str(tmp_path / "decode_v1.5")]).out
     assert decode.with_suffix_added(out, ".json").name == "decode_v1.5.json"
 

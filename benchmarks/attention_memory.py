@@ -431,11 +431,14 @@ def budget_gib(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help=f"--lengths {' '.join(map(str, QUICK.lengths))} (not given with it)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N); default cpu")
+    parser.add_argument("--lengths", type=at_least(1), nargs="+",
+                        help="override the sequence lengths n (default "
+                             f"{' '.join(map(str, MemoryConfig.lengths))})")
     parser.add_argument("--budget-gib", type=budget_gib,
                         help="largest predicted peak to run, more than 0 (default 4)")
     parser.add_argument("--out", type=Path, default=LOCAL_RESULTS,

@@ -94,11 +94,17 @@ def flags(args: argparse.Namespace) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--src", default=str(MULTI30K / "train.en"))
-    parser.add_argument("--tgt", default=str(MULTI30K / "train.de"))
-    parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--max-tokens", type=budgets, default=[4096, 6250, 25000], help="a comma list")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--src", default=str(MULTI30K / "train.en"),
+                        help="source side of the corpus, one sentence a line (default Multi30k's train.en "
+                             "in ../shared/data/multi30k)")
+    parser.add_argument("--tgt", default=str(MULTI30K / "train.de"),
+                        help="target side, line for line (default Multi30k's train.de)")
+    parser.add_argument("--vocab-size", type=int, default=8000,
+                        help="the SentencePiece vocabulary to train, data.vocab_size (default 8000)")
+    parser.add_argument("--max-tokens", type=budgets, default=[4096, 6250, 25000],
+                        help="a comma list of train.max_tokens to cut at (default 4096,6250,25000)")
     args = parser.parse_args(argv)
     try:  # a missing corpus, a vocabulary or max_tokens the data refuses: one line, not a traceback
         with tempfile.TemporaryDirectory() as run_dir:

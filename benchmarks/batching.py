@@ -28,11 +28,13 @@ MAX_PAIRS = 90_000_000
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # -1 was a numpy ValueError traceback, 99999999999999 its _ArrayMemoryError's
     p.add_argument("--pairs", type=at_least(1, maximum=MAX_PAIRS), default=4_500_000,
                    help=f"pairs of random lengths (default 4,500,000, WMT14 En-De's; at most {MAX_PAIRS:,})")
-    p.add_argument("--max-tokens", type=at_least(1), default=25_000)
+    p.add_argument("--max-tokens", type=at_least(1), default=25_000,
+                   help="padded tokens a side a batch holds at most, train.max_tokens (default 25,000, the "
+                        "paper's)")
     args = p.parse_args(argv)
     print(command_line(__file__, argv))
     print(f"environment: {environment()}")

@@ -576,13 +576,17 @@ def engine_names(device: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=thread_counts, default=[1],
                         help="CPU threads for every engine (default 1); a comma list such as 1,2 times every "
                              "engine at each count and also compares each engine at its best count")
-    parser.add_argument("--repeats", type=at_least(1), default=3)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=at_least(1), default=3,
+                        help="timed runs of every cell by every engine, interleaved; the median is reported "
+                             "(default 3)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N); default cpu")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random weights and source sentences (default 0)")
     parser.add_argument("--settle", type=at_least(0.0, float), default=0.5,
                         help="idle seconds before each timed run, so that the previous engine's spinning "
                              "OpenMP threads have stopped (default 0.5)")

@@ -510,16 +510,20 @@ def write_results(result: dict, cfg: GridConfig, stem: Path, json_too: bool = Tr
 def parse_args(argv: list[str] | None) -> tuple[GridConfig, Path, str, Path | None, bool]:
     """The grid, the output directory, the file stem (layers_{device}[_quick][_tag]), a json to replot,
     --force."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     quick = (f"--lengths {' '.join(map(str, QUICK.lengths))} --widths {' '.join(map(str, QUICK.widths))} "
              f"--batch {QUICK.batch}")
     parser.add_argument("--quick", action="store_true",
                         help=f"a small grid that runs in seconds: {quick} (none of those given with it), "
                         f"{QUICK.repeats} timed rounds a cell")
     parser.add_argument("--device", help="cpu or cuda (cuda:N); default cpu")
-    parser.add_argument("--lengths", type=at_least(1), nargs="+", help="override the sequence lengths n")
-    parser.add_argument("--widths", type=at_least(1), nargs="+", help="override the widths d")
-    parser.add_argument("--batch", type=at_least(1), help="override the batch size B")
+    full = GridConfig()
+    parser.add_argument("--lengths", type=at_least(1), nargs="+",
+                        help=f"override the sequence lengths n (default {' '.join(map(str, full.lengths))})")
+    parser.add_argument("--widths", type=at_least(1), nargs="+",
+                        help=f"override the widths d (default {' '.join(map(str, full.widths))})")
+    parser.add_argument("--batch", type=at_least(1), help=f"override the batch size B (default {full.batch})")
     parser.add_argument("--threads", type=threads, help="CPU threads (default 1, see GridConfig)")
     parser.add_argument("--cell-limit", type=at_least(0.0, float),
                         help="stop a width after a round this long (default 6 s)")

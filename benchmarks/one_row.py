@@ -125,10 +125,11 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=thread_counts, default=default_threads(),
                    help="comma-separated thread counts (default: 1, 2, 4, ... and the core count)")
-    p.add_argument("--rounds", type=at_least(1), default=11, help="timed rounds per thread count")
+    p.add_argument("--rounds", type=at_least(1), default=11,
+                   help="timed rounds per thread count, the median reported (default 11)")
     p.add_argument("--out", type=Path, default=LOCAL_RESULTS / "one_row_cpu",
                    help="output prefix: PREFIX.json and PREFIX.md (default benchmarks/results/local/one_row_cpu)")
     p.add_argument("--force", action="store_true",

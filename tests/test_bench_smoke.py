@@ -3,6 +3,7 @@ crossover and slope arithmetic give known answers, and a tiny run of each writes
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -444,6 +445,25 @@ def test_a_width_given_twice_is_timed_once(tmp_path):
     """--widths 16 16 timed width 16 twice, the second overwriting the first; --lengths was deduplicated."""
     cfg = layers.parse_args(["--widths", "64", "16", "16", "--out", str(tmp_path)])[0]
     assert cfg.widths == (16, 64)
+
+
+@pytest.mark.parametrize("name", ["decode", "layers", "attention_memory", "one_row", "batch_fill", "batching"])
+def test_help_shows_the_docstring_and_what_each_option_does(name, capsys, monkeypatch):
+    """--help gave the docstring's first line alone (no commands, no outputs), and decode.py's --repeats and
+    --seed neither a word nor their default."""
+    script = _load(name)
+    parsers = []
+    print_help = argparse.ArgumentParser.print_help
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help",
+                        lambda self, file=None: (parsers.append(self), print_help(self, file))[1])
+    with pytest.raises(SystemExit) as stopped:
+        script.main(["--help"])
+    assert stopped.value.code == 0
+    assert script.__doc__.strip() in capsys.readouterr().out  # as written: its commands and what it writes
+    options = [a for a in parsers[0]._actions if a.help != argparse.SUPPRESS]
+    assert [a.option_strings[0] for a in options if not a.help] == []
+    assert [a.option_strings[0] for a in options  # a default the script sets is said
+            if a.default not in (None, False, argparse.SUPPRESS) and "default" not in a.help] == []
 
 
 def test_batch_fill_counts_real_tokens_against_max_tokens():

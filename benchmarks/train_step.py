@@ -526,6 +526,14 @@ def curve_lines(curve: dict) -> list[str]:
     ]
 
 
+def measured_peers(rows: list[dict]) -> list[str]:
+    """The peers timed in `rows`, by their full names: the title said "vs MarianMT" of a run that skipped
+    Marian (no transformers)."""
+    timed = {r["system"].removesuffix(" (compiled)") for r in rows}
+    return [title for name, title in (("nn.Transformer", "torch.nn.Transformer"), ("Marian", "MarianMT"))
+            if name in timed]
+
+
 def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, args, path: str,
                  configs: dict[str, dict] | None = None) -> None:
     """The markdown report at `path` and the json beside it; `configs`: name -> `config_record`. With no
@@ -534,7 +542,7 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
     for r in rows:
         r["per_round_vs_fastest_peer"] = [round(x, 3) for x in per_round_ratios(rows, r)]
     lines = [
-        "# Training step: aiayn vs torch.nn.Transformer vs MarianMT", "",
+        f"# Training step: {' vs '.join(['aiayn', *measured_peers(rows)])}", "",
         f"Command: `{command_line(__file__, args.argv)}`", "",
         "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
         *(timing_lines(rows, peaks, args) if rows

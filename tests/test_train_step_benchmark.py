@@ -317,6 +317,24 @@ def test_an_mfu_over_100_percent_is_said_to_mean_nothing(tmp_path):
     assert "NOT meaningful" not in out.read_text()
 
 
+def test_the_title_names_the_peers_timed(tmp_path):
+    """The report's title said "vs MarianMT" when Marian was skipped (transformers missing)."""
+    def run(system, compiled=False):
+        return train_step.Run(system, "fp32", compiled, step=None, first_s=1.0, times=[1.0])
+
+    info = {"config": "tiny", "tokens": 1000, "flops": 1e9, "linear_floor_s": {"fp32": 0.5}}
+    peaks = {"fp32": 1e10, "bf16": 1e10}
+    args = train_step.argparse.Namespace(argv=[], configs=["tiny"], device="cpu")
+    out = tmp_path / "r.md"
+    for systems, title in ((["aiayn", "nn.Transformer"], "aiayn vs torch.nn.Transformer"),
+                           (["aiayn", "nn.Transformer", "Marian"], "aiayn vs torch.nn.Transformer vs MarianMT")):
+        rows = train_step.summarise([*map(run, systems), run("aiayn", compiled=True)], info, peaks)
+        train_step.write_report(rows, peaks, None, {}, args, str(out))
+        assert out.read_text().splitlines()[0] == f"# Training step: {title}"
+    train_step.write_report([], {}, None, {}, args, str(out))  # --configs '': the loss curve of aiayn alone
+    assert out.read_text().splitlines()[0] == "# Training step: aiayn"
+
+
 def test_thread_counts_and_repeated_choices():
     from common import comma_choices, thread_counts
 

@@ -15,8 +15,13 @@
 # pytest-timeout (the last three are in the [test] extra; pyproject.toml's addopts pass --timeout, which
 # pytest refuses without that plugin, so its absence stops the script first, in one line), and a CUDA
 # device that torch sees (without one it stops at once, in one line); the package runs from src/ (nothing
-# installed). Writes $OUT/log.txt and the benchmarks' reports.
+# installed). Runs from the repository root wherever it is started. Writes $OUT/log.txt and the
+# benchmarks' reports (OUT: default benchmarks/results/local/gpu in the repository).
 set -u -o pipefail  # pipefail: the status of the steps' block, not tee's 0
+# the steps name tests/, benchmarks/ and src/ from the repository root: run from elsewhere they failed
+# (or tested an installed aiayn); an OUT given is taken from where the script was run, as typed
+[[ -n ${OUT:-} && $OUT != /* ]] && OUT="$PWD/$OUT"
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || { echo "gpu.sh: cannot go to the repository root" >&2; exit 2; }
 OUT=${OUT:-benchmarks/results/local/gpu}
 budget=${1:-540}
 if ! [[ $budget =~ ^[0-9]+$ ]] || ((10#$budget < 10)); then

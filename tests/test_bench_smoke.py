@@ -716,6 +716,25 @@ def test_gpu_script_says_why_torch_cannot_be_imported(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_gpu_script_runs_from_the_repository_root_wherever_it_is_started(tmp_path):
+    """gpu.sh named tests/, benchmarks/ and src/ from the folder it was started in: started elsewhere, every
+    step failed. Stubs stand in for python3 and nvidia-smi (so no GPU is needed) and record the folder each
+    ran in; an OUT given relative is taken from where the script was started, as typed."""
+    stubs, calls, elsewhere = tmp_path / "bin", tmp_path / "calls", tmp_path / "elsewhere"
+    stubs.mkdir()
+    elsewhere.mkdir()
+    for name in ("python3", "nvidia-smi"):
+        (stubs / name).write_text(f'#!/bin/sh\npwd -P >> "{calls}"\n')
+        (stubs / name).chmod(0o755)
+    env = {**os.environ, "OUT": "out", "PATH": f"{stubs}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "10"], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert set(calls.read_text().splitlines()) == {str(BENCHMARKS.parent)}
+    assert f"--out {elsewhere / 'out'}/train_step_gpu.md" in done.stdout
+    assert (elsewhere / "out" / "log.txt").is_file()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
 def test_gpu_script_without_cuda_stops_at_once_in_one_line(tmp_path):
     """Without CUDA nvidia-smi failed, a 15-line traceback followed, every --device cuda step failed, and

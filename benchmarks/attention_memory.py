@@ -423,11 +423,14 @@ def plot(series: dict, cfg: MemoryConfig, path: Path) -> None:
 
 def budget_gib(text: str) -> float:
     """argparse type: GiB, more than 0 (a budget of 0 ran nothing and reported every figure as if
-    predicted)."""
-    value = at_least(0.0, float)(text)
-    if value == 0:
+    predicted); one message for 0 and below (-1 was "must be at least 0.0", which 0 is)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:  # `not >`: also refuses nan
         raise argparse.ArgumentTypeError(f"must be more than 0: {text!r}")
-    return value
+    return at_least(0.0, float)(text)  # and finite, as every other number the scripts take
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -525,12 +525,15 @@ def test_a_bound_from_the_shapes_is_reported_as_at_least_never_as_predicted(tmp_
     assert explicit[0]["peak_bytes"] == attention_memory.least_peak("explicit", 256, attention_memory.QUICK)
 
 
-def test_a_budget_of_zero_is_refused(tmp_path, monkeypatch, capsys):
-    """--budget-gib 0 ran nothing and wrote every figure as a prediction."""
+@pytest.mark.parametrize("budget", ["0", "-1", "nan"])
+def test_a_budget_of_zero_or_less_is_refused(budget, tmp_path, monkeypatch, capsys):
+    """--budget-gib 0 ran nothing and wrote every figure as a prediction; -1 was refused as "must be at
+    least 0.0", a bound that 0 then failed."""
     monkeypatch.setattr(attention_memory, "measure_in_subprocess", lambda *a: pytest.fail("measured"))
     with pytest.raises(SystemExit) as stopped:
-        attention_memory.main(["--lengths", "256", "--budget-gib", "0", "--out", str(tmp_path)])
-    assert stopped.value.code == 2 and "--budget-gib: must be more than 0: '0'" in capsys.readouterr().err
+        attention_memory.main(["--lengths", "256", f"--budget-gib={budget}", "--out", str(tmp_path)])
+    said = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"--budget-gib: must be more than 0: '{budget}'" in said
     assert not any(tmp_path.iterdir())
 
 

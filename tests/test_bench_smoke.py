@@ -428,7 +428,8 @@ def test_replot_writes_where_out_says_and_a_tag_keeps_its_dots(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("given", [["--tag", "b8"], ["--widths", "16"], ["--lengths", "8"], ["--batch", "1"],
-                                   ["--threads", "2"], ["--cell-limit", "0"], ["--device", "cpu"], ["--quick"]])
+                                   ["--threads", "2"], ["--cell-limit", "0"], ["--device", "cpu"],
+                                   ["--quick"]])
 def test_replot_refuses_the_grid_options_it_would_ignore(given, tmp_path, capsys):
     """--replot redraws the saved run under its own name and grid: --tag b8 (or --widths 16, ...) was
     silently ignored, exit 0, and the md and png were written under the saved name."""
@@ -447,7 +448,8 @@ def test_a_width_given_twice_is_timed_once(tmp_path):
     assert cfg.widths == (16, 64)
 
 
-@pytest.mark.parametrize("name", ["decode", "layers", "attention_memory", "one_row", "batch_fill", "batching"])
+@pytest.mark.parametrize("name", ["decode", "layers", "attention_memory", "one_row", "batch_fill",
+                                  "batching"])
 def test_help_shows_the_docstring_and_what_each_option_does(name, capsys, monkeypatch):
     """--help gave the docstring's first line alone (no commands, no outputs), and decode.py's --repeats and
     --seed neither a word nor their default."""

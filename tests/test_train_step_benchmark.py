@@ -327,7 +327,8 @@ def test_the_title_names_the_peers_timed(tmp_path):
     args = train_step.argparse.Namespace(argv=[], configs=["tiny"], device="cpu")
     out = tmp_path / "r.md"
     for systems, title in ((["aiayn", "nn.Transformer"], "aiayn vs torch.nn.Transformer"),
-                           (["aiayn", "nn.Transformer", "Marian"], "aiayn vs torch.nn.Transformer vs MarianMT")):
+                           (["aiayn", "nn.Transformer", "Marian"],
+                            "aiayn vs torch.nn.Transformer vs MarianMT")):
         rows = train_step.summarise([*map(run, systems), run("aiayn", compiled=True)], info, peaks)
         train_step.write_report(rows, peaks, None, {}, args, str(out))
         assert out.read_text().splitlines()[0] == f"# Training step: {title}"

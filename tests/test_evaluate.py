@@ -186,6 +186,18 @@ def test_a_language_tag_is_reduced_to_its_code_and_a_pair_is_refused(tmp_path, c
         assert err.startswith(f"aiayn: error: {message}") and err.count("\n") == 1, err
 
 
+def test_sacrebleus_lowercase_flag_is_refused_as_itself(tmp_path, capsys):
+    """`-lc`, sacreBLEU's lowercase flag, was read as `-l c`: "-l 'c' is not a language code"."""
+    (tmp_path / "hyp").write_text("The cat.\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as exit:
+        main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "hyp"), "-lc"])
+    assert exit.value.code == 2 and capsys.readouterr().err == (
+        "aiayn evaluate: error: -lc: aiayn evaluate has no lowercase option; its BLEU-lc line is always "
+        "printed (see aiayn evaluate --help)\n")
+    assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "hyp"), "-lcmn"]) == 0  # -l cmn: zh
+    assert "tok:zh" in capsys.readouterr().out
+
+
 def test_thai_and_other_unspaced_scripts_without_a_tokenizer_are_scored_on_characters():
     """13a leaves a Thai line one "word": the right translation with one syllable off scored 0."""
     hyp, ref = ["วันนี้อากาศดีมาก"], [["วันนี้อากาศดีมาก"]]

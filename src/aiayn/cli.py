@@ -622,6 +622,18 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _Refused(argparse.Action):
+    """An option of a peer tool that argparse would misread, refused with `reason`: sacreBLEU's -lc
+    (lowercase) was read as `-l c`, "-l 'c' is not a language code". Not in --help."""
+
+    def __init__(self, *args, reason: str = "", **kwargs):
+        super().__init__(*args, nargs=0, help=argparse.SUPPRESS, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {self.reason}")
+
+
 def _version() -> str:
     """The installed distribution's version (a source tree run without installing has none)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -748,6 +760,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "ko get the BLEU tokenizer sacreBLEU picks for them (13a splits no Chinese or Japanese "
                         "words; ja and ko need pip install 'sacrebleu[ja]' or 'sacrebleu[ko]'), th, lo, km and my "
                         "(Thai, Lao, Khmer, Burmese: no sacreBLEU tokenizer) its char one (tok:char)")
+    p.add_argument("-lc", action=_Refused,  # an option of its own, else argparse reads it as -l c
+                   reason="aiayn evaluate has no lowercase option; its BLEU-lc line is always printed")
     p.add_argument("--tokenize", default=None, help="BLEU's tokenizer by name (default: 13a, or LANG's): "
                    "13a, intl, zh, char, none, flores200 (downloads its model on first use), ...; with "
                    "-l zh, ja, ko, th, lo, km or my, one other than LANG's (not a SentencePiece one) gets a "

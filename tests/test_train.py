@@ -521,7 +521,7 @@ def test_a_bleu_tokenizer_missing_its_packages_fails_before_the_tokenizer_is_tra
         pass
     _, sets = tiny_config(tmp_path, tmp_path / "run", "train.bleu_every=2", "train.bleu_lang=ja")
     assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
-    assert "sacreBLEU's ja tokenizer needs packages missing here" in capsys.readouterr().err
+    assert "sacreBLEU's ja-mecab tokenizer needs packages missing here" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing trained, not even the run directory made
 
 

@@ -312,10 +312,10 @@ def test_a_config_file_every_process_reads_is_said_once_a_machine(tmp_path, monk
     assert cli.main(["train", "--config", str(tmp_path / "nofile.toml")]) == 2
     assert ("nofile.toml: config file not found" in capsys.readouterr().err) == said
     monkeypatch.setattr("aiayn.evaluate.bleu_metrics", lambda lang: (_ for _ in ()).throw(
-        UserError("sacreBLEU's ja tokenizer needs packages missing here")))
+        UserError("sacreBLEU's ja-mecab tokenizer needs packages missing here")))
     _, sets = tiny_config(tmp_path, tmp_path / "run", "train.bleu_every=2", "train.bleu_lang=ja")
     assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
-    assert ("ja tokenizer needs packages missing here" in capsys.readouterr().err) == said
+    assert ("ja-mecab tokenizer needs packages missing here" in capsys.readouterr().err) == said
 
 
 BLEU_MISSING_ON_RANK_1 = """

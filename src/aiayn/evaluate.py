@@ -208,7 +208,9 @@ def bleu_metrics(lang: str = "", tokenize: str | None = None) -> tuple[BLEU, BLE
     except (RuntimeError, ImportError) as e:  # ImportError: spm's sentencepiece
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         advice = next((line for line in lines if "pip install" in line), lines[0] if lines else "")
-        raise UserError(f"sacreBLEU's {tokenize or lang} tokenizer needs packages missing here: {advice}") from None
+        advice = re.sub(r"(?<= )([\w.-]+\[[\w,.-]+\])", r"'\1'", advice)  # unquoted, a shell globs it
+        name = tokenize or LANG_TOKENIZERS.get(lang, (lang,))[0]  # the one -l picked: ja-mecab, not "ja"
+        raise UserError(f"sacreBLEU's {name} tokenizer needs packages missing here: {advice}") from None
     except (OSError, SystemExit) as e:  # URLError is an OSError; sacreBLEU exits on an SSL error
         if tokenize not in DOWNLOADED:
             raise

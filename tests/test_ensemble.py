@@ -1,6 +1,8 @@
 """Ensemble decoding against the definition: the mean of the members' probabilities, each member's
 computed by a full uncached forward pass; and the invariants an ensemble of one model must keep."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from aiayn.decoding import DecodeConfig, generate
 from aiayn.decoding import Ensemble
 from aiayn.decoding.score import force_decode
 from aiayn.errors import UserError
-from aiayn.translate import Translator
+from aiayn.translate import Translator, check_ensemble
 from conftest import padded_batch, tiny_model
 
 
@@ -101,6 +103,18 @@ def test_ensemble_of_one_model_or_of_a_model_with_itself_translates_as_the_model
 def test_members_with_different_vocabularies_are_refused():
     with pytest.raises(ValueError, match="member 2 differs from member 1 in vocab_size"):
         Ensemble([tiny_model(), tiny_model(vocab_size=60)])
+
+
+def test_a_shared_and_a_separate_vocabulary_are_said_as_such():
+    """A model of one shared vocabulary (tgt_vocab_size None) and one of separate source and target
+    vocabularies of the same size were said to differ "in tgt_vocab_size"."""
+    shared = tiny_model()
+    separate = tiny_model(tgt_vocab_size=shared.config.vocab_size, share_embeddings=False)
+    one, two = "one vocabulary shared by source and target", "separate source and target vocabularies"
+    for paths, models, said in ((["a", "b"], [shared, separate], f"b: has {two}, a {one}"),
+                                (["b", "a"], [separate, shared], f"a: has {one}, b {two}")):
+        with pytest.raises(UserError, match=f"^{said}; an ensemble's models must agree on the vocabulary$"):
+            check_ensemble(paths, [SimpleNamespace(model=m) for m in models])  # before any tokenizer
 
 
 def test_translator_and_cli_load_several_checkpoints_as_an_ensemble(tmp_path, monkeypatch, capsys):

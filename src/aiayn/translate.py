@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, S
 import torch
 
 from aiayn.checkpoint import inference_device, vocabulary_problem
-from aiayn.config import ConfigError, from_dict
+from aiayn.config import ConfigError, ModelConfig, from_dict
 from aiayn.data.batching import right_pad
 from aiayn.data.dataset import (
     HEAD_BYTES,
@@ -461,6 +461,11 @@ def check_ensemble(paths: Sequence[str | Path], ckpts: Sequence[Checkpoint]) -> 
     different tokens; a UserError names the member that differs."""
     first = ckpts[0].model.config
     for path, ck in zip(paths[1:], ckpts[1:]):
+        # shared (tgt_vocab_size None) against separate, of one size or not: "differs in tgt_vocab_size"
+        # said nothing of which, and None is no size
+        if (ck.model.config.tgt_vocab_size is None) != (first.tgt_vocab_size is None):
+            raise UserError(f"{path}: has {_vocabularies(ck.model.config)}, {paths[0]} "
+                            f"{_vocabularies(first)}; an ensemble's models must agree on the vocabulary")
         # the ids first: a tokenizer's comparison includes its BOS, which is a Marian model's decoder start,
         # so two Marian models with one vocabulary and other start ids were said to differ in vocabulary
         differ = [f for f in SHARED_FIELDS if getattr(ck.model.config, f) != getattr(first, f)]
@@ -469,6 +474,13 @@ def check_ensemble(paths: Sequence[str | Path], ckpts: Sequence[Checkpoint]) -> 
                             "models must agree on the vocabulary and its special ids")
         if not ck.tokenizer.same_as(ckpts[0].tokenizer):
             raise UserError(f"{path}: its tokenizer differs from {paths[0]}'s; an ensemble needs one vocabulary")
+
+
+def _vocabularies(config: ModelConfig) -> str:
+    """How `config`'s model holds its vocabulary, as `check_ensemble` says it."""
+    if config.tgt_vocab_size is None:
+        return "one vocabulary shared by source and target"
+    return "separate source and target vocabularies"
 
 
 def translate(checkpoint: str | Path, texts: Iterable[str], **options: Any) -> list[str]:

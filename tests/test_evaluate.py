@@ -262,6 +262,10 @@ def test_a_note_suggests_lang_for_unspaced_text_scored_with_13a(tmp_path, capsys
     # Thai spaces clauses, not words: two 13a words a line, of 20 characters (no note, BLEU 0.00)
     (["ฉันไปตลาดเมื่อวานนี้ และซื้อผลไม้มากมาย", "วันนี้อากาศดีมาก เราจึงไปเดินเล่นที่สวน"], True),
     (["我们 今天 去 公园 散步 。", "他 说 这 本 书 很 有 意思 。"], False),  # segmented: 13a scores its words
+    # short unsegmented lines, one 13a word of 6 characters each: BLEU 0.00 and no note (8 was the bound)
+    (["我爱吃苹果。", "今天天气好。", "他是我朋友。"], True),
+    (["コンピューター を 使っ て プログラミング する", "インターネット で ニュース を 読む"], False),  # loanwords
+    (["ฉัน ไป ตลาด เมื่อวานนี้", "วันนี้ อากาศ ดี มาก"], False),  # segmented Thai: 4.5 characters a word
 ])
 def test_the_unspaced_note_looks_at_the_script(tmp_path, capsys, lines, unspaced):
     """Word and character counts alone called single-word lines of German, a spaced language, unspaced:

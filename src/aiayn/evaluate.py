@@ -50,15 +50,21 @@ TOKENIZER_LANGS = {tok: lang for lang, (tok, _) in LANG_TOKENIZERS.items() if to
 # LANG, LANG-REGION or LANG_REGION: a region in capitals (zh-CN, pt_BR) or digits (es-419), a script before it
 # (zh-Hant, zh-Hans-CN). A lowercase two-letter second part is what a pair looks like (en-zh, en-de): refused.
 _LANG_TAG = re.compile(r"(?P<lang>[A-Za-z]{2,3})(?:[-_][A-Za-z]{4})?(?:[-_](?P<region>[A-Z]{2}|[0-9]{3}))?")
-# 13a "words" of more characters than this on average: unspaced text left unsplit (a line of Chinese, or
-# Thai, whose spaces part clauses, not words); segmented text averages 2-5
+# 13a "words" of more characters than this on average: unspaced text left unsplit (a line of Thai, Lao,
+# Khmer or Burmese, or two of Thai, whose spaces part clauses, not words); segmented Thai averages 4-5
 HINT_WORD_CHARS = 8
-# Letters of the scripts written without spaces between words: Thai, Lao, Myanmar, Khmer, kana (halfwidth
-# too), Han. Not Hangul: Korean spaces its words. Counts alone called a file of one German compound a line
-# unspaced.
-_UNSPACED_LETTER = re.compile("[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u31f0-\u31ff"
-                              "\u3400-\u4dbf\u4e00-\u9fff\ua9e0-\ua9ff\uaa60-\uaa7f\uf900-\ufaff"
-                              "\uff66-\uff9f\U00020000-\U0003ffff]")
+# The same for text mostly of Han and kana: segmented Chinese averages under 2.5 characters a word, Japanese
+# under 3.5 (katakana loanwords), while an unsegmented line is one word: a short one of 5 to 7 characters
+# (我爱吃苹果。) scored BLEU 0.00 with no note under HINT_WORD_CHARS
+HINT_HAN_WORD_CHARS = 4
+# Han and kana (halfwidth too), of the letters below
+_HAN_KANA = ("\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
+             "\U00020000-\U0003ffff")
+_HAN_KANA_LETTER = re.compile(f"[{_HAN_KANA}]")
+# Letters of the scripts written without spaces between words: Thai, Lao, Myanmar, Khmer, kana, Han. Not
+# Hangul: Korean spaces its words. Counts alone called a file of one German compound a line unspaced.
+_UNSPACED_LETTER = re.compile(f"[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\ua9e0-\ua9ff\uaa60-\uaa7f"
+                              f"{_HAN_KANA}]")
 UNSPACED_SHARE = 0.5  # of a text's letters in those scripts, from which it is unspaced text
 # Hypotheses ending in a tokenized period (" .") from which they look tokenized: sacreBLEU's count. Its own
 # warning is off (BLEU's force): three unprefixed lines, from each of BLEU's two scorings, advised `force`,
@@ -130,10 +136,11 @@ def unspaced_hint(
 ) -> str | None:
     """A note for unspaced text (mostly letters of the scripts written without spaces: `mostly_unspaced`)
     scored with no language known (no `lang`, and no `tokenize` of TOKENIZER_LANGS). Where 13a was used (no
-    `tokenize`) and found words of more than HINT_WORD_CHARS characters on average, as Chinese, Japanese or
-    Thai gives (Thai's spaces part clauses): BLEU near 0 however good the translation. Else where
-    `ter` or `chrf_word_order` (as `corpus_scores` takes them) asks for scores of words split at spaces,
-    which -l would score as the language allows. None when it does not apply."""
+    `tokenize`) and found words of more than HINT_WORD_CHARS characters on average (HINT_HAN_WORD_CHARS
+    for Chinese or Japanese), as unsegmented text gives (Thai's spaces part clauses): BLEU near 0 however
+    good the translation. Else where `ter` or `chrf_word_order` (as `corpus_scores` takes them) asks for
+    scores of words split at spaces, which -l would score as the language allows. None when it does not
+    apply."""
     if lang.strip() or tokenizer_language(tokenize):
         return None
     lines = [line for line in hypotheses if line.strip()]
@@ -147,7 +154,7 @@ def unspaced_hint(
         said = f"chrF's word n-grams split words at spaces, which this text{text} has few of: leave out "
         return [said + "--chrf-word-order"] if chrf_word_order else []
 
-    if tokenize is None and (chars := _word_chars(lines)) > HINT_WORD_CHARS:
+    if tokenize is None and (chars := _word_chars(lines)) > _hint_word_chars(lines):
         if ter or chrf_word_order:  # --tokenize char mends BLEU alone: TER stayed 100 and a second note
             advice = "pass -l LANG"  # said to pass -l
         bleu = (f"BLEU's 13a tokenizer found words of {chars:.1f} characters on average: for Chinese, "
@@ -176,6 +183,15 @@ def _word_chars(lines: Sequence[str]) -> float:
         split = tokenize13a(line).split()
         words, chars = words + len(split), chars + sum(map(len, split))
     return chars / max(words, 1)
+
+
+def _hint_word_chars(lines: Sequence[str]) -> int:
+    """HINT_HAN_WORD_CHARS for `lines` of unspaced letters mostly Han or kana, else HINT_WORD_CHARS."""
+    han_kana = unspaced = 0
+    for line in lines:  # letters only, as `mostly_unspaced` counts them
+        han_kana += sum(1 for m in _HAN_KANA_LETTER.finditer(line) if m.group().isalpha())
+        unspaced += sum(1 for m in _UNSPACED_LETTER.finditer(line) if m.group().isalpha())
+    return HINT_HAN_WORD_CHARS if han_kana > unspaced / 2 else HINT_WORD_CHARS
 
 
 def mostly_unspaced(lines: Sequence[str]) -> bool:

@@ -566,6 +566,26 @@ def test_hypotheses_that_look_tokenized_are_warned_about_once_in_aiayns_form(tmp
     assert not [r for r in caplog.records if r.name.startswith("sacrebleu")]
 
 
+def test_a_file_of_blank_lines_is_named_in_a_warning(tmp_path, capsys):
+    """A reference of newlines alone scored BLEU 0 (ref_len 0) with no word, where a file of no lines is
+    refused; so did translations of newlines alone."""
+    hyp, ref, other = tmp_path / "hyp", tmp_path / "ref", tmp_path / "other"
+    hyp.write_text("The cat sat.\nA dog ran.\n", encoding="utf-8")
+    ref.write_text("\n \t\n", encoding="utf-8")
+    other.write_text("The cat sat.\n\n", encoding="utf-8")
+    assert main(["evaluate", str(hyp), str(ref)]) == 0
+    captured = capsys.readouterr()
+    assert "ref_len = 0" in captured.out
+    assert captured.err == f"aiayn: warning: {ref}: every line is blank: no reference text to score against\n"
+    assert main(["evaluate", str(hyp), str(other), str(ref)]) == 0  # the blank one of two references
+    assert capsys.readouterr().err.count("warning") == 1
+    assert main(["evaluate", str(ref), str(other)]) == 0
+    assert capsys.readouterr().err == (
+        f"aiayn: warning: {ref}: every line is blank: no translations to score\n")
+    assert main(["evaluate", str(hyp), str(other)]) == 0  # one line of text: no warning
+    assert capsys.readouterr().err == ""
+
+
 def test_standard_input_named_twice_is_refused_and_a_file_given_as_it_is_said_to_be_itself(tmp_path, capsys,
                                                                                           monkeypatch):
     """`cat ref | aiayn evaluate - /dev/stdin`: the second read of the pipe was empty, said as "line counts

@@ -385,7 +385,19 @@ def score_lines(
     refs = [read_once(r) for r in references]
     for path, lines in zip(references, refs):
         require_same_count(path, len(lines), name, len(hyps))  # as training and score name it
-    return corpus_scores(hyps, refs, lang, tokenize, **options)
+    scores = corpus_scores(hyps, refs, lang, tokenize, **options)
+    _warn_of_files(hyps, name, refs, references)  # once scored: a refused setting is the one line said
+    return scores
+
+
+def _warn_of_files(hyps: Sequence[str], name: str | Path, refs: list[list[str]], references: list) -> None:
+    """Warnings, naming the files, of what sacreBLEU scores silently: a file whose every line is blank
+    (BLEU 0, ref_len 0: an empty file is refused, a file of newlines was not)."""
+    blank = [(name, "no translations to score")] if not any(map(str.strip, hyps)) else []
+    blank += [(path, "no reference text to score against") for path, lines in zip(references, refs)
+              if not any(map(str.strip, lines))]
+    for path, said in blank:
+        log.warning("%s: every line is blank: %s", path, said)
 
 
 def _check_stdin_read_once(hypotheses: str | Path, references: list[str | Path]) -> None:

@@ -586,6 +586,36 @@ def test_a_file_of_blank_lines_is_named_in_a_warning(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_translations_and_a_reference_in_other_unicode_forms_are_named_in_a_warning(tmp_path, capsys):
+    """The same text, NFD-decomposed on one side and NFC-composed on the other, scored well under 100 with no
+    word: sacreBLEU compares characters, and NFD's é is two."""
+    import unicodedata
+
+    lines = ["Café au lait, s'il vous plaît.", "Ça n'a pas été très facile.", "The end."]
+    files = {}
+    for form in ("NFC", "NFD"):
+        files[form] = tmp_path / form
+        files[form].write_text("\n".join(unicodedata.normalize(form, line) for line in lines) + "\n",
+                               encoding="utf-8")
+    said = {"NFC": "composed form (NFC: é one character)",
+            "NFD": "decomposed form (NFD: é as e and a combining accent)"}
+    for hyp, ref in (("NFD", "NFC"), ("NFC", "NFD")):
+        assert main(["evaluate", str(files[hyp]), str(files[ref]), "--json"]) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)[0]["score"] < 100
+        assert captured.err == (f"aiayn: warning: {files[hyp]} is in Unicode's {said[hyp]}, {files[ref]} in "
+                                f"its {said[ref]}: the same letters are other characters to the scores, "
+                                "which lowers them; normalize both to one form (NFC) first\n")
+    (tmp_path / "copy").write_text(files["NFC"].read_text(encoding="utf-8"), encoding="utf-8")
+    assert main(["evaluate", str(files["NFC"]), str(tmp_path / "copy"), str(files["NFD"])]) == 0
+    assert capsys.readouterr().err.count(f"{files['NFD']} in its decomposed form") == 1  # that one alone
+    (tmp_path / "ascii").write_text("Cafe au lait.\nCa va.\nThe end.\n", encoding="utf-8")
+    # no telling ASCII's form; one form on both sides
+    for hyp, ref in ((tmp_path / "ascii", files["NFD"]), (tmp_path / "copy", files["NFC"])):
+        assert main(["evaluate", str(hyp), str(ref)]) == 0
+        assert capsys.readouterr().err == ""
+
+
 def test_standard_input_named_twice_is_refused_and_a_file_given_as_it_is_said_to_be_itself(tmp_path, capsys,
                                                                                           monkeypatch):
     """`cat ref | aiayn evaluate - /dev/stdin`: the second read of the pipe was empty, said as "line counts

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -70,6 +71,10 @@ UNSPACED_SHARE = 0.5  # of a text's letters in those scripts, from which it is u
 # warning is off (BLEU's force): three unprefixed lines, from each of BLEU's two scorings, advised `force`,
 # which aiayn has no setting for; `corpus_scores` says it once
 TOKENIZED_PERIODS = 100
+# Unicode's normalization forms, as the warning of translations and a reference in different ones names
+# them (the same text scored 79 BLEU, silently)
+UNICODE_FORMS = {"NFC": "composed form (NFC: é one character)",
+                 "NFD": "decomposed form (NFD: é as e and a combining accent)"}
 # Bytes of the (resamples, lines) index table sacreBLEU's bootstrap draws at once: past this no machine
 # holds it (numpy's OverflowError or "array is too big" otherwise, as tracebacks)
 MAX_BOOTSTRAP_BYTES = 2**50
@@ -392,12 +397,28 @@ def score_lines(
 
 def _warn_of_files(hyps: Sequence[str], name: str | Path, refs: list[list[str]], references: list) -> None:
     """Warnings, naming the files, of what sacreBLEU scores silently: a file whose every line is blank
-    (BLEU 0, ref_len 0: an empty file is refused, a file of newlines was not)."""
+    (BLEU 0, ref_len 0: an empty file is refused, a file of newlines was not), and a reference in another
+    Unicode normalization form than the translations (NFD's é is e and a combining accent, NFC's one
+    character: the same text scored 79 BLEU)."""
     blank = [(name, "no translations to score")] if not any(map(str.strip, hyps)) else []
     blank += [(path, "no reference text to score against") for path, lines in zip(references, refs)
               if not any(map(str.strip, lines))]
     for path, said in blank:
         log.warning("%s: every line is blank: %s", path, said)
+    form = _unicode_form(hyps)
+    for path, lines in zip(references, refs):
+        if form and (other := _unicode_form(lines)) and other != form:
+            log.warning("%s is in Unicode's %s, %s in its %s: the same letters are other characters to the "
+                        "scores, which lowers them; normalize both to one form (NFC) first", name,
+                        UNICODE_FORMS[form], path, UNICODE_FORMS[other])
+
+
+def _unicode_form(lines: Sequence[str]) -> str:
+    """"NFD" where more of `lines` hold decomposed letters (that NFC would compose) than composed ones (that
+    NFD would decompose), "NFC" where fewer, "" where as many (text in ASCII alone: none of either)."""
+    decomposed = sum(not unicodedata.is_normalized("NFC", line) for line in lines)
+    composed = sum(not unicodedata.is_normalized("NFD", line) for line in lines)
+    return "NFD" if decomposed > composed else "NFC" if composed > decomposed else ""
 
 
 def _check_stdin_read_once(hypotheses: str | Path, references: list[str | Path]) -> None:

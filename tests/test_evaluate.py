@@ -215,6 +215,9 @@ def test_sacrebleus_lowercase_flag_is_refused_as_itself(tmp_path, capsys):
     assert exit.value.code == 2 and capsys.readouterr().err == (
         "aiayn evaluate: error: -lc: aiayn evaluate has no lowercase option; its BLEU-lc line is always "
         "printed (see aiayn evaluate --help)\n")
+    with pytest.raises(SystemExit):  # its long form: argparse's bare "unrecognized arguments" before
+        main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "hyp"), "--lowercase"])
+    assert "--lowercase: aiayn evaluate has no lowercase option" in capsys.readouterr().err
     assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "hyp"), "-lcmn"]) == 0  # -l cmn: zh
     assert "tok:zh" in capsys.readouterr().out
 

@@ -760,7 +760,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "ko get the BLEU tokenizer sacreBLEU picks for them (13a splits no Chinese or Japanese "
                         "words; ja and ko need pip install 'sacrebleu[ja]' or 'sacrebleu[ko]'), th, lo, km and my "
                         "(Thai, Lao, Khmer, Burmese: no sacreBLEU tokenizer) its char one (tok:char)")
-    p.add_argument("-lc", action=_Refused,  # an option of its own, else argparse reads it as -l c
+    p.add_argument("-lc", "--lowercase", action=_Refused,  # its own option, else argparse reads -l c
                    reason="aiayn evaluate has no lowercase option; its BLEU-lc line is always printed")
     p.add_argument("--tokenize", default=None, help="BLEU's tokenizer by name (default: 13a, or LANG's): "
                    "13a, intl, zh, char, none, flores200 (downloads its model on first use), ...; with "

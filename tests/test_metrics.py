@@ -305,14 +305,26 @@ def test_bleu_of_another_signature_is_a_line_of_its_own_and_the_best_its_own():
     bleu = _draw(records).axes[2]
     assert [(list(line.get_xdata()), line.get_label()) for line in bleu.lines] == [
         ([80, 160], "tok:13a"), ([240, 320], "tok:char")]
-    assert bleu.get_title() == "best valid BLEU 21.30 at 240 (tok:char)"
+    assert bleu.get_title() == "best valid BLEU 21.30 at update 240 (tok:char)"
     assert [t.get_text() for t in bleu.get_legend().get_texts()] == ["tok:13a", "tok:char"]
     upgraded = [{**records[0], "bleu_signature": sig.format("13a").replace("2.6.0", "2.5.1")}, records[1],
                 {"step": 200, "valid_bleu": 5.0, "bleu_signature": None}]  # no text: as if missing
     assert len(_draw(upgraded).axes[2].lines) == 1  # another sacreBLEU version alone is the same scale
     one = _draw(records[:2]).axes[2]  # one scale: one line, no legend, the title as before
     assert len(one.lines) == 1 and one.get_legend() is None
-    assert one.get_title() == "best valid BLEU 4.50 at 160"
+    assert one.get_title() == "best valid BLEU 4.50 at update 160"
+
+
+def test_the_legend_says_label_smoothed_and_the_titles_say_update():
+    """"train loss (smoothed)" read as a moving average; "best valid NLL 5.193 (ppl 180.05) at 45", 45 what?"""
+    from aiayn.train.metrics import _draw
+
+    records = [*TRAIN, {**VALID, "valid_bleu": 12.5}]
+    loss, _, bleu = _draw(records).axes
+    assert [t.get_text() for t in loss.get_legend().get_texts()] == [
+        "train loss (label-smoothed)", "train NLL", "valid loss (label-smoothed)", "valid NLL"]
+    assert loss.get_title() == "best valid NLL 1.000 (ppl 2.72) at update 3"
+    assert bleu.get_title() == "best valid BLEU 12.50 at update 3"
 
 
 def test_a_tied_best_is_the_first_for_bleu_as_for_the_loss(tmp_path, monkeypatch):
@@ -324,7 +336,7 @@ def test_a_tied_best_is_the_first_for_bleu_as_for_the_loss(tmp_path, monkeypatch
     tied = [whole({"step": s, "valid_loss": 2.0, "valid_nll": 1.5, "valid_bleu": 12.5}) for s in (10, 20)]
     plot_metrics(write_log(tmp_path / "a.jsonl", *map(whole, TRAIN), *tied), tmp_path / "a.png")
     titles = [axes.get_title() for axes in drawn[0].axes]
-    assert titles[2] == "best valid BLEU 12.50 at 10" and "at 10" in titles[0], titles
+    assert titles[2] == "best valid BLEU 12.50 at update 10" and "at update 10" in titles[0], titles
 
 
 def test_records_without_a_curves_keys_are_left_out_of_that_curve(tmp_path):
@@ -353,7 +365,7 @@ def test_validation_bleu_gets_its_own_panel(tmp_path, monkeypatch):
     without, with_bleu = drawn
     assert len(without.axes) == 2 and len(with_bleu.axes) == 3
     assert [list(line.get_ydata()) for line in with_bleu.axes[2].lines] == [[12.5, 17.25]]
-    assert with_bleu.axes[2].get_title() == "best valid BLEU 17.25 at 20"
+    assert with_bleu.axes[2].get_title() == "best valid BLEU 17.25 at update 20"
 
 
 def test_drawing_leaves_the_callers_matplotlib_backend_and_figures_alone(log_path, tmp_path):
@@ -479,8 +491,8 @@ def test_the_best_validation_score_ignores_nan(tmp_path):
                {"step": 200, "valid_nll": 0.5, "valid_bleu": 12.0},
                {"step": 300, "valid_nll": 0.7, "valid_bleu": 9.0}]
     titles = [ax.get_title() for ax in _draw(records).axes]
-    assert titles[0] == "best valid NLL 0.500 (ppl 1.65) at 200"
-    assert titles[2] == "best valid BLEU 12.00 at 200"
+    assert titles[0] == "best valid NLL 0.500 (ppl 1.65) at update 200"
+    assert titles[2] == "best valid BLEU 12.00 at update 200"
 
 
 def test_plot_output_inside_a_checkpoint_is_refused(tmp_path, capsys):

@@ -282,9 +282,10 @@ def _draw(records: list[dict[str, Any]]):
     axes = fig.subplots(1, 3 if bleu_series else 2)
     ax_loss, ax_lr = axes[0], axes[1]
     for key, label, style in (
-        ("loss", "train loss (smoothed)", "-"),
+        # "smoothed" alone read as a moving average: it is the label-smoothed loss (the paper's section 5.4)
+        ("loss", "train loss (label-smoothed)", "-"),
         ("nll", "train NLL", "-"),
-        ("valid_loss", "valid loss (smoothed)", "o-"),
+        ("valid_loss", "valid loss (label-smoothed)", "o-"),
         ("valid_nll", "valid NLL", "o-"),
     ):
         steps, values = _points(records, key)
@@ -298,7 +299,7 @@ def _draw(records: list[dict[str, Any]]):
     steps, nlls = _points(records, "valid_nll")
     if steps:
         nll, step = _best(min, nlls, steps)
-        ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {shown_ppl(nll, 2)}) at {step}"
+        ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {shown_ppl(nll, 2)}) at update {step}"
                           if not math.isnan(nll) else "valid NLL: not a number at every validation")
     lr_steps, lrs = _points(records, "lr")
     ax_lr.plot(lr_steps, lrs, "o-" if len(lr_steps) == 1 else "-", markersize=3)
@@ -334,7 +335,7 @@ def _draw_bleu(ax, series: list[tuple[str, list, list]]) -> None:
     values = [value for signature, _, v in series if signature == last for value in v]
     best, at = _best(max, values, steps)
     where = f" ({_signature_label(last, signatures)})" if len(signatures) > 1 else ""
-    ax.set_title(f"best valid BLEU {best:.2f} at {at}{where}" if not math.isnan(best)
+    ax.set_title(f"best valid BLEU {best:.2f} at update {at}{where}" if not math.isnan(best)
                  else "valid BLEU: not a number at every validation")
     ax.grid(alpha=0.3)
 

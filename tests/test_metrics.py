@@ -2,6 +2,7 @@
 log, a `file:line` error or a one-line error, never a traceback, a glued record or a half-written PNG."""
 
 import errno
+import itertools
 import json
 import logging
 import math
@@ -99,6 +100,31 @@ def test_each_panels_update_axis_is_labelled_with_whole_numbers(records):
     for ax in fig.axes:
         labels = [t.get_text() for t in ax.get_xticklabels() if t.get_visible()]
         assert labels and all(re.fullmatch(r"\d+", label) for label in labels), labels
+
+
+@pytest.mark.parametrize("last, bleu", [(8_000, True), (150_000, True), (200_000, False), (2_000_000, True),
+                                        (10**15, False)])
+def test_the_update_labels_of_a_long_run_do_not_run_together(last, bleu):
+    """From 150k updates (3 panels) or 200k (2), the labels read `0 25000 50000 75000100000125000...`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from aiayn.train.metrics import _draw
+
+    steps = [last * k // 200 for k in range(1, 201)]
+    records = [{"step": s, "loss": 3.0, "nll": 2.8, "lr": 5e-4, **({"valid_bleu": 20.0} if bleu else {})}
+               for s in steps]
+    fig = _draw(records)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    for ax in fig.axes:
+        low, high = ax.get_xlim()  # the locator's ticks past the axis's ends are not drawn
+        labels = [t for t, x in zip(ax.get_xticklabels(), ax.get_xticks()) if low <= x <= high]
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        assert len(boxes) >= 3 and all(a.x1 + 2 < b.x0 for a, b in itertools.pairwise(boxes)), (
+            [t.get_text() for t in labels])
+        if last >= 10_000:  # short labels: 50k, 1.5M
+            assert all(re.fullmatch(r"0|\d+(\.\d+)?[kMGTP]", t.get_text()) for t in labels), (
+                [t.get_text() for t in labels])
 
 
 def test_panels_without_numbers_say_so():

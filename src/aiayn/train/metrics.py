@@ -344,14 +344,17 @@ def _whole_updates(ax, run_steps: list) -> None:
     """Tick a panel's update axis at whole updates: a short run's ticks were 0.96, 0.98, ... or 1.25, 1.5.
     The span is that of the points the panel draws (matplotlib leaves out one that is not finite): the
     run's, 1 to 6, beside a BLEU panel of update 6 alone, ticked it 5.68, 5.76, ... A panel with no point
-    (its text says so) spans the run's updates, not matplotlib's -0.06 to 0.06."""
-    from matplotlib.ticker import MaxNLocator
+    (its text says so) spans the run's updates, not matplotlib's -0.06 to 0.06. Past 9,999 updates the
+    labels are short (25k, 1.5M): six digits a label ran together from 150k updates (`75000100000125000`)."""
+    from matplotlib.ticker import EngFormatter, MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     drawn = [x for line in ax.lines for x, y in zip(line.get_xdata(), line.get_ydata()) if math.isfinite(y)]
     steps = drawn or run_steps
     if not steps:
         return
+    if max(map(abs, steps)) >= 10_000:
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 0, 25k, 50k; below 10k the whole numbers
     if max(steps) - min(steps) < 2:  # under two updates apart: no two whole ticks to show
         ax.set_xlim(min(steps) - 1, max(steps) + 1)
     elif not drawn:

@@ -254,6 +254,10 @@ def test_plot_command_gives_one_line_for_a_bad_line(tmp_path, capsys):
     (b'{"step": 2, "valid_loss": 1.0, "valid_bleu": "abc"}\n', "'valid_bleu' is \"abc\", not a number"),
     (b'{"step": 2, "valid_bleu": null}\n', "'valid_bleu' is null, not a number"),  # these two: TypeError
     (b'{"step": 1e308, "loss": 1.0}\n', "'step' is 1e+308, not an update number"),  # a ValueError traceback
+    (b'{"step": -3, "loss": 1.0}\n', "'step' is -3, not an update number (a whole number from 1)"),  # drawn
+    (b'{"step": 1.5, "loss": 1.0}\n', "'step' is 1.5, not an update number"),  # drawn between 1 and 2
+    (b'{"step": 0, "loss": 1.0}\n', "'step' is 0, not an update number"),  # training logs from update 1
+    (b'{"step": NaN, "loss": 1.0}\n', "'step' is nan, not an update number"),
     (b'{"step": 2, "lr": -1e308}\n', "'lr' is -1e+308, past any value a run logs"),  # matplotlib failed
     (b'{"step": 2, "loss": 1' + b"0" * 5000 + b'}\n', "not valid JSON (Exceeds the limit"),  # int() refused
 ])
@@ -266,6 +270,22 @@ def test_plot_command_refuses_values_it_cannot_draw(tmp_path, capsys, line, prob
         cli.main(["plot", str(tmp_path), "-o", ""])
     assert e.value.code == 2 and "-o/--output: invalid path value: ''" in capsys.readouterr().err
     assert not (tmp_path / "c.png").exists() and not (tmp_path / "curves.png").exists()
+
+
+def test_a_value_that_is_not_finite_is_said_not_drawn(tmp_path, caplog):
+    """matplotlib leaves NaN and inf out: a log with one (training stops before it logs one) drew a curve
+    cut short, and nothing said why."""
+    path = write_log(tmp_path / "metrics.jsonl", *map(whole, TRAIN),
+                     whole({"step": 4, "loss": math.nan, "nll": math.inf, "lr": 4e-4}))
+    with caplog.at_level(logging.WARNING):
+        assert len(read_metrics(path)) == 4
+    said = (f"{path}:4: 'loss' is nan at update 4, which is not drawn (its curve breaks or ends there); "
+            "1 more value(s) in the log are not finite either")
+    assert caplog.messages == [said]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        read_metrics(write_log(path, *map(whole, TRAIN)))
+    assert not caplog.messages
 
 
 @pytest.mark.parametrize("content", [b"", b'{"step": 1, "lo'])  # nothing yet; only a line cut by a kill

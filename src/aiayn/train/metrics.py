@@ -136,6 +136,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         raise UserError(f"{path}: not a metrics log (one JSON object a line): the file is {what}")
     lines = data.split(b"\n")  # bytes, split on newlines only: a bad byte is one line's error, with its line
     records = []
+    not_finite = []  # (where, key, value): drawn as a gap, or a curve cut short, they are said
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -149,8 +150,22 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         if not isinstance(record, dict):  # it parsed, so no interrupted write made it
             raise UserError(f"{path}:{n}: not a JSON object: {line.decode()[:40]}")
         _check_numbers(record, f"{path}:{n}")
+        not_finite += [(f"{path}:{n}", key, record) for key in PLOTTED
+                       if key in record and not math.isfinite(record[key])]
         records.append(record)
+    if not_finite:
+        _warn_not_finite(not_finite)
     return records
+
+
+def _warn_not_finite(found: list[tuple[str, str, dict[str, Any]]]) -> None:
+    """Say where a log holds NaN or inf: matplotlib leaves such a point out, so a curve ended early or had a
+    gap that nothing explained. Training stops before it logs a loss that is not finite (loop's
+    `_check_finite`); a log with one was edited, or written before that check."""
+    where, key, record = found[0]
+    more = f"; {len(found) - 1} more value(s) in the log are not finite either" if len(found) > 1 else ""
+    log.warning("%s: %r is %s at update %s, which is not drawn (its curve breaks or ends there)%s", where,
+                key, record[key], record.get("step", "(none given)"), more)
 
 
 def _decode(line: bytes, where: str) -> Any:
@@ -171,11 +186,14 @@ def _check_numbers(record: dict[str, Any], where: str) -> None:
         value = record.get(key)
         if key in record and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UserError(f"{where}: {key!r} is {json.dumps(value)[:40]}, not a number")
-        # inf and nan are drawn; a finite 1e308 beside -1e308 failed in matplotlib's ticks
+        # inf and nan are accepted (and said: matplotlib leaves them out); a finite 1e308 beside -1e308
+        # failed in matplotlib's ticks
         if key != "step" and key in record and math.isfinite(value) and abs(value) > MAX_VALUE:
             raise UserError(f"{where}: {key!r} is {value:.3g}, past any value a run logs")
-    if not -MAX_STEP <= record.get("step", 0) <= MAX_STEP:
-        raise UserError(f"{where}: 'step' is {record['step']}, not an update number")
+    step = record.get("step", 1)
+    # training logs updates from 1; -3 or 1.5 (a hand's edit) were drawn, and nan or 1e308 failed
+    if not (1 <= step <= MAX_STEP and float(step).is_integer()):
+        raise UserError(f"{where}: 'step' is {step}, not an update number (a whole number from 1)")
 
 
 def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:

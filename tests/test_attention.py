@@ -3,6 +3,7 @@ was computed from, and asking for them leaves the logits bit-identical."""
 
 import dataclasses
 import logging
+import os
 import re
 import warnings
 from pathlib import Path
@@ -325,16 +326,41 @@ def test_figure_stays_bounded_and_keeps_full_cells_when_small():
         assert font == pytest.approx(7.0 * cell / attention.CELL_INCHES)
 
 
-@pytest.mark.parametrize("bad", ["file", "file/sub", "/proc/x"])  # "": argparse's (test_files)
+@pytest.mark.parametrize("bad", ["file", "file/sub", "/proc/x", "/sys/attn_probe"])  # "": test_files
 def test_an_unusable_out_is_one_line(tmp_path, tokenizers, capsys, monkeypatch, bad):
+    """/proc/x and /sys/attn_probe, where root's mkdir fails, were refused after the model ran and drew."""
     argv = _draw_args(tmp_path, tokenizers)
     (tmp_path / "file").write_text("mine")
     monkeypatch.chdir(tmp_path)  # where an accepted "" would write
+    ran = []
+    monkeypatch.setattr(attention, "extract_attention", lambda *args: ran.append(1))
     out = str(tmp_path / bad) if bad in ("file", "file/sub") else bad
     assert main(argv + ["--out", out]) == 2
     err = capsys.readouterr().err
     assert "error: " in err and err.count("\n") == 1 and out in err
     assert (tmp_path / "file").read_text() == "mine" and not list(tmp_path.glob("attention*"))
+    assert not ran and (bad == "file" or not Path(out).exists())
+
+
+def test_an_out_in_a_folder_the_user_may_not_write_in_is_refused_first(tmp_path, tokenizers, capsys,
+                                                                        monkeypatch):
+    """`--out /usr/maps` (no write permission there, or a read-only mount) failed after the drawing."""
+    argv = _draw_args(tmp_path, tokenizers)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access  # as root every folder is writable: os.access is made to say what it says to a user
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked and real(path, mode))
+    ran = []
+    monkeypatch.setattr(attention, "extract_attention", lambda *args: ran.append(1))
+    for out, said in ((locked / "new" / "maps", f"{locked}, where it would be made, is not writable"),
+                      (locked, "is not writable")):
+        assert main(argv + ["--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"aiayn: error: {out}: {said}\n"
+    assert not ran and not list(locked.iterdir())
+    monkeypatch.undo()
+    new = tmp_path / "new" / "maps"  # made before the work, and removed again when it fails
+    assert main(["attention", "--checkpoint", str(tmp_path / "nope"), "--src", "x", "--out", str(new)]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err and not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("name", ["map.png", "maps/Map.PDF", "a.svg", "page.html", "m.htm", "m.jpg",

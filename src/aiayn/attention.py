@@ -398,8 +398,9 @@ def check_out_dir(out_dir: str | Path) -> Path:
     """Refuse an output folder that cannot be one, before any work: an empty name (it would mean the
     current directory), an existing non-directory, a path under a file, a new name that ends in a
     picture's or page's suffix (`FILE_SUFFIXES`), which was meant as a file, or a folder that is or lies
-    inside a checkpoint or a run's checkpoints/ (training's keep_last deletes those whole). Creates
-    nothing."""
+    inside a checkpoint or a run's checkpoints/ (training's keep_last deletes those whole), or one whose
+    nearest existing folder the user may not write in (`/usr/maps` was refused after the drawing). Creates
+    nothing: root passes the last check anywhere (/sys/maps), which making the folder first catches (cli)."""
     from aiayn.train.state import check_outside_checkpoints
 
     if str(out_dir) == "":
@@ -411,6 +412,10 @@ def check_out_dir(out_dir: str | Path) -> Path:
     if out_dir.suffix.lower() in FILE_SUFFIXES and not out_dir.exists() and not folder:
         raise UserError(f"{out_dir}: names a file; --out (out_dir in Python) is the folder that gets "
                         f"attention_*.png and attention.html, such as {out_dir.with_suffix('')}")
+    existing = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())  # a directory: checked
+    if not os.access(existing, os.W_OK | os.X_OK):  # new files (and folders) go in it
+        where = "" if existing == out_dir else f"{existing}, where it would be made, "
+        raise UserError(f"{out_dir}: {where}is not writable")
     return out_dir
 
 

@@ -235,14 +235,18 @@ def cmd_attention(args: argparse.Namespace) -> None:
     """Draw every layer's and head's attention for one sentence pair as PNGs and one HTML page."""
     from aiayn.attention import check_out_dir, check_selection, draw_attention, extract_attention
     from aiayn.checkpoint import load_checkpoint
+    from aiayn.files import directory_for
 
     _log_to_stderr()  # e.g. label characters that no installed font has
-    check_out_dir(args.out)  # before loading and running the model, not after
-    ck = load_checkpoint(args.checkpoint)
-    config = ck.model.config  # a layer or head the model lacks, said before its greedy translation runs
-    check_selection(args.layers, args.heads, max(config.n_layers, config.decoder_layers), config.n_heads)
-    maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt).select(args.layers, args.heads)
-    files = draw_attention(maps, args.out, title=f"attention of {args.checkpoint}: {args.src}")
+    out = check_out_dir(args.out)  # before loading and running the model, not after
+    # made before the work too, and removed again if it fails: root may write anywhere, so /sys/maps passed
+    # the check and failed making the folder after the drawing
+    with directory_for(out, out):
+        ck = load_checkpoint(args.checkpoint)
+        config = ck.model.config  # a layer or head the model lacks, said before its greedy translation runs
+        check_selection(args.layers, args.heads, max(config.n_layers, config.decoder_layers), config.n_heads)
+        maps = extract_attention(ck.model, ck.tokenizer, args.src, args.tgt).select(args.layers, args.heads)
+        files = draw_attention(maps, args.out, title=f"attention of {args.checkpoint}: {args.src}")
     for path in files.values():
         print(path)
 

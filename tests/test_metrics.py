@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,13 @@ def write_log(path, *lines: bytes):
 
 def whole(record) -> bytes:
     return json.dumps(record).encode() + b"\n"
+
+
+def draw(records, log_scale=False):
+    """The figure of one run's records."""
+    from aiayn.train.metrics import _draw
+
+    return _draw([("run", records)], log_scale)
 
 
 @pytest.fixture
@@ -70,10 +78,8 @@ def test_a_run_starting_at_update_n_drops_the_records_past_it(log_path, caplog):
 @pytest.mark.parametrize("steps", [[1], [1, 2, 3], [100, 4000, 100000]])
 def test_the_update_axis_has_whole_numbers_only(steps):
     """A one-update run's axis read 0.96, 0.98, 1.00 ...; three updates, 1.25, 1.5 ..."""
-    from aiayn.train.metrics import _draw
-
     records = [{"step": s, "loss": 1.0, "nll": 1.0, "lr": 1e-4, "valid_bleu": 1.0} for s in steps]
-    for ax in _draw(records).axes:
+    for ax in draw(records).axes:
         ticks = ax.get_xticks()
         assert len(ticks) and all(float(t).is_integer() for t in ticks), ticks
 
@@ -93,9 +99,7 @@ def test_each_panels_update_axis_is_labelled_with_whole_numbers(records):
     """The narrow-range guard looked at the updates of all records together, not at those of each panel."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from aiayn.train.metrics import _draw
-
-    fig = _draw(records)
+    fig = draw(records)
     FigureCanvasAgg(fig).draw()
     for ax in fig.axes:
         labels = [t.get_text() for t in ax.get_xticklabels() if t.get_visible()]
@@ -108,12 +112,10 @@ def test_the_update_labels_of_a_long_run_do_not_run_together(last, bleu):
     """From 150k updates (3 panels) or 200k (2), the labels read `0 25000 50000 75000100000125000...`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from aiayn.train.metrics import _draw
-
     steps = [last * k // 200 for k in range(1, 201)]
     records = [{"step": s, "loss": 3.0, "nll": 2.8, "lr": 5e-4, **({"valid_bleu": 20.0} if bleu else {})}
                for s in steps]
-    fig = _draw(records)
+    fig = draw(records)
     renderer = FigureCanvasAgg(fig).get_renderer()
     fig.draw(renderer)
     for ax in fig.axes:
@@ -130,17 +132,15 @@ def test_the_update_labels_of_a_long_run_do_not_run_together(last, bleu):
 def test_panels_without_numbers_say_so():
     """A log without lr records drew bare axes (-0.04 to 0.04); one of NaNs, blank panels titled "best
     valid NLL nan" (and "best valid BLEU nan")."""
-    from aiayn.train.metrics import _draw
-
     nan = float("nan")
-    fig = _draw([{"step": 1, "loss": nan, "nll": nan}, {"step": 2, "valid_loss": nan, "valid_nll": nan}])
+    fig = draw([{"step": 1, "loss": nan, "nll": nan}, {"step": 2, "valid_loss": nan, "valid_nll": nan}])
     loss, lr = fig.axes
     assert [t.get_text() for t in loss.texts] == ["no loss logged (or none finite)"]
     assert [t.get_text() for t in lr.texts] == ["no learning rate logged (or none finite)"]
     assert loss.get_title() == "valid NLL: not a number at every validation"
-    bleu = _draw([{"step": 2, "valid_nll": 1.5, "valid_bleu": nan}]).axes[2]  # titled "best valid BLEU nan"
+    bleu = draw([{"step": 2, "valid_nll": 1.5, "valid_bleu": nan}]).axes[2]  # titled "best valid BLEU nan"
     assert bleu.get_title() == "valid BLEU: not a number at every validation"
-    fig = _draw([{"step": 1, "loss": 2.0, "nll": 1.0, "lr": 1e-4}])
+    fig = draw([{"step": 1, "loss": 2.0, "nll": 1.0, "lr": 1e-4}])
     assert not fig.axes[0].texts and not fig.axes[1].texts
 
 
@@ -341,32 +341,29 @@ def test_plot_names_the_run_directory_of_a_demo_folder_or_a_checkpoints_folder(t
 def test_bleu_of_another_signature_is_a_line_of_its_own_and_the_best_its_own():
     """A --resume with another train.bleu_lang joined 13a BLEU 4.5 and char BLEU 21.3 in one line, titled
     with the best of both scales."""
-    from aiayn.train.metrics import _draw
-
     sig = "nrefs:1|case:mixed|eff:no|tok:{}|smooth:exp|version:2.6.0"
     records = [{"step": 80, "valid_bleu": 2.0, "bleu_signature": sig.format("13a")},
                {"step": 160, "valid_bleu": 4.5, "bleu_signature": sig.format("13a")},
                {"step": 240, "valid_bleu": 21.3, "bleu_signature": sig.format("char")},
                {"step": 320, "valid_bleu": 19.0}]  # no signature (a hand's edit): the series before it's
-    bleu = _draw(records).axes[2]
+    bleu = draw(records).axes[2]
     assert [(list(line.get_xdata()), line.get_label()) for line in bleu.lines] == [
         ([80, 160], "tok:13a"), ([240, 320], "tok:char")]
     assert bleu.get_title() == "best valid BLEU 21.30 at update 240 (tok:char)"
     assert [t.get_text() for t in bleu.get_legend().get_texts()] == ["tok:13a", "tok:char"]
     upgraded = [{**records[0], "bleu_signature": sig.format("13a").replace("2.6.0", "2.5.1")}, records[1],
                 {"step": 200, "valid_bleu": 5.0, "bleu_signature": None}]  # no text: as if missing
-    assert len(_draw(upgraded).axes[2].lines) == 1  # another sacreBLEU version alone is the same scale
-    one = _draw(records[:2]).axes[2]  # one scale: one line, no legend, the title as before
+    assert len(draw(upgraded).axes[2].lines) == 1  # another sacreBLEU version alone is the same scale
+    one = draw(records[:2]).axes[2]  # one scale: one line, no legend, the title as before
     assert len(one.lines) == 1 and one.get_legend() is None
     assert one.get_title() == "best valid BLEU 4.50 at update 160"
 
 
 def test_the_legend_says_label_smoothed_and_the_titles_say_update():
-    """"train loss (smoothed)" read as a moving average; "best valid NLL 5.193 (ppl 180.05) at 45", 45 what?"""
-    from aiayn.train.metrics import _draw
-
+    """"train loss (smoothed)" read as a moving average; "best valid NLL 5.193 (ppl 180.05) at 45": 45 of
+    what?"""
     records = [*TRAIN, {**VALID, "valid_bleu": 12.5}]
-    loss, _, bleu = _draw(records).axes
+    loss, _, bleu = draw(records).axes
     assert [t.get_text() for t in loss.get_legend().get_texts()] == [
         "train loss (label-smoothed)", "train NLL", "valid loss (label-smoothed)", "valid NLL"]
     assert loss.get_title() == "best valid NLL 1.000 (ppl 2.72) at update 3"
@@ -378,7 +375,7 @@ def test_a_tied_best_is_the_first_for_bleu_as_for_the_loss(tmp_path, monkeypatch
 
     drawn = []
     real = metrics._draw
-    monkeypatch.setattr(metrics, "_draw", lambda records: drawn.append(real(records)) or drawn[-1])
+    monkeypatch.setattr(metrics, "_draw", lambda *args: drawn.append(real(*args)) or drawn[-1])
     tied = [whole({"step": s, "valid_loss": 2.0, "valid_nll": 1.5, "valid_bleu": 12.5}) for s in (10, 20)]
     plot_metrics(write_log(tmp_path / "a.jsonl", *map(whole, TRAIN), *tied), tmp_path / "a.png")
     titles = [axes.get_title() for axes in drawn[0].axes]
@@ -403,7 +400,7 @@ def test_validation_bleu_gets_its_own_panel(tmp_path, monkeypatch):
 
     drawn = []
     real = metrics._draw
-    monkeypatch.setattr(metrics, "_draw", lambda records: drawn.append(real(records)) or drawn[-1])
+    monkeypatch.setattr(metrics, "_draw", lambda *args: drawn.append(real(*args)) or drawn[-1])
     bleu = [whole({"step": 10, "valid_loss": 2.0, "valid_nll": 1.9, "valid_bleu": 12.5}),
             whole({"step": 20, "valid_loss": 1.8, "valid_nll": 1.7, "valid_bleu": 17.25})]
     plot_metrics(write_log(tmp_path / "a.jsonl", *map(whole, TRAIN)), tmp_path / "a.png")
@@ -531,12 +528,10 @@ def test_a_full_disk_while_logging_is_one_line_naming_the_log(tmp_path, monkeypa
 
 def test_the_best_validation_score_ignores_nan(tmp_path):
     """A NaN first compared as the least: the title read 'best valid NLL nan (ppl nan) at 100'."""
-    from aiayn.train.metrics import _draw
-
     records = [{"step": 100, "valid_nll": math.nan, "valid_bleu": math.nan},
                {"step": 200, "valid_nll": 0.5, "valid_bleu": 12.0},
                {"step": 300, "valid_nll": 0.7, "valid_bleu": 9.0}]
-    titles = [ax.get_title() for ax in _draw(records).axes]
+    titles = [ax.get_title() for ax in draw(records).axes]
     assert titles[0] == "best valid NLL 0.500 (ppl 1.65) at update 200"
     assert titles[2] == "best valid BLEU 12.00 at update 200"
 
@@ -574,10 +569,106 @@ def test_plot_output_inside_a_checkpoint_is_refused(tmp_path, capsys):
 
 def test_a_curve_of_one_point_is_drawn_as_a_marker():
     """A run stopped right after its first log_every has one record: as a line it drew an empty panel."""
-    from aiayn.train.metrics import _draw
-
-    fig = _draw([{"step": 10, "loss": 5.0, "nll": 4.9, "lr": 0.001}])
+    fig = draw([{"step": 10, "loss": 5.0, "nll": 4.9, "lr": 0.001}])
     assert [[line.get_marker() for line in ax.lines] for ax in fig.axes] == [["o", "o"], ["o"]]
-    fig = _draw([{"step": s, "loss": 5.0, "nll": 4.9, "lr": 0.001} for s in (10, 20)])
+    fig = draw([{"step": s, "loss": 5.0, "nll": 4.9, "lr": 0.001} for s in (10, 20)])
     markers = [[line.get_marker() for line in ax.lines] for ax in fig.axes]
     assert markers == [["None", "None"], ["None"]]  # a curve: lines, as before
+
+
+def _run(path, scale=1.0, bleu=None):
+    """A run directory whose metrics.jsonl holds three updates and a validation at update 3."""
+    path.mkdir(parents=True)
+    valid = {**VALID, "valid_nll": VALID["valid_nll"] * scale, **({"valid_bleu": bleu} if bleu else {})}
+    write_log(path / "metrics.jsonl", *(whole({**r, "loss": r["loss"] * scale}) for r in TRAIN), whole(valid))
+    return path
+
+
+def test_several_runs_are_overlaid_a_colour_a_run_each_named_by_its_folders(tmp_path, capsys, monkeypatch):
+    """TensorBoard overlays runs; `plot` drew one run a picture."""
+    from aiayn.train import metrics
+
+    drawn = []
+    real = metrics._draw
+    monkeypatch.setattr(metrics, "_draw", lambda *args: drawn.append(real(*args)) or drawn[-1])
+    runs = [_run(tmp_path / "runs" / "a" / "base", 1.0, 20.0), _run(tmp_path / "runs" / "b" / "base", 0.5),
+            _run(tmp_path / "runs" / "big", 2.0, 25.0)]
+    out = tmp_path / "all.png"
+    assert cli.main(["plot", *map(str, runs), "-o", str(out)]) == 0
+    assert capsys.readouterr().out == f"{out}\n" and out.read_bytes().startswith(PNG_MAGIC)
+    fig = drawn[0]
+    names = ["a/base", "b/base", "big"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == names
+    loss, lr, bleu = fig.axes
+    for ax, per_run in ((loss, 4), (lr, 1), (bleu, 1)):
+        colours = {name: {line.get_color() for line in ax.lines if line.get_gid() == name} for name in names}
+        have = [name for name in names if colours[name]]
+        assert all(len([line for line in ax.lines if line.get_gid() == name]) == per_run for name in have)
+        assert all(len(colours[name]) == 1 for name in have)  # a colour a run ...
+        assert len({c for name in have for c in colours[name]}) == len(have)  # ... another for each
+    assert [len([line for line in bleu.lines if line.get_gid() == name]) for name in names] == [1, 0, 1]
+    assert [t.get_text() for t in loss.get_legend().get_texts()] == [
+        "train loss (label-smoothed)", "train NLL", "valid loss (label-smoothed)", "valid NLL"]
+    assert loss.get_title() == "best valid NLL 0.500 (ppl 1.65) at update 3\nof b/base"
+    assert bleu.get_title() == "best valid BLEU 25.00 at update 3\nof big"
+    one = _run(tmp_path / "one")  # one run: as before, a colour a curve and no run named
+    assert cli.main(["plot", str(one)]) == 0
+    assert not drawn[1].legends and len({line.get_color() for line in drawn[1].axes[0].lines}) == 4
+    assert drawn[1].axes[0].get_title() == "best valid NLL 1.000 (ppl 2.72) at update 3"
+
+
+def test_several_runs_need_an_output_and_a_bad_run_is_one_line_naming_it(tmp_path, capsys):
+    a, b = _run(tmp_path / "a"), _run(tmp_path / "b")
+    for argv, said in (
+        ([a, b], "2 runs drawn together: name their picture with -o FILE.png"),
+        ([a, tmp_path / "typo", "-o", tmp_path / "c.png"], f"{tmp_path / 'typo'}: no such run directory"),
+        ([a, b, f"{a}/", "-o", tmp_path / "c.png"], f"{a / 'metrics.jsonl'}: the same log given twice"),
+        ([a, b, "-o", b / "metrics.jsonl"], f"{b / 'metrics.jsonl'}: is the input {b / 'metrics.jsonl'}"),
+    ):
+        assert cli.main(["plot", *map(str, argv)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"aiayn: error: {said}") and err.count("\n") == 1, err
+    assert not list(tmp_path.rglob("*.png"))
+    (b / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": true}\n')
+    assert cli.main(["plot", str(a), str(b), "-o", str(tmp_path / "c.png")]) == 2
+    assert capsys.readouterr().err == f"aiayn: error: {b / 'metrics.jsonl'}:1: 'loss' is true, not a number\n"
+
+
+def test_run_names_are_the_fewest_folders_that_tell_the_runs_apart(tmp_path, monkeypatch):
+    from aiayn.train.metrics import run_names
+
+    logs = [tmp_path / run / "metrics.jsonl" for run in ("runs/a/base", "runs/b/base", "runs/big", "x/y/big")]
+    assert run_names(logs) == ["a/base", "b/base", "runs/big", "y/big"]
+    assert run_names(logs[:3]) == ["a/base", "b/base", "big"]  # each run its own fewest
+    monkeypatch.chdir(tmp_path)
+    assert run_names([tmp_path / "metrics.jsonl"]) == run_names([Path("metrics.jsonl")]) == [tmp_path.name]
+
+
+def test_log_scale_draws_the_losses_on_a_log_axis_with_plain_labels(tmp_path, capsys, monkeypatch):
+    """A 300k-update curve from 10 to 2 nats is flat at a linear scale."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from aiayn.train import metrics
+
+    drawn = []
+    real = metrics._draw
+    monkeypatch.setattr(metrics, "_draw", lambda *args: drawn.append(real(*args)) or drawn[-1])
+    run = tmp_path / "run"
+    run.mkdir()
+    write_log(run / "metrics.jsonl", *(whole({"step": s, "loss": 10 / s**0.5, "nll": 9 / s**0.5, "lr": 1e-4})
+                                      for s in range(1, 101)))
+    assert cli.main(["plot", str(run), "--log"]) == 0
+    loss, lr = drawn[0].axes
+    assert (loss.get_yscale(), lr.get_yscale()) == ("log", "linear")
+    FigureCanvasAgg(drawn[0]).draw()
+    low, high = loss.get_ylim()
+    labels = [t.get_text() for minor in (False, True)
+              for t, y in zip(loss.get_yticklabels(minor=minor), loss.get_yticks(minor=minor))
+              if low <= y <= high]
+    assert [x for x in labels if x] and all(re.fullmatch(r"(\d+(\.\d+)?)?", x) for x in labels), labels
+    assert cli.main(["plot", str(run)]) == 0 and drawn[1].axes[0].get_yscale() == "linear"
+    write_log(run / "metrics.jsonl", whole(TRAIN[0]), whole({"step": 2, "valid_loss": 1.0, "valid_nll": 0.0}))
+    assert cli.main(["plot", str(run), "--log"]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"aiayn: error: {run / 'metrics.jsonl'}: update 2: 'valid_nll' is not positive, which a log scale "
+        "cannot draw; draw it without the log scale\n")

@@ -926,7 +926,8 @@ def test_help_says_what_aiayn_is_and_what_every_argument_is(capsys):
         with pytest.raises(SystemExit):
             main([name, "--help"])
         usage = capsys.readouterr().out.splitlines()[0]
-        assert usage.endswith(" RUN_DIR") and "run_dir" not in usage
+        assert usage.endswith(" RUN_DIR" if name == "average" else " RUN_DIR [RUN_DIR ...]")  # plot: several
+        assert "run_dir" not in usage
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -195,18 +195,22 @@ def cmd_average(args: argparse.Namespace) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
-    """Draw RUN_DIR/metrics.jsonl as RUN_DIR/curves.png (or --output)."""
+    """Draw RUN_DIR/metrics.jsonl as RUN_DIR/curves.png (or --output); several runs' overlaid, as -o."""
     from pathlib import Path
 
     from aiayn.train.metrics import plot_metrics
 
-    run = Path(args.run_dir)
-    _check_plottable(run)
+    runs = [Path(run) for run in args.run_dirs]
+    if len(runs) > 1 and not args.output:  # no run's curves.png, which is its own (training redraws it)
+        raise UserError(f"{len(runs)} runs drawn together: name their picture with -o FILE.png")
+    for run in runs:
+        _check_plottable(run)
     # "names a directory; give the picture's file name": none was given
-    if not args.output and (run / "curves.png").is_dir():
-        raise UserError(f"{run / 'curves.png'}: is a directory, not a picture; draw elsewhere with "
+    if not args.output and (runs[0] / "curves.png").is_dir():
+        raise UserError(f"{runs[0] / 'curves.png'}: is a directory, not a picture; draw elsewhere with "
                         "-o FILE.png")
-    print(plot_metrics(run / "metrics.jsonl", args.output or run / "curves.png"))
+    print(plot_metrics([run / "metrics.jsonl" for run in runs], args.output or runs[0] / "curves.png",
+                       log_scale=args.log))
 
 
 def _check_plottable(run: Path) -> None:
@@ -692,10 +696,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace an existing OUTPUT (never the run, its checkpoints or a directory holding them)")
     p.set_defaults(func=cmd_average)
 
-    p = sub.add_parser("plot", help="draw a run's training curves as a PNG")
-    p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR",
-                   help="a training run's directory (its train.run_dir), which holds metrics.jsonl")
-    p.add_argument("-o", "--output", type=path_arg, help="PNG path (default RUN_DIR/curves.png)")
+    p = sub.add_parser("plot", help="draw a run's training curves as a PNG, or several runs' overlaid")
+    p.add_argument("run_dirs", nargs="+", type=path_arg, metavar="RUN_DIR",
+                   help="a training run's directory (its train.run_dir), which holds metrics.jsonl; several: "
+                   "their curves in one picture, a colour a run, named by its directory (with the folders "
+                   "above it that tell the runs apart)")
+    p.add_argument("-o", "--output", type=path_arg,
+                   help="PNG path (default RUN_DIR/curves.png for one run; several runs need it)")
+    p.add_argument("--log", action="store_true",
+                   help="a log scale for the losses (a long run's fall from 10 to 2 nats is flat on a linear "
+                   "one)")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("attention", help="draw a checkpoint's attention maps for one sentence (PNG + HTML)")

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,37 +197,79 @@ def _check_numbers(record: dict[str, Any], where: str) -> None:
         raise UserError(f"{where}: 'step' is {step}, not an update number (a whole number from 1)")
 
 
-def plot_metrics(jsonl_path: str | Path, png_path: str | Path) -> Path:
-    """Loss and NLL (train and validation) and the learning rate against the update number, as a
-    PNG written atomically (the old picture stays if writing fails); a missing directory is made. Never
-    inside a checkpoint or a run's checkpoints/: training's keep_last deletes those whole (Python callers
-    too)."""
+def plot_metrics(jsonl_paths: str | Path | Sequence[str | Path], png_path: str | Path,
+                 log_scale: bool = False) -> Path:
+    """Loss and NLL (train and validation) and the learning rate against the update number, of one log or
+    of several overlaid (a colour a run, named by `run_names`), as a PNG written atomically (the old picture
+    stays if writing fails); a missing directory is made. Never inside a checkpoint or a run's
+    checkpoints/: training's keep_last deletes those whole (Python callers too). `log_scale`: the losses'
+    axis is logarithmic (a long run's curve from 10 to 2 nats is flat on a linear one)."""
     from aiayn.train.state import check_outside_checkpoints
 
+    one = isinstance(jsonl_paths, (str, os.PathLike))
+    logs = [Path(jsonl_paths)] if one else list(map(Path, jsonl_paths))
     # first: "names a directory; give the picture's file name, such as ck/curves.png" of a checkpoint
     # offered a place refused next
     check_outside_checkpoints(Path(png_path))
     if str(png_path).endswith(("/", os.sep)) or Path(png_path).is_dir():  # Path drops a slash: `-o pics/`
         raise UserError(f"{png_path}: names a directory; give the picture's file name, such as "
                         f"{Path(png_path) / 'curves.png'}")
-    _check_png_output(Path(png_path), Path(jsonl_path))
-    records = read_metrics(jsonl_path)
-    if not any("step" in r for r in records):  # an empty picture, exit 0, looked like a broken run
-        raise UserError(f"{jsonl_path}: no metrics logged yet (the first come after train.log_every updates)")
+    _check_png_output(Path(png_path), logs)
+    _check_each_once(logs)
+    runs = [(name, _drawable_records(path, log_scale)) for name, path in zip(run_names(logs), logs)]
     png = io.BytesIO()
-    _draw(records).savefig(png, format="png", dpi=100)
+    _draw(runs, log_scale).savefig(png, format="png", dpi=100)
     png_path = Path(png_path)
     _write_png(png.getvalue(), png_path)
     return png_path
 
 
+def run_names(logs: Sequence[Path]) -> list[str]:
+    """Each log's run as the legend names it: the name of the folder that holds the log, with as many of
+    the folders above as tell the runs apart (runs/a/base and runs/b/base: a/base and b/base)."""
+    parts = [Path(os.path.abspath(log)).parent.parts for log in logs]  # `plot .` is named, not ""
+    return [str(Path(*mine[-_folders_apart(mine, [p for p in parts if p is not mine]):])) for mine in parts]
+
+
+def _folders_apart(mine: tuple[str, ...], others: list[tuple[str, ...]]) -> int:
+    """How many of the last folders of `mine` no other path ends with (runs/big beside a/base, b/base: 1)."""
+    return next((k for k in range(1, len(mine)) if all(p[-k:] != mine[-k:] for p in others)), len(mine))
+
+
+def _check_each_once(logs: list[Path]) -> None:
+    """The same log twice (runs/a and ./runs/a/, or a link to it) drew two curves of one run, one hiding
+    the other, under two names."""
+    seen: dict[Path, Path] = {}
+    for log in logs:
+        key = log.resolve()
+        if key in seen:
+            also = f" (as {seen[key]} too)" if seen[key] != log else ""
+            raise UserError(f"{log}: the same log given twice{also}")
+        seen[key] = log
+
+
+def _drawable_records(path: Path, log_scale: bool) -> list[dict[str, Any]]:
+    """The records of the log at `path`, refused in one line where there is nothing to draw, or (with
+    `log_scale`) a loss that no log scale can draw."""
+    records = read_metrics(path)
+    if not any("step" in r for r in records):  # an empty picture, exit 0, looked like a broken run
+        raise UserError(f"{path}: no metrics logged yet (the first come after train.log_every updates)")
+    if log_scale:
+        for key, *_ in LOSSES:
+            step = next((r["step"] for r in records if "step" in r and r.get(key, 1) <= 0), None)
+            if step is not None:  # matplotlib put it at the axis's foot, or failed: an NLL of 0, hand-made
+                raise UserError(f"{path}: update {step}: {key!r} is not positive, which a log scale cannot "
+                                "draw; draw it without the log scale")
+    return records
+
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _check_png_output(png: Path, log: Path) -> None:
-    """Replace an earlier picture, never anything else: `-o` naming the log, a checkpoint's weights or any
+def _check_png_output(png: Path, logs: list[Path]) -> None:
+    """Replace an earlier picture, never anything else: `-o` naming a log, a checkpoint's weights or any
     other file (a slip of the shell's completion) lost it to a PNG."""
-    check_file_output(png, [log])
+    check_file_output(png, logs)
     if png.is_file():
         try:
             with open(png, "rb") as f:
@@ -290,72 +333,133 @@ def _best(pick, values: list[float], steps: list[int]) -> tuple[float, int]:
     return pick(real, key=lambda pair: pair[0], default=(math.nan, steps[0]))
 
 
-def _draw(records: list[dict[str, Any]]):
-    """The curves' figure, made without pyplot: `matplotlib.use("Agg")` switched a notebook's backend
-    (inline plots) for the rest of its session, and pyplot keeps every figure until it is closed."""
-    from matplotlib.figure import Figure
+# The loss panel's curves: key, label, line style, marker (solid: label-smoothed, dashed: NLL; dots: the
+# validations). One run's curves have a colour each too; several runs' have their run's colour.
+LOSSES = (
+    # "smoothed" alone read as a moving average: it is the label-smoothed loss (the paper's section 5.4)
+    ("loss", "train loss (label-smoothed)", "-", None),
+    ("nll", "train NLL", "--", None),
+    ("valid_loss", "valid loss (label-smoothed)", "-", "o"),
+    ("valid_nll", "valid NLL", "--", "o"),
+)
+BLEU_MARKERS = "os^Dv<>p"  # several runs: a marker a BLEU scale (signature), where one run has a colour each
 
-    bleu_series = _bleu_series(records)  # with train.bleu_every: a third panel
-    fig = Figure(figsize=(16 if bleu_series else 11, 4))
-    axes = fig.subplots(1, 3 if bleu_series else 2)
-    ax_loss, ax_lr = axes[0], axes[1]
-    for key, label, style in (
-        # "smoothed" alone read as a moving average: it is the label-smoothed loss (the paper's section 5.4)
-        ("loss", "train loss (label-smoothed)", "-"),
-        ("nll", "train NLL", "-"),
-        ("valid_loss", "valid loss (label-smoothed)", "o-"),
-        ("valid_nll", "valid NLL", "o-"),
-    ):
-        steps, values = _points(records, key)
-        if steps:  # one point of a line style draws nothing: a run stopped after its first log_every
-            ax_loss.plot(steps, values, "o-" if len(steps) == 1 else style, label=label, markersize=3)
-    ax_loss.set_xlabel("update")
-    ax_loss.set_ylabel("nats per target token")
-    if ax_loss.lines:
-        ax_loss.legend()
-    ax_loss.grid(alpha=0.3)
-    steps, nlls = _points(records, "valid_nll")
-    if steps:
-        nll, step = _best(min, nlls, steps)
-        ax_loss.set_title(f"best valid NLL {nll:.3f} (ppl {shown_ppl(nll, 2)}) at update {step}"
-                          if not math.isnan(nll) else "valid NLL: not a number at every validation")
-    lr_steps, lrs = _points(records, "lr")
-    ax_lr.plot(lr_steps, lrs, "o-" if len(lr_steps) == 1 else "-", markersize=3)
-    for ax, what in ((ax_loss, "no loss"), (ax_lr, "no learning rate")):  # else bare axes at -0.04..0.04
+
+def _draw(runs: list[tuple[str, list[dict[str, Any]]]], log_scale: bool = False):
+    """The curves' figure of `runs`, (name, records) each, made without pyplot: `matplotlib.use("Agg")`
+    switched a notebook's backend (inline plots) for the rest of its session, and pyplot keeps every figure
+    until it is closed. One run is the usual case; several are overlaid, a colour a run, named above."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    bleu = [(name, _bleu_series(records)) for name, records in runs]  # with train.bleu_every: a third panel
+    has_bleu = any(series for _, series in bleu)
+    fig = Figure(figsize=(16 if has_bleu else 11, 4 if len(runs) == 1 else 4.5), layout="constrained")
+    axes = fig.subplots(1, 3 if has_bleu else 2)
+    colours = [f"C{i % 10}" for i in range(len(runs))] if len(runs) > 1 else [None]  # None: a colour a curve
+    for (name, records), colour in zip(runs, colours):
+        _draw_losses(axes[0], name, records, colour)
+        steps, lrs = _points(records, "lr")
+        if steps:
+            axes[1].plot(steps, lrs, marker="o" if len(steps) == 1 else None, color=colour, gid=name,
+                         markersize=3)
+    _finish_losses(axes[0], runs, log_scale)
+    axes[1].set_ylabel("learning rate")
+    for ax, what in ((axes[0], "no loss"), (axes[1], "no learning rate")):  # else bare axes at -0.04..0.04
         if not any(math.isfinite(y) for line in ax.lines for y in line.get_ydata()):
             ax.text(0.5, 0.5, f"{what} logged (or none finite)", ha="center", va="center",
                     transform=ax.transAxes, color="0.4")
-    ax_lr.set_xlabel("update")
-    ax_lr.set_ylabel("learning rate")
-    ax_lr.grid(alpha=0.3)
-    if bleu_series:
-        _draw_bleu(axes[2], bleu_series)
-    steps = [r["step"] for r in records if "step" in r]
+    if has_bleu:
+        _draw_bleu(axes[2], bleu, colours)
+    steps = [r["step"] for _, records in runs for r in records if "step" in r]
     for ax in axes:
+        ax.set_xlabel("update")
+        ax.grid(alpha=0.3)
         _whole_updates(ax, steps)
-    fig.tight_layout()
+    if len(runs) > 1:
+        fig.legend([Line2D([], [], color=colour) for colour in colours], [name for name, _ in runs],
+                   loc="outside upper center", ncols=min(len(runs), 5), frameon=False)
     return fig
 
 
-def _draw_bleu(ax, series: list[tuple[str, list, list]]) -> None:
-    """One line per signature's series, labelled where there are several; the best of the last
-    signature's, the scale the run scores on now."""
-    signatures = {signature for signature, _, _ in series}
-    for signature, steps, values in series:
-        label = _signature_label(signature, signatures) if len(signatures) > 1 else None
-        ax.plot(steps, values, "o-", markersize=3, label=label)
-    if len(signatures) > 1:
+def _draw_losses(ax, name: str, records: list[dict[str, Any]], colour: str | None) -> None:
+    for key, label, linestyle, marker in LOSSES:
+        steps, values = _points(records, key)
+        if steps:  # one point of a line draws nothing: a run stopped after its first log_every
+            ax.plot(steps, values, linestyle=linestyle, marker="o" if len(steps) == 1 else marker,
+                    color=colour, label=label, gid=name, markersize=3)
+
+
+def _finish_losses(ax, runs: list[tuple[str, list[dict[str, Any]]]], log_scale: bool) -> None:
+    """The loss panel's axis, legend of the curves (several runs: in grey, each run's colour named above)
+    and title, the best validation NLL of all runs."""
+    from matplotlib.lines import Line2D
+
+    ax.set_ylabel("nats per target token")
+    if log_scale:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(_plain_log_labels())
+        ax.yaxis.set_minor_formatter(_plain_log_labels(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    if len(runs) > 1:
+        drawn = {line.get_label() for line in ax.lines}
+        ax.legend(handles=[Line2D([], [], linestyle=linestyle, marker=marker, markersize=3, color="0.35",
+                                  label=label)
+                           for _, label, linestyle, marker in LOSSES if label in drawn])
+    elif ax.lines:
         ax.legend()
-    ax.set_xlabel("update")
+    points = [(name, *_points(records, "valid_nll")) for name, records in runs]
+    if any(steps for _, steps, _ in points):
+        nll, step, name = _best_of(min, points)
+        of = f"\nof {name}" if len(runs) > 1 else ""  # a line of its own: a long name ran past the panel
+        ax.set_title(f"best valid NLL {nll:.3f} (ppl {shown_ppl(nll, 2)}) at update {step}{of}"
+                     if not math.isnan(nll) else "valid NLL: not a number at every validation")
+
+
+def _plain_log_labels(**kwargs):
+    """matplotlib's log-scale labels, at the ticks it chooses to label, as plain numbers: 6, 0.1 (a loss
+    axis read 6×10⁰ and 1e-01)."""
+    from matplotlib.ticker import LogFormatter
+
+    class PlainLogFormatter(LogFormatter):
+        def __call__(self, x, pos=None):
+            return f"{x:g}" if super().__call__(x, pos) else ""
+
+    return PlainLogFormatter(**kwargs)
+
+
+def _draw_bleu(ax, bleu: list[tuple[str, list[tuple[str, list, list]]]], colours: list[str | None]) -> None:
+    """A line per run and signature's series: one run's in a colour each, labelled where there are several;
+    several runs' in their run's colour, a marker a signature. The best is on the scale that the (first)
+    run scores on now, its last signature."""
+    from matplotlib.lines import Line2D
+
+    signatures = list(dict.fromkeys(signature for _, series in bleu for signature, _, _ in series))
+    labels = {s: _signature_label(s, set(signatures)) for s in signatures} if len(signatures) > 1 else {}
+    markers = {s: BLEU_MARKERS[i % len(BLEU_MARKERS)] if len(bleu) > 1 else "o"
+               for i, s in enumerate(signatures)}
+    for (name, series), colour in zip(bleu, colours):
+        for signature, steps, values in series:
+            ax.plot(steps, values, marker=markers[signature], markersize=3, color=colour, gid=name,
+                    label=labels.get(signature))
+    if labels:
+        ax.legend(handles=[Line2D([], [], linestyle="", marker=markers[s], color="0.35", label=labels[s])
+                           for s in signatures] if len(bleu) > 1 else None)
     ax.set_ylabel("valid BLEU (greedy, sacreBLEU)")
-    last = series[-1][0]
-    steps = [step for signature, s, _ in series if signature == last for step in s]
-    values = [value for signature, _, v in series if signature == last for value in v]
-    best, at = _best(max, values, steps)
-    where = f" ({_signature_label(last, signatures)})" if len(signatures) > 1 else ""
-    ax.set_title(f"best valid BLEU {best:.2f} at update {at}{where}" if not math.isnan(best)
+    last = next(series[-1][0] for _, series in bleu if series)
+    points = [(name, [step for s, steps, _ in series if s == last for step in steps],
+               [value for s, _, values in series if s == last for value in values]) for name, series in bleu]
+    best, at, name = _best_of(max, points)
+    of = f"\nof {name}" if len(bleu) > 1 else ""
+    where = f" ({labels[last]})" if labels else ""
+    ax.set_title(f"best valid BLEU {best:.2f} at update {at}{where}{of}" if not math.isnan(best)
                  else "valid BLEU: not a number at every validation")
-    ax.grid(alpha=0.3)
+
+
+def _best_of(pick, points: list[tuple[str, list[int], list[float]]]) -> tuple[float, int, str]:
+    """(value, step, run) of the best by `pick` of the (run, steps, values) of every run that has values,
+    NaNs left out: the first run's of a tie; (nan, its first step, first run) if all are NaN."""
+    bests = [(*_best(pick, values, steps), name) for name, steps, values in points if steps]
+    return pick((b for b in bests if not math.isnan(b[0])), key=lambda b: b[0], default=bests[0])
 
 
 def _whole_updates(ax, run_steps: list) -> None:

@@ -816,6 +816,19 @@ def test_a_model_entry_that_is_no_table_is_corrupt_metadata(run, model):
         load_checkpoint(ck)
 
 
+@pytest.mark.parametrize("format_, message", [
+    ("aiayn-2", r"written by a newer aiayn \(format 'aiayn-2'; this one reads aiayn-1\); upgrade aiayn to read it$"),
+    ("aiayn-0", r"not an aiayn-1 checkpoint \(format='aiayn-0'\)$"),
+    ("fairseq", r"not an aiayn-1 checkpoint \(format='fairseq'\)$")])
+def test_a_checkpoint_of_a_newer_format_says_to_upgrade(run, format_, message):
+    """format "aiayn-2" was "not an aiayn-1 checkpoint", as if it were no aiayn checkpoint at all."""
+    ck = run / "checkpoints" / "step_000003"
+    meta = json.loads((ck / "meta.json").read_text())
+    (ck / "meta.json").write_text(json.dumps({**meta, "format": format_}))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(ck / 'meta.json'))}: {message}"):
+        load_checkpoint(ck)
+
+
 @pytest.mark.parametrize("ids, example", [(lambda i: 2 * i, "e.g. 1, 3, 5"),  # up to 118: past the embeddings
                                           (lambda i: i + (i >= 5), "e.g. 5, 60"),  # a gap
                                           (lambda i: min(i, 58), "e.g. 59")])  # an id twice

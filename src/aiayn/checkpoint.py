@@ -272,9 +272,19 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         raise CorruptFile(f"{path}: corrupt checkpoint metadata ({e})") from None
     except OSError as e:  # permissions, an I/O error: a PermissionError traceback
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserError(f"{path}: not an {FORMAT} checkpoint (format={meta.get('format') if isinstance(meta, dict) else None!r})")
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if found != FORMAT:
+        if _newer_format(found):  # "not an aiayn-1 checkpoint" left the user to guess the cure
+            raise UserError(f"{path}: written by a newer aiayn (format {found!r}; this one reads {FORMAT}); "
+                            "upgrade aiayn to read it")
+        raise UserError(f"{path}: not an {FORMAT} checkpoint (format={found!r})")
     return meta
+
+
+def _newer_format(found: Any) -> bool:
+    """Whether meta.json's "format" is aiayn-N with N past this aiayn's `FORMAT`."""
+    numbered = re.fullmatch(r"aiayn-([0-9]{1,9})", found) if isinstance(found, str) else None
+    return numbered is not None and int(numbered[1]) > int(FORMAT.removeprefix("aiayn-"))
 
 
 def config_section(meta: dict[str, Any], section: str) -> dict[str, Any] | None:

@@ -2666,6 +2666,27 @@ def test_a_checkpoint_named_for_another_update_is_not_resumed(finished_run, tmp_
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000004", "step_000006"]
 
 
+@pytest.mark.parametrize("stray", ["file", "dangling link"])
+def test_a_step_name_that_is_no_directory_is_refused_before_any_work(finished_run, tmp_path, monkeypatch,
+                                                                     stray):
+    """A file step_000006 in checkpoints/ was no checkpoint to --resume, which retrained updates 5 and 6
+    from step_000004 and then failed at the save ("exists and is not a directory"), at every resume."""
+    config = copy_run(finished_run, tmp_path)
+    checkpoints = Path(config.train.run_dir) / "checkpoints"
+    if stray == "file":
+        (checkpoints / "step_000006").write_text("not a checkpoint")
+    else:
+        (checkpoints / "step_000006").symlink_to(tmp_path / "gone")
+    what = ("is a file, not a checkpoint directory" if stray == "file"
+            else "is a link that leads to no directory")
+    monkeypatch.setattr(loop, "prepare_data", lambda *a, **k: pytest.fail("refused after the data work"))
+    said = (f"{checkpoints / 'step_000006'}: {what}, under a name training saves its checkpoints by; move it "
+            f"out of {checkpoints}")
+    with pytest.raises(UserError, match=rf"^{re.escape(said)}$"):
+        train(with_train(config, max_updates=8), resume=True)
+    assert [p.name for p in checkpoint_dirs(checkpoints.parent)] == ["step_000002", "step_000004"]
+
+
 def test_a_resave_of_a_step_replaces_it_whatever_it_holds(finished_run, tmp_path):
     """A step saved on a signal is validated and saved again on resume: training's own directory, replaced
     whole, as before save_checkpoint refused other callers' folders of the user's files."""

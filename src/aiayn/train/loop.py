@@ -89,6 +89,7 @@ from aiayn.train.metrics import PPL_CAP, MetricsLog, plot_metrics, shown_ppl
 from aiayn.train.progress import lines_above, shown_if_unconfigured
 from aiayn.train.schedule import cooldown_factor, inverse_sqrt_lr
 from aiayn.train.state import (
+    STEP_DIR,
     RunLock,
     TrainState,
     check_compatible,
@@ -1257,6 +1258,21 @@ def _check_run_dir(run_dir: Path) -> None:
             _check_usable(directory)
         elif os.path.lexists(directory):  # a file, or a link to nothing: nothing can be written under it
             raise UserError(f"{directory}: exists and is not a directory")
+    _refuse_stray_steps(run_dir / "checkpoints")
+
+
+def _refuse_stray_steps(checkpoints: Path) -> None:
+    """A step_N in checkpoints/ that is no directory (a file, a link to none) is no checkpoint to
+    `checkpoint_dirs`: --resume went on from the one before, trained up to update N and failed at its save
+    ("exists and is not a directory"), at every resume."""
+    if not checkpoints.is_dir():
+        return
+    for path in sorted(checkpoints.iterdir()):
+        if STEP_DIR.match(path.name) and not path.is_dir():
+            what = ("is a link that leads to no directory" if path.is_symlink() and not path.exists()
+                    else "is a file, not a checkpoint directory")
+            raise UserError(f"{path}: {what}, under a name training saves its checkpoints by; move it out "
+                            f"of {checkpoints}")
 
 
 def _check_usable(directory: Path, name: str = "") -> None:

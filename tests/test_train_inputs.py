@@ -202,19 +202,30 @@ def test_a_damaged_latest_checkpoint_names_the_one_to_resume_from(finished_run, 
     assert train(config, resume=True)["step"] == 6
 
 
-def test_nan_weights_in_the_latest_checkpoint_name_the_one_to_resume_from(finished_run, tmp_path):
-    """The NaN check names the checkpoint directory itself ("step_000004: 1 tensor(s) hold NaN"), not a
-    file inside it: the hint must still come."""
+@pytest.mark.parametrize("damage, said", [("nan", r"1 tensor\(s\) hold NaN or infinite values .*"),
+                                          ("missing", r"weights do not fit this model: missing \[.*\]"),
+                                          ("shape", r"weights do not fit this model: wrong shape \[.*\]")])
+def test_weights_of_the_latest_checkpoint_that_are_damaged_name_the_file_and_the_one_to_resume_from(
+        finished_run, tmp_path, damage, said):
+    """A NaN named the checkpoint directory ("step_000004: 1 tensor(s) hold NaN"), not its weights file; a
+    tensor missing or of another shape (the model is meta.json's, which --resume compared with [model]) was
+    said without the way out, resuming from the checkpoint before."""
     from safetensors.torch import save_file
 
     config = with_train(copy_run(finished_run, tmp_path), max_updates=6)
     latest = checkpoint_dirs(Path(config.train.run_dir))[-1]
     weights = load_file(str(latest / "model.safetensors"))
     name = next(iter(weights))
-    weights[name] = weights[name].clone()
-    weights[name].view(-1)[0] = float("nan")
+    if damage == "nan":
+        weights[name] = weights[name].clone()
+        weights[name].view(-1)[0] = float("nan")
+    elif damage == "missing":
+        del weights[name]
+    else:
+        weights[name] = weights[name][:1].clone()
     save_file(weights, str(latest / "model.safetensors"))
-    with pytest.raises(UserError, match=r"hold NaN or infinite values .*; to resume from step_000002"):
+    named = re.escape(str(latest / "model.safetensors"))
+    with pytest.raises(CorruptFile, match=rf"^{named}: {said}; to resume from step_000002 instead"):
         train(config, resume=True)
 
 

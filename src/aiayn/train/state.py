@@ -32,7 +32,15 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from aiayn.checkpoint import META, enclosing_checkpoint, load_into, load_weights, read_meta, save_checkpoint
+from aiayn.checkpoint import (
+    META,
+    WEIGHTS,
+    enclosing_checkpoint,
+    load_into,
+    load_weights,
+    read_meta,
+    save_checkpoint,
+)
 from aiayn.config import ModelConfig, resolved_settings, to_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import CorruptFile, UserError
@@ -328,7 +336,13 @@ def restore(
 ) -> TrainState:
     """Load weights, optimizer, scaler and this process' RNG state from a training checkpoint."""
     check_compatible(path, model.config)
-    load_into(model, {k: v.to(d.device) for k, v in load_weights(path).items()}, path)
+    weights = {k: v.to(d.device) for k, v in load_weights(path).items()}
+    try:  # the file named, not the directory: --resume's hint to go on from the checkpoint before
+        load_into(model, weights, path / WEIGHTS)  # (loop._resume_hint) comes for a damaged file's alone
+    except CorruptFile:  # NaN
+        raise
+    except UserError as e:  # the model is its meta.json's (check_compatible): the file is what is wrong
+        raise CorruptFile(str(e)) from None
     tensors, trainer = _read_trainer(path)
     saved = _train_state(trainer.get("state"), path)
     written = read_meta(path).get("step")  # an edited "state": {} resumed at update 0 over trained weights

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -108,7 +109,39 @@ def test_a_damaged_checkpoint_is_named_not_the_newest(tmp_path, tokenizers):
     name = next(k for k in weights if k.endswith("bias"))
     weights[name][0] = float("nan")
     save_file(weights, paths[0] / "model.safetensors")
-    with pytest.raises(UserError, match=rf"^{paths[0]}: 1 tensor\(s\) hold NaN or infinite values \({name}"):
+    named = re.escape(str(paths[0] / "model.safetensors"))
+    with pytest.raises(UserError, match=rf"^{named}: 1 tensor\(s\) hold NaN or infinite values \({name}"):
+        average_checkpoints(paths, tmp_path / "avg")
+    assert not (tmp_path / "avg").exists()
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("removed", r"missing \['{name}'\]"), ("reshaped", r"wrong shape \['{name} \(1,"),
+    ("int32", r"wrong dtype \['{name} torch.int32 vs torch.float32'\]"),
+    ("extra", r"unexpected \['extra'\]")])
+def test_the_newest_checkpoints_damaged_weights_are_named_not_an_older_one(tmp_path, tokenizers, damage,
+                                                                           said):
+    """The newest checkpoint's weights were the reference every other was compared with: one of its tensors
+    removed, reshaped or made int32, or one added, blamed the intact oldest ("ck1: weight names differ from
+    ck3"). Each file is checked against the model its meta.json describes first."""
+    from safetensors.torch import load_file, save_file
+
+    first, _ = tokenizers
+    paths = [save(tmp_path / f"ck{i}", first, step=i) for i in (1, 2, 3)]
+    weights = load_file(paths[-1] / "model.safetensors")
+    name = next(k for k in weights if k.endswith("bias"))
+    if damage == "removed":
+        del weights[name]
+    elif damage == "reshaped":
+        weights[name] = weights[name][:1].clone()
+    elif damage == "int32":
+        weights[name] = weights[name].to(torch.int32)
+    else:
+        weights["extra"] = torch.zeros(2)
+    save_file(weights, paths[-1] / "model.safetensors")
+    named = re.escape(str(paths[-1] / "model.safetensors"))
+    with pytest.raises(UserError, match=rf"^{named}: weights do not fit this model: "
+                                        + said.format(name=re.escape(name))):
         average_checkpoints(paths, tmp_path / "avg")
     assert not (tmp_path / "avg").exists()
 

@@ -522,7 +522,7 @@ def describe_checkpoint(directory: str | Path) -> list[str]:
     check_vocabulary(config, tokenizer, directory / META)
     with torch.device("meta"):  # shapes only
         model = Transformer(config)
-    stored = _stored_tensors(directory)
+    stored = stored_tensors(directory)
     check_fits(model, stored, directory / WEIGHTS)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in stored.values()})
     size = (directory / WEIGHTS).stat().st_size
@@ -539,7 +539,7 @@ def describe_checkpoint(directory: str | Path) -> list[str]:
     return lines
 
 
-def _stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
+def stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """The weights file's tensors as empty meta-device tensors of their stored dtypes and shapes."""
     path = weights_path(directory)
     try:

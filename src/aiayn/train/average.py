@@ -12,7 +12,8 @@ import torch
 
 from aiayn.checkpoint import (
     CHECKPOINT_KIND,
-    check_finite,
+    WEIGHTS,
+    check_fits,
     checkpoint_tokenizer,
     config_section,
     is_checkpoint,
@@ -23,10 +24,12 @@ from aiayn.checkpoint import (
     not_found,
     read_meta,
     save_checkpoint,
+    stored_tensors,
 )
 from aiayn.config import resolved_settings
 from aiayn.errors import UserError
 from aiayn.files import MOVED_ASIDE, check_output, moved_aside, overlap
+from aiayn.model import Transformer
 from aiayn.train.state import (
     STEP_DIR,
     check_outside_checkpoints,
@@ -86,9 +89,8 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]]) -> dict[str, torc
 
 def check_same_tensors(path: Path, state: dict[str, torch.Tensor], ref_path: Path,
                        ref: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
-    """`state` has the newest checkpoint's names, shapes and dtypes (`ref`), and finite values (a NaN in
-    one was blamed on the newest, into which the mean was loaded); meta.json alone can be wrong."""
-    check_finite(state, path)
+    """`state` has the newest checkpoint's names, shapes and dtypes (`ref`): each fits the model
+    (`check_fits`, which also finds a NaN), whose float tensors may yet be stored in another float dtype."""
     if set(state) != set(ref):
         raise UserError(f"{path}: weight names differ from {ref_path} ({sorted(set(state) ^ set(ref))[:3]})")
     for name, t in state.items():
@@ -99,14 +101,20 @@ def check_same_tensors(path: Path, state: dict[str, torch.Tensor], ref_path: Pat
 
 
 def mean_weights(paths: list[Path]) -> dict[str, torch.Tensor]:
-    """The mean of the checkpoints' weights, read one file at a time, each checked against the newest."""
-    newest = load_weights(paths[-1])
+    """The mean of the checkpoints' weights, read one file at a time, each checked against the model their
+    meta.json describes (`check_same_model`: one model), then against the newest. The newest's header is
+    checked first: a tensor gone from it, or of another shape or dtype, was the reference the intact older
+    checkpoints were refused by ("step_000020: weight names differ from step_000030")."""
+    with torch.device("meta"):  # shapes only
+        model = Transformer(meta_model_config(paths[-1], read_meta(paths[-1])))
+    newest = stored_tensors(paths[-1])
+    check_fits(model, newest, paths[-1] / WEIGHTS)
     ref = {name: (t.shape, t.dtype) for name, t in newest.items()}
-    del newest  # read again in its turn: the sum goes in the checkpoints' order
     mean = RunningMean()
     for i, p in enumerate(paths):
         state = load_weights(p)
-        check_same_tensors(p, state, paths[-1], ref)
+        check_fits(model, state, p / WEIGHTS)  # a NaN too (a NaN in one was blamed on the newest, into which
+        check_same_tensors(p, state, paths[-1], ref)  # the mean was loaded)
         mean.add(state)
         del state
         log.info("read %d/%d: %s", i + 1, len(paths), p)

@@ -942,6 +942,29 @@ def test_resume_refusals_name_where_the_change_was_written(finished_run, tmp_pat
     assert str(refused.value).startswith(message.format(ck=checkpoint_dirs(tmp_path / "run")[-1]))
 
 
+@pytest.mark.parametrize("model, said", [
+    ({"d_model": "32"}, r"bad model configuration \(ModelConfig\.d_model='32' has type str, .*\)"),
+    ({"d_model": -32}, r"bad model configuration \(ModelConfig: d_model=-32 must be positive\)"),
+    ({"d_model": 64, "d_ff": 256}, (r"not the model its model\.safetensors holds \(wrong shape \[.*\]\); "
+                                    "damaged, or copied from another checkpoint")),  # another run's meta.json
+])
+def test_a_damaged_model_in_meta_json_is_named_there_not_in_the_run_config(finished_run, tmp_path,
+                                                                          monkeypatch, model, said):
+    """--resume compared meta.json's model as written with [model], and blamed the difference on the
+    run's config ("run.toml:2: ...: checkpoint from an incompatible model (d_model='32', this run has 32)")
+    where info, translate and average name meta.json; a well-formed model the weights do not fit likewise.
+    Named before the data work, with the way out."""
+    config = copy_run(finished_run, tmp_path)
+    latest = checkpoint_dirs(Path(config.train.run_dir))[-1]
+    meta = json.loads((latest / "meta.json").read_text())
+    meta["model"].update(model)
+    (latest / "meta.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(loop, "prepare_data", lambda *a, **k: pytest.fail("refused after the data work"))
+    with pytest.raises(CorruptFile, match=rf"^{re.escape(str(latest / 'meta.json'))}: {said}; to resume from "
+                                          r"step_000002 instead"):
+        train(with_train(config, max_updates=6), resume=True)
+
+
 # 3. A validation set with every pair too long fails before training.
 
 

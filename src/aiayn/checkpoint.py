@@ -352,6 +352,15 @@ def load_into(model: Transformer, weights: dict[str, torch.Tensor], where: str |
 
 def check_fits(model: Transformer, weights: dict[str, torch.Tensor], where: str | Path) -> None:
     """`load_into`'s checks, which a model on the meta device can take before it is given memory."""
+    problem = fit_problem(model, weights)
+    if problem:
+        raise UserError(f"{where}: weights do not fit this model: {problem}")
+    check_finite(weights, where)
+
+
+def fit_problem(model: Transformer, weights: dict[str, torch.Tensor]) -> str | None:
+    """How `weights` do not fit `model` (tensors missing, unexpected, of another shape, or of a dtype
+    loading cannot cast), or None where they fit."""
     expected = _untied_state(model)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -359,11 +368,22 @@ def check_fits(model: Transformer, weights: dict[str, torch.Tensor], where: str 
               if k in weights and weights[k].shape != v.shape]
     dtypes = [f"{k} {weights[k].dtype} vs {v.dtype}" for k, v in expected.items()
               if k in weights and not _castable(weights[k].dtype, v.dtype)]
-    if missing or unexpected or shapes or dtypes:
-        parts = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
-                 f"wrong shape {shapes[:3]}" if shapes else "", f"wrong dtype {dtypes[:3]}" if dtypes else ""]
-        raise UserError(f"{where}: weights do not fit this model: " + "; ".join(p for p in parts if p))
-    check_finite(weights, where)
+    parts = [f"missing {missing[:3]}" if missing else "",
+             f"unexpected {unexpected[:3]}" if unexpected else "",
+             f"wrong shape {shapes[:3]}" if shapes else "", f"wrong dtype {dtypes[:3]}" if dtypes else ""]
+    return "; ".join(p for p in parts if p) or None
+
+
+def check_meta_describes_weights(directory: Path, config: ModelConfig) -> None:
+    """`directory`'s weights (their header: names, shapes, dtypes) are those of `config`, the model its
+    meta.json records, else a CorruptFile naming meta.json: a meta.json copied from a checkpoint of another
+    model was blamed on the run's [model] by --resume, which keeps the model's settings."""
+    with torch.device("meta"):  # shapes only
+        model = Transformer(config)
+    problem = fit_problem(model, stored_tensors(directory))
+    if problem:
+        raise CorruptFile(f"{directory / META}: not the model its {WEIGHTS} holds ({problem}); damaged, or "
+                          "copied from another checkpoint")
 
 
 def check_finite(weights: dict[str, torch.Tensor], where: str | Path) -> None:
@@ -510,7 +530,8 @@ def meta_model_config(directory: Path, meta: dict[str, Any]) -> ModelConfig:
     try:
         return from_dict(ModelConfig, values, where=str(directory / META))
     except (ConfigError, KeyError, TypeError) as e:
-        raise UserError(f"{directory / META}: bad model configuration ({e})") from None
+        # a CorruptFile: a damaged file, for which --resume advises the checkpoint before (loop._resume_hint)
+        raise CorruptFile(f"{directory / META}: bad model configuration ({e})") from None
 
 
 def describe_checkpoint(directory: str | Path) -> list[str]:

@@ -38,6 +38,7 @@ from aiayn.checkpoint import (
     WEIGHTS,
     Checkpoint,
     averaged_from,
+    check_meta_describes_weights,
     checkpoint_tokenizer,
     config_section,
     enclosing_checkpoint,
@@ -1489,7 +1490,7 @@ def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> dict[
     if all(tuned):
         _check_same_finetune_model(checkpoint, meta, config)
     elif not any(tuned):
-        _check_same_model(checkpoint, meta.get("model"), config)
+        _check_same_model(checkpoint, meta, config)
     return trained
 
 
@@ -1505,22 +1506,28 @@ def _check_same_finetune_model(checkpoint: Path, meta: dict[str, Any], config: R
     check_compatible(checkpoint, tuned, {"dropout": config.written_where("model.dropout")})
 
 
-def _check_same_model(checkpoint: Path, saved: Any, config: RunConfig) -> None:
-    """[model] against the model `checkpoint` was trained with (`saved`, as its meta.json records it), before
-    the data work, named where the setting that differs was written (its own line, or the preset's): the
+def _check_same_model(checkpoint: Path, meta: dict[str, Any], config: RunConfig) -> None:
+    """[model] against the model `checkpoint` was trained with (as its meta.json records it), before the
+    data work, named where the setting that differs was written (its own line, or the preset's): the
     weights refused it after the tokenizer and the caches were read, naming neither. Its tokenizer's
-    fields are the checkpoint's, whose tokenizer a resumed run takes; a damaged meta.json is `restore`'s
-    to name."""
-    if not isinstance(saved, dict):
-        return
+    fields are the checkpoint's, whose tokenizer a resumed run takes. A damaged meta.json is named as such:
+    a value no model has (d_model "32"), or a model its weights do not fit (a meta.json copied from
+    another run's checkpoint), was blamed on [model]."""
+    saved = meta_model_config(checkpoint, meta)
     try:
-        mine = vocabulary_model_config(config, **{key: saved.get(key) for key in TOKENIZER_FIELDS})
+        mine = vocabulary_model_config(config, **{key: meta["model"].get(key) for key in TOKENIZER_FIELDS})
     except ConfigError:  # the saved ids are no model's (a hand's edit)
         return
     preset = config.model.get("preset", "base")
     places = {key: config.written_where(f"model.{key}" if key in config.model else "model.preset")
               for key in mine.__dataclass_fields__ if key in config.model or key in PRESETS[preset]}
-    check_compatible(checkpoint, mine, places)
+    try:
+        check_compatible(checkpoint, mine, places)
+    except CorruptFile:
+        raise
+    except UserError:  # another model: the run's, if the weights are meta.json's; else meta.json's fault
+        check_meta_describes_weights(checkpoint, saved)
+        raise
 
 
 def _check_same_batches(checkpoint: Path, trained: dict[str, Any] | None, data: dict[str, Any] | None,

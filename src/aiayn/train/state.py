@@ -38,6 +38,7 @@ from aiayn.checkpoint import (
     enclosing_checkpoint,
     load_into,
     load_weights,
+    meta_model_config,
     read_meta,
     save_checkpoint,
 )
@@ -512,9 +513,9 @@ def _finite(value: float) -> bool:
 def check_compatible(path: Path, config: ModelConfig, places: Mapping[str, str] | None = None) -> None:
     """A checkpoint of another model gives one line naming the first difference, after where the run's
     value was written if `places` (a setting's name -> "run.toml:4: ") says."""
-    saved = read_meta(path).get("model", {})
-    if not isinstance(saved, dict):
-        raise CorruptFile(f"{path / 'meta.json'}: corrupt checkpoint metadata ('model' is not a table)")
+    meta = read_meta(path)
+    meta_model_config(path, meta)  # a damaged value (d_model "32", -32) named in meta.json, not as a change
+    saved = meta["model"]
     mine = resolved_settings(to_dict(config))  # n_decoder_layers=6 restates a 6-layer run's None
     theirs = resolved_settings({key: saved.get(key) for key in mine})
     for key, value in mine.items():

@@ -861,6 +861,64 @@ def test_resume_uses_the_tokenizer_its_checkpoints_hold(finished_run, tmp_path):
         train(with_train(config, run_dir=str(run), max_updates=6), resume=True)
 
 
+def other_tokenizer(tmp_path: Path) -> bytes:
+    """A SentencePiece model of the tiny runs' 40 pieces, trained on other text."""
+    lines = [f"ganz andere {i} Wörter" for i in range(200)]
+    return train_sentencepiece(lines, tmp_path / "other", 40).read_bytes()
+
+
+def test_a_latest_checkpoints_swapped_tokenizer_is_blamed_on_it_not_on_the_run(finished_run, tmp_path):
+    """The newest checkpoint's spm.model replaced, the run's and the earlier checkpoint's alike: --resume
+    blamed the run's and advised copying the checkpoint's over it, after which the run trained on silently
+    with the wrong tokenizer. The odd copy is named now, with the way out."""
+    config = with_train(copy_run(finished_run, tmp_path), max_updates=6)
+    run = Path(config.train.run_dir)
+    latest = checkpoint_dirs(run)[-1]
+    whole = (run / "spm.model").read_bytes()
+    (latest / "spm.model").write_bytes(other_tokenizer(tmp_path))
+    said = (f"{latest / 'spm.model'}: not the tokenizer of the run directory and its earlier checkpoints "
+            f"(damaged, replaced, or another run's); to resume from step_000002 instead, move {latest} out ")
+    with pytest.raises(CorruptFile, match=f"^{re.escape(said)}"):
+        train(config, resume=True)
+    assert (run / "spm.model").read_bytes() == whole
+    latest.rename(tmp_path / "swapped")  # the way out, taken
+    assert train(config, resume=True)["step"] == 6
+
+
+def test_a_tokenizer_no_earlier_checkpoint_arbitrates_is_not_blamed_on_either(finished_run, tmp_path):
+    """With one checkpoint, its tokenizer and the run's differing, nothing tells which was replaced:
+    copying the checkpoint's over the run's, as advised, could lose the right one."""
+    config = with_train(copy_run(finished_run, tmp_path), max_updates=6)
+    run = Path(config.train.run_dir)
+    shutil.rmtree(checkpoint_dirs(run)[0])
+    latest = checkpoint_dirs(run)[-1]
+    (latest / "spm.model").write_bytes(other_tokenizer(tmp_path))
+    with pytest.raises(UserError) as e:
+        train(config, resume=True)
+    assert str(e.value) == (f"{run}: its tokenizer is not the one in {latest}, and no earlier checkpoint "
+                            "tells which of the two the run was trained with; keep both, and train in a new "
+                            "train.run_dir or put the right one in the other's place")
+
+
+def test_a_checkpoint_linked_in_from_another_run_is_said_to_be_one_before_its_tokenizer(finished_run,
+                                                                                      tmp_path, monkeypatch):
+    """step_000004 a link to another run's step_000002 (another tokenizer): "its tokenizer is not the one
+    step_000004 was trained with" came first, advising to copy the other run's over this one's, and
+    "holds update 2, not 4" never came."""
+    config = with_train(copy_run(finished_run, tmp_path), max_updates=6)
+    checkpoints = Path(config.train.run_dir) / "checkpoints"
+    other = tmp_path / "other_run" / "checkpoints" / "step_000002"
+    shutil.copytree(checkpoints / "step_000002", other)
+    (other / "spm.model").write_bytes(other_tokenizer(tmp_path))
+    shutil.rmtree(checkpoints / "step_000004")
+    (checkpoints / "step_000004").symlink_to(other)
+    monkeypatch.setattr(loop, "prepare_data", lambda *a, **k: pytest.fail("refused after the data work"))
+    said = (f"{checkpoints / 'step_000004'}: holds update 2, not 4 as its name says (renamed or linked in by "
+            "hand?); to resume from step_000002 instead")
+    with pytest.raises(CorruptFile, match=f"^{re.escape(said)}"):
+        train(config, resume=True)
+
+
 def test_a_kill_after_a_checkpoint_appears_loses_no_validation_record(finished_run, tmp_path, monkeypatch):
     """Killed between the checkpoint's rename and the log's append (prune deletes old checkpoints between
     the two), the run resumed after that step and its validation was never logged."""

@@ -94,6 +94,7 @@ from aiayn.train.state import (
     RunLock,
     TrainState,
     check_compatible,
+    check_named_step,
     checkpoint_dirs,
     own_random_stream,
     prune,
@@ -1480,6 +1481,8 @@ def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> dict[
     precision, schedule, smoothing or clipping said, other batches or another model refused. Returns
     that [train]."""
     meta = read_meta(checkpoint)
+    if type(meta.get("step")) is int:  # first: a link to another run's checkpoint was refused for its
+        check_named_step(checkpoint, meta["step"])  # tokenizer, or its model, and never said to be one
     trained, data = config_section(meta, "train"), config_section(meta, "data")
     _say_changed_settings(checkpoint, trained, config, d)
     _say_other_threads(checkpoint, meta, trained, config.train.threads, d)
@@ -1620,6 +1623,36 @@ def _check_special_pieces(found: Tokenizer) -> None:
         )
 
 
+def _other_tokenizer(run_dir: Path, saved: list[Path], latest: Tokenizer, found: Tokenizer) -> UserError:
+    """The refusal of a run directory whose tokenizer (`found`) is not its latest checkpoint's (`latest`):
+    the earlier checkpoints' copies tell which is odd. The run's was blamed always, and putting the
+    checkpoint's back over it, as advised, trained on silently with a swapped spm.model where that one
+    was the file replaced."""
+    earlier = []
+    for checkpoint in saved[:-1]:
+        with suppress(UserError):  # a damaged one tells nothing
+            earlier.append(checkpoint_tokenizer(checkpoint, read_meta(checkpoint)))
+    if earlier and all(found.same_as(t) for t in earlier):  # CorruptFile: `_resume_hint` adds the way out
+        return CorruptFile(f"{_differing_file(latest, found, saved[-1])}: not the tokenizer of the run "
+                           "directory and its earlier checkpoints (damaged, replaced, or another run's)")
+    if earlier and all(latest.same_as(t) for t in earlier):
+        return UserError(f"{run_dir}: its tokenizer is not the one {saved[-1].name} was trained with; put "
+                         f"that checkpoint's back (the files in {saved[-1]}), or train in a new "
+                         "train.run_dir")
+    return UserError(f"{run_dir}: its tokenizer is not the one in {saved[-1]}, and no earlier checkpoint "
+                     "tells which of the two the run was trained with; keep both, and train in a new "
+                     "train.run_dir or put the right one in the other's place")
+
+
+def _differing_file(latest: Tokenizer, found: Tokenizer, checkpoint: Path) -> Path:
+    """The file of `checkpoint`'s tokenizer (`latest`) that is not `found`'s: a SentencePiece model, or
+    meta.json where both models are the same (special ids, a vocabulary)."""
+    (src, tgt), (their_src, their_tgt) = latest.models(), found.models()  # tgt None: one shared model
+    if src != their_src or (tgt is None) != (their_tgt is None):
+        return latest.src_path
+    return latest.tgt_path if tgt != their_tgt and latest.tgt_path else checkpoint / META
+
+
 def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool]:
     """The run directory's tokenizer: trained once on the training text, then reused if it fits; and
     whether it is kept for other text than it was trained on (a run resumed on other training files)."""
@@ -1642,8 +1675,7 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool]:
             trained_with.save(run_dir)
             found = find_tokenizer(run_dir)
         elif not found.same_as(trained_with):
-            raise UserError(f"{run_dir}: its tokenizer is not the one {latest.name} was trained with; put that "
-                            f"checkpoint's back (the files in {latest}), or train in a new train.run_dir")
+            raise _other_tokenizer(run_dir, saved, trained_with, found)
     if found is not None:  # resumed: the tokenizer of its checkpoints; else left by a first run that
         other_text = check_tokenizer_inputs(run_dir, inputs, resumed=bool(saved))  # failed later
         if not saved:  # its record (tokenizer_inputs.json) says what it was asked, not what the files hold

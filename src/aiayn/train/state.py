@@ -350,11 +350,7 @@ def restore(
     if isinstance(written, int) and written != saved.step:
         raise CorruptFile(f"{path / 'trainer.json'}: corrupt training state (step={saved.step}, but "
                           f"meta.json says {written})")
-    named = STEP_DIR.match(path.name)  # a step_N that holds another update (renamed, or linked in): the run
-    # resumed there and pruned the newer checkpoints as older, at every resume
-    if named and int(named[1]) != saved.step:
-        raise CorruptFile(f"{path}: holds update {saved.step}, not {int(named[1])} as its name says "
-                          "(renamed or linked in by hand?)")
+    check_named_step(path, saved.step)
     state_by_param = _adam_state(tensors, optimizer, path / "trainer.safetensors", saved.step)
     _check_param_groups(trainer.get("param_groups"), optimizer, path / "trainer.json")
     configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -373,6 +369,15 @@ def restore(
         return saved
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise UserError(f"{path}: training state does not fit this run ({e})") from None
+
+
+def check_named_step(path: Path, step: int) -> None:
+    """A step_N that holds another update (renamed, or linked in from another run) is a CorruptFile: the run
+    resumed there and pruned the newer checkpoints as older, at every resume."""
+    named = STEP_DIR.match(path.name)
+    if named and int(named[1]) != step:
+        raise CorruptFile(f"{path}: holds update {step}, not {int(named[1])} as its name says "
+                          "(renamed or linked in by hand?)")
 
 
 def _keep_configured(optimizer: torch.optim.Optimizer, configured: list[dict[str, Any]], where: Path) -> None:

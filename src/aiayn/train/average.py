@@ -113,8 +113,8 @@ def mean_weights(paths: list[Path]) -> dict[str, torch.Tensor]:
     mean = RunningMean()
     for i, p in enumerate(paths):
         state = load_weights(p)
-        check_fits(model, state, p / WEIGHTS)  # a NaN too (a NaN in one was blamed on the newest, into which
-        check_same_tensors(p, state, paths[-1], ref)  # the mean was loaded)
+        check_fits(model, state, p / WEIGHTS)  # and finite: a NaN was blamed on the newest, into which the
+        check_same_tensors(p, state, paths[-1], ref)  # mean was loaded
         mean.add(state)
         del state
         log.info("read %d/%d: %s", i + 1, len(paths), p)

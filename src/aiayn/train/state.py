@@ -338,11 +338,14 @@ def restore(
     """Load weights, optimizer, scaler and this process' RNG state from a training checkpoint."""
     check_compatible(path, model.config)
     weights = {k: v.to(d.device) for k, v in load_weights(path).items()}
-    try:  # the file named, not the directory: --resume's hint to go on from the checkpoint before
-        load_into(model, weights, path / WEIGHTS)  # (loop._resume_hint) comes for a damaged file's alone
-    except CorruptFile:  # NaN
+    # The weights file named, not the directory, and as damaged (a CorruptFile, which loop._resume_hint
+    # answers with the checkpoint before): the model is its meta.json's (check_compatible), so a tensor
+    # missing or of another shape is the file's fault, as a NaN is
+    try:
+        load_into(model, weights, path / WEIGHTS)
+    except CorruptFile:
         raise
-    except UserError as e:  # the model is its meta.json's (check_compatible): the file is what is wrong
+    except UserError as e:
         raise CorruptFile(str(e)) from None
     tensors, trainer = _read_trainer(path)
     saved = _train_state(trainer.get("state"), path)

@@ -54,11 +54,14 @@ def randomize(model) -> None:
     model.final_logits_bias.normal_(0.0, 1.0)
 
 
-def make_marian_dir(directory: Path, activation: str, shared: bool, bin_weights: bool = False):
+def make_marian_dir(directory: Path, activation: str, shared: bool, bin_weights: bool = False,
+                    tied: bool = True):
     """A tiny random MarianMTModel saved as an OPUS-MT directory; returns the HF model (eval mode).
 
     Shared: one vocabulary with <pad> last, as OPUS-MT. Separate: two vocabularies of different sizes
-    (transformers needs the pad id inside both, so <pad> is id 2 in each).
+    (transformers needs the pad id inside both, so <pad> is id 2 in each). Not `tied`:
+    tie_word_embeddings=false, an output projection of its own (and with transformers 5, encoder and
+    decoder embeddings of their own over a shared vocabulary).
     """
     directory.mkdir(parents=True)
     src_spm = train_sentencepiece(SRC_LINES + ([] if not shared else TGT_LINES), directory / "s", 60)
@@ -79,7 +82,7 @@ def make_marian_dir(directory: Path, activation: str, shared: bool, bin_weights:
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
         activation_function=activation, pad_token_id=pad, eos_token_id=0, forced_eos_token_id=0,
         decoder_start_token_id=pad, max_position_embeddings=128, scale_embedding=True,
-        share_encoder_decoder_embeddings=shared,
+        share_encoder_decoder_embeddings=shared, tie_word_embeddings=tied,
     )
     torch.manual_seed(1 if shared else 2)
     model = transformers.MarianMTModel(config).eval()
@@ -259,6 +262,60 @@ def test_inconsistent_embeddings_and_a_misshapen_logits_bias_are_refused(tmp_pat
     save_file({**original, "final_logits_bias": torch.zeros(2, v // 2)}, str(path))
     with pytest.raises(UserError, match=rf"final_logits_bias has shape \(2, {v // 2}\), not \(1, {v}\)"):
         convert_marian(tmp_path / "opus", tmp_path / "out2")
+
+
+def test_an_untied_shared_vocabulary_saved_by_transformers_5_converts_as_it_reads(tmp_path):
+    """transformers 5 with tie_word_embeddings=false embeds the encoder and decoder with their own stored
+    copies over one vocabulary (model.shared.weight is read by nothing): such a file was refused as "two
+    models". It is one model, converted with two embedding matrices and an output projection of its own,
+    one tokenizer, and greedy decoding as `generate`'s."""
+    from aiayn.translate import Translator
+
+    hf = make_marian_dir(tmp_path / "opus", "swish", shared=True, tied=False)
+    config = json.loads((tmp_path / "opus" / "config.json").read_text())
+    assert config["transformers_version"].startswith("5.") and not config["tie_word_embeddings"]
+    convert_marian(tmp_path / "opus", tmp_path / "aiayn")
+    ck = load_checkpoint(tmp_path / "aiayn")
+    c = ck.model.config
+    assert (c.share_embeddings, c.tie_output, c.tgt_vocab_size) == (False, False, None)
+    assert ck.tokenizer.tgt_vocab is ck.tokenizer.vocab  # vocab.json for both sides, as MarianTokenizer
+    src = search_batch(ck)
+    assert aiayn_search(ck, src, beam=1)[0] == hf_search(hf, src, ck.tokenizer.pad_id, num_beams=1)[0]
+    theirs_tok = transformers.MarianTokenizer.from_pretrained(str(tmp_path / "opus"))
+    out = hf.generate(**theirs_tok(SENTENCES, return_tensors="pt", padding=True), do_sample=False,
+                      num_beams=1, max_new_tokens=MAX_NEW, bad_words_ids=[[ck.tokenizer.pad_id]])
+    ours = Translator.load(ck.path).translate(SENTENCES, beam=1, max_len_a=0.0, max_len_b=MAX_NEW)
+    assert ours == theirs_tok.batch_decode(out, skip_special_tokens=True) and any(ours)
+
+
+@pytest.mark.parametrize("version", ["4.46.3", None])
+def test_an_untied_shared_vocabulary_with_copies_that_differ_is_refused_before_transformers_5(
+        tmp_path, capsys, version):
+    """transformers 4 embeds both sides with model.shared.weight, 5 with each copy: a file that does not
+    say transformers 5 saved it, whose copies differ, is refused, naming the config field to look at."""
+    make_marian_dir(tmp_path / "opus", "swish", shared=True, tied=False)
+    path = tmp_path / "opus" / "config.json"
+    config = {k: v for k, v in json.loads(path.read_text()).items() if k != "transformers_version"}
+    path.write_text(json.dumps({**config, **({"transformers_version": version} if version else {})}))
+    assert convert_error(tmp_path / "opus", capsys) == (
+        f"aiayn: error: {tmp_path / 'opus' / 'model.safetensors'}: model.encoder.embed_tokens.weight differs "
+        "from model.shared.weight, which transformers 4 embeds with; transformers 5 "
+        "(tie_word_embeddings=false) embeds with each copy, but config.json's transformers_version is not 5 "
+        "or later (or is absent): if transformers 5 saved this file, set its transformers_version; else make "
+        "the copies agree")
+
+
+def test_an_untied_shared_vocabulary_missing_a_copy_is_refused(tmp_path, capsys):
+    """transformers 5 initializes a missing copy at random: model.shared.weight does not stand in for it."""
+    from safetensors.torch import load_file, save_file
+
+    make_marian_dir(tmp_path / "opus", "swish", shared=True, tied=False)
+    path = tmp_path / "opus" / "model.safetensors"
+    save_file({k: v for k, v in load_file(str(path)).items() if k != "model.decoder.embed_tokens.weight"},
+              str(path))
+    assert convert_error(tmp_path / "opus", capsys) == (
+        f"aiayn: error: {path}: missing weight model.decoder.embed_tokens.weight, which transformers 5 "
+        "embeds with (tie_word_embeddings=false; model.shared.weight is unused)")
 
 
 @pytest.mark.parametrize("field, value, problem", [

@@ -9,6 +9,8 @@ variations, each an option of `ModelConfig`:
 - embeddings scaled by sqrt(d_model) only if `scale_embedding` -> `scale_embedding`
 - one vocabulary (`vocab.json`) or two (`separate_vocabs`, `target_vocab.json`)
                                                              -> `share_embeddings`, `tgt_vocab_size`
+- one vocabulary embedded by two matrices, the output untied -> `share_embeddings=False`,
+  (transformers 5's reading of `tie_word_embeddings=false`)     `tgt_vocab_size=None`
 A configuration that asks for anything else that changes what the network computes (pre-norm, a
 LayerNorm on the embeddings, learned positions...) raises `UserError` naming the field.
 
@@ -184,6 +186,19 @@ def _in_marian_keys(problem: str, hf: dict[str, Any]) -> str:
     return _MODEL_FIELD.sub(keys, problem)
 
 
+def _embeds_each_copy(hf: dict[str, Any], where: str) -> bool:
+    """Whether transformers reads a shared vocabulary's stored copies as matrices of their own: version 5
+    with `tie_word_embeddings=false` embeds the encoder with model.encoder.embed_tokens.weight and the
+    decoder with model.decoder.embed_tokens.weight (model.shared.weight is read by nothing); version 4
+    embeds both sides with model.shared.weight. The version is config.json's `transformers_version`, the
+    one that saved it; absent (older files), it is taken as 4."""
+    if _field(hf, "tie_word_embeddings", bool, where, True):  # every copy is model.shared then
+        return False
+    version = _field(hf, "transformers_version", str, where, "")
+    major = re.match(r"\d+", version)
+    return major is not None and int(major[0]) >= 5
+
+
 def model_config_from_marian(hf: dict[str, Any], where: str) -> ModelConfig:
     """A MarianConfig (config.json as a dict) -> `ModelConfig`, or `UserError` naming what differs.
 
@@ -210,7 +225,7 @@ def model_config_from_marian(hf: dict[str, Any], where: str) -> ModelConfig:
         norm_first=False,
         positions="sin_cos",
         max_len=_field(hf, "max_position_embeddings", int, where, 1024),
-        share_embeddings=shared,
+        share_embeddings=shared and not _embeds_each_copy(hf, where),  # one vocabulary, two matrices else
         tie_output=_field(hf, "tie_word_embeddings", bool, where, True),
         scale_embedding=_field(hf, "scale_embedding", bool, where, False),
         final_logits_bias=True,
@@ -406,24 +421,40 @@ def _check_shapes(hf: dict[str, Tensor], config: ModelConfig, where: str) -> Non
                             "config does not describe these weights")
 
 
+def _check_copies(shared: Tensor | None, src: Tensor | None, tgt: Tensor | None, config: ModelConfig,
+                  where: str) -> None:
+    """One shared matrix stored three times must be stored alike: transformers keeps each stored tensor
+    and ties the output to model.shared, and an edited or merged file whose copies differ converted
+    silently into another model (logits off by up to 5 in a probe)."""
+    for part, side in (("encoder", src), ("decoder", tgt)):
+        name = f"model.{part}.embed_tokens.weight"
+        if not config.share_embeddings or shared is None or side is None or torch.equal(side, shared):
+            continue
+        if config.tie_output:
+            raise UserError(f"{where}: {name} differs from model.shared.weight, which transformers ties the "
+                            "output to; the file is inconsistent")
+        # transformers 4 embeds with model.shared, 5 with each copy (`_embeds_each_copy`)
+        raise UserError(f"{where}: {name} differs from model.shared.weight, which transformers 4 embeds "
+                        "with; transformers 5 (tie_word_embeddings=false) embeds with each copy, but "
+                        "config.json's transformers_version is not 5 or later (or is absent): if "
+                        "transformers 5 saved this file, set its transformers_version; else make the "
+                        "copies agree")
+
+
 def _embeddings(hf: dict[str, Tensor], config: ModelConfig, where: str) -> dict[str, Tensor]:
     """Token embeddings, output projection and logits bias, in aiayn's names; tying checked."""
     shared = hf.pop("model.shared.weight", None)
     src = hf.pop("model.encoder.embed_tokens.weight", None)
     tgt = hf.pop("model.decoder.embed_tokens.weight", None)
     lm_head = hf.pop("lm_head.weight", None)
-    # transformers keeps each stored tensor and ties the output to model.shared: an edited or merged file
-    # whose copies differ converted silently into another model (logits off by up to 5 in a probe)
-    for part, side in (("encoder", src), ("decoder", tgt)):
-        name = f"model.{part}.embed_tokens.weight"
-        copies = config.share_embeddings and shared is not None and side is not None
-        if copies and not torch.equal(side, shared) and config.tie_output:
-            raise UserError(f"{where}: {name} differs from model.shared.weight, which transformers ties the "
-                            "output to; the file is inconsistent")
-        if copies and not torch.equal(side, shared):  # transformers 5 embeds with each copy, 4 with shared
-            raise UserError(f"{where}: {name} differs from model.shared.weight; transformers 4 embeds with "
-                            "model.shared.weight, transformers 5 (tie_word_embeddings=false) with each "
-                            "stored copy, so the file is two models: aiayn converts one whose copies agree")
+    if config.tgt_vocab_size is None and not config.share_embeddings:  # `_embeds_each_copy`: transformers 5
+        for part, side in (("encoder", src), ("decoder", tgt)):
+            if side is None:  # transformers 5 initializes it at random, where model.shared stood in for it
+                raise UserError(f"{where}: missing weight model.{part}.embed_tokens.weight, which "
+                                "transformers 5 embeds with (tie_word_embeddings=false; model.shared.weight "
+                                "is unused)")
+        shared = None
+    _check_copies(shared, src, tgt, config, where)
     src = shared if src is None else src
     # a separate target vocabulary has its own embeddings: model.shared is the source's
     tgt = (shared if config.share_embeddings else None) if tgt is None else tgt
@@ -527,7 +558,7 @@ def _separate_vocabs(directory: Path, settings: dict[str, Any], config: ModelCon
     vocabularies, as transformers' converter writes them) or a target_vocab.json beside vocab.json."""
     if "separate_vocabs" in settings:
         return _field(settings, "separate_vocabs", bool, str(directory / "tokenizer_config.json"))
-    return not config.share_embeddings or _there(directory / "target_vocab.json")
+    return config.tgt_vocab_size is not None or _there(directory / "target_vocab.json")
 
 
 def marian_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:

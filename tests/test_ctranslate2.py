@@ -241,6 +241,19 @@ def test_export_never_writes_over_its_checkpoint(tmp_path, spm_models):
         export_ctranslate2(tmp_path / "run" / "ck", tmp_path / "ct2" / "sub")  # it would then refuse
 
 
+def test_an_output_path_that_is_not_utf8_is_refused_before_any_work(tmp_path, spm_models, capsys):
+    """ctranslate2.Translator cannot open such a path (a TypeError: a str with surrogates): it was written,
+    exit 0, and then could not be served."""
+    tokenizer = Tokenizer(spm_models[0])
+    save_checkpoint(tmp_path / "ck", random_model(tokenizer), tokenizer)
+    out = tmp_path / os.fsdecode(b"ct2_\xff")
+    assert main(["export", "--to", "ctranslate2", str(tmp_path / "ck"), str(out)]) == 2
+    shown = str(tmp_path) + "/ct2_\\xff"  # the CLI writes an undecodable byte as an escape
+    assert capsys.readouterr().err == (f"aiayn: error: {shown}: a path that is not valid UTF-8, which "
+                                       "ctranslate2.Translator cannot open; rename it\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
 def test_an_unknown_quantization_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):
     """It was found by CTranslate2's converter, after loading the checkpoint."""
     from aiayn.cli import main

@@ -158,6 +158,17 @@ CT2_KIND = OutputKind("a CTranslate2 model", _is_ct2_model,
                       frozenset({"model.bin", "config.json"} | _VOCABULARIES))
 
 
+def check_openable(out: Path) -> None:
+    """A path that is not valid UTF-8 is a UserError: ctranslate2.Translator takes the model's path as a
+    str it hands to C++ as UTF-8, and one with undecodable bytes (a str with surrogates) was written, exit
+    0, then could not be opened (a TypeError)."""
+    try:
+        str(out).encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{out}: a path that is not valid UTF-8, which ctranslate2.Translator cannot open; "
+                        "rename it") from None
+
+
 def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: str | None = None,
                        force: bool = False) -> Path:
     """Write the CTranslate2 model directory `out` for `checkpoint`; return its path.
@@ -167,6 +178,7 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     replaces an existing `out`, but never the checkpoint itself or a directory holding it.
     """
     out = Path(out)
+    check_openable(out)
     check_outside_checkpoints(out)  # first (--force cannot mend it); Python callers too: keep_last deleted it
     check_output(out, [Path(checkpoint)], force, earlier=CT2_KIND)
     for parent in Path(os.path.abspath(out)).parents:  # a later --force of that model was then refused

@@ -368,6 +368,10 @@ def test_config_fields_read_as_typed(tmp_path):
     ("activation_function", ["swish"], 'activation_function=["swish"] is not a string'),
     ("eos_token_id", [0, 1], "eos_token_id=[0, 1] is not an integer"),
     ("architectures", 5, "architectures=5 is not supported (expected MarianMTModel)"),
+    ("model_type", None, 'model_type is missing (expected "marian")'),  # was "model_type=None"
+    ("model_type", "bart", 'model_type="bart" is not supported (expected "marian")'),
+    ("activation_function", "gelu_new",
+     'activation_function="gelu_new" is not supported; supported: "swish", "silu", "relu", "gelu"'),
 ])
 def test_config_field_missing_or_mistyped_is_one_line(tmp_path, capsys, field, value, problem):
     """`None` removes the field. The config is read first: a directory with only config.json is enough."""

@@ -141,8 +141,11 @@ def _same_field(hf: dict[str, Any], encoder: str, decoder: str, where: str) -> i
 
 def _check_supported(hf: dict[str, Any], where: str) -> None:
     """Refuse the fields that would change what the network computes; warn about the training-only ones."""
-    if hf.get("model_type") != "marian":
-        raise UserError(f"{where}: model_type={hf.get('model_type')!r}, expected 'marian'")
+    if "model_type" not in hf:  # said as other fields are: "model_type=None" was Python's word for it
+        raise UserError(f'{where}: model_type is missing (expected "marian")')
+    if hf["model_type"] != "marian":
+        raise UserError(f'{where}: model_type={json.dumps(hf["model_type"])} is not supported (expected '
+                        '"marian")')
     architectures = hf.get("architectures", ["MarianMTModel"])
     if not isinstance(architectures, list) or "MarianMTModel" not in architectures:
         raise UserError(f"{where}: architectures={json.dumps(architectures)} is not supported "
@@ -207,8 +210,8 @@ def model_config_from_marian(hf: dict[str, Any], where: str) -> ModelConfig:
     _check_supported(hf, where)
     activation = _field(hf, "activation_function", str, where, "gelu")
     if activation not in ACTIVATIONS:
-        raise UserError(f"{where}: activation_function={activation!r} is not supported; "
-                        f"supported: {', '.join(ACTIVATIONS)}")
+        raise UserError(f"{where}: activation_function={json.dumps(activation)} is not supported; "
+                        f"supported: {', '.join(map(json.dumps, ACTIVATIONS))}")
     shared = _field(hf, "share_encoder_decoder_embeddings", bool, where, True)
     vocab_size = _field(hf, "vocab_size", int, where)
     pad_id = _field(hf, "pad_token_id", int, where)

@@ -652,9 +652,20 @@ def test_convert_from_python_never_replaces_the_source_or_other_files(tmp_path):
     convert_marian(models / "opus", models / "ck")
     convert_marian(models / "opus", models / "ck", force=True)  # an earlier checkpoint: replaced
     convert_marian(models / "opus", models / "opus" / "aiayn")  # new, inside: deletes nothing
-    with pytest.raises(UserError, match="lies inside the input .*opus; writing it would delete part of the "
-                                        "input$"):  # "would delete the input": it deletes what is inside it
+    # and again: what it replaces is its own output, which was refused as "part of the input"
+    convert_marian(models / "opus", models / "opus" / "aiayn", force=True)
+    (models / "opus" / "mine").mkdir()
+    (models / "opus" / "mine" / "notes.txt").write_text("mine")
+    (models / "opus" / "weights").symlink_to("aiayn/model.safetensors")  # the input leads into the output
+    for out in ("mine", "aiayn"):  # "would delete the input": it deletes what is inside it
+        with pytest.raises(UserError, match=f"{out}: lies inside the input .*opus; writing it would delete "
+                                            "part of the input$"):
+            convert_marian(models / "opus", models / "opus" / out, force=True)
+    (models / "opus" / "weights").unlink()
+    (models / "opus" / "aiayn-link").symlink_to("aiayn", target_is_directory=True)  # a link to it too
+    with pytest.raises(UserError, match="aiayn: lies inside the input"):
         convert_marian(models / "opus", models / "opus" / "aiayn", force=True)
+    assert (models / "opus" / "mine" / "notes.txt").read_text() == "mine"
     odd = models / "opus\udcff"  # a name that is not UTF-8: its weights were "corrupt weights"; an output
     for source, out in ((models / "opus", models / "ck\udcff"), (odd, models / "ck2")):  # so named was
         if source == odd:  # written, then refused by every command that loads it

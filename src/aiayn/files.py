@@ -139,7 +139,8 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     """Refuse an output directory whose writing would lose data (the commands' guard, before any work).
 
     `out` may not be or contain any of `inputs`, nor replace something inside one, even with `force`
-    (a new directory inside one deletes nothing); nor be or contain an `enclosing` directory (a run
+    (a new directory inside one deletes nothing, nor does an earlier output of `earlier`'s kind there that
+    no link of the input leads into: `_own_earlier_output`); nor be or contain an `enclosing` directory (a run
     directory). An existing `out` is replaced only with `force`, only if it is a directory, never the
     current directory or one above it, and, with `earlier`, only if it is empty or holds an earlier
     output of that kind and nothing else: `convert ... RUN --force` replaced a whole training run, a live
@@ -161,6 +162,8 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     refused += [(p, ("is", "contains")) for p in enclosing or []]
     for other, relations in refused:
         relation = overlap(out, Path(other))
+        if relation == "lies inside" and _own_earlier_output(out, Path(other), earlier):
+            continue  # replaced as an earlier output anywhere else is, by the rules below
         if relation in relations:  # inside: replacing it deletes part of the input's folder
             whole = "part of the input" if relation == "lies inside" else "the input"
             raise UserError(f"{out}: {relation} the input {other}; writing it would delete {whole}")
@@ -177,6 +180,22 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
                         "replace it")
     if exists and earlier is not None:
         check_replaceable(out, earlier, forced=True)
+
+
+def _own_earlier_output(out: Path, source: Path, earlier: OutputKind | None) -> bool:
+    """Whether `out`, inside the input directory `source`, is an earlier output of `earlier`'s kind that no
+    link of the input leads into: replacing it deletes nothing of the input. `convert m m/out` wrote one,
+    and `--force` again was refused as "would delete part of the input", of its own output."""
+    if earlier is None or not out.is_dir() or out.is_symlink() or not earlier.test(out):
+        return False
+    inner = resolved(out)
+    for root, dirs, names in os.walk(source):  # links are not followed, only checked for where they lead
+        for link in (p for p in (Path(root, name) for name in dirs + names) if p.is_symlink()):
+            target = Path(os.path.realpath(link))  # never raises: a loop leads nowhere
+            if target == inner or inner in target.parents:
+                return False
+        dirs[:] = [d for d in dirs if Path(os.path.realpath(Path(root, d))) != inner]  # `out`'s are its own
+    return True
 
 
 def check_replaceable(out: Path, earlier: OutputKind, forced: bool = False) -> None:

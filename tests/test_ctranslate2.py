@@ -226,7 +226,7 @@ def test_export_never_writes_over_its_checkpoint(tmp_path, spm_models):
     tokenizer = Tokenizer(spm_models[0])
     save_checkpoint(tmp_path / "run" / "ck", random_model(tokenizer), tokenizer)
     before = files(tmp_path)
-    for out, problem in (("run/ck", "is the checkpoint .*; write it elsewhere"),
+    for out, problem in (("run/ck", "is an aiayn checkpoint; write it elsewhere"),
                          ("run", "contains the input .*would delete the input")):
         with pytest.raises(UserError, match=f"{out}: {problem}"):
             export_ctranslate2(tmp_path / "run" / "ck", tmp_path / out, force=True)
@@ -252,6 +252,30 @@ def test_an_output_path_that_is_not_utf8_is_refused_before_any_work(tmp_path, sp
     assert capsys.readouterr().err == (f"aiayn: error: {shown}: a path that is not valid UTF-8, which "
                                        "ctranslate2.Translator cannot open; rename it\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_another_checkpoint_or_an_export_named_in_the_wrong_place_is_said_as_such(tmp_path, spm_models,
+                                                                                capsys):
+    """`export A B --force` of a checkpoint B said "B: is the checkpoint /abs/B", as if B were the input;
+    an export given where a checkpoint is due was only "not an aiayn checkpoint (no meta.json)"."""
+    tokenizer = Tokenizer(spm_models[0])
+    for name in ("a", "b"):
+        save_checkpoint(tmp_path / name, random_model(tokenizer), tokenizer)
+    before = files(tmp_path)
+    capsys.readouterr()
+    assert main(["export", "--to", "ctranslate2", str(tmp_path / "a"), str(tmp_path / "b"), "--force"]) == 2
+    assert capsys.readouterr().err == f"aiayn: error: {tmp_path / 'b'}: is an aiayn checkpoint; write it " \
+                                      "elsewhere\n"
+    assert files(tmp_path) == before
+    export_ctranslate2(tmp_path / "a", tmp_path / "ct2")
+    (tmp_path / "ct2" / "spm.model").write_bytes((tmp_path / "a" / "spm.model").read_bytes())  # as deployed
+    hint = ("not an aiayn checkpoint (no meta.json); a CTranslate2 model (what export writes): load it with "
+            "ctranslate2.Translator, or name the aiayn checkpoint it was exported from")
+    for argv in (["info", str(tmp_path / "ct2")],
+                 ["export", "--to", "ctranslate2", str(tmp_path / "ct2"), str(tmp_path / "again")]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"aiayn: error: {tmp_path / 'ct2'}: {hint}\n"
+    assert not (tmp_path / "again").exists()
 
 
 def test_an_unknown_quantization_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):

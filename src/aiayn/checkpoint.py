@@ -260,10 +260,7 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
                 mine = run == run_of_checkpoints_folder(here)
                 what = "a run's checkpoints folder" if mine else f"its run is {run}"
                 break
-        hint = f"; {what}: name one of its checkpoints, e.g. {found[-1]}" if found else ""
-        if not found and (here / "config.json").is_file() and any(
-                (here / name).is_file() for name in ("source.spm", "vocab.json")):
-            hint = "; a MarianMT (OPUS-MT) directory: import it with aiayn convert --from marian"
+        hint = f"; {what}: name one of its checkpoints, e.g. {found[-1]}" if found else _other_model(here)
         raise UserError(f"{directory}: not an aiayn checkpoint (no {META}){hint}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
@@ -285,6 +282,19 @@ def _newer_format(found: Any) -> bool:
     """Whether meta.json's "format" is aiayn-N with N past this aiayn's `FORMAT`."""
     numbered = re.fullmatch(r"aiayn-([0-9]{1,9})", found) if isinstance(found, str) else None
     return numbered is not None and int(numbered[1]) > int(FORMAT.removeprefix("aiayn-"))
+
+
+def _other_model(directory: Path) -> str:
+    """What a directory without meta.json holds where it is another kind of model, as advice ("; ..."),
+    else "": a CTranslate2 export was only "not an aiayn checkpoint (no meta.json)"."""
+    if not (directory / "config.json").is_file():
+        return ""
+    if (directory / "model.bin").is_file():  # first: an export may keep the spm models beside it
+        return ("; a CTranslate2 model (what export writes): load it with ctranslate2.Translator, or name "
+                "the aiayn checkpoint it was exported from")
+    if any((directory / name).is_file() for name in ("source.spm", "vocab.json")):
+        return "; a MarianMT (OPUS-MT) directory: import it with aiayn convert --from marian"
+    return ""
 
 
 def config_section(meta: dict[str, Any], section: str) -> dict[str, Any] | None:

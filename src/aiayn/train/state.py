@@ -213,8 +213,9 @@ def check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
     `export` read them. `may_be_one`: an output that is itself a checkpoint (average and convert with
     --force replace theirs) may be one, but not lie inside another."""
     if (inside := enclosing_checkpoint(output, itself=not may_be_one)) is not None:
-        relation, place = inside
-        raise UserError(f"{output}: {relation} the checkpoint {place}; write it elsewhere")
+        relation, place = inside  # "is the checkpoint /abs/B" read as if B were the input
+        where = "is an aiayn checkpoint" if relation == "is" else f"{relation} the checkpoint {place}"
+        raise UserError(f"{output}: {where}; write it elsewhere")
     if (owned := training_owned(output)) is not None:  # a step_N name there is pruned or read by training
         relation, place = owned
         raise UserError(f"{output}: {relation} {place}, which training owns (it resumes from and prunes what "

@@ -1071,6 +1071,53 @@ def test_the_pairs_longer_than_max_len_are_said_of_both_files(tmp_path, caplog):
     assert f"{dc.valid_src}, {dc.valid_tgt}: 1 validation pairs longer than max_len=64 dropped" in said
 
 
+def test_fewer_pairs_than_an_update_takes_are_refused_with_advice_that_can_work(tmp_path):
+    """A batch holds a pair at least: "1 batches, fewer than one update needs (2); lower train.max_tokens or
+    train.update_freq" named the source file alone, and advised a max_tokens that could never help."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.update_freq=2")
+    src, tgt = write_corpus(tmp_path, 1, "one")
+    config = replace(config, data=replace(config.data, train_src=str(src), train_tgt=str(tgt)))
+    with pytest.raises(UserError) as caught:
+        train(config)
+    assert str(caught.value) == (
+        f"{src}, {tgt}: 1 training pair makes 1 batch of train.max_tokens=64, fewer than the 2 one update "
+        "takes (train.update_freq=2); set train.update_freq=1, or train on more pairs"
+    )
+    assert checkpoint_dirs(tmp_path / "run") == []
+
+
+def test_too_few_batches_name_the_max_tokens_and_max_len_that_give_enough(tmp_path):
+    """57 pairs kept of 60 (3 longer than data.max_len=32) in 18 batches: a lower max_tokens can give the 40
+    an update takes, and the one named does; the 3 dropped pairs could not, and are not advised."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.update_freq=40")
+    d = distributed.Dist(0, 1, 0, torch.device("cpu"))
+    (tmp_path / "run").mkdir()
+    data = loop.prepare_data(config, tmp_path / "run", d)
+    assert (len(data.train), len(data.train_batches), data.train_too_long) == (57, 18, 3)
+    said = str(loop._too_few_batches(config, data, d))
+    assert said.endswith("set train.update_freq=18, or set train.max_tokens=33 (40 batches), or train on "
+                         "more pairs"), said
+    lower = replace(config, train=replace(config.train, max_tokens=33))
+    assert len(loop.prepare_data(lower, tmp_path / "run", d).train_batches) == 40
+    # at data.max_len=8, 48 pairs longer dropped: raising it can give the 40 batches, the 12 kept cannot
+    short = replace(config, data=replace(config.data, max_len=8))
+    said = str(loop._too_few_batches(short, loop.prepare_data(short, tmp_path / "run", d), d))
+    assert said.endswith(": 12 training pairs make 2 batches of train.max_tokens=64, fewer than the 40 one "
+                         "update takes (train.update_freq=40); set train.update_freq=2, or raise "
+                         "data.max_len=8 (and model.max_len) to keep the 48 longer pairs it dropped, or "
+                         "train on more pairs"), said
+    # several processes: an update takes update_freq batches of each; fewer processes are advised where they
+    # give one (18 batches: 20 a process for one update on none, 10 on one, 6 on three)
+    for processes, update_freq, advice in (
+        (2, 20, "set train.update_freq=9, or set train.max_tokens=33 (40 batches)"),
+        (2, 10, "set train.update_freq=9, or run 1 process, or set train.max_tokens="),
+        (4, 6, "set train.update_freq=4, or run 3 processes or fewer, or set train.max_tokens="),
+    ):
+        per_update = replace(config, train=replace(config.train, update_freq=update_freq))
+        said = str(loop._too_few_batches(per_update, data, distributed.Dist(0, processes, 0, d.device)))
+        assert f"(train.update_freq={update_freq} x {processes} processes); {advice}" in said, said
+
+
 def test_a_bad_validation_file_fails_before_the_tokenizer_is_trained(tmp_path):
     """A missing line in the validation target is found before the (on real data, minutes-long)
     SentencePiece training, which leaves its model in the run directory."""
@@ -1084,7 +1131,7 @@ def test_a_bad_validation_file_fails_before_the_tokenizer_is_trained(tmp_path):
 
 def test_validate_refuses_an_empty_validation_set():
     empty = EncodedCorpus.from_lists([], [])
-    data = Data(SimpleNamespace(pad_id=0), empty, [], empty, [], None)
+    data = Data(SimpleNamespace(pad_id=0), empty, [], empty, [], None, 0)
     d = distributed.Dist(0, 1, 0, torch.device("cpu"))
     with pytest.raises(UserError, match="no target tokens"):  # not a ZeroDivisionError
         validate(torch.nn.Linear(1, 1), data, d, torch.autocast("cpu", enabled=False), 0.1)

@@ -120,6 +120,7 @@ class Data:
     valid: EncodedCorpus | None
     valid_batches: list[list[int]]
     valid_text: ParallelText | None  # raw validation text, for BLEU (only with train.bleu_every)
+    train_too_long: int  # training pairs dropped as longer than data.max_len
 
 
 def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
@@ -217,6 +218,57 @@ def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     return result
 
 
+def _counted(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
+def _too_few_batches(config: RunConfig, data: Data, d: Dist) -> SameOnEveryProcess:
+    """The refusal of a corpus cut into fewer batches than one update takes, with only the changes that
+    give one: a batch holds at least one pair, so with fewer pairs than batches an update takes, a lower
+    train.max_tokens (once the only advice) cannot help."""
+    dc, tc = config.data, config.train
+    pairs, batches, per_update = len(data.train), len(data.train_batches), d.world_size * tc.update_freq
+    ways = []
+    if batches >= d.world_size:  # then an update_freq below this one gives one update at least
+        ways.append(f"set train.update_freq={batches // d.world_size}")
+    if d.enabled and batches >= tc.update_freq:
+        most = batches // tc.update_freq
+        ways.append(f"run {_counted(most, 'process', 'processes')}{' or fewer' * (most > 1)}")
+    if pairs >= per_update and (lower := _max_tokens_for(data.train, dc.max_len, tc.max_tokens, per_update)):
+        ways.append(f"set train.max_tokens={lower[0]} ({_counted(lower[1], 'batch', 'batches')})")
+    if data.train_too_long and batches + data.train_too_long >= per_update:  # a pair adds a batch at most
+        ways.append(f"raise data.max_len={dc.max_len} (and model.max_len) to keep the "
+                    f"{_counted(data.train_too_long, 'longer pair', 'longer pairs')} it dropped")
+    ways.append("train on more pairs")
+    processes = f" x {d.world_size} processes" if d.enabled else ""
+    return SameOnEveryProcess(
+        f"{dc.train_src}, {dc.train_tgt}: {_counted(pairs, 'training pair', 'training pairs')} "
+        f"{'makes' if pairs == 1 else 'make'} {_counted(batches, 'batch', 'batches')} of train.max_tokens="
+        f"{tc.max_tokens}, fewer than the {per_update} one update takes (train.update_freq={tc.update_freq}"
+        f"{processes}); {', or '.join(ways)}"
+    )
+
+
+def _max_tokens_for(train: EncodedCorpus, max_len: int, max_tokens: int,
+                    per_update: int) -> tuple[int, int] | None:
+    """The largest train.max_tokens below `max_tokens`, and at least data.max_len (the least allowed), that
+    cuts `train` into `per_update` batches or more, and its number of batches; None where none does.
+    Bisected: more tokens a batch make fewer batches (the greedy cut is not strictly so, but the value
+    returned is one that does). Cheap: a corpus this short has few pairs."""
+    src, tgt = train.src_lengths(), train.tgt_lengths()
+    lo, hi = max_len, max_tokens - 1
+    if hi < lo or (n := len(token_batches(src, tgt, lo))) < per_update:
+        return None
+    best = lo, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if (n := len(token_batches(src, tgt, mid))) >= per_update:
+            lo, best = mid, (mid, n)
+        else:
+            hi = mid - 1
+    return best
+
+
 def _shared_settings(config: RunConfig) -> dict[str, str]:
     """The settings every process of a job must share, as a refusal shows them: aiayn's version, [model]
     as written, and [data] and [train] (train.threads too: a norm summed in another order moves a replica
@@ -281,11 +333,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     per_update = d.world_size * tc.update_freq
     n_updates = updates_in_epoch(len(data.train_batches), per_update)
     if n_updates == 0:
-        raise SameOnEveryProcess(
-            f"{config.data.train_src}: {len(data.train_batches)} batches, fewer than one update "
-            f"needs ({per_update}); lower train.max_tokens or train.update_freq"
-            + (f", or run fewer than {d.world_size} processes" if d.enabled else "")
-        )
+        raise _too_few_batches(config, data, d)
     def restored() -> TrainState:
         state = restore(resume_from, model, optimizer, scaler, d) if resume_from else TrainState()
         _epoch_on_this_corpus(state, n_updates, data.train.digest(), resume_from, d)
@@ -1381,12 +1429,12 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     if tokenizer is None:  # process 0 wrote it: this process is on a machine that cannot see run_dir
         raise UserError(f"{run_dir}: no tokenizer; with several machines, put run_dir on a shared filesystem")
     train = read_encoded(Path(caches[0][0]), caches[0][1], tokenizer)
-    train, too_long = train.filter_length(dc.max_len)
+    train, train_too_long = train.filter_length(dc.max_len)
     # the pair named: its target may be the long side ("tr.ja: ... 1 longer" blamed the source file)
     pair = f"{dc.train_src}, {dc.train_tgt}"
-    _require_pairs(pair, "training", len(train), too_long, dc.max_len)
+    _require_pairs(pair, "training", len(train), train_too_long, dc.max_len)
     if d.is_main:
-        log.info("%s: %d training pairs; %d longer than max_len=%d dropped", pair, len(train), too_long,
+        log.info("%s: %d training pairs; %d longer than max_len=%d dropped", pair, len(train), train_too_long,
                  dc.max_len)
     batches = token_batches(train.src_lengths(), train.tgt_lengths(), config.train.max_tokens)
     valid, valid_batches = None, []
@@ -1404,7 +1452,7 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
         read_parallel(dc.valid_src, dc.valid_tgt, report=False)
         if dc.valid_src and config.train.bleu_every and d.is_main else None
     )
-    return Data(tokenizer, train, batches, valid, valid_batches, valid_text)
+    return Data(tokenizer, train, batches, valid, valid_batches, valid_text, train_too_long)
 
 
 def _require_pairs(pair: str, kind: str, kept: int, too_long: int, max_len: int) -> None:

@@ -1067,7 +1067,8 @@ def test_the_pairs_longer_than_max_len_are_said_of_both_files(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         loop.prepare_data(config, tmp_path / "run", distributed.Dist(0, 1, 0, torch.device("cpu")))
     said = caplog.messages
-    assert f"{dc.train_src}, {dc.train_tgt}: 59 training pairs; 1 longer than max_len=64 dropped" in said
+    assert (f"{dc.train_src}, {dc.train_tgt}: 1 of 60 training pairs are longer than data.max_len=64 tokens "
+            "and dropped; raise data.max_len (and model.max_len) to train on them") in said
     assert f"{dc.valid_src}, {dc.valid_tgt}: 1 validation pairs longer than max_len=64 dropped" in said
 
 
@@ -1116,6 +1117,33 @@ def test_too_few_batches_name_the_max_tokens_and_max_len_that_give_enough(tmp_pa
         per_update = replace(config, train=replace(config.train, update_freq=update_freq))
         said = str(loop._too_few_batches(per_update, data, distributed.Dist(0, processes, 0, d.device)))
         assert f"(train.update_freq={update_freq} x {processes} processes); {advice}" in said, said
+
+
+def test_dropping_a_share_of_the_training_pairs_as_too_long_is_a_warning(tmp_path, caplog):
+    """"tr.de, tr.en: 32 training pairs; 1968 longer than max_len=12 dropped" was an INFO line like the
+    routine ones: from 1% dropped it is a warning that names data.max_len; fewer are a corpus' stray lines."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "data.max_len=8")  # 48 of the 60 toy pairs longer
+    d = distributed.Dist(0, 1, 0, torch.device("cpu"))
+    (tmp_path / "run").mkdir()
+    with caplog.at_level(logging.INFO):
+        loop.prepare_data(config, tmp_path / "run", d)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "training pair" in r.getMessage()]
+    src, tgt = config.data.train_src, config.data.train_tgt
+    warned = (f"{src}, {tgt}: 48 of 60 training pairs are longer than data.max_len=8 tokens and dropped; "
+              "raise data.max_len (and model.max_len) to train on them")
+    assert said == [(logging.WARNING, warned)]
+    # 1 of 200: under 1%, said at INFO
+    write_corpus(tmp_path, 200)
+    lines = Path(tgt).read_text(encoding="utf-8").splitlines()
+    lines[0] = "a dog runs across the meadow " * 12
+    Path(tgt).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    caplog.clear()
+    wide = replace(config, data=replace(config.data, max_len=64))
+    (tmp_path / "wide").mkdir()
+    with caplog.at_level(logging.INFO):
+        loop.prepare_data(wide, tmp_path / "wide", d)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "training pair" in r.getMessage()]
+    assert said == [(logging.INFO, f"{src}, {tgt}: 199 training pairs; 1 longer than max_len=64 dropped")]
 
 
 def test_a_bad_validation_file_fails_before_the_tokenizer_is_trained(tmp_path):

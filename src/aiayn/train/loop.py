@@ -1434,8 +1434,7 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     pair = f"{dc.train_src}, {dc.train_tgt}"
     _require_pairs(pair, "training", len(train), train_too_long, dc.max_len)
     if d.is_main:
-        log.info("%s: %d training pairs; %d longer than max_len=%d dropped", pair, len(train), train_too_long,
-                 dc.max_len)
+        _say_too_long(config, pair, len(train), train_too_long)
     batches = token_batches(train.src_lengths(), train.tgt_lengths(), config.train.max_tokens)
     valid, valid_batches = None, []
     if dc.valid_src:
@@ -1453,6 +1452,21 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
         if dc.valid_src and config.train.bleu_every and d.is_main else None
     )
     return Data(tokenizer, train, batches, valid, valid_batches, valid_text, train_too_long)
+
+
+def _say_too_long(config: RunConfig, pair: str, kept: int, too_long: int) -> None:
+    """The training pairs kept and those dropped as longer than data.max_len, a warning from 1% dropped
+    on: a corpus' few stray long lines (noisy web text) are routine and said at INFO, as fairseq's warning
+    on any drop, every run, teaches users to skip warnings; a larger share is a max_len that does not fit
+    the corpus or its tokenizer (the line said 1968 of 2000 dropped at INFO, as routine as the others)."""
+    max_len = config.data.max_len
+    if too_long * 100 < kept + too_long:
+        log.info("%s: %s; %d longer than max_len=%d dropped", pair,
+                 _counted(kept, "training pair", "training pairs"), too_long, max_len)
+    else:
+        log.warning("%s: %s of %s training pairs are longer than %s tokens and dropped; raise data.max_len "
+                    "(and model.max_len) to train on them", pair, f"{too_long:,}", f"{kept + too_long:,}",
+                    config.shown("data.max_len", max_len))
 
 
 def _require_pairs(pair: str, kind: str, kept: int, too_long: int, max_len: int) -> None:

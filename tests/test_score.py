@@ -289,6 +289,41 @@ def test_a_stream_is_scored_chunk_by_chunk_as_a_whole(checkpoint):
         score_stream(translator, *streams(sources, long), io.StringIO(), ("s", "t"), chunk=2)
 
 
+def test_a_stream_scores_the_pairs_before_a_too_long_line_first(checkpoint, tmp_path, capsys, monkeypatch):
+    """A pipe's too long line (a file is checked whole first) lost the pairs before it in its chunk: none
+    written of 10,000, then the line named. They are scored and written first; a file's too long lines
+    are all named, the first and the others counted."""
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    from aiayn.translate import score_stream
+
+    translator = Translator.load(checkpoint)
+    sources = [f"the number {i}" for i in range(8)]
+    targets = [f"die Zahl {i}" for i in range(8)]
+    targets[5] = targets[7] = "die Zahl 4 " * 30  # past max_len=40
+    streams = [io.BytesIO(("\n".join(side) + "\n").encode()) for side in (sources, targets)]
+    out = io.StringIO()
+    with pytest.raises(SentenceTooLong, match=r"^t:6: .* positions of this model; and 1 more in the 8 lines "
+                                              r"read: line 8$"):
+        score_stream(translator, *streams, out, ("s", "t"))
+    assert [float(x) for x in out.getvalue().split()] == pytest.approx(
+        [s.log_prob for s in translator.score(sources[:5], targets[:5])], abs=1e-5)
+    (tmp_path / "src").write_text("\n".join(sources) + "\n")
+    piped = io.BytesIO(("\n".join(targets) + "\n").encode())
+    monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=piped))
+    assert main(["score", str(checkpoint), "--src", str(tmp_path / "src"), "--tgt", "-", "-q"]) == 2
+    said = capsys.readouterr()
+    assert len(said.out.split()) == 5 and said.err.startswith("aiayn: error: <stdin>:6: ")
+    (tmp_path / "tgt").write_text("\n".join(targets) + "\n")
+    assert main(["score", str(checkpoint), "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"),
+                 "-q"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.startswith(f"aiayn: error: {tmp_path / 'tgt'}:6: ")
+    assert said.err.endswith("positions of this model; and 1 more: line 8\n")
+
+
 def test_the_cli_reads_standard_input_and_refuses_a_missing_output_folder_first(checkpoint, tmp_path, capsys,
                                                                                monkeypatch):
     import io

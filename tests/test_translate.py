@@ -281,6 +281,52 @@ def test_over_long_text_is_named(checkpoint):
         translator.translate(["the number 3", " ".join(["the number 12"] * limit)])
 
 
+def test_every_too_long_line_is_named_in_one_run(checkpoint, tmp_path, capsys):
+    """k too long lines took k runs, one named a run: the first is named, and the others counted, the
+    first few by number; a file's whole (its check reads it 10,000 lines at a time), before any line is
+    translated."""
+    translator = Translator.load(checkpoint)
+    long = " ".join(["the number 12"] * (translator.model.config.max_len // 3))  # past the positions
+    with pytest.raises(SentenceTooLong, match=r"^text 2: \d+ tokens \(with EOS\), more than the \d+ "
+                                              r"positions of this model; and 2 more: texts 4, 5$"):
+        translator.translate(["the number 3", long, "odd", long, long])
+    with pytest.raises(SentenceTooLong, match=r" positions of this model; and 1 more: text 2$"):
+        translator.translate([long, long])
+    lines = ["the number 3"] * 10_010
+    for i in (1, 4, 7, 8, 9, 10, 10_004):  # 0-based: lines 2, 5, ... and one past the first 10,000
+        lines[i] = long
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(out), "-q", "--beam", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiayn: error: {src}:2: ") and err.endswith(
+        "positions of this model; and 6 more: lines 5, 8, 9, 10, 11, ...\n"), err
+    assert not out.exists()
+    # a line that cannot be read after the first chunk: the too long lines before it, of the lines read
+    src.write_bytes(src.read_bytes() + b"bad \xff\n")
+    assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(out), "-q", "--beam", "1"]) == 2
+    assert capsys.readouterr().err.endswith("; and 5 more in the 10,000 lines read: lines 5, 8, 9, 10, 11\n")
+
+
+def test_a_pipe_gets_the_lines_before_a_too_long_one_first(checkpoint):
+    """From a pipe (not checked whole first), `--chunk 2`'s chunk of lines 5 and 6, line 6 too long, lost
+    line 5: 4 lines out, then line 6 named, so that a rerun from line 6 never translated line 5."""
+    translator = Translator.load(checkpoint)
+    long = " ".join(["the number 12"] * (translator.model.config.max_len // 3))
+    lines = [f"the number {i}" for i in range(1, 6)] + [long, "odd", long]
+    data = ("\n".join(lines) + "\n").encode()
+    for n_best, rows in ((1, 5), (2, 10)):
+        dst = io.StringIO()
+        with pytest.raises(SentenceTooLong, match=r"^<pipe>:6: .* positions of this model$"):
+            translate_stream(translator, io.BytesIO(data), dst, "<pipe>", chunk=2, n_best=n_best, **OPTIONS)
+        assert len(dst.getvalue().splitlines()) == rows
+    assert dst.getvalue().splitlines()[-1].startswith("4 ||| ")  # line 5, counted from 0
+    dst = io.StringIO()  # all the lines in one chunk: the others of those read are said
+    with pytest.raises(SentenceTooLong, match=r"^<pipe>:6: .*; and 1 more in the 8 lines read: line 8$"):
+        translate_stream(translator, io.BytesIO(data), dst, "<pipe>", **OPTIONS)
+    assert dst.getvalue().splitlines() == translator.translate(lines[:5], **OPTIONS)
+
+
 def test_running_out_of_memory_is_one_line_naming_the_batch(checkpoint, tmp_path):
     """--beam 100000000 asks for tens of GB: the allocator's failure, in a process whose address space is
     capped at 8 GB so that it fails on any machine, is one line naming the file and line, exit 2."""

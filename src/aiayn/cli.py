@@ -533,20 +533,35 @@ def _checked_line_count(src, name: str, check: Callable[[list[str]], object] | N
     UTF-8 or a too long sentence at line 3,001 is found before any line is translated, not after 3,000
     were and then thrown away. None for a pipe, a FIFO or `<(...)`, which can be read only once (a
     progress bar without a total then). CRs inside lines are warned about here (`done`: what the command
-    does with the lines), before any line is translated, and not again as they are."""
-    from aiayn.errors import TextError
+    does with the lines), before any line is translated, and not again as they are. Too long sentences are
+    named in one error, the first and the others of the whole file (`TextError.others`): one each, fixed
+    one a run, took k runs for k of them."""
+    from aiayn.errors import SentenceTooLong, TextError
     from aiayn.translate import is_regular_file, read_utf8_lines
 
     if not (is_regular_file(src) and src.seekable()):
         return None
     start, total = src.tell(), 0
-    for lines in read_utf8_lines(src, name, 10_000, whole_chunks=True, done=done):
-        try:
-            if check is not None:
-                check(lines)
-        except TextError as e:
-            raise e.located(name, total) from None
-        total += len(lines)
+    too_long: SentenceTooLong | None = None  # the first, to which later chunks' are added
+    try:
+        for lines in read_utf8_lines(src, name, 10_000, whole_chunks=True, done=done):
+            try:
+                if check is not None:
+                    check(lines)
+            except SentenceTooLong as e:
+                e.located(name, total)
+                too_long = too_long.with_others([e.index, *e.others]) if too_long else e
+            except TextError as e:
+                raise e.located(name, total) from None
+            total += len(lines)
+    except UserError:
+        if too_long is None:
+            raise
+        too_long.read = total  # a line that cannot be read after a too long one: the earlier is named, its
+        # others those of the lines read
+        raise too_long.with_others([]) from None
+    if too_long is not None:
+        raise too_long from None
     src.seek(start)
     return total
 

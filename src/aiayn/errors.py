@@ -40,29 +40,55 @@ class SettingError(UserError):
 
 class TextError(UserError):
     """A problem with one text of a list: `index` counts texts from 0, and the message names it as
-    `where` (default "text N"), or as FILE:LINE once a stream has `located` it."""
+    `where` (default "text N"), or as FILE:LINE once a stream has `located` it. `others`: the indices of
+    the list's further texts with the problem, the first few named after it ("; and 3 more: texts 12, 40,
+    77"), so that k bad lines take one run to find, not k."""
 
-    def __init__(self, index: int, problem: str, where: str | None = None):
-        self.index, self.problem = index, problem
-        super().__init__(f"{where or f'text {index + 1}'}: {problem}")
+    SHOWN = 5  # the others named by number; the rest counted
 
-    def located(self, name: str, first: int) -> "TextError":
-        """This error, named by line of the stream `name` whose batch began at line `first` (from 0)."""
+    def __init__(self, index: int, problem: str, where: str | None = None, others: Iterable[int] = ()):
+        self.index, self.problem, self.others = index, problem, list(others)
+        self.name: str | None = None  # the stream's, once `located`
+        self.read: int | None = None  # a stream's lines read, where the others are of those alone
+        super().__init__(f"{where or f'text {index + 1}'}: {problem}{self._others_said('text')}")
+
+    def located(self, name: str, first: int, read: int | None = None) -> TextError:
+        """This error, named by line of the stream `name` whose batch began at line `first` (from 0); `read`:
+        the lines read of a stream read no further, whose others are then said as of those."""
         self.index += first
-        self.args = (f"{name}:{self.index + 1}: {self.problem}",)
+        self.others = [i + first for i in self.others]
+        self.name, self.read = name, read
+        return self._relabelled()
+
+    def with_others(self, others: Iterable[int]) -> TextError:
+        """This `located` error with more `others` (lines, from 0): those of a file's later chunks."""
+        self.others += others
+        return self._relabelled()
+
+    def _relabelled(self) -> TextError:
+        self.args = (f"{self.name}:{self.index + 1}: {self.problem}{self._others_said('line')}",)
         return self
+
+    def _others_said(self, kind: str) -> str:
+        if not self.others:
+            return ""
+        named = ", ".join(str(i + 1) for i in self.others[: self.SHOWN])
+        among = "" if self.read is None else f" in the {self.read:,} {kind}s read"
+        kinds = kind if len(self.others) == 1 else f"{kind}s"
+        rest = ", ..." if len(self.others) > self.SHOWN else ""
+        return f"; and {len(self.others)} more{among}: {kinds} {named}{rest}"
 
 
 class SentenceTooLong(TextError):
     """A sentence with more tokens than the model has positions."""
 
     def __init__(self, index: int, tokens: int, limit: int, where: str | None = None,
-                 model: str = "this model", side: str = "source"):
+                 model: str = "this model", side: str = "source", others: Iterable[int] = ()):
         self.tokens, self.limit, self.side = tokens, limit, side  # side: which text of a pair (scoring)
         # a translation cut at the model's positions fills them: the EOS scoring appends is the one too many
         eos = "EOS" if side == "source" else "the EOS scoring appends, which needs a position too"
         super().__init__(index, f"{tokens} tokens (with {eos}), more than the {limit} positions of {model}",
-                         where)
+                         where, others)
 
 
 class OutOfMemory(TextError):

@@ -390,35 +390,37 @@ class Translator:
             raise OutOfMemory(min(chosen), len(chosen), **oom) from None
 
     def source_ids(self, texts: list[str]) -> list[list[int]]:
-        """The ids `hypotheses` translates, each checked for length (`SentenceTooLong`, indexed in `texts`):
-        `aiayn translate` checks a whole file so before translating any of it."""
+        """The ids `hypotheses` translates, each checked for length (a `SentenceTooLong` indexed in `texts`,
+        with the others too long): `aiayn translate` checks a whole file so before translating any of it."""
         # A text of no pieces (blank, or only characters the tokenizer drops: a zero-width space, a BOM)
         # is EOS alone, from which a model makes up a sentence: it gets no translation, as an empty line
         ids = [self.tokenizer.encode_src(t) if has_text(t) else [] for t in texts]  # as training sees them
         ids = [s if len(s) > 1 else [] for s in ids]
-        for i, s in enumerate(ids):
-            self._check_length(i, s)
+        self._check_lengths(ids)
         return ids
 
     def side_ids(self, texts: list[str], side: str) -> list[list[int]]:
         """The ids `score` reads for one side of its pairs ("source", or "target" with its EOS), each checked
-        for length (`SentenceTooLong`, indexed in `texts`): `aiayn score` checks whole files so."""
+        for length (a `SentenceTooLong` indexed in `texts`, with the others too long): `aiayn score` checks
+        whole files so."""
         if side == "source":
             ids = [self.tokenizer.encode_src(t) for t in texts]
         else:
             ids = [self.tokenizer.encode_tgt(t) + [self.tokenizer.eos_id] for t in texts]
-        for i, s in enumerate(ids):
-            self._check_length(i, s, side)
+        self._check_lengths(ids, side)
         return ids
 
-    def _check_length(self, index: int, ids: list[int], side: str | None = None) -> None:
-        """A text of more ids than the model has positions (an ensemble: its shortest member's) is a
-        `SentenceTooLong`; `side` names which text of a scored pair."""
+    def _check_lengths(self, ids: list[list[int]], side: str | None = None) -> None:
+        """Texts of more ids than the model has positions (an ensemble: its shortest member's) are a
+        `SentenceTooLong` naming the first and counting the others; `side` names which text of a scored
+        pair."""
         limit = self.model.config.max_len
-        if len(ids) > limit:
+        too_long = [i for i, s in enumerate(ids) if len(s) > limit]
+        if too_long:
+            first = too_long[0]
             model = "the ensemble's shortest model" if isinstance(self.model, Ensemble) else "this model"
-            where = None if side is None else f"text {index + 1} ({side})"
-            raise SentenceTooLong(index, len(ids), limit, where, model, side or "source")
+            where = None if side is None else f"text {first + 1} ({side})"
+            raise SentenceTooLong(first, len(ids[first]), limit, where, model, side or "source", too_long[1:])
 
     def score(
         self, sources: Iterable[str], targets: Iterable[str], max_tokens: int = 4096,
@@ -608,7 +610,8 @@ def score_stream(
     line (`normalize`: per target token), `chunk` pairs at a time: memory stays one chunk's, whatever the
     corpus (read whole, a 400,000-pair file took 670 MB). Streams of different lengths are a UserError
     naming the longer at the first line the other lacks, and both counts, and empty ones one naming the
-    source (no pair to score); a line past the model's positions names its file and line."""
+    source (no pair to score); a line past the model's positions is a `SentenceTooLong` naming its file and
+    line, and the others of the lines read (`TextError.others`), the pairs before it written."""
     check_count("chunk", chunk)
     for stream, name in zip((src, tgt), names):
         _require_binary(stream, name, "score_stream")
@@ -616,22 +619,37 @@ def score_stream(
               for stream, name in zip((src, tgt), names)]
     pairs = tokens = 0
     total = 0.0
+
+    def scored(sources: list[str], targets: list[str], read: int | None = None) -> list[Scored]:
+        try:
+            return translator.score(sources, targets, max_tokens, progress)
+        except TextError as e:  # a sentence too long, a batch out of memory: named by its file and line
+            side = getattr(e, "side", "source")  # an OutOfMemory names the batch's first source line
+            raise e.located(names[1] if side == "target" else names[0], pairs, read) from None
+
+    def write(results: list[Scored]) -> None:
+        nonlocal tokens, total
+        for one in results:
+            dst.write(f"{one.per_token if normalize else one.log_prob:.6f}\n")
+        dst.flush()
+        tokens += sum(one.tokens for one in results)
+        total += sum(one.log_prob for one in results)
+
     for sources, targets in itertools.zip_longest(*pieces, fillvalue=[]):
         if len(sources) != len(targets):  # one stream ended first: count both to the end
             counts = [pairs + len(part) + sum(map(len, rest))
                       for part, rest in zip((sources, targets), pieces)]
             require_same_count(names[0], counts[0], names[1], counts[1])
         try:
-            scored = translator.score(sources, targets, max_tokens, progress)
-        except TextError as e:  # a sentence too long, a batch out of memory: named by its file and line
-            side = getattr(e, "side", "source")  # an OutOfMemory names the batch's first source line
-            raise e.located(names[1] if side == "target" else names[0], pairs) from None
-        for one in scored:
-            dst.write(f"{one.per_token if normalize else one.log_prob:.6f}\n")
-        dst.flush()
-        pairs += len(scored)
-        tokens += sum(one.tokens for one in scored)
-        total += sum(one.log_prob for one in scored)
+            write(scored(sources, targets, pairs + len(sources)))
+        except SentenceTooLong as e:
+            # a pipe's line (`aiayn score` checks a file whole first): the pairs before it are written first,
+            # as `translate_stream` writes its lines (with two pipes, a too long line of the other side among
+            # them is then the one named)
+            if e.index > pairs:
+                write(scored(sources[: e.index - pairs], targets[: e.index - pairs]))
+            raise
+        pairs += len(sources)
     if not pairs:  # as evaluate refuses an empty file: exit 0 with no output said nothing was wrong
         raise UserError(f"{names[0]}: empty, nothing to score")
     return ScoredStream(pairs, tokens, total)
@@ -669,7 +687,8 @@ def translate_stream(
     A line of no pieces (`Translator.source_ids`) gets `n_best` empty rows scored 0. With `sample`, one
     generator seeded once draws the whole stream; with a `seed` too, a pipe is read in whole `chunk`-line
     blocks like a file, since which line gets which draw depends on the batches (`Translator.hypotheses`).
-    Returns the number of lines read."""
+    A line past the model's positions is a `SentenceTooLong` naming it and the others of the lines read
+    (`TextError.others`), the lines before it written. Returns the number of lines read."""
     config = translator.decode_config(**options)
     check_count("chunk", chunk)
     check_count("max_tokens", max_tokens)
@@ -686,11 +705,13 @@ def translate_stream(
             log.warning(cut_by_min_len_warning(config), f"{first} and any line as short")
         said = True
 
-    for lines in read_utf8_lines(src, name, chunk, whole_chunks=reproducible):
+    def translated(lines: list[str], read: int | None = None) -> list[list[Translation]]:
         try:
-            translated = translator._hypotheses(lines, max_tokens, progress, generator, options, say_cut)
+            return translator._hypotheses(lines, max_tokens, progress, generator, options, say_cut)
         except TextError as e:  # a sentence too long, a batch out of memory: named by its line
-            raise e.located(name, done) from None
+            raise e.located(name, done, read) from None
+
+    def write(translated: list[list[Translation]]) -> None:
         for i, hyps in enumerate(translated):
             if config.n_best == 1:
                 dst.write((hyps[0].text if hyps else "") + "\n")
@@ -698,6 +719,16 @@ def translate_stream(
             for h in hyps or [Translation("", 0.0, [], 0.0)] * config.n_best:  # an empty line: n_best rows
                 dst.write(f"{done + i} ||| {h.text} ||| F0= {h.log_prob:.4f} ||| {h.score:.4f}\n")
         dst.flush()
+
+    for lines in read_utf8_lines(src, name, chunk, whole_chunks=reproducible):
+        try:
+            write(translated(lines, done + len(lines)))
+        except SentenceTooLong as e:  # a pipe's line (`aiayn translate` checks a file whole first): the
+            # lines before it in its chunk are written first, so that the output ends at the line before the
+            # one named, and a rerun from there loses none (they were lost: 4 lines out, then line 6 named)
+            if e.index > done:
+                write(translated(lines[: e.index - done]))
+            raise
         done += len(lines)
     return done
 

@@ -432,7 +432,7 @@ def test_a_machine_that_fails_before_joining_is_said_on_both_machines(tmp_path):
     assert len(errors[0]) == 1 and errors[0][0].startswith(
         "aiayn: error: process 0: 1 of the job's 2 processes joined at "), said[0][-3000:]
     assert "within 8 s; the others did not start, or failed before joining" in errors[0][0]
-    assert "[rank 0] waiting for the job's other processes at " in said[0]
+    assert "[rank 0] warning: waiting for the job's other processes at " in said[0]
     assert "Traceback" not in said[0].split("aiayn: error:")[0]  # torch's, before torchrun's own
 
 

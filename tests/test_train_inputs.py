@@ -17,6 +17,7 @@ import re
 import threading
 import shutil
 import signal
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -1069,7 +1070,7 @@ def test_the_pairs_longer_than_max_len_are_said_of_both_files(tmp_path, caplog):
     said = caplog.messages
     assert (f"{dc.train_src}, {dc.train_tgt}: 1 of 60 training pairs are longer than data.max_len=64 tokens "
             "and dropped; raise data.max_len (and model.max_len) to train on them") in said
-    assert f"{dc.valid_src}, {dc.valid_tgt}: 1 validation pairs longer than max_len=64 dropped" in said
+    assert f"{dc.valid_src}, {dc.valid_tgt}: 1 validation pair longer than max_len=64 dropped" in said
 
 
 def test_fewer_pairs_than_an_update_takes_are_refused_with_advice_that_can_work(tmp_path):
@@ -2800,6 +2801,27 @@ def test_a_level_set_on_aiayns_logger_is_kept_and_its_lines_shown(monkeypatch):
             assert logger.handlers == added and len(added) == 1
         assert logger.handlers == added and logger.level == logging.INFO  # still held by the first
     assert logger.handlers == [] and logger.level == logging.NOTSET
+
+
+def test_a_warning_in_trainings_log_says_it_is_one():
+    """Training's lines were time and message alone: "1,999 of 2,000 training pairs ... dropped" read like
+    any progress line. In a process of its own, as the command line and a script set logging up."""
+    script = (
+        "import logging, sys\n"
+        "from aiayn.cli import _log_to_stderr\n"
+        "_log_to_stderr(int(sys.argv[1]) if len(sys.argv) > 1 else None)\n"
+        "log = logging.getLogger('aiayn.train')\n"
+        "log.info('update 1'); log.warning('most pairs dropped')\n"
+        "logging.getLogger().handlers.clear()\n"
+        "from aiayn.train.progress import shown_if_unconfigured\n"
+        "with shown_if_unconfigured(True):\n"
+        "    log.warning('in a script')\n")
+    for rank, tag in ((None, ""), ("0", "[rank 0] ")):
+        done = subprocess.run([sys.executable, "-c", script, *([rank] if rank else [])], capture_output=True,
+                              text=True, check=False,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+        lines = [line.split(" ", 1)[1] for line in done.stderr.splitlines()]  # the time cut off
+        assert lines == [f"{tag}update 1", f"{tag}warning: most pairs dropped", "warning: in a script"], done
 
 
 def test_a_best_checkpoint_deleted_by_hand_is_said_and_never_named(finished_run, tmp_path, caplog, capsys):

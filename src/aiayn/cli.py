@@ -141,9 +141,12 @@ def _log_to_stderr(rank: int | None = None) -> None:
     below WARNING."""
     import logging
 
-    fmt = f"%(asctime)s {'' if rank is None else f'[rank {rank}] '}%(message)s"
+    from aiayn.train.progress import LineFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LineFormatter("" if rank is None else f"[rank {rank}] "))
     level = logging.INFO if not rank else logging.WARNING
-    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stderr)
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 def cmd_train(args: argparse.Namespace) -> None:

@@ -1444,8 +1444,8 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
         _require_pairs(pair, "validation", len(valid), too_long, dc.max_len)
         if too_long and d.is_main:
             scored = " from the loss (BLEU scores them too)" if config.train.bleu_every else ""
-            log.warning("%s: %d validation pairs longer than max_len=%d dropped%s", pair, too_long,
-                        dc.max_len, scored)
+            log.warning("%s: %d validation %s longer than max_len=%d dropped%s", pair, too_long,
+                        "pair" if too_long == 1 else "pairs", dc.max_len, scored)
         valid_batches = token_batches(valid.src_lengths(), valid.tgt_lengths(), config.train.max_tokens)
     valid_text = (  # BLEU is scored by process 0
         read_parallel(dc.valid_src, dc.valid_tgt, report=False)

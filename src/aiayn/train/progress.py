@@ -15,7 +15,21 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
-FORMAT = "%(asctime)s %(message)s"  # the command line's (`aiayn.cli._log_to_stderr`)
+
+class LineFormatter(logging.Formatter):
+    """Training's log lines (the command line's, `aiayn.cli._log_to_stderr`, and a script's): the time,
+    `tag` (a process under torchrun), then the message; a warning says it is one ("warning: "), where it
+    looked like any progress line (a corpus mostly dropped as too long, a validation file that is the
+    training one)."""
+
+    def __init__(self, tag: str = ""):
+        super().__init__(f"%(asctime)s {tag}%(message)s", datefmt="%H:%M:%S")
+        self.warning = logging.Formatter(f"%(asctime)s {tag}warning: %(message)s", datefmt="%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self.warning.format(record) if record.levelno >= logging.WARNING else super().format(record)
+
+
 _shown_lock = threading.Lock()
 _shown: list[tuple[logging.Handler, int]] = []  # the handler added and the level before, while held
 _holders = 0  # blocks that hold it: two train() calls in two threads share one, the last removes it
@@ -39,7 +53,7 @@ def shown_if_unconfigured(main: bool) -> Iterator[None]:
             _holders += 1
             if not _shown:
                 handler = logging.StreamHandler(sys.stderr)
-                handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
+                handler.setFormatter(LineFormatter())
                 handler.setLevel(logging.NOTSET if main else logging.WARNING)  # whatever the logger's level
                 logger.addHandler(handler)
                 _shown.append((handler, logger.level))

@@ -1,6 +1,7 @@
 """The model against peers we did not write (torch.nn.Transformer, a float64 formula) and its invariants."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -353,6 +354,19 @@ def test_mismatched_batches_and_bad_ids_are_refused_not_broadcast():
         for mask in (model.src_mask(src).float(), model.src_mask(src)[:, 0]):
             with pytest.raises(ValueError, match=r"^src_mask is torch\.\w+ \(.*\): it is bool \(B, 1, 1"):
                 model.decode(torch.tensor([[1], [1]]), memory, mask)
+        # Sentence 0's mask broadcast to sentence 1, silently; 3 rows or one per query or head failed in
+        # attention or passed; one per beam row failed inside attention
+        mask = model.src_mask(src)
+        b, s = memory.shape[:2]
+        for wrong in (mask[:1], mask[[0, 1, 1]], mask.expand(b, 1, 2, s), mask.expand(b, 2, 1, s)):
+            shape = re.escape(str(tuple(wrong.shape)))
+            with pytest.raises(ValueError, match=rf"^src_mask is torch\.bool {shape}: it is bool \(B, 1, 1, S\) "
+                                                 rf"with memory's B, S = {b}, {s}, True where"):
+                model.decode(torch.tensor([[1, 5], [1, 6]]), memory, wrong)
+        beams = model.new_cache(2 * b, 8, beam_size=2)  # memory and mask per sentence, not per beam row
+        with pytest.raises(ValueError, match=r"^src_mask is torch\.bool \(4, 1, 1, 3\): it is bool"):
+            model.decode(torch.ones(2 * b, 1, dtype=torch.long), memory, mask.repeat_interleave(2, 0), beams)
+        model.decode(torch.ones(2 * b, 1, dtype=torch.long), memory, mask, beams)
     long = torch.ones(1, model.config.max_len + 1, dtype=torch.long)
     past = model.config.max_len + 1
     with pytest.raises(ValueError, match=rf"^tgt_in reaches position {past}, past max_len"):

@@ -286,10 +286,14 @@ class Transformer(nn.Module):
             raise ValueError(f"tgt_in has {tgt_in.shape[0]} rows, memory {tuple(memory.shape)}: (B, S, d) "
                              f"with B = rows{per}")
         if src_mask is not None and (src_mask.dtype != torch.bool or src_mask.dim() != 4
+                                     or src_mask.shape[0] != memory.shape[0] or src_mask.shape[1:3] != (1, 1)
                                      or src_mask.shape[-1] != memory.shape[1]):
-            # SDPA adds a float mask to the scores: a 0/1 mask attended to padding, silently
+            # SDPA adds a float mask to the scores: a 0/1 mask attended to padding, silently; and broadcasts
+            # it: one sentence's mask (1, 1, 1, S) masked every sentence as that one, silently, and a mask
+            # per beam row (B*K) or of other rows failed inside attention ("The size of tensor a ...")
             raise ValueError(f"src_mask is {src_mask.dtype} {tuple(src_mask.shape)}: it is bool "
-                             "(B, 1, 1, S), True where the source is a token (Transformer.src_mask)")
+                             f"(B, 1, 1, S) with memory's B, S = {memory.shape[0]}, {memory.shape[1]}, True "
+                             "where the source is a token (Transformer.src_mask)")
         if cache is not None:
             shape = (len(self.decoder), self.config.n_heads, self.config.d_k)
             cache.check_step(tgt_in.shape[0], memory, src_mask, shape, self._cache_like().dtype)

@@ -439,6 +439,40 @@ def test_a_kv_cache_is_tied_to_its_source_mask():
         model.decode(first, model.encode(unpadded), model.src_mask(unpadded), cache)
 
 
+def test_a_kv_cache_knows_its_rows_after_a_select():
+    """After a select of rows (greedy search, beam 1) or `keep_sentences` (beams) the cache forgot its
+    memory and mask: a step with those of the rows before the select ran (the logits off by 0.2), and one
+    with another memory ignored it, silently."""
+    model = tiny_model()
+    src = padded_batch([4, 2, 3], 50)  # every sentence padded otherwise
+    order = torch.tensor([2, 0, 1])
+    with torch.no_grad():
+        memory, mask = model.encode(src), model.src_mask(src)
+        for beam in (1, 2):
+            def started(beam=beam):
+                cache = model.new_cache(3 * beam, 8, beam_size=beam)
+                model.decode(torch.ones(3 * beam, 1, dtype=torch.long), memory, mask, cache)
+                (cache.select if beam == 1 else cache.keep_sentences)(order)
+                return cache
+            step = torch.ones(3 * beam, 1, dtype=torch.long)
+            wrong = ((memory, mask[order], "memory"), (torch.randn_like(memory), mask[order], "memory"),
+                     (memory[order], mask, "src_mask"), (memory[order], None, "src_mask"))
+            for other_memory, other_mask, named in wrong:
+                with pytest.raises(ValueError, match=rf"^KVCache was filled \w+ another {named}: pass the same "
+                                                     r"\w+ at every step, after a select its rows selected"):
+                    model.decode(step, other_memory, other_mask, started())
+            cache = started()
+            model.decode(step, memory[order], mask[order], cache)  # selected alike: the same source
+            model.decode(step, memory[order], mask[order], cache)
+        cache = model.new_cache(3, 8)  # two selects before a step: the rows of both
+        model.decode(torch.ones(3, 1, dtype=torch.long), memory, mask, cache)
+        cache.select(order)
+        cache.select(torch.tensor([1, 2]))
+        with pytest.raises(ValueError, match=r"^KVCache was filled from another memory"):
+            model.decode(torch.ones(2, 1, dtype=torch.long), memory[[1, 2]], mask[[1, 2]], cache)
+        model.decode(torch.ones(2, 1, dtype=torch.long), memory[order][[1, 2]], mask[order][[1, 2]], cache)
+
+
 def test_kv_cache_misuse_fails_where_it_happens():
     """A beam cache's select of rows that are not all its rows failed only at the next step ("KVCache
     holds 3 rows"); a cache made under inference_mode and stepped under no_grad with PyTorch's "Inplace

@@ -367,6 +367,25 @@ def test_mismatched_batches_and_bad_ids_are_refused_not_broadcast():
         with pytest.raises(ValueError, match=r"^src_mask is torch\.bool \(4, 1, 1, 3\): it is bool"):
             model.decode(torch.ones(2 * b, 1, dtype=torch.long), memory, mask.repeat_interleave(2, 0), beams)
         model.decode(torch.ones(2 * b, 1, dtype=torch.long), memory, mask, beams)
+    # an id past the vocabulary, or a negative one, was the embedding's "index out of range in self"; a
+    # memory of another width or dtype, "mat1 and mat2 shapes cannot be multiplied" or "must have the same
+    # dtype" in the cross-attention
+    v = model.config.vocab_size
+    for bad in (v, -1):
+        with pytest.raises(ValueError, match=rf"^src holds id {bad}, outside the vocabulary of {v} \(ids 0 to"):
+            model.encode(torch.tensor([[5, 2], [bad, 2]]))
+        with pytest.raises(ValueError, match=rf"^tgt_in holds id {bad}, outside the vocabulary of {v} "):
+            model(src, torch.tensor([[1, 5], [1, bad]], dtype=torch.int32))
+    with torch.no_grad():
+        memory, tgt = model.encode(src), torch.tensor([[1], [1]])
+        d = model.config.d_model
+        with pytest.raises(ValueError, match=rf"^memory is torch.float32 \(2, 3, 7\): it is \(B, S, d_model={d}\) "
+                                             r"in the model's torch.float32, Transformer.encode's output$"):
+            model.decode(tgt, memory[..., :7], None)
+        with pytest.raises(TypeError, match=rf"^memory is torch.float64 \(2, 3, {d}\): it is \(B, S, d_model="):
+            model.decode(tgt, memory.double(), None)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts memory as it casts the weights
+            model.decode(tgt, memory.bfloat16(), None)
     long = torch.ones(1, model.config.max_len + 1, dtype=torch.long)
     past = model.config.max_len + 1
     with pytest.raises(ValueError, match=rf"^tgt_in reaches position {past}, past max_len"):

@@ -34,6 +34,12 @@ def force_decode(model: Transformer, src: Tensor, targets: list[list[int]]) -> l
     b = src.shape[0]
     if len(targets) != b or not all(targets):
         raise ValueError(f"{len(targets)} targets for {b} sources, or an empty one (end each with EOS)")
+    vocab = model.config.target_vocab_size
+    for i, target in enumerate(targets):  # an id past the vocabulary failed in a gather, "index 500 is out
+        # of bounds for dimension 1 with size 200", naming neither the id nor its target
+        if (bad := next((t for t in target if not 0 <= t < vocab), None)) is not None:
+            raise ValueError(f"targets[{i}] holds id {bad}, outside the target vocabulary of {vocab} (ids 0 "
+                             f"to {vocab - 1})")
     steps = max(map(len, targets))
     memory, src_mask = model.encode(src), source_mask(model, src)  # (B, S, d), (B, 1, 1, S) or None
     cache = model.new_cache(b, steps)

@@ -114,16 +114,23 @@ class PositionwiseFeedForward(nn.Module):
         return self.w_2(self.activation(self.w_1(x)))
 
 
-def check_ids(name: str, ids: Tensor) -> None:
+def check_ids(name: str, ids: Tensor, vocab: int | None = None) -> None:
     """(B, T) token ids, B and T at least 1, of an integer dtype: a 1-D, empty or float input failed deep in
-    the embedding or a reshape. Shapes and dtype only: checking the values' range would read them back from
-    a GPU at every batch (an id past the vocabulary is the embedding's IndexError)."""
+    the embedding or a reshape. With `vocab`, each id in 0..vocab-1 too (the embedding's "index out of range
+    in self" named neither the id nor the input), but on a CPU only: there it is one pass over the ids, on
+    a GPU reading them back waits for the device at every batch (an id past the vocabulary stays the
+    embedding's error there). Not while torch.compile traces either: a branch on values breaks the graph."""
     if ids.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(ids.shape)}: token ids are (batch, length)")
     if ids.dtype not in (torch.long, torch.int32):  # the two the embedding takes
         raise TypeError(f"{name} is {ids.dtype}: token ids are integers (torch.long or torch.int32)")
     if ids.numel() == 0:
         raise ValueError(f"{name} has shape {tuple(ids.shape)}: no token to read")
+    if vocab is not None and ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        low, high = (int(x) for x in torch.aminmax(ids))
+        if low < 0 or high >= vocab:
+            raise ValueError(f"{name} holds id {low if low < 0 else high}, outside the vocabulary of {vocab} "
+                             f"(ids 0 to {vocab - 1})")
 
 
 class SublayerConnection(nn.Module):
@@ -255,7 +262,7 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor) -> Tensor:
         """(B, S) source ids -> memory (B, S, d)."""
-        check_ids("src", src)
+        check_ids("src", src, self.config.vocab_size)
         mask = self.src_mask(src)
         x = self.src_embed(src)
         for layer in self.encoder:
@@ -279,12 +286,19 @@ class Transformer(nn.Module):
         projected: logits (N, V_tgt). Indices rather than a bool mask, since selecting by a mask must
         read the mask's count back from a GPU (a host-device sync every training batch).
         """
-        check_ids("tgt_in", tgt_in)
+        check_ids("tgt_in", tgt_in, self.config.target_vocab_size)
         beam = 1 if cache is None else cache.beam_size
         if memory.dim() != 3 or tgt_in.shape[0] != memory.shape[0] * beam:  # 1 row broadcast silently
             per = f" / beam_size {beam}" if beam > 1 else ""
             raise ValueError(f"tgt_in has {tgt_in.shape[0]} rows, memory {tuple(memory.shape)}: (B, S, d) "
                              f"with B = rows{per}")
+        width, dtype = self.config.d_model, self._cache_like().dtype
+        if memory.shape[2] != width or (memory.dtype != dtype  # autocast casts memory as it casts the weights
+                                        and not torch.is_autocast_enabled(memory.device.type)):
+            # failed in the cross-attention's projection: "mat1 and mat2 shapes cannot be multiplied"
+            error = ValueError if memory.shape[2] != width else TypeError
+            raise error(f"memory is {memory.dtype} {tuple(memory.shape)}: it is (B, S, d_model={width}) in the "
+                        f"model's {dtype}, Transformer.encode's output")
         if src_mask is not None and (src_mask.dtype != torch.bool or src_mask.dim() != 4
                                      or src_mask.shape[0] != memory.shape[0] or src_mask.shape[1:3] != (1, 1)
                                      or src_mask.shape[-1] != memory.shape[1]):

@@ -1926,6 +1926,11 @@ def test_train_wants_a_run_config_not_a_dict(tmp_path):
     with pytest.raises(TypeError, match="RunConfig.*load_config"):
         train({"train": {"run_dir": str(tmp_path / "run")}})
     assert not (tmp_path / "run").exists()
+    config = run_config({"train": {"run_dir": str(tmp_path / "run")}})
+    for resume in ("no", 0, None):  # "no" is true: it resumed
+        with pytest.raises(TypeError, match=rf"^resume must be True or False, not {type(resume).__name__} "):
+            train(config, resume=resume)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("preset", ["micro", "tiny", "small"])

@@ -148,6 +148,8 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     if not isinstance(config, RunConfig):  # a dict failed with an AttributeError deep inside
         raise TypeError(f"train() takes a RunConfig, not {type(config).__name__}: build one with "
                         "aiayn.train.config.load_config(path, overrides) or run_config(dict)")
+    if not isinstance(resume, bool):  # "no" or "false" is true: the run resumed
+        raise TypeError(f"resume must be True or False, not {type(resume).__name__} ({resume!r})")
     d = distributed.setup(config.train.device, config.written_at("train.device", config.train.device))
     threads = torch.get_num_threads()
     try:

@@ -327,6 +327,21 @@ def test_the_package_and_its_command_line_import_torch_only_when_used():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_train_is_aiayn_train_train_and_dir_lists_the_names_imported_on_first_use():
+    """`from aiayn.train import train` failed (it was aiayn.train.loop.train alone), and dir(aiayn) left out
+    Transformer and KVCache, which `__getattr__` imports on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, aiayn, aiayn.train; assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert {'KVCache', 'Transformer'} <= set(dir(aiayn)), dir(aiayn); "
+            "assert {'load_config', 'run_config', 'train'} <= set(dir(aiayn.train)), dir(aiayn.train); "
+            "from aiayn.train import load_config, run_config, train; import aiayn.train.config as c; "
+            "assert train is aiayn.train.loop.train and (load_config, run_config) == (c.load_config, "
+            "c.run_config); assert not hasattr(aiayn.train, 'nope')")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_mismatched_batches_and_bad_ids_are_refused_not_broadcast():
     """A 1-row target with a 2-row source, or a 1-row step into a 2-row cache, broadcast silently into
     2 rows of output; 1-D, empty or float ids failed deep inside with PyTorch's own messages."""

@@ -29,3 +29,8 @@ def __getattr__(name: str) -> Any:
         if e.name != f"aiayn.{name}":  # the module exists but lacks one of its own imports
             raise
         raise AttributeError(f"module 'aiayn' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    """With the names `__getattr__` imports on first use: `dir(aiayn)` left out Transformer and KVCache."""
+    return sorted({*globals(), *__all__})

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.config import model_config
+from aiayn.config import ModelConfig, model_config
 from aiayn.model import Transformer
 
 
@@ -69,10 +69,12 @@ def numbers_checkpoint(directory: Path, **overrides) -> Path:
 
 
 def padded_batch(lengths: list[int], vocab: int, pad_id: int = 0, generator=None) -> torch.Tensor:
-    """Right-padded random token ids (B, max(lengths)), real ids in [3, vocab)."""
+    """Right-padded random token ids (B, max(lengths)), real ids in [3, vocab), each row ending with EOS
+    (2), as the searches take sources."""
     out = torch.full((len(lengths), max(lengths)), pad_id, dtype=torch.long)
     for i, n in enumerate(lengths):
         out[i, :n] = torch.randint(3, vocab, (n,), generator=generator)
+        out[i, n - 1] = ModelConfig.eos_id
     return out
 
 

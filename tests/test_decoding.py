@@ -488,6 +488,22 @@ def test_searches_and_scoring_refuse_dropout_and_bad_batches():
             generate(model, src, config)
 
 
+def test_the_searches_refuse_sources_padded_on_the_left_or_without_eos():
+    """A source padded on the left (or inside) was searched with its tokens at other positions, one without
+    EOS, or a row of padding alone, as no training source was: each silently."""
+    model = tiny_model()
+    before = r"is padded before a token: sources are right-padded$"
+    no_eos = r"does not end with EOS \(2\): every source does \(Tokenizer.encode_src\)$"
+    bad = [([[5, 6, 2], [0, 7, 2]], f"1 {before}"), ([[5, 0, 6, 2]], f"0 {before}"),
+           ([[5, 6, 2], [7, 8, 0]], f"1 {no_eos}"), ([[5, 6, 7]], f"0 {no_eos}"), ([[5, 2], [0, 0]], f"1 {no_eos}")]
+    for config in (DecodeConfig(beam=1), DecodeConfig(beam=3), DecodeConfig(n_best=2, **SAMPLING)):
+        config = dataclasses.replace(config, max_len_b=3)
+        for rows, problem in bad:
+            with pytest.raises(ValueError, match=rf"^src row {problem}"):
+                generate(model, torch.tensor(rows), config)
+        assert len(generate(model, torch.tensor([[5, 6, 2], [7, 2, 0]]), config)) == 2
+
+
 # --- the two-pass top-k ------------------------------------------------------------------------------
 
 

@@ -47,8 +47,23 @@ def hypotheses(
 
 
 def source_lengths(model: Transformer, src: Tensor) -> list[int]:
-    """(B, S) right-padded ids -> the real length of each source, its EOS included."""
-    return (src != model.config.pad_id).sum(1).tolist()
+    """(B, S) right-padded ids, each source ending with EOS -> the real length of each, its EOS included.
+
+    Read from the device once (the lengths are needed on the host) and checked there: a source padded on
+    the left (or inside) was searched with its tokens at other positions, and one without EOS as no
+    training source was, both silently. A row of padding alone is refused too: it has no EOS."""
+    c = model.config
+    ids = src.cpu()  # (B, S)
+    real = ids != c.pad_id  # (B, S)
+    lengths = real.sum(1)  # (B,)
+    inside = real != (torch.arange(ids.shape[1]) < lengths[:, None])  # (B, S): a pad before a token
+    last = ids.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]  # (B,) each source's last token
+    for problem, rows in (("is padded before a token: sources are right-padded", inside.any(1)),
+                          (f"does not end with EOS ({c.eos_id}): every source does (Tokenizer.encode_src)",
+                           (last != c.eos_id) | (lengths == 0))):
+        if rows.any():
+            raise ValueError(f"src row {int(rows.nonzero()[0, 0])} {problem}")
+    return lengths.tolist()
 
 
 def source_mask(model: Transformer, src: Tensor) -> Tensor | None:
@@ -115,7 +130,7 @@ def sampling_generator(config: DecodeConfig, device: torch.device) -> torch.Gene
 def generate(
     model: Transformer, src: Tensor, config: DecodeConfig, generator: torch.Generator | None = None
 ) -> list[list[Hypothesis]]:
-    """Translate a (B, S) right-padded batch of source ids; per sentence, its `n_best` hypotheses, best first (samples: in the order drawn).
+    """Translate a (B, S) right-padded batch of source ids, each ending with EOS; per sentence, its `n_best` hypotheses, best first (samples: in the order drawn).
 
     Greedy search for beam 1, beam search above, sampling when `config.sample` (then `generator`, or a new
     one from `sampling_generator`, draws the tokens). A caller translating in several batches should pass
@@ -132,6 +147,8 @@ def generate(
     if config.sample:
         if generator is None:
             generator = sampling_generator(config, src.device)
+        if config.n_best > 1:  # a refused source named as a row of src, not of its repeats below
+            source_lengths(model, src)
         rows = src.repeat_interleave(config.n_best, dim=0)  # (B * n, S): n independent samples each
         hyps = greedy_search(model, rows, config, generator)
         return [[h[0] for h in hyps[i : i + config.n_best]] for i in range(0, len(hyps), config.n_best)]

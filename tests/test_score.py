@@ -67,8 +67,8 @@ def test_a_batch_scores_as_each_pair_alone():
     with pytest.raises(ValueError, match="empty one"):
         force_decode(model, src, [[5, 2], [], [2]])
     for bad in (50, -1):  # the gather's "index 50 is out of bounds for dimension 1 with size 50"
-        with pytest.raises(ValueError, match=rf"^targets\[1\] holds id {bad}, outside the target vocabulary of "
-                                             r"50 \(ids 0 to 49\)$"):
+        with pytest.raises(ValueError, match=rf"^targets\[1\] holds id {bad}, outside the target vocabulary "
+                                             r"of 50 \(ids 0 to 49\)$"):
             force_decode(model, src, [[5, 2], [7, bad, 2], [2]])
     # a tensor of rows failed in `all` ("Boolean value of Tensor ... is ambiguous"); its padding is not EOS
     refusal = r"^targets holds a Tensor: force_decode takes one list of token ids per source, each ending"

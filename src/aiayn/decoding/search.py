@@ -130,7 +130,8 @@ def sampling_generator(config: DecodeConfig, device: torch.device) -> torch.Gene
 def generate(
     model: Transformer, src: Tensor, config: DecodeConfig, generator: torch.Generator | None = None
 ) -> list[list[Hypothesis]]:
-    """Translate a (B, S) right-padded batch of source ids, each ending with EOS; per sentence, its `n_best` hypotheses, best first (samples: in the order drawn).
+    """Translate a (B, S) right-padded batch of source ids, each ending with EOS; per sentence, its `n_best`
+    hypotheses, best first (samples: in the order drawn).
 
     Greedy search for beam 1, beam search above, sampling when `config.sample` (then `generator`, or a new
     one from `sampling_generator`, draws the tokens). A caller translating in several batches should pass

@@ -297,8 +297,8 @@ class Transformer(nn.Module):
                                         and not torch.is_autocast_enabled(memory.device.type)):
             # failed in the cross-attention's projection: "mat1 and mat2 shapes cannot be multiplied"
             error = ValueError if memory.shape[2] != width else TypeError
-            raise error(f"memory is {memory.dtype} {tuple(memory.shape)}: it is (B, S, d_model={width}) in the "
-                        f"model's {dtype}, Transformer.encode's output")
+            raise error(f"memory is {memory.dtype} {tuple(memory.shape)}: it is (B, S, d_model={width}) in "
+                        f"the model's {dtype}, Transformer.encode's output")
         if src_mask is not None and (src_mask.dtype != torch.bool or src_mask.dim() != 4
                                      or src_mask.shape[0] != memory.shape[0] or src_mask.shape[1:3] != (1, 1)
                                      or src_mask.shape[-1] != memory.shape[1]):

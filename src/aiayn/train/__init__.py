@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from aiayn.train.loop import train
 
 __all__ = ["load_config", "run_config", "train"]
-_HOMES = {"train": "aiayn.train.loop", "load_config": "aiayn.train.config", "run_config": "aiayn.train.config"}
+_HOMES = {"train": "aiayn.train.loop", "load_config": "aiayn.train.config",
+          "run_config": "aiayn.train.config"}  # where each of __all__ is defined
 
 
 def __getattr__(name: str) -> Any:

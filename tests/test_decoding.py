@@ -457,7 +457,7 @@ def test_searches_and_scoring_refuse_dropout_and_bad_batches():
 
     model = tiny_model(dropout=0.3).train()
     src = padded_batch([5, 3], 50)
-    calls = [lambda m: greedy_search(m, src, DecodeConfig()),
+    calls = [lambda m: greedy_search(m, src, DecodeConfig(beam=1)),
              lambda m: beam_search(m, src, DecodeConfig(beam=3)),
              lambda m: generate(m, src, DecodeConfig(seed=1, **SAMPLING)),
              lambda m: force_decode(m, src, [[4, 2], [5, 2]])]
@@ -482,6 +482,9 @@ def test_searches_and_scoring_refuse_dropout_and_bad_batches():
             generate(model, torch.tensor([5, 6, 2]), DecodeConfig(beam=beam))
     with pytest.raises(ValueError, match=r"^generator is used only with sample=True$"):  # it was ignored
         generate(model, src, DecodeConfig(), torch.Generator())
+    with pytest.raises(ValueError, match=r"^greedy_search keeps one hypothesis a sentence, not beam=2: call "
+                                         r"beam_search, or generate, which picks the search$"):
+        greedy_search(model, src, DecodeConfig(beam=2))  # searched greedily, silently
     for config in (None, {"beam": 4}):  # an AttributeError: "'NoneType' object has no attribute 'sample'"
         refusal = rf"^generate\(\) takes a DecodeConfig, not {type(config).__name__}: build one with "
         with pytest.raises(TypeError, match=refusal):

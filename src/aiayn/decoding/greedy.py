@@ -21,6 +21,9 @@ def greedy_search(
     """The most likely next token at every step (or a sampled one, with a `generator`); per sentence
     a one-element list. A row that produced EOS or reached its maximum length leaves the batch."""
     check_inference(model, src)
+    if config.beam != 1:  # a greedy search was run for it, silently
+        raise ValueError(f"greedy_search keeps one hypothesis a sentence, not beam={config.beam}: call "
+                         "beam_search, or generate, which picks the search")
     eos = model.config.eos_id
     max_len_R = config.max_lengths(source_lengths(model, src), model.config.max_len)
     memory, src_mask = model.encode(src), source_mask(model, src)  # (R, S, d), (R, 1, 1, S) or None

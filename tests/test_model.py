@@ -441,8 +441,17 @@ def test_a_kv_cache_is_tied_to_its_memory_and_to_no_grad():
         with pytest.raises(ValueError, match=r"^KVCache was filled from another memory: pass"):
             model.decode(torch.tensor([[4], [4], [4]]), model.encode(c), None, beams)
     for sizes in ((1, 8, 0), (1, 0, 1), (0, 8, 1)):  # beam_size 0 was a ZeroDivisionError
-        with pytest.raises(ValueError, match=r"^KVCache of batch_size=\d+, max_len=\d+, beam_size=\d+: each"):
+        with pytest.raises(ValueError, match=r"^KVCache (batch_size|max_len|beam_size)=0: at least 1$"):
             KVCache(1, sizes[0], 1, 4, sizes[1], beam_size=sizes[2])
+    # zero layers made a cache that decoded nothing; negative heads, a float or a string failed in
+    # torch.zeros or a comparison, naming no argument
+    for args, error, message in (((0, 1, 1, 4, 8), ValueError, r"n_layers=0: at least 1"),
+                                 ((1, 1, -2, 4, 8), ValueError, r"n_heads=-2: at least 1"),
+                                 ((1, 2.0, 1, 4, 8), TypeError, r"batch_size is float \(2.0\): a whole"),
+                                 ((1, "2", 1, 4, 8), TypeError, r"batch_size is str \('2'\): a whole"),
+                                 ((1, 1, 1, True, 8), TypeError, r"head_dim is bool \(True\): a whole")):
+        with pytest.raises(error, match=rf"^KVCache {message}"):
+            KVCache(*args)
     with torch.no_grad():
         c = model.config
         wrong = ((c.decoder_layers - 1, c.n_heads, c.d_k), (c.decoder_layers, 1, c.d_model))

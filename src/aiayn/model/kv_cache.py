@@ -41,9 +41,15 @@ class KVCache:
         device: torch.device | str | None = None,
         beam_size: int = 1,
     ):
-        if beam_size < 1 or batch_size < 1 or max_len < 1:
-            raise ValueError(f"KVCache of batch_size={batch_size}, max_len={max_len}, beam_size={beam_size}: "
-                             "each is at least 1")
+        sizes = {"n_layers": n_layers, "batch_size": batch_size, "n_heads": n_heads, "head_dim": head_dim,
+                 "max_len": max_len, "beam_size": beam_size}
+        for name, size in sizes.items():  # zero layers made a cache that decoded nothing; a float, a string
+            # or a negative size failed in torch.zeros or a comparison, naming none
+            if isinstance(size, bool) or not hasattr(type(size), "__index__"):
+                raise TypeError(f"KVCache {name} is {type(size).__name__} ({size!r}): a whole number, at "
+                                "least 1")
+            if size < 1:
+                raise ValueError(f"KVCache {name}={size}: at least 1")
         if batch_size % beam_size:
             raise ValueError(f"batch_size={batch_size} rows is not a multiple of beam_size={beam_size}")
         self.beam_size = beam_size  # K decoding rows per sentence share one cross-attention K/V row

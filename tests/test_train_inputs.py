@@ -45,7 +45,7 @@ from aiayn.data.tokenizer import train_sentencepiece
 from aiayn.errors import CorruptFile, Stopped, UserError
 from aiayn.model import Transformer
 from aiayn.train import distributed, loop
-from aiayn.train.config import DataConfig, TrainConfig, load_config, run_config, with_train
+from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config, run_config, with_train
 from aiayn.train.loop import Data, _check_finite_weights, train, validate
 from aiayn.train.state import checkpoint_dirs, prune
 
@@ -1927,6 +1927,11 @@ def test_train_wants_a_run_config_not_a_dict(tmp_path):
         train({"train": {"run_dir": str(tmp_path / "run")}})
     assert not (tmp_path / "run").exists()
     config = run_config({"train": {"run_dir": str(tmp_path / "run")}})
+    for section, value, kind in (("data", {"max_len": 5}, "DataConfig"), ("train", {}, "TrainConfig"),
+                                 ("model", "base", "dict")):  # "'dict' object has no attribute 'max_len'"
+        with pytest.raises(TypeError, match=rf"^RunConfig's {section} is {type(value).__name__}: it is a "
+                                            rf"{kind} \(run_config builds a RunConfig from dicts\)$"):
+            RunConfig(**{section: value})
     for resume in ("no", 0, None):  # "no" is true: it resumed
         with pytest.raises(TypeError, match=rf"^resume must be True or False, not {type(resume).__name__} "):
             train(config, resume=resume)

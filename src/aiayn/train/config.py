@@ -236,6 +236,11 @@ class RunConfig:
     origins: dict[str, tuple[str, Any]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name, kind in (("model", dict), ("data", DataConfig), ("train", TrainConfig)):
+            if not isinstance(getattr(self, name), kind):  # a dict for data was "'dict' object has no
+                # attribute 'max_len'"
+                raise TypeError(f"RunConfig's {name} is {type(getattr(self, name)).__name__}: it is a "
+                                f"{kind.__name__} (run_config builds a RunConfig from dicts)")
         set_by_tokenizer = sorted(set(self.model) & set(TOKENIZER_FIELDS))
         if set_by_tokenizer:
             raise ConfigError(f"model.{set_by_tokenizer[0]} comes from the tokenizer and cannot be set")

@@ -64,8 +64,10 @@ def test_a_batch_scores_as_each_pair_alone():
     alone = [force_decode(model, src[i : i + 1, : int((src[i] != 0).sum())], [t])[0]
              for i, t in enumerate(targets)]
     assert force_decode(model, src, targets) == pytest.approx(alone, abs=1e-5)
-    with pytest.raises(ValueError, match="empty one"):
-        force_decode(model, src, [[5, 2], [], [2]])
+    with pytest.raises(ValueError, match=r"^targets\[1\] is empty: end each target with EOS \(2\)$"):
+        force_decode(model, src, [[5, 2], [], [2]])  # "or an empty one", which, not said
+    with pytest.raises(ValueError, match=r"^2 targets for 3 sources: one for each, ending with EOS$"):
+        force_decode(model, src, [[5, 2], [2]])
     for bad in (50, -1):  # the gather's "index 50 is out of bounds for dimension 1 with size 50"
         with pytest.raises(ValueError, match=rf"^targets\[1\] holds id {bad}, outside the target vocabulary "
                                              r"of 50 \(ids 0 to 49\)$"):

@@ -32,8 +32,10 @@ def force_decode(model: Transformer, src: Tensor, targets: list[list[int]]) -> l
         raise TypeError(f"targets holds a {type(odd).__name__}: force_decode takes one list of token ids per "
                         "source, each ending with EOS (a tensor's rows: row[:length].tolist())")
     b = src.shape[0]
-    if len(targets) != b or not all(targets):
-        raise ValueError(f"{len(targets)} targets for {b} sources, or an empty one (end each with EOS)")
+    if len(targets) != b:
+        raise ValueError(f"{len(targets)} targets for {b} sources: one for each, ending with EOS")
+    if (empty := next((i for i, target in enumerate(targets) if not target), None)) is not None:
+        raise ValueError(f"targets[{empty}] is empty: end each target with EOS ({model.config.eos_id})")
     vocab = model.config.target_vocab_size
     for i, target in enumerate(targets):  # an id past the vocabulary failed in a gather, "index 500 is out
         # of bounds for dimension 1 with size 200", naming neither the id nor its target

@@ -127,7 +127,8 @@ def check_ids(name: str, ids: Tensor, vocab: int | None = None) -> None:
     if ids.numel() == 0:
         raise ValueError(f"{name} has shape {tuple(ids.shape)}: no token to read")
     if vocab is not None and ids.device.type == "cpu" and not torch.compiler.is_compiling():
-        low, high = (int(x) for x in torch.aminmax(ids))
+        host = ids.numpy()  # the ids where they are, read by numpy: no tensor operation, none to wait for
+        low, high = int(host.min()), int(host.max())
         if low < 0 or high >= vocab:
             raise ValueError(f"{name} holds id {low if low < 0 else high}, outside the vocabulary of {vocab} "
                              f"(ids 0 to {vocab - 1})")

@@ -215,9 +215,7 @@ def test_plot_during_training_failing_does_not_stop_training(log_path, tmp_path,
     state = TrainState(step=3)
     d = SimpleNamespace(is_main=True, enabled=False)
     data = SimpleNamespace(valid=None, tokenizer=None)
-    result = loop._validate_and_save(
-        None, None, None, None, state, data, config, d, None, MetricsLog(log_path)
-    )
+    result = loop._validate_and_save(None, None, None, state, data, config, d, None, MetricsLog(log_path))
     assert result == {"step": 3, "epoch": 1}
     assert "curves.png not drawn" in caplog.text and "metrics.jsonl:2:" in caplog.text
 

@@ -386,7 +386,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     with stopper.installed(), lines_above(bar):
         if state.validation_due:  # a signal's save skipped it: validate now, as the unbroken run did then
             state.validation_due = False
-            validated = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast,
+            validated = _validate_and_save(model, optimizer, scaler, state, data, config, d, autocast,
                                            metrics, stopper=stopper, clock=clock)
         # A resumed run may have reached its budget, or run out of patience, already: it trains no more.
         stop = _stop_reason(state, tc, n_updates) or _patience_exhausted(state, tc)
@@ -507,7 +507,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 _check_unlogged(sums, state.step, d)
                 begun = time.monotonic()
                 last = _validate_and_save(  # on a signal only the save: a scheduler's grace is short
-                    net, model, optimizer, scaler, state, data, config, d, autocast, metrics, not signalled,
+                    model, optimizer, scaler, state, data, config, d, autocast, metrics, not signalled,
                     None if stop else stopper,  # at its budget a run ends as usual, validated
                     clock,
                 )
@@ -528,7 +528,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
                 stop = stop or f"max_epochs={tc.max_epochs}"
     if saved_step != state.step:  # stopped at an epoch end between validations
         _check_unlogged(sums, state.step, d)
-        last = _validate_and_save(net, model, optimizer, scaler, state, data, config, d, autocast, metrics,
+        last = _validate_and_save(model, optimizer, scaler, state, data, config, d, autocast, metrics,
                                   clock=clock)
     return stop, last
 
@@ -977,7 +977,7 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float,
 
 
 def _validate_and_save(
-    net, model, optimizer, scaler, state, data, config, d, autocast, metrics, validating: bool = True,
+    model, optimizer, scaler, state, data, config, d, autocast, metrics, validating: bool = True,
     stopper: StopSignal | None = None, clock: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """Validation (if there is a validation set and `validating`), the patience count, a checkpoint and the

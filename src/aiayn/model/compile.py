@@ -1,7 +1,11 @@
-"""`torch.compile` for training, applied at the edge (STYLE.md habit 14).
+"""The benchmarks' compiled training step: model and loss as one `torch.compile` graph.
 
-The model stays an ordinary `nn.Module` whose state dict has no `_orig_mod.` prefixes: compilation wraps
-a function that calls it, never the module that is saved.
+Used by benchmarks/train_step.py and profile_step.py (and tests/test_compile.py), not by `aiayn train`:
+`train.compile` runs `torch.compile(model)`, the model alone, and keeps the project's own loss
+(`label_smoothed_nll` over the real target positions) outside the graph; so the benchmarks' compiled
+rows are not training's step (README, "Results and benchmarks"). Either way compilation is applied at the
+edge (STYLE.md habit 14): the model stays an ordinary `nn.Module` whose state dict has no `_orig_mod.`
+prefixes, since this wraps a function that calls it, never the module that is saved.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ LossFn = Callable[[Tensor, Tensor], Any]  # (logits (B, T, V), tgt_out (B, T)) -
 
 
 def compile_for_training(model: nn.Module, loss_fn: LossFn) -> Callable[[Tensor, Tensor, Tensor], Any]:
-    """A compiled `(src, tgt_in, tgt_out) -> loss(model(src, tgt_in), tgt_out)` for the training step.
+    """A compiled `(src, tgt_in, tgt_out) -> loss(model(src, tgt_in), tgt_out)`: the benchmarks' training
+    step (`aiayn train`'s `train.compile` compiles the model alone; see the module's docstring).
 
     Forward, output projection and loss are one graph, so inductor fuses the element-wise work
     (dropout, residual adds, LayerNorm, ReLU, the log-softmax of the loss) into a few loops instead of

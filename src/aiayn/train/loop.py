@@ -1,10 +1,11 @@
-"""`train(config)`: the paper's recipe (section 5) as one linear function, from one CPU to many GPUs.
+"""`train(config)`: the paper's recipe (section 5), from one CPU to many GPUs.
 
-Read `train` top to bottom: prepare data, build the model (or start from `train.init_from`'s
-checkpoint and its tokenizer: fine-tuning) and Adam, maybe resume, then loop over
-updates. One update accumulates `update_freq` token-batches per process (DDP synchronizes gradients on
-the last one only, `no_sync`), normalizes by the update's target tokens, sets the learning rate of
-equation 3 and steps. Every `valid_every` updates: validation loss, a checkpoint, the curves.
+Four functions, read in this order: `train` (the process group; a caller's autocast and grad mode kept
+out) -> `_train` (settings checked, run_dir locked) -> `_train_locked` (prepare data, build the model, or
+start from `train.init_from`'s checkpoint and its tokenizer: fine-tuning, and Adam, maybe resume) ->
+`_loop` (the updates). One update accumulates `update_freq` token-batches per process (DDP synchronizes
+gradients on the last one only, `no_sync`), normalizes by the update's target tokens, sets the learning
+rate of equation 3 and steps. Every `valid_every` updates: validation loss, a checkpoint, the curves.
 
 torch.compile, DDP and autocast wrap the model at the edges; checkpoints see only the plain model.
 """

@@ -782,5 +782,5 @@ def toml_value(value: Any) -> str:
 
 
 def with_train(config: RunConfig, **changes: Any) -> RunConfig:
-    """A copy with some TrainConfig fields changed (tests, the CLI)."""
+    """A copy with some TrainConfig fields changed (tests)."""
     return replace(config, train=replace(config.train, **changes))

@@ -1166,6 +1166,24 @@ def test_validate_refuses_an_empty_validation_set():
         validate(torch.nn.Linear(1, 1), data, d, torch.autocast("cpu", enabled=False), 0.1)
 
 
+def test_validate_leaves_a_training_model_training_after_an_error():
+    """The model went back to training mode only after a pass that ended: one that raised (an
+    out-of-memory, say) left it in eval mode, and a caller that caught the error trained on without
+    dropout. `extract_attention` restored it always; now every eval-mode pass does (`evaluating`)."""
+
+    class Failing(torch.nn.Linear):
+        def forward(self, *args):
+            raise RuntimeError("no memory left")
+
+    pairs = EncodedCorpus.from_lists([[5, 2]], [[6]])
+    data = Data(SimpleNamespace(pad_id=0, bos_id=1, eos_id=2), pairs, [], pairs, [[0]], None)
+    d = distributed.Dist(0, 1, 0, torch.device("cpu"))
+    model = Failing(1, 1).train()
+    with pytest.raises(RuntimeError, match="no memory left"):
+        validate(model, data, d, torch.autocast("cpu", enabled=False), 0.1)
+    assert model.training
+
+
 # 4. An unusable run_dir fails first.
 
 

@@ -35,7 +35,7 @@ from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.search import generate
 from aiayn.errors import SentenceTooLong, UserError, check_unicode
 from aiayn.files import atomic_output, check_directory_path, directory_for
-from aiayn.model import Transformer
+from aiayn.model import Transformer, evaluating
 
 log = logging.getLogger(__name__)
 
@@ -206,12 +206,8 @@ def extract_attention(
     if isinstance(model, Ensemble):  # an AttributeError: 'Ensemble' object has no attribute 'tgt_embed'
         raise TypeError("attention maps are of one model, not an Ensemble: pass a member of it "
                         "(model.members[i])")
-    training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         return _extract(model, tokenizer, src, tgt, max_tokens)
-    finally:
-        model.train(training)
 
 
 def _extract(model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None, max_tokens: int | None

@@ -17,7 +17,7 @@ from aiayn.data.dataset import ParallelText, folds_case, simple_casefold
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, generate
 from aiayn.evaluate import bleu_metrics, unspaced_hint
-from aiayn.model import Transformer
+from aiayn.model import Transformer, evaluating
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,6 @@ def validation_bleu(
 
     On a terminal a bar counts the sentences (a pass over a real validation set takes minutes, and was
     silent), and goes when the pass ends."""
-    was_training = model.training
-    model.eval()
     limit = min(model.config.max_len, max_tokens)
     sources = [tokenizer.encode_src(s) for s in text.src]
     if cut := sum(len(ids) > limit for ids in sources):
@@ -58,16 +56,15 @@ def validation_bleu(
     lengths = [len(ids) for ids in sources]
     hypotheses = [""] * len(sources)
     # disable=None: no bar where stderr is not a terminal (a log file), as training's
-    with tqdm(total=len(sources), desc="validation BLEU", unit="sent", leave=False, disable=None) as bar:
+    with evaluating(model), tqdm(total=len(sources), desc="validation BLEU", unit="sent", leave=False,
+                                 disable=None) as bar:
         for indices in token_batches(lengths, lengths, max_tokens):
             if stop is not None and stop():
-                model.train(was_training)
                 return None
             src = right_pad([sources[i] for i in indices], tokenizer.pad_id)  # (B, S)
             for i, hyps in zip(indices, generate(model, src.to(device), DecodeConfig(beam=1))):
                 hypotheses[i] = tokenizer.decode_tgt(hyps[0].tokens)
             bar.update(len(indices))
-    model.train(was_training)
     bleu, lowercased = bleu_metrics(lang)
     references = text.tgt
     if folds_case(tokenizer.tgt):  # the model writes lowercase alone: cased references held the curve down

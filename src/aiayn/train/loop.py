@@ -74,7 +74,7 @@ from aiayn.decoding.options import MAX_CPU_SEED
 from aiayn.errors import CorruptFile, Stopped, UserError, is_out_of_memory
 from aiayn.files import moved_aside, recover_replaced, remove_abandoned, require_file
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
-from aiayn.model import Transformer
+from aiayn.model import Transformer, evaluating
 from aiayn.train import distributed
 from aiayn.train.config import (
     DATA_FILES,
@@ -922,13 +922,11 @@ def _settle_buckets(net: DistributedDataParallel, model: Transformer, data: Data
     a + (b + c)): a resumed job's first update summed otherwise than the unbroken job's, and the
     weights drifted apart. After this pass every update of every start uses the regrouped buckets. In
     eval mode: no dropout, so no random draws that the run's own would then miss."""
-    was_training = model.training
-    model.eval()
-    batch = collate(data.train, data.train_batches[0][:1], data.tokenizer).to(d.device)
-    loss, _ = batch_loss(net, batch, 0.0, autocast)
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    model.train(was_training)
+    with evaluating(model):
+        batch = collate(data.train, data.train_batches[0][:1], data.tokenizer).to(d.device)
+        loss, _ = batch_loss(net, batch, 0.0, autocast)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
 
 
 def batch_loss(net: torch.nn.Module, batch: Batch, eps: float, autocast) -> tuple[Tensor, Tensor]:
@@ -952,19 +950,17 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float,
 
     On a terminal, process 0's bar counts its batches and goes when the pass ends: a large validation set
     on a CPU took minutes with the training bar standing still, as if hung (the BLEU pass has one too)."""
-    was_training = model.training
-    model.eval()
     sums, tokens, cut = _no_losses(d.device), 0.0, False
     share = data.valid_batches[d.rank :: d.world_size]
-    for indices in tqdm(share, desc="validation", unit="batch", leave=False, file=sys.stderr,
-                        disable=not d.is_main or None):
-        if stop is not None and (cut := stop()):
-            break
-        batch = collate(data.valid, indices, data.tokenizer).to(d.device)
-        loss, nll = batch_loss(model, batch, eps, autocast)
-        sums = sums + torch.stack([loss, nll]).double()  # (2,), on the device: no sync per batch
-        tokens += batch.n_tokens
-    model.train(was_training)
+    with evaluating(model):
+        for indices in tqdm(share, desc="validation", unit="batch", leave=False, file=sys.stderr,
+                            disable=not d.is_main or None):
+            if stop is not None and (cut := stop()):
+                break
+            batch = collate(data.valid, indices, data.tokenizer).to(d.device)
+            loss, nll = batch_loss(model, batch, eps, autocast)
+            sums = sums + torch.stack([loss, nll]).double()  # (2,), on the device: no sync per batch
+            tokens += batch.n_tokens
     loss, nll, tokens, cut = distributed.all_reduce_sum([*sums.tolist(), tokens, float(cut)], d)
     if cut:  # on any process: none uses the partial sums
         return None

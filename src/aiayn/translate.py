@@ -20,7 +20,6 @@ import numbers
 import os
 import select
 import stat
-import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from aiayn.errors import (
 )
 from aiayn.memory import cap_kernel_caches
 from aiayn.model import Transformer
+from aiayn.train.progress import throttled_progress
 
 log = logging.getLogger(__name__)
 
@@ -737,15 +737,9 @@ def progress_lines(total: int, every: float, what: str) -> Callable[[int], None]
     """A `progress(n)` for `total` sentences (`what` ones: "held-out") that logs how many are translated, at
     most every `every` s: where stderr is no terminal, tqdm shows no bar (disable=None), and translating a
     large set (the demo's --test-pairs, the recipe's splits) went on for minutes without a word."""
-    start = last = time.monotonic()
-    done = 0
 
-    def progress(n: int) -> None:
-        nonlocal done, last
-        done, now = done + n, time.monotonic()
-        if now - last >= every:
-            log.info("translated %d of %d %s sentences (%.0f%%, %.0f sentences/s)", done, total, what,
-                     100 * done / total, done / max(now - start, 1e-9))
-            last = now
+    def say(done: int, percent: float, per_second: float) -> None:
+        log.info("translated %d of %d %s sentences (%.0f%%, %.0f sentences/s)", done, total, what, percent,
+                 per_second)
 
-    return progress
+    return throttled_progress(total, every, say)

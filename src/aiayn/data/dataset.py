@@ -23,7 +23,6 @@ import os
 import re
 import shlex
 import stat
-import time
 import unicodedata
 import weakref
 from collections.abc import Iterable, Iterator
@@ -45,6 +44,7 @@ from aiayn.data.tokenizer import (
 from aiayn.errors import UserError
 from aiayn.files import atomic_output, fsync_dir, fsync_file, new_file_mode, require_file, temporary_path
 from aiayn.model.transformer import target_positions
+from aiayn.train.progress import throttled_progress
 
 log = logging.getLogger(__name__)
 CACHE_FORMAT = "aiayn-ids-2"  # 2: pairs that encode to no pieces are dropped (1 kept them)
@@ -576,15 +576,14 @@ def _with_progress(
     chunks: Iterator[tuple[list[str], list[str]]], path: Path, pairs: int
 ) -> Iterator[tuple[list[str], list[str]]]:
     """`chunks`, passed on, with a progress line every PROGRESS_SECONDS: none for a quick encode."""
-    start = last = time.monotonic()
-    done = 0
+
+    def say(done: int, percent: float, per_second: float) -> None:
+        log.info("%s: encoded %d of %d pairs (%.0f%%, %.0f pairs/s)", path, done, pairs, percent, per_second)
+
+    progress = throttled_progress(pairs, PROGRESS_SECONDS, say)
     for src, tgt in chunks:
         yield src, tgt
-        done, now = done + len(src), time.monotonic()
-        if now - last >= PROGRESS_SECONDS:
-            log.info("%s: encoded %d of %d pairs (%.0f%%, %.0f pairs/s)",
-                     path, done, pairs, 100 * done / pairs, done / max(now - start, 1e-9))
-            last = now
+        progress(len(src))
 
 
 def _encode_chunk(

@@ -11,7 +11,8 @@ import contextlib
 import logging
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
@@ -111,3 +112,21 @@ def lines_above(bar: tqdm) -> Iterator[None]:
         for handler, stream, above in swapped:
             if handler.stream is above:  # else the caller gave it another stream meanwhile: theirs
                 handler.setStream(stream)
+
+
+def throttled_progress(total: int, every: float, say: Callable[[int, float, float], None]
+                       ) -> Callable[[int], None]:
+    """A `progress(n)` that counts n more of `total` things done and, at most every `every` s, calls
+    `say(done, percent, per_second)`: the progress lines of a long encode or translation where stderr is
+    no terminal for a bar (none for a quick one: the first comes `every` s after this call)."""
+    start = last = time.monotonic()
+    done = 0
+
+    def progress(n: int) -> None:
+        nonlocal done, last
+        done, now = done + n, time.monotonic()
+        if now - last >= every:
+            say(done, 100 * done / total, done / max(now - start, 1e-9))
+            last = now
+
+    return progress

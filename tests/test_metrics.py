@@ -16,7 +16,15 @@ import pytest
 from aiayn import cli
 from aiayn.errors import UserError
 from aiayn.train import loop
-from aiayn.train.metrics import MetricsLog, _points, plot_metrics, read_metrics
+from aiayn.train.metrics import (
+    PPL_CAP,
+    MetricsLog,
+    _points,
+    capped_ppl,
+    plot_metrics,
+    read_metrics,
+    shown_ppl,
+)
 from aiayn.train.state import TrainState
 
 TRAIN = [{"step": s, "epoch": 1, "loss": 3.0 / s, "nll": 2.5 / s, "lr": 1e-4 * s} for s in (1, 2, 3)]
@@ -44,6 +52,14 @@ def draw(records, log_scale=False):
 @pytest.fixture
 def log_path(tmp_path):
     return write_log(tmp_path / "metrics.jsonl", *map(whole, TRAIN))
+
+
+def test_the_perplexity_saved_is_capped_where_the_one_shown_is_a_bound():
+    """exp of a diverged run's NLL overflowed (exp(710)): the value logged and saved stops at
+    exp(PPL_CAP), which the printed one shows as a bound, not as the run's value."""
+    assert capped_ppl(1.0) == pytest.approx(math.e)
+    assert capped_ppl(800.0) == capped_ppl(PPL_CAP) == math.exp(PPL_CAP)
+    assert shown_ppl(1.0, 2) == "2.72" and shown_ppl(800.0, 2) == f">{math.exp(PPL_CAP):.1e}"
 
 
 # D5: a kill during MetricsLog.write, then --resume

@@ -87,7 +87,7 @@ from aiayn.train.config import (
 )
 from aiayn.train.distributed import Dist, SameOnEveryProcess
 from aiayn.train.loss import label_smoothed_nll
-from aiayn.train.metrics import PPL_CAP, MetricsLog, plot_metrics, shown_ppl
+from aiayn.train.metrics import MetricsLog, capped_ppl, plot_metrics, shown_ppl
 from aiayn.train.progress import lines_above, shown_if_unconfigured
 from aiayn.train.schedule import cooldown_factor, inverse_sqrt_lr
 from aiayn.train.state import (
@@ -814,7 +814,7 @@ def _log_window(
         "epoch": state.epoch + 1,
         "loss": loss / tokens,
         "nll": nll / tokens,
-        "ppl": math.exp(min(nll / tokens, PPL_CAP)),
+        "ppl": capped_ppl(nll / tokens),
         "lr": lr,
         "tokens_per_s": tokens / seconds,
         "elapsed_s": elapsed,
@@ -969,7 +969,7 @@ def validate(model: Transformer, data: Data, d: Dist, autocast, eps: float,
     return {
         "valid_loss": loss / tokens,
         "valid_nll": nll / tokens,
-        "valid_ppl": math.exp(min(nll / tokens, PPL_CAP)),
+        "valid_ppl": capped_ppl(nll / tokens),
     }
 
 

@@ -20,6 +20,12 @@ log = logging.getLogger(__name__)
 PPL_CAP = 50  # nats: exp overflows past ~709; the perplexity logged, printed and drawn is exp of at most this
 
 
+def capped_ppl(nll: float) -> float:
+    """Perplexity as logged and saved: exp of the NLL per token, at most exp(PPL_CAP) (a diverged run's
+    NLL overflowed exp)."""
+    return math.exp(min(nll, PPL_CAP))
+
+
 def shown_ppl(nll: float, digits: int) -> str:
     """Perplexity as printed: past the cap, as a bound (exp(50) was printed as a diverged run's value)."""
     return f"{math.exp(nll):.{digits}f}" if nll <= PPL_CAP else f">{math.exp(PPL_CAP):.1e}"

@@ -437,11 +437,11 @@ def _open_input(stack: contextlib.ExitStack, path: str | None) -> tuple[BinaryIO
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def _check_outside_checkpoints(output: Path, may_be_one: bool = False) -> None:
+def _check_outside_checkpoints(output: Path) -> None:
     """`train.state.check_outside_checkpoints`, imported when a command needs it (the CLI starts fast)."""
     from aiayn.train.state import check_outside_checkpoints
 
-    check_outside_checkpoints(output, may_be_one)
+    check_outside_checkpoints(output)
 
 
 def _check_not_stdin(input: str | None, output: Path) -> None:

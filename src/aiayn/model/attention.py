@@ -4,13 +4,16 @@ Dimension key: B batch, S source length, T target (query) length, H heads, D hea
 L key length.
 
 One mask convention: a bool tensor, True = may attend. The source padding mask has shape (B, 1, 1, S)
-and broadcasts over heads and queries. The decoder's self-attention uses `is_causal` (or, while
-decoding with a cache, no mask at all: the cache holds only the past); with right-padded targets a
+and broadcasts over heads and queries. The decoder's self-attention uses `is_causal`; while decoding
+with a cache, one new query has no mask (the cache holds only the past) and several (a forced prefix)
+get `causal_mask(T, device, past)`: the past and their own causal triangle. With right-padded targets a
 real position never sees a pad, since every pad comes after it, and pad positions carry no loss.
 
 One attention path: `torch.nn.functional.scaled_dot_product_attention`. Without attention dropout
 (the paper has none) it takes PyTorch's fused kernels on CPU and GPU; a row with no key to attend to
-(an all-padding sentence) comes out as zeros there, not NaN. The naive formula lives in the tests.
+(an all-padding sentence) comes out as zeros there, not NaN. The naive formula is the tests' oracle
+(tests/reference.py), and `attention_weights` computes its weights again, beside SDPA, only for the
+inspection recorder (`aiayn.attention`): never for the model's output.
 """
 
 from __future__ import annotations

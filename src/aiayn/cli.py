@@ -304,8 +304,6 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 def cmd_translate(args: argparse.Namespace) -> None:
     """Translate INPUT (or stdin) to OUTPUT (or stdout), one line per line, in input order."""
-    import contextlib
-
     import torch
 
     from aiayn.files import atomic_output, check_not_read_back
@@ -1088,7 +1086,7 @@ def _run(args: argparse.Namespace) -> int:
     """Run one command; the exit status."""
     # Each command warns of CRs inside lines once a file, as in a process of its own; a dataset module not
     # loaded has warned of nothing (importing it would load torch)
-    later = bool(_job_rank(getattr(args, "command", None)))  # a torchrun job's process other than 0
+    later = bool(_job_rank(args.command))  # a torchrun job's process other than 0
     # other than its machine's first (LOCAL_RANK 0; _job_rank read it): each machine's torchrun shows its own
     # processes' output alone, so another machine's missing config file went unsaid when process 0 alone spoke
     later_on_machine = later and int(os.environ.get("LOCAL_RANK") or 0) != 0
@@ -1096,7 +1094,7 @@ def _run(args: argparse.Namespace) -> int:
         dataset.forget_cr_warnings()
     try:
         closed = getattr(sys.stdout, "closed_at_start", False)  # translate and score: -o, or refused
-        if closed and getattr(args, "command", None) not in ("translate", "score", "train"):
+        if closed and args.command not in ("translate", "score", "train"):
             # before the work, not after: an export done (its old one replaced), then exit 2 for its path
             raise UserError("<stdout>: closed, so the results cannot be written")
         args.func(args)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from aiayn.cli import main
 from aiayn.config import ConfigError
-from aiayn.demo import MARKER, DemoConfig, check_out, run_config, run_demo
+from aiayn.demo import MARKER, DemoConfig, check_out, demo_run_config, run_demo
 from aiayn.demo_corpus import CorpusConfig
 from aiayn.errors import UserError
 
@@ -402,7 +402,7 @@ def test_the_readme_says_what_the_last_update_of_the_cooldown_runs_at(tmp_path):
     assert "so the last of 1,200 updates runs at 1/300 of the schedule's, not at zero" in readme
     config = DemoConfig()
     paths = {f"{s}_{side}": tmp_path / f"{s}.{side}" for s in ("train", "valid") for side in ("src", "tgt")}
-    train = run_config(config, paths, tmp_path / "run").train
+    train = demo_run_config(config, paths, tmp_path / "run").train
     assert config.steps == train.max_updates == 1200
     assert cooldown_factor((config.steps - 1) / config.steps, train.cooldown) == pytest.approx(1 / 300)
 

@@ -149,12 +149,12 @@ def write_corpus(config: DemoConfig, data_dir: Path) -> tuple[list[tuple[str, st
     return test_pairs, paths
 
 
-def run_config(config: DemoConfig, paths: dict[str, Path], run_dir: Path):
+def demo_run_config(config: DemoConfig, paths: dict[str, Path], run_dir: Path):
     """The training configuration of the demo: the real recipe at a small size."""
-    from aiayn.train.config import run_config as make_run_config
+    from aiayn.train.config import run_config
 
     size = SIZES[config.size]
-    return make_run_config({
+    return run_config({
         "model": dict(size["model"]),
         "data": dict(train_src=str(paths["train_src"]), train_tgt=str(paths["train_tgt"]),
                      valid_src=str(paths["valid_src"]), valid_tgt=str(paths["valid_tgt"]),
@@ -213,7 +213,7 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     check_earlier_run(run_dir)  # under the lock: a live demo's run is no earlier one
     test_pairs, paths = write_corpus(config, out / "data")
     try:
-        result = train(run_config(config, paths, run_dir))
+        result = train(demo_run_config(config, paths, run_dir))
     except Stopped as e:  # the trainer's message says --resume, which the demo does not have
         raise stopped(signal.Signals(e.exit_status - 128), "during", run_dir) from None
     if "signal" in result:  # training ended as usual, at its budget: the translating is what may not run

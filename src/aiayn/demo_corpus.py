@@ -214,11 +214,9 @@ def make_corpus(config: CorpusConfig) -> tuple[list[tuple[str, str]], list[tuple
     return train, list(test.values())
 
 
-def write_pairs(
-    pairs: list[tuple[str, str]], prefix: Path, src_lang: str = "en", tgt_lang: str = "de"
-) -> tuple[Path, Path]:
+def write_pairs(pairs: list[tuple[str, str]], prefix: Path) -> tuple[Path, Path]:
     """Write `prefix`.en and `prefix`.de, one sentence a line, each complete or not at all; return both paths."""
-    src, tgt = Path(f"{prefix}.{src_lang}"), Path(f"{prefix}.{tgt_lang}")
+    src, tgt = Path(f"{prefix}.en"), Path(f"{prefix}.de")
     for path, side in ((src, 0), (tgt, 1)):
         with atomic_output(path) as f:
             f.write("".join(f"{pair[side]}\n" for pair in pairs))

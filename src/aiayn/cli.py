@@ -16,7 +16,15 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO
 
-from aiayn.config import MAX_IDS, MAX_THREADS, PRESETS, ConfigError, ModelConfig, model_config
+from aiayn.config import (
+    DEFAULT_MAX_TOKENS,
+    MAX_IDS,
+    MAX_THREADS,
+    PRESETS,
+    ConfigError,
+    ModelConfig,
+    model_config,
+)
 from aiayn.errors import Stopped, UserError, non_utf8_name
 
 if TYPE_CHECKING:  # annotations only: each command imports what it uses, so the CLI starts fast
@@ -867,9 +875,9 @@ def add_translate_parser(sub) -> None:
                    "PyTorch's CPU generator tells apart. Which line gets which draw depends on "
                    "the batches, so a pipe is then read in whole --chunk blocks, as a file is, rather than "
                    "answered whenever its input stalls: use --chunk 1 for an interactive filter")
-    p.add_argument("--max-tokens", type=positive_int, default=4096,
+    p.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
                    help="batch budget: padded source tokens x beam, or x --n-best with --sample "
-                        "(sentences are sorted by length; default 4096)")
+                        f"(sentences are sorted by length; default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--chunk", type=positive_int, default=10_000,
                    help="lines read (and sorted) at a time (default 10000); standard input (no -i, or -i -) "
                    "that is a terminal is read one line at a time whatever --chunk says, so that each typed "
@@ -920,8 +928,8 @@ def add_score_parser(sub) -> None:
                    help="output file, written only once every pair is scored (default: stdout)")
     p.add_argument("--normalize", action="store_true",
                    help="divide each log P by its target's tokens (EOS included): the mean per token")
-    p.add_argument("--max-tokens", type=positive_int, default=4096,
-                   help="batch budget: padded tokens of the longer side (default 4096)")
+    p.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
+                   help=f"batch budget: padded tokens of the longer side (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the weights' and activations' type, as for translate (scores sum in float32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")

@@ -25,6 +25,9 @@ MAX_WIDTH = 2**24  # d_model and d_ff: 16.7 M, past any model that fits in memor
 MAX_IDS = 2**31 - 1  # vocabulary sizes: token ids are 32-bit in SentencePiece and CTranslate2
 MAX_LAYERS = 2**12
 MAX_POSITIONS = 2**20  # max_len's bound: the sinusoid table holds max_len x d_model floats (4 GB at 1024)
+# translate's and score's batch budget (padded tokens), the library's and the CLI's default alike; here, not
+# in translate.py, which imports torch: the CLI's parser is built without it
+DEFAULT_MAX_TOKENS = 4096
 
 
 class ConfigError(ValueError):

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, S
 import torch
 
 from aiayn.checkpoint import inference_device, vocabulary_problem
-from aiayn.config import ConfigError, ModelConfig, from_dict
+from aiayn.config import DEFAULT_MAX_TOKENS, ConfigError, ModelConfig, from_dict
 from aiayn.data.batching import right_pad
 from aiayn.data.dataset import (
     HEAD_BYTES,
@@ -307,7 +307,9 @@ class Translator:
                               f"{config.max_len_b} tokens that max_len_a={config.max_len_a} allows")
         return config
 
-    def translate(self, texts: Iterable[str], max_tokens: int = 4096, **options: Any) -> list[str]:
+    def translate(
+        self, texts: Iterable[str], max_tokens: int = DEFAULT_MAX_TOKENS, **options: Any
+    ) -> list[str]:
         """The best translation of each text, in input order. `options` are `DecodeConfig` fields
         (`sample=True` alone means beam 1); with `sample` and `seed`, one generator seeded once draws the
         whole call, so that the same texts and options give the same output and repeated texts get
@@ -315,8 +317,9 @@ class Translator:
         return [hyps[0].text if hyps else "" for hyps in self.hypotheses(texts, max_tokens, **options)]
 
     def hypotheses(
-        self, texts: Iterable[str], max_tokens: int = 4096, progress: Callable[[int], None] | None = None,
-        generator: torch.Generator | None = None, **options: Any,
+        self, texts: Iterable[str], max_tokens: int = DEFAULT_MAX_TOKENS,
+        progress: Callable[[int], None] | None = None, generator: torch.Generator | None = None,
+        **options: Any,
     ) -> list[list[Translation]]:
         """The `n_best` translations of each text, best first (samples: in the order drawn); an empty
         list for a text of no pieces (empty, blank, or only zero-width and control characters).
@@ -423,7 +426,7 @@ class Translator:
             raise SentenceTooLong(first, len(ids[first]), limit, where, model, side or "source", too_long[1:])
 
     def score(
-        self, sources: Iterable[str], targets: Iterable[str], max_tokens: int = 4096,
+        self, sources: Iterable[str], targets: Iterable[str], max_tokens: int = DEFAULT_MAX_TOKENS,
         progress: Callable[[int], None] | None = None,
     ) -> list[Scored]:
         """log P(target | source) of each pair under the model (an ensemble: its members' mean probability at
@@ -603,7 +606,7 @@ class ScoredStream:
 
 def score_stream(
     translator: Translator, src: BinaryIO, tgt: BinaryIO, dst: TextIO, names: tuple[str, str],
-    chunk: int = 10_000, max_tokens: int = 4096, normalize: bool = False,
+    chunk: int = 10_000, max_tokens: int = DEFAULT_MAX_TOKENS, normalize: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> ScoredStream:
     """Write log P(target | source) of each line pair of two binary streams to `dst`, one number per

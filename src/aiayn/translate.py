@@ -676,7 +676,7 @@ def cut_by_min_len_warning(config: DecodeConfig) -> str:
 
 def translate_stream(
     translator: Translator, src: BinaryIO, dst: TextIO, name: str, chunk: int = 10_000,
-    max_tokens: int = 4096, progress: Callable[[int], None] | None = None, **options: Any,
+    max_tokens: int = DEFAULT_MAX_TOKENS, progress: Callable[[int], None] | None = None, **options: Any,
 ) -> int:
     """Translate `src` line by line into `dst`, in input order, `chunk` lines at a time (1 for an
     interactive filter: each line is answered as soon as it is read); from a pipe, also what arrived

@@ -220,6 +220,17 @@ def test_encoder_decoder_attention_without_memory_says_so():
         MultiHeadAttention(32, 4, self_attention=False)(torch.randn(1, 3, 32))
 
 
+def test_every_activation_a_config_accepts_builds_a_model():
+    """The config's names and the model's functions are two lists: one name short in the model was a
+    KeyError at construction, after the config had accepted it."""
+    from aiayn.config import ACTIVATIONS
+    from aiayn.model.transformer import ACTIVATION_FUNCTIONS
+
+    assert set(ACTIVATION_FUNCTIONS) == set(ACTIVATIONS)
+    for activation in ACTIVATIONS:
+        tiny_model(activation=activation)
+
+
 def test_config_errors_name_the_problem():
     with pytest.raises(ConfigError, match="n_heads"):
         ModelConfig(vocab_size=10, d_model=30, n_heads=4)

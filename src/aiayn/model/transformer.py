@@ -101,6 +101,9 @@ class Embeddings(nn.Module):
         return self.dropout(self.embed(tokens) * self.scale + self.pe[start : start + t])
 
 
+ACTIVATION_FUNCTIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}  # config.ACTIVATIONS' functions
+
+
 class PositionwiseFeedForward(nn.Module):
     """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 (equation 2); GELU or SiLU instead of ReLU as options."""
 
@@ -108,7 +111,7 @@ class PositionwiseFeedForward(nn.Module):
         super().__init__()
         self.w_1 = nn.Linear(config.d_model, config.d_ff)
         self.w_2 = nn.Linear(config.d_ff, config.d_model)
-        self.activation = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[config.activation]
+        self.activation = ACTIVATION_FUNCTIONS[config.activation]
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w_2(self.activation(self.w_1(x)))

@@ -61,7 +61,7 @@ class ModelConfig:
     tie_output: bool = True  # pre-softmax projection shares the target embedding matrix (section 3.4)
     scale_embedding: bool = True  # multiply embeddings by sqrt(d_model) (section 3.4)
     final_logits_bias: bool = False  # a bias on the logits (Marian); the paper has none
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-5  # epsilon of every LayerNorm: PyTorch's default (the paper gives none)
     pad_id: int = 0  # the tokenizer's padding id: builds the source padding mask
     decoder_start_id: int = 1  # first decoder input: BOS for aiayn's tokenizers, pad for Marian
     eos_id: int = 2  # end of sentence, from the tokenizer

@@ -139,7 +139,8 @@ class KVCache:
             raise ValueError(f"KVCache holds {self.max_len} positions; step {end} is past its end")
         k_layer, v_layer = self.k_layers[layer], self.v_layers[layer]  # (B*K, max_len, H, D) views
         k_layer.narrow(1, self.length, k.shape[2]).copy_(k.transpose(1, 2))  # (B*K, T, H, D)
-        v_layer.narrow(1, self.length, k.shape[2]).copy_(v.transpose(1, 2))
+        v_layer.narrow(1, self.length, k.shape[2]).copy_(v.transpose(1, 2))  # (B*K, T, H, D)
+        # (B*K, H, length + T, D) each: every position so far
         return k_layer.narrow(1, 0, end).transpose(1, 2), v_layer.narrow(1, 0, end).transpose(1, 2)
 
     def _layers(self) -> None:

@@ -26,10 +26,10 @@ import stat
 import unicodedata
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import BinaryIO
 from dataclasses import dataclass
 from itertools import chain, compress, islice
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import sentencepiece as spm

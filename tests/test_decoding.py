@@ -149,6 +149,7 @@ class ScriptedModel:
         self.config = SimpleNamespace(eos_id=EOS, pad_id=0, decoder_start_id=1, max_len=100,
                                       target_vocab_size=5)
         self.rows_per_step: list[int] = []
+        self.one_row_step = None  # no compiled step (`Transformer.one_row_step`)
 
     def encode(self, src):
         return src[:, :1, None].float()  # (B, 1, 1): the script id is the memory

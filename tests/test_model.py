@@ -231,6 +231,16 @@ def test_every_activation_a_config_accepts_builds_a_model():
         tiny_model(activation=activation)
 
 
+def test_the_compiled_step_slot_is_no_part_of_the_state_dict():
+    """`one_row_step` (set by translate --compile) is a plain attribute: a step set there adds no key to
+    the state dict, so a checkpoint of a model compiled for translating is the model's."""
+    model = Transformer(model_config("micro", vocab_size=50))
+    keys = list(model.state_dict())
+    assert model.one_row_step is None
+    model.one_row_step = object()
+    assert list(model.state_dict()) == keys and "one_row_step" not in dict(model.named_modules())
+
+
 def test_config_errors_name_the_problem():
     with pytest.raises(ConfigError, match="n_heads"):
         ModelConfig(vocab_size=10, d_model=30, n_heads=4)

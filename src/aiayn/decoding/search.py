@@ -92,7 +92,7 @@ def step_log_probs(
         # the mean, each member was weighted by 1 - P(pad) - P(EOS))
         return model.mean([step_log_probs(m, last_R, mem, src_mask, c, produced, config)
                            for m, mem, c in zip(model.members, memory.tensors, cache.caches)])
-    step = getattr(model, "one_row_step", None)  # set by `aiayn.decoding.compiled.compile_one_row_step`
+    step = model.one_row_step  # set by `aiayn.decoding.compiled.compile_one_row_step`
     decode = step if step is not None and step.applies(tgt_in, src_mask, cache) else model.decode
     logits_RV = decode(tgt_in, memory, src_mask, cache)[:, -1].float()  # (R, V)
     logits_RV[:, model.config.pad_id] = float("-inf")

@@ -217,6 +217,10 @@ class Transformer(nn.Module):
             self.register_buffer("final_logits_bias", torch.zeros(config.target_vocab_size))
         else:
             self.final_logits_bias = None
+        # A compiled cached decoder step for one row (`aiayn.decoding.compiled.OneRowStep`), set by
+        # `compile_one_row_step` (translate --compile) and used by `decoding.search.step_log_probs` where
+        # it applies; None: every step eager. A plain object, not a module: no part of the state dict.
+        self.one_row_step = None
         if not on_meta:
             self.reset_parameters()
         self._tie_output()

@@ -94,24 +94,26 @@ class OneRowProduct:
         if blocks == 1:
             self.weight, self.bias = w_t.contiguous(), bias
         elif self.by_rows:
-            self.weight = w_t.reshape(blocks, in_features // blocks, out_features).contiguous()  # (S, in/S, out)
-            # The bias in the first block's sum only: (S, 1, out).
+            # (blocks, in/blocks, out)
+            self.weight = w_t.reshape(blocks, in_features // blocks, out_features).contiguous()
+            # The bias in the first block's sum only: (blocks, 1, out).
             self.bias = torch.stack([zero if bias is None else bias] + [zero] * (blocks - 1))[:, None, :]
         else:
             width = -(-out_features // blocks)  # ceil
-            padded = nn.functional.pad(w_t, (0, width * blocks - out_features))  # (in, S * width)
-            self.weight = padded.view(in_features, blocks, width).transpose(0, 1).contiguous()  # (S, in, width)
+            padded = nn.functional.pad(w_t, (0, width * blocks - out_features))  # (in, blocks * width)
+            # (blocks, in, width)
+            self.weight = padded.view(in_features, blocks, width).transpose(0, 1).contiguous()
             bias = nn.functional.pad(zero if bias is None else bias, (0, width * blocks - out_features))
-            self.bias = bias.view(blocks, 1, width)  # (S, 1, width)
+            self.bias = bias.view(blocks, 1, width)  # (blocks, 1, width)
 
     def __call__(self, row: Tensor) -> Tensor:  # (1, in) -> (1, out)
         if self.blocks == 1:
             return torch.mm(row, self.weight) if self.bias is None else torch.addmm(self.bias, row, self.weight)
         if self.by_rows:
-            parts = torch.baddbmm(self.bias, row.view(self.blocks, 1, -1), self.weight)  # (S, 1, out)
+            parts = torch.baddbmm(self.bias, row.view(self.blocks, 1, -1), self.weight)  # (blocks, 1, out)
             return parts.sum(0)  # (1, out)
-        rows = row.expand(self.blocks, 1, row.shape[-1])  # (S, 1, in), no copy
-        cols = torch.baddbmm(self.bias, rows, self.weight)  # (S, 1, width)
+        rows = row.expand(self.blocks, 1, row.shape[-1])  # (blocks, 1, in), no copy
+        cols = torch.baddbmm(self.bias, rows, self.weight)  # (blocks, 1, width)
         return cols.view(1, -1)[:, : self.out_features]  # (1, out)
 
 

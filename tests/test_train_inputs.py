@@ -1101,13 +1101,19 @@ def test_too_few_batches_name_the_max_tokens_and_max_len_that_give_enough(tmp_pa
                          "more pairs"), said
     lower = replace(config, train=replace(config.train, max_tokens=33))
     assert len(loop.prepare_data(lower, tmp_path / "run", d).train_batches) == 40
-    # at data.max_len=8, 48 pairs longer dropped: raising it can give the 40 batches, the 12 kept cannot
+    # at data.max_len=8, 48 pairs longer dropped: kept at the highest data.max_len, 64 (max_tokens), they
+    # make 21 batches, too few for 40 (advised, as it was, the 48 could not give them) and enough for 20
     short = replace(config, data=replace(config.data, max_len=8))
     said = str(loop._too_few_batches(short, loop.prepare_data(short, tmp_path / "run", d), d))
     assert said.endswith(": 12 training pairs make 2 batches of train.max_tokens=64, fewer than the 40 one "
-                         "update takes (train.update_freq=40); set train.update_freq=2, or raise "
-                         "data.max_len=8 (and model.max_len) to keep the 48 longer pairs it dropped, or "
-                         "train on more pairs"), said
+                         "update takes (train.update_freq=40); set train.update_freq=2, or train on more "
+                         "pairs"), said
+    twenty = replace(short, train=replace(short.train, update_freq=20))
+    said = str(loop._too_few_batches(twenty, loop.prepare_data(twenty, tmp_path / "run", d), d))
+    assert said.endswith("; set train.update_freq=2, or set data.max_len=64 (21 batches with the 48 longer "
+                         "pairs it dropped), or train on more pairs"), said
+    wider = replace(twenty, data=replace(short.data, max_len=64))
+    assert len(loop.prepare_data(wider, tmp_path / "run", d).train_batches) == 21
     # several processes: an update takes update_freq batches of each; fewer processes are advised where they
     # give one (18 batches: 20 a process for one update on none, 10 on one, 6 on three)
     for processes, update_freq, advice in (
@@ -1130,9 +1136,17 @@ def test_dropping_a_share_of_the_training_pairs_as_too_long_is_a_warning(tmp_pat
         loop.prepare_data(config, tmp_path / "run", d)
     said = [(r.levelno, r.getMessage()) for r in caplog.records if "training pair" in r.getMessage()]
     src, tgt = config.data.train_src, config.data.train_tgt
-    warned = (f"{src}, {tgt}: 48 of 60 training pairs are longer than data.max_len=8 tokens and dropped; "
-              "raise data.max_len (and model.max_len) to train on them")
+    warned = (f"{src}, {tgt}: 48 of 60 training pairs are longer than 8 tokens (data.max_len=8) and dropped; "
+              "raise data.max_len (up to 64, train.max_tokens) to train on them")
     assert said == [(logging.WARNING, warned)]
+    # a fine-tune's or a resume's model keeps its positions: model.max_len was advised, and refused
+    for positions, cure in ((32, "raise data.max_len (up to 32, the model's positions)"),
+                            (8, "the model has 8 positions: split or shorten them")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            loop.prepare_data(config, tmp_path / "run", d, fixed_positions=positions)
+        said = [r.getMessage() for r in caplog.records if "training pair" in r.getMessage()]
+        assert said == [warned.replace("raise data.max_len (up to 64, train.max_tokens)", cure)], said
     # 1 of 200: under 1%, said at INFO
     write_corpus(tmp_path, 200)
     lines = Path(tgt).read_text(encoding="utf-8").splitlines()

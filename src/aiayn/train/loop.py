@@ -121,7 +121,10 @@ class Data:
     valid: EncodedCorpus | None
     valid_batches: list[list[int]]
     valid_text: ParallelText | None  # raw validation text, for BLEU (only with train.bleu_every)
-    train_too_long: int  # training pairs dropped as longer than data.max_len
+    train_too_long: int = 0  # training pairs dropped as longer than data.max_len
+    # where an update takes more batches than there are: the highest data.max_len this run may set, and the
+    # batches the corpus then makes (None: no pair dropped, or none needed)
+    raised: tuple[int, int] | None = None
 
 
 def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
@@ -239,9 +242,10 @@ def _too_few_batches(config: RunConfig, data: Data, d: Dist) -> SameOnEveryProce
         ways.append(f"run {_counted(most, 'process', 'processes')}{' or fewer' * (most > 1)}")
     if pairs >= per_update and (lower := _max_tokens_for(data.train, dc.max_len, tc.max_tokens, per_update)):
         ways.append(f"set train.max_tokens={lower[0]} ({_counted(lower[1], 'batch', 'batches')})")
-    if data.train_too_long and batches + data.train_too_long >= per_update:  # a pair adds a batch at most
-        ways.append(f"raise data.max_len={dc.max_len} (and model.max_len) to keep the "
-                    f"{_counted(data.train_too_long, 'longer pair', 'longer pairs')} it dropped")
+    if data.raised and data.raised[1] >= per_update:  # the dropped pairs kept, batched as they would be
+        also = " and model.max_len" * (data.raised[0] > _model_max_len(config))
+        ways.append(f"set data.max_len{also}={data.raised[0]} ({_counted(data.raised[1], 'batch', 'batches')}"
+                    f" with the {_counted(data.train_too_long, 'longer pair', 'longer pairs')} it dropped)")
     ways.append("train on more pairs")
     processes = f" x {d.world_size} processes" if d.enabled else ""
     return SameOnEveryProcess(
@@ -323,7 +327,9 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     random.seed(tc.seed)
     start_from = _read_resumed(d, run_dir, resume_from, lambda: initial_checkpoint(config, resume_from))
     with _resume_hint(run_dir, resume_from):  # the tokenizer of a resumed run is read from its checkpoint
-        data = prepare_data(config, run_dir, d, start_from.tokenizer if start_from else None)
+        fixed = (start_from.model.config.max_len if start_from else _model_max_len(config)) if (
+            resume_from or tc.init_from) else None
+        data = prepare_data(config, run_dir, d, start_from.tokenizer if start_from else None, fixed)
     release_freed_memory()  # what the tokenizer's training and the encoding freed (a quarter GB at 1.5 M
     # pairs) was kept until the first validation's trim
     tok = data.tokenizer
@@ -1414,11 +1420,13 @@ def _checkpoint_to_resume(run_dir: Path, resume: bool, init_from: str = "") -> P
     return found[-1] if resume else None
 
 
-def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer | None = None) -> Data:
+def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer | None = None,
+                 fixed_positions: int | None = None) -> Data:
     """Tokenizer (trained on the training text once, kept in the run directory) and cached ids.
 
     Process 0 trains the tokenizer and fills the cache; the others wait, then read the cache.
     A given `tokenizer` (a fine-tuned checkpoint's) is used as it is: nothing is trained.
+    `fixed_positions`: a fine-tune's or a resume's model.max_len, which the run cannot change.
     """
     dc = config.data  # its files are named and there (`_check_data_files`)
     # Process 0's caches, named to all: every process trains on the pairs process 0 encoded, whatever the
@@ -1427,14 +1435,19 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     tokenizer = tokenizer or find_tokenizer(run_dir)
     if tokenizer is None:  # process 0 wrote it: this process is on a machine that cannot see run_dir
         raise UserError(f"{run_dir}: no tokenizer; with several machines, put run_dir on a shared filesystem")
-    train = read_encoded(Path(caches[0][0]), caches[0][1], tokenizer)
-    train, train_too_long = train.filter_length(dc.max_len)
+    read = read_encoded(Path(caches[0][0]), caches[0][1], tokenizer)
+    train, train_too_long = read.filter_length(dc.max_len)
     # the pair named: its target may be the long side ("tr.ja: ... 1 longer" blamed the source file)
     pair = f"{dc.train_src}, {dc.train_tgt}"
     _require_pairs(pair, "training", len(train), train_too_long, dc.max_len)
+    highest = _highest_max_len(config, fixed_positions)
     if d.is_main:
-        _say_too_long(config, pair, len(train), train_too_long)
+        _say_too_long(config, pair, len(train), train_too_long, fixed_positions)
     batches = token_batches(train.src_lengths(), train.tgt_lengths(), config.train.max_tokens)
+    raised = None
+    if train_too_long and highest > dc.max_len and len(batches) < d.world_size * config.train.update_freq:
+        wider = read.filter_length(highest)[0]  # a corpus this short is cheap to batch again
+        raised = highest, len(token_batches(wider.src_lengths(), wider.tgt_lengths(), config.train.max_tokens))
     valid, valid_batches = None, []
     if dc.valid_src:
         valid = read_encoded(Path(caches[1][0]), caches[1][1], tokenizer)
@@ -1450,22 +1463,46 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
         read_parallel(dc.valid_src, dc.valid_tgt, report=False)
         if dc.valid_src and config.train.bleu_every and d.is_main else None
     )
-    return Data(tokenizer, train, batches, valid, valid_batches, valid_text, train_too_long)
+    return Data(tokenizer, train, batches, valid, valid_batches, valid_text, train_too_long, raised)
 
 
-def _say_too_long(config: RunConfig, pair: str, kept: int, too_long: int) -> None:
+def _model_max_len(config: RunConfig) -> int:
+    """model.max_len as [model] sets it (the vocabulary's size aside, which the tokenizer gives)."""
+    return config.model_config(vocab_size=64).max_len
+
+
+def _highest_max_len(config: RunConfig, fixed_positions: int | None) -> int:
+    """The highest data.max_len a run may set: a batch of train.max_tokens holds a pair, and a checkpoint's
+    model (a fine-tune's, a resume's) has `fixed_positions`."""
+    tokens = config.train.max_tokens
+    return tokens if fixed_positions is None else min(tokens, fixed_positions)
+
+
+def _say_too_long(config: RunConfig, pair: str, kept: int, too_long: int,
+                  fixed_positions: int | None) -> None:
     """The training pairs kept and those dropped as longer than data.max_len, a warning from 1% dropped
     on: a corpus' few stray long lines (noisy web text) are routine and said at INFO, as fairseq's warning
     on any drop, every run, teaches users to skip warnings; a larger share is a max_len that does not fit
-    the corpus or its tokenizer (the line said 1968 of 2000 dropped at INFO, as routine as the others)."""
+    the corpus or its tokenizer (the line said 1968 of 2000 dropped at INFO, as routine as the others).
+    The cure said is one this run may take (a fine-tune's or a resume's model fixes its positions: raising
+    model.max_len was advised, and refused)."""
     max_len = config.data.max_len
     if too_long * 100 < kept + too_long:
         log.info("%s: %s; %d longer than max_len=%d dropped", pair,
                  _counted(kept, "training pair", "training pairs"), too_long, max_len)
-    else:
-        log.warning("%s: %s of %s training pairs are longer than %s tokens and dropped; raise data.max_len "
-                    "(and model.max_len) to train on them", pair, f"{too_long:,}", f"{kept + too_long:,}",
-                    config.shown("data.max_len", max_len))
+        return
+    highest = _highest_max_len(config, fixed_positions)
+    if highest > max_len:
+        limit = "train.max_tokens" if highest == config.train.max_tokens else "the model's positions"
+        also = " (and model.max_len)" * (fixed_positions is None and highest > _model_max_len(config))
+        cure = f"raise data.max_len{also} (up to {highest}, {limit})"
+    elif fixed_positions == max_len:
+        cure = f"the model has {max_len} positions: split or shorten them"
+    else:  # data.max_len is train.max_tokens
+        cure = f"raise train.max_tokens with data.max_len{' (and model.max_len)' * (fixed_positions is None)}"
+    log.warning("%s: %s of %s training pairs are longer than %d tokens (%s) and dropped; %s to train on them",
+                pair, f"{too_long:,}", f"{kept + too_long:,}", max_len,
+                config.shown("data.max_len", max_len), cure)
 
 
 def _require_pairs(pair: str, kind: str, kept: int, too_long: int, max_len: int) -> None:

@@ -316,6 +316,16 @@ def test_a_stream_scores_the_pairs_before_a_too_long_line_first(checkpoint, tmp_
         score_stream(translator, *streams, out, ("s", "t"))
     assert [float(x) for x in out.getvalue().split()] == pytest.approx(
         [s.log_prob for s in translator.score(sources[:5], targets[:5])], abs=1e-5)
+    # a source line too long after a target's: the source side is checked first, so its line was named,
+    # and the retry's error on the target's line left the handler, writing nothing
+    both = [sources[:5] + ["the number 4 " * 30] + sources[6:], targets[:2] + [targets[5]] + targets[3:5]
+            + sources[5:]]
+    out = io.StringIO()
+    with pytest.raises(SentenceTooLong, match=r"^t:3: "):
+        score_stream(translator, *[io.BytesIO(("\n".join(side) + "\n").encode()) for side in both], out,
+                     ("s", "t"))
+    assert [float(x) for x in out.getvalue().split()] == pytest.approx(
+        [s.log_prob for s in translator.score(sources[:2], targets[:2])], abs=1e-5)
     (tmp_path / "src").write_text("\n".join(sources) + "\n")
     piped = io.BytesIO(("\n".join(targets) + "\n").encode())
     monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=piped))

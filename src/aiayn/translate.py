@@ -647,11 +647,17 @@ def score_stream(
             write(scored(sources, targets, pairs + len(sources)))
         except SentenceTooLong as e:
             # a pipe's line (`aiayn score` checks a file whole first): the pairs before it are written first,
-            # as `translate_stream` writes its lines (with two pipes, a too long line of the other side among
-            # them is then the one named)
-            if e.index > pairs:
-                write(scored(sources[: e.index - pairs], targets[: e.index - pairs]))
-            raise
+            # as `translate_stream` writes its lines; with two pipes, a too long line of the other side among
+            # them is then the one named, and the pairs before that one written (they were lost: its error
+            # left the handler)
+            error = e
+            while error.index > pairs:
+                try:
+                    write(scored(sources[: error.index - pairs], targets[: error.index - pairs]))
+                    break
+                except SentenceTooLong as earlier:  # within the pairs retried: each retry is shorter
+                    error = earlier
+            raise error from None
         pairs += len(sources)
     if not pairs:  # as evaluate refuses an empty file: exit 0 with no output said nothing was wrong
         raise UserError(f"{names[0]}: empty, nothing to score")

@@ -267,6 +267,9 @@ def test_a_note_suggests_lang_for_unspaced_text_scored_with_13a(tmp_path, capsys
     (["我们 今天 去 公园 散步 。", "他 说 这 本 书 很 有 意思 。"], False),  # segmented: 13a scores its words
     # short unsegmented lines, one 13a word of 6 characters each: BLEU 0.00 and no note (8 was the bound)
     (["我爱吃苹果。", "今天天气好。", "他是我朋友。"], True),
+    # the same with ASCII punctuation (NFKC's, as aiayn's models write it), which 13a splits off: 5 + 1
+    # characters in two words, 3 on average, and no note
+    (["我爱吃苹果!", "他是好学生!", "你今天好吗?", "我们明天见!"], True),
     (["コンピューター を 使っ て プログラミング する", "インターネット で ニュース を 読む"], False),  # loanwords
     (["ฉัน ไป ตลาด เมื่อวานนี้", "วันนี้ อากาศ ดี มาก"], False),  # segmented Thai: 4.5 characters a word
 ])

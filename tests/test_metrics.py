@@ -286,7 +286,7 @@ def test_plot_command_refuses_values_it_cannot_draw(tmp_path, capsys, line, prob
     assert not (tmp_path / "c.png").exists() and not (tmp_path / "curves.png").exists()
 
 
-def test_a_value_that_is_not_finite_is_said_not_drawn(tmp_path, caplog):
+def test_a_value_that_is_not_finite_is_said_not_drawn(tmp_path, caplog, capsys):
     """matplotlib leaves NaN and inf out: a log with one (training stops before it logs one) drew a curve
     cut short, and nothing said why."""
     path = write_log(tmp_path / "metrics.jsonl", *map(whole, TRAIN),
@@ -296,6 +296,9 @@ def test_a_value_that_is_not_finite_is_said_not_drawn(tmp_path, caplog):
     said = (f"{path}:4: 'loss' is nan at update 4, which is not drawn (its curve breaks or ends there); "
             "1 more value(s) in the log are not finite either")
     assert caplog.messages == [said]
+    caplog.clear()
+    assert cli.main(["plot", str(tmp_path), "-o", str(tmp_path / "c.png")]) == 0  # the command's own prefix
+    assert f"aiayn: warning: {said}\n" in capsys.readouterr().err  # it printed the bare message
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         read_metrics(write_log(path, *map(whole, TRAIN)))

@@ -220,8 +220,9 @@ def cmd_plot(args: argparse.Namespace) -> None:
     if not args.output and (runs[0] / "curves.png").is_dir():
         raise UserError(f"{runs[0] / 'curves.png'}: is a directory, not a picture; draw elsewhere with "
                         "-o FILE.png")
-    print(plot_metrics([run / "metrics.jsonl" for run in runs], args.output or runs[0] / "curves.png",
-                       log_scale=args.log))
+    with _warnings_to_stderr("aiayn.train.metrics"):  # a value not drawn, a cut last line: said as warnings
+        print(plot_metrics([run / "metrics.jsonl" for run in runs], args.output or runs[0] / "curves.png",
+                           log_scale=args.log))
 
 
 def _check_plottable(run: Path) -> None:

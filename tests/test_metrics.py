@@ -601,6 +601,24 @@ def _run(path, scale=1.0, bleu=None):
     return path
 
 
+def test_past_ten_runs_each_keeps_a_colour_of_its_own_and_past_twenty_they_are_refused(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """The colours cycled C0-C9: the 11th run drew in the 1st's, and the legend could not tell them apart."""
+    from aiayn.train import metrics
+
+    drawn = []
+    real = metrics._draw
+    monkeypatch.setattr(metrics, "_draw", lambda *args: drawn.append(real(*args)) or drawn[-1])
+    runs = [_run(tmp_path / f"r{i:02d}", 1.0 + i / 10) for i in range(21)]
+    assert cli.main(["plot", *map(str, runs[:12]), "-o", str(tmp_path / "twelve.png")]) == 0
+    colours = {line.get_gid(): line.get_color() for line in drawn[0].axes[1].lines}  # the lr: one a run
+    assert len(colours) == 12 and len({str(c) for c in colours.values()}) == 12
+    capsys.readouterr()
+    assert cli.main(["plot", *map(str, runs), "-o", str(tmp_path / "all.png")]) == 2
+    assert capsys.readouterr().err == ("aiayn: error: 21 runs: at most 20 are told apart in one picture (a "
+                                       "colour each)\n")
+
+
 def test_several_runs_are_overlaid_a_colour_a_run_each_named_by_its_folders(tmp_path, capsys, monkeypatch):
     """TensorBoard overlays runs; `plot` drew one run a picture."""
     from aiayn.train import metrics

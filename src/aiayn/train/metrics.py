@@ -17,6 +17,7 @@ from aiayn.errors import UserError
 from aiayn.files import atomic_output, check_file_output, directory_for
 
 log = logging.getLogger(__name__)
+MAX_RUNS = 20  # runs `plot_metrics` overlays at most: tab20's colours
 PPL_CAP = 50  # nats: exp overflows past ~709; the perplexity logged, printed and drawn is exp of at most this
 
 
@@ -222,6 +223,8 @@ def plot_metrics(jsonl_paths: str | Path | Sequence[str | Path], png_path: str |
                         f"{Path(png_path) / 'curves.png'}")
     _check_png_output(Path(png_path), logs)
     _check_each_once(logs)
+    if len(logs) > MAX_RUNS:  # colours repeated past 10: two runs the legend could not tell apart
+        raise UserError(f"{len(logs)} runs: at most {MAX_RUNS} are told apart in one picture (a colour each)")
     runs = [(name, _drawable_records(path, log_scale)) for name, path in zip(run_names(logs), logs)]
     png = io.BytesIO()
     _draw(runs, log_scale).savefig(png, format="png", dpi=100)
@@ -355,6 +358,7 @@ def _draw(runs: list[tuple[str, list[dict[str, Any]]]], log_scale: bool = False)
     """The curves' figure of `runs`, (name, records) each, made without pyplot: `matplotlib.use("Agg")`
     switched a notebook's backend (inline plots) for the rest of its session, and pyplot keeps every figure
     until it is closed. One run is the usual case; several are overlaid, a colour a run, named above."""
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -362,7 +366,9 @@ def _draw(runs: list[tuple[str, list[dict[str, Any]]]], log_scale: bool = False)
     has_bleu = any(series for _, series in bleu)
     fig = Figure(figsize=(16 if has_bleu else 11, 4 if len(runs) == 1 else 4.5), layout="constrained")
     axes = fig.subplots(1, 3 if has_bleu else 2)
-    colours = [f"C{i % 10}" for i in range(len(runs))] if len(runs) > 1 else [None]  # None: a colour a curve
+    # None: a colour a curve; tab20's pairs of a hue past 10 runs
+    palette = [f"C{i}" for i in range(10)] if len(runs) <= 10 else list(colormaps["tab20"].colors)
+    colours = palette[: len(runs)] if len(runs) > 1 else [None]
     for (name, records), colour in zip(runs, colours):
         _draw_losses(axes[0], name, records, colour)
         steps, lrs = _points(records, "lr")

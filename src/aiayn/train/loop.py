@@ -1447,7 +1447,8 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     raised = None
     if train_too_long and highest > dc.max_len and len(batches) < d.world_size * config.train.update_freq:
         wider = read.filter_length(highest)[0]  # a corpus this short is cheap to batch again
-        raised = highest, len(token_batches(wider.src_lengths(), wider.tgt_lengths(), config.train.max_tokens))
+        raised = highest, len(token_batches(wider.src_lengths(), wider.tgt_lengths(),
+                                            config.train.max_tokens))
     valid, valid_batches = None, []
     if dc.valid_src:
         valid = read_encoded(Path(caches[1][0]), caches[1][1], tokenizer)

@@ -74,7 +74,8 @@ def padded_batch(lengths: list[int], vocab: int, pad_id: int = 0, generator=None
     out = torch.full((len(lengths), max(lengths)), pad_id, dtype=torch.long)
     for i, n in enumerate(lengths):
         out[i, :n] = torch.randint(3, vocab, (n,), generator=generator)
-        out[i, n - 1] = ModelConfig.eos_id
+        if n:  # a length of 0: a row of padding alone (column -1 was written)
+            out[i, n - 1] = ModelConfig.eos_id
     return out
 
 

@@ -505,6 +505,30 @@ def test_a_kv_cache_is_tied_to_its_source_mask():
         model.decode(first, model.encode(unpadded), model.src_mask(unpadded), cache)
 
 
+def test_a_gpu_kv_cache_forgets_its_rows_at_a_select_as_before():
+    """Kept, the selected rows were compared with the search's newly selected tensors at the next step: a
+    wait for the device at every select (a beam-1 beam_search's every step). On a GPU the cache forgets
+    them, as before; "meta" stands in for the device here (no GPU on CI)."""
+    cache = KVCache(1, 2, 2, 4, 8)
+    cache.memory, cache.src_mask = torch.zeros(2, 5, 8, device="meta"), torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    cache._select_source(torch.tensor([1]))
+    assert cache.memory is None and cache.src_mask is None
+    cache.memory, cache.src_mask = torch.zeros(2, 5, 8), torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    cache._select_source(torch.tensor([1]))  # a CPU's: kept, the first position of each row
+    assert cache.memory.shape == (1, 1, 8) and cache.memory_head and cache.src_mask.shape == (1, 1, 1, 5)
+
+
+def test_ids_are_checked_only_where_they_can_be_read():
+    """The CPU's range check read the ids with numpy, which a FakeTensor (memory estimation) cannot give:
+    `model(src, tgt)` under FakeTensorMode failed where it had worked."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = tiny_model()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        src = mode.from_tensor(padded_batch([4, 3], 50))
+        assert model(src, src).shape == (2, 4, model.config.vocab_size)
+
+
 def test_a_kv_cache_knows_its_rows_after_a_select():
     """After a select of rows (greedy search, beam 1) or `keep_sentences` (beams) the cache forgot its
     memory and mask: a step with those of the rows before the select ran (the logits off by 0.2), and one

@@ -149,6 +149,7 @@ def generate(
         if generator is None:
             generator = sampling_generator(config, src.device)
         if config.n_best > 1:  # a refused source named as a row of src, not of its repeats below
+            check_inference(model, src)  # first: a 1-D src was an IndexError in source_lengths
             source_lengths(model, src)
         rows = src.repeat_interleave(config.n_best, dim=0)  # (B * n, S): n independent samples each
         hyps = greedy_search(model, rows, config, generator)

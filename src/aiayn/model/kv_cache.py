@@ -262,7 +262,12 @@ class KVCache:
         (the encoder mixes every position into it): selected and compared whole, a 64 x 30 x 512 memory
         took 38 ms a select on one thread, a third of a `base` greedy step, against 0.3 ms so. (Forgotten,
         as before, the next step ran with the memory and mask of the rows before the select, off by 0.2
-        in the logits, or with another memory ignored.) The mask, (B', 1, 1, S) bools, is kept whole."""
+        in the logits, or with another memory ignored.) The mask, (B', 1, 1, S) bools, is kept whole.
+        On a GPU forgotten, as before: the next step's comparison (the search's selected tensors are new
+        ones) would wait for the device at every select, a beam-1 beam_search's every step."""
+        if self.memory is not None and self.memory.device.type != "cpu":
+            self.memory = self.src_mask = None  # the next step's are taken as they come
+            return
         if self.memory is not None:
             head = self.memory if self.memory_head else self.memory[:, :1]  # (B, 1, d)
             self.memory, self.memory_head = head.index_select(0, index), True  # (B', 1, d)

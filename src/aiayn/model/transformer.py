@@ -122,14 +122,16 @@ def check_ids(name: str, ids: Tensor, vocab: int | None = None) -> None:
     the embedding or a reshape. With `vocab`, each id in 0..vocab-1 too (the embedding's "index out of range
     in self" named neither the id nor the input), but on a CPU only: there it is one pass over the ids, on
     a GPU reading them back waits for the device at every batch (an id past the vocabulary stays the
-    embedding's error there). Not while torch.compile traces either: a branch on values breaks the graph."""
+    embedding's error there). Not while torch.compile or torch.jit traces either (a branch on values breaks
+    the graph), nor of a tensor subclass (FakeTensorMode's, which numpy cannot read)."""
     if ids.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(ids.shape)}: token ids are (batch, length)")
     if ids.dtype not in (torch.long, torch.int32):  # the two the embedding takes
         raise TypeError(f"{name} is {ids.dtype}: token ids are integers (torch.long or torch.int32)")
     if ids.numel() == 0:
         raise ValueError(f"{name} has shape {tuple(ids.shape)}: no token to read")
-    if vocab is not None and ids.device.type == "cpu" and not torch.compiler.is_compiling():
+    if (vocab is not None and ids.device.type == "cpu" and type(ids) is torch.Tensor  # not a FakeTensor's
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()):
         host = ids.numpy()  # the ids where they are, read by numpy: no tensor operation, none to wait for
         low, high = int(host.min()), int(host.max())
         if low < 0 or high >= vocab:

@@ -1500,7 +1500,8 @@ def _say_too_long(config: RunConfig, pair: str, kept: int, too_long: int,
     elif fixed_positions == max_len:
         cure = f"the model has {max_len} positions: split or shorten them"
     else:  # data.max_len is train.max_tokens
-        cure = f"raise train.max_tokens with data.max_len{' (and model.max_len)' * (fixed_positions is None)}"
+        also = " (and model.max_len)" * (fixed_positions is None and max_len >= _model_max_len(config))
+        cure = f"raise train.max_tokens with data.max_len{also}"
     log.warning("%s: %s of %s training pairs are longer than %d tokens (%s) and dropped; %s to train on them",
                 pair, f"{too_long:,}", f"{kept + too_long:,}", max_len,
                 config.shown("data.max_len", max_len), cure)

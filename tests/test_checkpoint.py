@@ -819,8 +819,8 @@ def test_a_model_entry_that_is_no_table_is_corrupt_metadata(run, model):
 
 
 @pytest.mark.parametrize("format_, message", [
-    ("aiayn-2", r"written by a newer aiayn \(format 'aiayn-2'; this one reads aiayn-1\); upgrade aiayn to "
-                r"read it$"),
+    ("aiayn-2", (r"written by a newer aiayn \(format 'aiayn-2'; this one reads aiayn-1\); upgrade aiayn "
+                 r"to read it$")),
     ("aiayn-0", r"not an aiayn-1 checkpoint \(format='aiayn-0'\)$"),
     ("fairseq", r"not an aiayn-1 checkpoint \(format='fairseq'\)$")])
 def test_a_checkpoint_of_a_newer_format_says_to_upgrade(run, format_, message):

@@ -508,7 +508,7 @@ def test_the_searches_refuse_sources_padded_on_the_left_or_without_eos():
                 generate(model, torch.tensor(rows), config)
         assert len(generate(model, torch.tensor([[5, 6, 2], [7, 2, 0]]), config)) == 2
         with pytest.raises(ValueError, match=r"^src has shape \(3,\): token ids are \(batch, length\)"):
-            generate(model, torch.tensor([5, 6, 2]), config)  # sampling n_best 2: an IndexError, checked later
+            generate(model, torch.tensor([5, 6, 2]), config)  # sampling n_best 2: an IndexError before
 
 
 # --- the two-pass top-k ------------------------------------------------------------------------------

@@ -510,7 +510,8 @@ def test_a_gpu_kv_cache_forgets_its_rows_at_a_select_as_before():
     wait for the device at every select (a beam-1 beam_search's every step). On a GPU the cache forgets
     them, as before; "meta" stands in for the device here (no GPU on CI)."""
     cache = KVCache(1, 2, 2, 4, 8)
-    cache.memory, cache.src_mask = torch.zeros(2, 5, 8, device="meta"), torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    cache.memory = torch.zeros(2, 5, 8, device="meta")
+    cache.src_mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
     cache._select_source(torch.tensor([1]))
     assert cache.memory is None and cache.src_mask is None
     cache.memory, cache.src_mask = torch.zeros(2, 5, 8), torch.ones(2, 1, 1, 5, dtype=torch.bool)

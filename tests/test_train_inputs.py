@@ -1069,7 +1069,8 @@ def test_the_pairs_longer_than_max_len_are_said_of_both_files(tmp_path, caplog):
         loop.prepare_data(config, tmp_path / "run", distributed.Dist(0, 1, 0, torch.device("cpu")))
     said = caplog.messages
     assert (f"{dc.train_src}, {dc.train_tgt}: 1 of 60 training pairs are longer than 64 tokens "
-            "(data.max_len=64) and dropped; raise train.max_tokens with data.max_len to train on them") in said
+            "(data.max_len=64) and dropped; raise train.max_tokens with data.max_len to train on "
+            "them") in said
     assert f"{dc.valid_src}, {dc.valid_tgt}: 1 validation pair longer than max_len=64 dropped" in said
 
 

@@ -333,16 +333,17 @@ def weights_path(directory: str | Path) -> Path:
         what = "is not a file" if path.exists() else "is missing"
         what = "is a link that leads to no file" if path.is_symlink() and not path.exists() else what  # or loops
         raise UserError(f"{directory}: checkpoint has no {WEIGHTS} ({path} {what})")
-    check_safetensors_path(path)
+    check_utf8_path(path)
     return path
 
 
-def check_safetensors_path(path: Path) -> None:
-    """A path that is not valid UTF-8 is a UserError: safetensors opens none ("corrupt weights")."""
+def check_utf8_path(path: Path, reader: str = "safetensors") -> None:
+    """A path that is not valid UTF-8 is a UserError: `reader` opens none (safetensors: "corrupt weights";
+    ctranslate2.Translator takes a str it hands to C++ as UTF-8, a TypeError of one with surrogates)."""
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:
-        raise UserError(f"{path}: a path that is not valid UTF-8, which safetensors cannot open; "
+        raise UserError(f"{path}: a path that is not valid UTF-8, which {reader} cannot open; "
                         "rename it") from None
 
 

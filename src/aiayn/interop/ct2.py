@@ -23,7 +23,7 @@ from ctranslate2.converters import Converter
 from ctranslate2.specs import common_spec
 from ctranslate2.specs.transformer_spec import TransformerSpec
 
-from aiayn.checkpoint import load_checkpoint
+from aiayn.checkpoint import check_utf8_path, load_checkpoint
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
 from aiayn.files import OutputKind, check_output, write_atomically
@@ -158,17 +158,6 @@ CT2_KIND = OutputKind("a CTranslate2 model", _is_ct2_model,
                       frozenset({"model.bin", "config.json"} | _VOCABULARIES))
 
 
-def check_openable(out: Path) -> None:
-    """A path that is not valid UTF-8 is a UserError: ctranslate2.Translator takes the model's path as a
-    str it hands to C++ as UTF-8, and one with undecodable bytes (a str with surrogates) was written, exit
-    0, then could not be opened (a TypeError)."""
-    try:
-        str(out).encode("utf-8")
-    except UnicodeEncodeError:
-        raise UserError(f"{out}: a path that is not valid UTF-8, which ctranslate2.Translator cannot open; "
-                        "rename it") from None
-
-
 def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: str | None = None,
                        force: bool = False) -> Path:
     """Write the CTranslate2 model directory `out` for `checkpoint`; return its path.
@@ -178,7 +167,8 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     replaces an existing `out`, but never the checkpoint itself or a directory holding it.
     """
     out = Path(out)
-    check_openable(out)
+    # one with undecodable bytes was written, exit 0, then could not be opened
+    check_utf8_path(out, "ctranslate2.Translator")
     check_outside_checkpoints(out)  # first (--force cannot mend it); Python callers too: keep_last deleted it
     check_output(out, [Path(checkpoint)], force, earlier=CT2_KIND)
     for parent in Path(os.path.abspath(out)).parents:  # a later --force of that model was then refused

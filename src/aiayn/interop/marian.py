@@ -35,7 +35,7 @@ from torch import Tensor
 
 from aiayn.checkpoint import (
     CHECKPOINT_KIND,
-    check_safetensors_path,
+    check_utf8_path,
     is_checkpoint,
     model_from_weights,
     save_checkpoint,
@@ -624,7 +624,7 @@ def convert_marian(directory: str | Path, out: str | Path, force: bool = False) 
     check_output(Path(out), [directory], force, earlier=CHECKPOINT_KIND)
     check_outside_checkpoints(Path(out), may_be_one=True)
     for path in (directory, Path(out)):  # the source's weights read as "corrupt weights"; an output so
-        check_safetensors_path(path)  # named was written, then refused by every command that loads it
+        check_utf8_path(path)  # named was written, then refused by every command that loads it
     if is_checkpoint(directory):  # "config.json: not found (is this a MarianMT directory?)"
         raise UserError(f"{directory}: an aiayn checkpoint already; translate, score or fine-tune it "
                         "as it is")

@@ -105,6 +105,16 @@ def test_members_with_different_vocabularies_are_refused():
         Ensemble([tiny_model(), tiny_model(vocab_size=60)])
 
 
+def test_python_ensemble_says_a_shared_and_a_separate_vocabulary_as_such():
+    """Ensemble([...]) said a shared and a separate vocabulary "differs ... in tgt_vocab_size", as
+    check_ensemble once did: None is no size."""
+    shared = tiny_model()
+    separate = tiny_model(tgt_vocab_size=shared.config.vocab_size, share_embeddings=False)
+    with pytest.raises(ValueError, match="^ensemble member 2 has separate source and target vocabularies, "
+                                         "member 1 one vocabulary shared by source and target; "):
+        Ensemble([shared, separate])
+
+
 def test_a_shared_and_a_separate_vocabulary_are_said_as_such():
     """A model of one shared vocabulary (tgt_vocab_size None) and one of separate source and target
     vocabularies of the same size were said to differ "in tgt_vocab_size"."""

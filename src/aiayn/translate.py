@@ -45,7 +45,7 @@ from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.compiled import check_cxx_compiler, compile_one_row_step
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
-from aiayn.decoding.ensemble import SHARED_FIELDS
+from aiayn.decoding.ensemble import SHARED_FIELDS, vocabularies
 from aiayn.decoding.options import SAMPLING_ONLY
 from aiayn.decoding.score import force_decode
 from aiayn.decoding.search import sampling_generator
@@ -469,8 +469,8 @@ def check_ensemble(paths: Sequence[str | Path], ckpts: Sequence[Checkpoint]) -> 
         # shared (tgt_vocab_size None) against separate, of one size or not: "differs in tgt_vocab_size"
         # said nothing of which, and None is no size
         if (ck.model.config.tgt_vocab_size is None) != (first.tgt_vocab_size is None):
-            raise UserError(f"{path}: has {_vocabularies(ck.model.config)}, {paths[0]} "
-                            f"{_vocabularies(first)}; an ensemble's models must agree on the vocabulary")
+            raise UserError(f"{path}: has {vocabularies(ck.model.config)}, {paths[0]} "
+                            f"{vocabularies(first)}; an ensemble's models must agree on the vocabulary")
         # the ids first: a tokenizer's comparison includes its BOS, which is a Marian model's decoder start,
         # so two Marian models with one vocabulary and other start ids were said to differ in vocabulary
         differ = [f for f in SHARED_FIELDS if getattr(ck.model.config, f) != getattr(first, f)]
@@ -479,13 +479,6 @@ def check_ensemble(paths: Sequence[str | Path], ckpts: Sequence[Checkpoint]) -> 
                             "models must agree on the vocabulary and its special ids")
         if not ck.tokenizer.same_as(ckpts[0].tokenizer):
             raise UserError(f"{path}: its tokenizer differs from {paths[0]}'s; an ensemble needs one vocabulary")
-
-
-def _vocabularies(config: ModelConfig) -> str:
-    """How `config`'s model holds its vocabulary, as `check_ensemble` says it."""
-    if config.tgt_vocab_size is None:
-        return "one vocabulary shared by source and target"
-    return "separate source and target vocabularies"
 
 
 def translate(checkpoint: str | Path, texts: Iterable[str], **options: Any) -> list[str]:

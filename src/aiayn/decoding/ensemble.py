@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from aiayn.model import KVCache
+
+if TYPE_CHECKING:
+    from aiayn.config import ModelConfig
 
 # What the members must agree on for their token ids and probabilities to mean the same thing.
 SHARED_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
@@ -62,6 +65,13 @@ class EnsembleCache:
             c.keep_sentences(index)
 
 
+def vocabularies(config: ModelConfig) -> str:
+    """How a model of `config` holds its vocabulary, as an ensemble's refusal says it."""
+    if config.tgt_vocab_size is None:
+        return "one vocabulary shared by source and target"
+    return "separate source and target vocabularies"
+
+
 class Ensemble(nn.Module):
     """M models with one target vocabulary, decoded as one."""
 
@@ -71,6 +81,9 @@ class Ensemble(nn.Module):
             raise ValueError("an ensemble needs at least one model")
         first = models[0].config
         for i, m in enumerate(models[1:], 2):
+            if (m.config.tgt_vocab_size is None) != (first.tgt_vocab_size is None):  # None is no size
+                raise ValueError(f"ensemble member {i} has {vocabularies(m.config)}, member 1 "
+                                 f"{vocabularies(first)}; an ensemble's models must agree on the vocabulary")
             differ = [f for f in SHARED_FIELDS if getattr(m.config, f) != getattr(first, f)]
             if differ:
                 raise ValueError(f"ensemble member {i} differs from member 1 in {', '.join(differ)}")

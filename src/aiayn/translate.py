@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, S
 import torch
 
 from aiayn.checkpoint import inference_device, vocabulary_problem
-from aiayn.config import DEFAULT_MAX_TOKENS, ConfigError, ModelConfig, from_dict
+from aiayn.config import DEFAULT_MAX_TOKENS, ConfigError, from_dict
 from aiayn.data.batching import right_pad
 from aiayn.data.dataset import (
     HEAD_BYTES,

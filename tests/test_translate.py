@@ -209,7 +209,8 @@ def test_length_sorted_batches_respect_the_budget():
         assert len(b) == 1 or max(lengths[i] for i in b) * len(b) * 2 <= 12  # a long sentence goes alone
 
 
-def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys):
+def test_cli_file_to_file_and_errors(checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the bar is a terminal's
     src, out = tmp_path / "in.txt", tmp_path / "out.txt"
     src.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
     args = ["translate", str(checkpoint), "-i", str(src), "-o", str(out), "--beam", "2", "--max-len-a", "0",
@@ -559,8 +560,9 @@ def test_seeded_sampling_from_a_stalling_pipe_gives_what_the_file_gives(checkpoi
         assert [len(b) for b in read_utf8_lines(Trickle(src), "<pipe>", 4)] == [1] * 10
 
 
-def test_cli_reads_a_pipe_with_progress_but_no_total(checkpoint, tmp_path, capsys):
+def test_cli_reads_a_pipe_with_progress_but_no_total(checkpoint, tmp_path, capsys, monkeypatch):
     """`-i /dev/stdin` on a pipe, or `-i <(...)`: read once, never rewound for a line count."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the bar is a terminal's
     out = tmp_path / "out.txt"
     read_end, write_end = os.pipe()
     os.write(write_end, ("\n".join(TEXTS) + "\n").encode())  # small: fits in the pipe's buffer
@@ -843,6 +845,29 @@ def test_an_error_naming_a_file_is_one_line_with_the_name_as_typed(checkpoint, t
 def _cli(args, **popen):
     code = "import sys; from aiayn.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen([sys.executable, "-c", code, *args], **popen)
+
+
+@pytest.mark.parametrize("command", ["translate", "score"])
+def test_off_a_terminal_progress_is_lines_not_a_bar(checkpoint, tmp_path, capsys, monkeypatch, command):
+    """`2>log`: the bar's carriage-return frames filled the log, its last frame twice; there a line every
+    PROGRESS_SECONDS instead, as the demo and training's data preparation give."""
+    import aiayn.data.dataset
+
+    monkeypatch.setattr(aiayn.data.dataset, "PROGRESS_SECONDS", 0.0)  # a line a batch
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    args = ["translate", str(checkpoint), "-i", str(src), "-o", str(tmp_path / "out.txt"), *OPTIONS_ARGS]
+    if command == "score":
+        args = ["score", str(checkpoint), "--src", str(src), "--tgt", str(src), "-o", str(tmp_path / "out.txt")]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    unit, verb = ("line", "translated") if command == "translate" else ("pair", "scored")
+    said = [line for line in err.splitlines() if line.startswith(f"aiayn: {verb} ")]
+    assert "\r" not in err and said and said[-1].startswith(f"aiayn: {verb} 6 of 6 {unit}s (100%, "), err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the bar, no lines
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "6/6" in err and f"aiayn: {verb} " not in err
 
 
 def test_a_stderr_that_fails_never_costs_the_results(checkpoint, tmp_path):

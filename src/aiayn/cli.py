@@ -370,9 +370,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
         # A named input shows progress on stderr; stdin is a filter's input (`cat in | aiayn translate`, or
         # typed lines), whose stderr carries errors only, -o or not; `-i /dev/stdin` reads it with progress
         if name != "<stdin>" and not args.quiet:
-            from tqdm import tqdm
-
-            progress = stack.enter_context(tqdm(total=total, unit="line", file=sys.stderr)).update
+            progress = _progress(stack, total, "line", "translated")
         chunk = 1 if name == "<stdin>" and src.isatty() else args.chunk  # interactive: answer each line
         translate_stream(translator, src, dst, name, chunk, args.max_tokens, progress, **options)
 
@@ -420,10 +418,7 @@ def cmd_score(args: argparse.Namespace) -> None:
                                 "scored")
         progress = None
         if not args.quiet:
-            from tqdm import tqdm
-
-            total = next((c for c in counts if c is not None), None)
-            progress = stack.enter_context(tqdm(total=total, unit="pair", file=sys.stderr)).update
+            progress = _progress(stack, next((c for c in counts if c is not None), None), "pair", "scored")
         (src, src_name), (tgt, tgt_name) = streams
         done = score_stream(translator, src, tgt, dst, (src_name, tgt_name), max_tokens=args.max_tokens,
                             normalize=args.normalize, progress=progress)
@@ -431,6 +426,30 @@ def cmd_score(args: argparse.Namespace) -> None:
     tokens = f"{done.tokens:,} target token{'' if done.tokens == 1 else 's'}"  # 1: an empty one's EOS
     print(f"{pairs}, {tokens} (EOS included): log P per token "
           f"{done.log_prob / done.tokens:.4f}, perplexity {done.perplexity:.3f}", file=sys.stderr)
+
+
+def _progress(
+    stack: contextlib.ExitStack, total: int | None, unit: str, done: str
+) -> Callable[[int], None] | None:
+    """A bar on a terminal; where stderr is none (`2>log`) a line every PROGRESS_SECONDS instead, as
+    training's data preparation and the demo give: the bar's carriage-return frames filled the log, its
+    last one twice. Without a `total` (a pipe's count unknown) no lines."""
+    from tqdm import tqdm
+
+    from aiayn.data.dataset import PROGRESS_SECONDS
+    from aiayn.train.progress import throttled_progress
+
+    bar = stack.enter_context(tqdm(total=total, unit=unit, file=sys.stderr, disable=None))  # None: a tty's
+    if not bar.disable:
+        return bar.update
+    if total is None:
+        return None
+
+    def say(n: int, percent: float, per_second: float) -> None:
+        print(f"aiayn: {done} {n:,} of {total:,} {unit}s ({percent:.0f}%, {per_second:,.0f} {unit}s/s)",
+              file=sys.stderr, flush=True)
+
+    return throttled_progress(total, PROGRESS_SECONDS, say)
 
 
 def _open_input(stack: contextlib.ExitStack, path: str | None) -> tuple[BinaryIO, str]:

@@ -436,6 +436,61 @@ def test_a_machine_that_fails_before_joining_is_said_on_both_machines(tmp_path):
     assert "Traceback" not in said[0].split("aiayn: error:")[0]  # torch's, before torchrun's own
 
 
+def test_a_restarted_attempt_meets_under_keys_of_its_own(monkeypatch):
+    """torchrun keeps its store, at the same port, across restarts (--max-restarts): a restarted process's
+    gloo read the dead attempt's addresses there and failed to connect ("connectFullMesh failed ...
+    Connection refused") or hung. Each attempt now writes, and so reads, keys of its own."""
+    from aiayn.train import distributed
+
+    store = torch.distributed.HashStore()  # the launcher's, kept from one attempt to the next
+    monkeypatch.setattr(distributed, "_store", lambda *_: (store, "127.0.0.1:29500"))
+    written = []
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        before = set(store.list_keys())
+        distributed._join("gloo", 0, 1, 0)  # a job of one: its groups' gloo write their addresses still
+        try:
+            torch.distributed.new_group(backend="gloo")  # as setup's main_group
+        finally:
+            torch.distributed.destroy_process_group()
+        written.append(set(store.list_keys()) - before)
+    assert len(written[0]) >= 3, written  # the join's count, the default group's address and the other's
+    assert len(written[1]) == len(written[0]), written  # none over the first attempt's
+
+
+RESTARTED = """
+import os, signal, time, torch, torch.distributed as dist
+from aiayn.train import distributed
+attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], int(os.environ["RANK"])
+if attempt == "1" and rank == 0:  # comes to the groups late: process 1 read the dead attempt's address
+    join, dist.init_process_group = dist.init_process_group, lambda *a, **k: (time.sleep(2), join(*a, **k))[1]
+d = distributed.setup("cpu")
+for _ in range(3):
+    t = torch.ones(1)
+    dist.all_reduce(t, group=d.main_group)
+    dist.all_reduce(t)
+    if attempt == "0" and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as kill -9: torchrun starts both again
+print(f"attempt {attempt}: process {rank} summed {t.item():g}", flush=True)
+distributed.teardown(d)
+"""
+
+
+@pytest.mark.slow  # four fresh Pythons importing torch
+def test_a_job_restarted_by_torchrun_after_a_kill_meets_again(tmp_path):
+    """`torchrun --max-restarts 1` after a kill -9 of one process: the restarted processes failed to
+    connect to the dead ones' addresses, left in torchrun's store ("Gloo connectFullMesh failed ...
+    Connection refused"), or hung connecting for the group's 30 minutes."""
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED, encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
+              "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(launch, check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.splitlines()) == [f"attempt 1: process {rank} summed 4" for rank in (0, 1)]
+
+
 def test_processes_given_different_settings_are_refused_naming_them(tmp_path, monkeypatch, capsys):
     """Each machine reads its own config file and command line, and nothing compared them: one machine's
     train.lr_scale trained replicas that drifted apart (exit 0), its valid_every aborted in gloo, its

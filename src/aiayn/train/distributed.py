@@ -109,8 +109,12 @@ def _join(backend: str, rank: int, world_size: int, local_rank: int) -> None:
     said after JOIN_NOTICE_S, and given up after JOIN_TIMEOUT in one line naming what it waited for."""
     start = time.monotonic()
     store, address = _store(rank, world_size, local_rank)
-    # torchrun's launcher keeps its store across restarts (--max-restarts): each counts anew
-    key = f"aiayn/joined/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    # torchrun's launcher keeps its store, at the same port, across restarts (--max-restarts): each attempt
+    # counts and meets under keys of its own. The groups' gloo read a dead attempt's addresses there
+    # ("connectFullMesh failed ... Connection refused", or a hang in connecting) 1 restart in 2
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"aiayn/attempt/{attempt}", store)
+    key = "joined"
     joined, said = store.add(key, 1), False
     while joined < world_size:
         waited = time.monotonic() - start

@@ -377,7 +377,44 @@ def test_a_job_whose_other_processes_never_join_is_said_and_given_up(tmp_path, m
     monkeypatch.setenv("LOCAL_RANK", "1")  # not its machine's first: the error is its own, said all the same
     assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
     assert capsys.readouterr().err.startswith(f"aiayn: error: process 1: cannot reach the job's store at "
-                                              f"127.0.0.1:{port} (")
+                                              f"127.0.0.1:{port} within 1.5 s (")
+
+
+def test_a_process_whose_process_0_never_comes_waits_join_timeout_and_says_one_line(tmp_path, monkeypatch,
+                                                                                     capfd, caplog):
+    """Process 1 of a job started by hand, whose process 0 never came, waited twice JOIN_TIMEOUT (10.5
+    minutes, not the README's 5: TCPStore's client tries once more after its first try timed out), and
+    printed some 30 lines of C++ stack frames (c10d's log of each try) before its own line."""
+    from aiayn import cli
+    from aiayn.train import distributed
+
+    monkeypatch.setattr(distributed, "JOIN_TIMEOUT", datetime.timedelta(seconds=1.5))  # 5 minutes in a job
+    monkeypatch.setattr(distributed, "JOIN_NOTICE_S", 0.5)
+    store, waited = distributed._store, []
+
+    def timed(*args):
+        start = time.monotonic()
+        try:
+            return store(*args)
+        finally:
+            waited.append(time.monotonic() - start)
+
+    monkeypatch.setattr(distributed, "_store", timed)
+    port = free_port()  # where nothing listens
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not started by torchrun
+    _, sets = tiny_config(tmp_path, tmp_path / "run")
+    with caplog.at_level(logging.WARNING, "aiayn"):
+        assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert capfd.readouterr().err == (
+        f"aiayn: error: process 1: cannot reach the job's store at 127.0.0.1:{port} within 1.5 s (Connection "
+        "refused); torchrun did not start this process: to train in one, unset WORLD_SIZE, RANK and "
+        "MASTER_ADDR\n")
+    assert 1.4 < waited[0] < 2.2, waited  # JOIN_TIMEOUT, and not twice
+    assert f"waiting for the job's process 0 at 127.0.0.1:{port}" in caplog.text
 
 
 def free_port() -> int:

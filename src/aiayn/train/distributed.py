@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,7 +107,7 @@ def _join(backend: str, rank: int, world_size: int, local_rank: int) -> None:
     """init_process_group once every process of the job has come, counted on the job's store: a wait is
     said after JOIN_NOTICE_S, and given up after JOIN_TIMEOUT in one line naming what it waited for."""
     start = time.monotonic()
-    store, address = _store(rank, world_size, local_rank)
+    store, address = _store(rank, world_size, local_rank, start + JOIN_TIMEOUT.total_seconds())
     # torchrun's launcher keeps its store, at the same port, across restarts (--max-restarts): each attempt
     # counts and meets under keys of its own. The groups' gloo read a dead attempt's addresses there
     # ("connectFullMesh failed ... Connection refused", or a hang in connecting) 1 restart in 2
@@ -133,9 +132,10 @@ def _join(backend: str, rank: int, world_size: int, local_rank: int) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
 
 
-def _store(rank: int, world_size: int, local_rank: int) -> tuple[Any, str]:
+def _store(rank: int, world_size: int, local_rank: int, deadline: float) -> tuple[Any, str]:
     """The job's store and its address: torchrun's launcher serves one, else process 0 does, as torch's
-    env:// rendezvous makes them, but without its server's wait in C++ for the others (`_join` waits)."""
+    env:// rendezvous makes them, but without its server's wait in C++ for the others (`_join` waits).
+    A client gives up at `deadline` (time.monotonic()'s)."""
     host, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
     if not 0 < port < 65536:  # torch's ValueError traceback
         given = os.environ.get("MASTER_PORT", "").strip()
@@ -144,21 +144,40 @@ def _store(rank: int, world_size: int, local_rank: int) -> tuple[Any, str]:
                           "WORLD_SIZE for one")
     address = f"{host}:{port}"
     serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    # a client waits in C++ for the server to listen (a process 0 started by hand, later): said meanwhile
-    notice = threading.Timer(JOIN_NOTICE_S, log.warning, ("waiting for the job's process 0 at %s", address))
-    notice.daemon = True
-    if not serve and not local_rank:
-        notice.start()
+    if not serve and (why := _wait_to_listen(host, port, deadline, notice=not local_rank)):
+        raise UserError(f"process {rank}: cannot reach the job's store at {address} within "
+                        f"{_duration(JOIN_TIMEOUT.total_seconds())} ({why}){_outside_torchrun()}")
     try:
         return dist.TCPStore(host, port, world_size, serve, timeout=JOIN_TIMEOUT, wait_for_workers=False,
                              multi_tenant=True), address
-    except dist.DistError as e:  # a port in use; no process 0 there
+    except dist.DistError as e:  # a port in use; something else listening there
         line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
         role = "serve" if serve else "reach"
         raise UserError(f"process {rank}: cannot {role} the job's store at {address} ({line})"
                         f"{_outside_torchrun()}") from None
-    finally:
-        notice.cancel()
+
+
+def _wait_to_listen(host: str, port: int, deadline: float, notice: bool) -> str | None:
+    """Wait until something listens at host:port (the job's process 0, started by hand, later), saying so
+    after JOIN_NOTICE_S where `notice`: None, or at `deadline` why not. TCPStore's client waited for it
+    twice its timeout (a second try after the first timed out: 10.5 minutes, not 5), and logged each
+    try with some 15 lines of C++ stack frames, which only TORCH_CPP_LOG_LEVEL set before torch's import
+    silences."""
+    start, said = time.monotonic(), False
+    while True:
+        left = deadline - time.monotonic()
+        try:  # tries of at most 5 s: a host whose firewall drops the connection answers nothing at all
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, left))):
+                return None
+        except OSError as e:  # refused (nothing listens yet), a name not resolved yet, timed out
+            why = e.strerror or str(e) or type(e).__name__
+        now = time.monotonic()
+        if now >= deadline:
+            return why
+        if notice and not said and now - start >= JOIN_NOTICE_S:
+            log.warning("waiting for the job's process 0 at %s:%d", host, port)
+            said = True
+        time.sleep(min(0.5, deadline - now))
 
 
 def _outside_torchrun() -> str:

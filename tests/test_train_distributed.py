@@ -224,25 +224,53 @@ def test_a_collective_failing_because_a_peer_died_is_one_line():
     two, one = (Dist(0, n, 0, torch.device("cpu")) for n in (2, 1))
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:29500: "
                         "Connection reset by peer\nException raised from ...")
-    lost = peer_lost(gloo, two)
+    resume = "--resume continues from step_000006"
+    lost = peer_lost(gloo, two, resume)
     assert str(lost) == ("process 0: another process of this job stopped ([../third_party/gloo/gloo/"
                          "transport/tcp/pair.cc:537] Read error [127.0.0.1]:29500: Connection reset by "
-                         "peer); its own error or torchrun's log says why, and --resume continues from the "
-                         "last checkpoint")
-    assert peer_lost(gloo, one) is None
-    assert peer_lost(RuntimeError("CUDA out of memory"), two) is None
-    assert peer_lost(ValueError("Connection reset by peer"), two) is None
+                         "peer); its own error or torchrun's log says why, and --resume continues from "
+                         "step_000006")
+    assert peer_lost(gloo, one, resume) is None
+    assert peer_lost(RuntimeError("CUDA out of memory"), two, resume) is None
+    assert peer_lost(ValueError("Connection reset by peer"), two, resume) is None
     # gloo's timeout runs through gloo/transport too, but no process stopped: it was called one that had
     timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
                            "1800000ms for recv operation to complete\nException raised from ...")
-    assert str(peer_lost(timeout, two)).startswith("process 0: the other processes did not answer within 30 "
-                                                   "minutes ([../third_party/gloo/gloo/transport/tcp/")
+    timed_out = str(peer_lost(timeout, two, resume))
+    assert timed_out.startswith("process 0: the other processes did not answer within 30 minutes "
+                                "([../third_party/gloo/gloo/transport/tcp/")
+    assert timed_out.endswith("one of them is stuck or far slower, and --resume continues from step_000006")
     # said once a machine, by its first process: the command line leaves a SameOnEveryProcess unsaid on the
     # others, which followed process 0's own error with a second line, gloo's "closed by peer"
     later, first_of_machine_2 = Dist(1, 2, 1, torch.device("cpu")), Dist(8, 16, 0, torch.device("cpu"))
-    assert isinstance(peer_lost(gloo, later), SameOnEveryProcess)
-    assert type(peer_lost(gloo, first_of_machine_2)) is UserError and type(lost) is UserError
-    assert type(peer_lost(timeout, later)) is UserError  # what each process waited for, said by each
+    assert isinstance(peer_lost(gloo, later, resume), SameOnEveryProcess)
+    assert type(peer_lost(gloo, first_of_machine_2, resume)) is UserError and type(lost) is UserError
+    assert type(peer_lost(timeout, later, resume)) is UserError  # what each process waited for, said by each
+
+
+def test_a_lost_process_is_said_with_what_resume_does(tmp_path, monkeypatch):
+    """A process killed before the job's first save was said with "--resume continues from the last
+    checkpoint", where there was none: --resume then starts from the beginning. Now that, or the
+    checkpoint it continues from, named."""
+    from aiayn.train import loop
+
+    config, _ = tiny_config(tmp_path, tmp_path / "run")
+    in_job(monkeypatch, "0")
+
+    def killed(*_):  # the first collective after process 1's kill -9
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                           "[127.0.0.1]:29500: Connection reset by peer\nException raised from ...")
+
+    monkeypatch.setattr(loop, "_train", killed)
+    with pytest.raises(UserError) as lost:
+        train(config)
+    assert str(lost.value).endswith("torchrun's log says why, and --resume starts from the beginning: no "
+                                    "checkpoint was saved yet")
+    for step in (2, 6, 4):
+        (tmp_path / "run" / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    with pytest.raises(UserError) as lost:
+        train(config)
+    assert str(lost.value).endswith("torchrun's log says why, and --resume continues from step_000006")
 
 
 def test_torchrun_variables_that_are_not_torchruns_are_one_line(monkeypatch):

@@ -243,23 +243,23 @@ _PEER_GONE = re.compile(
 _TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms")  # gloo's "Timed out waiting 1800000ms for recv ..."
 
 
-def peer_lost(e: BaseException, d: Dist) -> UserError | None:
+def peer_lost(e: BaseException, d: Dist, resume: str) -> UserError | None:
     """A one-line error for a collective that failed because another process stopped, or None: rank 0
     printed gloo's 36-line traceback when a peer was killed, before torchrun stopped it. A stop is said
-    once a machine (a `SameOnEveryProcess` on its later processes); a timeout, by every process."""
+    once a machine (a `SameOnEveryProcess` on its later processes); a timeout, by every process. `resume`
+    ends it: what --resume would do now ("--resume continues from step_000006")."""
     if not (d.enabled and isinstance(e, RuntimeError) and _PEER_GONE.search(str(e))):
         return None
     line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
     if waited := _TIMED_OUT.search(str(e)):  # gloo's timeout runs through gloo/transport too: nobody stopped
         within = _duration(int(waited[1]) / 1000)
         return UserError(f"process {d.rank}: the other processes did not answer within {within} ({line}); "
-                         "one of them is stuck or far slower, and --resume continues from the last "
-                         "checkpoint")
+                         f"one of them is stuck or far slower, and {resume}")
     # Said by each machine's first process alone: the others' lines repeated it, and followed a process 0's
     # own one-line error (metrics.jsonl on a full disk) with a misleading second, gloo's "closed by peer"
     lost = SameOnEveryProcess if d.local_rank else UserError
     return lost(f"process {d.rank}: another process of this job stopped ({line}); its own error or "
-                "torchrun's log says why, and --resume continues from the last checkpoint")
+                f"torchrun's log says why, and {resume}")
 
 
 class SameOnEveryProcess(UserError):

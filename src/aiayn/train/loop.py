@@ -163,12 +163,23 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
                 torch.autocast(d.device.type, enabled=False):
             return _train(config, resume, d)
     except RuntimeError as e:
-        if (lost := distributed.peer_lost(e, d)) is not None:
+        if (lost := distributed.peer_lost(e, d, _what_resume_does(Path(config.train.run_dir)))) is not None:
             raise lost from None
         raise
     finally:
         torch.set_num_threads(threads)  # the caller's: train.threads=1 left a notebook's later runs on one
         distributed.teardown(d)
+
+
+def _what_resume_does(run_dir: Path) -> str:
+    """What --resume would do now, as a stopped job's error says it (`_checkpoint_to_resume` picks the
+    same): the checkpoint it continues from, or the beginning, where "the last checkpoint" was said too."""
+    try:
+        found = checkpoint_dirs(run_dir)
+    except OSError:  # the job's own error matters more than this listing's
+        return "--resume continues from the last checkpoint, if one was saved"
+    return f"--resume continues from {found[-1].name}" if found else \
+        "--resume starts from the beginning: no checkpoint was saved yet"
 
 
 def _train(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:

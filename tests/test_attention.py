@@ -489,7 +489,7 @@ def test_labels_are_text_not_matplotlib_math(tmp_path, tokenizers):
     assert main(argv + ["--out", str(tmp_path / "cli")]) == 0
 
 
-def test_layers_and_heads_can_be_chosen_and_keep_their_numbers(tmp_path, tokenizers, capsys):
+def test_layers_and_heads_can_be_chosen_and_keep_their_numbers(tmp_path, tokenizers, capsys, caplog):
     argv = _draw_args(tmp_path, tokenizers)
     ck = load_checkpoint(tmp_path / "ck")
     maps = extract_attention(ck.model, ck.tokenizer, "the number 7", "die Zahl 7")
@@ -504,7 +504,9 @@ def test_layers_and_heads_can_be_chosen_and_keep_their_numbers(tmp_path, tokeniz
         maps.select(layers=[3])
     with pytest.raises(UserError, match="head 9: choose heads from 1 to"):
         maps.select(heads=[9])
-    assert main(argv + ["--layers", "2", "--heads", "1", "--out", str(tmp_path / "one")]) == 0
+    with caplog.at_level(logging.INFO, logger="aiayn.attention"):
+        assert main(argv + ["--layers", "2", "--heads", "1", "--out", str(tmp_path / "one")]) == 0
+    assert "drawing the encoder self-attention (1 layer x 1 head)" in caplog.messages  # not "1 layers"
     with pytest.raises(SystemExit) as e:
         main(argv + ["--layers", "0", "--out", str(tmp_path / "none")])
     assert e.value.code == 2

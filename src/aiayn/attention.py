@@ -434,7 +434,8 @@ def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "atten
     rendered = {}
     for kind in drawn:  # seconds each for a base-sized grid: say what is being drawn
         layers, heads = maps.weights(kind).shape[:2]
-        log.info("drawing the %s (%d layers x %d heads)", TITLES[kind].split(" (")[0], layers, heads)
+        log.info("drawing the %s (%d layer%s x %d head%s)", TITLES[kind].split(" (")[0], layers,
+                 "s"[: layers != 1], heads, "s"[: heads != 1])
         rendered[kind] = render_kind(maps, kind)
     pngs = {kind: png for kind, (png, _) in rendered.items()}
     missing = sorted(set().union(*(chars for _, chars in rendered.values())))

@@ -917,7 +917,8 @@ def add_translate_parser(sub) -> None:
                    help="compile the decoder step of one sentence with torch.compile before translating "
                    "(10-40 s, said on stderr first, -q or not; float32 on a CPU, needs a C++ compiler): "
                    "greedy search (--beam 1) or sampling of one line at a time, as an interactive filter "
-                   "with --chunk 1 decodes, runs about 10%% faster; batches of several lines decode as "
+                   "with --chunk 1 decodes, from 4%% slower to 16%% faster on a 2-core CPU (see the "
+                   "README); batches of several lines decode as "
                    "without it, and beam search, which it would not speed up, refuses it")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_translate)

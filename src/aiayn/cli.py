@@ -920,7 +920,8 @@ def add_translate_parser(sub) -> None:
                    "with --chunk 1 decodes, from 4%% slower to 16%% faster on a 2-core CPU (see the "
                    "README); batches of several lines decode as "
                    "without it, and beam search, which it would not speed up, refuses it")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress (a bar on a terminal, else a line every 10 s)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress (a bar on a terminal, else a line every 10 s)")
     p.set_defaults(func=cmd_translate)
 
 
@@ -955,7 +956,8 @@ def add_score_parser(sub) -> None:
                    help="the weights' and activations' type, as for translate (scores sum in float32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress (a bar on a terminal, else a line every 10 s)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress (a bar on a terminal, else a line every 10 s)")
     p.set_defaults(func=cmd_score)
 
 

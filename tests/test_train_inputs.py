@@ -1676,6 +1676,37 @@ def test_separate_tokenizers_left_in_run_dir_must_share_their_special_ids(tmp_pa
         train(config)
 
 
+@pytest.mark.parametrize("lone, partner", [("source.spm", "target.spm"), ("target.spm", "source.spm")])
+def test_half_a_pair_of_tokenizers_left_in_run_dir_is_refused_not_trained_over(tmp_path, lone, partner):
+    """A lone source.spm was taken for no tokenizer: data.shared_vocab=false trained a new pair and wrote
+    it over the user's model, unsaid."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "data.shared_vocab=false", "train.max_updates=1")
+    run = Path(config.train.run_dir)
+    run.mkdir()
+    user_spm(run / lone, Path(config.data.train_src), pad_id=0, bos_id=1, eos_id=2, unk_id=3)
+    mine = (run / lone).read_bytes()
+    with pytest.raises(UserError) as e:
+        train(config)
+    assert str(e.value) == (f"{run / lone}: no {partner} beside it (separate vocabularies take both; a shared "
+                            f"one is spm.model alone); put {partner} there, or delete {lone} to train a new "
+                            "tokenizer")
+    assert (run / lone).read_bytes() == mine and not (run / partner).exists()
+
+
+def test_a_shared_and_a_separate_tokenizer_left_in_run_dir_are_refused(tmp_path):
+    """spm.model beside source.spm and target.spm was used, the pair ignored, unsaid."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
+    run = Path(config.train.run_dir)
+    run.mkdir()
+    for name in ("spm.model", "source.spm", "target.spm"):
+        user_spm(run / name, Path(config.data.train_src), pad_id=0, bos_id=1, eos_id=2, unk_id=3)
+    with pytest.raises(UserError) as e:
+        train(config)
+    assert str(e.value) == (f"{run}: holds spm.model (one shared vocabulary) beside source.spm and "
+                            "target.spm (separate ones): two tokenizers; delete the one not meant")
+    assert not (run / "cache").exists()
+
+
 @pytest.mark.parametrize("written, item, message", [
     ("[data]\nmax_len = 64", "model.max_len=32", "data.max_len=64 is longer than model.max_len=32"),
     ("[model]\nd_model = 36", "model.n_heads=8", "model.d_model=36 is not divisible by model.n_heads=8"),

@@ -1294,10 +1294,20 @@ def _tokenizer_file_changes(saved: dict, inputs: dict) -> list[str]:
 
 
 def find_tokenizer(directory: str | Path) -> Tokenizer | None:
-    """The tokenizer a run directory already holds (shared spm.model, or source.spm + target.spm)."""
+    """The tokenizer a run directory already holds (shared spm.model, or source.spm + target.spm). Half of
+    a pair, or both kinds, is refused: a lone source.spm was taken for no tokenizer, and training wrote a
+    new one over it; spm.model beside source.spm and target.spm was used, the others ignored, unsaid."""
     directory = Path(directory)
-    if (directory / "spm.model").is_file():
-        return Tokenizer(directory / "spm.model")
-    if (directory / "source.spm").is_file() and (directory / "target.spm").is_file():
-        return Tokenizer(directory / "source.spm", directory / "target.spm")
-    return None
+    held = [name for name in (SHARED, SOURCE, TARGET) if (directory / name).is_file()]
+    if held == [SHARED]:
+        return Tokenizer(directory / SHARED)
+    if held == [SOURCE, TARGET]:
+        return Tokenizer(directory / SOURCE, directory / TARGET)
+    if not held:
+        return None
+    if held[0] == SHARED:
+        raise UserError(f"{directory}: holds {SHARED} (one shared vocabulary) beside {' and '.join(held[1:])} "
+                        "(separate ones): two tokenizers; delete the one not meant")
+    lone, partner = (SOURCE, TARGET) if held == [SOURCE] else (TARGET, SOURCE)
+    raise UserError(f"{directory / lone}: no {partner} beside it (separate vocabularies take both; a shared "
+                    f"one is {SHARED} alone); put {partner} there, or delete {lone} to train a new tokenizer")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
-from aiayn.data.tokenizer import MAX_LINE_BYTES, sentencepiece_model, train_sentencepiece
+from aiayn.data.tokenizer import MAX_LINE_BYTES, sentencepiece_model, train_sentencepiece, trained_settings
 
 
 def made_up_text(lines: int) -> list[str]:
@@ -74,6 +74,24 @@ def test_the_model_is_sentencepieces_own_byte_for_byte():
             num_threads=2, minloglevel=2,
         )
         assert sentencepiece_model(lines, vocab_size, model_type) == model.getvalue()
+
+
+@pytest.mark.parametrize("options, settings", [
+    ({}, ("unigram", "nmt_nfkc", 0.9995)),  # SentencePiece's defaults, which it does not write
+    ({"model_type": "bpe", "character_coverage": 1.0}, ("bpe", "nmt_nfkc", 1.0)),
+    ({"model_type": "char", "character_coverage": 0.98, "normalization_rule_name": "nfkc_cf"},
+     ("char", "nfkc_cf", 0.98)),
+    ({"model_type": "word", "character_coverage": 0.9999, "normalization_rule_name": "identity"},
+     ("word", "identity", 0.9999)),
+])
+def test_a_models_training_settings_are_read_from_it(options, settings):
+    """SentencePiece's Python API gives none of them: read from the model's protobuf, the coverage, a
+    float32, as the decimal it was given as (0.9995, not 0.9994999766349792)."""
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(made_up_text(50)), model_writer=model,
+                                   vocab_size=60, hard_vocab_limit=False, minloglevel=2, **options)
+    read = trained_settings(model.getvalue())
+    assert (read["spm_type"], read["normalization"], read["character_coverage"]) == settings
 
 
 def test_sentencepieces_refusal_is_its_runtime_error():

@@ -1623,13 +1623,14 @@ def test_a_tokenizer_left_in_run_dir_must_be_one_data_trains(finished_run, tmp_p
         train(config)
 
 
-def user_spm(path: Path, lines: Path, **ids: int) -> None:
-    """A SentencePiece model trained as a user would, with SentencePiece's default special ids (unk=0,
-    bos=1, eos=2, no pad) but for `ids`, written to `path`."""
+def user_spm(path: Path, lines: Path, **options: float | str) -> None:
+    """A SentencePiece model trained as a user would, with SentencePiece's defaults (special ids unk=0,
+    bos=1, eos=2, no pad; a unigram model, nmt_nfkc, character_coverage 0.9995) but for `options`, written
+    to `path`."""
     model = io.BytesIO()
     text = lines.read_text(encoding="utf-8").splitlines()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model, vocab_size=40,
-                                   hard_vocab_limit=False, minloglevel=2, **ids)
+                                   hard_vocab_limit=False, minloglevel=2, **options)
     path.write_bytes(model.getvalue())
 
 
@@ -1653,13 +1654,73 @@ def test_a_tokenizer_left_in_run_dir_without_a_special_piece_is_refused_first(tm
 
 def test_a_tokenizer_left_in_run_dir_may_have_its_own_special_ids(tmp_path, caplog):
     """Any ids will do, as long as the pieces exist: pad=3 beside SentencePiece's unk=0 trains."""
-    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1", "data.spm_type=unigram")
     run = Path(config.train.run_dir)
     run.mkdir()
     user_spm(run / "spm.model", Path(config.data.train_src), pad_id=3)
     with caplog.at_level(logging.INFO):
         assert train(config)["step"] == 1
     assert any("using the tokenizer there" in m for m in caplog.messages)
+
+
+def test_a_tokenizer_left_in_run_dir_must_have_datas_model_type_and_normalization(tmp_path, caplog):
+    """A model trained with another normalization (case folding) or model type was used unsaid, and
+    meta.json recorded [data]'s: "nmt_nfkc" and "bpe" for a case-folding unigram model. Its character
+    coverage (SentencePiece's default 0.9995) is said, not refused."""
+    config, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
+    run = Path(config.train.run_dir)
+    run.mkdir()
+    user_spm(run / "spm.model", Path(config.data.train_src), pad_id=0, bos_id=1, eos_id=2, unk_id=3,
+             normalization_rule_name="nmt_nfkc_cf")  # and SentencePiece's unigram
+    with pytest.raises(UserError) as e:
+        train(config)
+    assert str(e.value) == (
+        f"{run / 'spm.model'}: trained with spm_type \"unigram\" and normalization \"nmt_nfkc_cf\", not "
+        "data.spm_type=bpe (the default) and data.normalization=nmt_nfkc (the default); set "
+        "data.spm_type=\"unigram\" and data.normalization=\"nmt_nfkc_cf\" to train with it, or delete the "
+        "tokenizer (spm.model, or source.spm and target.spm) to train a new one")
+    assert not (run / "cache").exists()
+    agreed = load_config(None, [*sets, "data.spm_type=unigram", "data.normalization=nmt_nfkc_cf"])
+    with caplog.at_level(logging.INFO):
+        assert train(agreed)["step"] == 1
+    data = read_meta(checkpoint_dirs(run)[-1])["config"]["data"]
+    assert (data["spm_type"], data["normalization"]) == ("unigram", "nmt_nfkc_cf")
+    assert (f"{run / 'spm.model'}: trained with character_coverage=0.9995, not data.character_coverage=1.0, "
+            "which only training a tokenizer uses (the run records it as set)") in caplog.messages
+
+
+def test_a_tokenizer_left_in_run_dir_that_no_data_setting_trains_is_refused(tmp_path):
+    """A character model: data.spm_type has no value for it, so no --set is advised."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
+    run = Path(config.train.run_dir)
+    run.mkdir()
+    user_spm(run / "spm.model", Path(config.data.train_src), pad_id=0, bos_id=1, eos_id=2, unk_id=3,
+             model_type="char")
+    with pytest.raises(UserError) as e:
+        train(config)
+    assert str(e.value) == (f"{run / 'spm.model'}: trained with spm_type \"char\", which data.spm_type "
+                            "cannot be (bpe or unigram); delete the tokenizer (spm.model, or source.spm and "
+                            "target.spm) to train a new one")
+
+
+def test_a_tokenizer_left_in_run_dir_is_checked_against_the_training_text(tmp_path, caplog):
+    """Its normalization's rewriting of the text was never checked (only a tokenizer aiayn trained, or one
+    kept by a fine-tune or resume, was): a Persian ZWNJ made a space in every line, unsaid."""
+    config, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
+    src = Path(config.data.train_src)
+    joined = tmp_path / "joined.de"
+    joined.write_text("".join(f"{line}\u200cein\n" for line in src.read_text(encoding="utf-8").splitlines()),
+                      encoding="utf-8")
+    run = Path(config.train.run_dir)
+    run.mkdir()
+    user_spm(run / "spm.model", joined, pad_id=0, bos_id=1, eos_id=2, unk_id=3, model_type="bpe",
+             character_coverage=1.0)
+    with caplog.at_level(logging.WARNING):
+        assert train(load_config(None, [*sets, f"data.train_src={joined}"]))["step"] == 1
+    said = [m for m in caplog.messages if "changes the training text" in m]
+    start = "data.normalization='nmt_nfkc' changes the training text the model will read ("
+    assert len(said) == 1 and said[0].startswith(start) and "U+200C" in said[0]
+    assert 'set data.normalization = "nfkc"' in said[0]
 
 
 def test_separate_tokenizers_left_in_run_dir_must_share_their_special_ids(tmp_path):
@@ -1687,9 +1748,9 @@ def test_half_a_pair_of_tokenizers_left_in_run_dir_is_refused_not_trained_over(t
     mine = (run / lone).read_bytes()
     with pytest.raises(UserError) as e:
         train(config)
-    assert str(e.value) == (f"{run / lone}: no {partner} beside it (separate vocabularies take both; a shared "
-                            f"one is spm.model alone); put {partner} there, or delete {lone} to train a new "
-                            "tokenizer")
+    assert str(e.value) == (f"{run / lone}: no {partner} beside it (separate vocabularies take both; a "
+                            f"shared one is spm.model alone); put {partner} there, or delete {lone} to train a "
+                            "new tokenizer")
     assert (run / lone).read_bytes() == mine and not (run / partner).exists()
 
 

@@ -483,14 +483,16 @@ SAME_FILE = {
 
 def cache_encoded(
     src_path: str | Path, tgt_path: str | Path, tokenizer: Tokenizer, cache_dir: str | Path,
-    kept: bool = False, kind: str = "training",
+    kept: bool = False, kind: str = "training", normalization: str | None = None,
 ) -> tuple[EncodedCorpus, int, tuple[Path, str]]:
     """`load_encoded`, and the (cache file, key) it read or wrote: what training's process 0 names to the
     others. The key is the one taken before encoding: taken again after, a file touched meanwhile named
     a cache that was never written. Text encoded is checked for <unk> pieces (`_warn_if_unknown`), and
     with `kept` (a tokenizer trained on other text: a fine-tuned or resumed run's) for what its
-    normalization rewrites, as training a tokenizer checks its own text. `kind`: the set the files are,
-    "training" or "validation", for the warnings to say what their problem does there."""
+    normalization rewrites, as training a tokenizer checks its own text; so it is with `normalization`,
+    the data.normalization of a tokenizer made elsewhere with that rule (put in the run directory), as
+    training one warns and advises. `kind`: the set the files are, "training" or "validation", for the
+    warnings to say what their problem does there."""
     src_path, tgt_path = Path(src_path), Path(tgt_path)
     for p in (src_path, tgt_path):
         require_file(p)
@@ -504,8 +506,8 @@ def cache_encoded(
     if src_path.samefile(tgt_path):  # said once, when encoded; a copy model has its uses, so not an error
         log.warning("%s and %s are the same file: %s", src_path, tgt_path, SAME_FILE[kind])
     files = scan_parallel(src_path, tgt_path, report=False)  # every error in the files before the encoding
-    if kept:
-        _warn_if_normalization_changes_text(tokenizer, files, "", kept=True, kind=kind)
+    if kept or normalization is not None:
+        _warn_if_normalization_changes_text(tokenizer, files, normalization or "", kept=kept, kind=kind)
     corpus, no_pieces = _encode(files, tokenizer)
     _warn_if_unknown(src_path, tgt_path, corpus, tokenizer.unk_id, kept)
     pairs = len(files.src) + files.dropped_empty
@@ -1306,8 +1308,9 @@ def find_tokenizer(directory: str | Path) -> Tokenizer | None:
     if not held:
         return None
     if held[0] == SHARED:
-        raise UserError(f"{directory}: holds {SHARED} (one shared vocabulary) beside {' and '.join(held[1:])} "
-                        "(separate ones): two tokenizers; delete the one not meant")
+        separate = " and ".join(held[1:])
+        raise UserError(f"{directory}: holds {SHARED} (one shared vocabulary) beside {separate} (separate "
+                        "ones): two tokenizers; delete the one not meant")
     lone, partner = (SOURCE, TARGET) if held == [SOURCE] else (TARGET, SOURCE)
     raise UserError(f"{directory / lone}: no {partner} beside it (separate vocabularies take both; a shared "
                     f"one is {SHARED} alone); put {partner} there, or delete {lone} to train a new tokenizer")

@@ -11,6 +11,7 @@ import contextlib
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 from itertools import islice
@@ -189,7 +190,7 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     except RuntimeError as e:
         raise CorruptFile(f"{path}: not a SentencePiece model ({' '.join(str(e).split())})") from None
-    if not _message_fields(proto) & AFTER_PIECES:  # a file cut between two pieces parses: fewer pieces
+    if not _fields(proto).keys() & AFTER_PIECES:  # a file cut between two pieces parses: fewer pieces
         raise CorruptFile(f"{path}: truncated: it ends after {sp.get_piece_size()} pieces, without the "
                           "training settings and normalization rules that follow them in a SentencePiece "
                           "model")
@@ -200,23 +201,53 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
 # after the pieces (field 1): a model with neither was cut short. (One alone loads and encodes: a model
 # built by hand may lack the other.)
 AFTER_PIECES = {2, 3}
+MODEL_TYPES = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}  # TrainerSpec.ModelType's numbers
 
 
-def _message_fields(proto: bytes) -> set[int]:
-    """The field numbers of a protobuf message's own fields (not of messages inside them), read from the
-    wire format of a `proto` that parsed: each is a varint key (number << 3 | wire type), then its value."""
-    fields, at = set(), 0
+def trained_settings(model: bytes) -> dict[str, str | float]:
+    """What a SentencePiece model says it was trained with, by [data]'s names: `spm_type` (TrainerSpec's
+    model_type, field 3, which SentencePiece encodes by), `normalization` (NormalizerSpec's name, field 1:
+    the rule it applies to text; "" where unnamed, as in a model built by hand) and `character_coverage`
+    (TrainerSpec's field 10, a float32, written as the shortest decimal that is it: 0.9995). A field left
+    out has the proto's default, which SentencePiece does not write: unigram, 0.9995. Read from the wire
+    format: SentencePiece's Python API exposes none of them, and its sentencepiece_model_pb2 needs protobuf,
+    which aiayn does not depend on."""
+    top = _fields(model)
+    trainer, normalizer = _fields(top.get(2, b"")), _fields(top.get(3, b""))
+    model_type = trainer.get(3, 1)
+    raw = trainer.get(10)
+    coverage = 0.9995 if raw is None else _shortest_float32(raw)
+    return {"spm_type": MODEL_TYPES.get(model_type, f"model type {model_type}"),
+            "normalization": normalizer.get(1, b"").decode("utf-8", "replace"),
+            "character_coverage": coverage}
+
+
+def _shortest_float32(raw: bytes) -> float:
+    """The float32 of 4 little-endian bytes as the shortest decimal that rounds to it (0.9995, not
+    0.9994999766349792): as it was written in a configuration."""
+    value = struct.unpack("<f", raw)[0]
+    return next((float(f"{value:.{digits}g}") for digits in range(1, 10)
+                 if struct.pack("<f", float(f"{value:.{digits}g}")) == raw), value)  # 9 digits always do
+
+
+def _fields(proto: bytes) -> dict[int, int | bytes]:
+    """A protobuf message's own fields (not those of messages inside them), by number, read from the wire
+    format of a `proto` that parsed: each is a varint key (number << 3 | wire type), then its value, here a
+    varint's integer, or the bytes of a string, a message or a fixed-size number. A field given more than
+    once (the pieces) keeps its last value, as protobuf reads a singular one."""
+    fields, at = {}, 0
     while at < len(proto):
         key, at = _varint(proto, at)
-        fields.add(key >> 3)
         wire = key & 7
         if wire == 0:  # a varint
-            at = _varint(proto, at)[1]
+            value, at = _varint(proto, at)
         elif wire == 2:  # a length, then as many bytes: a string or a message
-            length, at = _varint(proto, at)
-            at += length
+            size, at = _varint(proto, at)
+            value, at = proto[at : at + size], at + size
         else:  # 1: 8 bytes, 5: 4 bytes (SentencePiece writes no group, 3 and 4)
-            at += 8 if wire == 1 else 4
+            size = 8 if wire == 1 else 4
+            value, at = proto[at : at + size], at + size
+        fields[key >> 3] = value
     return fields
 
 

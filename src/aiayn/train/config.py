@@ -38,6 +38,8 @@ TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id"
 # [data]'s settings that a tokenizer is trained with (`aiayn.data.dataset.tokenizer_settings`)
 TOKENIZER_SETTINGS = ("vocab_size", "spm_type", "shared_vocab", "normalization", "character_coverage")
 DATA_FILES = ("train_src", "train_tgt", "valid_src", "valid_tgt")  # [data]'s paths of the corpus' files
+SPM_TYPES = ("bpe", "unigram")  # data.spm_type's values
+NORMALIZATIONS = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")  # SentencePiece's rule names
 SECTIONS = ("data", "model", "train")
 # A [model] setting named in ModelConfig's problems ("n_heads=8"); the tokenizer's are not [model]'s to set
 MODEL_KEY = re.compile(r"(?<![.\w])({})(?==)".format(
@@ -73,11 +75,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         check_types(self)
         problems = []  # each naming its setting and value: a config file's reader says where it was written
-        if self.spm_type not in ("bpe", "unigram"):
+        if self.spm_type not in SPM_TYPES:
             problems.append(f"data.spm_type={self.spm_type!r} is not 'bpe' or 'unigram'")
-        rules = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")  # SentencePiece's rule names
-        if self.normalization not in rules:
-            problems.append(f"data.normalization={self.normalization!r} is not one of {', '.join(rules)}")
+        if self.normalization not in NORMALIZATIONS:
+            problems.append(f"data.normalization={self.normalization!r} is not one of "
+                            f"{', '.join(NORMALIZATIONS)}")
         if not MIN_CHARACTER_COVERAGE <= self.character_coverage <= 1.0:  # SentencePiece's; refuses nan
             problems.append(f"data.character_coverage={self.character_coverage} is not in "
                             f"[{MIN_CHARACTER_COVERAGE}, 1] (SentencePiece's range)")

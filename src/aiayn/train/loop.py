@@ -13,12 +13,14 @@ torch.compile, DDP and autocast wrap the model at the edges; checkpoints see onl
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
 import os
 import random
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import threading
@@ -52,6 +54,7 @@ from aiayn.checkpoint import (
 from aiayn.config import PRESETS, ConfigError, ModelConfig
 from aiayn.data.batching import epoch_order, token_batches, update_batches, updates_in_epoch
 from aiayn.data.dataset import (
+    TOKENIZER_INPUTS,
     Batch,
     EncodedCorpus,
     ParallelText,
@@ -69,7 +72,7 @@ from aiayn.data.dataset import (
     train_tokenizer,
     write_tokenizer_inputs,
 )
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import Tokenizer, trained_settings
 from aiayn.decoding.options import MAX_CPU_SEED
 from aiayn.errors import CorruptFile, Stopped, UserError, is_out_of_memory
 from aiayn.files import moved_aside, recover_replaced, remove_abandoned, require_file
@@ -78,6 +81,8 @@ from aiayn.model import Transformer, evaluating
 from aiayn.train import distributed
 from aiayn.train.config import (
     DATA_FILES,
+    NORMALIZATIONS,
+    SPM_TYPES,
     TOKENIZER_FIELDS,
     TOKENIZER_SETTINGS,
     DataConfig,
@@ -1533,14 +1538,17 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
     of the training set's cache, then the validation set's if there is one."""
     dc = config.data
     # a fine-tune's tokenizer, or that of a run resumed on other training files, learnt from other text
-    kept = tokenizer is not None
+    kept, made_elsewhere = tokenizer is not None, False
     if tokenizer is None:
-        tokenizer, kept = _run_tokenizer(config, run_dir)
+        tokenizer, kept, made_elsewhere = _run_tokenizer(config, run_dir)
     caches = []
     pairs = ((dc.train_src, dc.train_tgt, "training"), (dc.valid_src, dc.valid_tgt, "validation"))
     for src, tgt, kind in pairs:
         if src:  # it says what it dropped
-            _, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache", kept=kept, kind=kind)
+            # a tokenizer made elsewhere: its rewriting of the training text, as training one checks it
+            normalization = dc.normalization if made_elsewhere and kind == "training" else None
+            _, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache", kept=kept, kind=kind,
+                                               normalization=normalization)
             caches.append((str(cache), key))
     return caches
 
@@ -1688,11 +1696,12 @@ def _check_same_batches(checkpoint: Path, trained: dict[str, Any] | None, data: 
         )
 
 
-def _check_found_tokenizer(found: Tokenizer, dc: DataConfig, run_dir: Path) -> None:
+def _check_found_tokenizer(found: Tokenizer, config: RunConfig, run_dir: Path) -> None:
     """A tokenizer left in run_dir (by a first run that failed later, or copied there) must be one that
     [data] trains: separate source.spm and target.spm under shared_vocab, or an 8,696-piece spm.model
     beside a record of 300, were used silently and recorded as trained with [data]'s settings.
     SentencePiece may make fewer pieces than asked (a small corpus), never more."""
+    dc = config.data
     sizes = {found.src_vocab_size, found.tgt_vocab_size}
     problem = None
     if found.shared != dc.shared_vocab:
@@ -1704,6 +1713,43 @@ def _check_found_tokenizer(found: Tokenizer, dc: DataConfig, run_dir: Path) -> N
         raise UserError(f"{run_dir}: its tokenizer has {problem}; delete it (spm.model, or source.spm and "
                         "target.spm) to train a new one, or use a new train.run_dir")
     _check_special_pieces(found)
+    _check_trained_settings(found, config)
+
+
+# [data]'s settings a SentencePiece model records and encodes by (`trained_settings`): another was overridden
+# by the model unsaid, and recorded in meta.json as [data]'s (a case-folding model as "nmt_nfkc", a unigram
+# one as "bpe"), which a fine-tune adopts and --resume compares
+ENCODING_SETTINGS = {"spm_type": SPM_TYPES, "normalization": NORMALIZATIONS}
+
+
+def _check_trained_settings(found: Tokenizer, config: RunConfig) -> None:
+    """A tokenizer left in run_dir must have been trained with [data]'s spm_type and normalization (one
+    that names no rule, built by hand, is not compared). data.character_coverage is not: it chose which
+    characters training kept, and the pieces it made (checked above) are what the model holds; refused,
+    the many models made with SentencePiece's default 0.9995 would need a `--set` that changes nothing
+    but the record. Another is said instead."""
+    dc = config.data
+    models = [(found.src_path, found.src)] + ([] if found.shared else [(found.tgt_path, found.tgt)])
+    for path, sp in models:
+        trained = trained_settings(sp.serialized_model_proto())
+        other = {key: trained[key] for key in ENCODING_SETTINGS if trained[key] not in ("", getattr(dc, key))}
+        delete = "delete the tokenizer (spm.model, or source.spm and target.spm) to train a new one"
+        if cannot := [key for key, value in other.items() if value not in ENCODING_SETTINGS[key]]:
+            key = cannot[0]
+            raise UserError(f"{path}: trained with {key} {json.dumps(other[key])}, which data.{key} cannot "
+                            f"be ({' or '.join(ENCODING_SETTINGS[key])}); {delete}")
+        if other:
+            was = " and ".join(f"{key} {json.dumps(value)}" for key, value in other.items())
+            now = " and ".join(config.shown(f"data.{key}", getattr(dc, key)) for key in other)
+            fix = " and ".join(f"data.{key}={json.dumps(value)}" for key, value in other.items())
+            written = config.written_where(*(f"data.{key}" for key in other))
+            raise UserError(f"{written}{path}: trained with {was}, not {now}; set {fix} to train with it, or "
+                            f"{delete}")
+        coverage = trained["character_coverage"]
+        if struct.pack("<f", coverage) != struct.pack("<f", dc.character_coverage):
+            log.info("%s: trained with character_coverage=%s, not data.character_coverage=%s, which only "
+                     "training a tokenizer uses (the run records it as set)", path, coverage,
+                     dc.character_coverage)
 
 
 def _check_special_pieces(found: Tokenizer) -> None:
@@ -1764,9 +1810,11 @@ def _differing_file(latest: Tokenizer, found: Tokenizer, checkpoint: Path) -> Pa
     return latest.tgt_path if tgt != their_tgt and latest.tgt_path else checkpoint / META
 
 
-def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool]:
-    """The run directory's tokenizer: trained once on the training text, then reused if it fits; and
-    whether it is kept for other text than it was trained on (a run resumed on other training files)."""
+def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool, bool]:
+    """The run directory's tokenizer: trained once on the training text, then reused if it fits; whether it
+    is kept for other text than it was trained on (a run resumed on other training files); and whether
+    it was made elsewhere (put in a new run directory, with no record of aiayn's training), so that its
+    rewriting of this text was never checked."""
     dc = config.data
     try:
         found = find_tokenizer(run_dir)
@@ -1789,13 +1837,15 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool]:
             raise _other_tokenizer(run_dir, saved, trained_with, found)
     if found is not None:  # resumed: the tokenizer of its checkpoints; else left by a first run that
         other_text = check_tokenizer_inputs(run_dir, inputs, resumed=bool(saved))  # failed later
+        made_elsewhere = False
         if not saved:  # its record (tokenizer_inputs.json) says what it was asked, not what the files hold
-            _check_found_tokenizer(found, dc, run_dir)
+            _check_found_tokenizer(found, config, run_dir)
+            made_elsewhere = not (run_dir / TOKENIZER_INPUTS).is_file()
         # as the training line says it: "(200 pieces, shared)" (this read "(200, shared pieces)")
         pieces = "" if found.shared else f" and {found.tgt_vocab_size}"
         log.info("%s: using the tokenizer there (%d%s pieces, %s)", run_dir, found.src_vocab_size, pieces,
                  "shared" if found.shared else "separate")
-        return found, other_text
+        return found, other_text, made_elsewhere
     # Checked, not reported: the encoding that follows says what it dropped, once.
     if dc.valid_src:  # a bad validation file fails now, not after minutes of tokenizer training
         read_parallel(dc.valid_src, dc.valid_tgt, report=False)
@@ -1811,7 +1861,7 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool]:
     # The sample of a large corpus is drawn with train_tokenizer's fixed seed, not train.seed: runs of other
     # seeds on one corpus get one tokenizer, as an ensemble of them needs
     return train_tokenizer(text, run_dir, dc.vocab_size, dc.spm_type, dc.shared_vocab,
-                           dc.normalization, dc.character_coverage), False
+                           dc.normalization, dc.character_coverage), False, False
 
 
 def _describe(config: RunConfig, model: Transformer, data: Data, d: Dist) -> str:

@@ -102,6 +102,23 @@ def corpus_files(tmp_path_factory):
     return d, src, tgt
 
 
+@READERS
+@pytest.mark.parametrize("shared", [True, False])
+def test_lines_sentencepiece_leaves_out_are_warned_of(tmp_path, caplog, shared, read):
+    """SentencePiece's training skips a line over 65,536 bytes (max_sentence_length), said only in the log
+    minloglevel=2 hides: a long line of characters found nowhere else trained as "▁ <unk>", unsaid."""
+    src = write(tmp_path / "long.de", ["", *sentences(40, "de"), "ж" * 32768, "ж" * 35000, "я" * 35000])
+    tgt = write(tmp_path / "long.en", ["x", *sentences(40, "en"), "long", "longer", "long too"])
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        tok = train_tokenizer(read(src, tgt), tmp_path / "run", 40, shared=shared)
+    # 65,536 bytes are kept (the first), 70,000 are not; a streamed file's line number counts its empty first
+    # line, a held list's is among the lines kept
+    where = (f"{src}: 2 lines over 65,536 bytes (the first: line 43)" if read is scan_parallel
+             else "source side: 2 lines over 65,536 bytes (the first: kept line 42)")
+    assert caplog.messages == [f"{where} left out of the tokenizer's training (SentencePiece's limit)"]
+    assert tok.unk_id in tok.src.encode("я") and tok.unk_id not in tok.src.encode("ж")
+
+
 def test_shared_and_separate_tokenizers(tmp_path, corpus_files):
     _, src, tgt = corpus_files
     text = read_parallel(src, tgt)

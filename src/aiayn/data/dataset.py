@@ -854,7 +854,8 @@ def train_tokenizer(
         log.info("SentencePiece training on %d pairs (a sample of at most %d sentences per model) may take "
                  "minutes", n, SEED_SENTENCES)
     if shared:  # chained, not text.src + text.tgt: no second list of every sentence
-        lines = _sampled(chain(text.src, text.tgt), 2 * n, seed)
+        both = chain(_noting_long_lines(text.src, "source"), _noting_long_lines(text.tgt, "target"))
+        lines = _sampled(both, 2 * n, seed)
         write_model(directory / SHARED, _train_spm(lines, vocab_size, model_type, **settings))
         tokenizer = Tokenizer(directory / SHARED)
     else:  # one seed: both models learn from the same pairs
@@ -877,14 +878,41 @@ def _side_models(
     again, only for the target to be refused with a larger one."""
     src_side, tgt_side = _side("source", text.src), _side("target", text.tgt)
     try:
-        src = _train_spm(_sampled(text.src, n, seed), vocab_size, model_type, src_side, **settings)
+        src_lines = _noting_long_lines(text.src, "source")
+        src = _train_spm(_sampled(src_lines, n, seed), vocab_size, model_type, src_side, **settings)
     except _TooManyCharacters as e:
         tgt = _characters_needed(_sampled(text.tgt, n, seed), model_type, **settings)
         if tgt is None or tgt <= vocab_size:  # the target fits: the source's size is the one to say
             raise
         both = _too_many_characters(vocab_size, [e.needed, tgt], settings["character_coverage"])
         raise UserError(f"{src_side} and {tgt_side}: {both}") from None
-    return src, _train_spm(_sampled(text.tgt, n, seed), vocab_size, model_type, tgt_side, **settings)
+    tgt_lines = _noting_long_lines(text.tgt, "target")
+    return src, _train_spm(_sampled(tgt_lines, n, seed), vocab_size, model_type, tgt_side, **settings)
+
+
+LONG_LINE_CHARACTERS = MAX_LINE_BYTES // 4  # a character is 4 UTF-8 bytes at most: a line of no more is short
+
+
+def _noting_long_lines(lines: list[str] | KeptLines, side: str) -> Iterator[str]:
+    """`lines`, and once all are read, a warning of those SentencePiece leaves out of the tokenizer's
+    training: over MAX_LINE_BYTES in UTF-8 (its max_sentence_length), which it says only in the log that
+    minloglevel=2 hides (a line of characters found nowhere else was then "▁ <unk>"). Only a line of more
+    than LONG_LINE_CHARACTERS is encoded to be measured: the usual line costs a len()."""
+    count, first = 0, 0
+    for i, line in enumerate(lines):
+        if len(line) > LONG_LINE_CHARACTERS and len(line.encode("utf-8", "surrogatepass")) > MAX_LINE_BYTES:
+            first = first if count else i
+            count += 1
+        yield line
+    if not count:
+        return
+    if isinstance(lines, KeptLines):  # streamed: the file's own line number
+        name, where = lines.path, f"line {int(np.flatnonzero(lines.keep)[first]) + 1}"
+    else:  # held: the number among the lines kept
+        name, where = f"{side} side", f"kept line {first + 1}"
+    log.warning("%s: %d line%s over %s bytes (%s%s) left out of the tokenizer's training (SentencePiece's "
+                "limit)", name, count, "s" * (count > 1), f"{MAX_LINE_BYTES:,}", "the first: " * (count > 1),
+                where)
 
 
 def _warn_if_fewer_pieces(tokenizer: Tokenizer, vocab_size: int, shared: bool) -> None:

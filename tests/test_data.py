@@ -583,6 +583,34 @@ def test_text_the_tokenizer_has_no_pieces_for_is_warned_of(tmp_path, corpus_file
     assert caplog.messages == []
 
 
+def test_unknown_pieces_are_counted_in_the_pairs_max_len_keeps(tmp_path, corpus_files, caplog):
+    """One long line that data.max_len drops warned of 22% of a corpus' pieces as <unk>, blaming the
+    tokenizer's training text, for a line training never sees; the pairs kept are counted alone."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    de = ["der Hund 我们 läuft", " ".join(["我们 Hund"] * 30), "der Hund", "die Katze", "schnell"]
+    a, b = write(tmp_path / "v.de", de), write(tmp_path / "v.en", ["the dog"] * 5)
+    ids = [tok.encode_src(line)[:-1] for line in de]  # without EOS
+    max_len = 20
+    assert [len(i) + 1 <= max_len for i in ids] == [True, False, True, True, True]
+    kept = [i for i in ids if len(i) + 1 <= max_len]
+    pieces = sum(map(len, kept))
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        cache_encoded(a, b, tok, tmp_path / "cache", max_len=max_len)
+    assert caplog.messages == [(
+        f"{a}: 1 of its {pieces} pieces ({100 / pieces:.1f}%, in 1 of 4 lines within data.max_len=20) are "
+        "<unk>, characters the tokenizer has no piece for; the tokenizer's training text (or the sample it "
+        "learnt from) lacks them, or data.character_coverage < 1 left them out")]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        cache_encoded(a, b, tok, tmp_path / "cache", max_len=max_len)  # from the cache: said once, encoded
+    assert caplog.messages == []
+    a = write(tmp_path / "w.de", ["der Hund", *de[1:]])  # the kept pairs have no <unk>: nothing said
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        cache_encoded(a, b, tok, tmp_path / "cache", max_len=max_len)
+    assert caplog.messages == []
+
+
 def test_cr_only_line_ends_are_named(tmp_path):
     """An old Mac file was one line, and SentencePiece then failed with a message about the vocabulary."""
     mac = write(tmp_path / "mac.de", [], raw=b"eins\rzwei\rdrei\r")

@@ -1737,6 +1737,21 @@ def test_separate_tokenizers_left_in_run_dir_must_share_their_special_ids(tmp_pa
         train(config)
 
 
+def test_unknown_pieces_of_pairs_max_len_drops_are_not_warned_of(tmp_path, caplog):
+    """A line past SentencePiece's limit (so left out of the tokenizer's training: its digits <unk>) and
+    past data.max_len warned "12000 of its ... pieces (...) are <unk>", blaming the tokenizer's training
+    text, then that data.max_len drops it: training never sees it."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
+    for path, line in ((config.data.train_src, " ".join(f"wort{i}" for i in range(12000))),
+                       (config.data.train_tgt, "a long line")):
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    with caplog.at_level(logging.INFO):
+        assert train(config)["step"] == 1
+    assert [m for m in caplog.messages if "<unk>" in m] == []
+    assert any("of 61 training pairs are longer than 32 tokens" in m for m in caplog.messages)
+
+
 @pytest.mark.parametrize("lone, partner", [("source.spm", "target.spm"), ("target.spm", "source.spm")])
 def test_half_a_pair_of_tokenizers_left_in_run_dir_is_refused_not_trained_over(tmp_path, lone, partner):
     """A lone source.spm was taken for no tokenizer: data.shared_vocab=false trained a new pair and wrote

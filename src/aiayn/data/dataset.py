@@ -373,10 +373,14 @@ class EncodedCorpus:
         """Target lengths as the decoder sees them: pieces + BOS (input) or + EOS (output)."""
         return (self.tgt_offsets.diff() + 1).tolist()
 
+    def fits(self, max_len: int) -> torch.Tensor:
+        """(N,) bool: whether a pair's source (with EOS) and target (with EOS) are `max_len` long at most."""
+        return (self.src_offsets.diff() <= max_len) & (self.tgt_offsets.diff() + 1 <= max_len)
+
     def filter_length(self, max_len: int) -> tuple["EncodedCorpus", int]:
         """Drop pairs whose source (with EOS) or target (with EOS) is longer than `max_len` (the corpus
         itself if none is)."""
-        keep = (self.src_offsets.diff() <= max_len) & (self.tgt_offsets.diff() + 1 <= max_len)  # (N,) bool
+        keep = self.fits(max_len)  # (N,) bool
         if keep.all():  # the usual case: no copy of ids that are GBs for WMT
             return self, 0
         kept = EncodedCorpus(
@@ -483,7 +487,7 @@ SAME_FILE = {
 
 def cache_encoded(
     src_path: str | Path, tgt_path: str | Path, tokenizer: Tokenizer, cache_dir: str | Path,
-    kept: bool = False, kind: str = "training", normalization: str | None = None,
+    kept: bool = False, kind: str = "training", normalization: str | None = None, max_len: int | None = None,
 ) -> tuple[EncodedCorpus, int, tuple[Path, str]]:
     """`load_encoded`, and the (cache file, key) it read or wrote: what training's process 0 names to the
     others. The key is the one taken before encoding: taken again after, a file touched meanwhile named
@@ -492,7 +496,9 @@ def cache_encoded(
     normalization rewrites, as training a tokenizer checks its own text; so it is with `normalization`,
     the data.normalization of a tokenizer made elsewhere with that rule (put in the run directory), as
     training one warns and advises. `kind`: the set the files are, "training" or "validation", for the
-    warnings to say what their problem does there."""
+    warnings to say what their problem does there. `max_len`: data.max_len, whose longer pairs training
+    drops, so that <unk> pieces are counted in the pairs it keeps. The warnings are those of the encoding:
+    a corpus read from the cache is not checked again."""
     src_path, tgt_path = Path(src_path), Path(tgt_path)
     for p in (src_path, tgt_path):
         require_file(p)
@@ -509,7 +515,7 @@ def cache_encoded(
     if kept or normalization is not None:
         _warn_if_normalization_changes_text(tokenizer, files, normalization or "", kept=kept, kind=kind)
     corpus, no_pieces = _encode(files, tokenizer)
-    _warn_if_unknown(src_path, tgt_path, corpus, tokenizer.unk_id, kept)
+    _warn_if_unknown(src_path, tgt_path, corpus, tokenizer.unk_id, max_len, kept)
     pairs = len(files.src) + files.dropped_empty
     dropped = pairs - len(corpus)  # empty pairs and those of text that encodes to no pieces
     _log_dropped(src_path, tgt_path, dropped, pairs, files.empty_lines, why="a side empty or of no pieces",
@@ -544,24 +550,30 @@ def _encode(files: ParallelFiles, tokenizer: Tokenizer) -> tuple[EncodedCorpus, 
 UNKNOWN_TOLERANCE = 0.01  # share of a side's pieces (EOS aside) that may be <unk> without a warning
 
 
-def _warn_if_unknown(src_path: Path, tgt_path: Path, corpus: EncodedCorpus, unk_id: int, kept: bool) -> None:
+def _warn_if_unknown(src_path: Path, tgt_path: Path, corpus: EncodedCorpus, unk_id: int, max_len: int | None,
+                     kept: bool) -> None:
     """Warn of a side whose pieces (EOS aside) are more than UNKNOWN_TOLERANCE <unk>: characters the
     tokenizer has no piece for, each run of them one unknown token (a line of nothing else is "▁ <unk>",
     half its pieces). A fine-tune on another language or script trained on sentences of a few such tokens,
-    its loss looking healthy, and nothing said."""
+    its loss looking healthy, and nothing said. Only the pairs `max_len` keeps are counted: one long line
+    that training drops warned of 22% of a corpus' pieces, blaming the tokenizer's training text."""
+    keep = corpus.fits(max_len) if max_len is not None else torch.ones(len(corpus), dtype=torch.bool)  # (N,)
     for path, ids, offsets, eos in ((src_path, corpus.src_ids, corpus.src_offsets, 1),
                                     (tgt_path, corpus.tgt_ids, corpus.tgt_offsets, 0)):
         at = (ids == unk_id).nonzero().flatten()  # (unknown pieces,) positions in the flat ids
-        pieces = len(ids) - eos * (len(offsets) - 1)  # a source's last piece is its EOS
+        sentence = torch.searchsorted(offsets, at, right=True) - 1  # (unknown pieces,) the pair each is in
+        at = at[keep[sentence]]  # those of the pairs kept
+        pieces = int((offsets.diff() - eos)[keep].sum())  # a source's last piece is its EOS
         if len(at) <= UNKNOWN_TOLERANCE * pieces:
             continue
-        lines = len(torch.searchsorted(offsets, at, right=True).unique())  # the sentences they are in
+        lines = len(sentence[keep[sentence]].unique())  # the sentences they are in
         why = ("the tokenizer kept (train.init_from's, or the resumed run's) was trained on other text: "
                "another language or script?" if kept else "the tokenizer's training text (or the sample it "
                "learnt from) lacks them, or data.character_coverage < 1 left them out")
-        log.warning("%s: %d of its %d pieces (%.1f%%, in %d of %d lines) are <unk>, characters the tokenizer "
-                    "has no piece for; %s", path, len(at), pieces, 100 * len(at) / pieces, lines,
-                    len(offsets) - 1, why)
+        within = f" within data.max_len={max_len}" * (not bool(keep.all()))
+        log.warning("%s: %d of its %d pieces (%.1f%%, in %d of %d lines%s) are <unk>, characters the "
+                    "tokenizer has no piece for; %s", path, len(at), pieces, 100 * len(at) / pieces, lines,
+                    int(keep.sum()), within, why)
 
 
 def _pair_chunks(files: ParallelFiles, size: int) -> Iterator[tuple[list[str], list[str]]]:

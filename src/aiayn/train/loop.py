@@ -1548,7 +1548,7 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
             # a tokenizer made elsewhere: its rewriting of the training text, as training one checks it
             normalization = dc.normalization if made_elsewhere and kind == "training" else None
             _, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache", kept=kept, kind=kind,
-                                               normalization=normalization)
+                                               normalization=normalization, max_len=dc.max_len)
             caches.append((str(cache), key))
     return caches
 

@@ -1764,8 +1764,8 @@ def test_half_a_pair_of_tokenizers_left_in_run_dir_is_refused_not_trained_over(t
     with pytest.raises(UserError) as e:
         train(config)
     assert str(e.value) == (f"{run / lone}: no {partner} beside it (separate vocabularies take both; a "
-                            f"shared one is spm.model alone); put {partner} there, or delete {lone} to train a "
-                            "new tokenizer")
+                            f"shared one is spm.model alone); put {partner} there, or delete {lone}: a run "
+                            "without checkpoints trains a new tokenizer, --resume puts its checkpoint's back")
     assert (run / lone).read_bytes() == mine and not (run / partner).exists()
 
 

@@ -1353,4 +1353,5 @@ def find_tokenizer(directory: str | Path) -> Tokenizer | None:
                         "ones): two tokenizers; delete the one not meant")
     lone, partner = (SOURCE, TARGET) if held == [SOURCE] else (TARGET, SOURCE)
     raise UserError(f"{directory / lone}: no {partner} beside it (separate vocabularies take both; a shared "
-                    f"one is {SHARED} alone); put {partner} there, or delete {lone} to train a new tokenizer")
+                    f"one is {SHARED} alone); put {partner} there, or delete {lone}: a run without "
+                    "checkpoints trains a new tokenizer, --resume puts its checkpoint's back")

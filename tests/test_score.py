@@ -340,6 +340,25 @@ def test_a_stream_scores_the_pairs_before_a_too_long_line_first(checkpoint, tmp_
     assert said.err.endswith("positions of this model; and 1 more: line 8\n")
 
 
+@pytest.mark.parametrize("side", [0, 1])
+def test_a_stream_scores_the_pairs_before_a_bad_byte_first(checkpoint, side):
+    """A pipe's invalid UTF-8 (or NUL byte) on either side lost the pairs read before it in its chunk,
+    as a too long line's once did: they are scored and written first, then the line named."""
+    import io
+
+    from aiayn.translate import score_stream
+
+    translator = Translator.load(checkpoint)
+    sides = [[f"the number {i}" for i in range(8)], [f"die Zahl {i}" for i in range(8)]]
+    data = [b"".join(line.encode() + b"\xff" * (s == side and i == 5) + b"\n" for i, line in enumerate(lines))
+            for s, lines in enumerate(sides)]  # line 6 of one side ends in a byte no UTF-8 has
+    out = io.StringIO()
+    with pytest.raises(UserError, match=r"^[st]:6: invalid UTF-8 \(byte 0xff\)$"):
+        score_stream(translator, *map(io.BytesIO, data), out, ("s", "t"))
+    assert [float(x) for x in out.getvalue().split()] == pytest.approx(
+        [s.log_prob for s in translator.score(sides[0][:5], sides[1][:5])], abs=1e-5)
+
+
 def test_the_cli_reads_standard_input_and_refuses_a_missing_output_folder_first(checkpoint, tmp_path, capsys,
                                                                                monkeypatch):
     import io

@@ -304,9 +304,11 @@ def test_every_too_long_line_is_named_in_one_run(checkpoint, tmp_path, capsys):
         "positions of this model; and 6 more: lines 5, 8, 9, 10, 11, ...\n"), err
     assert not out.exists()
     # a line that cannot be read after the first chunk: the too long lines before it, of the lines read
+    # (all 10,010 before it: the reader hands over the lines before a bad one first)
     src.write_bytes(src.read_bytes() + b"bad \xff\n")
     assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(out), "-q", "--beam", "1"]) == 2
-    assert capsys.readouterr().err.endswith("; and 5 more in the 10,000 lines read: lines 5, 8, 9, 10, 11\n")
+    said = capsys.readouterr().err
+    assert said.endswith("; and 6 more in the 10,010 lines read: lines 5, 8, 9, 10, 11, ...\n"), said
 
 
 def test_a_pipe_gets_the_lines_before_a_too_long_one_first(checkpoint):
@@ -326,6 +328,20 @@ def test_a_pipe_gets_the_lines_before_a_too_long_one_first(checkpoint):
     with pytest.raises(SentenceTooLong, match=r"^<pipe>:6: .*; and 1 more in the 8 lines read: line 8$"):
         translate_stream(translator, io.BytesIO(data), dst, "<pipe>", **OPTIONS)
     assert dst.getvalue().splitlines() == translator.translate(lines[:5], **OPTIONS)
+
+
+@pytest.mark.parametrize("bad, said", [(b"x\xff", "invalid UTF-8 (byte 0xff)"), (b"x\0", "NUL byte")])
+def test_a_pipe_gets_the_lines_before_a_bad_byte_first(checkpoint, bad, said):
+    """From a pipe, invalid UTF-8 or a NUL byte lost the lines read before it in its chunk (0 of 20 written),
+    though a rerun from the line named needs them, as a too long line's are written first."""
+    translator = Translator.load(checkpoint)
+    lines = [f"the number {i}" for i in range(1, 6)]
+    data = ("\n".join(lines) + "\n").encode() + bad + b"\nthe number 7\n"
+    for chunk in (10_000, 2):
+        dst = io.StringIO()
+        with pytest.raises(UserError, match=rf"^<pipe>:6: {re.escape(said)}"):
+            translate_stream(translator, io.BytesIO(data), dst, "<pipe>", chunk=chunk, **OPTIONS)
+        assert dst.getvalue().splitlines() == translator.translate(lines, **OPTIONS)
 
 
 def test_running_out_of_memory_is_one_line_naming_the_batch(checkpoint, tmp_path):

@@ -502,19 +502,18 @@ def read_utf8_lines(
     inner_crs = InnerCRs()
     for n, (raw, more) in enumerate(_raw_lines(stream, name), 1):
         head = raw[:HEAD_BYTES] if n == 1 else head
-        try:
-            text = raw.decode("utf-8").rstrip("\r\n")
-        except UnicodeDecodeError as e:
-            looks = looks_like(head)
-            raise UserError(f"{name}:{n}: invalid UTF-8 (byte {raw[e.start]:#04x}){looks}") from None
+        text, bad = _decoded(raw, name, n, head)
+        if bad is not None:
+            if lines and lone <= 1:  # a pipe's lines before it, as a too long line's: translated and written
+                for i in range(0, len(lines), chunk):  # first, so that a rerun from the line named loses none
+                    yield lines[i : i + chunk]  # (they were lost with their chunk)
+            raise bad
         if n == 1 and not raw.endswith(b"\n") and cr_only(raw):  # the whole input, and no LF in it
             raise cr_only_error(name)
         if n <= 2:  # a whole input of one line whose CRs alone outnumber its LF: a classic Mac file that
             # ends with an LF, refused as training refuses it. That line is held for the next one only
             # while more input is ready (a file; a pipe that stalled after it is a session awaiting answers)
             lone = lone_cr_count(raw) if n == 1 and raw.endswith(b"\n") and more else 0
-        if b"\0" in raw:  # valid UTF-8, but no text has it: a binary file, or a corrupt one
-            raise UserError(f"{name}:{n}: NUL byte (binary or corrupt input?){looks_like(head)}")
         inner_crs.add(raw, n)
         lines.append(text.removeprefix("\ufeff") if n == 1 else text)  # a BOM, as training and evaluate drop it
         if (len(lines) >= chunk or not (more or whole_chunks)) and lone <= 1:
@@ -526,6 +525,18 @@ def read_utf8_lines(
     inner_crs.warn(name, stream, done)
     if lines:
         yield lines
+
+
+def _decoded(raw: bytes, name: str, n: int, head: bytes) -> tuple[str, UserError | None]:
+    """Line `n` of `name` as text without its line end, or the error of a line that is no UTF-8 text or
+    holds a NUL byte (valid UTF-8, but no text has it: a binary file, or a corrupt one)."""
+    try:
+        text = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as e:
+        return "", UserError(f"{name}:{n}: invalid UTF-8 (byte {raw[e.start]:#04x}){looks_like(head)}")
+    if "\0" in text:
+        return "", UserError(f"{name}:{n}: NUL byte (binary or corrupt input?){looks_like(head)}")
+    return text, None
 
 
 def _raw_lines(stream: BinaryIO, name: str) -> Iterator[tuple[bytes, bool]]:
@@ -631,11 +642,7 @@ def score_stream(
         tokens += sum(one.tokens for one in results)
         total += sum(one.log_prob for one in results)
 
-    for sources, targets in itertools.zip_longest(*pieces, fillvalue=[]):
-        if len(sources) != len(targets):  # one stream ended first: count both to the end
-            counts = [pairs + len(part) + sum(map(len, rest))
-                      for part, rest in zip((sources, targets), pieces)]
-            require_same_count(names[0], counts[0], names[1], counts[1])
+    def write_pairs(sources: list[str], targets: list[str]) -> None:
         try:
             write(scored(sources, targets, pairs + len(sources)))
         except SentenceTooLong as e:
@@ -651,6 +658,19 @@ def score_stream(
                 except SentenceTooLong as earlier:  # within the pairs retried: each retry is shorter
                     error = earlier
             raise error from None
+
+    for sources, targets in itertools.zip_longest(*pieces, fillvalue=[]):
+        if len(sources) != len(targets):  # one stream ended first: count both to the end
+            try:
+                counts = [pairs + len(part) + sum(map(len, rest))
+                          for part, rest in zip((sources, targets), pieces)]
+            except UserError:  # a bad line (invalid UTF-8, a NUL) ended one side's list early: the pairs
+                # before it are scored and written first, as a too long line's (they were lost)
+                both = min(len(sources), len(targets))
+                write_pairs(sources[:both], targets[:both])
+                raise
+            require_same_count(names[0], counts[0], names[1], counts[1])
+        write_pairs(sources, targets)
         pairs += len(sources)
     if not pairs:  # as evaluate refuses an empty file: exit 0 with no output said nothing was wrong
         raise UserError(f"{names[0]}: empty, nothing to score")

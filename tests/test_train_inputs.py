@@ -792,6 +792,31 @@ def test_a_run_started_by_nohup_trains_on_when_its_terminal_closes(caplog, hangu
     assert stopper.signum is None and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 
 
+@pytest.mark.parametrize("name", ["SIGTERM", pytest.param("SIGHUP", marks=NO_SIGHUP),
+                                  pytest.param("SIGHUP ignored", marks=NO_SIGHUP)])
+def test_a_signal_before_the_first_update_is_said_as_for_every_command(tmp_path, name):
+    """SIGTERM or SIGHUP while the data was prepared or the model built killed `aiayn train` without a word
+    (exit -15), where a Ctrl-C said "aiayn: interrupted" and every other command "aiayn: stopped by SIGTERM".
+    A SIGHUP the process started ignoring (`nohup`) stays ignored: the run trains on. A process of its own:
+    the old default action killed the test session."""
+    name, ignored = name.split()[0], name.endswith("ignored")
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
+    code = ("import os, signal, sys\nfrom aiayn.train import loop\nfrom aiayn.cli import main\n"
+            # the case's own disposition: pytest run under nohup passes SIGHUP on ignored
+            f"signal.signal(signal.{name}, signal.{'SIG_IGN' if ignored else 'SIG_DFL'})\n"
+            "real = loop.build_model\n"
+            f"def signalled(*args):\n    os.kill(os.getpid(), signal.{name})\n    return real(*args)\n"
+            "loop.build_model = signalled\nsys.exit(main(sys.argv[1:]))\n")
+    run = subprocess.run([sys.executable, "-c", code, "train", *[a for s in sets for a in ("--set", s)]],
+                         capture_output=True, text=True, timeout=300, check=False)
+    if ignored:
+        assert run.returncode == 0 and run.stdout.startswith("step 1: valid loss"), run.stderr
+        return
+    assert (run.returncode, run.stdout) == (128 + getattr(signal, name), ""), run.stderr
+    assert run.stderr.splitlines()[-1] == f"aiayn: stopped by {name}"
+    assert checkpoint_dirs(tmp_path / "run") == []  # nothing saved: a rerun starts again
+
+
 def test_the_tokenizer_settings_are_those_a_tokenizer_is_trained_with():
     from aiayn.data.dataset import tokenizer_settings
     from aiayn.train.config import TOKENIZER_SETTINGS

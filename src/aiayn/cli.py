@@ -1057,11 +1057,11 @@ class DiagnosticStream:
 
 
 class Terminated(BaseException):
-    """SIGTERM or SIGHUP (`timeout`, a closed terminal, a job scheduler) outside training, raised as Ctrl-C
-    raises KeyboardInterrupt: an output being written is removed on the way out (`atomic_output`), not
-    left behind as a hidden temporary file. A BaseException, as KeyboardInterrupt, so that no `except
-    Exception` takes it for an error. Training handles these signals itself: during its updates it saves,
-    then stops (`aiayn.train.loop.StopSignal`)."""
+    """SIGTERM or SIGHUP (`timeout`, a closed terminal, a job scheduler) outside training's updates (its
+    data's preparation included), raised as Ctrl-C raises KeyboardInterrupt: an output being written is
+    removed on the way out (`atomic_output`), not left behind as a hidden temporary file. A BaseException,
+    as KeyboardInterrupt, so that no `except Exception` takes it for an error. Training handles these
+    signals itself during its updates: it saves, then stops (`aiayn.train.loop.StopSignal`)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -1073,18 +1073,18 @@ def _terminate(signum: int, frame) -> None:
 
 
 @contextlib.contextmanager
-def _signals_raise(command: str = ""):
-    """SIGTERM and SIGHUP raise `Terminated` while a command other than training runs, where they still
-    have their default action (not in a thread or under a caller's own handler). No `command`: a caller's
-    own work that is no training (recipes/multi30k/run.py's averaging and decoding). The demo's too: its
-    training's own handlers take over for the updates (a save, then `Stopped`), and give them back after;
-    without these it was killed silently while making its corpus or translating."""
+def _signals_raise():
+    """SIGTERM and SIGHUP raise `Terminated` while a command runs, where they still have their default
+    action (not in a thread, nor under a caller's own handler, nor ignored: `nohup`'s SIGHUP). A caller's
+    own work too (recipes/multi30k/run.py's averaging and decoding). Training's own handlers take over for
+    its updates (a save, then `Stopped`) and give these back after; without them `aiayn train` was killed
+    silently during its data's preparation (exit -15, where a Ctrl-C said "aiayn: interrupted"), the demo
+    while making its corpus or translating."""
     installed = {}
-    if command != "train":
-        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-            with contextlib.suppress(TypeError, ValueError):  # no such signal here, or not the main thread
-                if signal.getsignal(sig) == signal.SIG_DFL:
-                    installed[sig] = signal.signal(sig, _terminate)
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        with contextlib.suppress(TypeError, ValueError):  # no such signal here, or not the main thread
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                installed[sig] = signal.signal(sig, _terminate)
     try:
         yield
     finally:
@@ -1098,7 +1098,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         stdout, sys.stdout = sys.stdout, ResultStream(sys.stdout)
         try:
-            with _signals_raise(args.command):
+            with _signals_raise():
                 return _run(args)
         finally:
             sys.stdout = stdout

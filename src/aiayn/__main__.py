@@ -1,5 +1,5 @@
 import sys
 
-from aiayn.cli import main
+from aiayn.cli import entry_point
 
-sys.exit(main())
+sys.exit(entry_point())

@@ -1106,6 +1106,31 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr = stderr
 
 
+def entry_point() -> int:
+    """The `aiayn` command (pyproject's [project.scripts], `python -m aiayn`): `main`, then Ctrl-C's default
+    action back for the process' exit, as SIGTERM's and SIGHUP's are by then: a Ctrl-C ends the process at
+    once, quietly, as a shell reports one (130). Once a command that loaded PyTorch has said its last line,
+    Python takes seconds to exit (its garbage collection over torch's modules), and a Ctrl-C there was a
+    KeyboardInterrupt traceback ("Exception ignored in: <module 'threading' ...>"), after a
+    training's "stopped by SIGINT ..., saved" too, whose warning offers a second Ctrl-C. A Ctrl-C the
+    process ignores stays ignored. Not in `main`: a caller's own Ctrl-C after it still raises."""
+    interrupted = False
+    try:
+        return main()
+    except KeyboardInterrupt:  # one as the last line was written, out of the handler that wrote it
+        interrupted = True
+        return 130
+    finally:  # argparse's exit (--help, a usage error) too
+        for stream in (sys.stdout, sys.stderr):  # what they hold, which Python's exit would have written:
+            # none (pythonw), closed, or a full disk, which that exit then says
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                stream.flush()
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if interrupted:
+                os.kill(os.getpid(), signal.SIGINT)  # at once, as one that comes after this
+
+
 def _one_line(message: str) -> str:
     """An error as one line, a file name in it as typed: its control characters escaped (-i $'a\\nb.en' split
     the line in two) and its undecodable bytes as \\xff (shown as the surrogate \\udcff)."""
@@ -1166,4 +1191,4 @@ def _run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point())

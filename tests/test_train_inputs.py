@@ -162,6 +162,16 @@ def test_train_config_rejects_numbers_that_cannot_train(changes):
         TrainConfig(**changes)
 
 
+def test_a_negative_count_is_told_what_its_own_zero_means():
+    """One "(0 = no limit / off)" served all five: train.threads=-1 read that 0 turned threads off, where
+    it is PyTorch's default."""
+    for name, zero in [("threads", "PyTorch's default"), ("max_updates", "no limit"),
+                       ("max_epochs", "no limit"), ("patience", "never stop early"),
+                       ("bleu_every", "no validation BLEU")]:
+        with pytest.raises(ConfigError, match=rf"^train.{name}=-1 must be >= 0 \(0 = {zero}\)$"):
+            TrainConfig(**{name: -1})
+
+
 def test_train_config_keeps_zero_as_off():
     config = TrainConfig(lr_scale=0.0, max_updates=0, max_minutes=0.0, patience=0, clip_norm=0.0)
     assert config.max_updates == 0

@@ -125,6 +125,12 @@ def _control_character(value: str) -> str | None:
     return f"holds {found}, which no path should have{escape}"
 
 
+# [train]'s counts, and what 0 means for each (as its field's comment says): one "0 = no limit / off"
+# told train.threads=-1 that 0 turned threads off, where it is PyTorch's default
+COUNTS_ZERO_MEANS = {"max_updates": "no limit", "max_epochs": "no limit", "patience": "never stop early",
+                     "threads": "PyTorch's default", "bleu_every": "no validation BLEU"}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The paper's recipe (section 5) and the loop's bookkeeping."""
@@ -210,9 +216,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 problems.append(f"train.{name}={value} must be a finite number >= 0")
-        for name in ("max_updates", "max_epochs", "patience", "threads", "bleu_every"):  # 0 = off
+        for name, zero in COUNTS_ZERO_MEANS.items():
             if getattr(self, name) < 0:
-                problems.append(f"train.{name}={getattr(self, name)} must be >= 0 (0 = no limit / off)")
+                problems.append(f"train.{name}={getattr(self, name)} must be >= 0 (0 = {zero})")
         if self.threads > MAX_THREADS:  # torch.set_num_threads overflowed, libgomp crashed
             problems.append(f"train.threads={self.threads} is more than {MAX_THREADS:,}")
         if not -MAX_SEED <= self.seed <= MAX_SEED:  # else: an overflow traceback once training starts

@@ -191,6 +191,23 @@ def test_a_checkpoint_saved_on_a_signal_is_left_out_of_the_last_k(tmp_path, toke
     assert json.loads((alone / "meta.json").read_text())["averaged"] == [str(signal)]
 
 
+def test_fewer_checkpoints_than_asked_for_are_counted_in_words_that_fit(tmp_path, tokenizers, caplog):
+    """A run that had saved one checkpoint, averaged with --last 2: "only 1 checkpoints, averaging those",
+    then "averaged 1 checkpoints"."""
+    first, _ = tokenizers
+    save(tmp_path / "run" / "checkpoints" / "step_000010", first, step=10)
+    with caplog.at_level(logging.INFO):
+        out = average_last(tmp_path / "run", 2)
+    assert f"{tmp_path / 'run'}: only 1 checkpoint where 2 were asked for; averaging that one" in caplog.text
+    assert f"averaged 1 checkpoint into {out}" in caplog.text
+    save(tmp_path / "run" / "checkpoints" / "step_000020", first, step=20)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        out = average_last(tmp_path / "run", 3)
+    assert "only 2 checkpoints where 3 were asked for; averaging those" in caplog.text
+    assert f"averaged 2 checkpoints into {out}" in caplog.text
+
+
 def test_a_checkpoint_a_killed_save_left_moved_aside_is_named_not_skipped(tmp_path, tokenizers):
     """A kill between the two renames of a re-save left step_N only as .step_N.aiayn-old, out of the
     listing until the run's next `aiayn train` puts it back: --last 2 averaged the two before it, silently."""

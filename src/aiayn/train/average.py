@@ -166,8 +166,13 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     # --force replaces a training checkpoint too (save_checkpoint refuses one, for a resave in place); the
     # rest is checked again at the write (files may have come in the minutes this took)
     saved = save_checkpoint(out, last.model, last.tokenizer, meta, replace_training_state=force)
-    log.info("averaged %d checkpoints into %s", len(paths), saved)  # after: a failed write is not reported
+    log.info("averaged %s into %s", _checkpoints(len(paths)), saved)  # after: a failed write is not reported
     return saved
+
+
+def _checkpoints(n: int) -> str:
+    """'1 checkpoint', '3 checkpoints' ("averaged 1 checkpoints" was said of a run that had saved one)."""
+    return f"{n} checkpoint{'s' * (n != 1)}"
 
 
 def check_same_model(paths: list[Path], metas: list[dict]) -> None:
@@ -277,7 +282,8 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
         if not found:
             raise UserError(f"{run_dir}: no checkpoints found{_wrong_directory_hint(run_dir)}")
         if len(found) < k and attempt == 0:
-            log.warning("%s: only %d checkpoints, averaging those", run_dir, len(found))
+            log.warning("%s: only %s where %d were asked for; averaging %s", run_dir,
+                        _checkpoints(len(found)), k, "that one" if len(found) == 1 else "those")
         chosen = found[-k:]
         if attempt == 0:
             _warn_out_of_window(chosen)

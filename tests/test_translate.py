@@ -703,6 +703,9 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
              (["--early-stopping", "--beam", "1"], "--early-stopping needs beam > 1, not 1"),
              (["--early-stopping", "--sample"], "--early-stopping needs beam > 1, not 1"),
              (["--lenpen", "1", "--lenpen-kind", "none"], "--lenpen 1.0 has no effect with --lenpen-kind"),
+             # greedy search and one sample a line rank nothing: alpha was accepted and changed nothing
+             (["--lenpen", "2", "--beam", "1"], "--lenpen 2.0 has no effect with one output a line and no beam"),
+             (["--lenpen", "2", "--sample"], "--lenpen 2.0 has no effect with one output a line and no beam"),
              (["--int8", "--device", "cuda"], "int8 (--int8) is a CPU path"),
              # it said "drop it or dtype 'bfloat16'", naming no flag
              (["--int8", "--dtype", "bfloat16"],
@@ -716,6 +719,8 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
         assert message in err and err.count("\n") == 1, err
         assert "DecodeConfig" not in err and not re.search(r"\b[a-z_]+=", err), err  # named as the flags were
     assert main(["translate", str(checkpoint), "-i", str(src), "-q", "--lenpen-kind", "none"]) == 0  # alone
+    for ranked in (["--beam", "2"], ["--sample", "--n-best", "2"], ["--beam", "2", "--n-best", "2"]):
+        assert main(["translate", str(checkpoint), "-i", str(src), "-q", "--lenpen", "2", *ranked]) == 0, ranked
     src.write_bytes(b"fine\nbad\0byte\n")
     assert main(["translate", str(checkpoint), "-i", str(src), "-q"]) == 2
     assert f"{src}:2: NUL byte (binary or corrupt input?)" in capsys.readouterr().err

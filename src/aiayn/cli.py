@@ -335,6 +335,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
     options.update({k: v for k, v in given.items() if v is not None})
     with _settings_as_flags():
         chosen = decode_config(**options)  # a contradiction (n_best > beam...) fails before any loading
+    if args.lenpen is not None and chosen.beam == 1 and chosen.n_best == 1:  # as --lenpen-kind none's
+        raise UserError(f"--lenpen {args.lenpen} has no effect with one output a line and no beam (greedy "
+                        "search and sampling rank nothing; --n-best's SCORE uses it): drop it")
     if args.compile and chosen.beam > 1:  # else 10-40 s of compiling for a step beam search never takes
         beam = f"--beam {chosen.beam}" if args.beam is not None else f"beam {chosen.beam}, the default"
         raise UserError(f"--compile compiles the step of greedy search and sampling; beam search ({beam}) "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -176,15 +177,24 @@ def from_dict(cls: type, values: Mapping[str, Any], where: str = "") -> Any:
         raise ConfigError(f"{cls.__name__}: {e}") from None
 
 
-def check_types(obj: Any) -> None:
-    """Raise ConfigError if a dataclass field's value does not match its annotation."""
+def check_types(obj: Any, paths: tuple[str, ...] = ()) -> None:
+    """Raise ConfigError if a dataclass field's value does not match its annotation. The str fields named
+    in `paths` also take an os.PathLike (`TrainConfig(run_dir=Path("x"))` was refused), kept as its str:
+    the config is still written to meta.json and TOML as it was, and equals one read from a file."""
+    for name in paths:
+        if isinstance(value := getattr(obj, name), os.PathLike):
+            object.__setattr__(obj, name, os.fspath(value))  # frozen: settled once, as it is made
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, hint = getattr(obj, f.name), hints[f.name]
         if not matches_type(value, hint):
-            raise ConfigError(
-                f"{type(obj).__name__}.{f.name}={value!r} has type {type(value).__name__}, expected {hint}"
-            )
+            raise ConfigError(f"{type(obj).__name__}.{f.name}={value!r} has type {type(value).__name__}, "
+                              f"expected {type_name(hint)}")
+
+
+def type_name(hint: Any) -> str:
+    """A type annotation as its code writes it: `str`, `int | None` (a class printed as <class 'str'>)."""
+    return hint.__name__ if isinstance(hint, type) else str(hint)
 
 
 def matches_type(value: Any, hint: Any) -> bool:

@@ -71,7 +71,7 @@ class DemoConfig:
     # model and figures differ from the CPU's)
 
     def __post_init__(self) -> None:
-        check_types(self)
+        check_types(self, ("out",))
         # `--out=~/x` and a quoted '~/x' come unexpanded: the corpus went to ./~/x/data while training,
         # which expands its paths (train/config.py:_settle_paths), read ~/x/data. One path throughout.
         object.__setattr__(self, "out", os.path.expanduser(self.out))  # frozen: settled once, as it is made

@@ -40,6 +40,7 @@ TOKENIZER_SETTINGS = ("vocab_size", "spm_type", "shared_vocab", "normalization",
 DATA_FILES = ("train_src", "train_tgt", "valid_src", "valid_tgt")  # [data]'s paths of the corpus' files
 SPM_TYPES = ("bpe", "unigram")  # data.spm_type's values
 NORMALIZATIONS = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")  # SentencePiece's rule names
+TRAIN_PATHS = ("run_dir", "init_from")  # [train]'s paths
 SECTIONS = ("data", "model", "train")
 # A [model] setting named in ModelConfig's problems ("n_heads=8"); the tokenizer's are not [model]'s to set
 MODEL_KEY = re.compile(r"(?<![.\w])({})(?==)".format(
@@ -73,7 +74,7 @@ class DataConfig:
     # SentencePiece recommends 0.9995 for Chinese and Japanese (rarer characters become <unk>)
 
     def __post_init__(self) -> None:
-        check_types(self)
+        check_types(self, DATA_FILES)
         problems = []  # each naming its setting and value: a config file's reader says where it was written
         if self.spm_type not in SPM_TYPES:
             problems.append(f"data.spm_type={self.spm_type!r} is not 'bpe' or 'unigram'")
@@ -168,8 +169,8 @@ class TrainConfig:
     # tokenizer, a fresh optimizer and step 0; "" = a new model and a SentencePiece model trained here
 
     def __post_init__(self) -> None:
-        check_types(self)
-        _settle_paths(self, "train", ("run_dir", "init_from"))
+        check_types(self, TRAIN_PATHS)
+        _settle_paths(self, "train", TRAIN_PATHS)
         problems = []
         if self.precision not in PRECISIONS:
             problems.append(f"train.precision={self.precision!r} is not one of {PRECISIONS}")

@@ -10,7 +10,7 @@ import pytest
 
 from aiayn.config import ConfigError
 from aiayn.demo import DemoConfig
-from aiayn.train.config import DataConfig, RunConfig, TrainConfig
+from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config
 
 
 def test_path_settings_take_a_pathlib_path_and_keep_it_as_a_string():
@@ -28,3 +28,19 @@ def test_path_settings_take_a_pathlib_path_and_keep_it_as_a_string():
         TrainConfig(run_dir=3)
     with pytest.raises(ConfigError, match=r"^TrainConfig\.seed=2\.0 has type float, expected int$"):
         TrainConfig(seed=2.0)
+
+
+def test_problems_written_in_one_place_name_it_once(tmp_path):
+    """`--set model.d_model=33` named its item before each of its two problems; those of other places
+    keep theirs."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.preset=micro", "model.d_model=33"])
+    assert str(e.value) == ("--set 'model.d_model=33': model.d_model=33 is not divisible by model.n_heads=2; "
+                            "model.d_model=33 must be even for sinusoidal positions")
+    toml = tmp_path / "run.toml"
+    toml.write_text("[data]\nmax_len = 1\n[train]\nwarmup = 0\nmax_tokens = 0\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(toml, ["data.vocab_size=2"])
+    assert str(e.value) == (f"--set 'data.vocab_size=2': data.vocab_size=2 must be >= 8; {toml}:2: "
+                            f"data.max_len=1 must be >= 2; {toml}:5: train.max_tokens=0 must be >= 1; "
+                            f"{toml}:4: train.warmup=0 must be >= 1")

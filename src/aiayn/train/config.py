@@ -399,7 +399,7 @@ def run_config(values: dict[str, Any], where: str = "", written: str = "",
     except ConfigError as e:  # a value out of range or contradicting another: name where it was written
         written = written or where
         if origins is not None:  # "FILE with --set" blamed --set for a file's max_len = 1
-            raise ConfigError(*(_placed(problem, origins, written) for problem in e.problems)) from None
+            raise ConfigError(*_placed(e.problems, origins, written)) from None
         if not written or f" in {where}" in str(e) or str(e).startswith(f"{written}:"):  # named already
             raise
         raise ConfigError(f"{written}: {e}") from None
@@ -422,11 +422,15 @@ def _sections(values: dict[str, Any], where: str) -> tuple[DataConfig, TrainConf
 SETTING = re.compile(r"\b(?:data|model|train)\.\w+")  # a setting named in a problem: data.max_len
 
 
-def _placed(problem: str, origins: dict[str, str], fallback: str) -> str:
-    """`problem` after where the settings it names were written (both places for a contradiction between
-    a file's line and a --set), or `fallback` where it names none that was (defaults, a preset's)."""
-    places = dict.fromkeys(origins[name] for name in SETTING.findall(problem) if name in origins)
-    return f"{' and '.join(places) or fallback}: {problem}"
+def _placed(problems: tuple[str, ...], origins: dict[str, str], fallback: str) -> list[str]:
+    """Each of `problems` after where the settings it names were written (both places for a contradiction
+    between a file's line and a --set), or `fallback` where it names none that was (defaults, a preset's);
+    those of one place after it once: `--set model.d_model=33`'s two problems each repeated the item."""
+    placed: dict[str, list[str]] = {}
+    for problem in problems:
+        places = dict.fromkeys(origins[name] for name in SETTING.findall(problem) if name in origins)
+        placed.setdefault(" and ".join(places) or fallback, []).append(problem)
+    return [f"{place}: {'; '.join(said)}" for place, said in placed.items()]
 
 
 # A TOML key (bare or quoted) and a dotted path of them: tomllib gives no positions, so these find a key's

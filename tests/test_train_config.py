@@ -44,3 +44,38 @@ def test_problems_written_in_one_place_name_it_once(tmp_path):
     assert str(e.value) == (f"--set 'data.vocab_size=2': data.vocab_size=2 must be >= 8; {toml}:2: "
                             f"data.max_len=1 must be >= 2; {toml}:5: train.max_tokens=0 must be >= 1; "
                             f"{toml}:4: train.warmup=0 must be >= 1")
+
+
+@pytest.mark.parametrize("line, said", [
+    ('warmup = "4000"', ("[train] warmup = '4000' is a str, expected int; TOML numbers take no quotes: "
+                         "warmup = 4000")),
+    ("compile = 'true'", ("[train] compile = 'true' is a str, expected bool; TOML booleans take no quotes: "
+                          "compile = true")),
+    ("device = 0", "[train] device = 0 is an int, expected str; device is one of 'auto', 'cpu', 'cuda'"),
+    ("run_dir = 5", "[train] run_dir = 5 is an int, expected str; TOML strings need quotes: run_dir = \"5\""),
+    ("warmup = 'abc'", "[train] warmup = 'abc' is a str, expected int"),  # no number in quotes: no hint
+])
+def test_a_value_of_the_wrong_type_gets_the_hint_that_fits(tmp_path, line, said):
+    """A number in quotes was refused with no hint, where a name without them got one; a number where a
+    setting takes one of a few names was told to put it in quotes, which made it no name either."""
+    toml = tmp_path / "run.toml"
+    toml.write_text(f"[train]\n{line}\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(toml)
+    assert str(e.value) == f"{toml}:2: {said}"
+
+
+def test_a_preset_written_as_a_number_is_told_the_presets(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("[model]\npreset = 5\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(toml)
+    assert str(e.value) == (f"{toml}:2: [model] preset = 5 is an int, expected str; preset is one of 'base', "
+                            "'big', 'small', 'tiny', 'micro'")
+
+
+def test_a_set_number_in_quotes_is_told_to_drop_them():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ['train.warmup="4000"'])
+    assert str(e.value) == ("--set 'train.warmup=\"4000\"': '4000' is a str, expected int (TOML numbers take "
+                            "no quotes: train.warmup=4000)")

@@ -2527,7 +2527,8 @@ def test_set_drops_a_comment_after_a_bare_word_as_after_a_number():
 
 @pytest.mark.parametrize("where, content, sets, message", [
     ("file", "[train]\nmax_tokens = \"256\"\n", [],
-     r"bad\.toml:2: \[train\] max_tokens = '256' is a str, expected int$"),
+     (r"bad\.toml:2: \[train\] max_tokens = '256' is a str, expected int; TOML numbers take no quotes: "
+      r"max_tokens = 256$")),
     ("file", "[data]\nvocab_size = 200\n[train]\nrun_dir = 5\n", [],
      r'bad\.toml:4: \[train\] run_dir = 5 is an int, expected str; TOML strings need quotes: run_dir = "5"$'),
     # TOML's own writing, not Python's datetime.date(2024, 1, 1); quoted, a name, as --set takes it

@@ -27,8 +27,8 @@ except ImportError:  # Python 3.10: the same parser as the tomli package, a depe
     import tomli as tomllib
 
 from aiayn.config import (
-    MAX_THREADS, PRESETS, ConfigError, ModelConfig, check_types, from_dict, matches_type, model_config,
-    resolved_settings, to_dict,
+    ACTIVATIONS, MAX_THREADS, POSITIONS, PRESETS, ConfigError, ModelConfig, check_types, from_dict,
+    matches_type, model_config, resolved_settings, to_dict,
 )
 from aiayn.data.tokenizer import MIN_CHARACTER_COVERAGE
 from aiayn.errors import ESCAPED_CONTROLS, UserError, control_character, non_utf8_name
@@ -46,6 +46,13 @@ SECTIONS = ("data", "model", "train")
 MODEL_KEY = re.compile(r"(?<![.\w])({})(?==)".format(
     "|".join(name for name in ModelConfig.__dataclass_fields__ if name not in TOKENIZER_FIELDS)))
 PRECISIONS = ("fp32", "bf16", "fp16")
+SPM_TYPES = ("bpe", "unigram")
+NORMALIZATIONS = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")  # SentencePiece's rule names
+DEVICES = ("auto", "cpu", "cuda")
+# The string settings that take one of these names: a number written there needs no quotes but a name
+CHOICES = {"model.preset": tuple(PRESETS), "model.activation": ACTIVATIONS, "model.positions": POSITIONS,
+           "data.spm_type": SPM_TYPES, "data.normalization": NORMALIZATIONS, "train.precision": PRECISIONS,
+           "train.device": DEVICES}
 # train.seed's bound. torch takes seeds in [-2**63, 2**64 - 1], but `epoch_order` seeds its generator with
 # seed * 100_003 + epoch, so a seed must stay within 2**63 / 100_003 of 0: 2**46 is 7e13 (x 100_003 = 7.04e18).
 # The CPU's generator keeps a seed's low 32 bits (1 and 2**32 + 1 train alike there): `train` warns of a seed
@@ -174,7 +181,7 @@ class TrainConfig:
         problems = []
         if self.precision not in PRECISIONS:
             problems.append(f"train.precision={self.precision!r} is not one of {PRECISIONS}")
-        if self.device not in ("auto", "cpu", "cuda"):
+        if self.device not in DEVICES:
             problems.append(f"train.device={self.device!r} is not auto, cpu or cuda")
         for name in ("max_tokens", "update_freq", "warmup", "valid_every", "keep_last", "log_every"):
             if getattr(self, name) < 1:
@@ -651,7 +658,8 @@ def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
         for key, value in table.items():
             written = f"{place(f'{section}.{key}')}: [{section}] {key} = "
             if key in known and (problem := _type_problem(section, key, value, written)):
-                problems.append(problem + _quotes_needed(key, value, known[key]))
+                hint = _quotes_hint(section, key, value, known[key])
+                problems.append(problem + (f"; {hint}" if hint else ""))
     if problems:
         raise ConfigError(*problems)
 
@@ -674,12 +682,35 @@ def _homes(key: str, other_than: str = "") -> list[str]:
     return [f"[{section}]" for section in SECTIONS if section != other_than and key in _settable(section)]
 
 
-def _quotes_needed(key: str, value: Any, expected: Any) -> str:
-    """The quotes a file's number, date or boolean needs where a string setting goes: --set takes
-    `run_dir=2024-05-01` as a name (`parse_override`), a file a date, which was refused with no hint."""
-    if expected is not str or not isinstance(value, (int, datetime.date, datetime.time)):  # bool: an int
-        return ""
-    return f'; TOML strings need quotes: {key} = "{toml_value(value)}"'
+def _quotes_hint(section: str, key: str, value: Any, expected: Any) -> str | None:
+    """The quotes a file's number, date or boolean needs where a string setting goes (--set takes
+    `run_dir=2024-05-01` as a name, `parse_override`, a file a date, which was refused with no hint), or
+    the names such a setting takes (`preset = 5` was told to write "5", no preset either); the quotes a
+    number or boolean written as a string has to lose (`warmup = "4000"` was told nothing)."""
+    if expected is str and isinstance(value, (int, datetime.date, datetime.time)):  # bool: an int
+        if choices := CHOICES.get(f"{section}.{key}"):
+            return f"{key} is one of {', '.join(toml_value(c) for c in choices)}"
+        return f'TOML strings need quotes: {key} = "{toml_value(value)}"'
+    if (unquoted := _unquoted(value, expected)) is not None:
+        return f"TOML {_kind_in_toml(expected)} take no quotes: {key} = {unquoted}"
+    return None
+
+
+def _unquoted(value: Any, expected: Any) -> str | None:
+    """`value`, a string, as the TOML value of the type `expected` that it reads as without its quotes
+    ("4000" for an int), else None."""
+    if not isinstance(value, str) or matches_type(value, expected):
+        return None
+    try:
+        read = tomllib.loads(f"v = {value}")
+    except tomllib.TOMLDecodeError:
+        return None
+    fits = list(read) == ["v"] and not isinstance(read["v"], str) and matches_type(read["v"], expected)
+    return value.strip() if fits else None
+
+
+def _kind_in_toml(expected: Any) -> str:
+    return "booleans" if expected is bool else "numbers"
 
 
 def _outside_sections(where: str, key: str) -> str:
@@ -750,6 +781,8 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         # run_dir=[1] meant as a name, maybe (not d_model=[512]: a string is no number either)
         if expected is str and isinstance(value, (list, dict)) and "'" not in bare:
             hint = f"a name is a TOML string: {section}.{key}='{bare}'"
+        elif (unquoted := _unquoted(value, expected)) is not None:  # train.warmup='"4000"'
+            hint = f"TOML {_kind_in_toml(expected)} take no quotes: {section}.{key}={unquoted}"
         raise ConfigError(problem + (f" ({hint})" if hint else ""))
     return section, key, value
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from aiayn import cli
 from aiayn.config import ConfigError
 from aiayn.demo import DemoConfig
 from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config
@@ -79,3 +80,20 @@ def test_a_set_number_in_quotes_is_told_to_drop_them():
         load_config(None, ['train.warmup="4000"'])
     assert str(e.value) == ("--set 'train.warmup=\"4000\"': '4000' is a str, expected int (TOML numbers take "
                             "no quotes: train.warmup=4000)")
+
+
+def test_training_files_left_empty_are_named_where_they_were_emptied(tmp_path, capsys, monkeypatch):
+    """`--set data.train_src=` was refused as "data.train_src and data.train_tgt must name the training
+    files", naming neither the item nor the line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.toml").write_text("[data]\ntrain_src = 'a.de'\ntrain_tgt = ''\n", encoding="utf-8")
+    files = "data.train_src and data.train_tgt must name the training files"
+    for args, place in ((["--config", "run.toml"], "run.toml:3: "),
+                        (["--config", "run.toml", "--set", "data.train_src=", "--set", "data.train_tgt=b.en"],
+                         "--set 'data.train_src=': ")):
+        assert cli.main(["train", *args]) == 2
+        assert capsys.readouterr().err == f"aiayn: error: {place}{files}\n"
+    assert cli.main(["train", "--set", "data.train_src="]) == 2  # no config: with how to give them
+    said = capsys.readouterr().err
+    assert said.startswith(f"aiayn: error: --set 'data.train_src=': {files} (give --config ")
+    assert not (tmp_path / "runs").exists()

@@ -169,11 +169,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         config = load_config(args.config, args.set)
     except UserError as e:  # read alike by every process of a machine: said once there (it was said by each)
         raise SameOnEveryProcess(str(e)) from None
-    if args.config is None and not (config.data.train_src and config.data.train_tgt):
+    if args.config is None and (unnamed := config.unnamed_training_files()):
         # train's own refusal names the settings alone: `aiayn train` with no arguments never said --config
-        raise ConfigError("data.train_src and data.train_tgt must name the training files (give --config "
-                          "FILE, a TOML file such as configs/tiny.toml, or --set data.train_src=FILE "
-                          "--set data.train_tgt=FILE)")
+        raise ConfigError(f"{unnamed} (give --config FILE, a TOML file such as configs/tiny.toml, or --set "
+                          "data.train_src=FILE --set data.train_tgt=FILE)")
     result = train(config, resume=args.resume)
     # torchrun: rank 0 speaks; a closed stdout (pythonw, `>&-`) loses the summary, not days of training
     if not rank and not getattr(sys.stdout, "closed_at_start", False):

@@ -330,6 +330,14 @@ class RunConfig:
         place = self.written_at(setting, value)
         return ConfigError(f"{place}: {problem}" if place else problem)
 
+    def unnamed_training_files(self) -> str | None:
+        """The refusal of a run whose data.train_src or train_tgt is empty, after where that was written
+        (`--set data.train_src=` was not named), else None."""
+        empty = [f"data.{key}" for key in ("train_src", "train_tgt") if not getattr(self.data, key)]
+        if not empty:
+            return None
+        return f"{self.written_where(*empty)}data.train_src and data.train_tgt must name the training files"
+
     def given_data_keys(self) -> frozenset[str] | None:
         """The [data] keys a file or --set wrote (fine-tuning adopts the checkpoint's tokenizer settings for
         the others and compares these: vocab_size=8000 written was taken as unset), or None where that is

@@ -1272,8 +1272,8 @@ def _check_data_files(config: RunConfig) -> None:
     """Training files named, and every named corpus file there: a run.toml without them made train.run_dir
     and its lock before it was refused. (Process 0 reads them; the others take its encoded cache.)"""
     dc = config.data
-    if not dc.train_src or not dc.train_tgt:
-        raise ConfigError("data.train_src and data.train_tgt must name the training files")
+    if unnamed := config.unnamed_training_files():
+        raise ConfigError(unnamed)
     for name in DATA_FILES:
         if path := getattr(dc, name):
             _require_data_file(config, f"data.{name}", path)

@@ -4,6 +4,7 @@ there is told."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from aiayn import cli
 from aiayn.config import ConfigError
 from aiayn.demo import DemoConfig
+from aiayn.errors import UserError
 from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config
 
 
@@ -97,3 +99,21 @@ def test_training_files_left_empty_are_named_where_they_were_emptied(tmp_path, c
     said = capsys.readouterr().err
     assert said.startswith(f"aiayn: error: --set 'data.train_src=': {files} (give --config ")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_json_file_given_as_config_says_what_to_do_instead(tmp_path, monkeypatch):
+    """A run records its configuration only in its checkpoints' meta.json, and `--config` of one was "not
+    valid TOML (Invalid statement at column 1)", no more."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000020"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "meta.json").write_text('{"config": {"train": {"warmup": 10}}}\n', encoding="utf-8")
+    json_said = "not valid TOML (Invalid statement at column 1); --config takes a TOML file, and this is JSON"
+    with pytest.raises(UserError) as e:
+        load_config(checkpoint / "meta.json")
+    assert str(e.value) == (f"{checkpoint / 'meta.json'}:1: {json_said} (a checkpoint's meta.json: to "
+                            "continue its run, give the run's TOML file with --resume and "
+                            f"train.run_dir={tmp_path / 'run'}; to fine-tune from it, "
+                            f"train.init_from={checkpoint})")
+    (tmp_path / "run.cfg").write_text('{"train": {}}\n', encoding="utf-8")
+    with pytest.raises(UserError, match=rf"run\.cfg:1: {re.escape(json_said)}$"):
+        load_config(tmp_path / "run.cfg")

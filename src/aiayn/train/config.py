@@ -560,7 +560,24 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         lfs, lone_crs = raw.count(b"\n"), lone_cr_count(raw)
         if lone_crs > lfs:  # classic Mac line ends: tomllib's "Expected newline ... at column 8" of line 1
             raise cr_only_error(path, lfs, lone_crs) from None
-        raise UserError(_toml_error(path, text, str(e))) from None
+        raise UserError(_toml_error(path, text, str(e)) + _json_hint(path, text)) from None
+
+
+def _json_hint(path: Path, text: str) -> str:
+    """What to do instead with a JSON file given as --config, most likely a checkpoint's meta.json, the
+    one place a run records its configuration: it was "not valid TOML (Invalid statement at column 1)"."""
+    if not (text.lstrip().startswith("{") or path.suffix.lower() == ".json"):
+        return ""
+    hint = "; --config takes a TOML file, and this is JSON"
+    if path.name != "meta.json":
+        return hint
+    checkpoint, absolute = path.parent, Path(os.path.abspath(path.parent))
+    if checkpoint.parent.name != "checkpoints" and absolute.parent.name == "checkpoints":
+        checkpoint = absolute  # `--config meta.json` inside the checkpoint: its run named
+    run = (f"train.run_dir={checkpoint.parent.parent}" if checkpoint.parent.name == "checkpoints"
+           else "train.run_dir its run's directory")
+    return (f"{hint} (a checkpoint's meta.json: to continue its run, give the run's TOML file with --resume "
+            f"and {run}; to fine-tune from it, train.init_from={checkpoint})")
 
 
 def _toml_error(path: Path, text: str, message: str) -> str:

@@ -254,8 +254,9 @@ def test_a_refusal_blames_what_was_written_not_the_checkpoints_settings(aiayn_ch
     ck = only_checkpoint(tmp_path / "run")
     sets = settings(src, tgt, tmp_path / "run2", ck, "model.share_embeddings=true")
     # named where it was written, as load_config's own refusals are ("run.toml:3: ...")
-    refusal = (rf"^--set 'model.share_embeddings=true': model.share_embeddings=True differs from "
-               rf"{re.escape(str(ck))}'s False; with train.init_from")
+    # as TOML writes them (True and False were Python's)
+    refusal = (rf"^--set 'model.share_embeddings=true': model.share_embeddings=true differs from "
+               rf"{re.escape(str(ck))}'s false; with train.init_from")
     with pytest.raises(ConfigError, match=refusal + " only model.dropout may be set"):
         train(load_config(None, sets))
     assert not (tmp_path / "run2").exists()  # refused before it wrote anything: no empty run_dir left

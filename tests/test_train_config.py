@@ -4,16 +4,21 @@ there is told."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from aiayn import cli
 from aiayn.config import ConfigError
+from aiayn.data.dataset import refuse_other_tokenizer_settings, tokenizer_setting_changes
 from aiayn.demo import DemoConfig
 from aiayn.errors import UserError
+from aiayn.train import loop
 from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config
+from aiayn.train.distributed import Dist
 
 
 def test_path_settings_take_a_pathlib_path_and_keep_it_as_a_string():
@@ -117,3 +122,21 @@ def test_a_json_file_given_as_config_says_what_to_do_instead(tmp_path, monkeypat
     (tmp_path / "run.cfg").write_text('{"train": {}}\n', encoding="utf-8")
     with pytest.raises(UserError, match=rf"run\.cfg:1: {re.escape(json_said)}$"):
         load_config(tmp_path / "run.cfg")
+
+
+def test_values_are_said_as_toml_writes_them(tmp_path, caplog):
+    """Refusals and notes said Python's True, False and None where the user writes TOML's true and false
+    ("data.shared_vocab was True, now False; set data.shared_vocab=true")."""
+    saved, now = {"shared_vocab": True, "spm_type": "bpe"}, {"shared_vocab": False, "spm_type": "unigram"}
+    assert tokenizer_setting_changes(saved, now) == ["data.shared_vocab was true, now false",
+                                                     "data.spm_type was 'bpe', now 'unigram'"]
+    with pytest.raises(UserError, match=r"; set data\.shared_vocab=true and data\.spm_type='bpe', or use"):
+        refuse_other_tokenizer_settings(tmp_path, saved, now)
+    toml = tmp_path / "run.toml"
+    toml.write_text("model = true\n[data]\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r":1: model = true is not a table; write a \[model\] section$"):
+        load_config(toml)
+    config = load_config(None, ["train.compile=true"])
+    with caplog.at_level(logging.INFO):
+        loop._say_changed_settings(tmp_path, {"compile": False}, config, Dist(0, 1, 0, torch.device("cpu")))
+    assert caplog.messages == [f"{tmp_path}: trained with train.compile=false, resumed with true"]

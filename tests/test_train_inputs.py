@@ -1969,7 +1969,7 @@ def test_a_tokenizer_left_by_a_failed_run_is_reused_only_for_the_same_data(tmp_p
     for extra, message in [
         (["data.vocab_size=50"], "data.vocab_size was 40, now 50"),
         (["data.spm_type=unigram"], "data.spm_type was 'bpe', now 'unigram'"),
-        (["data.shared_vocab=false"], "data.shared_vocab was True, now False"),
+        (["data.shared_vocab=false"], "data.shared_vocab was true, now false"),
         ([f"data.train_src={other_src}"], "data.train_src=.*other.de is not the .*train.de it was trained on"),
         ([f"data.train_tgt={other_tgt}"], "data.train_tgt=.*other.en is not the .*train.en"),
     ]:
@@ -2008,7 +2008,7 @@ def test_resume_refuses_other_tokenizer_settings_and_names_another_corpus(finish
     for change, message in [(dict(vocab_size=50),
                              "data.vocab_size was 40, now 50\\); set data.vocab_size=40"),
                             (dict(spm_type="unigram"),
-                             "data.spm_type was 'bpe', now 'unigram'\\); set data.spm_type=\"bpe\"")]:
+                             "data.spm_type was 'bpe', now 'unigram'\\); set data.spm_type='bpe'")]:
         with pytest.raises(UserError, match=f"--resume keeps the tokenizer its checkpoints were trained with "
                                             f"\\({message}, or use a new train.run_dir$"):
             train(replace(config, data=replace(config.data, **change)), resume=True)

@@ -44,6 +44,7 @@ from aiayn.data.tokenizer import (
 from aiayn.errors import UserError
 from aiayn.files import atomic_output, fsync_dir, fsync_file, new_file_mode, require_file, temporary_path
 from aiayn.model.transformer import target_positions
+from aiayn.train.config import toml_value
 from aiayn.train.progress import throttled_progress
 
 log = logging.getLogger(__name__)
@@ -1280,7 +1281,7 @@ def refuse_other_tokenizer_settings(where: Path, saved: dict, inputs: dict, writ
     of a default, and of a change dropped the default was refused again."""
     settings = tokenizer_setting_changes(saved, inputs, defaults)
     if settings:
-        trained = " and ".join(f"data.{key}={json.dumps(_trained_value(saved, key))}"
+        trained = " and ".join(f"data.{key}={toml_value(_trained_value(saved, key))}"
                                for key in _changed_settings(saved, inputs))
         raise UserError(f"{written}{where}: --resume keeps the tokenizer its checkpoints were trained with "
                         f"({'; '.join(settings)}); set {trained}, or use a new train.run_dir")
@@ -1289,8 +1290,9 @@ def refuse_other_tokenizer_settings(where: Path, saved: dict, inputs: dict, writ
 def tokenizer_setting_changes(saved: dict, inputs: dict, defaults: Iterable[str] = ()) -> list[str]:
     """Each tokenizer setting of `inputs` (`tokenizer_inputs`) that differs from `saved`, named; those of
     `defaults` said to be the default ("now the default 8000")."""
-    return [f"data.{key} was {_trained_value(saved, key)!r}, now {'the default ' * (key in defaults)}"
-            f"{inputs[key]!r}" for key in _changed_settings(saved, inputs)]
+    return [f"data.{key} was {toml_value(_trained_value(saved, key))}, now "
+            f"{'the default ' * (key in defaults)}{toml_value(inputs[key])}"
+            for key in _changed_settings(saved, inputs)]
 
 
 def _changed_settings(saved: dict, inputs: dict) -> list[str]:

@@ -292,9 +292,9 @@ class RunConfig:
         checkpoint's) in [0, 1)."""
         preset, dropout = self.model.get("preset"), self.model.get("dropout", 0.0)
         if preset is not None and (not isinstance(preset, str) or preset not in PRESETS):
-            raise ConfigError(f"model.preset={preset!r} is not one of {sorted(PRESETS)}")
+            raise ConfigError(f"model.preset={toml_value(preset)} is not one of {sorted(PRESETS)}")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-            raise ConfigError(f"model.dropout={dropout!r} is not in [0, 1)")
+            raise ConfigError(f"model.dropout={toml_value(dropout)} is not in [0, 1)")
 
     def written_at(self, setting: str, value: Any) -> str | None:
         """Where `setting` ("data.max_len") was written, if it still has the `value` written there (a
@@ -349,7 +349,7 @@ class RunConfig:
         values = dict(self.model)
         preset = values.pop("preset", "base")
         if not isinstance(preset, str) or preset not in PRESETS:
-            raise ConfigError(f"model.preset={preset!r} is not one of {sorted(PRESETS)}")
+            raise ConfigError(f"model.preset={toml_value(preset)} is not one of {sorted(PRESETS)}")
         try:
             return model_config(preset, **values, **tokenizer_fields)
         except ConfigError as e:  # "dropout=1.5 ..." named as [model] writes it, for `run_config` to place;
@@ -381,16 +381,17 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
     mine = resolved_settings({**asdict(saved), **values})
     for key, value in values.items():
         if key != "dropout" and mine[key] != theirs[key]:
-            raise config.refusal(f"model.{key}", value, f"model.{key}={value!r} differs from {where}'s "
-                                 f"{theirs[key]!r}; with train.init_from only model.dropout may be set")
+            raise config.refusal(f"model.{key}", value, f"model.{key}={toml_value(value)} differs from "
+                                 f"{where}'s {toml_value(theirs[key])}; with train.init_from only "
+                                 "model.dropout may be set")
     if preset is not None:  # a known one (`RunConfig._check_finetune_keys`)
-        differ = [f"{key}={value!r} (the checkpoint's: {theirs[key]!r})"  # keys [model] leaves to it
-                  for key, value in PRESETS[preset].items()
+        differ = [f"{key}={toml_value(value)} (the checkpoint's: {toml_value(theirs[key])})"  # keys [model]
+                  for key, value in PRESETS[preset].items()  # leaves to it
                   if key != "dropout" and key not in values and theirs[key] != value]
         if differ:
-            raise config.refusal("model.preset", preset, f"model.preset={preset!r} has {', '.join(differ)}; "
-                                 f"with train.init_from the model is {where}'s: remove the preset or name "
-                                 "the checkpoint's")
+            raise config.refusal("model.preset", preset, f"model.preset={toml_value(preset)} has "
+                                 f"{', '.join(differ)}; with train.init_from the model is {where}'s: remove "
+                                 "the preset or name the checkpoint's")
     if (max_len := config.data.max_len) > saved.max_len:
         raise config.refusal("data.max_len", max_len, f"{config.shown('data.max_len', max_len)} is longer "
                              f"than {where}'s max_len={saved.max_len}; set data.max_len <= {saved.max_len}")
@@ -748,7 +749,7 @@ def _outside_sections(where: str, key: str) -> str:
 
 
 def _not_a_table(where: str, section: str, value: Any) -> str:
-    return f"{where}: {section} = {value!r} is not a table; write a [{section}] section"
+    return f"{where}: {section} = {toml_value(value)} is not a table; write a [{section}] section"
 
 
 def _key_types(section: str) -> dict[str, Any]:

@@ -1574,7 +1574,8 @@ def _say_changed_settings(checkpoint: Path, trained: dict[str, Any] | None, conf
     for key in RESUME_CHANGES + (BUDGETS if cooled else ()) + scored:
         saved, now = (trained or {}).get(key), getattr(config.train, key)
         if saved is not None and saved != now and d.is_main:
-            log.info("%s: trained with train.%s=%r, resumed with %r", checkpoint, key, saved, now)
+            log.info("%s: trained with train.%s=%s, resumed with %s", checkpoint, key, toml_value(saved),
+                     toml_value(now))
 
 
 def _say_other_threads(checkpoint: Path, meta: dict[str, Any], trained: dict[str, Any] | None, threads: int,

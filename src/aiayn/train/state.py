@@ -45,6 +45,7 @@ from aiayn.checkpoint import (
 from aiayn.config import ModelConfig, resolved_settings, to_dict
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import CorruptFile, UserError
+from aiayn.train.config import toml_value
 from aiayn.train.distributed import Dist
 
 log = logging.getLogger(__name__)
@@ -534,8 +535,8 @@ def check_compatible(path: Path, config: ModelConfig, places: Mapping[str, str] 
                    "train.run_dir" if key == "dropout" else "")
             place = (places or {}).get(key, "")
             raise UserError(
-                f"{place}{path}: checkpoint from an incompatible model ({key}={theirs[key]!r}, "
-                f"this run has {value!r}); --resume keeps the model's settings{how}"
+                f"{place}{path}: checkpoint from an incompatible model ({key}={toml_value(theirs[key])}, "
+                f"this run has {toml_value(value)}); --resume keeps the model's settings{how}"
             )
 
 

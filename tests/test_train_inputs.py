@@ -2830,6 +2830,28 @@ def test_another_validation_set_on_resume_starts_the_best_loss_again(finished_ru
     assert state["best_step"] == 8 and state["valid_digest"] != best["valid_digest"]  # on the new set
 
 
+def test_a_validation_set_dropped_or_changed_on_resume_is_said(finished_run, tmp_path, caplog):
+    """Resumed without its validation set, a run went on unvalidated without a word, where another warmup
+    or thread count is said; another set's files are said too (its pairs also restart the best loss)."""
+    config = copy_run(finished_run, tmp_path)
+    checkpoint = Path(config.train.run_dir) / "checkpoints" / "step_000004"
+    valid = f"data.valid_src={config.data.valid_src!r}, data.valid_tgt={config.data.valid_tgt!r}"
+    unvalidated = replace(config, data=replace(config.data, valid_src="", valid_tgt=""))
+    with caplog.at_level(logging.INFO):
+        train(with_train(unvalidated, max_updates=5), resume=True)
+    dropped = f"trained with the validation set {valid}, resumed without one: no validation from here"
+    assert [m for m in caplog.messages if ": trained with" in m] == [f"{checkpoint}: {dropped}"]
+    caplog.clear()
+    said, main = [], distributed.Dist(0, 1, 0, torch.device("cpu"))
+    for data in ({"valid_src": "", "valid_tgt": ""}, {"valid_src": "a.de", "valid_tgt": "a.en"},
+                 {"valid_src": config.data.valid_src, "valid_tgt": config.data.valid_tgt}):
+        with caplog.at_level(logging.INFO):
+            loop._say_other_validation(checkpoint, data, config, main)
+        said.append([m.removeprefix(f"{checkpoint}: ") for m in caplog.messages])
+        caplog.clear()
+    assert said == [[f"trained without a validation set, resumed with {valid}"],
+                    [f"trained with data.valid_src='a.de', data.valid_tgt='a.en', resumed with {valid}"], []]
+
 def test_a_config_without_training_files_leaves_no_run_dir(tmp_path):
     """The run directory and its lock were made before the refusal."""
     config, _ = tiny_config(tmp_path, tmp_path / "run")

@@ -1578,6 +1578,36 @@ def _say_changed_settings(checkpoint: Path, trained: dict[str, Any] | None, conf
                      toml_value(now))
 
 
+def _say_other_validation(checkpoint: Path, data: dict[str, Any] | None, config: RunConfig, d: Dist) -> None:
+    """Another validation set on --resume, or none, is said, as other settings are: dropped, the run went on
+    without validating, unsaid (another set's pairs restart the best loss, `_same_validation`)."""
+    files = ("valid_src", "valid_tgt")
+    saved = [(data or {}).get(key) for key in files]
+    now = [getattr(config.data, key) for key in files]
+    if not d.is_main or not all(isinstance(path, str) for path in saved) or all(map(_same_file, saved, now)):
+        return
+    trained, resumed = (", ".join(f"data.{key}={toml_value(path)}" for key, path in zip(files, paths))
+                        for paths in (saved, now))
+    if not any(now):
+        log.info("%s: trained with the validation set %s, resumed without one: no validation from here",
+                 checkpoint, trained)
+    elif not any(saved):
+        log.info("%s: trained without a validation set, resumed with %s", checkpoint, resumed)
+    else:
+        log.info("%s: trained with %s, resumed with %s", checkpoint, trained, resumed)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` ("" = none) name one file: as written, or, where both are there, the same
+    file (from another directory a resume writes a relative path otherwise)."""
+    if not a or not b:
+        return a == b
+    try:
+        return os.path.normpath(a) == os.path.normpath(b) or os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _say_other_threads(checkpoint: Path, meta: dict[str, Any], trained: dict[str, Any] | None, threads: int,
                        d: Dist) -> None:
     """Another number of CPU threads on --resume sums in another order (the weights then differ from an
@@ -1605,6 +1635,7 @@ def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> dict[
         check_named_step(checkpoint, meta["step"])  # tokenizer, or its model, and never said to be one
     trained, data = config_section(meta, "train"), config_section(meta, "data")
     _say_changed_settings(checkpoint, trained, config, d)
+    _say_other_validation(checkpoint, data, config, d)
     _say_other_threads(checkpoint, meta, trained, config.train.threads, d)
     _check_same_batches(checkpoint, trained, data, config, d)
     # One resumed without its init_from, or a run that fine-tuned none resumed with one, is refused by

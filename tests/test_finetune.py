@@ -367,10 +367,10 @@ def test_a_fine_tune_resumed_with_another_dropout_is_refused_before_the_data_wor
     caplog.clear()  # the first run's lines (its pairs dropped as too long, a warning)
     with caplog.at_level("INFO", logger="aiayn"), pytest.raises(UserError) as e:
         train(load_config(None, [*sets, "model.dropout=0.3", "train.max_updates=2"]), resume=True)
-    assert str(e.value) == (f"--set 'model.dropout=0.3': {checkpoint}: checkpoint from an incompatible model "
-                            "(dropout=0.2, this run has 0.3); --resume keeps the model's settings; to train "
-                            "on with another, fine-tune from the checkpoint (train.init_from) in another "
-                            "train.run_dir")
+    assert str(e.value) == (f"--set 'model.dropout=0.3': {checkpoint}: trained with model.dropout=0.2 "
+                            "(resumed with 0.3); --resume continues the run with its model: set it as "
+                            "trained, or use a new train.run_dir; to train on with another dropout, "
+                            "fine-tune from the checkpoint (train.init_from) in another train.run_dir")
     assert "training pairs" not in caplog.text
     assert train(load_config(None, [*sets, "train.max_updates=2"]), resume=True)["step"] == 2
 

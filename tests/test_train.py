@@ -305,14 +305,14 @@ def test_bad_inputs_give_one_line(tmp_path, capsys):
     code, line = run_cli(capsys, "train", *args)
     assert code == 2 and "already holds checkpoints; pass --resume" in line
     code, line = run_cli(capsys, "train", *args, "--resume", "--set", "model.d_model=64")
-    assert code == 2 and "checkpoint from an incompatible model (d_model=32, this run has 64)" in line
+    assert code == 2 and "trained with model.d_model=32 (resumed with 64); --resume continues" in line
     # what the saved None means, written out: the same model (refused as n_decoder_layers=None against 1)
     assert run_cli(capsys, "train", *args, "--resume", "--set", "model.n_decoder_layers=1")[0] == 0
     code, line = run_cli(capsys, "train", *args, "--resume", "--set", "model.dropout=0.0")
-    assert code == 2 and "(dropout=0.1, this run has 0.0); --resume keeps the model's settings; to train" in line
+    assert code == 2 and "trained with model.dropout=0.1 (resumed with 0.0); --resume continues" in line
     assert line.endswith("fine-tune from the checkpoint (train.init_from) in another train.run_dir")
-    for setting, message in (("train.seed=7", "trained with train.seed=1, resumed with 7; keep it"),
-                             ("data.max_len=20", "trained with data.max_len=32, resumed with 20; keep it")):
+    for setting, message in (("train.seed=7", "trained with train.seed=1 (resumed with 7); --resume"),
+                             ("data.max_len=20", "trained with data.max_len=32 (resumed with 20); --resume")):
         # another batch order or other pairs: the saved position in the epoch would train some batches
         # twice and skip others, silently
         code, line = run_cli(capsys, "train", *args, "--resume", "--set", setting, "--set", "train.max_updates=4")

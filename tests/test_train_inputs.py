@@ -1029,20 +1029,24 @@ def test_resume_refuses_another_update_shape(finished_run, tmp_path, change):
     """The saved position counts updates of processes x update_freq batches of max_tokens: another shape
     trained part of the epoch twice (or skipped it), silently."""
     config = copy_run(finished_run, tmp_path)
-    with pytest.raises(UserError, match=r"saved by 1 process\(es\) x train.update_freq=1 batches of "
-                                        r"train.max_tokens=64, resumed with 1 x \d of \d+; keep processes"):
+    (key, value), = change.items()
+    with pytest.raises(UserError, match=rf": trained with train\.{key}={1 if key == 'update_freq' else 64} "
+                                        rf"\(resumed with {value}\); --resume continues the run with its "
+                                        r"batches \(the saved position in the epoch counts them\)"):
         train(with_train(config, max_updates=6, **change), resume=True)
     assert train(with_train(config, max_updates=5), resume=True)["step"] == 5
 
 
 @pytest.mark.parametrize("items, message", [
-    (["train.seed=7"], "--set 'train.seed=7': {ck}: trained with train.seed=1, resumed with 7; keep it"),
-    (["data.max_len=20"], "--set 'data.max_len=20': {ck}: trained with data.max_len=32, resumed with 20"),
+    (["train.seed=7"], "--set 'train.seed=7': {ck}: trained with train.seed=1 (resumed with 7); "),
+    (["data.max_len=20"], "--set 'data.max_len=20': {ck}: trained with data.max_len=32 (resumed with 20)"),
     (["train.max_tokens=128", "train.update_freq=2"], ("--set 'train.update_freq=2' and --set "
-     "'train.max_tokens=128': {ck}: saved by 1 process(es) x train.update_freq=1 batches of")),
-    (["model.d_ff=128"], "--set 'model.d_ff=128': {ck}: checkpoint from an incompatible model (d_ff=64, "),
-    (["model.preset=tiny"], ("--set 'model.preset=tiny': {ck}: checkpoint from an incompatible model "
-     "(d_model=32, this run has 128)")),
+     "'train.max_tokens=128': {ck}: trained with train.update_freq=1 (resumed with 2), train.max_tokens=64 "
+     "(resumed with 128); ")),
+    (["model.d_ff=128"], "--set 'model.d_ff=128': {ck}: trained with model.d_ff=64 (resumed with 128); "),
+    (["model.preset=tiny"], ("--set 'model.preset=tiny': {ck}: trained with model.d_model=32, "
+     "model.n_heads=2, model.d_ff=64, model.n_layers=1 (resumed with 128, 4, 512 and 2 from "
+     "model.preset='tiny'); ")),
 ])
 def test_resume_refusals_name_where_the_change_was_written(finished_run, tmp_path, monkeypatch, items,
                                                           message):
@@ -1059,6 +1063,47 @@ def test_resume_refusals_name_where_the_change_was_written(finished_run, tmp_pat
     with pytest.raises(UserError) as refused:
         train(config, resume=True)
     assert str(refused.value).startswith(message.format(ck=checkpoint_dirs(tmp_path / "run")[-1]))
+
+
+def test_a_resume_that_changes_several_settings_names_them_all_in_one_line(finished_run, tmp_path,
+                                                                          monkeypatch):
+    """Each was refused alone, one per try: without the run's config, max_len, then max_tokens, then the
+    model (its d_model alone, of four settings the preset changed), then vocab_size, the first said as
+    "resumed with 256", not as the default it was."""
+    d, _, sets = finished_run
+    shutil.copytree(d / "run", tmp_path / "run")
+    files = [s for s in sets if s.startswith(("data.train_", "data.valid_"))]
+    monkeypatch.setattr(loop, "prepare_data", lambda *a, **k: pytest.fail("refused after the data work"))
+    with pytest.raises(UserError) as e:
+        train(load_config(None, [*files, f"train.run_dir={tmp_path / 'run'}", "train.device=cpu",
+                                 "train.seed=3", "model.norm_first=true"]), resume=True)
+    checkpoint = checkpoint_dirs(tmp_path / "run")[-1]
+    assert str(e.value) == (
+        f"--set 'train.seed=3' and --set 'model.norm_first=true': {checkpoint}: trained with train.seed=1 "
+        "(resumed with 3), data.max_len=32 (resumed with the default 256), train.max_tokens=64 (resumed with "
+        "the default 4096), model.d_model=32, model.n_heads=2, model.d_ff=64, model.n_layers=1 (resumed with "
+        "512, 8, 2048 and 6 from the default model.preset='base'), model.norm_first=false (resumed with "
+        "true), data.vocab_size=40 (resumed with the default 8000); --resume continues the run with its "
+        "batches (the saved position in the epoch counts them), its model and its tokenizer: set them as "
+        "trained, or use a new train.run_dir")
+
+
+def test_another_number_of_processes_on_resume_names_the_product(finished_run, tmp_path):
+    """processes x update_freq batches make an update: two processes resuming a one-process run must halve
+    update_freq, which is said as the product to keep."""
+    config = copy_run(finished_run, tmp_path)
+    checkpoint = checkpoint_dirs(Path(config.train.run_dir))[-1]
+    meta = read_meta(checkpoint)["config"]
+    two = distributed.Dist(0, 2, 0, torch.device("cpu"))
+    kept = loop._other_batches(checkpoint, meta["train"], meta["data"], config, two)
+    assert kept == [loop.Kept("processes x train.update_freq", "1 x 1", "2 x 1", "batches")]
+    said = str(loop._resume_refusal(checkpoint, load_config(None, ["train.update_freq=1"]), kept))
+    assert said.startswith(f"{checkpoint}: trained with processes x train.update_freq=1 x 1 (resumed with "
+                           "2 x 1)")
+    one = distributed.Dist(0, 1, 0, torch.device("cpu"))
+    kept = loop._other_batches(checkpoint, meta["train"], meta["data"], with_train(config, update_freq=2),
+                               one)
+    assert [k.setting for k in kept] == ["train.update_freq"]
 
 
 @pytest.mark.parametrize("model, said", [
@@ -2005,12 +2050,11 @@ def test_resume_refuses_other_tokenizer_settings_and_names_another_corpus(finish
     effect, so it is refused (it was silently ignored, the printed config saying otherwise); another
     corpus is continued training on new data, so it trains, saying so."""
     config = copy_run(finished_run, tmp_path)
-    for change, message in [(dict(vocab_size=50),
-                             "data.vocab_size was 40, now 50\\); set data.vocab_size=40"),
-                            (dict(spm_type="unigram"),
-                             "data.spm_type was 'bpe', now 'unigram'\\); set data.spm_type='bpe'")]:
-        with pytest.raises(UserError, match=f"--resume keeps the tokenizer its checkpoints were trained with "
-                                            f"\\({message}, or use a new train.run_dir$"):
+    for change, message in [(dict(vocab_size=50), "data.vocab_size=40 (resumed with 50)"),
+                            (dict(spm_type="unigram"), "data.spm_type='bpe' (resumed with 'unigram')")]:
+        with pytest.raises(UserError, match=re.escape(f": trained with {message}; --resume continues the run "
+                                                      "with its tokenizer: set it as trained, or use a new "
+                                                      "train.run_dir") + "$"):
             train(replace(config, data=replace(config.data, **change)), resume=True)
     other_src, other_tgt = write_corpus(tmp_path, 40, "other")
     moved = replace(config, data=replace(config.data, train_src=str(other_src),
@@ -2026,19 +2070,20 @@ def test_a_tokenizer_setting_resume_refuses_is_named_where_it_was_written(finish
     run = copy_run(finished_run, tmp_path).train.run_dir
     sets = [s for s in finished_run[2] if not s.startswith("train.run_dir=")] + [f"train.run_dir={run}"]
     checkpoint = Path(run) / "checkpoints" / "step_000004"
-    keeps = f"{checkpoint}: --resume keeps the tokenizer its checkpoints were trained with"
-    with pytest.raises(UserError, match=re.escape(f"--set 'data.vocab_size=50': {keeps} (data.vocab_size was "
-                                                  "40, now 50); set data.vocab_size=40, or use a new")):
+    keeps = "--resume continues the run with its tokenizer: set it as trained, or use a new train.run_dir"
+    with pytest.raises(UserError, match=re.escape(f"--set 'data.vocab_size=50': {checkpoint}: trained with "
+                                                  f"data.vocab_size=40 (resumed with 50); {keeps}")):
         train(load_config(None, [*sets, "data.vocab_size=50"]), resume=True)
     # left out, it is the default: "drop the change" had no change to drop, and said of one, it left the
     # default, refused again
     with pytest.raises(UserError) as e:
         train(load_config(None, [s for s in sets if not s.startswith("data.vocab_size=")]), resume=True)
-    assert str(e.value) == (f"{keeps} (data.vocab_size was 40, now the default 8000); set "
-                            "data.vocab_size=40, or use a new train.run_dir")
+    assert str(e.value) == (f"{checkpoint}: trained with data.vocab_size=40 (resumed with the default 8000); "
+                            f"{keeps}")
     toml = tmp_path / "run.toml"
     toml.write_text("[data]\nmax_len = 32\nspm_type = 'unigram'\n", encoding="utf-8")
-    with pytest.raises(UserError, match=f"^{re.escape(f'{toml}:3: {keeps}')} \\(data.spm_type was"):
+    spm_type = f"{toml}:3: {checkpoint}: trained with data.spm_type="
+    with pytest.raises(UserError, match=f"^{re.escape(spm_type)}"):
         train(load_config(toml, sets), resume=True)
 
 
@@ -2061,7 +2106,7 @@ def test_a_record_from_before_normalization_was_recorded_is_read_as_the_defaults
 
     (run / "tokenizer_inputs.json").write_text(json.dumps(old), encoding="utf-8")
     assert train(with_train(config, max_updates=5), resume=True)["step"] == 5  # --resume of an old run
-    with pytest.raises(UserError, match="data.character_coverage was 1.0, now 0.9995"):
+    with pytest.raises(UserError, match=r"data\.character_coverage=1\.0 \(resumed with 0\.9995\)"):
         train(replace(config, data=replace(config.data, character_coverage=0.9995)), resume=True)
     reused = left_by_a_failed_run("old", old)
     assert train(with_train(config, run_dir=str(reused), max_updates=1, valid_every=1))["step"] == 1

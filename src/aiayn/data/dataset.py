@@ -1290,9 +1290,13 @@ def refuse_other_tokenizer_settings(where: Path, saved: dict, inputs: dict, writ
 def tokenizer_setting_changes(saved: dict, inputs: dict, defaults: Iterable[str] = ()) -> list[str]:
     """Each tokenizer setting of `inputs` (`tokenizer_inputs`) that differs from `saved`, named; those of
     `defaults` said to be the default ("now the default 8000")."""
-    return [f"data.{key} was {toml_value(_trained_value(saved, key))}, now "
-            f"{'the default ' * (key in defaults)}{toml_value(inputs[key])}"
-            for key in _changed_settings(saved, inputs)]
+    return [f"data.{key} was {toml_value(trained)}, now {'the default ' * (key in defaults)}{toml_value(now)}"
+            for key, trained, now in tokenizer_differences(saved, inputs)]
+
+
+def tokenizer_differences(saved: dict, inputs: dict) -> list[tuple[str, object, object]]:
+    """(setting, the value `saved` records, the one of `inputs`) for each tokenizer setting that differs."""
+    return [(key, _trained_value(saved, key), inputs[key]) for key in _changed_settings(saved, inputs)]
 
 
 def _changed_settings(saved: dict, inputs: dict) -> list[str]:

@@ -318,10 +318,13 @@ class RunConfig:
         """`setting=value` for a problem, "(the default)" after it where no file or --set wrote it: the
         problem is placed at the line of the other setting it names, which blamed the user for this one
         too ("run.toml:2: data.max_len=256 is longer than model.max_len=5", [data] never written)."""
+        return f"{setting}={value}{' (the default)' * self.is_default(setting, value)}"
+
+    def is_default(self, setting: str, value: Any) -> bool:
+        """Whether `setting` has `value` as its default, written by no file or --set."""
         section, key = setting.split(".", 1)
         cls = {"data": DataConfig, "train": TrainConfig, "model": ModelConfig}[section]
-        unset = self.written_at(setting, value) is None and value == cls.__dataclass_fields__[key].default
-        return f"{setting}={value}{' (the default)' * unset}"
+        return self.written_at(setting, value) is None and value == cls.__dataclass_fields__[key].default
 
     def refusal(self, setting: str, value: Any, problem: str) -> ConfigError:
         """A ConfigError for `problem` with `setting`, found after loading (against a checkpoint, the

@@ -67,6 +67,7 @@ from aiayn.data.dataset import (
     refuse_other_tokenizer_settings,
     scan_parallel,
     tokenizer_inputs,
+    tokenizer_differences,
     tokenizer_setting_changes,
     tokenizer_settings,
     train_tokenizer,
@@ -83,6 +84,7 @@ from aiayn.train.config import (
     DATA_FILES,
     NORMALIZATIONS,
     SPM_TYPES,
+    SETTING,
     TOKENIZER_FIELDS,
     TOKENIZER_SETTINGS,
     DataConfig,
@@ -99,9 +101,9 @@ from aiayn.train.state import (
     STEP_DIR,
     RunLock,
     TrainState,
-    check_compatible,
     check_named_step,
     checkpoint_dirs,
+    model_differences,
     own_random_stream,
     prune,
     restore,
@@ -1628,8 +1630,9 @@ def _say_other_threads(checkpoint: Path, meta: dict[str, Any], trained: dict[str
 
 def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> dict[str, Any] | None:
     """--resume's configuration against the one `checkpoint`'s meta.json records (read once): another
-    precision, schedule, smoothing or clipping said, other batches or another model refused. Returns
-    that [train]."""
+    precision, schedule, smoothing or clipping said; other batches, another model or another tokenizer
+    refused, every such setting in one line (one a try was four tries to find four). Returns that
+    [train]."""
     meta = read_meta(checkpoint)
     if type(meta.get("step")) is int:  # first: a link to another run's checkpoint was refused for its
         check_named_step(checkpoint, meta["step"])  # tokenizer, or its model, and never said to be one
@@ -1637,33 +1640,87 @@ def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> dict[
     _say_changed_settings(checkpoint, trained, config, d)
     _say_other_validation(checkpoint, data, config, d)
     _say_other_threads(checkpoint, meta, trained, config.train.threads, d)
-    _check_same_batches(checkpoint, trained, data, config, d)
+    kept = _other_batches(checkpoint, trained, data, config, d)
     # One resumed without its init_from, or a run that fine-tuned none resumed with one, is refused by
     # `initial_checkpoint`, saying which
     tuned = config.train.init_from, (trained or {}).get("init_from")
     if all(tuned):
-        _check_same_finetune_model(checkpoint, meta, config)
+        kept += _other_finetune_model(checkpoint, meta, config)
     elif not any(tuned):
-        _check_same_model(checkpoint, meta, config)
+        kept += _other_model(checkpoint, meta, config)
+    if data is not None and "vocab_size" in data:  # else imported: `_with_checkpoint_tokenizer_settings`
+        defaults = _left_at_defaults(config)
+        kept += [Kept(f"data.{key}", toml_value(was), toml_value(now), "tokenizer",
+                      "the default" if key in defaults else "")
+                 for key, was, now in tokenizer_differences(data, _tokenizer_settings(config))]
+    if kept:
+        raise _resume_refusal(checkpoint, config, kept)
     return trained
 
 
-def _check_same_finetune_model(checkpoint: Path, meta: dict[str, Any], config: RunConfig) -> None:
+@dataclass(frozen=True)
+class Kept:
+    """A setting --resume keeps that the resumed run's configuration changes: `setting` was `trained`, is
+    `now` (both as TOML writes them), `note` says where that came from ("the default", "from
+    model.preset='tiny'"), `written` is the setting whose place the refusal names, if not `setting` (the
+    preset, for its values), `why` what the setting makes: the run's "batches", "model" or "tokenizer"."""
+
+    setting: str
+    trained: str
+    now: str
+    why: str
+    note: str = ""
+    written: str = ""
+
+
+def _resume_refusal(checkpoint: Path, config: RunConfig, kept: list[Kept]) -> SameOnEveryProcess:
+    """One line naming every setting in `kept`, each with the value to set, after where they were written:
+    "run.toml:3: ck: trained with data.max_len=64 (resumed with the default 256), ...; --resume continues
+    the run with ...". Settings a preset gives are said together, with the preset."""
+    groups: list[list[Kept]] = []
+    for k in kept:
+        if groups and k.note.startswith("from ") and groups[-1][-1].note == k.note:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    said = []
+    for group in groups:
+        *before, last = [k.now for k in group]
+        now, note = f"{', '.join(before)} and {last}" if before else last, group[0].note
+        resumed = f"the default {now}" if note == "the default" else f"{now} {note}".strip()
+        said.append(f"{', '.join(f'{k.setting}={k.trained}' for k in group)} (resumed with {resumed})")
+    whys = {k.why for k in kept}
+    kinds = {"batches": "its batches (the saved position in the epoch counts them)", "model": "its model",
+             "tokenizer": "its tokenizer"}
+    *before, last = [kind for why, kind in kinds.items() if why in whys]
+    what = f"{', '.join(before)} and {last}" if before else last
+    dropout = ("; to train on with another dropout, fine-tune from the checkpoint (train.init_from) in "
+               "another train.run_dir" if any(k.setting == "model.dropout" for k in kept) else "")
+    settings = [k.written or k.setting for k in kept]  # not "processes x train.update_freq": the command's
+    places = config.written_where(*filter(SETTING.fullmatch, settings))
+    return SameOnEveryProcess(
+        f"{places}{checkpoint}: trained with "
+        f"{', '.join(said)}; --resume continues the run with {what}: set "
+        f"{'it' if len(kept) == 1 else 'them'} as trained, or use a new train.run_dir{dropout}")
+
+
+def _other_finetune_model(checkpoint: Path, meta: dict[str, Any], config: RunConfig) -> list[Kept]:
     """A resumed fine-tune's model is its own checkpoint's with [model]'s dropout (`finetune_model_config`,
     which refuses any other [model] key): another dropout than it trained with was refused by `restore`,
     after the data work, naming neither the setting nor where it was written."""
     try:
         saved = meta_model_config(checkpoint, meta)
     except UserError:  # damaged: `initial_checkpoint` names it
-        return
+        return []
     tuned = finetune_model_config(config, saved, checkpoint)
-    check_compatible(checkpoint, tuned, {"dropout": config.written_where("model.dropout")})
+    return [Kept(f"model.{key}", toml_value(theirs), toml_value(mine), "model")
+            for key, theirs, mine in model_differences(checkpoint, tuned)]
 
 
-def _check_same_model(checkpoint: Path, meta: dict[str, Any], config: RunConfig) -> None:
+def _other_model(checkpoint: Path, meta: dict[str, Any], config: RunConfig) -> list[Kept]:
     """[model] against the model `checkpoint` was trained with (as its meta.json records it), before the
-    data work, named where the setting that differs was written (its own line, or the preset's): the
-    weights refused it after the tokenizer and the caches were read, naming neither. Its tokenizer's
+    data work, each setting that differs named where it was written (its own line, or the preset's): the
+    weights refused the first after the tokenizer and the caches were read, naming neither. Its tokenizer's
     fields are the checkpoint's, whose tokenizer a resumed run takes. A damaged meta.json is named as such:
     a value no model has (d_model "32"), or a model its weights do not fit (a meta.json copied from
     another run's checkpoint), was blamed on [model]."""
@@ -1671,24 +1728,29 @@ def _check_same_model(checkpoint: Path, meta: dict[str, Any], config: RunConfig)
     try:
         mine = vocabulary_model_config(config, **{key: meta["model"].get(key) for key in TOKENIZER_FIELDS})
     except ConfigError:  # the saved ids are no model's (a hand's edit)
-        return
-    preset = config.model.get("preset", "base")
-    places = {key: config.written_where(f"model.{key}" if key in config.model else "model.preset")
-              for key in mine.__dataclass_fields__ if key in config.model or key in PRESETS[preset]}
-    try:
-        check_compatible(checkpoint, mine, places)
-    except CorruptFile:
-        raise
-    except UserError:  # another model: the run's, if the weights are meta.json's; else meta.json's fault
+        return []
+    differ = model_differences(checkpoint, mine)
+    if differ:  # another model: the run's, if the weights are meta.json's; else meta.json's fault
         check_meta_describes_weights(checkpoint, saved)
-        raise
+    preset = config.model.get("preset")
+    from_preset = f"from {'the default ' * (preset is None)}model.preset={toml_value(preset or 'base')}"
+    kept = []
+    for key, theirs, now in differ:
+        if key in config.model:
+            note, written = "", ""
+        elif key in PRESETS[preset or "base"]:
+            note, written = from_preset, "model.preset"
+        else:  # ModelConfig's own default
+            note, written = "the default", ""
+        kept.append(Kept(f"model.{key}", toml_value(theirs), toml_value(now), "model", note, written))
+    return kept
 
 
-def _check_same_batches(checkpoint: Path, trained: dict[str, Any] | None, data: dict[str, Any] | None,
-                        config: RunConfig, d: Dist) -> None:
+def _other_batches(checkpoint: Path, trained: dict[str, Any] | None, data: dict[str, Any] | None,
+                   config: RunConfig, d: Dist) -> list[Kept]:
     """The saved position in the epoch counts updates of (processes x update_freq) batches of max_tokens,
     in the order train.seed shuffles the pairs data.max_len keeps: resuming with another product,
-    max_tokens, seed or max_len would train part of the epoch twice and skip the rest, so it is refused
+    max_tokens, seed or max_len would train part of the epoch twice and skip the rest, so each is refused
     (the same product with other factors is the same batches per update, and is allowed). `trained` and
     `data`: the sections the checkpoint's meta.json records."""
     from safetensors import safe_open
@@ -1700,32 +1762,33 @@ def _check_same_batches(checkpoint: Path, trained: dict[str, Any] | None, data: 
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):  # a hand's edit
             raise CorruptFile(f"{checkpoint / META}: corrupt checkpoint metadata ({key}={value!r} is not a "
                               "whole number)")
-    for name, saved_value, value in (("train.seed", (trained or {}).get("seed"), tc.seed),
-                                     ("data.max_len", (data or {}).get("max_len"), config.data.max_len)):
-        if saved_value is not None and saved_value != value:  # named where written, as data.vocab_size is
-            raise SameOnEveryProcess(f"{config.written_where(name)}{checkpoint}: trained with "
-                                     f"{name}={saved_value}, resumed with {value}; keep it, or the epoch's "
-                                     "position would point at other batches")
+    kept = [_kept_batches(config, name, saved, value)
+            for name, saved, value in (("train.seed", (trained or {}).get("seed"), tc.seed),
+                                       ("data.max_len", (data or {}).get("max_len"), config.data.max_len))
+            if saved is not None and saved != value]
     tensors = checkpoint / "trainer.safetensors"
     if not isinstance(trained, dict) or not tensors.is_file():
-        return  # restore() names what is missing
+        return kept  # restore() names what is missing
     try:
         with safe_open(str(tensors), "pt") as f:
             processes = sum(1 for k in f.keys() if k.startswith("rng.cpu."))
     except Exception:  # a damaged file: restore() says so in its own words
-        return
-    update_freq = trained.get("update_freq") or 1
-    saved = (processes * update_freq, trained.get("max_tokens") or tc.max_tokens)
-    if processes and saved != (d.world_size * tc.update_freq, tc.max_tokens):
-        # named where written, as a changed data.vocab_size is; another number of processes is the command's
-        changed = [f"train.{key}" for key, before in (("update_freq", update_freq), ("max_tokens", saved[1]))
-                   if before != getattr(tc, key)]
-        raise SameOnEveryProcess(
-            f"{config.written_where(*changed)}{checkpoint}: saved by {processes} process(es) x "
-            f"train.update_freq={trained.get('update_freq', 1)} batches of train.max_tokens={saved[1]}, "
-            f"resumed with {d.world_size} x {tc.update_freq} of {tc.max_tokens}; keep processes x "
-            "update_freq and max_tokens as they were, or the epoch's position would point at other batches"
-        )
+        return kept
+    update_freq, max_tokens = trained.get("update_freq") or 1, trained.get("max_tokens") or tc.max_tokens
+    if processes and processes * update_freq != d.world_size * tc.update_freq:
+        if processes == d.world_size:
+            kept.append(_kept_batches(config, "train.update_freq", update_freq, tc.update_freq))
+        else:  # another number of processes is the command's: the product is what must be as it was
+            written = "train.update_freq" if update_freq != tc.update_freq else ""  # else the command's
+            kept.append(Kept("processes x train.update_freq", f"{processes} x {update_freq}",
+                             f"{d.world_size} x {tc.update_freq}", "batches", written=written))
+    if processes and max_tokens != tc.max_tokens:
+        kept.append(_kept_batches(config, "train.max_tokens", max_tokens, tc.max_tokens))
+    return kept
+
+
+def _kept_batches(config: RunConfig, setting: str, trained: int, now: int) -> Kept:
+    return Kept(setting, str(trained), str(now), "batches", "the default" * config.is_default(setting, now))
 
 
 def _check_found_tokenizer(found: Tokenizer, config: RunConfig, run_dir: Path) -> None:

@@ -22,7 +22,7 @@ import random
 import re
 import shutil
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
@@ -520,24 +520,28 @@ def _finite(value: float) -> bool:
         return False
 
 
-def check_compatible(path: Path, config: ModelConfig, places: Mapping[str, str] | None = None) -> None:
-    """A checkpoint of another model gives one line naming the first difference, after where the run's
-    value was written if `places` (a setting's name -> "run.toml:4: ") says."""
+def model_differences(path: Path, config: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """Each setting of the model `config` that is not that of the checkpoint `path`: (name, the
+    checkpoint's value, this run's), compared as what they mean (n_decoder_layers=6 restates a 6-layer
+    run's None). A damaged value in its meta.json (d_model "32", -32) is named there, not as a change."""
     meta = read_meta(path)
-    meta_model_config(path, meta)  # a damaged value (d_model "32", -32) named in meta.json, not as a change
+    meta_model_config(path, meta)
     saved = meta["model"]
-    mine = resolved_settings(to_dict(config))  # n_decoder_layers=6 restates a 6-layer run's None
+    mine = resolved_settings(to_dict(config))
     theirs = resolved_settings({key: saved.get(key) for key in mine})
-    for key, value in mine.items():
-        if theirs[key] != value:
-            # dropout changes no weight, but a resumed run continues the same training, bit for bit
-            how = ("; to train on with another, fine-tune from the checkpoint (train.init_from) in another "
-                   "train.run_dir" if key == "dropout" else "")
-            place = (places or {}).get(key, "")
-            raise UserError(
-                f"{place}{path}: checkpoint from an incompatible model ({key}={toml_value(theirs[key])}, "
-                f"this run has {toml_value(value)}); --resume keeps the model's settings{how}"
-            )
+    # Both n_layers' (None): another n_decoder_layers is n_layers' difference, said once as that
+    follows = saved.get("n_decoder_layers") is None and config.n_decoder_layers is None
+    return [(key, theirs[key], value) for key, value in mine.items()
+            if theirs[key] != value and not (key == "n_decoder_layers" and follows)]
+
+
+def check_compatible(path: Path, config: ModelConfig) -> None:
+    """A checkpoint of another model gives one line naming every difference."""
+    if differ := model_differences(path, config):
+        said = "; ".join(f"{key}={toml_value(theirs)}, this run has {toml_value(mine)}"
+                         for key, theirs, mine in differ)
+        raise UserError(f"{path}: checkpoint from an incompatible model ({said}); --resume keeps the model's "
+                        "settings")
 
 
 def _read_trainer(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -83,8 +83,8 @@ from aiayn.train import distributed
 from aiayn.train.config import (
     DATA_FILES,
     NORMALIZATIONS,
-    SPM_TYPES,
     SETTING,
+    SPM_TYPES,
     TOKENIZER_FIELDS,
     TOKENIZER_SETTINGS,
     DataConfig,

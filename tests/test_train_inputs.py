@@ -1712,7 +1712,7 @@ def test_a_name_too_long_or_with_a_nul_is_one_line(tmp_path, key):
 
 
 @pytest.mark.parametrize("setting, problem", [
-    ("data.shared_vocab=false", "one shared vocabulary, not data.shared_vocab=False"),
+    ("data.shared_vocab=false", "one shared vocabulary, not data.shared_vocab=false"),
     ("data.vocab_size=20", "40 pieces, more than data.vocab_size=20"),
 ])
 def test_a_tokenizer_left_in_run_dir_must_be_one_data_trains(finished_run, tmp_path, setting, problem):

@@ -1801,7 +1801,7 @@ def _check_found_tokenizer(found: Tokenizer, config: RunConfig, run_dir: Path) -
     problem = None
     if found.shared != dc.shared_vocab:
         kind = "one shared" if found.shared else "separate"
-        problem = f"{kind} vocabulary, not data.shared_vocab={dc.shared_vocab}"
+        problem = f"{kind} vocabulary, not data.shared_vocab={toml_value(dc.shared_vocab)}"
     elif max(sizes) > dc.vocab_size:
         problem = f"{max(sizes)} pieces, more than data.vocab_size={dc.vocab_size}"
     if problem:

@@ -680,6 +680,24 @@ def test_results_record_the_whole_training_and_a_run_that_trained_nothing_keeps_
     assert resumed["total_s"] >= resumed["train_s"]
 
 
+def test_an_extension_stopped_while_decoding_rewrites_results_when_completed(tmp_path, monkeypatch):
+    """A --resume to more updates, stopped after its training (averaging, decoding), trains nothing when run
+    again: its figures went to results_scored.json, and results.json kept the shorter run's."""
+    data, run_dir = numbers_data(tmp_path / "data"), tmp_path / "run"
+    assert run.main(["--data", str(data), *tiny_run(run_dir)]) == 0
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(run, "decoded", interrupted)
+        assert run.main(["--data", str(data), *tiny_run(run_dir, updates=4), "--resume"]) == 130
+    assert json.loads((run_dir / "results.json").read_text())["updates"] == [2]
+    assert run.main(["--data", str(data), *tiny_run(run_dir, updates=4), "--resume"]) == 0
+    assert json.loads((run_dir / "results.json").read_text())["updates"] == [4]
+    assert not (run_dir / "results_scored.json").exists()
+
+
 def test_a_copy_of_the_recipe_outside_the_repository_runs(tmp_path):
     """It imported benchmarks/common.py by its place in the repository: a copy elsewhere failed on that
     import with a traceback, before reading its options."""

@@ -524,12 +524,22 @@ def so_far(run_dir: str | Path) -> tuple[int, float | None]:
         return step, None
 
 
+def recorded_updates(path: Path) -> list[int] | None:
+    """The `updates` a results file records, None where there is none to read."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))["updates"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def write_results(args: argparse.Namespace, run_dir: Path, results: dict, trained: bool) -> None:
     """results.json holds the figures of the invocation that trained the run; one that trained nothing
     (--no-train, a --resume of a finished run) writes results_scored.json, instead of replacing them, or
     results_scored_test.json when it scored test: a later val-only --no-train replaced the once-only test
-    figures."""
-    kept = args.no_train or (not trained and (run_dir / "results.json").exists())
+    figures. A --resume that completes an extension stopped after its training (while averaging or
+    decoding) trains nothing too, but results.json holds the shorter run's updates: it is rewritten."""
+    recorded = recorded_updates(run_dir / "results.json")
+    kept = args.no_train or (not trained and recorded == results["updates"])
     scored = "results_scored_test.json" if args.test else "results_scored.json"
     path = run_dir / (scored if kept else "results.json")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -377,6 +377,21 @@ def test_a_sigterm_while_averaging_or_decoding_is_one_line(tmp_path):
     assert (done.returncode, done.stderr) == (128 + signal.SIGTERM, "run.py: stopped by SIGTERM\n")
 
 
+def test_a_sigterm_before_the_first_update_is_one_line(tmp_path):
+    """During the data's preparation (before training's own handlers) it was killed without a word (143);
+    `aiayn train` says "stopped by SIGTERM" there. An --ensemble member still dies by the signal: its
+    script tells that (nothing saved) from the 143 of a training that saved its update."""
+    options = ["--data", str(dog_data(tmp_path / "data")), "--set", f"train.run_dir={tmp_path / 'run'}"]
+    for member, status in (([], 128 + signal.SIGTERM), (["--train-only"], -signal.SIGTERM)):
+        code = (f"import os, signal, sys; sys.path.insert(0, {str(RECIPE)!r}); import run\n"
+                "def train(config, resume=False):\n"
+                "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                "    raise AssertionError('trained on')\n"
+                f"run.train = train; sys.exit(run.main({[*options, *member]!r}))")
+        done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+        assert (done.returncode, done.stderr) == (status, "run.py: stopped by SIGTERM\n")
+
+
 def test_a_signal_at_the_last_update_stops_before_averaging(tmp_path, capsys, monkeypatch):
     """Training ends as usual on a signal at its budget's last update, and says so ("signal"): the script
     went on averaging and decoding (minutes of beam search after a scheduler's SIGTERM), then exit 0."""

@@ -348,7 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     # quoted as a shell needs it: " ".join made `--set "train.run_dir=/x/with space"` two arguments
     args.command = shlex.join(["recipes/multi30k/run.py", *(sys.argv[1:] if argv is None else argv)])
     try:
-        return run(args)
+        # SIGTERM and SIGHUP stop in one line, as in aiayn's commands: the data's preparation was killed
+        # without a word (143). Training's loop takes them over for its updates (a save, then Stopped).
+        with _signals_raise():
+            return run(args)
     except (UserError, ConfigError) as e:  # a wrong --data, a run directory that is not there: one line
         message = as_partner(str(e), args) if args.train_only else str(e)  # member b: train_members
         print(f"run.py: error: {message}", file=sys.stderr)
@@ -358,9 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_status
     except KeyboardInterrupt:  # outside training (data preparation, averaging, decoding): was a traceback
         return interrupted(member=args.train_only)
-    except Terminated as e:  # averaging or decoding: it exited 143 without a word
-        print(f"run.py: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
-        return 128 + e.signum  # as a shell reports a process the signal killed, as aiayn's
+    except Terminated as e:  # outside training's updates: it exited 143 without a word
+        return terminated(e.signum, member=args.train_only)
 
 
 def interrupted(member: bool) -> int:
@@ -372,6 +374,17 @@ def interrupted(member: bool) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return 130
+
+
+def terminated(signum: int, member: bool) -> int:
+    """SIGTERM or SIGHUP outside training's updates, in one line as `aiayn` says it (128 + the signal, as a
+    shell reports a process the signal killed). An --ensemble member then dies by it, as it did before this
+    line: wait_all tells that (nothing saved) from the 143 of a training that saved its update."""
+    print(f"run.py: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+    if member:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    return 128 + signum
 
 
 def run(args: argparse.Namespace) -> int:
@@ -410,21 +423,19 @@ def run(args: argparse.Namespace) -> int:
                       signal.Signals[name])
     if args.train_only:
         return 0
-    # SIGTERM and SIGHUP stop in one line from here on, as in aiayn's commands (training handles its own)
-    with _signals_raise():
-        after = [so_far(m.train.run_dir) for m in members]
-        averaged = average_checked(members, args.average, src, tgt)
-        seconds = [s for _, s in after]
-        results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),
-                   "updates": [u for u, _ in after], "checkpoints": [str(a) for a in averaged],
-                   "beam": beam, "lenpen": lenpen, "command": args.command,
-                   "environment": env,
-                   # what the checkpoints were trained with, whatever options a --no-train was given
-                   "configs": [read_meta(a).get("config") for a in averaged],
-                   "results": decoded(averaged, data, src, pairs, beam, lenpen)}
-        # The whole run: this invocation's wall time and the training earlier invocations did (--resume).
-        results["total_s"] = round(time.monotonic() - start + max(s or 0.0 for _, s in before), 1)
-        write_results(args, run_dir, results, trained=[u for u, _ in after] != [u for u, _ in before])
+    after = [so_far(m.train.run_dir) for m in members]
+    averaged = average_checked(members, args.average, src, tgt)
+    seconds = [s for _, s in after]
+    results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),
+               "updates": [u for u, _ in after], "checkpoints": [str(a) for a in averaged],
+               "beam": beam, "lenpen": lenpen, "command": args.command,
+               "environment": env,
+               # what the checkpoints were trained with, whatever options a --no-train was given
+               "configs": [read_meta(a).get("config") for a in averaged],
+               "results": decoded(averaged, data, src, pairs, beam, lenpen)}
+    # The whole run: this invocation's wall time and the training earlier invocations did (--resume).
+    results["total_s"] = round(time.monotonic() - start + max(s or 0.0 for _, s in before), 1)
+    write_results(args, run_dir, results, trained=[u for u, _ in after] != [u for u, _ in before])
     return 0
 
 

@@ -343,6 +343,25 @@ def test_a_stopped_training_is_one_line_with_the_signals_status(tmp_path, capsys
     assert run.parse_args(["--data", "x", "--resume"]).resume is True  # what that line advises
 
 
+def test_trainings_messages_name_the_option_alone(tmp_path, capsys, monkeypatch):
+    """run.py has --resume and no Python call: training's "--resume (resume=True in Python)" came through."""
+    data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")
+    assert run.main(["--data", str(data), *sets]) == 0
+    capsys.readouterr()
+    assert run.main(["--data", str(data), *sets]) == 2  # a rerun without --resume
+    err = capsys.readouterr().err
+    assert "already holds checkpoints; pass --resume to continue" in err and "Python" not in err, err
+
+    def stopped(config, resume=False):  # as the training loop says a stop
+        raise run.Stopped("stopped by SIGTERM at update 3, saved in x; --resume (resume=True in Python) "
+                          "continues from there", signal.SIGTERM)
+
+    monkeypatch.setattr(run, "train", stopped)
+    assert run.main(["--data", str(data), *sets, "--resume"]) == 143
+    assert capsys.readouterr().err == ("run.py: stopped by SIGTERM at update 3, saved in x; --resume "
+                                       "continues from there\n")
+
+
 def test_a_ctrl_c_outside_training_is_one_line(tmp_path, capsys, monkeypatch):
     """A Ctrl-C while preparing data, averaging or decoding printed a 35-line KeyboardInterrupt traceback
     (`aiayn` says "aiayn: interrupted" and exits 130)."""

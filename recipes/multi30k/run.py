@@ -354,15 +354,21 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
     except (UserError, ConfigError) as e:  # a wrong --data, a run directory that is not there: one line
         message = as_partner(str(e), args) if args.train_only else str(e)  # member b: train_members
-        print(f"run.py: error: {message}", file=sys.stderr)
+        print(f"run.py: error: {without_python(message)}", file=sys.stderr)
         return 2
     except Stopped as e:  # SIGTERM or Ctrl-C: the training saved its update (as `aiayn train` says it)
-        print(f"run.py: {e}", file=sys.stderr)
+        print(f"run.py: {without_python(str(e))}", file=sys.stderr)
         return e.exit_status
     except KeyboardInterrupt:  # outside training (data preparation, averaging, decoding): was a traceback
         return interrupted(member=args.train_only)
     except Terminated as e:  # outside training's updates: it exited 143 without a word
         return terminated(e.signum, member=args.train_only)
+
+
+def without_python(message: str) -> str:
+    """Training's `message` as this script's: it names the option and train()'s argument, "--resume
+    (resume=True in Python)", and this script has the option alone."""
+    return message.replace("--resume (resume=True in Python)", "--resume")
 
 
 def interrupted(member: bool) -> int:

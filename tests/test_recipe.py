@@ -257,6 +257,20 @@ def test_files_it_would_score_and_search_options_are_checked_before_training(tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_a_length_penalty_at_beam_1_is_refused_and_not_recorded(tmp_path, capsys, monkeypatch):
+    """Greedy search ranks nothing: `--beam 1 --lenpen 3` ran and recorded "lenpen": 3.0 (aiayn translate
+    refuses it), and a --beam 1 alone recorded the pair's 1.2 as if used."""
+    data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")  # --beam 1
+    with monkeypatch.context() as m:
+        never_trains(m)
+        assert run.main(["--data", str(data), *sets, "--lenpen", "3"]) == 2
+    assert capsys.readouterr().err == ("run.py: error: --lenpen 3.0 has no effect at --beam 1 (greedy search "
+                                       "ranks nothing): drop it\n")
+    assert run.main(["--data", str(data), *sets]) == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert (results["beam"], results["lenpen"]) == (1, None)
+
+
 @pytest.mark.parametrize("bad", ["unequal", "utf8", "empty"])
 def test_each_scored_pair_of_files_is_read_and_checked_before_training(tmp_path, capsys, monkeypatch, bad):
     """Only is_file() was checked: a val or test pair of unequal length, invalid UTF-8 or no lines failed

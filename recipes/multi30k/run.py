@@ -142,8 +142,9 @@ def check_lengths(translator: Translator, data: Path, src: str, pairs: dict[str,
 
 
 def score(translator: Translator, path: Path, split: str, sources: list[str], refs: list[str], beam: int,
-          lenpen: float) -> dict:
-    """Translate the sources read from `path` and score them against the references."""
+          lenpen: float | None) -> dict:
+    """Translate the sources read from `path` and score them against the references (`lenpen` None: the
+    search's own, at beam 1)."""
     start = time.monotonic()
     # a bar on stderr, as `aiayn demo` has for the same step: each split was minutes of silence
     # disable=None: no bar where stderr is not a terminal, as training's (a log kept its carriage returns);
@@ -151,7 +152,8 @@ def score(translator: Translator, path: Path, split: str, sources: list[str], re
     with lines_of(path), tqdm(total=len(sources), desc=f"translating {split}", unit="sent", leave=False,
                               disable=None) as bar:
         progress = progress_lines(len(sources), PROGRESS_SECONDS, split) if bar.disable else bar.update
-        hyps = translator.translate(sources, beam=beam, lenpen=lenpen, progress=progress)
+        alpha = {} if lenpen is None else {"lenpen": lenpen}
+        hyps = translator.translate(sources, beam=beam, progress=progress, **alpha)
     seconds = time.monotonic() - start
     scores = corpus_scores(hyps, [refs])
     return {"split": split, "decode_s": round(seconds, 1),
@@ -393,6 +395,22 @@ def terminated(signum: int, member: bool) -> int:
     return 128 + signum
 
 
+def search_settings(args: argparse.Namespace) -> tuple[int, float | None]:
+    """The beam and length penalty: the pair's (SEARCH) unless given. None at beam 1, where greedy search
+    ranks nothing: a --lenpen there was recorded in the results and changed nothing (aiayn translate
+    refuses it), and the pair's alpha was recorded as if used."""
+    beam, lenpen = SEARCH[args.pair]
+    beam = beam if args.beam is None else args.beam
+    if beam == 1 and args.lenpen is not None:
+        raise UserError(f"--lenpen {args.lenpen} has no effect at --beam 1 (greedy search ranks nothing): "
+                        "drop it")
+    lenpen = None if beam == 1 else lenpen if args.lenpen is None else args.lenpen
+    with _settings_as_flags():  # said as the option, as aiayn translate says it, not as DecodeConfig's field
+        # a bad --lenpen failed after the whole training
+        DecodeConfig(beam=beam, **({} if lenpen is None else {"lenpen": lenpen}))
+    return beam, lenpen
+
+
 def run(args: argparse.Namespace) -> int:
     """Train (unless --no-train), average, translate val (and test), score; the results file."""
     env = environment()  # before the work: the load average at the start
@@ -406,10 +424,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(HERE / f"{args.pair}.toml", [*data_keys, *args.set])
     run_dir = Path(config.train.run_dir)
 
-    beam, lenpen = SEARCH[args.pair]
-    beam, lenpen = beam if args.beam is None else args.beam, lenpen if args.lenpen is None else args.lenpen
-    with _settings_as_flags():  # said as the option, as aiayn translate says it, not as DecodeConfig's field
-        DecodeConfig(beam=beam, lenpen=lenpen)  # a bad --lenpen failed after the whole training
+    beam, lenpen = search_settings(args)
     splits = ["val", "test_2016_flickr"] if args.test else ["val"]
     for split in (splits if args.no_train else ["train", *splits]):  # before training, not after it
         for lang in (src, tgt):
@@ -455,7 +470,7 @@ def average_checked(members: list[RunConfig], last: int, src: str, tgt: str) -> 
 
 
 def decoded(averaged: list[Path], data: Path, src: str, pairs: dict[str, tuple[list[str], list[str]]],
-            beam: int, lenpen: float) -> list[dict]:
+            beam: int, lenpen: float | None) -> list[dict]:
     """Each split of `pairs` translated by the averaged checkpoints (an ensemble of several) and scored."""
     translator = Translator.load(averaged)
     check_lengths(translator, data, src, pairs)

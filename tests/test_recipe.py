@@ -74,10 +74,12 @@ def tiny_run(run_dir: Path, updates: int = 2) -> list[str]:
     return [a for s in tiny for a in (("--set", s) if "=" in s else (s,))]
 
 
-def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path):
-    """--no-train scored the trained model but recorded the options given to it (another preset here)."""
-    run_dir = tmp_path / "the run"  # a space: the command was joined with " ", and could not be re-run
-    data, sets = numbers_data(tmp_path / "data"), tiny_run(run_dir)
+def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path, monkeypatch):
+    """--no-train scored the trained model but recorded the options given to it (another preset here).
+    The paths (command, checkpoints) are as given, relative to a working directory it did not record."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = Path("the run")  # a space: the command was joined with " ", and could not be re-run
+    data, sets = numbers_data(Path("data")), tiny_run(run_dir)
     assert run.main(["--data", str(data), *sets]) == 0
     options = ["--data", str(data), "--no-train", *sets, "--set", "model.preset=base"]
     assert run.main(options) == 0
@@ -86,6 +88,7 @@ def test_no_train_records_the_checkpoints_config_and_the_environment(tmp_path):
     assert scored["configs"] == trained["configs"] and trained["configs"][0]["model"]["preset"] == "micro"
     assert shlex.split(scored["command"]) == ["recipes/multi30k/run.py", *options]
     assert {"commit", "cpu", "torch", "date", "load_average"} <= set(scored["environment"])
+    assert scored["cwd"] == str(tmp_path) and (Path(scored["cwd"]) / scored["checkpoints"][0]).is_dir()
 
 
 def test_decoding_shows_its_progress(tmp_path, monkeypatch):

@@ -450,6 +450,7 @@ def run(args: argparse.Namespace) -> int:
     results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),
                "updates": [u for u, _ in after], "checkpoints": [str(a) for a in averaged],
                "beam": beam, "lenpen": lenpen, "command": args.command,
+               "cwd": current_directory(),  # where the command's relative paths (and the ones above) start
                "environment": env,
                # what the checkpoints were trained with, whatever options a --no-train was given
                "configs": [read_meta(a).get("config") for a in averaged],
@@ -554,6 +555,14 @@ def so_far(run_dir: str | Path) -> tuple[int, float | None]:
         return step, float(state["seconds"])
     except (OSError, ValueError, KeyError, TypeError):
         return step, None
+
+
+def current_directory() -> str | None:
+    """The working directory, None where it is gone (deleted under the running command)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
 
 
 def recorded_updates(path: Path) -> list[int] | None:

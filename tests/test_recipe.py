@@ -130,6 +130,23 @@ def test_a_val_only_scoring_keeps_the_test_scoring(tmp_path):
     scored = json.loads((tmp_path / "run" / "results_scored.json").read_text())
     assert [r["split"] for r in tested["results"]] == ["val", "test_2016_flickr"]
     assert [r["split"] for r in scored["results"]] == ["val"]
+    # each results file's translations beside it, its own (they were never written)
+    assert [r["hypotheses"] for r in tested["results"]] == ["results_scored_test.val.hyp.de",
+                                                             "results_scored_test.test_2016_flickr.hyp.de"]
+    assert scored["results"][0]["hypotheses"] == "results_scored.val.hyp.de"
+    assert (tmp_path / "run" / "results.val.hyp.de").is_file()
+
+
+def test_the_translations_are_written_beside_the_results(tmp_path):
+    """results.json held only the scores: a look at the translations, or another metric, decoded again."""
+    data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")
+    assert run.main(["--data", str(data), *sets]) == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    [val] = results["results"]
+    hyps = (tmp_path / "run" / val["hypotheses"]).read_text(encoding="utf-8").splitlines()
+    refs = (data / "val.de").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == len(refs) == 10
+    assert [round(s.score, 2) for s in run.corpus_scores(hyps, [refs])] == [s["score"] for s in val["scores"]]
 
 
 def test_a_checkpoint_of_the_other_direction_is_refused(tmp_path, capsys):

@@ -9,8 +9,8 @@ Validation scores are always printed (tune on them); `--test` also scores test_2
 once per recipe change. Prints cased detokenized sacreBLEU and the lowercased BLEU that the published
 Multi30k numbers use, both with signatures, and the time of every stage, and writes them to
 RUN_DIR/results.json (when it trained nothing, --no-train or a --resume of a finished run:
-results_scored_test.json with --test, else results_scored.json). A benchmark, not a test: it takes the
-recipe's 80 minutes plus decoding.
+results_scored_test.json with --test, else results_scored.json), each split's translations beside it
+(results.val.hyp.de). A benchmark, not a test: it takes the recipe's 80 minutes plus decoding.
 """
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ def check_lengths(translator: Translator, data: Path, src: str, pairs: dict[str,
 
 
 def score(translator: Translator, path: Path, split: str, sources: list[str], refs: list[str], beam: int,
-          lenpen: float | None) -> dict:
+          lenpen: float | None) -> tuple[dict, list[str]]:
     """Translate the sources read from `path` and score them against the references (`lenpen` None: the
-    search's own, at beam 1)."""
+    search's own, at beam 1): the split's record and its translations."""
     start = time.monotonic()
     # a bar on stderr, as `aiayn demo` has for the same step: each split was minutes of silence
     # disable=None: no bar where stderr is not a terminal, as training's (a log kept its carriage returns);
@@ -156,8 +156,9 @@ def score(translator: Translator, path: Path, split: str, sources: list[str], re
         hyps = translator.translate(sources, beam=beam, progress=progress, **alpha)
     seconds = time.monotonic() - start
     scores = corpus_scores(hyps, [refs])
-    return {"split": split, "decode_s": round(seconds, 1),
-            "scores": [{"name": s.name, "score": round(s.score, 2), "signature": s.signature} for s in scores]}
+    scored = [{"name": s.name, "score": round(s.score, 2), "signature": s.signature} for s in scores]
+    record = {"split": split, "decode_s": round(seconds, 1), "scores": scored}
+    return record, hyps
 
 
 def member_overrides(args: argparse.Namespace, run_dir: Path, threads: int) -> list[list[str]]:
@@ -447,6 +448,7 @@ def run(args: argparse.Namespace) -> int:
     after = [so_far(m.train.run_dir) for m in members]
     averaged = average_checked(members, args.average, src, tgt)
     seconds = [s for _, s in after]
+    records, hyps = decoded(averaged, data, src, pairs, beam, lenpen)
     results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),
                "updates": [u for u, _ in after], "checkpoints": [str(a) for a in averaged],
                "beam": beam, "lenpen": lenpen, "command": args.command,
@@ -454,10 +456,10 @@ def run(args: argparse.Namespace) -> int:
                "environment": env,
                # what the checkpoints were trained with, whatever options a --no-train was given
                "configs": [read_meta(a).get("config") for a in averaged],
-               "results": decoded(averaged, data, src, pairs, beam, lenpen)}
+               "results": records}
     # The whole run: this invocation's wall time and the training earlier invocations did (--resume).
     results["total_s"] = round(time.monotonic() - start + max(s or 0.0 for _, s in before), 1)
-    write_results(args, run_dir, results, trained=[u for u, _ in after] != [u for u, _ in before])
+    write_results(args, run_dir, results, hyps, trained=[u for u, _ in after] != [u for u, _ in before])
     return 0
 
 
@@ -471,11 +473,13 @@ def average_checked(members: list[RunConfig], last: int, src: str, tgt: str) -> 
 
 
 def decoded(averaged: list[Path], data: Path, src: str, pairs: dict[str, tuple[list[str], list[str]]],
-            beam: int, lenpen: float | None) -> list[dict]:
-    """Each split of `pairs` translated by the averaged checkpoints (an ensemble of several) and scored."""
+            beam: int, lenpen: float | None) -> tuple[list[dict], dict[str, list[str]]]:
+    """Each split of `pairs` translated by the averaged checkpoints (an ensemble of several) and scored:
+    the splits' records, and their translations by split."""
     translator = Translator.load(averaged)
     check_lengths(translator, data, src, pairs)
-    return [score(translator, data / f"{s}.{src}", s, *pairs[s], beam, lenpen) for s in pairs]
+    done = {s: score(translator, data / f"{s}.{src}", s, *pairs[s], beam, lenpen) for s in pairs}
+    return [record for record, _ in done.values()], {s: hyps for s, (_, hyps) in done.items()}
 
 
 def check_run_dir(run_dir: Path, ensemble: bool) -> None:
@@ -573,17 +577,25 @@ def recorded_updates(path: Path) -> list[int] | None:
         return None
 
 
-def write_results(args: argparse.Namespace, run_dir: Path, results: dict, trained: bool) -> None:
+def write_results(args: argparse.Namespace, run_dir: Path, results: dict, hyps: dict[str, list[str]],
+                  trained: bool) -> None:
     """results.json holds the figures of the invocation that trained the run; one that trained nothing
     (--no-train, a --resume of a finished run) writes results_scored.json, instead of replacing them, or
     results_scored_test.json when it scored test: a later val-only --no-train replaced the once-only test
     figures. A --resume that completes an extension stopped after its training (while averaging or
-    decoding) trains nothing too, but results.json holds the shorter run's updates: it is rewritten."""
+    decoding) trains nothing too, but results.json holds the shorter run's updates: it is rewritten.
+    Each split's translations go beside it, a line a sentence, named in its record (`hypotheses`) after
+    the results file: they were never written, and a look at them or another metric decoded again."""
     recorded = recorded_updates(run_dir / "results.json")
     kept = args.no_train or (not trained and recorded == results["updates"])
     scored = "results_scored_test.json" if args.test else "results_scored.json"
     path = run_dir / (scored if kept else "results.json")
     run_dir.mkdir(parents=True, exist_ok=True)
+    for record in results["results"]:  # before the file that names them
+        written = run_dir / f"{path.stem}.{record['split']}.hyp.{args.pair.split('-')[1]}"
+        with atomic_output(written) as f:
+            f.writelines(f"{h}\n" for h in hyps[record["split"]])
+        record["hypotheses"] = written.name
     with atomic_output(path) as f:  # a failure half way through left the old figures cut short
         f.write(json.dumps(results, indent=2) + "\n")
     minutes = "?" if results["train_s"] is None else f"{results['train_s'] / 60:.1f}"

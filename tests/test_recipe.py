@@ -622,6 +622,27 @@ def test_the_pairs_own_partner_items_are_not_named_as_set_items(tmp_path, capsys
     assert ["--recipe-partner" in command for command in commands] == [False, True]
 
 
+def test_a_partner_item_over_a_set_item_is_said(tmp_path, caplog, monkeypatch):
+    """The partner's items come after --set in member b, by design: `--pair de-en --set model.d_model=32`
+    trained b at the partner's 128 without a word."""
+    never_trains(monkeypatch)
+    base = ["--data", str(dog_data(tmp_path / "data")), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]
+    with caplog.at_level(logging.INFO), pytest.raises(AssertionError, match="trained"):
+        run.main([*base, "--pair", "de-en", "--set", "model.d_model=32", "--set", "train.lr_scale=1.8"])
+    assert [m for m in caplog.messages if "member b" in m] == [
+        "--ensemble member b: the de-en recipe's partner items override --set: 'model.d_model=128' over "
+        "'model.d_model=32' (member a trains with --set's; --partner replaces them)"]  # lr_scale: the same
+    caplog.clear()
+    with caplog.at_level(logging.INFO), pytest.raises(AssertionError, match="trained"):
+        run.main([*base, "--set", "model.dropout=0.2", "--partner", "model.dropout=0.1"])
+    assert ("member b: --partner overrides --set: 'model.dropout=0.1' over 'model.dropout=0.2' (member a "
+            "trains with --set's)\n") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO), pytest.raises(AssertionError, match="trained"):
+        run.main([*base, "--set", "model.dropout=0.2"])  # en-de's partner sets train.seed alone
+    assert "member b" not in caplog.text
+
+
 def test_a_tilde_in_data_is_the_home_directory(tmp_path, monkeypatch):
     """`--data=~/m30` (no shell expands ~ after =) was refused: "~/m30/train.en: file not found"."""
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -47,6 +47,7 @@ from aiayn.train.loop import train
 from aiayn.train.state import checkpoint_dirs
 from aiayn.translate import Translator, progress_lines
 
+log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = HERE.parent.parent / "benchmarks"
 if (BENCHMARKS / "common.py").is_file():
@@ -524,7 +525,30 @@ def member_configs(args: argparse.Namespace, config: RunConfig,
             check_members_differ(members, args.resume)
     except (ConfigError, UserError) as e:
         raise UserError(as_partner(str(e), args)) from None
+    if not args.no_train:
+        say_partner_over_set(args, members)
     return members, overrides
+
+
+def say_partner_over_set(args: argparse.Namespace, members: list[RunConfig]) -> None:
+    """The partner's items come after --set in member b (by design: they are what makes b differ), so a
+    --set of the same key holds for member a alone: `--pair de-en --set model.d_model=32` trained b at
+    de-en's 128, unsaid. Said in one line, each key with what b trains with and what --set gave."""
+    def key(item: str) -> str:
+        return item.split("=", 1)[0].strip()
+
+    given = {key(item): item for item in args.set}  # the last --set of a key, as load_config takes it
+    overridden = []
+    for item in dict.fromkeys(args.partner or PARTNER[args.pair]):
+        if key(item) in given and "." in key(item):
+            section, name = key(item).split(".", 1)
+            if len({repr(m.to_dict()[section].get(name)) for m in members}) > 1:  # as a and b train
+                overridden.append(f"{item!r} over {given[key(item)]!r}")
+    if overridden:
+        whose = ("--partner overrides", "") if args.partner else (
+            f"the {args.pair} recipe's partner items override", "; --partner replaces them")
+        log.info("--ensemble member b: %s --set: %s (member a trains with --set's%s)", whose[0],
+                 ", ".join(overridden), whose[1])
 
 
 def as_partner(message: str, args: argparse.Namespace) -> str:

@@ -629,9 +629,9 @@ def test_a_partner_item_over_a_set_item_is_said(tmp_path, caplog, monkeypatch):
     base = ["--data", str(dog_data(tmp_path / "data")), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]
     with caplog.at_level(logging.INFO), pytest.raises(AssertionError, match="trained"):
         run.main([*base, "--pair", "de-en", "--set", "model.d_model=32", "--set", "train.lr_scale=1.8"])
-    assert [m for m in caplog.messages if "member b" in m] == [
-        "--ensemble member b: the de-en recipe's partner items override --set: 'model.d_model=128' over "
-        "'model.d_model=32' (member a trains with --set's; --partner replaces them)"]  # lr_scale: the same
+    said = ("--ensemble member b: the de-en recipe's partner items override --set: 'model.d_model=128' over "
+            "'model.d_model=32' (member a trains with --set's; --partner replaces them)")
+    assert [m for m in caplog.messages if "member b" in m] == [said]  # train.lr_scale: the same for both
     caplog.clear()
     with caplog.at_level(logging.INFO), pytest.raises(AssertionError, match="trained"):
         run.main([*base, "--set", "model.dropout=0.2", "--partner", "model.dropout=0.1"])

@@ -703,27 +703,50 @@ def test_a_single_run_and_an_ensemble_do_not_share_a_run_directory(tmp_path, cap
         assert "move the members into a directory of their own" in capsys.readouterr().err
 
 
-def test_a_failed_member_is_named_with_its_run_directory(tmp_path, monkeypatch):
+@pytest.mark.parametrize("status", [2, 1])
+def test_a_failed_member_is_named_with_its_run_directory(tmp_path, capsys, monkeypatch, status):
     """It said only "an ensemble member failed: exit codes [-15, 2]": which one, and where, was for the
-    reader to find among two trainings' lines."""
+    reader to find among two trainings' lines. A member's refusal of its settings (exit 2) is the script's
+    usage error, as a single run's: it exited 1."""
     popen = subprocess.Popen
 
     def member(cmd, **kwargs):  # b fails at once, a would train on; other commands (git) run as they are
         if "--train-only" not in cmd:
             return popen(cmd, **kwargs)
         fails = f"train.run_dir={tmp_path / 'r' / 'b'}" in cmd
-        code = "import sys; sys.exit(2)" if fails else "import time; time.sleep(20)"
+        code = f"import sys; sys.exit({status})" if fails else "import time; time.sleep(20)"
         return popen([sys.executable, "-c", code])
 
     monkeypatch.setattr(run.subprocess, "Popen", member)
     data = dog_data(tmp_path / "data")
     with pytest.raises(SystemExit) as e:
         run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"])
-    assert str(e.value.code) == (f"run.py: ensemble member b ({tmp_path / 'r' / 'b'}) failed "
-                                 "(exit 2; its error is above)")
+    assert e.value.code == status
+    assert capsys.readouterr().err.endswith(f"run.py: ensemble member b ({tmp_path / 'r' / 'b'}) failed "
+                                            f"(exit {status}; its error is above)\n")
     assert run.member_failure([2, 1], ["x/a", "x/b"]) == (
         "ensemble members a (x/a) and b (x/b) failed (exit 2, 1; their errors are above)")
     assert run.member_failure([143, -15], ["x/a", "x/b"]).startswith("ensemble members a (x/a) and b (x/b)")
+
+
+def test_what_both_members_would_refuse_is_said_once_before_they_start(tmp_path, capsys, monkeypatch):
+    """A rerun without --resume, or a train.run_dir that is a file: both members said it, then the script
+    named one as the failure (three lines, exit 1)."""
+    never_trains(monkeypatch)
+    data = dog_data(tmp_path / "data")
+    (tmp_path / "afile").write_text("")
+    for member in "ab":  # as a first invocation saved them
+        (tmp_path / "r" / member / "checkpoints" / "step_000200").mkdir(parents=True)
+    base = ["--data", str(data), "--ensemble"]
+    refusals = {"r": "r/a: already holds checkpoints; pass --resume to continue",
+                "afile": "afile: train.run_dir exists and is not a directory",
+                "afile/x": "afile/x: train.run_dir cannot be used (Not a directory)"}
+    for run_dir, said in refusals.items():
+        assert run.main([*base, "--set", f"train.run_dir={tmp_path / run_dir}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"run.py: error: {tmp_path}/{said}") and err.count("\n") == 1, err
+    with pytest.raises(AssertionError, match="trained"):
+        run.main([*base, "--resume", "--set", f"train.run_dir={tmp_path / 'r'}"])
 
 
 def test_a_partner_item_the_member_refuses_is_named_as_the_partners(tmp_path, capfd, monkeypatch):
@@ -738,12 +761,14 @@ def test_a_partner_item_the_member_refuses_is_named_as_the_partners(tmp_path, ca
 
     monkeypatch.setattr(run.subprocess, "Popen", member)
     data = dog_data(tmp_path / "data")
-    with pytest.raises(SystemExit, match="member b"):  # fp16 needs a GPU: refused on every machine on a CPU
+    with pytest.raises(SystemExit) as e:  # fp16 needs a GPU: refused on every machine on a CPU
         run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}",
                   "--partner", "train.device=cpu", "--partner", "train.precision=fp16"])
-    assert capfd.readouterr().err.splitlines()[-1] == (
-        "run.py: error: --partner 'train.precision=fp16': train.precision='fp16' needs a GPU (use 'bf16' on "
-        "a CPU)")
+    assert e.value.code == 2
+    said = capfd.readouterr().err.splitlines()
+    assert said[-1].startswith("run.py: ensemble member b (")
+    assert said[-2] == ("run.py: error: --partner 'train.precision=fp16': train.precision='fp16' needs a GPU "
+                        "(use 'bf16' on a CPU)")
 
 
 def test_results_record_the_whole_training_and_a_run_that_trained_nothing_keeps_them(tmp_path):

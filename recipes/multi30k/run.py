@@ -43,7 +43,7 @@ from aiayn.evaluate import corpus_scores
 from aiayn.files import atomic_output
 from aiayn.train.average import average_last
 from aiayn.train.config import TOKENIZER_SETTINGS, RunConfig, finetune_model_config, load_config
-from aiayn.train.loop import train
+from aiayn.train.loop import _checkpoint_to_resume, train
 from aiayn.train.state import checkpoint_dirs
 from aiayn.translate import Translator, progress_lines
 
@@ -266,17 +266,25 @@ def train_members(args: argparse.Namespace, members: list[list[str]], run_dirs: 
         procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)] + named))
     codes = wait_all(procs)
     if any(codes):
-        raise SystemExit(f"run.py: {member_failure(codes, run_dirs)}")
+        print(f"run.py: {member_failure(codes, run_dirs)}", file=sys.stderr)
+        # a refusal of the member's settings (exit 2) is the recipe's usage error, as a single run's is
+        raise SystemExit(2 if all(codes[i] == 2 for i in failed_members(codes)) else 1)
 
 
-def member_failure(codes: list[int], run_dirs: list[str]) -> str:
-    """Which member failed, and where: "exit codes [0, 2]" left the reader to find it among the lines of two
-    trainings. A member that wait_all stopped (SIGTERM) did not fail, unless every nonzero one was stopped."""
+def failed_members(codes: list[int]) -> list[int]:
+    """The members that failed, by index. A member that wait_all stopped (SIGTERM) did not fail, unless
+    every nonzero one was stopped."""
     stopped = (-signal.SIGTERM, 128 + signal.SIGTERM)  # killed while preparing data, or saved and stopped
     if hangup := getattr(signal, "SIGHUP", None):  # a closed terminal's, which every member got
         stopped += (-hangup, 128 + hangup)
     failed = [i for i, c in enumerate(codes) if c not in (0, *stopped)]
-    failed = failed or [i for i, c in enumerate(codes) if c]
+    return failed or [i for i, c in enumerate(codes) if c]
+
+
+def member_failure(codes: list[int], run_dirs: list[str]) -> str:
+    """Which member failed, and where: "exit codes [0, 2]" left the reader to find it among the lines of two
+    trainings."""
+    failed = failed_members(codes)
     names = " and ".join(f"{'ab'[i]} ({run_dirs[i]})" for i in failed)
     exits = ", ".join(str(codes[i]) for i in failed)
     whose = "its error is" if len(failed) == 1 else "their errors are"
@@ -438,6 +446,7 @@ def run(args: argparse.Namespace) -> int:
     members, overrides = member_configs(args, config, data_keys)
     before = [so_far(m.train.run_dir) for m in members]
     if args.ensemble and not args.no_train:
+        check_member_dirs(members, args.resume)
         train_members(args, overrides, [m.train.run_dir for m in members])
     # a signal at the budget's last update ends the training as usual, saved: the averaging and the decoding
     # after it are what must not run (they did, minutes of beam search, then exit 0)
@@ -498,6 +507,26 @@ def check_run_dir(run_dir: Path, ensemble: bool) -> None:
     if not ensemble and members:
         raise UserError(f"{run_dir} holds --ensemble members ({members[0]}), not a single run{hint}, "
                         "or add --ensemble")
+
+
+def check_member_dirs(members: list[RunConfig], resume: bool) -> None:
+    """What both --ensemble members' trainings would refuse, said once before they start: each member said
+    it, then this script named one of them as the failure (three lines, exit 1). A rerun without --resume
+    is refused as training refuses it; a run directory that is a file, as training would, but without
+    making the directories (training removes a run directory it made and was refused in)."""
+    for m in members:
+        run_dir = Path(m.train.run_dir)
+        for path in (run_dir.parent, run_dir):  # RUN_DIR, then RUN_DIR/a or /b
+            try:
+                os.lstat(path)
+            except FileNotFoundError:
+                break
+            except OSError as e:  # a file above it: "Not a directory"
+                raise UserError(f"{path}: train.run_dir cannot be used ({e.strerror or e})") from None
+            if not path.is_dir():
+                raise UserError(f"{path}: train.run_dir exists and is not a directory")
+        if not resume:
+            _checkpoint_to_resume(run_dir, False, m.train.init_from)
 
 
 def check_direction(checkpoint: Path, src: str, tgt: str) -> None:

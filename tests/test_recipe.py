@@ -615,8 +615,13 @@ def test_the_pairs_own_partner_items_are_not_named_as_set_items(tmp_path, capsys
     assert run.main([*base, "--ensemble", "--set", f"train.init_from={ck}", "--set", "model.d_model=128"]) == 2
     assert capsys.readouterr().err.startswith("run.py: error: --set 'model.d_model=128': model.d_model=128 "
                                               "differs from ")
-    commands = []  # train_members starts b so, and a not
-    monkeypatch.setattr(run.subprocess, "Popen", commands.append)
+    commands, popen = [], subprocess.Popen  # train_members starts b so, and a not
+
+    def started(command, **kwargs):
+        commands.append(command)
+        return popen([sys.executable, "-c", "pass"], **kwargs)
+
+    monkeypatch.setattr(run.subprocess, "Popen", started)
     monkeypatch.setattr(run, "wait_all", lambda procs: [0, 0])
     train_members(run.parse_args([*base, "--ensemble"]), [["train.seed=1"], ["train.seed=2"]], ["a", "b"])
     assert ["--recipe-partner" in command for command in commands] == [False, True]
@@ -703,6 +708,29 @@ def test_a_single_run_and_an_ensemble_do_not_share_a_run_directory(tmp_path, cap
         assert "move the members into a directory of their own" in capsys.readouterr().err
 
 
+def test_each_members_lines_say_whose_they_are(tmp_path, capsys, monkeypatch):
+    """The two trainings' lines (configuration, updates, stops, errors) interleaved on one stream, alike but
+    for their numbers, without saying which member a line came from."""
+    popen = subprocess.Popen
+
+    def member(cmd, **kwargs):  # each member writes its lines, the last without its newline
+        if "--train-only" not in cmd:
+            return popen(cmd, **kwargs)
+        code = ("import sys, time\n"
+                "for i in range(3): print(f'update {i}', file=sys.stderr, flush=True); time.sleep(0.05)\n"
+                "sys.stderr.write('stopped')")
+        return popen([sys.executable, "-c", code], **kwargs)
+
+    monkeypatch.setattr(run.subprocess, "Popen", member)
+    run.train_members(run.parse_args(["--data", "d", "--ensemble"]), [["train.seed=1"], ["train.seed=2"]],
+                      ["ra", "rb"])
+    said = capsys.readouterr().err.splitlines()
+    for name in "ab":  # each member's in its order, whole
+        assert [line for line in said if line.startswith(name)] == [
+            f"{name}: update 0", f"{name}: update 1", f"{name}: update 2", f"{name}: stopped"], said
+    assert len(said) == 8
+
+
 @pytest.mark.parametrize("status", [2, 1])
 def test_a_failed_member_is_named_with_its_run_directory(tmp_path, capsys, monkeypatch, status):
     """It said only "an ensemble member failed: exit codes [-15, 2]": which one, and where, was for the
@@ -715,7 +743,7 @@ def test_a_failed_member_is_named_with_its_run_directory(tmp_path, capsys, monke
             return popen(cmd, **kwargs)
         fails = f"train.run_dir={tmp_path / 'r' / 'b'}" in cmd
         code = f"import sys; sys.exit({status})" if fails else "import time; time.sleep(20)"
-        return popen([sys.executable, "-c", code])
+        return popen([sys.executable, "-c", code], **kwargs)
 
     monkeypatch.setattr(run.subprocess, "Popen", member)
     data = dog_data(tmp_path / "data")
@@ -756,7 +784,7 @@ def test_a_partner_item_the_member_refuses_is_named_as_the_partners(tmp_path, ca
 
     def member(cmd, **kwargs):  # b runs, a waits to be stopped
         if f"train.run_dir={tmp_path / 'r' / 'a'}" in cmd:
-            return popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            return popen([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs)
         return popen(cmd, **kwargs)
 
     monkeypatch.setattr(run.subprocess, "Popen", member)
@@ -767,8 +795,8 @@ def test_a_partner_item_the_member_refuses_is_named_as_the_partners(tmp_path, ca
     assert e.value.code == 2
     said = capfd.readouterr().err.splitlines()
     assert said[-1].startswith("run.py: ensemble member b (")
-    assert said[-2] == ("run.py: error: --partner 'train.precision=fp16': train.precision='fp16' needs a GPU "
-                        "(use 'bf16' on a CPU)")
+    assert said[-2] == ("b: run.py: error: --partner 'train.precision=fp16': train.precision='fp16' needs a "
+                        "GPU (use 'bf16' on a CPU)")
 
 
 def test_results_record_the_whole_training_and_a_run_that_trained_nothing_keeps_them(tmp_path):

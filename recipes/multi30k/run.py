@@ -23,12 +23,13 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from tqdm import tqdm
@@ -254,21 +255,54 @@ def same_tokenizer(a: Path, b: Path) -> bool:
 
 
 def train_members(args: argparse.Namespace, members: list[list[str]], run_dirs: list[str]) -> None:
-    """Train the two --ensemble members, given their overrides and run directories, in parallel processes."""
-    procs = []
+    """Train the two --ensemble members, given their overrides and run directories, in parallel processes,
+    each line of theirs on stderr after its member's name ("a: ", "b: "): the two trainings' logs, alike
+    but for their numbers, interleaved on one stream without saying whose a line was (their configurations,
+    updates, stops and errors). Their stderr is then no terminal: training's bar gives way to its lines."""
+    procs, relays = [], []
     # b's --partner items, or word that it has the pair's PARTNER, so that its errors name them so (its
     # refusals of train.device=cuda on a CPU machine, or of a fine-tune's model, were --set's): they come
     # as --set items too
     partner = [a for item in args.partner or [] for a in ("--partner", item)] or ["--recipe-partner"]
-    for overrides, named in zip(members, [[], partner]):
+    for name, overrides, named in zip("ab", members, [[], partner]):
         cmd = [sys.executable, __file__, "--data", args.data, "--pair", args.pair, "--train-only",
                *(["--resume"] if args.resume else [])]
-        procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)] + named))
-    codes = wait_all(procs)
+        procs.append(subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)] + named,
+                                      stderr=subprocess.PIPE, text=True, errors="replace"))
+        relays.append(relayed(procs[-1].stderr, f"{name}: "))
+    try:
+        codes = wait_all(procs)
+    finally:  # the members' last lines (a stop, an error) before this script's
+        for thread in relays:
+            thread.join(timeout=RELAY_END_S)
     if any(codes):
         print(f"run.py: {member_failure(codes, run_dirs)}", file=sys.stderr)
         # a refusal of the member's settings (exit 2) is the recipe's usage error, as a single run's is
         raise SystemExit(2 if all(codes[i] == 2 for i in failed_members(codes)) else 1)
+
+
+RELAY_LOCK = threading.Lock()  # one member's line written whole before the other's
+RELAY_END_S = 10.0  # for a member's pipe to end once it has exited (a process it started may hold it open)
+
+
+def relayed(stream: IO[str], prefix: str) -> threading.Thread:
+    """A thread copying `stream`'s lines to stderr, each after `prefix`. It reads to the end even once
+    stderr cannot be written (a closed terminal): a member writing to a full pipe would stop training."""
+    def copy() -> None:
+        writable = True
+        for line in stream:
+            if writable:
+                try:
+                    with RELAY_LOCK:
+                        sys.stderr.write(prefix + (line if line.endswith("\n") else line + "\n"))
+                        sys.stderr.flush()
+                except (OSError, ValueError):  # EIO on a closed terminal, a closed stream
+                    writable = False
+        stream.close()
+
+    thread = threading.Thread(target=copy, name=f"member {prefix}", daemon=True)
+    thread.start()
+    return thread
 
 
 def failed_members(codes: list[int]) -> list[int]:

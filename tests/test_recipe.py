@@ -631,7 +631,8 @@ def test_a_partner_item_over_a_set_item_is_said(tmp_path, caplog, monkeypatch):
     """The partner's items come after --set in member b, by design: `--pair de-en --set model.d_model=32`
     trained b at the partner's 128 without a word."""
     never_trains(monkeypatch)
-    base = ["--data", str(dog_data(tmp_path / "data")), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]
+    data = dog_data(tmp_path / "data")
+    base = ["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]
     with caplog.at_level(logging.INFO), pytest.raises(AssertionError, match="trained"):
         run.main([*base, "--pair", "de-en", "--set", "model.d_model=32", "--set", "train.lr_scale=1.8"])
     said = ("--ensemble member b: the de-en recipe's partner items override --set: 'model.d_model=128' over "
@@ -698,7 +699,8 @@ def test_a_single_run_and_an_ensemble_do_not_share_a_run_directory(tmp_path, cap
         assert err.startswith(f"run.py: error: {tmp_path / run_dir} holds ") and err.count("\n") == 1
         assert "--set train.run_dir=" in err
     with pytest.raises(AssertionError, match="trained"):  # each in its own kind of directory
-        run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'ens'}"])
+        run.main(["--data", str(data), "--ensemble", "--resume", "--set",
+                  f"train.run_dir={tmp_path / 'ens'}"])
     # both kinds in one directory, as the shared default left them: "another directory" holds nothing to
     # score or resume, so the members are to move (reviewer)
     (tmp_path / "single" / "a" / "checkpoints" / "step_000200").mkdir(parents=True)

@@ -357,6 +357,15 @@ def test_a_stream_scores_the_pairs_before_a_bad_byte_first(checkpoint, side):
         score_stream(translator, *map(io.BytesIO, data), out, ("s", "t"))
     assert [float(x) for x in out.getvalue().split()] == pytest.approx(
         [s.log_prob for s in translator.score(sides[0][:5], sides[1][:5])], abs=1e-5)
+    # the other side bad further on, or long: the first bad line is named, the other side not read on
+    other = [line.encode() + b"\n" for line in sides[1 - side]] * 20
+    other[99 if side else 9] += b"\xff"  # its line 100 or 10: after the side's line 6
+    data[1 - side] = b"".join(other)
+    for chunk in (10_000, 2):
+        out = io.StringIO()
+        with pytest.raises(UserError, match=rf"^{'st'[side]}:6: invalid UTF-8"):
+            score_stream(translator, *map(io.BytesIO, data), out, ("s", "t"), chunk=chunk)
+        assert len(out.getvalue().split()) == 5
 
 
 def test_the_cli_reads_standard_input_and_refuses_a_missing_output_folder_first(checkpoint, tmp_path, capsys,

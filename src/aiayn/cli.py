@@ -433,7 +433,7 @@ def cmd_score(args: argparse.Namespace) -> None:
 def _progress(
     stack: contextlib.ExitStack, total: int | None, unit: str, done: str
 ) -> Callable[[int], None] | None:
-    """A bar on a terminal; where stderr is none (`2>log`) a line every PROGRESS_SECONDS instead, as
+    """A bar where stderr is a terminal; where it is not (`2>log`) a line every PROGRESS_SECONDS, as
     training's data preparation and the demo give: the bar's carriage-return frames filled the log, its
     last one twice. Without a `total` (a pipe's count unknown) no lines."""
     from tqdm import tqdm
@@ -855,7 +855,9 @@ def add_translate_parser(sub) -> None:
                    help="output file, written only once the whole input is translated (default: stdout)")
     p.add_argument("--beam", type=int, help="beam size; 1 is greedy search (default 4, the paper; 1 with --sample)")
     p.add_argument("--lenpen", type=float,  # None unless given: refused with --lenpen-kind none
-                   help="length penalty alpha (default 0.6, the paper; refused with --lenpen-kind none)")
+                   help="length penalty alpha (default 0.6, the paper; refused with --lenpen-kind "
+                   "none, and at beam 1, greedy search or --sample, without --n-best, where it changes "
+                   "nothing)")
     p.add_argument("--lenpen-kind", choices=["gnmt", "power", "none"], default="gnmt",
                    help="gnmt: score = log P / ((5+|Y|)/6)^alpha (GNMT, the paper); power: log P / |Y|^alpha "
                    "(fairseq, HuggingFace, CTranslate2). |Y| counts the output tokens INCLUDING the final "
@@ -919,11 +921,11 @@ def add_translate_parser(sub) -> None:
                    help="compile the decoder step of one sentence with torch.compile before translating "
                    "(10-40 s, said on stderr first, -q or not; float32 on a CPU, needs a C++ compiler): "
                    "greedy search (--beam 1) or sampling of one line at a time, as an interactive filter "
-                   "with --chunk 1 decodes, from 4%% slower to 16%% faster on a 2-core CPU (see the "
+                   "with --chunk 1 decodes, from 4%% slower to 22%% faster on a 2-core CPU (see the "
                    "README); batches of several lines decode as "
                    "without it, and beam search, which it would not speed up, refuses it")
     p.add_argument("-q", "--quiet", action="store_true",
-                   help="no progress (a bar on a terminal, else a line every 10 s)")
+                   help="no progress (a bar on a terminal, else a line every 10 s for a file)")
     p.set_defaults(func=cmd_translate)
 
 
@@ -959,7 +961,7 @@ def add_score_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=positive_int, help="CPU threads (default: PyTorch's choice)")
     p.add_argument("-q", "--quiet", action="store_true",
-                   help="no progress (a bar on a terminal, else a line every 10 s)")
+                   help="no progress (a bar on a terminal, else a line every 10 s for a file)")
     p.set_defaults(func=cmd_score)
 
 

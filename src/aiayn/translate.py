@@ -262,8 +262,8 @@ class Translator:
 
         `compile` (one float32 model on the CPU) compiles the decoder step of one sentence with
         torch.compile while loading (10-40 s, said first on the `aiayn.decoding.compiled` logger, INFO):
-        greedy search or sampling of one text at a time, a service's requests, then runs about 10% faster
-        (`aiayn.decoding.compiled`). Batches of several
+        greedy search or sampling of one text at a time, a service's requests, measured from 4% slower
+        to 22% faster on a 2-core CPU (the README; `aiayn.decoding.compiled`). Batches of several
         texts, and beam search, decode as without it, and so does everything after a
         `torch.set_num_threads` to another count than the loading's (nothing compiles after loading).
 
@@ -490,7 +490,8 @@ def read_utf8_lines(
     stream: BinaryIO, name: str, chunk: int, whole_chunks: bool = False, done: str = "translated"
 ) -> Iterator[list[str]]:
     """Lines of a binary stream, decoded, without newlines, in lists of up to `chunk` lines; a bad
-    byte sequence or a NUL byte is a `UserError` naming NAME:LINE. From a pipe, a list also ends where
+    byte sequence or a NUL byte is a `UserError` naming NAME:LINE, raised once the lines before it are
+    yielded. From a pipe, a list also ends where
     the input stalls, so that a slow writer gets each answer before it sends more; with `whole_chunks`
     it does not (every list but the last holds `chunk` lines), so that the lists do not depend on timing.
     CRs inside lines are warned about at the end of the input, once a file (`InnerCRs.warn`: a file checked
@@ -504,9 +505,11 @@ def read_utf8_lines(
         head = raw[:HEAD_BYTES] if n == 1 else head
         text, bad = _decoded(raw, name, n, head)
         if bad is not None:
-            if lines and lone <= 1:  # a pipe's lines before it, as a too long line's: translated and written
-                for i in range(0, len(lines), chunk):  # first, so that a rerun from the line named loses none
-                    yield lines[i : i + chunk]  # (they were lost with their chunk)
+            # a pipe's lines before it, as a too long line's: translated and written first, so that a rerun
+            # from the line named loses none (they were lost with their chunk); a first line held for its CRs
+            # too, a second line, bad or not, telling it from a one-line classic Mac file
+            for i in range(0, len(lines), chunk):
+                yield lines[i : i + chunk]
             raise bad
         if n == 1 and not raw.endswith(b"\n") and cr_only(raw):  # the whole input, and no LF in it
             raise cr_only_error(name)
@@ -661,14 +664,16 @@ def score_stream(
 
     for sources, targets in itertools.zip_longest(*pieces, fillvalue=[]):
         if len(sources) != len(targets):  # one stream ended first: count both to the end
-            try:
-                counts = [pairs + len(part) + sum(map(len, rest))
-                          for part, rest in zip((sources, targets), pieces)]
-            except UserError:  # a bad line (invalid UTF-8, a NUL) ended one side's list early: the pairs
-                # before it are scored and written first, as a too long line's (they were lost)
-                both = min(len(sources), len(targets))
+            both, short = min(len(sources), len(targets)), int(len(targets) < len(sources))
+            rest = [0, 0]
+            try:  # the shorter side first: a bad line (invalid UTF-8, a NUL) that ended its list early
+                # is the earliest problem, said before the other side is read on (to its end, or its own)
+                for side in (short, 1 - short):
+                    rest[side] = sum(map(len, pieces[side]))
+            except UserError:  # the pairs before it are scored and written first, as a too long line's
                 write_pairs(sources[:both], targets[:both])
                 raise
+            counts = [pairs + len(part) + more for part, more in zip((sources, targets), rest)]
             require_same_count(names[0], counts[0], names[1], counts[1])
         write_pairs(sources, targets)
         pairs += len(sources)

@@ -1869,9 +1869,61 @@ def test_half_a_pair_of_tokenizers_left_in_run_dir_is_refused_not_trained_over(t
     with pytest.raises(UserError) as e:
         train(config)
     assert str(e.value) == (f"{run / lone}: no {partner} beside it (separate vocabularies take both; a "
-                            f"shared one is spm.model alone); put {partner} there, or delete {lone}: a run "
-                            "without checkpoints trains a new tokenizer, --resume puts its checkpoint's back")
+                            f"shared one is spm.model alone); put {partner} there, or delete {lone} to train a "
+                            "new tokenizer")
     assert (run / lone).read_bytes() == mine and not (run / partner).exists()
+
+
+def test_half_a_pair_left_by_aiayn_s_own_training_is_trained_again(tmp_path, monkeypatch):
+    """A kill between the tokenizer training's two files leaves source.spm beside aiayn's record
+    (tokenizer_inputs.json): trained again, as it was before lone files were refused (a user's is)."""
+    from aiayn.data import dataset
+
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "data.shared_vocab=false", "train.max_updates=1")
+    run = Path(config.train.run_dir)
+    write_model = dataset.write_model
+
+    def killed(path, model):
+        if path.name == "target.spm":
+            raise KeyboardInterrupt
+        write_model(path, model)
+
+    monkeypatch.setattr(dataset, "write_model", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(config)
+    assert (run / "source.spm").is_file() and not (run / "target.spm").exists()
+    monkeypatch.setattr(dataset, "write_model", write_model)
+    assert train(config)["step"] == 1 and (run / "target.spm").is_file()
+
+
+def test_resume_mends_half_a_pair_that_is_its_checkpoint_s_and_refuses_another(tmp_path, caplog):
+    """--resume put a checkpoint's pair back where target.spm was gone (deleted, or a full disk during its
+    own restore: source.spm is written first); refused as a lone file, it could never resume. A lone file
+    that is not the checkpoint's is refused and kept (it was written over, unsaid); a tokenizer of the
+    other kind left there is said, unused: the checkpoints' is what counts."""
+    config, sets = tiny_config(tmp_path, tmp_path / "run", "data.shared_vocab=false", "train.max_updates=1")
+    run = Path(config.train.run_dir)
+    train(config)
+    (run / "target.spm").unlink()
+    ours = (run / "source.spm").read_bytes()
+    user_spm(run / "source.spm", Path(config.data.train_src), pad_id=0, bos_id=1, eos_id=2, unk_id=3)
+    theirs = (run / "source.spm").read_bytes()
+    step = [s for s in sets if "max_updates" not in s]
+    with pytest.raises(UserError) as e:
+        train(load_config(None, [*step, "train.max_updates=2"]), resume=True)
+    checkpoint = checkpoint_dirs(run)[-1]
+    assert str(e.value) == (f"{run / 'source.spm'}: not the source.spm of {checkpoint}'s tokenizer (damaged, "
+                            f"replaced, or another run's), and no target.spm beside it; move it out of {run}: "
+                            "--resume then puts the checkpoint's tokenizer back")
+    assert (run / "source.spm").read_bytes() == theirs and not (run / "target.spm").exists()
+    (run / "source.spm").write_bytes(ours)
+    assert train(load_config(None, [*step, "train.max_updates=2"]), resume=True)["step"] == 2
+    assert (run / "target.spm").read_bytes() == (checkpoint / "target.spm").read_bytes()
+    user_spm(run / "spm.model", Path(config.data.train_src), pad_id=0, bos_id=1, eos_id=2, unk_id=3)
+    with caplog.at_level(logging.WARNING):
+        assert train(load_config(None, [*step, "train.max_updates=3"]), resume=True)["step"] == 3
+    assert f"{run}: spm.model left unused there: the checkpoints' tokenizer is source.spm and target.spm" \
+        in caplog.messages
 
 
 def test_a_shared_and_a_separate_tokenizer_left_in_run_dir_are_refused(tmp_path):

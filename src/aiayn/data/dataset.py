@@ -1341,12 +1341,25 @@ def _tokenizer_file_changes(saved: dict, inputs: dict) -> list[str]:
     return files
 
 
-def find_tokenizer(directory: str | Path) -> Tokenizer | None:
+def find_tokenizer(directory: str | Path, shared: bool | None = None) -> Tokenizer | None:
     """The tokenizer a run directory already holds (shared spm.model, or source.spm + target.spm). Half of
     a pair, or both kinds, is refused: a lone source.spm was taken for no tokenizer, and training wrote a
-    new one over it; spm.model beside source.spm and target.spm was used, the others ignored, unsaid."""
+    new one over it; spm.model beside source.spm and target.spm was used, the others ignored, unsaid.
+    A lone one beside aiayn's record (TOKENIZER_INPUTS) is aiayn's own training, killed between its two
+    files: no tokenizer, trained again.
+
+    `shared`: the kind a resumed run's checkpoints were trained with, whose tokenizer is what counts: only
+    that kind's files are looked for, none refused (--resume compares them with the checkpoint's, and
+    mends a pair it finds half of)."""
     directory = Path(directory)
+    if shared is not None:
+        names = [SHARED] if shared else [SOURCE, TARGET]
+        if all((directory / name).is_file() for name in names):
+            return Tokenizer(*(directory / name for name in names))
+        return None
     held = [name for name in (SHARED, SOURCE, TARGET) if (directory / name).is_file()]
+    if held in ([SOURCE], [TARGET]) and (directory / TOKENIZER_INPUTS).is_file():
+        return None
     if held == [SHARED]:
         return Tokenizer(directory / SHARED)
     if held == [SOURCE, TARGET]:
@@ -1359,5 +1372,5 @@ def find_tokenizer(directory: str | Path) -> Tokenizer | None:
                         "ones): two tokenizers; delete the one not meant")
     lone, partner = (SOURCE, TARGET) if held == [SOURCE] else (TARGET, SOURCE)
     raise UserError(f"{directory / lone}: no {partner} beside it (separate vocabularies take both; a shared "
-                    f"one is {SHARED} alone); put {partner} there, or delete {lone}: a run without "
-                    "checkpoints trains a new tokenizer, --resume puts its checkpoint's back")
+                    f"one is {SHARED} alone); put {partner} there, or delete {lone} to train a new "
+                    "tokenizer")

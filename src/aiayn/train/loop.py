@@ -73,7 +73,7 @@ from aiayn.data.dataset import (
     train_tokenizer,
     write_tokenizer_inputs,
 )
-from aiayn.data.tokenizer import Tokenizer, trained_settings
+from aiayn.data.tokenizer import SHARED, SOURCE, TARGET, Tokenizer, trained_settings
 from aiayn.decoding.options import MAX_CPU_SEED
 from aiayn.errors import CorruptFile, Stopped, UserError, is_out_of_memory
 from aiayn.files import moved_aside, recover_replaced, remove_abandoned, require_file
@@ -1449,8 +1449,8 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     dc = config.data  # its files are named and there (`_check_data_files`)
     # Process 0's caches, named to all: every process trains on the pairs process 0 encoded, whatever the
     # files look like from its own machine. Errors reach every process.
-    caches = distributed.on_main(d, lambda: _prepare_files(config, run_dir, tokenizer), long=True)
-    tokenizer = tokenizer or find_tokenizer(run_dir)
+    caches, shared = distributed.on_main(d, lambda: _prepare_files(config, run_dir, tokenizer), long=True)
+    tokenizer = tokenizer or find_tokenizer(run_dir, shared)  # the kind process 0 found or trained
     if tokenizer is None:  # process 0 wrote it: this process is on a machine that cannot see run_dir
         raise UserError(f"{run_dir}: no tokenizer; with several machines, put run_dir on a shared filesystem")
     read = read_encoded(Path(caches[0][0]), caches[0][1], tokenizer)
@@ -1535,9 +1535,11 @@ def _require_pairs(pair: str, kind: str, kept: int, too_long: int, max_len: int)
         )
 
 
-def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None) -> list[tuple[str, str]]:
+def _prepare_files(config: RunConfig, run_dir: Path,
+                   tokenizer: Tokenizer | None) -> tuple[list[tuple[str, str]], bool]:
     """On process 0: the tokenizer and the caches, so that the other processes only read; the (path, key)
-    of the training set's cache, then the validation set's if there is one."""
+    of the training set's cache, then the validation set's if there is one; and whether the tokenizer is
+    shared (the kind of files the others read: a resumed run's, whatever else is left there)."""
     dc = config.data
     # a fine-tune's tokenizer, or that of a run resumed on other training files, learnt from other text
     kept, made_elsewhere = tokenizer is not None, False
@@ -1552,7 +1554,7 @@ def _prepare_files(config: RunConfig, run_dir: Path, tokenizer: Tokenizer | None
             _, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache", kept=kept, kind=kind,
                                                normalization=normalization, max_len=dc.max_len)
             caches.append((str(cache), key))
-    return caches
+    return caches, tokenizer.shared
 
 
 # Settings --resume may change, each said in the log (Adam's own are said by `state.restore`, the number of
@@ -1905,19 +1907,41 @@ def _differing_file(latest: Tokenizer, found: Tokenizer, checkpoint: Path) -> Pa
     return latest.tgt_path if tgt != their_tgt and latest.tgt_path else checkpoint / META
 
 
+@contextmanager
+def _damaged_tokenizer():
+    """A run directory's SentencePiece model that cannot be read: the remedy, which the checkpoints' own
+    copy or a new tokenizer gives."""
+    try:
+        yield
+    except CorruptFile as e:
+        raise UserError(f"{e}; delete it: --resume puts the checkpoint's copy back, a run without "
+                        "checkpoints trains a new one") from None
+
+
+def _check_lone_model(run_dir: Path, trained_with: Tokenizer, checkpoint: Path) -> None:
+    """Half of a resumed run's pair (a full disk or a kill while --resume put the pair back: source.spm
+    is written first) is mended where it is the checkpoint's own model of its side; another is refused,
+    named, not written over (it was, unsaid)."""
+    if trained_with.shared:
+        return
+    for path, model, partner in ((run_dir / SOURCE, trained_with.src, TARGET),
+                                 (run_dir / TARGET, trained_with.tgt, SOURCE)):
+        if path.is_file() and Tokenizer(path).src.serialized_model_proto() != model.serialized_model_proto():
+            raise UserError(f"{path}: not the {path.name} of {checkpoint}'s tokenizer (damaged, replaced, or "
+                            f"another run's), and no {partner} beside it; move it out of {run_dir}: --resume "
+                            "then puts the checkpoint's tokenizer back")
+
+
 def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool, bool]:
     """The run directory's tokenizer: trained once on the training text, then reused if it fits; whether it
     is kept for other text than it was trained on (a run resumed on other training files); and whether
     it was made elsewhere (put in a new run directory, with no record of aiayn's training), so that its
     rewriting of this text was never checked."""
     dc = config.data
-    try:
-        found = find_tokenizer(run_dir)
-    except CorruptFile as e:  # the remedy: the checkpoints hold their own copy, a new run trains one
-        raise UserError(f"{e}; delete it: --resume puts the checkpoint's copy back, a run without "
-                        "checkpoints trains a new one") from None
-    inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, _tokenizer_settings(config))
     saved = checkpoint_dirs(run_dir)
+    with _damaged_tokenizer():
+        found = None if saved else find_tokenizer(run_dir)  # resumed: the checkpoints' kind, below
+    inputs = tokenizer_inputs(dc.train_src, dc.train_tgt, _tokenizer_settings(config))
     if saved:  # resumed: the tokenizer its checkpoints were trained with, which each of them holds
         latest = saved[-1]
         meta = read_meta(latest)
@@ -1925,11 +1949,19 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool, b
         if (data := config_section(meta, "data")) is not None:  # what they were trained with, if recorded
             refuse_other_tokenizer_settings(latest, data, inputs, _tokenizer_written_at(config, data),
                                             _left_at_defaults(config))
-        if found is None:  # only checkpoints/ was copied here: put its tokenizer back, train none
-            trained_with.save(run_dir)
-            found = find_tokenizer(run_dir)
-        elif not found.same_as(trained_with):
+        with _damaged_tokenizer():
+            found = find_tokenizer(run_dir, trained_with.shared)
+            if found is None:  # only checkpoints/ was copied here, or a pair's write stopped half way
+                _check_lone_model(run_dir, trained_with, latest)
+                trained_with.save(run_dir)  # put its tokenizer back, train none
+                found = find_tokenizer(run_dir, trained_with.shared)
+        if not found.same_as(trained_with):
             raise _other_tokenizer(run_dir, saved, trained_with, found)
+        mine = [SHARED] if found.shared else [SOURCE, TARGET]
+        if others := [name for name in (SHARED, SOURCE, TARGET)
+                      if name not in mine and (run_dir / name).is_file()]:
+            log.warning("%s: %s left unused there: the checkpoints' tokenizer is %s", run_dir,
+                        " and ".join(others), " and ".join(mine))
     if found is not None:  # resumed: the tokenizer of its checkpoints; else left by a first run that
         other_text = check_tokenizer_inputs(run_dir, inputs, resumed=bool(saved))  # failed later
         made_elsewhere = False

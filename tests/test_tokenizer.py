@@ -13,6 +13,7 @@ import pytest
 import sentencepiece as spm
 
 from aiayn.data.tokenizer import MAX_LINE_BYTES, sentencepiece_model, train_sentencepiece, trained_settings
+from aiayn.errors import CorruptFile
 
 
 def made_up_text(lines: int) -> list[str]:
@@ -92,6 +93,34 @@ def test_a_models_training_settings_are_read_from_it(options, settings):
                                    vocab_size=60, hard_vocab_limit=False, minloglevel=2, **options)
     read = trained_settings(model.getvalue())
     assert (read["spm_type"], read["normalization"], read["character_coverage"]) == settings
+
+
+@pytest.mark.parametrize("tail", [
+    b"\x18\x02",  # ModelProto's field 3 (normalizer_spec) as a varint: an unknown field
+    b"\x12\x02\x50\x02",  # a trainer_spec whose field 10 (character_coverage) is a varint
+    b"\x1a\x02\x08\x01",  # a normalizer_spec whose field 1 (name) is a varint
+    b"\x12\x02\x18\x07",  # model_type 7, no ModelType: an unknown enum value, which leaves bpe
+    b"\x12\x02\x1b\x1c",  # a group in trainer_spec, whose end group was read as 4 bytes of a number
+])
+def test_training_settings_are_read_as_protobuf_reads_fields_of_another_wire_type(tail):
+    """Fields SentencePiece loads a model with, as unknown fields, were read as the setting of their number
+    whatever their wire type: a TypeError or an AttributeError, or model_type 7 said as 'model type 7'
+    where SentencePiece encodes as the bpe model it was. A trainer_spec given twice is the two merged."""
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(made_up_text(50)), model_writer=model,
+                                   vocab_size=60, hard_vocab_limit=False, minloglevel=2, model_type="bpe",
+                                   character_coverage=0.9999, normalization_rule_name="nfkc")
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue() + tail)
+    bpe = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    assert sp.encode(made_up_text(5)) == bpe.encode(made_up_text(5))  # SentencePiece reads the bpe model
+    read = trained_settings(sp.serialized_model_proto())
+    assert (read["spm_type"], read["normalization"], read["character_coverage"]) == ("bpe", "nfkc", 0.9999)
+
+
+def test_training_settings_that_cannot_be_read_are_a_corrupt_file():
+    """A backstop: what the wire reader cannot read is one line naming the file, not a traceback."""
+    with pytest.raises(CorruptFile, match=r"^x/spm\.model: its training settings cannot be read \("):
+        trained_settings(b"\x12\x05\x18", "x/spm.model")
 
 
 def test_sentencepieces_refusal_is_its_runtime_error():

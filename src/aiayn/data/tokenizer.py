@@ -190,7 +190,11 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     except RuntimeError as e:
         raise CorruptFile(f"{path}: not a SentencePiece model ({' '.join(str(e).split())})") from None
-    if not _fields(proto).keys() & AFTER_PIECES:  # a file cut between two pieces parses: fewer pieces
+    try:
+        numbers = _field_numbers(proto)
+    except (IndexError, ValueError) as e:  # one SentencePiece loads, which the wire reader misreads
+        raise CorruptFile(f"{path}: not read as a SentencePiece model ({e})") from None
+    if not numbers & AFTER_PIECES:  # a file cut between two pieces parses: fewer pieces
         raise CorruptFile(f"{path}: truncated: it ends after {sp.get_piece_size()} pieces, without the "
                           "training settings and normalization rules that follow them in a SentencePiece "
                           "model")
@@ -204,22 +208,27 @@ AFTER_PIECES = {2, 3}
 MODEL_TYPES = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}  # TrainerSpec.ModelType's numbers
 
 
-def trained_settings(model: bytes) -> dict[str, str | float]:
+def trained_settings(model: bytes, path: str | Path = "the SentencePiece model") -> dict[str, str | float]:
     """What a SentencePiece model says it was trained with, by [data]'s names: `spm_type` (TrainerSpec's
     model_type, field 3, which SentencePiece encodes by), `normalization` (NormalizerSpec's name, field 1:
     the rule it applies to text; "" where unnamed, as in a model built by hand) and `character_coverage`
     (TrainerSpec's field 10, a float32, written as the shortest decimal that is it: 0.9995). A field left
     out has the proto's default, which SentencePiece does not write: unigram, 0.9995. Read from the wire
     format: SentencePiece's Python API exposes none of them, and its sentencepiece_model_pb2 needs protobuf,
-    which aiayn does not depend on."""
-    top = _fields(model)
-    trainer, normalizer = _fields(top.get(2, b"")), _fields(top.get(3, b""))
-    model_type = trainer.get(3, 1)
-    raw = trainer.get(10)
-    coverage = 0.9995 if raw is None else _shortest_float32(raw)
-    return {"spm_type": MODEL_TYPES.get(model_type, f"model type {model_type}"),
-            "normalization": normalizer.get(1, b"").decode("utf-8", "replace"),
-            "character_coverage": coverage}
+    which aiayn does not depend on. Read as protobuf reads them: a message given twice is the two merged,
+    a field keeps its last value of its own wire type (one of another is an unknown field, which a model
+    that loads may hold), and a model_type of no known number is an unknown enum value, which leaves the
+    one before it (or the default). What cannot be read is a CorruptFile naming `path`."""
+    try:
+        top = _fields(model)
+        trainer, normalizer = (_fields(b"".join(_values(top, number, LENGTH))) for number in (2, 3))
+        model_type = ([1] + [v for v in _values(trainer, 3, VARINT) if v in MODEL_TYPES])[-1]
+        coverage = ([None] + _values(trainer, 10, FIXED32))[-1]
+        name = ([b""] + _values(normalizer, 1, LENGTH))[-1]
+        return {"spm_type": MODEL_TYPES[model_type], "normalization": name.decode("utf-8", "replace"),
+                "character_coverage": 0.9995 if coverage is None else _shortest_float32(coverage)}
+    except (IndexError, ValueError, struct.error) as e:  # a model SentencePiece loaded, which this misreads
+        raise CorruptFile(f"{path}: its training settings cannot be read ({e})") from None
 
 
 def _shortest_float32(raw: bytes) -> float:
@@ -230,25 +239,62 @@ def _shortest_float32(raw: bytes) -> float:
                  if struct.pack("<f", float(f"{value:.{digits}g}")) == raw), value)  # 9 digits always do
 
 
-def _fields(proto: bytes) -> dict[int, int | bytes]:
+VARINT, FIXED64, LENGTH, START_GROUP, END_GROUP, FIXED32 = range(6)  # protobuf's wire types
+
+
+def _values(fields: dict[int, list[tuple[int, int | bytes]]], number: int, wire: int) -> list:
+    """The values of field `number` given with wire type `wire`, in their order."""
+    return [value for their_wire, value in fields.get(number, ()) if their_wire == wire]
+
+
+def _fields(proto: bytes) -> dict[int, list[tuple[int, int | bytes]]]:
     """A protobuf message's own fields (not those of messages inside them), by number, read from the wire
     format of a `proto` that parsed: each is a varint key (number << 3 | wire type), then its value, here a
-    varint's integer, or the bytes of a string, a message or a fixed-size number. A field given more than
-    once (the pieces) keeps its last value, as protobuf reads a singular one."""
+    varint's integer, or the bytes of a string, a message, a fixed-size number or a group. Each field's
+    values, with their wire type, in order: the last of a singular field's own wire type is its value, as
+    protobuf reads it."""
     fields, at = {}, 0
     while at < len(proto):
-        key, at = _varint(proto, at)
-        wire = key & 7
-        if wire == 0:  # a varint
-            value, at = _varint(proto, at)
-        elif wire == 2:  # a length, then as many bytes: a string or a message
-            size, at = _varint(proto, at)
-            value, at = proto[at : at + size], at + size
-        else:  # 1: 8 bytes, 5: 4 bytes (SentencePiece writes no group, 3 and 4)
-            size = 8 if wire == 1 else 4
-            value, at = proto[at : at + size], at + size
-        fields[key >> 3] = value
+        number, wire, start, at = _field(proto, at)
+        value = _varint(proto, start)[0] if wire == VARINT else proto[start:at]
+        fields.setdefault(number, []).append((wire, value))
     return fields
+
+
+def _field_numbers(proto: bytes) -> set[int]:
+    """The numbers of a message's own fields, as `_fields` reads them, without their values: `_load_spm`'s
+    check reads every piece of a model (500,000 of them, a third of a second more a load sliced)."""
+    numbers, at = set(), 0
+    while at < len(proto):
+        number, _, _, at = _field(proto, at)
+        numbers.add(number)
+    return numbers
+
+
+def _field(proto: bytes, at: int) -> tuple[int, int, int, int]:
+    """The field at `proto[at]`: its number, wire type, where its value starts and where the next field
+    begins."""
+    key, start = _varint(proto, at)
+    number, wire = key >> 3, key & 7
+    if wire == VARINT:
+        end = _varint(proto, start)[1]
+    elif wire == LENGTH:  # a length, then as many bytes: a string or a message
+        size, start = _varint(proto, start)
+        end = start + size
+    elif wire in (FIXED64, FIXED32):
+        end = start + (8 if wire == FIXED64 else 4)
+    elif wire == END_GROUP:  # a group's last field, without a value
+        end = start
+    elif wire == START_GROUP:  # SentencePiece writes none, but parses one: fields up to its END_GROUP
+        end = start
+        while (inner := _field(proto, end))[:2] != (number, END_GROUP):
+            end = inner[3]
+        end = inner[3]
+    else:
+        raise ValueError(f"wire type {wire} at byte {at}")
+    if end > len(proto):
+        raise ValueError(f"a field past the end at byte {at}")
+    return number, wire, start, end
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:

@@ -1828,7 +1828,7 @@ def _check_trained_settings(found: Tokenizer, config: RunConfig) -> None:
     dc = config.data
     models = [(found.src_path, found.src)] + ([] if found.shared else [(found.tgt_path, found.tgt)])
     for path, sp in models:
-        trained = trained_settings(sp.serialized_model_proto())
+        trained = trained_settings(sp.serialized_model_proto(), path)
         other = {key: trained[key] for key in ENCODING_SETTINGS if trained[key] not in ("", getattr(dc, key))}
         delete = "delete the tokenizer (spm.model, or source.spm and target.spm) to train a new one"
         if cannot := [key for key, value in other.items() if value not in ENCODING_SETTINGS[key]]:

@@ -29,6 +29,7 @@ from aiayn.data.dataset import (
     read_parallel,
     scan_parallel,
     train_tokenizer,
+    warn_if_unknown,
 )
 from aiayn.data.tokenizer import Tokenizer, sentencepiece_model
 from aiayn.errors import UserError
@@ -569,7 +570,7 @@ def test_text_the_tokenizer_has_no_pieces_for_is_warned_of(tmp_path, corpus_file
     de = ["我们", "der Hund 我们 läuft", "der Hund", "die Katze", "schnell"]
     a, b = write(tmp_path / "v.de", de), write(tmp_path / "v.en", ["the dog"] * 5)
     with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
-        cache_encoded(a, b, tok, tmp_path / "cache")
+        warn_if_unknown(a, b, cache_encoded(a, b, tok, tmp_path / "cache")[0], tok.unk_id, None, False)
     ids = [tok.encode_src(line)[:-1] for line in de]  # without EOS
     pieces, unknown = sum(map(len, ids)), sum(line.count(tok.unk_id) for line in ids)
     assert unknown == 2 and unknown > 0.01 * pieces
@@ -579,7 +580,8 @@ def test_text_the_tokenizer_has_no_pieces_for_is_warned_of(tmp_path, corpus_file
         "them, or data.character_coverage < 1 left them out")]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
-        cache_encoded(src, tgt, tok, tmp_path / "cache")  # its own training text: no <unk>
+        warn_if_unknown(src, tgt, cache_encoded(src, tgt, tok, tmp_path / "cache")[0], tok.unk_id, None,
+                        False)  # its own training text: no <unk>
     assert caplog.messages == []
 
 
@@ -595,19 +597,17 @@ def test_unknown_pieces_are_counted_in_the_pairs_max_len_keeps(tmp_path, corpus_
     assert [len(i) + 1 <= max_len for i in ids] == [True, False, True, True, True]
     kept = [i for i in ids if len(i) + 1 <= max_len]
     pieces = sum(map(len, kept))
+    corpus = cache_encoded(a, b, tok, tmp_path / "cache")[0]
     with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
-        cache_encoded(a, b, tok, tmp_path / "cache", max_len=max_len)
+        warn_if_unknown(a, b, corpus, tok.unk_id, max_len, False)
     assert caplog.messages == [(
         f"{a}: 1 of its {pieces} pieces ({100 / pieces:.1f}%, in 1 of 4 lines within data.max_len=20) are "
         "<unk>, characters the tokenizer has no piece for; the tokenizer's training text (or the sample it "
         "learnt from) lacks them, or data.character_coverage < 1 left them out")]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
-        cache_encoded(a, b, tok, tmp_path / "cache", max_len=max_len)  # from the cache: said once, encoded
-    assert caplog.messages == []
     a = write(tmp_path / "w.de", ["der Hund", *de[1:]])  # the kept pairs have no <unk>: nothing said
     with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
-        cache_encoded(a, b, tok, tmp_path / "cache", max_len=max_len)
+        warn_if_unknown(a, b, cache_encoded(a, b, tok, tmp_path / "cache")[0], tok.unk_id, max_len, False)
     assert caplog.messages == []
 
 

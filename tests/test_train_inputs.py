@@ -1857,6 +1857,38 @@ def test_unknown_pieces_of_pairs_max_len_drops_are_not_warned_of(tmp_path, caplo
     assert any("of 61 training pairs are longer than 32 tokens" in m for m in caplog.messages)
 
 
+def test_unknown_pieces_are_counted_at_this_run_s_max_len_from_the_cache_too(tmp_path, caplog, monkeypatch):
+    """The count was the encoding's, at the data.max_len of the run that encoded: a rerun that raised it,
+    as the dropped pairs' warning advises, read the cache (whose key has no max_len) and trained on a
+    line of <unk> pieces unwarned. It is counted every run, in the pairs that run keeps."""
+    config, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1", "data.max_len=20",
+                               "train.max_tokens=200", "data.spm_type=unigram")
+    run = Path(config.train.run_dir)
+    run.mkdir()
+    both = tmp_path / "both.txt"  # a shared model of the two sides, as a user's would be
+    both.write_text(Path(config.data.train_src).read_text() + Path(config.data.train_tgt).read_text())
+    user_spm(run / "spm.model", both, pad_id=0, bos_id=1, eos_id=2, unk_id=3, character_coverage=1.0)
+    lines = ((config.data.train_src, " ".join(["我们"] * 30)), (config.data.train_tgt, "the dog"))
+    for path, line in lines:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def stopped(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "build_model", stopped)  # a first run stopped after its data, before a save
+    with caplog.at_level(logging.WARNING), pytest.raises(KeyboardInterrupt):
+        train(config)
+    assert [m for m in caplog.messages if "<unk>" in m] == []  # the line is past max_len=20
+    monkeypatch.undo()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert train(load_config(None, [*sets, "data.max_len=64"]))["step"] == 1
+    assert any("pairs from the cache" in m for m in caplog.messages)
+    said = [m for m in caplog.messages if "<unk>" in m]
+    assert len(said) == 1 and said[0].startswith(f"{config.data.train_src}: 30 of its ")
+
+
 @pytest.mark.parametrize("lone, partner", [("source.spm", "target.spm"), ("target.spm", "source.spm")])
 def test_half_a_pair_of_tokenizers_left_in_run_dir_is_refused_not_trained_over(tmp_path, lone, partner):
     """A lone source.spm was taken for no tokenizer: data.shared_vocab=false trained a new pair and wrote
@@ -2401,8 +2433,8 @@ def test_a_resumed_run_checks_new_text_against_its_kept_tokenizer_and_not_its_ow
     config = copy_run(finished_run, tmp_path)
     shutil.rmtree(Path(config.train.run_dir) / "cache")
     kept = []
-    real = dataset._warn_if_unknown
-    monkeypatch.setattr(dataset, "_warn_if_unknown", lambda *a: kept.append(a[-1]) or real(*a))
+    real = dataset.warn_if_unknown
+    monkeypatch.setattr(loop, "warn_if_unknown", lambda *a: kept.append(a[-1]) or real(*a))
     assert train(with_train(config, max_updates=5), resume=True)["step"] == 5
     assert kept == [False, False]  # training and validation text, encoded again: the tokenizer's own
     src = Path(config.data.train_src)

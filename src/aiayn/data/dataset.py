@@ -488,18 +488,18 @@ SAME_FILE = {
 
 def cache_encoded(
     src_path: str | Path, tgt_path: str | Path, tokenizer: Tokenizer, cache_dir: str | Path,
-    kept: bool = False, kind: str = "training", normalization: str | None = None, max_len: int | None = None,
+    kept: bool = False, kind: str = "training", normalization: str | None = None,
 ) -> tuple[EncodedCorpus, int, tuple[Path, str]]:
     """`load_encoded`, and the (cache file, key) it read or wrote: what training's process 0 names to the
     others. The key is the one taken before encoding: taken again after, a file touched meanwhile named
-    a cache that was never written. Text encoded is checked for <unk> pieces (`_warn_if_unknown`), and
-    with `kept` (a tokenizer trained on other text: a fine-tuned or resumed run's) for what its
+    a cache that was never written. Text encoded is checked, with `kept` (a tokenizer trained on other
+    text: a fine-tuned or resumed run's), for what its
     normalization rewrites, as training a tokenizer checks its own text; so it is with `normalization`,
     the data.normalization of a tokenizer made elsewhere with that rule (put in the run directory), as
     training one warns and advises. `kind`: the set the files are, "training" or "validation", for the
-    warnings to say what their problem does there. `max_len`: data.max_len, whose longer pairs training
-    drops, so that <unk> pieces are counted in the pairs it keeps. The warnings are those of the encoding:
-    a corpus read from the cache is not checked again."""
+    warnings to say what their problem does there. The warnings are those of the encoding: a corpus read
+    from the cache is not checked again. Its <unk> pieces are the caller's to count (`warn_if_unknown`),
+    in the pairs it uses, which another data.max_len changes and the cache's key does not."""
     src_path, tgt_path = Path(src_path), Path(tgt_path)
     for p in (src_path, tgt_path):
         require_file(p)
@@ -516,7 +516,6 @@ def cache_encoded(
     if kept or normalization is not None:
         _warn_if_normalization_changes_text(tokenizer, files, normalization or "", kept=kept, kind=kind)
     corpus, no_pieces = _encode(files, tokenizer)
-    _warn_if_unknown(src_path, tgt_path, corpus, tokenizer.unk_id, max_len, kept)
     pairs = len(files.src) + files.dropped_empty
     dropped = pairs - len(corpus)  # empty pairs and those of text that encodes to no pieces
     _log_dropped(src_path, tgt_path, dropped, pairs, files.empty_lines, why="a side empty or of no pieces",
@@ -551,13 +550,14 @@ def _encode(files: ParallelFiles, tokenizer: Tokenizer) -> tuple[EncodedCorpus, 
 UNKNOWN_TOLERANCE = 0.01  # share of a side's pieces (EOS aside) that may be <unk> without a warning
 
 
-def _warn_if_unknown(src_path: Path, tgt_path: Path, corpus: EncodedCorpus, unk_id: int, max_len: int | None,
-                     kept: bool) -> None:
+def warn_if_unknown(src_path: str | Path, tgt_path: str | Path, corpus: EncodedCorpus, unk_id: int,
+                    max_len: int | None, kept: bool) -> None:
     """Warn of a side whose pieces (EOS aside) are more than UNKNOWN_TOLERANCE <unk>: characters the
     tokenizer has no piece for, each run of them one unknown token (a line of nothing else is "▁ <unk>",
     half its pieces). A fine-tune on another language or script trained on sentences of a few such tokens,
     its loss looking healthy, and nothing said. Only the pairs `max_len` keeps are counted: one long line
-    that training drops warned of 22% of a corpus' pieces, blaming the tokenizer's training text."""
+    that training drops warned of 22% of a corpus' pieces, blaming the tokenizer's training text. `kept`:
+    the tokenizer was trained on other text (a fine-tuned or resumed run's), which the advice blames."""
     keep = corpus.fits(max_len) if max_len is not None else torch.ones(len(corpus), dtype=torch.bool)  # (N,)
     for path, ids, offsets, eos in ((src_path, corpus.src_ids, corpus.src_offsets, 1),
                                     (tgt_path, corpus.tgt_ids, corpus.tgt_offsets, 0)):

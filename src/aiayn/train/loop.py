@@ -71,6 +71,7 @@ from aiayn.data.dataset import (
     tokenizer_setting_changes,
     tokenizer_settings,
     train_tokenizer,
+    warn_if_unknown,
     write_tokenizer_inputs,
 )
 from aiayn.data.tokenizer import SHARED, SOURCE, TARGET, Tokenizer, trained_settings
@@ -1551,8 +1552,11 @@ def _prepare_files(config: RunConfig, run_dir: Path,
         if src:  # it says what it dropped
             # a tokenizer made elsewhere: its rewriting of the training text, as training one checks it
             normalization = dc.normalization if made_elsewhere and kind == "training" else None
-            _, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache", kept=kept, kind=kind,
-                                               normalization=normalization, max_len=dc.max_len)
+            corpus, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache", kept=kept,
+                                                    kind=kind, normalization=normalization)
+            # every run, from the cache too: the pairs used are data.max_len's, which its key leaves out
+            # (a rerun at a raised max_len was never warned)
+            warn_if_unknown(src, tgt, corpus, tokenizer.unk_id, dc.max_len, kept)
             caches.append((str(cache), key))
     return caches, tokenizer.shared
 

@@ -1889,6 +1889,23 @@ def test_unknown_pieces_are_counted_at_this_run_s_max_len_from_the_cache_too(tmp
     assert len(said) == 1 and said[0].startswith(f"{config.data.train_src}: 30 of its ")
 
 
+@pytest.mark.parametrize("bleu_every, warned", [(4, True), (0, False)])
+def test_unknown_validation_pieces_are_counted_in_every_pair_bleu_translates(tmp_path, caplog, bleu_every,
+                                                                             warned):
+    """Validation's <unk> pieces were counted within data.max_len, which only its loss keeps: its BLEU
+    translates every pair, a long line of characters the tokenizer lacks among them, unwarned."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1",
+                            f"train.bleu_every={bleu_every}")
+    lines = ((config.data.valid_src, " ".join(["我们 Hund"] * 30)), (config.data.valid_tgt, "a dog"))
+    for path, line in lines:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    with caplog.at_level(logging.WARNING):
+        assert train(config)["step"] == 1
+    said = [m for m in caplog.messages if "<unk>" in m]
+    assert len(said) == warned and all(m.startswith(f"{config.data.valid_src}: 30 of its ") for m in said)
+
+
 @pytest.mark.parametrize("lone, partner", [("source.spm", "target.spm"), ("target.spm", "source.spm")])
 def test_half_a_pair_of_tokenizers_left_in_run_dir_is_refused_not_trained_over(tmp_path, lone, partner):
     """A lone source.spm was taken for no tokenizer: data.shared_vocab=false trained a new pair and wrote

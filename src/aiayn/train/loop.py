@@ -1555,8 +1555,9 @@ def _prepare_files(config: RunConfig, run_dir: Path,
             corpus, _, (cache, key) = cache_encoded(src, tgt, tokenizer, run_dir / "cache", kept=kept,
                                                     kind=kind, normalization=normalization)
             # every run, from the cache too: the pairs used are data.max_len's, which its key leaves out
-            # (a rerun at a raised max_len was never warned)
-            warn_if_unknown(src, tgt, corpus, tokenizer.unk_id, dc.max_len, kept)
+            # (a rerun at a raised max_len was never warned); validation's BLEU translates every pair
+            max_len = None if kind == "validation" and config.train.bleu_every else dc.max_len
+            warn_if_unknown(src, tgt, corpus, tokenizer.unk_id, max_len, kept)
             caches.append((str(cache), key))
     return caches, tokenizer.shared
 

@@ -265,9 +265,17 @@ def _field_numbers(proto: bytes) -> set[int]:
     """The numbers of a message's own fields, as `_fields` reads them, without their values: `_load_spm`'s
     check reads every piece of a model (500,000 of them, a third of a second more a load sliced)."""
     numbers, at = set(), 0
-    while at < len(proto):
-        number, _, _, at = _field(proto, at)
-        numbers.add(number)
+    while at < len(proto):  # `_field`'s reading inline for the usual wire types: a call a piece cost 50%
+        key, end = _varint(proto, at)
+        wire = key & 7
+        if wire == LENGTH:
+            size, end = _varint(proto, end)
+            at = end + size
+        elif wire == VARINT:
+            at = _varint(proto, end)[1]
+        else:
+            at = _field(proto, at)[3]
+        numbers.add(key >> 3)
     return numbers
 
 

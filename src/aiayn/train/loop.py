@@ -1956,11 +1956,12 @@ def _run_tokenizer(config: RunConfig, run_dir: Path) -> tuple[Tokenizer, bool, b
                                             _left_at_defaults(config))
         with _damaged_tokenizer():
             found = find_tokenizer(run_dir, trained_with.shared)
-            if found is None:  # only checkpoints/ was copied here, or a pair's write stopped half way
+        if found is None:  # only checkpoints/ was copied here, or a pair's write stopped half way
+            with _damaged_tokenizer():
                 _check_lone_model(run_dir, trained_with, latest)
-                trained_with.save(run_dir)  # put its tokenizer back, train none
-                found = find_tokenizer(run_dir, trained_with.shared)
-        if not found.same_as(trained_with):
+            trained_with.save(run_dir)  # put its tokenizer back, train none
+            found = find_tokenizer(run_dir, trained_with.shared)
+        elif not found.same_as(trained_with):
             raise _other_tokenizer(run_dir, saved, trained_with, found)
         mine = [SHARED] if found.shared else [SOURCE, TARGET]
         if others := [name for name in (SHARED, SOURCE, TARGET)

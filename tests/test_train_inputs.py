@@ -852,6 +852,25 @@ def test_a_ctrl_c_after_the_last_line_ends_the_process_at_once_without_a_traceba
         proc.wait()
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_train_in_a_job_s_later_process_keeps_sigterm_s_default_action(monkeypatch, rank):
+    """A process other than 0 of a torchrun job waits in gloo's C++ broadcast while process 0 prepares the
+    data, where a Python handler runs only once that call returns: with `Terminated` raised by one, a
+    SIGTERM to it waited for process 0's preparation (hours on a big corpus). Its default action ends it
+    at once; process 0 (and a process alone) still raises, to say "stopped by SIGTERM"."""
+    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", "2"),
+                        ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    seen = []
+    monkeypatch.setattr(cli, "cmd_train", lambda args: seen.append(signal.getsignal(signal.SIGTERM)))
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        assert cli.main(["train", "--config", "none.toml"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == [signal.SIG_DFL if rank == "1" else cli._terminate]
+
+
 def test_the_tokenizer_settings_are_those_a_tokenizer_is_trained_with():
     from aiayn.data.dataset import tokenizer_settings
     from aiayn.train.config import TOKENIZER_SETTINGS

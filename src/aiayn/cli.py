@@ -1101,8 +1101,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         stdout, sys.stdout = sys.stdout, ResultStream(sys.stdout)
+        # not in a torchrun job's processes other than 0 (which say nothing of a stop anyway): they wait
+        # in gloo's C++ broadcast while process 0 prepares the data, where a Python handler runs only once
+        # that call returns, hours later on a big corpus; the default action ends them at once
+        raising = contextlib.nullcontext() if _job_rank(args.command) else _signals_raise()
         try:
-            with _signals_raise():
+            with raising:
                 return _run(args)
         finally:
             sys.stdout = stdout

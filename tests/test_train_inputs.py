@@ -827,17 +827,19 @@ def test_a_signal_before_the_first_update_is_said_as_for_every_command(tmp_path,
     assert checkpoint_dirs(tmp_path / "run") == []  # nothing saved: a rerun starts again
 
 
-@pytest.mark.parametrize("last", ["returned", "interrupted"])
+@pytest.mark.parametrize("last", ["returned", "interrupted", "SIGTERM", "SIGHUP"])
 def test_a_ctrl_c_after_the_last_line_ends_the_process_at_once_without_a_traceback(last):
     """Python takes seconds to exit once torch is loaded, and a Ctrl-C then (a second one after "stopped by
     SIGINT at update 20, saved ...", which the first's warning offers) printed a KeyboardInterrupt
-    traceback; one as the last line was written, too. The exit is held here by an atexit hook that waits,
-    `python -m aiayn` run with a `main` that says its last line and returns, or is interrupted there."""
+    traceback; one as the last line was written, too, and a SIGTERM or SIGHUP there (`Terminated`, raised
+    by `_signals_raise`'s handler) a traceback and exit 1. The exit is held here by an atexit hook that
+    waits, `python -m aiayn` run with a `main` that says its last line and returns, or is stopped there."""
+    stop = {"returned": "    return 2\n", "interrupted": "    raise KeyboardInterrupt\n"}.get(
+        last, f"    raise cli.Terminated(signal.{last})\n")
     code = ("import atexit, runpy, signal, sys, time\nimport aiayn.cli as cli\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job's: ignored\n"
             "def main():\n    print('aiayn: the last line', file=sys.stderr)\n"
-            + ("    return 2\n" if last == "returned" else "    raise KeyboardInterrupt\n")
-            + "cli.main = main\n"
+            + stop + "cli.main = main\n"
             "atexit.register(lambda: (print('exiting', file=sys.stderr, flush=True), time.sleep(20)))\n"
             "runpy.run_module('aiayn', run_name='__main__')\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
@@ -846,7 +848,8 @@ def test_a_ctrl_c_after_the_last_line_ends_the_process_at_once_without_a_traceba
         if last == "returned":
             assert proc.stderr.readline() == "exiting\n"
             proc.send_signal(signal.SIGINT)
-        assert (proc.stderr.read(), proc.wait(timeout=30)) == ("", -signal.SIGINT)
+        killed_by = getattr(signal, last, signal.SIGINT)
+        assert (proc.stderr.read(), proc.wait(timeout=30)) == ("", -killed_by)
     finally:
         proc.kill()
         proc.wait()

@@ -1121,13 +1121,15 @@ def entry_point() -> int:
     Python takes seconds to exit (its garbage collection over torch's modules), and a Ctrl-C there was a
     KeyboardInterrupt traceback ("Exception ignored in: <module 'threading' ...>"), after a
     training's "stopped by SIGINT ..., saved" too, whose warning offers a second Ctrl-C. A Ctrl-C the
-    process ignores stays ignored. Not in `main`: a caller's own Ctrl-C after it still raises."""
-    interrupted = False
+    process ignores stays ignored. A SIGTERM or SIGHUP as the last line is written (`Terminated`) ends it
+    by that signal likewise, not with a traceback and exit 1. Not in `main`: a caller's own Ctrl-C after it still raises."""
+    stopped_by = None
     try:
         return main()
-    except KeyboardInterrupt:  # one as the last line was written, out of the handler that wrote it
-        interrupted = True
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:  # one as the last line was written, out of the handler
+        # that wrote it (SIGTERM's and SIGHUP's: `_signals_raise`'s)
+        stopped_by = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        return 128 + stopped_by
     finally:  # argparse's exit (--help, a usage error) too
         for stream in (sys.stdout, sys.stderr):  # what they hold, which Python's exit would have written:
             # none (pythonw), closed, or a full disk, which that exit then says
@@ -1135,8 +1137,11 @@ def entry_point() -> int:
                 stream.flush()
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            if interrupted:
+            if stopped_by == signal.SIGINT:
                 os.kill(os.getpid(), signal.SIGINT)  # at once, as one that comes after this
+        if stopped_by not in (None, signal.SIGINT):  # (its default action is back: `_signals_raise`)
+            signal.signal(stopped_by, signal.SIG_DFL)
+            os.kill(os.getpid(), stopped_by)
 
 
 def _one_line(message: str) -> str:

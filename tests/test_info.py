@@ -80,6 +80,12 @@ def test_an_average_does_not_show_its_newest_checkpoints_validation(tmp_path, to
     assert lines[-1] == f"averaged: 2 checkpoints, {paths[0]}, {paths[1]} (not validated as an average)"
 
 
+def test_an_average_of_one_checkpoint_says_checkpoint(tmp_path, tokenizer, capsys):
+    path = save(tmp_path / "step_100", tokenizer, step=100)
+    _, lines, _ = info(capsys, average_checkpoints([path], tmp_path / "avg"))
+    assert lines[-1] == f"averaged: 1 checkpoint, {path} (not validated as an average)"  # not "1 checkpoints"
+
+
 def test_a_preset_is_named_as_an_argument_or_an_option(capsys):
     assert info(capsys, "small")[:2] == info(capsys, "--preset", "small")[:2]
     code, lines, _ = info(capsys, "small")

@@ -603,7 +603,8 @@ def averaged_from(meta: dict[str, Any]) -> str | None:
     averaged = meta.get("averaged")
     if not isinstance(averaged, list):
         return None
-    return f"{len(averaged)} checkpoints, {', '.join(map(str, averaged))}"
+    n = len(averaged)
+    return f"{n} checkpoint{'s' if n != 1 else ''}, {', '.join(map(str, averaged))}"
 
 
 def _provenance(meta: dict[str, Any]) -> list[str]:

@@ -115,6 +115,14 @@ def _join(backend: str, rank: int, world_size: int, local_rank: int) -> None:
     store = dist.PrefixStore(f"aiayn/attempt/{attempt}", store)
     key = "joined"
     joined, said = store.add(key, 1), False
+    if joined > world_size:  # these keys are a finished attempt's: the others count under another prefix
+        # (a machine whose processes torchrun restarted as a membership change, without counting), and its
+        # dead processes' gloo addresses are here to be read (a hang, or "connectFullMesh failed")
+        lost = SameOnEveryProcess if local_rank else UserError
+        raise lost(f"process {rank}: this machine's restart count (TORCHELASTIC_RESTART_COUNT={attempt}) "
+                   f"does not match the job's: the {world_size} processes of its attempt {attempt} joined "
+                   "before; restarts across machines need the same count (torchrun's restarts on one "
+                   "machine are handled): start the job again on every machine")
     while joined < world_size:
         waited = time.monotonic() - start
         if waited >= JOIN_TIMEOUT.total_seconds():

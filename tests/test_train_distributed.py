@@ -553,7 +553,8 @@ for _ in range(3):
     dist.all_reduce(t)
     if attempt == "0" and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # as kill -9: torchrun starts both again
-print(f"attempt {attempt}: process {rank} summed {t.item():g}", flush=True)
+with open(f"{os.environ['OUT']}.{rank}", "w") as f:  # a file each: two prints on one pipe ran together
+    f.write(f"attempt {attempt}: process {rank} summed {t.item():g}")
 distributed.teardown(d)
 """
 
@@ -566,12 +567,14 @@ def test_a_job_restarted_by_torchrun_after_a_kill_meets_again(tmp_path):
     here reliably (this passed on the code before the fix): the HashStore test above is its guard."""
     script = tmp_path / "restarted.py"
     script.write_text(RESTARTED, encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+           "OUT": str(tmp_path / "said")}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
               "--nproc_per_node", "2", str(script)]
     proc = subprocess.run(launch, check=False, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(proc.stdout.splitlines()) == [f"attempt 1: process {rank} summed 4" for rank in (0, 1)]
+    said = [(tmp_path / f"said.{rank}").read_text(encoding="utf-8") for rank in (0, 1)]
+    assert said == [f"attempt 1: process {rank} summed 4" for rank in (0, 1)]
 
 
 def test_processes_given_different_settings_are_refused_naming_them(tmp_path, monkeypatch, capsys):

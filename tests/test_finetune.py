@@ -117,6 +117,11 @@ def test_finetune_aiayn_checkpoint_lowers_loss_and_resumes(aiayn_checkpoint, tmp
         train(load_config(None, third + ["train.run_dir=" + str(tmp_path / "run4"), "data.vocab_size=100"]))
     with pytest.raises(UserError, match=r"\(data.vocab_size was 40, now 8000\)"):  # set to the default: too
         train(load_config(None, third + ["train.run_dir=" + str(tmp_path / "run4"), "data.vocab_size=8000"]))
+    # resumed without its init_from: told to give it, not that vocab_size 40 was "resumed with the default
+    # 8000" (nothing is adopted without init_from), whose remedy led to the init_from refusal next
+    no_init = [s for s in third if not s.startswith(("train.init_from=", "train.max_up"))]
+    with pytest.raises(UserError, match=f"fine-tunes {tuned}; resume it with train.init_from={tuned}$"):
+        train(load_config(None, no_init + ["train.max_updates=2"]), resume=True)
 
     forgot = [s for s in sets[:-1] if not s.startswith("train.init_from=")] + ["train.max_updates=9"]
     with pytest.raises(UserError, match=f"fine-tunes {start}; resume it with train.init_from={start}") as e:

@@ -1649,13 +1649,15 @@ def _compare_with_trained(checkpoint: Path, config: RunConfig, d: Dist) -> dict[
     _say_other_threads(checkpoint, meta, trained, config.train.threads, d)
     kept = _other_batches(checkpoint, trained, data, config, d)
     # One resumed without its init_from, or a run that fine-tuned none resumed with one, is refused by
-    # `initial_checkpoint`, saying which
+    # `initial_checkpoint`, saying which: its model and tokenizer are not compared (without init_from,
+    # [data] adopted none of a fine-tune's tokenizer settings, whose defaults were refused as changes)
     tuned = config.train.init_from, (trained or {}).get("init_from")
     if all(tuned):
         kept += _other_finetune_model(checkpoint, meta, config)
     elif not any(tuned):
         kept += _other_model(checkpoint, meta, config)
-    if data is not None and "vocab_size" in data:  # else imported: `_with_checkpoint_tokenizer_settings`
+    recorded = data is not None and "vocab_size" in data  # else `_with_checkpoint_tokenizer_settings`'s
+    if recorded and (all(tuned) or not any(tuned)):
         defaults = _left_at_defaults(config)
         kept += [Kept(f"data.{key}", toml_value(was), toml_value(now), "tokenizer",
                       "the default" if key in defaults else "")

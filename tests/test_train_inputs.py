@@ -3010,15 +3010,26 @@ def test_a_validation_set_dropped_or_changed_on_resume_is_said(finished_run, tmp
     dropped = f"trained with the validation set {valid}, resumed without one: no validation from here"
     assert [m for m in caplog.messages if ": trained with" in m] == [f"{checkpoint}: {dropped}"]
     caplog.clear()
+    other = [str(p) for p in write_corpus(tmp_path, 5, "other")]
+    copied = [shutil.copy(path, tmp_path / f"copy.{path[-2:]}") for path in other]  # the same text
     said, main = [], distributed.Dist(0, 1, 0, torch.device("cpu"))
-    for data in ({"valid_src": "", "valid_tgt": ""}, {"valid_src": "a.de", "valid_tgt": "a.en"},
-                 {"valid_src": config.data.valid_src, "valid_tgt": config.data.valid_tgt}):
+    # a relative path recorded by a run started in another directory, not there from this one: it was
+    # said as other files on every resume from elsewhere, the same files
+    for data in ({"valid_src": "", "valid_tgt": ""}, dict(zip(("valid_src", "valid_tgt"), other)),
+                 {"valid_src": config.data.valid_src, "valid_tgt": config.data.valid_tgt},
+                 {"valid_src": "gone/valid.de", "valid_tgt": "gone/valid.en"}):
         with caplog.at_level(logging.INFO):
             loop._say_other_validation(checkpoint, data, config, main)
+            loop._say_other_validation(checkpoint, data, replace(config, data=replace(
+                config.data, valid_src=str(copied[0]), valid_tgt=str(copied[1]))), main)
         said.append([m.removeprefix(f"{checkpoint}: ") for m in caplog.messages])
         caplog.clear()
-    assert said == [[f"trained without a validation set, resumed with {valid}"],
-                    [f"trained with data.valid_src='a.de', data.valid_tgt='a.en', resumed with {valid}"], []]
+    resumed_copy = f"data.valid_src={str(copied[0])!r}, data.valid_tgt={str(copied[1])!r}"
+    trained_other = f"data.valid_src={other[0]!r}, data.valid_tgt={other[1]!r}"
+    assert said == [[f"trained without a validation set, resumed with {valid}",
+                     f"trained without a validation set, resumed with {resumed_copy}"],
+                    [f"trained with {trained_other}, resumed with {valid}"],  # the copy: the same text
+                    [f"trained with {valid}, resumed with {resumed_copy}"], []]
 
 def test_a_config_without_training_files_leaves_no_run_dir(tmp_path):
     """The run directory and its lock were made before the refusal."""

@@ -12,6 +12,7 @@ torch.compile, DDP and autocast wrap the model at the edges; checkpoints see onl
 
 from __future__ import annotations
 
+import filecmp
 import inspect
 import json
 import logging
@@ -1593,26 +1594,26 @@ def _say_other_validation(checkpoint: Path, data: dict[str, Any] | None, config:
     files = ("valid_src", "valid_tgt")
     saved = [(data or {}).get(key) for key in files]
     now = [getattr(config.data, key) for key in files]
-    if not d.is_main or not all(isinstance(path, str) for path in saved) or all(map(_same_file, saved, now)):
+    if not d.is_main or not all(isinstance(path, str) for path in saved):
         return
     trained, resumed = (", ".join(f"data.{key}={toml_value(path)}" for key, path in zip(files, paths))
                         for paths in (saved, now))
-    if not any(now):
+    if any(saved) and not any(now):
         log.info("%s: trained with the validation set %s, resumed without one: no validation from here",
                  checkpoint, trained)
-    elif not any(saved):
+    elif any(now) and not any(saved):
         log.info("%s: trained without a validation set, resumed with %s", checkpoint, resumed)
-    else:
+    elif any(saved) and any(map(_other_text, saved, now)):
         log.info("%s: trained with %s, resumed with %s", checkpoint, trained, resumed)
 
 
-def _same_file(a: str, b: str) -> bool:
-    """Whether paths `a` and `b` ("" = none) name one file: as written, or, where both are there, the same
-    file (from another directory a resume writes a relative path otherwise)."""
-    if not a or not b:
-        return a == b
+def _other_text(saved: str, now: str) -> bool:
+    """Whether the validation file `saved` (as the checkpoint records it) holds other text than `now`. The
+    same text under another path is the same set; a relative path recorded from another directory, not
+    there from this one, cannot be compared and is not said (it was, as other files, on every resume from
+    elsewhere): other pairs restart the best loss, which `_same_validation` says."""
     try:
-        return os.path.normpath(a) == os.path.normpath(b) or os.path.samefile(a, b)
+        return not filecmp.cmp(saved, now, shallow=False)
     except OSError:
         return False
 

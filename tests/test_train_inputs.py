@@ -1069,6 +1069,10 @@ def test_resume_refuses_another_update_shape(finished_run, tmp_path, change):
     (["model.preset=tiny"], ("--set 'model.preset=tiny': {ck}: trained with model.d_model=32, "
      "model.n_heads=2, model.d_ff=64, model.n_layers=1 (resumed with 128, 4, 512 and 2 from "
      "model.preset='tiny'); ")),
+    # a setting written between the preset's: the preset was said twice, its values split around it
+    (["model.preset=tiny", "model.n_heads=8"], ("--set 'model.preset=tiny' and --set 'model.n_heads=8': {ck}: "
+     "trained with model.d_model=32, model.d_ff=64, model.n_layers=1 (resumed with 128, 512 and 2 from "
+     "model.preset='tiny'), model.n_heads=2 (resumed with 8); ")),
 ])
 def test_resume_refusals_name_where_the_change_was_written(finished_run, tmp_path, monkeypatch, items,
                                                           message):

@@ -1688,9 +1688,10 @@ def _resume_refusal(checkpoint: Path, config: RunConfig, kept: list[Kept]) -> Sa
     "run.toml:3: ck: trained with data.max_len=64 (resumed with the default 256), ...; --resume continues
     the run with ...". Settings a preset gives are said together, with the preset."""
     groups: list[list[Kept]] = []
-    for k in kept:
-        if groups and k.note.startswith("from ") and groups[-1][-1].note == k.note:
-            groups[-1].append(k)
+    for k in kept:  # a preset's settings together, where its first is, also with a written one between
+        group = next((g for g in groups if k.note.startswith("from ") and g[0].note == k.note), None)
+        if group:
+            group.append(k)
         else:
             groups.append([k])
     said = []

@@ -1070,8 +1070,8 @@ def test_resume_refuses_another_update_shape(finished_run, tmp_path, change):
      "model.n_heads=2, model.d_ff=64, model.n_layers=1 (resumed with 128, 4, 512 and 2 from "
      "model.preset='tiny'); ")),
     # a setting written between the preset's: the preset was said twice, its values split around it
-    (["model.preset=tiny", "model.n_heads=8"], ("--set 'model.preset=tiny' and --set 'model.n_heads=8': {ck}: "
-     "trained with model.d_model=32, model.d_ff=64, model.n_layers=1 (resumed with 128, 512 and 2 from "
+    (["model.preset=tiny", "model.n_heads=8"], ("--set 'model.preset=tiny' and --set 'model.n_heads=8': "
+     "{ck}: trained with model.d_model=32, model.d_ff=64, model.n_layers=1 (resumed with 128, 512 and 2 from "
      "model.preset='tiny'), model.n_heads=2 (resumed with 8); ")),
 ])
 def test_resume_refusals_name_where_the_change_was_written(finished_run, tmp_path, monkeypatch, items,
@@ -1122,10 +1122,18 @@ def test_another_number_of_processes_on_resume_names_the_product(finished_run, t
     meta = read_meta(checkpoint)["config"]
     two = distributed.Dist(0, 2, 0, torch.device("cpu"))
     kept = loop._other_batches(checkpoint, meta["train"], meta["data"], config, two)
-    assert kept == [loop.Kept("processes x train.update_freq", "1 x 1", "2 x 1", "batches")]
     said = str(loop._resume_refusal(checkpoint, load_config(None, ["train.update_freq=1"]), kept))
-    assert said.startswith(f"{checkpoint}: trained with processes x train.update_freq=1 x 1 (resumed with "
-                           "2 x 1)")
+    # it said "processes x train.update_freq=1 x 1 (...); ...: set it as trained": processes are no
+    # setting, and no update_freq makes 1 batch an update of 2 processes
+    batches = "--resume continues the run with its batches (the saved position in the epoch counts them)"
+    assert said == (f"{checkpoint}: trained with 1 batch an update (1 process x train.update_freq=1; resumed "
+                    f"with 2 x 1); {batches}: resume it with 1 process, or use a new train.run_dir")
+    four = dict(meta["train"], update_freq=4)  # 4 batches an update: update_freq 2 makes them of two
+    kept = loop._other_batches(checkpoint, four, meta["data"], config, two)
+    said = str(loop._resume_refusal(checkpoint, config, kept))
+    assert said.endswith(f"trained with 4 batches an update (1 process x train.update_freq=4; resumed with "
+                         f"2 x 1); {batches}: set train.update_freq=2 (2 processes x 2), or use a new "
+                         "train.run_dir")
     one = distributed.Dist(0, 1, 0, torch.device("cpu"))
     kept = loop._other_batches(checkpoint, meta["train"], meta["data"], with_train(config, update_freq=2),
                                one)

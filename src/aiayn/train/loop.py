@@ -1673,7 +1673,8 @@ class Kept:
     """A setting --resume keeps that the resumed run's configuration changes: `setting` was `trained`, is
     `now` (both as TOML writes them), `note` says where that came from ("the default", "from
     model.preset='tiny'"), `written` is the setting whose place the refusal names, if not `setting` (the
-    preset, for its values), `why` what the setting makes: the run's "batches", "model" or "tokenizer"."""
+    preset, for its values), `why` what the setting makes: the run's "batches", "model" or "tokenizer";
+    `fix`, where setting it as trained is not the way (another number of processes), what is."""
 
     setting: str
     trained: str
@@ -1681,6 +1682,7 @@ class Kept:
     why: str
     note: str = ""
     written: str = ""
+    fix: str = ""
 
 
 def _resume_refusal(checkpoint: Path, config: RunConfig, kept: list[Kept]) -> SameOnEveryProcess:
@@ -1699,7 +1701,10 @@ def _resume_refusal(checkpoint: Path, config: RunConfig, kept: list[Kept]) -> Sa
         *before, last = [k.now for k in group]
         now, note = f"{', '.join(before)} and {last}" if before else last, group[0].note
         resumed = f"the default {now}" if note == "the default" else f"{now} {note}".strip()
-        said.append(f"{', '.join(f'{k.setting}={k.trained}' for k in group)} (resumed with {resumed})")
+        if group[0].fix:  # "4 batches an update (4 processes x train.update_freq=1; resumed with 2 x 1)"
+            said.append(f"{group[0].trained} ({group[0].setting}; resumed with {now})")
+        else:
+            said.append(f"{', '.join(f'{k.setting}={k.trained}' for k in group)} (resumed with {resumed})")
     whys = {k.why for k in kept}
     kinds = {"batches": "its batches (the saved position in the epoch counts them)", "model": "its model",
              "tokenizer": "its tokenizer"}
@@ -1707,12 +1712,15 @@ def _resume_refusal(checkpoint: Path, config: RunConfig, kept: list[Kept]) -> Sa
     what = f"{', '.join(before)} and {last}" if before else last
     dropout = ("; to train on with another dropout, fine-tune from the checkpoint (train.init_from) in "
                "another train.run_dir" if any(k.setting == "model.dropout" for k in kept) else "")
-    settings = [k.written or k.setting for k in kept]  # not "processes x train.update_freq": the command's
+    settings = [k.written or k.setting for k in kept]  # not "2 processes x train.update_freq=1"
     places = config.written_where(*filter(SETTING.fullmatch, settings))
+    fixes, rest = [k.fix for k in kept if k.fix], len([k for k in kept if not k.fix])
+    them = "it" if len(kept) == 1 else "them" if not fixes else "the other" + "s" * (rest > 1)
+    remedy = " and ".join(fixes + [f"set {them} as trained"] * bool(rest))
     return SameOnEveryProcess(
         f"{places}{checkpoint}: trained with "
-        f"{', '.join(said)}; --resume continues the run with {what}: set "
-        f"{'it' if len(kept) == 1 else 'them'} as trained, or use a new train.run_dir{dropout}")
+        f"{', '.join(said)}; --resume continues the run with {what}: {remedy}, or use a new "
+        f"train.run_dir{dropout}")
 
 
 def _other_finetune_model(checkpoint: Path, meta: dict[str, Any], config: RunConfig) -> list[Kept]:
@@ -1790,12 +1798,27 @@ def _other_batches(checkpoint: Path, trained: dict[str, Any] | None, data: dict[
         if processes == d.world_size:
             kept.append(_kept_batches(config, "train.update_freq", update_freq, tc.update_freq))
         else:  # another number of processes is the command's: the product is what must be as it was
-            written = "train.update_freq" if update_freq != tc.update_freq else ""  # else the command's
-            kept.append(Kept("processes x train.update_freq", f"{processes} x {update_freq}",
-                             f"{d.world_size} x {tc.update_freq}", "batches", written=written))
+            kept.append(_kept_product(processes, update_freq, d.world_size, tc.update_freq))
     if processes and max_tokens != tc.max_tokens:
         kept.append(_kept_batches(config, "train.max_tokens", max_tokens, tc.max_tokens))
     return kept
+
+
+def _kept_product(processes: int, update_freq: int, world_size: int, now: int) -> Kept:
+    """Another number of processes, which is no setting: the batches an update (processes x update_freq)
+    to keep, by the update_freq that makes them with this many processes, or, where none does, by as many
+    processes as trained ("set it as trained" said neither, and no update_freq made 1 of 2 processes)."""
+    product = processes * update_freq
+    if product % world_size == 0:
+        freq = product // world_size
+        fix = f"set train.update_freq={freq} ({world_size} processes x {freq})"
+    else:
+        fix = f"resume it with {processes} process{'es' * (processes > 1)}" + (
+            f" and train.update_freq={update_freq}" if update_freq != now else "")
+    written = "train.update_freq" if update_freq != now else ""  # else the command's alone
+    return Kept(f"{processes} process{'es' * (processes > 1)} x train.update_freq={update_freq}",
+                f"{product} batch{'es' * (product > 1)} an update", f"{world_size} x {now}", "batches",
+                written=written, fix=fix)
 
 
 def _kept_batches(config: RunConfig, setting: str, trained: int, now: int) -> Kept:

@@ -122,6 +122,9 @@ def test_a_json_file_given_as_config_says_what_to_do_instead(tmp_path, monkeypat
     (tmp_path / "run.cfg").write_text('{"train": {}}\n', encoding="utf-8")
     with pytest.raises(UserError, match=rf"run\.cfg:1: {re.escape(json_said)}$"):
         load_config(tmp_path / "run.cfg")
+    (tmp_path / "run.json").write_text("[train]\nwarmup = = 4\n", encoding="utf-8")  # TOML, named .json
+    with pytest.raises(UserError, match=r"run\.json:2: not valid TOML \(Invalid value at column 10\)$"):
+        load_config(tmp_path / "run.json")  # was told "this is JSON"
 
 
 def test_values_are_said_as_toml_writes_them(tmp_path, caplog):

@@ -12,6 +12,7 @@ Every key is checked: an unknown one or a wrong type raises `ConfigError` naming
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import re
@@ -570,7 +571,7 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
 def _json_hint(path: Path, text: str) -> str:
     """What to do instead with a JSON file given as --config, most likely a checkpoint's meta.json, the
     one place a run records its configuration: it was "not valid TOML (Invalid statement at column 1)"."""
-    if not (text.lstrip().startswith("{") or path.suffix.lower() == ".json"):
+    if not (text.lstrip().startswith("{") or _is_json(text)):  # not the name: a TOML file named x.json
         return ""
     hint = "; --config takes a TOML file, and this is JSON"
     if path.name != "meta.json":
@@ -582,6 +583,14 @@ def _json_hint(path: Path, text: str) -> str:
            else "train.run_dir its run's directory")
     return (f"{hint} (a checkpoint's meta.json: to continue its run, give the run's TOML file with --resume "
             f"and {run}; to fine-tune from it, train.init_from={checkpoint})")
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _toml_error(path: Path, text: str, message: str) -> str:

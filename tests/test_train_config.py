@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from aiayn.data.dataset import refuse_other_tokenizer_settings, tokenizer_settin
 from aiayn.demo import DemoConfig
 from aiayn.errors import UserError
 from aiayn.train import loop
-from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config
+from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config, toml_value
 from aiayn.train.distributed import Dist
 
 
@@ -143,3 +144,8 @@ def test_values_are_said_as_toml_writes_them(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         loop._say_changed_settings(tmp_path, {"compile": False}, config, Dist(0, 1, 0, torch.device("cpu")))
     assert caplog.messages == [f"{tmp_path}: trained with train.compile=false, resumed with true"]
+    # strings were Python's repr: 'C:\\runs' is two backslashes in TOML's '...', 'a\'b' is no TOML
+    values = ["C:\\runs\\a", "it's", 'a\'b"c', "tab\there", "ünï", ["x", "y's"], 1e-05]
+    said = [toml_value(v) for v in values]
+    assert said[:2] == ["'C:\\runs\\a'", '"it\'s"'] and said[4:6] == ["'ünï'", "['x', \"y's\"]"]
+    assert [tomllib.loads(f"x = {t}")["x"] for t in said] == values

@@ -862,7 +862,13 @@ def toml_value(value: Any) -> str:
         return str(value).lower()
     if isinstance(value, (datetime.date, datetime.time)):  # a datetime is a date
         return value.isoformat()
-    return repr(value)  # a string in '...' and a list of numbers are TOML's too
+    if isinstance(value, str):  # repr's 'C:\\x' is two backslashes in TOML's '...', and 'a\'b' none of TOML's
+        if "'" not in value and not any(c < " " or c == "\x7f" for c in value):
+            return f"'{value}'"  # a literal string: as written, backslashes and all
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")  # TOML's basic string
+    if isinstance(value, list):
+        return f"[{', '.join(map(toml_value, value))}]"
+    return repr(value)  # numbers: TOML's too
 
 
 def with_train(config: RunConfig, **changes: Any) -> RunConfig:

@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import logging
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
 import torch
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 from aiayn import cli
 from aiayn.config import ConfigError

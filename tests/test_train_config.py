@@ -153,3 +153,12 @@ def test_values_are_said_as_toml_writes_them(tmp_path, caplog):
     said = [toml_value(v) for v in values]
     assert said[:2] == ["'C:\\runs\\a'", '"it\'s"'] and said[4:6] == ["'ünï'", "['x', \"y's\"]"]
     assert [tomllib.loads(f"x = {t}")["x"] for t in said] == values
+
+
+def test_places_are_named_in_line_order(tmp_path):
+    """A refusal's places followed the settings' order: "ed.toml:10 and ed.toml:16 and ed.toml:9"."""
+    toml = tmp_path / "run.toml"
+    toml.write_text("[train]\nseed = 2\nwarmup = 4\n[data]\nmax_len = 100\n", encoding="utf-8")
+    config = load_config(toml, ["train.max_tokens=128"])
+    said = config.written_where("train.max_tokens", "data.max_len", "train.seed", "train.warmup")
+    assert said == f"{toml}:2 and {toml}:3 and {toml}:5 and --set 'train.max_tokens=128': "

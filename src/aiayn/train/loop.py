@@ -760,9 +760,7 @@ def _tokenizer_written_at(config: RunConfig, saved: dict) -> str:
 
 def _left_at_defaults(config: RunConfig) -> list[str]:
     """[data]'s tokenizer settings written nowhere, at their defaults."""
-    defaults = DataConfig()
-    return [key for key in TOKENIZER_SETTINGS if getattr(config.data, key) == getattr(defaults, key)
-            and config.written_at(f"data.{key}", getattr(config.data, key)) is None]
+    return [key for key in TOKENIZER_SETTINGS if config.is_default(f"data.{key}", getattr(config.data, key))]
 
 
 def _tokenizer_settings(config: RunConfig) -> dict:

@@ -406,9 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run.py: {without_python(str(e))}", file=sys.stderr)
         return e.exit_status
     except KeyboardInterrupt:  # outside training (data preparation, averaging, decoding): was a traceback
-        return interrupted(member=args.train_only)
+        return stopped_outside_training(signal.SIGINT, member=args.train_only)
     except Terminated as e:  # outside training's updates: it exited 143 without a word
-        return terminated(e.signum, member=args.train_only)
+        return stopped_outside_training(e.signum, member=args.train_only)
 
 
 def without_python(message: str) -> str:
@@ -417,22 +417,14 @@ def without_python(message: str) -> str:
     return message.replace("--resume (resume=True in Python)", "--resume")
 
 
-def interrupted(member: bool) -> int:
-    """A Ctrl-C outside training, in one line as `aiayn` says it (130). An --ensemble member then dies by
-    SIGINT, as Python's exit on an uncaught Ctrl-C did: wait_all tells that (nothing saved) from the 130 of
-    a training that saved its update and stopped."""
-    print("run.py: interrupted", file=sys.stderr)
-    if member:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    return 130
-
-
-def terminated(signum: int, member: bool) -> int:
-    """SIGTERM or SIGHUP outside training's updates, in one line as `aiayn` says it (128 + the signal, as a
-    shell reports a process the signal killed). An --ensemble member then dies by it, as it did before this
-    line: wait_all tells that (nothing saved) from the 143 of a training that saved its update."""
-    print(f"run.py: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+def stopped_outside_training(signum: int, member: bool) -> int:
+    """A Ctrl-C, SIGTERM or SIGHUP outside training's updates (data preparation, averaging, decoding), in
+    one line as `aiayn` says it ("interrupted", "stopped by SIGTERM"; a Ctrl-C was a traceback, a SIGTERM
+    exited 143 without a word), and 128 + the signal, as a shell reports a process the signal killed. An
+    --ensemble member then dies by it: wait_all tells that (nothing saved) from the 130 or 143 of a
+    training that saved its update and stopped."""
+    said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    print(f"run.py: {said}", file=sys.stderr)
     if member:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)

@@ -21,7 +21,7 @@ from aiayn.config import ConfigError
 from aiayn.data.dataset import refuse_other_tokenizer_settings, tokenizer_setting_changes
 from aiayn.demo import DemoConfig
 from aiayn.errors import UserError
-from aiayn.train import loop
+from aiayn.train import resume
 from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config, toml_value
 from aiayn.train.distributed import Dist
 
@@ -146,7 +146,7 @@ def test_values_are_said_as_toml_writes_them(tmp_path, caplog):
         load_config(toml)
     config = load_config(None, ["train.compile=true"])
     with caplog.at_level(logging.INFO):
-        loop._say_changed_settings(tmp_path, {"compile": False}, config, Dist(0, 1, 0, torch.device("cpu")))
+        resume._say_changed_settings(tmp_path, {"compile": False}, config, Dist(0, 1, 0, torch.device("cpu")))
     assert caplog.messages == [f"{tmp_path}: trained with train.compile=false, resumed with true"]
     # strings were Python's repr: 'C:\\runs' is two backslashes in TOML's '...', 'a\'b' is no TOML
     values = ["C:\\runs\\a", "it's", 'a\'b"c', "tab\there", "ünï", ["x", "y's"], 1e-05]

@@ -47,6 +47,7 @@ from aiayn.model import Transformer
 from aiayn.train import distributed, loop
 from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config, run_config, with_train
 from aiayn.train.loop import Data, _check_finite_weights, train, validate
+from aiayn.train.resume import _other_batches, _resume_refusal, _say_other_validation
 from aiayn.train.state import checkpoint_dirs, prune
 
 
@@ -1121,22 +1122,21 @@ def test_another_number_of_processes_on_resume_names_the_product(finished_run, t
     checkpoint = checkpoint_dirs(Path(config.train.run_dir))[-1]
     meta = read_meta(checkpoint)["config"]
     two = distributed.Dist(0, 2, 0, torch.device("cpu"))
-    kept = loop._other_batches(checkpoint, meta["train"], meta["data"], config, two)
-    said = str(loop._resume_refusal(checkpoint, load_config(None, ["train.update_freq=1"]), kept))
+    kept = _other_batches(checkpoint, meta["train"], meta["data"], config, two)
+    said = str(_resume_refusal(checkpoint, load_config(None, ["train.update_freq=1"]), kept))
     # it said "processes x train.update_freq=1 x 1 (...); ...: set it as trained": processes are no
     # setting, and no update_freq makes 1 batch an update of 2 processes
     batches = "--resume continues the run with its batches (the saved position in the epoch counts them)"
     assert said == (f"{checkpoint}: trained with 1 batch an update (1 process x train.update_freq=1; resumed "
                     f"with 2 x 1); {batches}: resume it with 1 process, or use a new train.run_dir")
     four = dict(meta["train"], update_freq=4)  # 4 batches an update: update_freq 2 makes them of two
-    kept = loop._other_batches(checkpoint, four, meta["data"], config, two)
-    said = str(loop._resume_refusal(checkpoint, config, kept))
+    kept = _other_batches(checkpoint, four, meta["data"], config, two)
+    said = str(_resume_refusal(checkpoint, config, kept))
     assert said.endswith(f"trained with 4 batches an update (1 process x train.update_freq=4; resumed with "
                          f"2 x 1); {batches}: set train.update_freq=2 (2 processes x 2), or use a new "
                          "train.run_dir")
     one = distributed.Dist(0, 1, 0, torch.device("cpu"))
-    kept = loop._other_batches(checkpoint, meta["train"], meta["data"], with_train(config, update_freq=2),
-                               one)
+    kept = _other_batches(checkpoint, meta["train"], meta["data"], with_train(config, update_freq=2), one)
     assert [k.setting for k in kept] == ["train.update_freq"]
 
 
@@ -3031,8 +3031,8 @@ def test_a_validation_set_dropped_or_changed_on_resume_is_said(finished_run, tmp
                  {"valid_src": config.data.valid_src, "valid_tgt": config.data.valid_tgt},
                  {"valid_src": "gone/valid.de", "valid_tgt": "gone/valid.en"}):
         with caplog.at_level(logging.INFO):
-            loop._say_other_validation(checkpoint, data, config, main)
-            loop._say_other_validation(checkpoint, data, replace(config, data=replace(
+            _say_other_validation(checkpoint, data, config, main)
+            _say_other_validation(checkpoint, data, replace(config, data=replace(
                 config.data, valid_src=str(copied[0]), valid_tgt=str(copied[1]))), main)
         said.append([m.removeprefix(f"{checkpoint}: ") for m in caplog.messages])
         caplog.clear()
@@ -3419,7 +3419,7 @@ def test_the_bar_total_is_where_max_epochs_ends_the_run():
 
     tc = SimpleNamespace(max_epochs=4)
     assert loop._epochs_end(TrainState(), tc, 13) == 52
-    # as _epoch_on_this_corpus leaves it: update 30, the next epoch (the third) from its first update
+    # as epoch_on_this_corpus leaves it: update 30, the next epoch (the third) from its first update
     assert loop._epochs_end(TrainState(step=30, epoch=2, cursor=0), tc, 13) == 56
     assert loop._epochs_end(TrainState(step=30, epoch=1, cursor=6), tc, 24) == 4 * 24  # the same corpus
     assert loop._epochs_end(TrainState(step=50, epoch=5, cursor=0), tc, 13) == 50  # max_epochs lowered

@@ -44,7 +44,8 @@ from aiayn.evaluate import corpus_scores
 from aiayn.files import atomic_output
 from aiayn.train.average import average_last
 from aiayn.train.config import TOKENIZER_SETTINGS, RunConfig, finetune_model_config, load_config
-from aiayn.train.loop import _checkpoint_to_resume, train
+from aiayn.train.loop import train
+from aiayn.train.resume import checkpoint_to_resume
 from aiayn.train.state import checkpoint_dirs
 from aiayn.translate import Translator, progress_lines
 
@@ -552,7 +553,7 @@ def check_member_dirs(members: list[RunConfig], resume: bool) -> None:
             if not path.is_dir():
                 raise UserError(f"{path}: train.run_dir exists and is not a directory")
         if not resume:
-            _checkpoint_to_resume(run_dir, False, m.train.init_from)
+            checkpoint_to_resume(run_dir, False, m.train.init_from)
 
 
 def check_direction(checkpoint: Path, src: str, tgt: str) -> None:

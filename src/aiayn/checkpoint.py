@@ -541,7 +541,7 @@ def meta_model_config(directory: Path, meta: dict[str, Any]) -> ModelConfig:
     try:
         return from_dict(ModelConfig, values, where=str(directory / META))
     except (ConfigError, KeyError, TypeError) as e:
-        # a CorruptFile: a damaged file, for which --resume advises the checkpoint before (loop._resume_hint)
+        # a CorruptFile: a damaged file, for which --resume advises the checkpoint before (resume.resume_hint)
         raise CorruptFile(f"{directory / META}: bad model configuration ({e})") from None
 
 

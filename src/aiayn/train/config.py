@@ -272,7 +272,7 @@ class RunConfig:
             raise ConfigError("model.final_logits_bias=true is a fixed buffer that imported Marian models "
                               "bring (HuggingFace does not train it either): a new model would keep it at zero; "
                               "leave it out")
-        # Not with init_from: shared_vocab may be the checkpoint's (`_with_checkpoint_tokenizer_settings`
+        # Not with init_from: shared_vocab may be the checkpoint's (`with_checkpoint_tokenizer_settings`
         # adopts it), blamed on a user who never wrote it; `finetune_model_config` compares [model] there
         unshared = not self.data.shared_vocab and not self.train.init_from
         if unshared and self.model.get("share_embeddings") is True:
@@ -398,6 +398,13 @@ def finetune_model_config(config: RunConfig, saved: ModelConfig, where: str | Pa
         raise config.refusal("data.max_len", max_len, f"{config.shown('data.max_len', max_len)} is longer "
                              f"than {where}'s max_len={saved.max_len}; set data.max_len <= {saved.max_len}")
     return replace(saved, dropout=values.get("dropout", saved.dropout))
+
+
+def vocabulary_model_config(config: RunConfig, **vocabulary: Any) -> ModelConfig:
+    """[model] with a vocabulary's `TOKENIZER_FIELDS` (sizes and special ids): one with a target size of
+    its own (separate vocabularies) cannot share one matrix, unless [model] says so itself (refused)."""
+    shared = vocabulary.get("tgt_vocab_size") is None or "share_embeddings" in config.model
+    return config.model_config(**vocabulary, **({} if shared else {"share_embeddings": False}))
 
 
 def run_config(values: dict[str, Any], where: str = "", written: str = "",

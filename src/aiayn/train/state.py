@@ -309,7 +309,7 @@ def save_training_checkpoint(
     with contextlib.suppress(OSError):  # where relative data paths are: `aiayn info` run elsewhere says them
         meta["workdir"] = os.getcwd()
     # process 0's CPU threads, as counted (train.threads=0 is the machine's count): another sums in another
-    # order, which --resume says (`loop._say_other_threads`); None on a GPU, whose sums they do not make
+    # order, which --resume says (`resume._say_other_threads`); None on a GPU, whose sums they do not make
     on_cpu = next(model.parameters()).device.type == "cpu"
     meta["threads"] = torch.get_num_threads() if on_cpu else None
     if interrupted:  # saved on a signal, to resume from: `prune` lets it go once a newer one is saved
@@ -340,7 +340,7 @@ def restore(
     """Load weights, optimizer, scaler and this process' RNG state from a training checkpoint."""
     check_compatible(path, model.config)
     weights = {k: v.to(d.device) for k, v in load_weights(path).items()}
-    # The weights file named, not the directory, and as damaged (a CorruptFile, which loop._resume_hint
+    # The weights file named, not the directory, and as damaged (a CorruptFile, which resume.resume_hint
     # answers with the checkpoint before): the model is its meta.json's (check_compatible), so a tensor
     # missing or of another shape is the file's fault, as a NaN is
     try:

@@ -57,14 +57,22 @@ def cpu_model() -> str:
     return f"{name} ({' '.join(has) or 'none of ' + ', '.join(MATRIX_FLAGS)})" if flags else name
 
 
+REPOSITORY = Path(__file__).resolve().parents[1]  # the checkout these scripts belong to
+
+
 def git_commit() -> str:
     """The commit of the tree aiayn runs from, with `+dirty` if it has uncommitted changes outside
     benchmarks/results/, or new Python or shell files (an untracked module, benchmark or script changes
-    what runs; results files, new or modified, do not)."""
+    what runs; results files, new or modified, do not). "unknown (not a git checkout; aiayn VERSION)" where
+    aiayn's files are no checkout's: a copy in site-packages, or one in a folder git ignores inside a
+    checkout, whose HEAD was said as the commit of code it never held."""
     import aiayn  # the tree of the code that runs, not of this script: a script run from another clone
 
     here = os.path.dirname(os.path.abspath(aiayn.__file__))
     try:
+        tracked = ["git", "ls-files", "--error-unmatch", "--", os.path.basename(aiayn.__file__)]
+        if subprocess.run(tracked, cwd=here, capture_output=True, check=False).returncode != 0:
+            raise OSError("aiayn's files are not tracked by git")
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
                              text=True, check=True).stdout.strip()
         changed = ["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
@@ -73,18 +81,45 @@ def git_commit() -> str:
         new = ["git", "ls-files", "--others", "--exclude-standard", "--", ":/*.py", ":/*.sh"]
         dirty += subprocess.run(new, cwd=here, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return f"unknown (not a git checkout; aiayn {aiayn.__version__})"
     return rev + ("+dirty" if dirty else "")
 
 
-def environment(device: torch.device | str = "cpu") -> dict:
+def aiayn_source() -> str:
+    """aiayn's version and the folder it was imported from, saying so where that is not this script's
+    repository's src/aiayn: the commit then is another tree's, or none (an installed copy)."""
+    import aiayn
+
+    here = Path(aiayn.__file__).resolve().parent
+    ours = REPOSITORY / "src" / "aiayn"
+    return f"{aiayn.__version__} from {here}" + ("" if here == ours else f" (not {ours}, beside this script)")
+
+
+# Settings outside torch that RESULTS.md shows change the timings: recorded where they are set.
+TIMING_VARIABLES = ("AIAYN_SYSTEM_MALLOC", "THP_MEM_ALLOC_ENABLE", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def total_ram_gb() -> float | None:
+    """The machine's memory in GB (None where the OS does not say)."""
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def environment(device: torch.device | str = "cpu", keeps_freed_memory: bool | None = None) -> dict:
     """Hardware, library versions, commit and date: what a reader needs to compare a figure. "gpu" names
-    `device` when it is a CUDA one (else the current CUDA device): a run on cuda:1 named device 0."""
+    `device` when it is a CUDA one (else the current CUDA device): a run on cuda:1 named device 0.
+    `keeps_freed_memory`: what `aiayn.memory.keep_freed_memory()` returned, for a script that calls it
+    (with glibc's defaults every large buffer is faulted in again: a bf16 `small` step took 1.67 s, not
+    1.30 s, `aiayn.memory`), and those of `TIMING_VARIABLES` that are set."""
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git_commit(),
+        "aiayn": aiayn_source(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
+        "ram_gb": total_ram_gb(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -98,6 +133,9 @@ def environment(device: torch.device | str = "cpu") -> dict:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(device if torch.device(device).type == "cuda" else None)
         env["cuda"], env["cudnn"] = torch.version.cuda, torch.backends.cudnn.version()
+    env.update({name: os.environ[name] for name in TIMING_VARIABLES if name in os.environ})
+    if keeps_freed_memory is not None:
+        env["keeps_freed_memory"] = keeps_freed_memory
     env["load_average"] = load_average()
     return env
 

@@ -217,7 +217,6 @@ def sources(seed: int) -> torch.Tensor:
 def make_engine(name: str, seed: int, device: str, ct2_paths: dict[str, str], threads: int):
     """Engine `name`, built in this process: a function (batch, beam) -> each sentence's output ids."""
     torch.set_num_threads(threads)
-    keep_freed_memory()  # as `aiayn translate` does, unless AIAYN_SYSTEM_MALLOC=1; HF's decoding gets it too
     src = sources(seed)
     if name == "HF Marian fp32":
         hf = build_hf(seed).to(device)
@@ -333,6 +332,7 @@ class LinearFloor:
 
 
 FAILED = "failed"  # a worker's answer when its engine raised: (FAILED, the error's last line)
+KEPT = "keeps freed memory"  # the request a worker answers with what its keep_freed_memory() returned
 
 
 def serve(conn, name: str, seed: int, device: str, ct2_paths: dict[str, str], threads: int) -> None:
@@ -341,10 +341,13 @@ def serve(conn, name: str, seed: int, device: str, ct2_paths: dict[str, str], th
     names the engine and that line (with the traceback, this process and the parent's EOFError each printed
     one, and the parent stopped before its own line)."""
     try:
+        # as `aiayn translate` does, unless AIAYN_SYSTEM_MALLOC=1; HF's decoding gets it too. Its answer
+        # goes in the results (KEPT): the timings differ with it
+        kept = keep_freed_memory()
         run = make_engine(name, seed, device, ct2_paths, threads)
         conn.send("ready")
         while (request := conn.recv()) is not None:
-            conn.send(answer(run, request, device))
+            conn.send(kept if request == KEPT else answer(run, request, device))
     except Exception as e:  # noqa: BLE001  whatever the engine raises (a library not loaded, a bad request)
         with contextlib.suppress(OSError):  # the parent may be gone already
             conn.send((FAILED, last_line(e)))
@@ -429,6 +432,9 @@ class Engine:
 
     def memory_mb(self) -> float:
         return self.ask("memory")
+
+    def keeps_freed_memory(self) -> bool:
+        return self.ask(KEPT)
 
     def kernels(self) -> dict[int, str]:
         """The "Linear floor" worker's kernel per row count."""
@@ -694,12 +700,16 @@ def run_cells(runs: dict[str, Engine], args: argparse.Namespace, record: Record)
     a worker failing in a later cell leaves the earlier ones on disk. Then each worker's memory. An engine
     other than `REFERENCES` that fails is left out (`left_out`) and the cell it failed in is run again
     without it; a failure of one of `REFERENCES` is raised."""
+    kept = set()
     for key, engine in list(runs.items()):
         try:
             if key in runs:  # not left out already, having failed at another thread count
                 engine.wait_ready()
+                kept.add(engine.keeps_freed_memory())
         except WorkerFailed as e:
             left_out(runs, record, e)
+    if kept:  # each worker's keep_freed_memory(): one answer, as they share the platform and variables
+        record.env["keeps_freed_memory"] = kept.pop() if len(kept) == 1 else "in some workers only"
     for cell in args.cells:
         while True:
             try:

@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> None:
             check_compile_works("--compile on a CPU")
         except UserError as e:
             raise SystemExit(f"{e}; or leave out --compile") from None
-    keep_freed_memory()  # as train_step.py and `aiayn train` do: large buffers are reused, not re-faulted
+    kept = keep_freed_memory()  # as train_step.py and `aiayn train`: large buffers reused, not re-faulted
     # what a figure quoted from this output needs beside it; before the steps, so the load is the machine's
     print(f"command: {command_line(__file__, argv)}")
-    print(f"environment: {environment(device)}", flush=True)
+    print(f"environment: {environment(device, keeps_freed_memory=kept)}", flush=True)
     shape = train_step.SHAPES[args.config]
     c = model_config(shape["preset"], vocab_size=shape["vocab"])
     batch = tuple(x.to(device) for x in train_step.make_batch(shape, torch.Generator().manual_seed(0)))

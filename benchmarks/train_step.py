@@ -642,9 +642,9 @@ def main(argv: list[str] | None = None) -> None:
     check_out(Path(out), [Path(out), Path(out).with_suffix(".json")], args.force)
     if args.threads:
         torch.set_num_threads(args.threads)
-    keep_freed_memory()
+    kept = keep_freed_memory()  # False with AIAYN_SYSTEM_MALLOC=1 or without glibc: slower steps
     # the machine's load before the compiler check's C++ build, as before the run
-    env = environment(args.device)
+    env = environment(args.device, keeps_freed_memory=kept)
     if args.configs and not args.no_compile:
         args.compile_skipped = compile_problem(args.device)  # in the report: no --no-compile says it
         args.no_compile = args.compile_skipped is not None

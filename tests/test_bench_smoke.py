@@ -749,3 +749,47 @@ def test_gpu_script_without_cuda_stops_at_once_in_one_line(tmp_path):
     assert done.stderr.splitlines() == [("gpu.sh: no CUDA device here (python3 -c 'import torch; assert "
                                          "torch.cuda.is_available()' fails): run it on a machine with one")]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_environment_records_the_settings_that_change_timings(monkeypatch):
+    """RESULTS.md shows AIAYN_SYSTEM_MALLOC, THP_MEM_ALLOC_ENABLE and MKL_NUM_THREADS change the figures,
+    and that keeping freed memory does; the record held none of them, nor the machine's memory."""
+    common = _load("common")
+    monkeypatch.setenv("AIAYN_SYSTEM_MALLOC", "1")
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = common.environment(keeps_freed_memory=False)
+    assert env["AIAYN_SYSTEM_MALLOC"] == env["THP_MEM_ALLOC_ENABLE"] == env["MKL_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in env and env["keeps_freed_memory"] is False
+    assert env["ram_gb"] > 0 and "keeps_freed_memory" not in common.environment()
+
+
+def test_a_profile_records_whether_freed_memory_was_kept(monkeypatch, capsys):
+    """profile_step (as train_step and decode's workers) threw keep_freed_memory()'s answer away."""
+    profile_step = _load("profile_step")
+    monkeypatch.setattr(profile_step, "keep_freed_memory", lambda: False)  # as with AIAYN_SYSTEM_MALLOC=1
+    threads = torch.get_num_threads()
+    try:
+        profile_step.main(["--config", "tiny", "--precision", "fp32", "--steps", "1", "--top", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert "'keeps_freed_memory': False" in capsys.readouterr().out.splitlines()[1]
+
+
+def test_aiayn_run_from_outside_a_checkout_has_no_commit_said(tmp_path, monkeypatch):
+    """aiayn imported from a copy git ignores inside a checkout (a venv's site-packages): the record gave
+    that checkout's HEAD, a commit of code that did not run; nor did it say where aiayn came from."""
+    import aiayn
+
+    common = _load("common")
+    repo = _committed(tmp_path / "repo", {"src/aiayn/__init__.py": "", ".gitignore": ".venv/\n"})
+    (repo / ".venv" / "aiayn").mkdir(parents=True)
+    (repo / ".venv" / "aiayn" / "__init__.py").write_text("")
+    monkeypatch.setattr(aiayn, "__file__", str(repo / ".venv" / "aiayn" / "__init__.py"))
+    assert common.git_commit() == f"unknown (not a git checkout; aiayn {aiayn.__version__})"
+    where = common.aiayn_source()
+    assert where.startswith(f"{aiayn.__version__} from {repo / '.venv' / 'aiayn'}")
+    assert f"(not {BENCHMARKS.parent / 'src' / 'aiayn'}, beside this script)" in where
+    monkeypatch.setattr(aiayn, "__file__", str(BENCHMARKS.parent / "src" / "aiayn" / "__init__.py"))
+    assert common.aiayn_source() == f"{aiayn.__version__} from {BENCHMARKS.parent / 'src' / 'aiayn'}"

@@ -307,6 +307,9 @@ def _scripted_worker(conn, name: str, fails: dict[str, int]) -> None:
         if request == "memory":
             conn.send(100.0)
             continue
+        if request == decode.KEPT:
+            conn.send(True)
+            continue
         batch, _ = request
         if fails.get(name) == batch == 16:
             os._exit(1)
@@ -354,6 +357,7 @@ def test_a_worker_dying_mid_run_ends_it_in_one_line_and_keeps_the_cells_before(t
     assert list(saved["tokens_per_second_by_threads"]["1"]) == ["greedy, batch 1", "beam 4, batch 1"]
     assert saved["resident_mb_after_runs"] == {f"{e}@1": 100 for e in engines}
     assert "stopped" not in saved["environment"] and "failed_engines" not in saved["environment"]
+    assert saved["environment"]["keeps_freed_memory"] is True  # the workers' keep_freed_memory()
     with pytest.raises(SystemExit) as stopped:
         main(["--cells", "greedy-1,greedy-16,beam4-1", "--repeats", "1", "--settle", "0", "--out", str(out)])
     message = str(stopped.value.code)

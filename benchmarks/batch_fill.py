@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=budgets, default=[4096, 6250, 25000],
                         help="a comma list of train.max_tokens to cut at (default 4096,6250,25000)")
     args = parser.parse_args(argv)
+    env = environment()  # before the work: the load average is the machine's, not this script's own
     try:  # a missing corpus, a vocabulary or max_tokens the data refuses: one line, not a traceback
         with tempfile.TemporaryDirectory() as run_dir:
             config = run_config(settings(args, run_dir), origins=flags(args))
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     except (UserError, ConfigError) as e:
         raise SystemExit(f"batch_fill: {e}") from None
     print(f"command: {command_line(__file__, argv)}")
-    print(f"environment: {environment()}")
+    print(f"environment: {env}")
     print(f"{args.src}, {args.tgt}: {len(src)} pairs, {pieces} pieces")
     print("| max_tokens | real target tokens a batch | real source tokens a batch | batches |")
     print("|---|---|---|---|")

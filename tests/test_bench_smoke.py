@@ -793,3 +793,17 @@ def test_aiayn_run_from_outside_a_checkout_has_no_commit_said(tmp_path, monkeypa
     assert f"(not {BENCHMARKS.parent / 'src' / 'aiayn'}, beside this script)" in where
     monkeypatch.setattr(aiayn, "__file__", str(BENCHMARKS.parent / "src" / "aiayn" / "__init__.py"))
     assert common.aiayn_source() == f"{aiayn.__version__} from {BENCHMARKS.parent / 'src' / 'aiayn'}"
+
+
+def test_batch_fill_records_the_environment_before_its_work(tmp_path, monkeypatch):
+    """batch_fill took the environment after the tokenizer's training and the encoding: its load average
+    was its own work's, where the other scripts record the machine's before they begin."""
+    batch_fill = _load("batch_fill")
+    order, prepare = [], batch_fill.loop.prepare_data
+    monkeypatch.setattr(batch_fill, "environment", lambda: order.append("environment") or {})
+    monkeypatch.setattr(batch_fill.loop, "prepare_data", lambda *a: order.append("work") or prepare(*a))
+    for name in ("a.en", "a.de"):
+        (tmp_path / name).write_text("".join(f"the cat sat on mat {i % 7}\n" for i in range(30)))
+    batch_fill.main(["--src", str(tmp_path / "a.en"), "--tgt", str(tmp_path / "a.de"), "--vocab-size", "40",
+                     "--max-tokens", "64"])
+    assert order == ["environment", "work"]

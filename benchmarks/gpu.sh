@@ -18,6 +18,9 @@
 # installed). Runs from the repository root wherever it is started. Writes $OUT/log.txt and the
 # benchmarks' reports (OUT: default benchmarks/results/local/gpu in the repository).
 set -u -o pipefail  # pipefail: the status of the steps' block, not tee's 0
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # the comment above, as usage (it said "SECONDS must be...")
+  sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0
+fi
 # the steps name tests/, benchmarks/ and src/ from the repository root: run from elsewhere they failed
 # (or tested an installed aiayn); an OUT given is taken from where the script was run, as typed
 [[ -n ${OUT:-} && $OUT != /* ]] && OUT="$PWD/$OUT"

@@ -14,7 +14,8 @@ input, for every (n, d) of a grid:
 
 Each cell times every layer in interleaved rounds (the order rotates each round, so a noisy neighbour
 on a shared machine hurts all layers alike) and keeps the median of the rounds after warmup. The
-crossover n* per d is where attention first becomes slower than the LSTM (or the conv), interpolated
+crossover n* per d is where attention becomes slower than the LSTM (or the conv) and stays so up to the
+longest n measured (the last crossing, where noise makes the times cross more than once), interpolated
 in log-log between the two grid points around it.
 
     python benchmarks/layers.py            # the full CPU grid (about 3 minutes: RESULTS.md's 2-core VM)

@@ -32,14 +32,18 @@ from aiayn.memory import keep_freed_memory  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", choices=list(train_step.SHAPES), default="base")
-    p.add_argument("--precision", choices=list(train_step.PRECISIONS), default="bf16")
-    p.add_argument("--system", choices=["aiayn", "nn.Transformer", "Marian"], default="aiayn")
+    p.add_argument("--config", choices=list(train_step.SHAPES), default="base",
+                   help="train_step.py's model and batch shape (default base)")
+    p.add_argument("--precision", choices=list(train_step.PRECISIONS), default="bf16",
+                   help="fp32, or bf16 autocast as train_step.py times it (default bf16)")
+    p.add_argument("--system", choices=["aiayn", "nn.Transformer", "Marian"], default="aiayn",
+                   help="the model profiled: aiayn or one of train_step.py's peers (default aiayn)")
     p.add_argument("--compile", action="store_true", help="aiayn through compile_for_training, a peer "
                    "through torch.compile")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    p.add_argument("--steps", type=at_least(1), default=3, help="profiled steps, after 3 warm-up steps")
-    p.add_argument("--top", type=at_least(1), default=25, help="rows printed")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N) (default cpu)")
+    p.add_argument("--steps", type=at_least(1), default=3,
+                   help="profiled steps, after 3 warm-up steps (default 3)")
+    p.add_argument("--top", type=at_least(1), default=25, help="rows printed (default 25)")
     p.add_argument("--by-shape", action="store_true", help="one row per operator and input shapes")
     args = p.parse_args(argv)
     if args.system == "Marian" and importlib.util.find_spec("transformers") is None:  # an ImportError trace

@@ -449,7 +449,7 @@ def test_a_width_given_twice_is_timed_once(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["decode", "layers", "attention_memory", "one_row", "batch_fill",
-                                  "batching"])
+                                  "batching", "profile_step"])
 def test_help_shows_the_docstring_and_what_each_option_does(name, capsys, monkeypatch):
     """--help gave the docstring's first line alone (no commands, no outputs), and decode.py's --repeats and
     --seed neither a word nor their default."""
@@ -807,3 +807,15 @@ def test_batch_fill_records_the_environment_before_its_work(tmp_path, monkeypatc
     batch_fill.main(["--src", str(tmp_path / "a.en"), "--tgt", str(tmp_path / "a.de"), "--vocab-size", "40",
                      "--max-tokens", "64"])
     assert order == ["environment", "work"]
+
+
+def test_gpu_script_help_prints_its_usage(tmp_path):
+    """`bash gpu.sh --help` said "SECONDS must be a whole number of seconds, at least 10, not '--help'"."""
+    for flag in ("--help", "-h"):
+        done = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), flag], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=30, check=False)
+        assert done.returncode == 0 and done.stderr == ""
+        assert done.stdout.splitlines()[:3] == [
+            "The checks that only a CUDA GPU can make, in one go, for a machine lent for minutes:", "",
+            "  OUT=some/folder bash benchmarks/gpu.sh [SECONDS]"]
+        assert done.stdout.rstrip().endswith("(OUT: default benchmarks/results/local/gpu in the repository).")

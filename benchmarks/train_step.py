@@ -22,8 +22,9 @@ against the float32 one from the same initialisation on the same batches.
     python benchmarks/train_step.py --device cuda --configs base,base25k --loss-steps 150   # on a GPU
 
 Writes benchmarks/results/local/train_step.{md,json} (ignored by git) unless --out names the markdown
-(over a file git tracks, a committed result, only with --force); the json also keeps each configuration's
-shape, parameter count and FLOPs a step, so that every MFU can be recomputed from it.
+(over a file git tracks, a committed result, only with --force), and with the loss curve its plot beside
+them (.png); the json also keeps each configuration's shape, parameter count and FLOPs a step, so that
+every MFU can be recomputed from it.
 Without transformers (pip install -e '.[bench]') the Marian peer is skipped; on a CPU without a C++
 compiler that torch.compile can build with, the compiled rows are, each said in one line.
 """
@@ -526,6 +527,29 @@ def curve_lines(curve: dict) -> list[str]:
     ]
 
 
+def plot_curve(curve: dict, path: str) -> None:
+    """The fp32 and bf16 loss curves over the steps, as a PNG at `path`: the report's table shows ten
+    steps of them."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: the file alone
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps = range(1, curve["steps"] + 1)
+    for precision, color in (("fp32", "tab:blue"), ("bf16", "tab:orange")):
+        ax.plot(steps, curve[precision], color=color, lw=1.2, label=precision)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (label-smoothed, nats)")
+    ax.set_title(f"aiayn small, fp32 and bf16 from the same initialisation on the same batches; "
+                 f"largest gap {curve['max_abs_diff']:.4f}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def measured_peers(rows: list[dict]) -> list[str]:
     """The peers timed in `rows`, by their full names: the title said "vs MarianMT" of a run that skipped
     Marian (no transformers)."""
@@ -552,6 +576,8 @@ def write_report(rows: list[dict], peaks: dict, curve: dict | None, env: dict, a
         lines += [f"No compiled rows: torch.compile could not build here ({skipped}).", ""]
     if curve:
         lines += curve_lines(curve)
+        plot_curve(curve, os.path.splitext(path)[0] + ".png")
+        lines += [f"The curves, every step: {os.path.basename(os.path.splitext(path)[0])}.png", ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
@@ -624,8 +650,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=threads, default=None,
                    help="torch.set_num_threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N): where every system runs")
-    p.add_argument("--out", default=None, help="markdown path, the json beside it "
-                   "(default benchmarks/results/local/train_step.md, ignored by git)")
+    p.add_argument("--out", default=None, help="markdown path, the json (and the loss curve's png) beside "
+                   "it (default benchmarks/results/local/train_step.md, ignored by git)")
     p.add_argument("--force", action="store_true",
                    help="write over files git tracks (committed results)")
     args = p.parse_args(argv)
@@ -639,7 +665,8 @@ def main(argv: list[str] | None = None) -> None:
     if not out.endswith(".md"):  # the json goes beside it: --out r.json was replaced by the json
         p.error(f"--out {out}: name the markdown report, ending in .md (the json is written beside it)")
     # a directory in the way failed after the timing
-    check_out(Path(out), [Path(out), Path(out).with_suffix(".json")], args.force)
+    drawn = [Path(out).with_suffix(".png")] if args.loss_steps else []  # the loss curve's plot
+    check_out(Path(out), [Path(out), Path(out).with_suffix(".json"), *drawn], args.force)
     if args.threads:
         torch.set_num_threads(args.threads)
     kept = keep_freed_memory()  # False with AIAYN_SYSTEM_MALLOC=1 or without glibc: slower steps

@@ -124,6 +124,25 @@ def test_the_loss_curve_says_how_far_it_has_got(tmp_path, monkeypatch, capsys):
         round(x, 4) for x in saved["fp32"] + saved["bf16"]]
 
 
+def test_the_loss_curve_is_drawn_beside_the_report(tmp_path, monkeypatch):
+    """The bf16 loss curve was an 11-row table alone; now a PNG of both curves, every step, beside the .md,
+    named in it; and a committed one is not written over without --force."""
+    import matplotlib.image
+
+    curve = {"steps": 4, "fp32": [3.0, 2.5, 2.0, 1.5], "bf16": [3.0, 2.6, 2.0, 1.6], "max_abs_diff": 0.1,
+             "max_rel_diff": 0.0625, "final_fp32": 1.5, "final_bf16": 1.6}
+    monkeypatch.setattr(train_step, "loss_curve", lambda steps, device: curve)
+    out = tmp_path / "loss.md"
+    train_step.main(["--configs", "", "--loss-steps", "4", "--out", str(out)])
+    image = matplotlib.image.imread(tmp_path / "loss.png")
+    assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0  # a drawing, not a blank
+    assert "The curves, every step: loss.png" in out.read_text()
+    monkeypatch.setattr(train_step, "check_out", lambda path, files, force: checked.extend(files))
+    checked = []
+    train_step.main(["--configs", "", "--loss-steps", "4", "--out", str(out)])
+    assert tmp_path / "loss.png" in checked
+
+
 def test_the_loss_curve_alone_measures_and_reports_no_timing(tmp_path, monkeypatch, capsys):
     """--configs '': the report read "shapes: . tokens/s counts source + target tokens", explained the
     columns of a table that was not there and quoted a matmul peak that was measured (and printed) for

@@ -15,6 +15,7 @@ tokenizer `aiayn.train.run_tokenizer`'s.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
 import os
@@ -951,7 +952,7 @@ def _memory_said(doing: str, tc) -> Iterator[None]:
     """An allocation failing in `doing` as one line naming the setting that sizes it, where it was an
     out-of-memory traceback (CUDA's, or the CPU allocator's). Both the updates' batches and the
     validation's (loss and BLEU) hold up to train.max_tokens tokens a side. A --resume must keep
-    max_tokens (`_check_same_batches`): it helps only where the memory was taken by something else."""
+    max_tokens (`resume._other_batches`): it helps only where the memory was taken by something else."""
     try:
         yield
     except (RuntimeError, MemoryError) as e:
@@ -1285,8 +1286,6 @@ def _prepare_files(config: RunConfig, run_dir: Path,
 
 
 def _describe(config: RunConfig, model: Transformer, data: Data, d: Dist) -> str:
-    import json
-
     tc = config.train
     lines = [json.dumps({**config.to_dict(), "resolved_model": model.config.__dict__}, indent=2)]
     lines.append(

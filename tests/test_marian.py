@@ -538,6 +538,50 @@ def test_a_weight_that_is_not_a_float_tensor_is_refused_by_name(build, opus_bin,
                                                f"{str(dtype).removeprefix('torch.')}, not a float tensor")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("container", ["model.safetensors", "pytorch_model.bin"])
+@torch.no_grad()
+def test_half_precision_weights_with_their_position_tables_convert(build, opus_bin, dtype, container):
+    """A float16 or bfloat16 file that stores the sinusoid tables (older OPUS-MT files,
+    model.half().save_pretrained()) was refused as 'learned positions': its tables were compared with
+    float32's to 1e-4, and rounding puts them up to 2.4e-4 (float16) and 4e-3 (bfloat16) away."""
+    from safetensors.torch import save_file
+
+    hf = build(VARIANTS[0])[0]
+    weights = {name: t.to(dtype) for name, t in hf.state_dict().items()}  # copies: none shared
+    table = weights["model.encoder.embed_positions.weight"]
+    assert (table.float() - hf.model.encoder.embed_positions.weight).abs().max() > 1e-4  # rounded
+    path = opus_bin / container
+    save_file(weights, str(path)) if container == "model.safetensors" else torch.save(weights, path)
+    convert_marian(opus_bin, opus_bin.parent / "out")
+    ck = load_checkpoint(opus_bin.parent / "out")
+    rounded = copy.deepcopy(hf)  # what transformers computes with these weights in float32, the positions
+    exact = {n: t for n, t in hf.state_dict().items() if "embed_positions" in n}  # exact, as aiayn's are
+    rounded.load_state_dict({name: t.float() for name, t in weights.items()} | exact)
+    src = source_batch(ck.tokenizer, SENTENCES)  # (B, S)
+    tgt_in = src[:, :6].clone()  # (B, T): any ids
+    tgt_in[:, 0] = ck.model.config.decoder_start_id
+    theirs = rounded(input_ids=src, attention_mask=src.ne(ck.tokenizer.pad_id), decoder_input_ids=tgt_in).logits
+    torch.testing.assert_close(ck.model(src, tgt_in), theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, change", [
+    (torch.float32, 5e-4), (torch.float16, 0.01), (torch.bfloat16, 0.03), (torch.bfloat16, "learned")])
+def test_a_position_table_off_the_sinusoid_is_refused_in_any_dtype(build, opus_bin, capsys, dtype, change):
+    """The tolerance is the stored dtype's rounding, no more: a table changed by more, or a learned one,
+    is still refused."""
+    weights = {name: t.to(dtype) for name, t in build(VARIANTS[0])[0].state_dict().items()}
+    name = "model.decoder.embed_positions.weight"
+    if change == "learned":  # as transformers initializes a learned table
+        weights[name] = torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    else:
+        weights[name][5, 3] += change
+    torch.save(weights, opus_bin / "pytorch_model.bin")
+    assert convert_error(opus_bin, capsys) == (
+        f"aiayn: error: {opus_bin / 'pytorch_model.bin'}: {name} is not the sin-then-cos sinusoid table; "
+        "learned positions are not supported")
+
+
 @pytest.mark.parametrize("shard, problem", [
     ("../../../etc/passwd", "weight_map names a file outside"),  # read, then refused as "corrupt weights"
     ("model-00002-of-00002.safetensors", "names the shard model-00002-of-00002.safetensors, which is missing"),

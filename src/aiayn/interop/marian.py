@@ -323,22 +323,24 @@ def _plain_tensors(weights: Any, path: Path) -> dict[str, Tensor]:
             raise UserError(f"{path}: key {name!r} is of type {type(name).__name__}, expected a string")
         if not isinstance(value, Tensor):
             raise UserError(f"{path}: {name} is of type {type(value).__name__}, expected a tensor")
-    return _as_float32(weights, path)
+    return _float_tensors(weights, path)
 
 
-def _as_float32(weights: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
-    """The tensors as float32; an integer, bool or complex one is refused by name: `.float()` made
-    garbage weights of it (a complex one with a two-line warning), and the model translated nonsense."""
+def _float_tensors(weights: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
+    """The tensors, checked to be floating point, in the dtype stored (`convert_weights` makes them
+    float32); an integer, bool or complex one is refused by name: `.float()` made garbage weights of it
+    (a complex one with a two-line warning), and the model translated nonsense."""
     for name, value in weights.items():
         if not value.is_floating_point():
             dtype = str(value.dtype).removeprefix("torch.")
             raise UserError(f"{path}: {name} is {dtype}, not a float tensor")
-    return {k: v.float() for k, v in weights.items()}
+    return weights
 
 
 def load_marian_weights(directory: Path) -> tuple[dict[str, Tensor], Path]:
-    """The tensors of `model.safetensors` (or its shards) or of `pytorch_model.bin`, as float32, and the
-    file they were read from (the index for shards), for error messages."""
+    """The tensors of `model.safetensors` (or its shards) or of `pytorch_model.bin`, in the dtype stored
+    (a float16 table of positions is compared as float16), and the file they were read from (the index for
+    shards), for error messages."""
     single, index, legacy = (directory / n for n in
                              ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
     for path in (single, index, legacy):  # up to the one read: `git lfs pull --include` may fetch it alone
@@ -372,17 +374,22 @@ def load_marian_weights(directory: Path) -> tuple[dict[str, Tensor], Path]:
             weights.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"{f}: corrupt weights ({e})") from None
-    return _as_float32(weights, source), source
+    return _float_tensors(weights, source), source
 
 
 def _check_positions(hf: dict[str, Tensor], config: ModelConfig, where: str) -> None:
-    """Older files store the sinusoid tables; they must be the formula aiayn computes (`sin_cos`)."""
+    """Older files store the sinusoid tables; they must be the formula aiayn computes (`sin_cos`), as
+    rounded to the dtype stored: float16 and bfloat16 tables (model.half().save_pretrained()) are off
+    float32's by up to 2.4e-4 and 4e-3, and were refused as learned positions."""
     for side in ("encoder", "decoder"):
         table = hf.pop(f"model.{side}.embed_positions.weight", None)
         if table is None:
             continue
-        expected = sinusoidal_positions(table.shape[0], config.d_model, config.positions)
-        if table.shape != expected.shape or not torch.allclose(table, expected, atol=1e-4):
+        expected = sinusoidal_positions(table.shape[0], config.d_model, config.positions).to(table.dtype)
+        # one unit in the last place at 1 (values are in [-1, 1]): the float32 tables computed by another
+        # formula may round the other way; 1e-4 covers float32's own differences (sin of 511 radians)
+        atol = max(1e-4, torch.finfo(table.dtype).eps)
+        if table.shape != expected.shape or not torch.allclose(table.float(), expected.float(), atol=atol):
             raise UserError(f"{where}: model.{side}.embed_positions.weight is not the sin-then-cos sinusoid "
                             f"table; learned positions are not supported")
 
@@ -521,6 +528,7 @@ def convert_weights(hf: dict[str, Tensor], config: ModelConfig, where: str) -> d
     hf = dict(hf)  # consumed as it is read: what is left at the end is something aiayn would ignore
     _check_shapes(hf, config, where)
     _check_positions(hf, config, where)
+    hf = {name: t.float() for name, t in hf.items()}  # float16 and bfloat16 files too: aiayn's are float32
     out = _embeddings(hf, config, where)
     try:
         for i in range(config.n_layers):

@@ -175,6 +175,22 @@ def test_a_checkpoint_directory_has_the_permissions_of_any_new_directory(tmp_pat
     assert stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o644
 
 
+@pytest.mark.parametrize("cut", ["half", "header", "empty", "bytes added"])
+def test_weights_cut_short_are_said_so(tmp_path, tokenizer, capsys, cut):
+    """A model.safetensors cut short (a copy or download interrupted) was 'corrupt weights (Error while
+    deserializing header: incomplete metadata, file not fully covered)', which did not say so."""
+    save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    path = tmp_path / "ck" / "model.safetensors"
+    data = path.read_bytes()
+    cuts = {"half": data[: len(data) // 2], "header": data[:20], "empty": b"", "bytes added": data + b"\0"}
+    path.write_bytes(cuts[cut])
+    with pytest.raises(CorruptFile, match=rf"^{re.escape(str(path))}: damaged or cut short \(Error while "):
+        load_checkpoint(tmp_path / "ck")
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "ck")]) == 2  # the header alone is read there
+    assert capsys.readouterr().err.startswith(f"aiayn: error: {path}: damaged or cut short (")
+
+
 def test_errors_name_the_file(tmp_path, tokenizer):
     model = tiny_model(vocab_size=tokenizer.src_vocab_size)
     save_checkpoint(tmp_path / "ck", model, tokenizer)

@@ -489,6 +489,19 @@ def test_bin_that_is_not_a_state_dict_is_named(opus_bin, capsys, content, proble
     assert err.endswith("; download it again") == problem.startswith("damaged")
 
 
+def test_a_safetensors_file_cut_short_is_said_as_a_bin_is(build, tmp_path, capsys):
+    """model.safetensors cut short was 'corrupt weights (Error while deserializing header: incomplete
+    metadata, file not fully covered)' where pytorch_model.bin cut short is 'damaged or cut short (...);
+    download it again'."""
+    opus = tmp_path / "opus"
+    shutil.copytree(build(VARIANTS[0])[2], opus)
+    path = opus / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert convert_error(opus, capsys) == (
+        f"aiayn: error: {path}: damaged or cut short (Error while deserializing header: incomplete metadata, "
+        "file not fully covered); download it again")
+
+
 @pytest.mark.parametrize("content, problem", [
     (b"<!DOCTYPE html><html><body>404 Not Found</body></html>\n", "it starts b'<!DOCTYPE html><html><bo'"),
     (b"hello\n", r"it starts b'hello\n'"),  # 'h' is a pickle opcode: a KeyError, not a refusal
@@ -561,7 +574,8 @@ def test_half_precision_weights_with_their_position_tables_convert(build, opus_b
     src = source_batch(ck.tokenizer, SENTENCES)  # (B, S)
     tgt_in = src[:, :6].clone()  # (B, T): any ids
     tgt_in[:, 0] = ck.model.config.decoder_start_id
-    theirs = rounded(input_ids=src, attention_mask=src.ne(ck.tokenizer.pad_id), decoder_input_ids=tgt_in).logits
+    mask = src.ne(ck.tokenizer.pad_id)
+    theirs = rounded(input_ids=src, attention_mask=mask, decoder_input_ids=tgt_in).logits
     torch.testing.assert_close(ck.model(src, tgt_in), theirs, atol=1e-4, rtol=0)
 
 

@@ -321,7 +321,18 @@ def _weights_error(path: Path, e: Exception) -> UserError:
     os_error = re.fullmatch(r"(.*) \(os error \d+\)", text)
     if isinstance(e, OSError) or os_error:
         return UserError(f"{path}: cannot read ({os_error.group(1) if os_error else text})")
-    return CorruptFile(f"{path}: corrupt weights ({e})")
+    return CorruptFile(f"{path}: {'damaged or cut short' if cut_short(e) else 'corrupt weights'} ({e})")
+
+
+# safetensors' words for a file whose size is not what its header gives (shorter than 8 bytes, shorter than
+# the header, or than the tensors it lists): most often a copy or a download cut short
+_CUT_SHORT = ("incomplete metadata, file not fully covered", "invalid header length", "header too small")
+
+
+def cut_short(e: Exception) -> bool:
+    """Whether safetensors' error `e` says its file is cut short (or has bytes added), where "corrupt
+    weights (... incomplete metadata, file not fully covered)" did not say so."""
+    return isinstance(e, SafetensorError) and any(words in str(e) for words in _CUT_SHORT)
 
 
 def weights_path(directory: str | Path) -> Path:

@@ -36,6 +36,7 @@ from torch import Tensor
 from aiayn.checkpoint import (
     CHECKPOINT_KIND,
     check_utf8_path,
+    cut_short,
     is_checkpoint,
     model_from_weights,
     save_checkpoint,
@@ -373,6 +374,8 @@ def load_marian_weights(directory: Path) -> tuple[dict[str, Tensor], Path]:
         try:
             weights.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
+            if cut_short(e):  # as a cut-short pytorch_model.bin is said
+                raise UserError(f"{f}: damaged or cut short ({e}); download it again") from None
             raise UserError(f"{f}: corrupt weights ({e})") from None
     return _float_tensors(weights, source), source
 

@@ -91,6 +91,41 @@ def test_greedy_tokens_are_identical(exported):
     assert len({tuple(row) for row in ours}) > 1  # different sources, different outputs: not a constant model
 
 
+def aiayn_beam(ck, texts: list[str], **options) -> list[list[int]]:
+    """aiayn's beam search (4), one sentence at a time; output ids without the final EOS."""
+    config = DecodeConfig(beam=4, max_len_a=0.0, max_len_b=MAX_LEN, **options)
+    out = []
+    for text in texts:
+        tokens = generate(ck.model, torch.tensor([ck.tokenizer.encode_src(text)]), config)[0][0].tokens
+        out.append(tokens[:-1] if tokens[-1] == ck.tokenizer.eos_id else tokens)
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.6, 1.0])
+def test_beam_tokens_are_identical_with_power_lenpen_and_early_stopping(tmp_path, spm_models, alpha):
+    """The README's settings for beams: aiayn's `lenpen_kind="power"` and `early_stopping=True` (a
+    sentence ends once `beam` hypotheses ended, as in CTranslate2), CTranslate2's `length_penalty` the
+    same alpha. A likelier EOS, so that hypotheses end at many lengths: at the length limit, as random
+    models' all did, the length penalty and the stopping rule change nothing."""
+    tokenizer = Tokenizer(spm_models[0])
+    torch.manual_seed(0)
+    model = random_model(tokenizer, **VARIANTS["marian-like"])
+    with torch.no_grad():
+        model.final_logits_bias[tokenizer.eos_id] += 8.0
+    save_checkpoint(tmp_path / "ck", model, tokenizer)
+    assert main(["export", "--to", "ctranslate2", str(tmp_path / "ck"), str(tmp_path / "ct2")]) == 0
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
+    ck = load_checkpoint(tmp_path / "ck")
+    texts = SENTENCES + SRC_LINES[:200:5]
+    theirs = translate_tokens(translator, tokenizer, texts, beam_size=4, max_len=MAX_LEN,
+                              length_penalty=alpha)
+    assert theirs == aiayn_beam(ck, texts, lenpen=alpha, lenpen_kind="power", early_stopping=True)
+    assert len({len(row) for row in theirs}) > 5  # ended at many lengths
+    # the settings matter: aiayn's default stopping rule, or its default length penalty, finds others
+    assert theirs != aiayn_beam(ck, texts, lenpen=alpha, lenpen_kind="power", early_stopping=False)
+    assert theirs != aiayn_beam(ck, texts, lenpen=alpha, lenpen_kind="gnmt", early_stopping=True)
+
+
 def test_an_empty_translation_is_kept(tmp_path, spm_models):
     """A model whose best output is EOS at once: CTranslate2's default min_decoding_length=1 forbade that
     and returned other tokens; translate_tokens asks for the search aiayn makes."""

@@ -869,7 +869,7 @@ def add_translate_parser(sub) -> None:
     p.add_argument("--max-len-b", type=int, default=50, help="(default 50: the paper's src_len + 50)")
     p.add_argument("--min-len", type=int, default=0, help="forbid EOS before this many output tokens")
     p.add_argument("--early-stopping", action="store_true",
-                   help="stop a sentence once BEAM hypotheses ended (fairseq; HuggingFace's "
+                   help="stop a sentence once BEAM hypotheses ended (fairseq, CTranslate2; HuggingFace's "
                    "early_stopping=True); default: once no live hypothesis can beat them (tensor2tensor, the "
                    "paper's code; HuggingFace's early_stopping=\"never\"). Beam > 1 only")
     p.add_argument("--n-best", type=int, default=1,

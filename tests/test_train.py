@@ -320,7 +320,7 @@ def test_bad_inputs_give_one_line(tmp_path, capsys):
     latest = checkpoint_dirs(tmp_path / "run")[-1]
     (latest / "trainer.safetensors").write_bytes(b"\x00broken")
     code, line = run_cli(capsys, "train", *args, "--resume", "--set", "train.max_updates=4")
-    assert code == 2 and "trainer.safetensors: corrupt training state" in line
+    assert code == 2 and "trainer.safetensors: training state damaged or cut short" in line
     (latest / "model.safetensors").write_bytes(b"\x00broken")  # 7 bytes: too short for its header's length
     code, line = run_cli(capsys, "train", *args, "--resume", "--set", "train.max_updates=4")
     assert code == 2 and "model.safetensors: damaged or cut short" in line

@@ -2447,6 +2447,19 @@ def test_a_damaged_adam_state_is_refused_naming_the_tensor(finished_run, tmp_pat
         train(with_train(config, max_updates=6), resume=True)
 
 
+@pytest.mark.parametrize("keep", [0.5, 20])  # bytes kept: half the file; fewer than its header's length
+def test_a_training_state_cut_short_is_said_so(finished_run, tmp_path, keep):
+    """A copy or a full disk that cut trainer.safetensors short read as 'corrupt training state (...
+    incomplete metadata, file not fully covered)', where the weights beside it say 'damaged or cut short'."""
+    config = copy_run(finished_run, tmp_path)
+    path = checkpoint_dirs(config.train.run_dir)[-1] / "trainer.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
+    said = r"step_000004/trainer\.safetensors: training state damaged or cut short"
+    with pytest.raises(CorruptFile, match=said):
+        train(with_train(config, max_updates=6), resume=True)
+
+
 def test_an_update_freq_recorded_as_null_is_the_default(finished_run, tmp_path):
     config = copy_run(finished_run, tmp_path)
     path = checkpoint_dirs(config.train.run_dir)[-1] / "meta.json"

@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 from aiayn.checkpoint import (
     META,
     WEIGHTS,
+    cut_short,
     enclosing_checkpoint,
     load_into,
     load_weights,
@@ -552,8 +553,9 @@ def _read_trainer(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         )
     try:
         tensors = load_file(str(tensors_file))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CorruptFile(f"{tensors_file}: corrupt training state ({e})") from None
+    except (SafetensorError, OSError, ValueError) as e:  # cut short: a copy's or the disk's, as for weights
+        said = "training state damaged or cut short" if cut_short(e) else "corrupt training state"
+        raise CorruptFile(f"{tensors_file}: {said} ({e})") from None
     try:  # its own message: the file to restore from a backup is this one, not the tensors
         trainer = json.loads(json_file.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError

@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import warnings
 from pathlib import Path
 
@@ -409,6 +410,39 @@ def test_an_interrupted_rerun_leaves_the_old_maps_and_the_users_files(tmp_path, 
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", ctrl_c_mid_second_picture)
     assert main(argv[:4] + ["the number 8"] + argv[5:]) == 130  # the CLI's answer to Ctrl-C
+    assert {p.name: p.read_bytes() for p in (tmp_path / "maps").iterdir()} == before  # no temporaries either
+
+
+@pytest.mark.parametrize("signum, status, said", [(signal.SIGTERM, 143, "aiayn: stopped by SIGTERM"),
+                                                   (signal.SIGINT, 130, "aiayn: interrupted")])
+def test_a_stop_python_dropped_while_drawing_still_stops_and_keeps_the_old_set(
+        tmp_path, tokenizers, capsys, monkeypatch, signum, status, said):
+    """A SIGTERM or Ctrl-C landing while the garbage collector ran matplotlib's weakref callbacks raised
+    there, where Python drops an exception ("Exception ignored in: <function WeakKeyDictionary...remove>"):
+    the drawing ran on, replaced the old set, printed its paths and exited 0. Here the signal's handler
+    runs inside a weakref callback, as an object dies during the second picture."""
+    import weakref
+
+    argv = _draw_args(tmp_path, tokenizers) + ["--out", str(tmp_path / "maps")]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "maps").iterdir()}
+    capsys.readouterr()
+    savefig, calls = matplotlib.figure.Figure.savefig, []
+
+    def signal_while_an_object_is_freed(fig, fname, **kwargs):
+        calls.append(fname)
+        if len(calls) == 2:
+            freed = type("Freed", (), {})()
+            ref = weakref.ref(freed, lambda _: signal.raise_signal(signum))  # the handler runs in there
+            del freed
+            assert ref() is None
+        return savefig(fig, fname, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", signal_while_an_object_is_freed)
+    assert main(argv[:4] + ["the number 8"] + argv[5:]) == status
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[-1] == said and captured.out == ""
+    assert "Exception ignored" not in captured.err
     assert {p.name: p.read_bytes() for p in (tmp_path / "maps").iterdir()} == before  # no temporaries either
 
 

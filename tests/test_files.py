@@ -191,6 +191,30 @@ def test_an_output_of_the_longest_name_gets_a_temporary(tmp_path, name):
 
 
 @pytest.mark.parametrize("kind", ["file", "directory"])
+def test_a_stop_python_dropped_is_raised_before_the_rename_and_the_old_output_stays(tmp_path, kind):
+    """A Ctrl-C or SIGTERM whose exception Python dropped (raised in a weakref callback: the CLI records
+    it) let the output replace the old one; it is raised at the rename instead, once."""
+    from aiayn.files import atomic_output
+
+    def write(text: str) -> None:
+        if kind == "file":
+            with atomic_output(tmp_path / "out") as f:
+                f.write(text)
+        else:
+            write_atomically(tmp_path / "out", lambda tmp: (tmp / "a").write_text(text))
+
+    write("old")
+    files.record_dropped_stop(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        write("new")
+    read = (tmp_path / "out").read_text() if kind == "file" else (tmp_path / "out" / "a").read_text()
+    assert read == "old" and [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary
+    write("new")  # raised once: the next write is as any
+    read = (tmp_path / "out").read_text() if kind == "file" else (tmp_path / "out" / "a").read_text()
+    assert read == "new"
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
 def test_a_temporary_deleted_by_another_program_is_said_to_be(tmp_path, kind):
     """The rename then failed with a bare 'No such file or directory', which blamed nothing."""
     from aiayn.errors import UserError

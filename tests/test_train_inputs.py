@@ -767,6 +767,20 @@ def test_a_second_ctrl_c_under_torchrun_stops_at_once(monkeypatch, caplog, ctrl_
     assert ("(a Ctrl-C: at once)" in caplog.text) == (not launched)
 
 
+def test_a_stop_python_dropped_before_training_stops_it_as_the_handlers_take_over():
+    """A Ctrl-C whose KeyboardInterrupt Python dropped during the data's preparation (the CLI records it):
+    raised by the first checkpoint's rename, it would abort the save of a stop asked for later."""
+    from aiayn.files import record_dropped_stop
+
+    handler = signal.getsignal(signal.SIGINT)
+    record_dropped_stop(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt), loop.StopSignal().installed():
+        pytest.fail("the training ran")
+    assert signal.getsignal(signal.SIGINT) is handler
+    with loop.StopSignal().installed():  # raised once
+        pass
+
+
 def test_a_signal_the_process_ignores_stays_ignored_during_training(caplog):
     """A background job of a script (`aiayn train ... &`) starts with SIGINT ignored: the loop's handler
     made a Ctrl-C meant for the script stop the training, which ignored it while preparing the data."""

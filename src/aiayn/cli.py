@@ -982,6 +982,7 @@ class ResultStream:
                 stdout.flush()  # what was written as text before comes first
 
     def write(self, text: str) -> int:
+        _raise_dropped_stop()  # a Ctrl-C or SIGTERM that Python dropped: no result printed after it
         if self._bytes is not None:
             # surrogateescape: a path given on the command line in bytes that are no UTF-8 is printed as
             # those bytes (strict encoding raised a traceback after the work was done)
@@ -1096,6 +1097,38 @@ def _signals_raise():
             signal.signal(sig, previous)
 
 
+@contextlib.contextmanager
+def _dropped_stops_kept():
+    """A Ctrl-C or SIGTERM whose exception Python drops is recorded, not printed: a signal's handler raises
+    (Python's for SIGINT, `_terminate`), and one that lands while the garbage collector runs a weakref
+    callback or a __del__ (matplotlib's, freeing `aiayn attention`'s previous Figure) raised there, where
+    Python printed "Exception ignored in ..." and a traceback and went on: the maps replaced the previous
+    set, exit 0. The renames that put results in place, and stdout, raise the recorded stop instead
+    (`aiayn.files.raise_dropped_stop`), as does the command's end."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
+            from aiayn.files import record_dropped_stop
+
+            record_dropped_stop(unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+        if files := sys.modules.get("aiayn.files"):  # one dropped as the command ended: not the next's
+            files.forget_dropped_stops()
+
+
+def _raise_dropped_stop() -> None:
+    if files := sys.modules.get("aiayn.files"):  # not imported: nothing recorded (the hook imports it)
+        files.raise_dropped_stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     stderr, sys.stderr = sys.stderr, DiagnosticStream(sys.stderr)
     try:
@@ -1106,7 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
         # that call returns, hours later on a big corpus; the default action ends them at once
         raising = contextlib.nullcontext() if _job_rank(args.command) else _signals_raise()
         try:
-            with raising:
+            with raising, _dropped_stops_kept():
                 return _run(args)
         finally:
             sys.stdout = stdout
@@ -1168,6 +1201,7 @@ def _run(args: argparse.Namespace) -> int:
             # before the work, not after: an export done (its old one replaced), then exit 2 for its path
             raise UserError("<stdout>: closed, so the results cannot be written")
         args.func(args)
+        _raise_dropped_stop()  # one the command's outputs did not meet: a stop all the same
         if not closed:  # (train's summary, the one line that may be lost)
             sys.stdout.flush()  # a full disk shows here, while the error can still be one line
     except (UserError, ConfigError) as e:

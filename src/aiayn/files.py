@@ -31,6 +31,32 @@ from aiayn.errors import UserError
 log = logging.getLogger(__name__)
 
 
+# A stop that Python dropped: Ctrl-C's KeyboardInterrupt, or the CLI's `Terminated` for SIGTERM, raised by
+# the signal's handler while the garbage collector ran a weakref callback or a __del__ (where matplotlib
+# frees a drawn Figure), which Python prints as "Exception ignored in ..." and loses: `aiayn attention`
+# ran on, replaced the previous maps and exited 0. The CLI records such a stop here (its
+# `sys.unraisablehook`); the renames that put results in place raise it first, keeping what they replace.
+_dropped_stops: list[BaseException] = []
+
+
+def record_dropped_stop(stop: BaseException) -> None:
+    """Keep `stop` (a KeyboardInterrupt or the CLI's Terminated) that Python dropped, for
+    `raise_dropped_stop`."""
+    _dropped_stops.append(stop)
+
+
+def raise_dropped_stop() -> None:
+    """Raise the stop Python dropped (`record_dropped_stop`), if there was one; once."""
+    if _dropped_stops:
+        stop = _dropped_stops[0]
+        _dropped_stops.clear()
+        raise stop.with_traceback(None)  # its traceback is the garbage collector's, no part of the command
+
+
+def forget_dropped_stops() -> None:
+    _dropped_stops.clear()
+
+
 def fsync_file(path: Path) -> None:
     """Flush a file another writer (safetensors) wrote and closed to disk: renamed into place before its
     data is, a power loss can leave the name on a zero-length file."""
@@ -425,6 +451,7 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
                 # could list the checkpoint but not read its weights
                 os.chmod(f, mode)
                 fsync_file(f)
+        raise_dropped_stop()  # a Ctrl-C or SIGTERM dropped meanwhile: the old directory stays
         _rename_into_place(tmp, directory)
         tmp = None  # in place: not to be removed, nor missed
         fsync_dir(directory.parent)
@@ -466,6 +493,7 @@ def atomic_output(path: str | Path, binary: bool = False) -> Iterator[IO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        raise_dropped_stop()  # a Ctrl-C or SIGTERM dropped meanwhile: the old file stays
         os.replace(tmp, target)
         tmp = None  # in place: not to be removed, nor missed
         fsync_dir(target.parent)  # the rename too, as `write_atomically` does

@@ -62,7 +62,7 @@ from aiayn.data.dataset import (
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.options import MAX_CPU_SEED
 from aiayn.errors import Stopped, UserError, is_out_of_memory
-from aiayn.files import moved_aside, recover_replaced, remove_abandoned, require_file
+from aiayn.files import moved_aside, raise_dropped_stop, recover_replaced, remove_abandoned, require_file
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer, evaluating
 from aiayn.train import distributed
@@ -572,6 +572,9 @@ class StopSignal:
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
+        # one Python dropped before (during the data's preparation: `aiayn.cli._dropped_stops_kept`) stops
+        # here, as it would have there, not at the first checkpoint's rename (which it would abort)
+        raise_dropped_stop()
         handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         previous = {s: h for s, h in handlers.items() if h != signal.SIG_IGN}
 

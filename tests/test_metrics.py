@@ -669,6 +669,29 @@ def test_several_runs_need_an_output_and_a_bad_run_is_one_line_naming_it(tmp_pat
     assert capsys.readouterr().err == f"aiayn: error: {b / 'metrics.jsonl'}:1: 'loss' is true, not a number\n"
 
 
+def test_no_run_s_own_curves_png_gets_another_picture(tmp_path, capsys, monkeypatch):
+    """`plot runs/a runs/b -o runs/a/curves.png` put the overlay where run a's own picture is (training's to
+    redraw), `plot runs/a -o runs/b/curves.png` run a's curves as run b's; both exit 0."""
+    a, b = _run(tmp_path / "a"), _run(tmp_path / "b")
+    young = tmp_path / "young"  # trained, nothing logged yet
+    (young / "checkpoints" / "step_000001").mkdir(parents=True)
+    for run in (a, b):
+        (run / "curves.png").write_bytes(PNG_MAGIC)
+    for argv, png in (([a, b], a / "curves.png"), ([a], b / "curves.png"), ([a], young / "curves.png")):
+        assert cli.main(["plot", *map(str, argv), "-o", str(png)]) == 2
+        assert capsys.readouterr().err == (
+            f"aiayn: error: {png}: run {png.parent}'s own curves, which training redraws from its "
+            "metrics.jsonl; name another picture (-o FILE.png)\n")
+    assert [(run / "curves.png").read_bytes() for run in (a, b)] == [PNG_MAGIC, PNG_MAGIC]
+    assert not (young / "curves.png").exists()
+    monkeypatch.chdir(tmp_path)  # the run's own picture, however the run is named: as training draws it
+    for argv in (["a"], ["./a/", "-o", "a/curves.png"], [str(a), "-o", "a/curves.png"]):
+        (a / "curves.png").write_bytes(PNG_MAGIC)
+        assert cli.main(["plot", *argv]) == 0
+        assert (a / "curves.png").stat().st_size > len(PNG_MAGIC)
+    assert cli.main(["plot", "a", "b", "-o", "a/ab.png"]) == 0  # another name in a run's folder: the user's
+
+
 def test_run_names_are_the_fewest_folders_that_tell_the_runs_apart(tmp_path, monkeypatch):
     from aiayn.train.metrics import run_names
 

@@ -748,7 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "their curves in one picture, a colour a run, named by its directory (with the folders "
                    "above it that tell the runs apart)")
     p.add_argument("-o", "--output", type=path_arg,
-                   help="PNG path (default RUN_DIR/curves.png for one run; several runs need it)")
+                   help="PNG path (default RUN_DIR/curves.png for one run; several runs need it; not another "
+                   "run's curves.png)")
     p.add_argument("--log", action="store_true",
                    help="a log scale for the losses (a long run's fall from 10 to 2 nats is flat on a linear "
                    "one)")

@@ -289,6 +289,22 @@ def _check_png_output(png: Path, logs: list[Path]) -> None:
             raise UserError(f"{png}: exists and is not a PNG picture; will not replace it")
     if png.suffix.lower() != ".png":  # x.pdf got PNG bytes; `-o bdir` (a folder meant) a file named bdir
         raise UserError(f"{png}: the curves are drawn as a PNG picture; name the file .png")
+    _check_not_another_runs_curves(png, logs)
+
+
+def _check_not_another_runs_curves(png: Path, logs: list[Path]) -> None:
+    """A run's own curves.png is its log's picture, which training redraws: `plot runs/a runs/b -o
+    runs/a/curves.png` put the overlay there, `plot runs/a -o runs/b/curves.png` run a's curves as run
+    b's. Drawing the run's own log there (`plot RUN`, training) is as training draws it."""
+    from aiayn.train.state import LOCK, checkpoint_dirs
+
+    run = png.parent
+    if png.name != "curves.png" or not ((run / "metrics.jsonl").is_file() or (run / LOCK).exists()
+                                        or checkpoint_dirs(run)):
+        return
+    if [log.resolve() for log in logs] != [(run / "metrics.jsonl").resolve()]:
+        raise UserError(f"{png}: run {run}'s own curves, which training redraws from its metrics.jsonl; "
+                        "name another picture (-o FILE.png)")
 
 
 def _points(records: list[dict[str, Any]], key: str) -> tuple[list, list]:

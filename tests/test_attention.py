@@ -231,10 +231,17 @@ def test_cli_draws_pngs_and_one_self_contained_page(tmp_path, tokenizers, capsys
     assert "attention.html" in capsys.readouterr().out
     assert main(["attention", "--checkpoint", str(tmp_path / "nope"), "--src", "x", "--out", str(out)]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
-    long = " ".join(["7"] * 1100)  # more tokens than the model's 1,024 positions
+    long = " ".join(["7"] * 1100)  # more tokens than the model's 1,024 positions, and than a drawing's 100
     for side, args in (("the source", ["--src", long]), ("the target", ["--src", "7", "--tgt", long])):
         assert main(["attention", "--checkpoint", str(tmp_path / "ck"), *args, "--out", str(out)]) == 2
-        assert f"error: {side}: " in (err := capsys.readouterr().err) and "positions of this model" in err
+        # the lower limit: told the model's 1,024 positions, a user who trimmed to 1,000 was then told 100
+        drawing = f"more than {attention.MAX_TOKENS}; attention maps of more tokens are unreadable"
+        assert re.fullmatch(f"aiayn: error: {side}: \\d+ tokens \\(with EOS\\), {drawing}, so they are not "
+                            "drawn\n",
+                            capsys.readouterr().err)
+        ck = load_checkpoint(tmp_path / "ck")  # not drawn (max_tokens=None): the model's positions, the limit
+        with pytest.raises(UserError, match=f"^{side}: .*, more than the 1024 positions of this model$"):
+            extract_attention(ck.model, ck.tokenizer, *args[1::2], max_tokens=None)
 
 
 @pytest.mark.parametrize("twice, said", [

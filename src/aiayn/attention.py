@@ -226,9 +226,11 @@ def _extract(model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None
     src_ids = tokenizer.encode_src(src)
     if len(src_ids) < 2:  # only EOS: a zero-width space or control characters, which the tokenizer drops
         raise UserError("the source has no piece the tokenizer reads: there is nothing to attend to")
+    # the drawing's limit first where it is the lower: 2,001 tokens were told the model's 1,024 positions, and
+    # a source trimmed to 1,000 then the drawing's 100
+    check_drawable(len(src_ids), "the source", max_tokens)
     if len(src_ids) > model.config.max_len:
         raise SentenceTooLong(0, len(src_ids), model.config.max_len, "the source")
-    check_drawable(len(src_ids), "the source", max_tokens)
     src_t = torch.tensor([src_ids], device=device)  # (1, S)
     if tgt is None:
         tgt_ids = generate(model, src_t, DecodeConfig(beam=1))[0][0].tokens  # greedy, up to EOS
@@ -237,6 +239,7 @@ def _extract(model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None
         if len(tgt_ids) < 2:  # only zero-width or control characters, which the tokenizer drops
             raise UserError("the target has no piece the tokenizer reads (leave it out to draw the model's "
                             "own translation)")
+        check_drawable(len(tgt_ids), "the target", max_tokens)  # first, as the source's
         if len(tgt_ids) > model.config.max_len:  # the decoder reads start + all but EOS: as many
             raise SentenceTooLong(0, len(tgt_ids), model.config.max_len, "the target")
     ended = tgt is not None or (bool(tgt_ids) and tgt_ids[-1] == tokenizer.eos_id)
@@ -246,8 +249,6 @@ def _extract(model: Transformer, tokenizer: Tokenizer, src: str, tgt: str | None
         if not ended:  # drawn as if it were the model's whole answer, with nothing said
             log.warning("the greedy translation reached the length limit (%d tokens) without </s>: the maps "
                         "show it cut there", len(tgt_ids))
-    else:
-        check_drawable(len(tgt_ids), "the target", max_tokens)
     tgt_in = [model.config.decoder_start_id] + tgt_ids[:-1]
     with record_attention(model) as records:
         logits = model(src_t, torch.tensor([tgt_in], device=device))  # (1, T, V)

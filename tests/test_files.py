@@ -354,6 +354,7 @@ def test_a_file_name_too_long_is_one_line_in_every_command(tmp_path, capsys):
     from aiayn.cli import main
 
     long = tmp_path / ("f" * 256)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')  # a run's: its -o is checked
     for argv in (["info", str(long)], ["plot", str(tmp_path), "-o", f"{long}.png"]):
         assert main(argv) == 2
         err = capsys.readouterr().err  # the path whose check failed (plot: the .png/meta.json it looked for)

@@ -315,6 +315,30 @@ def test_plot_command_refuses_a_log_with_no_metrics(tmp_path, capsys, content):
     assert not (tmp_path / "c.png").exists()
 
 
+def test_plot_says_a_binary_log_a_log_without_steps_and_a_folder_that_is_no_run_in_one_line(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """A binary metrics.jsonl (no newline in it) was warned of as "invalid UTF-8 (the write a kill
+    interrupted?)", then said to have "no metrics logged yet", as was a log of records without a 'step';
+    `plot .` in a folder that is no run said "metrics.jsonl: no metrics log", naming no folder."""
+    binary, stepless, other = (tmp_path / name for name in ("binary", "stepless", "other"))
+    for folder in (binary, stepless, other):
+        folder.mkdir()
+    write_log(binary / "metrics.jsonl", b"\x7fELF\x02\x01\x01\x00\xff\xfe\x00\x00")  # an executable's start
+    write_log(stepless / "metrics.jsonl", b'{"loss": 7.0}\n')
+    monkeypatch.chdir(other)
+    for run, said in (
+        (binary, (f"{binary / 'metrics.jsonl'}: not a metrics log (one JSON object a line): the file is not "
+                  "UTF-8 text")),
+        (stepless, (f"{stepless / 'metrics.jsonl'}: no record has a 'step' (the update each is drawn at), so "
+                    "there is nothing to draw")),
+        (".", f". ({other}): no metrics.jsonl here; give a training run's directory (its train.run_dir)"),
+        (other, f"{other}: no metrics.jsonl here; give a training run's directory (its train.run_dir)"),
+    ):
+        assert cli.main(["plot", str(run)]) == 2
+        assert capsys.readouterr().err == f"aiayn: error: {said}\n"  # one line, no warning before it
+    assert not list(tmp_path.rglob("*.png"))
+
+
 def test_plot_says_what_the_run_directory_is_when_it_holds_no_log(tmp_path, capsys):
     """"RUN/metrics.jsonl: no metrics log" for a run that had trained but not yet logged (a SIGTERM before
     train.log_every updates, a run just started) sent the user looking for another run directory."""

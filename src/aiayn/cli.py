@@ -244,6 +244,9 @@ def _check_plottable(run: Path) -> None:
             raise UserError(f"{run}: no metrics.jsonl here; the run directory is {inner}")
     if any((run / name).exists() for name in (".lock", "cache", "checkpoints")):  # a run's, however young
         raise UserError(f"{run}: no metrics logged yet (the first come after train.log_every updates)")
+    # no run: `plot .` said "metrics.jsonl: no metrics log", naming no folder
+    where = f"{run} ({run.resolve()})" if run.name in ("", "..") else str(run)
+    raise UserError(f"{where}: no metrics.jsonl here; give a training run's directory (its train.run_dir)")
 
 
 def cmd_attention(args: argparse.Namespace) -> None:

@@ -153,6 +153,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         except UserError as e:
             if n < len(lines):  # a newline follows: a whole line, and a bad one
                 raise
+            # the whole file, and no text: training writes ASCII JSON, so no write of its that a kill cut is
+            # this (it was "invalid UTF-8 (the write a kill interrupted?)", then "no metrics logged yet")
+            if not records and not _is_utf8(line):
+                raise UserError(f"{path}: not a metrics log (one JSON object a line): the file is not UTF-8 "
+                                "text") from None
             log.warning("%s (the write a kill interrupted?); skipped", e)
             continue
         if not isinstance(record, dict):  # it parsed, so no interrupted write made it
@@ -174,6 +179,14 @@ def _warn_not_finite(found: list[tuple[str, str, dict[str, Any]]]) -> None:
     more = f"; {len(found) - 1} more value(s) in the log are not finite either" if len(found) > 1 else ""
     log.warning("%s: %r is %s at update %s, which is not drawn (its curve breaks or ends there)%s", where,
                 key, record[key], record.get("step", "(none given)"), more)
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _decode(line: bytes, where: str) -> Any:
@@ -261,8 +274,11 @@ def _drawable_records(path: Path, log_scale: bool) -> list[dict[str, Any]]:
     """The records of the log at `path`, refused in one line where there is nothing to draw, or (with
     `log_scale`) a loss that no log scale can draw."""
     records = read_metrics(path)
-    if not any("step" in r for r in records):  # an empty picture, exit 0, looked like a broken run
+    if not records:  # an empty picture, exit 0, looked like a broken run
         raise UserError(f"{path}: no metrics logged yet (the first come after train.log_every updates)")
+    if not any("step" in r for r in records):  # records, but none to draw: not "none logged yet"
+        raise UserError(f"{path}: no record has a 'step' (the update each is drawn at), so there is nothing "
+                        "to draw")
     if log_scale:
         for key, *_ in LOSSES:
             step = next((r["step"] for r in records if "step" in r and r.get(key, 1) <= 0), None)

@@ -22,7 +22,7 @@ from aiayn.data.dataset import refuse_other_tokenizer_settings, tokenizer_settin
 from aiayn.demo import DemoConfig
 from aiayn.errors import UserError
 from aiayn.train import resume
-from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config, toml_value
+from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config, run_config, toml_value
 from aiayn.train.distributed import Dist
 
 
@@ -41,6 +41,20 @@ def test_path_settings_take_a_pathlib_path_and_keep_it_as_a_string():
         TrainConfig(run_dir=3)
     with pytest.raises(ConfigError, match=r"^TrainConfig\.seed=2\.0 has type float, expected int$"):
         TrainConfig(seed=2.0)
+
+
+def test_run_config_takes_a_pathlib_path_for_a_path_setting_and_names_its_place_once():
+    """run_config refused what DataConfig and TrainConfig take ("config: [data] train_src = PosixPath('a.de')
+    is a PosixPath, expected str; config: [data] train_tgt = ..."), saying "config:" before every item."""
+    config = run_config({"data": {"train_src": Path("a.de"), "train_tgt": Path("a.en")},
+                         "train": {"run_dir": Path("runs/x"), "init_from": Path("ck")}})
+    assert (config.data.train_src, config.data.train_tgt) == ("a.de", "a.en")
+    assert (config.train.run_dir, config.train.init_from) == ("runs/x", "ck")
+    json.dumps(config.to_dict())  # no PosixPath in what meta.json records
+    with pytest.raises(ConfigError) as e:  # a Path is no seed, and "config:" is said once
+        run_config({"data": {"vocab_size": "x"}, "train": {"seed": Path("x")}})
+    assert str(e.value) == ("config: [data] vocab_size = 'x' is a str, expected int; "
+                            f"[train] seed = {Path('x')!r} is a {type(Path('x')).__name__}, expected int")
 
 
 def test_problems_written_in_one_place_name_it_once(tmp_path):

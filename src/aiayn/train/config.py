@@ -42,6 +42,7 @@ DATA_FILES = ("train_src", "train_tgt", "valid_src", "valid_tgt")  # [data]'s pa
 SPM_TYPES = ("bpe", "unigram")  # data.spm_type's values
 NORMALIZATIONS = ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity")  # SentencePiece's rule names
 TRAIN_PATHS = ("run_dir", "init_from")  # [train]'s paths
+PATHS = {"data": DATA_FILES, "train": TRAIN_PATHS}  # the settings that take a pathlib.Path in Python
 SECTIONS = ("data", "model", "train")
 # A [model] setting named in ModelConfig's problems ("n_heads=8"); the tokenizer's are not [model]'s to set
 MODEL_KEY = re.compile(r"(?<![.\w])({})(?==)".format(
@@ -414,7 +415,10 @@ def run_config(values: dict[str, Any], where: str = "", written: str = "",
     out of range or contradicting another. With `origins` ("data.max_len" -> "run.toml:3" or "--set
     'data.max_len=1'"), each such problem is named where the settings it names were written instead."""
     if origins is None:  # a caller's dicts; `load_config` checked its file's, and `parse_override` --set's
-        _check_file(values, lambda name: where or "config")
+        try:
+            _check_file(values, lambda name: "")
+        except ConfigError as e:  # one place for every item, said once ("config: a; config: b")
+            raise ConfigError(*e.problems, context=f"{where or 'config'}: ") from None
     model = dict(values.get("model", {}))  # no preset: "base" (RunConfig.model_config), or init_from's shape
     try:
         data, train = _sections(values, where)
@@ -702,7 +706,7 @@ def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
             problems.append(_outside_sections(place(section), section))
             continue
         if section not in SECTIONS:
-            problems.append(f"{place(section)}: unknown section [{section}] (known: {', '.join(SECTIONS)})")
+            problems.append(f"{_at(place(section))}unknown section [{section}] (known: {', '.join(SECTIONS)})")
             continue
         if not isinstance(table, dict):
             problems.append(_not_a_table(place(section), section, table))
@@ -711,12 +715,17 @@ def _check_file(values: dict[str, Any], place: Callable[[str], str]) -> None:
         if unknown := [key for key in table if key not in known]:
             problems.append(_unknown_keys(section, unknown, place))
         for key, value in table.items():
-            written = f"{place(f'{section}.{key}')}: [{section}] {key} = "
+            written = f"{_at(place(f'{section}.{key}'))}[{section}] {key} = "
             if key in known and (problem := _type_problem(section, key, value, written)):
                 hint = _quotes_hint(section, key, value, known[key])
                 problems.append(problem + (f"; {hint}" if hint else ""))
     if problems:
         raise ConfigError(*problems)
+
+
+def _at(where: str) -> str:
+    """How an item of an error begins: "run.toml:6: ", nothing where the error names its one place once."""
+    return f"{where}: " if where else ""
 
 
 def _unknown_keys(section: str, keys: list[str], place: Callable[[str], str]) -> str:
@@ -726,7 +735,7 @@ def _unknown_keys(section: str, keys: list[str], place: Callable[[str], str]) ->
     said = []
     for key in keys:
         homes = _homes(key, section)
-        said.append(f"{place(f'{section}.{key}')}: unknown [{section}] key {key}"
+        said.append(f"{_at(place(f'{section}.{key}'))}unknown [{section}] key {key}"
                     + (f" (put it under {' or '.join(homes)})" if homes else ""))
     homeless = any(not _homes(key, section) for key in keys)
     return "; ".join(said) + (f" (known: {', '.join(_settable(section))})" if homeless else "")
@@ -774,11 +783,11 @@ def _outside_sections(where: str, key: str) -> str:
     homes = _homes(key)
     fix = (f"put it under {' or '.join(homes)}" if homes
            else f"no section has such a key (sections: {', '.join(SECTIONS)})")
-    return f"{where}: {key} is outside any section; {fix}"
+    return f"{_at(where)}{key} is outside any section; {fix}"
 
 
 def _not_a_table(where: str, section: str, value: Any) -> str:
-    return f"{where}: {section} = {toml_value(value)} is not a table; write a [{section}] section"
+    return f"{_at(where)}{section} = {toml_value(value)} is not a table; write a [{section}] section"
 
 
 def _key_types(section: str) -> dict[str, Any]:
@@ -866,6 +875,8 @@ def _type_problem(section: str, key: str, value: Any, where: str) -> str | None:
     line and key, or the --set item). Unknown keys and sections are refused elsewhere, with the known ones."""
     hint = _key_types(section).get(key) if section in SECTIONS else None
     if hint is None or matches_type(value, hint):
+        return None
+    if isinstance(value, os.PathLike) and key in PATHS.get(section, ()):  # kept as its str, `check_types`
         return None
     expected = getattr(hint, "__name__", str(hint))
     kind = type(value).__name__

@@ -363,6 +363,26 @@ def test_train_is_aiayn_train_train_and_dir_lists_the_names_imported_on_first_us
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_a_src_mask_row_that_attends_to_nothing_is_refused():
+    """torch's key_padding_mask (True = padding) or an all-False mask gave wrong logits, silently: a row
+    of an unpadded source is all False there. With a cache, on its first step (later ones must pass the
+    same mask); `forward`'s own mask of an all-padding source still trains (its outputs are zeros)."""
+    model = tiny_model()
+    src = padded_batch([4, 3], 50)  # row 0 has no padding
+    key_padding = (src == 0)[:, None, None, :]
+    with torch.no_grad():
+        memory, tgt = model.encode(src), torch.tensor([[1, 5], [1, 6]])
+        for mask in (key_padding, torch.zeros_like(key_padding)):
+            with pytest.raises(ValueError, match=r"^src_mask row 0 is False everywhere: it is True where the "
+                                                 r"source is a token \(Transformer.src_mask\), unlike torch's"):
+                model.decode(tgt, memory, mask)
+            with pytest.raises(ValueError, match=r"^src_mask row 0 is False everywhere"):
+                model.decode(tgt, memory, mask, model.new_cache(2, 8))
+        all_padding = src.clone()
+        all_padding[1] = 0
+        assert torch.isfinite(model(all_padding, tgt)).all()
+
+
 def test_mismatched_batches_and_bad_ids_are_refused_not_broadcast():
     """A 1-row target with a 2-row source, or a 1-row step into a 2-row cache, broadcast silently into
     2 rows of output; 1-D, empty or float ids failed deep inside with PyTorch's own messages."""

@@ -130,13 +130,33 @@ def check_ids(name: str, ids: Tensor, vocab: int | None = None) -> None:
         raise TypeError(f"{name} is {ids.dtype}: token ids are integers (torch.long or torch.int32)")
     if ids.numel() == 0:
         raise ValueError(f"{name} has shape {tuple(ids.shape)}: no token to read")
-    if (vocab is not None and ids.device.type == "cpu" and type(ids) is torch.Tensor  # not a FakeTensor's
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()):
+    if vocab is not None and _readable_here(ids):
         host = ids.numpy()  # the ids where they are, read by numpy: no tensor operation, none to wait for
         low, high = int(host.min()), int(host.max())
         if low < 0 or high >= vocab:
             raise ValueError(f"{name} holds id {low if low < 0 else high}, outside the vocabulary of {vocab} "
                              f"(ids 0 to {vocab - 1})")
+
+
+def _readable_here(t: Tensor) -> bool:
+    """Whether `t`'s values can be read without waiting: on the CPU (on a GPU, reading waits for the
+    device), a plain tensor (not FakeTensorMode's, which numpy cannot read), and not while torch.compile or
+    torch.jit traces (a branch on values breaks the graph)."""
+    return (t.device.type == "cpu" and type(t) is torch.Tensor and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing())
+
+
+def check_src_mask_rows(src_mask: Tensor) -> None:
+    """Each row of a (B, 1, 1, S) bool `src_mask` lets its queries attend to some source position: every
+    real source holds at least its EOS. torch's key_padding_mask (True = pad) or an all-False mask gave
+    wrong logits, silently. Where `_readable_here` only: a GPU's mask stays unchecked."""
+    if src_mask.dtype != torch.bool or src_mask.dim() != 4 or not _readable_here(src_mask):
+        return  # another dtype or shape: `decode` names it
+    attends = src_mask.numpy().any(axis=-1).reshape(-1)  # (B,)
+    if not attends.all():
+        raise ValueError(f"src_mask row {int((~attends).nonzero()[0][0])} is False everywhere: it is True "
+                         "where the source is a token (Transformer.src_mask), unlike torch's "
+                         "key_padding_mask (True = padding)")
 
 
 class SublayerConnection(nn.Module):
@@ -295,7 +315,18 @@ class Transformer(nn.Module):
         With `positions` (N,) long, flat indices into the B*T positions (row-major), only those are
         projected: logits (N, V_tgt). Indices rather than a bool mask, since selecting by a mask must
         read the mask's count back from a GPU (a host-device sync every training batch).
+
+        On the CPU, a `src_mask` row that attends to nothing is refused (`check_src_mask_rows`); with a
+        cache only on its first step, after which the cache holds every step to the same mask.
         """
+        if src_mask is not None and (cache is None or cache.length == 0):  # once per search, not per step
+            check_src_mask_rows(src_mask)
+        return self._decode(tgt_in, memory, src_mask, cache, positions)
+
+    def _decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache | None,
+                positions: Tensor | None) -> Tensor:
+        """`decode` without the check of `src_mask`'s rows: `forward`'s own mask may have an all-padding
+        source, which trains (its outputs come out as zeros, no NaN)."""
         check_ids("tgt_in", tgt_in, self.config.target_vocab_size)
         beam = 1 if cache is None else cache.beam_size
         if memory.dim() != 3 or tgt_in.shape[0] != memory.shape[0] * beam:  # 1 row broadcast silently
@@ -348,7 +379,7 @@ class Transformer(nn.Module):
             raise ValueError(f"src has {src.shape[0]} rows and tgt_in {tgt_in.shape[0]}: one target per "
                              "source")
         memory = self.encode(src)
-        return self.decode(tgt_in, memory, self.src_mask(src), positions=positions)
+        return self._decode(tgt_in, memory, self.src_mask(src), None, positions)
 
     def new_cache(self, batch_size: int, max_len: int, *, beam_size: int = 1) -> KVCache:
         """An empty `KVCache` for `batch_size` rows (sentences x `beam_size`), up to `max_len` positions,

@@ -240,6 +240,20 @@ def test_paths_as_strings_average_and_are_recorded_absolute(tmp_path, tokenizers
                                                                          str(tmp_path / "ck2")]
 
 
+def test_one_path_is_refused_and_a_missing_one_is_not_found(tmp_path, tokenizers):
+    """One str was read character by character ("r: not an aiayn checkpoint (no meta.json)"), a Path failed
+    as not iterable; a missing checkpoint was "not an aiayn checkpoint (no meta.json)", where loading it
+    says "checkpoint not found"."""
+    ck = save(tmp_path / "ck1", tokenizers[0])
+    refused = rf"^paths is a list of checkpoints: pass \[{re.escape(repr(str(ck)))}\]$"
+    for one in (str(ck), ck):
+        with pytest.raises(TypeError, match=refused):
+            average_checkpoints(one, tmp_path / "avg")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(tmp_path / 'nope'))}: checkpoint not found$"):
+        average_checkpoints([ck, tmp_path / "nope"], tmp_path / "avg")
+    assert not (tmp_path / "avg").exists()
+
+
 def test_models_are_compared_as_they_load_and_without_dropout(tmp_path, tokenizers):
     """A setting left out of meta.json is its default as loading reads it, and dropout shapes training,
     not the weights: "different models (final_logits_bias False against None)" was untrue, and a

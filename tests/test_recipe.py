@@ -581,7 +581,7 @@ def test_a_resumed_fine_tuning_ensemble_needs_no_init_from(tmp_path, capsys, mon
         run.main([*options, "--resume", "--set", f"train.run_dir={tmp_path / 'r'}"])
     # members with nothing saved yet start from init_from: its absence is said before training
     assert run.main([*options, "--resume", "--set", f"train.run_dir={tmp_path / 'new'}"]) == 2
-    assert f"{ck}: not an aiayn checkpoint" in capsys.readouterr().err
+    assert f"{ck}: checkpoint not found" in capsys.readouterr().err
 
 
 def test_the_pairs_own_partner_items_are_not_named_as_set_items(tmp_path, capsys, monkeypatch):

@@ -247,7 +247,7 @@ def enclosing_checkpoint(path: str | Path, itself: bool = True) -> tuple[str, Pa
 def read_meta(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / META
     if not path.is_file():
-        if moved_aside(Path(directory)) is not None:
+        if not Path(directory).exists() or moved_aside(Path(directory)) is not None:  # not "no meta.json"
             raise UserError(f"{directory}: {not_found(Path(directory))}")
         # here only: the training package imports this one
         from aiayn.train.state import checkpoint_dirs, run_of_checkpoints_folder, runs_meant

@@ -143,6 +143,8 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     """Average the weights of `paths` (checkpoints of one model) into a new checkpoint `out`.
 
     An existing `out` is replaced only with `force`, and never when it is or holds one of `paths`."""
+    if isinstance(paths, (str, bytes, os.PathLike)):  # one path: a str was read character by character
+        raise TypeError(f"paths is a list of checkpoints: pass [{os.fsdecode(paths)!r}]")  # ("r: not an ...")
     if not paths:
         raise UserError("no checkpoints to average")
     paths = [Path(p) for p in paths]  # strings failed at `directory / META`

@@ -100,6 +100,11 @@ def test_a_model_packed_or_quantized_for_decoding_is_not_saved(tmp_path, tokeniz
         assert not (tmp_path / "ck").exists()
     with pytest.raises(TypeError, match=r"^save_checkpoint saves a Transformer, not a Linear$"):
         save_checkpoint(tmp_path / "ck", torch.nn.Linear(2, 2), tokenizer)
+    # None failed in the vocabulary's check: "'NoneType' object has no attribute 'src_vocab_size'"
+    with pytest.raises(TypeError, match=r"^save_checkpoint saves the model's Tokenizer with it, not NoneType: "
+                                        r"load_checkpoint\(path\)\.tokenizer"):
+        save_checkpoint(tmp_path / "ck", model, None)
+    assert not (tmp_path / "ck").exists()
 
 
 def test_what_loading_would_refuse_is_not_saved(tmp_path, tokenizer):

@@ -158,6 +158,24 @@ def test_a_translator_refuses_a_tokenizer_that_does_not_fit_its_model(checkpoint
     Translator(tiny_model(vocab_size=pieces), loaded.tokenizer)  # one that fits
 
 
+def test_a_translator_refuses_what_is_no_model_tokenizer_or_decode_config(checkpoint):
+    """A dict config, or None for the model or tokenizer, was taken, then failed at the first translation
+    or in the vocabulary check with an AttributeError ("'dict' object has no attribute 'beam'")."""
+    loaded = Translator.load(checkpoint)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    with pytest.raises(TypeError, match=r"^Translator takes a DecodeConfig, not dict: build one with "
+                                        r"DecodeConfig\(beam=4, \.\.\.\)"):
+        Translator(model, tokenizer, {"beam": 2})
+    with pytest.raises(TypeError, match=r"^Translator takes a Transformer \(or an Ensemble\), not NoneType: "
+                                        r"load_checkpoint\(path\)\.model"):
+        Translator(None, tokenizer)
+    for wrong in (None, str(checkpoint)):
+        with pytest.raises(TypeError, match=rf"^Translator takes the model's Tokenizer, not {type(wrong).__name__}"
+                                            r": load_checkpoint\(path\)\.tokenizer"):
+            Translator(model, wrong)
+    assert Translator(model, tokenizer, DecodeConfig(beam=2)).config.beam == 2
+
+
 def test_a_sampling_translator_searches_for_one_call(checkpoint):
     """A Translator sampling by default could not search for one call: sample=False was refused for the
     temperature and seed it had not given, a beam 4 for the sampling it had not asked for."""

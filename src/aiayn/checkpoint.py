@@ -164,6 +164,9 @@ def save_checkpoint(
     model = unwrap(model)
     directory = Path(directory)
     check_savable(model, directory)
+    if not isinstance(tokenizer, Tokenizer):  # None failed later: "'NoneType' object has no attribute ..."
+        raise TypeError(f"save_checkpoint saves the model's Tokenizer with it, not {type(tokenizer).__name__}"
+                        ": load_checkpoint(path).tokenizer, or Tokenizer(spm_model_path)")
     if not owned:  # an earlier checkpoint, or none
         if (inside := enclosing_checkpoint(directory, itself=False)) is not None:  # then unsavable over
             raise UserError(f"{directory}: lies inside the checkpoint {inside[1]}; save it elsewhere")

@@ -222,6 +222,20 @@ def prepare_for_inference(model: Transformer, int8: bool = False, compile: bool 
     return packed
 
 
+def check_translator_parts(model: Any, tokenizer: Any, config: Any) -> None:
+    """Translator's arguments, of the types it takes: None or a dict config was taken, then failed at the
+    first translation, with an AttributeError ("'dict' object has no attribute 'beam'")."""
+    if not isinstance(getattr(model, "_orig_mod", model), (Transformer, Ensemble)):  # torch.compile's too
+        raise TypeError(f"Translator takes a Transformer (or an Ensemble), not {type(model).__name__}: "
+                        "load_checkpoint(path).model, or Translator.load(path) for model and tokenizer")
+    if not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"Translator takes the model's Tokenizer, not {type(tokenizer).__name__}: "
+                        "load_checkpoint(path).tokenizer, Tokenizer(spm_model_path), or Translator.load(path)")
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise TypeError(f"Translator takes a DecodeConfig, not {type(config).__name__}: build one with "
+                        "DecodeConfig(beam=4, ...), or aiayn.translate.decode_config(**options)")
+
+
 class Translator:
     """A model and its tokenizer, ready to translate lists of strings.
 
@@ -235,6 +249,7 @@ class Translator:
         """Translate with `model` itself (no copy), in eval mode: a model in training mode is switched,
         and said to be, since a training loop that goes on with it would go on without dropout. A
         `tokenizer` whose ids do not fit the model (`aiayn.checkpoint.vocabulary_problem`) is a UserError."""
+        check_translator_parts(model, tokenizer, config)
         problem = vocabulary_problem(model.config, tokenizer)
         if problem:  # more pieces than embeddings failed in their lookup (an IndexError); another pad or EOS
             # id padded and stopped with ids the model does not mask or stop at, silently

@@ -383,6 +383,32 @@ def test_a_src_mask_row_that_attends_to_nothing_is_refused():
         assert torch.isfinite(model(all_padding, tgt)).all()
 
 
+def test_ids_that_are_no_tensor_and_a_config_that_is_no_model_config_are_type_errors():
+    """A list, numpy array or str of ids was "'list' object has no attribute 'dim'" in forward, encode,
+    decode, generate and force_decode; Transformer({...}) "'dict' object has no attribute 'd_model'"."""
+    import numpy as np
+
+    from aiayn.decoding import DecodeConfig, generate
+    from aiayn.decoding.score import force_decode
+
+    model = tiny_model()
+    src = padded_batch([3], 50)
+    calls = {"src": [model.encode, lambda x: model(x, src), lambda x: generate(model, x, DecodeConfig()),
+                     lambda x: generate(model, x, DecodeConfig(sample=True, beam=1)),
+                     lambda x: force_decode(model, x, [[5]])],
+             "tgt_in": [lambda x: model(src, x), lambda x: model.decode(x, model.encode(src), None)]}
+    for name, takers in calls.items():
+        for take in takers:
+            for ids, kind in (([[5, 2]], "list"), (np.array([[5, 2]]), "ndarray"), ("ab", "str")):
+                with pytest.raises(TypeError, match=rf"^{name} is {kind}: token ids are a \(batch, length\) "
+                                                    "torch tensor of ids"):
+                    take(ids)
+    for config in ({"d_model": 32}, None):
+        with pytest.raises(TypeError, match=rf"^Transformer takes a ModelConfig, not {type(config).__name__}: "
+                                            r"build one with model_config\('base', vocab_size=\.\.\.\)"):
+            Transformer(config)
+
+
 def test_mismatched_batches_and_bad_ids_are_refused_not_broadcast():
     """A 1-row target with a 2-row source, or a 1-row step into a 2-row cache, broadcast silently into
     2 rows of output; 1-D, empty or float ids failed deep inside with PyTorch's own messages."""

@@ -143,6 +143,7 @@ def generate(
     if not isinstance(config, DecodeConfig):  # None or a dict: "'NoneType' object has no attribute 'sample'"
         raise TypeError(f"generate() takes a DecodeConfig, not {type(config).__name__}: build one with "
                         "DecodeConfig(beam=4, ...), or aiayn.translate.decode_config(**options)")
+    check_ids("src", src)  # before sampling reads its device: a list's was an AttributeError
     if generator is not None and not config.sample:
         raise ValueError("generator is used only with sample=True")
     if config.sample:

@@ -124,6 +124,9 @@ def check_ids(name: str, ids: Tensor, vocab: int | None = None) -> None:
     a GPU reading them back waits for the device at every batch (an id past the vocabulary stays the
     embedding's error there). Not while torch.compile or torch.jit traces either (a branch on values breaks
     the graph), nor of a tensor subclass (FakeTensorMode's, which numpy cannot read)."""
+    if not isinstance(ids, Tensor):  # a list, a numpy array: "'list' object has no attribute 'dim'"
+        raise TypeError(f"{name} is {type(ids).__name__}: token ids are a (batch, length) torch tensor of ids "
+                        "(aiayn.data.batching.right_pad(lists, pad_id) pads lists of ids into one)")
     if ids.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(ids.shape)}: token ids are (batch, length)")
     if ids.dtype not in (torch.long, torch.int32):  # the two the embedding takes
@@ -150,7 +153,8 @@ def check_src_mask_rows(src_mask: Tensor) -> None:
     """Each row of a (B, 1, 1, S) bool `src_mask` lets its queries attend to some source position: every
     real source holds at least its EOS. torch's key_padding_mask (True = pad) or an all-False mask gave
     wrong logits, silently. Where `_readable_here` only: a GPU's mask stays unchecked."""
-    if src_mask.dtype != torch.bool or src_mask.dim() != 4 or not _readable_here(src_mask):
+    if not isinstance(src_mask, Tensor) or src_mask.dtype != torch.bool or src_mask.dim() != 4 \
+            or not _readable_here(src_mask):
         return  # another dtype or shape: `decode` names it
     attends = src_mask.numpy().any(axis=-1).reshape(-1)  # (B,)
     if not attends.all():
@@ -218,6 +222,9 @@ class Transformer(nn.Module):
     """
 
     def __init__(self, config: ModelConfig):
+        if not isinstance(config, ModelConfig):  # a dict: "'dict' object has no attribute 'd_model'"
+            raise TypeError(f"Transformer takes a ModelConfig, not {type(config).__name__}: build one with "
+                            "model_config('base', vocab_size=...) (a preset and changes), or ModelConfig(...)")
         super().__init__()
         self.config = config
         d = config.d_model
@@ -375,7 +382,9 @@ class Transformer(nn.Module):
         and gets their logits only, (N, V_tgt): the V-wide projection and softmax then skip the padding
         (a third of the positions in length-bucketed batches of short sentences).
         """
-        if src.dim() == 2 == tgt_in.dim() and src.shape[0] != tgt_in.shape[0]:  # (1, T) broadcast silently
+        check_ids("src", src)  # first: a list failed at its .dim() ("'list' object has no attribute 'dim'")
+        check_ids("tgt_in", tgt_in)
+        if src.shape[0] != tgt_in.shape[0]:  # (1, T) broadcast silently
             raise ValueError(f"src has {src.shape[0]} rows and tgt_in {tgt_in.shape[0]}: one target per "
                              "source")
         memory = self.encode(src)

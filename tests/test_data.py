@@ -765,6 +765,23 @@ def test_batched_encoding_gives_the_ids_of_one_line_at_a_time(tmp_path, corpus_f
     assert marian.encode_src_batch([">>fra<< der Hund"])[0][0] == 5
 
 
+def test_a_list_for_one_text_and_one_text_for_a_list_are_type_errors(tmp_path, corpus_files):
+    """encode_src(list) came back as a list per text and an EOS ([[27, 67], [162], 2]), silently;
+    encode_src_batch(str) failed inside ("unsupported operand type(s) for +"), decode_tgt(str) in int()."""
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    for side in ("src", "tgt"):
+        with pytest.raises(TypeError, match=rf"^Tokenizer\.encode_{side} takes one text \(str\), not list: "
+                                            rf"encode_{side}_batch encodes a list of texts$"):
+            getattr(tok, f"encode_{side}")(["der Hund", "schnell"])
+        with pytest.raises(TypeError, match=rf"^Tokenizer\.encode_{side}_batch takes a list of texts, not one "
+                                            rf"str: pass \[text\], or encode_{side}\(text\)$"):
+            getattr(tok, f"encode_{side}_batch")("der Hund")
+    with pytest.raises(TypeError, match=r"^Tokenizer\.decode_tgt takes target ids \(a list of ints\), not str$"):
+        tok.decode_tgt("der Hund")
+    assert tok.decode_tgt(torch.tensor(tok.encode_tgt("der Hund"))) == "der Hund"
+
+
 def test_encoding_uses_the_runs_threads(tmp_path, corpus_files, monkeypatch):
     """train.threads=1 on a busy machine: SentencePiece's batched encode took one thread per core."""
     _, src, tgt = corpus_files

@@ -89,18 +89,22 @@ class Tokenizer:
         return [vocab.get(p, self.unk_id) for p in self._pieces(sp, vocab, text)]
 
     def encode_src(self, text: str) -> list[int]:
+        _one_text(text, "encode_src")
         return self._ids(self.src, self.vocab, text) + [self.eos_id]
 
     def encode_tgt(self, text: str) -> list[int]:
+        _one_text(text, "encode_tgt")
         return self._ids(self.tgt, self.tgt_vocab, text)
 
     def encode_src_batch(self, texts: list[str], threads: int = -1) -> list[list[int]]:
         """`encode_src` of each text: the same ids, from one call into SentencePiece for the whole list,
         in `threads` threads (-1: one per core)."""
+        _texts(texts, "encode_src_batch")
         return [ids + [self.eos_id] for ids in self._ids_batch(self.src, self.vocab, texts, threads)]
 
     def encode_tgt_batch(self, texts: list[str], threads: int = -1) -> list[list[int]]:
         """`encode_tgt` of each text, as `encode_src_batch`."""
+        _texts(texts, "encode_tgt_batch")
         return self._ids_batch(self.tgt, self.tgt_vocab, texts, threads)
 
     def _ids_batch(
@@ -114,6 +118,8 @@ class Tokenizer:
         """The text of target ids, up to the first EOS, without padding. BOS is not removed here: in
         aiayn's own models it is a control piece SentencePiece decodes to nothing, and in a Marian
         model whose decoder starts from an ordinary piece (`bos_id` is then that piece) it is text."""
+        if isinstance(ids, (str, bytes)):  # read character by character: "invalid literal for int()"
+            raise TypeError(f"Tokenizer.decode_tgt takes target ids (a list of ints), not {type(ids).__name__}")
         out = []
         for i in ids:
             if i == self.eos_id:
@@ -175,6 +181,21 @@ class Tokenizer:
         tgt = directory / files["target"] if "target" in files else None
         return cls(directory / files["source"], tgt, description.get("vocab"), description.get("specials"),
                    description.get("tgt_vocab"))
+
+
+def _one_text(text: str, method: str) -> None:
+    """A list given where one text goes came back as a list per text and an EOS ([[27, 67], [162], 2]),
+    silently: refused (the type once per call, as the batch's checks, not per piece)."""
+    if not isinstance(text, str):
+        raise TypeError(f"Tokenizer.{method} takes one text (str), not {type(text).__name__}: "
+                        f"{method}_batch encodes a list of texts")
+
+
+def _texts(texts: list[str], method: str) -> None:
+    """One str given where a list goes was read character by character, or failed inside: refused."""
+    if isinstance(texts, (str, bytes)):
+        raise TypeError(f"Tokenizer.{method} takes a list of texts, not one {type(texts).__name__}: pass "
+                        f"[text], or {method.removesuffix('_batch')}(text)")
 
 
 def _load_spm(path: Path) -> spm.SentencePieceProcessor:

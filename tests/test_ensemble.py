@@ -100,6 +100,22 @@ def test_ensemble_of_one_model_or_of_a_model_with_itself_translates_as_the_model
         assert [h.score for hs in got for h in hs] == pytest.approx([h.score for hs in expected for h in hs], abs=1e-5)
 
 
+def test_what_is_no_list_of_transformers_is_refused_and_an_ensemble_has_no_forward():
+    """Ensemble(model) was "'Transformer' object is not subscriptable", Ensemble([1, 2]) "'int' object has no
+    attribute 'config'", and calling one torch's "missing the required forward function"."""
+    model = tiny_model()
+    with pytest.raises(TypeError, match=r"^Ensemble takes a list of Transformers, not one Transformer: pass "
+                                        r"\[model_1, model_2, \.\.\.\]$"):
+        Ensemble(model)
+    with pytest.raises(TypeError, match=r"^ensemble member 1 is int: an Ensemble takes a list of Transformers$"):
+        Ensemble([1, 2])
+    assert len(Ensemble(m for m in (model, model)).members) == 2  # a generator is read once
+    src = padded_batch([3], 50)
+    with pytest.raises(TypeError, match=r"^an Ensemble has no forward: it decodes only, through "
+                                        r"aiayn\.decoding\.generate\(ensemble, src, config\)"):
+        Ensemble([model, model])(src, torch.tensor([[1, 5]]))
+
+
 def test_members_with_different_vocabularies_are_refused():
     with pytest.raises(ValueError, match="member 2 differs from member 1 in vocab_size"):
         Ensemble([tiny_model(), tiny_model(vocab_size=60)])

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from aiayn.model import KVCache
+from aiayn.model import KVCache, Transformer
 
 if TYPE_CHECKING:
     from aiayn.config import ModelConfig
@@ -77,8 +77,17 @@ class Ensemble(nn.Module):
 
     def __init__(self, models: Sequence[nn.Module]):
         super().__init__()
+        # One model was "'Transformer' object is not subscriptable", a generator likewise, a list of ints
+        # "'int' object has no attribute 'config'"
+        if isinstance(models, nn.Module) or not isinstance(models, Iterable):
+            raise TypeError(f"Ensemble takes a list of Transformers, not one {type(models).__name__}: pass "
+                            "[model_1, model_2, ...]")
+        models = list(models)
         if not models:
             raise ValueError("an ensemble needs at least one model")
+        if wrong := next(((i, m) for i, m in enumerate(models, 1) if not isinstance(m, Transformer)), None):
+            raise TypeError(f"ensemble member {wrong[0]} is {type(wrong[1]).__name__}: an Ensemble takes a list "
+                            "of Transformers")
         first = models[0].config
         for i, m in enumerate(models[1:], 2):
             if (m.config.tgt_vocab_size is None) != (first.tgt_vocab_size is None):  # None is no size
@@ -90,6 +99,11 @@ class Ensemble(nn.Module):
         self.members = nn.ModuleList(models)
         # The searches read the ids and the length limit here; the shortest position table bounds all.
         self.config = dataclasses.replace(first, max_len=min(m.config.max_len for m in models))
+
+    def forward(self, *inputs: Any) -> Tensor:
+        """None: an ensemble decodes only (torch's "missing the required forward function" said not why)."""
+        raise TypeError("an Ensemble has no forward: it decodes only, through aiayn.decoding.generate(ensemble, "
+                        "src, config), force_decode or a Translator (each member is a Transformer with its own)")
 
     def src_mask(self, src: Tensor) -> Tensor:
         return self.members[0].src_mask(src)  # (B, 1, 1, S): built from pad_id alone, the same for all

@@ -409,6 +409,15 @@ def test_ids_that_are_no_tensor_and_a_config_that_is_no_model_config_are_type_er
             Transformer(config)
 
 
+def test_a_cache_prints_its_rows_length_and_layers():
+    """It printed as "<aiayn.model.kv_cache.KVCache object at 0x...>"."""
+    model = tiny_model()
+    cache = model.new_cache(4, 8, beam_size=2)
+    with torch.no_grad():
+        model.decode(torch.ones(4, 3, dtype=torch.long), model.encode(padded_batch([3, 3], 50)), None, cache)
+    assert repr(cache) == "KVCache(rows=4, beam_size=2, length=3, max_len=8, layers=2, torch.float32, cpu)"
+
+
 def test_mismatched_batches_and_bad_ids_are_refused_not_broadcast():
     """A 1-row target with a 2-row source, or a 1-row step into a 2-row cache, broadcast silently into
     2 rows of output; 1-D, empty or float ids failed deep inside with PyTorch's own messages."""

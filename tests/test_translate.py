@@ -176,6 +176,22 @@ def test_a_translator_refuses_what_is_no_model_tokenizer_or_decode_config(checkp
     assert Translator(model, tokenizer, DecodeConfig(beam=2)).config.beam == 2
 
 
+def test_a_translator_its_tokenizer_and_its_checkpoint_print_in_one_short_line(checkpoint):
+    """Translator and Tokenizer printed as "<... object at 0x...>", a Checkpoint as the model's module tree
+    (53 lines)."""
+    from aiayn.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(checkpoint)
+    tokenizer = f"Tokenizer(vocab_size={loaded.tokenizer.src_vocab_size}, shared=True, {checkpoint}/spm.model)"
+    assert repr(loaded.tokenizer) == tokenizer
+    assert repr(loaded) == f"Checkpoint({str(checkpoint)!r}, parameters={loaded.model.num_parameters():,})"
+    c = loaded.model.config
+    assert repr(Translator(loaded.model, loaded.tokenizer, DecodeConfig(beam=2))) == (
+        f"Translator(d_model={c.d_model}, layers={c.n_layers}+{c.decoder_layers}, {tokenizer}, cpu, "
+        "torch.float32, beam=2)")
+    assert repr(Translator.load([checkpoint, checkpoint])).startswith("Translator(2 models, Tokenizer(")
+
+
 def test_a_sampling_translator_searches_for_one_call(checkpoint):
     """A Translator sampling by default could not search for one call: sample=False was refused for the
     temperature and seed it had not given, a beam 4 for the sampling it had not asked for."""

@@ -43,6 +43,10 @@ class Checkpoint:
     meta: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
 
+    def __repr__(self) -> str:  # the dataclass's printed the model's module tree: 53 lines
+        step = f", step={self.meta['step']}" if "step" in self.meta else ""
+        return f"Checkpoint({str(self.path)!r}{step}, parameters={self.model.num_parameters():,})"
+
 
 def state_dict_for_saving(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights without tied duplicates and without compile/DDP prefixes, on the CPU."""

@@ -267,6 +267,14 @@ class Translator:
         self.config = config or DecodeConfig()  # defaults for every call; options override per call
         self.device = next(model.parameters()).device
 
+    def __repr__(self) -> str:
+        members = self.model.members if isinstance(self.model, Ensemble) else [self.model]
+        c = members[0].config
+        model = (f"{len(members)} models" if len(members) > 1
+                 else f"d_model={c.d_model}, layers={c.n_layers}+{c.decoder_layers}")
+        dtype = next(self.model.parameters()).dtype
+        return f"Translator({model}, {self.tokenizer}, {self.device}, {dtype}, beam={self.config.beam})"
+
     @classmethod
     def load(
         cls, checkpoint: str | Path | Sequence[str | Path], device: str | torch.device = "cpu", int8: bool = False,

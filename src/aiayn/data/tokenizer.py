@@ -62,6 +62,11 @@ class Tokenizer:
         if bad := next(((what, k, v) for what, k, v in ids if type(v) is not int), None):
             raise ValueError(f"{bad[0]} {bad[1]!r} is {bad[2]!r}, not an integer")
 
+    def __repr__(self) -> str:
+        sizes = (f"vocab_size={self.src_vocab_size}" if self.shared
+                 else f"src_vocab_size={self.src_vocab_size}, tgt_vocab_size={self.tgt_vocab_size}")
+        return f"Tokenizer({sizes}, shared={self.shared}, {self.src_path})"
+
     @property
     def shared(self) -> bool:
         return self.tgt_path is None

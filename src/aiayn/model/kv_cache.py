@@ -69,6 +69,10 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    def __repr__(self) -> str:
+        return (f"KVCache(rows={self.k.shape[1]}, beam_size={self.beam_size}, length={self.length}, "
+                f"max_len={self.max_len}, layers={self.k.shape[0]}, {self.k.dtype}, {self.k.device})")
+
     def check_step(self, rows: int, memory: Tensor, src_mask: Tensor | None, shape: tuple[int, int, int],
                    dtype: torch.dtype) -> None:
         """Before a decoding step of `rows` target rows over `memory` (B, S, d): the cache's rows, and the

@@ -350,16 +350,18 @@ def test_the_package_and_its_command_line_import_torch_only_when_used():
 
 def test_train_is_aiayn_train_train_and_dir_lists_the_names_imported_on_first_use():
     """`from aiayn.train import train` failed (it was aiayn.train.loop.train alone), and dir(aiayn) left out
-    Transformer and KVCache, which `__getattr__` imports on first use."""
+    Transformer and KVCache, which `__getattr__` imports on first use. The README's DataConfig and
+    TrainConfig were in aiayn.train.config alone."""
     import subprocess
     import sys
 
+    names = "DataConfig, RunConfig, TrainConfig, load_config, run_config"
     code = ("import sys, aiayn, aiayn.train; assert 'torch' not in sys.modules, 'torch imported'; "
             "assert {'KVCache', 'Transformer'} <= set(dir(aiayn)), dir(aiayn); "
-            "assert {'load_config', 'run_config', 'train'} <= set(dir(aiayn.train)), dir(aiayn.train); "
-            "from aiayn.train import load_config, run_config, train; import aiayn.train.config as c; "
-            "assert train is aiayn.train.loop.train and (load_config, run_config) == (c.load_config, "
-            "c.run_config); assert not hasattr(aiayn.train, 'nope')")
+            f"assert {{'train', *'{names}'.split(', ')}} <= set(dir(aiayn.train)), dir(aiayn.train); "
+            f"from aiayn.train import train, {names}; import aiayn.train.config as c; "
+            f"assert train is aiayn.train.loop.train and ({names}) == (c.{names.replace(', ', ', c.')}); "
+            "assert not hasattr(aiayn.train, 'nope')")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

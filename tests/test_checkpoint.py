@@ -624,9 +624,11 @@ def test_existing_outputs_need_force_and_must_be_directories(run, tmp_path, caps
     assert (here / "notes.txt").read_text() == "mine"
 
 
-def test_files_that_come_into_the_output_while_averaging_are_kept(run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("force", [False, True])
+def test_files_that_come_into_the_output_while_averaging_are_kept(run, tmp_path, monkeypatch, force):
     """Checked before the work and again at the write: a fix that skipped the second check replaced the
-    notes a user put into the new folder while the weights were averaged."""
+    notes a user put into the new folder while the weights were averaged (refused as any existing
+    output without force)."""
     from aiayn.train import average
 
     out, real = tmp_path / "avg", average.mean_weights
@@ -637,9 +639,36 @@ def test_files_that_come_into_the_output_while_averaging_are_kept(run, tmp_path,
         return real(paths)
 
     monkeypatch.setattr(average, "mean_weights", slow_mean)
-    with pytest.raises(UserError, match="holds files that are not an aiayn checkpoint"):
-        average.average_checkpoints(sorted((run / "checkpoints").iterdir()), out)
+    said = "holds files that are not an aiayn checkpoint" if force else r"already exists \(pass --force"
+    with pytest.raises(UserError, match=said):
+        average.average_checkpoints(sorted((run / "checkpoints").iterdir()), out, force)
     assert (out / "NOTES.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_an_output_that_comes_while_averaging_is_replaced_only_with_force(run, tmp_path, monkeypatch, capsys,
+                                                                          force):
+    """Two `average -o OUT` at once both said they had averaged, and OUT held the second's: without --force
+    only the check before the work refused an existing OUT, save_checkpoint's at the write let any
+    checkpoint go. Here another checkpoint lands in OUT as the first checkpoint is read."""
+    from aiayn.train import average
+
+    out, real = tmp_path / "avg", average.load_weights
+
+    def load_weights(path):
+        if not out.exists():
+            shutil.copytree(run / "checkpoints" / "step_000001", out)
+        return real(path)
+
+    monkeypatch.setattr(average, "load_weights", load_weights)
+    assert main(["average", str(run), "--last", "2", "-o", str(out), *["--force"] * force]) == 2 * (not force)
+    err = capsys.readouterr().err.splitlines()
+    if force:
+        assert load_checkpoint(out).meta["averaged"][-1].endswith("step_000003")
+    else:
+        assert err == [f"aiayn: error: {out}: already exists (pass --force, force=True in Python, to replace it)"]
+        assert load_checkpoint(out).meta == load_checkpoint(run / "checkpoints" / "step_000001").meta
+        assert sorted(os.listdir(tmp_path)) == ["avg", "run"]
 
 
 def test_default_output_replaces_an_earlier_average_only(run, tokenizer):

@@ -237,6 +237,51 @@ def test_a_temporary_deleted_by_another_program_is_said_to_be(tmp_path, kind):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("there", ["none", "earlier", "moved"])
+def test_another_writer_of_the_same_output_at_once_is_said_to_be(tmp_path, monkeypatch, there):
+    """Two `average -o OUT --force` at once: the loser's renames failed as a bare "Directory not empty" or
+    "No such file or directory". Simulated: the other writer's output lands just before this one's (over
+    none, or an earlier one), or it moves the earlier one aside just before this one does."""
+    from aiayn.errors import UserError
+
+    out, real = tmp_path / "out", os.rename
+    if there != "none":
+        write_atomically(out, lambda tmp: (tmp / "a").write_text("earlier"))
+
+    def rename(src, dst):
+        if there == "moved" and Path(src) == out:
+            real(out, tmp_path / "other's")
+        elif there != "moved" and Path(dst) == out and Path(src).name.endswith(".tmp"):
+            out.mkdir()
+            (out / "a").write_text("other")
+        real(src, dst)
+
+    monkeypatch.setattr(files.os, "rename", rename)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(out))}: could not write checkpoint \(another "
+                                        r"process wrote it at the same time\)$"):
+        write_atomically(out, lambda tmp: (tmp / "a").write_text("mine"))
+    assert (tmp_path / ("other's" if there == "moved" else "out") / "a").read_text() != "mine"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_without_exist_ok_an_output_that_came_meanwhile_is_refused(tmp_path):
+    """`average -o OUT` without --force: an OUT there at the rename (another average's) was replaced."""
+    from aiayn.errors import UserError
+
+    out = tmp_path / "out"
+
+    def write(tmp):
+        out.mkdir()
+        (out / "a").write_text("other")
+        (tmp / "a").write_text("mine")
+
+    with pytest.raises(UserError, match=rf"^{re.escape(str(out))}: already exists \(pass --force"):
+        write_atomically(out, write, exist_ok=False)
+    assert (out / "a").read_text() == "other" and sorted(os.listdir(tmp_path)) == ["out"]
+    with pytest.raises(UserError, match="already exists"):  # and before the work
+        write_atomically(out, lambda tmp: pytest.fail("written"), exist_ok=False)
+
+
 def test_a_checkpoint_temporary_deleted_before_a_file_written_into_it_is_said_to_be(tmp_path):
     """The tokenizer writes its file into the checkpoint's temporary through atomic_output: the temporary
     deleted first, its 'out/spm.model: cannot write (No such file or directory)' blamed nothing."""

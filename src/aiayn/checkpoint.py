@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from aiayn.config import ConfigError, ModelConfig, from_dict, to_dict
 from aiayn.data.tokenizer import SHARED, SOURCE, TARGET, Tokenizer
 from aiayn.errors import CorruptFile, UserError, is_out_of_memory
-from aiayn.files import OutputKind, check_replaceable, moved_aside, write_atomically
+from aiayn.files import OutputKind, already_exists, check_replaceable, moved_aside, write_atomically
 from aiayn.model import Transformer
 
 FORMAT = "aiayn-1"
@@ -148,6 +148,7 @@ def save_checkpoint(
     directory: str | Path, model: torch.nn.Module, tokenizer: Tokenizer, meta: dict[str, Any] | None = None,
     trainer_tensors: dict[str, torch.Tensor] | None = None, trainer_meta: dict[str, Any] | None = None,
     *, check_weights: bool = True, owned: bool = False, replace_training_state: bool = False,
+    exist_ok: bool = True,
 ) -> Path:
     """Write a self-contained checkpoint directory atomically; return its path. An existing `directory`
     is replaced only if it is empty or a checkpoint with nothing else in it (no training state: resaving a
@@ -159,7 +160,9 @@ def save_checkpoint(
     where the caller has just made it (training, on the device, before every save). `owned`: `directory`
     is the caller's own, replaced whatever it holds (training's step_N, which its checkpoints/ owns).
     `replace_training_state`: a training checkpoint may be replaced (`average` and `convert` with --force,
-    which replaces one whole); else one is refused.
+    which replaces one whole); else one is refused. `exist_ok=False`: an existing `directory` is refused,
+    before the work and at the rename (`average` and `convert` without --force: their early check was
+    the only one, and an output that came meanwhile, another average's, was replaced).
 
     `meta` adds entries to meta.json, less those in `WRITTEN`, which describe what is saved: they are
     dropped rather than refused, as `meta=checkpoint.meta` is the natural way to keep a loaded
@@ -174,6 +177,8 @@ def save_checkpoint(
     if not owned:  # an earlier checkpoint, or none
         if (inside := enclosing_checkpoint(directory, itself=False)) is not None:  # then unsavable over
             raise UserError(f"{directory}: lies inside the checkpoint {inside[1]}; save it elsewhere")
+        if not exist_ok and os.path.lexists(directory):
+            raise already_exists(directory)
         trainer = not replace_training_state and any((directory / name).exists() for name in TRAINER_FILES)
         if trainer:  # resaving a loaded step_N in place
             raise UserError(f"{directory}: a training checkpoint, whose state ({', '.join(TRAINER_FILES)}) "
@@ -201,7 +206,7 @@ def save_checkpoint(
             save_file({k: v.contiguous().cpu() for k, v in trainer_tensors.items()}, str(tmp / "trainer.safetensors"))
             (tmp / "trainer.json").write_text(json.dumps(trainer_meta or {}, indent=2) + "\n")
 
-    write_atomically(directory, write)
+    write_atomically(directory, write, exist_ok=exist_ok)
     return directory
 
 

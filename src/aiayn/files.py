@@ -199,13 +199,19 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     if exists and not out.is_dir():
         raise UserError(f"{out}: exists and is not a directory; will not replace it")
     if exists and not force:
-        raise UserError(f"{out}: already exists (pass --force, force=True in Python, to replace it)")
+        raise already_exists(out)
     here = overlap(Path.cwd(), out) if exists else None  # "." was refused, "$PWD" was not
     if here in ("is", "lies inside"):
         raise UserError(f"{out}: {'is' if here == 'is' else 'contains'} the current directory; will not "
                         "replace it")
     if exists and earlier is not None:
         check_replaceable(out, earlier, forced=True)
+
+
+def already_exists(out: Path) -> UserError:
+    """The refusal of an existing `out` without --force: before the work (`check_output`), and at the write
+    (`write_atomically` with exist_ok=False), where one that came meanwhile was replaced silently."""
+    return UserError(f"{out}: already exists (pass --force, force=True in Python, to replace it)")
 
 
 def _own_earlier_output(out: Path, source: Path, earlier: OutputKind | None) -> bool:
@@ -408,11 +414,14 @@ def recover_replaced(parent: Path) -> None:
                     _recover_replaced(parent / name[1:-len(suffix)], suffix)
 
 
-def _rename_into_place(tmp: Path, directory: Path) -> None:
-    """Rename `tmp` to `directory`; an existing one is moved aside first, put back if the rename fails."""
+def _rename_into_place(tmp: Path, directory: Path, exist_ok: bool = True) -> None:
+    """Rename `tmp` to `directory`; an existing one is moved aside first, put back if the rename fails, or
+    refused (`already_exists`) unless `exist_ok`."""
     if not directory.exists():
-        os.rename(tmp, directory)
+        os.rename(tmp, directory)  # a non-empty directory come since fails it (ENOTEMPTY): not replaced
         return
+    if not exist_ok:
+        raise already_exists(directory)
     old = _old(directory)
     shutil.rmtree(old, ignore_errors=True)
     os.rename(directory, old)
@@ -424,22 +433,33 @@ def _rename_into_place(tmp: Path, directory: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
+def write_atomically(directory: Path, write, what: str = "checkpoint", exist_ok: bool = True) -> None:
     """Call `write(tmp_dir)` to fill a temporary sibling of `directory`, then rename it into place.
 
     An existing `directory` is replaced (training re-saves a step), but never something that is not a
-    directory. On any failure nothing is left behind: not the temporary, not the parents it made. An
-    OSError, or safetensors' own error for one (a full disk), becomes a UserError naming `directory`.
+    directory, and not at all without `exist_ok`: then one there before the work or at the rename is
+    refused (`already_exists`; one that came meanwhile was replaced). On any failure nothing is left
+    behind: not the temporary, not the parents it made. An OSError, or safetensors' own error for one (a
+    full disk), becomes a UserError naming `directory`.
     """
     directory = Path(directory)
     _check_named(directory)
-    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+    try:  # one look: another writer's renames made exists() and is_dir() disagree ("not a directory")
+        mode = os.lstat(directory).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISDIR(mode):  # a link too
         raise UserError(f"{directory}: exists and is not a directory; will not replace it")
     made: list[Path] = []
     tmp = None
+    renaming = False  # while `directory` itself is renamed, as another writer of it may rename it too
     try:
         made = _make_parents(directory.parent)
+        renaming = True
         _recover_replaced(directory)
+        renaming = False
+        if not exist_ok and os.path.lexists(directory):  # before the work, which the rename would refuse
+            raise already_exists(directory)
         remove_abandoned(directory.parent)  # a killed writer's leftovers there (average, convert, export)
         tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(directory), suffix=".tmp", dir=directory.parent))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a checkpoint is as readable as any directory
@@ -452,7 +472,8 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
                 os.chmod(f, mode)
                 fsync_file(f)
         raise_dropped_stop()  # a Ctrl-C or SIGTERM dropped meanwhile: the old directory stays
-        _rename_into_place(tmp, directory)
+        renaming = True
+        _rename_into_place(tmp, directory, exist_ok)
         tmp = None  # in place: not to be removed, nor missed
         fsync_dir(directory.parent)
     except BaseException as e:
@@ -462,7 +483,7 @@ def write_atomically(directory: Path, write, what: str = "checkpoint") -> None:
         _remove_empty(made)
         if isinstance(e, (OSError, SafetensorError)) or gone:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
-            reason = gone or reason
+            reason = gone or (_COLLIDED if renaming and _collided(e) else reason)
             raise UserError(f"{directory}: could not write {what} ({reason})") from None
         if isinstance(e, UserError) and tmp is not None and str(tmp) in str(e):
             # a file written inside through `atomic_output` (the tokenizer's) named the temporary, gone now
@@ -505,6 +526,16 @@ def atomic_output(path: str | Path, binary: bool = False) -> Iterator[IO]:
         if isinstance(e, OSError) and not isinstance(e, BrokenPipeError):
             raise UserError(f"{path}: cannot write ({gone or e.strerror or e})") from None
         raise
+
+
+_COLLIDED = "another process wrote it at the same time"
+
+
+def _collided(e: BaseException) -> bool:
+    """Whether renaming into place failed because another writer of the same directory renamed it, or its
+    moved-aside copy, at the same moment (two `average -o OUT`): the error said only "Directory not empty"
+    or "No such file or directory"."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT)
 
 
 def _deleted_meanwhile(tmp: str | Path | None, e: BaseException) -> str | None:

@@ -166,8 +166,10 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     meta = {k: v for k, v in last.meta.items() if k != "interrupted"}
     meta["averaged"] = [os.path.abspath(p) for p in paths]  # relative, they meant nothing from elsewhere
     # --force replaces a training checkpoint too (save_checkpoint refuses one, for a resave in place); the
-    # rest is checked again at the write (files may have come in the minutes this took)
-    saved = save_checkpoint(out, last.model, last.tokenizer, meta, replace_training_state=force)
+    # rest is checked again at the write (files may have come in the minutes this took), and without
+    # --force any `out` there (another average into it: the first one's result was replaced silently)
+    saved = save_checkpoint(out, last.model, last.tokenizer, meta, replace_training_state=force,
+                            exist_ok=force)
     log.info("averaged %s into %s", _checkpoints(len(paths)), saved)  # after: a failed write is not reported
     return saved
 

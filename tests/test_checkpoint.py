@@ -679,6 +679,11 @@ def test_default_output_replaces_an_earlier_average_only(run, tokenizer):
                     tokenizer, {"step": 4})
     assert average_last(run, 3) == first  # more training, then averaging again: the old average goes
     assert load_checkpoint(first).meta["averaged"][-1].endswith("step_000004")
+    (first / "NOTES.txt").write_text("mine")  # no --force was given: "--force replaces the whole directory"
+    with pytest.raises(UserError, match=r"^\S+average_last_3: holds NOTES.txt beside an aiayn checkpoint; "
+                                        "replacing it would delete them, so move them out first$"):
+        average_last(run, 3)
+    assert (first / "NOTES.txt").read_text() == "mine"
     (run / "average_last_2").mkdir()  # not an average: somebody's directory
     with pytest.raises(UserError, match="average_last_2: already exists"):
         average_last(run, 2)

@@ -161,7 +161,7 @@ class OutputKind:
 
 
 def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: list[Path] | None = None,
-                 earlier: OutputKind | None = None) -> None:
+                 earlier: OutputKind | None = None, forced: bool = True) -> None:
     """Refuse an output directory whose writing would lose data (the commands' guard, before any work).
 
     `out` may not be or contain any of `inputs`, nor replace something inside one, even with `force`
@@ -171,7 +171,8 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
     current directory or one above it, and, with `earlier`, only if it is empty or holds an earlier
     output of that kind and nothing else: `convert ... RUN --force` replaced a whole training run, a live
     one too, `"$PWD" --force` the user's files, and `export ... --force` the SentencePiece models copied
-    beside an earlier export.
+    beside an earlier export. `forced`: whether `force` is the user's --force, as the refusals word it
+    (False for an output the command replaces by itself: average's default, an earlier average).
     """
     out = Path(out)
     _check_named(out)
@@ -205,7 +206,7 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
         raise UserError(f"{out}: {'is' if here == 'is' else 'contains'} the current directory; will not "
                         "replace it")
     if exists and earlier is not None:
-        check_replaceable(out, earlier, forced=True)
+        check_replaceable(out, earlier, forced=forced)
 
 
 def already_exists(out: Path) -> UserError:

@@ -297,7 +297,7 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
         if (relation := overlap(Path(target), root)) in ("is", "lies inside"):  # "contains": the check below
             raise UserError(f"{target}: {relation} {root}, which training owns (it resumes from and prunes "
                             "what is there)")
-        check_output(target, [], replace, enclosing=[run_dir], earlier=CHECKPOINT_KIND)
+        check_output(target, [], replace, enclosing=[run_dir], earlier=CHECKPOINT_KIND, forced=force)
         try:
             return average_checkpoints(chosen, target, replace)
         except UserError:

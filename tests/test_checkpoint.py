@@ -930,6 +930,25 @@ def test_a_model_in_meta_json_that_the_weights_do_not_fit_is_named_before_memory
         load_checkpoint(ck)
 
 
+def test_a_vocab_size_in_meta_json_that_neither_weights_nor_tokenizer_have_is_blamed_on_meta_json(run, capsys):
+    """The weights and spm.model agree, meta.json is the odd one: loading blamed the weights ("do not fit
+    this model"), info the tokenizer ("a damaged file, or not the tokenizer this model was trained with")
+    and average called it another model."""
+    from aiayn.checkpoint import describe_checkpoint
+
+    ck = run / "checkpoints" / "step_000003"
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["model"]["vocab_size"] += 10
+    (ck / "meta.json").write_text(json.dumps(meta))
+    said = (rf"^{re.escape(str(ck / 'meta.json'))}: not the model its model\.safetensors holds \(wrong shape "
+            r"\[.*\]\); damaged, or copied from another checkpoint$")
+    for read in (load_checkpoint, describe_checkpoint, lambda ck: average_last(run, 3, run.parent / "avg")):
+        with pytest.raises(CorruptFile, match=said):
+            read(ck)
+    assert main(["translate", str(ck), "-i", os.devnull]) == 2
+    assert re.match(said.replace("^", "^aiayn: error: "), capsys.readouterr().err.strip())
+
+
 def test_weights_behind_a_looping_or_dangling_link_are_named_as_such(tmp_path):
     """A link that leads nowhere (to itself, or to a deleted file) is not "missing": the message says what
     the user will find with ls."""

@@ -1159,6 +1159,9 @@ def test_another_number_of_processes_on_resume_names_the_product(finished_run, t
     ({"d_model": -32}, r"bad model configuration \(ModelConfig: d_model=-32 must be positive\)"),
     ({"d_model": 64, "d_ff": 256}, (r"not the model its model\.safetensors holds \(wrong shape \[.*\]\); "
                                     "damaged, or copied from another checkpoint")),  # another run's meta.json
+    # the run's vocabulary fields are meta.json's: refused after the data work, blamed on the run
+    ({"vocab_size": 1000}, (r"not the model its model\.safetensors holds \(wrong shape \[.*\(1000, .*\]\); "
+                            "damaged, or copied from another checkpoint")),
 ])
 def test_a_damaged_model_in_meta_json_is_named_there_not_in_the_run_config(finished_run, tmp_path,
                                                                           monkeypatch, model, said):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -420,6 +420,26 @@ def check_meta_describes_weights(directory: Path, config: ModelConfig) -> None:
                           "copied from another checkpoint")
 
 
+def check_meta_vocabulary(directory: Path, config: ModelConfig, tokenizer: Tokenizer) -> None:
+    """Where meta.json's vocabulary sizes (`config`) are not the tokenizer's but the weights' are (the
+    model it records, sized as the tokenizer, fits them), meta.json is the odd one out of the three, and
+    named so (`check_meta_describes_weights`): an edited vocab_size was blamed on the weights ("do not fit
+    this model") by translate and average, on spm.model by info, and on the run's settings by --resume.
+    Where the weights side with meta.json, or with neither, the checks that follow name what they find."""
+    if _size_mismatch(config, tokenizer) is None:
+        return
+    src, tgt = tokenizer.src_vocab_size, tokenizer.tgt_vocab_size
+    try:  # its sharing as recorded: a tokenizer of two sizes makes a shared model none (ConfigError)
+        sized = replace(config, vocab_size=src, tgt_vocab_size=None if config.tgt_vocab_size is None and (
+            tgt == src) else tgt)
+    except ValueError:
+        return
+    with torch.device("meta"):  # shapes only
+        model = Transformer(sized)
+    if fit_problem(model, stored_tensors(directory)) is None:
+        check_meta_describes_weights(directory, config)
+
+
 def check_finite(weights: dict[str, torch.Tensor], where: str | Path) -> None:
     """Nothing saves NaN or infinite weights (`save_checkpoint`; training stops first, in
     loop._check_finite_weights): such a file was damaged."""
@@ -524,8 +544,9 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu",
     device = inference_device(device)
     dtype = weights_dtype(dtype)
     directory, meta, config = _checkpoint_meta(directory)
-    model = model_from_weights(config, load_weights(directory), directory / WEIGHTS, device, dtype)
     tokenizer = checkpoint_tokenizer(directory, meta)
+    check_meta_vocabulary(directory, config, tokenizer)  # before the weights are blamed for meta.json
+    model = model_from_weights(config, load_weights(directory), directory / WEIGHTS, device, dtype)
     check_vocabulary(config, tokenizer, directory / META)
     return Checkpoint(model.eval(), tokenizer, meta, directory)
 
@@ -574,6 +595,7 @@ def describe_checkpoint(directory: str | Path) -> list[str]:
     described in a blink, and a damaged header or a file that does not fit the model is still named."""
     directory, meta, config = _checkpoint_meta(directory)
     tokenizer = checkpoint_tokenizer(directory, meta)
+    check_meta_vocabulary(directory, config, tokenizer)  # before spm.model is blamed for meta.json
     check_vocabulary(config, tokenizer, directory / META)
     with torch.device("meta"):  # shapes only
         model = Transformer(config)

@@ -14,6 +14,7 @@ from aiayn.checkpoint import (
     CHECKPOINT_KIND,
     WEIGHTS,
     check_fits,
+    check_meta_vocabulary,
     checkpoint_tokenizer,
     config_section,
     is_checkpoint,
@@ -151,6 +152,8 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     check_outside_checkpoints(Path(out), may_be_one=True)  # first (--force cannot mend it); Python callers
     check_output(out, list(paths), force, earlier=CHECKPOINT_KIND)  # too: keep_last deleted it there
     metas = [read_meta(p) for p in paths]
+    for p, meta in zip(paths, metas):  # an edited vocab_size was "a different model", or blamed on the weights
+        check_meta_vocabulary(p, meta_model_config(p, meta), checkpoint_tokenizer(p, meta))
     check_same_model(paths, metas)
     check_same_tokenizer(paths, metas)
     warn_other_seeds(paths, metas)

@@ -36,6 +36,8 @@ from aiayn.checkpoint import (
     META,
     WEIGHTS,
     check_meta_describes_weights,
+    check_meta_vocabulary,
+    checkpoint_tokenizer,
     config_section,
     meta_model_config,
     read_meta,
@@ -435,6 +437,12 @@ def _other_model(checkpoint: Path, meta: dict[str, Any], config: RunConfig) -> l
         mine = vocabulary_model_config(config, **{key: meta["model"].get(key) for key in TOKENIZER_FIELDS})
     except ConfigError:  # the saved ids are no model's (a hand's edit)
         return []
+    try:
+        tokenizer = checkpoint_tokenizer(checkpoint, meta)
+    except UserError:  # damaged: named where the run reads it
+        tokenizer = None
+    if tokenizer is not None:  # `mine`'s vocabulary is meta.json's: an edited vocab_size differed from
+        check_meta_vocabulary(checkpoint, saved, tokenizer)  # nothing, and was blamed on the run late
     differ = model_differences(checkpoint, mine)
     if differ:  # another model: the run's, if the weights are meta.json's; else meta.json's fault
         check_meta_describes_weights(checkpoint, saved)

@@ -319,6 +319,33 @@ def test_damaged_weights_and_tokenizers_are_refused_in_one_line(tmp_path, tokeni
     assert load_checkpoint(ck).tokenizer.same_as(tokenizer)
 
 
+class RunsCode:
+    """Unpickled, it makes a directory: a pickle can run any code as it loads."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+@pytest.mark.parametrize("zipped", [True, False])
+def test_a_pytorch_pickle_in_place_of_the_weights_is_named_never_read(tmp_path, tokenizer, zipped, capsys):
+    """torch.save's file renamed model.safetensors was "corrupt weights (Error while deserializing header:
+    header too large)", as if damaged."""
+    ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    torch.save({"w": torch.zeros(2), "x": RunsCode(tmp_path / "ran")}, ck / "model.safetensors",
+               _use_new_zipfile_serialization=zipped)
+    kind = "torch.save's zip archive" if zipped else "a raw pickle, torch.save's legacy format"
+    said = (f"{ck / 'model.safetensors'}: a PyTorch pickle ({kind}), not safetensors; aiayn never reads "
+            "pickles (loading one can run any code): save the weights with safetensors.torch.save_file")
+    with pytest.raises(UserError, match=f"^{re.escape(said)}$") as e:
+        load_checkpoint(ck)
+    assert not isinstance(e.value, CorruptFile)  # not damaged: another format
+    assert main(["info", str(ck)]) == 2 and capsys.readouterr().err == f"aiayn: error: {said}\n"
+    assert not (tmp_path / "ran").exists()
+
+
 def pieces_only(model: Path, pieces: int) -> bytes:
     """The first bytes of a SentencePiece model, up to the end of its first `pieces` pieces: the messages
     (field 1, key byte 0x0A) that open the file, each here shorter than 128 bytes (a one-byte length)."""

@@ -333,7 +333,8 @@ def _weights_error(path: Path, e: Exception) -> UserError:
     os_error = re.fullmatch(r"(.*) \(os error \d+\)", text)
     if isinstance(e, OSError) or os_error:
         return UserError(f"{path}: cannot read ({os_error.group(1) if os_error else text})")
-    return CorruptFile(f"{path}: {'damaged or cut short' if cut_short(e) else 'corrupt weights'} ({e})")
+    return _pickle_error(path) or CorruptFile(
+        f"{path}: {'damaged or cut short' if cut_short(e) else 'corrupt weights'} ({e})")
 
 
 # safetensors' words for a file whose size is not what its header gives (shorter than 8 bytes, shorter than
@@ -345,6 +346,41 @@ def cut_short(e: Exception) -> bool:
     """Whether safetensors' error `e` says its file is cut short (or has bytes added), where "corrupt
     weights (... incomplete metadata, file not fully covered)" did not say so."""
     return isinstance(e, SafetensorError) and any(words in str(e) for words in _CUT_SHORT)
+def _pickle_error(path: Path) -> UserError | None:
+    """A UserError saying `path` is a PyTorch pickle (`pytorch_file`: a pytorch_model.bin renamed, say),
+    which safetensors' refusal ("header too large") called corrupt weights; None where it is none. Only
+    named: unpickling can run any code."""
+    kind = pytorch_file(file_head(path))
+    if kind is None:
+        return None
+    return UserError(f"{path}: a PyTorch pickle ({kind}), not safetensors; aiayn never reads pickles (loading "
+                     "one can run any code): save the weights with safetensors.torch.save_file")
+
+
+def file_head(path: Path) -> bytes | None:
+    """The first bytes of `path`, to tell what it is; None where it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(64)
+    except OSError:
+        return None
+
+
+def is_safetensors(head: bytes | None) -> bool:
+    """Whether `head` starts a safetensors file: its JSON header's length (8 bytes, little-endian, at most
+    safetensors' 100 MB), then the header, whose first byte the unpickler took for an opcode."""
+    return head is not None and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= 100_000_000
+
+
+def pytorch_file(head: bytes | None) -> str | None:
+    """What a file torch.save wrote that starts `head` is: its zip archive (the default) or a raw pickle
+    (protocol 2 and up starts 0x80); None for anything else, a safetensors file too (its header's length
+    may start 0x80)."""
+    if head is None or is_safetensors(head):
+        return None
+    if head.startswith(b"PK\x03\x04"):
+        return "torch.save's zip archive"
+    return "a raw pickle, torch.save's legacy format" if head.startswith(b"\x80") else None
 
 
 def weights_path(directory: str | Path) -> Path:

@@ -37,7 +37,9 @@ from aiayn.checkpoint import (
     CHECKPOINT_KIND,
     check_utf8_path,
     cut_short,
+    file_head,
     is_checkpoint,
+    is_safetensors,
     model_from_weights,
     save_checkpoint,
 )
@@ -262,7 +264,7 @@ def _load_pickled_weights(path: Path) -> dict[str, Tensor]:
             warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
             weights = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a truncated or foreign file
-        head = _head(path)
+        head = file_head(path)
         if _refused_pickle(e, head):
             named = re.search(r"GLOBAL (\S+)", str(e))
             asks = f" (the pickle asks for {named.group(1)})" if named else ""
@@ -282,33 +284,18 @@ def _refused_pickle(e: Exception, head: bytes | None) -> bool:
     starts 0x80 (protocol 2 and up), and a pickle of any protocol that asks for code names a global.
     Text (a server's "Invalid username or password.") starts with letters that are opcodes too: "I" is
     INT, and the unpickler refused it as "Unsupported operand 73", which called the file unsafe."""
-    if not isinstance(e, pickle.UnpicklingError) or _is_safetensors(head):
+    if not isinstance(e, pickle.UnpicklingError) or is_safetensors(head):
         return False
     # the whole name, as torch ends it: "config.json not found" began "GLOBAL onfig.json not found.foo was"
     asks = re.search(r"GLOBAL [A-Za-z_][\w.]*\.[A-Za-z_]\w* (was not|whose module)", str(e))
     return asks is not None or (head is not None and head.startswith((b"\x80", b"PK\x03\x04")))
 
 
-def _head(path: Path) -> bytes | None:
-    """The first bytes of `path`, to tell what it is; None where it cannot be read."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(64)
-    except OSError:
-        return None
-
-
-def _is_safetensors(head: bytes | None) -> bool:
-    """Whether `head` starts a safetensors file: its JSON header's length (8 bytes, little-endian, at most
-    safetensors' 100 MB), then the header, whose first byte the unpickler took for an opcode."""
-    return head is not None and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= 100_000_000
-
-
 def _foreign(head: bytes | None) -> str | None:
     """What a file that starts `head` is, where it is no PyTorch file at all (neither a zip archive nor a
     pickle, which starts 0x80 as torch writes it); None for one that is, but damaged (torch's error says),
     or that could not be read."""
-    if _is_safetensors(head):  # first: its length's first byte may be 0x80
+    if is_safetensors(head):  # first: its length's first byte may be 0x80
         return "a safetensors file: name it model.safetensors"
     if head is None or head.startswith((b"PK\x03\x04", b"\x80")):
         return None

@@ -29,10 +29,14 @@ def tokenizers(tmp_path_factory):
     return first, other
 
 
-def save(path, tokenizer, seed=None, step=1):
+def save(path, tokenizer, seed=None, step=1, data=None, workdir=None):
     meta = {"step": step}
     if seed is not None:
         meta["config"] = {"train": {"seed": seed}}
+    if data is not None:  # (train_src, train_tgt), as the run was given them
+        meta.setdefault("config", {})["data"] = dict(zip(("train_src", "train_tgt"), data))
+    if workdir is not None:
+        meta["workdir"] = str(workdir)
     save_checkpoint(path, tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer, meta)
     return path
 
@@ -68,6 +72,24 @@ def test_different_seeds_warn_once_naming_the_checkpoints(tmp_path, tokenizers, 
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "train.seed" in warnings[0]
     assert str(a) in warnings[0] and str(b) in warnings[0]
+
+
+@pytest.mark.parametrize("other", [("tr.en", "tr.de"), ("more.de", "more.en")])
+def test_runs_trained_on_other_data_or_in_the_other_direction_warn_once(tmp_path, tokenizers, caplog, other):
+    """Of one seed, a de->en run and an en->de one sharing their spm.model were averaged silently."""
+    first, _ = tokenizers
+    ckpts = tmp_path / "run" / "checkpoints"
+    a = save(ckpts / "step_000001", first, seed=1, step=1, data=("tr.de", "tr.en"), workdir=tmp_path)
+    save(ckpts / "step_000002", first, seed=1, step=2, data=(str(tmp_path / "tr.de"), "./tr.en"),
+         workdir=tmp_path)  # the same files
+    b = save(ckpts / "step_000003", first, seed=1, step=3, data=other, workdir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="aiayn"):
+        assert average_last(tmp_path / "run", 3, tmp_path / "avg").exists()  # warned, not refused
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    src, tgt = (tmp_path / name for name in other)
+    assert warnings == [(f"averaging checkpoints of runs trained on different data ({a}: {tmp_path / 'tr.de'} "
+                         f"-> {tmp_path / 'tr.en'}, {b}: {src} -> {tgt}): models of other data or direction "
+                         "average into a broken one")]
 
 
 def test_one_seed_does_not_warn(tmp_path, tokenizers, caplog):

@@ -678,6 +678,16 @@ def _trained_path(path: str, workdir: Any) -> str:
     return os.path.join(workdir, path) if isinstance(workdir, str) and path else path
 
 
+def trained_on(meta: dict[str, Any]) -> tuple[str, str] | None:
+    """The training files (source, target) a training checkpoint's meta.json records, made whole with the
+    directory it ran in where it records that (`_trained_path`); None where it records none."""
+    data = config_section(meta, "data") or {}
+    if not (isinstance(data.get("train_src"), str) and isinstance(data.get("train_tgt"), str)):
+        return None
+    return _trained_path(data["train_src"], meta.get("workdir")), _trained_path(data["train_tgt"],
+                                                                                meta.get("workdir"))
+
+
 def averaged_from(meta: dict[str, Any]) -> str | None:
     """The checkpoints an average was made of, as its meta.json names them ("2 checkpoints, A, B"); None
     for one that is no average."""
@@ -705,9 +715,8 @@ def _provenance(meta: dict[str, Any]) -> list[str]:
         scored = f"; {', '.join(scores)}" if scores else ""
         interrupted = " (saved on a signal, not validated)" if meta.get("interrupted") is True else ""
         lines.append(f"trained: update {meta['step']:,}{epoch}{scored}{interrupted}")
-    data = config_section(meta, "data") or {}
-    if isinstance(data.get("train_src"), str) and isinstance(data.get("train_tgt"), str):
-        src, tgt = (_trained_path(data[side], meta.get("workdir")) for side in ("train_src", "train_tgt"))
+    if (files := trained_on(meta)) is not None:
+        src, tgt = files
         older = not isinstance(meta.get("workdir"), str) and not (os.path.isabs(src) and os.path.isabs(tgt))
         relative = " (relative to the directory training ran in)" if older else ""
         lines.append(f"data: {src} -> {tgt}{relative}")

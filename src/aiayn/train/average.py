@@ -26,6 +26,7 @@ from aiayn.checkpoint import (
     read_meta,
     save_checkpoint,
     stored_tensors,
+    trained_on,
 )
 from aiayn.config import resolved_settings
 from aiayn.errors import UserError
@@ -140,6 +141,22 @@ def warn_other_seeds(paths: list[Path], metas: list[dict]) -> None:
                     "models average into a broken one", ", ".join(f"{p}: {s}" for p, s in known))
 
 
+def warn_other_data(paths: list[Path], metas: list[dict]) -> None:
+    """One warning when the checkpoints come from runs trained on different files, or in the other
+    direction (train_src and train_tgt swapped), as their meta.json records them: two such runs of one seed
+    were averaged silently (`warn_other_seeds`), into a broken model as well. Each pair of files is named
+    once, with its first checkpoint."""
+    first: dict[tuple[str, str], Path] = {}
+    for p, meta in zip(paths, metas):
+        files = trained_on(meta)
+        if files is not None:
+            first.setdefault(tuple(os.path.normpath(f) for f in files), p)
+    if len(first) > 1:
+        log.warning("averaging checkpoints of runs trained on different data (%s): models of other data or "
+                    "direction average into a broken one",
+                    ", ".join(f"{p}: {src} -> {tgt}" for (src, tgt), p in first.items()))
+
+
 def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False) -> Path:
     """Average the weights of `paths` (checkpoints of one model) into a new checkpoint `out`.
 
@@ -157,6 +174,7 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     check_same_model(paths, metas)
     check_same_tokenizer(paths, metas)
     warn_other_seeds(paths, metas)
+    warn_other_data(paths, metas)
     mean = mean_weights(paths)  # first: the check of every file comes before a model is built
     last = load_checkpoint(paths[-1])
     tensors = dict(last.model.named_parameters()) | dict(last.model.named_buffers())

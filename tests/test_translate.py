@@ -1453,8 +1453,10 @@ def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, cap
     with pytest.raises(UserError, match=r"^\.: not an aiayn checkpoint \(no meta.json\); a run's checkpoints "
                        r"folder: name one of its checkpoints, e.g. \.\./checkpoints/step_1000000$"):
         Translator.load(".")
-    assert main(["translate", str(checkpoint / "meta.json")]) == 2
-    assert "meta.json: is a file, not a checkpoint directory" in capsys.readouterr().err
+    for name in ("meta.json", "model.safetensors"):  # a file of one: the directory to name is said
+        assert main(["translate", str(checkpoint / name)]) == 2
+        assert capsys.readouterr().err == (f"aiayn: error: {checkpoint / name}: is a file, not a checkpoint "
+                                           f"directory; name the checkpoint it is in, {checkpoint}\n")
 
 
 def test_min_len_past_the_models_positions_is_refused_whatever_max_len_a(checkpoint, capsys):

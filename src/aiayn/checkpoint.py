@@ -593,6 +593,8 @@ def _checkpoint_meta(directory: str | Path) -> tuple[Path, dict[str, Any], Model
     directory = Path(directory)
     if not directory.is_dir():
         what = "is a file, not a checkpoint directory" if directory.exists() else not_found(directory)
+        if directory.exists() and is_checkpoint(directory.parent):  # its model.safetensors, say
+            what += f"; name the checkpoint it is in, {directory.parent}"
         raise UserError(f"{directory}: {what}")
     meta = read_meta(directory)
     return directory, meta, meta_model_config(directory, meta)

@@ -346,6 +346,8 @@ def cut_short(e: Exception) -> bool:
     """Whether safetensors' error `e` says its file is cut short (or has bytes added), where "corrupt
     weights (... incomplete metadata, file not fully covered)" did not say so."""
     return isinstance(e, SafetensorError) and any(words in str(e) for words in _CUT_SHORT)
+
+
 def _pickle_error(path: Path) -> UserError | None:
     """A UserError saying `path` is a PyTorch pickle (`pytorch_file`: a pytorch_model.bin renamed, say),
     which safetensors' refusal ("header too large") called corrupt weights; None where it is none. Only

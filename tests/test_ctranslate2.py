@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,33 @@ def test_existing_output_is_not_replaced(tmp_path, spm_models):
     (tmp_path / "link").symlink_to(tmp_path / "ct2")  # "exists and is not a directory": it points at one
     with pytest.raises(UserError, match="link: is a symbolic link; will not replace it"):
         export_ctranslate2(tmp_path / "ck", tmp_path / "link", force=True)
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_an_export_that_comes_while_exporting_is_replaced_only_with_force(tmp_path, spm_models, monkeypatch,
+                                                                          force):
+    """The check before the work refused an existing `out`; the write replaced one that came meanwhile
+    (another export's), --force or not."""
+    from aiayn.interop import ct2
+
+    tokenizer = Tokenizer(spm_models[0])
+    save_checkpoint(tmp_path / "ck", random_model(tokenizer), tokenizer)
+    export_ctranslate2(tmp_path / "ck", tmp_path / "other")
+    out, real = tmp_path / "ct2", ct2.AiaynConverter.convert
+
+    def convert(self, *args, **kwargs):
+        shutil.copytree(tmp_path / "other", out)
+        (out / "theirs").write_text("")  # an export of their own, told apart by this mark
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ct2.AiaynConverter, "convert", convert)
+    if force:
+        export_ctranslate2(tmp_path / "ck", out, force=True)
+        assert not (out / "theirs").exists() and (out / "model.bin").is_file()
+    else:
+        with pytest.raises(UserError, match=rf"^{out}: already exists \(pass --force"):
+            export_ctranslate2(tmp_path / "ck", out)
+        assert (out / "theirs").exists()
 
 
 def test_export_says_it_put_back_a_killed_exports_output_and_leaves_a_users_dot_old(tmp_path, spm_models):

@@ -693,6 +693,32 @@ def test_converted_is_said_only_once_written(tmp_path, monkeypatch, caplog):
     assert "converted" in caplog.text
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_an_output_that_comes_while_converting_is_replaced_only_with_force(tmp_path, monkeypatch, force):
+    """As two `average -o OUT` at once: the check before the work refused an existing OUT, the write
+    replaced one that came while the weights were read (another convert's, say), --force or not."""
+    from aiayn.interop import marian
+
+    make_marian_dir(tmp_path / "opus", "swish", shared=True)
+    convert_marian(tmp_path / "opus", tmp_path / "other")
+    out, real = tmp_path / "out", marian.load_marian_weights
+
+    def load_marian_weights(directory):
+        shutil.copytree(tmp_path / "other", out)
+        return real(directory)
+
+    monkeypatch.setattr(marian, "load_marian_weights", load_marian_weights)
+    (tmp_path / "other" / "meta.json").write_text(
+        (tmp_path / "other" / "meta.json").read_text().replace('"marian"', '"theirs"'))
+    if force:
+        convert_marian(tmp_path / "opus", out, force=True)
+        assert load_checkpoint(out).meta["converted_from"]["format"] == "marian"
+    else:
+        with pytest.raises(UserError, match=rf"^{out}: already exists \(pass --force"):
+            convert_marian(tmp_path / "opus", out)
+        assert load_checkpoint(out).meta["converted_from"]["format"] == "theirs"
+
+
 def test_convert_from_python_never_replaces_the_source_or_other_files(tmp_path):
     """`convert_marian("models/opus", "models")` deleted `models`, the source and its sibling models with it:
     only the CLI checked the output; the function is what a notebook calls."""

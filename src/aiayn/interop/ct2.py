@@ -181,7 +181,7 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
         except ValueError as e:  # ctranslate2's own checks: a bad quantization name, an incomplete spec
             raise UserError(f"{out}: CTranslate2 conversion failed ({e})") from None
 
-    write_atomically(out, write, what="CTranslate2 model")
+    write_atomically(out, write, what="CTranslate2 model", exist_ok=force)  # one that came meanwhile too
     return out
 
 

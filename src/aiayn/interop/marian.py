@@ -634,6 +634,7 @@ def convert_marian(directory: str | Path, out: str | Path, force: bool = False) 
     model = model_from_weights(config, weights, source)
     meta = {"converted_from": {"format": "marian", "path": str(directory.resolve())},
             "marian_generation": generation_defaults(directory, hf)}
-    saved = save_checkpoint(out, model.eval(), tokenizer, meta, replace_training_state=force)  # as average
+    # exist_ok=force: as average, an `out` that came while converting is no more replaced than one before
+    saved = save_checkpoint(out, model.eval(), tokenizer, meta, replace_training_state=force, exist_ok=force)
     log.info("converted %s: %s parameters", directory, f"{model.num_parameters():,}")  # once it is written
     return saved

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +39,7 @@ class Memories:
     def __init__(self, tensors: list[Tensor]):
         self.tensors = tensors
 
-    def __getitem__(self, index: Tensor) -> "Memories":
+    def __getitem__(self, index: Tensor) -> Memories:
         return Memories([m[index] for m in self.tensors])
 
 

@@ -110,6 +110,15 @@ def test_what_is_no_list_of_transformers_is_refused_and_an_ensemble_has_no_forwa
     with pytest.raises(TypeError, match=r"^ensemble member 1 is int: an Ensemble takes a list of Transformers$"):
         Ensemble([1, 2])
     assert len(Ensemble(m for m in (model, model)).members) == 2  # a generator is read once
+    # torch's containers of Transformers and compiled members are lists of Transformers (a check refused
+    # them); a lone compiled model or an Ensemble is not
+    ensemble = Ensemble(torch.nn.ModuleList([model, model, model]))
+    for models in (torch.nn.Sequential(model, model), ensemble.members, ensemble.members[:2],
+                   [torch.compile(model), model]):  # wrapping compiles nothing: cheap
+        assert len(Ensemble(models).members) == len(models)
+    for lone, kind in ((torch.compile(model), "Transformer"), (ensemble, "Ensemble")):
+        with pytest.raises(TypeError, match=f"^Ensemble takes a list of Transformers, not one {kind}: "):
+            Ensemble(lone)
     src = padded_batch([3], 50)
     with pytest.raises(TypeError, match=r"^an Ensemble has no forward: it decodes only, through "
                                         r"aiayn\.decoding\.generate\(ensemble, src, config\)"):

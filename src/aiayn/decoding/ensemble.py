@@ -79,14 +79,17 @@ class Ensemble(nn.Module):
     def __init__(self, models: Sequence[nn.Module]):
         super().__init__()
         # One model was "'Transformer' object is not subscriptable", a generator likewise, a list of ints
-        # "'int' object has no attribute 'config'"
-        if isinstance(models, nn.Module) or not isinstance(models, Iterable):
-            raise TypeError(f"Ensemble takes a list of Transformers, not one {type(models).__name__}: pass "
+        # "'int' object has no attribute 'config'". An nn.ModuleList or nn.Sequential of Transformers
+        # (`ensemble.members`) is a list of them, and a torch.compile'd member (`_orig_mod`) one.
+        lone = getattr(models, "_orig_mod", models)
+        if isinstance(lone, (Transformer, Ensemble)) or not isinstance(models, Iterable):
+            raise TypeError(f"Ensemble takes a list of Transformers, not one {type(lone).__name__}: pass "
                             "[model_1, model_2, ...]")
         models = list(models)
         if not models:
             raise ValueError("an ensemble needs at least one model")
-        if wrong := next(((i, m) for i, m in enumerate(models, 1) if not isinstance(m, Transformer)), None):
+        if wrong := next(((i, m) for i, m in enumerate(models, 1)
+                          if not isinstance(getattr(m, "_orig_mod", m), Transformer)), None):
             raise TypeError(f"ensemble member {wrong[0]} is {type(wrong[1]).__name__}: an Ensemble takes a list "
                             "of Transformers")
         first = models[0].config

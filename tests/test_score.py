@@ -79,6 +79,17 @@ def test_a_batch_scores_as_each_pair_alone():
             force_decode(model, src, rows)
 
 
+def test_a_source_of_padding_alone_is_refused_as_the_searches_refuse_it():
+    """It was "src_mask row 1 is False everywhere ... unlike torch's key_padding_mask", blaming a mask the
+    caller never passed; a model and an ensemble alike."""
+    model = tiny_model().eval()
+    src = padded_batch([4, 0], 50)
+    for scorer in (model, Ensemble([model, model])):
+        with pytest.raises(ValueError, match=r"^src row 1 does not end with EOS \(2\): every source does "
+                                             r"\(Tokenizer\.encode_src\)$"):
+            force_decode(scorer, src, [[5, 2], [6, 2]])
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return numbers_checkpoint(tmp_path_factory.mktemp("score"), max_len=40)

@@ -15,16 +15,18 @@ from torch import Tensor
 
 from aiayn.data.batching import right_pad
 from aiayn.decoding.options import DecodeConfig
-from aiayn.decoding.search import check_inference, source_mask, step_log_probs
+from aiayn.decoding.search import check_inference, source_lengths, source_mask, step_log_probs
 from aiayn.model import Transformer
 
 
 @torch.inference_mode()
 def force_decode(model: Transformer, src: Tensor, targets: list[list[int]]) -> list[float]:
-    """log P(targets[i] | src[i]) for a (B, S) right-padded source batch and B lists of target ids (end
-    each with EOS to score a whole translation): the sum of its tokens' log-probabilities. Rows whose
-    target ended stay in the batch, fed EOS, and add nothing more."""
+    """log P(targets[i] | src[i]) for a (B, S) right-padded source batch, each source ending with EOS as
+    the searches take it, and B lists of target ids (end each with EOS to score a whole translation): the
+    sum of its tokens' log-probabilities. Rows whose target ended stay in the batch, fed EOS, and add
+    nothing more."""
     check_inference(model, src)
+    source_lengths(model, src)  # as the searches: a row of padding alone was blamed on src_mask's row
     # a (B, T) tensor's rows failed in `all` ("Boolean value of Tensor ... is ambiguous"); converted, its
     # padding would be scored as tokens: only lists say where each target ends
     odd = next((t for t in targets if not isinstance(t, (list, tuple))), None)

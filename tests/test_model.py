@@ -380,6 +380,14 @@ def test_a_src_mask_row_that_attends_to_nothing_is_refused():
                 model.decode(tgt, memory, mask)
             with pytest.raises(ValueError, match=r"^src_mask row 0 is False everywhere"):
                 model.decode(tgt, memory, mask, model.new_cache(2, 8))
+        # a mask of another shape with a False row is refused for its shape: it was "src_mask row 4 is
+        # False everywhere" (a row of it flattened; the batch has 2), or row 0 of a mask per beam row
+        by_query = torch.ones(2, 1, 3, 4, dtype=torch.bool)
+        by_query[1, 0, 1] = False
+        for mask in (by_query, torch.zeros(4, 1, 1, 4, dtype=torch.bool)):
+            with pytest.raises(ValueError, match=rf"^src_mask is torch\.bool \({', '.join(map(str, mask.shape))}"
+                                                 r"\): it is bool \(B, 1, 1, S\) with memory's B, S = 2, 4"):
+                model.decode(tgt, memory, mask)
         all_padding = src.clone()
         all_padding[1] = 0
         assert torch.isfinite(model(all_padding, tgt)).all()

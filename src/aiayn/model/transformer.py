@@ -326,14 +326,12 @@ class Transformer(nn.Module):
         On the CPU, a `src_mask` row that attends to nothing is refused (`check_src_mask_rows`); with a
         cache only on its first step, after which the cache holds every step to the same mask.
         """
-        if src_mask is not None and (cache is None or cache.length == 0):  # once per search, not per step
-            check_src_mask_rows(src_mask)
-        return self._decode(tgt_in, memory, src_mask, cache, positions)
+        return self._decode(tgt_in, memory, src_mask, cache, positions, check_rows=True)
 
     def _decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor | None, cache: KVCache | None,
-                positions: Tensor | None) -> Tensor:
-        """`decode` without the check of `src_mask`'s rows: `forward`'s own mask may have an all-padding
-        source, which trains (its outputs come out as zeros, no NaN)."""
+                positions: Tensor | None, *, check_rows: bool) -> Tensor:
+        """`decode`, which checks `src_mask`'s rows, and `forward`, which does not: its own mask may have an
+        all-padding source, which trains (its outputs come out as zeros, no NaN)."""
         check_ids("tgt_in", tgt_in, self.config.target_vocab_size)
         beam = 1 if cache is None else cache.beam_size
         if memory.dim() != 3 or tgt_in.shape[0] != memory.shape[0] * beam:  # 1 row broadcast silently
@@ -356,6 +354,9 @@ class Transformer(nn.Module):
             raise ValueError(f"src_mask is {src_mask.dtype} {tuple(src_mask.shape)}: it is bool "
                              f"(B, 1, 1, S) with memory's B, S = {memory.shape[0]}, {memory.shape[1]}, True "
                              "where the source is a token (Transformer.src_mask)")
+        # after the shape's check: a mask of another shape was said to have a row (of it flattened) False
+        if check_rows and src_mask is not None and (cache is None or cache.length == 0):  # once per search
+            check_src_mask_rows(src_mask)
         if cache is not None:
             shape = (len(self.decoder), self.config.n_heads, self.config.d_k)
             cache.check_step(tgt_in.shape[0], memory, src_mask, shape, self._cache_like().dtype)
@@ -388,7 +389,7 @@ class Transformer(nn.Module):
             raise ValueError(f"src has {src.shape[0]} rows and tgt_in {tgt_in.shape[0]}: one target per "
                              "source")
         memory = self.encode(src)
-        return self._decode(tgt_in, memory, self.src_mask(src), None, positions)
+        return self._decode(tgt_in, memory, self.src_mask(src), None, positions, check_rows=False)
 
     def new_cache(self, batch_size: int, max_len: int, *, beam_size: int = 1) -> KVCache:
         """An empty `KVCache` for `batch_size` rows (sentences x `beam_size`), up to `max_len` positions,

@@ -179,12 +179,23 @@ def test_a_translator_refuses_what_is_no_model_tokenizer_or_decode_config(checkp
 def test_a_translator_its_tokenizer_and_its_checkpoint_print_in_one_short_line(checkpoint):
     """Translator and Tokenizer printed as "<... object at 0x...>", a Checkpoint as the model's module tree
     (53 lines)."""
-    from aiayn.checkpoint import load_checkpoint
+    from aiayn.checkpoint import Checkpoint, load_checkpoint
+    from aiayn.data.tokenizer import Tokenizer
 
     loaded = load_checkpoint(checkpoint)
-    tokenizer = f"Tokenizer(vocab_size={loaded.tokenizer.src_vocab_size}, shared=True, {checkpoint}/spm.model)"
+    size = loaded.tokenizer.src_vocab_size
+    tokenizer = f"Tokenizer(vocab_size={size}, SentencePiece model {checkpoint}/spm.model)"
     assert repr(loaded.tokenizer) == tokenizer
     assert repr(loaded) == f"Checkpoint({str(checkpoint)!r}, parameters={loaded.model.num_parameters():,})"
+    # Checkpoint(model, tokenizer) printed its path as 'None'; two SentencePiece models printed as the
+    # source's alone, and Marian's one vocabulary over two models as "shared=False"
+    assert repr(Checkpoint(loaded.model, loaded.tokenizer)).startswith("Checkpoint(path=None, parameters=")
+    spm = checkpoint / "spm.model"
+    vocab = {loaded.tokenizer.src.id_to_piece(i): i for i in range(size)}
+    for vocabularies, sizes in (({}, f"src_vocab_size={size}, tgt_vocab_size={size}"),
+                                ({"vocab": vocab}, f"vocab_size={size}")):
+        assert repr(Tokenizer(spm, spm, **vocabularies)) == (
+            f"Tokenizer({sizes}, SentencePiece models {spm}, {spm})")
     c = loaded.model.config
     assert repr(Translator(loaded.model, loaded.tokenizer, DecodeConfig(beam=2))) == (
         f"Translator(d_model={c.d_model}, layers={c.n_layers}+{c.decoder_layers}, {tokenizer}, cpu, "

@@ -45,7 +45,8 @@ class Checkpoint:
 
     def __repr__(self) -> str:  # the dataclass's printed the model's module tree: 53 lines
         step = f", step={self.meta['step']}" if "step" in self.meta else ""
-        return f"Checkpoint({str(self.path)!r}{step}, parameters={self.model.num_parameters():,})"
+        where = "path=None" if self.path is None else repr(str(self.path))  # not 'None', a path so named
+        return f"Checkpoint({where}{step}, parameters={self.model.num_parameters():,})"
 
 
 def state_dict_for_saving(model: torch.nn.Module) -> dict[str, torch.Tensor]:

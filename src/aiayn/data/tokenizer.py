@@ -63,9 +63,14 @@ class Tokenizer:
             raise ValueError(f"{bad[0]} {bad[1]!r} is {bad[2]!r}, not an integer")
 
     def __repr__(self) -> str:
-        sizes = (f"vocab_size={self.src_vocab_size}" if self.shared
+        """One vocabulary (vocab_size) or two, and the SentencePiece model or models, which `shared` counts:
+        Marian's one vocabulary over two models printed as "shared=False", and the target's model not."""
+        one_vocabulary = self.tgt_vocab is self.vocab and (self.shared or self.vocab is not None)
+        sizes = (f"vocab_size={self.src_vocab_size}" if one_vocabulary
                  else f"src_vocab_size={self.src_vocab_size}, tgt_vocab_size={self.tgt_vocab_size}")
-        return f"Tokenizer({sizes}, shared={self.shared}, {self.src_path})"
+        models = (f"SentencePiece model {self.src_path}" if self.shared
+                  else f"SentencePiece models {self.src_path}, {self.tgt_path}")
+        return f"Tokenizer({sizes}, {models})"
 
     @property
     def shared(self) -> bool:

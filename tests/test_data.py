@@ -774,6 +774,9 @@ def test_a_list_for_one_text_and_one_text_for_a_list_are_type_errors(tmp_path, c
         with pytest.raises(TypeError, match=rf"^Tokenizer\.encode_{side} takes one text \(str\), not list: "
                                             rf"encode_{side}_batch encodes a list of texts$"):
             getattr(tok, f"encode_{side}")(["der Hund", "schnell"])
+        with pytest.raises(TypeError, match=rf"^Tokenizer\.encode_{side} takes a str, not bytes: decode it "
+                                            r"first \(text\.decode\(\)\)$"):  # not "_batch encodes a list"
+            getattr(tok, f"encode_{side}")(b"der Hund")
         with pytest.raises(TypeError, match=rf"^Tokenizer\.encode_{side}_batch takes a list of texts, not one "
                                             rf"str: pass \[text\], or encode_{side}\(text\)$"):
             getattr(tok, f"encode_{side}_batch")("der Hund")

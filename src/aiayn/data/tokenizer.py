@@ -196,6 +196,8 @@ class Tokenizer:
 def _one_text(text: str, method: str) -> None:
     """A list given where one text goes came back as a list per text and an EOS ([[27, 67], [162], 2]),
     silently: refused (the type once per call, as the batch's checks, not per piece)."""
+    if isinstance(text, bytes):  # no list: the batch's hint would not help
+        raise TypeError(f"Tokenizer.{method} takes a str, not bytes: decode it first (text.decode())")
     if not isinstance(text, str):
         raise TypeError(f"Tokenizer.{method} takes one text (str), not {type(text).__name__}: "
                         f"{method}_batch encodes a list of texts")

@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from aiayn import files
 from aiayn.config import ModelConfig, model_config
 from aiayn.model import Transformer
 
@@ -11,6 +12,14 @@ from aiayn.model import Transformer
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_dropped_stop_left():
+    """A stop recorded as Python dropped it (`aiayn.files.record_dropped_stop`) that a failing test left
+    behind was raised at the next atomic write of another test: a KeyboardInterrupt that ended the session."""
+    yield
+    files.forget_dropped_stops()
 
 
 @pytest.fixture

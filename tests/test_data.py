@@ -826,6 +826,27 @@ def test_a_long_encode_logs_its_progress(tmp_path, corpus_files, monkeypatch, ca
     assert progress[-1].endswith(" pairs/s)") and "(100%," in progress[-1]
 
 
+def test_a_stop_python_dropped_ends_the_encode_at_the_chunk_it_came_in(tmp_path, corpus_files, monkeypatch):
+    """A Ctrl-C whose KeyboardInterrupt Python dropped while a chunk was encoded (the CLI records it) was
+    raised only by the cache's write, after the whole corpus (minutes of WMT) was encoded for nothing."""
+    from aiayn import files
+
+    _, src, tgt = corpus_files
+    tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 40)
+    encode, chunks = dataset._encode_chunk, []
+
+    def encode_chunk(src, tgt, tokenizer):
+        chunks.append(len(src))
+        files.record_dropped_stop(KeyboardInterrupt())
+        return encode(src, tgt, tokenizer)
+
+    monkeypatch.setattr(dataset, "_encode_chunk", encode_chunk)
+    monkeypatch.setattr(dataset, "ENCODE_CHUNK", 80)
+    with pytest.raises(KeyboardInterrupt):
+        load_encoded(src, tgt, tok, tmp_path / "cache")
+    assert chunks == [80] and not (tmp_path / "cache").exists()
+
+
 def test_the_same_file_on_both_sides_is_warned_about(tmp_path, corpus_files, caplog):
     """A copy model has its uses, so it is not refused; but it is rarely what was meant."""
     _, src, tgt = corpus_files

@@ -306,6 +306,30 @@ def test_a_stream_is_scored_chunk_by_chunk_as_a_whole(checkpoint):
         score_stream(translator, *streams(sources, long), io.StringIO(), ("s", "t"), chunk=2)
 
 
+def test_a_stop_python_dropped_ends_the_scoring_at_the_chunk_it_came_in(checkpoint, monkeypatch):
+    """A Ctrl-C that Python dropped (the CLI records it) while a chunk was scored: the stream scored every
+    chunk after it, with -o all of them thrown away at the end. It stops there, that chunk unwritten."""
+    import io
+
+    from aiayn import files
+    from aiayn.translate import score_stream
+
+    translator = Translator.load(checkpoint)
+    score, chunks = translator.score, []
+
+    def scored(sources, targets, *args):
+        chunks.append(len(sources))
+        files.record_dropped_stop(KeyboardInterrupt())
+        return score(sources, targets, *args)
+
+    monkeypatch.setattr(translator, "score", scored)
+    lines = [io.BytesIO(b"the number 3\n" * 7), io.BytesIO(b"die Zahl 3\n" * 7)]
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        score_stream(translator, *lines, out, ("s", "t"), chunk=2)
+    assert chunks == [2] and out.getvalue() == ""
+
+
 def test_a_stream_scores_the_pairs_before_a_too_long_line_first(checkpoint, tmp_path, capsys, monkeypatch):
     """A pipe's too long line (a file is checked whole first) lost the pairs before it in its chunk: none
     written of 10,000, then the line named. They are scored and written first; a file's too long lines

@@ -553,6 +553,31 @@ def test_seeded_sampling_is_reproducible_and_never_reseeded_per_batch(checkpoint
     assert len(set(first)) > 1 and translator.translate(texts, **options) == first
 
 
+def test_a_stop_python_dropped_ends_the_translation_at_the_chunk_it_came_in(checkpoint, tmp_path, capsys,
+                                                                            monkeypatch):
+    """A Ctrl-C whose KeyboardInterrupt Python dropped (raised in a weakref callback: the CLI records it)
+    during the first chunk was raised only at the end with -o: all 200 lines translated (hours of a real
+    test set), then exit 130 and the work thrown away. The stream stops before the next chunk."""
+    from aiayn import files
+    from aiayn.translate import Translation
+
+    src, out = tmp_path / "in.en", tmp_path / "out.de"
+    src.write_text("".join(f"the number {i} is even\n" for i in range(50)))
+    out.write_text("OLD\n")
+    chunks = []
+
+    def hypotheses(self, lines, *args):
+        chunks.append(len(lines))
+        if len(chunks) == 1:
+            files.record_dropped_stop(KeyboardInterrupt())
+        return [[Translation("x", 0.0, [], 0.0)] for _ in lines]
+
+    monkeypatch.setattr(Translator, "_hypotheses", hypotheses)
+    assert main(["translate", str(checkpoint), "-i", str(src), "-o", str(out), "--chunk", "10", "-q"]) == 130
+    assert chunks == [10] and out.read_text() == "OLD\n"
+    assert capsys.readouterr().out == ""
+
+
 def test_a_terminal_is_read_a_line_at_a_time_whatever_chunk_says(checkpoint, tmp_path, capsys, monkeypatch):
     """Typed lines must each be answered, so standard input on a terminal is read as with --chunk 1, its
     seeded samples those of --chunk 1, not of the --chunk given: --chunk's and --seed's help and the README

@@ -52,6 +52,7 @@ from aiayn.decoding.search import sampling_generator
 from aiayn.errors import (
     OutOfMemory, SentenceTooLong, TextError, UserError, check_unicode, is_out_of_memory, str_list,
 )
+from aiayn.files import raise_dropped_stop
 from aiayn.memory import cap_kernel_caches
 from aiayn.model import Transformer
 from aiayn.train.progress import throttled_progress
@@ -662,6 +663,7 @@ def score_stream(
 
     def write(results: list[Scored]) -> None:
         nonlocal tokens, total
+        raise_dropped_stop()  # a stop Python dropped: here, as translate_stream's, not after the last chunk
         for one in results:
             dst.write(f"{one.per_token if normalize else one.log_prob:.6f}\n")
         dst.flush()
@@ -762,6 +764,9 @@ def translate_stream(
             raise e.located(name, done, read) from None
 
     def write(translated: list[list[Translation]]) -> None:
+        # a Ctrl-C or SIGTERM that Python dropped (the CLI records it) stops the stream here, not after every
+        # chunk is translated (hours of a test set with -o, then exit 130 and the work thrown away)
+        raise_dropped_stop()
         for i, hyps in enumerate(translated):
             if config.n_best == 1:
                 dst.write((hyps[0].text if hyps else "") + "\n")

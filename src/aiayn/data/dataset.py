@@ -42,7 +42,9 @@ from aiayn.data.tokenizer import (
     sentencepiece_model, write_model,
 )
 from aiayn.errors import UserError
-from aiayn.files import atomic_output, fsync_dir, fsync_file, new_file_mode, require_file, temporary_path
+from aiayn.files import (
+    atomic_output, fsync_dir, fsync_file, new_file_mode, raise_dropped_stop, require_file, temporary_path,
+)
 from aiayn.model.transformer import target_positions
 from aiayn.train.config import toml_value
 from aiayn.train.progress import throttled_progress
@@ -597,6 +599,7 @@ def _with_progress(
 
     progress = throttled_progress(pairs, PROGRESS_SECONDS, say)
     for src, tgt in chunks:
+        raise_dropped_stop()  # a Ctrl-C or SIGTERM Python dropped (the CLI records it): not after the encode
         yield src, tgt
         progress(len(src))
 

@@ -210,3 +210,49 @@ def test_a_path_that_is_not_utf8_is_named_as_such(tmp_path, tokenizer, capsys):
     with pytest.raises(UserError, match="not valid UTF-8"):
         load_checkpoint(odd)
     assert Tokenizer.load(odd, {"files": {"source": "spm.model"}}).src_vocab_size == tokenizer.src_vocab_size
+
+
+def _stop_dropped_in(monkeypatch, name, after=False):
+    """`aiayn.cli`'s `name` records a Ctrl-C that Python dropped (as the CLI's unraisable hook records one
+    raised in a weakref callback) each time it is called, before its work or (`after`) once it is done."""
+    from aiayn import cli, files
+
+    real = getattr(cli, name)
+
+    def recorded(*args, **kwargs):
+        if not after:
+            files.record_dropped_stop(KeyboardInterrupt())
+        result = real(*args, **kwargs)
+        if after:
+            files.record_dropped_stop(KeyboardInterrupt())
+        return result
+
+    monkeypatch.setattr(cli, name, recorded)
+
+
+def test_a_stop_python_dropped_prints_no_result_after_it(capsys, monkeypatch):
+    """A Ctrl-C dropped while the command worked: stdout's next write stops it, nothing printed."""
+    _stop_dropped_in(monkeypatch, "model_config")
+    code = main(["info", "tiny"])
+    captured = capsys.readouterr()
+    assert (code, captured.out, captured.err) == (130, "", "aiayn: interrupted\n")
+
+
+def test_a_stop_python_dropped_as_the_command_ends_is_a_stop(capsys, monkeypatch):
+    """A Ctrl-C dropped after the command's last output (no rename, no line after it): exit 130, not 0."""
+    _stop_dropped_in(monkeypatch, "cmd_info", after=True)
+    assert main(["info", "tiny"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out.startswith("ModelConfig(") and captured.err == "aiayn: interrupted\n"
+
+
+def test_a_stop_python_dropped_before_an_error_is_not_the_next_commands(capsys, monkeypatch):
+    """The command ends with its error (exit 2), the stop left recorded would stop the next command (or a
+    Python caller's next atomic write) at once."""
+    from aiayn import files
+
+    _stop_dropped_in(monkeypatch, "_info_preset")
+    assert main(["info", "small", "--vocab-size", "2"]) == 2
+    assert files._dropped_stops == []
+    monkeypatch.undo()
+    assert info(capsys, "tiny")[0] == 0

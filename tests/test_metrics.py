@@ -716,6 +716,38 @@ def test_no_run_s_own_curves_png_gets_another_picture(tmp_path, capsys, monkeypa
     assert cli.main(["plot", "a", "b", "-o", "a/ab.png"]) == 0  # another name in a run's folder: the user's
 
 
+def test_a_link_to_a_run_s_curves_png_and_curves_png_in_capitals_are_its_own_picture(tmp_path, capsys):
+    """`-o elsewhere/b.png`, a link to runs/b/curves.png, wrote run a's curves there through the link (the
+    name checked was the link's); Curves.png is curves.png on a case-insensitive file system."""
+    a, b = _run(tmp_path / "a"), _run(tmp_path / "b")
+    (b / "curves.png").write_bytes(PNG_MAGIC)
+    (tmp_path / "elsewhere").mkdir()
+    link = tmp_path / "elsewhere" / "b.png"
+    link.symlink_to(Path("..") / "b" / "curves.png")
+    for png, which in ((link, f"a link to run {b}"), (b / "Curves.png", f"run {b}")):
+        assert cli.main(["plot", str(a), "-o", str(png)]) == 2
+        assert capsys.readouterr().err == (f"aiayn: error: {png}: {which}'s own curves, which training "
+                                           "redraws from its metrics.jsonl; name another picture (-o FILE.png)\n")
+    assert (b / "curves.png").read_bytes() == PNG_MAGIC and not (b / "Curves.png").exists()
+    assert cli.main(["plot", str(b), "-o", str(link)]) == 0  # run b's own, through the link: as training's
+    assert link.is_symlink() and (b / "curves.png").stat().st_size > len(PNG_MAGIC)
+
+
+def test_a_run_s_own_curves_png_names_the_run_and_a_log_given_twice_is_said_first(tmp_path, capsys,
+                                                                                   monkeypatch):
+    """`cd runs/a; plot ../b -o curves.png` said "run .'s own curves"; `plot a ./a/ -o a/curves.png` said
+    "name another picture", and once named, "the same log given twice"."""
+    a, b = _run(tmp_path / "a"), _run(tmp_path / "b")
+    monkeypatch.chdir(a)
+    assert cli.main(["plot", "../b", "-o", "curves.png"]) == 2
+    assert capsys.readouterr().err == (f"aiayn: error: curves.png: run . ({a})'s own curves, which training "
+                                       "redraws from its metrics.jsonl; name another picture (-o FILE.png)\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plot", "a", "./a/", "-o", "a/curves.png"]) == 2
+    assert capsys.readouterr().err == "aiayn: error: a/metrics.jsonl: the same log given twice\n"
+    assert not list(tmp_path.rglob("*.png")) and b.exists()
+
+
 def test_run_names_are_the_fewest_folders_that_tell_the_runs_apart(tmp_path, monkeypatch):
     from aiayn.train.metrics import run_names
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiayn.data.dataset import SIGNATURES
 from aiayn.errors import UserError
-from aiayn.files import atomic_output, check_file_output, directory_for
+from aiayn.files import atomic_output, check_file_output, directory_for, resolved
 
 log = logging.getLogger(__name__)
 MAX_RUNS = 20  # runs `plot_metrics` overlays at most: tab20's colours
@@ -234,8 +234,8 @@ def plot_metrics(jsonl_paths: str | Path | Sequence[str | Path], png_path: str |
     if str(png_path).endswith(("/", os.sep)) or Path(png_path).is_dir():  # Path drops a slash: `-o pics/`
         raise UserError(f"{png_path}: names a directory; give the picture's file name, such as "
                         f"{Path(png_path) / 'curves.png'}")
+    _check_each_once(logs)  # first: `plot runs/a ./runs/a/ -o runs/a/curves.png` was "name another picture"
     _check_png_output(Path(png_path), logs)
-    _check_each_once(logs)
     if len(logs) > MAX_RUNS:  # colours repeated past 10: two runs the legend could not tell apart
         raise UserError(f"{len(logs)} runs: at most {MAX_RUNS} are told apart in one picture (a colour each)")
     runs = [(name, _drawable_records(path, log_scale)) for name, path in zip(run_names(logs), logs)]
@@ -311,15 +311,22 @@ def _check_png_output(png: Path, logs: list[Path]) -> None:
 def _check_not_another_runs_curves(png: Path, logs: list[Path]) -> None:
     """A run's own curves.png is its log's picture, which training redraws: `plot runs/a runs/b -o
     runs/a/curves.png` put the overlay there, `plot runs/a -o runs/b/curves.png` run a's curves as run
-    b's. Drawing the run's own log there (`plot RUN`, training) is as training draws it."""
+    b's. Drawing the run's own log there (`plot RUN`, training) is as training draws it. The picture is
+    the one written: through a link to a run's curves.png (which the write follows), and Curves.png too
+    (the same file on a case-insensitive file system, macOS's or Windows')."""
     from aiayn.train.state import LOCK, checkpoint_dirs
 
-    run = png.parent
-    if png.name != "curves.png" or not ((run / "metrics.jsonl").is_file() or (run / LOCK).exists()
-                                        or checkpoint_dirs(run)):
+    real = resolved(png)
+    run = real.parent
+    if real.name.lower() != "curves.png" or not ((run / "metrics.jsonl").is_file() or (run / LOCK).exists()
+                                                 or checkpoint_dirs(run)):
         return
     if [log.resolve() for log in logs] != [(run / "metrics.jsonl").resolve()]:
-        raise UserError(f"{png}: run {run}'s own curves, which training redraws from its metrics.jsonl; "
+        if png.is_symlink():
+            which = f"a link to run {run}'s"
+        else:  # `-o curves.png` in the run's folder named it ".", as _check_plottable names a folder
+            which = f"run {png.parent}" + (f" ({run})" if png.parent.name in ("", "..") else "") + "'s"
+        raise UserError(f"{png}: {which} own curves, which training redraws from its metrics.jsonl; "
                         "name another picture (-o FILE.png)")
 
 

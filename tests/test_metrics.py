@@ -320,15 +320,18 @@ def test_plot_says_a_binary_log_a_log_without_steps_and_a_folder_that_is_no_run_
     """A binary metrics.jsonl (no newline in it) was warned of as "invalid UTF-8 (the write a kill
     interrupted?)", then said to have "no metrics logged yet", as was a log of records without a 'step';
     `plot .` in a folder that is no run said "metrics.jsonl: no metrics log", naming no folder."""
-    binary, stepless, other = (tmp_path / name for name in ("binary", "stepless", "other"))
-    for folder in (binary, stepless, other):
+    binary, early_newline, stepless, other = (tmp_path / name for name in ("binary", "newline", "stepless",
+                                                                            "other"))
+    for folder in (binary, early_newline, stepless, other):
         folder.mkdir()
     write_log(binary / "metrics.jsonl", b"\x7fELF\x02\x01\x01\x00\xff\xfe\x00\x00")  # an executable's start
     write_log(stepless / "metrics.jsonl", b'{"loss": 7.0}\n')
+    # a binary with a newline early on (a copy of /bin/ls) was "metrics.jsonl:1: invalid UTF-8"
+    write_log(early_newline / "metrics.jsonl", b"\xcf\xfa\xed\xfe\x0c\x00\n\x00\x80\xff\n")
     monkeypatch.chdir(other)
     for run, said in (
-        (binary, (f"{binary / 'metrics.jsonl'}: not a metrics log (one JSON object a line): the file is not "
-                  "UTF-8 text")),
+        *((log.parent, f"{log}: not a metrics log (one JSON object a line): the file is not UTF-8 text")
+          for log in (binary / "metrics.jsonl", early_newline / "metrics.jsonl")),
         (stepless, (f"{stepless / 'metrics.jsonl'}: no record has a 'step' (the update each is drawn at), so "
                     "there is nothing to draw")),
         (".", f". ({other}): no metrics.jsonl here; give a training run's directory (its train.run_dir)"),

@@ -151,13 +151,14 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         try:
             record = _decode(line, f"{path}:{n}")
         except UserError as e:
-            if n < len(lines):  # a newline follows: a whole line, and a bad one
-                raise
-            # the whole file, and no text: training writes ASCII JSON, so no write of its that a kill cut is
-            # this (it was "invalid UTF-8 (the write a kill interrupted?)", then "no metrics logged yet")
+            # its first line, and no text: training writes ASCII JSON, so no log of its, nor a write that a kill
+            # cut, is this (a binary file was "invalid UTF-8 (the write a kill interrupted?)", then "no metrics
+            # logged yet"; one with a newline early on, a copy of /bin/ls, "metrics.jsonl:1: invalid UTF-8")
             if not records and not _is_utf8(line):
                 raise UserError(f"{path}: not a metrics log (one JSON object a line): the file is not UTF-8 "
                                 "text") from None
+            if n < len(lines):  # a newline follows: a whole line, and a bad one
+                raise
             log.warning("%s (the write a kill interrupted?); skipped", e)
             continue
         if not isinstance(record, dict):  # it parsed, so no interrupted write made it

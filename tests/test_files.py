@@ -264,6 +264,45 @@ def test_another_writer_of_the_same_output_at_once_is_said_to_be(tmp_path, monke
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_leftover_that_cannot_be_removed_is_said_to_be_not_another_writer(tmp_path, monkeypatch):
+    """A user's `chmod a-w OUT`: the first replace could not empty its moved-aside copy, left as
+    '.OUT.aiayn-old'; every later replace was refused as "another process wrote it at the same time"
+    (the rename aside failed: "Directory not empty"). Simulated (tests may run as root, whom chmod does
+    not stop): the copy's files cannot be unlinked."""
+    from aiayn.errors import UserError
+
+    out, real = tmp_path / "out", shutil.rmtree
+    write_atomically(out, lambda tmp: (tmp / "a").write_text("first"))
+
+    def rmtree(path, ignore_errors=False):
+        if Path(path).name != ".out.aiayn-old":
+            return real(path, ignore_errors=ignore_errors)
+        if os.path.lexists(path) and not ignore_errors:
+            raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(files.shutil, "rmtree", rmtree)
+    write_atomically(out, lambda tmp: (tmp / "a").write_text("second"))  # replaced; the copy stays
+    assert (tmp_path / ".out.aiayn-old" / "a").read_text() == "first"
+    with pytest.raises(UserError, match=rf"^{re.escape(str(out))}: could not write checkpoint \(cannot remove "
+                                        r"\.out\.aiayn-old, left by an earlier replace: Permission denied\)$"):
+        write_atomically(out, lambda tmp: (tmp / "a").write_text("third"))
+    assert (out / "a").read_text() == "second"
+    assert sorted(os.listdir(tmp_path)) == [".out.aiayn-old", "out"]
+
+
+def test_a_failure_after_the_rename_is_not_blamed_on_another_writer(tmp_path, monkeypatch):
+    """The directory flushed after the rename: its failure (the parent deleted meanwhile) was said as
+    "another process wrote it at the same time", the flag for the renames still set."""
+    from aiayn.errors import UserError
+
+    def fsync_dir(path):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(files, "fsync_dir", fsync_dir)
+    with pytest.raises(UserError, match=r"out: could not write checkpoint \(No such file or directory\)$"):
+        write_atomically(tmp_path / "out", lambda tmp: (tmp / "a").write_text("x"))
+
+
 def test_without_exist_ok_an_output_that_came_meanwhile_is_refused(tmp_path):
     """`average -o OUT` without --force: an OUT there at the rename (another average's) was replaced."""
     from aiayn.errors import UserError

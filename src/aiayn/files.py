@@ -424,7 +424,7 @@ def _rename_into_place(tmp: Path, directory: Path, exist_ok: bool = True) -> Non
     if not exist_ok:
         raise already_exists(directory)
     old = _old(directory)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove_leftover(old)
     os.rename(directory, old)
     try:
         os.rename(tmp, directory)
@@ -432,6 +432,20 @@ def _rename_into_place(tmp: Path, directory: Path, exist_ok: bool = True) -> Non
         os.rename(old, directory)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_leftover(old: Path) -> None:
+    """Remove `old`, left by an earlier replace that could not delete it (a user's `chmod a-w OUT`: its
+    files cannot be unlinked). Left there, it failed the rename aside as "Directory not empty", which was
+    blamed on another writer at every later replace."""
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.lexists(old):
+        try:
+            shutil.rmtree(old)  # again, for its error
+        except FileNotFoundError:  # another writer's removal of it
+            pass
+        except OSError as e:
+            raise OSError(e.errno, f"cannot remove {old.name}, left by an earlier replace: {e.strerror or e}")
 
 
 def write_atomically(directory: Path, write, what: str = "checkpoint", exist_ok: bool = True) -> None:
@@ -475,6 +489,7 @@ def write_atomically(directory: Path, write, what: str = "checkpoint", exist_ok:
         raise_dropped_stop()  # a Ctrl-C or SIGTERM dropped meanwhile: the old directory stays
         renaming = True
         _rename_into_place(tmp, directory, exist_ok)
+        renaming = False  # a failing fsync_dir below is no other writer's doing
         tmp = None  # in place: not to be removed, nor missed
         fsync_dir(directory.parent)
     except BaseException as e:

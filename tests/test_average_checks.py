@@ -87,9 +87,31 @@ def test_runs_trained_on_other_data_or_in_the_other_direction_warn_once(tmp_path
         assert average_last(tmp_path / "run", 3, tmp_path / "avg").exists()  # warned, not refused
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     src, tgt = (tmp_path / name for name in other)
-    assert warnings == [(f"averaging checkpoints of runs trained on different data ({a}: {tmp_path / 'tr.de'} "
-                         f"-> {tmp_path / 'tr.en'}, {b}: {src} -> {tgt}): models of other data or direction "
-                         "average into a broken one")]
+    assert warnings == [(f"averaging checkpoints of runs recorded as trained on other files ({a}: "
+                         f"{tmp_path / 'tr.de'} -> {tmp_path / 'tr.en'}, {b}: {src} -> {tgt}): models of "
+                         "other data or direction average into a broken one")]
+
+
+@pytest.mark.parametrize("recorded", ["moved", "older", "scratch", "linked"])
+def test_the_same_data_recorded_otherwise_does_not_warn(tmp_path, tokenizers, caplog, recorded):
+    """The same data was warned of as different: a run moved and resumed elsewhere (data/tr.de from
+    /old/proj and from /new/proj), an older aiayn's relative paths beside a newer one's absolute ones,
+    each job's scratch copy, a link to the data under another name."""
+    first, _ = tokenizers
+    (tmp_path / "tr.de").write_text("x")
+    (tmp_path / "tr.en").write_text("x")
+    (tmp_path / "train.de").symlink_to(tmp_path / "tr.de")
+    data, workdirs = {
+        "moved": ([("data/tr.de", "data/tr.en")] * 2, ["/old/proj", "/new/proj"]),
+        "older": ([("data/tr.de", "data/tr.en"), ("/proj/data/tr.de", "/proj/data/tr.en")], [None, "/proj"]),
+        "scratch": ([(f"/scratch/job{i}/tr.de", f"/scratch/job{i}/tr.en") for i in (1, 2)], ["/home/u"] * 2),
+        "linked": ([("tr.de", "tr.en"), ("train.de", "tr.en")], [tmp_path] * 2),
+    }[recorded]
+    paths = [save(tmp_path / f"ck{i}", first, seed=1, step=i, data=d, workdir=w)
+             for i, (d, w) in enumerate(zip(data, workdirs))]
+    with caplog.at_level(logging.WARNING, logger="aiayn"):
+        average_checkpoints(paths, tmp_path / "avg")
+    assert not [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_one_seed_does_not_warn(tmp_path, tokenizers, caplog):

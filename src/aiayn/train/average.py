@@ -142,19 +142,35 @@ def warn_other_seeds(paths: list[Path], metas: list[dict]) -> None:
 
 
 def warn_other_data(paths: list[Path], metas: list[dict]) -> None:
-    """One warning when the checkpoints come from runs trained on different files, or in the other
-    direction (train_src and train_tgt swapped), as their meta.json records them: two such runs of one seed
-    were averaged silently (`warn_other_seeds`), into a broken model as well. Each pair of files is named
-    once, with its first checkpoint."""
-    first: dict[tuple[str, str], Path] = {}
+    """One warning when the checkpoints are recorded as trained on other files, or in the other direction
+    (train_src and train_tgt swapped), as their meta.json records them: two such runs of one seed were
+    averaged silently (`warn_other_seeds`), into a broken model as well. Each pair of files is named once,
+    with its first checkpoint. Paths as recorded do not tell (`_same_file`)."""
+    first: list[tuple[tuple[str, str], Path]] = []
     for p, meta in zip(paths, metas):
         files = trained_on(meta)
-        if files is not None:
-            first.setdefault(tuple(os.path.normpath(f) for f in files), p)
+        if files is None:
+            continue
+        files = (os.path.normpath(files[0]), os.path.normpath(files[1]))
+        if not any(all(map(_same_file, files, seen)) for seen, _ in first):
+            first.append((files, p))
     if len(first) > 1:
-        log.warning("averaging checkpoints of runs trained on different data (%s): models of other data or "
-                    "direction average into a broken one",
-                    ", ".join(f"{p}: {src} -> {tgt}" for (src, tgt), p in first.items()))
+        log.warning("averaging checkpoints of runs recorded as trained on other files (%s): models of other "
+                    "data or direction average into a broken one",
+                    ", ".join(f"{p}: {src} -> {tgt}" for (src, tgt), p in first))
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two recorded training files are taken for one: the same name, or one file on this machine.
+    Whole paths warned of one run's data recorded from the directory it ran in and from the one it was
+    moved to and resumed in, relative (an older aiayn) and absolute, or as each job's scratch copy
+    (/scratch/job1/tr.de, /scratch/job2/tr.de); two data sets with the same file names go unwarned."""
+    if os.path.basename(a) == os.path.basename(b):
+        return True
+    try:  # a link to the file, under another name
+        return os.path.isabs(a) and os.path.isabs(b) and os.path.samefile(a, b)
+    except (OSError, ValueError):  # not on this machine
+        return False
 
 
 def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False) -> Path:

@@ -283,8 +283,8 @@ def test_a_leftover_that_cannot_be_removed_is_said_to_be_not_another_writer(tmp_
     monkeypatch.setattr(files.shutil, "rmtree", rmtree)
     write_atomically(out, lambda tmp: (tmp / "a").write_text("second"))  # replaced; the copy stays
     assert (tmp_path / ".out.aiayn-old" / "a").read_text() == "first"
-    with pytest.raises(UserError, match=rf"^{re.escape(str(out))}: could not write checkpoint \(cannot remove "
-                                        r"\.out\.aiayn-old, left by an earlier replace: Permission denied\)$"):
+    said = r"\(cannot remove \.out\.aiayn-old, left by an earlier replace: Permission denied\)$"
+    with pytest.raises(UserError, match=rf"^{re.escape(str(out))}: could not write checkpoint {said}"):
         write_atomically(out, lambda tmp: (tmp / "a").write_text("third"))
     assert (out / "a").read_text() == "second"
     assert sorted(os.listdir(tmp_path)) == [".out.aiayn-old", "out"]

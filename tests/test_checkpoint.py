@@ -719,6 +719,41 @@ def test_default_output_replaces_an_earlier_average_only(run, tokenizer):
             average_last(run, k)
 
 
+def test_two_default_averages_at_once_replace_as_a_rerun_would(run, monkeypatch):
+    """Two `aiayn average RUN --last 3` at once: the one finishing second said "already exists (pass
+    --force...)", though a rerun without --force replaces the other's average, as the default output does.
+    Here the other average lands as this one reads its checkpoints, then as this one writes."""
+    from aiayn.train import average
+
+    real_mean, real_save = average.mean_weights, average.save_checkpoint
+    target = run / "average_last_3"
+
+    def other_first(paths):
+        if not target.exists():
+            monkeypatch.setattr(average, "mean_weights", real_mean)
+            average_last(run, 3)
+        return real_mean(paths)
+
+    monkeypatch.setattr(average, "mean_weights", other_first)
+    assert average_last(run, 3) == target and "averaged" in load_checkpoint(target).meta
+
+    def other_at_the_write(out, *args, **kwargs):
+        real_save(out, *args, **{**kwargs, "exist_ok": True})  # the other's, at the same moment
+        return real_save(out, *args, **kwargs)
+
+    shutil.rmtree(target)
+    monkeypatch.setattr(average, "save_checkpoint", other_at_the_write)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(target))}: another average was written there "
+                                        "meanwhile; run again$"):
+        average_last(run, 3)
+    shutil.rmtree(target)
+    monkeypatch.setattr(average, "save_checkpoint", real_save)
+    monkeypatch.setattr(average, "mean_weights", lambda paths: target.mkdir() or real_mean(paths))
+    with pytest.raises(UserError, match=r"average_last_3: already exists \(pass --force"):
+        average_last(run, 3)  # somebody's directory, not an average: still refused
+    assert os.listdir(target) == []
+
+
 def test_average_checks_shapes_not_only_meta(run, tokenizer):
     wider = tiny_model(vocab_size=tokenizer.src_vocab_size, d_ff=128)  # meta.json still says d_ff=64
     save_file(aiayn.checkpoint.state_dict_for_saving(wider), str(run / "checkpoints" / "step_000002" /
@@ -861,20 +896,20 @@ def test_average_lists_again_when_training_prunes_a_checkpoint_it_reads(run, mon
 
     real, calls = average.average_checkpoints, []
 
-    def pruned_first(paths, out, force=False):  # training prunes the oldest as the first try reads it
+    def pruned_first(paths, out, force=False, **kwargs):  # training prunes the oldest as the first try reads
         calls.append([p.name for p in paths])
         if len(calls) == 1:
             shutil.rmtree(paths[0])
-        return real(paths, out, force)
+        return real(paths, out, force, **kwargs)
 
     monkeypatch.setattr(average, "average_checkpoints", pruned_first)
     assert average_last(run, 3, run.parent / "avg") == run.parent / "avg"
     assert calls == [["step_000001", "step_000002", "step_000003"], ["step_000002", "step_000003"]]
     assert len(load_checkpoint(run.parent / "avg").meta["averaged"]) == 2
 
-    def always_pruned(paths, out, force=False):
+    def always_pruned(paths, out, force=False, **kwargs):
         shutil.rmtree(paths[0])
-        return real(paths, out, force)
+        return real(paths, out, force, **kwargs)
 
     for step in (4, 5, 6, 7):  # enough checkpoints for every try to lose one
         shutil.copytree(run / "checkpoints" / "step_000003", run / "checkpoints" / f"step_{step:06d}")

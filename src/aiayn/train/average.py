@@ -30,7 +30,7 @@ from aiayn.checkpoint import (
 )
 from aiayn.config import resolved_settings
 from aiayn.errors import UserError
-from aiayn.files import MOVED_ASIDE, check_output, moved_aside, overlap
+from aiayn.files import MOVED_ASIDE, already_exists, check_output, moved_aside, overlap
 from aiayn.model import Transformer
 from aiayn.train.state import (
     STEP_DIR,
@@ -173,10 +173,12 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False) -> Path:
+def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False, *,
+                        replace_average: bool = False) -> Path:
     """Average the weights of `paths` (checkpoints of one model) into a new checkpoint `out`.
 
-    An existing `out` is replaced only with `force`, and never when it is or holds one of `paths`."""
+    An existing `out` is replaced only with `force`, and never when it is or holds one of `paths`;
+    `replace_average` (`average_last`'s default output) replaces one that is an earlier average."""
     if isinstance(paths, (str, bytes, os.PathLike)):  # one path: a str was read character by character
         raise TypeError(f"paths is a list of checkpoints: pass [{os.fsdecode(paths)!r}]")  # ("r: not an ...")
     if not paths:
@@ -205,8 +207,10 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False)
     # --force replaces a training checkpoint too (save_checkpoint refuses one, for a resave in place); the
     # rest is checked again at the write (files may have come in the minutes this took), and without
     # --force any `out` there (another average into it: the first one's result was replaced silently)
+    # (an average there now, with `replace_average`, is another `average RUN` run at once: replaced as the one
+    # before it would have been, not refused with an advice to pass --force that a rerun does not need)
     saved = save_checkpoint(out, last.model, last.tokenizer, meta, replace_training_state=force,
-                            exist_ok=force)
+                            exist_ok=force or (replace_average and is_average(Path(out))))
     log.info("averaged %s into %s", _checkpoints(len(paths)), saved)  # after: a failed write is not reported
     return saved
 
@@ -336,8 +340,11 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
                             "what is there)")
         check_output(target, [], replace, enclosing=[run_dir], earlier=CHECKPOINT_KIND, forced=force)
         try:
-            return average_checkpoints(chosen, target, replace)
-        except UserError:
+            return average_checkpoints(chosen, target, replace, replace_average=out is None)
+        except UserError as e:
+            if out is None and str(e) == str(already_exists(Path(target))) and is_average(Path(target)):
+                # another average landed during this one's write, too late to be replaced
+                raise UserError(f"{target}: another average was written there meanwhile; run again") from None
             if all(p.is_dir() for p in chosen):  # a real problem, not a run pruning what was listed
                 raise
             log.info("%s: the training run pruned a checkpoint while it was read; listing again", run_dir)

@@ -346,6 +346,31 @@ def test_a_pytorch_pickle_in_place_of_the_weights_is_named_never_read(tmp_path, 
     assert not (tmp_path / "ran").exists()
 
 
+def test_only_what_torch_wrote_is_called_a_pytorch_pickle(tmp_path, tokenizer):
+    """Any zip was "torch.save's zip archive", any file starting 0x80 "a raw pickle": a safetensors file
+    cut to its first bytes, its header's length starting 0x80, was a UserError "a PyTorch pickle", not a
+    CorruptFile "damaged or cut short" (--resume's advice to resume from the one before)."""
+    import zipfile
+
+    ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    weights = ck / "model.safetensors"
+    weights.write_bytes((0x80).to_bytes(8, "little")[:6])
+    with pytest.raises(CorruptFile, match=rf"^{re.escape(str(weights))}: damaged or cut short \("):
+        load_checkpoint(ck)
+    weights.write_bytes(b"\x80" + bytes(range(100)))  # damage: no pickle of torch's
+    with pytest.raises(CorruptFile, match=rf"^{re.escape(str(weights))}: corrupt weights \("):
+        load_checkpoint(ck)
+    with zipfile.ZipFile(weights, "w") as z:
+        z.writestr("readme.txt", "hello")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(weights))}: a zip archive, not safetensors$"):
+        load_checkpoint(ck)
+    long_name = tmp_path / f"{'x' * 200}.bin"  # torch names its archive's entries after the file
+    torch.save({"w": torch.zeros(2)}, long_name)
+    shutil.copyfile(long_name, weights)
+    with pytest.raises(UserError, match=r"a PyTorch pickle \(torch\.save's zip archive\)"):
+        load_checkpoint(ck)
+
+
 def pieces_only(model: Path, pieces: int) -> bytes:
     """The first bytes of a SentencePiece model, up to the end of its first `pieces` pieces: the messages
     (field 1, key byte 0x0A) that open the file, each here shorter than 128 bytes (a one-byte length)."""

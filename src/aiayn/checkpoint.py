@@ -334,8 +334,9 @@ def _weights_error(path: Path, e: Exception) -> UserError:
     os_error = re.fullmatch(r"(.*) \(os error \d+\)", text)
     if isinstance(e, OSError) or os_error:
         return UserError(f"{path}: cannot read ({os_error.group(1) if os_error else text})")
-    return _pickle_error(path) or CorruptFile(
-        f"{path}: {'damaged or cut short' if cut_short(e) else 'corrupt weights'} ({e})")
+    if cut_short(e):  # first: a safetensors file cut to its first bytes may start as a pickle does
+        return CorruptFile(f"{path}: damaged or cut short ({e})")
+    return _pickle_error(path) or CorruptFile(f"{path}: corrupt weights ({e})")
 
 
 # safetensors' words for a file whose size is not what its header gives (shorter than 8 bytes, shorter than
@@ -350,21 +351,24 @@ def cut_short(e: Exception) -> bool:
 
 
 def _pickle_error(path: Path) -> UserError | None:
-    """A UserError saying `path` is a PyTorch pickle (`pytorch_file`: a pytorch_model.bin renamed, say),
-    which safetensors' refusal ("header too large") called corrupt weights; None where it is none. Only
-    named: unpickling can run any code."""
-    kind = pytorch_file(file_head(path))
-    if kind is None:
-        return None
-    return UserError(f"{path}: a PyTorch pickle ({kind}), not safetensors; aiayn never reads pickles (loading "
-                     "one can run any code): save the weights with safetensors.torch.save_file")
+    """A UserError saying `path` is a PyTorch pickle (`pytorch_file`: a pytorch_model.bin renamed, say), or
+    another zip archive, which safetensors' refusal ("header too large") called corrupt weights; None where
+    it is neither. Only named: unpickling can run any code."""
+    head = file_head(path)
+    if (kind := pytorch_file(head)) is not None:
+        return UserError(f"{path}: a PyTorch pickle ({kind}), not safetensors; aiayn never reads pickles "
+                         "(loading one can run any code): save the weights with safetensors.torch.save_file")
+    if head is not None and head.startswith(ZIP):
+        return UserError(f"{path}: a zip archive, not safetensors")
+    return None
 
 
 def file_head(path: Path) -> bytes | None:
-    """The first bytes of `path`, to tell what it is; None where it cannot be read."""
+    """The first bytes of `path`, to tell what it is (a zip archive's first entry's name too, which torch
+    makes of its file's name); None where it cannot be read."""
     try:
         with open(path, "rb") as f:
-            return f.read(64)
+            return f.read(1024)
     except OSError:
         return None
 
@@ -375,15 +379,22 @@ def is_safetensors(head: bytes | None) -> bool:
     return head is not None and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= 100_000_000
 
 
+ZIP = b"PK\x03\x04"  # a zip archive's first local file header
+# torch.save's legacy format (_use_new_zipfile_serialization=False) starts with its magic number
+# 0x1950a86a20f9469cfc6c, pickled with protocol 2: a byte 0x80 alone (any pickle's, or a safetensors
+# header's length) called damaged weights "a raw pickle"
+TORCH_LEGACY_MAGIC = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
 def pytorch_file(head: bytes | None) -> str | None:
-    """What a file torch.save wrote that starts `head` is: its zip archive (the default) or a raw pickle
-    (protocol 2 and up starts 0x80); None for anything else, a safetensors file too (its header's length
-    may start 0x80)."""
+    """What a file torch.save wrote that starts `head` is: its zip archive (the default; its first entry
+    is ARCHIVE/data.pkl) or its legacy raw pickle; None for anything else, another zip archive too."""
     if head is None or is_safetensors(head):
         return None
-    if head.startswith(b"PK\x03\x04"):
-        return "torch.save's zip archive"
-    return "a raw pickle, torch.save's legacy format" if head.startswith(b"\x80") else None
+    if head.startswith(ZIP):
+        name = head[30:30 + int.from_bytes(head[26:28], "little")]  # the first entry's, after 30 bytes
+        return "torch.save's zip archive" if name.endswith(b"/data.pkl") else None
+    return "a raw pickle, torch.save's legacy format" if head.startswith(TORCH_LEGACY_MAGIC) else None
 
 
 def weights_path(directory: str | Path) -> Path:

@@ -1493,6 +1493,10 @@ def test_a_file_or_a_run_directory_is_not_a_checkpoint(checkpoint, tmp_path, cap
         assert main(["translate", str(checkpoint / name)]) == 2
         assert capsys.readouterr().err == (f"aiayn: error: {checkpoint / name}: is a file, not a checkpoint "
                                            f"directory; name the checkpoint it is in, {checkpoint}\n")
+    monkeypatch.chdir(checkpoint)  # inside it: "name the checkpoint it is in, ."
+    assert main(["info", "meta.json"]) == 2
+    assert capsys.readouterr().err == ("aiayn: error: meta.json: is a file, not a checkpoint directory; name "
+                                       "the checkpoint it is in, the current directory (.)\n")
 
 
 def test_min_len_past_the_models_positions_is_refused_whatever_max_len_a(checkpoint, capsys):

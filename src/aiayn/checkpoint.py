@@ -608,7 +608,9 @@ def _checkpoint_meta(directory: str | Path) -> tuple[Path, dict[str, Any], Model
     if not directory.is_dir():
         what = "is a file, not a checkpoint directory" if directory.exists() else not_found(directory)
         if directory.exists() and is_checkpoint(directory.parent):  # its model.safetensors, say
-            what += f"; name the checkpoint it is in, {directory.parent}"
+            # "." for a file of the current directory: "name the checkpoint it is in, ." read as a typo
+            parent = directory.parent if directory.parent != Path() else "the current directory (.)"
+            what += f"; name the checkpoint it is in, {parent}"
         raise UserError(f"{directory}: {what}")
     meta = read_meta(directory)
     return directory, meta, meta_model_config(directory, meta)

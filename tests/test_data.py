@@ -2,6 +2,7 @@
 
 import errno
 import gzip
+import io
 import logging
 import os
 import pickle
@@ -709,6 +710,29 @@ def test_errors_keep_their_words_and_order_across_read_blocks(tmp_path, monkeypa
     with pytest.raises(UserError) as e:
         read_lines(nul)
     assert str(e.value) == f"{nul}:21: NUL byte (binary or corrupt input?)"
+
+
+class CountedReads(io.BytesIO):
+    """A stream that counts its reads."""
+
+    reads = 0
+
+    def read(self, size=-1):
+        self.reads += 1
+        return super().read(size)
+
+
+def test_a_line_of_nul_bytes_with_no_end_is_refused_without_reading_on(monkeypatch):
+    """A NUL byte in a line that no LF ended was refused only once the whole input was read: a file of 1 GB
+    of NULs took 3.4 GB, /dev/zero memory without bound. Now the reading stops a read or so past it."""
+    monkeypatch.setattr(dataset, "READ_BLOCK", 4096)
+    zeros = b"\0" * (4 << 20)
+    for data, line in ((b"eins\n" + zeros, 2), (b"ei\0ns\nzwei\n" + zeros + b"\xff\n", 1), (zeros, 1)):
+        stream = CountedReads(data)
+        with pytest.raises(UserError) as e:
+            read_lines("<stdin>", stream)
+        assert str(e.value) == f"<stdin>:{line}: NUL byte (binary or corrupt input?)"
+        assert stream.reads <= 2  # of the 1,024 reads the input takes
 
 
 def test_load_encoded_checks_both_files_before_encoding(tmp_path, corpus_files, monkeypatch):

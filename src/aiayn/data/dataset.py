@@ -81,7 +81,8 @@ SIGNATURES = (
 def _line_blocks(path: Path, stream: BinaryIO | None = None, done: str = "read") -> Iterator[list[str]]:
     """The lines of `path` (or of `stream`, named `path`), as `read_lines`, a block at a time. Invalid
     UTF-8 raises where it is; a NUL byte or CR-only line ends raise after the last block, so that the error
-    is the one the whole file decoded at once gave (invalid UTF-8 anywhere before a NUL byte anywhere)."""
+    is the one the whole file decoded at once gave (invalid UTF-8 anywhere before a NUL byte anywhere), but
+    for a line with a NUL that runs on past a read: the reading stops there (`_blocks`)."""
     if stream is None:
         require_file(path)
     newlines, lone_crs, nul, head, last, inner_crs = 0, 0, None, b"", b"", InnerCRs()
@@ -218,17 +219,26 @@ def looks_like(head: bytes) -> str:
 
 def _blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[bytes]:
     """`path`'s (or `stream`'s) bytes in blocks of about READ_BLOCK that end at a line end (all but perhaps
-    the last): no line is cut, nor a UTF-8 character, since b"\\n" is never part of one."""
+    the last): no line is cut, nor a UTF-8 character, since b"\\n" is never part of one. A line that holds
+    a NUL byte and runs on past a whole read is the last block, up to its last NUL read (no character is
+    cut there either): it is refused whatever follows, and a stream of NULs (/dev/zero, a disk image) may
+    never end it (held, it was read whole: 3.4 GB for a file of 1 GB; from /dev/zero, memory without
+    bound)."""
     try:
         with open(path, "rb") if stream is None else contextlib.nullcontext(stream) as f:
             pending: list[bytes] = []  # read, but no line end yet
+            nul = False  # whether `pending` holds a NUL byte
             while piece := f.read(READ_BLOCK):
                 cut = piece.rfind(b"\n") + 1
                 if cut:
                     yield b"".join([*pending, piece[:cut]])
-                    pending = [piece[cut:]]
-                else:
-                    pending.append(piece)
+                    pending, nul = [piece[cut:]], piece.find(b"\0", cut) >= 0
+                    continue
+                pending.append(piece)
+                if nul or b"\0" in piece:
+                    line = b"".join(pending)
+                    yield line[: line.rindex(b"\0") + 1]  # its invalid UTF-8 before that is still said
+                    return
             if rest := b"".join(pending):
                 yield rest
     except OSError as e:  # unreadable (permissions, I/O error): still one line naming the file

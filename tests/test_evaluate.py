@@ -572,6 +572,28 @@ def test_hypotheses_that_look_tokenized_are_warned_about_once_in_aiayns_form(tmp
     assert not [r for r in caplog.records if r.name.startswith("sacrebleu")]
 
 
+@pytest.mark.parametrize("split, said", [
+    (lambda w: w[:2] + "@@ " + w[2:] if len(w) > 4 else w,
+     ("hold BPE's '@@ ' marks: they look like subword pieces, which lowers the scores; join them first "
+      "(fairseq's --remove-bpe, or sed -E 's/(@@ )|(@@ ?$)//g')")),
+    (lambda w: "\u2581" + w[:2] + " " + w[2:] if len(w) > 4 else "\u2581" + w,
+     ("hold SentencePiece's '\u2581' (U+2581) marks: they look like subword pieces, which score near 0; "
+      "decode them first (spm_decode, or fairseq's --remove-bpe sentencepiece)")),
+])
+def test_hypotheses_of_subword_pieces_are_warned_about(tmp_path, capsys, split, said):
+    """fairseq's output without --remove-bpe, or SentencePiece's pieces, scored near 0 BLEU with no word:
+    a warning from a tenth of the lines (SUBWORD_SHARE)."""
+    refs = [f"Ein Hund läuft über die Wiese Nummer {i}" for i in range(150)]
+    (tmp_path / "ref").write_text("\n".join(refs) + "\n")
+    for pieces in (15, 14):
+        hyps = [" ".join(map(split, line.split())) if i < pieces else line for i, line in enumerate(refs)]
+        (tmp_path / "hyp").write_text("\n".join(hyps) + "\n")
+        assert main(["evaluate", str(tmp_path / "hyp"), str(tmp_path / "ref"), "--json"]) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)[0]["score"] < 100
+        assert captured.err == (f"aiayn: warning: 15 of the 150 hypotheses {said}\n" if pieces == 15 else "")
+
+
 def test_a_file_of_blank_lines_is_named_in_a_warning(tmp_path, capsys):
     """A reference of newlines alone scored BLEU 0 (ref_len 0) with no word, where a file of no lines is
     refused; so did translations of newlines alone."""

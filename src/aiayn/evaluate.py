@@ -71,6 +71,10 @@ UNSPACED_SHARE = 0.5  # of a text's letters in those scripts, from which it is u
 # warning is off (BLEU's force): three unprefixed lines, from each of BLEU's two scorings, advised `force`,
 # which aiayn has no setting for; `corpus_scores` says it once
 TOKENIZED_PERIODS = 100
+# Share of the hypotheses holding subword pieces' marks (BPE's "@@ " that fairseq's --remove-bpe joins,
+# SentencePiece's U+2581) from which they look like pieces, not words: scored so, a good translation is
+# near 0 BLEU (150 lines of three words split in two: 3.01), silently. No text has either mark otherwise.
+SUBWORD_SHARE = 0.1
 # Unicode's normalization forms, as the warning of translations and a reference in different ones names
 # them (the same text scored 79 BLEU, silently)
 UNICODE_FORMS = {"NFC": "composed form (NFC: é one character)",
@@ -274,7 +278,8 @@ def corpus_scores(
     ja-mecab, ko-mecab: TOKENIZER_LANGS) gives TER and chrF that language. `chrf_word_order=2` is chrF++
     (Popovic, 2017). `confidence`: that many bootstrap resamples (sacreBLEU's, 1,000 as its --confidence),
     each score with its 95% interval, for telling whether two systems differ. Hypotheses that look
-    tokenized (TOKENIZED_PERIODS lines or more ending in " .") get a warning."""
+    tokenized (TOKENIZED_PERIODS lines or more ending in " .") or like subword pieces (SUBWORD_SHARE of them
+    with BPE's "@@ " or SentencePiece's U+2581) get a warning."""
     hypotheses = str_list(hypotheses, "hypotheses", "lines", "line")
     streams = enumerate(_streams(references))
     references = [str_list(r, f"references[{j}]", "lines", "line") for j, r in streams]
@@ -323,12 +328,23 @@ def corpus_scores(
 
 
 def _warn_if_tokenized(hypotheses: Sequence[str]) -> None:
-    """A warning where TOKENIZED_PERIODS or more of `hypotheses` end in " .", as tokenized text does."""
+    """A warning where TOKENIZED_PERIODS or more of `hypotheses` end in " .", as tokenized text does, and
+    one where SUBWORD_SHARE of them or more hold BPE's or SentencePiece's marks, as subword pieces do."""
+    n = f"{len(hypotheses):,}"
     periods = sum(line.endswith(" .") for line in hypotheses)
     if periods >= TOKENIZED_PERIODS:
         log.warning("%s of the %s hypotheses end in a tokenized period (' .'): they look tokenized, which "
                     "may lower the scores; detokenize them first (the scores are for detokenized text)",
-                    f"{periods:,}", f"{len(hypotheses):,}")
+                    f"{periods:,}", n)
+    share = SUBWORD_SHARE * len(hypotheses)
+    if (bpe := sum("@@ " in line or line.endswith("@@") for line in hypotheses)) >= share:
+        log.warning("%s of the %s hypotheses hold BPE's '@@ ' marks: they look like subword pieces, which "
+                    "lowers the scores; join them first (fairseq's --remove-bpe, or sed -E "
+                    "'s/(@@ )|(@@ ?$)//g')", f"{bpe:,}", n)
+    if (pieces := sum("\u2581" in line for line in hypotheses)) >= share:
+        log.warning("%s of the %s hypotheses hold SentencePiece's '\u2581' (U+2581) marks: they look like "
+                    "subword pieces, which score near 0; decode them first (spm_decode, or fairseq's "
+                    "--remove-bpe sentencepiece)", f"{pieces:,}", n)
 
 
 def _streams(references: Sequence[Sequence[str]]) -> list:

@@ -102,6 +102,11 @@ def test_a_checkpoint_named_like_a_preset_is_the_checkpoint(tmp_path, tokenizer,
 
 @pytest.mark.parametrize("args, message", [
     (["bse"], "info: 'bse' is neither a preset (base, big, micro, small, tiny) nor a checkpoint directory"),
+    # were "checkpoint not found": only a name that is an identifier was said to be no preset either
+    (["transformer-big"], ("info: 'transformer-big' is neither a preset (base, big, micro, small, tiny) nor "
+                           "a checkpoint directory")),
+    (["base "], ("info: 'base ' is neither a preset (base, big, micro, small, tiny) nor a checkpoint "
+                 "directory")),
     (["small", "--preset", "base"],
      "info: give a preset or a checkpoint, not both ('small' and --preset base)"),
     (["nowhere/ck"], "nowhere/ck: checkpoint not found"),

@@ -108,6 +108,7 @@ def _info_preset(args: argparse.Namespace) -> str | None:
     from pathlib import Path
 
     from aiayn.checkpoint import is_checkpoint
+    from aiayn.files import moved_aside
 
     if args.what is not None and args.preset is not None:
         both = f"{args.what!r} and --preset {args.preset}"
@@ -121,7 +122,11 @@ def _info_preset(args: argparse.Namespace) -> str | None:
                         f"give --preset {args.what}")
     if args.vocab_size is not None:
         raise UserError(f"info: --vocab-size sizes a preset; {args.what} is described as saved")
-    if not Path(args.what).exists() and args.what.isidentifier():
+    # a bare name that names nothing here is as likely a preset mistyped ("transformer-big", "base "): only
+    # an identifier ("BIG") was said so. A path (a folder in it) is a checkpoint's, and one a killed save
+    # left moved aside is named where checkpoints are looked for (`checkpoint.not_found`).
+    path = Path(args.what)
+    if not path.exists() and path.name == args.what and moved_aside(path) is None:
         raise UserError(f"info: {args.what!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
                         "nor a checkpoint directory")
     return None

@@ -142,6 +142,12 @@ def test_cli_prints_scores_and_signatures(tmp_path, capsys):
     out, err = capsys.readouterr()
     note = f"aiayn: note: {tmp_path / 'link'} is the hypotheses' file itself: it is scored against itself\n"
     assert "BLEU: 100.00" in out and err == note
+    (tmp_path / "ref-link").symlink_to(ref)  # a reference given twice was signed nrefs:3 silently
+    assert main(["evaluate", str(hyp), str(ref), str(tmp_path / "ref-link"), str(ref)]) == 0
+    out, err = capsys.readouterr()
+    assert "BLEU: 48.89" in out and "signature: nrefs:3|" in out
+    assert err == "".join(f"aiayn: note: {again} is {ref} again: one reference counted twice (the signatures "
+                          "say nrefs:3)\n" for again in (tmp_path / "ref-link", ref))
     hyp.write_bytes(b"\xff\n")
     assert main(["evaluate", str(hyp), str(ref)]) == 2
     assert f"{hyp}:1: invalid UTF-8" in capsys.readouterr().err

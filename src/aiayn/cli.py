@@ -624,10 +624,13 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     note = unspaced_hint(hyps, args.lang, args.tokenize, ter=args.ter, chrf_word_order=args.chrf_word_order)
     if note:  # Chinese scored with 13a: BLEU near 0 however good the translation; or TER of one word a line
         print(f"aiayn: note: {note}", file=sys.stderr)
-    for ref in args.references:  # `evaluate test.de test.de`, a slip of the shell's history: 100, silently
-        if _same_file(args.hypotheses, ref):
+    for i, ref in enumerate(args.references):  # `evaluate test.de test.de`, a slip of the shell's history:
+        if _same_file(args.hypotheses, ref):  # 100, silently
             print(f"aiayn: note: {ref} is the hypotheses' file itself: it is scored against itself",
                   file=sys.stderr)
+        elif earlier := next((r for r in args.references[:i] if _same_file(r, ref)), None):  # (or a link)
+            print(f"aiayn: note: {ref} is {earlier} again: one reference counted twice (the signatures say "
+                  f"nrefs:{len(args.references)})", file=sys.stderr)
     if args.json:
         # "ci" only with --confidence: scripts that read the default JSON see what they saw before
         print(json.dumps([{k: v for k, v in s.__dict__.items() if k != "ci" or v is not None} for s in scores],

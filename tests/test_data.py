@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aiayn.data import dataset
+from aiayn.data import dataset, lines
 from aiayn.data.dataset import (
     ParallelText,
     cache_encoded,
@@ -639,7 +639,7 @@ def test_the_conversion_suggested_for_cr_line_ends_is_a_command_that_runs(tmp_pa
 @pytest.mark.parametrize("block", [1 << 22, 8])
 def test_cr_line_ends_with_a_last_lf_are_named(tmp_path, monkeypatch, block, caplog):
     """A classic Mac file that ends with an LF was one line, silently; a stray CR in an LF file is text."""
-    monkeypatch.setattr(dataset, "READ_BLOCK", block)
+    monkeypatch.setattr(lines, "READ_BLOCK", block)
     mac = write(tmp_path / "mac.de", [], raw=b"eins\rzwei\rdrei\r\n")
     with pytest.raises(UserError) as e:
         read_lines(mac)
@@ -685,7 +685,7 @@ def test_compressed_or_utf16_input_says_what_it_looks_like(tmp_path, raw, looks)
 ])
 @pytest.mark.parametrize("block", [1 << 22, 16])
 def test_utf16_without_a_byte_order_mark_is_named(tmp_path, monkeypatch, text, order, error, block):
-    monkeypatch.setattr(dataset, "READ_BLOCK", block)
+    monkeypatch.setattr(lines, "READ_BLOCK", block)
     path = write(tmp_path / "train.de", [], raw=text.encode(f"utf-16-{order.lower()}"))
     with pytest.raises(UserError) as e:
         read_lines(path)
@@ -700,7 +700,7 @@ def test_utf16_without_a_byte_order_mark_is_named(tmp_path, monkeypatch, text, o
 def test_errors_keep_their_words_and_order_across_read_blocks(tmp_path, monkeypatch):
     """Files are read in blocks; the first invalid byte is still named before a NUL byte earlier on, and
     each at its line, as when the file was decoded whole."""
-    monkeypatch.setattr(dataset, "READ_BLOCK", 16)
+    monkeypatch.setattr(lines, "READ_BLOCK", 16)
     head = "".join(f"Zeile {i} äöü\n" for i in range(20)).encode()
     both = write(tmp_path / "both.de", [], raw=b"a\0b\n" + head + b"dr\xffei\n")
     with pytest.raises(UserError) as e:
@@ -725,7 +725,7 @@ class CountedReads(io.BytesIO):
 def test_a_line_of_nul_bytes_with_no_end_is_refused_without_reading_on(monkeypatch):
     """A NUL byte in a line that no LF ended was refused only once the whole input was read: a file of 1 GB
     of NULs took 3.4 GB, /dev/zero memory without bound. Now the reading stops a read or so past it."""
-    monkeypatch.setattr(dataset, "READ_BLOCK", 4096)
+    monkeypatch.setattr(lines, "READ_BLOCK", 4096)
     zeros = b"\0" * (4 << 20)
     for data, line in ((b"eins\n" + zeros, 2), (b"ei\0ns\nzwei\n" + zeros + b"\xff\n", 1), (zeros, 1)):
         stream = CountedReads(data)
@@ -743,7 +743,7 @@ def test_load_encoded_checks_both_files_before_encoding(tmp_path, corpus_files, 
         raise AssertionError("encoded before the files were checked")
 
     monkeypatch.setattr(Tokenizer, "encode_src_batch", no_encoding)
-    monkeypatch.setattr(dataset, "READ_BLOCK", 64)
+    monkeypatch.setattr(lines, "READ_BLOCK", 64)
     bad = write(tmp_path / "bad.en", [], raw=tgt.read_bytes() + b"la\xc3st\n")
     with pytest.raises(UserError) as e:
         load_encoded(src, bad, tok, tmp_path / "cache")
@@ -1272,6 +1272,6 @@ def test_a_cache_folder_that_is_a_file_or_a_directory_with_a_caches_name_is_one_
 @pytest.mark.parametrize("name", ["<stdin>", "/dev/stdin", "/dev/fd/63", "/proc/self/fd/0"])
 def test_cr_line_ends_of_a_stream_are_told_a_pipe_not_a_file(name):
     """`tr '\\r' '\\n' < /dev/stdin > /dev/stdin.lf` cannot run: a stream has no place beside it."""
-    from aiayn.data.dataset import cr_only_error
+    from aiayn.data.lines import cr_only_error
 
     assert str(cr_only_error(name)).endswith("convert it, e.g. pipe it through tr '\\r' '\\n' before aiayn")

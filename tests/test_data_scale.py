@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.data import dataset, tokenizer
+from aiayn.data import dataset, lines, tokenizer
 from aiayn.data.dataset import (
     EncodedCorpus,
     load_encoded,
@@ -65,7 +65,7 @@ def test_chunks_give_the_ids_of_the_whole_file(tmp_path, monkeypatch):
     whole, dropped = load_encoded(src, tgt, tok, tmp_path / "one-chunk")
     assert_same(whole, want)
     assert dropped == 3
-    monkeypatch.setattr(dataset, "READ_BLOCK", 1000)  # bytes: lines and UTF-8 characters cross blocks
+    monkeypatch.setattr(lines, "READ_BLOCK", 1000)  # bytes: lines and UTF-8 characters cross blocks
     monkeypatch.setattr(dataset, "ENCODE_CHUNK", 333)
     chunked, _ = load_encoded(src, tgt, tok, tmp_path / "chunks")
     assert_same(chunked, want)
@@ -88,7 +88,7 @@ def test_a_tokenizer_streamed_from_the_files_is_the_one_trained_on_their_text(
     tgt.write_bytes("\n".join(en).encode())  # no final newline
     held = read_parallel(src, tgt)
     train_tokenizer(held, tmp_path / "held", 1000, model_type, shared)
-    monkeypatch.setattr(dataset, "READ_BLOCK", 1000)  # bytes: lines and UTF-8 characters cross blocks
+    monkeypatch.setattr(lines, "READ_BLOCK", 1000)  # bytes: lines and UTF-8 characters cross blocks
     files = scan_parallel(src, tgt)
     train_tokenizer(files, tmp_path / "files", 1000, model_type, shared)
     assert len(files.src) == len(files.tgt) == len(held.src) == 2994 and files.dropped_empty == 6
@@ -115,7 +115,7 @@ def test_a_tokenizer_trained_from_the_files_does_not_hold_their_text(tmp_path, m
     and 2,000 are of millions. `sampled`: a model's sample of 10,000 of the 40,000 lines, its flags drawn
     4,096 at a time, holds no more."""
     src, tgt = made_up_corpus(tmp_path, 20_000)
-    monkeypatch.setattr(dataset, "READ_BLOCK", 1 << 16)
+    monkeypatch.setattr(lines, "READ_BLOCK", 1 << 16)
     monkeypatch.setattr(dataset, "ROUND_TRIP_SAMPLE", 200)
     monkeypatch.setattr(tokenizer, "CHUNK_LINES", 16)
     if sampled:
@@ -149,7 +149,8 @@ def test_encoding_takes_a_small_multiple_of_the_ids(tmp_path, monkeypatch):
     Scaled down: 20,000 pairs in chunks of 1,000, as 2M pairs are in chunks of 20,000 (ENCODE_CHUNK)."""
     src, tgt = made_up_corpus(tmp_path, 20_000)
     tok = train_tokenizer(read_parallel(src, tgt), tmp_path, 1000)
-    monkeypatch.setattr(dataset, "READ_BLOCK", 1 << 16, raising=False)  # raising: it runs on older aiayn
+    # raising: it runs on older aiayn, whose dataset held READ_BLOCK (or had none) before lines.py did
+    monkeypatch.setattr(sys.modules.get("aiayn.data.lines", dataset), "READ_BLOCK", 1 << 16, raising=False)
     monkeypatch.setattr(dataset, "ENCODE_CHUNK", 1000, raising=False)
     tracemalloc.start()  # Python's and numpy's allocations (not SentencePiece's, which are per chunk)
     try:

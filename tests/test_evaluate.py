@@ -4,6 +4,8 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -151,6 +153,19 @@ def test_cli_prints_scores_and_signatures(tmp_path, capsys):
     hyp.write_bytes(b"\xff\n")
     assert main(["evaluate", str(hyp), str(ref)]) == 2
     assert f"{hyp}:1: invalid UTF-8" in capsys.readouterr().err
+
+
+def test_scoring_imports_no_torch(tmp_path):
+    """`aiayn evaluate` took 2.2 s (sacreBLEU's own 0.14 s), importing torch, SentencePiece and safetensors
+    through the dataset module for reading its files: only `aiayn.data.lines` is imported now."""
+    (tmp_path / "ref").write_text("Ein Hund.\n")
+    code = ("import sys, aiayn.evaluate; assert 'torch' not in sys.modules, 'torch imported'; "
+            "from aiayn.cli import main; assert main(['evaluate', 'ref', 'ref']) == 0; "
+            "assert 'torch' not in sys.modules and 'sentencepiece' not in sys.modules, 'torch imported'")
+    # check=False: the assertion's message (stderr) is the failure's, not CalledProcessError's
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_leading_byte_order_mark_is_not_text(tmp_path):

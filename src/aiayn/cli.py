@@ -372,7 +372,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
             translator = Translator.load(args.checkpoint, args.device, int8=args.int8, dtype=args.dtype,
                                          compile=args.compile)
         stack.enter_context(_settings_as_flags())
-        stack.enter_context(_warnings_to_stderr("aiayn.data.dataset"))  # the input's CRs inside lines
+        stack.enter_context(_warnings_to_stderr("aiayn.data.lines"))  # the input's CRs inside lines
         translator.decode_config(**options)  # what only the model can tell (--min-len), before any reading
         # a regular file: a bad line fails now, not chunks later; a too long one too
         total = _checked_line_count(src, name, translator.source_ids)
@@ -391,7 +391,7 @@ def cmd_score(args: argparse.Namespace) -> None:
 
     import torch
 
-    from aiayn.data.dataset import require_same_count
+    from aiayn.data.lines import require_same_count
     from aiayn.files import atomic_output, check_file_output, check_not_read_back, reads_stdin_once
     from aiayn.memory import keep_freed_memory
     from aiayn.translate import Translator, score_stream
@@ -411,7 +411,7 @@ def cmd_score(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_warnings_to_stderr("aiayn.translate"))
-        stack.enter_context(_warnings_to_stderr("aiayn.data.dataset"))  # the inputs' CRs inside lines
+        stack.enter_context(_warnings_to_stderr("aiayn.data.lines"))  # the inputs' CRs inside lines
         streams = [_open_input(stack, path) for path in (args.src, args.tgt)]
         counts = [_checked_line_count(s, name, done="scored") for s, name in streams]  # None for a pipe
         if None not in counts:  # before the model loads and scores for nothing
@@ -613,7 +613,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     from aiayn.evaluate import read_hypotheses, score_lines, unspaced_hint
 
     # the files' CRs inside lines; a --tokenize other than -l's
-    with _warnings_to_stderr("aiayn.data.dataset"), _warnings_to_stderr("aiayn.evaluate"):
+    with _warnings_to_stderr("aiayn.data.lines"), _warnings_to_stderr("aiayn.evaluate"):
         hyps = read_hypotheses(args.hypotheses)  # once: standard input cannot be read twice
         try:
             scores = score_lines(hyps, args.hypotheses, args.references, args.lang, args.tokenize,
@@ -1199,14 +1199,14 @@ def _one_line(message: str) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     """Run one command; the exit status."""
-    # Each command warns of CRs inside lines once a file, as in a process of its own; a dataset module not
-    # loaded has warned of nothing (importing it would load torch)
+    # Each command warns of CRs inside lines once a file, as in a process of its own; a lines module not
+    # loaded has warned of nothing
     later = bool(_job_rank(args.command))  # a torchrun job's process other than 0
     # other than its machine's first (LOCAL_RANK 0; _job_rank read it): each machine's torchrun shows its own
     # processes' output alone, so another machine's missing config file went unsaid when process 0 alone spoke
     later_on_machine = later and int(os.environ.get("LOCAL_RANK") or 0) != 0
-    if dataset := sys.modules.get("aiayn.data.dataset"):
-        dataset.forget_cr_warnings()
+    if lines := sys.modules.get("aiayn.data.lines"):
+        lines.forget_cr_warnings()
     try:
         closed = getattr(sys.stdout, "closed_at_start", False)  # translate and score: -o, or refused
         if closed and args.command not in ("translate", "score", "train"):

@@ -24,7 +24,7 @@ from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.metrics.ter import TERScore
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
-from aiayn.data.dataset import read_lines, require_same_count
+from aiayn.data.lines import read_lines, require_same_count
 from aiayn.errors import SettingError, UserError, str_list
 from aiayn.files import reads_stdin_once
 

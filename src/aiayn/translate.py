@@ -31,12 +31,12 @@ import torch
 from aiayn.checkpoint import inference_device, vocabulary_problem
 from aiayn.config import DEFAULT_MAX_TOKENS, ConfigError, from_dict
 from aiayn.data.batching import right_pad
-from aiayn.data.dataset import (
+from aiayn.data.dataset import has_text
+from aiayn.data.lines import (
     HEAD_BYTES,
     InnerCRs,
     cr_only,
     cr_only_error,
-    has_text,
     lone_cr_count,
     looks_like,
     require_same_count,

@@ -575,7 +575,7 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     # here: it imports torch, which demo's MAX_SEED need not
-    from aiayn.data.dataset import cr_only_error, decode_utf8, lone_cr_count
+    from aiayn.data.lines import cr_only_error, decode_utf8, lone_cr_count
 
     # invalid UTF-8 named by line, as a corpus' is, and a UTF-16 file as one (it was "not valid TOML
     # ('utf-8' codec can't decode byte 0xff in position 0)"); a UTF-8 BOM (Windows editors) is skipped

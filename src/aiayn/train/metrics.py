@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aiayn.data.dataset import SIGNATURES
+from aiayn.data.lines import SIGNATURES
 from aiayn.errors import UserError
 from aiayn.files import atomic_output, check_file_output, directory_for, resolved
 

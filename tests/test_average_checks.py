@@ -92,26 +92,50 @@ def test_runs_trained_on_other_data_or_in_the_other_direction_warn_once(tmp_path
                          "other data or direction average into a broken one")]
 
 
-@pytest.mark.parametrize("recorded", ["moved", "older", "scratch", "linked"])
+@pytest.mark.parametrize("recorded", ["moved", "moved here", "older", "scratch", "linked"])
 def test_the_same_data_recorded_otherwise_does_not_warn(tmp_path, tokenizers, caplog, recorded):
     """The same data was warned of as different: a run moved and resumed elsewhere (data/tr.de from
-    /old/proj and from /new/proj), an older aiayn's relative paths beside a newer one's absolute ones,
-    each job's scratch copy, a link to the data under another name."""
+    /old/proj, gone, and from the project here; or from two paths of one folder here), an older aiayn's
+    relative paths beside a newer one's absolute ones, each job's scratch copy, a link to the data under
+    another name."""
     first, _ = tokenizers
-    (tmp_path / "tr.de").write_text("x")
-    (tmp_path / "tr.en").write_text("x")
-    (tmp_path / "train.de").symlink_to(tmp_path / "tr.de")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "tr.de").write_text("x")
+    (tmp_path / "data" / "tr.en").write_text("x")
+    (tmp_path / "data" / "train.de").symlink_to(tmp_path / "data" / "tr.de")
+    (tmp_path / "alias").symlink_to(tmp_path)
     data, workdirs = {
-        "moved": ([("data/tr.de", "data/tr.en")] * 2, ["/old/proj", "/new/proj"]),
-        "older": ([("data/tr.de", "data/tr.en"), ("/proj/data/tr.de", "/proj/data/tr.en")], [None, "/proj"]),
+        "moved": ([("data/tr.de", "data/tr.en")] * 2, ["/old/proj", tmp_path]),
+        "moved here": ([("data/tr.de", "data/tr.en")] * 2, [tmp_path / "alias", tmp_path]),
+        "older": ([("data/tr.de", "data/tr.en"), ("data/tr.de", "data/tr.en")], [None, tmp_path]),
         "scratch": ([(f"/scratch/job{i}/tr.de", f"/scratch/job{i}/tr.en") for i in (1, 2)], ["/home/u"] * 2),
-        "linked": ([("tr.de", "tr.en"), ("train.de", "tr.en")], [tmp_path] * 2),
+        "linked": ([("data/tr.de", "data/tr.en"), ("data/train.de", "data/tr.en")], [tmp_path] * 2),
     }[recorded]
     paths = [save(tmp_path / f"ck{i}", first, seed=1, step=i, data=d, workdir=w)
              for i, (d, w) in enumerate(zip(data, workdirs))]
     with caplog.at_level(logging.WARNING, logger="aiayn"):
         average_checkpoints(paths, tmp_path / "avg")
     assert not [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("corpora, names", [(("wmt14-en-de", "iwslt17-en-de"), ("train.en", "train.de")),
+                                            (("en-de", "en-fr"), ("train.src", "train.tgt"))])
+def test_other_data_sets_of_the_same_file_names_warn(tmp_path, tokenizers, caplog, corpora, names):
+    """Two corpora with the usual file names (train.en, train.de in /data/wmt14-en-de and in
+    /data/iwslt17-en-de) were taken for one by their names alone: both are here, and other files."""
+    first, _ = tokenizers
+    data = []
+    for corpus in corpora:
+        (tmp_path / corpus).mkdir()
+        for name in names:
+            (tmp_path / corpus / name).write_text(f"{corpus} {name}")
+        data.append(tuple(str(tmp_path / corpus / name) for name in names))
+    paths = [save(tmp_path / f"ck{i}", first, seed=1, step=i, data=d) for i, d in enumerate(data)]
+    with caplog.at_level(logging.WARNING, logger="aiayn"):
+        assert average_checkpoints(paths, tmp_path / "avg").exists()  # warned, not refused
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "recorded as trained on other files" in warnings[0]
+    assert all(f"{p}: {src} -> {tgt}" in warnings[0] for p, (src, tgt) in zip(paths, data))
 
 
 def test_one_seed_does_not_warn(tmp_path, tokenizers, caplog):

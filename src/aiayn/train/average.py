@@ -161,16 +161,18 @@ def warn_other_data(paths: list[Path], metas: list[dict]) -> None:
 
 
 def _same_file(a: str, b: str) -> bool:
-    """Whether two recorded training files are taken for one: the same name, or one file on this machine.
-    Whole paths warned of one run's data recorded from the directory it ran in and from the one it was
-    moved to and resumed in, relative (an older aiayn) and absolute, or as each job's scratch copy
-    (/scratch/job1/tr.de, /scratch/job2/tr.de); two data sets with the same file names go unwarned."""
-    if os.path.basename(a) == os.path.basename(b):
-        return True
-    try:  # a link to the file, under another name
-        return os.path.isabs(a) and os.path.isabs(b) and os.path.samefile(a, b)
-    except (OSError, ValueError):  # not on this machine
-        return False
+    """Whether two recorded training files are taken for one: where both are on this machine, whether
+    they are one file (a link to it under another name, a run moved with its data here); where one is
+    not (a run moved from another machine, each job's scratch copy: /scratch/job1/tr.de and
+    /scratch/job2/tr.de, an older aiayn's relative path), whether they have the same name. Whole paths
+    warned of one run's data recorded otherwise; names alone missed two data sets of the usual names
+    (/data/wmt14-en-de/train.de, /data/iwslt17-en-de/train.de), which are both here where it matters."""
+    if os.path.isabs(a) and os.path.isabs(b):  # a relative one (no workdir recorded) is not to be found
+        try:
+            return os.path.samefile(a, b)
+        except (OSError, ValueError):  # one is not on this machine
+            pass
+    return os.path.basename(a) == os.path.basename(b)
 
 
 def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False, *,

@@ -724,14 +724,19 @@ class CountedReads(io.BytesIO):
 
 def test_a_line_of_nul_bytes_with_no_end_is_refused_without_reading_on(monkeypatch):
     """A NUL byte in a line that no LF ended was refused only once the whole input was read: a file of 1 GB
-    of NULs took 3.4 GB, /dev/zero memory without bound. Now the reading stops a read or so past it."""
+    of NULs took 3.4 GB, /dev/zero memory without bound. Now the reading stops a read or so past it. What
+    was read of that line is all decoded (it was cut at its last NUL: invalid UTF-8 after it, on the same
+    line, was said to be a NUL byte), but for a character the read cut (é over two reads is no error)."""
     monkeypatch.setattr(lines, "READ_BLOCK", 4096)
     zeros = b"\0" * (4 << 20)
-    for data, line in ((b"eins\n" + zeros, 2), (b"ei\0ns\nzwei\n" + zeros + b"\xff\n", 1), (zeros, 1)):
+    nul = "NUL byte (binary or corrupt input?)"
+    for data, error in ((b"eins\n" + zeros, f"2: {nul}"), (b"ei\0ns\nzwei\n" + zeros + b"\xff\n", f"1: {nul}"),
+                        (zeros, f"1: {nul}"), (b"\0" + "é".encode() * (2 << 20), f"1: {nul}"),  # é at 4095-6
+                        (b"a\0\xff" + b"x" * (4 << 20) + b"\n", "1: invalid UTF-8 (byte 0xff)")):
         stream = CountedReads(data)
         with pytest.raises(UserError) as e:
             read_lines("<stdin>", stream)
-        assert str(e.value) == f"<stdin>:{line}: NUL byte (binary or corrupt input?)"
+        assert str(e.value) == f"<stdin>:{error}"
         assert stream.reads <= 2  # of the 1,024 reads the input takes
 
 

@@ -9,6 +9,7 @@ before its first line was read, where sacreBLEU's own command takes 0.14 s).
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import logging
 import os
@@ -193,10 +194,10 @@ def looks_like(head: bytes) -> str:
 def _blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[bytes]:
     """`path`'s (or `stream`'s) bytes in blocks of about READ_BLOCK that end at a line end (all but perhaps
     the last): no line is cut, nor a UTF-8 character, since b"\\n" is never part of one. A line that holds
-    a NUL byte and runs on past a whole read is the last block, up to its last NUL read (no character is
-    cut there either): it is refused whatever follows, and a stream of NULs (/dev/zero, a disk image) may
-    never end it (held, it was read whole: 3.4 GB for a file of 1 GB; from /dev/zero, memory without
-    bound)."""
+    a NUL byte and runs on past a whole read is the last block, all that was read of it but a character
+    cut at its end (`whole_characters`: invalid UTF-8 after the NUL is still named first): it is refused
+    whatever follows, and a stream of NULs (/dev/zero, a disk image) may never end it (held, it was read
+    whole: 3.4 GB for a file of 1 GB; from /dev/zero, memory without bound)."""
     try:
         with open(path, "rb") if stream is None else contextlib.nullcontext(stream) as f:
             pending: list[bytes] = []  # read, but no line end yet
@@ -209,13 +210,24 @@ def _blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[bytes]:
                     continue
                 pending.append(piece)
                 if nul or b"\0" in piece:
-                    line = b"".join(pending)
-                    yield line[: line.rindex(b"\0") + 1]  # its invalid UTF-8 before that is still said
+                    yield whole_characters(b"".join(pending))
                     return
             if rest := b"".join(pending):
                 yield rest
     except OSError as e:  # unreadable (permissions, I/O error): still one line naming the file
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def whole_characters(data: bytes) -> bytes:
+    """`data` less a UTF-8 character cut at its end (its first 1-3 bytes, where a read stopped), so that
+    what is decoded of a line read in part is invalid only where the input is."""
+    tail = data[-3:].lstrip(bytes(range(0x80, 0xC0)))  # from the last character's first byte (the bytes
+    decoder = codecs.getincrementaldecoder("utf-8")()  # before it end an earlier one, or are invalid)
+    try:
+        decoder.decode(tail)
+    except UnicodeDecodeError:  # invalid, not cut: it stays to be named
+        return data
+    return data[: len(data) - len(decoder.getstate()[0])]
 
 
 def _decode(path: Path, block: bytes, newlines_before: int, head: bytes) -> str:

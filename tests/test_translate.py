@@ -722,6 +722,32 @@ def test_lines_of_a_pipe_keep_their_numbers_and_an_unended_last_line():
         list(read_utf8_lines(src, "in.txt", chunk=2))
 
 
+def test_a_file_line_of_nul_bytes_with_no_end_is_refused_without_reading_it_whole(tmp_path):
+    """`translate -i zeros` and `score --src zeros` read a file's line of NULs whole (readline) before its
+    NUL byte was refused: twice the file. Now, as from a pipe, the reading stops with the read that finds
+    it; what was read is all decoded (invalid UTF-8 after the NUL is named first), but for a character that
+    read cut (an é over bytes 65,535-6 is no error)."""
+    class CountedFile(io.BufferedReader):  # a regular file, whose longest read is kept
+        longest = 0
+
+        def readline(self, size=-1):
+            line = super().readline(size)
+            self.longest = max(self.longest, len(line))
+            return line
+
+    zeros = b"\0" * (4 << 20)
+    nul = "NUL byte (binary or corrupt input?)"
+    for data, error in ((b"eins\n" + zeros, f"2: {nul}"), (zeros, f"1: {nul}"),
+                        (b"\0" + "é".encode() * (2 << 20), f"1: {nul}"),
+                        (b"a\0\xff" + b"x" * (4 << 20) + b"\n", "1: invalid UTF-8 (byte 0xff)")):
+        (tmp_path / "in.txt").write_bytes(data)
+        with CountedFile(io.FileIO(tmp_path / "in.txt")) as src:
+            with pytest.raises(UserError) as e:
+                list(read_utf8_lines(src, "in.txt", chunk=2))
+            assert str(e.value) == f"in.txt:{error}"
+            assert src.longest <= 1 << 16  # of 4 MiB
+
+
 def test_a_read_error_is_one_line_naming_the_input(checkpoint, tmp_path, capsys):
     """An I/O error while reading (a failing disk; /proc/self/mem, which opens but cannot be read) was an
     OSError traceback from readline: only opening an input was caught. A file and a pipe alike."""

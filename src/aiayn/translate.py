@@ -40,6 +40,7 @@ from aiayn.data.lines import (
     lone_cr_count,
     looks_like,
     require_same_count,
+    whole_characters,
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
@@ -570,13 +571,13 @@ def _raw_lines(stream: BinaryIO, name: str) -> Iterator[tuple[bytes, bool]]:
     """(line, whether more input is ready now) for each line of `stream`. A regular file is always
     ready. A pipe, FIFO or terminal is read as it arrives (`read1`: what is there, waiting only when
     nothing is): before, 10,000 lines were awaited, so `producer | aiayn translate` answered a slow
-    producer only at its end. A read that fails (an I/O error) is a UserError naming `name`, as opening
+    producer only at its end. A line with a NUL byte ends where it was read to, in either (`_file_lines`).
+    A read that fails (an I/O error) is a UserError naming `name`, as opening
     it is: `-i /proc/self/mem` was a traceback."""
     try:
         fd = _pipe_fd(stream)
         if fd is None:
-            for raw in iter(stream.readline, b""):
-                yield raw, True
+            yield from ((raw, True) for raw in _file_lines(stream))
             return
         pending: list[bytes] = []  # the line under way, joined once it ends (joined and split again for
         # each block, a 40 MB line took 13 s)
@@ -594,6 +595,25 @@ def _raw_lines(stream: BinaryIO, name: str) -> Iterator[tuple[bytes, bool]]:
             yield rest, True
     except OSError as e:
         raise UserError(f"{name}: cannot read ({e.strerror or e})") from None
+
+
+def _file_lines(stream: BinaryIO) -> Iterator[bytes]:
+    """The lines of a regular file (or a buffer), read up to 64 KiB at a time, as the pipe's are: a line
+    with a NUL byte ends with the read that found it, less a character cut at its end (`whole_characters`).
+    No text has one, and a file of zeros with no line end was read whole first: twice its size."""
+    pending: list[bytes] = []  # the line under way, joined once it ends
+    while piece := stream.readline(1 << 16):
+        pending.append(piece)
+        if piece.endswith(b"\n"):
+            yield b"".join(pending)
+            pending = []
+        elif b"\0" in piece:
+            line = b"".join(pending)
+            whole = whole_characters(line)
+            yield whole
+            pending = [line[len(whole) :]]
+    if rest := b"".join(pending):
+        yield rest
 
 
 def is_regular_file(stream: BinaryIO) -> bool:

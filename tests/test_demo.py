@@ -296,11 +296,41 @@ def test_a_signal_at_the_last_update_stops_the_demo_after_its_training(tmp_path,
     assert main(argv) == 128 + signal.SIGTERM
     captured = capsys.readouterr()
     ck = out / "run" / "checkpoints" / "step_000002"
-    assert captured.err.splitlines()[-1] == (
-        f"aiayn: demo stopped by SIGTERM after training; its checkpoint {ck} can translate (`aiayn "
-        f"translate`); to run the demo again, delete {out / 'run'} or choose another --out")
+    assert captured.err.splitlines()[-1] == "aiayn: " + after_training("SIGTERM", out, ck)
     assert captured.out == "" and not (out / "test.hyp.de").exists() and not (out / "attention").exists()
     assert "valid_loss" in json.loads((ck / "meta.json").read_text())["metrics"]  # ended as usual: validated
+
+
+def after_training(name: str, out, ck) -> str:
+    """The message of a demo stopped by signal `name` once its training ended, checkpoint `ck` in `out`."""
+    return (f"demo stopped by {name} after training; trained, its checkpoint {ck} translates the held-out "
+            f"sentences (`aiayn translate {ck} -i {out / 'data' / 'test.en'} -o {out / 'test.hyp.de'}`) and "
+            f"draws attention (`aiayn attention --checkpoint {ck} --src SENTENCE --out {out / 'attention'}`); "
+            f"to run the demo again, delete {out / 'run'} or choose another --out")
+
+
+@pytest.mark.parametrize("phase", ["translate", "extract_attention", "draw_attention"])
+def test_a_stop_after_training_names_the_trained_checkpoint(tmp_path, capsys, monkeypatch, phase):
+    """A Ctrl-C or SIGTERM while the demo translated or drew said 'aiayn: stopped by SIGTERM' alone, and the
+    rerun was then refused for the run it left: its minutes of finished training were to be deleted, and
+    no word said so, nor named the checkpoint that could still translate."""
+    import aiayn.demo
+    from aiayn.cli import Terminated
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt if phase == "translate" else Terminated(signal.SIGTERM)
+
+    monkeypatch.setattr(aiayn.demo, phase, stop)
+    out = tmp_path / "d"
+    argv = ["demo", "--out", str(out), "--size", "tiny", "--steps", "2", "--train-pairs", "300",
+            "--test-pairs", "4", "--beam", "1"]
+    name = "SIGINT" if phase == "translate" else "SIGTERM"
+    assert main(argv) == 128 + getattr(signal, name)
+    captured = capsys.readouterr()
+    ck = out / "run" / "checkpoints" / "step_000002"
+    assert captured.err.splitlines()[-1] == "aiayn: " + after_training(name, out, ck)
+    assert captured.out == "" and not (out / "attention").exists()
+    assert (out / "test.hyp.de").exists() == (phase != "translate")  # written before the maps
 
 
 @pytest.mark.parametrize("phase, name", [("write_corpus", "SIGHUP"), ("translate", "SIGTERM")])
@@ -319,7 +349,9 @@ def test_a_signal_outside_training_is_said_as_for_every_command(tmp_path, phase,
                           "2", "--train-pairs", "300", "--test-pairs", "4", "--beam", "1"], check=False,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 128 + getattr(signal, name), run.stderr
-    assert run.stderr.splitlines()[-1] == f"aiayn: stopped by {name}" and run.stdout == ""
+    said = f"stopped by {name}" if phase == "write_corpus" else after_training(
+        name, out, out / "run" / "checkpoints" / "step_000002")  # trained: its checkpoint named
+    assert run.stderr.splitlines()[-1] == f"aiayn: {said}" and run.stdout == ""
     assert not (out / "test.hyp.de").exists()
 
 

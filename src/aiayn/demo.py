@@ -218,9 +218,21 @@ def _run_demo(config: DemoConfig) -> DemoResult:
         raise stopped(signal.Signals(e.exit_status - 128), "during", run_dir) from None
     if "signal" in result:  # training ended as usual, at its budget: the translating is what may not run
         raise stopped(signal.Signals[result["signal"]], "after", run_dir)
+    try:
+        return _evaluate(config, result["step"], test_pairs)
+    except BaseException as e:  # a stop after the training: said as one during it, the checkpoint named
+        if (sig := stop_signal(e)) is None:
+            raise
+        raise stopped(sig, "after", run_dir) from None
+
+
+def _evaluate(config: DemoConfig, steps: int, test_pairs: list[tuple[str, str]]) -> DemoResult:
+    """Translate and score the held-out pairs with the run's last checkpoint, and draw its attention."""
+    out = Path(config.out)
+    run_dir = out / "run"
     ck = load_checkpoint(checkpoint_dirs(run_dir)[-1])
     seconds = training_seconds(ck.path)
-    log.info("trained %d updates in %.0f s; translating %d held-out sentences (beam %d)", result["step"],
+    log.info("trained %d updates in %.0f s; translating %d held-out sentences (beam %d)", steps,
              seconds, len(test_pairs), config.beam)
     hyps = translate(ck.path, [s for s, _ in test_pairs], config.beam, config.device)
     correct = sum(h == t for h, (_, t) in zip(hyps, test_pairs))
@@ -232,15 +244,32 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     files.update(draw_attention(maps, out / "attention", title=f"{source} -> {reference}"))
     examples = [(s, t, h) for (s, t), h in zip(test_pairs, hyps)][: config.examples]
     return DemoResult(correct / len(test_pairs), correct, len(test_pairs), examples, ck.path, files, seconds,
-                      result["step"])
+                      steps)
 
 
 def stopped(sig: signal.Signals, when: str, run_dir: Path) -> Stopped:
-    """The demo stopped by `sig` `when` ("during", "after") its training, what it left said."""
+    """The demo stopped by `sig` `when` ("during", "after") its training, what it left said. After it, the
+    training is whole: the commands that do what the demo had left to do are named."""
     saved = checkpoint_dirs(run_dir)  # `aiayn translate RUN_DIR` is refused: name the checkpoint
-    where = f"its checkpoint {saved[-1]} can translate (`aiayn translate`); " if saved else ""
+    if when == "after" and saved:
+        out, ck = run_dir.parent, saved[-1]
+        where = (f"trained, its checkpoint {ck} translates the held-out sentences (`aiayn translate {ck} "
+                 f"-i {out / 'data' / 'test.en'} -o {out / 'test.hyp.de'}`) and draws attention (`aiayn "
+                 f"attention --checkpoint {ck} --src SENTENCE --out {out / 'attention'}`); ")
+    else:
+        where = f"its checkpoint {saved[-1]} can translate (`aiayn translate`); " if saved else ""
     return Stopped(f"demo stopped by {sig.name} {when} training; {where}to run the demo again, delete "
                    f"{run_dir} or choose another --out", sig)
+
+
+def stop_signal(e: BaseException) -> signal.Signals | None:
+    """The signal that `e` stands for: Ctrl-C's KeyboardInterrupt, or the CLI's `Terminated` (SIGTERM,
+    SIGHUP), which has its number (not imported: the library does not depend on the CLI); None for others."""
+    if isinstance(e, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(e, Exception) or not isinstance(signum := getattr(e, "signum", None), int):
+        return None
+    return signal.Signals(signum)
 
 
 def training_seconds(checkpoint: Path) -> float:

@@ -1,6 +1,7 @@
 """`aiayn demo` end to end: corpus files, the real training path, beam search, scores, curves, attention."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -191,6 +192,33 @@ def test_only_checkpoints_make_an_earlier_run(tmp_path, capsys):
     assert (out / "run" / "spm.model").is_file()
     assert main([*argv, "--seed", "2"]) == 0, capsys.readouterr().err
     check_outputs(out, 4)
+
+
+def test_a_rerun_removes_the_earlier_demos_translations_and_maps(tmp_path, caplog, monkeypatch):
+    """A rerun (run/ deleted, as told) stopped during its training left the earlier test.hyp.de (3 lines)
+    and attention/ beside its new data/test.en (5 lines), which they do not match. A file of the user's
+    in attention/ stays (draw_attention keeps them)."""
+    from aiayn.errors import Stopped
+    from aiayn.train import loop
+
+    out = tmp_path / "d"
+    argv = ["demo", "--out", str(out), "--size", "tiny", "--steps", "2", "--train-pairs", "300",
+            "--test-pairs", "3", "--beam", "1"]
+    assert main(argv) == 0
+    assert len((out / "test.hyp.de").read_text(encoding="utf-8").splitlines()) == 3
+    (out / "attention" / "notes.txt").write_text("mine")
+    shutil.rmtree(out / "run")
+
+    def stopped(config, resume=False):
+        raise Stopped("stopped by SIGINT at update 1", 2)
+
+    monkeypatch.setattr(loop, "train", stopped)
+    caplog.set_level(logging.INFO, logger="aiayn.demo")
+    assert main([*argv[:-3], "5", "--beam", "1"]) == 130
+    assert "removed the earlier demo's translations and attention maps" in caplog.text
+    assert len((out / "data" / "test.en").read_text(encoding="utf-8").splitlines()) == 5
+    assert not (out / "test.hyp.de").exists()
+    assert [p.name for p in (out / "attention").iterdir()] == ["notes.txt"]
 
 
 def test_a_demo_writing_in_out_keeps_another_out(tmp_path, capsys):

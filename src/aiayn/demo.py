@@ -11,6 +11,7 @@ threads is fixed too, since a matrix product summed in another order rounds diff
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from aiayn.attention import draw_attention, extract_attention
+from aiayn.attention import KINDS, draw_attention, extract_attention
 from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
 from aiayn.decoding.options import cpu_seed_problem
@@ -211,6 +212,7 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     out = Path(config.out)
     run_dir = out / "run"
     check_earlier_run(run_dir)  # under the lock: a live demo's run is no earlier one
+    remove_earlier_outputs(out)
     test_pairs, paths = write_corpus(config, out / "data")
     try:
         result = train(demo_run_config(config, paths, run_dir))
@@ -339,6 +341,28 @@ def check_earlier_run(run_dir: Path) -> None:
                             f"({e.strerror or e})") from None
     if left:
         log.info("%s: no checkpoint there; the tokenizer a stopped demo left is trained again", run_dir)
+
+
+def remove_earlier_outputs(out: Path) -> None:
+    """Remove an earlier demo's translations and maps before its corpus is replaced: a rerun stopped before
+    its own were written left them beside a data/ they do not match (3 lines of test.hyp.de beside 40 of
+    data/test.en). Only where a demo wrote (check_out: the marker), and only the files the demo writes
+    (draw_attention keeps any other file in attention/)."""
+    if not (out / "data" / MARKER).exists():  # check_out found none of them there
+        return
+    maps = out / "attention"
+    earlier = [out / "test.hyp.de", maps / "attention.html", *(maps / f"attention_{k}.png" for k in KINDS)]
+    removed = [path for path in earlier if path.is_file()]
+    for path in removed:
+        try:
+            path.unlink()
+        except OSError as e:
+            raise UserError(f"{path}: cannot delete an earlier demo's output ({e.strerror or e})") from None
+    with contextlib.suppress(OSError):  # left if the user keeps files of their own there
+        maps.rmdir()
+    if removed:
+        log.info("%s: removed the earlier demo's translations and attention maps, which the new corpus "
+                 "would not match", out)
 
 
 def pick_example(pairs: list[tuple[str, str]]) -> tuple[str, str]:

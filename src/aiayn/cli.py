@@ -793,9 +793,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int,
                    help="corpus, initialization and batch order, 0 to 2**32 - 1 (default 1)")
     p.add_argument("--beam", type=int, help="beam size for the held-out translations (default 4, the paper's)")
-    p.add_argument("--train-pairs", type=positive_int, help="training pairs generated (default 40000)")
+    # one stream of pairs makes both sets (demo_corpus.make_corpus): either size changes the test set
+    p.add_argument("--train-pairs", type=positive_int,
+                   help="training pairs generated (default 40000); the held-out pairs are drawn from the same "
+                   "stream, so another --train-pairs also tests on other sentences")
     p.add_argument("--test-pairs", type=positive_int,
-                   help="held-out pairs translated and scored (default 500)")
+                   help="held-out pairs translated and scored (default 500); they depend on --train-pairs "
+                   "too, so exact match at other corpus sizes is measured on other sentences")
     p.add_argument("--device", help="cpu (default) or cuda: where it trains and translates")
     p.set_defaults(func=cmd_demo)
 

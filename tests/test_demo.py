@@ -172,6 +172,20 @@ def test_out_under_a_regular_file_is_one_line(tmp_path, capsys, under):
     assert (tmp_path / "afile").read_text(encoding="utf-8") == "x"
 
 
+@pytest.mark.parametrize("name", ["data", "run", "attention"])
+def test_a_folder_that_is_a_link_is_refused(tmp_path, name):
+    """A data/ linked into another demo's folder had that demo's corpus overwritten through the link."""
+    other = tmp_path / "other"
+    (other / name).mkdir(parents=True)
+    if name == "data":
+        (other / "data" / ".aiayn-demo").touch()  # another demo's, which check_out let through
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / name).symlink_to(other / name)
+    with pytest.raises(UserError, match=f"^{out / name}: is a symbolic link .*remove the link"):
+        check_out(out)
+
+
 def test_only_checkpoints_make_an_earlier_run(tmp_path, capsys):
     """An empty run directory, left by a run that failed at once, must not block the rerun; nor a tokenizer
     without checkpoints, left by a demo stopped before its first (a SIGTERM while it encoded): it was

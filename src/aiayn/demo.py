@@ -292,6 +292,9 @@ def check_out(out: Path) -> None:
     check_outside_checkpoints(out)  # the corpus was written into a checkpoint before training refused
     for name, want_dir in (("data", True), ("run", True), ("attention", True), ("test.hyp.de", False)):
         path = out / name
+        if want_dir and path.is_symlink():  # written through: another demo's corpus or run overwritten
+            raise UserError(f"{path}: is a symbolic link (to {os.readlink(path)}); the demo writes its own "
+                            "folder there: remove the link or choose another --out")
         if (path.exists() or path.is_symlink()) and path.is_dir() != want_dir:
             kind = "directory" if want_dir else "file"
             raise UserError(f"{path}: is {'not ' if want_dir else ''}a directory; the demo writes a {kind} there")

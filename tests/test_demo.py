@@ -71,6 +71,16 @@ def test_the_training_time_is_the_runs_own(tmp_path, capsys, monkeypatch):
     assert f"(beam 1, 2 updates, {recorded:.0f} s of training)" in capsys.readouterr().out
 
 
+def test_one_update_is_said_in_the_singular(tmp_path, capsys, caplog):
+    """`--steps 1` said "1 updates" in the summary and the log."""
+    caplog.set_level(logging.INFO)
+    assert main(["demo", "--out", str(tmp_path / "d"), "--size", "tiny", "--steps", "1", "--train-pairs",
+                 "300", "--test-pairs", "2", "--beam", "1"]) == 0
+    assert "(beam 1, 1 update, " in capsys.readouterr().out
+    assert any(m.startswith("trained 1 update in ") for m in caplog.messages)
+    assert "stopped (max_updates=1) after 1 update, " in caplog.text and "1 updates" not in caplog.text
+
+
 def test_config_errors():
     with pytest.raises(ConfigError, match="size"):
         DemoConfig(size="giant")

@@ -291,7 +291,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     config = DemoConfig(**{k: v for k, v in given.items() if v is not None})  # None: the demo's default
     r = run_demo(config)
     print(f"held-out exact match: {r.correct}/{r.total} = {100 * r.accuracy:.1f}% "
-          f"(beam {config.beam}, {r.steps} updates, {r.train_seconds:.0f} s of training)")
+          f"(beam {config.beam}, {r.steps} update{'s'[: r.steps != 1]}, {r.train_seconds:.0f} s of training)")
     for source, reference, hypothesis in r.examples:
         print(f"  {'ok ' if hypothesis == reference else 'BAD'} {source}  ->  {hypothesis}"
               + ("" if hypothesis == reference else f"  (reference: {reference})"))

@@ -234,8 +234,8 @@ def _evaluate(config: DemoConfig, steps: int, test_pairs: list[tuple[str, str]])
     run_dir = out / "run"
     ck = load_checkpoint(checkpoint_dirs(run_dir)[-1])
     seconds = training_seconds(ck.path)
-    log.info("trained %d updates in %.0f s; translating %d held-out sentences (beam %d)", steps,
-             seconds, len(test_pairs), config.beam)
+    log.info("trained %d update%s in %.0f s; translating %d held-out sentences (beam %d)", steps,
+             "s"[: steps != 1], seconds, len(test_pairs), config.beam)
     hyps = translate(ck.path, [s for s, _ in test_pairs], config.beam, config.device)
     correct = sum(h == t for h, (_, t) in zip(hyps, test_pairs))
     files = {"translations": out / "test.hyp.de", "curves": run_dir / "curves.png"}

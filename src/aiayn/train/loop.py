@@ -407,8 +407,8 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     bar.close()
     if d.is_main:  # the run's training time, as max_minutes and metrics.jsonl's elapsed_s count it
         session = f" ({(state.seconds - before) / 60:.1f} min in this session)" if resume_from else ""
-        log.info("stopped (%s) after %d updates, %.1f min of training%s", stop, state.step,
-                 state.seconds / 60, session)
+        log.info("stopped (%s) after %d update%s, %.1f min of training%s", stop, state.step,
+                 "s"[: state.step != 1], state.seconds / 60, session)
     if stop in STOPPED_BY:  # the agreed signal, not the latest: a SIGTERM
         # during the save changed one process' and that one exited 0
         raise Stopped(f"stopped by {stop} at update {state.step}, saved in {checkpoint_dirs(run_dir)[-1]}; "

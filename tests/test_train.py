@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
-from train_helpers import tiny_config, write_corpus
+from train_helpers import set_args, tiny_config, write_corpus
 
 from aiayn import cli
 from aiayn.checkpoint import load_checkpoint
@@ -271,7 +271,7 @@ def run_cli(capsys, *argv) -> tuple[int, str]:
 
 def test_bad_inputs_give_one_line(tmp_path, capsys):
     _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
-    args = [a for s in sets for a in ("--set", s)]
+    args = set_args(sets)
     (tmp_path / "short.en").write_text("a dog\n", encoding="utf-8")
     (tmp_path / "bad.de").write_bytes(b"ein Hund\nzwei \xc3\x28 Katzen\n")
     (tmp_path / "two.en").write_text("a dog\ntwo cats\n", encoding="utf-8")
@@ -520,7 +520,7 @@ def test_a_bleu_tokenizer_missing_its_packages_fails_before_the_tokenizer_is_tra
     except (RuntimeError, ImportError):
         pass
     _, sets = tiny_config(tmp_path, tmp_path / "run", "train.bleu_every=2", "train.bleu_lang=ja")
-    assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert cli.main(["train", *set_args(sets)]) == 2
     assert "sacreBLEU's ja-mecab tokenizer needs packages missing here" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing trained, not even the run directory made
 
@@ -918,7 +918,7 @@ def test_running_out_of_memory_in_training_is_one_line_naming_the_setting(tmp_pa
         return real_loss(net, batch, eps, autocast)
 
     monkeypatch.setattr(loop, "batch_loss", failing)
-    code, line = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    code, line = run_cli(capsys, "train", *set_args(sets))
     doing = "update 5" if where == "update" else "the validation at update 4"
     sized = f"aiayn: error: out of memory in {doing} (batches of up to train.max_tokens=64 tokens a side)"
     keep = "train.update_freq to keep the tokens of an update"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import in_job, tiny_config
+from train_helpers import in_job, set_args, tiny_config
 
 from aiayn.errors import UserError
 from aiayn.train.loop import train
@@ -148,7 +148,7 @@ def torchrun_train(
         str(processes),
         *(["-m", "aiayn"] if script is None else [str(script)]),
         "train",
-        *[a for s in sets for a in ("--set", s)],
+        *set_args(sets),
         *options,
     ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -342,7 +342,7 @@ def test_a_config_file_every_process_reads_is_said_once_a_machine(tmp_path, monk
     monkeypatch.setattr("aiayn.evaluate.bleu_metrics", lambda lang: (_ for _ in ()).throw(
         UserError("sacreBLEU's ja-mecab tokenizer needs packages missing here")))
     _, sets = tiny_config(tmp_path, tmp_path / "run", "train.bleu_every=2", "train.bleu_lang=ja")
-    assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert cli.main(["train", *set_args(sets)]) == 2
     assert ("ja-mecab tokenizer needs packages missing here" in capsys.readouterr().err) == said
 
 
@@ -384,13 +384,11 @@ def test_a_job_whose_other_processes_never_join_is_said_and_given_up(tmp_path, m
     from aiayn import cli
     from aiayn.train import distributed
 
-    monkeypatch.setattr(distributed, "JOIN_TIMEOUT", datetime.timedelta(seconds=1.5))  # 5 minutes in a job
-    monkeypatch.setattr(distributed, "JOIN_NOTICE_S", 0.5)
     monkeypatch.setattr(distributed, "GROUP_TIMEOUT", datetime.timedelta(seconds=2))  # which bounded it
     port = started_by_hand(monkeypatch, rank=0)
     _, sets = tiny_config(tmp_path, tmp_path / "run")
     with caplog.at_level(logging.WARNING, "aiayn"):
-        assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+        assert cli.main(["train", *set_args(sets)]) == 2
     assert capsys.readouterr().err == (
         f"aiayn: error: process 0: 1 of the job's 2 processes joined at 127.0.0.1:{port} within 1.5 s; the "
         "others did not start, or failed before joining (each machine's torchrun log says why); torchrun did "
@@ -399,7 +397,7 @@ def test_a_job_whose_other_processes_never_join_is_said_and_given_up(tmp_path, m
     assert not (tmp_path / "run").exists()
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")  # not its machine's first: the error is its own, said all the same
-    assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert cli.main(["train", *set_args(sets)]) == 2
     assert capsys.readouterr().err.startswith(f"aiayn: error: process 1: cannot reach the job's store at "
                                               f"127.0.0.1:{port} within 1.5 s (")
 
@@ -412,8 +410,6 @@ def test_a_process_whose_process_0_never_comes_waits_join_timeout_and_says_one_l
     from aiayn import cli
     from aiayn.train import distributed
 
-    monkeypatch.setattr(distributed, "JOIN_TIMEOUT", datetime.timedelta(seconds=1.5))  # 5 minutes in a job
-    monkeypatch.setattr(distributed, "JOIN_NOTICE_S", 0.5)
     store, waited = distributed._store, []
 
     def timed(*args):
@@ -428,7 +424,7 @@ def test_a_process_whose_process_0_never_comes_waits_join_timeout_and_says_one_l
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     _, sets = tiny_config(tmp_path, tmp_path / "run")
     with caplog.at_level(logging.WARNING, "aiayn"):
-        assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+        assert cli.main(["train", *set_args(sets)]) == 2
     assert capfd.readouterr().err == (
         f"aiayn: error: process 1: cannot reach the job's store at 127.0.0.1:{port} within 1.5 s (Connection "
         "refused); torchrun did not start this process: to train in one, unset WORLD_SIZE, RANK and "
@@ -439,7 +435,12 @@ def test_a_process_whose_process_0_never_comes_waits_join_timeout_and_says_one_l
 
 def started_by_hand(monkeypatch, rank: int) -> int:
     """Process `rank` of a 2-process job whose variables were set by hand (not by torchrun) at a free
-    port of this machine, returned."""
+    port of this machine, returned; its join hurried: JOIN_TIMEOUT 1.5 s (5 minutes in a job), the notice of
+    those still awaited after 0.5 s."""
+    from aiayn.train import distributed
+
+    monkeypatch.setattr(distributed, "JOIN_TIMEOUT", datetime.timedelta(seconds=1.5))
+    monkeypatch.setattr(distributed, "JOIN_NOTICE_S", 0.5)
     port = free_port()
     for name, value in (("WORLD_SIZE", "2"), ("RANK", str(rank)), ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(port))):
@@ -487,7 +488,7 @@ def test_a_machine_that_fails_before_joining_is_said_on_both_machines(tmp_path):
     port = free_port()
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
               "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", "two"]
-    first = subprocess.Popen([*launch, str(script), "train", *[a for s in sets for a in ("--set", s)]],
+    first = subprocess.Popen([*launch, str(script), "train", *set_args(sets)],
                              env=env, stderr=subprocess.PIPE, text=True)
     serving(port)  # the first machine's launcher holds the rendezvous, as HOST0's does: torchrun's own
     # traceback where the launcher holding it is the one that exits
@@ -596,7 +597,7 @@ def test_processes_given_different_settings_are_refused_naming_them(tmp_path, mo
             gathered[:] = [mine, (_shared_settings(theirs), host)]
 
         monkeypatch.setattr(distributed.dist, "all_gather_object", gather)
-        return cli.main(["train", *[a for s in sets for a in ("--set", s)]])
+        return cli.main(["train", *set_args(sets)])
 
     (tmp_path / "theirs").mkdir()
     _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=1")
@@ -656,7 +657,7 @@ def test_a_rank_outside_a_torchrun_job_silences_nothing(tmp_path, monkeypatch, c
     assert cli.main(["train", "--config", str(tmp_path / "nofile.toml")]) == 2
     assert "nofile.toml: config file not found" in capsys.readouterr().err
     _, sets = tiny_config(tmp_path, tmp_path / "run")
-    assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert cli.main(["train", *set_args(sets)]) == 2
     assert capsys.readouterr().err == ("aiayn: error: RANK=1 is set, but WORLD_SIZE is not: start many "
                                        "processes with torchrun, or unset RANK for one\n")
     assert not (tmp_path / "run").exists()
@@ -665,7 +666,7 @@ def test_a_rank_outside_a_torchrun_job_silences_nothing(tmp_path, monkeypatch, c
         for variable, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2"),
                                 ("MASTER_ADDR", "127.0.0.1"), (name, rank)):
             monkeypatch.setenv(variable, value)
-        assert cli.main(["train", *[a for s in sets for a in ("--set", s)]]) == 2
+        assert cli.main(["train", *set_args(sets)]) == 2
         assert capsys.readouterr().err == (f"aiayn: error: {name}={rank} is set, but WORLD_SIZE=2: it must be "
                                            "from 0 to 1 (torchrun sets both)\n")
     monkeypatch.delenv("LOCAL_RANK")

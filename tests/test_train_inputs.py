@@ -28,7 +28,7 @@ import sentencepiece as spm
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from train_helpers import in_job, tiny_config, write_corpus
+from train_helpers import in_job, set_args, tiny_config, write_corpus
 
 from aiayn import cli
 from aiayn.checkpoint import read_meta
@@ -448,7 +448,7 @@ def test_the_result_line_names_the_best_checkpoint_also_when_a_resume_trains_not
                 f"{m['valid_ppl']:.2f} (max_updates={step}); best checkpoint "
                 f"{checkpoints / f'step_{best:06d}'}\n")
 
-    args = ["train", *[a for s in sets for a in ("--set", s)], "--set", f"train.run_dir={run}", "--resume"]
+    args = ["train", *set_args(sets), "--set", f"train.run_dir={run}", "--resume"]
     assert cli.main(args) == 0
     assert capsys.readouterr().out == expected(4)  # nothing trained: the finished run's line
     assert cli.main([*args, "--set", "train.max_updates=6"]) == 0
@@ -576,8 +576,7 @@ def test_a_signal_saves_the_update_it_stopped_at_and_resume_ends_where_an_unbrok
         return result
 
     monkeypatch.setattr(loop, "train_step", step_then_signal)
-    args = [a for s in sets[:-2] + [f"train.run_dir={run}", "train.max_updates=4", "train.valid_every=2"]
-            for a in ("--set", s)]
+    args = set_args(sets[:-2] + [f"train.run_dir={run}", "train.max_updates=4", "train.valid_every=2"])
     code, err = run_cli(capsys, "train", *args)
     assert code == 128 + signum
     assert err[-1] == f"aiayn: stopped by {signal.Signals(signum).name} at update 3, saved in {run}/checkpoints/" \
@@ -833,7 +832,7 @@ def test_a_signal_before_the_first_update_is_said_as_for_every_command(tmp_path,
             "real = loop.build_model\n"
             f"def signalled(*args):\n    os.kill(os.getpid(), signal.{name})\n    return real(*args)\n"
             "loop.build_model = signalled\nsys.exit(main(sys.argv[1:]))\n")
-    run = subprocess.run([sys.executable, "-c", code, "train", *[a for s in sets for a in ("--set", s)]],
+    run = subprocess.run([sys.executable, "-c", code, "train", *set_args(sets)],
                          capture_output=True, text=True, timeout=300, check=False)
     if ignored:
         assert run.returncode == 0 and run.stdout.startswith("step 1: valid loss"), run.stderr
@@ -1363,7 +1362,7 @@ def test_validate_leaves_a_training_model_training_after_an_error():
 def test_an_unusable_run_dir_gives_one_line_before_anything_runs(tmp_path, capsys, where):
     (tmp_path / "afile").write_text("x", encoding="utf-8")
     _, sets = tiny_config(tmp_path, tmp_path / where, "train.max_updates=2")
-    code, err = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    code, err = run_cli(capsys, "train", *set_args(sets))
     assert code == 2 and err[-1].startswith("aiayn: error: ") and "train.run_dir" in err[-1], err
     assert not any("SentencePiece" in line for line in err)  # nothing was trained first
     assert (tmp_path / "afile").read_text(encoding="utf-8") == "x"
@@ -1470,7 +1469,7 @@ def test_an_unwritable_checkpoints_folder_is_one_line_before_training(tmp_path, 
         return real(*args, dir=dir, **kwargs)
 
     monkeypatch.setattr(tempfile, "TemporaryFile", temporary_file)
-    code, err = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    code, err = run_cli(capsys, "train", *set_args(sets))
     assert code == 2 and err[-1] == f"aiayn: error: {tmp_path / 'run' / 'checkpoints'}: cannot be written " \
         "(Permission denied)", err
     assert not any("SentencePiece" in line for line in err)  # nothing was trained first
@@ -1482,7 +1481,7 @@ def test_a_cache_folder_that_is_a_file_is_one_line_before_training(tmp_path, cap
     _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=2")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "cache").write_text("x", encoding="utf-8")
-    code, err = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    code, err = run_cli(capsys, "train", *set_args(sets))
     cache = tmp_path / "run" / "cache"
     assert code == 2 and err[-1] == f"aiayn: error: {cache}: exists and is not a directory", err
     assert not any("SentencePiece" in line for line in err)  # nothing was trained first
@@ -1503,7 +1502,7 @@ def test_an_unreadable_cache_folder_is_one_line_before_training(tmp_path, capsys
         return real(path)
 
     monkeypatch.setattr(os, "scandir", scandir)
-    code, err = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    code, err = run_cli(capsys, "train", *set_args(sets))
     assert code == 2 and err[-1] == f"aiayn: error: {cache}: cannot be read (Permission denied)", err
     assert not any("SentencePiece" in line for line in err)
 
@@ -1529,7 +1528,7 @@ def test_a_full_run_dir_is_one_line_before_training(tmp_path, capsys, monkeypatc
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(tempfile, "TemporaryFile", lambda *args, **kwargs: FullDisk(real(*args, **kwargs)))
-    code, err = run_cli(capsys, "train", *[a for s in sets for a in ("--set", s)])
+    code, err = run_cli(capsys, "train", *set_args(sets))
     assert code == 2 and err[-1] == f"aiayn: error: {tmp_path / 'run'}: train.run_dir cannot be written " \
         "(No space left on device)", err
     assert not (tmp_path / "run" / ".lock").exists()

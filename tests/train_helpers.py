@@ -53,6 +53,11 @@ def tiny_config(data_dir: Path, run_dir: Path, *extra: str):
     return load_config(None, sets + list(extra)), sets + list(extra)
 
 
+def set_args(sets: list[str]) -> list[str]:
+    """`sets` as the command line gives them: "--set", item, "--set", item, ..."""
+    return [a for s in sets for a in ("--set", s)]
+
+
 def in_job(monkeypatch, rank: str, local_rank: str | None = None) -> None:
     """The environment torchrun gives process `rank` of 2 (on one machine, or with `local_rank` "0" the first
     of a second machine), and a `setup` that checks and chooses the device as there but joins no job (it

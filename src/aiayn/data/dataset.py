@@ -346,11 +346,12 @@ def warn_if_unknown(src_path: str | Path, tgt_path: str | Path, corpus: EncodedC
                                     (tgt_path, corpus.tgt_ids, corpus.tgt_offsets, 0)):
         at = (ids == unk_id).nonzero().flatten()  # (unknown pieces,) positions in the flat ids
         sentence = torch.searchsorted(offsets, at, right=True) - 1  # (unknown pieces,) the pair each is in
-        at = at[keep[sentence]]  # those of the pairs kept
+        inside = keep[sentence]  # (unknown pieces,) whether the pair each is in is kept
+        at, sentence = at[inside], sentence[inside]  # those of the pairs kept
         pieces = int((offsets.diff() - eos)[keep].sum())  # a source's last piece is its EOS
         if len(at) <= UNKNOWN_TOLERANCE * pieces:
             continue
-        lines = len(sentence[keep[sentence]].unique())  # the sentences they are in
+        lines = len(sentence.unique())  # the sentences they are in
         why = ("the tokenizer kept (train.init_from's, or the resumed run's) was trained on other text: "
                "another language or script?" if kept else "the tokenizer's training text (or the sample it "
                "learnt from) lacks them, or data.character_coverage < 1 left them out")

@@ -150,12 +150,11 @@ def _readable_here(t: Tensor) -> bool:
 
 
 def check_src_mask_rows(src_mask: Tensor) -> None:
-    """Each row of a (B, 1, 1, S) bool `src_mask` lets its queries attend to some source position: every
-    real source holds at least its EOS. torch's key_padding_mask (True = pad) or an all-False mask gave
-    wrong logits, silently. Where `_readable_here` only: a GPU's mask stays unchecked."""
-    if not isinstance(src_mask, Tensor) or src_mask.dtype != torch.bool or src_mask.dim() != 4 \
-            or not _readable_here(src_mask):
-        return  # another dtype or shape: `decode` names it
+    """Each row of a (B, 1, 1, S) bool `src_mask` (as `_decode` checked it) lets its queries attend to some
+    source position: every real source holds at least its EOS. torch's key_padding_mask (True = pad) or an
+    all-False mask gave wrong logits, silently. Where `_readable_here` only: a GPU's mask stays unchecked."""
+    if not _readable_here(src_mask):  # its dtype and shape: checked by `_decode`, which alone calls this
+        return
     attends = src_mask.numpy().any(axis=-1).reshape(-1)  # (B,)
     if not attends.all():
         raise ValueError(f"src_mask row {int((~attends).nonzero()[0][0])} is False everywhere: it is True "

@@ -387,8 +387,7 @@ def _resume_refusal(checkpoint: Path, config: RunConfig, kept: list[Kept]) -> Sa
             groups.append([k])
     said = []
     for group in groups:
-        *before, last = [k.now for k in group]
-        now, note = f"{', '.join(before)} and {last}" if before else last, group[0].note
+        now, note = _and_list([k.now for k in group]), group[0].note
         resumed = f"the default {now}" if note == "the default" else f"{now} {note}".strip()
         if group[0].fix:  # "4 batches an update (4 processes x train.update_freq=1; resumed with 2 x 1)"
             said.append(f"{group[0].trained} ({group[0].setting}; resumed with {now})")
@@ -397,8 +396,7 @@ def _resume_refusal(checkpoint: Path, config: RunConfig, kept: list[Kept]) -> Sa
     whys = {k.why for k in kept}
     kinds = {"batches": "its batches (the saved position in the epoch counts them)", "model": "its model",
              "tokenizer": "its tokenizer"}
-    *before, last = [kind for why, kind in kinds.items() if why in whys]
-    what = f"{', '.join(before)} and {last}" if before else last
+    what = _and_list([kind for why, kind in kinds.items() if why in whys])
     dropout = ("; to train on with another dropout, fine-tune from the checkpoint (train.init_from) in "
                "another train.run_dir" if any(k.setting == "model.dropout" for k in kept) else "")
     settings = [k.written or k.setting for k in kept]  # not "2 processes x train.update_freq=1"
@@ -410,6 +408,12 @@ def _resume_refusal(checkpoint: Path, config: RunConfig, kept: list[Kept]) -> Sa
         f"{places}{checkpoint}: trained with "
         f"{', '.join(said)}; --resume continues the run with {what}: {remedy}, or use a new "
         f"train.run_dir{dropout}")
+
+
+def _and_list(items: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    *before, last = items
+    return f"{', '.join(before)} and {last}" if before else last
 
 
 def _other_finetune_model(checkpoint: Path, meta: dict[str, Any], config: RunConfig) -> list[Kept]:

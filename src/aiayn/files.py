@@ -209,10 +209,18 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
         check_replaceable(out, earlier, forced=forced)
 
 
-def already_exists(out: Path) -> UserError:
+class AlreadyExists(UserError):
+    """`already_exists`'s refusal, told apart by its type (average's default output) and its `path`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path}: already exists (pass --force, force=True in Python, to replace it)")
+        self.path = Path(path)
+
+
+def already_exists(out: Path) -> AlreadyExists:
     """The refusal of an existing `out` without --force: before the work (`check_output`), and at the write
     (`write_atomically` with exist_ok=False), where one that came meanwhile was replaced silently."""
-    return UserError(f"{out}: already exists (pass --force, force=True in Python, to replace it)")
+    return AlreadyExists(out)
 
 
 def _own_earlier_output(out: Path, source: Path, earlier: OutputKind | None) -> bool:

@@ -30,7 +30,7 @@ from aiayn.checkpoint import (
 )
 from aiayn.config import resolved_settings
 from aiayn.errors import UserError
-from aiayn.files import MOVED_ASIDE, already_exists, check_output, moved_aside, overlap
+from aiayn.files import MOVED_ASIDE, AlreadyExists, check_output, moved_aside, overlap
 from aiayn.model import Transformer
 from aiayn.train.state import (
     STEP_DIR,
@@ -344,7 +344,8 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
         try:
             return average_checkpoints(chosen, target, replace, replace_average=out is None)
         except UserError as e:
-            if out is None and str(e) == str(already_exists(Path(target))) and is_average(Path(target)):
+            if (out is None and isinstance(e, AlreadyExists) and e.path == Path(target)
+                    and is_average(Path(target))):
                 # another average landed during this one's write, too late to be replaced
                 raise UserError(f"{target}: another average was written there meanwhile; run again") from None
             if all(p.is_dir() for p in chosen):  # a real problem, not a run pruning what was listed

@@ -29,6 +29,7 @@ from aiayn.checkpoint import (
     trained_on,
 )
 from aiayn.config import resolved_settings
+from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
 from aiayn.files import MOVED_ASIDE, AlreadyExists, check_output, moved_aside, overlap
 from aiayn.model import Transformer
@@ -122,12 +123,11 @@ def mean_weights(paths: list[Path]) -> dict[str, torch.Tensor]:
     return mean.mean({name: dtype for name, (_, dtype) in ref.items()})
 
 
-def check_same_tokenizer(paths: list[Path], metas: list[dict]) -> None:
+def check_same_tokenizer(paths: list[Path], tokenizers: list[Tokenizer]) -> None:
     """Every checkpoint has the first's tokenizer (pieces, vocabularies, special ids), as an ensemble
     must: the same weight shapes under another spm.model mean different tokens at the same ids."""
-    first = checkpoint_tokenizer(paths[0], metas[0])
-    for p, meta in zip(paths[1:], metas[1:]):
-        if not checkpoint_tokenizer(p, meta).same_as(first):
+    for p, tokenizer in zip(paths[1:], tokenizers[1:]):
+        if not tokenizer.same_as(tokenizers[0]):
             raise UserError(f"{p}: its tokenizer differs from {paths[0]}'s; cannot average them")
 
 
@@ -189,10 +189,12 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False,
     check_outside_checkpoints(Path(out), may_be_one=True)  # first (--force cannot mend it); Python callers
     check_output(out, list(paths), force, earlier=CHECKPOINT_KIND)  # too: keep_last deleted it there
     metas = [read_meta(p) for p in paths]
+    tokenizers = []  # each read once, for both checks
     for p, meta in zip(paths, metas):  # an edited vocab_size was "a different model", or blamed on the weights
-        check_meta_vocabulary(p, meta_model_config(p, meta), checkpoint_tokenizer(p, meta))
+        tokenizers.append(checkpoint_tokenizer(p, meta))
+        check_meta_vocabulary(p, meta_model_config(p, meta), tokenizers[-1])
     check_same_model(paths, metas)
-    check_same_tokenizer(paths, metas)
+    check_same_tokenizer(paths, tokenizers)
     warn_other_seeds(paths, metas)
     warn_other_data(paths, metas)
     mean = mean_weights(paths)  # first: the check of every file comes before a model is built

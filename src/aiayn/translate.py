@@ -47,7 +47,7 @@ from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.compiled import check_cxx_compiler, compile_one_row_step
 from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
 from aiayn.decoding.ensemble import SHARED_FIELDS, vocabularies
-from aiayn.decoding.options import SAMPLING_ONLY
+from aiayn.decoding.options import SAMPLING_ONLY, check_decode_config
 from aiayn.decoding.score import force_decode
 from aiayn.decoding.search import sampling_generator
 from aiayn.errors import (
@@ -233,9 +233,8 @@ def check_translator_parts(model: Any, tokenizer: Any, config: Any) -> None:
     if not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"Translator takes the model's Tokenizer, not {type(tokenizer).__name__}: "
                         "load_checkpoint(path).tokenizer, Tokenizer(spm_model_path), or Translator.load(path)")
-    if config is not None and not isinstance(config, DecodeConfig):
-        raise TypeError(f"Translator takes a DecodeConfig, not {type(config).__name__}: build one with "
-                        "DecodeConfig(beam=4, ...), or aiayn.translate.decode_config(**options)")
+    if config is not None:
+        check_decode_config(config, "Translator")
 
 
 class Translator:

@@ -122,3 +122,11 @@ class DecodeConfig:
         # int() does); b capped at the limit first (a * n >= 0, so the result is the same): a huge b is cheap
         a, b = Decimal(repr(float(self.max_len_a))), min(self.max_len_b, limit)
         return [max(1, int(min(limit, a * n + b))) for n in src_lengths]
+
+
+def check_decode_config(config: object, who: str) -> None:
+    """`who` (generate(), Translator) takes a DecodeConfig: None or a dict failed later, as "'NoneType'
+    object has no attribute 'sample'" or "'dict' object has no attribute 'beam'"."""
+    if not isinstance(config, DecodeConfig):
+        raise TypeError(f"{who} takes a DecodeConfig, not {type(config).__name__}: build one with "
+                        "DecodeConfig(beam=4, ...), or aiayn.translate.decode_config(**options)")

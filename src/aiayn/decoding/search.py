@@ -17,7 +17,7 @@ from torch import Tensor
 
 from aiayn.decoding.ensemble import Ensemble
 from aiayn.decoding.length_penalty import length_penalty
-from aiayn.decoding.options import DecodeConfig
+from aiayn.decoding.options import DecodeConfig, check_decode_config
 from aiayn.model import KVCache, Transformer
 from aiayn.model.transformer import check_ids
 
@@ -140,9 +140,7 @@ def generate(
     from aiayn.decoding.beam import beam_search
     from aiayn.decoding.greedy import greedy_search
 
-    if not isinstance(config, DecodeConfig):  # None or a dict: "'NoneType' object has no attribute 'sample'"
-        raise TypeError(f"generate() takes a DecodeConfig, not {type(config).__name__}: build one with "
-                        "DecodeConfig(beam=4, ...), or aiayn.translate.decode_config(**options)")
+    check_decode_config(config, "generate()")
     check_ids("src", src)  # before sampling reads its device: a list's was an AttributeError
     if generator is not None and not config.sample:
         raise ValueError("generator is used only with sample=True")

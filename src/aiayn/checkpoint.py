@@ -712,8 +712,12 @@ def averaged_from(meta: dict[str, Any]) -> str | None:
     averaged = meta.get("averaged")
     if not isinstance(averaged, list):
         return None
-    n = len(averaged)
-    return f"{n} checkpoint{'s' if n != 1 else ''}, {', '.join(map(str, averaged))}"
+    return f"{checkpoints_said(len(averaged))}, {', '.join(map(str, averaged))}"
+
+
+def checkpoints_said(n: int) -> str:
+    """'1 checkpoint', '3 checkpoints' ("averaged 1 checkpoints" was said of a run that had saved one)."""
+    return f"{n} checkpoint{'s' * (n != 1)}"
 
 
 def _provenance(meta: dict[str, Any]) -> list[str]:

@@ -16,6 +16,7 @@ from aiayn.checkpoint import (
     check_fits,
     check_meta_vocabulary,
     checkpoint_tokenizer,
+    checkpoints_said,
     config_section,
     is_checkpoint,
     load_checkpoint,
@@ -215,13 +216,9 @@ def average_checkpoints(paths: list[Path], out: str | Path, force: bool = False,
     # before it would have been, not refused with an advice to pass --force that a rerun does not need)
     saved = save_checkpoint(out, last.model, last.tokenizer, meta, replace_training_state=force,
                             exist_ok=force or (replace_average and is_average(Path(out))))
-    log.info("averaged %s into %s", _checkpoints(len(paths)), saved)  # after: a failed write is not reported
+    # after the write: a failed one is not reported as done
+    log.info("averaged %s into %s", checkpoints_said(len(paths)), saved)
     return saved
-
-
-def _checkpoints(n: int) -> str:
-    """'1 checkpoint', '3 checkpoints' ("averaged 1 checkpoints" was said of a run that had saved one)."""
-    return f"{n} checkpoint{'s' * (n != 1)}"
 
 
 def check_same_model(paths: list[Path], metas: list[dict]) -> None:
@@ -332,7 +329,7 @@ def average_last(run_dir: str | Path, k: int, out: str | Path | None = None, for
             raise UserError(f"{run_dir}: no checkpoints found{_wrong_directory_hint(run_dir)}")
         if len(found) < k and attempt == 0:
             log.warning("%s: only %s where %d were asked for; averaging %s", run_dir,
-                        _checkpoints(len(found)), k, "that one" if len(found) == 1 else "those")
+                        checkpoints_said(len(found)), k, "that one" if len(found) == 1 else "those")
         chosen = found[-k:]
         if attempt == 0:
             _warn_out_of_window(chosen)

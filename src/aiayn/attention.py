@@ -416,6 +416,11 @@ def check_out_dir(out_dir: str | Path) -> Path:
     return out_dir
 
 
+def map_paths(out_dir: Path) -> dict[str, Path]:
+    """Where `draw_attention` puts each kind's map, and the page ("html"), in `out_dir`."""
+    return {kind: out_dir / f"attention_{kind}.png" for kind in KINDS} | {"html": out_dir / "attention.html"}
+
+
 def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "attention") -> dict[str, Path]:
     """Write attention_{encoder,decoder,cross}.png and attention.html into `out_dir`.
 
@@ -444,7 +449,7 @@ def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "atten
         log.warning("%d label character(s) (%s) are in no installed font and show as boxes in the PNGs; "
                     "attention.html lists the pieces as text (a font such as Noto Sans CJK draws them)",
                     len(missing), "".join(missing[:10]))
-    files = {kind: out_dir / f"attention_{kind}.png" for kind in pngs} | {"html": out_dir / "attention.html"}
+    files = {kind: path for kind, path in map_paths(out_dir).items() if kind in pngs or kind == "html"}
     for path in files.values():  # before any is replaced: a directory in the way left a mixed set
         if path.is_dir():
             raise UserError(f"{path}: is a directory; will not replace it")
@@ -459,7 +464,7 @@ def draw_attention(maps: AttentionMaps, out_dir: str | Path, title: str = "atten
             f.flush()
             os.fsync(f.fileno())
     for kind in sorted(set(KINDS) - set(drawn)):  # an earlier drawing's map of it would pass for this one's
-        stale = out_dir / f"attention_{kind}.png"
+        stale = map_paths(out_dir)[kind]
         if stale.is_file():
             stale.unlink()
         log.info("no %s map: that stack has none of layers %s", kind, ",".join(map(str, maps.layers)))

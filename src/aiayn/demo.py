@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from aiayn.attention import KINDS, draw_attention, extract_attention
+from aiayn.attention import draw_attention, extract_attention, map_paths
 from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
 from aiayn.decoding.options import cpu_seed_problem
@@ -354,7 +354,7 @@ def remove_earlier_outputs(out: Path) -> None:
     if not (out / "data" / MARKER).exists():  # check_out found none of them there
         return
     maps = out / "attention"
-    earlier = [out / "test.hyp.de", maps / "attention.html", *(maps / f"attention_{k}.png" for k in KINDS)]
+    earlier = [out / "test.hyp.de", *map_paths(maps).values()]
     removed = [path for path in earlier if path.is_file()]
     for path in removed:
         try:

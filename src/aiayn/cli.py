@@ -25,7 +25,7 @@ from aiayn.config import (
     ModelConfig,
     model_config,
 )
-from aiayn.errors import Stopped, UserError, non_utf8_name
+from aiayn.errors import Stopped, Terminated, UserError, non_utf8_name
 
 if TYPE_CHECKING:  # annotations only: each command imports what it uses, so the CLI starts fast
     from pathlib import Path
@@ -1075,18 +1075,6 @@ class DiagnosticStream:
         except (OSError, ValueError):
             _to_devnull(self.stderr)
             self.stderr = None
-
-
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP (`timeout`, a closed terminal, a job scheduler) outside training's updates (its
-    data's preparation included), raised as Ctrl-C raises KeyboardInterrupt: an output being written is
-    removed on the way out (`atomic_output`), not left behind as a hidden temporary file. A BaseException,
-    as KeyboardInterrupt, so that no `except Exception` takes it for an error. Training handles these
-    signals itself during its updates: it saves, then stops (`aiayn.train.loop.StopSignal`)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
 
 
 def _terminate(signum: int, frame) -> None:

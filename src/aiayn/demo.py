@@ -29,7 +29,7 @@ from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
 from aiayn.decoding.options import cpu_seed_problem
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
-from aiayn.errors import CorruptFile, Stopped, UserError, control_character, non_utf8_name
+from aiayn.errors import CorruptFile, Stopped, Terminated, UserError, control_character, non_utf8_name
 from aiayn.files import atomic_output, check_directory_path
 from aiayn.train.state import LOCK, RunBusy, RunLock, check_outside_checkpoints, checkpoint_dirs
 
@@ -266,12 +266,10 @@ def stopped(sig: signal.Signals, when: str, run_dir: Path) -> Stopped:
 
 def stop_signal(e: BaseException) -> signal.Signals | None:
     """The signal that `e` stands for: Ctrl-C's KeyboardInterrupt, or the CLI's `Terminated` (SIGTERM,
-    SIGHUP), which has its number (not imported: the library does not depend on the CLI); None for others."""
+    SIGHUP); None for others."""
     if isinstance(e, KeyboardInterrupt):
         return signal.SIGINT
-    if isinstance(e, Exception) or not isinstance(signum := getattr(e, "signum", None), int):
-        return None
-    return signal.Signals(signum)
+    return signal.Signals(e.signum) if isinstance(e, Terminated) else None
 
 
 def training_seconds(checkpoint: Path) -> float:

@@ -175,3 +175,15 @@ def control_character(name: str) -> str | None:
     if found is None:
         return None
     return ESCAPED_CONTROLS.get(found, f"the control character U+{ord(found):04X}")
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP (`timeout`, a closed terminal, a job scheduler) outside training's updates (its
+    data's preparation included), raised as Ctrl-C raises KeyboardInterrupt: an output being written is
+    removed on the way out (`atomic_output`), not left behind as a hidden temporary file. A BaseException,
+    as KeyboardInterrupt, so that no `except Exception` takes it for an error. Training handles these
+    signals itself during its updates: it saves, then stops (`aiayn.train.loop.StopSignal`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum

@@ -37,8 +37,9 @@ from aiayn.data.lines import (
     InnerCRs,
     cr_only,
     cr_only_error,
+    invalid_utf8,
     lone_cr_count,
-    looks_like,
+    nul_byte,
     require_same_count,
     whole_characters,
 )
@@ -560,9 +561,9 @@ def _decoded(raw: bytes, name: str, n: int, head: bytes) -> tuple[str, UserError
     try:
         text = raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as e:
-        return "", UserError(f"{name}:{n}: invalid UTF-8 (byte {raw[e.start]:#04x}){looks_like(head)}")
+        return "", invalid_utf8(f"{name}:{n}", raw[e.start], head)
     if "\0" in text:
-        return "", UserError(f"{name}:{n}: NUL byte (binary or corrupt input?){looks_like(head)}")
+        return "", nul_byte(f"{name}:{n}", head)
     return text, None
 
 

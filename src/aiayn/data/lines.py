@@ -73,7 +73,7 @@ def line_blocks(path: Path, stream: BinaryIO | None = None, done: str = "read") 
         yield _split_lines(text.removeprefix("\ufeff") if n == 0 else text)
         last = block
     if nul is not None:
-        raise UserError(f"{path}:{nul}: NUL byte (binary or corrupt input?){looks_like(head)}")
+        raise nul_byte(f"{path}:{nul}", head)
     if not newlines and cr_only(last):  # else one line, refused later by SentencePiece
         raise cr_only_error(path)
     if newlines and lone_crs > newlines:  # CR line ends, an LF at the end: read as one line, silently
@@ -237,8 +237,18 @@ def _decode(path: Path, block: bytes, newlines_before: int, head: bytes) -> str:
         return block.decode("utf-8")
     except UnicodeDecodeError as e:
         line = newlines_before + block.count(b"\n", 0, e.start) + 1
-        looks = looks_like(head)
-        raise UserError(f"{path}:{line}: invalid UTF-8 (byte {block[e.start]:#04x}){looks}") from None
+        raise invalid_utf8(f"{path}:{line}", block[e.start], head) from None
+
+
+def invalid_utf8(where: str, byte: int, head: bytes) -> UserError:
+    """The error of a line (`where`: FILE:LINE) that is no UTF-8 at `byte`, and what the file looks like
+    from its first bytes `head`."""
+    return UserError(f"{where}: invalid UTF-8 (byte {byte:#04x}){looks_like(head)}")
+
+
+def nul_byte(where: str, head: bytes) -> UserError:
+    """The error of a line (`where`: FILE:LINE) of valid UTF-8 with a NUL byte, which no text has."""
+    return UserError(f"{where}: NUL byte (binary or corrupt input?){looks_like(head)}")
 
 
 def decode_utf8(path: Path | str, data: bytes) -> str:
@@ -247,7 +257,7 @@ def decode_utf8(path: Path | str, data: bytes) -> str:
     text = _decode(Path(path), data, 0, data[:HEAD_BYTES])
     if (nul := text.find("\0")) >= 0:  # valid UTF-8, as ASCII in UTF-16 without a byte order mark is
         line = text.count("\n", 0, nul) + 1
-        raise UserError(f"{path}:{line}: NUL byte (binary or corrupt input?){looks_like(data[:HEAD_BYTES])}")
+        raise nul_byte(f"{path}:{line}", data[:HEAD_BYTES])
     return text
 
 

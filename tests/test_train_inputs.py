@@ -1318,6 +1318,44 @@ def test_dropping_a_share_of_the_training_pairs_as_too_long_is_a_warning(tmp_pat
     assert said == [(logging.INFO, f"{src}, {tgt}: 199 training pairs; 1 longer than max_len=64 dropped")]
 
 
+def test_a_resume_is_advised_only_what_a_resume_accepts(tmp_path, caplog):
+    """--resume refuses another data.max_len, train.update_freq or train.max_tokens: the warning of pairs
+    dropped as too long, and the refusals of a corpus too small for an update or of one too long, advised
+    each of them ("raise data.max_len (up to 64, ...)", "set train.update_freq=1"), which the resume then
+    refused in turn."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run", "data.max_len=8", "train.update_freq=2",
+                            "train.max_updates=1")  # 48 of the 60 toy pairs dropped: 12 in 2 batches
+    train(config)
+    resumed = with_train(config, max_updates=2)
+    src, tgt = resumed.data.train_src, resumed.data.train_tgt
+    caplog.clear()  # the first run's warning
+    with caplog.at_level(logging.WARNING):
+        train(resumed, resume=True)
+    warned = (f"{src}, {tgt}: 48 of 60 training pairs are longer than 8 tokens (data.max_len=8) and dropped; "
+              "--resume keeps data.max_len (the saved position counts its batches): use a new train.run_dir "
+              "to train on them")
+    assert [m for m in caplog.messages if "training pairs are longer" in m] == [warned]
+    one_src, one_tgt = write_corpus(tmp_path, 1, "one")  # 1 pair, 1 batch: an update takes 2
+    with pytest.raises(UserError) as caught:
+        train(replace(resumed, data=replace(resumed.data, train_src=str(one_src), train_tgt=str(one_tgt))),
+              resume=True)
+    assert str(caught.value) == (
+        f"{one_src}, {one_tgt}: 1 training pair makes 1 batch of train.max_tokens=64, fewer than the 2 one "
+        "update takes (train.update_freq=2); --resume keeps the batches an update takes (the saved position "
+        "counts them): train on more pairs, or use a new train.run_dir")
+    long_src, long_tgt = tmp_path / "long.de", tmp_path / "long.en"
+    long_src.write_text("ein Hund läuft über die Wiese " * 3 + "\n", encoding="utf-8")
+    long_tgt.write_text("a dog runs across the meadow " * 3 + "\n", encoding="utf-8")
+    with pytest.raises(UserError) as caught:
+        train(replace(resumed, data=replace(resumed.data, train_src=str(long_src), train_tgt=str(long_tgt))),
+              resume=True)
+    assert str(caught.value) == (
+        f"{long_src}, {long_tgt}: all 1 training pairs are longer than data.max_len=8 tokens; --resume keeps "
+        "data.max_len (the saved position counts its batches): use a new train.run_dir, or use shorter "
+        "sentences")
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step_000001", "step_000002"]
+
+
 def test_a_bad_validation_file_fails_before_the_tokenizer_is_trained(tmp_path):
     """A missing line in the validation target is found before the (on real data, minutes-long)
     SentencePiece training, which leaves its model in the run directory."""

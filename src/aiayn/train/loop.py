@@ -230,10 +230,28 @@ def _counted(n: int, one: str, many: str) -> str:
     return f"{n:,} {one if n == 1 else many}"
 
 
-def _too_few_batches(config: RunConfig, data: Data, d: Dist) -> SameOnEveryProcess:
+def _too_few_batches(config: RunConfig, data: Data, d: Dist, resumed: bool = False) -> SameOnEveryProcess:
     """The refusal of a corpus cut into fewer batches than one update takes, with only the changes that
     give one: a batch holds at least one pair, so with fewer pairs than batches an update takes, a lower
-    train.max_tokens (once the only advice) cannot help."""
+    train.max_tokens (once the only advice) cannot help. A `resumed` run keeps its batches (`resume`
+    refuses another update_freq, max_tokens, data.max_len or processes x update_freq, each once advised
+    here): more pairs or a new run directory alone."""
+    dc, tc = config.data, config.train
+    pairs, batches, per_update = len(data.train), len(data.train_batches), d.world_size * tc.update_freq
+    ways = ", or ".join(_ways_to_an_update(config, data, d)) if not resumed else (
+        "--resume keeps the batches an update takes (the saved position counts them): train on more pairs, "
+        "or use a new train.run_dir")
+    processes = f" x {d.world_size} processes" if d.enabled else ""
+    return SameOnEveryProcess(
+        f"{dc.train_src}, {dc.train_tgt}: {_counted(pairs, 'training pair', 'training pairs')} "
+        f"{'makes' if pairs == 1 else 'make'} {_counted(batches, 'batch', 'batches')} of train.max_tokens="
+        f"{tc.max_tokens}, fewer than the {per_update} one update takes (train.update_freq={tc.update_freq}"
+        f"{processes}); {ways}"
+    )
+
+
+def _ways_to_an_update(config: RunConfig, data: Data, d: Dist) -> list[str]:
+    """The changes of a new run (or a fine-tune) that give `data` one update at least."""
     dc, tc = config.data, config.train
     pairs, batches, per_update = len(data.train), len(data.train_batches), d.world_size * tc.update_freq
     ways = []
@@ -249,13 +267,7 @@ def _too_few_batches(config: RunConfig, data: Data, d: Dist) -> SameOnEveryProce
         ways.append(f"set data.max_len{also}={data.raised[0]} ({_counted(data.raised[1], 'batch', 'batches')}"
                     f" with the {_counted(data.train_too_long, 'longer pair', 'longer pairs')} it dropped)")
     ways.append("train on more pairs")
-    processes = f" x {d.world_size} processes" if d.enabled else ""
-    return SameOnEveryProcess(
-        f"{dc.train_src}, {dc.train_tgt}: {_counted(pairs, 'training pair', 'training pairs')} "
-        f"{'makes' if pairs == 1 else 'make'} {_counted(batches, 'batch', 'batches')} of train.max_tokens="
-        f"{tc.max_tokens}, fewer than the {per_update} one update takes (train.update_freq={tc.update_freq}"
-        f"{processes}); {', or '.join(ways)}"
-    )
+    return ways
 
 
 def _max_tokens_for(train: EncodedCorpus, max_len: int, max_tokens: int,
@@ -331,7 +343,8 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     with resume_hint(run_dir, resume_from):  # the tokenizer of a resumed run is read from its checkpoint
         fixed = (start_from.model.config.max_len if start_from else _model_max_len(config)) if (
             resume_from or tc.init_from) else None
-        data = prepare_data(config, run_dir, d, start_from.tokenizer if start_from else None, fixed)
+        data = prepare_data(config, run_dir, d, start_from.tokenizer if start_from else None, fixed,
+                            resumed=resume_from is not None)
     release_freed_memory()  # what the tokenizer's training and the encoding freed (a quarter GB at 1.5 M
     # pairs) was kept until the first validation's trim
     tok = data.tokenizer
@@ -344,7 +357,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     per_update = d.world_size * tc.update_freq
     n_updates = updates_in_epoch(len(data.train_batches), per_update)
     if n_updates == 0:
-        raise _too_few_batches(config, data, d)
+        raise _too_few_batches(config, data, d, resumed=resume_from is not None)
     def restored() -> TrainState:
         state = restore(resume_from, model, optimizer, scaler, d) if resume_from else TrainState()
         epoch_on_this_corpus(state, n_updates, data.train.digest(), resume_from, d)
@@ -1166,12 +1179,13 @@ def _check_outside_other_runs(run_dir: Path) -> None:
 
 
 def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer | None = None,
-                 fixed_positions: int | None = None) -> Data:
+                 fixed_positions: int | None = None, resumed: bool = False) -> Data:
     """Tokenizer (trained on the training text once, kept in the run directory) and cached ids.
 
     Process 0 trains the tokenizer and fills the cache; the others wait, then read the cache.
     A given `tokenizer` (a fine-tuned checkpoint's) is used as it is: nothing is trained.
-    `fixed_positions`: a fine-tune's or a resume's model.max_len, which the run cannot change.
+    `fixed_positions`: a fine-tune's or a resume's model.max_len, which the run cannot change; a `resumed`
+    run cannot change data.max_len either (its batches are the checkpoint's), so none is advised.
     """
     dc = config.data  # its files are named and there (`_check_data_files`)
     # Process 0's caches, named to all: every process trains on the pairs process 0 encoded, whatever the
@@ -1184,13 +1198,15 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
     train, train_too_long = read.filter_length(dc.max_len)
     # the pair named: its target may be the long side ("tr.ja: ... 1 longer" blamed the source file)
     pair = f"{dc.train_src}, {dc.train_tgt}"
-    _require_pairs(pair, "training", len(train), train_too_long, dc.max_len)
+    cure = _longer_pairs_cure(config, fixed_positions, resumed)
+    _require_pairs(pair, "training", len(train), train_too_long, dc.max_len, cure)
     highest = _highest_max_len(config, fixed_positions)
     if d.is_main:
-        _say_too_long(config, pair, len(train), train_too_long, fixed_positions)
+        _say_too_long(config, pair, len(train), train_too_long, cure)
     batches = token_batches(train.src_lengths(), train.tgt_lengths(), config.train.max_tokens)
-    raised = None
-    if train_too_long and highest > dc.max_len and len(batches) < d.world_size * config.train.update_freq:
+    raised = None  # not on a resume, which keeps data.max_len (`_too_few_batches`)
+    short = len(batches) < d.world_size * config.train.update_freq
+    if train_too_long and highest > dc.max_len and short and not resumed:
         wider = read.filter_length(highest)[0]  # a corpus this short is cheap to batch again
         raised = highest, len(token_batches(wider.src_lengths(), wider.tgt_lengths(),
                                             config.train.max_tokens))
@@ -1199,7 +1215,7 @@ def prepare_data(config: RunConfig, run_dir: Path, d: Dist, tokenizer: Tokenizer
         valid = read_encoded(Path(caches[1][0]), caches[1][1], tokenizer)
         valid, too_long = valid.filter_length(dc.max_len)
         pair = f"{dc.valid_src}, {dc.valid_tgt}"
-        _require_pairs(pair, "validation", len(valid), too_long, dc.max_len)
+        _require_pairs(pair, "validation", len(valid), too_long, dc.max_len, cure)
         if too_long and d.is_main:
             scored = " from the loss (BLEU scores them too)" if config.train.bleu_every else ""
             log.warning("%s: %d validation %s longer than max_len=%d dropped%s", pair, too_long,
@@ -1224,42 +1240,49 @@ def _highest_max_len(config: RunConfig, fixed_positions: int | None) -> int:
     return tokens if fixed_positions is None else min(tokens, fixed_positions)
 
 
-def _say_too_long(config: RunConfig, pair: str, kept: int, too_long: int,
-                  fixed_positions: int | None) -> None:
+def _longer_pairs_cure(config: RunConfig, fixed_positions: int | None, resumed: bool) -> str:
+    """What keeps the pairs longer than data.max_len, as this run may do it: a fine-tune's or a resume's
+    model fixes its positions (raising model.max_len was advised, and refused), and a resume its
+    data.max_len (raising it was advised, and refused by `resume`); model.max_len is named only where it is
+    what stops a higher data.max_len (it was named where it was 1024 and data.max_len 3)."""
+    max_len = config.data.max_len
+    if resumed:
+        return "--resume keeps data.max_len (the saved position counts its batches): use a new train.run_dir"
+    highest = _highest_max_len(config, fixed_positions)
+    if highest > max_len:
+        limit = "train.max_tokens" if highest == config.train.max_tokens else "the model's positions"
+        also = " (and model.max_len)" * (fixed_positions is None and highest > _model_max_len(config))
+        return f"raise data.max_len{also} (up to {highest}, {limit})"
+    if fixed_positions == max_len:
+        return f"the model has {max_len} positions: split or shorten them"
+    # data.max_len is train.max_tokens
+    also = " (and model.max_len)" * (fixed_positions is None and max_len >= _model_max_len(config))
+    return f"raise train.max_tokens with data.max_len{also}"
+
+
+def _say_too_long(config: RunConfig, pair: str, kept: int, too_long: int, cure: str) -> None:
     """The training pairs kept and those dropped as longer than data.max_len, a warning from 1% dropped
     on: a corpus' few stray long lines (noisy web text) are routine and said at INFO, as fairseq's warning
     on any drop, every run, teaches users to skip warnings; a larger share is a max_len that does not fit
     the corpus or its tokenizer (the line said 1968 of 2000 dropped at INFO, as routine as the others).
-    The cure said is one this run may take (a fine-tune's or a resume's model fixes its positions: raising
-    model.max_len was advised, and refused)."""
+    `cure`: `_longer_pairs_cure`'s."""
     max_len = config.data.max_len
     if too_long * 100 < kept + too_long:
         log.info("%s: %s; %d longer than max_len=%d dropped", pair,
                  _counted(kept, "training pair", "training pairs"), too_long, max_len)
         return
-    highest = _highest_max_len(config, fixed_positions)
-    if highest > max_len:
-        limit = "train.max_tokens" if highest == config.train.max_tokens else "the model's positions"
-        also = " (and model.max_len)" * (fixed_positions is None and highest > _model_max_len(config))
-        cure = f"raise data.max_len{also} (up to {highest}, {limit})"
-    elif fixed_positions == max_len:
-        cure = f"the model has {max_len} positions: split or shorten them"
-    else:  # data.max_len is train.max_tokens
-        also = " (and model.max_len)" * (fixed_positions is None and max_len >= _model_max_len(config))
-        cure = f"raise train.max_tokens with data.max_len{also}"
     log.warning("%s: %s of %s training pairs are longer than %d tokens (%s) and dropped; %s to train on them",
                 pair, f"{too_long:,}", f"{kept + too_long:,}", max_len,
                 config.shown("data.max_len", max_len), cure)
 
 
-def _require_pairs(pair: str, kind: str, kept: int, too_long: int, max_len: int) -> None:
+def _require_pairs(pair: str, kind: str, kept: int, too_long: int, max_len: int, cure: str) -> None:
     """Before training, not at the first validation: a set whose every pair is too long is empty. `pair`:
-    its files ("train.de, train.en")."""
+    its files ("train.de, train.en"); `cure`: `_longer_pairs_cure`'s."""
     if not kept:  # every process reads process 0's pairs: process 0 says so
-        raise SameOnEveryProcess(
-            f"{pair}: all {too_long} {kind} pairs are longer than data.max_len={max_len} tokens; "
-            "raise data.max_len (and model.max_len) or use shorter sentences"
-        )
+        shorter = "" if cure.endswith("shorten them") else ", or use shorter sentences"
+        raise SameOnEveryProcess(f"{pair}: all {too_long} {kind} pairs are longer than "
+                                 f"data.max_len={max_len} tokens; {cure}{shorter}")
 
 
 def _prepare_files(config: RunConfig, run_dir: Path,

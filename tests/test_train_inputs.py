@@ -1318,6 +1318,29 @@ def test_dropping_a_share_of_the_training_pairs_as_too_long_is_a_warning(tmp_pat
     assert said == [(logging.INFO, f"{src}, {tgt}: 199 training pairs; 1 longer than max_len=64 dropped")]
 
 
+def test_a_training_set_all_too_long_is_told_the_limit_the_run_has(tmp_path):
+    """"raise data.max_len (and model.max_len)" was said whatever held data.max_len: a model.max_len of 1024
+    where it was 32 (a fresh run stops at train.max_tokens), and a fine-tune's model, whose positions are
+    its checkpoint's."""
+    config, _ = tiny_config(tmp_path, tmp_path / "run")  # data.max_len=32, train.max_tokens=64
+    src, tgt = Path(config.data.train_src), Path(config.data.train_tgt)
+    src.write_text("ein Hund läuft über die Wiese " * 8 + "\n", encoding="utf-8")
+    tgt.write_text("a dog runs across the meadow " * 8 + "\n", encoding="utf-8")
+    d = distributed.Dist(0, 1, 0, torch.device("cpu"))
+    (tmp_path / "run").mkdir()
+    said = f"{src}, {tgt}: all 1 training pairs are longer than data.max_len=32 tokens; "
+    shorter = ", or use shorter sentences"
+    for model_max_len, positions, cure in (
+        (1024, None, "raise data.max_len (up to 64, train.max_tokens)" + shorter),
+        (32, None, "raise data.max_len (and model.max_len) (up to 64, train.max_tokens)" + shorter),
+        (1024, 32, "the model has 32 positions: split or shorten them"),
+    ):
+        sized = replace(config, model={**config.model, "max_len": model_max_len})
+        with pytest.raises(UserError) as caught:
+            loop.prepare_data(sized, tmp_path / "run", d, fixed_positions=positions)
+        assert str(caught.value) == said + cure
+
+
 def test_a_resume_is_advised_only_what_a_resume_accepts(tmp_path, caplog):
     """--resume refuses another data.max_len, train.update_freq or train.max_tokens: the warning of pairs
     dropped as too long, and the refusals of a corpus too small for an update or of one too long, advised

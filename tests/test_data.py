@@ -697,6 +697,32 @@ def test_utf16_without_a_byte_order_mark_is_named(tmp_path, monkeypatch, text, o
     assert str(e.value) == f"{binary}:1: NUL byte (binary or corrupt input?)"
 
 
+@pytest.mark.parametrize(("text", "error"), [
+    ("Привет, как дела?\n", "NUL byte (binary or corrupt input?)"),  # was that alone
+    ("Καλημέρα κόσμε\n", "invalid UTF-8 (byte 0x9a)"),  # was that alone
+    # 38 characters a line: 64 bytes held no newline, its only ASCII character
+    ("一个穿着红色衬衫的男人正在公园里和他的狗" + "一起玩飞盘，旁边还有几个孩子在看。\n", "invalid UTF-8 (byte 0xa2)"),
+], ids=["cyrillic", "greek", "chinese"])
+@pytest.mark.parametrize("order", ["LE", "BE"])
+def test_utf16_without_a_byte_order_mark_is_named_in_any_script(tmp_path, text, order, error):
+    """The test was a NUL as every high byte, which Latin text alone has: Cyrillic, Greek or Chinese in
+    UTF-16 was a bare "NUL byte" or "invalid UTF-8", where the README says UTF-16 is named."""
+    path = write(tmp_path / "train.ru", [], raw=(text * 20).encode(f"utf-16-{order.lower()}"))
+    with pytest.raises(UserError) as e:
+        read_lines(path)
+    assert str(e.value) == (f"{path}:1: {error}; the file looks like UTF-16 without a byte order mark; "
+                            f"convert it to UTF-8 (iconv -f UTF-16{order} -t UTF-8)")
+
+
+def test_utf8_text_with_a_stray_nul_is_not_named_utf16(tmp_path):
+    """Read as UTF-16LE these bytes are all characters text has, one of them ASCII (the NUL's "A"): UTF-16
+    text has two at least (newlines, spaces, digits), so this is no UTF-16."""
+    path = write(tmp_path / "train.en", [], raw=b"A\0 black dog and a spotted dog are fighting\n")
+    with pytest.raises(UserError) as e:
+        read_lines(path)
+    assert str(e.value) == f"{path}:1: NUL byte (binary or corrupt input?)"
+
+
 def test_errors_keep_their_words_and_order_across_read_blocks(tmp_path, monkeypatch):
     """Files are read in blocks; the first invalid byte is still named before a NUL byte earlier on, and
     each at its line, as when the file was decoded whole."""

@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import stat
+import unicodedata
 import weakref
 from collections.abc import Iterator
 from itertools import chain
@@ -174,7 +175,9 @@ def cr_only_error(path: Path | str, lfs: int = 0, lone_crs: int = 0) -> UserErro
     return UserError(f"{path}: CR line ends and {ends}; convert it, e.g. {convert}")
 
 
-HEAD_BYTES = 64  # of a file's start, which `looks_like` reads
+# of a file's start, which `looks_like` reads: 128 UTF-16 characters, 3 lines of Chinese in one without a
+# byte order mark (64 bytes held none of a line of 32 characters, whose newline was its only ASCII)
+HEAD_BYTES = 256
 
 
 def looks_like(head: bytes) -> str:
@@ -182,13 +185,26 @@ def looks_like(head: bytes) -> str:
     follow "invalid UTF-8" or "NUL byte"."""
     if what := next((f"; the file looks {what}" for magic, what in SIGNATURES if head.startswith(magic)), ""):
         return what
-    # UTF-16 without a byte order mark (as some Windows tools write it): Latin text has a NUL as every high
-    # byte and none as a low one, which read as UTF-8 was a bare "NUL byte", or "invalid UTF-8" for an ß
-    for order, high in (("LE", 1), ("BE", 0)):
-        if len(head) >= 4 and not head[high::2].strip(b"\0") and b"\0" not in head[1 - high::2]:
+    # UTF-16 without a byte order mark (as some Windows tools write it), which read as UTF-8 was a bare "NUL
+    # byte", or "invalid UTF-8" for an ß
+    for order in ("LE", "BE"):
+        if _reads_as_utf16(head, order):
             return (f"; the file looks like UTF-16 without a byte order mark; convert it to UTF-8 "
                     f"(iconv -f UTF-16{order} -t UTF-8)")
     return ""
+
+
+def _reads_as_utf16(head: bytes, order: str) -> bool:
+    """Whether `head` is text in UTF-16 of byte `order` ("LE", "BE"): every character one text has, in any
+    script (a NUL as every high byte, once the test, held for Latin text alone: Cyrillic, Greek or Chinese
+    was a bare "NUL byte"), and two ASCII ones at least (a newline, a space, a digit: each a NUL byte). UTF-8
+    text with a stray NUL has one; binary data has control, unassigned or private-use characters, U+0000."""
+    try:  # incremental: a character cut at the end of `head` is no error
+        text = codecs.getincrementaldecoder(f"utf-16-{order.lower()}")().decode(head)
+    except UnicodeDecodeError:  # a lone surrogate
+        return False
+    return sum(c < "\x80" for c in text) >= 2 and all(
+        c.isprintable() or c in "\t\n\r" or unicodedata.category(c) == "Cf" for c in text)  # Cf: ZWNJ, LRM
 
 
 def _blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[bytes]:

@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1129,14 +1130,34 @@ def test_the_advice_covers_every_changed_line_not_the_example_alone(tmp_path, ca
 ])
 def test_a_decomposed_letter_is_named_whole_and_only_identity_is_advised(tmp_path, caplog, word, named):
     """NFD text: the warning named the base letter alone and advised "nfkc", which composes it too (the
-    same warning again)."""
-    text = ParallelText([f"{s} {word}" for s in sentences(100, "de")], sentences(100, "en"), 0)
+    same warning again). Of the target's: the model learns to write it composed."""
+    text = ParallelText(sentences(100, "en"), [f"{s} {word}" for s in sentences(100, "de")], 0)
     with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
         train_tokenizer(text, tmp_path, 40)
     [record] = caplog.records
     assert named in record.message
     assert 'set data.normalization = "identity" and train a new tokenizer' in record.message
     assert '"nfkc"' not in record.message
+
+
+@pytest.mark.parametrize("normalization", ["nmt_nfkc", "nfkc", "nmt_nfkc_cf"])
+def test_a_source_composed_alone_is_not_warned_about(tmp_path, caplog, normalization):
+    """A decomposed source (NFD) composed to NFC was warned of with "identity" advised: the text to
+    translate is composed alike, and under "identity" the model reads NFC and NFD input as other text. A
+    compatibility form on the source, which the model can then not tell apart, is still said."""
+    nfd = [unicodedata.normalize("NFD", f"{s} café über Straße") for s in sentences(100, "de")]
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        tok = train_tokenizer(ParallelText(nfd, sentences(100, "en"), 0), tmp_path / "nfd", 40,
+                              normalization=normalization)
+    nfc = unicodedata.normalize("NFC", nfd[0])
+    assert nfc != nfd[0] and tok.src.normalize(nfd[0]) == tok.src.normalize(nfc)  # composed, and not said
+    assert caplog.records == []
+    fullwidth = [f"{s} ＩＢＭ" for s in nfd]
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        train_tokenizer(ParallelText(fullwidth, sentences(100, "en"), 0), tmp_path / "fullwidth", 40,
+                        normalization=normalization)
+    [record] = caplog.records
+    assert "U+FF29 FULLWIDTH LATIN CAPITAL LETTER I" in record.message
 
 
 @pytest.mark.parametrize("normalization", ["nmt_nfkc_cf", "nfkc_cf"])

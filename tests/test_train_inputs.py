@@ -2258,6 +2258,31 @@ def test_a_training_file_changed_in_place_is_said_to_have_changed(tmp_path, capl
     assert f"{said} (--resume keeps the run's tokenizer)" in caplog.messages
 
 
+def test_a_training_file_changed_after_its_first_mb_is_said_to_have_changed(tmp_path):
+    """The record held a hash of the first MB alone: a corpus edited after it, at the same size, was taken
+    for the one the tokenizer was trained on ("using the tokenizer there"). A record written before the
+    whole file's hash is compared by the first MB still, as it was: no old run dir refused for it."""
+    src, tgt = write_corpus(tmp_path)
+    long_text = "".join(f"ein Hund läuft über die Wiese {i}\n" for i in range(40_000))  # about 1.3 MB
+    src.write_text(long_text, encoding="utf-8")
+    tgt.write_text(long_text.replace("Hund", "dog"), encoding="utf-8")
+    settings = tokenizer_settings(40, "bpe", True)
+    recorded = tokenizer_inputs(src, tgt, settings)
+    write_tokenizer_inputs(tmp_path, recorded)
+    src.write_text(long_text[:-100] + long_text[-100:].replace("Hund", "Katz"), encoding="utf-8")
+    assert src.stat().st_size == recorded["train_src"]["size"]  # the same size, the same first MB
+    inputs = tokenizer_inputs(src, tgt, settings)
+    with pytest.raises(UserError, match=re.escape(f"data.train_src={src.resolve()} changed since")):
+        check_tokenizer_inputs(tmp_path, inputs)
+    for side in ("train_src", "train_tgt"):  # as written before: the first MB's hash alone
+        del recorded[side]["sha256"]
+    write_tokenizer_inputs(tmp_path, recorded)
+    assert check_tokenizer_inputs(tmp_path, inputs) is False
+    src.write_text("eine" + long_text[3:], encoding="utf-8")  # the first MB edited: refused, as it was
+    with pytest.raises(UserError, match=re.escape(f"data.train_src={src.resolve()} changed since")):
+        check_tokenizer_inputs(tmp_path, tokenizer_inputs(src, tgt, settings))
+
+
 def test_resume_refuses_other_tokenizer_settings_and_names_another_corpus(finished_run, tmp_path, caplog):
     """--resume keeps the tokenizer its checkpoints were trained with: a changed vocab_size cannot take
     effect, so it is refused (it was silently ignored, the printed config saying otherwise); another

@@ -1016,16 +1016,22 @@ def tokenizer_inputs(src_path: str | Path, tgt_path: str | Path, settings: dict)
 
 
 def _file_identity(path: Path) -> dict:
-    """Size and a hash of the first MB. Not the mtime: a copied or re-downloaded corpus is still the same
-    corpus; not a hash of it all: a WMT corpus is GBs. The path is kept to name it, not to compare."""
+    """Size and a hash of the whole file ("sha256"), and of its first MB ("sha256_1mb"), which the records
+    written before the whole one are compared by. Not the mtime: a copied or re-downloaded corpus is still
+    the same corpus. The first MB alone took a corpus edited after it for the one trained on; the whole
+    costs about a second a GB (a WMT corpus is GBs), against minutes of training a tokenizer and encoding.
+    The path is kept to name it, not to compare."""
     require_file(path)
     try:
         with open(path, "rb") as f:
-            head = f.read(1 << 20)
+            first = f.read(1 << 20)
+            head, whole = hashlib.sha256(first), hashlib.sha256(first)
+            while block := f.read(1 << 20):
+                whole.update(block)
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
-    digest = hashlib.sha256(head).hexdigest()
-    return {"path": str(path.resolve()), "size": path.stat().st_size, "sha256_1mb": digest}
+    return {"path": str(path.resolve()), "size": path.stat().st_size, "sha256_1mb": head.hexdigest(),
+            "sha256": whole.hexdigest()}
 
 
 def write_tokenizer_inputs(directory: Path, inputs: dict) -> None:
@@ -1115,12 +1121,14 @@ def _read_tokenizer_inputs(directory: Path) -> dict | None:
 
 
 def _tokenizer_file_changes(saved: dict, inputs: dict) -> list[str]:
-    """Each training file of `inputs` that is not the one `saved` records, named."""
+    """Each training file of `inputs` that is not the one `saved` records, named: by the whole file's hash,
+    or by its first MB's where `saved` was written before the whole one was recorded."""
     files = []
     for key in ("train_src", "train_tgt"):
         old, new = saved.get(key), inputs[key]
         old = old if isinstance(old, dict) else {}
-        if (old.get("size"), old.get("sha256_1mb")) == (new["size"], new["sha256_1mb"]):
+        digest = "sha256" if "sha256" in old else "sha256_1mb"
+        if (old.get("size"), old.get(digest)) == (new["size"], new[digest]):
             continue
         if old.get("path") == new["path"]:  # "X is not the X it was trained on" contradicted itself
             files.append(f"data.{key}={new['path']} changed since the tokenizer was trained on it")

@@ -390,6 +390,9 @@ def sentencepiece_model(
         "normalization_rule_name": normalization, "pad_id": 0, "bos_id": 1, "eos_id": 2, "unk_id": 3,
         "hard_vocab_limit": False, "input_sentence_size": 0,  # 0: every line, no sample of SentencePiece's
         "max_sentence_length": MAX_LINE_BYTES,  # its default, 4,192, left longer lines out silently
+        # Fixed, not train.threads or the machine's cores: a unigram model's pieces differ with the thread
+        # count (12 of 2,000 on Multi30k at 1, 2 and 4), and one corpus must give one tokenizer everywhere
+        # (an ensemble's members share it; the record of its inputs holds no thread count)
         "num_threads": 2, "minloglevel": 2,
     }
     # -I: none of the user's site or PYTHON* variables; the child takes this process's sys.path instead.

@@ -47,7 +47,7 @@ from aiayn.model import Transformer
 from aiayn.train import distributed, loop
 from aiayn.train.config import DataConfig, RunConfig, TrainConfig, load_config, run_config, with_train
 from aiayn.train.loop import Data, _check_finite_weights, train, validate
-from aiayn.train.resume import _other_batches, _resume_refusal, _say_other_validation
+from aiayn.train.resume import _kept_product, _other_batches, _resume_refusal, _say_other_validation
 from aiayn.train.state import checkpoint_dirs, prune
 
 
@@ -1152,6 +1152,11 @@ def test_another_number_of_processes_on_resume_names_the_product(finished_run, t
     one = distributed.Dist(0, 1, 0, torch.device("cpu"))
     kept = _other_batches(checkpoint, meta["train"], meta["data"], with_train(config, update_freq=2), one)
     assert [k.setting for k in kept] == ["train.update_freq"]
+    # a two-process run resumed by one: the fix said "(1 processes x 2)"
+    said = str(_resume_refusal(checkpoint, config, [_kept_product(2, 1, 1, 1)]))
+    assert said.endswith(f"trained with 2 batches an update (2 processes x train.update_freq=1; resumed with "
+                         f"1 x 1); {batches}: set train.update_freq=2 (1 process x 2), or use a new "
+                         "train.run_dir")
 
 
 @pytest.mark.parametrize("model, said", [

@@ -510,7 +510,7 @@ def _kept_product(processes: int, update_freq: int, world_size: int, now: int) -
     product = processes * update_freq
     if product % world_size == 0:
         freq = product // world_size
-        fix = f"set train.update_freq={freq} ({world_size} processes x {freq})"
+        fix = f"set train.update_freq={freq} ({world_size} process{'es' * (world_size > 1)} x {freq})"
     else:
         fix = f"resume it with {processes} process{'es' * (processes > 1)}" + (
             f" and train.update_freq={update_freq}" if update_freq != now else "")

@@ -226,10 +226,15 @@ def test_a_collective_failing_because_a_peer_died_is_one_line():
                         "Connection reset by peer\nException raised from ...")
     resume = "--resume continues from step_000006"
     lost = peer_lost(gloo, two, resume)
-    assert str(lost) == ("process 0: another process of this job stopped ([../third_party/gloo/gloo/"
-                         "transport/tcp/pair.cc:537] Read error [127.0.0.1]:29500: Connection reset by "
-                         "peer); its own error or torchrun's log says why, and --resume continues from "
-                         "step_000006")
+    assert str(lost) == ("process 0: another process of this job stopped (Read error [127.0.0.1]:29500: "
+                         "Connection reset by peer); its own error or torchrun's log says why, and --resume "
+                         "continues from step_000006")
+    # gloo's source location and what follows its first sentence were repeated, some 330 characters
+    closed = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                          "closed by peer [127.0.0.1]:52455. This is typically caused by a remote worker "
+                          "crashing. Check the logs of the remote worker before reporting an error. GLHF!")
+    assert str(peer_lost(closed, two, resume)).startswith(
+        "process 0: another process of this job stopped (Connection closed by peer [127.0.0.1]:52455); its ")
     assert peer_lost(gloo, one, resume) is None
     assert peer_lost(RuntimeError("CUDA out of memory"), two, resume) is None
     assert peer_lost(ValueError("Connection reset by peer"), two, resume) is None
@@ -238,7 +243,7 @@ def test_a_collective_failing_because_a_peer_died_is_one_line():
                            "1800000ms for recv operation to complete\nException raised from ...")
     timed_out = str(peer_lost(timeout, two, resume))
     assert timed_out.startswith("process 0: the other processes did not answer within 30 minutes "
-                                "([../third_party/gloo/gloo/transport/tcp/")
+                                "(Timed out waiting 1800000ms for recv operation to complete); ")
     assert timed_out.endswith("one of them is stuck or far slower, and --resume continues from step_000006")
     # said once a machine, by its first process: the command line leaves a SameOnEveryProcess unsaid on the
     # others, which followed process 0's own error with a second line, gloo's "closed by peer"

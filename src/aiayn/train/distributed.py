@@ -249,6 +249,11 @@ _PEER_GONE = re.compile(
     r"Connection (reset|closed) by peer|Broken pipe|gloo/transport|NCCL communicator was aborted"
 )
 _TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms")  # gloo's "Timed out waiting 1800000ms for recv ..."
+# gloo's source location ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "), and
+# what follows its first sentence ("This is typically caused by a remote worker crashing. ... GLHF!"):
+# the line repeated 330 characters of them
+_SOURCE = re.compile(r"^\[[^\]\s]+:\d+\]\s*")
+_SENTENCE_END = re.compile(r"\.(?:\s|$)")
 
 
 def peer_lost(e: BaseException, d: Dist, resume: str) -> UserError | None:
@@ -259,6 +264,7 @@ def peer_lost(e: BaseException, d: Dist, resume: str) -> UserError | None:
     if not (d.enabled and isinstance(e, RuntimeError) and _PEER_GONE.search(str(e))):
         return None
     line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+    line = _SENTENCE_END.split(_SOURCE.sub("", line), maxsplit=1)[0] or line
     if waited := _TIMED_OUT.search(str(e)):  # gloo's timeout runs through gloo/transport too: nobody stopped
         within = _duration(int(waited[1]) / 1000)
         return UserError(f"process {d.rank}: the other processes did not answer within {within} ({line}); "

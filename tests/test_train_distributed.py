@@ -1,6 +1,7 @@
 """The same command under torchrun: 2 gloo processes end where 1 process over the same global batches ends."""
 
 import datetime
+import itertools
 import logging
 import os
 import shutil
@@ -532,6 +533,20 @@ def test_a_restarted_attempt_meets_under_keys_of_its_own(monkeypatch):
     assert len(written[1]) == len(written[0]), written  # none over the first attempt's
 
 
+def test_a_second_train_in_a_process_of_a_job_joins_again(monkeypatch):
+    """The README's train(config), then train(config, resume=True), in each process of a torchrun job: the
+    second call counted its join on the first one's key, found more processes joined than the job has, and
+    was refused as a finished attempt's ("this machine's restart count ... does not match the job's")."""
+    from aiayn.train import distributed
+
+    store = torch.distributed.HashStore()  # the launcher's, kept for the whole job
+    monkeypatch.setattr(distributed, "_store", lambda *_: (store, "127.0.0.1:29500"))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    for _ in range(2):  # a job of one, joined as train() joins it, then left as teardown() leaves it
+        distributed._join("gloo", 0, 1, 0)
+        torch.distributed.destroy_process_group()
+
+
 def test_a_process_whose_restart_count_is_a_finished_attempt_s_is_refused_in_one_line(monkeypatch):
     """On several machines TORCHELASTIC_RESTART_COUNT may differ (a healthy machine's processes restarted
     as a membership change, uncounted): its processes found the dead attempt's count at world_size and went
@@ -539,8 +554,9 @@ def test_a_process_whose_restart_count_is_a_finished_attempt_s_is_refused_in_one
     from aiayn.train import distributed
 
     store = torch.distributed.HashStore()  # the launcher's, kept from one attempt to the next
-    store.add("aiayn/attempt/0/joined", 2)  # attempt 0's two processes met, and died
+    store.add("aiayn/attempt/0/0/joined", 2)  # attempt 0's two processes met (their first join), and died
     monkeypatch.setattr(distributed, "_store", lambda *_: (store, "127.0.0.1:29500"))
+    monkeypatch.setattr(distributed, "_JOINS", itertools.count())  # a restarted process: its first join
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: None)  # no gloo here
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     with pytest.raises(UserError, match=r"^process 1: this machine's restart count "

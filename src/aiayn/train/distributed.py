@@ -13,6 +13,7 @@ waits for the update's queued work, so the host could not prepare the next batch
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
 import re
@@ -49,6 +50,11 @@ MAIN_WORK_TIMEOUT = datetime.timedelta(hours=24)
 # environment never comes, and the wait was GROUP_TIMEOUT's, silent, then a 40-line DistStoreError.
 JOIN_TIMEOUT = datetime.timedelta(minutes=5)
 JOIN_NOTICE_S = 20.0  # seconds of waiting to join before a machine's first process says so
+# This process' joins so far: a second train() in it (the README's train(config), then train(config,
+# resume=True)) counted on the first one's keys, found 3 of 2 processes joined and was refused as a
+# finished attempt's. Every process of a job calls train() as often: the n-th joins meet under keys of
+# their own.
+_JOINS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,7 @@ def _join(backend: str, rank: int, world_size: int, local_rank: int) -> None:
     # counts and meets under keys of its own. The groups' gloo read a dead attempt's addresses there
     # ("connectFullMesh failed ... Connection refused", or a hang in connecting) 1 restart in 2
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"aiayn/attempt/{attempt}", store)
+    store = dist.PrefixStore(f"aiayn/attempt/{attempt}/{next(_JOINS)}", store)
     key = "joined"
     joined, said = store.add(key, 1), False
     if joined > world_size:  # these keys are a finished attempt's: the others count under another prefix

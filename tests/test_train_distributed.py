@@ -547,6 +547,65 @@ def test_a_second_train_in_a_process_of_a_job_joins_again(monkeypatch):
         torch.distributed.destroy_process_group()
 
 
+def test_train_keeps_a_group_its_caller_made(monkeypatch):
+    """A script that made its own process group (init_process_group) before train() had it destroyed by
+    train()'s end, and its next collective failed ("Default process group has not been initialized"); in
+    it the others waited for process 0's data preparation its group's timeout, not MAIN_WORK_TIMEOUT."""
+    from aiayn.train import distributed
+
+    made, new_group = [], torch.distributed.new_group
+
+    def recorded(*args, **kwargs):
+        made.append(kwargs.get("timeout"))
+        return new_group(*args, **kwargs)
+
+    monkeypatch.setattr(distributed.dist, "new_group", recorded)
+    # torchrun's variables; the caller's group is a job of one, which joins no other process
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                        ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        d = distributed.setup("cpu")
+        assert made == [distributed.MAIN_WORK_TIMEOUT] and d.main_group is not None
+        distributed.teardown(d)
+        assert torch.distributed.is_initialized()
+        torch.distributed.barrier()  # the caller's, as before train()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+CALLED_AGAIN = """
+import os, sys
+import torch.distributed as dist
+from aiayn.train import load_config, train
+sets = sys.argv[3::2]  # SCRIPT train --set ITEM --set ITEM ...
+steps = [train(load_config(None, sets + ["train.max_updates=2"]))["step"]]
+steps.append(train(load_config(None, sets + ["train.max_updates=4"]), resume=True)["step"])  # joins again
+dist.init_process_group("gloo")  # the script's own group, which train() uses and leaves
+steps.append(train(load_config(None, sets + ["train.max_updates=6"]), resume=True)["step"])
+dist.barrier()
+with open(f"{os.environ['OUT']}.{os.environ['RANK']}", "w") as f:
+    f.write(f"{steps}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # three fresh Pythons importing torch, and three runs
+def test_train_called_again_in_a_torchrun_job_and_in_the_callers_group(tmp_path, monkeypatch):
+    """The README's train(config), then train(config, resume=True), in each process of a torchrun job: the
+    second was refused ("this machine's restart count ... does not match the job's"); a third in a group
+    the script made left it destroyed, and the script's barrier failed."""
+    _, sets = tiny_config(tmp_path, tmp_path / "run")
+    script = tmp_path / "called_again.py"
+    script.write_text(CALLED_AGAIN, encoding="utf-8")
+    monkeypatch.setenv("OUT", str(tmp_path / "steps"))
+    proc = torchrun_train(sets, script=script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"steps.{rank}").read_text() == "[2, 4, 6]"
+
+
 def test_a_process_whose_restart_count_is_a_finished_attempt_s_is_refused_in_one_line(monkeypatch):
     """On several machines TORCHELASTIC_RESTART_COUNT may differ (a healthy machine's processes restarted
     as a membership change, uncounted): its processes found the dead attempt's count at world_size and went

@@ -65,6 +65,7 @@ class Dist:
     device: torch.device  # where this process computes
     host_group: Any = None  # gloo group for host values when the default group is NCCL (None: the default)
     main_group: Any = None  # gloo group in which the others wait for process 0's data preparation
+    joined: bool = False  # setup made the default group (teardown ends it), not the caller (it stays theirs)
 
     @property
     def is_main(self) -> bool:
@@ -76,8 +77,8 @@ class Dist:
 
 
 def setup(device: str = "auto", written: str | None = None) -> Dist:
-    """Join the torchrun job if there is one; choose this process' device (train.device, `written` there:
-    "run.toml:4", named if it is refused)."""
+    """Join the torchrun job if there is one (or use the caller's own default group, already made);
+    choose this process' device (train.device, `written` there: "run.toml:4", named if it is refused)."""
     world_size, rank, local_rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     if world_size > 1 and not dist.is_initialized() and not os.environ.get("MASTER_ADDR"):
         # a WORLD_SIZE left in the environment: torch's ValueError traceback about env://
@@ -100,13 +101,15 @@ def setup(device: str = "auto", written: str | None = None) -> Dist:
     else:
         dev = torch.device("cpu")
     host_group = main_group = None
-    if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
-        _join(backend, rank, world_size, local_rank)
-        if backend == "nccl":  # every process calls new_group, as it must
+    joined = world_size > 1 and not dist.is_initialized()
+    if joined:
+        _join("nccl" if use_cuda else "gloo", rank, world_size, local_rank)
+    if world_size > 1:  # our groups in the caller's group too: its host values on NCCL failed, and the others
+        # waited for process 0's data preparation its timeout alone. Every process calls new_group, as it must
+        if dist.get_backend() != "gloo":
             host_group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
         main_group = dist.new_group(backend="gloo", timeout=MAIN_WORK_TIMEOUT)
-    return Dist(rank, world_size, local_rank, dev, host_group, main_group)
+    return Dist(rank, world_size, local_rank, dev, host_group, main_group, joined)
 
 
 def _join(backend: str, rank: int, world_size: int, local_rank: int) -> None:
@@ -234,7 +237,8 @@ def _check_gpu(device: str, local_rank: int, written: str | None = None) -> None
 
 
 def teardown(d: Dist) -> None:
-    """Leave the job, then let gloo's worker threads take the GIL once more before the interpreter exits.
+    """Leave the job (the groups setup made: a caller's own default group stays), then let gloo's worker
+    threads take the GIL once more before the interpreter exits.
 
     A gloo worker frees a finished collective's tensors after the caller's wait() has returned, and
     freeing a tensor that Python has already dropped needs the GIL. A process whose last Python steps
@@ -244,9 +248,15 @@ def teardown(d: Dist) -> None:
     20 of the two-process test (a core dump showed it; pytorch/pytorch#190489). DDP keeps the process
     group alive in C++, so destroying it does not stop those threads; sleeping releases the GIL to them.
     """
-    if d.enabled and dist.is_initialized():
+    if not (d.enabled and dist.is_initialized()):
+        return
+    if d.joined:
         dist.destroy_process_group()
-        time.sleep(0.05)
+    else:  # the caller's group, which it goes on using (its barrier failed): only the groups setup made go
+        for group in (d.host_group, d.main_group):
+            if group is not None:
+                dist.destroy_process_group(group)
+    time.sleep(0.05)
 
 
 # What a collective raises when another process of the job is gone (killed, or exited on an error of its

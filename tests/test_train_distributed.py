@@ -5,6 +5,7 @@ import itertools
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from train_helpers import in_job, set_args, tiny_config
 
 from aiayn.errors import UserError
+from aiayn.train.config import load_config
 from aiayn.train.loop import train
 from aiayn.train.state import checkpoint_dirs
 
@@ -277,6 +279,44 @@ def test_a_lost_process_is_said_with_what_resume_does(tmp_path, monkeypatch):
     with pytest.raises(UserError) as lost:
         train(config)
     assert str(lost.value).endswith("torchrun's log says why, and --resume continues from step_000006")
+
+
+GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+               "peer [127.0.0.1]:52455. This is typically caused by a remote worker crashing.")
+
+
+def test_torchruns_sigterm_after_a_lost_process_leaves_its_error_said(tmp_path, monkeypatch, capsys):
+    """torchrun SIGTERMs the others once a process stops. One that came as the collective's error left the
+    updates' handlers (back to the command line's, which raise Terminated) was raised over it, and process 0
+    said "aiayn: stopped by SIGTERM" (exit 143), 2 tries in 4, where the lost process was the cause."""
+    from aiayn import cli
+    from aiayn.errors import Terminated
+    from aiayn.train import distributed, loop
+
+    _, sets = tiny_config(tmp_path, tmp_path / "run")
+    in_job(monkeypatch, "0")
+
+    def killed(*_):
+        try:
+            raise RuntimeError(GLOO_CLOSED)  # the collective, after process 1's kill -9
+        except RuntimeError:
+            raise Terminated(signal.SIGTERM)  # the signal, as the error left the updates
+
+    monkeypatch.setattr(loop, "_train", killed)
+    with pytest.raises(UserError, match=r"^process 0: another process of this job stopped \(Connection "):
+        train(load_config(None, sets))
+    leave = distributed.teardown
+
+    def signalled(d):  # the signal in teardown's pause, the lost process' error on its way out
+        leave(d)
+        raise Terminated(signal.SIGTERM)
+
+    monkeypatch.setattr(distributed, "teardown", signalled)
+    monkeypatch.setattr(loop, "_train", lambda *_: (_ for _ in ()).throw(RuntimeError(GLOO_CLOSED)))
+    assert cli.main(["train", *set_args(sets)]) == 2
+    err = capsys.readouterr().err
+    assert "aiayn: error: process 0: another process of this job stopped (Connection closed by peer " in err
+    assert "stopped by SIGTERM" not in err
 
 
 def test_torchrun_variables_that_are_not_torchruns_are_one_line(monkeypatch):

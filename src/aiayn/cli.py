@@ -1189,6 +1189,19 @@ def _one_line(message: str) -> str:
     return "".join(c if c == "\t" or " " <= c != "\x7f" else repr(c)[1:-1] for c in message)
 
 
+def _said_error(e: UserError | ConfigError, later_on_machine: bool) -> int:
+    """Print the command's error, once a machine in a torchrun job; its exit status."""
+    if later_on_machine:  # (torch is loaded: the import is free)
+        from aiayn.train.distributed import FailedOnMain, SameOnEveryProcess
+
+        # each machine's first process prints these: one line a machine, not one a process (a
+        # configuration is read alike by the processes of a machine)
+        if isinstance(e, (FailedOnMain, SameOnEveryProcess, ConfigError)):
+            return 2
+    print(f"aiayn: error: {_one_line(str(e))}", file=sys.stderr)
+    return 2
+
+
 def _run(args: argparse.Namespace) -> int:
     """Run one command; the exit status."""
     # Each command warns of CRs inside lines once a file, as in a process of its own; a lines module not
@@ -1209,16 +1222,7 @@ def _run(args: argparse.Namespace) -> int:
         if not closed:  # (train's summary, the one line that may be lost)
             sys.stdout.flush()  # a full disk shows here, while the error can still be one line
     except (UserError, ConfigError) as e:
-        repeated = False
-        if later_on_machine:  # (torch is loaded: the import is free)
-            from aiayn.train.distributed import FailedOnMain, SameOnEveryProcess
-
-            # each machine's first process prints these: one line a machine, not one a process (a
-            # configuration is read alike by the processes of a machine)
-            repeated = isinstance(e, (FailedOnMain, SameOnEveryProcess, ConfigError))
-        if not repeated:
-            print(f"aiayn: error: {_one_line(str(e))}", file=sys.stderr)
-        return 2
+        return _said_error(e, later_on_machine)
     except Stopped as e:  # a training run that saved on SIGTERM, SIGHUP or Ctrl-C
         if not later:
             print(f"aiayn: {e}", file=sys.stderr)
@@ -1228,6 +1232,10 @@ def _run(args: argparse.Namespace) -> int:
             print("aiayn: interrupted", file=sys.stderr)
         return 130
     except Terminated as e:
+        if isinstance(e.__context__, (UserError, ConfigError)):  # it came as the error was on its way out:
+            # the error is what stopped the command (torchrun SIGTERMs the others once a process stops, so
+            # its signal followed the lost process' error, and "stopped by SIGTERM" hid it)
+            return _said_error(e.__context__, later_on_machine)
         if not later:  # torchrun's launcher sends it to every process it stops
             print(f"aiayn: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
         return 128 + e.signum  # what a shell reports for a process killed by the signal

@@ -61,7 +61,7 @@ from aiayn.data.dataset import (
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.options import MAX_CPU_SEED
-from aiayn.errors import Stopped, UserError, is_out_of_memory
+from aiayn.errors import Stopped, Terminated, UserError, is_out_of_memory
 from aiayn.files import moved_aside, raise_dropped_stop, recover_replaced, remove_abandoned, require_file
 from aiayn.memory import cap_kernel_caches, keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer, evaluating
@@ -164,8 +164,12 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
         with shown_if_unconfigured(d.is_main), torch.inference_mode(False), torch.enable_grad(), \
                 torch.autocast(d.device.type, enabled=False):
             return _train(config, resume, d)
-    except RuntimeError as e:
-        if (lost := distributed.peer_lost(e, d, what_resume_does(Path(config.train.run_dir)))) is not None:
+    except (RuntimeError, Terminated) as e:
+        # torchrun SIGTERMs the others once a process stops: one that came as the collective's error left the
+        # updates' handlers was raised over it, and "stopped by SIGTERM" was said instead of the cause
+        failed = e.__context__ if isinstance(e, Terminated) else e
+        resume_does = what_resume_does(Path(config.train.run_dir))
+        if (lost := distributed.peer_lost(failed, d, resume_does)) is not None:
             raise lost from None
         raise
     finally:

@@ -168,7 +168,8 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
         # torchrun SIGTERMs the others once a process stops: one that came as the collective's error left the
         # updates' handlers was raised over it, and "stopped by SIGTERM" was said instead of the cause
         failed = e.__context__ if isinstance(e, Terminated) else e
-        resume_does = what_resume_does(Path(config.train.run_dir))
+        # (a listing of the run's checkpoints: only where a peer can be lost)
+        resume_does = what_resume_does(Path(config.train.run_dir)) if d.enabled else ""
         if (lost := distributed.peer_lost(failed, d, resume_does)) is not None:
             raise lost from None
         raise

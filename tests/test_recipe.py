@@ -165,6 +165,28 @@ def test_a_checkpoint_of_the_other_direction_is_refused(tmp_path, capsys):
     assert not (tmp_path / "run" / "results_scored.json").exists() and not averaged.exists()
 
 
+def test_a_resume_in_the_other_direction_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    """`--resume` with the other --pair (or none, en-de being the default, on a de-en run) trained the run on
+    the reverse data, warned only, then replaced its results.json; each --ensemble member's the same."""
+    import shutil
+
+    data, sets = numbers_data(tmp_path / "data"), tiny_run(tmp_path / "run")
+    assert run.main(["--data", str(data), *sets]) == 0
+    for member in "ab":  # as an en-de --ensemble's first invocation saved them
+        shutil.copytree(tmp_path / "run" / "checkpoints", tmp_path / "ens" / member / "checkpoints")
+    capsys.readouterr()
+    never_trains(monkeypatch)
+    for run_dir, ensemble in (("run", []), ("ens", ["--ensemble", "--partner", "train.seed=3"])):
+        options = ["--data", str(data), "--pair", "de-en", "--resume", *ensemble, *sets,
+                   "--set", f"train.run_dir={tmp_path / run_dir}"]
+        assert run.main(options) == 2
+        err = capsys.readouterr().err
+        newest = tmp_path / run_dir / ("a" if ensemble else "") / "checkpoints" / "step_000002"
+        assert err.startswith(f"run.py: error: {newest}: trained from ") and err.count("\n") == 1, err
+        assert err.endswith("the reverse of --pair de-en; give --pair en-de\n")
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["pair"] == "en-de"
+
+
 def test_a_signal_to_the_ensemble_script_stops_its_members_too(monkeypatch):
     """SIGTERM to `run.py --ensemble` ended it (143) and left both member trainings running as orphans."""
     import os
@@ -449,7 +471,7 @@ def test_a_signal_at_the_last_update_stops_before_averaging(tmp_path, capsys, mo
     """Training ends as usual on a signal at its budget's last update, and says so ("signal"): the script
     went on averaging and decoding (minutes of beam search after a scheduler's SIGTERM), then exit 0."""
     monkeypatch.setattr(run, "train", lambda config, resume=False: {"step": 2, "signal": "SIGTERM"})
-    monkeypatch.setattr(run, "average_checked", lambda *args: pytest.fail("averaged after the signal"))
+    monkeypatch.setattr(run, "average_last", lambda *args: pytest.fail("averaged after the signal"))
     options = ["--data", str(dog_data(tmp_path / "data")), "--set", f"train.run_dir={tmp_path / 'run'}"]
     assert run.main(options) == 128 + signal.SIGTERM
     assert capsys.readouterr().err == ("run.py: stopped by SIGTERM after the training, saved; --resume "
@@ -481,6 +503,13 @@ def never_trains(monkeypatch) -> None:
 
     monkeypatch.setattr(run, "train", trained)
     monkeypatch.setattr(run, "train_members", trained)
+
+
+def saved_step(run_dir: Path) -> None:
+    """A checkpoint of `run_dir` as far as is read before training: its meta.json (no config recorded)."""
+    step = run_dir / "checkpoints" / "step_000200"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"format": "aiayn-1"}), encoding="utf-8")
 
 
 def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, capsys, monkeypatch):
@@ -692,7 +721,7 @@ def test_a_single_run_and_an_ensemble_do_not_share_a_run_directory(tmp_path, cap
     never_trains(monkeypatch)
     data = dog_data(tmp_path / "data")
     (tmp_path / "single" / "checkpoints" / "step_000200").mkdir(parents=True)
-    (tmp_path / "ens" / "b" / "checkpoints" / "step_000200").mkdir(parents=True)
+    saved_step(tmp_path / "ens" / "b")
     for run_dir, ensemble in (("single", ["--ensemble"]), ("ens", [])):
         assert run.main(["--data", str(data), *ensemble, "--set", f"train.run_dir={tmp_path / run_dir}"]) == 2
         err = capsys.readouterr().err
@@ -766,7 +795,7 @@ def test_what_both_members_would_refuse_is_said_once_before_they_start(tmp_path,
     data = dog_data(tmp_path / "data")
     (tmp_path / "afile").write_text("")
     for member in "ab":  # as a first invocation saved them
-        (tmp_path / "r" / member / "checkpoints" / "step_000200").mkdir(parents=True)
+        saved_step(tmp_path / "r" / member)
     base = ["--data", str(data), "--ensemble"]
     refusals = {"r": "r/a: already holds checkpoints; pass --resume to continue",
                 "afile": "afile: train.run_dir exists and is not a directory",

@@ -471,6 +471,8 @@ def run(args: argparse.Namespace) -> int:
     check_run_dir(run_dir, args.ensemble)
     start = time.monotonic()
     members, overrides = member_configs(args, config, data_keys)
+    if args.resume or args.no_train:  # the runs' checkpoints are used (a rerun without --resume is refused)
+        check_directions(members, src, tgt)
     before = [so_far(m.train.run_dir) for m in members]
     if args.ensemble and not args.no_train:
         check_member_dirs(members, args.resume)
@@ -483,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
     if args.train_only:
         return 0
     after = [so_far(m.train.run_dir) for m in members]
-    averaged = average_checked(members, args.average, src, tgt)
+    averaged = [average_last(m.train.run_dir, args.average) for m in members]
     seconds = [s for _, s in after]
     records, hyps = decoded(averaged, data, src, pairs, beam, lenpen)
     results = {"pair": args.pair, "train_s": None if None in seconds else round(max(seconds), 1),
@@ -500,13 +502,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def average_checked(members: list[RunConfig], last: int, src: str, tgt: str) -> list[Path]:
-    """Each run's `last` checkpoints averaged, once its newest is checked for the direction: averaging first
-    rewrote a refused run's average_last_N."""
+def check_directions(members: list[RunConfig], src: str, tgt: str) -> None:
+    """Each run's newest checkpoint checked for the direction before anything is trained or averaged: a
+    `--resume` with the other --pair (en-de is the default) trained a de-en run on en-de's files, then
+    replaced its results.json, and averaging first rewrote a refused run's average_last_N."""
     for m in members:
-        for newest in checkpoint_dirs(m.train.run_dir)[-1:]:  # none: average_last says so
+        for newest in checkpoint_dirs(m.train.run_dir)[-1:]:  # none: training starts, or average_last says so
             check_direction(newest, src, tgt)
-    return [average_last(m.train.run_dir, last) for m in members]
 
 
 def decoded(averaged: list[Path], data: Path, src: str, pairs: dict[str, tuple[list[str], list[str]]],

@@ -540,6 +540,21 @@ def test_ensemble_members_that_would_train_the_same_model_are_refused(tmp_path, 
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("item", ["train.run_dir=elsewhere", " train.threads = 2"])
+def test_a_partner_item_of_what_the_recipe_sets_per_member_is_refused(tmp_path, capsys, monkeypatch, item):
+    """The recipe sets each member's run_dir (RUN_DIR/b) and threads (half) after --partner's items: these
+    were dropped unsaid, and over a --set of the same key the log said member b trained with them."""
+    never_trains(monkeypatch)
+    data = dog_data(tmp_path / "data")
+    options = ["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}",
+               "--set", "train.threads=2", "--partner", "train.seed=3", "--partner", item]
+    assert run.main(options) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"run.py: error: --partner {item!r}: the recipe sets it for both members (")
+    assert err.endswith("); drop it\n") and err.count("\n") == 1
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("partner", [
     ["model.activation=\"relu\""], ["model.n_heads=4"], ["model.norm_first=false"],
     ["model.n_decoder_layers=3"], ["train.keep_last=2"], ["train.valid_every=7"],

@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(half the threads each) in RUN_DIR/a and RUN_DIR/b, then decode them as an ensemble")
     p.add_argument("--partner", action="append", metavar="SECTION.KEY=VALUE",
                    help="the second --ensemble member's overrides, replacing the pair's PARTNER "
-                   "(e.g. --partner train.seed=3 --partner model.dropout=0.2)")
+                   "(e.g. --partner train.seed=3 --partner model.dropout=0.2; not train.run_dir or "
+                   "train.threads, which the recipe sets for each member)")
     p.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)  # one --ensemble member
     # member b of an --ensemble given no --partner: its --set items hold the pair's PARTNER (`as_partner`)
     p.add_argument("--recipe-partner", action="store_true", help=argparse.SUPPRESS)
@@ -162,6 +163,20 @@ def score(translator: Translator, path: Path, split: str, sources: list[str], re
     scored = [{"name": s.name, "score": round(s.score, 2), "signature": s.signature} for s in scores]
     record = {"split": split, "decode_s": round(seconds, 1), "scores": scored}
     return record, hyps
+
+
+# The keys member_overrides sets for each member itself, after --partner's: a --partner of one was dropped
+# unsaid, and its line over a --set of the same key said b trained with it
+MEMBER_KEYS = {"train.run_dir": "the members train in RUN_DIR/a and RUN_DIR/b, RUN_DIR given with --set",
+               "train.threads": "each member trains with half of --set's train.threads (at least 1)"}
+
+
+def check_partner_keys(partner: list[str]) -> None:
+    """A --partner item of a key the recipe sets for each member (MEMBER_KEYS) is refused, in one line."""
+    for item in partner:
+        section, _, key = item.partition("=")[0].strip().partition(".")
+        if (why := MEMBER_KEYS.get(f"{section}.{key.strip()}")) is not None:
+            raise UserError(f"--partner {item!r}: the recipe sets it for both members ({why}); drop it")
 
 
 def member_overrides(args: argparse.Namespace, run_dir: Path, threads: int) -> list[list[str]]:
@@ -575,6 +590,7 @@ def member_configs(args: argparse.Namespace, config: RunConfig,
     """The runs to train and score: the recipe's, or the two --ensemble members' with their overrides."""
     if not args.ensemble:
         return [config], []
+    check_partner_keys(args.partner or [])
     overrides = member_overrides(args, Path(config.train.run_dir), config.train.threads)
     try:
         members = [load_config(HERE / f"{args.pair}.toml", [*data_keys, *m]) for m in overrides]

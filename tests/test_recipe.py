@@ -823,6 +823,26 @@ def test_what_both_members_would_refuse_is_said_once_before_they_start(tmp_path,
         run.main([*base, "--resume", "--set", f"train.run_dir={tmp_path / 'r'}"])
 
 
+@pytest.mark.parametrize("bad, said", [
+    ("unequal", "train.en:2: line counts differ: "), ("utf8", "train.de:1: invalid UTF-8 (byte 0xff)"),
+    ("empty", "train.de: both files are empty (no lines)"),
+])
+def test_an_ensembles_training_pair_is_checked_once_before_the_members_start(tmp_path, capsys, monkeypatch,
+                                                                             bad, said):
+    """Both members said the training files' error, then the script named them as failed: three lines, and
+    an empty RUN_DIR left behind."""
+    never_trains(monkeypatch)
+    data = dog_data(tmp_path / "data")
+    contents = {"unequal": ("ein Hund\nzwei\n", "a dog\n"), "utf8": ("ein Hund\n", "a \xff dog\n"),
+                "empty": ("", "")}[bad]
+    for lang, text in zip(("en", "de"), contents):
+        (data / f"train.{lang}").write_bytes(text.encode("latin-1"))
+    assert run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"run.py: error: {data}") and said in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_partner_item_the_member_refuses_is_named_as_the_partners(tmp_path, capfd, monkeypatch):
     """Member b gets the partner's items as --set items: a refusal on this machine (`--partner
     train.device=cuda` on a CPU) named `--set 'train.device=cuda'`, which no --set said."""

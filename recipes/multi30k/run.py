@@ -37,7 +37,7 @@ from tqdm import tqdm
 from aiayn.checkpoint import checkpoint_tokenizer, meta_model_config, read_meta
 from aiayn.cli import Terminated, _settings_as_flags, _signals_raise, positive_int
 from aiayn.config import ConfigError, resolved_settings
-from aiayn.data.dataset import PROGRESS_SECONDS, read_lines
+from aiayn.data.dataset import PROGRESS_SECONDS, read_lines, scan_parallel
 from aiayn.decoding import DecodeConfig
 from aiayn.errors import Stopped, TextError, UserError
 from aiayn.evaluate import corpus_scores
@@ -491,6 +491,9 @@ def run(args: argparse.Namespace) -> int:
     before = [so_far(m.train.run_dir) for m in members]
     if args.ensemble and not args.no_train:
         check_member_dirs(members, args.resume)
+        # the training pair as training checks it (line counts, UTF-8, no pairs), in one pass over each file:
+        # both members said its error, then this script named them as failed, and RUN_DIR was left empty
+        scan_parallel(members[0].data.train_src, members[0].data.train_tgt, report=False)
         train_members(args, overrides, [m.train.run_dir for m in members])
     # a signal at the budget's last update ends the training as usual, saved: the averaging and the decoding
     # after it are what must not run (they did, minutes of beam search, then exit 0)

@@ -149,6 +149,21 @@ def test_the_translations_are_written_beside_the_results(tmp_path):
     assert [round(s.score, 2) for s in run.corpus_scores(hyps, [refs])] == [s["score"] for s in val["scores"]]
 
 
+def test_a_rewritten_results_file_keeps_no_translations_of_splits_it_does_not_list(tmp_path):
+    """A --resume that trained on without --test rewrote results.json (val only) and left the older model's
+    results.test_2016_flickr.hyp.de beside it, named by no results file."""
+    data, run_dir = numbers_data(tmp_path / "data"), tmp_path / "run"
+    for lang in ("en", "de"):
+        (data / f"test_2016_flickr.{lang}").write_text((data / f"val.{lang}").read_text())
+    assert run.main(["--data", str(data), *tiny_run(run_dir), "--test"]) == 0
+    assert run.main(["--data", str(data), "--no-train", *tiny_run(run_dir)]) == 0  # another results file's
+    assert (run_dir / "results.test_2016_flickr.hyp.de").is_file()
+    assert run.main(["--data", str(data), *tiny_run(run_dir, updates=3), "--resume"]) == 0
+    assert [r["split"] for r in json.loads((run_dir / "results.json").read_text())["results"]] == ["val"]
+    kept = ["results.val.hyp.de", "results_scored.val.hyp.de"]
+    assert sorted(p.name for p in run_dir.glob("*.hyp.de")) == kept
+
+
 def test_a_checkpoint_of_the_other_direction_is_refused(tmp_path, capsys):
     """`--no-train --pair de-en` on an en-de run scored it silently (BLEU 0.1), and with --test would
     have spent the once-only test score."""

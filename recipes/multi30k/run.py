@@ -74,6 +74,7 @@ PARTNER = {
 # 8, 12 x alpha 0.6, 1.0, 1.2, 1.4, 2.0; alpha 2.0 loses 4.7-7.5 BLEU-lc, the rest lie within 0.69 for
 # en-de and 1.02 for de-en). See README.md.
 SEARCH = {"en-de": (8, 1.2), "de-en": (4, 1.4)}
+SPLITS = ("val", "test_2016_flickr")  # scored: val always, test with --test
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -477,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(config.train.run_dir)
 
     beam, lenpen = search_settings(args)
-    splits = ["val", "test_2016_flickr"] if args.test else ["val"]
+    splits = list(SPLITS) if args.test else ["val"]
     for split in (splits if args.no_train else ["train", *splits]):  # before training, not after it
         for lang in (src, tgt):
             if not (data / f"{split}.{lang}").is_file():
@@ -686,19 +687,24 @@ def write_results(args: argparse.Namespace, run_dir: Path, results: dict, hyps: 
     figures. A --resume that completes an extension stopped after its training (while averaging or
     decoding) trains nothing too, but results.json holds the shorter run's updates: it is rewritten.
     Each split's translations go beside it, a line a sentence, named in its record (`hypotheses`) after
-    the results file: they were never written, and a look at them or another metric decoded again."""
+    the results file: they were never written, and a look at them or another metric decoded again. Those of
+    a split it does not list are removed (an older model's, named by no results file)."""
     recorded = recorded_updates(run_dir / "results.json")
     kept = args.no_train or (not trained and recorded == results["updates"])
     scored = "results_scored_test.json" if args.test else "results_scored.json"
     path = run_dir / (scored if kept else "results.json")
     run_dir.mkdir(parents=True, exist_ok=True)
+    translations = {s: run_dir / f"{path.stem}.{s}.hyp.{args.pair.split('-')[1]}" for s in SPLITS}
     for record in results["results"]:  # before the file that names them
-        written = run_dir / f"{path.stem}.{record['split']}.hyp.{args.pair.split('-')[1]}"
+        written = translations[record["split"]]
         with atomic_output(written) as f:
             f.writelines(f"{h}\n" for h in hyps[record["split"]])
         record["hypotheses"] = written.name
     with atomic_output(path) as f:  # a failure half way through left the old figures cut short
         f.write(json.dumps(results, indent=2) + "\n")
+    # after it: a --resume without --test rewrote results.json and left the older model's test translations
+    for split in set(SPLITS) - {r["split"] for r in results["results"]}:
+        translations[split].unlink(missing_ok=True)
     minutes = "?" if results["train_s"] is None else f"{results['train_s'] / 60:.1f}"
     print(f"{args.pair}: trained {minutes} min, total {results['total_s'] / 60:.1f} min; {path}")
     for r in results["results"]:

@@ -48,6 +48,16 @@ def test_a_missing_data_folder_is_one_line(tmp_path, capsys):
     assert err.startswith("run.py: error: ") and "nowhere" in err and err.count("\n") == 1
 
 
+def test_a_data_file_is_said_to_be_no_folder(tmp_path, capsys):
+    """`--data m30/train.en` looked for m30/train.en/train.en: "file not found", of a file that is there."""
+    data = dog_data(tmp_path / "data")
+    assert run.main(["--data", str(data / "train.en"), "--set", f"train.run_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err == (f"run.py: error: {data / 'train.en'}: --data names a file; give the "
+                                       f"folder that holds the train, val and test_2016_flickr files (here "
+                                       f"{data}?)\n")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("option", ["--beam", "--average"])
 def test_a_count_below_one_is_refused(tmp_path, capsys, option):
     # --beam 0 became the pair's beam, --average 0 averaged every checkpoint

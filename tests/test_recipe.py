@@ -58,6 +58,15 @@ def test_a_data_file_is_said_to_be_no_folder(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_the_help_says_the_direction_and_the_defaults(capsys):
+    """--pair had no help text, --average no word of its default of 5."""
+    with pytest.raises(SystemExit):
+        run.parse_args(["--help"])
+    said = " ".join(capsys.readouterr().out.split())  # argparse's wrapping undone
+    assert "--pair {en-de,de-en} the direction: " in said and "(default: en-de)" in said
+    assert "average the last K checkpoints (default: 5)" in said
+
+
 @pytest.mark.parametrize("option", ["--beam", "--average"])
 def test_a_count_below_one_is_refused(tmp_path, capsys, option):
     # --beam 0 became the pair's beam, --average 0 averaged every checkpoint

@@ -80,12 +80,14 @@ SPLITS = ("val", "test_2016_flickr")  # scored: val always, test with --test
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="folder with train.*, val.*, test_2016_flickr.*")
-    p.add_argument("--pair", default="en-de", choices=["en-de", "de-en"])
+    p.add_argument("--pair", default="en-de", choices=["en-de", "de-en"],
+                   help="the direction: its recipe (PAIR.toml), partner and search (default: en-de)")
     p.add_argument("--test", action="store_true", help="also score test_2016_flickr (once per recipe change)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the recipe")
     p.add_argument("--beam", type=positive_int, help="beam size (default: the pair's, chosen on val)")
     p.add_argument("--lenpen", type=float, help="GNMT length penalty alpha (default: the pair's, chosen on val)")
-    p.add_argument("--average", type=positive_int, default=5, help="average the last K checkpoints")
+    p.add_argument("--average", type=positive_int, default=5,
+                   help="average the last K checkpoints (default: 5)")
     p.add_argument("--no-train", action="store_true",
                    help="score the run's existing checkpoints (e.g. on test, once, after tuning on val)")
     p.add_argument("--resume", action="store_true",

@@ -171,7 +171,7 @@ def score(translator: Translator, path: Path, split: str, sources: list[str], re
 # The keys member_overrides sets for each member itself, after --partner's: a --partner of one was dropped
 # unsaid, and its line over a --set of the same key said b trained with it
 MEMBER_KEYS = {"train.run_dir": "the members train in RUN_DIR/a and RUN_DIR/b, RUN_DIR given with --set",
-               "train.threads": "each member trains with half of --set's train.threads (at least 1)"}
+               "train.threads": "each member trains with half of --set's train.threads, at least 1"}
 
 
 def check_partner_keys(partner: list[str]) -> None:

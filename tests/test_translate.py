@@ -1445,6 +1445,9 @@ def test_a_text_of_no_pieces_stays_empty(checkpoint, tmp_path, capsys):
                                          "UTF-16LE -t UTF-8)")),
     ("Fuß\n".encode("utf-16-be"), ("in.txt:1: invalid UTF-8 (byte 0xdf); the file looks like UTF-16 without "
                                    "a byte order mark; convert it to UTF-8 (iconv -f UTF-16BE -t UTF-8)")),
+    # a first line of one ASCII character (the space), cut at its newline's 0x0A: the file's start says it
+    ("Καλημέρα κόσμε\n".encode("utf-16-le") * 3, ("in.txt:1: invalid UTF-8 (byte 0x9a); the file looks like "
+                                                 "UTF-16 without a byte order mark")),
 ])
 def test_translate_names_what_an_unreadable_input_is(checkpoint, tmp_path, capsys, data, message):
     """As training and evaluate do: a CR-only file was translated as one line, exit 0."""

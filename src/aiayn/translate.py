@@ -527,8 +527,11 @@ def read_utf8_lines(
     lone = 0  # CRs alone in the first line, while it is all there is
     inner_crs = InnerCRs()
     for n, (raw, more) in enumerate(_raw_lines(stream, name), 1):
-        head = raw[:HEAD_BYTES] if n == 1 else head
+        if len(head) < HEAD_BYTES:  # the first lines' (a line of UTF-16 ends at its 0x0A byte)
+            head += raw[: HEAD_BYTES - len(head)]
         text, bad = _decoded(raw, name, n, head)
+        if bad is not None and len(head) < HEAD_BYTES and (start := _file_start(stream)) is not None:
+            _, bad = _decoded(raw, name, n, start)  # of more than the lines read (UTF-16 fails in its first)
         if bad is not None:
             # a pipe's lines before it, as a too long line's: translated and written first, so that a rerun
             # from the line named loses none (they were lost with their chunk); a first line held for its CRs
@@ -553,6 +556,17 @@ def read_utf8_lines(
     inner_crs.warn(name, stream, done)
     if lines:
         yield lines
+
+
+def _file_start(stream: BinaryIO) -> bytes | None:
+    """A regular file's first HEAD_BYTES, read apart from its lines (`looks_like` needs a few lines of
+    UTF-16 without a byte order mark: Greek text failed in its first, with no word of UTF-16); None for a
+    pipe, whose bytes are read once, or a stream without a file."""
+    try:
+        fd = stream.fileno()
+        return os.pread(fd, HEAD_BYTES, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation (BytesIO) is both of the first
+        return None
 
 
 def _decoded(raw: bytes, name: str, n: int, head: bytes) -> tuple[str, UserError | None]:

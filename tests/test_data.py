@@ -1160,6 +1160,16 @@ def test_a_source_composed_alone_is_not_warned_about(tmp_path, caplog, normaliza
     assert "U+FF29 FULLWIDTH LATIN CAPITAL LETTER I" in record.message
 
 
+def test_a_decomposed_source_under_identity_is_not_warned_about(tmp_path, caplog):
+    """The source compared in NFC whatever the rule: under "identity", which keeps it decomposed, every
+    line was "changed", named by a composed letter the text does not hold, and no setting advised."""
+    nfd = [unicodedata.normalize("NFD", f"{s} café über Straße") for s in sentences(100, "de")]
+    with caplog.at_level(logging.WARNING, logger="aiayn.data.dataset"):
+        tok = train_tokenizer(ParallelText(nfd, sentences(100, "en"), 0), tmp_path, 40, normalization="identity")
+    assert tok.src.normalize(nfd[0]).replace("\u2581", " ").strip() == nfd[0]  # kept decomposed
+    assert caplog.records == []
+
+
 @pytest.mark.parametrize("normalization", ["nmt_nfkc_cf", "nfkc_cf"])
 def test_the_case_folding_asked_for_is_not_warned_about(tmp_path, caplog, normalization):
     """Every cased line was "changed" (300 of 300, e.g. U+005A LATIN CAPITAL LETTER Z), with the advice to

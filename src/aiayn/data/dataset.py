@@ -879,10 +879,11 @@ def _warn_if_normalization_changes_text(
         folds = folds_case(sp)
         for line in sample:
             raw = _spaced(line)
-            if side == "source":  # its composition aside, NFKC's compatibility forms still seen
-                raw = unicodedata.normalize("NFC", raw)
-            want = simple_casefold(raw) if folds else raw  # character for character: `raw`'s positions
             got = _spaced(sp.normalize(line))
+            if side == "source" and unicodedata.is_normalized("NFC", got):  # its composition aside, where
+                raw = unicodedata.normalize("NFC", raw)  # the rule composed (not "identity"), NFKC's
+                # compatibility forms still seen
+            want = simple_casefold(raw) if folds else raw  # character for character: `raw`'s positions
             if got != want:
                 changed += 1
                 first = first or (raw, want, got)

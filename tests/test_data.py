@@ -703,7 +703,8 @@ def test_utf16_without_a_byte_order_mark_is_named(tmp_path, monkeypatch, text, o
     ("Καλημέρα κόσμε\n", "invalid UTF-8 (byte 0x9a)"),  # was that alone
     # 38 characters a line: 64 bytes held no newline, its only ASCII character
     ("一个穿着红色衬衫的男人正在公园里和他的狗" + "一起玩飞盘，旁边还有几个孩子在看。\n", "invalid UTF-8 (byte 0xa2)"),
-], ids=["cyrillic", "greek", "chinese"])
+    ("Le prix\u00a0: 10\u202f000 euros.\n", "invalid UTF-8 (byte 0xa0)"),  # no-break spaces: not printable
+], ids=["cyrillic", "greek", "chinese", "french"])
 @pytest.mark.parametrize("order", ["LE", "BE"])
 def test_utf16_without_a_byte_order_mark_is_named_in_any_script(tmp_path, text, order, error):
     """The test was a NUL as every high byte, which Latin text alone has: Cyrillic, Greek or Chinese in

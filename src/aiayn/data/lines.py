@@ -194,6 +194,11 @@ def looks_like(head: bytes) -> str:
     return ""
 
 
+# What binary data read as UTF-16 shows and text does not: control characters (U+0000 too), unassigned code
+# points, private use, lone surrogates
+BINARY_CATEGORIES = frozenset({"Cc", "Cn", "Co", "Cs"})
+
+
 def _reads_as_utf16(head: bytes, order: str) -> bool:
     """Whether `head` is text in UTF-16 of byte `order` ("LE", "BE"): every character one text has, in any
     script (a NUL as every high byte, once the test, held for Latin text alone: Cyrillic, Greek or Chinese
@@ -203,8 +208,9 @@ def _reads_as_utf16(head: bytes, order: str) -> bool:
         text = codecs.getincrementaldecoder(f"utf-16-{order.lower()}")().decode(head)
     except UnicodeDecodeError:  # a lone surrogate
         return False
+    # not isprintable(): it refuses every space but U+0020 (French's no-break spaces, U+2028)
     return sum(c < "\x80" for c in text) >= 2 and all(
-        c.isprintable() or c in "\t\n\r" or unicodedata.category(c) == "Cf" for c in text)  # Cf: ZWNJ, LRM
+        c in "\t\n\r" or unicodedata.category(c) not in BINARY_CATEGORIES for c in text)
 
 
 def _blocks(path: Path, stream: BinaryIO | None = None) -> Iterator[bytes]:

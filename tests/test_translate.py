@@ -1457,6 +1457,21 @@ def test_translate_names_what_an_unreadable_input_is(checkpoint, tmp_path, capsy
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text", ["Привет\n", "Καλημέρα κόσμε\n"])
+def test_utf16_from_a_pipe_is_named_from_the_bytes_read(text):
+    """`cat in.txt | aiayn translate`: the name came from the lines read, which UTF-16 without a byte order
+    mark fails by its second (cut at its 0x0A bytes), too few to tell it by; the pipe's first bytes say it."""
+    from aiayn.translate import read_utf8_lines
+
+    r, w = os.pipe()
+    data = (text * 10).encode("utf-16-le")
+    writer = threading.Thread(target=lambda: (os.write(w, data), os.close(w)))
+    writer.start()
+    with os.fdopen(r, "rb") as stream, pytest.raises(UserError, match="looks like UTF-16 without a byte order"):
+        list(read_utf8_lines(stream, "-", 10))
+    writer.join()
+
+
 def test_a_first_line_with_stray_crs_is_translated_when_more_lines_follow():
     """CRs alone outnumbering LFs are a classic Mac file only in a one-line input; held, the first line is
     then given with the next (one per list with chunk 1)."""

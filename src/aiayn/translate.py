@@ -523,15 +523,11 @@ def read_utf8_lines(
     and then translated, or scored on both sides, is said once), as what is `done` with the lines
     ("translated", "scored"), as training and evaluate warn."""
     lines: list[str] = []
-    head = b""  # the first bytes, which say what a file that is no UTF-8 text is (gzip, UTF-16)
+    head = bytearray()  # the first bytes read, which say what input that is no UTF-8 text is (gzip, UTF-16)
     lone = 0  # CRs alone in the first line, while it is all there is
     inner_crs = InnerCRs()
-    for n, (raw, more) in enumerate(_raw_lines(stream, name), 1):
-        if len(head) < HEAD_BYTES:  # the first lines' (a line of UTF-16 ends at its 0x0A byte)
-            head += raw[: HEAD_BYTES - len(head)]
+    for n, (raw, more) in enumerate(_raw_lines(stream, name, head), 1):
         text, bad = _decoded(raw, name, n, head)
-        if bad is not None and len(head) < HEAD_BYTES and (start := _file_start(stream)) is not None:
-            _, bad = _decoded(raw, name, n, start)  # of more than the lines read (UTF-16 fails in its first)
         if bad is not None:
             # a pipe's lines before it, as a too long line's: translated and written first, so that a rerun
             # from the line named loses none (they were lost with their chunk); a first line held for its CRs
@@ -558,18 +554,7 @@ def read_utf8_lines(
         yield lines
 
 
-def _file_start(stream: BinaryIO) -> bytes | None:
-    """A regular file's first HEAD_BYTES, read apart from its lines (`looks_like` needs a few lines of
-    UTF-16 without a byte order mark: Greek text failed in its first, with no word of UTF-16); None for a
-    pipe, whose bytes are read once, or a stream without a file."""
-    try:
-        fd = stream.fileno()
-        return os.pread(fd, HEAD_BYTES, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation (BytesIO) is both of the first
-        return None
-
-
-def _decoded(raw: bytes, name: str, n: int, head: bytes) -> tuple[str, UserError | None]:
+def _decoded(raw: bytes, name: str, n: int, head: bytes | bytearray) -> tuple[str, UserError | None]:
     """Line `n` of `name` as text without its line end, or the error of a line that is no UTF-8 text or
     holds a NUL byte (valid UTF-8, but no text has it: a binary file, or a corrupt one)."""
     try:
@@ -581,8 +566,10 @@ def _decoded(raw: bytes, name: str, n: int, head: bytes) -> tuple[str, UserError
     return text, None
 
 
-def _raw_lines(stream: BinaryIO, name: str) -> Iterator[tuple[bytes, bool]]:
-    """(line, whether more input is ready now) for each line of `stream`. A regular file is always
+def _raw_lines(stream: BinaryIO, name: str, head: bytearray) -> Iterator[tuple[bytes, bool]]:
+    """(line, whether more input is ready now) for each line of `stream`, with its first HEAD_BYTES put in
+    `head` before the first line is yielded: more than that line's (a line of UTF-16 without a byte order
+    mark, cut at its first 0x0A, was too little to tell it by). A regular file is always
     ready. A pipe, FIFO or terminal is read as it arrives (`read1`: what is there, waiting only when
     nothing is): before, 10,000 lines were awaited, so `producer | aiayn translate` answered a slow
     producer only at its end. A line with a NUL byte ends where it was read to, in either (`_file_lines`).
@@ -591,11 +578,13 @@ def _raw_lines(stream: BinaryIO, name: str) -> Iterator[tuple[bytes, bool]]:
     try:
         fd = _pipe_fd(stream)
         if fd is None:
-            yield from ((raw, True) for raw in _file_lines(stream))
+            yield from ((raw, True) for raw in _file_lines(stream, head))
             return
         pending: list[bytes] = []  # the line under way, joined once it ends (joined and split again for
         # each block, a 40 MB line took 13 s)
         while block := stream.read1(1 << 16):
+            if len(head) < HEAD_BYTES:
+                head += block[: HEAD_BYTES - len(head)]
             *complete, tail = block.split(b"\n")
             if complete:
                 complete[0], pending = b"".join([*pending, complete[0]]), []
@@ -611,12 +600,18 @@ def _raw_lines(stream: BinaryIO, name: str) -> Iterator[tuple[bytes, bool]]:
         raise UserError(f"{name}: cannot read ({e.strerror or e})") from None
 
 
-def _file_lines(stream: BinaryIO) -> Iterator[bytes]:
+def _file_lines(stream: BinaryIO, head: bytearray) -> Iterator[bytes]:
     """The lines of a regular file (or a buffer), read up to 64 KiB at a time, as the pipe's are: a line
     with a NUL byte ends with the read that found it, less a character cut at its end (`whole_characters`).
-    No text has one, and a file of zeros with no line end was read whole first: twice its size."""
+    No text has one, and a file of zeros with no line end was read whole first: twice its size. Its first
+    HEAD_BYTES go to `head` (from where the stream stands: stdin may be a file read part way)."""
+    peeked = hasattr(stream, "peek")
+    if peeked:  # read ahead, not consumed: a short file's all
+        head += stream.peek(HEAD_BYTES)[:HEAD_BYTES]
     pending: list[bytes] = []  # the line under way, joined once it ends
     while piece := stream.readline(1 << 16):
+        if not peeked and len(head) < HEAD_BYTES:  # a stream that cannot peek (BytesIO)
+            head += piece[: HEAD_BYTES - len(head)]
         pending.append(piece)
         if piece.endswith(b"\n"):
             yield b"".join(pending)

@@ -877,6 +877,17 @@ def test_an_ensembles_training_pair_is_checked_once_before_the_members_start(tmp
     assert not (tmp_path / "r").exists()
 
 
+def test_an_ensembles_check_of_its_training_pair_leaves_the_members_to_warn(tmp_path, capsys, monkeypatch,
+                                                                            caplog):
+    """A CR inside a training line was said by the script's check and by both members: three times."""
+    never_trains(monkeypatch)
+    data = dog_data(tmp_path / "data")
+    (data / "train.de").write_text("ein\rHund\n", encoding="utf-8")
+    with pytest.raises(AssertionError, match="trained"):
+        run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}"])
+    assert "CR(s) inside lines" not in caplog.text + capsys.readouterr().err
+
+
 def test_a_partner_item_the_member_refuses_is_named_as_the_partners(tmp_path, capfd, monkeypatch):
     """Member b gets the partner's items as --set items: a refusal on this machine (`--partner
     train.device=cuda` on a CPU) named `--set 'train.device=cuda'`, which no --set said."""

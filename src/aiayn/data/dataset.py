@@ -616,9 +616,10 @@ class ParallelFiles:
 
 def scan_parallel(src_path: str | Path, tgt_path: str | Path, report: bool = True) -> ParallelFiles:
     """The pairs `read_parallel` keeps, the files checked and the empty pairs counted (with `report`,
-    logged) and refused if all are, as it does, in one pass over each file; what is held is a byte per
-    pair, not the text."""
-    src_text, tgt_text = _has_text_per_line(src_path), _has_text_per_line(tgt_path)
+    logged, as CRs inside lines are) and refused if all are, as it does, in one pass over each file; what
+    is held is a byte per pair, not the text."""
+    done = "read" if report else None  # CRs inside lines said by the reading that follows, once
+    src_text, tgt_text = _has_text_per_line(src_path, done), _has_text_per_line(tgt_path, done)
     require_same_count(src_path, len(src_text), tgt_path, len(tgt_text))
     keep = src_text & tgt_text
     dropped = len(keep) - int(keep.sum())
@@ -627,9 +628,10 @@ def scan_parallel(src_path: str | Path, tgt_path: str | Path, report: bool = Tru
     return ParallelFiles(KeptLines(src_path, keep), KeptLines(tgt_path, keep), dropped, empty)
 
 
-def _has_text_per_line(path: str | Path) -> np.ndarray:
-    """(lines,) bool: `has_text` of each line, the file checked whole as `read_lines` checks it."""
-    lines = chain.from_iterable(line_blocks(Path(path)))
+def _has_text_per_line(path: str | Path, done: str | None) -> np.ndarray:
+    """(lines,) bool: `has_text` of each line, the file checked whole as `read_lines` checks it (CRs inside
+    lines warned of as `line_blocks` does with `done`)."""
+    lines = chain.from_iterable(line_blocks(Path(path), done=done))
     return np.fromiter(map(has_text, lines), dtype=bool)
 
 

@@ -53,7 +53,7 @@ SIGNATURES = (
 )
 
 
-def line_blocks(path: Path, stream: BinaryIO | None = None, done: str = "read") -> Iterator[list[str]]:
+def line_blocks(path: Path, stream: BinaryIO | None = None, done: str | None = "read") -> Iterator[list[str]]:
     """The lines of `path` (or of `stream`, named `path`), as `read_lines`, a block at a time. Invalid
     UTF-8 raises where it is; a NUL byte or CR-only line ends raise after the last block, so that the error
     is the one the whole file decoded at once gave (invalid UTF-8 anywhere before a NUL byte anywhere), but
@@ -80,7 +80,8 @@ def line_blocks(path: Path, stream: BinaryIO | None = None, done: str = "read") 
     if newlines and lone_crs > newlines:  # CR line ends, an LF at the end: read as one line, silently
         raise cr_only_error(path, newlines, lone_crs)
     # fewer CRs alone than LFs: a stray CR in a sentence, or another system's line ends running lines together
-    inner_crs.warn(path, path if stream is None else stream, done)
+    if done is not None:  # None: a check alone, before the reading that says it (recipes' --ensemble)
+        inner_crs.warn(path, path if stream is None else stream, done)
 
 
 def cr_only(text: bytes) -> bool:

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import re
 import shlex
 import signal
@@ -54,8 +55,11 @@ def test_a_data_file_is_said_to_be_no_folder(tmp_path, capsys):
     assert run.main(["--data", str(data / "train.en"), "--set", f"train.run_dir={tmp_path / 'run'}"]) == 2
     assert capsys.readouterr().err == (f"run.py: error: {data / 'train.en'}: --data names a file; give the "
                                        f"folder that holds the train, val and test_2016_flickr files (here "
-                                       f"{data}?)\n")
+                                       f"{data.resolve()}?)\n")
     assert not (tmp_path / "run").exists()
+    # a file beside no training file: no folder to guess ("(here /dev?)" of /dev/null)
+    assert run.main(["--data", os.devnull, "--set", f"train.run_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err.endswith("the train, val and test_2016_flickr files\n")
 
 
 def test_the_help_says_the_direction_and_the_defaults(capsys):

@@ -171,7 +171,8 @@ def score(translator: Translator, path: Path, split: str, sources: list[str], re
 # The keys member_overrides sets for each member itself, after --partner's: a --partner of one was dropped
 # unsaid, and its line over a --set of the same key said b trained with it
 MEMBER_KEYS = {"train.run_dir": "the members train in RUN_DIR/a and RUN_DIR/b, RUN_DIR given with --set",
-               "train.threads": "each member trains with half of --set's train.threads, at least 1"}
+               "train.threads": "each member trains with half of the run's train.threads (the recipe's 2, or "
+                                "--set's), at least 1"}
 
 
 def check_partner_keys(partner: list[str]) -> None:
@@ -474,8 +475,10 @@ def run(args: argparse.Namespace) -> int:
     # config expands the [data] paths made from it (train/config.py:_settle_paths)
     data = Path(args.data).expanduser()
     if data.exists() and not data.is_dir():  # was "m30/train.en/train.en: file not found"
+        here = data.parent.resolve()  # "(here .?)" of a bare name
+        hint = f" (here {here}?)" if (here / f"train.{args.pair.split('-')[0]}").is_file() else ""
         raise UserError(f"{data}: --data names a file; give the folder that holds the train, val and "
-                        f"test_2016_flickr files (here {data.parent}?)")
+                        f"test_2016_flickr files{hint}")
     src, tgt = args.pair.split("-")
     data_keys = [f"data.train_src={data / f'train.{src}'}", f"data.train_tgt={data / f'train.{tgt}'}",
                  f"data.valid_src={data / f'val.{src}'}", f"data.valid_tgt={data / f'val.{tgt}'}"]

@@ -227,7 +227,9 @@ def test_a_collective_failing_because_a_peer_died_is_one_line():
     two, one = (Dist(0, n, 0, torch.device("cpu")) for n in (2, 1))
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:29500: "
                         "Connection reset by peer\nException raised from ...")
-    resume = "--resume continues from step_000006"
+    def resume() -> str:
+        return "--resume continues from step_000006"
+
     lost = peer_lost(gloo, two, resume)
     assert str(lost) == ("process 0: another process of this job stopped (Read error [127.0.0.1]:29500: "
                          "Connection reset by peer); its own error or torchrun's log says why, and --resume "
@@ -254,6 +256,13 @@ def test_a_collective_failing_because_a_peer_died_is_one_line():
     assert isinstance(peer_lost(gloo, later, resume), SameOnEveryProcess)
     assert type(peer_lost(gloo, first_of_machine_2, resume)) is UserError and type(lost) is UserError
     assert type(peer_lost(timeout, later, resume)) is UserError  # what each process waited for, said by each
+    # NCCL's one line says why it aborted in its second sentence (a watchdog's timeout), which was cut off
+    nccl = RuntimeError("NCCL communicator was aborted on rank 0.  Original reason for failure was: [Rank 0] "
+                        "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "
+                        "Timeout(ms)=1800000) ran for 1800083 milliseconds before timing out.")
+    assert str(peer_lost(nccl, two, resume)).startswith(
+        "process 0: the other processes did not answer within 30 minutes (NCCL communicator was aborted on "
+        "rank 0.  Original reason for failure was: [Rank 0] Watchdog caught collective operation timeout: ")
 
 
 def test_a_lost_process_is_said_with_what_resume_does(tmp_path, monkeypatch):
@@ -562,6 +571,7 @@ def test_a_restarted_attempt_meets_under_keys_of_its_own(monkeypatch):
     written = []
     for attempt in ("0", "1"):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        monkeypatch.setattr(distributed, "_JOINS", itertools.count())  # a restarted process' first join
         before = set(store.list_keys())
         distributed._join("gloo", 0, 1, 0)  # a job of one: its groups' gloo write their addresses still
         try:

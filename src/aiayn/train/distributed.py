@@ -264,7 +264,9 @@ def teardown(d: Dist) -> None:
 _PEER_GONE = re.compile(
     r"Connection (reset|closed) by peer|Broken pipe|gloo/transport|NCCL communicator was aborted"
 )
-_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms")  # gloo's "Timed out waiting 1800000ms for recv ..."
+# gloo's "Timed out waiting 1800000ms for recv ...", NCCL's watchdog's "Watchdog caught collective operation
+# timeout: WorkNCCL(..., Timeout(ms)=1800000) ran for 1800083 milliseconds before timing out"
+_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms|operation timeout: .*?Timeout\(ms\)=(\d+)")
 # gloo's source location ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "), and
 # what follows its first sentence ("This is typically caused by a remote worker crashing. ... GLHF!"):
 # the line repeated 330 characters of them
@@ -272,24 +274,26 @@ _SOURCE = re.compile(r"^\[[^\]\s]+:\d+\]\s*")
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
 
 
-def peer_lost(e: BaseException, d: Dist, resume: str) -> UserError | None:
+def peer_lost(e: BaseException, d: Dist, resume: Callable[[], str]) -> UserError | None:
     """A one-line error for a collective that failed because another process stopped, or None: rank 0
     printed gloo's 36-line traceback when a peer was killed, before torchrun stopped it. A stop is said
-    once a machine (a `SameOnEveryProcess` on its later processes); a timeout, by every process. `resume`
-    ends it: what --resume would do now ("--resume continues from step_000006")."""
+    once a machine (a `SameOnEveryProcess` on its later processes); a timeout, by every process. `resume()`
+    ends it: what --resume would do now ("--resume continues from step_000006"), a listing of the run's
+    checkpoints made only for such an error."""
     if not (d.enabled and isinstance(e, RuntimeError) and _PEER_GONE.search(str(e))):
         return None
     line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
-    line = _SENTENCE_END.split(_SOURCE.sub("", line), maxsplit=1)[0] or line
+    if located := _SOURCE.match(line):  # gloo's: its first sentence (NCCL's second says why it aborted)
+        line = _SENTENCE_END.split(line[located.end() :], maxsplit=1)[0] or line
     if waited := _TIMED_OUT.search(str(e)):  # gloo's timeout runs through gloo/transport too: nobody stopped
-        within = _duration(int(waited[1]) / 1000)
+        within = _duration(int(waited[1] or waited[2]) / 1000)
         return UserError(f"process {d.rank}: the other processes did not answer within {within} ({line}); "
-                         f"one of them is stuck or far slower, and {resume}")
+                         f"one of them is stuck or far slower, and {resume()}")
     # Said by each machine's first process alone: the others' lines repeated it, and followed a process 0's
     # own one-line error (metrics.jsonl on a full disk) with a misleading second, gloo's "closed by peer"
     lost = SameOnEveryProcess if d.local_rank else UserError
     return lost(f"process {d.rank}: another process of this job stopped ({line}); its own error or "
-                f"torchrun's log says why, and {resume}")
+                f"torchrun's log says why, and {resume()}")
 
 
 class SameOnEveryProcess(UserError):

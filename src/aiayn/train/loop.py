@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -168,8 +169,7 @@ def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
         # torchrun SIGTERMs the others once a process stops: one that came as the collective's error left the
         # updates' handlers was raised over it, and "stopped by SIGTERM" was said instead of the cause
         failed = e.__context__ if isinstance(e, Terminated) else e
-        # (a listing of the run's checkpoints: only where a peer can be lost)
-        resume_does = what_resume_does(Path(config.train.run_dir)) if d.enabled else ""
+        resume_does = partial(what_resume_does, Path(config.train.run_dir))  # listed only for a lost peer
         if (lost := distributed.peer_lost(failed, d, resume_does)) is not None:
             raise lost from None
         raise

@@ -138,6 +138,7 @@ SCRIPTS = {  # source id -> {output prefix: {next token: probability}}; unlisted
     5: {(): {A: 0.6, B: 0.4}, (A,): {EOS: 0.4, A: 0.3, B: 0.3}, (B,): {EOS: 0.9, A: 0.05, B: 0.05}},
     6: {(): {A: 0.55, B: 0.45}, (A,): {EOS: 0.5, A: 0.45, B: 0.05}, (B,): {EOS: 0.4, B: 0.6},
         (A, A): {EOS: 0.9, A: 0.1}, (B, B): {EOS: 0.95, B: 0.05}},
+    7: {(): {EOS: 0.5, A: 0.35, B: 0.15}, (A,): {EOS: 0.8, A: 0.1, B: 0.1}, (B,): {B: 1.0}, (B, B): {B: 1.0}},
 }
 
 
@@ -199,6 +200,18 @@ def test_scripted_beam_search_length_penalties_prefer_the_longer_hypothesis():
                        ([A, EOS], pytest.approx(math.log(0.55 * 0.5) / gnmt(2)))]
     _, hyps = scripted(DecodeConfig(beam=2, n_best=1, lenpen=1.0, lenpen_kind="power"))
     assert hyps[1] == [([B, B, EOS], pytest.approx(math.log(0.45 * 0.6 * 0.95) / 3))]
+
+
+def test_scripted_beam_search_goes_on_while_a_live_hypothesis_could_still_win_at_the_length_limit():
+    """Script 7 with beam 2, alpha 2, at most 4 tokens: [EOS] and [A, EOS] finish in the first two steps;
+    the live [B, B] (log P = log 0.15) cannot beat [A, EOS] if it ended now (lp(3)), but can at lp(4), and
+    does: [B, B, B, EOS]. A stopping bound using the smaller penalty stopped with [A, EOS] second."""
+    gnmt = lambda n: ((5 + n) / 6) ** 2.0
+    config = DecodeConfig(beam=2, n_best=2, lenpen=2.0, max_len_a=0, max_len_b=4)
+    hyps = beam_search(ScriptedModel(), torch.tensor([[7, 2]]), config)
+    assert math.log(0.15) / gnmt(3) < math.log(0.35 * 0.8) / gnmt(2) < math.log(0.15) / gnmt(4)  # the case
+    assert [(h.tokens, h.score) for h in hyps[0]] == [
+        ([EOS], pytest.approx(math.log(0.5))), ([B, B, B, EOS], pytest.approx(math.log(0.15) / gnmt(4)))]
 
 
 def test_scripted_greedy_and_max_length():

@@ -98,6 +98,25 @@ def test_cache_dropping_finished_rows_equals_full_recomputation():
     assert alive.tolist() == [0, 3] and cache.cross[0][0].shape[0] == 2
 
 
+@pytest.mark.parametrize("index", [[1, 0, 2, 3],  # two rows swap: a copy of each moved row
+                                   [3, 2, 0, 1],  # every row moves: a gather into the spare buffer
+                                   [2, 0]])  # rows leave as well
+def test_cache_without_beams_reordered_equals_full_recomputation(index):
+    """K = 1, rows are sentences: `select` moves each row's cross K/V with its self-attention past."""
+    model = tiny_model()
+    src, tgt = padded_batch([6, 3, 5, 4], 50), padded_batch([4] * 4, 50)
+    index = torch.tensor(index)
+    with torch.no_grad():
+        memory, mask = model.encode(src), model.src_mask(src)
+        full = model.decode(tgt[index], memory[index], mask[index])  # (rows, T, V)
+        cache = model.new_cache(4, 4)
+        model.decode(tgt[:, :1], memory, mask, cache)
+        cache.select(index)
+        poison_unfilled(cache)
+        step = model.decode(tgt[index, 1:2], memory[index], mask[index], cache)  # (rows, 1, V)
+    torch.testing.assert_close(step[:, 0], full[:, 1], atol=1e-5, rtol=1e-5)
+
+
 def test_cache_grown_into_beams_equals_full_recomputation():
     """Beam search: one row per sentence for the shared first steps, then `expand_beams` into K rows."""
     model = tiny_model()

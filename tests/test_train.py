@@ -654,6 +654,63 @@ def test_train_step_sums_the_losses_on_the_device_without_reading_them(monkeypat
     assert sums.tolist() == want and tokens == 16.0 == sum(b.n_tokens for b in batches)
 
 
+def _micro_update():
+    """A `micro` model (no dropout) and an update of two batches of 6 and 3 real target tokens."""
+    from types import SimpleNamespace
+
+    from aiayn.config import model_config
+    from aiayn.data.dataset import EncodedCorpus, collate
+    from aiayn.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(model_config("micro", vocab_size=20, pad_id=0, decoder_start_id=1, eos_id=2))
+    tok = SimpleNamespace(pad_id=0, bos_id=1, eos_id=2)
+    corpus = EncodedCorpus.from_lists([[5, 6, 2], [7, 2], [8, 9, 10, 2]], [[8], [9, 10, 11], [12, 13]])
+    batches = [collate(corpus, indices, tok) for indices in ([0, 1], [2])]
+    assert [b.n_tokens for b in batches] == [6, 3]
+    return model, batches
+
+
+def _summed_loss_gradient(model, batches, eps):
+    """A copy of `model` holding the gradient of the update's loss as train_step's docstring defines it,
+    computed apart: PyTorch's label-smoothed cross entropy summed over every real target of all batches
+    (padding ignored, every position projected), divided by their number."""
+    from copy import deepcopy
+
+    import torch.nn.functional as F
+
+    ref = deepcopy(model)
+    loss = sum(F.cross_entropy(ref(b.src, b.tgt_in).flatten(0, 1), b.tgt_out.flatten(), ignore_index=0,
+                               label_smoothing=eps, reduction="sum") for b in batches)
+    (loss / sum(b.n_tokens for b in batches)).backward()
+    return ref
+
+
+def _step(model, batches, clip_norm, lr):
+    """train_step of one process over `batches` with plain SGD: its update is -lr x the gradient it made."""
+    from aiayn.train import loop
+    from aiayn.train.distributed import Dist
+
+    optimizer = torch.optim.SGD(model.parameters())
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    tokens = sum(b.n_tokens for b in batches)
+    off = torch.autocast("cpu", enabled=False)
+    d = Dist(0, 1, 0, torch.device("cpu"))
+    loop.train_step(model, optimizer, scaler, batches, tokens, lr, 0.1, clip_norm, d, off)
+
+
+def test_train_step_gradient_is_that_of_the_updates_summed_loss_over_its_tokens():
+    """update_freq 2: the accumulated gradient is that of both batches' summed smoothed losses over the
+    update's 9 tokens; not each batch's mean (the 3-token batch weighing as much as the 6-token one), nor
+    the unnormalized sum (which Adam nearly hides, clipping and the learning rate do not)."""
+    model, batches = _micro_update()
+    want = _summed_loss_gradient(model, batches, 0.1)
+    _step(model, batches, clip_norm=0.0, lr=1e-3)
+    for (name, p), q in zip(model.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 class _ValueReads(TorchDispatchMode):
     """Counts the operators that read a tensor's values back to the host, which on a GPU wait for the
     device: `.item()`/`bool()` (`_local_scalar_dense`), `nonzero`, `masked_select`, and indexing by a

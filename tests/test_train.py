@@ -711,6 +711,22 @@ def test_train_step_gradient_is_that_of_the_updates_summed_loss_over_its_tokens(
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_train_step_clips_the_gradient_as_torch_does():
+    """clip_norm: the update is SGD's with the gradient clipped by torch.nn.utils.clip_grad_norm_, whose
+    total norm is then clip_norm (here a quarter of the gradient's own)."""
+    model, batches = _micro_update()
+    ref = _summed_loss_gradient(model, batches, 0.1)
+    clip = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))) / 4  # the norm, unclipped
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    before = [p.detach().clone() for p in model.parameters()]
+    _step(model, batches, clip_norm=clip, lr=1.0)
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert float(norm) == pytest.approx(clip, rel=1e-4)
+    for (name, p), b, q in zip(model.named_parameters(), before, ref.parameters()):
+        torch.testing.assert_close(b - p.detach(), q.grad, rtol=1e-4, atol=1e-6,  # p - 1.0 x grad, rounded
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 class _ValueReads(TorchDispatchMode):
     """Counts the operators that read a tensor's values back to the host, which on a GPU wait for the
     device: `.item()`/`bool()` (`_local_scalar_dense`), `nonzero`, `masked_select`, and indexing by a

@@ -689,6 +689,30 @@ def test_the_models_dropout_is_found_as_torch_dropout():
         assert not torch.equal(model(src, tgt), model(src, tgt))
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_sublayer_dropout_is_on_the_sublayers_output_alone(norm_first):
+    """Section 5.4: dropout on each sub-layer's output, before the residual sum (and, post-norm, before the
+    LayerNorm). In training: a sub-layer giving zeros leaves the residual stream as it was (pre-norm: x
+    itself, post-norm: LayerNorm(x)), and with the same random numbers the output is the formula's with
+    the model's dropout put there; dropout around the sum or after the LayerNorm changes both."""
+    from aiayn.model.dropout import dropout
+    from aiayn.model.transformer import SublayerConnection
+
+    config = model_config("tiny", vocab_size=50, d_model=32, dropout=0.3, norm_first=norm_first)
+    conn, linear = SublayerConnection(config).train(), torch.nn.Linear(32, 32)
+    x = torch.randn(3, 5, 32)  # (B, T, d)
+    with torch.no_grad():
+        untouched = conn(x, torch.zeros_like)
+        assert torch.equal(untouched, x if norm_first else conn.norm(x))
+        torch.manual_seed(1)
+        out = conn(x, linear)
+        torch.manual_seed(1)
+        want = x + dropout(linear(conn.norm(x)), 0.3, True) if norm_first else \
+            conn.norm(x + dropout(linear(x), 0.3, True))
+    assert torch.equal(out, want)
+    assert not torch.equal(out, conn.eval()(x, linear))  # something was dropped
+
+
 def test_attention_refuses_a_float_mask():
     """SDPA adds a float mask to the scores: a 0/1 mask attended to the padding it meant to hide."""
     attention = MultiHeadAttention(8, 2, True).eval()

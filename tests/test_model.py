@@ -713,6 +713,19 @@ def test_sublayer_dropout_is_on_the_sublayers_output_alone(norm_first):
     assert not torch.equal(out, conn.eval()(x, linear))  # something was dropped
 
 
+def test_embedding_dropout_is_on_the_sum_of_embeddings_and_positions():
+    """Section 5.4: dropout on the sums of the (scaled) embeddings and the positional encodings: in
+    training each element is that sum, scaled by 1 / (1 - p), or 0."""
+    model = tiny_model(dropout=0.3).train()
+    tokens = padded_batch([6, 6], 50)
+    with torch.no_grad():
+        out = model.src_embed(tokens)  # (B, T, d)
+        full = (model.src_embed.embed(tokens) * math.sqrt(32) + model.src_embed.pe[:6]) / 0.7
+    dropped = out == 0
+    assert 0.1 < dropped.float().mean() < 0.5  # about p = 0.3 of them
+    torch.testing.assert_close(out[~dropped], full[~dropped])
+
+
 def test_attention_refuses_a_float_mask():
     """SDPA adds a float mask to the scores: a 0/1 mask attended to the padding it meant to hide."""
     attention = MultiHeadAttention(8, 2, True).eval()

@@ -368,6 +368,30 @@ def test_validation_bleu_is_sacrebleu_of_greedy_translations(straight_run, tmp_p
     assert score == pytest.approx(BLEU(tokenize="char").corpus_score(one_by_one, [text.tgt]).score)
 
 
+def test_validation_bleu_decodes_greedily(tmp_path, one_thread):
+    """Validation BLEU is greedy decoding's (train/bleu.py): scored against the greedy translations
+    themselves it is 100, for a (random) model whose beam-2 translations are other ones. The trained
+    model above translates alike both ways, so its test could not tell the search."""
+    from conftest import numbers_checkpoint
+
+    from aiayn.data.dataset import ParallelText
+    from aiayn.decoding import DecodeConfig, generate
+    from aiayn.train.bleu import validation_bleu
+
+    ck = load_checkpoint(numbers_checkpoint(tmp_path))
+    sources = [f"the number {i} is even" for i in range(0, 8, 2)]
+
+    def translations(config):
+        src = [torch.tensor([ck.tokenizer.encode_src(s)]) for s in sources]  # (1, S) each
+        return [ck.tokenizer.decode_tgt(generate(ck.model, ids, config)[0][0].tokens) for ids in src]
+
+    greedy = translations(DecodeConfig(beam=1))
+    assert translations(DecodeConfig(beam=2)) != greedy
+    text = ParallelText(sources, greedy, dropped_empty=0)
+    score, _ = validation_bleu(ck.model, ck.tokenizer, text, 64, torch.device("cpu"))
+    assert score == pytest.approx(100.0)
+
+
 def test_validation_shows_its_progress_on_a_terminal(tmp_path, monkeypatch):
     """The validation loss over a large set took minutes on a CPU with the training bar standing still
     and nothing said, as if hung: a bar of its own counts the batches and is cleared after."""

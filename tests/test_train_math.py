@@ -26,6 +26,13 @@ def test_schedule_peaks_at_warmup():
     assert lrs[15999] == pytest.approx(lrs[3999] / 2, rel=1e-12)  # 4x the steps, half the rate
 
 
+def test_schedule_takes_step_0_as_step_1():
+    """Its docstring's promise: equation 3 has no value at step 0 (0^-0.5), which a caller asking for the
+    rate before the first update would otherwise get as a ZeroDivisionError."""
+    first = 512**-0.5 * 4000**-1.5  # equation 3 at step 1
+    assert inverse_sqrt_lr(0, 512, 4000) == inverse_sqrt_lr(1, 512, 4000) == pytest.approx(first, rel=1e-12)
+
+
 @pytest.mark.parametrize(
     "progress, cooldown, expected",
     [(0.0, 0.3, 1.0), (0.7, 0.3, 1.0), (0.85, 0.3, 0.5), (0.97, 0.3, 0.1), (1.0, 0.3, 0.0), (1.2, 0.3, 0.0),

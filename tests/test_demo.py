@@ -385,6 +385,24 @@ def test_a_stop_after_training_names_the_trained_checkpoint(tmp_path, capsys, mo
     assert (out / "test.hyp.de").exists() == (phase != "translate")  # written before the maps
 
 
+def test_an_error_a_sigterm_came_on_the_way_out_of_is_said_by_the_demo(tmp_path, capsys, monkeypatch):
+    """As every command says it (torchrun's SIGTERM follows a process' error): the demo said the signal."""
+    import aiayn.demo
+    from aiayn.errors import Terminated
+
+    def draw(*args, **kwargs):
+        try:
+            raise UserError("attention/map.png: no space left on device")
+        finally:
+            raise Terminated(signal.SIGTERM)
+
+    monkeypatch.setattr(aiayn.demo, "draw_attention", draw)
+    argv = ["demo", "--out", str(tmp_path / "d"), "--size", "tiny", "--steps", "2", "--train-pairs", "300",
+            "--test-pairs", "4", "--beam", "1"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "aiayn: error: attention/map.png: no space left on device"
+
+
 @pytest.mark.parametrize("phase, name", [("write_corpus", "SIGHUP"), ("translate", "SIGTERM")])
 def test_a_signal_outside_training_is_said_as_for_every_command(tmp_path, phase, name):
     """SIGTERM or SIGHUP while the demo wrote its corpus, trained its tokenizer, translated or drew killed

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -212,6 +213,27 @@ def test_a_stop_python_dropped_is_raised_before_the_rename_and_the_old_output_st
     write("new")  # raised once: the next write is as any
     read = (tmp_path / "out").read_text() if kind == "file" else (tmp_path / "out" / "a").read_text()
     assert read == "new"
+
+
+def test_a_dropped_stop_is_said_as_the_stop_not_as_the_error_handled_where_it_came(capsys):
+    """A SIGTERM Python dropped while an `except` recovered from an error kept that error as its context;
+    raised at the command's end, the CLI took it for a SIGTERM on an error's way out and said the error
+    (exit 2), recovered from, where the command was stopped (143)."""
+    from aiayn.cli import _run
+    from aiayn.errors import Terminated, UserError
+
+    def command(args):
+        try:
+            raise UserError("meta.json: not JSON")  # a probe that falls back
+        except UserError:
+            try:
+                raise Terminated(signal.SIGTERM)  # as the garbage collector's callback had it
+            except Terminated as stop:
+                files.record_dropped_stop(stop)
+        files.raise_dropped_stop()
+
+    assert _run(SimpleNamespace(func=command, command="info")) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == "aiayn: stopped by SIGTERM\n"
 
 
 @pytest.mark.parametrize("kind", ["file", "directory"])

@@ -223,8 +223,9 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     try:
         return _evaluate(config, result["step"], test_pairs)
     except BaseException as e:  # a stop after the training: said as one during it, the checkpoint named
-        if (sig := stop_signal(e)) is None:
-            raise
+        if (sig := stop_signal(e)) is None or isinstance(e, Terminated) and isinstance(
+                e.__context__, (UserError, ConfigError)):  # a SIGTERM on an error's way out: the CLI says
+            raise  # the error, as for every command
         raise stopped(sig, "after", run_dir) from None
 
 

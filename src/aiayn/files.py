@@ -41,7 +41,10 @@ _dropped_stops: list[BaseException] = []
 
 def record_dropped_stop(stop: BaseException) -> None:
     """Keep `stop` (a KeyboardInterrupt or the CLI's Terminated) that Python dropped, for
-    `raise_dropped_stop`."""
+    `raise_dropped_stop`. Its context goes: an error handled where the garbage collector ran (in an `except`
+    that recovered from it) is none the command ends by, which the CLI says where a SIGTERM came on an
+    error's way out."""
+    stop.__context__ = None
     _dropped_stops.append(stop)
 
 

@@ -400,7 +400,8 @@ def test_an_error_a_sigterm_came_on_the_way_out_of_is_said_by_the_demo(tmp_path,
     argv = ["demo", "--out", str(tmp_path / "d"), "--size", "tiny", "--steps", "2", "--train-pairs", "300",
             "--test-pairs", "4", "--beam", "1"]
     assert main(argv) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == "aiayn: error: attention/map.png: no space left on device"
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == "aiayn: error: attention/map.png: no space left on device"
 
 
 @pytest.mark.parametrize("phase, name", [("write_corpus", "SIGHUP"), ("translate", "SIGTERM")])

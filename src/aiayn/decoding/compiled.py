@@ -6,8 +6,8 @@ every weight once, 154 MB, at the memory's rate (`aiayn.decoding.cpu`); besides 
 150 small operations (the cache writes, attention over one query, residual adds, LayerNorm), each a
 dispatch through PyTorch and the Python around it, run from caches that the weights have just flushed.
 Compiled, those become a dozen fused loops around the products: a greedy step of one sentence on two
-threads of this project's AMD EPYC took 6.11 against 6.77 ms (median of 40 rounds of 30 steps, eager
-and compiled interleaved in one process; benchmarks/RESULTS.md).
+threads of this project's AMD EPYC took 6.10 against 6.71 ms (median of 30 sentences of 32 steps, eager
+and compiled interleaved in one process; benchmarks/RESULTS.md, "A compiled one-row step").
 
 Only steps of one row, after the first, of an unpadded source, at the thread count of the loading, take
 the compiled path. The first step also projects the source's cross-attention keys and values (a product

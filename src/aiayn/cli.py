@@ -368,6 +368,9 @@ def cmd_translate(args: argparse.Namespace) -> None:
         dst = sys.stdout
         if args.output not in (None, "-"):  # complete or untouched: a failed run leaves no half file
             dst = stack.enter_context(atomic_output(args.output))
+        if args.compile:  # a file's bad line (UTF-8, a NUL) is found before 10-40 s of compiling, not after
+            with _warnings_to_stderr("aiayn.data.lines"):  # (its CRs inside lines said now, once)
+                _checked_line_count(src, name)
         with _warnings_to_stderr("aiayn.decoding.compiled", notes=True):  # --compile says why 10-40 s pass
             translator = Translator.load(args.checkpoint, args.device, int8=args.int8, dtype=args.dtype,
                                          compile=args.compile)

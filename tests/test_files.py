@@ -230,10 +230,13 @@ def test_a_dropped_stop_is_said_as_the_stop_not_as_the_error_handled_where_it_ca
                 raise Terminated(signal.SIGTERM)  # as the garbage collector's callback had it
             except Terminated as stop:
                 files.record_dropped_stop(stop)
+            if raised_in_handler:  # a write of the fallback's
+                files.raise_dropped_stop()
         files.raise_dropped_stop()
 
-    assert _run(SimpleNamespace(func=command, command="info")) == 128 + signal.SIGTERM
-    assert capsys.readouterr().err == "aiayn: stopped by SIGTERM\n"
+    for raised_in_handler in (False, True):
+        assert _run(SimpleNamespace(func=command, command="info")) == 128 + signal.SIGTERM
+        assert capsys.readouterr().err == "aiayn: stopped by SIGTERM\n"
 
 
 @pytest.mark.parametrize("kind", ["file", "directory"])

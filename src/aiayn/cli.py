@@ -25,7 +25,7 @@ from aiayn.config import (
     ModelConfig,
     model_config,
 )
-from aiayn.errors import Stopped, Terminated, UserError, non_utf8_name
+from aiayn.errors import Stopped, Terminated, UserError, non_utf8_name, on_an_errors_way_out
 
 if TYPE_CHECKING:  # annotations only: each command imports what it uses, so the CLI starts fast
     from pathlib import Path
@@ -1235,7 +1235,7 @@ def _run(args: argparse.Namespace) -> int:
             print("aiayn: interrupted", file=sys.stderr)
         return 130
     except Terminated as e:
-        if isinstance(e.__context__, (UserError, ConfigError)):  # it came as the error was on its way out:
+        if on_an_errors_way_out(e):  # it came as the error was on its way out:
             # the error is what stopped the command (torchrun SIGTERMs the others once a process stops, so
             # its signal followed the lost process' error, and "stopped by SIGTERM" hid it)
             return _said_error(e.__context__, later_on_machine)

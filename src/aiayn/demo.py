@@ -29,7 +29,15 @@ from aiayn.checkpoint import load_checkpoint
 from aiayn.config import ConfigError, check_types
 from aiayn.decoding.options import cpu_seed_problem
 from aiayn.demo_corpus import MAX_TRAIN_PAIRS, CorpusConfig, make_corpus, write_pairs
-from aiayn.errors import CorruptFile, Stopped, Terminated, UserError, control_character, non_utf8_name
+from aiayn.errors import (
+    CorruptFile,
+    Stopped,
+    Terminated,
+    UserError,
+    control_character,
+    non_utf8_name,
+    on_an_errors_way_out,
+)
 from aiayn.files import atomic_output, check_directory_path
 from aiayn.train.state import LOCK, RunBusy, RunLock, check_outside_checkpoints, checkpoint_dirs
 
@@ -223,9 +231,8 @@ def _run_demo(config: DemoConfig) -> DemoResult:
     try:
         return _evaluate(config, result["step"], test_pairs)
     except BaseException as e:  # a stop after the training: said as one during it, the checkpoint named
-        if (sig := stop_signal(e)) is None or isinstance(e, Terminated) and isinstance(
-                e.__context__, (UserError, ConfigError)):  # a SIGTERM on an error's way out: the CLI says
-            raise  # the error, as for every command
+        if (sig := stop_signal(e)) is None or on_an_errors_way_out(e):  # the CLI says that error
+            raise
         raise stopped(sig, "after", run_dir) from None
 
 

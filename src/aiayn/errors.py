@@ -187,3 +187,13 @@ class Terminated(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+def on_an_errors_way_out(stop: BaseException) -> bool:
+    """Whether `stop` (a SIGTERM's or SIGHUP's `Terminated`) came as an error the user can fix was raised (in
+    a `finally` or an `__exit__` on its way out: torchrun SIGTERMs a job's other processes once one stops),
+    so that the error, not the signal, is what to say. Not a stop Python dropped and
+    `files.raise_dropped_stop` raised later (`from None`), wherever that was."""
+    from aiayn.config import ConfigError  # torch-free, as this module
+
+    return isinstance(stop.__context__, (UserError, ConfigError)) and not stop.__suppress_context__

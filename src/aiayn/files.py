@@ -41,10 +41,7 @@ _dropped_stops: list[BaseException] = []
 
 def record_dropped_stop(stop: BaseException) -> None:
     """Keep `stop` (a KeyboardInterrupt or the CLI's Terminated) that Python dropped, for
-    `raise_dropped_stop`. Its context goes: an error handled where the garbage collector ran (in an `except`
-    that recovered from it) is none the command ends by, which the CLI says where a SIGTERM came on an
-    error's way out."""
-    stop.__context__ = None
+    `raise_dropped_stop`."""
     _dropped_stops.append(stop)
 
 
@@ -53,7 +50,10 @@ def raise_dropped_stop() -> None:
     if _dropped_stops:
         stop = _dropped_stops[0]
         _dropped_stops.clear()
-        raise stop.with_traceback(None)  # its traceback is the garbage collector's, no part of the command
+        # its traceback is the garbage collector's, no part of the command; `from None`: an error handled
+        # where it came or where it is raised (an `except` that recovered) is none the command ends by, which
+        # the CLI says of a SIGTERM on an error's way out (`__suppress_context__` marks it)
+        raise stop.with_traceback(None) from None
 
 
 def forget_dropped_stops() -> None:

@@ -569,7 +569,8 @@ def _decoded(raw: bytes, name: str, n: int, head: bytes | bytearray) -> tuple[st
 def _raw_lines(stream: BinaryIO, name: str, head: bytearray) -> Iterator[tuple[bytes, bool]]:
     """(line, whether more input is ready now) for each line of `stream`, with its first HEAD_BYTES put in
     `head` before the first line is yielded: more than that line's (a line of UTF-16 without a byte order
-    mark, cut at its first 0x0A, was too little to tell it by). A regular file is always
+    mark, cut at its first 0x0A, was too little to tell it by), but for a stream that cannot peek (a
+    BytesIO), whose lines read so far go there. A regular file is always
     ready. A pipe, FIFO or terminal is read as it arrives (`read1`: what is there, waiting only when
     nothing is): before, 10,000 lines were awaited, so `producer | aiayn translate` answered a slow
     producer only at its end. A line with a NUL byte ends where it was read to, in either (`_file_lines`).

@@ -4,6 +4,7 @@ every step and for every source length and length limit after one warm-up, and r
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +107,13 @@ def test_nothing_compiles_after_loading(models):
     assert len(cases[0][0][0]) == 300 and compiles() == before
 
 
+def word_checkpoint(tmp_path: Path) -> Path:
+    """A checkpoint of a tiny untrained model with a 40-piece tokenizer of "word N and M" lines."""
+    lines = [f"word {i} and {i + 1}" for i in range(200)]
+    tokenizer = Tokenizer(train_sentencepiece(lines, tmp_path / "spm", vocab_size=40))
+    return save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+
+
 def test_compile_is_refused_where_it_does_not_apply(tmp_path):
     model = tiny_model()
     int8 = r"^compile \(--compile\) decodes float32 weights, not int8 \(--int8\)"
@@ -113,9 +121,7 @@ def test_compile_is_refused_where_it_does_not_apply(tmp_path):
         prepare_for_inference(model, int8=True, compile=True)
     with pytest.raises(UserError, match=r"not dtype bfloat16 \(--dtype bfloat16\): drop one$"):
         prepare_for_inference(tiny_model().bfloat16(), compile=True)
-    lines = [f"word {i} and {i + 1}" for i in range(200)]
-    tokenizer = Tokenizer(train_sentencepiece(lines, tmp_path / "spm", vocab_size=40))
-    ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    ck = word_checkpoint(tmp_path)
     with pytest.raises(UserError, match="decodes one model: drop it to decode an ensemble"):
         Translator.load([ck, ck], compile=True)
     for dtype in ("bfloat16", "float16"):  # float16's advice on a CPU, bfloat16, would be refused too
@@ -148,9 +154,7 @@ def test_translate_compile_says_it_compiles_before_it_does(tmp_path, capsys, mon
 
     monkeypatch.setattr(compiled, "OneRowStep", Step)
     monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: True)
-    lines = [f"word {i} and {i + 1}" for i in range(200)]
-    tokenizer = Tokenizer(train_sentencepiece(lines, tmp_path / "spm", vocab_size=40))
-    ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    ck = word_checkpoint(tmp_path)
     src = tmp_path / "in.txt"
     src.write_text("word 3\n", encoding="utf-8")
     note = ("aiayn: note: torch.compile: compiling the decoder step of one sentence before translating "
@@ -172,9 +176,7 @@ def test_translate_compile_finds_a_bad_input_line_before_compiling(tmp_path, cap
 
     monkeypatch.setattr(compiled, "OneRowStep", never)
     monkeypatch.setattr(compiled, "has_cxx_compiler", lambda: True)
-    lines = [f"word {i} and {i + 1}" for i in range(200)]
-    tokenizer = Tokenizer(train_sentencepiece(lines, tmp_path / "spm", vocab_size=40))
-    ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    ck = word_checkpoint(tmp_path)
     src = tmp_path / "in.txt"
     src.write_bytes(b"word 3\nbad \xff line\n")
     assert main(["translate", str(ck), "-i", str(src), "-q", "--compile", "--beam", "1"]) == 2

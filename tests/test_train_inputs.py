@@ -1363,21 +1363,21 @@ def test_a_resume_is_advised_only_what_a_resume_accepts(tmp_path, caplog):
               "--resume keeps data.max_len (the saved position counts its batches): use a new train.run_dir "
               "to train on them")
     assert [m for m in caplog.messages if "training pairs are longer" in m] == [warned]
+    def resumed_on(src: Path, tgt: Path) -> str:  # the refusal of a resume on other training files
+        with pytest.raises(UserError) as caught:
+            train(replace(resumed, data=replace(resumed.data, train_src=str(src), train_tgt=str(tgt))),
+                  resume=True)
+        return str(caught.value)
+
     one_src, one_tgt = write_corpus(tmp_path, 1, "one")  # 1 pair, 1 batch: an update takes 2
-    with pytest.raises(UserError) as caught:
-        train(replace(resumed, data=replace(resumed.data, train_src=str(one_src), train_tgt=str(one_tgt))),
-              resume=True)
-    assert str(caught.value) == (
+    assert resumed_on(one_src, one_tgt) == (
         f"{one_src}, {one_tgt}: 1 training pair makes 1 batch of train.max_tokens=64, fewer than the 2 one "
         "update takes (train.update_freq=2); --resume keeps the batches an update takes (the saved position "
         "counts them): train on more pairs, or use a new train.run_dir")
     long_src, long_tgt = tmp_path / "long.de", tmp_path / "long.en"
     long_src.write_text("ein Hund läuft über die Wiese " * 3 + "\n", encoding="utf-8")
     long_tgt.write_text("a dog runs across the meadow " * 3 + "\n", encoding="utf-8")
-    with pytest.raises(UserError) as caught:
-        train(replace(resumed, data=replace(resumed.data, train_src=str(long_src), train_tgt=str(long_tgt))),
-              resume=True)
-    assert str(caught.value) == (
+    assert resumed_on(long_src, long_tgt) == (
         f"{long_src}, {long_tgt}: all 1 training pairs are longer than data.max_len=8 tokens; --resume keeps "
         "data.max_len (the saved position counts its batches): use a new train.run_dir, or use shorter "
         "sentences")

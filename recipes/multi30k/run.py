@@ -474,12 +474,12 @@ def run(args: argparse.Namespace) -> int:
     # `--data=~/m30` comes unexpanded: its files were looked for in ./~/m30 (not found), though the
     # config expands the [data] paths made from it (train/config.py:_settle_paths)
     data = Path(args.data).expanduser()
+    src, tgt = args.pair.split("-")
     if data.exists() and not data.is_dir():  # was "m30/train.en/train.en: file not found"
         here = data.parent.resolve()  # "(here .?)" of a bare name
-        hint = f" (here {here}?)" if (here / f"train.{args.pair.split('-')[0]}").is_file() else ""
+        hint = f" (here {here}?)" if (here / f"train.{src}").is_file() else ""
         raise UserError(f"{data}: --data names a file; give the folder that holds the train, val and "
                         f"test_2016_flickr files{hint}")
-    src, tgt = args.pair.split("-")
     data_keys = [f"data.train_src={data / f'train.{src}'}", f"data.train_tgt={data / f'train.{tgt}'}",
                  f"data.valid_src={data / f'val.{src}'}", f"data.valid_tgt={data / f'val.{tgt}'}"]
     config = load_config(HERE / f"{args.pair}.toml", [*data_keys, *args.set])

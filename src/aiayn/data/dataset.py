@@ -764,13 +764,18 @@ def _train_spm(
     its own, SentencePiece wrapped it in a RuntimeError, "INTERNAL: KeyboardInterrupt: ...", which Ctrl-C's
     exit status 130 became a vocabulary error's 2)."""
     try:
-        return sentencepiece_model(lines, vocab_size, model_type, character_coverage, normalization)
+        model = sentencepiece_model(lines, vocab_size, model_type, character_coverage, normalization)
     except RuntimeError as e:  # "INTERNAL: trainer_interface.cc(638) [check] Vocabulary size is smaller ..."
         refusal = _refusal(str(e), vocab_size, character_coverage)
         message = f"{side}: {refusal}" if side else refusal
         if (needed := _required_chars(str(e))) is not None:
             raise _TooManyCharacters(message, needed) from None
         raise UserError(message) from None
+    # SentencePiece 0.2.3 refuses a text of no character it keeps (all_chars_count > 0); 0.2.2 made a model
+    # of the special pieces alone, which reads every line as unknown pieces, and training went on with it
+    if spm.SentencePieceProcessor(model_proto=model).get_piece_size() <= SPECIAL_PIECES:
+        raise UserError(f"{side}: {NO_CHARACTER}" if side else NO_CHARACTER)
+    return model
 
 
 class _TooManyCharacters(UserError):
@@ -786,6 +791,8 @@ class _TooManyCharacters(UserError):
 
 
 SPECIAL_PIECES = 4  # pad, bos, eos and unk, in every vocabulary aiayn trains
+NO_CHARACTER = ("SentencePiece found no character to learn from: the training text holds none it keeps (only "
+                "U+FFFD replacement characters, say: a file decoded wrongly before)")
 
 
 def _characters_needed(
@@ -821,8 +828,7 @@ def _refusal(error: str, vocab_size: int, character_coverage: float) -> str:
         return (f"SentencePiece found no line to learn from: every line of the training text is empty "
                 f"or longer than {MAX_LINE_BYTES:,} bytes")
     if "all_chars_count" in error:  # was blamed on data.vocab_size, with "(RuntimeError)" for a reason
-        return ("SentencePiece found no character to learn from: the training text holds none it keeps "
-                "(only U+FFFD replacement characters, say: a file decoded wrongly before)")
+        return NO_CHARACTER
     check = re.search(r"INTERNAL: \S+ \[(.+?)\] ", error)
     if check and "trainer_spec {" in error:  # the text after the failed C++ check is SentencePiece's log
         reason = check.group(1)

@@ -121,6 +121,9 @@ def test_a_tokenizer_trained_from_the_files_does_not_hold_their_text(tmp_path, m
     if sampled:
         monkeypatch.setattr(dataset, "SEED_SENTENCES", 10_000)
         monkeypatch.setattr(dataset, "SAMPLE_BLOCK", 4096)
+    # a first training imports what it needs (numpy.random for a sample, hmac for multiprocessing: 0.7 MB
+    # of modules, which a test run alone, as on a machine of many test workers, traced as text held)
+    train_tokenizer(scan_parallel(src, tgt), tmp_path / "first", 1000)
     tracemalloc.start()  # Python's and numpy's allocations, not SentencePiece's own copy of its sample
     try:
         train_tokenizer(scan_parallel(src, tgt), tmp_path / "files", 1000)

@@ -1,5 +1,6 @@
 """Translating lists, files and stdin: input order, empty lines, batching invisible, the CLI's formats."""
 
+import contextlib
 import errno
 import io
 import json
@@ -1083,12 +1084,19 @@ def test_int8_model_stays_close_to_float():
 
 def test_version_and_a_pytorch_without_dynamic_quantization(monkeypatch, capsys):
     """`aiayn --version` said "the following arguments are required: command"; torch.ao.quantization is
-    deprecated for torchao, and a PyTorch without it made --int8 an AttributeError traceback."""
-    from importlib.metadata import version
+    deprecated for torchao, and a PyTorch without it made --int8 an AttributeError traceback. Run from the
+    source tree, uninstalled (PYTHONPATH=src, as benchmarks/gpu.sh runs), the test itself failed: the version
+    is aiayn.__version__, which the installed metadata takes (pyproject's dynamic version)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import aiayn
 
     with pytest.raises(SystemExit) as done:
         main(["--version"])
-    assert done.value.code == 0 and capsys.readouterr().out == f"aiayn {version('aiayn')}\n"
+    assert done.value.code == 0 and capsys.readouterr().out == f"aiayn {aiayn.__version__}\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", aiayn.__version__)
+    with contextlib.suppress(PackageNotFoundError):  # installed: the same number
+        assert version("aiayn") == aiayn.__version__
     monkeypatch.delattr(torch.ao.quantization, "quantize_dynamic")
     with pytest.raises(UserError, match=r"^int8 \(--int8\) uses torch.ao.quantization.quantize_dynamic, "
                                         r"which PyTorch .* no longer has; drop --int8$"):

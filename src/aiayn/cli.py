@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO
 
+from aiayn import __version__
 from aiayn.config import (
     DEFAULT_MAX_TOKENS,
     MAX_IDS,
@@ -702,16 +703,6 @@ class _Refused(argparse.Action):
         parser.error(f"{option_string}: {self.reason}")
 
 
-def _version() -> str:
-    """The installed distribution's version (a source tree run without installing has none)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("aiayn")
-    except PackageNotFoundError:
-        return "(not installed)"
-
-
 # `aiayn --help`'s first line, for users (pyproject.toml's description); the module docstring is developers'
 DESCRIPTION = ("The Transformer of 'Attention Is All You Need': train, translate, score and inspect, from a "
                "laptop CPU to many GPUs")
@@ -719,7 +710,7 @@ DESCRIPTION = ("The Transformer of 'Attention Is All You Need': train, translate
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="aiayn", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"aiayn {_version()}")
+    parser.add_argument("--version", action="version", version=f"aiayn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="show a model preset and its parameter count, or describe a checkpoint")

@@ -257,8 +257,8 @@ def tracked_by_git(file: Path) -> bool:
 def command_line(script: str, argv: list[str] | None) -> str:
     """The command that ran `script` (its `__file__`) with `argv` (None: sys.argv's), quoted as a shell
     takes it: joined with spaces, `--engines "CT2 float32,Linear floor"` could not be run again as
-    recorded."""
-    return f"python benchmarks/{Path(script).name} {shlex.join(sys.argv[1:] if argv is None else argv)}"
+    recorded. Without arguments, no space after the script's name."""
+    return shlex.join(["python", f"benchmarks/{Path(script).name}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def with_suffix_added(path: Path, suffix: str) -> Path:

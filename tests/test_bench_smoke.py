@@ -795,6 +795,15 @@ def test_aiayn_run_from_outside_a_checkout_has_no_commit_said(tmp_path, monkeypa
     assert common.aiayn_source() == f"{aiayn.__version__} from {BENCHMARKS.parent / 'src' / 'aiayn'}"
 
 
+def test_the_recorded_command_runs_again_as_written():
+    """A run without arguments was recorded as "python benchmarks/decode.py " (a space at its end); an
+    argument with a space is quoted as a shell takes it."""
+    common = _load("common")
+    assert common.command_line("/x/benchmarks/decode.py", []) == "python benchmarks/decode.py"
+    assert (common.command_line("decode.py", ["--engines", "CT2 float32,HF"])
+            == "python benchmarks/decode.py --engines 'CT2 float32,HF'")
+
+
 def test_batch_fill_records_the_environment_before_its_work(tmp_path, monkeypatch):
     """batch_fill took the environment after the tokenizer's training and the encoding: its load average
     was its own work's, where the other scripts record the machine's before they begin."""

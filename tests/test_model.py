@@ -497,6 +497,28 @@ def test_mismatched_batches_and_bad_ids_are_refused_not_broadcast():
         model(long, src[:1])
 
 
+def test_positions_are_checked_before_the_decoder_runs():
+    """`positions` past B*T or below 0 failed in index_select as "index out of range in self", a (B, T)
+    bool mask (what selecting by a mask would take) as "Index is supposed to be a vector", float ones as
+    "Expected dtype int32 or int64": none named positions. Valid ones select those rows' logits."""
+    model = Transformer(model_config("micro", vocab_size=50)).eval()
+    src, tgt = torch.tensor([[5, 6, 7, 2], [5, 2, 0, 0]]), torch.tensor([[1, 5, 6], [1, 8, 0]])
+    for bad in (6, -1):
+        with pytest.raises(ValueError, match=rf"^positions holds {bad}, outside the B\*T = 6 positions of "
+                                             r"tgt_in \(0 to 5\)$"):
+            model(src, tgt, positions=torch.tensor([0, bad]))
+    with pytest.raises(TypeError, match=r"^positions is torch.bool: .*target_positions\(tgt_out, pad_id\), "
+                                        r"not a mask$"):
+        model(src, tgt, positions=tgt != 0)
+    with pytest.raises(TypeError, match=r"^positions is torch.float32: it is \(N,\) long indices"):
+        model(src, tgt, positions=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match=r"^positions has shape \(1, 2\): it is \(N,\) indices"):
+        model(src, tgt, positions=torch.tensor([[0, 1]]))
+    with torch.no_grad():
+        full, chosen = model(src, tgt), torch.tensor([0, 2, 4], dtype=torch.int32)
+        torch.testing.assert_close(model(src, tgt, positions=chosen), full.flatten(0, 1)[chosen.long()])
+
+
 def test_a_kv_cache_is_tied_to_its_memory_and_to_no_grad():
     """The cache kept the first step's cross-attention keys and silently ignored a later memory (the
     step attended over the first source's keys with the second's mask). In grad mode the copy into the

@@ -149,6 +149,27 @@ def _readable_here(t: Tensor) -> bool:
             and not torch.jit.is_tracing())
 
 
+def check_positions(positions: Tensor, rows: int) -> None:
+    """`positions` (N,) integer indices into `rows` = B*T flat positions, as `target_positions` makes: a bool
+    mask (B, T) failed in index_select ("Index is supposed to be a vector"), a float one with "Expected dtype
+    int32 or int64", an index past B*T or below 0 with "index out of range in self". The range on a CPU
+    only (`_readable_here`: reading a GPU's indices back waits for the device every batch)."""
+    if not isinstance(positions, Tensor) or positions.dtype not in (torch.long, torch.int32):
+        kind = positions.dtype if isinstance(positions, Tensor) else type(positions).__name__
+        mask = ", not a mask" if kind == torch.bool else ""
+        raise TypeError(f"positions is {kind}: it is (N,) long indices of the flat (B*T) positions, "
+                        f"target_positions(tgt_out, pad_id){mask}")
+    if positions.dim() != 1:
+        raise ValueError(f"positions has shape {tuple(positions.shape)}: it is (N,) indices of the flat "
+                         "(B*T) positions, target_positions(tgt_out, pad_id)")
+    if positions.numel() and _readable_here(positions):
+        host = positions.numpy()
+        low, high = int(host.min()), int(host.max())
+        if low < 0 or high >= rows:
+            raise ValueError(f"positions holds {low if low < 0 else high}, outside the B*T = {rows} "
+                             f"positions of tgt_in (0 to {rows - 1})")
+
+
 def check_src_mask_rows(src_mask: Tensor) -> None:
     """Each row of a (B, 1, 1, S) bool `src_mask` (as `_decode` checked it) lets its queries attend to some
     source position: every real source holds at least its EOS. torch's key_padding_mask (True = pad) or an
@@ -356,6 +377,8 @@ class Transformer(nn.Module):
         # after the shape's check: a mask of another shape was said to have a row (of it flattened) False
         if check_rows and src_mask is not None and (cache is None or cache.length == 0):  # once per search
             check_src_mask_rows(src_mask)
+        if positions is not None:  # before the stack's work, not at the index_select after it
+            check_positions(positions, tgt_in.numel())
         if cache is not None:
             shape = (len(self.decoder), self.config.n_heads, self.config.d_k)
             cache.check_step(tgt_in.shape[0], memory, src_mask, shape, self._cache_like().dtype)

@@ -149,6 +149,15 @@ def test_loading_skips_the_random_initialization_it_would_overwrite(tmp_path, to
         assert torch.equal(got[name], tensor), name
     assert loaded.generator.weight is loaded.src_embed.embed.weight
 
+def test_a_checkpoint_path_of_another_type_is_named_and_bytes_are_a_path(tmp_path, tokenizer):
+    """load_checkpoint(None) failed in pathlib: "expected str, bytes or os.PathLike object, not NoneType";
+    bytes, which os.fspath takes, failed there too ("argument should be a str or an os.PathLike object")."""
+    save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    with pytest.raises(TypeError, match=r"^checkpoint is NoneType: a checkpoint directory's path$"):
+        load_checkpoint(None)
+    assert load_checkpoint(os.fsencode(tmp_path / "ck")).meta == load_checkpoint(tmp_path / "ck").meta
+
+
 def test_loading_a_checkpoint_leaves_torch_compile_unimported(tmp_path, tokenizer):
     """normal_ and arange on the meta device go through PyTorch's reference implementations, which import
     torch._dynamo: 1.3 s of every `aiayn translate`, `score` or `attention` (a third of a small one)."""

@@ -127,6 +127,11 @@ def test_a_side_that_is_no_list_of_strings_is_named(checkpoint):
         translator.score(["a", 3], ["b", "c"])
     with pytest.raises(UserError, match=r"^target 2: not valid Unicode"):
         translator.score(["a", "b"], ["b", "c\udcff"])
+    # None: "'NoneType' object is not iterable"
+    with pytest.raises(TypeError, match=r"^sources must be a list of strings, not NoneType$"):
+        translator.score(None, None)
+    with pytest.raises(TypeError, match=r"^texts must be a list of strings, not NoneType$"):
+        translator.translate(None)
 
 
 def test_an_ensemble_past_its_shortest_members_positions_and_out_of_memory_are_named(checkpoint, tmp_path,

@@ -3105,6 +3105,21 @@ def test_a_warmup_past_float_precision_and_a_bare_string_of_overrides_are_refuse
         load_config(None, "train.warmup=10")
 
 
+def test_the_config_functions_name_an_argument_of_another_type():
+    """load_config(dict) failed in pathlib ("expected str, bytes or os.PathLike object, not dict"), an
+    override that is no str in str.partition ("'int' object has no attribute 'partition'"), None for the
+    overrides as "'NoneType' object is not iterable", run_config(None) with "... no attribute 'items'"."""
+    with pytest.raises(TypeError, match=r"^load_config's path is dict: a TOML file's path, or None for the "
+                                        r"defaults \(run_config builds a RunConfig from dicts\)$"):
+        load_config({"model": {"preset": "tiny"}})
+    with pytest.raises(TypeError, match=r"^overrides\[1\] is int, not str$"):
+        load_config(None, ["train.seed=3", 5])
+    assert load_config(None, None) == load_config(None)
+    with pytest.raises(TypeError, match=r"^run_config takes a dict of sections .*, not NoneType; "
+                                        r"load_config\(path\) reads a TOML file$"):
+        run_config(None)
+
+
 def test_another_validation_set_on_resume_starts_the_best_loss_again(finished_run, tmp_path, caplog):
     """Its losses were compared with the old set's best: none was better, train.patience stopped the run
     and `prune` kept the old best's checkpoint. The same pairs under another name keep the best."""

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from aiayn.config import ConfigError, ModelConfig, from_dict, to_dict
 from aiayn.data.tokenizer import SHARED, SOURCE, TARGET, Tokenizer
-from aiayn.errors import CorruptFile, UserError, is_out_of_memory
+from aiayn.errors import CorruptFile, UserError, check_path, is_out_of_memory
 from aiayn.files import OutputKind, already_exists, check_replaceable, moved_aside, write_atomically
 from aiayn.model import Transformer
 
@@ -604,7 +604,8 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu",
 def _checkpoint_meta(directory: str | Path) -> tuple[Path, dict[str, Any], ModelConfig]:
     """(the directory, its meta.json, the ModelConfig that records), each checked: one line naming what
     is missing or wrong."""
-    directory = Path(directory)
+    check_path(directory, "checkpoint", "a checkpoint directory's path")
+    directory = Path(os.fsdecode(directory))
     if not directory.is_dir():
         what = "is a file, not a checkpoint directory" if directory.exists() else not_found(directory)
         if directory.exists() and is_checkpoint(directory.parent):  # its model.safetensors, say

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 
@@ -124,6 +125,13 @@ def is_out_of_memory(error: BaseException) -> bool:
         words in str(error) for words in ("can't allocate memory", "std::bad_alloc"))
 
 
+def check_path(value: object, name: str, what: str) -> None:
+    """`value` is a path (str, bytes or os.PathLike): None or a dict failed inside pathlib ("expected str,
+    bytes or os.PathLike object, not dict"), naming no argument. `what` says what the path names."""
+    if not isinstance(value, (str, bytes, os.PathLike)):
+        raise TypeError(f"{name} is {type(value).__name__}: {what}")
+
+
 def str_list(items: Iterable[str], name: str, plural: str, singular: str) -> list[str]:
     """`items` as a list (a generator is read once), each checked to be a str. A lone str or bytes is
     iterable too, and was taken character by character: refused, naming `name` ("texts") and what it
@@ -131,6 +139,8 @@ def str_list(items: Iterable[str], name: str, plural: str, singular: str) -> lis
     if isinstance(items, (str, bytes)):
         kind = type(items).__name__
         raise TypeError(f"{name} must be a list of {plural}, not one {kind}: pass [{singular}]")
+    if not isinstance(items, Iterable):  # None: "'NoneType' object is not iterable"
+        raise TypeError(f"{name} must be a list of {plural}, not {type(items).__name__}")
     items = list(items)
     for i, item in enumerate(items):
         if not isinstance(item, str):

@@ -32,7 +32,14 @@ from aiayn.config import (
     matches_type, model_config, resolved_settings, to_dict,
 )
 from aiayn.data.tokenizer import MIN_CHARACTER_COVERAGE
-from aiayn.errors import ESCAPED_CONTROLS, UserError, control_character, non_utf8_name
+from aiayn.errors import (
+    ESCAPED_CONTROLS,
+    UserError,
+    check_path,
+    control_character,
+    non_utf8_name,
+    str_list,
+)
 from aiayn.files import require_file
 
 TOKENIZER_FIELDS = ("vocab_size", "tgt_vocab_size", "pad_id", "decoder_start_id", "eos_id")
@@ -414,6 +421,9 @@ def run_config(values: dict[str, Any], where: str = "", written: str = "",
     names unknown keys, `written` (by default `where`: "FILE with --set" when either may hold it) a value
     out of range or contradicting another. With `origins` ("data.max_len" -> "run.toml:3" or "--set
     'data.max_len=1'"), each such problem is named where the settings it names were written instead."""
+    if not isinstance(values, dict):  # None: "'NoneType' object has no attribute 'items'"
+        raise TypeError(f"run_config takes a dict of sections ({{'model': {{...}}, 'train': {{...}}}}), not "
+                        f"{type(values).__name__}; load_config(path) reads a TOML file")
     if origins is None:  # a caller's dicts; `load_config` checked its file's, and `parse_override` --set's
         try:
             _check_file(values, lambda name: "")
@@ -538,13 +548,15 @@ def _names(path: str) -> list[str]:
     return [name.strip("\"'") for name in re.findall(_KEY, path)]
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | Path | None, overrides: list[str] | None = ()) -> RunConfig:
     """Read a TOML file (or start from defaults) and apply `section.key=value` overrides."""
     values: dict[str, dict[str, Any]] = {}
     where = "command line"
     origins: dict[str, str] = {}  # "data.max_len" -> where it was written: "run.toml:3", "--set '...'"
     if path is not None:
-        path = Path(path)
+        check_path(path, "load_config's path", "a TOML file's path, or None for the defaults (run_config "
+                   "builds a RunConfig from dicts)")
+        path = Path(os.fsdecode(path))
         values, lines = _read_toml(path)
         where = str(path)
 
@@ -555,6 +567,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         origins = {f"{s}.{k}": place(f"{s}.{k}") for s, table in values.items() for k in table}
     if isinstance(overrides, str):  # read character by character: "--set 't': expected section.key=value"
         raise TypeError(f"overrides is a list of SECTION.KEY=VALUE strings: pass [{overrides!r}]")
+    overrides = str_list(() if overrides is None else overrides, "overrides", "SECTION.KEY=VALUE strings",
+                         "'train.max_updates=100'")
     for item in overrides:
         section, key, value = parse_override(item)
         values.setdefault(section, {})[key] = value

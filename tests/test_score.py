@@ -4,6 +4,7 @@ scored when it found them, and a float64 full forward pass of the model."""
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import numbers_checkpoint, padded_batch, tiny_model
@@ -72,6 +73,11 @@ def test_a_batch_scores_as_each_pair_alone():
         with pytest.raises(ValueError, match=rf"^targets\[1\] holds id {bad}, outside the target vocabulary "
                                              r"of 50 \(ids 0 to 49\)$"):
             force_decode(model, src, [[5, 2], [7, bad, 2], [2]])
+    # 7.9 was scored as 7 (right_pad's int cast); numpy's integers and 0-d tensors are ids
+    with pytest.raises(TypeError, match=r"^targets\[2\] holds 7.9, a float: token ids are integers$"):
+        force_decode(model, src, [[5, 2], [7, 2], [7.9, 2]])
+    assert force_decode(model, src, [[5, 2], [np.int64(7), torch.tensor(2)], [2]]) == pytest.approx(
+        force_decode(model, src, [[5, 2], [7, 2], [2]]))
     # a tensor of rows failed in `all` ("Boolean value of Tensor ... is ambiguous"); its padding is not EOS
     refusal = r"^targets holds a Tensor: force_decode takes one list of token ids per source, each ending"
     for rows in (right_pad(targets, 0), [torch.tensor(t) for t in targets]):

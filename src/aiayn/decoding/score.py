@@ -10,6 +10,8 @@ a hypothesis a search found scores here what the search scored it.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -17,6 +19,15 @@ from aiayn.data.batching import right_pad
 from aiayn.decoding.options import DecodeConfig
 from aiayn.decoding.search import check_inference, source_lengths, source_mask, step_log_probs
 from aiayn.model import Transformer
+
+
+def _is_index(value: object) -> bool:
+    """An int, or what stands for one (numpy's integers, a 0-d integer tensor): `operator.index` takes it."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 @torch.inference_mode()
@@ -40,7 +51,9 @@ def force_decode(model: Transformer, src: Tensor, targets: list[list[int]]) -> l
         raise ValueError(f"targets[{empty}] is empty: end each target with EOS ({model.config.eos_id})")
     vocab = model.config.target_vocab_size
     for i, target in enumerate(targets):  # an id past the vocabulary failed in a gather, "index 500 is out
-        # of bounds for dimension 1 with size 200", naming neither the id nor its target
+        # of bounds for dimension 1 with size 200", naming neither the id nor its target; 7.9 was scored as 7
+        if (odd := next((t for t in target if not _is_index(t)), None)) is not None:
+            raise TypeError(f"targets[{i}] holds {odd!r}, a {type(odd).__name__}: token ids are integers")
         if (bad := next((t for t in target if not 0 <= t < vocab), None)) is not None:
             raise ValueError(f"targets[{i}] holds id {bad}, outside the target vocabulary of {vocab} (ids 0 "
                              f"to {vocab - 1})")

@@ -1166,6 +1166,23 @@ def test_cpu_packed_linears_compute_the_same_function():
     assert [h[0].tokens for h in generate(packed, one, greedy)] == [h[0].tokens for h in generate(model, one, greedy)]
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_translators_model_counts_the_parameters_its_checkpoint_has(checkpoint, int8):
+    """Packed or quantized for decoding, the Linear weights are no parameters: the packed model counted
+    its embeddings and norms alone. The tied output projection counts once, and Marian's logits bias, a
+    buffer folded into the vocabulary product, not at all, as in the model that was packed."""
+    from aiayn.checkpoint import load_checkpoint
+    from aiayn.decoding.cpu import pack_for_cpu
+
+    loaded = Translator.load(checkpoint, int8=int8).model
+    assert loaded.num_parameters() == load_checkpoint(checkpoint).model.num_parameters()
+    for model in (tiny_model(final_logits_bias=True), tiny_model(share_embeddings=False, tgt_vocab_size=40,
+                                                                 tie_output=False)):
+        prepared = quantize_int8(model) if int8 else pack_for_cpu(model)
+        assert type(prepared.generator) is not torch.nn.Linear
+        assert prepared.num_parameters() == model.num_parameters()
+
+
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="no MKL")
 def test_one_row_products_take_a_weight_block_per_thread_where_mkl_does_not_split_a_row(monkeypatch):
     """On Intel MKL splits a one-row product between threads itself: one block, W^T whole. Elsewhere (an

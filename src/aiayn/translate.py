@@ -46,7 +46,9 @@ from aiayn.data.lines import (
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import DecodeConfig, Ensemble, generate
 from aiayn.decoding.compiled import check_cxx_compiler, compile_one_row_step
-from aiayn.decoding.cpu import fold_logits_bias, pack_for_cpu, pack_int8_for_amx
+from aiayn.decoding.cpu import (
+    count_packed, fold_logits_bias, linear_parameters, pack_for_cpu, pack_int8_for_amx,
+)
 from aiayn.decoding.ensemble import SHARED_FIELDS, vocabularies
 from aiayn.decoding.options import SAMPLING_ONLY, check_decode_config
 from aiayn.decoding.score import force_decode
@@ -181,12 +183,15 @@ def quantize_int8(model: Transformer, in_place: bool = False) -> Transformer:
     if quantize is None:  # deprecated for torchao (its warning names 2.10 for removal): an AttributeError
         raise UserError(f"int8 (--int8) uses torch.ao.quantization.quantize_dynamic, which PyTorch "
                         f"{torch.__version__} no longer has; drop --int8")
+    counts = linear_parameters(model)  # the parameters the int8 Linears stand for, which are none
     with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated for torchao, still works
         warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
         quantized = quantize(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=in_place)
     quantized.eval()  # for decoding only: its new modules start in training mode
     fold_logits_bias(quantized)  # on the copy, unless in place
-    return pack_int8_for_amx(quantized)
+    quantized = pack_int8_for_amx(quantized)
+    count_packed(quantized, counts)
+    return quantized
 
 
 def check_compile(device: torch.device, dtype: str | torch.dtype, int8: bool, models: int = 1) -> None:

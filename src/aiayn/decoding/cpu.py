@@ -194,8 +194,10 @@ def pack_for_cpu(model: nn.Module, in_place: bool = False) -> nn.Module:
         log.info("oneDNN linear packing unavailable in this PyTorch build; using the model as it is")
         return model
     packed = (model if in_place else copy.deepcopy(model)).eval()
+    counts = linear_parameters(packed)  # before the logits bias, a buffer, is folded into a Linear
     fold_logits_bias(packed)  # before packing: the one-row layouts hold the bias
     replace_modules(packed, lambda m: type(m) is nn.Linear, PackedLinear)
+    count_packed(packed, counts)
     # The encoder reads whole sources, and the cross-attention's K/V projection reads the encoder's
     # output: their one-row layouts would be copies that a one-token source alone uses (87 MB of 238
     # for `base` with blocks); those products go to oneDNN.
@@ -204,6 +206,24 @@ def pack_for_cpu(model: nn.Module, in_place: bool = False) -> nn.Module:
             m.one_row = None
     huge_page_weights([m.one_row for m in packed.modules() if type(m) is PackedLinear and m.one_row])
     return packed
+
+
+def linear_parameters(model: nn.Module) -> dict[str, int]:
+    """For each `nn.Linear` of `model`, by name, how many of the model's parameters it alone holds: its
+    weight and bias, less a weight tied to a module that is not a Linear (the output projection, which
+    is the target embedding). Taken before the Linears are packed or quantized (`count_packed`)."""
+    kept = {id(p) for m in model.modules() if type(m) is not nn.Linear for p in m.parameters(recurse=False)}
+    return {name: sum(p.numel() for p in m.parameters(recurse=False) if id(p) not in kept)
+            for name, m in model.named_modules() if type(m) is nn.Linear}
+
+
+def count_packed(model: nn.Module, counts: dict[str, int]) -> None:
+    """Give each module that took the place of a Linear named in `counts` (`linear_parameters`) its count
+    as `packed_parameters`, which `Transformer.num_parameters` adds: packed and int8 weights are no
+    parameters, and a model packed for decoding counted its embeddings and norms alone."""
+    for name, m in model.named_modules():
+        if name in counts and type(m) is not nn.Linear:
+            m.packed_parameters = counts[name]
 
 
 def huge_page_weights(products: Sequence[OneRowProduct]) -> None:

@@ -433,5 +433,9 @@ class Transformer(nn.Module):
     def num_parameters(self) -> int:
         """Distinct parameters, trainable or frozen (a shared embedding counted once): the model's size,
         which `aiayn info`, the paper's Table 3 and a memory estimate all mean. Buffers (the position
-        tables, a logits bias) are not counted."""
-        return sum(p.numel() for p in self.parameters())
+        tables, a logits bias) are not counted. A model packed or quantized for decoding
+        (`Translator.load`), whose Linear weights are no parameters, counts those it stands for
+        (`packed_parameters`, `aiayn.decoding.cpu.count_packed`): a packed one counted its embeddings and
+        norms alone (13,120 of a micro model's 34,176)."""
+        packed = sum(getattr(m, "packed_parameters", 0) for m in self.modules())
+        return sum(p.numel() for p in self.parameters()) + packed

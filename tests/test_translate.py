@@ -20,6 +20,7 @@ import torch
 from aiayn.cli import main
 from aiayn.config import ConfigError
 from aiayn.decoding import DecodeConfig, Ensemble, generate, length_penalty
+from aiayn.decoding.cpu import packing_available
 from aiayn.errors import SentenceTooLong, UserError
 from aiayn.files import _stream_only, atomic_output
 from aiayn.translate import (
@@ -1181,6 +1182,39 @@ def test_a_translators_model_counts_the_parameters_its_checkpoint_has(checkpoint
         prepared = quantize_int8(model) if int8 else pack_for_cpu(model)
         assert type(prepared.generator) is not torch.nn.Linear
         assert prepared.num_parameters() == model.num_parameters()
+
+
+@pytest.mark.skipif(not packing_available(), reason="no oneDNN packing in this PyTorch")
+def test_a_packed_model_refuses_gradients_casts_and_copies_in_one_line(checkpoint):
+    """A `Translator`'s packed model decodes; a forward that would take gradients, a cast to another dtype
+    or device, a copy or a pickle is one RuntimeError saying what to use instead, where oneDNN left every
+    grad None, failed at the next translation after a cast, or could not copy an "OpaqueTensorImpl". A
+    refused cast leaves the model whole; casts that change nothing go on."""
+    import copy
+    import pickle
+
+    from aiayn.checkpoint import load_checkpoint
+
+    translator = Translator.load(checkpoint)
+    model, before = translator.model, translator.translate(TEXTS, **OPTIONS)
+    src, tgt = padded_batch([6, 4], model.config.vocab_size), padded_batch([5, 5], model.config.vocab_size)
+    with pytest.raises(RuntimeError, match=r"^this model is packed for CPU decoding \(Translator.load\): it "
+                       r"has no gradients; .* load_checkpoint\(path\).model$"):
+        model(src, tgt)
+    with torch.no_grad():
+        torch.testing.assert_close(model(src, tgt), load_checkpoint(checkpoint).model(src, tgt), atol=1e-5,
+                                   rtol=1e-5)
+    for cast in (lambda m: m.bfloat16(), lambda m: m.double(), lambda m: m.half(), lambda m: m.to("meta"),
+                 lambda m: m.to(torch.float64)):
+        with pytest.raises(RuntimeError, match=r"its weights stay float32 on the CPU; .*Translator.load\("
+                           r"path, device, dtype=...\) or load_checkpoint\(path, device, dtype\)$"):
+            cast(model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # nothing cast before the refusal
+    assert model.float() is model and model.cpu() is model and model.to("cpu", torch.float32) is model
+    for copied in (lambda: copy.deepcopy(translator), lambda: pickle.dumps(model)):
+        with pytest.raises(RuntimeError, match=r"cannot be copied or pickled; load it again \(Translator"):
+            copied()
+    assert translator.translate(TEXTS, **OPTIONS) == before
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="no MKL")

@@ -301,7 +301,13 @@ class Translator:
         the decoding cache: faster, and a few translations in a hundred come out otherwise (Multi30k
         val, a `small` en-de model, beam 4: 969 of 1,014 lines the same, BLEU 39.61 against 39.77), and
         a text's translation can depend on the texts batched with it (`hypotheses`). Scores and search run
-        in float32 either way."""
+        in float32 either way.
+
+        The translator's `model` is made for decoding: on the CPU in float32 its Linear weights are packed
+        for oneDNN (`aiayn.decoding.cpu.PackedLinear`), with `int8` quantized. It decodes, scores and
+        counts its parameters as the checkpoint's model does, but a forward that would take gradients, a
+        cast to another dtype or device, a copy or a pickle of a packed one is a RuntimeError, and neither
+        saves (`save_checkpoint`): train, fine-tune, cast or save `load_checkpoint(path).model`."""
         from aiayn.checkpoint import load_checkpoint
 
         for name, flag in (("int8", int8), ("compile", compile)):

@@ -117,9 +117,22 @@ class OneRowProduct:
         return cols.view(1, -1)[:, : self.out_features]  # (1, out)
 
 
+# What a packed model (`PackedLinear`) says of the uses it cannot serve: it is made for decoding alone.
+PACKED = "this model is packed for CPU decoding (Translator.load)"
+NO_GRADIENTS = (f"{PACKED}: it has no gradients; decode under torch.inference_mode(), or train, fine-tune or "
+                "take gradients of load_checkpoint(path).model")
+NO_CAST = (f"{PACKED}: its weights stay float32 on the CPU; load it in the dtype and on the device wanted: "
+           "Translator.load(path, device, dtype=...) or load_checkpoint(path, device, dtype)")
+NO_COPY = (f"{PACKED}: its oneDNN weights cannot be copied or pickled; load it again "
+           "(Translator.load(path)), or copy load_checkpoint(path).model")
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b (an `nn.Linear`): oneDNN's `_linear_pointwise` with a prepacked W, or for one row
-    plain MKL on W^T (`OneRowProduct`)."""
+    plain MKL on W^T (`OneRowProduct`). For decoding only: a forward that would need gradients, a cast or
+    move (`.to`, `.bfloat16()`, `.cuda()`), a copy or a pickle is a RuntimeError (`NO_GRADIENTS`, ...),
+    where oneDNN's kernels took no gradients silently, failed on another dtype with "could not create a
+    primitive descriptor", and its tensors could not be copied ("OpaqueTensorImpl")."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -138,10 +151,27 @@ class PackedLinear(nn.Module):
         self.one_row = OneRowProduct(linear.weight, self.bias, blocks) if blocks else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.requires_grad:  # a flag read: oneDNN's kernel has no backward, and warned only of "silently
+            raise RuntimeError(NO_GRADIENTS)  # incorrect behavior", every parameter's grad left None
         if self.one_row is not None and x.numel() == self.in_features:  # one row
             y = self.one_row(x.reshape(1, self.in_features))  # (1, out)
             return y.view(*x.shape[:-1], self.out_features)  # (..., out)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def check_apply(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """Refuse `fn` (what `.to`, `.bfloat16()`, `.cuda()` apply to every tensor) where it would change
+        a float32 CPU tensor's dtype or device: the packed weights are neither. `Transformer._apply` asks
+        before it casts anything, so that a refused cast leaves no model half cast."""
+        probe = fn(torch.empty(0))
+        if probe.dtype != torch.float32 or probe.device.type != "cpu":
+            raise RuntimeError(NO_CAST)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> PackedLinear:
+        self.check_apply(fn)  # no-op moves (.float(), .cpu(), .to("cpu")) go on; nothing here to apply
+        return self
+
+    def __reduce_ex__(self, protocol: object) -> object:  # pickle and copy.deepcopy
+        raise RuntimeError(NO_COPY)
 
 
 def amx_int8_available() -> bool:

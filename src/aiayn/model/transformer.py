@@ -290,6 +290,16 @@ class Transformer(nn.Module):
         self._tie_output()
         return self
 
+    def _apply(self, fn, recurse: bool = True):
+        """`nn.Module._apply` (behind `.to`, `.bfloat16()`, `.cuda()`), once every submodule that refuses
+        some (a Linear packed for CPU decoding: `aiayn.decoding.cpu.PackedLinear.check_apply`) has agreed:
+        a refusal halfway left the embeddings cast and the packed Linears not."""
+        for m in self.modules():
+            check = getattr(type(m), "check_apply", None)
+            if check is not None:
+                check(m, fn)
+        return super()._apply(fn, recurse)
+
     def reset_parameters(self) -> None:
         """Xavier-uniform matrices, zero biases (tensor2tensor, fairseq), attention's as fairseq's
         (`MultiHeadAttention.reset_parameters`); embeddings N(0, d^-1/2) so that after the sqrt(d) scale

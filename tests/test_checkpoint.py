@@ -393,7 +393,8 @@ def test_a_pytorch_pickle_in_place_of_the_weights_is_named_never_read(tmp_path, 
                _use_new_zipfile_serialization=zipped)
     kind = "torch.save's zip archive" if zipped else "a raw pickle, torch.save's legacy format"
     said = (f"{ck / 'model.safetensors'}: a PyTorch pickle ({kind}), not safetensors; aiayn never reads "
-            "pickles (loading one can run any code): save the weights with safetensors.torch.save_file")
+            "pickles (loading one can run any code): save the model with aiayn.checkpoint.save_checkpoint("
+            "directory, model, tokenizer), or its weights with safetensors.torch.save_model(model, path)")
     with pytest.raises(UserError, match=f"^{re.escape(said)}$") as e:
         load_checkpoint(ck)
     assert not isinstance(e.value, CorruptFile)  # not damaged: another format

@@ -392,8 +392,11 @@ def _pickle_error(path: Path) -> UserError | None:
     it is neither. Only named: unpickling can run any code."""
     head = file_head(path)
     if (kind := pytorch_file(head)) is not None:
+        # save_file(model.state_dict()) refuses a tied model's shared memory: save_model stores it once
         return UserError(f"{path}: a PyTorch pickle ({kind}), not safetensors; aiayn never reads pickles "
-                         "(loading one can run any code): save the weights with safetensors.torch.save_file")
+                         "(loading one can run any code): save the model with aiayn.checkpoint."
+                         "save_checkpoint(directory, model, tokenizer), or its weights with "
+                         "safetensors.torch.save_model(model, path)")
     if head is not None and head.startswith(ZIP):
         return UserError(f"{path}: a zip archive, not safetensors")
     return None

@@ -19,7 +19,8 @@ from aiayn.errors import UserError
 from aiayn.model import Transformer
 
 ctranslate2 = pytest.importorskip("ctranslate2")
-from aiayn.interop.ct2 import export_ctranslate2, translate_tokens  # noqa: E402  (needs ctranslate2)
+# imported after the importorskip, since the module needs ctranslate2 (hence noqa E402)
+from aiayn.interop.ct2 import export_ctranslate2, target_tokens, translate_tokens  # noqa: E402
 
 SRC_LINES = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} and {i % 7} is small" for i in range(200)]
 TGT_LINES = [f"die Zahl {i} ist {'gerade' if i % 2 == 0 else 'ungerade'} und {i % 7} ist klein" for i in range(200)]
@@ -48,7 +49,7 @@ def random_model(tokenizer: Tokenizer, **overrides) -> Transformer:
     config = model_config(
         "micro", n_heads=4, n_layers=2, vocab_size=tokenizer.src_vocab_size,
         tgt_vocab_size=tokenizer.tgt_vocab_size if separate else None, pad_id=tokenizer.pad_id,
-        eos_id=tokenizer.eos_id, max_len=64, **{"decoder_start_id": tokenizer.bos_id, **overrides})
+        eos_id=tokenizer.eos_id, **{"max_len": 64, "decoder_start_id": tokenizer.bos_id, **overrides})
     model = Transformer(config).eval()
     for name, p in model.named_parameters():  # LayerNorms and biases away from 1 and 0 so each one counts
         if p.dim() == 1:
@@ -90,6 +91,25 @@ def test_greedy_tokens_are_identical(exported):
     ours = aiayn_greedy(ck, SENTENCES)
     assert theirs == ours
     assert len({tuple(row) for row in ours}) > 1  # different sources, different outputs: not a constant model
+
+
+def test_a_source_past_1024_pieces_is_translated_whole(tmp_path, spm_models):
+    """CTranslate2 cuts a source to its first 1024 pieces unless told otherwise (`max_input_length`), with
+    no word: a model of longer positions translated the cut source, not aiayn's."""
+    tokenizer = Tokenizer(spm_models[0])
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "ck", random_model(tokenizer, max_len=2048), tokenizer)
+    assert main(["export", "--to", "ctranslate2", str(tmp_path / "ck"), str(tmp_path / "ct2")]) == 0
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
+    ck = load_checkpoint(tmp_path / "ck")
+    long = [" ".join(SRC_LINES[:120]) + " " + text for text in SENTENCES[:2]]
+    assert min(len(tokenizer.encode_src(text)) for text in long) > 1024
+    ours = aiayn_greedy(ck, long)
+    assert translate_tokens(translator, tokenizer, long, beam_size=1, max_len=MAX_LEN) == ours
+    cut = translator.translate_batch([tokenizer.src_pieces(text)[:-1] for text in long], beam_size=1,
+                                     max_decoding_length=MAX_LEN, min_decoding_length=0)  # the default 1024
+    pieces = target_tokens(tokenizer, tokenizer.tgt_vocab_size)
+    assert [r.hypotheses[0] for r in cut] != [[pieces[i] for i in ids] for ids in ours]
 
 
 def aiayn_beam(ck, texts: list[str], **options) -> list[list[int]]:
@@ -248,7 +268,9 @@ def test_export_says_it_put_back_a_killed_exports_output_and_leaves_a_users_dot_
     command = [sys.executable, "-m", "aiayn", "export", "--to", "ctranslate2", "ck", "ct2"]
     env = {**os.environ, "PYTHONPATH": str(Path(aiayn.__file__).parents[1])}  # this aiayn, not another
     first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
-    assert first.returncode == 0 and first.stderr == "", first.stderr  # no notes: nothing to say
+    # no notes but the one line said before the work (a `big` model's export took 12 s with no word)
+    said = r"\d\d:\d\d:\d\d exporting ck to ct2 \(CTranslate2, float32 weights\)\n"
+    assert first.returncode == 0 and re.fullmatch(said, first.stderr), first.stderr
     (tmp_path / "ct2").rename(tmp_path / ".ct2.aiayn-old")  # a kill between the renames of a --force
     (tmp_path / ".ct2.old").mkdir()
     (tmp_path / ".ct2.old" / "notes.txt").write_text("precious")

@@ -14,6 +14,7 @@ output of aiayn's searches (nor of OPUS-MT's, `bad_words_ids=[[pad]]`): the expo
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from aiayn.errors import UserError
 from aiayn.files import OutputKind, check_output, write_atomically
 from aiayn.model import Transformer
 from aiayn.train.state import check_outside_checkpoints
+
+log = logging.getLogger(__name__)
 
 # exp(-1e4) is 0 in float32, so pad drops out of the softmax exactly as aiayn's searches mask it; the
 # value stays finite in float16 (whose largest is 65504), should the model be exported as float16.
@@ -175,6 +178,9 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
         if _is_ct2_model(parent):
             raise UserError(f"{out}: lies inside the CTranslate2 model {parent}; export beside it")
 
+    # said before the work: a `big` checkpoint took 12 s with no word (8 s at int8)
+    log.info("exporting %s to %s (CTranslate2, %s weights)", checkpoint, out, quantization or "float32")
+
     def write(tmp: Path) -> None:
         try:  # force: the converter replaces `tmp`, the empty directory write_atomically made
             AiaynConverter(checkpoint).convert(str(tmp), quantization=quantization, force=True)
@@ -193,10 +199,13 @@ def translate_tokens(translator, tokenizer: Tokenizer, texts: list[str], beam_si
     `min_decoding_length=0`: CTranslate2's default of 1 forbids an empty translation (EOS first), which
     aiayn and HuggingFace allow; with it, a model whose best output is empty got another one here.
     `max_len` may not pass the model's position table (model.max_len): CTranslate2 raises there.
+    `max_input_length=0`: CTranslate2's default of 1024 cut a longer source to its first 1024 pieces,
+    silently (aiayn translates it whole, or refuses it past model.max_len; so does CTranslate2 then).
     `length_penalty` is alpha of |Y|^alpha (CTranslate2's default 1.0): its beams are aiayn's with
     `lenpen_kind="power"`, the same `lenpen` and `early_stopping=True`."""
     tgt_ids = {t: i for i, t in enumerate(target_tokens(tokenizer, tokenizer.tgt_vocab_size))}
     batch = [tokenizer.src_pieces(t)[:-1] for t in texts]  # without the EOS, which CTranslate2 appends
     results = translator.translate_batch(batch, beam_size=beam_size, max_decoding_length=max_len,
-                                         min_decoding_length=0, length_penalty=length_penalty)
+                                         min_decoding_length=0, max_input_length=0,
+                                         length_penalty=length_penalty)
     return [[tgt_ids.get(t, tokenizer.unk_id) for t in r.hypotheses[0]] for r in results]

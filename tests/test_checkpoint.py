@@ -266,52 +266,6 @@ def write_meta(directory: Path, **changes) -> None:
     (directory / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if v is not None}))
 
 
-def test_a_tied_weight_loads_under_any_of_its_names_or_all_of_them_alike(tmp_path, tokenizer, capsys):
-    """What safetensors writes of an aiayn model loads, as HuggingFace's loaders take it: save_model keeps
-    one name of a tied tensor of its own choosing (generator.weight), a cloned state_dict all three, and
-    both were "weights do not fit this model" (missing, unexpected) where the pickle advice sent users.
-    Tied names holding different tensors, and weights genuinely missing or unexpected, are refused."""
-    from safetensors.torch import save_model
-
-    from aiayn.train.average import average_checkpoints
-    from aiayn.translate import Translator
-
-    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
-    ck = save_checkpoint(tmp_path / "ck", model, tokenizer)
-    texts = ["the number 12 is even", "the number 3 is odd"]
-    expected = Translator.load(ck).translate(texts, beam=2, max_len_a=0.0, max_len_b=6)
-
-    def written(name, write):
-        directory = tmp_path / name
-        shutil.copytree(ck, directory)
-        write(str(directory / "model.safetensors"))
-        return directory
-
-    for directory in (written("save_model", lambda path: save_model(model, path)),
-                      written("state_dict", lambda path: save_file(
-                          {k: v.clone() for k, v in model.state_dict().items()}, path))):
-        loaded = load_checkpoint(directory).model
-        assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
-        assert loaded.generator.weight is loaded.src_embed.embed.weight
-        assert Translator.load(directory).translate(texts, beam=2, max_len_a=0.0, max_len_b=6) == expected
-        assert main(["info", str(directory)]) == 0 and "parameters: " in capsys.readouterr().out
-        average = load_checkpoint(average_checkpoints([ck, directory], tmp_path / f"avg_{directory.name}"))
-        assert all(torch.equal(v, model.state_dict()[k]) for k, v in average.model.state_dict().items())
-
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    state["generator.weight"] += 1.0
-    directory = written("differ", lambda path: save_file(state, path))
-    with pytest.raises(UserError, match=r"^\S+differ/model\.safetensors: weights do not fit this model: tied "
-                       r"\['src_embed\.embed\.weight', 'tgt_embed\.embed\.weight', 'generator\.weight'\] "
-                       r"hold different tensors \(this model has one; store it once\)$"):
-        load_checkpoint(directory)
-    state = {k: v.clone() for k, v in model.state_dict().items() if k != "encoder.0.self_attn.out_proj.bias"}
-    state["extra"] = torch.zeros(1)
-    with pytest.raises(UserError, match=r"do not fit this model: missing \['encoder\.0\.self_attn\.out_proj\."
-                       r"bias'\]; unexpected \['extra'\]$"):
-        load_checkpoint(written("missing", lambda path: save_file(state, path)))
-
-
 @pytest.mark.parametrize("tokenizer_entry", [None, {"model_type": "bpe"}, {"files": "spm.model"}])
 def test_meta_without_tokenizer_files_names_meta_json(tmp_path, tokenizer, tokenizer_entry):
     save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)

@@ -56,54 +56,18 @@ def state_dict_for_saving(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _untied_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state_dict, where it lies, without tied duplicates and without wrapper prefixes."""
-    return {names[0]: tensor.detach() for names, tensor in _tied_groups(model)}
-
-
-def _tied_groups(model: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """The model's state_dict (no wrapper prefixes) as (names, tensor), each tensor once with every name it
-    has: a tied weight (the shared embedding, the output projection) is one tensor of several names, the
-    first the one saved."""
-    groups: list[tuple[list[str], torch.Tensor]] = []
-    seen: dict[int, int] = {}  # the tensors themselves (keep_vars: a tied Parameter is one object)
-    addresses: dict[int, int] = {}  # and their memory: on the meta device every tensor's address is 0
-    for name, tensor in unwrap(model).state_dict(keep_vars=True).items():
-        address = None if tensor.is_meta else tensor.data_ptr()
-        group = seen.get(id(tensor), addresses.get(address) if address is not None else None)
-        if group is None:
-            group = len(groups)
-            groups.append(([], tensor))
-        groups[group][0].append(name)
-        seen[id(tensor)] = group
-        if address is not None:
-            addresses[address] = group
-    return groups
-
-
-def untied_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]
-                   ) -> tuple[dict[str, torch.Tensor], str | None]:
-    """`weights` with each of `model`'s tied tensors under the name it is saved by: stored under any one
-    of its names, or under several holding the same tensor, as HuggingFace's loaders take them
-    (safetensors' save_model keeps one name of its own choosing, a cloned state_dict all of them: both
-    were "weights do not fit this model"). Tied names holding different tensors, of which the model can
-    hold one alone, are the problem returned (with `weights` as given)."""
-    untied = dict(weights)
-    for names, _ in _tied_groups(model):
-        stored = [name for name in names if name in untied]
-        if not stored or stored == [names[0]]:
-            continue
-        tensors = [untied.pop(name) for name in stored]
-        if not all(_same_tensor(tensors[0], t) for t in tensors[1:]):
-            return weights, f"tied {stored} hold different tensors (this model has one; store it once)"
-        untied[names[0]] = tensors[0]
-    return untied, None
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b` are one tensor's values; a header's (meta) tensors by shape and dtype, their
-    values compared when the file is read."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return a.is_meta or b.is_meta or torch.equal(a, b)
+    model = unwrap(model)
+    seen: set[int] = set()  # the tensors themselves (keep_vars: a tied Parameter is one object)
+    addresses: set[int] = set()  # and their memory: on the meta device every tensor's address is 0
+    out = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        address = set() if tensor.is_meta else {tensor.data_ptr()}
+        if id(tensor) in seen or address & addresses:
+            continue  # a tied weight (the shared embedding) is stored once
+        seen.add(id(tensor))
+        addresses |= address
+        out[name] = tensor.detach()
+    return out
 
 
 def weights_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -160,7 +124,7 @@ def model_from_weights(config: ModelConfig, weights: dict[str, torch.Tensor], wh
     dtype = weights_dtype(dtype)
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
-    weights = check_fits(model, weights, where)
+    check_fits(model, weights, where)
     try:
         model = model.to_empty(device=device)
     except (RuntimeError, MemoryError) as e:
@@ -469,27 +433,21 @@ def _castable(stored: torch.dtype, wanted: torch.dtype) -> bool:
 def load_into(model: Transformer, weights: dict[str, torch.Tensor], where: str | Path) -> None:
     """Copy `weights` into `model`, naming any missing, unexpected, mis-shaped or mis-typed tensor.
     Every weight `model` saves must be there, so `model` is wholly overwritten."""
-    model.load_state_dict(check_fits(model, weights, where), strict=False)  # tied copies absent by design
+    check_fits(model, weights, where)
+    model.load_state_dict(weights, strict=False)  # tied copies are absent by design
 
 
-def check_fits(model: Transformer, weights: dict[str, torch.Tensor], where: str | Path
-               ) -> dict[str, torch.Tensor]:
-    """`load_into`'s checks, which a model on the meta device can take before it is given memory; the
-    weights, each tied tensor under the name it is saved by (`untied_weights`)."""
-    untied, problem = untied_weights(model, weights)
-    problem = problem or fit_problem(model, untied)
+def check_fits(model: Transformer, weights: dict[str, torch.Tensor], where: str | Path) -> None:
+    """`load_into`'s checks, which a model on the meta device can take before it is given memory."""
+    problem = fit_problem(model, weights)
     if problem:
         raise UserError(f"{where}: weights do not fit this model: {problem}")
-    check_finite(untied, where)
-    return untied
+    check_finite(weights, where)
 
 
 def fit_problem(model: Transformer, weights: dict[str, torch.Tensor]) -> str | None:
-    """How `weights` do not fit `model` (tied names holding different tensors, tensors missing,
-    unexpected, of another shape, or of a dtype loading cannot cast), or None where they fit."""
-    weights, tied = untied_weights(model, weights)
-    if tied:
-        return tied
+    """How `weights` do not fit `model` (tensors missing, unexpected, of another shape, or of a dtype
+    loading cannot cast), or None where they fit."""
     expected = _untied_state(model)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))

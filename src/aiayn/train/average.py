@@ -110,13 +110,14 @@ def mean_weights(paths: list[Path]) -> dict[str, torch.Tensor]:
     checkpoints were refused by ("step_000020: weight names differ from step_000030")."""
     with torch.device("meta"):  # shapes only
         model = Transformer(meta_model_config(paths[-1], read_meta(paths[-1])))
-    newest = check_fits(model, stored_tensors(paths[-1]), paths[-1] / WEIGHTS)  # tied ones under one name
+    newest = stored_tensors(paths[-1])
+    check_fits(model, newest, paths[-1] / WEIGHTS)
     ref = {name: (t.shape, t.dtype) for name, t in newest.items()}
     mean = RunningMean()
     for i, p in enumerate(paths):
-        # and finite: a NaN was blamed on the newest, into which the mean was loaded
-        state = check_fits(model, load_weights(p), p / WEIGHTS)
-        check_same_tensors(p, state, paths[-1], ref)
+        state = load_weights(p)
+        check_fits(model, state, p / WEIGHTS)  # and finite: a NaN was blamed on the newest, into which the
+        check_same_tensors(p, state, paths[-1], ref)  # mean was loaded
         mean.add(state)
         del state
         log.info("read %d/%d: %s", i + 1, len(paths), p)

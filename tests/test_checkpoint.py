@@ -342,18 +342,24 @@ class RunsCode:
 def test_a_pytorch_pickle_in_place_of_the_weights_is_named_never_read(tmp_path, tokenizer, zipped, capsys):
     """torch.save's file renamed model.safetensors was "corrupt weights (Error while deserializing header:
     header too large)", as if damaged."""
-    ck = save_checkpoint(tmp_path / "ck", tiny_model(vocab_size=tokenizer.src_vocab_size), tokenizer)
+    model = tiny_model(vocab_size=tokenizer.src_vocab_size)
+    ck = save_checkpoint(tmp_path / "ck", model, tokenizer)
     torch.save({"w": torch.zeros(2), "x": RunsCode(tmp_path / "ran")}, ck / "model.safetensors",
                _use_new_zipfile_serialization=zipped)
     kind = "torch.save's zip archive" if zipped else "a raw pickle, torch.save's legacy format"
     said = (f"{ck / 'model.safetensors'}: a PyTorch pickle ({kind}), not safetensors; aiayn never reads "
             "pickles (loading one can run any code): save the model with aiayn.checkpoint.save_checkpoint("
-            "directory, model, tokenizer), or its weights with safetensors.torch.save_model(model, path)")
+            "directory, model, tokenizer), or its weights with safetensors.torch.save_file(aiayn.checkpoint."
+            "state_dict_for_saving(model), path)")
     with pytest.raises(UserError, match=f"^{re.escape(said)}$") as e:
         load_checkpoint(ck)
     assert not isinstance(e.value, CorruptFile)  # not damaged: another format
     assert main(["info", str(ck)]) == 2 and capsys.readouterr().err == f"aiayn: error: {said}\n"
     assert not (tmp_path / "ran").exists()
+    # the advice works (it said save_file, which refuses a tied model's shared memory)
+    save_file(aiayn.checkpoint.state_dict_for_saving(model), ck / "model.safetensors")
+    loaded = load_checkpoint(ck).model.state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in model.state_dict().items())
 
 
 def test_only_what_torch_wrote_is_called_a_pytorch_pickle(tmp_path, tokenizer):

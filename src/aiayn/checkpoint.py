@@ -356,11 +356,12 @@ def _pickle_error(path: Path) -> UserError | None:
     it is neither. Only named: unpickling can run any code."""
     head = file_head(path)
     if (kind := pytorch_file(head)) is not None:
-        # save_file(model.state_dict()) refuses a tied model's shared memory: save_model stores it once
+        # save_file(model.state_dict()) refuses a tied model's shared memory, and save_model names the tied
+        # tensor as it chooses: state_dict_for_saving stores it once under the name loading reads
         return UserError(f"{path}: a PyTorch pickle ({kind}), not safetensors; aiayn never reads pickles "
                          "(loading one can run any code): save the model with aiayn.checkpoint."
-                         "save_checkpoint(directory, model, tokenizer), or its weights with "
-                         "safetensors.torch.save_model(model, path)")
+                         "save_checkpoint(directory, model, tokenizer), or its weights with safetensors."
+                         "torch.save_file(aiayn.checkpoint.state_dict_for_saving(model), path)")
     if head is not None and head.startswith(ZIP):
         return UserError(f"{path}: a zip archive, not safetensors")
     return None

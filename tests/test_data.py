@@ -198,6 +198,18 @@ def test_a_text_of_no_character_sentencepiece_keeps_is_said_so(tmp_path):
         train_tokenizer(ParallelText(["\ufffd"] * 50, ["\ufffd"] * 50, 0), tmp_path, 40, shared=False)
 
 
+def test_sentencepiece_0_2_2s_unigram_refusal_of_no_character_is_said_so(tmp_path, monkeypatch):
+    """SentencePiece 0.2.2's unigram trainer refuses lines of U+FFFD alone by its own check, which was
+    said as "data.vocab_size=40: SentencePiece cannot train on this text (RuntimeError)"."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("INTERNAL: unigram_model_trainer.cc(617) [!required_chars_.empty()] ")
+
+    monkeypatch.setattr(dataset, "sentencepiece_model", refuse)
+    with pytest.raises(UserError, match=r"^SentencePiece found no character to learn from: the training "
+                                        r"text holds none it keeps \(only U\+FFFD"):
+        train_tokenizer(ParallelText(["\ufffd"] * 50, ["\ufffd"] * 50, 0), tmp_path, 40, "unigram")
+
+
 def test_a_model_of_the_special_pieces_alone_is_refused_as_no_character(tmp_path, monkeypatch):
     """SentencePiece 0.2.2 (an H200 machine's) trains lines of U+FFFD alone, which 0.2.3 refuses, into a
     model of the 4 special pieces: every line read as unknown pieces, and training went on with it. Such a

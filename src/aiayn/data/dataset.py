@@ -827,7 +827,9 @@ def _refusal(error: str, vocab_size: int, character_coverage: float) -> str:
     if "sentences_.empty()" in error or not reason:  # every line skipped: none to learn from
         return (f"SentencePiece found no line to learn from: every line of the training text is empty "
                 f"or longer than {MAX_LINE_BYTES:,} bytes")
-    if "all_chars_count" in error:  # was blamed on data.vocab_size, with "(RuntimeError)" for a reason
+    # was blamed on data.vocab_size, with "(RuntimeError)" for a reason; a unigram model of SentencePiece
+    # 0.2.2 fails its own check, required_chars_ empty, where 0.2.3 counts the characters first
+    if "all_chars_count" in error or "required_chars_.empty()" in error:
         return NO_CHARACTER
     check = re.search(r"INTERNAL: \S+ \[(.+?)\] ", error)
     if check and "trainer_spec {" in error:  # the text after the failed C++ check is SentencePiece's log

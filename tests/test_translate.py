@@ -1211,6 +1211,12 @@ def test_a_packed_model_refuses_gradients_casts_and_copies_in_one_line(checkpoin
             cast(model)
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # nothing cast before the refusal
     assert model.float() is model and model.cpu() is model and model.to("cpu", torch.float32) is model
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the probe was made in the default dtype: .cpu() refused
+    try:
+        assert model.cpu() is model and model.to("cpu") is model
+    finally:
+        torch.set_default_dtype(default)
     for copied in (lambda: copy.deepcopy(translator), lambda: pickle.dumps(model)):
         with pytest.raises(RuntimeError, match=r"cannot be copied or pickled; load it again \(Translator"):
             copied()

@@ -305,9 +305,10 @@ class Translator:
 
         The translator's `model` is made for decoding: on the CPU in float32 its Linear weights are packed
         for oneDNN (`aiayn.decoding.cpu.PackedLinear`), with `int8` quantized. It decodes, scores and
-        counts its parameters as the checkpoint's model does, but a forward that would take gradients, a
-        cast to another dtype or device, a copy or a pickle of a packed one is a RuntimeError, and neither
-        saves (`save_checkpoint`): train, fine-tune, cast or save `load_checkpoint(path).model`."""
+        counts its parameters as the checkpoint's model does, but neither saves (`save_checkpoint`), and of
+        a float32 one packed for oneDNN a forward that would take gradients, a cast to another dtype or
+        device, a copy or a pickle is a RuntimeError (an int8 one takes no gradients either, and fails in
+        its next translation after a cast): train, fine-tune, cast or save `load_checkpoint(path).model`."""
         from aiayn.checkpoint import load_checkpoint
 
         for name, flag in (("int8", int8), ("compile", compile)):

@@ -162,7 +162,7 @@ class PackedLinear(nn.Module):
         """Refuse `fn` (what `.to`, `.bfloat16()`, `.cuda()` apply to every tensor) where it would change
         a float32 CPU tensor's dtype or device: the packed weights are neither. `Transformer._apply` asks
         before it casts anything, so that a refused cast leaves no model half cast."""
-        probe = fn(torch.empty(0))
+        probe = fn(torch.empty(0, dtype=torch.float32, device="cpu"))  # not the caller's default dtype
         if probe.dtype != torch.float32 or probe.device.type != "cpu":
             raise RuntimeError(NO_CAST)
 

@@ -205,6 +205,19 @@ def test_weights_cut_short_are_said_so(tmp_path, tokenizer, capsys, cut):
     assert capsys.readouterr().err.startswith(f"aiayn: error: {path}: damaged or cut short (")
 
 
+@pytest.mark.parametrize("words", [
+    "incomplete metadata, file not fully covered", "invalid header length", "header too small",  # 0.6+
+    "MetadataIncompleteBuffer", "InvalidHeaderLength", "HeaderTooSmall",  # 0.4 and 0.5
+])
+def test_safetensors_words_for_a_file_cut_short_are_known_from_every_version_admitted(words):
+    """safetensors 0.4 and 0.5 (which pyproject admits) named a file cut short by its error variant
+    ('Error while deserializing header: MetadataIncompleteBuffer'), which was called corrupt weights rather
+    than damaged or cut short; the other words of a refusal are not."""
+    assert aiayn.checkpoint.cut_short(SafetensorError(f"Error while deserializing header: {words}"))
+    assert not aiayn.checkpoint.cut_short(SafetensorError("Error while deserializing header: HeaderTooLarge"))
+    assert not aiayn.checkpoint.cut_short(ValueError(f"Error while deserializing header: {words}"))
+
+
 def test_errors_name_the_file(tmp_path, tokenizer):
     model = tiny_model(vocab_size=tokenizer.src_vocab_size)
     save_checkpoint(tmp_path / "ck", model, tokenizer)

@@ -340,8 +340,12 @@ def _weights_error(path: Path, e: Exception) -> UserError:
 
 
 # safetensors' words for a file whose size is not what its header gives (shorter than 8 bytes, shorter than
-# the header, or than the tensors it lists): most often a copy or a download cut short
-_CUT_SHORT = ("incomplete metadata, file not fully covered", "invalid header length", "header too small")
+# the header, or than the tensors it lists): most often a copy or a download cut short. 0.6 and later say
+# them in words; 0.4 and 0.5 by the names of their error variants
+_CUT_SHORT = (
+    "incomplete metadata, file not fully covered", "invalid header length", "header too small",
+    "MetadataIncompleteBuffer", "InvalidHeaderLength", "HeaderTooSmall",
+)
 
 
 def cut_short(e: Exception) -> bool:

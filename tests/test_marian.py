@@ -541,12 +541,19 @@ def test_missing_weight_names_the_weights_file(build, opus_bin, capsys):
 def test_a_weight_that_is_not_a_float_tensor_is_refused_by_name(build, opus_bin, capsys, dtype, container):
     """`.float()` turned an integer, bool or complex weight into garbage (a complex one with a two-line
     warning) and the converted model translated nonsense, exit 0."""
+    import safetensors
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(build(VARIANTS[0])[2] / "model.safetensors"))  # plain tensors, none shared
     weights["model.encoder.layers.0.fc1.weight"] = weights["model.encoder.layers.0.fc1.weight"].to(dtype)
     path = opus_bin / container
-    save_file(weights, str(path)) if container == "model.safetensors" else torch.save(weights, path)
+    if container == "pytorch_model.bin":
+        torch.save(weights, path)
+    else:
+        try:
+            save_file(weights, str(path))
+        except KeyError:  # its table of dtypes lacks this one
+            pytest.skip(f"safetensors {safetensors.__version__} cannot save {dtype} (0.7 and later can)")
     assert convert_error(opus_bin, capsys) == (f"aiayn: error: {path}: model.encoder.layers.0.fc1.weight is "
                                                f"{str(dtype).removeprefix('torch.')}, not a float tensor")
 

@@ -498,8 +498,8 @@ def test_a_safetensors_file_cut_short_is_said_as_a_bin_is(build, tmp_path, capsy
     path = opus / "model.safetensors"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     assert convert_error(opus, capsys) in [
-        f"aiayn: error: {path}: damaged or cut short (Error while deserializing header: {words}); download it "
-        "again" for words in ("incomplete metadata, file not fully covered", "MetadataIncompleteBuffer")]
+        f"aiayn: error: {path}: damaged or cut short (Error while deserializing header: {words}); download "
+        "it again" for words in ("incomplete metadata, file not fully covered", "MetadataIncompleteBuffer")]
 
 
 @pytest.mark.parametrize("content, problem", [

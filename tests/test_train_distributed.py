@@ -572,15 +572,15 @@ def test_a_restarted_attempt_meets_under_keys_of_its_own(monkeypatch):
     for attempt in ("0", "1"):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
         monkeypatch.setattr(distributed, "_JOINS", itertools.count())  # a restarted process' first join
-        before = set(store.list_keys())
+        before = store.num_keys()  # a count: torch 2.5's HashStore has no list_keys to name them
         distributed._join("gloo", 0, 1, 0)  # a job of one: its groups' gloo write their addresses still
         try:
             torch.distributed.new_group(backend="gloo")  # as setup's main_group
         finally:
             torch.distributed.destroy_process_group()
-        written.append(set(store.list_keys()) - before)
-    assert len(written[0]) >= 3, written  # the join's count, the default group's address and the other's
-    assert len(written[1]) == len(written[0]), written  # none over the first attempt's
+        written.append(store.num_keys() - before)  # keys added: one written again adds none
+    assert written[0] >= 3, written  # the join's count, the default group's address and the other's
+    assert written[1] == written[0], written  # none over the first attempt's
 
 
 def test_a_second_train_in_a_process_of_a_job_joins_again(monkeypatch):

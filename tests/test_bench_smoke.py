@@ -123,6 +123,9 @@ def test_layers_tiny_grid_writes_results(tmp_path):
     assert (tmp_path / "layers_cpu.md").read_text() == markdown
 
 
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 11), reason=(
+    "torch's CPU flash backward holds more than one n x n matrix before 2.11 (2.5: about 10.0 MB "
+    "against its 8,388,608 bytes); seen below it on 2.11 and 2.13, 2.6 to 2.10 untried"))
 def test_attention_memory_sees_the_n_by_n_matrix_and_flash_does_not_build_it():
     """Two fresh-process measurements at n = 512: explicit attention's peak holds at least its float32
     (B, H, n, n) scores; SDPA's flash kernel, even with its backward, stays below one such matrix."""

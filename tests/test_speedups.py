@@ -237,16 +237,3 @@ def test_huge_page_copies_are_equal_aligned_and_advised_for_huge_pages():
     weight = torch.nn.Parameter(torch.randn(3, 4))
     (leaf,) = on_huge_pages(t for t in [weight])  # any iterable; a parameter's copy is a plain leaf
     assert leaf.is_leaf and not leaf.requires_grad and torch.equal(leaf, weight.detach())
-
-
-def test_sdpa_for_bf16_training_runs_on_a_pytorch_without_the_reduced_precision_flag(monkeypatch):
-    """pyproject allows PyTorch releases that lack `allow_fp16_bf16_reduction_math_sdp`: bf16 training on
-    a CPU was an AttributeError there. The math backend then upcasts, as exact as float32."""
-    monkeypatch.delattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp")
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(2, 2, 7, 8, generator=g).bfloat16().requires_grad_() for _ in range(3))
-    out = sdpa(q, k, v, None, True)
-    reference = F.scaled_dot_product_attention(*(t.detach().double() for t in (q, k, v)), is_causal=True)
-    assert out.dtype == torch.bfloat16 and (out.double() - reference).abs().max() < 1e-2
-    out.sum().backward()
-    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))

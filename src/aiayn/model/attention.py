@@ -82,11 +82,8 @@ def _bf16_math():
     """Let SDPA's math backend multiply bfloat16 as bfloat16 (float32 accumulation inside the matmuls)
     instead of upcasting q, k, v to float32 first, as autocast does for every other matmul; restores
     the global flag afterwards. The backward replays the bfloat16 ops recorded here. (The flag lives in
-    `torch.backends.cuda`, but the math backend reads it on every device. An older PyTorch that pyproject
-    allows has no such flag, an AttributeError before: the math backend upcasts there, slower, more exact.)"""
-    if not hasattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp"):
-        yield
-        return
+    `torch.backends.cuda`, but the math backend reads it on every device; PyTorch has it from 2.5, the
+    oldest pyproject admits.)"""
     allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     try:

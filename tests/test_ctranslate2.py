@@ -271,6 +271,9 @@ def test_export_says_it_put_back_a_killed_exports_output_and_leaves_a_users_dot_
     # no notes but the one line said before the work (a `big` model's export took 12 s with no word)
     said = r"\d\d:\d\d:\d\d exporting ck to ct2 \(CTranslate2, float32 weights\)\n"
     assert first.returncode == 0 and re.fullmatch(said, first.stderr), first.stderr
+    missing = subprocess.run(command[:-2] + ["missing", "out"], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, check=False)  # its error alone, no "exporting" said before it
+    assert missing.returncode == 2 and missing.stderr == "aiayn: error: missing: checkpoint not found\n"
     (tmp_path / "ct2").rename(tmp_path / ".ct2.aiayn-old")  # a kill between the renames of a --force
     (tmp_path / ".ct2.old").mkdir()
     (tmp_path / ".ct2.old" / "notes.txt").write_text("precious")

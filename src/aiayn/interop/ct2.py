@@ -140,11 +140,14 @@ def aiayn_spec(model: Transformer, tokenizer: Tokenizer) -> TransformerSpec:
 class AiaynConverter(Converter):
     """CTranslate2 converter for an aiayn checkpoint directory: `AiaynConverter(ckpt).convert(out)`."""
 
-    def __init__(self, checkpoint: str | Path):
+    def __init__(self, checkpoint: str | Path, note: str = ""):
         self.checkpoint = Path(checkpoint)
+        self.note = note  # logged once the checkpoint loaded, before the conversion's seconds
 
     def _load(self):
         ck = load_checkpoint(self.checkpoint)
+        if self.note:
+            log.info(self.note)
         return aiayn_spec(ck.model, ck.tokenizer)
 
 
@@ -178,12 +181,13 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
         if _is_ct2_model(parent):
             raise UserError(f"{out}: lies inside the CTranslate2 model {parent}; export beside it")
 
-    # said before the work: a `big` checkpoint took 12 s with no word (8 s at int8)
-    log.info("exporting %s to %s (CTranslate2, %s weights)", checkpoint, out, quantization or "float32")
+    # said before the work, once the checkpoint loaded (a missing one is its error alone): a `big`
+    # checkpoint took 12 s with no word (8 s at int8)
+    note = f"exporting {checkpoint} to {out} (CTranslate2, {quantization or 'float32'} weights)"
 
     def write(tmp: Path) -> None:
         try:  # force: the converter replaces `tmp`, the empty directory write_atomically made
-            AiaynConverter(checkpoint).convert(str(tmp), quantization=quantization, force=True)
+            AiaynConverter(checkpoint, note).convert(str(tmp), quantization=quantization, force=True)
         except ValueError as e:  # ctranslate2's own checks: a bad quantization name, an incomplete spec
             raise UserError(f"{out}: CTranslate2 conversion failed ({e})") from None
 

@@ -396,8 +396,9 @@ def test_the_cli_names_a_refused_setting_by_its_flag(tmp_path, capsys, args, sai
 
 
 def sacrebleus_own_bootstrap(metric, hyps: list[str], refs: list[list[str]]):
-    """sacreBLEU's own score of 1,000 resamples, or None where it crashes as 2.6 does (statistics.mean's
-    TypeError "don't know how to coerce float and float32"); 2.4 scores in Python floats and does not."""
+    """sacreBLEU's own score of 1,000 resamples, or None where it crashes (statistics.mean's TypeError
+    "don't know how to coerce float and float32"): under numpy 2, whose float32 stays float32 beside a
+    Python float (NEP 50), 2.4 and 2.6 alike; under numpy 1 neither does."""
     try:
         return metric.corpus_score(hyps, refs, n_bootstrap=1000)
     except TypeError as e:
@@ -406,8 +407,8 @@ def sacrebleus_own_bootstrap(metric, hyps: list[str], refs: list[list[str]]):
 
 
 def test_confidence_on_a_few_lines_with_an_empty_hypothesis_is_scored():
-    """sacreBLEU 2.6's chrF gave 0.0 for a resample without matches and float32 otherwise; its bootstrap's
-    `statistics.mean` refused the mix (a TypeError traceback, `sacrebleu --confidence` too)."""
+    """sacreBLEU's chrF gave 0.0 for a resample without matches and float32 otherwise (numpy 2); its
+    bootstrap's `statistics.mean` refused the mix (a TypeError traceback, `sacrebleu --confidence` too)."""
     from sacrebleu.metrics import CHRF
 
     hyps, refs = ["the cat sat on the mat", ""], [["the cat sat on the mat", "it rained"]]

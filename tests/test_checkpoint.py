@@ -673,9 +673,10 @@ def test_existing_outputs_need_force_and_must_be_directories(run, tmp_path, caps
     for out in ("precious", "afile"):
         capsys.readouterr()
         assert main(["average", str(run), "-o", str(tmp_path / out)]) == 2
-        assert capsys.readouterr().err.splitlines() == [
+        assert capsys.readouterr().err.splitlines() == [  # no "pass --force", which would not replace it
             f"aiayn: error: {tmp_path / out}: "
-            + ("already exists (pass --force, force=True in Python, to replace it)" if out == "precious" else
+            + ("holds files that are not an aiayn checkpoint; will not replace it, even with --force (delete "
+               "it first if it should go)" if out == "precious" else
                "exists and is not a directory; will not replace it")]
     assert main(["average", str(run), "-o", str(tmp_path / "afile"), "--force"]) == 2
     # --force replaces an earlier checkpoint or an empty directory, never other files (a whole training

@@ -728,13 +728,15 @@ def test_an_output_that_comes_while_converting_is_replaced_only_with_force(tmp_p
 
 def test_convert_from_python_never_replaces_the_source_or_other_files(tmp_path):
     """`convert_marian("models/opus", "models")` deleted `models`, the source and its sibling models with it:
-    only the CLI checked the output; the function is what a notebook calls."""
+    only the CLI checked the output; the function is what a notebook calls. Without force, a directory that
+    force would not replace either was "already exists (pass --force ...)", whose advice then failed."""
     models = tmp_path / "models"
     make_marian_dir(models / "opus", "swish", shared=True)
     (models / "other").mkdir()
     (models / "other" / "notes.txt").write_text("mine")
+    not_replaced = "holds files that are not an aiayn checkpoint; will not replace it, even with --force"
     for out, force, problem in ((models, True, "contains the input"), (models / "opus", True, "is the input"),
-                                (models / "other", False, "already exists"),
+                                (models / "other", False, not_replaced),
                                 (models / "other", True, "holds files that are not an aiayn checkpoint")):
         with pytest.raises(UserError, match=problem):
             convert_marian(models / "opus", out, force=force)

@@ -202,14 +202,15 @@ def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: li
         raise UserError(f"{out}: is a symbolic link; will not replace it{advice}")
     if exists and not out.is_dir():
         raise UserError(f"{out}: exists and is not a directory; will not replace it")
-    if exists and not force:
-        raise already_exists(out)
     here = overlap(Path.cwd(), out) if exists else None  # "." was refused, "$PWD" was not
     if here in ("is", "lies inside"):
         raise UserError(f"{out}: {'is' if here == 'is' else 'contains'} the current directory; will not "
                         "replace it")
+    # before "pass --force": a directory --force would not replace either was advised --force first
     if exists and earlier is not None:
-        check_replaceable(out, earlier, forced=forced)
+        check_replaceable(out, earlier, forced=forced or not force)
+    if exists and not force:
+        raise already_exists(out)
 
 
 class AlreadyExists(UserError):

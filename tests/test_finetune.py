@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import numbers_checkpoint
 
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.config import ConfigError, model_config
@@ -22,7 +23,7 @@ from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.errors import UserError
 from aiayn.model import Transformer
 from aiayn.train.config import finetune_model_config, load_config
-from aiayn.train.loop import train
+from aiayn.train.loop import _check_outside_other_runs, train
 from aiayn.train.loss import label_smoothed_nll
 from aiayn.translate import Translator
 from train_helpers import write_corpus
@@ -513,3 +514,19 @@ def test_a_moved_project_resumes_its_fine_tune_with_init_from_at_the_same_place(
     assert train(load_config(None, tune("../runs/start", "../runs/tune")), resume=True)["step"] == 3
     tuned = load_checkpoint(only_checkpoint(new / "runs" / "tune"))
     assert tuned.meta["config"]["train"]["init_from"] == str(new / "runs" / "start")
+
+
+def test_a_run_dir_inside_a_checkpoint_is_refused_with_what_replaces_that_checkpoint(tmp_path):
+    """A run_dir inside an average (or any checkpoint outside a run's checkpoints/) was refused as in one
+    "which its run's keep_last may delete": keep_last prunes checkpoints/ alone; another average replaces
+    an average whole."""
+    pruned = tmp_path / "run" / "checkpoints"
+    pruned.mkdir(parents=True)
+    numbers_checkpoint(tmp_path).rename(pruned / "step_000010")
+    shutil.copytree(pruned / "step_000010", tmp_path / "run" / "average_last_1")
+    average = "another average or save_checkpoint replaces whole"
+    for checkpoint, fate in ((pruned / "step_000010", "its run's keep_last may delete"),
+                             (tmp_path / "run" / "average_last_1", average)):
+        said = rf"train\.run_dir lies inside the checkpoint .*{checkpoint.name}, which {fate}; choose "
+        with pytest.raises(UserError, match=said + "another run_dir$"):
+            _check_outside_other_runs(checkpoint / "finetune")

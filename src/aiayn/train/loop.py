@@ -1175,8 +1175,11 @@ def _check_outside_other_runs(run_dir: Path) -> None:
     run's checkpoints/, would be deleted whole, this run's checkpoints with it, when that run prunes."""
     if (inside := enclosing_checkpoint(run_dir)) is not None:
         relation, place = inside
-        raise UserError(f"{run_dir}: train.run_dir {relation} the checkpoint {place}, which its run's "
-                        "keep_last may delete; choose another run_dir")
+        # an average or a copy outside checkpoints/ is no run's to prune, but is replaced whole
+        fate = ("its run's keep_last may delete" if place.parent.name == "checkpoints"
+                else "another average or save_checkpoint replaces whole")
+        raise UserError(f"{run_dir}: train.run_dir {relation} the checkpoint {place}, which {fate}; choose "
+                        "another run_dir")
     if (owned := training_owned(run_dir)) is not None:
         relation, place = owned
         raise UserError(f"{run_dir}: train.run_dir {relation} {place}, the checkpoints of the run "

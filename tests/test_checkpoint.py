@@ -58,9 +58,10 @@ def test_save_replaces_an_earlier_checkpoint_only(tmp_path, tokenizer):
     model = tiny_model(vocab_size=tokenizer.src_vocab_size)
     (tmp_path / "models" / "other").mkdir(parents=True)
     (tmp_path / "models" / "b.txt").write_text("mine")
-    with pytest.raises(UserError, match=r"models: holds files that are not an aiayn checkpoint; will not "
-                                        r"replace it \(delete it first"):
-        save_checkpoint(tmp_path / "models", model, tokenizer)
+    for exist_ok in (True, False):  # without exist_ok it was "already exists", which exist_ok did not mend
+        with pytest.raises(UserError, match=r"models: holds files that are not an aiayn checkpoint; will not "
+                                            r"replace it \(delete it first"):
+            save_checkpoint(tmp_path / "models", model, tokenizer, exist_ok=exist_ok)
     assert (tmp_path / "models" / "b.txt").read_text() == "mine" and (tmp_path / "models" / "other").is_dir()
     (tmp_path / "empty").mkdir()
     for step in (1, 2):
@@ -728,7 +729,7 @@ def test_existing_outputs_need_force_and_must_be_directories(run, tmp_path, caps
 def test_files_that_come_into_the_output_while_averaging_are_kept(run, tmp_path, monkeypatch, force):
     """Checked before the work and again at the write: a fix that skipped the second check replaced the
     notes a user put into the new folder while the weights were averaged (refused as any existing
-    output without force)."""
+    output: without force too, as one that force would not replace either, where "pass --force" misled)."""
     from aiayn.train import average
 
     out, real = tmp_path / "avg", average.mean_weights
@@ -739,8 +740,7 @@ def test_files_that_come_into_the_output_while_averaging_are_kept(run, tmp_path,
         return real(paths)
 
     monkeypatch.setattr(average, "mean_weights", slow_mean)
-    said = "holds files that are not an aiayn checkpoint" if force else r"already exists \(pass --force"
-    with pytest.raises(UserError, match=said):
+    with pytest.raises(UserError, match="holds files that are not an aiayn checkpoint"):
         average.average_checkpoints(sorted((run / "checkpoints").iterdir()), out, force)
     assert (out / "NOTES.txt").read_text() == "mine"
 
@@ -1137,6 +1137,10 @@ def test_convert_and_export_refuse_a_runs_checkpoints_folder(tmp_path, capsys):
     assert len(err) == 1 and err[0].endswith(f"{out}: lies inside {run / 'checkpoints'}, which training owns "
                                              "(it resumes from and prunes what is there); write it elsewhere")
     assert not out.exists()
+    out.mkdir()  # existing: convert said "already exists (pass --force ...)" first, which --force cannot mend
+    assert main(["convert", "--from", "marian", str(tmp_path / "opus"), str(out)]) == 2
+    assert capsys.readouterr().err.endswith("which training owns (it resumes from and prunes what is there); "
+                                            "write it elsewhere\n")
 
 
 def test_a_link_to_a_runs_checkpoints_folder_is_that_folder(tmp_path, capsys):

@@ -327,6 +327,9 @@ def test_export_never_writes_over_its_checkpoint(tmp_path, spm_models):
     export_ctranslate2(tmp_path / "run" / "ck", tmp_path / "ct2")  # and not inside an export, whose --force
     with pytest.raises(UserError, match=f"ct2/sub: lies inside the CTranslate2 model {tmp_path / 'ct2'}; "):
         export_ctranslate2(tmp_path / "run" / "ck", tmp_path / "ct2" / "sub")  # it would then refuse
+    (tmp_path / "ct2" / "sub").mkdir()  # existing: "already exists (pass --force ...)" came first
+    with pytest.raises(UserError, match=f"ct2/sub: lies inside the CTranslate2 model {tmp_path / 'ct2'}; "):
+        export_ctranslate2(tmp_path / "run" / "ck", tmp_path / "ct2" / "sub")
 
 
 def test_an_output_path_that_is_not_utf8_is_refused_before_any_work(tmp_path, spm_models, capsys):

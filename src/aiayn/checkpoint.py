@@ -179,6 +179,8 @@ def save_checkpoint(
         if (inside := enclosing_checkpoint(directory, itself=False)) is not None:  # then unsavable over
             raise UserError(f"{directory}: lies inside the checkpoint {inside[1]}; save it elsewhere")
         if not exist_ok and os.path.lexists(directory):
+            if directory.is_dir() and not CHECKPOINT_KIND.test(directory):  # exist_ok would not replace
+                check_replaceable(directory, CHECKPOINT_KIND)  # it either: said first (empty: passes)
             raise already_exists(directory)
         trainer = not replace_training_state and any((directory / name).exists() for name in TRAINER_FILES)
         if trainer:  # resaving a loaded step_N in place

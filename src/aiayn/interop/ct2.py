@@ -176,10 +176,10 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     # one with undecodable bytes was written, exit 0, then could not be opened
     check_utf8_path(out, "ctranslate2.Translator")
     check_outside_checkpoints(out)  # first (--force cannot mend it); Python callers too: keep_last deleted it
-    check_output(out, [Path(checkpoint)], force, earlier=CT2_KIND)
     for parent in Path(os.path.abspath(out)).parents:  # a later --force of that model was then refused
-        if _is_ct2_model(parent):
+        if _is_ct2_model(parent):  # before "already exists (pass --force)", which --force cannot mend
             raise UserError(f"{out}: lies inside the CTranslate2 model {parent}; export beside it")
+    check_output(out, [Path(checkpoint)], force, earlier=CT2_KIND)
 
     # said before the work, once the checkpoint loaded (a missing one is its error alone): a `big`
     # checkpoint took 12 s with no word (8 s at int8)

@@ -619,8 +619,8 @@ def convert_marian(directory: str | Path, out: str | Path, force: bool = False) 
     if not directory.is_dir():
         raise UserError(f"{directory}: {'not a directory' if directory.exists() else 'not found'}")
     # before any work; Python callers too: convert_marian("models/opus", "models") replaced "models"
+    check_outside_checkpoints(Path(out), may_be_one=True)  # first, as average's: --force cannot mend it
     check_output(Path(out), [directory], force, earlier=CHECKPOINT_KIND)
-    check_outside_checkpoints(Path(out), may_be_one=True)
     for path in (directory, Path(out)):  # the source's weights read as "corrupt weights"; an output so
         check_utf8_path(path)  # named was written, then refused by every command that loads it
     if is_checkpoint(directory):  # "config.json: not found (is this a MarianMT directory?)"

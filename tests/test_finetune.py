@@ -525,8 +525,10 @@ def test_a_run_dir_inside_a_checkpoint_is_refused_with_what_replaces_that_checkp
     numbers_checkpoint(tmp_path).rename(pruned / "step_000010")
     shutil.copytree(pruned / "step_000010", tmp_path / "run" / "average_last_1")
     average = "another average or save_checkpoint replaces whole"
+    mine = tmp_path / "mymodels" / "checkpoints" / "wmt"  # a folder named checkpoints/ that no run prunes
+    shutil.copytree(pruned / "step_000010", mine)
     for checkpoint, fate in ((pruned / "step_000010", "its run's keep_last may delete"),
-                             (tmp_path / "run" / "average_last_1", average)):
+                             (tmp_path / "run" / "average_last_1", average), (mine, average)):
         said = rf"train\.run_dir lies inside the checkpoint .*{checkpoint.name}, which {fate}; choose "
         with pytest.raises(UserError, match=said + "another run_dir$"):
             _check_outside_other_runs(checkpoint / "finetune")

@@ -1176,7 +1176,7 @@ def _check_outside_other_runs(run_dir: Path) -> None:
     if (inside := enclosing_checkpoint(run_dir)) is not None:
         relation, place = inside
         # an average or a copy outside checkpoints/ is no run's to prune, but is replaced whole
-        fate = ("its run's keep_last may delete" if place.parent.name == "checkpoints"
+        fate = ("its run's keep_last may delete" if training_owned(place) is not None
                 else "another average or save_checkpoint replaces whole")
         raise UserError(f"{run_dir}: train.run_dir {relation} the checkpoint {place}, which {fate}; choose "
                         "another run_dir")

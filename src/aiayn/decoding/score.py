@@ -52,11 +52,12 @@ def force_decode(model: Transformer, src: Tensor, targets: list[list[int]]) -> l
     vocab = model.config.target_vocab_size
     for i, target in enumerate(targets):  # an id past the vocabulary failed in a gather, "index 500 is out
         # of bounds for dimension 1 with size 200", naming neither the id nor its target; 7.9 was scored as 7
-        if (odd := next((t for t in target if not _is_index(t)), None)) is not None:
-            raise TypeError(f"targets[{i}] holds {odd!r}, a {type(odd).__name__}: token ids are integers")
-        if (bad := next((t for t in target if not 0 <= t < vocab), None)) is not None:
-            raise ValueError(f"targets[{i}] holds id {bad}, outside the target vocabulary of {vocab} (ids 0 "
-                             f"to {vocab - 1})")
+        if (bad := next((t for t in target if not _is_index(t) or not 0 <= t < vocab), None)) is None:
+            continue
+        if not _is_index(bad):
+            raise TypeError(f"targets[{i}] holds {bad!r}, a {type(bad).__name__}: token ids are integers")
+        raise ValueError(f"targets[{i}] holds id {bad}, outside the target vocabulary of {vocab} (ids 0 to "
+                         f"{vocab - 1})")
     steps = max(map(len, targets))
     memory, src_mask = model.encode(src), source_mask(model, src)  # (B, S, d), (B, 1, 1, S) or None
     cache = model.new_cache(b, steps)

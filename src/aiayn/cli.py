@@ -310,7 +310,15 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    """Write an aiayn checkpoint as a CTranslate2 model directory."""
+    """Write an aiayn checkpoint as a CTranslate2 model or a HuggingFace MarianMT directory."""
+    if args.target_format == "marian":
+        if args.quantization is not None:  # before the checkpoint loads; said, not ignored
+            raise UserError("--quantization is for --to ctranslate2; a MarianMT export is float32")
+        from aiayn.interop.marian_export import export_marian
+
+        _log_to_stderr()
+        print(export_marian(args.checkpoint, args.out, args.force))
+        return
     try:
         from aiayn.interop.ct2 import export_ctranslate2
     except ImportError as e:
@@ -807,14 +815,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (never SOURCE or what holds it)")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("export", help="write an aiayn checkpoint for another runtime (CTranslate2)")
-    p.add_argument("--to", dest="target_format", required=True, choices=["ctranslate2"],
-                   help="the format of OUT: ctranslate2 = a CTranslate2 model directory")
+    p = sub.add_parser("export", help="write an aiayn checkpoint for another runtime (CTranslate2, "
+                       "HuggingFace MarianMT)")
+    p.add_argument("--to", dest="target_format", required=True, choices=["ctranslate2", "marian"],
+                   help="the format of OUT: ctranslate2 = a CTranslate2 model directory; marian = a "
+                   "HuggingFace MarianMT directory (MarianMTModel, MarianTokenizer)")
     p.add_argument("checkpoint", type=path_arg, metavar="CKPT",
                    help="an aiayn checkpoint directory (trained or imported)")
     p.add_argument("out", type=path_arg, metavar="OUT", help="output model directory")
     p.add_argument("--quantization", choices=CT2_QUANTIZATIONS,  # checked here: before the checkpoint loads
-                   help="CTranslate2 weight type (default: float32, whatever dtype the checkpoint stores)")
+                   help="CTranslate2 weight type (default: float32, whatever dtype the checkpoint stores); "
+                   "--to ctranslate2 only")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (never CKPT or what holds it)")
     p.set_defaults(func=cmd_export)
 

@@ -111,8 +111,10 @@ def _layer(p: _Permuted, layer, theirs: str, decoder: bool) -> dict[str, Tensor]
         out.update(_attention(p, layer.src_attn, f"{theirs}.encoder_attn"))
         norms.insert(1, "encoder_attn_layer_norm")
     ffn = layer.feed_forward
-    out[f"{theirs}.fc1.weight"], out[f"{theirs}.fc1.bias"] = p.reads(ffn.w_1.weight), ffn.w_1.bias.contiguous()
-    out[f"{theirs}.fc2.weight"], out[f"{theirs}.fc2.bias"] = p.writes(ffn.w_2.weight), p.writes(ffn.w_2.bias)
+    out[f"{theirs}.fc1.weight"] = p.reads(ffn.w_1.weight)  # (d_ff, d)
+    out[f"{theirs}.fc1.bias"] = ffn.w_1.bias.contiguous()  # (d_ff,): the inner size keeps its order
+    out[f"{theirs}.fc2.weight"] = p.writes(ffn.w_2.weight)  # (d, d_ff)
+    out[f"{theirs}.fc2.bias"] = p.writes(ffn.w_2.bias)
     for i, norm in enumerate(norms):
         out[f"{theirs}.{norm}.weight"] = p.writes(layer.sublayer[i].norm.weight)
         out[f"{theirs}.{norm}.bias"] = p.writes(layer.sublayer[i].norm.bias)
@@ -141,7 +143,8 @@ def _embeddings(p: _Permuted, model: Transformer) -> dict[str, Tensor]:
     if not c.tie_output:
         out["lm_head.weight"] = p.reads(model.generator.weight)  # (V_tgt, d)
     bias = model.final_logits_bias
-    out["final_logits_bias"] = (torch.zeros(c.target_vocab_size) if bias is None else bias.clone())[None]  # (1, V)
+    bias = torch.zeros(c.target_vocab_size) if bias is None else bias.clone()
+    out["final_logits_bias"] = bias[None]  # (1, V): MarianMTModel's buffer
     return out
 
 

@@ -153,7 +153,6 @@ def marian_weights(model: Transformer) -> dict[str, Tensor]:
     """MarianMTModel's state dict (float32) for `model`, in MarianMT's order of the residual features."""
     c = model.config
     p = _Permuted(residual_order(c))
-    model = model.float()
     out = _embeddings(p, model)
     for i, layer in enumerate(model.encoder):
         out.update(_layer(p, layer, f"model.encoder.layers.{i}", decoder=False))

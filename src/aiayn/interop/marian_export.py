@@ -62,7 +62,7 @@ def residual_order(config: ModelConfig) -> Tensor:
 
     Marian's position table is every sine, then every cosine; the paper's interleaves them (sin in even
     columns, cos in odd ones), so sin_cos = interleaved[:, order] with order = [0, 2, ..., 1, 3, ...].
-    Each weight is permuted along its d_model side (`_marian_weights`); LayerNorm's mean and variance do
+    Each weight is permuted along its d_model side (`marian_weights`); LayerNorm's mean and variance do
     not depend on the order of the features, and the attention and FFN inner sizes keep theirs."""
     d = config.d_model
     if config.positions == "sin_cos":
@@ -166,9 +166,10 @@ def marian_weights(model: Transformer) -> dict[str, Tensor]:
 
 
 def marian_config(config: ModelConfig) -> dict[str, Any]:
-    """config.json: a MarianConfig for `config`. Fields transformers would fill with other defaults are
-    written out: MarianConfig's forced_eos_token_id=0 would make id 0 (aiayn's pad) the last token
-    of every translation cut at the length limit, where aiayn returns the hypothesis as it is."""
+    """config.json: a MarianConfig for `config`, every field written out rather than left to MarianConfig's
+    defaults: its forced_eos_token_id=0, which `generate` takes from here where generation_config.json
+    is missing, would end every translation cut at the length limit with id 0 (aiayn's pad), where aiayn
+    returns the hypothesis as it is."""
     return {
         "architectures": ["MarianMTModel"], "model_type": "marian",
         "vocab_size": config.vocab_size, "decoder_vocab_size": config.target_vocab_size,

@@ -167,9 +167,10 @@ def marian_weights(model: Transformer) -> dict[str, Tensor]:
 
 def marian_config(config: ModelConfig) -> dict[str, Any]:
     """config.json: a MarianConfig for `config`, every field written out rather than left to MarianConfig's
-    defaults: its forced_eos_token_id=0, which `generate` takes from here where generation_config.json
-    is missing, would end every translation cut at the length limit with id 0 (aiayn's pad), where aiayn
-    returns the hypothesis as it is."""
+    defaults. forced_eos_token_id is null: MarianConfig's default 0, where a reader applies it, would end
+    every translation cut at the length limit with id 0 (aiayn's pad), where aiayn returns the hypothesis
+    as it is (transformers 5 reads generate's settings from generation_config.json, and from an explicit
+    value here only where that file is missing)."""
     return {
         "architectures": ["MarianMTModel"], "model_type": "marian",
         "vocab_size": config.vocab_size, "decoder_vocab_size": config.target_vocab_size,

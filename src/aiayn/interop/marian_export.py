@@ -1,9 +1,9 @@
 """Export an aiayn checkpoint as a HuggingFace MarianMT directory, the reverse of `aiayn.interop.marian`.
 
-`MarianMTModel.from_pretrained(out)`, `MarianTokenizer.from_pretrained(out)` and so
-`pipeline("translation", model=out)` load it offline and compute what aiayn computes. The directory is
-what transformers 5 saves and OPUS-MT ships: config.json, generation_config.json, model.safetensors,
-source.spm, target.spm, vocab.json (and target_vocab.json), tokenizer_config.json. It is written with
+`MarianMTModel.from_pretrained(out)` and `MarianTokenizer.from_pretrained(out)` load it offline and
+compute what aiayn computes (transformers 5 has no translation pipeline: tokenize, `generate`, decode).
+The directory is what transformers 5 saves and OPUS-MT ships: config.json, generation_config.json,
+model.safetensors, source.spm, target.spm, vocab.json (and target_vocab.json), tokenizer_config.json. It is written with
 `safetensors` and `json` alone: neither `transformers` nor pickle is needed.
 
 MarianMT is the paper's post-norm Transformer with Marian's options, each of which aiayn has

@@ -42,7 +42,9 @@ VARIANTS = {
                     "decoder_start_id": 0},  # the decoder starts from pad (id 0 in our SentencePiece models)
     "gelu-separate-untied": {"activation": "gelu", "share_embeddings": False, "tie_output": False},
     "shared-untied": {"tie_output": False},  # one matrix for both sides, an output projection of its own
+    "separate-tied": {"share_embeddings": False},  # data.shared_vocab = false: lm_head is the decoder's table
     "unscaled": {"scale_embedding": False},
+    "deeper-decoder": {"n_decoder_layers": 3},  # encoder_layers 2, decoder_layers 3
 }
 
 
@@ -180,6 +182,24 @@ def test_greedy_generate_is_aiayns_greedy_search(exported):
         assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW
 
 
+def test_generate_writes_as_many_tokens_as_aiayn_at_the_length_limit(spm_models, tmp_path):
+    """The exported max_length lets `generate` write model.max_len tokens, as aiayn's default searches may
+    (transformers counts the start token in max_length): a model whose EOS never wins fills the limit."""
+    tokenizer = Tokenizer(spm_models[0])
+    torch.manual_seed(0)
+    model = random_model(tokenizer, max_len=12, final_logits_bias=True)
+    with torch.no_grad():
+        model.final_logits_bias[tokenizer.eos_id] = -100.0  # EOS never wins: every output reaches the limit
+    save_checkpoint(tmp_path / "ck", model, tokenizer)
+    export_marian(tmp_path / "ck", tmp_path / "hf")
+    hf = transformers.MarianMTModel.from_pretrained(tmp_path / "hf").eval()
+    src = source_batch(tokenizer, ["odd", "the number 3"])
+    ours = [h[0].tokens for h in generate(model, src, DecodeConfig(beam=1))]  # limit min(src + 50, max_len)
+    theirs = hf.generate(input_ids=src, attention_mask=src.ne(tokenizer.pad_id))[:, 1:].tolist()
+    assert [len(row) for row in ours] == [12, 12]
+    assert theirs == ours
+
+
 @pytest.mark.parametrize("exported", ["paper", "marian-like"], indirect=True)  # the search, not the layout
 @pytest.mark.parametrize("theirs_stop,ours_stop", [(True, True), ("never", False)])
 def test_beam_generate_is_aiayns_beam_search_with_the_power_penalty(exported, theirs_stop, ours_stop):
@@ -308,6 +328,6 @@ def test_an_existing_output_is_replaced_only_with_force(tmp_path, spm_models, ca
         with pytest.raises(UserError, match=re.escape(problem)):
             export_marian(ck, bad, force=True)
     assert main(["export", "--to", "marian", ck, str(tmp_path / "q"), "--quantization", "int8"]) == 2
-    assert capsys.readouterr().err == ("aiayn: error: --quantization is for --to ctranslate2; a MarianMT "
-                                       "export is float32\n")
+    assert capsys.readouterr().err == ("aiayn: error: --quantization applies to --to ctranslate2 only (a "
+                                       "MarianMT export is always float32)\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]

@@ -196,11 +196,13 @@ def generation_config(config: ModelConfig) -> dict[str, Any]:
     searches do and OPUS-MT's configs say (`bad_words_ids`), before the log-softmax as aiayn bans it
     (`renormalize_logits`: a beam's score is otherwise off by log(1 - P(pad)) a step, and beams are ranked
     otherwise). Greedy: aiayn's default beam search has the paper's length penalty, which `generate` lacks
-    (its beams equal aiayn's `lenpen_kind="power"` ones). The length limit is the position table's."""
+    (its beams equal aiayn's `lenpen_kind="power"` ones). The length limit is the position table's:
+    `max_length` counts the decoder's start token too, so max_len + 1 lets `generate` write max_len
+    tokens, as many as aiayn's searches may (the last one read at position max_len - 1)."""
     return {
         "decoder_start_token_id": config.decoder_start_id, "eos_token_id": config.eos_id,
         "pad_token_id": config.pad_id, "bad_words_ids": [[config.pad_id]], "forced_eos_token_id": None,
-        "renormalize_logits": True, "num_beams": 1, "max_length": config.max_len,
+        "renormalize_logits": True, "num_beams": 1, "max_length": config.max_len + 1,
     }
 
 

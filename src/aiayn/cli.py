@@ -313,7 +313,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     """Write an aiayn checkpoint as a CTranslate2 model or a HuggingFace MarianMT directory."""
     if args.target_format == "marian":
         if args.quantization is not None:  # before the checkpoint loads; said, not ignored
-            raise UserError("--quantization applies to --to ctranslate2 only (a MarianMT export is always float32)")
+            raise UserError("--quantization applies to --to ctranslate2 only (a MarianMT export is always "
+                            "float32)")
         from aiayn.interop.marian_export import export_marian
 
         _log_to_stderr()

@@ -3,8 +3,8 @@
 `MarianMTModel.from_pretrained(out)` and `MarianTokenizer.from_pretrained(out)` load it offline and
 compute what aiayn computes (transformers 5 has no translation pipeline: tokenize, `generate`, decode).
 The directory is what transformers 5 saves and OPUS-MT ships: config.json, generation_config.json,
-model.safetensors, source.spm, target.spm, vocab.json (and target_vocab.json), tokenizer_config.json. It is written with
-`safetensors` and `json` alone: neither `transformers` nor pickle is needed.
+model.safetensors, source.spm, target.spm, vocab.json (and target_vocab.json), tokenizer_config.json.
+It is written with `safetensors` and `json` alone: neither `transformers` nor pickle is needed.
 
 MarianMT is the paper's post-norm Transformer with Marian's options, each of which aiayn has
 (`interop.marian`'s table): activation, logits bias, decoder start, embedding scale, one or two

@@ -9,21 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from export_helpers import SRC_LINES, TGT_LINES, random_model, variant_checkpoint
 
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
 from aiayn.cli import main
-from aiayn.config import model_config
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.decoding import DecodeConfig, generate
 from aiayn.errors import UserError
-from aiayn.model import Transformer
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 # imported after the importorskip, since the module needs ctranslate2 (hence noqa E402)
 from aiayn.interop.ct2 import export_ctranslate2, target_tokens, translate_tokens  # noqa: E402
 
-SRC_LINES = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} and {i % 7} is small" for i in range(200)]
-TGT_LINES = [f"die Zahl {i} ist {'gerade' if i % 2 == 0 else 'ungerade'} und {i % 7} ist klein" for i in range(200)]
 SENTENCES = ["the number 12 is even", "7 is odd and small", "the number 3", "odd", "12 and 7 and 3 is small"]
 MAX_LEN = 24
 
@@ -43,34 +40,10 @@ def spm_models(tmp_path_factory):
     return train_sentencepiece(SRC_LINES, d / "src", 60), train_sentencepiece(TGT_LINES, d / "tgt", 50)
 
 
-@torch.no_grad()
-def random_model(tokenizer: Tokenizer, **overrides) -> Transformer:
-    separate = not overrides.get("share_embeddings", True)
-    config = model_config(
-        "micro", n_heads=4, n_layers=2, vocab_size=tokenizer.src_vocab_size,
-        tgt_vocab_size=tokenizer.tgt_vocab_size if separate else None, pad_id=tokenizer.pad_id,
-        eos_id=tokenizer.eos_id, **{"max_len": 64, "decoder_start_id": tokenizer.bos_id, **overrides})
-    model = Transformer(config).eval()
-    for name, p in model.named_parameters():  # LayerNorms and biases away from 1 and 0 so each one counts
-        if p.dim() == 1:
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3)
-        elif "embed" in name:  # unscaled embeddings of std d^-1/2 drowned in the positions: a constant output
-            p.mul_(1.0 if config.scale_embedding else config.d_model**0.5)
-        elif "src_attn" in name:
-            p.mul_(3.0)  # encoder-decoder attention sharper than at initialization, so the source counts
-    if model.final_logits_bias is not None:
-        model.final_logits_bias.normal_(0.0, 0.3)
-    return model
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def exported(request, spm_models, tmp_path_factory):
-    overrides = VARIANTS[request.param]
-    src, tgt = spm_models
-    tokenizer = Tokenizer(src, tgt) if overrides.get("share_embeddings") is False else Tokenizer(src)
-    torch.manual_seed(0)
     root = tmp_path_factory.mktemp(request.param)
-    save_checkpoint(root / "ck", random_model(tokenizer, **overrides), tokenizer)
+    variant_checkpoint(root / "ck", spm_models, **VARIANTS[request.param])
     assert main(["export", "--to", "ctranslate2", str(root / "ck"), str(root / "ct2")]) == 0
     return load_checkpoint(root / "ck"), ctranslate2.Translator(str(root / "ct2"), device="cpu", intra_threads=1)
 

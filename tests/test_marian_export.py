@@ -7,8 +7,10 @@ import json
 import random
 import re
 
+import export_helpers
 import pytest
 import torch
+from export_helpers import SRC_LINES, TGT_LINES
 from safetensors.torch import load_file
 
 from aiayn.checkpoint import load_checkpoint, save_checkpoint
@@ -24,9 +26,6 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SRC_LINES = [f"the number {i} is {'even' if i % 2 == 0 else 'odd'} and {i % 7} is small" for i in range(200)]
-TGT_LINES = [f"die Zahl {i} ist {'gerade' if i % 2 == 0 else 'ungerade'} und {i % 7} ist klein"
-             for i in range(200)]
 # the last two hold characters neither SentencePiece model knows: <unk> in the source
 SENTENCES = ["the number 12 is even", "7 is odd and small", "the number 3", "odd", "12 and 7 and 3 is small",
              "the number 40 is even and 5 is small", "  7  is odd ", "中文 “quoted” odd",
@@ -54,39 +53,17 @@ def spm_models(tmp_path_factory):
     return train_sentencepiece(SRC_LINES, d / "src", 60), train_sentencepiece(TGT_LINES, d / "tgt", 50)
 
 
-@torch.no_grad()
 def random_model(tokenizer: Tokenizer, **overrides) -> Transformer:
-    """A micro model whose every weight counts (test_ctranslate2.py's): LayerNorms and biases away from 1
-    and 0, embeddings that the positions do not drown, a source that the decoder attends to."""
-    separate = not overrides.get("share_embeddings", True)
-    config = model_config(
-        "micro", n_heads=4, n_layers=2, vocab_size=tokenizer.src_vocab_size,
-        tgt_vocab_size=tokenizer.tgt_vocab_size if separate else None, pad_id=tokenizer.pad_id,
-        eos_id=tokenizer.eos_id, **{"max_len": 64, "decoder_start_id": tokenizer.bos_id, **overrides})
-    model = Transformer(config).eval()
-    for name, p in model.named_parameters():
-        if p.dim() == 1:
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3)
-        elif "embed" in name:
-            p.mul_(1.0 if config.scale_embedding else config.d_model**0.5)
-        elif "src_attn" in name:
-            p.mul_(3.0)
-    if model.final_logits_bias is not None:
-        model.final_logits_bias.normal_(0.0, 0.3)
-        # a likelier EOS (these random models' logits span about 20): some translations end early
-        model.final_logits_bias[tokenizer.eos_id] += 9.0
-    return model
+    """test_ctranslate2.py's micro model with a likelier EOS where it has a logits bias (these random
+    models' logits span about 20): some translations end early."""
+    return export_helpers.random_model(tokenizer, likelier_eos=9.0, **overrides)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def exported(request, spm_models, tmp_path_factory):
     """(variant, aiayn checkpoint, MarianMTModel, MarianTokenizer, export directory), exported by the CLI."""
-    overrides = VARIANTS[request.param]
-    src, tgt = spm_models
-    tokenizer = Tokenizer(src, tgt) if overrides.get("share_embeddings") is False else Tokenizer(src)
-    torch.manual_seed(0)
     root = tmp_path_factory.mktemp(request.param)
-    save_checkpoint(root / "ck", random_model(tokenizer, **overrides), tokenizer)
+    export_helpers.variant_checkpoint(root / "ck", spm_models, likelier_eos=9.0, **VARIANTS[request.param])
     assert main(["export", "--to", "marian", str(root / "ck"), str(root / "hf")]) == 0
     hf = transformers.MarianMTModel.from_pretrained(root / "hf").eval()
     hf_tok = transformers.MarianTokenizer.from_pretrained(root / "hf")

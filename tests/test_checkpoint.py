@@ -352,7 +352,9 @@ def test_damaged_weights_and_tokenizers_are_refused_in_one_line(tmp_path, tokeni
                            ({**meta["tokenizer"], "vocab": ["a", "b"]}, "AttributeError"),
                            ({**meta["tokenizer"], "files": {"source": "../spm.model"}}, "not a file name inside"),
                            ({**meta["tokenizer"], "specials": {"pad": 0, "bos": 1, "eos": 9999, "unk": 3}},
-                            "special ids eos=9999 outside")]:
+                            "special ids eos=9999 outside"),
+                           ({**meta["tokenizer"], "specials": {"pad": 0, "bos": 1, "eos": 2, "unk": 60}},
+                            "special ids unk=60 outside the model's 60 target embeddings")]:  # one past it
         write_meta(ck, tokenizer=entry)
         with pytest.raises(UserError, match=f"^{ck / 'meta.json'}: .*{message}"):
             load_checkpoint(ck)
@@ -628,11 +630,15 @@ def test_a_checkpoint_that_cannot_be_pruned_is_a_warning(run, monkeypatch, caplo
 
 @pytest.mark.parametrize("out", ["run", "run/checkpoints", "run/checkpoints/step_000003",
                                  "run/checkpoints/step_000001", "run/checkpoints/new", "."])
-def test_average_never_writes_over_the_run(run, out, monkeypatch):
+def test_average_never_writes_over_the_run(run, out, monkeypatch, capsys):
     monkeypatch.chdir(run.parent)
     before = tree(run)
     assert main(["average", "run", "--last", "2", "-o", out, "--force"]) == 2
     assert tree(run) == before
+    said = {"run": "run: is the input run; writing it would delete the input",  # the run, not "other files"
+            ".": ".: names no directory of its own (the current one or a parent); give the output a new name"}
+    if out in said:
+        assert capsys.readouterr().err == f"aiayn: error: {said[out]}\n"
 
 
 @pytest.mark.parametrize("where", ["checkpoints", "checkpoints/avg"])
@@ -769,6 +775,55 @@ def test_an_output_that_comes_while_averaging_is_replaced_only_with_force(run, t
         assert err == [f"aiayn: error: {out}: already exists (pass --force, force=True in Python, to replace it)"]
         assert load_checkpoint(out).meta == load_checkpoint(run / "checkpoints" / "step_000001").meta
         assert sorted(os.listdir(tmp_path)) == ["avg", "run"]
+
+
+def test_save_without_exist_ok_refuses_a_checkpoint_that_lands_during_the_write(run, tmp_path, monkeypatch):
+    """exist_ok=False holds at the rename too, not only in the look before the work: a checkpoint that
+    another writer puts at OUT while this one writes its weights stays, and this one is refused."""
+    from aiayn import checkpoint
+
+    out, real = tmp_path / "out", checkpoint.save_file
+    theirs = run / "checkpoints" / "step_000001"
+
+    def save_file(tensors, path, *args, **kwargs):
+        if not out.exists():
+            shutil.copytree(theirs, out)
+        return real(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    ck = load_checkpoint(run / "checkpoints" / "step_000003")
+    with pytest.raises(UserError, match=re.escape(f"{out}: already exists (pass --force")):
+        save_checkpoint(out, ck.model, ck.tokenizer, {"step": 3}, exist_ok=False)
+    assert load_checkpoint(out).meta == load_checkpoint(theirs).meta
+    assert sorted(os.listdir(tmp_path)) == ["out", "run"]
+
+
+def test_a_checkpoints_files_are_on_disk_before_its_name(run, tmp_path, monkeypatch):
+    """Every file of a checkpoint is flushed before the rename that makes the checkpoint visible, and the
+    parent directory after it: a power loss cannot leave the name on empty or partial files (as
+    test_tokenizer's spm.model test for one file)."""
+    events = []
+    fsync, rename = os.fsync, os.rename
+
+    def noted_fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    def noted_rename(src, dst):
+        events.append(("rename", Path(src), Path(dst)))
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", noted_fsync)
+    monkeypatch.setattr(os, "rename", noted_rename)
+    ck = load_checkpoint(run / "checkpoints" / "step_000003")
+    out = save_checkpoint(tmp_path / "ck", ck.model, ck.tokenizer, {"step": 3})
+    renames = [e for e in events if e[0] == "rename" and e[2] == out]
+    assert len(renames) == 1
+    at, tmp = events.index(renames[0]), renames[0][1]
+    flushed = {e[1] for e in events[:at] if e[0] == "fsync"}
+    assert {tmp / name for name in os.listdir(out)} <= flushed
+    assert {"meta.json", "model.safetensors", "spm.model"} <= set(os.listdir(out))
+    assert ("fsync", tmp_path) in events[at:]
 
 
 def test_default_output_replaces_an_earlier_average_only(run, tokenizer):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 
 import export_helpers
 import pytest
@@ -277,6 +278,54 @@ def test_what_marian_cannot_compute_is_refused_in_one_line(tmp_path, spm_models,
     err = capsys.readouterr().err
     assert err == f"aiayn: error: {tmp_path / 'ck' / 'meta.json'}: {problem}\n"  # one line, nothing written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_a_special_token_of_another_id_on_the_target_side_is_refused(tmp_path, spm_models):
+    """MarianTokenizer names EOS once, for both vocabularies: a target vocabulary whose `</s>` is another
+    id (a converted model's vocab.json / target_vocab.json can say so) would append and stop on the wrong
+    id. Refused in one line, nothing written."""
+    shared = Tokenizer(spm_models[0])
+    source = {shared.src.id_to_piece(i): i for i in range(shared.src_vocab_size)}
+    target = dict(source)
+    target["</s>"], target["▁the"] = source["▁the"], source["</s>"]  # the target's </s> is another id
+    two = Tokenizer(shared.src_path, shared.src_path, vocab=source, tgt_vocab=target,
+                    specials={"pad": 0, "bos": 1, "eos": 2, "unk": 3})
+    save_checkpoint(tmp_path / "ck", random_model(two, share_embeddings=False, tie_output=False), two)
+    with pytest.raises(UserError) as refused:
+        export_marian(tmp_path / "ck", tmp_path / "hf")
+    assert str(refused.value) == (f"{tmp_path / 'ck' / 'meta.json'}: the eos id 2 is '</s>' in the source "
+                                  "vocabulary but not in the target's; MarianTokenizer names each special "
+                                  "token once")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_an_export_that_lands_meanwhile_is_replaced_only_with_force(tmp_path, spm_models, monkeypatch, force):
+    """force=False holds at the rename too: another export that finishes at OUT while this one writes its
+    weights stays, and this one is refused; with force it is replaced."""
+    from aiayn.interop import marian_export
+
+    tokenizer = Tokenizer(spm_models[0])
+    save_checkpoint(tmp_path / "ck", random_model(tokenizer), tokenizer)
+    theirs, out = tmp_path / "theirs", tmp_path / "hf"
+    export_marian(tmp_path / "ck", theirs)
+    (theirs / "config.json").write_text('{"who": "another export"}')
+    real = marian_export.save_file
+
+    def save_file(tensors, path, *args, **kwargs):
+        if not out.exists():
+            shutil.copytree(theirs, out)
+        return real(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(marian_export, "save_file", save_file)
+    if force:
+        export_marian(tmp_path / "ck", out, force=True)
+        assert json.loads((out / "config.json").read_text())["model_type"] == "marian"
+    else:
+        with pytest.raises(UserError, match=re.escape(f"{out}: already exists (pass --force")):
+            export_marian(tmp_path / "ck", out)
+        assert (out / "config.json").read_text() == '{"who": "another export"}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf", "theirs"]
 
 
 def test_an_existing_output_is_replaced_only_with_force(tmp_path, spm_models, capsys, caplog):

@@ -350,7 +350,7 @@ def test_an_existing_output_is_replaced_only_with_force(tmp_path, spm_models, ca
         export_marian(ck, out, force=True)
     assert (out / "README.md").read_text() == "mine"
     for bad, problem in ((ck, "is an aiayn checkpoint; write it elsewhere"),
-                         (str(out / "sub"), f"lies inside the MarianMT model {out}; export beside it")):
+                         (str(out / "sub"), f"lies inside {out}, a MarianMT model; export beside it")):
         with pytest.raises(UserError, match=re.escape(problem)):
             export_marian(ck, bad, force=True)
     assert main(["export", "--to", "marian", ck, str(tmp_path / "q"), "--quantization", "int8"]) == 2

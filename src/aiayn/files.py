@@ -163,6 +163,15 @@ class OutputKind:
     names: frozenset[str]
 
 
+def check_not_inside(out: Path, kind: OutputKind) -> None:
+    """Refuse an `out` inside an earlier output of `kind` (an export's model directory): a later --force
+    of that model is refused as holding other files. Said before "already exists", which --force cannot
+    mend."""
+    for parent in Path(os.path.abspath(out)).parents:
+        if kind.test(parent):
+            raise UserError(f"{out}: lies inside {parent}, {kind.what}; export beside it")
+
+
 def check_output(out: str | Path, inputs: list[Path], force: bool, enclosing: list[Path] | None = None,
                  earlier: OutputKind | None = None, forced: bool = True) -> None:
     """Refuse an output directory whose writing would lose data (the commands' guard, before any work).

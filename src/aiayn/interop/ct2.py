@@ -15,7 +15,6 @@ output of aiayn's searches (nor of OPUS-MT's, `bad_words_ids=[[pad]]`): the expo
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import sentencepiece as spm
@@ -27,7 +26,7 @@ from ctranslate2.specs.transformer_spec import TransformerSpec
 from aiayn.checkpoint import check_utf8_path, load_checkpoint
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
-from aiayn.files import OutputKind, check_output, write_atomically
+from aiayn.files import OutputKind, check_not_inside, check_output, write_atomically
 from aiayn.model import Transformer
 from aiayn.train.state import check_outside_checkpoints
 
@@ -176,9 +175,7 @@ def export_ctranslate2(checkpoint: str | Path, out: str | Path, quantization: st
     # one with undecodable bytes was written, exit 0, then could not be opened
     check_utf8_path(out, "ctranslate2.Translator")
     check_outside_checkpoints(out)  # first (--force cannot mend it); Python callers too: keep_last deleted it
-    for parent in Path(os.path.abspath(out)).parents:  # a later --force of that model was then refused
-        if _is_ct2_model(parent):  # before "already exists (pass --force)", which --force cannot mend
-            raise UserError(f"{out}: lies inside the CTranslate2 model {parent}; export beside it")
+    check_not_inside(out, CT2_KIND)
     check_output(out, [Path(checkpoint)], force, earlier=CT2_KIND)
 
     # said before the work, once the checkpoint loaded (a missing one is its error alone): a `big`

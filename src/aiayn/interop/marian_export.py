@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from aiayn.checkpoint import META, check_utf8_path, load_checkpoint
 from aiayn.config import ModelConfig
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.errors import UserError
-from aiayn.files import OutputKind, check_output, write_atomically
+from aiayn.files import OutputKind, check_not_inside, check_output, write_atomically
 from aiayn.model import Transformer, sinusoidal_positions
 from aiayn.train.state import check_outside_checkpoints
 
@@ -265,9 +264,7 @@ def export_marian(checkpoint: str | Path, out: str | Path, force: bool = False) 
     out = Path(out)
     check_utf8_path(out, "transformers' from_pretrained")
     check_outside_checkpoints(out)  # first (--force cannot mend it): keep_last deletes what lies there
-    for parent in Path(os.path.abspath(out)).parents:  # before "already exists", which --force cannot mend
-        if _is_marian_dir(parent):
-            raise UserError(f"{out}: lies inside the MarianMT model {parent}; export beside it")
+    check_not_inside(out, MARIAN_KIND)
     check_output(out, [Path(checkpoint)], force, earlier=MARIAN_KIND)
     ck = load_checkpoint(checkpoint)
     where = str(Path(checkpoint) / META)  # where the model's configuration is written

@@ -1,3 +1,4 @@
+import os
 import signal
 from pathlib import Path
 
@@ -20,6 +21,29 @@ def _no_dropped_stop_left():
     behind was raised at the next atomic write of another test: a KeyboardInterrupt that ended the session."""
     yield
     files.forget_dropped_stops()
+
+
+def record_disk_events(monkeypatch) -> list[tuple]:
+    """From now on in the test, every os.fsync as ("fsync", path) and every os.rename / os.replace as
+    ("rename" / "replace", src, dst), in the order they happen: what tests of "on disk before its name"
+    read."""
+    events: list[tuple] = []
+    fsync, rename, replace = os.fsync, os.rename, os.replace
+
+    def noted_fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    def noted(kind, move):
+        def call(src, dst):
+            events.append((kind, Path(src), Path(dst)))
+            move(src, dst)
+        return call
+
+    monkeypatch.setattr(os, "fsync", noted_fsync)
+    monkeypatch.setattr(os, "rename", noted("rename", rename))
+    monkeypatch.setattr(os, "replace", noted("replace", replace))
+    return events
 
 
 @pytest.fixture

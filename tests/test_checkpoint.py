@@ -22,7 +22,7 @@ from aiayn.cli import main
 from aiayn.data.tokenizer import Tokenizer, train_sentencepiece
 from aiayn.errors import CorruptFile, UserError
 from aiayn.train.average import average_last
-from conftest import padded_batch, tiny_model
+from conftest import padded_batch, record_disk_events, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -802,20 +802,8 @@ def test_a_checkpoints_files_are_on_disk_before_its_name(run, tmp_path, monkeypa
     """Every file of a checkpoint is flushed before the rename that makes the checkpoint visible, and the
     parent directory after it: a power loss cannot leave the name on empty or partial files (as
     test_tokenizer's spm.model test for one file)."""
-    events = []
-    fsync, rename = os.fsync, os.rename
-
-    def noted_fsync(fd):
-        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
-        fsync(fd)
-
-    def noted_rename(src, dst):
-        events.append(("rename", Path(src), Path(dst)))
-        rename(src, dst)
-
-    monkeypatch.setattr(os, "fsync", noted_fsync)
-    monkeypatch.setattr(os, "rename", noted_rename)
     ck = load_checkpoint(run / "checkpoints" / "step_000003")
+    events = record_disk_events(monkeypatch)
     out = save_checkpoint(tmp_path / "ck", ck.model, ck.tokenizer, {"step": 3})
     renames = [e for e in events if e[0] == "rename" and e[2] == out]
     assert len(renames) == 1

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import sentencepiece as spm
+from conftest import record_disk_events
 
 from aiayn.data.tokenizer import MAX_LINE_BYTES, sentencepiece_model, train_sentencepiece, trained_settings
 from aiayn.errors import CorruptFile
@@ -132,19 +133,7 @@ def test_sentencepieces_refusal_is_its_runtime_error():
 def test_the_model_is_on_disk_before_its_name(tmp_path, monkeypatch):
     """spm.model was written and renamed into place unflushed: after a power loss the name could hold an
     empty file, which every later run refused. Its bytes are flushed before the rename, the rename after."""
-    events = []
-    fsync, replace = os.fsync, os.replace
-
-    def noted_fsync(fd):
-        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
-        fsync(fd)
-
-    def noted_replace(src, dst):
-        events.append(("replace", Path(src), Path(dst)))
-        replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", noted_fsync)
-    monkeypatch.setattr(os, "replace", noted_replace)
+    events = record_disk_events(monkeypatch)
     path = train_sentencepiece(made_up_text(100), tmp_path / "spm", 100)
     renames = [e for e in events if e[0] == "replace" and e[2] == path]
     assert len(renames) == 1

@@ -270,13 +270,13 @@ def export_marian(checkpoint: str | Path, out: str | Path, force: bool = False) 
     where = str(Path(checkpoint) / META)  # where the model's configuration is written
     check_exportable(ck.model.config, where)
     files = tokenizer_files(ck.tokenizer, ck.model.config, where)  # its refusals too, before any writing
+    files["config.json"] = _json(marian_config(ck.model.config))
+    files["generation_config.json"] = _json(generation_config(ck.model.config))
     log.info("exporting %s to %s (HuggingFace MarianMT)", checkpoint, out)
     weights = marian_weights(ck.model)
 
     def write(tmp: Path) -> None:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # transformers' tag
-        files["config.json"] = _json(marian_config(ck.model.config))
-        files["generation_config.json"] = _json(generation_config(ck.model.config))
         for name, data in files.items():
             (tmp / name).write_bytes(data)
 

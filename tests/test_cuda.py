@@ -75,6 +75,34 @@ def test_bf16_training_pass_runs_on_fused_sdpa_kernels_and_stays_near_float64(no
     assert relative_error(logits, expected) < 2e-2
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_checkpointed_activations_on_the_gpu_draw_the_same_dropout_and_keep_less(bf16):
+    """On a GPU dropout is F.dropout's Philox kernel, drawn from the CUDA generator: the recompute must
+    restore that generator (a CPU-only restore gave other masks: gradients off by far more than rounding),
+    and the step's peak memory falls. Gradients within rounding, not bit for bit: a fused attention's
+    backward may add in any order."""
+    def step(checkpointed: bool) -> tuple[dict[str, torch.Tensor], int]:
+        torch.manual_seed(0)
+        model = tiny_model(dropout=0.3, d_model=64, n_heads=2, d_ff=256).to(CUDA).train()
+        model.checkpoint_activations = checkpointed
+        src, tgt = padded_batch([32] * 16, 50).to(CUDA), padded_batch([32] * 16, 50).to(CUDA)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.manual_seed(5)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(src, tgt)
+        logits.float().square().mean().backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        return {n: p.grad.float() for n, p in model.named_parameters()}, peak
+
+    (kept, kept_peak), (recomputed, recomputed_peak) = step(False), step(True)
+    for name, grad in kept.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=2e-2 if bf16 else 1e-4, atol=1e-6, msg=name)
+    assert recomputed_peak < 0.7 * kept_peak
+
+
 def test_cached_decoding_on_the_gpu_equals_full_recomputation():
     torch.manual_seed(0)
     model = tiny_model().to(CUDA)

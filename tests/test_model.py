@@ -762,3 +762,76 @@ def test_a_position_table_of_an_odd_width_is_refused(max_len, d_model):
     """sinusoidal_positions(4, 5) was a (4, 6) table: a sine and a cosine per frequency need an even width."""
     with pytest.raises(ValueError, match=r"d_model is an even number >= 2 .* and max_len >= 0"):
         sinusoidal_positions(max_len, d_model)
+
+
+def _trained_grads(model: Transformer, src: torch.Tensor, tgt: torch.Tensor, bf16: bool = False):
+    """Logits and every parameter's gradient of one training forward and backward, dropout drawn from
+    seed 5; and the next number the generator gives (the state checkpointing must leave it in)."""
+    model.train().zero_grad(set_to_none=True)
+    torch.manual_seed(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(src, tgt)
+    logits.float().pow(2).mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, torch.rand(3)
+
+
+@pytest.mark.parametrize("norm_first, bf16", [(False, False), (True, False), (False, True)])
+def test_checkpointed_activations_give_the_same_gradients_bit_for_bit(norm_first, bf16):
+    """`checkpoint_activations` runs each layer's forward again in the backward pass: with the dropout
+    masks drawn again from the generator's saved state, the logits and gradients are the uncheckpointed
+    ones exactly, and the generator goes on from where the forward left it (a recompute that drew anew
+    trained on other masks than the loss saw; one that left the generator moved, another run)."""
+    model = tiny_model(dropout=0.3, norm_first=norm_first)
+    src, tgt = padded_batch([7, 4, 6], 50), padded_batch([5, 6, 2], 50)
+    plain = _trained_grads(model, src, tgt, bf16)
+    model.checkpoint_activations = True
+    checkpointed = _trained_grads(model, src, tgt, bf16)
+    assert torch.equal(plain[0], checkpointed[0]) and torch.equal(plain[2], checkpointed[2])
+    assert plain[1].keys() == checkpointed[1].keys()
+    for name, grad in plain[1].items():
+        assert torch.equal(grad, checkpointed[1][name]), name
+    model.eval()
+    assert not torch.equal(plain[0], model(src, tgt))  # dropout did drop: the masks were compared
+
+
+def _kept_for_backward(model: Transformer, src: torch.Tensor, tgt: torch.Tensor) -> int:
+    """Bytes of the distinct tensors autograd keeps for the backward pass of a training forward (the
+    activations), parameters left out: what `saved_tensors_hooks` is handed outside any checkpoint."""
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.train()(src, tgt)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in kept.items() if ptr not in weights)
+
+
+def test_checkpointed_activations_keep_each_layers_input_alone(monkeypatch):
+    """The point of checkpointing: of a 2+2-layer model's activations, autograd keeps little more than each
+    layer's input (B, T, d) and the logits; without it, every sub-layer's inner tensors too (the FFN's
+    d_ff-wide hidden layer, q, k, v, dropout masks, LayerNorm inputs). Under no_grad (decoding,
+    validation) nothing is checkpointed: there is no backward pass to recompute for."""
+    from aiayn.model import transformer
+
+    model = tiny_model(dropout=0.1, d_ff=128)
+    src, tgt = padded_batch([16] * 8, 50), padded_batch([16] * 8, 50)
+    plain = _kept_for_backward(model, src, tgt)
+    model.checkpoint_activations = True
+    checkpointed = _kept_for_backward(model, src, tgt)
+    d_model_floats = 8 * 16 * 32 * 4  # bytes of one (B, T, d) float32 activation
+    logits = 8 * 16 * 50 * 4
+    # the 4 layers' inputs, the memory the decoder reads, the decoder's final states, the logits, ids, masks
+    assert checkpointed <= 7 * d_model_floats + logits + 4096
+    assert plain > 6 * checkpointed
+    calls = []
+    monkeypatch.setattr(transformer, "checkpoint", lambda *a, **k: calls.append(a[0]) or
+                        torch.utils.checkpoint.checkpoint(*a, **k))
+    model(src, tgt)
+    assert calls == [*model.encoder, *model.decoder]
+    calls.clear()
+    with torch.no_grad():
+        model.eval()(src, tgt)
+    assert calls == []

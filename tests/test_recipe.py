@@ -596,6 +596,7 @@ def test_a_partner_item_of_what_the_recipe_sets_per_member_is_refused(tmp_path, 
 @pytest.mark.parametrize("partner", [
     ["model.activation=\"relu\""], ["model.n_heads=4"], ["model.norm_first=false"],
     ["model.n_decoder_layers=3"], ["train.keep_last=2"], ["train.valid_every=7"],
+    ["train.checkpoint_activations=true"],
     ["train.bleu_every=5", "train.bleu_lang=de"],
     [f"train.device={'cuda' if torch.cuda.is_available() else 'cpu'}"],  # the device "auto" takes here
 ])
@@ -622,6 +623,16 @@ def test_validation_steps_differ_where_patience_or_the_minutes_count_them(tmp_pa
     with pytest.raises(AssertionError, match="trained"):
         run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}",
                   *(a for c in counted for a in ("--set", c)), "--partner", "train.valid_every=7"])
+
+
+def test_recomputed_activations_differ_where_the_minutes_count_updates(tmp_path, monkeypatch):
+    """train.checkpoint_activations leaves every update's weights as they were, but slows the updates: under
+    the recipe's max_minutes (80) fewer fit, so a partner apart in it alone trains another model."""
+    never_trains(monkeypatch)
+    data = dog_data(tmp_path / "data")
+    with pytest.raises(AssertionError, match="trained"):
+        run.main(["--data", str(data), "--ensemble", "--set", f"train.run_dir={tmp_path / 'r'}",
+                  "--partner", "train.checkpoint_activations=true"])
 
 
 def test_fine_tuning_members_are_compared_as_the_checkpoints_model(tmp_path, capsys, monkeypatch):

@@ -1019,11 +1019,36 @@ def test_running_out_of_memory_in_training_is_one_line_naming_the_setting(tmp_pa
     doing = "update 5" if where == "update" else "the validation at update 4"
     sized = f"aiayn: error: out of memory in {doing} (batches of up to train.max_tokens=64 tokens a side)"
     keep = "train.update_freq to keep the tokens of an update"
+    less = "train.checkpoint_activations=true (less memory, the same updates)"
     saved = tmp_path / "run" / "checkpoints" / "step_000004"
     assert code == 2
-    assert line == (f"{sized}: --resume goes on from {saved} where more memory is free, or train anew with a "
-                    f"lower train.max_tokens (a resume keeps it) and a higher {keep}" if where == "update"
+    assert line == (f"{sized}: --resume goes on from {saved} with {less} or where more memory is free, or "
+                    f"train anew with a lower train.max_tokens (a resume keeps it) and a higher {keep}"
+                    if where == "update"
                     else f"{sized}: lower train.max_tokens, and raise {keep}")  # nothing saved before it
+    # recomputing the activations saves nothing in a validation (no backward) nor where it is already on
+    shutil.rmtree(tmp_path / "run")
+    calls.clear()
+    code, line = run_cli(capsys, "train", *set_args(sets), "--set", "train.checkpoint_activations=true")
+    assert code == 2 and " with train.checkpoint_activations" not in line and sized in line
+
+
+def test_running_out_of_memory_in_the_first_update_says_recomputing_keeps_less(tmp_path, capsys,
+                                                                                monkeypatch):
+    """Nothing saved yet: the line says what to set for the same run in less memory, then max_tokens."""
+    from aiayn.train import loop
+
+    _, sets = tiny_config(tmp_path, tmp_path / "run", "train.max_updates=8")
+
+    def failing(net, batch, eps, autocast):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(loop, "batch_loss", failing)
+    code, line = run_cli(capsys, "train", *set_args(sets))
+    assert code == 2
+    assert line == ("aiayn: error: out of memory in update 1 (batches of up to train.max_tokens=64 tokens a "
+                    "side): set train.checkpoint_activations=true (less memory, the same updates), or lower "
+                    "train.max_tokens, and raise train.update_freq to keep the tokens of an update")
 
 
 def test_the_last_updates_before_the_budget_ends_are_logged(tmp_path):
@@ -1074,3 +1099,25 @@ def test_the_docs_say_training_changes_malloc_for_the_process_and_how_to_keep_it
     monkeypatch.setattr(memory, "_done", False)  # a process that has not changed malloc yet
     monkeypatch.setenv("AIAYN_SYSTEM_MALLOC", "1")
     assert memory.keep_freed_memory() is False  # the opt-out the docstring names
+
+
+def test_checkpointed_activations_train_the_same_run_bit_for_bit(straight_run, tmp_path, monkeypatch):
+    """train.checkpoint_activations=true recomputes each layer in the backward pass: 10 updates with dropout
+    give the straight run's weights, Adam moments and generator states exactly (the recipe counts it as
+    bookkeeping: two ensemble members apart in it alone would train one model twice)."""
+    from aiayn.model import transformer
+
+    d, config, _ = straight_run
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(d / "run" / "spm.model", run / "spm.model")
+    checkpointed = []
+    monkeypatch.setattr(transformer, "checkpoint", lambda *a, **k: checkpointed.append(a[0]) or
+                        torch.utils.checkpoint.checkpoint(*a, **k))
+    train(with_train(config, run_dir=str(run), checkpoint_activations=True))
+    assert len(checkpointed) == 10 * 2 * 2  # 10 updates, 2 batches each, micro's 1+1 layers; not validation
+    assert checkpoint_dirs(run)[-1].name == "step_000010"
+    saved = json.loads((checkpoint_dirs(run)[-1] / "meta.json").read_text())["config"]["train"]
+    assert saved["checkpoint_activations"] is True
+    assert_identical(weights(run), weights(d / "run"))
+    assert_identical(weights(run, "trainer.safetensors"), weights(d / "run", "trainer.safetensors"))

@@ -71,6 +71,29 @@ def test_two_gloo_processes_match_one_with_accumulation(tmp_path):
     assert [p.name for p in checkpoint_dirs(two_run)][-2:] == ["step_000006", "step_000009"]
 
 
+@pytest.mark.slow  # three fresh Pythons importing torch
+def test_two_gloo_processes_recomputing_activations_match_one_that_keeps_them(tmp_path):
+    """train.checkpoint_activations under DDP: each layer's backward runs its recomputed forward while
+    DDP's hooks all-reduce the gradients already made. The same weights bit for bit as one process that
+    keeps its activations and accumulates the same batches (dropout off, one thread: as above)."""
+    common = ["model.dropout=0.0", "train.max_updates=4", "train.valid_every=4", "train.device=cpu",
+              "train.threads=1"]
+    one_config, _ = tiny_config(tmp_path, tmp_path / "one", *common, "train.update_freq=2")
+    train(one_config)
+    two_run = tmp_path / "two"
+    two_run.mkdir()
+    shutil.copy(tmp_path / "one" / "spm.model", two_run / "spm.model")
+    _, sets = tiny_config(tmp_path, two_run, *common, "train.update_freq=1",
+                          "train.checkpoint_activations=true")
+    proc = torchrun_train(sets)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = load_file(str(checkpoint_dirs(tmp_path / "one")[-1] / "model.safetensors"))
+    two = load_file(str(checkpoint_dirs(two_run)[-1] / "model.safetensors"))
+    assert checkpoint_dirs(two_run)[-1].name == "step_000004" and one.keys() == two.keys()
+    for k in one:
+        assert torch.equal(one[k], two[k]), (k, (one[k] - two[k]).abs().max())
+
+
 SLOW_RECOVERY = """
 import sys, time
 import aiayn.train.loop as loop

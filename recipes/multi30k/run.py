@@ -197,6 +197,9 @@ BOOKKEEPING = ("run_dir", "threads", "log_every", "keep_last", "bleu_lang")
 # Which updates validate and save: bookkeeping too, unless train.patience counts the validations or
 # train.max_minutes their time (the recipe's 80: fewer updates, and cooldown's lr falls on other ones)
 VALIDATION = ("valid_every", "bleu_every")
+# What changes only how fast the updates run (each layer's activations recomputed, the same weights bit for
+# bit): bookkeeping too, unless train.max_minutes bounds the training's time (fewer updates fit in it)
+SPEED = ("checkpoint_activations",)
 
 
 def check_members_differ(configs: list[RunConfig], resume: bool) -> None:
@@ -228,7 +231,7 @@ def trained_as(config: RunConfig, start: Path | None) -> dict[str, Any]:
     settings = config.to_dict()  # every [data] and [train] field; [model] only as written
     settings["model"] = built_model(config, start)
     counted = config.train.patience or config.train.max_minutes
-    left_out = BOOKKEEPING if counted else BOOKKEEPING + VALIDATION
+    left_out = BOOKKEEPING + (() if counted else VALIDATION) + (() if config.train.max_minutes else SPEED)
     settings["train"] = {k: v for k, v in settings["train"].items() if k not in left_out}
     if settings["train"].get("device") == "auto":  # the device it takes: `--partner train.device=cpu` on a
         # CPU machine trained the same model twice

@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from aiayn.config import POSITIONS, ModelConfig
 from aiayn.model.attention import MultiHeadAttention, padding_mask
@@ -270,6 +271,10 @@ class Transformer(nn.Module):
         # `compile_one_row_step` (translate --compile) and used by `decoding.search.step_log_probs` where
         # it applies; None: every step eager. A plain object, not a module: no part of the state dict.
         self.one_row_step = None
+        # Activation checkpointing (`train.checkpoint_activations`): while gradients are recorded, each
+        # layer keeps only its input for the backward pass and runs its forward again there. A plain
+        # attribute, not a setting of the network: the same weights and, bit for bit, the same gradients.
+        self.checkpoint_activations = False
         if not on_meta:
             self.reset_parameters()
         self._tie_output()
@@ -333,8 +338,20 @@ class Transformer(nn.Module):
         mask = self.src_mask(src)
         x = self.src_embed(src)
         for layer in self.encoder:
-            x = layer(x, mask)
+            x = self._run(layer, x, mask)
         return self.encoder_norm(x)
+
+    def _run(self, layer: nn.Module, *inputs) -> Tensor:
+        """`layer(*inputs)`; with `checkpoint_activations` while autograd records (training), through
+        `torch.utils.checkpoint`: the layer's inner activations (attention's q, k, v and output, the FFN's
+        d_ff-wide hidden layer, the dropout masks, the LayerNorms' inputs) are freed after its forward and
+        computed again in the backward pass, about a third more arithmetic for a step. Dropout draws
+        the same masks again: checkpoint restores the CPU and GPU generators' states for the recompute.
+        Non-reentrant (`use_reentrant=False`), PyTorch's recommended kind: it works under DDP, autocast and
+        torch.compile and with inputs that need no gradient (the first layer's under a frozen embedding)."""
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(layer, *inputs, use_reentrant=False)
+        return layer(*inputs)
 
     def decode(
         self,
@@ -395,7 +412,10 @@ class Transformer(nn.Module):
         start = 0 if cache is None else cache.length
         x = self.tgt_embed(tgt_in, start)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, src_mask, cache, i)
+            if cache is None:
+                x = self._run(layer, x, memory, src_mask)
+            else:  # decoding, a step at a time: no backward pass to keep anything for
+                x = layer(x, memory, src_mask, cache, i)
         if cache is not None:
             cache.advance(tgt_in.shape[1])
         h = self.decoder_norm(x)  # (B, T, d)

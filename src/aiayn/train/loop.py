@@ -354,6 +354,7 @@ def _train_locked(config: RunConfig, resume: bool, d: Dist) -> dict[str, Any]:
     # pairs) was kept until the first validation's trim
     tok = data.tokenizer
     model = (start_from.model if start_from else build_model(config, tok)).to(d.device)
+    model.checkpoint_activations = tc.checkpoint_activations
     own_random_stream(tc.seed, d.rank)  # after the model: built alike (DDP then copies process 0's anyway)
     optimizer = torch.optim.Adam(  # fused: one pass per tensor, 3x faster than the default on a CPU
         model.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps, fused=True
@@ -506,7 +507,7 @@ def _loop(stop, state, data, config, d, net, model, optimizer, scaler, autocast,
             batches = [collate(data.train, data.train_batches[b], tok).to(d.device) for b in mine]
             lr = inverse_sqrt_lr(state.step + 1, model.config.d_model, tc.warmup, tc.lr_scale)
             lr *= cooldown_factor(_budget_used(state, tc, n_updates), tc.cooldown)
-            with _memory_said(f"update {state.step + 1}", tc):
+            with _memory_said(f"update {state.step + 1}", tc, recompute=True):
                 step_sums, step_tokens, applied = train_step(
                     net, optimizer, scaler, batches, group_tokens, lr, tc.label_smoothing, tc.clip_norm, d,
                     autocast,
@@ -969,11 +970,13 @@ def _measure(model, state, data, config, d, autocast, stopper: StopSignal | None
 
 
 @contextmanager
-def _memory_said(doing: str, tc) -> Iterator[None]:
+def _memory_said(doing: str, tc, recompute: bool = False) -> Iterator[None]:
     """An allocation failing in `doing` as one line naming the setting that sizes it, where it was an
     out-of-memory traceback (CUDA's, or the CPU allocator's). Both the updates' batches and the
     validation's (loss and BLEU) hold up to train.max_tokens tokens a side. A --resume must keep
-    max_tokens (`resume._other_batches`): it helps only where the memory was taken by something else."""
+    max_tokens (`resume._other_batches`): it helps only where the memory was taken by something else,
+    or, in an update (`recompute`) of a run that keeps its activations, with train.checkpoint_activations,
+    which a --resume may turn on (the same updates, bit for bit)."""
     try:
         yield
     except (RuntimeError, MemoryError) as e:
@@ -981,11 +984,15 @@ def _memory_said(doing: str, tc) -> Iterator[None]:
             raise
         sized = f"out of memory in {doing} (batches of up to train.max_tokens={tc.max_tokens} tokens a side)"
         keep = "train.update_freq to keep the tokens of an update"
+        less = "train.checkpoint_activations=true (less memory, the same updates)"
+        recompute = recompute and not tc.checkpoint_activations
         if saved := checkpoint_dirs(tc.run_dir):
-            raise UserError(f"{sized}: --resume goes on from {saved[-1]} where more memory is free, or "
+            also = f"with {less} or " if recompute else ""
+            raise UserError(f"{sized}: --resume goes on from {saved[-1]} {also}where more memory is free, or "
                             f"train anew with a lower train.max_tokens (a resume keeps it) and a higher "
                             f"{keep}") from None
-        raise UserError(f"{sized}: lower train.max_tokens, and raise {keep}") from None
+        raise UserError(f"{sized}: {f'set {less}, or ' if recompute else ''}lower train.max_tokens, and "
+                        f"raise {keep}") from None
 
 
 def _draw_curves(log_path: Path, png: Path) -> None:

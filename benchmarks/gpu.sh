@@ -3,20 +3,20 @@
 #
 #   OUT=some/folder bash benchmarks/gpu.sh [SECONDS]
 #
-# the GPU tests (tests/test_cuda.py and the other CUDA-only ones), the training step (small, base and
-# the paper's 25k-token batch, fp32 and bf16, against nn.Transformer and Marian, with the bf16 loss
-# curve), decoding against HuggingFace (and CTranslate2 where its CUDA libraries load), the demo on the
-# GPU, then aiayn compiled, then the whole default test suite (in parallel where pytest-xdist is). Every
-# step gets at most what is left of SECONDS (default 540), so the script ends in time and what it
-# measured so far is kept; the suite gets all that is left. A step that fails or runs out of its time
-# does not stop the later ones, but the script then exits 1, its last line naming those steps (a step
-# skipped because no time is left is not a failure). Needs a python3 with CUDA PyTorch, the package's
-# dependencies (sentencepiece, sacrebleu, safetensors, matplotlib, tqdm, numpy), transformers, pytest and
-# pytest-timeout (the last three are in the [test] extra; pyproject.toml's addopts pass --timeout, which
-# pytest refuses without that plugin, so its absence stops the script first, in one line), and a CUDA
-# device that torch sees (without one it stops at once, in one line); the package runs from src/ (nothing
-# installed). Runs from the repository root wherever it is started. Writes $OUT/log.txt and the
-# benchmarks' reports (OUT: default benchmarks/results/local/gpu in the repository).
+# the GPU tests (tests/test_cuda.py and the other CUDA-only ones), the training step (small, base and the
+# paper's 25k-token batch, fp32 and bf16, against nn.Transformer and Marian, with the bf16 loss curve),
+# decoding against HuggingFace (and CTranslate2 where its CUDA libraries load), the demo on the GPU,
+# train.checkpoint_activations's memory and time, then aiayn compiled, then the whole default test suite (in
+# parallel where pytest-xdist is). Every step gets at most what is left of SECONDS (default 540), so the
+# script ends in time and what it measured so far is kept; the suite gets all that is left. A step that
+# fails or runs out of its time does not stop the later ones, but the script then exits 1, its last line
+# naming those steps (a step skipped because no time is left is not a failure). Needs a python3 with CUDA
+# PyTorch, the package's dependencies (sentencepiece, sacrebleu, safetensors, matplotlib, tqdm, numpy),
+# transformers, pytest and pytest-timeout (the last three are in the [test] extra; pyproject.toml's addopts
+# pass --timeout, which pytest refuses without that plugin, so its absence stops the script first, in one
+# line), and a CUDA device that torch sees (without one it stops at once, in one line); the package runs
+# from src/ (nothing installed). Runs from the repository root wherever it is started. Writes $OUT/log.txt
+# and the benchmarks' reports (OUT: default benchmarks/results/local/gpu in the repository).
 set -u -o pipefail  # pipefail: the status of the steps' block, not tee's 0
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # the comment above, as usage (it said "SECONDS must be...")
   sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0
@@ -75,6 +75,8 @@ torch.cuda.get_device_name())"
     --steps 10 --warmup 3 --loss-steps 150 --out "$OUT/train_step_gpu.md"
   run 120 python3 benchmarks/decode.py --device cuda --repeats 5 --out "$OUT/decode_gpu"
   run 90 python3 -m aiayn demo --device cuda --out "${TMPDIR:-/tmp}/aiayn-gpu-demo-$$"
+  run 60 python3 benchmarks/checkpoint_activations.py --device cuda --configs base,base25k --precisions bf16 \
+    --rounds 3 --out "$OUT/checkpoint_activations_gpu"
   run 150 python3 benchmarks/train_step.py --device cuda --configs base25k --precisions bf16 \
     --steps 10 --warmup 3 --loss-steps 0 --out "$OUT/train_step_gpu_compiled.md"
   # the whole default suite where CUDA is present, each test's outcome on its own line as it ends (-v): a

@@ -193,6 +193,18 @@ def test_attention_memory_tiny_run_writes_results(tmp_path):
     assert "predicted" in (tmp_path / "attention_memory_cpu.md").read_text()
 
 
+def test_checkpoint_activations_tiny_run_writes_results(tmp_path):
+    """The whole pipeline at the tiny shapes: the recomputed step keeps a fraction of the activations the
+    step that keeps them holds (saved_tensors_hooks' count), and each peak is measured in its process."""
+    _load("checkpoint_activations").main(["--configs", "tiny", "--precisions", "fp32", "--rounds", "1",
+                                          "--steps", "1", "--out", str(tmp_path / "ck")])
+    row = json.loads((tmp_path / "ck.json").read_text())["rows"][0]
+    assert 0 < 3 * row["recomputed_kept_bytes"] < row["kept_kept_bytes"]
+    assert row["kept_peak_bytes"] > 0 and row["recomputed_peak_bytes"] > 0
+    assert row["kept_s"] > 0 and row["recomputed_s"] > 0
+    assert "| tiny | fp32 |" in (tmp_path / "ck.md").read_text()
+
+
 def test_outputs_default_to_a_folder_git_ignores():
     """No --out: results go to benchmarks/results/local/, never over the committed benchmarks/results/."""
     assert layers.LOCAL_RESULTS == BENCHMARKS / "results" / "local"
@@ -249,6 +261,7 @@ def test_a_replot_over_committed_results_needs_force(tmp_path):
     ("layers", ["layers_cpu.png"], ["--lengths", "8", "--out", "REPO"]),
     ("attention_memory", ["attention_memory_cpu.md"], ["--lengths", "8", "--out", "REPO"]),
     ("one_row", ["one_row_cpu.md"], ["--threads", "1", "--out", "REPO/one_row_cpu"]),
+    ("checkpoint_activations", ["ck.json"], ["--configs", "tiny", "--out", "REPO/ck"]),
 ])
 def test_a_run_over_committed_results_is_refused_before_measuring(tmp_path, monkeypatch, script, files, argv):
     """RESULTS.md's commands name the committed files (`--out benchmarks/results/train_step_small_v2.md`):

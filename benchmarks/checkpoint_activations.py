@@ -1,0 +1,202 @@
+"""What `train.checkpoint_activations` trades: the memory of a training step against its time.
+
+With it, each encoder and decoder layer keeps only its input for the backward pass and runs its forward
+again there (`Transformer.checkpoint_activations`, through `torch.utils.checkpoint`). This script runs
+aiayn's training step (forward over the real target positions, aiayn's label-smoothed loss, backward,
+fused Adam: `train_step.py`'s) with the activations kept and recomputed, side by side, and reports per
+configuration and precision:
+
+- kept MiB: the activations autograd holds for the backward pass after the forward (the distinct
+  tensors `saved_tensors_hooks` is handed outside any checkpoint, parameters left out): exact, the same
+  on every machine;
+- peak MiB: the step's peak memory above what was allocated before it (weights, gradients and Adam's
+  moments of an earlier step included in "before"). GPU: `torch.cuda.max_memory_allocated`. CPU: the
+  growth of the peak resident set (VmHWM, reset through /proc/self/clear_refs) over one step, in a fresh
+  process per figure, after one untimed step: every page the step touched, whoever allocated it;
+- ms: the step's median time over interleaved rounds, and the ratio recomputed / kept.
+
+    python benchmarks/checkpoint_activations.py                      # small and base, fp32 and bf16, CPU
+    python benchmarks/checkpoint_activations.py --device cuda --configs base,base25k --precisions bf16
+
+Writes benchmarks/results/local/checkpoint_activations_{device}.{json,md} unless --out names a file stem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` and `train_step` beside this file
+from common import (
+    LOCAL_RESULTS,
+    at_least,
+    check_out,
+    comma_choices,
+    command_line,
+    environment,
+    markdown_table,
+    require_device,
+    status_kib,
+    sync,
+    with_suffix_added,
+)
+from train_step import PRECISIONS, SHAPES, aiayn_loss, make_batch, make_step
+
+from aiayn.config import model_config
+from aiayn.model import Transformer
+
+MODES = ("kept", "recomputed")
+MIB = 2**20
+
+
+def step_for(config: str, precision: str, mode: str, device: str):
+    """A training step closure of aiayn at `config`'s shapes, with its batch, activations per `mode`."""
+    shape = SHAPES[config]
+    torch.manual_seed(0)
+    model = Transformer(model_config(shape["preset"], vocab_size=shape["vocab"])).to(device).train()
+    model.checkpoint_activations = mode == "recomputed"
+    batch = [t.to(device) for t in make_batch(shape, torch.Generator().manual_seed(1))]
+    step = make_step(model, aiayn_loss(model), PRECISIONS[precision])
+    return model, batch, step
+
+
+def kept_bytes(model: Transformer, batch: list[torch.Tensor], precision: str, device: str) -> int:
+    """Bytes of the distinct non-parameter tensors autograd keeps for the backward pass of one forward."""
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    dtype = PRECISIONS[precision]
+    autocast = torch.autocast(torch.device(device).type, dtype=dtype or torch.bfloat16,
+                              enabled=dtype is not None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        aiayn_loss(model)(*batch)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in kept.items() if ptr not in weights)
+
+
+def peak_bytes(config: str, precision: str, mode: str, device: str) -> tuple[int, str]:
+    """The step's peak memory above what was there before it (see the module's docstring), in this
+    process: call it in a fresh one on a CPU (`measure_in_child`)."""
+    _, batch, step = step_for(config, precision, mode, device)
+    step(*batch)  # Adam's moments and the allocator's first-call costs off the books
+    if torch.device(device).type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step(*batch)
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) - before, "torch.cuda.max_memory_allocated"
+    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the resident set now
+        f.write("5")
+    before = status_kib("VmRSS")
+    step(*batch)
+    return (status_kib("VmHWM") - before) * 1024, "VmHWM after clear_refs, fresh process"
+
+
+def measure_in_child(config: str, precision: str, mode: str, device: str) -> dict:
+    """`peak_bytes` in a fresh interpreter (a clean heap and peak); a failure is reported, not raised."""
+    cmd = [sys.executable, __file__, "--peak", config, precision, mode, "--device", device]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {done.returncode}: {tail}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def time_modes(config: str, precision: str, device: str, rounds: int, steps: int) -> dict[str, float]:
+    """Median seconds per step of each mode, over `rounds` interleaved rounds of `steps` steps each."""
+    runs = {mode: step_for(config, precision, mode, device) for mode in MODES}
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for _, batch, step in runs.values():
+        step(*batch)  # warm-up
+    for _ in range(rounds):
+        for mode, (_, batch, step) in runs.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(*batch)
+            sync(device)
+            times[mode].append((time.perf_counter() - start) / steps)
+    return {mode: statistics.median(t) for mode, t in times.items()}
+
+
+def measure(config: str, precision: str, device: str, rounds: int, steps: int) -> dict:
+    row = {"config": config, "precision": precision}
+    for mode in MODES:
+        model, batch, _ = step_for(config, precision, mode, device)
+        row[f"{mode}_kept_bytes"] = kept_bytes(model, batch, precision, device)
+        del model, batch
+        peak = measure_in_child(config, precision, mode, device)
+        row[f"{mode}_peak_bytes"], row["peak_method"] = peak.get("peak_bytes"), peak.get("method")
+        row[f"{mode}_peak_error"] = peak.get("error")
+    times = time_modes(config, precision, device, rounds, steps)
+    row.update({f"{mode}_s": s for mode, s in times.items()})
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    def mib(n: int | None) -> str:
+        return "failed" if n is None else f"{n / MIB:,.0f}"
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if not a or not b else f"{a / b:.2f}x"
+
+    body = [[r["config"], r["precision"], mib(r["kept_kept_bytes"]), mib(r["recomputed_kept_bytes"]),
+             ratio(r["kept_kept_bytes"], r["recomputed_kept_bytes"]), mib(r["kept_peak_bytes"]),
+             mib(r["recomputed_peak_bytes"]), ratio(r["kept_peak_bytes"], r["recomputed_peak_bytes"]),
+             f"{r['kept_s'] * 1e3:,.0f}", f"{r['recomputed_s'] * 1e3:,.0f}",
+             ratio(r["recomputed_s"], r["kept_s"])]
+            for r in rows]
+    header = ["config", "precision", "kept MiB (kept)", "kept MiB (recomputed)", "less", "peak MiB (kept)",
+              "peak MiB (recomputed)", "less", "ms (kept)", "ms (recomputed)", "slower"]
+    return markdown_table(header, body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", type=comma_choices([c for c in SHAPES if c != "tiny"] + ["tiny"]),
+                   default=["small", "base"])
+    p.add_argument("--precisions", type=comma_choices(list(PRECISIONS)), default=list(PRECISIONS))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--rounds", type=at_least(1), default=5)
+    p.add_argument("--steps", type=at_least(1), default=2, help="steps per round and mode")
+    p.add_argument("--out", type=Path,
+                   help="file stem (default benchmarks/results/local/checkpoint_activations_DEVICE)")
+    p.add_argument("--force", action="store_true", help="write over committed results")
+    p.add_argument("--peak", nargs=3, metavar=("CONFIG", "PRECISION", "MODE"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.peak:  # a child of `measure_in_child`
+        peak, method = peak_bytes(*args.peak, args.device)
+        print(json.dumps({"peak_bytes": peak, "method": method}))
+        return
+    device = require_device(args.device)
+    stem = args.out or LOCAL_RESULTS / f"checkpoint_activations_{device.type}"
+    files = [with_suffix_added(stem, ".json"), with_suffix_added(stem, ".md")]
+    check_out(stem, files, args.force, args.out)
+    rows = []
+    for config in args.configs:
+        for precision in args.precisions:
+            rows.append(measure(config, precision, str(device), args.rounds, args.steps))
+            print(f"{config} {precision} done", file=sys.stderr)
+    env = environment(device)
+    command = command_line(__file__, argv)
+    report = "\n".join([f"# train.checkpoint_activations: memory against time ({device})", "",
+                        f"    {command}", "", table(rows), "",
+                        (f"peak: {rows[0]['peak_method']}; batch: the configurations of train_step.py "
+                         "(pairs of 32 + 32 tokens)"), "", "```", json.dumps(env, indent=2), "```", ""])
+    files[0].write_text(json.dumps({"command": command, "environment": env, "rows": rows}, indent=2) + "\n")
+    files[1].write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,9 @@ configuration and precision:
 - peak MiB: the step's peak memory above what was allocated before it (weights, gradients and Adam's
   moments of an earlier step included in "before"). GPU: `torch.cuda.max_memory_allocated`. CPU: the
   growth of the peak resident set (VmHWM, reset through /proc/self/clear_refs) over one step, in a fresh
-  process per figure, after one untimed step: every page the step touched, whoever allocated it;
+  process per figure, after one untimed step and `malloc_trim` (the earlier step's freed pages handed
+  back, else its activations were still resident and the growth read low): every page the step
+  touched, whoever allocated it;
 - ms: the step's median time over interleaved rounds, and the ratio recomputed / kept.
 
     python benchmarks/checkpoint_activations.py                      # small and base, fp32 and bf16, CPU
@@ -50,6 +52,7 @@ from common import (
 from train_step import PRECISIONS, SHAPES, aiayn_loss, make_batch, make_step
 
 from aiayn.config import model_config
+from aiayn.memory import keep_freed_memory, release_freed_memory
 from aiayn.model import Transformer
 
 MODES = ("kept", "recomputed")
@@ -96,11 +99,12 @@ def peak_bytes(config: str, precision: str, mode: str, device: str) -> tuple[int
         step(*batch)
         sync(device)
         return torch.cuda.max_memory_allocated(device) - before, "torch.cuda.max_memory_allocated"
+    release_freed_memory()  # the heap's free pages back to the kernel: resident now is what is live
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the resident set now
         f.write("5")
     before = status_kib("VmRSS")
     step(*batch)
-    return (status_kib("VmHWM") - before) * 1024, "VmHWM after clear_refs, fresh process"
+    return (status_kib("VmHWM") - before) * 1024, "VmHWM after malloc_trim and clear_refs, fresh process"
 
 
 def measure_in_child(config: str, precision: str, mode: str, device: str) -> dict:
@@ -174,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="write over committed results")
     p.add_argument("--peak", nargs=3, metavar=("CONFIG", "PRECISION", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    kept = keep_freed_memory()  # as `aiayn train` runs: freed memory reused, not faulted in again each step
     if args.peak:  # a child of `measure_in_child`
         peak, method = peak_bytes(*args.peak, args.device)
         print(json.dumps({"peak_bytes": peak, "method": method}))
@@ -187,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         for precision in args.precisions:
             rows.append(measure(config, precision, str(device), args.rounds, args.steps))
             print(f"{config} {precision} done", file=sys.stderr)
-    env = environment(device)
+    env = environment(device, keeps_freed_memory=kept)
     command = command_line(__file__, argv)
     report = "\n".join([f"# train.checkpoint_activations: memory against time ({device})", "",
                         f"    {command}", "", table(rows), "",

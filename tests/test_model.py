@@ -794,6 +794,32 @@ def test_checkpointed_activations_give_the_same_gradients_bit_for_bit(norm_first
     assert not torch.equal(plain[0], model(src, tgt))  # dropout did drop: the masks were compared
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_recompute_leaves_no_weight_copies_for_the_next_forward(checkpointed):
+    """Inside an enclosing autocast, even a disabled one (train() holds one for the whole run), autocast keeps
+    its bf16 copies of the weights until that one ends; batch_loss clears them after the forward, but the
+    recompute in the backward pass cast them again: the next update's forward, after the optimizer's step,
+    computed with the old weights' copies, and a bf16 run with checkpointing trained another model."""
+    model = tiny_model(dropout=0.0)
+    model.train().checkpoint_activations = checkpointed
+    src, tgt = padded_batch([7, 4], 50), padded_batch([5, 6], 50)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.autocast("cpu", enabled=False):
+        with bf16:
+            logits = model(src, tgt)
+        torch.clear_autocast_cache()  # as batch_loss does
+        logits.float().pow(2).mean().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)  # an optimizer's step
+        with bf16:
+            after = model(src, tgt)
+        torch.clear_autocast_cache()
+    with bf16:
+        fresh = model(src, tgt)  # no enclosing autocast: casts the weights as they are now
+    assert torch.equal(after, fresh)
+
+
 def _kept_for_backward(model: Transformer, src: torch.Tensor, tgt: torch.Tensor) -> int:
     """Bytes of the distinct tensors autograd keeps for the backward pass of a training forward (the
     activations), parameters left out: what `saved_tensors_hooks` is handed outside any checkpoint."""

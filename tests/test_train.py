@@ -1101,23 +1101,35 @@ def test_the_docs_say_training_changes_malloc_for_the_process_and_how_to_keep_it
     assert memory.keep_freed_memory() is False  # the opt-out the docstring names
 
 
-def test_checkpointed_activations_train_the_same_run_bit_for_bit(straight_run, tmp_path, monkeypatch):
-    """train.checkpoint_activations=true recomputes each layer in the backward pass: 10 updates with dropout
-    give the straight run's weights, Adam moments and generator states exactly (the recipe counts it as
-    bookkeeping: two ensemble members apart in it alone would train one model twice)."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_checkpointed_activations_train_the_same_run_bit_for_bit(straight_run, tmp_path, monkeypatch,
+                                                                  precision):
+    """train.checkpoint_activations=true recomputes each layer in the backward pass: 6 updates of 2 batches
+    with dropout give the weights, Adam moments and generator states of the run that keeps them, exactly, and
+    so does a run that turns it on at a --resume (as the out-of-memory line advises). In bf16 the recompute
+    left autocast's weight copies cached, and every update after the first computed with stale ones. (The
+    recipe counts it as bookkeeping: two ensemble members apart in it alone would train one model twice.)"""
     from aiayn.model import transformer
 
     d, config, _ = straight_run
-    run = tmp_path / "run"
-    run.mkdir()
-    shutil.copy(d / "run" / "spm.model", run / "spm.model")
     checkpointed = []
     monkeypatch.setattr(transformer, "checkpoint", lambda *a, **k: checkpointed.append(a[0]) or
                         torch.utils.checkpoint.checkpoint(*a, **k))
-    train(with_train(config, run_dir=str(run), checkpoint_activations=True))
-    assert len(checkpointed) == 10 * 2 * 2  # 10 updates, 2 batches each, micro's 1+1 layers; not validation
-    assert checkpoint_dirs(run)[-1].name == "step_000010"
-    saved = json.loads((checkpoint_dirs(run)[-1] / "meta.json").read_text())["config"]["train"]
+    runs = {}
+    for name in ("kept", "recomputed", "turned on"):
+        run = runs[name] = tmp_path / name
+        run.mkdir()
+        shutil.copy(d / "run" / "spm.model", run / "spm.model")
+        six = with_train(config, run_dir=str(run), precision=precision, max_updates=6)
+        if name == "turned on":
+            train(with_train(six, max_updates=3))
+        train(with_train(six, checkpoint_activations=name != "kept"), resume=name == "turned on")
+        assert checkpoint_dirs(run)[-1].name == "step_000006"
+    # 6 + 3 updates of 2 batches through micro's 1+1 layers; none in validation, where nothing is recorded
+    assert len(checkpointed) == (6 + 3) * 2 * 2
+    saved = json.loads((checkpoint_dirs(runs["recomputed"])[-1] / "meta.json").read_text())["config"]["train"]
     assert saved["checkpoint_activations"] is True
-    assert_identical(weights(run), weights(d / "run"))
-    assert_identical(weights(run, "trainer.safetensors"), weights(d / "run", "trainer.safetensors"))
+    for name in ("recomputed", "turned on"):
+        assert_identical(weights(runs[name]), weights(runs["kept"]))
+        trainer = "trainer.safetensors"
+        assert_identical(weights(runs[name], trainer), weights(runs["kept"], trainer))

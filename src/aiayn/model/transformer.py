@@ -6,6 +6,7 @@ Dimension key: B batch, S source length, T target length, V vocabulary, d = d_mo
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +185,23 @@ def check_src_mask_rows(src_mask: Tensor) -> None:
                          "key_padding_mask (True = padding)")
 
 
+@contextmanager
+def _clearing_autocast_cache():
+    try:
+        yield
+    finally:
+        torch.clear_autocast_cache()
+
+
+def _recompute_contexts():
+    """`checkpoint`'s context_fn: nothing around a layer's forward; around its recompute in the backward
+    pass, autocast's cache of bf16 weight copies cleared after it. An enclosing autocast, even a disabled
+    one (`aiayn.train.loop.train` holds one for the whole run), keeps the copies a recompute casts: after
+    the optimizer's step, the next forward computed with the old weights' copies (a bf16 run with
+    checkpointing trained another model, every tensor apart after 6 updates)."""
+    return nullcontext(), _clearing_autocast_cache()
+
+
 class SublayerConnection(nn.Module):
     """Residual, dropout and LayerNorm around one sub-layer (section 3.1, 5.4).
 
@@ -346,12 +364,15 @@ class Transformer(nn.Module):
         `torch.utils.checkpoint`: the layer's inner activations (attention's q, k, v and output, the FFN's
         d_ff-wide hidden layer, the dropout masks, the LayerNorms' inputs) are freed after its forward and
         computed again in the backward pass, about a third more arithmetic for a step. Dropout draws
-        the same masks again: checkpoint restores the CPU and GPU generators' states for the recompute.
+        the same masks again: checkpoint restores the CPU and GPU generators' states for the recompute,
+        and the recompute leaves no bf16 weight copies in autocast's cache (`_recompute_contexts`).
         Non-reentrant (`use_reentrant=False`), PyTorch's recommended kind: it works under DDP, autocast and
         torch.compile and with inputs that need no gradient (the first layer's under a frozen embedding)."""
-        if self.checkpoint_activations and torch.is_grad_enabled():
+        if not (self.checkpoint_activations and torch.is_grad_enabled()):
+            return layer(*inputs)
+        if torch.compiler.is_compiling():  # dynamo takes dispatch modes alone as contexts; its graph casts
             return checkpoint(layer, *inputs, use_reentrant=False)
-        return layer(*inputs)
+        return checkpoint(layer, *inputs, use_reentrant=False, context_fn=_recompute_contexts)
 
     def decode(
         self,

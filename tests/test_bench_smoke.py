@@ -194,15 +194,22 @@ def test_attention_memory_tiny_run_writes_results(tmp_path):
 
 
 def test_checkpoint_activations_tiny_run_writes_results(tmp_path):
-    """The whole pipeline at the tiny shapes: the recomputed step keeps a fraction of the activations the
-    step that keeps them holds (saved_tensors_hooks' count), and each peak is measured in its process."""
+    """The whole pipeline at the tiny shapes, aiayn and (where transformers is) Marian with HuggingFace's
+    own gradient checkpointing: each recomputed step keeps a fraction of the activations the step that
+    keeps them holds (saved_tensors_hooks' count), and each peak is measured in its own process."""
+    systems = ["aiayn", "Marian"] if importlib.util.find_spec("transformers") else ["aiayn"]
     _load("checkpoint_activations").main(["--configs", "tiny", "--precisions", "fp32", "--rounds", "1",
-                                          "--steps", "1", "--out", str(tmp_path / "ck")])
-    row = json.loads((tmp_path / "ck.json").read_text())["rows"][0]
-    assert 0 < 3 * row["recomputed_kept_bytes"] < row["kept_kept_bytes"]
-    assert row["kept_peak_bytes"] > 0 and row["recomputed_peak_bytes"] > 0
-    assert row["kept_s"] > 0 and row["recomputed_s"] > 0
-    assert "| tiny | fp32 |" in (tmp_path / "ck.md").read_text()
+                                          "--steps", "1", "--systems", ",".join(systems),
+                                          "--out", str(tmp_path / "ck")])
+    rows = json.loads((tmp_path / "ck.json").read_text())["rows"]
+    assert [row["system"] for row in rows] == systems
+    for row in rows:
+        assert 0 < 3 * row["recomputed_kept_bytes"] < row["kept_kept_bytes"]
+        assert row["kept_peak_bytes"] > 0 and row["recomputed_peak_bytes"] > 0
+        assert row["kept_s"] > 0 and row["recomputed_s"] > 0
+    report = (tmp_path / "ck.md").read_text()
+    assert "| aiayn | tiny | fp32 |" in report
+    assert ("| tiny | fp32 | recomputed |" in report) == ("Marian" in systems)  # the peer over aiayn
 
 
 def test_outputs_default_to_a_folder_git_ignores():

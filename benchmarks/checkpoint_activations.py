@@ -5,7 +5,8 @@ again there (`Transformer.checkpoint_activations`, through `torch.utils.checkpoi
 aiayn's training step (forward over the real target positions, aiayn's label-smoothed loss, backward,
 fused Adam: `train_step.py`'s) with the activations kept and recomputed, side by side, and the same for
 the peer that offers it, HuggingFace's MarianMTModel built with the same shapes (`train_step.py`'s, its
-`gradient_checkpointing_enable(use_reentrant=False)`, `F.cross_entropy` over every position), and reports
+`activation_checkpointing_enable`, or an older transformers' `gradient_checkpointing_enable`, with
+`use_reentrant=False`; `F.cross_entropy` over every position), and reports
 per system, configuration and precision:
 
 - kept MiB: the activations autograd holds for the backward pass after the forward (the distinct
@@ -73,8 +74,12 @@ def step_for(system: str, config: str, precision: str, mode: str, device: str):
         model.checkpoint_activations = mode == "recomputed"
         forward = aiayn_loss(model)
     else:
-        if mode == "recomputed":
-            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if mode == "recomputed":  # 5.24 has the new name (the old one warns); older transformers the old
+            hf, kwargs = model.model, {"use_reentrant": False}
+            if hasattr(hf, "activation_checkpointing_enable"):
+                hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
         def forward(src, tgt_in, tgt_out):
             return label_smoothed_loss(model(src, tgt_in), tgt_out)

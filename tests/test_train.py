@@ -131,6 +131,38 @@ def test_batch_loss_computes_with_the_weights_as_they_are_now_under_any_autocast
     assert torch.equal(after, fresh)
 
 
+def test_batch_loss_of_a_compiled_checkpointed_model_computes_with_the_weights_as_they_are_now():
+    """train.compile with train.checkpoint_activations in bf16 on a CPU: the attention's bf16 path breaks
+    dynamo's graph, so the checkpoint runs eagerly without the model's clearing context, and its recompute
+    in the backward pass left bf16 copies of the weights in autocast's cache, which the next update's
+    forward used (every tensor of a 6-update run apart). aot_eager: dynamo's graph breaks without inductor's
+    C++ compiler, in seconds."""
+    from types import SimpleNamespace
+
+    from aiayn.config import model_config
+    from aiayn.data.dataset import EncodedCorpus, collate
+    from aiayn.model import Transformer
+    from aiayn.train import loop
+
+    torch.manual_seed(0)
+    model = Transformer(model_config("micro", vocab_size=20, pad_id=0, decoder_start_id=1, eos_id=2))
+    model.checkpoint_activations = True
+    torch._dynamo.reset()
+    net = torch.compile(model, backend="aot_eager")
+    corpus = EncodedCorpus.from_lists([[5, 6, 2], [7, 8, 9, 2]], [[8, 3], [9, 10, 11]])
+    batch = collate(corpus, [0, 1], SimpleNamespace(pad_id=0, bos_id=1, eos_id=2))
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.autocast("cpu", enabled=False):  # as train() runs
+        loss, _ = loop.batch_loss(net, batch, 0.1, bf16)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)  # an optimizer's step
+        after, _ = loop.batch_loss(net, batch, 0.1, bf16)
+    fresh, _ = loop.batch_loss(net, batch, 0.1, bf16)  # no outer context: casts anew
+    assert torch.equal(after, fresh)
+
+
 def test_adam_settings_changed_at_resume_are_used_and_said(straight_run, tmp_path, caplog):
     """--resume with another train.adam_beta2 or adam_eps: the checkpoint's param_groups had put the old
     ones back silently while meta.json recorded the new. The run's configuration now holds, as on a fresh

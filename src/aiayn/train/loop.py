@@ -839,11 +839,15 @@ def _settle_buckets(net: DistributedDataParallel, model: Transformer, data: Data
 def batch_loss(net: torch.nn.Module, batch: Batch, eps: float, autocast) -> tuple[Tensor, Tensor]:
     """(smoothed loss sum, NLL sum) of one batch; only its non-pad targets are projected and scored,
     selected by the indices `collate` found on the host: nothing here waits for a GPU."""
+    # Autocast keeps its bf16/fp16 copies of the weights until the outermost autocast ends, and train()
+    # runs inside one (disabled, to keep a caller's out): without these, every update after the first
+    # computed with the first update's copies, and the weights saved were never the ones validated. Before
+    # the forward too: a recompute of train.checkpoint_activations casts them again in the backward pass,
+    # and a compiled model's bf16 CPU attention runs its checkpoint eagerly (a graph break), without the
+    # model's own clearing (`Transformer._run`)
+    torch.clear_autocast_cache()
     with autocast:
         logits = net(batch.src, batch.tgt_in, batch.positions)  # (N, V), N = real target tokens
-    # Autocast keeps its bf16/fp16 copies of the weights until the outermost autocast ends, and train()
-    # runs inside one (disabled, to keep a caller's out): without this, every update after the first
-    # computed with the first update's copies, and the weights saved were never the ones validated.
     torch.clear_autocast_cache()
     return label_smoothed_nll(logits, batch.targets, eps, ignore_index=None)
 

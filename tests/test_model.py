@@ -820,6 +820,18 @@ def test_a_recompute_leaves_no_weight_copies_for_the_next_forward(checkpointed):
     assert torch.equal(after, fresh)
 
 
+def test_checkpointed_activations_run_under_checkpoints_debug_mode():
+    """torch.utils.checkpoint's debug mode, PyTorch's tool for a recompute that differs, refuses any
+    context_fn ("debug=True is incompatible with non-default context_fn"): a step stopped there."""
+    model = tiny_model(dropout=0.3)
+    src, tgt = padded_batch([7, 4], 50), padded_batch([5, 6], 50)
+    plain = _trained_grads(model, src, tgt)
+    model.checkpoint_activations = True
+    with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):
+        debugged = _trained_grads(model, src, tgt)
+    assert all(torch.equal(grad, debugged[1][name]) for name, grad in plain[1].items())
+
+
 def _kept_for_backward(model: Transformer, src: torch.Tensor, tgt: torch.Tensor) -> int:
     """Bytes of the distinct tensors autograd keeps for the backward pass of a training forward (the
     activations), parameters left out: what `saved_tensors_hooks` is handed outside any checkpoint."""

@@ -197,8 +197,8 @@ BOOKKEEPING = ("run_dir", "threads", "log_every", "keep_last", "bleu_lang")
 # Which updates validate and save: bookkeeping too, unless train.patience counts the validations or
 # train.max_minutes their time (the recipe's 80: fewer updates, and cooldown's lr falls on other ones)
 VALIDATION = ("valid_every", "bleu_every")
-# What changes only how fast the updates run (each layer's activations recomputed, the same weights bit for
-# bit): bookkeeping too, unless train.max_minutes bounds the training's time (fewer updates fit in it)
+# What changes only how fast the updates run (each layer's activations recomputed, the same weights, bit for
+# bit on a CPU): bookkeeping too, unless train.max_minutes bounds the training's time (fewer updates fit)
 SPEED = ("checkpoint_activations",)
 
 

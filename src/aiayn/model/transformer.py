@@ -291,7 +291,7 @@ class Transformer(nn.Module):
         self.one_row_step = None
         # Activation checkpointing (`train.checkpoint_activations`): while gradients are recorded, each
         # layer keeps only its input for the backward pass and runs its forward again there. A plain
-        # attribute, not a setting of the network: the same weights and, bit for bit, the same gradients.
+        # attribute, not a setting of the network: the same weights and gradients (bit for bit on a CPU).
         self.checkpoint_activations = False
         if not on_meta:
             self.reset_parameters()
@@ -370,7 +370,11 @@ class Transformer(nn.Module):
         torch.compile and with inputs that need no gradient (the first layer's under a frozen embedding)."""
         if not (self.checkpoint_activations and torch.is_grad_enabled()):
             return layer(*inputs)
-        if torch.compiler.is_compiling():  # dynamo takes dispatch modes alone as contexts; its graph casts
+        # Dynamo takes dispatch modes alone as contexts (its graph casts; `batch_loss` clears the cache for
+        # the eager parts of a compiled model), and checkpoint's debug mode (`set_checkpoint_debug_enabled`)
+        # refuses any context_fn: both without the clearing
+        debugging = getattr(torch.utils.checkpoint, "_checkpoint_debug_enabled", None)  # None, True, False
+        if torch.compiler.is_compiling() or debugging:
             return checkpoint(layer, *inputs, use_reentrant=False)
         return checkpoint(layer, *inputs, use_reentrant=False, context_fn=_recompute_contexts)
 

@@ -176,7 +176,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" (CUDA if present), "cpu" or "cuda"
     compile: bool = False  # torch.compile the model (the checkpoint keeps plain names)
     checkpoint_activations: bool = False  # recompute each layer's activations in the backward pass instead
-    # of keeping them: much less memory for a third more arithmetic, the same updates bit for bit
+    # of keeping them: less memory for a third more arithmetic, the same updates (bit for bit on a CPU)
     threads: int = 0  # CPU threads per process (0 = PyTorch's default); 1 on a busy shared machine
     bleu_every: int = 0  # validation BLEU (greedy, sacreBLEU) every this many updates (0 = off)
     bleu_lang: str = ""  # the target language's code for BLEU's tokenizer, as `aiayn evaluate -l`: zh, ja

@@ -85,13 +85,31 @@ def test_two_gloo_processes_recomputing_activations_match_one_that_keeps_them(tm
     shutil.copy(tmp_path / "one" / "spm.model", two_run / "spm.model")
     _, sets = tiny_config(tmp_path, two_run, *common, "train.update_freq=1",
                           "train.checkpoint_activations=true")
-    proc = torchrun_train(sets)
+    counting = tmp_path / "counting.py"  # each process counts the layers it ran through checkpoint
+    counting.write_text(COUNTING_CHECKPOINTS.format(out=repr(str(tmp_path / "calls"))), encoding="utf-8")
+    proc = torchrun_train(sets, script=counting)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # 4 updates of micro's 1+1 layers (and DDP's first pass, which settles its buckets) on each process
+    assert [int((tmp_path / f"calls.{rank}").read_text()) for rank in (0, 1)] == [(4 + 1) * 2] * 2
     one = load_file(str(checkpoint_dirs(tmp_path / "one")[-1] / "model.safetensors"))
     two = load_file(str(checkpoint_dirs(two_run)[-1] / "model.safetensors"))
     assert checkpoint_dirs(two_run)[-1].name == "step_000004" and one.keys() == two.keys()
     for k in one:
         assert torch.equal(one[k], two[k]), (k, (one[k] - two[k]).abs().max())
+
+
+COUNTING_CHECKPOINTS = """
+import os, sys
+import torch.utils.checkpoint
+import aiayn.model.transformer as transformer
+calls = []
+transformer.checkpoint = lambda *a, **k: calls.append(a[0]) or torch.utils.checkpoint.checkpoint(*a, **k)
+from aiayn.cli import main
+code = main(sys.argv[1:])
+with open({out} + "." + os.environ["RANK"], "w") as f:
+    f.write(str(len(calls)))
+sys.exit(code)
+"""
 
 
 SLOW_RECOVERY = """

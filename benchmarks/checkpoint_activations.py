@@ -164,7 +164,7 @@ def measure(systems: list[str], config: str, precision: str, device: str, rounds
             row[f"{mode}_kept_bytes"] = kept_bytes(model, forward, batch, precision, device)
             del model, batch, forward
             peak = measure_in_child(system, config, precision, mode, device)
-            row[f"{mode}_peak_bytes"], row["peak_method"] = peak.get("peak_bytes"), peak.get("method")
+            row[f"{mode}_peak_bytes"], row[f"{mode}_peak_method"] = peak.get("peak_bytes"), peak.get("method")
             row[f"{mode}_peak_error"] = peak.get("error")
         rows.append(row)
     times = time_modes(systems, config, precision, device, rounds, steps)
@@ -239,20 +239,30 @@ def main(argv: list[str] | None = None) -> None:
     files = [with_suffix_added(stem, ".json"), with_suffix_added(stem, ".md")]
     check_out(stem, files, args.force, args.out)
     systems = [s for s in args.systems if s == "aiayn" or peer_available("transformers", s)]
+    env = environment(device, keeps_freed_memory=kept)
+    command = command_line(__file__, argv)
     rows = []
     for config in args.configs:
         for precision in args.precisions:
             rows += measure(systems, config, precision, str(device), args.rounds, args.steps)
-            print(f"{config} {precision} done", file=sys.stderr)
-    env = environment(device, keeps_freed_memory=kept)
-    command = command_line(__file__, argv)
+            report = write_report(files, command, env, rows, device)  # after each: a run cut short (gpu.sh's
+            print(f"{config} {precision} done", file=sys.stderr)  # time limit) keeps what it measured
+    print(report)
+
+
+def write_report(files: list[Path], command: str, env: dict, rows: list[dict], device: torch.device) -> str:
+    """The .json and .md of the rows so far; the .md's text."""
+    methods = sorted({r[f"{m}_peak_method"] for r in rows for m in MODES if r[f"{m}_peak_method"]})
+    failed = [f"- peak of {r['system']} {r['config']} {r['precision']} {m} failed: {r[f'{m}_peak_error']}"
+              for r in rows for m in MODES if r[f"{m}_peak_error"]]
     report = "\n".join([f"# train.checkpoint_activations: memory against time ({device})", "",
-                        f"    {command}", "", table(rows), "", versus(rows), "",
-                        (f"peak: {rows[0]['peak_method']}; batch: the configurations of train_step.py "
-                         "(pairs of 32 + 32 tokens)"), "", "```", json.dumps(env, indent=2), "```", ""])
+                        f"    {command}", "", table(rows), "", versus(rows), "", *failed, "",
+                        (f"peak: {'; '.join(methods) or 'none measured'}; batch: the configurations of "
+                         "train_step.py (pairs of 32 + 32 tokens)"), "",
+                        "```", json.dumps(env, indent=2), "```", ""])
     files[0].write_text(json.dumps({"command": command, "environment": env, "rows": rows}, indent=2) + "\n")
     files[1].write_text(report)
-    print(report)
+    return report
 
 
 if __name__ == "__main__":

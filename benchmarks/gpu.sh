@@ -75,7 +75,7 @@ torch.cuda.get_device_name())"
     --steps 10 --warmup 3 --loss-steps 150 --out "$OUT/train_step_gpu.md"
   run 120 python3 benchmarks/decode.py --device cuda --repeats 5 --out "$OUT/decode_gpu"
   run 90 python3 -m aiayn demo --device cuda --out "${TMPDIR:-/tmp}/aiayn-gpu-demo-$$"
-  run 60 python3 benchmarks/checkpoint_activations.py --device cuda --configs base,base25k --precisions bf16 \
+  run 120 python3 benchmarks/checkpoint_activations.py --device cuda --configs base25k --precisions bf16 \
     --rounds 3 --out "$OUT/checkpoint_activations_gpu"
   run 150 python3 benchmarks/train_step.py --device cuda --configs base25k --precisions bf16 \
     --steps 10 --warmup 3 --loss-steps 0 --out "$OUT/train_step_gpu_compiled.md"

@@ -212,6 +212,34 @@ def test_checkpoint_activations_tiny_run_writes_results(tmp_path):
     assert ("| tiny | fp32 | recomputed |" in report) == ("Marian" in systems)  # the peer over aiayn
 
 
+def test_checkpoint_activations_writes_after_each_configuration_and_names_a_failed_peak(tmp_path,
+                                                                                       monkeypatch):
+    """gpu.sh stops a step at its time limit: the report was written only after every configuration, so a
+    run cut short left nothing. A child that fails is named with its error under the table (it was "failed"
+    in a cell, its error in the .json alone, and the footer's method could read None)."""
+    module = _load("checkpoint_activations")
+    real, reports = module.measure_in_child, []
+
+    def child(system, config, precision, mode, device):
+        return {"error": "exit -9: killed"} if mode == "recomputed" else real(system, config, precision, mode,
+                                                                               device)
+
+    def recording(files, *args):
+        reports.append(module_write(files, *args))
+        return reports[-1]
+
+    module_write = module.write_report
+    monkeypatch.setattr(module, "measure_in_child", child)
+    monkeypatch.setattr(module, "write_report", recording)
+    module.main(["--configs", "tiny", "--precisions", "fp32,bf16", "--rounds", "1", "--steps", "1",
+                 "--systems", "aiayn", "--out", str(tmp_path / "ck")])
+    assert len(reports) == 2 and "| aiayn | tiny | fp32 |" in reports[0]
+    assert "| tiny | bf16 |" not in reports[0]  # written before the second configuration was measured
+    assert "- peak of aiayn tiny fp32 recomputed failed: exit -9: killed" in reports[1]
+    assert "peak: VmHWM after malloc_trim and clear_refs, fresh process;" in reports[1]
+    assert (tmp_path / "ck.md").read_text() == reports[1]
+
+
 def test_outputs_default_to_a_folder_git_ignores():
     """No --out: results go to benchmarks/results/local/, never over the committed benchmarks/results/."""
     assert layers.LOCAL_RESULTS == BENCHMARKS / "results" / "local"

@@ -135,11 +135,8 @@ def measure_in_child(system: str, config: str, precision: str, mode: str, device
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def time_modes(systems: list[str], config: str, precision: str, device: str, rounds: int,
-               steps: int) -> dict[tuple[str, str], float]:
-    """Median seconds per step of each system and mode, over `rounds` interleaved rounds of `steps` steps."""
-    runs = {(system, mode): step_for(system, config, precision, mode, device)
-            for system in systems for mode in MODES}
+def time_modes(runs: dict, device: str, rounds: int, steps: int) -> dict[tuple[str, str], float]:
+    """Median seconds per step of each run (system, mode): `rounds` interleaved rounds of `steps` steps."""
     times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
     for _, batch, _, step in runs.values():
         step(*batch)  # warm-up
@@ -155,19 +152,21 @@ def time_modes(systems: list[str], config: str, precision: str, device: str, rou
 
 def measure(systems: list[str], config: str, precision: str, device: str, rounds: int, steps: int
             ) -> list[dict]:
-    """One row per system: its kept bytes and peak in each mode, and the times of all in one set of rounds."""
+    """One row per system: its kept bytes and peak in each mode, and the times of all in one set of rounds
+    (each system and mode built once: its kept bytes are counted before it is timed)."""
+    runs = {(system, mode): step_for(system, config, precision, mode, device)
+            for system in systems for mode in MODES}
     rows = []
     for system in systems:
         row = {"system": system, "config": config, "precision": precision}
         for mode in MODES:
-            model, batch, forward, _ = step_for(system, config, precision, mode, device)
+            model, batch, forward, _ = runs[system, mode]
             row[f"{mode}_kept_bytes"] = kept_bytes(model, forward, batch, precision, device)
-            del model, batch, forward
             peak = measure_in_child(system, config, precision, mode, device)
             row[f"{mode}_peak_bytes"], row[f"{mode}_peak_method"] = peak.get("peak_bytes"), peak.get("method")
             row[f"{mode}_peak_error"] = peak.get("error")
         rows.append(row)
-    times = time_modes(systems, config, precision, device, rounds, steps)
+    times = time_modes(runs, device, rounds, steps)
     for row in rows:
         row.update({f"{mode}_s": times[row["system"], mode] for mode in MODES})
     return rows

@@ -46,6 +46,22 @@ def record_disk_events(monkeypatch) -> list[tuple]:
     return events
 
 
+def record_checkpointed_layers(monkeypatch) -> list:
+    """From now on in the test, every layer the model runs through torch.utils.checkpoint
+    (`Transformer.checkpoint_activations`), in the order it runs them: whether recomputing was on."""
+    from aiayn.model import transformer
+
+    layers: list = []
+    run = torch.utils.checkpoint.checkpoint
+
+    def noted(layer, *args, **kwargs):
+        layers.append(layer)
+        return run(layer, *args, **kwargs)
+
+    monkeypatch.setattr(transformer, "checkpoint", noted)
+    return layers
+
+
 @pytest.fixture
 def one_thread():
     """Tiny matmuls on a shared 2-core machine are 10x faster on one thread than fighting for two.

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from aiayn.config import ConfigError, ModelConfig, model_config
 from aiayn.model import MultiHeadAttention, Transformer, causal_mask, padding_mask, sinusoidal_positions
 from aiayn.model.kv_cache import KVCache
-from conftest import padded_batch, tiny_model
+from conftest import padded_batch, record_checkpointed_layers, tiny_model
 from reference import TorchReference, naive_attention
 
 
@@ -852,8 +852,6 @@ def test_checkpointed_activations_keep_each_layers_input_alone(monkeypatch):
     layer's input (B, T, d) and the logits; without it, every sub-layer's inner tensors too (the FFN's
     d_ff-wide hidden layer, q, k, v, dropout masks, LayerNorm inputs). Under no_grad (decoding,
     validation) nothing is checkpointed: there is no backward pass to recompute for."""
-    from aiayn.model import transformer
-
     model = tiny_model(dropout=0.1, d_ff=128)
     src, tgt = padded_batch([16] * 8, 50), padded_batch([16] * 8, 50)
     plain = _kept_for_backward(model, src, tgt)
@@ -864,9 +862,7 @@ def test_checkpointed_activations_keep_each_layers_input_alone(monkeypatch):
     # the 4 layers' inputs, the memory the decoder reads, the decoder's final states, the logits, ids, masks
     assert checkpointed <= 7 * d_model_floats + logits + 4096
     assert plain > 6 * checkpointed
-    calls = []
-    monkeypatch.setattr(transformer, "checkpoint", lambda *a, **k: calls.append(a[0]) or
-                        torch.utils.checkpoint.checkpoint(*a, **k))
+    calls = record_checkpointed_layers(monkeypatch)
     model(src, tgt)
     assert calls == [*model.encoder, *model.decoder]
     calls.clear()

@@ -137,20 +137,12 @@ def test_batch_loss_of_a_compiled_checkpointed_model_computes_with_the_weights_a
     in the backward pass left bf16 copies of the weights in autocast's cache, which the next update's
     forward used (every tensor of a 6-update run apart). aot_eager: dynamo's graph breaks without inductor's
     C++ compiler, in seconds."""
-    from types import SimpleNamespace
-
-    from aiayn.config import model_config
-    from aiayn.data.dataset import EncodedCorpus, collate
-    from aiayn.model import Transformer
     from aiayn.train import loop
 
-    torch.manual_seed(0)
-    model = Transformer(model_config("micro", vocab_size=20, pad_id=0, decoder_start_id=1, eos_id=2))
+    model, (batch, _) = _micro_update()
     model.checkpoint_activations = True
     torch._dynamo.reset()
     net = torch.compile(model, backend="aot_eager")
-    corpus = EncodedCorpus.from_lists([[5, 6, 2], [7, 8, 9, 2]], [[8, 3], [9, 10, 11]])
-    batch = collate(corpus, [0, 1], SimpleNamespace(pad_id=0, bos_id=1, eos_id=2))
     bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
     with torch.autocast("cpu", enabled=False):  # as train() runs
         loss, _ = loop.batch_loss(net, batch, 0.1, bf16)
@@ -1141,12 +1133,10 @@ def test_checkpointed_activations_train_the_same_run_bit_for_bit(straight_run, t
     so does a run that turns it on at a --resume (as the out-of-memory line advises). In bf16 the recompute
     left autocast's weight copies cached, and every update after the first computed with stale ones. (The
     recipe counts it as bookkeeping: two ensemble members apart in it alone would train one model twice.)"""
-    from aiayn.model import transformer
+    from conftest import record_checkpointed_layers
 
     d, config, _ = straight_run
-    checkpointed = []
-    monkeypatch.setattr(transformer, "checkpoint", lambda *a, **k: checkpointed.append(a[0]) or
-                        torch.utils.checkpoint.checkpoint(*a, **k))
+    checkpointed = record_checkpointed_layers(monkeypatch)
     runs = {}
     for name in ("kept", "recomputed", "turned on"):
         run = runs[name] = tmp_path / name
